@@ -1,0 +1,492 @@
+"""Small random-weight diffusers model folders, built offline.
+
+Every test and the demo need a FLUX- or SD3-shaped model without any hub download, so this
+module writes complete diffusers folders (transformer, VAE, text encoders, tokenizers,
+scheduler) from nothing. The shapes keep the real models' structure (16 latent channels, 8x
+VAE downsampling, FLUX's 2x2 packing and RoPE axes, SD3's CLIP-L + CLIP-G + T5 conditioning
+with zero padding) so the parallel code paths are exercised, while the sizes keep a 4-step
+128x128 run well under a second on one CPU thread.
+
+Heavy imports (torch, diffusers, transformers) happen inside the functions: the CLI and the
+ComfyUI entry import this module cheaply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import uuid
+
+ARCHS = ("flux", "sd3")
+
+# Bump when the folder layout or any config below changes: it is part of the cache key, so
+# ensure_tiny_model never serves a folder built by an older recipe.
+BUILDER_VERSION = 1
+
+DEFAULT_DEPTH = 2  # FLUX: 2 double + 2 single blocks; SD3: 2 joint blocks
+DEFAULT_HEAD_DIM = 16  # width defaults to heads * 16
+
+# Text encoders are shared by both archs (sizes only; weights are seeded per component).
+CLIP_MAX_LENGTH = 77
+T5_MAX_LENGTH = 512
+CLIP_L = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, projection_dim=32)
+# CLIP-G differs from CLIP-L in width so mix-ups of the two change shapes, like the real pair.
+CLIP_G = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, projection_dim=48)
+# T5 d_model (96) > CLIP-L + CLIP-G hidden (80): SD3's zero padding of the CLIP states is real.
+T5 = dict(d_model=96, d_kv=16, d_ff=192, num_layers=2, num_heads=4)
+
+# Real latent statistics of the two VAEs, so raw-VAE-space LATENT conversion is meaningful.
+FLUX_VAE_SCALE, FLUX_VAE_SHIFT = 0.3611, 0.1159
+SD3_VAE_SCALE, SD3_VAE_SHIFT = 1.5305, 0.0609
+
+SD3_SAMPLE_SIZE = 16  # pipeline default 128x128
+SD3_POS_EMBED_MAX = 64  # latent grid up to 128 -> images up to 1024x1024
+
+_WORDS = """
+a an the of and with in on at to by for from under over near behind inside
+cat cats dog dogs bird fish horse cow fox bear lion tiger rabbit mouse owl frog
+man woman person people child girl boy face portrait robot astronaut wizard knight
+house tree trees forest mountain mountains river lake sea ocean beach sky cloud clouds
+sun moon star stars night day city street car bike boat train castle garden flower flowers
+field road bridge window door table chair book cup apple food cake
+red green blue yellow orange purple pink black white gray brown gold silver
+big small tall old young happy sad cute beautiful dark bright colorful
+photo picture painting drawing sketch render image art style oil watercolor digital
+realistic detailed high quality cinematic lighting sunset sunrise snow rain fog
+sitting standing running flying walking sleeping wearing holding
+hat glasses shirt dress
+""".split()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte-level alphabet: every byte maps to a printable character, so any
+    prompt tokenizes without unknown tokens."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _bpe(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Plain rank-ordered BPE, the algorithm the CLIP tokenizer runs."""
+    symbols = list(symbols)
+    while len(symbols) > 1:
+        pairs = [(ranks.get(p, 1 << 60), i) for i, p in enumerate(zip(symbols, symbols[1:]))]
+        rank, i = min(pairs)
+        if rank == 1 << 60:
+            break
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+    return symbols
+
+
+def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A CLIP BPE vocabulary: the 512 byte symbols (plain and word-final), merges that make
+    each of a few hundred common words one token, then the two special tokens last (as in
+    real CLIP, so the legacy argmax-EOS pooling also finds them)."""
+    alphabet = list(_bytes_to_unicode().values())
+    tokens = alphabet + [c + "</w>" for c in alphabet]
+    seen = set(tokens)
+    ranks: dict[tuple[str, str], int] = {}
+    for word in _WORDS:
+        # Merges appended after all earlier ones cannot change how the earlier merges split
+        # this word, so chaining the current pieces left to right makes it a single token.
+        pieces = _bpe(list(word[:-1]) + [word[-1] + "</w>"], ranks)
+        cur = pieces[0]
+        for piece in pieces[1:]:
+            ranks.setdefault((cur, piece), len(ranks))
+            cur += piece
+            if cur not in seen:
+                seen.add(cur)
+                tokens.append(cur)
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return {t: i for i, t in enumerate(tokens)}, sorted(ranks, key=ranks.get)
+
+
+def _t5_vocab() -> list[tuple[str, float]]:
+    """A Unigram vocabulary in T5's layout (<pad>=0, </s>=1, <unk>=2). Whole words score far
+    above single characters, so known words become one token and anything else still
+    tokenizes character by character."""
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -6.0)]
+    seen = {p for p, _ in pieces}
+    for word in _WORDS:
+        for piece in ("▁" + word, "▁" + word.capitalize()):
+            if piece not in seen:
+                seen.add(piece)
+                pieces.append((piece, -3.0))
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()/&+"
+    for ch in chars:
+        for piece in (ch, "▁" + ch):
+            if piece not in seen:
+                seen.add(piece)
+                pieces.append((piece, -9.0 if len(piece) == 1 else -8.5))
+    return pieces
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    vocab, merges = _clip_vocab()
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+
+
+def _t5_tokenizer():
+    from transformers import T5Tokenizer
+
+    return T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=T5_MAX_LENGTH)
+
+
+def _seeded(seed: int, salt: int, ctor, *args, **kwargs):
+    """Construct one component right after torch.manual_seed(seed, salt): each component's
+    weights depend only on (seed, component), not on the order or size of the others."""
+    import torch
+
+    torch.manual_seed(seed * 1000 + salt)
+    return ctor(*args, **kwargs)
+
+
+def _clip_text_model(cls, cfg: dict, tokenizer, seed: int, salt: int):
+    from transformers import CLIPTextConfig
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **cfg,
+    )
+    return _seeded(seed, salt, cls, config)
+
+
+def _t5_model(tokenizer, seed: int, salt: int):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        feed_forward_proj="gated-gelu",  # T5 v1.1, as in FLUX's and SD3's T5-XXL
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        **T5,
+    )
+    return _seeded(seed, salt, T5EncoderModel, config)
+
+
+def _vae(scale: float, shift: float, seed: int, salt: int):
+    from diffusers import AutoencoderKL
+
+    return _seeded(
+        seed,
+        salt,
+        AutoencoderKL,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,  # 4 levels -> 8x, like the real VAEs
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 32, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        latent_channels=16,
+        sample_size=128,
+        scaling_factor=scale,
+        shift_factor=shift,
+        use_quant_conv=False,  # FLUX and SD3 VAEs have no quant convs
+        use_post_quant_conv=False,
+    )
+
+
+def _flux_rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Split head_dim into FLUX's three RoPE axes (index, row, column), each even, the
+    two spatial axes equal, as in the real (16, 56, 56) for 128."""
+    spatial = ((head_dim - 2) // 2) // 2 * 2
+    return (head_dim - 2 * spatial, spatial, spatial)
+
+
+def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width: int | None = None,
+                   heads: int = 4) -> dict:
+    """Validate the knobs and fill in defaults; the result is what the cache key hashes, so
+    equivalent calls (explicit default vs omitted) share one folder."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    depth = DEFAULT_DEPTH if depth is None else depth
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads must be an integer >= 1, got {heads!r}")
+    width = heads * DEFAULT_HEAD_DIM if width is None else width
+    if not isinstance(width, int) or width < 1 or width % heads:
+        raise ValueError(f"width must be a positive multiple of heads ({heads}), got {width!r}")
+    head_dim = width // heads
+    if arch == "flux" and (head_dim % 2 or head_dim < 6):
+        raise ValueError(
+            f"flux needs an even head dim >= 6 for its 3 RoPE axes; width {width} / heads {heads} = {head_dim}"
+        )
+    if arch == "sd3" and head_dim < 2:
+        raise ValueError(f"sd3 needs a head dim >= 2; width {width} / heads {heads} = {head_dim}")
+    return {"arch": arch, "seed": seed, "depth": depth, "width": width, "heads": heads,
+            "builder_version": BUILDER_VERSION}
+
+
+def _build_flux(cfg: dict):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    seed, heads, head_dim = cfg["seed"], cfg["heads"], cfg["width"] // cfg["heads"]
+    tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
+    text_encoder = _clip_text_model(CLIPTextModel, CLIP_L, tokenizer, seed, 1)
+    text_encoder_2 = _t5_model(tokenizer_2, seed, 2)
+    transformer = _seeded(
+        seed,
+        3,
+        FluxTransformer2DModel,
+        patch_size=1,
+        in_channels=64,  # 16 latent channels packed 2x2
+        num_layers=cfg["depth"],
+        num_single_layers=cfg["depth"],
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=T5["d_model"],
+        pooled_projection_dim=CLIP_L["hidden_size"],
+        guidance_embeds=True,  # FLUX.1-dev style embedded guidance
+        axes_dims_rope=_flux_rope_axes(head_dim),
+    )
+    vae = _vae(FLUX_VAE_SCALE, FLUX_VAE_SHIFT, seed, 4)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+
+
+def _build_sd3(cfg: dict):
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
+
+    seed, heads, width = cfg["seed"], cfg["heads"], cfg["width"]
+    tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
+    text_encoder = _clip_text_model(CLIPTextModelWithProjection, CLIP_L, tokenizer, seed, 1)
+    text_encoder_2 = _clip_text_model(CLIPTextModelWithProjection, CLIP_G, tokenizer_2, seed, 5)
+    text_encoder_3 = _t5_model(tokenizer_3, seed, 2)
+    transformer = _seeded(
+        seed,
+        3,
+        SD3Transformer2DModel,
+        sample_size=SD3_SAMPLE_SIZE,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=cfg["depth"],
+        attention_head_dim=width // heads,
+        num_attention_heads=heads,
+        joint_attention_dim=T5["d_model"],
+        caption_projection_dim=width,
+        pooled_projection_dim=CLIP_L["projection_dim"] + CLIP_G["projection_dim"],
+        pos_embed_max_size=SD3_POS_EMBED_MAX,
+    )
+    vae = _vae(SD3_VAE_SCALE, SD3_VAE_SHIFT, seed, 4)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )
+
+
+def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, depth: int | None = None,
+                     width: int | None = None, heads: int = 4) -> pathlib.Path:
+    """Writes a complete diffusers folder (model_index.json, transformer/, vae/, text_encoder*/,
+    tokenizer*/, scheduler/) and returns its path.
+
+    depth: FLUX double and single block count (each), or SD3 joint block count (default 2).
+    width: transformer hidden size = heads * head_dim (default heads * 16).
+    heads: attention heads (default 4, so Ulysses degrees 2 and 4 divide it).
+    Same arguments -> byte-identical safetensors.
+    """
+    cfg = resolve_config(arch, seed=seed, depth=depth, width=width, heads=heads)
+    import torch
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Build on the default RNG but leave the caller's RNG state as it was.
+    with torch.random.fork_rng(devices=[]):
+        pipe = _build_flux(cfg) if arch == "flux" else _build_sd3(cfg)
+    with _quiet_transformers():
+        pipe.save_pretrained(out, safe_serialization=True)
+    (out / "tiny_model.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    _normalize_modes(out)
+    return out
+
+
+def _current_umask() -> int:
+    """Read the umask without os.umask's set-and-restore, which would briefly change it for
+    every other thread of the host process (ComfyUI)."""
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def _normalize_modes(out: pathlib.Path) -> None:
+    """safetensors files come out 0600 and ensure_tiny_model's temp dir 0700; give the model
+    ordinary umask-based modes so a shared cache is readable like any other model folder."""
+    umask = _current_umask()
+    index = json.loads((out / "model_index.json").read_text())
+    os.chmod(out, 0o777 & ~umask)
+    for name in [k for k in index if not k.startswith("_")]:
+        sub = out / name
+        if not sub.is_dir():
+            continue
+        os.chmod(sub, 0o777 & ~umask)
+        for f in sub.iterdir():
+            if f.is_file():
+                os.chmod(f, 0o666 & ~umask)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers draws a "Writing model shards" bar per text encoder; the CLI and test
+    output should carry only what matters. The global setting is restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _cache_key(cfg: dict) -> str:
+    blob = json.dumps(cfg, sort_keys=True).encode()
+    return f"{cfg['arch']}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+    """Advisory inter-process lock, so concurrent callers wait instead of all building the
+    same model on the same cores. Correctness does not depend on it (the final rename is
+    atomic); where flock is unavailable it is a no-op."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _is_complete(path: pathlib.Path) -> bool:
+    return (path / "model_index.json").is_file() and (path / "tiny_model.json").is_file()
+
+
+def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.Path:
+    """Builds into cache_dir/<arch>-<hash of the kwargs> once, then reuses it.
+
+    The build happens in a temporary sibling directory that is renamed into place, so a
+    reader never sees a half-written folder, and several processes may call this at once:
+    a file lock serialises the builders and a lost rename race just adopts the winner's
+    folder.
+    """
+    cfg = resolve_config(arch, **kw)
+    cache = pathlib.Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    final = cache / _cache_key(cfg)
+    if _is_complete(final):
+        return final
+    with _file_lock(cache / f".{final.name}.lock"):
+        if _is_complete(final):
+            return final
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
+        try:
+            build_tiny_model(arch, tmp, **{k: cfg[k] for k in ("seed", "depth", "width", "heads")})
+            if final.exists():  # left incomplete by something else: move it aside first
+                trash = cache / f".{final.name}.trash-{uuid.uuid4().hex}"
+                with contextlib.suppress(OSError):
+                    os.rename(final, trash)
+                    shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not _is_complete(final):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def add_cli(subparsers) -> None:
+    """Adds the `tiny-model` subcommand to the package CLI."""
+    p = subparsers.add_parser(
+        "tiny-model",
+        help="write a small random-weight diffusers model folder (offline)",
+        description="Write a small random-weight FLUX or SD3 diffusers folder; nothing is downloaded.",
+    )
+    p.add_argument("--arch", required=True, choices=ARCHS, help="model family")
+    p.add_argument("--out", required=True, help="output folder (created if missing)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--depth", type=int, default=None, help=f"transformer blocks (default {DEFAULT_DEPTH})")
+    p.add_argument("--width", type=int, default=None,
+                   help=f"transformer hidden size, a multiple of --heads (default heads*{DEFAULT_HEAD_DIM})")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    """Runs `tiny-model`; bad knobs exit 2 with one line on stderr."""
+    try:
+        path = build_tiny_model(args.arch, args.out, seed=args.seed, depth=args.depth, width=args.width,
+                                heads=args.heads)
+    except ValueError as exc:
+        print(f"tiny-model: error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience entry
+    _parser = argparse.ArgumentParser(prog="tiny_model")
+    add_cli(_parser.add_subparsers(dest="command", required=True))
+    _args = _parser.parse_args()
+    sys.exit(_args.func(_args))
