@@ -1,0 +1,123 @@
+"""Parallel configuration and the one place every degree is validated.
+
+Validation runs on the host before any worker starts, so a bad configuration costs
+nothing: the CLI exits 2 and a node shows one line naming every degree involved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .model_info import ModelInfo
+    from .request import GenerationRequest
+
+
+class ConfigError(ValueError):
+    """A request or configuration that cannot run; the message is one user-facing line."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of the xDiT methods. `world_size == dp * cfg * pipefusion * ulysses * ring`.
+
+    `cfg_parallel` puts the conditional and unconditional branch on different ranks
+    (degree 2). `world_size=None` means "the product of the degrees".
+    """
+
+    dp: int = 1
+    cfg_parallel: bool = False
+    pipefusion: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    warmup_steps: int = 1
+    pipeline_patches: Optional[int] = None
+    world_size: Optional[int] = None
+
+    @property
+    def cfg(self) -> int:
+        return 2 if self.cfg_parallel else 1
+
+    @property
+    def sp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def product(self) -> int:
+        return self.dp * self.cfg * self.pipefusion * self.ulysses * self.ring
+
+    @property
+    def ranks(self) -> int:
+        return self.world_size if self.world_size is not None else self.product
+
+    def describe(self) -> str:
+        return (f"dp {self.dp} x cfg {self.cfg} x pipefusion {self.pipefusion} x "
+                f"ulysses {self.ulysses} x ring {self.ring}")
+
+    def key(self) -> tuple:
+        """What the worker topology depends on (process groups are cached on it)."""
+        return (self.dp, self.cfg, self.pipefusion, self.ulysses, self.ring)
+
+    def with_world_size(self, n: Optional[int]) -> "ParallelConfig":
+        return replace(self, world_size=n)
+
+    def problems(self) -> list[str]:
+        """Model-independent problems, each a phrase saying what is wrong and what would be right."""
+        out = []
+        for name in ("dp", "pipefusion", "ulysses", "ring"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                out.append(f"{name} must be an integer >= 1 (got {v!r})")
+        if out:
+            return out
+        if self.world_size is not None and self.world_size != self.product:
+            out.append(f"world size {self.world_size} != {self.describe()} = {self.product}; "
+                       f"make the product of the degrees equal the world size")
+        if self.pipefusion > 1:
+            out.append(f"pipefusion {self.pipefusion} is not available yet; use pipefusion 1 "
+                       f"(ulysses/ring give the same speed-up exactly)")
+        if self.warmup_steps < 0:
+            out.append(f"warmup_steps must be >= 0 (got {self.warmup_steps})")
+        return out
+
+    def validate(self, model: "ModelInfo | None" = None,
+                 request: "GenerationRequest | None" = None) -> "ParallelConfig":
+        """Raise one ConfigError listing every problem; return self when runnable."""
+        out = self.problems()
+        if model is not None and not out:
+            if model.heads % self.ulysses:
+                divisors = [d for d in range(1, model.heads + 1) if model.heads % d == 0]
+                out.append(f"ulysses {self.ulysses} does not divide the model's {model.heads} "
+                           f"attention heads (use one of {divisors})")
+        if request is not None and not out:
+            out.extend(request.problems(model))
+            n = len(request.prompt)
+            if n < self.dp:
+                out.append(f"batch of {n} prompt(s) is smaller than dp {self.dp}; "
+                           f"give at least {self.dp} prompts or lower dp")
+            if self.cfg_parallel and model is not None and not request.uses_cfg(model.arch):
+                out.append(f"cfg-parallel needs classifier-free guidance but cfg is "
+                           f"{request.resolved_cfg(model.arch)} for {model.arch}; "
+                           f"set cfg > 1 or drop cfg-parallel")
+            if model is not None and not out:
+                tokens = (request.height // 16) * (request.width // 16)
+                if self.sp > 1 and tokens < self.sp:
+                    out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
+                               f"{self.sp} ranks; use a larger image or fewer ranks")
+        if out:
+            raise ConfigError("invalid configuration: " + "; ".join(out))
+        return self
+
+
+def auto_config(world_size: int, heads: int, uses_cfg: bool, batch: int) -> ParallelConfig:
+    """A good split for `world_size` ranks: cfg first (no communication inside a step),
+    then Ulysses up to the largest degree dividing the heads, then Ring for the rest."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1 (got {world_size})")
+    rest = world_size
+    cfg = uses_cfg and rest % 2 == 0
+    if cfg:
+        rest //= 2
+    ulysses = max(d for d in range(1, rest + 1) if rest % d == 0 and heads % d == 0)
+    ring = rest // ulysses
+    return ParallelConfig(cfg_parallel=cfg, ulysses=ulysses, ring=ring)

@@ -1,0 +1,318 @@
+"""The persistent worker pool, host side: launch on first use, authenticated control,
+streamed events, cancel, and fault detection (a dead worker fails the job, never hangs it).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Callable, Optional
+
+from .channel import Channel, connect, parse_address
+from .config import ConfigError, ParallelConfig
+from .model_info import ModelInfo, read_model_info
+from .request import GenerationRequest, GenerationResult
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+
+
+class PoolError(RuntimeError):
+    """A job failed inside the pool; the message names the rank and what happened."""
+
+
+class JobCancelled(PoolError):
+    pass
+
+
+def _default_threads(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+class WorkerPool:
+    """`WorkerPool(model_path, ParallelConfig(...))`: nothing starts until `generate`."""
+
+    def __init__(self, model_path, config: Optional[ParallelConfig] = None, device: str = "cpu",
+                 dtype: str = "fp32", threads_per_rank: Optional[int] = None,
+                 gpus: Optional[list] = None, start_timeout: float = 900.0,
+                 step_timeout: float = 600.0):
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda (got {device!r})")
+        if dtype not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"dtype must be fp32, bf16 or fp16 (got {dtype!r})")
+        self.model_path = str(Path(model_path).resolve())
+        self.config = config or ParallelConfig()
+        self.device = device
+        self.dtype = dtype
+        self.threads_per_rank = threads_per_rank
+        self.gpus = gpus
+        self.start_timeout = start_timeout
+        self.step_timeout = step_timeout
+        self._info: Optional[ModelInfo] = None
+        self._procs: list = []
+        self._chan: Optional[Channel] = None
+        self._tmp: Optional[str] = None
+        self._lock = threading.Lock()
+        self._job_id = 0
+        self._running_job: Optional[int] = None
+        self.launches = 0
+        self.last_launch: dict = {}
+        _LIVE_POOLS.add(self)
+
+    # ---- info -----------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        if self._info is None:
+            self._info = read_model_info(self.model_path)
+        return self._info
+
+    def worker_pids(self) -> list:
+        return [p.pid for p in self._procs]
+
+    def is_running(self) -> bool:
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    def reconfigure(self, config: ParallelConfig) -> None:
+        """Switch the parallel configuration. The same world size keeps the warm workers
+        (they rebuild their process groups); another world size relaunches on next use."""
+        config.validate(self.model_info)
+        with self._lock:
+            if self._procs and config.ranks != self.config.ranks:
+                self._shutdown()
+            self.config = config
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def _log_path(self, rank: int) -> str:
+        return os.path.join(self._tmp, f"rank{rank}.log")
+
+    def log_tail(self, rank: int, lines: int = 15) -> str:
+        try:
+            with open(self._log_path(rank), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except (OSError, TypeError):
+            return ""
+
+    def _dead(self) -> Optional[str]:
+        for rank, p in enumerate(self._procs):
+            code = p.poll()
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                tail = self.log_tail(rank).strip().splitlines()[-5:]
+                return f"worker rank {rank} (pid {p.pid}) {how}; last log lines: " + " | ".join(tail)
+        return None
+
+    def _launch(self) -> None:
+        t0 = time.perf_counter()
+        world = self.config.ranks
+        self._tmp = tempfile.mkdtemp(prefix="xdit-pool-")
+        secret = os.urandom(32)
+        secret_file = os.path.join(self._tmp, "secret")
+        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret.hex())
+        addr_file = os.path.join(self._tmp, "address")
+        threads = self.threads_per_rank or _default_threads(world)
+        gpus = self.gpus
+        if self.device == "cuda" and gpus is None:
+            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = vis.split(",") if vis else [str(i) for i in range(world)]
+        if self.device == "cuda" and len(gpus) < world:
+            raise ConfigError(f"{world} ranks need {world} GPUs but only {len(gpus)} were given")
+        for rank in range(world):
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
+                                                env.get("PYTHONPATH", "").split(os.pathsep) if p])
+            env["GLOO_SOCKET_IFNAME"] = env.get("XDIT_GLOO_IFNAME", "lo")
+            env["OMP_NUM_THREADS"] = str(threads)
+            env["RANK"] = str(rank)
+            if self.device == "cuda":
+                env["CUDA_VISIBLE_DEVICES"] = str(gpus[rank])
+                env["LOCAL_RANK"] = "0"
+            cmd = [sys.executable, "-m", "workers.serve", "--model", self.model_path,
+                   "--rank", str(rank), "--world-size", str(world),
+                   "--store", os.path.join(self._tmp, "store"), "--device", self.device,
+                   "--dtype", self.dtype, "--threads", str(threads)]
+            if rank == 0:
+                cmd += ["--address-file", addr_file, "--secret-file", secret_file]
+            log = open(self._log_path(rank), "wb")
+            self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, env=env,
+                                                start_new_session=True))
+            log.close()
+        t_spawn = time.perf_counter()
+        deadline = time.monotonic() + self.start_timeout
+        while not os.path.exists(addr_file):
+            self._check_alive("while starting")
+            if time.monotonic() > deadline:
+                raise PoolError(f"pool did not start within {self.start_timeout:.0f}s")
+            time.sleep(0.05)
+        with open(addr_file) as f:
+            address = parse_address(f.read())
+        self._chan = connect(address, secret)
+        msg = self._recv(deadline - time.monotonic(), "while loading")
+        if msg[0] != "ready":
+            raise PoolError(f"unexpected first message from rank 0: {msg[0]!r}")
+        self.launches += 1
+        self.last_launch = {"spawn_s": t_spawn - t0, "ready_s": time.perf_counter() - t0,
+                            "load_s_rank0": msg[1]["load_seconds"]}
+
+    def _check_alive(self, when: str) -> None:
+        dead = self._dead()
+        if dead:
+            self._shutdown()
+            raise PoolError(f"{dead} ({when})")
+
+    def _recv(self, timeout: float, when: str):
+        """Next message from rank 0, watching every worker while waiting."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            try:
+                if self._chan.poll(0.1):
+                    return self._chan.recv()
+            except (ConnectionError, OSError, EOFError):
+                time.sleep(0.2)  # let the exit code of a dying worker appear
+                self._check_alive(when)
+                self._shutdown()
+                raise PoolError(f"lost the control connection to rank 0 ({when})") from None
+            self._check_alive(when)
+            if time.monotonic() > deadline:
+                self._shutdown()
+                raise PoolError(f"no answer from the pool for {timeout:.0f}s ({when}); "
+                                f"workers were stopped")
+
+    def _shutdown(self) -> None:
+        """Stop every worker (polite, then SIGTERM, then SIGKILL) and free the port/files."""
+        procs, self._procs = self._procs, []
+        if self._chan is not None:
+            try:
+                self._chan.send(("shutdown",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 3.0
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for sig in ("terminate", "kill"):
+            alive = [p for p in procs if p.poll() is None]
+            for p in alive:
+                getattr(p, sig)()
+            for p in alive:
+                try:
+                    p.wait(timeout=3.0)
+                except subprocess.TimeoutExpired:
+                    pass
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- jobs -----------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop the running job within one denoising step (safe from any thread)."""
+        job, chan = self._running_job, self._chan
+        if job is not None and chan is not None:
+            try:
+                chan.send(("cancel", job))
+            except OSError:
+                pass
+
+    def generate(self, request: GenerationRequest,
+                 on_event: Optional[Callable[[dict], None]] = None,
+                 noise=None, init_latent=None, denoise: float = 1.0) -> GenerationResult:
+        info = self.model_info
+        self.config.validate(info, request)
+        req = request.resolved(info.arch)
+        with self._lock:
+            t0 = time.perf_counter()
+            launched = False
+            if not self.is_running():
+                self._shutdown()
+                self._launch()
+                launched = True
+            t_ready = time.perf_counter()
+            self._job_id += 1
+            job_id = self._job_id
+            body = {"job_id": job_id, "request": dataclasses.asdict(req),
+                    "config": self.config.key(), "noise": noise, "init_latent": init_latent,
+                    "denoise": denoise}
+            self._chan.send(("job", body))
+            self._running_job = job_id
+            first_step = None
+            try:
+                while True:
+                    msg = self._recv(self.step_timeout, f"running job {job_id}")
+                    kind = msg[0]
+                    if kind == "event" and msg[1] == job_id:
+                        if first_step is None:
+                            first_step = time.perf_counter() - t_ready
+                        if on_event is not None:
+                            try:
+                                on_event(msg[2])
+                            except BaseException:
+                                self._cancel_and_drain(job_id)
+                                raise
+                    elif kind == "result" and msg[1] == job_id:
+                        payload = msg[2]
+                        return GenerationResult(
+                            samples=payload["samples"], images=payload["images"],
+                            config=self.config,
+                            timings={"launch_s": (t_ready - t0) if launched else 0.0,
+                                     "first_step_s": first_step,
+                                     "job_s": time.perf_counter() - t_ready})
+                    elif kind == "cancelled" and msg[1] == job_id:
+                        raise JobCancelled(f"job cancelled ({msg[2]})")
+                    elif kind == "error":
+                        fatal = msg[3]
+                        if fatal:
+                            time.sleep(0.3)
+                            self._shutdown()
+                        raise PoolError(msg[2])
+            finally:
+                self._running_job = None
+
+    def _cancel_and_drain(self, job_id: int) -> None:
+        """The caller gave up on the job (e.g. ComfyUI's interrupt): stop it on the workers
+        and wait until they are idle again, so the next job starts clean."""
+        try:
+            self._chan.send(("cancel", job_id))
+            while True:
+                msg = self._recv(self.step_timeout, f"cancelling job {job_id}")
+                if msg[0] in ("cancelled", "result", "error") and msg[1] in (job_id, None):
+                    if msg[0] == "error" and msg[3]:
+                        self._shutdown()
+                    return
+        except PoolError:
+            return
+
+
+def _close_all() -> None:
+    for pool in list(_LIVE_POOLS):
+        try:
+            pool.close()
+        except Exception:
+            pass
+
+
+atexit.register(_close_all)

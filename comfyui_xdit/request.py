@@ -1,0 +1,79 @@
+"""The job a pool runs: every default lives here, resolved on the host before broadcast."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+# Per-architecture defaults, the only place they are written. FLUX dev is guidance-distilled
+# (no CFG by default); SD3 uses classic CFG.
+ARCH_DEFAULTS = {
+    "flux": {"cfg": 1.0, "guidance": 3.5},
+    "sd3": {"cfg": 7.0, "guidance": None},
+}
+
+
+@dataclass
+class GenerationRequest:
+    """One generation. `prompt` is a list (its length is the batch)."""
+
+    prompt: list
+    seed: int = 0
+    steps: int = 20
+    height: int = 1024
+    width: int = 1024
+    negative_prompt: str = ""
+    guidance: Optional[float] = None
+    cfg: Optional[float] = None
+    max_sequence_length: int = 512
+    loras: list = field(default_factory=list)
+    output: str = "latent"  # "latent" or "image" (decoded by rank 0 with the model's VAE)
+    preview_every: int = 0  # 0: no previews; k: a low-res x0 preview every k steps
+
+    def __post_init__(self):
+        if isinstance(self.prompt, str):
+            self.prompt = [self.prompt]
+        self.prompt = list(self.prompt)
+
+    def resolved_cfg(self, arch: str) -> float:
+        return float(self.cfg if self.cfg is not None else ARCH_DEFAULTS[arch]["cfg"])
+
+    def uses_cfg(self, arch: str) -> bool:
+        return self.resolved_cfg(arch) > 1.0
+
+    def resolved(self, arch: str) -> "GenerationRequest":
+        """A copy with every default made concrete for `arch`: what the workers receive."""
+        guidance = self.guidance if self.guidance is not None else ARCH_DEFAULTS[arch]["guidance"]
+        return replace(self, cfg=self.resolved_cfg(arch), guidance=guidance,
+                       prompt=list(self.prompt), loras=list(self.loras))
+
+    def problems(self, model: Any = None) -> list[str]:
+        out = []
+        if not self.prompt or not all(isinstance(p, str) for p in self.prompt):
+            out.append("prompt must be one or more strings")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
+            out.append(f"seed must be an integer in [0, 2^64) (got {self.seed!r})")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            out.append(f"steps must be an integer >= 1 (got {self.steps!r})")
+        for name in ("height", "width"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v % 16:
+                near = max(16, round(v / 16) * 16) if isinstance(v, (int, float)) else 1024
+                out.append(f"{name} {v!r} is not a positive multiple of 16 (try {near})")
+        if not isinstance(self.max_sequence_length, int) or not 1 <= self.max_sequence_length <= 512:
+            out.append(f"max_sequence_length must be in 1..512 (got {self.max_sequence_length!r})")
+        if self.cfg is not None and self.cfg < 1.0:
+            out.append(f"cfg must be >= 1 (got {self.cfg}); 1 disables classifier-free guidance")
+        if self.output not in ("latent", "image"):
+            out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
+        return out
+
+
+@dataclass
+class GenerationResult:
+    """`samples`: ComfyUI LATENT samples [B,16,H/8,W/8] in raw VAE space (fp32, CPU).
+    `images`: [B,H,W,3] in 0..1 when the request asked for output="image"."""
+
+    samples: Any
+    images: Any = None
+    timings: dict = field(default_factory=dict)
+    config: Any = None

@@ -1,0 +1,1 @@
+"""Code that runs inside each worker process (never imports ComfyUI)."""

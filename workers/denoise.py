@@ -1,0 +1,140 @@
+"""The denoising loop every rank runs: flow-matching Euler, with CFG parallel and data parallel.
+
+Sequence parallelism is invisible here (it lives in the transformer's hooks); this loop only
+decides which batch slice (dp) and which guidance branch (cfg) a rank computes, and how the
+results come together. Every input arrives in the `Job` broadcast from rank 0, so no rank
+derives anything on its own.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .sequence_parallel import even_sizes
+from .topology import Topology
+
+
+class Cancelled(Exception):
+    """The host asked to stop; every rank leaves the loop at the same step."""
+
+
+@dataclass
+class Job:
+    """What rank 0 broadcasts: the resolved request plus everything derived from it once."""
+
+    job_id: int
+    request: dict  # GenerationRequest fields, defaults resolved
+    config: tuple  # ParallelConfig.key()
+    noise: torch.Tensor  # [B,16,H/8,W/8] fp32, ComfyUI's prepare_noise
+    cond: dict
+    uncond: Optional[dict]
+    init_latent: Optional[torch.Tensor] = None  # ComfyUI LATENT samples (img2img)
+    denoise: float = 1.0
+
+
+def prepare_noise(seed: int, shape) -> torch.Tensor:
+    """Exactly ComfyUI's `comfy.sample.prepare_noise` (no batch_index)."""
+    return torch.randn(shape, generator=torch.manual_seed(seed), dtype=torch.float32,
+                       device="cpu")
+
+
+def _stop_requested(should_stop: Callable[[], bool], device) -> bool:
+    """Rank 0 decides; one tiny broadcast keeps every rank on the same step."""
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    if dist.get_rank() == 0 and should_stop():
+        flag += 1
+    if dist.get_world_size() > 1:
+        dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def run_job(job: Job, model, adapter, topo: Topology,
+            emit: Optional[Callable[[dict], None]] = None,
+            should_stop: Callable[[], bool] = lambda: False) -> Optional[torch.Tensor]:
+    """Run one job on this rank. Returns the full batch's ComfyUI LATENT on rank 0."""
+    req = job.request
+    dev, dtype = model.device, model.dtype
+    height, width, steps = req["height"], req["width"], req["steps"]
+    batch = job.noise.shape[0]
+
+    # data parallel: a near-even slice of the batch (3 prompts on dp 2 -> 2 + 1)
+    sizes = even_sizes(batch, topo.degree("dp"))
+    start = sum(sizes[: topo.index("dp")])
+    mine = slice(start, start + sizes[topo.index("dp")])
+
+    def to_dev(cond):
+        return None if cond is None else {k: v.to(dev, dtype if v.is_floating_point() else None)
+                                          for k, v in adapter.slice_cond(cond, mine).items()}
+
+    cond, uncond = to_dev(job.cond), to_dev(job.uncond)
+    use_cfg = uncond is not None
+    cfg_parallel = topo.degree("cfg") == 2
+    if cfg_parallel and not use_cfg:
+        raise RuntimeError("cfg-parallel job without a negative branch")
+    scale = float(req["cfg"])
+
+    noise = adapter.pack(job.noise[mine].to(dev, dtype))
+    latents = noise
+    scheduler = adapter.make_scheduler(model)
+    timesteps = adapter.timesteps(scheduler, steps, latents, dev)
+    begin = 0
+    if job.init_latent is not None and job.denoise < 1.0:
+        # img2img: start part-way down the schedule from the noised input latent
+        begin = steps - max(1, int(round(steps * job.denoise)))
+        timesteps = timesteps[begin:]
+        scheduler.set_begin_index(begin)
+        x0 = adapter.from_comfy(model, job.init_latent[mine]).to(dev, dtype)
+        sigma = scheduler.sigmas[begin].to(dev, dtype)
+        latents = sigma * noise + (1 - sigma) * x0
+    extra = adapter.forward_extra(model, height, width)
+
+    def predict(branch: dict) -> torch.Tensor:
+        return adapter.forward(model, latents, t, branch, req.get("guidance"), extra)
+
+    t0 = time.perf_counter()
+    total = len(timesteps)
+    for i, t in enumerate(timesteps):
+        if _stop_requested(should_stop, dev):
+            raise Cancelled(f"cancelled at step {i}/{total}")
+        if cfg_parallel:
+            mine_pred = predict(uncond if topo.index("cfg") == 0 else cond)
+            both = [torch.empty_like(mine_pred) for _ in range(2)]
+            dist.all_gather(both, mine_pred.contiguous(), group=topo.group("cfg"))
+            pred = both[0] + scale * (both[1] - both[0])
+        elif use_cfg:
+            neg = predict(uncond)
+            pred = neg + scale * (predict(cond) - neg)
+        else:
+            pred = predict(cond)
+        every = int(req.get("preview_every") or 0)
+        want_preview = emit is not None and every and ((i + 1) % every == 0 or i + 1 == total)
+        if want_preview:  # flow matching's x0 estimate: x_t - sigma_t * v
+            x0 = latents - scheduler.sigmas[begin + i].to(dev, latents.dtype) * pred
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        if emit is not None:
+            event = {"step": i + 1, "total": total, "elapsed": time.perf_counter() - t0}
+            if want_preview:
+                event["preview"] = adapter.to_comfy(model, x0[:1].float(), height, width).half().cpu()
+            emit(event)
+
+    out = adapter.to_comfy(model, latents.float(), height, width)
+    return gather_batch(out, sizes, topo)
+
+
+def gather_batch(samples: torch.Tensor, sizes: list, topo: Topology) -> Optional[torch.Tensor]:
+    """Collect every dp replica's slice on rank 0, in batch order."""
+    if topo.degree("dp") == 1:
+        return samples.cpu() if topo.rank == 0 else None
+    longest = max(sizes)
+    padded = samples
+    if samples.shape[0] < longest:
+        padded = torch.cat([samples, samples.new_zeros((longest - samples.shape[0],) + samples.shape[1:])])
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous(), group=topo.group("dp"))
+    if topo.rank != 0:
+        return None
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).cpu()

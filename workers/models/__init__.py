@@ -1,0 +1,41 @@
+"""Model adapters: everything model-specific, one small module per architecture.
+
+An adapter declares the parallel layout (`layout`) and the few model-specific steps of the
+denoising loop: loading, prompt encoding, latent packing, timesteps and the transformer call.
+The parallel methods themselves never look at the model class.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    arch: str
+    transformer: Any
+    encoder: Any  # a diffusers pipeline holding only the text encoders (rank 0), else None
+    scheduler_config: dict
+    vae_config: dict
+    device: Any
+    dtype: Any
+    vae: Any = None  # loaded on first decode (rank 0)
+
+
+def get_adapter(arch: str):
+    if arch == "flux":
+        from .flux import FluxAdapter
+        return FluxAdapter()
+    if arch == "sd3":
+        from .sd3 import SD3Adapter
+        return SD3Adapter()
+    raise ValueError(f"unknown architecture {arch!r} (expected flux or sd3)")
+
+
+def read_arch(path: str) -> str:
+    import json
+    import os
+    with open(os.path.join(path, "transformer", "config.json")) as f:
+        cls = json.load(f).get("_class_name")
+    return {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3"}[cls]

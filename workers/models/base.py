@@ -1,0 +1,87 @@
+"""What FLUX and SD3 adapters share: loading a diffusers folder, VAE space, decoding."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from . import LoadedModel
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+class DiTAdapter:
+    arch = ""
+    transformer_class = ""
+    pipeline_class = ""
+
+    def load(self, path: str, device, dtype, with_text_encoders: bool) -> LoadedModel:
+        import diffusers
+
+        tcls = getattr(diffusers, self.transformer_class)
+        transformer = tcls.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
+        transformer.to(device).eval().requires_grad_(False)
+        encoder = None
+        if with_text_encoders:
+            pcls = getattr(diffusers, self.pipeline_class)
+            encoder = pcls.from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype)
+            encoder.to(device)
+        return LoadedModel(
+            path=path, arch=self.arch, transformer=transformer, encoder=encoder,
+            scheduler_config=_read_json(os.path.join(path, "scheduler", "scheduler_config.json")),
+            vae_config=_read_json(os.path.join(path, "vae", "config.json")),
+            device=device, dtype=dtype)
+
+    def make_scheduler(self, model: LoadedModel):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        return FlowMatchEulerDiscreteScheduler.from_config(model.scheduler_config)
+
+    # ComfyUI LATENT <-> model space (DESIGN.md numerics 5)
+    def _scale_shift(self, model: LoadedModel):
+        return (float(model.vae_config.get("scaling_factor", 1.0)),
+                float(model.vae_config.get("shift_factor", 0.0) or 0.0))
+
+    def to_comfy(self, model: LoadedModel, latents: torch.Tensor, height: int, width: int):
+        scale, shift = self._scale_shift(model)
+        return self.unpack(latents, height, width).float() / scale + shift
+
+    def from_comfy(self, model: LoadedModel, samples: torch.Tensor) -> torch.Tensor:
+        scale, shift = self._scale_shift(model)
+        return self.pack((samples.float() - shift) * scale)
+
+    def decode(self, model: LoadedModel, comfy_samples: torch.Tensor) -> torch.Tensor:
+        """Raw-VAE-space samples -> IMAGE [B,H,W,3] in 0..1 (float32, CPU)."""
+        if model.vae is None:
+            from diffusers import AutoencoderKL
+            model.vae = AutoencoderKL.from_pretrained(model.path, subfolder="vae",
+                                                      torch_dtype=model.dtype)
+            model.vae.to(model.device).eval().requires_grad_(False)
+        x = comfy_samples.to(model.device, model.vae.dtype)
+        img = model.vae.decode(x, return_dict=False)[0]
+        return (img.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
+
+    # per-architecture
+    def pack(self, x):  # [B,16,h,w] model-space latent -> what the transformer takes
+        return x
+
+    def unpack(self, x, height, width):
+        return x
+
+    def timesteps(self, scheduler, steps: int, latents, device):
+        raise NotImplementedError
+
+    def encode(self, model, prompts, negative, max_sequence_length, with_negative):
+        raise NotImplementedError
+
+    def forward(self, model, latents, t, cond: dict, guidance):
+        raise NotImplementedError
+
+    @staticmethod
+    def slice_cond(cond: dict, sl: slice) -> dict:
+        """The conditioning of a batch slice; per-token ids (2-D) are shared by the batch."""
+        return {k: (v[sl] if v.dim() >= 2 and k in ("encoder_hidden_states", "pooled_projections")
+                    else v) for k, v in cond.items()}

@@ -1,0 +1,92 @@
+"""FLUX.1: packed 2x2 latents, text tokens first, RoPE ids, embedded guidance, true CFG."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..processors import FluxShardedAttnProcessor
+from ..sequence_parallel import SequenceLayout
+from .base import DiTAdapter
+
+
+def _token_counts(transformer, kw):
+    return kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
+
+
+class FluxAdapter(DiTAdapter):
+    arch = "flux"
+    transformer_class = "FluxTransformer2DModel"
+    pipeline_class = "FluxPipeline"
+    layout = SequenceLayout(
+        split_inputs={"hidden_states": ("image", 1), "img_ids": ("image", 0),
+                      "encoder_hidden_states": ("text", 1), "txt_ids": ("text", 0)},
+        split_outputs={},
+        gather_output=("proj_out", 1),
+        token_counts=_token_counts,
+        attention_processor=FluxShardedAttnProcessor,
+        replaces=("FluxAttnProcessor", "FluxAttnProcessor2_0"),
+    )
+
+    def pack(self, x):
+        b, c, h, w = x.shape
+        x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+    def unpack(self, x, height, width):
+        b, n, c = x.shape
+        h, w = height // 16, width // 16
+        x = x.view(b, h, w, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c // 4, h * 2, w * 2)
+
+    @staticmethod
+    def image_ids(height, width, device, dtype):
+        h, w = height // 16, width // 16
+        ids = torch.zeros(h, w, 3)
+        ids[..., 1] += torch.arange(h)[:, None]
+        ids[..., 2] += torch.arange(w)[None, :]
+        return ids.reshape(h * w, 3).to(device=device, dtype=dtype)
+
+    def timesteps(self, scheduler, steps, latents, device):
+        # FLUX's schedule: linear sigmas, shifted by the image token count (dynamic shift)
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+        c = scheduler.config
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if c.get("use_flow_sigmas"):
+            sigmas = None
+        mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 256),
+                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                             c.get("max_shift", 1.15))
+        if sigmas is None:
+            scheduler.set_timesteps(steps, device=device, mu=mu)
+        else:
+            scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler.timesteps
+
+    def encode(self, model, prompts, negative, max_sequence_length, with_negative):
+        pipe = model.encoder
+
+        def one(texts):
+            pe, pooled, ids = pipe.encode_prompt(prompt=texts, prompt_2=None, device=model.device,
+                                                 num_images_per_prompt=1,
+                                                 max_sequence_length=max_sequence_length)
+            return {"encoder_hidden_states": pe, "pooled_projections": pooled, "txt_ids": ids}
+
+        cond = one(list(prompts))
+        uncond = one([negative] * len(prompts)) if with_negative else None
+        return cond, uncond
+
+    def forward(self, model, latents, t, cond, guidance, extra=None):
+        tr = model.transformer
+        b = latents.shape[0]
+        g = None
+        if tr.config.guidance_embeds:
+            g = torch.full([b], float(guidance), device=latents.device, dtype=torch.float32)
+        ids = extra["img_ids"]
+        return tr(hidden_states=latents, timestep=t.expand(b).to(latents.dtype) / 1000,
+                  guidance=g, pooled_projections=cond["pooled_projections"],
+                  encoder_hidden_states=cond["encoder_hidden_states"],
+                  txt_ids=cond["txt_ids"], img_ids=ids, return_dict=False)[0]
+
+    def forward_extra(self, model, height, width):
+        return {"img_ids": self.image_ids(height, width, model.device, model.dtype)}

@@ -1,0 +1,61 @@
+"""SD3/3.5: unpacked latents patchified inside the model, image tokens first, classic CFG."""
+from __future__ import annotations
+
+from ..processors import SD3ShardedAttnProcessor
+from ..sequence_parallel import SequenceLayout
+from .base import DiTAdapter
+
+
+def _token_counts(transformer, kw):
+    p = transformer.config.patch_size
+    h, w = kw["hidden_states"].shape[-2:]
+    return kw["encoder_hidden_states"].shape[1], (h // p) * (w // p)
+
+
+class SD3Adapter(DiTAdapter):
+    arch = "sd3"
+    transformer_class = "SD3Transformer2DModel"
+    pipeline_class = "StableDiffusion3Pipeline"
+    # PatchEmbed crops its positional table by the input size, so split after embedding.
+    layout = SequenceLayout(
+        split_inputs={},
+        split_outputs={"pos_embed": ("image", 1), "context_embedder": ("text", 1)},
+        gather_output=("proj_out", 1),
+        token_counts=_token_counts,
+        attention_processor=SD3ShardedAttnProcessor,
+        replaces=("JointAttnProcessor2_0", "AttnProcessor2_0"),
+    )
+
+    def timesteps(self, scheduler, steps, latents, device):
+        kwargs = {}
+        c = scheduler.config
+        if c.get("use_dynamic_shifting"):
+            from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+            p = 2
+            h, w = latents.shape[-2:]
+            kwargs["mu"] = calculate_shift((h // p) * (w // p), c.get("base_image_seq_len", 256),
+                                           c.get("max_image_seq_len", 4096),
+                                           c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+        scheduler.set_timesteps(steps, device=device, **kwargs)
+        return scheduler.timesteps
+
+    def encode(self, model, prompts, negative, max_sequence_length, with_negative):
+        pe, npe, pooled, npooled = model.encoder.encode_prompt(
+            prompt=list(prompts), prompt_2=None, prompt_3=None, device=model.device,
+            num_images_per_prompt=1, do_classifier_free_guidance=with_negative,
+            negative_prompt=[negative] * len(prompts) if with_negative else None,
+            max_sequence_length=max_sequence_length)
+        cond = {"encoder_hidden_states": pe, "pooled_projections": pooled}
+        uncond = ({"encoder_hidden_states": npe, "pooled_projections": npooled}
+                  if with_negative else None)
+        return cond, uncond
+
+    def forward(self, model, latents, t, cond, guidance, extra=None):
+        b = latents.shape[0]
+        return model.transformer(hidden_states=latents, timestep=t.expand(b),
+                                 encoder_hidden_states=cond["encoder_hidden_states"],
+                                 pooled_projections=cond["pooled_projections"],
+                                 return_dict=False)[0]
+
+    def forward_extra(self, model, height, width):
+        return {}

@@ -1,0 +1,127 @@
+"""Sharded attention processors for FLUX and SD3.
+
+Each computes exactly what the stock diffusers processor computes (projections, QK norms,
+RoPE for FLUX, output projections) on the local token shard; only the attention kernel is
+replaced by `ShardedAttention`, which sees every rank's keys. The per-forward
+`SequencePlan` arrives as the `sp_plan` keyword through `joint_attention_kwargs`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sequence_parallel import SequencePlan
+
+
+def _need_plan(sp_plan):
+    if not isinstance(sp_plan, SequencePlan):
+        raise RuntimeError("sharded attention called without a sequence plan "
+                           "(the transformer was called outside its parallel hooks)")
+    return sp_plan
+
+
+class FluxShardedAttnProcessor:
+    """FLUX double blocks (text + image streams, text first) and single blocks (one
+    concatenated stream); both attend over all text and image tokens."""
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None, sp_plan=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        plan = _need_plan(sp_plan)
+        if attention_mask is not None:
+            raise ValueError("attention masks are not supported under sequence parallelism")
+
+        def heads(x):
+            return x.unflatten(-1, (-1, attn.head_dim))
+
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key, value = heads(query), heads(key), heads(value)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+
+        if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
+            if getattr(attn, "fused_projections", False):
+                eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+            else:
+                eq = attn.add_q_proj(encoder_hidden_states)
+                ek = attn.add_k_proj(encoder_hidden_states)
+                ev = attn.add_v_proj(encoder_hidden_states)
+            eq, ek, ev = heads(eq), heads(ek), heads(ev)
+            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+            query = torch.cat([eq, query], dim=1)
+            key = torch.cat([ek, key], dim=1)
+            value = torch.cat([ev, value], dim=1)
+
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+
+        out = self.attention(query, key, value, plan.lengths(("text", "image")))
+        out = out.flatten(2, 3).to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            text = encoder_hidden_states.shape[1]
+            encoder_out, out = out[:, :text], out[:, text:]
+            out = attn.to_out[1](attn.to_out[0](out.contiguous()))
+            encoder_out = attn.to_add_out(encoder_out.contiguous())
+            return out, encoder_out
+        return out
+
+
+class SD3ShardedAttnProcessor:
+    """SD3/3.5 joint attention (image tokens first, then text) and SD3.5's image-only
+    second attention (`attn2`, called without encoder states)."""
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 sp_plan=None, **kwargs):
+        plan = _need_plan(sp_plan)
+        if attention_mask is not None:
+            raise ValueError("attention masks are not supported under sequence parallelism")
+        b = hidden_states.shape[0]
+        image_tokens = hidden_states.shape[1]
+        head_dim = attn.to_k.out_features // attn.heads
+
+        def heads(x):
+            return x.view(b, -1, attn.heads, head_dim)
+
+        query = heads(attn.to_q(hidden_states))
+        key = heads(attn.to_k(hidden_states))
+        value = heads(attn.to_v(hidden_states))
+        # diffusers' norms act on the last dim, so the [B,S,H,D] layout gives the same result
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        streams = ("image",)
+        if encoder_hidden_states is not None:
+            eq = heads(attn.add_q_proj(encoder_hidden_states))
+            ek = heads(attn.add_k_proj(encoder_hidden_states))
+            ev = heads(attn.add_v_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                eq = attn.norm_added_q(eq)
+            if attn.norm_added_k is not None:
+                ek = attn.norm_added_k(ek)
+            query = torch.cat([query, eq], dim=1)
+            key = torch.cat([key, ek], dim=1)
+            value = torch.cat([value, ev], dim=1)
+            streams = ("image", "text")
+
+        out = self.attention(query, key, value, plan.lengths(streams))
+        out = out.reshape(b, -1, attn.heads * head_dim).to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            out, encoder_out = out[:, :image_tokens], out[:, image_tokens:]
+            if not attn.context_pre_only:
+                encoder_out = attn.to_add_out(encoder_out)
+        out = attn.to_out[1](attn.to_out[0](out))
+        if encoder_hidden_states is not None:
+            return out, encoder_out
+        return out

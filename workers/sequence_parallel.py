@@ -1,0 +1,154 @@
+"""Sequence parallelism (USP: Ulysses, Ring, hybrid), written once for every model.
+
+A model adapter declares a `SequenceLayout`: which tensors split on which dim and to which
+token stream (text or image) they belong, and where the output is gathered. Installing it
+adds forward hooks to the transformer and swaps in the model's sharded attention processors;
+the model code itself is untouched.
+
+Text and image tokens are both split near-evenly over the sp ranks (the first `n % sp`
+ranks take one more token). The per-forward `SequencePlan` travels to the attention
+processors explicitly through `joint_attention_kwargs`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .topology import Topology
+
+STREAMS = ("text", "image")
+
+
+def even_sizes(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    sp_rank: int
+    sp_size: int
+    text_len: int
+    image_len: int
+
+    def sizes(self, stream: str) -> list[int]:
+        return even_sizes(self.text_len if stream == "text" else self.image_len, self.sp_size)
+
+    def local_slice(self, stream: str) -> slice:
+        sizes = self.sizes(stream)
+        start = sum(sizes[: self.sp_rank])
+        return slice(start, start + sizes[self.sp_rank])
+
+    def lengths(self, streams=STREAMS) -> list[int]:
+        """Local token count of every sp rank for attention over `streams`."""
+        per = [self.sizes(s) for s in streams]
+        return [sum(p[r] for p in per) for r in range(self.sp_size)]
+
+    def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
+        full = self.text_len if stream == "text" else self.image_len
+        if x.shape[dim] != full:
+            raise RuntimeError(f"{stream} tensor has {x.shape[dim]} tokens on dim {dim}, "
+                               f"plan says {full}")
+        return x.narrow(dim, self.local_slice(stream).start, self.sizes(stream)[self.sp_rank])
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Declarative split/gather plan of one transformer class (cf. diffusers' `_cp_plan`).
+
+    split_inputs:  forward kwarg -> (stream, dim), split before the transformer runs.
+    split_outputs: submodule name -> (stream, dim), its output is split.
+    gather_output: (submodule name, dim), its image-token output is all-gathered.
+    token_counts:  (transformer, forward kwargs) -> (text tokens, image tokens).
+    """
+
+    split_inputs: dict
+    split_outputs: dict
+    gather_output: tuple
+    token_counts: Callable
+    attention_processor: Callable  # (ShardedAttention) -> processor instance
+    replaces: tuple  # class names of the stock processors the sharded one replaces
+
+
+def all_gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
+    """Gather shards of uneven length along `dim` (padded to the longest for the collective)."""
+    longest = max(sizes)
+    if x.shape[dim] < longest:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+
+class SequenceParallel:
+    """Hooks one transformer for sequence parallelism over `topo`'s sp group."""
+
+    def __init__(self, transformer: torch.nn.Module, layout: SequenceLayout, topo: Topology,
+                 attention):
+        self.layout = layout
+        self.topo = topo
+        self.plan: Optional[SequencePlan] = None  # set for the duration of one forward
+        self.handles = []
+        processor = layout.attention_processor(attention)
+        self.originals = {}  # module -> stock processor, restored by remove()
+        for name, module in transformer.named_modules():
+            proc = getattr(module, "processor", None)
+            if proc is None:
+                continue
+            if type(proc).__name__ not in layout.replaces:
+                raise RuntimeError(f"{name} uses attention processor {type(proc).__name__}, "
+                                   f"which sequence parallelism does not support")
+            self.originals[module] = proc
+            module.set_processor(processor)
+        if not self.originals:
+            raise RuntimeError("no attention module found to parallelise")
+        self.handles.append(transformer.register_forward_pre_hook(self._enter, with_kwargs=True))
+        self.handles.append(transformer.register_forward_hook(self._exit, always_call=True))
+        for name, (stream, dim) in layout.split_outputs.items():
+            mod = transformer.get_submodule(name)
+            self.handles.append(mod.register_forward_hook(self._splitter(stream, dim)))
+        gname, gdim = layout.gather_output
+        self.handles.append(transformer.get_submodule(gname).register_forward_hook(
+            self._gatherer(gdim)))
+
+    def _enter(self, module, args, kwargs):
+        if args:
+            raise TypeError("call the parallel transformer with keyword arguments only")
+        text, image = self.layout.token_counts(module, kwargs)
+        plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image)
+        self.plan = plan
+        kwargs = dict(kwargs)
+        for key, (stream, dim) in self.layout.split_inputs.items():
+            if kwargs.get(key) is not None:
+                kwargs[key] = plan.shard(kwargs[key], dim, stream)
+        jak = dict(kwargs.get("joint_attention_kwargs") or {})
+        jak["sp_plan"] = plan
+        kwargs["joint_attention_kwargs"] = jak
+        return args, kwargs
+
+    def _exit(self, module, args, output):
+        self.plan = None
+
+    def _splitter(self, stream: str, dim: int):
+        def hook(module, args, output):
+            return self.plan.shard(output, dim, stream)
+        return hook
+
+    def _gatherer(self, dim: int):
+        def hook(module, args, output):
+            return all_gather_tokens(output, dim, self.plan.sizes("image"),
+                                     self.topo.group("sp"))
+        return hook
+
+    def remove(self):
+        """Undo everything: hooks off, stock processors back."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        for module, proc in self.originals.items():
+            module.set_processor(proc)
+        self.originals = {}

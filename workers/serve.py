@@ -1,0 +1,293 @@
+"""Worker entry point: one process per rank, launched by the pool or by torchrun.
+
+Rank 0 owns the control channel: it authenticates the host, receives jobs, encodes the
+prompts once, draws the noise once and broadcasts the whole job; every rank then runs the
+same denoising loop. Other ranks only ever listen to rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+log = logging.getLogger("xdit.worker")
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the process that launched us dies (no orphans)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="xdit-worker")
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--rank", type=int, default=None, help="default: $RANK (torchrun)")
+    p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE")
+    p.add_argument("--store", default=None, help="FileStore path for local rendezvous")
+    p.add_argument("--listen", default="127.0.0.1:0", help="rank 0's control address")
+    p.add_argument("--address-file", default=None, help="rank 0 writes HOST:PORT here")
+    p.add_argument("--secret-file", default=None, help="else $XDIT_POOL_SECRET (hex)")
+    return p.parse_args(argv)
+
+
+def _init_distributed(args, rank, world):
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    # Idle pools wait on rank 0's broadcast indefinitely; hangs are caught by the host.
+    timeout = datetime.timedelta(days=30)
+    if args.store:
+        store = dist.FileStore(args.store, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+
+
+class Worker:
+    def __init__(self, args, rank, world):
+        import torch
+
+        from .models import get_adapter, read_arch
+
+        self.args = args
+        self.rank = rank
+        self.world = world
+        self.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
+            else torch.device("cpu")
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        self.adapter = get_adapter(read_arch(args.model))
+        t = time.perf_counter()
+        self.model = self.adapter.load(args.model, self.device, self.dtype,
+                                       with_text_encoders=(rank == 0))
+        self.load_seconds = time.perf_counter() - t
+        self.topologies = {}
+        self.parallel = None  # (config key, SequenceParallel or None)
+
+    def topology(self, key):
+        """Process groups and model hooks for a configuration, built once per key."""
+        from .attention import ShardedAttention
+        from .sequence_parallel import SequenceParallel
+        from .topology import build_topology
+
+        if key not in self.topologies:
+            dp, cfg, pf, uly, ring = key
+            self.topologies[key] = build_topology(self.rank, self.world, dp, cfg, pf, uly, ring)
+        topo = self.topologies[key]
+        if self.parallel is None or self.parallel[0] != key:
+            if self.parallel is not None and self.parallel[1] is not None:
+                self.parallel[1].remove()
+            sp = None
+            if topo.sp > 1:
+                sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
+                                      ShardedAttention(topo, self.device.type))
+            self.parallel = (key, sp)
+        return topo
+
+    def prepare(self, msg) -> "Job":
+        """Rank 0: turn a host request into the broadcastable Job (encode once, noise once)."""
+        import torch
+
+        from .denoise import Job, prepare_noise
+
+        req = msg["request"]
+        b = len(req["prompt"])
+        use_cfg = float(req["cfg"]) > 1.0
+        with torch.inference_mode():
+            cond, uncond = self.adapter.encode(self.model, req["prompt"], req["negative_prompt"],
+                                               req["max_sequence_length"], use_cfg)
+        cpu = lambda d: None if d is None else {k: v.detach().cpu() for k, v in d.items()}
+        noise = msg.get("noise")
+        if noise is None:
+            noise = prepare_noise(req["seed"], (b, 16, req["height"] // 8, req["width"] // 8))
+        return Job(job_id=msg["job_id"], request=req, config=tuple(msg["config"]), noise=noise,
+                   cond=cpu(cond), uncond=cpu(uncond), init_latent=msg.get("init_latent"),
+                   denoise=float(msg.get("denoise", 1.0)))
+
+    def run(self, job, emit=None, should_stop=lambda: False):
+        import torch
+
+        from .denoise import run_job
+
+        topo = self.topology(job.config)
+        with torch.inference_mode():
+            samples = run_job(job, self.model, self.adapter, topo, emit, should_stop)
+            images = None
+            if self.rank == 0 and job.request.get("output") == "image":
+                images = self.adapter.decode(self.model, samples)
+        return samples, images
+
+
+def _broadcast(obj):
+    import torch.distributed as dist
+    box = [obj]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _follower_loop(worker):
+    from .denoise import Cancelled
+    while True:
+        job = _broadcast(None)
+        if job == "shutdown":
+            return
+        try:
+            worker.run(job)
+        except Cancelled:
+            pass
+
+
+class _Acceptor(threading.Thread):
+    """Accepts and authenticates control connections; bad ones are logged and dropped."""
+
+    def __init__(self, sock, secret):
+        super().__init__(daemon=True, name="xdit-acceptor")
+        self.sock = sock
+        self.secret = secret
+        self.channels = queue.Queue()
+
+    def run(self):
+        from comfyui_xdit.channel import AuthError, server_handshake
+        while True:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                return
+            try:
+                self.channels.put(server_handshake(conn, self.secret))
+                log.info("control connection from %s authenticated", peer)
+            except AuthError as e:
+                log.warning("refused control connection from %s: %s", peer, e)
+                conn.close()
+
+
+def _leader_loop(worker, acceptor):
+    import torch
+
+    from .denoise import Cancelled
+
+    chan = None
+    while True:
+        if chan is None:
+            chan = acceptor.channels.get()
+            chan.send(("ready", {"world_size": worker.world, "load_seconds": worker.load_seconds,
+                                 "pid": os.getpid()}))
+        try:
+            msg = chan.recv()
+        except (ConnectionError, OSError, EOFError):
+            log.info("host disconnected")
+            chan = None
+            continue
+        kind = msg[0]
+        if kind == "shutdown":
+            _broadcast("shutdown")
+            chan.send(("bye",))
+            return
+        if kind == "ping":
+            chan.send(("pong",))
+            continue
+        if kind == "cancel":  # arrived after its job ended: nothing to stop
+            continue
+        if kind != "job":
+            chan.send(("error", None, f"unknown message {kind!r}", False))
+            continue
+        body = msg[1]
+        try:
+            job = worker.prepare(body)
+        except Exception as e:  # nothing was broadcast: the pool is still consistent
+            chan.send(("error", body["job_id"], f"{type(e).__name__}: {e}", False))
+            continue
+        _broadcast(job)
+        cancelled = []
+
+        def should_stop():
+            while chan.poll(0):
+                m = chan.recv()
+                if m[0] == "cancel" and m[1] in (None, job.job_id):
+                    cancelled.append(m)
+            return bool(cancelled)
+
+        def emit(event):
+            chan.send(("event", job.job_id, event))
+
+        try:
+            samples, images = worker.run(job, emit, should_stop)
+        except Cancelled as e:
+            chan.send(("cancelled", job.job_id, str(e)))
+            continue
+        except Exception as e:
+            # other ranks may be inside a collective: the pool cannot continue
+            chan.send(("error", job.job_id, f"rank 0: {type(e).__name__}: {e}", True))
+            raise
+        chan.send(("result", job.job_id, {"samples": samples, "images": images}))
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s rank{os.environ.get('RANK', args.rank)} %(message)s")
+    _die_with_parent()
+    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
+    world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    # rank 0 binds its control socket before loading so the host can connect early
+    listener = None
+    if rank == 0:
+        if args.secret_file:
+            with open(args.secret_file) as f:
+                secret = bytes.fromhex(f.read().strip())
+        else:
+            secret = bytes.fromhex(os.environ.pop("XDIT_POOL_SECRET"))
+        from comfyui_xdit.channel import parse_address
+        host, port = parse_address(args.listen)
+        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
+                                        else socket.AF_INET)
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("control channel listening on %s:%d (beyond loopback)", host,
+                        listener.getsockname()[1])
+
+    _init_distributed(args, rank, world)
+    worker = Worker(args, rank, world)
+    log.info("loaded %s in %.2fs", args.model, worker.load_seconds)
+    if rank != 0:
+        _follower_loop(worker)
+    else:
+        acceptor = _Acceptor(listener, secret)
+        acceptor.start()
+        if args.address_file:
+            addr = listener.getsockname()
+            tmp = args.address_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{addr[0]}:{addr[1]}")
+            os.replace(tmp, args.address_file)
+        _leader_loop(worker, acceptor)
+        listener.close()
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
