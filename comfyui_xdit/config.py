@@ -84,24 +84,25 @@ class ParallelConfig:
                  request: "GenerationRequest | None" = None) -> "ParallelConfig":
         """Raise one ConfigError listing every problem; return self when runnable."""
         out = self.problems()
-        if model is not None and not out:
-            if model.heads % self.ulysses:
-                divisors = [d for d in range(1, model.heads + 1) if model.heads % d == 0]
-                out.append(f"ulysses {self.ulysses} does not divide the model's {model.heads} "
-                           f"attention heads (use one of {divisors})")
-        if request is not None and not out:
-            out.extend(request.problems(model))
+        degrees_ok = not out
+        if model is not None and degrees_ok and model.heads % self.ulysses:
+            divisors = [d for d in range(1, model.heads + 1) if model.heads % d == 0]
+            out.append(f"ulysses {self.ulysses} does not divide the model's {model.heads} "
+                       f"attention heads (use one of {divisors})")
+        if request is not None:
+            req_problems = request.problems(model)
+            out.extend(req_problems)
             n = len(request.prompt)
-            if n < self.dp:
+            if degrees_ok and n < self.dp:
                 out.append(f"batch of {n} prompt(s) is smaller than dp {self.dp}; "
                            f"give at least {self.dp} prompts or lower dp")
             if self.cfg_parallel and model is not None and not request.uses_cfg(model.arch):
                 out.append(f"cfg-parallel needs classifier-free guidance but cfg is "
                            f"{request.resolved_cfg(model.arch)} for {model.arch}; "
                            f"set cfg > 1 or drop cfg-parallel")
-            if model is not None and not out:
+            if degrees_ok and not req_problems and self.sp > 1:
                 tokens = (request.height // 16) * (request.width // 16)
-                if self.sp > 1 and tokens < self.sp:
+                if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
                                f"{self.sp} ranks; use a larger image or fewer ranks")
         if out:

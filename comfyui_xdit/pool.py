@@ -277,7 +277,7 @@ class WorkerPool:
                         payload = msg[2]
                         return GenerationResult(
                             samples=payload["samples"], images=payload["images"],
-                            config=self.config,
+                            config=self.config, stats=payload.get("stats") or [],
                             timings={"launch_s": (t_ready - t0) if launched else 0.0,
                                      "first_step_s": first_step,
                                      "job_s": time.perf_counter() - t_ready})

@@ -77,3 +77,4 @@ class GenerationResult:
     images: Any = None
     timings: dict = field(default_factory=dict)
     config: Any = None
+    stats: list = field(default_factory=list)  # per rank: denoise_s, comm bytes (when metered)

@@ -127,13 +127,33 @@ class Worker:
 
         from .denoise import run_job
 
+        from .comm_meter import get_meter
+
         topo = self.topology(job.config)
+        meter = get_meter()
+        if meter is not None:
+            meter.reset()
+        t = time.perf_counter()
         with torch.inference_mode():
             samples = run_job(job, self.model, self.adapter, topo, emit, should_stop)
-            images = None
-            if self.rank == 0 and job.request.get("output") == "image":
+        stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t}
+        if meter is not None:
+            stats["comm"] = meter.snapshot()
+        images = None
+        if self.rank == 0 and job.request.get("output") == "image":
+            with torch.inference_mode():
                 images = self.adapter.decode(self.model, samples)
-        return samples, images
+        return samples, images, _gather_stats(stats)
+
+
+def _gather_stats(stats):
+    """Every rank's job statistics, on rank 0 (one small collective per job)."""
+    import torch.distributed as dist
+    if dist.get_world_size() == 1:
+        return [stats]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(stats, out, dst=0)
+    return out
 
 
 def _broadcast(obj):
@@ -230,7 +250,7 @@ def _leader_loop(worker, acceptor):
             chan.send(("event", job.job_id, event))
 
         try:
-            samples, images = worker.run(job, emit, should_stop)
+            samples, images, stats = worker.run(job, emit, should_stop)
         except Cancelled as e:
             chan.send(("cancelled", job.job_id, str(e)))
             continue
@@ -238,7 +258,8 @@ def _leader_loop(worker, acceptor):
             # other ranks may be inside a collective: the pool cannot continue
             chan.send(("error", job.job_id, f"rank 0: {type(e).__name__}: {e}", True))
             raise
-        chan.send(("result", job.job_id, {"samples": samples, "images": images}))
+        chan.send(("result", job.job_id, {"samples": samples, "images": images,
+                                          "stats": stats}))
 
 
 def main(argv=None) -> int:

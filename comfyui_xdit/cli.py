@@ -1,0 +1,155 @@
+"""`python -m comfyui_xdit ...`: demo, tiny-model, generate, bench (DESIGN.md fixes the flags).
+
+Bad input exits 2 with one line on stderr, before any worker starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .config import ConfigError, ParallelConfig
+from .request import GenerationRequest
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints the whole usage)
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def _positive(name):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer (got {text!r})")
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1 (got {v})")
+        return v
+    return parse
+
+
+def _lora(text):
+    path, sep, strength = text.rpartition(":")
+    try:
+        return (path, float(strength)) if sep else (text, 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lora wants FILE:STRENGTH (got {text!r})")
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="generate latents or PNGs on a local pool")
+    p.add_argument("--model", required=True, help="diffusers FLUX or SD3 folder")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--negative-prompt", default="")
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--steps", type=_positive("--steps"), required=True)
+    p.add_argument("--height", type=int, required=True)
+    p.add_argument("--width", type=int, required=True)
+    p.add_argument("--guidance", type=float, default=None, help="FLUX embedded guidance")
+    p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale")
+    p.add_argument("--max-sequence-length", type=int, default=GenerationRequest.max_sequence_length)
+    _add_parallel_flags(p)
+    p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--lora", type=_lora, action="append", default=[])
+    p.add_argument("--out", required=True, help="x.safetensors (LATENT) or x.png")
+    p.set_defaults(func=run_generate)
+
+
+def _add_parallel_flags(p):
+    p.add_argument("--world-size", type=_positive("--world-size"), default=None)
+    p.add_argument("--dp", type=_positive("--dp"), default=1)
+    p.add_argument("--cfg-parallel", action="store_true")
+    p.add_argument("--ulysses", type=_positive("--ulysses"), default=1)
+    p.add_argument("--ring", type=_positive("--ring"), default=1)
+    p.add_argument("--pipefusion", type=_positive("--pipefusion"), default=1)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--threads-per-rank", type=_positive("--threads-per-rank"), default=None)
+
+
+def config_from_args(args) -> ParallelConfig:
+    return ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel, pipefusion=args.pipefusion,
+                          ulysses=args.ulysses, ring=args.ring,
+                          warmup_steps=getattr(args, "warmup_steps", 1),
+                          world_size=args.world_size)
+
+
+def run_generate(args) -> int:
+    from .model_info import read_model_info
+    from .pool import WorkerPool
+
+    out = Path(args.out)
+    if out.suffix.lower() not in (".safetensors", ".png"):
+        raise ConfigError(f"--out {args.out!r} must end in .safetensors (LATENT) or .png")
+    if not out.parent.exists():
+        raise ConfigError(f"--out directory {str(out.parent)!r} does not exist")
+    config = config_from_args(args)
+    request = GenerationRequest(
+        prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
+        steps=args.steps, height=args.height, width=args.width, guidance=args.guidance,
+        cfg=args.cfg, max_sequence_length=args.max_sequence_length, loras=args.lora,
+        output="image" if out.suffix.lower() == ".png" else "latent")
+    info = read_model_info(args.model)
+    config.validate(info, request)  # before anything launches
+    with WorkerPool(args.model, config, device=args.device, dtype=args.dtype,
+                    threads_per_rank=args.threads_per_rank) as pool:
+        result = pool.generate(request)
+    written = write_output(result, out)
+    print(json.dumps({"out": [str(p) for p in written], "config": config.describe(),
+                      "timings": result.timings}))
+    return 0
+
+
+def write_output(result, out: Path) -> list:
+    if out.suffix.lower() == ".safetensors":
+        from safetensors.torch import save_file
+        save_file({"samples": result.samples.float().contiguous()}, str(out))
+        return [out]
+    return save_pngs(result.images, out)
+
+
+def save_pngs(images, out: Path) -> list:
+    """IMAGE [B,H,W,3] -> out.png, out-1.png, ..."""
+    import numpy as np
+    from PIL import Image
+
+    paths = []
+    for i, img in enumerate(images):
+        p = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")
+        Image.fromarray((img.numpy() * 255).round().clip(0, 255).astype(np.uint8)).save(p)
+        paths.append(p)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = _Parser(prog="python -m comfyui_xdit",
+                     description="xDiT-style parallel FLUX/SD3 sampling on a warm worker pool")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    from . import demo, tiny_model
+    demo.add_cli(sub)
+    tiny_model.add_cli(sub)
+    _add_generate(sub)
+    try:
+        from . import bench
+        bench.add_cli(sub)
+    except ImportError:
+        pass
+    try:
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a pool failure: one line, the details are in the message
+        from .pool import PoolError
+        if isinstance(e, PoolError):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
