@@ -57,7 +57,7 @@ class _BlockAttention:
     """
 
     def __init__(self, kernel, lengths: Sequence[int], chunk: int, ulysses: int, ring: int,
-                 ring_rank: int, lse_bug: bool = False):
+                 ring_rank: int, fault: str = ""):
         self.kernel = kernel
         self.lengths = lengths
         self.chunk = chunk
@@ -65,7 +65,7 @@ class _BlockAttention:
         self.ring = ring
         self.ring_rank = ring_rank
         self.step = 0
-        self.lse_bug = lse_bug
+        self.fault = fault
 
     def _valid_keys(self, src: int, device) -> Optional[torch.Tensor]:
         lens = self.lengths[src * self.ulysses:(src + 1) * self.ulysses]
@@ -80,12 +80,12 @@ class _BlockAttention:
         src = (self.ring_rank - self.step) % self.ring
         self.step += 1
         idx = self._valid_keys(src, k.device)
-        if idx is not None:
+        if idx is not None and self.fault != "keep_padding":
             k = k.index_select(1, idx)
             v = v.index_select(1, idx)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         out, lse = self.kernel(q, k, v, scale)
-        if self.lse_bug:  # negative control for the tests: the TORCH_MATH failure mode
+        if self.fault == "lse_zero":  # the TORCH_MATH failure mode (negative control)
             lse = torch.zeros_like(lse)
         return out, lse
 
@@ -93,13 +93,15 @@ class _BlockAttention:
 class ShardedAttention:
     """Attention of local query shards against the keys of every sequence-parallel rank."""
 
-    def __init__(self, topo: Topology, device_type: str, lse_bug: bool = False):
+    def __init__(self, topo: Topology, device_type: str, fault: str = ""):
+        """`fault` injects a known bug for the tests' negative controls ("lse_zero": zero
+        log-sum-exp as yunchang's TORCH_MATH returns; "keep_padding": padded keys kept)."""
         from yunchang import LongContextAttention
         from yunchang.globals import PROCESS_GROUP
 
         self.topo = topo
         self.kernel = block_kernel(device_type)
-        self.lse_bug = lse_bug
+        self.fault = fault
         # yunchang's constructor insists on its global groups being set; set them to ours
         # (fixed for the life of this topology) and also pass ours explicitly below.
         PROCESS_GROUP.ULYSSES_PG = topo.group("ulysses")
@@ -118,7 +120,7 @@ class ShardedAttention:
             pad = (0, 0, 0, 0, 0, chunk - s_local)
             q, k, v = (F.pad(t, pad) for t in (q, k, v))
         block = _BlockAttention(self.kernel, lengths, chunk, topo.degree("ulysses"),
-                                topo.degree("ring"), topo.index("ring"), self.lse_bug)
+                                topo.degree("ring"), topo.index("ring"), self.fault)
         lca = self._lca_cls(ring_impl_type="basic", attn_type=None, attn_processor=block)
         lca.ulysses_pg = topo.group("ulysses")
         lca.ring_pg = topo.group("ring")

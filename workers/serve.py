@@ -98,7 +98,8 @@ class Worker:
             sp = None
             if topo.sp > 1:
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
-                                      ShardedAttention(topo, self.device.type))
+                                      ShardedAttention(topo, self.device.type,
+                                                       fault=os.environ.get("XDIT_FAULT", "")))
             self.parallel = (key, sp)
         return topo
 
