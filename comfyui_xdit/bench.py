@@ -117,6 +117,15 @@ def machine_facts() -> dict:
             "loadavg_start": _loadavg()}
 
 
+def _cpu_seconds(pid: int):
+    """user + system CPU seconds of a process and all its threads (Linux /proc), else None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _loadavg():
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -156,20 +165,30 @@ def measure(pool, workload: str, job: dict, warmup: int, repeats: int, log) -> d
         pool.generate(req)
     jobs = []
     for i in range(repeats):
+        pids = pool.worker_pids()
+        cpu0 = [_cpu_seconds(p) for p in pids]
         res = pool.generate(req)
-        jobs.append({"job_s": res.timings["job_s"],
+        cpu1 = [_cpu_seconds(p) for p in pids]
+        wall = res.timings["job_s"]
+        # CPU seconds each worker got per wall second of the job: ~1.0 (or a little more,
+        # gloo's threads) on a quiet machine; well below 1 means other processes took the cores
+        share = [None if a is None or b is None else (b - a) / wall for a, b in zip(cpu0, cpu1)]
+        jobs.append({"job_s": wall,
                      "denoise_s": [s["denoise_s"] for s in res.stats],
+                     "cpu_share": share,
                      "comm": [s.get("comm") for s in res.stats]})
         log(f"    job {i + 1}/{repeats}: denoise {max(jobs[-1]['denoise_s']):.3f}s "
             f"({max(jobs[-1]['denoise_s']) / job['steps']:.3f}s/step)")
     per_step = [max(j["denoise_s"]) / job["steps"] for j in jobs]
+    shares = [x for j in jobs for x in j["cpu_share"] if x is not None]
     comm = jobs[-1]["comm"]
     steps = job["steps"]
     comm_per_step = [None if c is None else {k: v / steps for k, v in c["bytes"].items()}
                      for c in comm]
     return {"workload": workload, "batch": len(req.prompt), "cfg": req.cfg,
             "step_s_median": statistics.median(per_step), "step_s_min": min(per_step),
-            "step_s_all": per_step, "jobs": jobs, "comm_bytes_per_step": comm_per_step}
+            "step_s_all": per_step, "jobs": jobs,
+            "cpu_share_min": min(shares) if shares else None, "comm_bytes_per_step": comm_per_step}
 
 
 def _run_pool(model, config: ParallelConfig, threads: int, plan: list, job, warmup, repeats,
@@ -339,13 +358,17 @@ def markdown(rep: dict) -> str:
              f"(slowest rank) / steps, median")
     L += ["", "## Time per step", "",
           "| run | configuration | ranks x threads | workload | time/step median (s) | min (s) "
-          "| speed-up vs 1 rank x 1 thread |",
-          "|---|---|---|---|---|---|---|"]
+          "| speed-up vs 1 rank x 1 thread | CPU share (min) |",
+          "|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         sp = r.get("speedup_vs_1x1")
         L.append(f"| {name} | {r['config']} | {r['ranks']} x {r['threads_per_rank']} | "
                  f"{_workload_label(r)} | {r['step_s_median']:.3f} | {r['step_s_min']:.3f} | "
-                 f"{'1.00 (baseline)' if sp is None else f'{sp:.2f}x'} |")
+                 f"{'1.00 (baseline)' if sp is None else f'{sp:.2f}x'} | "
+                 f"{_fmt(r.get('cpu_share_min'))} |")
+    L += ["", "CPU share = CPU seconds a worker process got per wall second of a job (all its "
+          "threads); about 1.0 per 1-thread rank on a quiet machine. Lower means other "
+          "processes were competing for the cores and the times are inflated."]
     t = rep["targets"]
     best = t["best_sp_speedup"]
     L += ["", f"Best sequence-parallel speed-up at 2 ranks x 1 thread: "
@@ -388,6 +411,10 @@ def markdown(rep: dict) -> str:
                      f"{r['comm_total_bytes_per_step_max_rank']:,.0f} B |")
     L += ["", f"Wall time of the bench: {rep['wall_s']:.0f} s.", ""]
     return "\n".join(L)
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 def _workload_label(r: dict) -> str:
