@@ -1,0 +1,110 @@
+"""The fixed command line: bad input exits 2 with one line before any worker starts;
+generate writes a LATENT equal to the pool's result and a PNG; the demo runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, tmpdir=None, timeout=300):
+    env = dict(os.environ)
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)  # a launched pool would leave its folder here
+    return subprocess.run([sys.executable, "-m", "comfyui_xdit", *map(str, args)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+BASE = ["--prompt", "a cat", "--seed", "1", "--steps", "2"]
+
+
+@pytest.fixture
+def other_model(tmp_path):
+    d = tmp_path / "unet-model" / "transformer"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel"}))
+    return d.parent
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--height", "128", "--width", "128", "--ulysses", "3"], "does not divide the model's 4 attention heads"),
+    (["--height", "128", "--width", "128", "--world-size", "4", "--ulysses", "2"], "world size 4 != dp 1 x cfg 1 x pipefusion 1 x ulysses 2 x ring 1 = 2"),
+    (["--height", "100", "--width", "128"], "height 100 is not a positive multiple of 16 (try 96)"),
+    (["--height", "128", "--width", "128", "--dp", "2"], "batch of 1 prompt(s) is smaller than dp 2"),
+    (["--height", "128", "--width", "128", "--cfg-parallel"], "cfg-parallel needs classifier-free guidance"),
+    (["--height", "128", "--width", "128", "--ring", "0"], "--ring must be >= 1"),
+    (["--height", "128", "--width", "128", "--pipefusion", "2", "--world-size", "2"], "pipefusion 2 is not available yet"),
+    (["--height", "128", "--width", "128", "--max-sequence-length", "600"], "max_sequence_length must be in 1..512"),
+    (["--height", "128", "--width", "128", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_input_exits_2_with_one_line(model_dir, tmp_path, extra, expect):
+    out = tmp_path / "x.png"
+    r = cli("generate", "--model", model_dir("flux"), *BASE, *extra, "--out", out,
+            tmpdir=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip() and "torchvision" not in l]
+    assert len(lines) == 1, r.stderr
+    assert expect in lines[0]
+    assert not any(p.name.startswith("xdit-pool-") for p in tmp_path.iterdir()), "a pool started"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("which", ["missing", "other", "out"])
+def test_bad_model_or_output_exits_2(model_dir, other_model, tmp_path, which):
+    model = {"missing": tmp_path / "nope", "other": other_model}.get(which, model_dir("sd3"))
+    out = tmp_path / ("x.jpg" if which == "out" else "x.png")
+    r = cli("generate", "--model", model, *BASE, "--height", "64", "--width", "64",
+            "--out", out, tmpdir=tmp_path)
+    assert r.returncode == 2
+    msg = r.stderr.strip().splitlines()[-1]
+    assert {"missing": "is not a directory", "other": "'UNet2DConditionModel' transformer",
+            "out": "must end in .safetensors"}[which] in msg
+
+
+def test_generate_latent_matches_pool_and_png(model_dir, pools, tmp_path):
+    """The one-shot CLI launches its own ranks and gives exactly the warm pool's result."""
+    from safetensors.torch import load_file
+
+    model = model_dir("flux")
+    args = ["generate", "--model", model, "--prompt", "a red cat", "--prompt", "a dog",
+            "--seed", "5", "--steps", "2", "--height", "96", "--width", "128",
+            "--max-sequence-length", "16", "--ulysses", "2", "--threads-per-rank", "1"]
+    r = cli(*args, "--out", tmp_path / "x.safetensors")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(tmp_path / "x.safetensors"))["samples"]
+    pool = pools("flux", 2)
+    pool.reconfigure(ParallelConfig(ulysses=2))
+    want = pool.generate(GenerationRequest(prompt=["a red cat", "a dog"], seed=5, steps=2,
+                                           height=96, width=128, max_sequence_length=16)).samples
+    assert got.shape == (2, 16, 12, 16) and got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+    r = cli(*args, "--out", tmp_path / "img.png")
+    assert r.returncode == 0, r.stderr
+    from PIL import Image
+    for name in ("img.png", "img-1.png"):
+        with Image.open(tmp_path / name) as im:
+            assert im.size == (128, 96) and im.mode == "RGB"
+    assert json.loads(r.stdout.strip().splitlines()[-1])["out"][1].endswith("img-1.png")
+
+
+def test_demo_runs_and_reports(tmp_path):
+    env_cache = tmp_path / "cache"
+    env = dict(os.environ, XDIT_CACHE=str(env_cache))
+    r = subprocess.run([sys.executable, "-m", "comfyui_xdit", "demo", "--out", str(tmp_path / "d")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert report["max_abs_diff_vs_1_rank"] <= 1e-4
+    assert report["config"].endswith("ulysses 2 x ring 1")
+    assert len(report["worker_pids"]) == 2
+    assert (tmp_path / "d" / "demo.png").stat().st_size > 0
