@@ -56,7 +56,98 @@ def _add_generate(sub):
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--lora", type=_lora, action="append", default=[])
     p.add_argument("--out", required=True, help="x.safetensors (LATENT) or x.png")
+    p.add_argument("--attach", default=None, metavar="HOST:PORT",
+                   help="use a pool started with `serve` (secret: $XDIT_POOL_SECRET or --secret-file)")
+    p.add_argument("--secret-file", default=None)
     p.set_defaults(func=run_generate)
+
+
+def _read_secret(args) -> bytes:
+    if args.secret_file:
+        try:
+            with open(args.secret_file) as f:
+                text = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read --secret-file: {e}") from None
+    else:
+        text = os.environ.get("XDIT_POOL_SECRET", "")
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        raise ConfigError("the pool secret must be at least 32 hex digits, from "
+                          "--secret-file or $XDIT_POOL_SECRET (make one: "
+                          "python -c 'import secrets; print(secrets.token_hex(32))')")
+    return secret
+
+
+def _add_serve(sub):
+    p = sub.add_parser("serve", help="worker entry point, e.g. under torchrun on several nodes")
+    p.add_argument("--model", required=True)
+    p.add_argument("--listen", default="127.0.0.1:0",
+                   help="rank 0's control address; 0.0.0.0:PORT to accept other machines")
+    p.add_argument("--secret-file", default=None, help="else $XDIT_POOL_SECRET (hex)")
+    p.add_argument("--address-file", default=None, help="rank 0 writes HOST:PORT here")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--threads-per-rank", type=_positive("--threads-per-rank"), default=None)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    from .model_info import read_model_info
+
+    read_model_info(args.model)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _read_secret(args)  # fail early, with the clear message, on rank 0
+    argv = ["--model", str(Path(args.model).resolve()), "--listen", args.listen,
+            "--device", args.device, "--dtype", args.dtype,
+            "--threads", str(args.threads_per_rank or 0)]
+    if args.secret_file:
+        argv += ["--secret-file", args.secret_file]
+    if args.address_file:
+        argv += ["--address-file", args.address_file]
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    from workers.serve import main as worker_main
+    return worker_main(argv)
+
+
+def _add_status(sub):
+    p = sub.add_parser("status", help="show an attached pool's ranks, memory and state")
+    p.add_argument("--attach", required=True, metavar="HOST:PORT")
+    p.add_argument("--secret-file", default=None)
+    p.set_defaults(func=run_status)
+
+
+def run_status(args) -> int:
+    from .pool import WorkerPool
+
+    try:
+        pool = WorkerPool.attach(args.attach, _read_secret(args))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        pool.model_info  # connects
+        info = pool.status()
+    finally:
+        pool.close()
+    print(format_status(info))
+    return 0
+
+
+def format_status(info: dict) -> str:
+    lines = [f"model: {info.get('model')}  arch: {info.get('arch')}  world size: "
+             f"{info.get('world_size')}  state: {info.get('state')}"
+             + (f" (job {info.get('job_id')}, step {info.get('step')}/{info.get('total')})"
+                if info.get("state") == "running" else "")]
+    lines.append("rank  pid      host                 device   rss_mb")
+    for r in info.get("ranks", []):
+        lines.append(f"{r['rank']:<5} {r['pid']:<8} {r['host'][:20]:<20} {r['device']:<8} "
+                     f"{r.get('rss_mb', 0):.0f}")
+    return "\n".join(lines)
 
 
 def _add_parallel_flags(p):
@@ -93,10 +184,18 @@ def run_generate(args) -> int:
         steps=args.steps, height=args.height, width=args.width, guidance=args.guidance,
         cfg=args.cfg, max_sequence_length=args.max_sequence_length, loras=args.lora,
         output="image" if out.suffix.lower() == ".png" else "latent")
-    info = read_model_info(args.model)
-    config.validate(info, request)  # before anything launches
-    with WorkerPool(args.model, config, device=args.device, dtype=args.dtype,
-                    threads_per_rank=args.threads_per_rank) as pool:
+    if args.attach:
+        pool = WorkerPool.attach(args.attach, _read_secret(args), config)
+    else:
+        config.validate(read_model_info(args.model), request)  # before anything launches
+        pool = WorkerPool(args.model, config, device=args.device, dtype=args.dtype,
+                          threads_per_rank=args.threads_per_rank)
+    with pool:
+        if args.attach:
+            served = pool.model_info.path
+            if Path(served).name != Path(args.model).name:
+                raise ConfigError(f"the pool at {args.attach} serves {served!r}, not "
+                                  f"{args.model!r}; attach to a pool serving that model")
         result = pool.generate(request)
     written = write_output(result, out)
     print(json.dumps({"out": [str(p) for p in written], "config": config.describe(),
@@ -133,6 +232,8 @@ def main(argv=None) -> int:
     demo.add_cli(sub)
     tiny_model.add_cli(sub)
     _add_generate(sub)
+    _add_serve(sub)
+    _add_status(sub)
     try:
         from . import bench
         bench.add_cli(sub)

@@ -65,20 +65,78 @@ class WorkerPool:
         self._running_job: Optional[int] = None
         self.launches = 0
         self.last_launch: dict = {}
+        self._attached: Optional[tuple] = None  # (address, secret) of an external pool
+        self._remote: dict = {}  # rank 0's self-description (model, ranks, state)
+        self._progress: dict = {}  # last event of the running job (for status())
         _LIVE_POOLS.add(self)
+
+    @classmethod
+    def attach(cls, address, secret, config: Optional[ParallelConfig] = None,
+               step_timeout: float = 600.0) -> "WorkerPool":
+        """Use a pool started elsewhere (`python -m comfyui_xdit serve` under torchrun).
+        `address` is "HOST:PORT" or a tuple; `secret` bytes or hex. `close()` disconnects and
+        leaves the external pool running."""
+        pool = cls.__new__(cls)
+        WorkerPool.__init__(pool, ".", config, step_timeout=step_timeout)
+        pool.model_path = None
+        if isinstance(address, str):
+            address = parse_address(address)
+        if isinstance(secret, str):
+            secret = bytes.fromhex(secret.strip())
+        pool._attached = (tuple(address), secret)
+        pool._config_given = config is not None
+        return pool
 
     # ---- info -----------------------------------------------------------------------
     @property
     def model_info(self) -> ModelInfo:
         if self._info is None:
-            self._info = read_model_info(self.model_path)
+            if self._attached:
+                with self._lock:
+                    if self._chan is None:
+                        self._launch()
+                r = self._remote
+                self._info = ModelInfo(path=r["model"], arch=r["arch"], heads=r["heads"],
+                                       patch_size=r["patch_size"])
+            else:
+                self._info = read_model_info(self.model_path)
         return self._info
 
     def worker_pids(self) -> list:
+        if self._attached:
+            return [r["pid"] for r in self._remote.get("ranks", [])]
         return [p.pid for p in self._procs]
 
     def is_running(self) -> bool:
+        if self._attached:
+            return self._chan is not None
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    def status(self) -> dict:
+        """Ranks, pids, devices, memory per rank and state (idle, loading, running k/n).
+        Asks rank 0 when idle; while a job runs, answers from the job's own event stream."""
+        if not self.is_running():
+            return {"state": "stopped", "world_size": self.config.ranks, "ranks": [],
+                    "model": self.model_path}
+        if self._lock.acquire(blocking=False):
+            try:
+                self._chan.send(("status",))
+                msg = self._recv(30.0, "asking for status")
+                while msg[0] != "status":
+                    msg = self._recv(30.0, "asking for status")
+                self._remote = msg[1]
+            finally:
+                self._lock.release()
+            info = dict(self._remote)
+        else:
+            info = dict(self._remote, state="running", **self._progress)
+        ranks = [dict(r) for r in info.get("ranks", [])]
+        if not self._attached:  # local: read each worker's memory now
+            for r, p in zip(ranks, self._procs):
+                r["rss_mb"] = _rss_mb(p.pid)
+        info["ranks"] = ranks
+        info["attached"] = bool(self._attached)
+        return info
 
     def reconfigure(self, config: ParallelConfig) -> None:
         """Switch the parallel configuration. The same world size keeps the warm workers
@@ -109,7 +167,26 @@ class WorkerPool:
                 return f"worker rank {rank} (pid {p.pid}) {how}; last log lines: " + " | ".join(tail)
         return None
 
+    def _connect_attached(self) -> None:
+        address, secret = self._attached
+        self._chan = connect(address, secret)
+        msg = self._recv(self.step_timeout, f"waiting for the pool at {address[0]}:{address[1]}")
+        if msg[0] == "busy":
+            self._shutdown()
+            raise PoolError(f"the pool at {address[0]}:{address[1]} is in use: {msg[1]}")
+        if msg[0] != "ready":
+            raise PoolError(f"unexpected first message from rank 0: {msg[0]!r}")
+        self._remote = msg[1]
+        if self._config_given and self.config.ranks != self._remote["world_size"]:
+            n = self._remote["world_size"]
+            self._shutdown()
+            raise ConfigError(f"the pool at {address[0]}:{address[1]} has {n} ranks but "
+                              f"{self.config.describe()} = {self.config.ranks}; give a "
+                              f"configuration whose degrees multiply to {n}")
+
     def _launch(self) -> None:
+        if self._attached:
+            return self._connect_attached()
         t0 = time.perf_counter()
         world = self.config.ranks
         self._tmp = tempfile.mkdtemp(prefix="xdit-pool-")
@@ -160,6 +237,7 @@ class WorkerPool:
         msg = self._recv(deadline - time.monotonic(), "while loading")
         if msg[0] != "ready":
             raise PoolError(f"unexpected first message from rank 0: {msg[0]!r}")
+        self._remote = msg[1]
         self.launches += 1
         self.last_launch = {"spawn_s": t_spawn - t0, "ready_s": time.perf_counter() - t0,
                             "load_s_rank0": msg[1]["load_seconds"]}
@@ -191,7 +269,7 @@ class WorkerPool:
     def _shutdown(self) -> None:
         """Stop every worker (polite, then SIGTERM, then SIGKILL) and free the port/files."""
         procs, self._procs = self._procs, []
-        if self._chan is not None:
+        if self._chan is not None and not self._attached:
             try:
                 self._chan.send(("shutdown",))
             except OSError:
@@ -265,6 +343,8 @@ class WorkerPool:
                     msg = self._recv(self.step_timeout, f"running job {job_id}")
                     kind = msg[0]
                     if kind == "event" and msg[1] == job_id:
+                        self._progress = {"job_id": job_id, "step": msg[2]["step"],
+                                          "total": msg[2]["total"]}
                         if first_step is None:
                             first_step = time.perf_counter() - t_ready
                         if on_event is not None:
@@ -291,6 +371,7 @@ class WorkerPool:
                         raise PoolError(msg[2])
             finally:
                 self._running_job = None
+                self._progress = {}
 
     def _cancel_and_drain(self, job_id: int) -> None:
         """The caller gave up on the job (e.g. ComfyUI's interrupt): stop it on the workers
@@ -305,6 +386,17 @@ class WorkerPool:
                     return
         except PoolError:
             return
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def _close_all() -> None:

@@ -81,6 +81,18 @@ class Worker:
         self.load_seconds = time.perf_counter() - t
         self.topologies = {}
         self.parallel = None  # (config key, SequenceParallel or None)
+        self.ranks = _gather_all({"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+                                  "device": str(self.device), "rss_mb": _rss_mb()})
+        self.state = {"state": "idle", "job_id": None, "step": 0, "total": 0}
+
+    def describe(self) -> dict:
+        """What `status` shows: the model, the ranks, and what rank 0 is doing."""
+        t = self.model.transformer.config
+        return {"model": self.args.model, "arch": self.model.arch,
+                "heads": int(t.num_attention_heads), "patch_size": int(t.get("patch_size", 1) or 1),
+                "world_size": self.world, "load_seconds": self.load_seconds,
+                "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
+                **self.state}
 
     def topology(self, key):
         """Process groups and model hooks for a configuration, built once per key."""
@@ -137,14 +149,38 @@ class Worker:
         t = time.perf_counter()
         with torch.inference_mode():
             samples = run_job(job, self.model, self.adapter, topo, emit, should_stop)
-        stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t}
+        stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": _rss_mb()}
+        if self.device.type == "cuda":
+            stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         if meter is not None:
             stats["comm"] = meter.snapshot()
         images = None
         if self.rank == 0 and job.request.get("output") == "image":
             with torch.inference_mode():
                 images = self.adapter.decode(self.model, samples)
-        return samples, images, _gather_stats(stats)
+        stats = _gather_stats(stats)
+        if stats and self.rank == 0:
+            for r, st in zip(self.ranks, stats):
+                r["rss_mb"] = st["rss_mb"]
+        return samples, images, stats
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _gather_all(obj):
+    import torch.distributed as dist
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _gather_stats(stats):
@@ -185,6 +221,7 @@ class _Acceptor(threading.Thread):
         self.sock = sock
         self.secret = secret
         self.channels = queue.Queue()
+        self.busy = threading.Event()  # a host is connected: others are told so and dropped
 
     def run(self):
         from comfyui_xdit.channel import AuthError, server_handshake
@@ -194,7 +231,18 @@ class _Acceptor(threading.Thread):
             except OSError:
                 return
             try:
-                self.channels.put(server_handshake(conn, self.secret))
+                chan = server_handshake(conn, self.secret)
+                for _ in range(20):  # a host that just left may not be noticed yet
+                    if not self.busy.is_set():
+                        break
+                    time.sleep(0.1)
+                if self.busy.is_set():
+                    log.info("control connection from %s refused: another host is connected", peer)
+                    chan.send(("busy", "another host is connected to this pool"))
+                    chan.close()
+                    continue
+                self.busy.set()
+                self.channels.put(chan)
                 log.info("control connection from %s authenticated", peer)
             except AuthError as e:
                 log.warning("refused control connection from %s: %s", peer, e)
@@ -210,13 +258,13 @@ def _leader_loop(worker, acceptor):
     while True:
         if chan is None:
             chan = acceptor.channels.get()
-            chan.send(("ready", {"world_size": worker.world, "load_seconds": worker.load_seconds,
-                                 "pid": os.getpid()}))
+            chan.send(("ready", worker.describe()))
         try:
             msg = chan.recv()
         except (ConnectionError, OSError, EOFError):
             log.info("host disconnected")
             chan = None
+            acceptor.busy.clear()
             continue
         kind = msg[0]
         if kind == "shutdown":
@@ -225,6 +273,9 @@ def _leader_loop(worker, acceptor):
             return
         if kind == "ping":
             chan.send(("pong",))
+            continue
+        if kind == "status":
+            chan.send(("status", worker.describe()))
             continue
         if kind == "cancel":  # arrived after its job ended: nothing to stop
             continue
@@ -245,13 +296,21 @@ def _leader_loop(worker, acceptor):
                 m = chan.recv()
                 if m[0] == "cancel" and m[1] in (None, job.job_id):
                     cancelled.append(m)
+                elif m[0] == "status":
+                    chan.send(("status", worker.describe()))
             return bool(cancelled)
 
         def emit(event):
+            worker.state.update(step=event["step"], total=event["total"])
             chan.send(("event", job.job_id, event))
 
+        worker.state.update(state="running", job_id=job.job_id, step=0,
+                            total=job.request["steps"])
         try:
-            samples, images, stats = worker.run(job, emit, should_stop)
+            try:
+                samples, images, stats = worker.run(job, emit, should_stop)
+            finally:
+                worker.state.update(state="idle", job_id=None)
         except Cancelled as e:
             chan.send(("cancelled", job.job_id, str(e)))
             continue
