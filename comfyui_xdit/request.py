@@ -63,6 +63,9 @@ class GenerationRequest:
             out.append(f"max_sequence_length must be in 1..512 (got {self.max_sequence_length!r})")
         if self.cfg is not None and self.cfg < 1.0:
             out.append(f"cfg must be >= 1 (got {self.cfg}); 1 disables classifier-free guidance")
+        if self.loras:
+            out.append("LoRA is not supported by the pool yet; remove the LoRA "
+                       "(it arrives with the ComfyUI nodes)")
         if self.output not in ("latent", "image"):
             out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
         return out
