@@ -14,7 +14,10 @@ image tokens), it measures on CPU, one configuration after the other (never conc
   each against the 1-rank time of the same workload.
 
 Time per step = a job's denoising-loop seconds (slowest rank) / steps, median over the timed
-jobs of a warm pool (one warm-up job per configuration first). Writes `bench.json` (raw
+jobs of warm pools (one warm-up job per configuration first). The pools compared stay warm side
+by side and are timed round-robin, one job at a time, so slow drifts of a shared machine hit
+every configuration alike; jobs during which other processes used more than
+`--max-foreign-load` cores are re-run. Writes `bench.json` (raw
 numbers) and `bench.md` under `--out`, and prints the markdown.
 """
 from __future__ import annotations
@@ -39,7 +42,8 @@ BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 PRESETS = {
     "full": dict(heads=12, head_dim=48, depth=2, height=512, width=512, steps=5,
                  max_sequence_length=32, warmup=1, repeats=3),
-    "quick": dict(heads=4, head_dim=16, depth=1, height=128, width=128, steps=2,
+    # quick = the default tiny model (the demo's), so a shared cache builds it once
+    "quick": dict(heads=4, head_dim=16, depth=2, height=128, width=128, steps=2,
                   max_sequence_length=8, warmup=1, repeats=1),
 }
 
@@ -218,76 +222,94 @@ class Contention:
             self.waited += 2.0
 
 
-def measure(pool, workload: str, job: dict, warmup: int, repeats: int, log,
-            quiet: Contention, max_attempts: int) -> dict:
-    """Warm-up job(s), then timed jobs on the pool's current configuration until `repeats`
-    of them ran on a quiet machine (or `max_attempts` were made)."""
-    req = _request(workload, job)
-    for _ in range(warmup):
-        pool.generate(req)
-    jobs = []
-    while len(jobs) < max_attempts and sum(not j["contended"] for j in jobs) < repeats:
-        pids = pool.worker_pids()
-        quiet.wait_quiet(pids)
-        cpu0 = [_cpu_seconds(p) for p in pids]
-        before = quiet.sample(pids)
-        res = pool.generate(req)
-        foreign = quiet.foreign(before, pids)
-        cpu1 = [_cpu_seconds(p) for p in pids]
-        wall = res.timings["job_s"]
-        # CPU seconds each worker got per wall second of the job (text encoding on rank 0
-        # included): near 1.0 per 1-thread rank on a quiet machine for a compute-bound job
-        share = [None if a is None or b is None else (b - a) / wall for a, b in zip(cpu0, cpu1)]
-        contended = foreign is not None and foreign > quiet.threshold
-        jobs.append({"job_s": wall, "denoise_s": [s["denoise_s"] for s in res.stats],
-                     "cpu_share": share, "foreign_cores": foreign, "contended": contended,
-                     "comm": [s.get("comm") for s in res.stats]})
-        d = max(jobs[-1]["denoise_s"])
-        log(f"    job {len(jobs)}: denoise {d:.3f}s ({d / job['steps']:.3f}s/step), other "
-            f"processes used {'?' if foreign is None else f'{foreign:.2f}'} cores"
-            + (" -> contended, not counted" if contended else ""))
-    clean = [j for j in jobs if not j["contended"]]
-    used = clean or jobs
+class Entry:
+    """One measured configuration: a run name, its pool, its ParallelConfig and workload."""
+
+    def __init__(self, name: str, pool, config: ParallelConfig, workload: str, threads: int):
+        self.name, self.pool, self.config, self.workload = name, pool, config, workload
+        self.threads = threads
+        self.jobs: list = []
+
+    def clean(self) -> int:
+        return sum(not j["contended"] for j in self.jobs)
+
+
+def _job(entry: Entry, job: dict, quiet: Contention, all_pids: list, log) -> dict:
+    pool = entry.pool
+    if pool.config != entry.config:
+        pool.reconfigure(entry.config)  # same world size: the workers stay warm
+    req = _request(entry.workload, job)
+    pids = pool.worker_pids()
+    others = [p for p in all_pids if p not in pids]  # idle pools of this bench
+    quiet.wait_quiet(all_pids)
+    cpu0 = [_cpu_seconds(p) for p in pids]
+    idle0 = sum(_cpu_seconds(p) or 0.0 for p in others)
+    before = quiet.sample(all_pids)
+    res = pool.generate(req)
+    foreign = quiet.foreign(before, all_pids)
+    cpu1 = [_cpu_seconds(p) for p in pids]
+    idle1 = sum(_cpu_seconds(p) or 0.0 for p in others)
+    wall = res.timings["job_s"]
+    # CPU seconds each worker got per wall second of the job (text encoding on rank 0
+    # included): near 1.0 per 1-thread rank when it never waits
+    share = [None if a is None or b is None else (b - a) / wall for a, b in zip(cpu0, cpu1)]
+    contended = foreign is not None and foreign > quiet.threshold
+    rec = {"job_s": wall, "denoise_s": [s["denoise_s"] for s in res.stats],
+           "cpu_share": share, "foreign_cores": foreign, "idle_pool_cores": (idle1 - idle0) / wall,
+           "contended": contended, "comm": [s.get("comm") for s in res.stats]}
+    d = max(rec["denoise_s"])
+    log(f"  {entry.name:12s} job {len(entry.jobs) + 1}: {d / job['steps']:.3f} s/step, other "
+        f"processes {'?' if foreign is None else f'{foreign:.2f}'} cores"
+        + (" -> contended, not counted" if contended else ""))
+    return rec
+
+
+def measure_interleaved(entries: list, job: dict, warmup: int, repeats: int, max_attempts: int,
+                        quiet: Contention, log) -> None:
+    """Warm every entry up, then time them round-robin (one job of each in turn) until each
+    has `repeats` jobs on a quiet machine or `max_attempts` jobs. Interleaving spreads slow
+    drifts of the machine (neighbours, clock, memory) evenly over the configurations
+    compared, instead of charging them all to whichever ran last. Jobs never overlap."""
+    all_pids = []
+    for e in entries:
+        log(f"  {e.name}: warming up ({e.config.describe()}, {e.threads} thread(s)/rank, "
+            f"workload {e.workload})")
+        if e.pool.config != e.config:
+            e.pool.reconfigure(e.config)
+        for _ in range(warmup):
+            e.pool.generate(_request(e.workload, job))
+        all_pids += [p for p in e.pool.worker_pids() if p not in all_pids]
+    while True:
+        todo = [e for e in entries if e.clean() < repeats and len(e.jobs) < max_attempts]
+        if not todo:
+            return
+        for e in todo:
+            e.jobs.append(_job(e, job, quiet, all_pids, log))
+
+
+def summarize_entry(e: Entry, job: dict) -> dict:
+    clean = [j for j in e.jobs if not j["contended"]]
+    used = clean or e.jobs
     per_step = [max(j["denoise_s"]) / job["steps"] for j in used]
     shares = [x for j in used for x in j["cpu_share"] if x is not None]
-    comm = jobs[-1]["comm"]
     steps = job["steps"]
     comm_per_step = [None if c is None else {k: v / steps for k, v in c["bytes"].items()}
-                     for c in comm]
-    return {"workload": workload, "batch": len(req.prompt), "cfg": req.cfg,
-            "step_s_median": statistics.median(per_step), "step_s_min": min(per_step),
-            "step_s_all": per_step, "jobs": jobs, "timed_jobs_used": len(used),
-            "contended": not clean,
-            "cpu_share_min": min(shares) if shares else None,
+                     for c in e.jobs[-1]["comm"]]
+    req = _request(e.workload, job)
+    return {"name": e.name, "config": e.config.describe(), "ranks": e.config.ranks,
+            "threads_per_rank": e.threads, "workload": e.workload, "batch": len(req.prompt),
+            "cfg": req.cfg, "step_s_median": statistics.median(per_step),
+            "step_s_min": min(per_step), "step_s_all": per_step, "timed_jobs_used": len(used),
+            "contended": not clean, "cpu_share_min": min(shares) if shares else None,
             "foreign_cores_max": max((j["foreign_cores"] for j in used
                                       if j["foreign_cores"] is not None), default=None),
-            "comm_bytes_per_step": comm_per_step}
-
-
-def _run_pool(model, config: ParallelConfig, threads: int, plan: list, job, warmup, repeats,
-              log, quiet: Contention, max_attempts: int) -> dict:
-    """Run `plan` = [(run name, workload, ParallelConfig or None)] on one pool, in order."""
-    from .pool import WorkerPool
-
-    out = {}
-    with WorkerPool(model, config, device="cpu", threads_per_rank=threads) as pool:
-        for name, workload, cfg in plan:
-            if cfg is not None:
-                pool.reconfigure(cfg)
-            log(f"  {name}: {pool.config.describe()}, {threads} thread(s)/rank, "
-                f"workload {workload}")
-            t = time.perf_counter()
-            r = measure(pool, workload, job, warmup, repeats, log, quiet, max_attempts)
-            r.update(name=name, config=pool.config.describe(), ranks=pool.config.ranks,
-                     threads_per_rank=threads, wall_s=time.perf_counter() - t)
-            if pool.launches == 1 and "launch" not in out:
-                out["launch"] = dict(pool.last_launch)
-            out[name] = r
-    return out
+            "idle_pool_cores_max": max(j["idle_pool_cores"] for j in used),
+            "jobs": e.jobs, "comm_bytes_per_step": comm_per_step}
 
 
 def run(args) -> int:
     from .demo import default_cache
+    from .pool import WorkerPool
     from .tiny_model import ensure_tiny_model
 
     t_start = time.perf_counter()
@@ -320,40 +342,47 @@ def run(args) -> int:
         f"{job['width']}x{job['height']} = {job['image_tokens']} image tokens, "
         f"{job['steps']} steps")
 
+    w, r = preset["warmup"], preset["repeats"]
+    attempts = r if args.quick else r + max(0, args.max_retries)
+    quiet = Contention(args.max_foreign_load, 0.0 if args.quick else args.max_wait, log)
     # the workers inherit the environment: the meter must be on before any pool launches
     old_meter = os.environ.get("XDIT_COMM_METER")
     os.environ["XDIT_COMM_METER"] = "1"
     machine = machine_facts()
-    runs, launches = {}, {}
+    pools = {}
     try:
-        w, r = preset["warmup"], preset["repeats"]
-        attempts = r if args.quick else r + max(0, args.max_retries)
-        quiet = Contention(args.max_foreign_load, 0.0 if args.quick else args.max_wait, log)
-        one_plan = [("1x1", "base", None)]
+        pools["1x1"] = WorkerPool(model_path, ParallelConfig(), device="cpu", threads_per_rank=1)
+        pools["2x1"] = WorkerPool(model_path, ParallelConfig(ulysses=2), device="cpu",
+                                  threads_per_rank=1)
+        head = [Entry("1x1", pools["1x1"], ParallelConfig(), "base", 1)]
+        if extras and not args.quick:  # one more pool; --quick keeps to two
+            pools["1x2"] = WorkerPool(model_path, ParallelConfig(), device="cpu",
+                                      threads_per_rank=2)
+            head.append(Entry("1x2", pools["1x2"], ParallelConfig(), "base", 2))
+        cmp = [Entry(n, pools["2x1"], ParallelConfig(**kw), wl, 1) for n, wl, kw in TWO_RANK_RUNS]
+        head += [e for e in cmp if e.workload == "base"]
+        log("headline: 1 rank vs 2 ranks, same job")
+        measure_interleaved(head, job, w, r, attempts, quiet, log)
+        entries = list(head)
         if extras:
-            one_plan += [("1x1_cfg", "cfg", None), ("1x1_batch2", "batch2", None)]
-        log("1 rank x 1 thread")
-        res = _run_pool(model_path, ParallelConfig(), 1, one_plan, job, w, r, log, quiet, attempts)
-        launches["1x1"] = res.pop("launch", None)
-        runs.update(res)
-        if extras and not args.quick:  # one more launch; --quick keeps to two pools
-            log("1 rank x 2 threads (reference)")
-            res = _run_pool(model_path, ParallelConfig(), 2, [("1x2", "base", None)], job, w, r,
-                            log, quiet, attempts)
-            launches["1x2"] = res.pop("launch", None)
-            runs.update(res)
-        two_plan = [(n, wl, ParallelConfig(**kw)) for n, wl, kw in TWO_RANK_RUNS
-                    if extras or wl == "base"]
-        log("2 ranks x 1 thread")
-        res = _run_pool(model_path, two_plan[0][2], 1, two_plan, job, w, r, log, quiet, attempts)
-        launches["2x1"] = res.pop("launch", None)
-        runs.update(res)
+            rest = [Entry("1x1_cfg", pools["1x1"], ParallelConfig(), "cfg", 1),
+                    Entry("1x1_batch2", pools["1x1"], ParallelConfig(), "batch2", 1)]
+            rest += [e for e in cmp if e.workload != "base"]
+            log("comparison: cfg-parallel and dp against 1 rank on their own workloads")
+            measure_interleaved(rest, job, w, r, attempts, quiet, log)
+            entries += rest
+        launches = {k: dict(p.last_launch) for k, p in pools.items()}
     finally:
+        for p in pools.values():
+            p.close()
         if old_meter is None:
             os.environ.pop("XDIT_COMM_METER", None)
         else:
             os.environ["XDIT_COMM_METER"] = old_meter
     machine["loadavg_end"] = _loadavg()
+    order = ["1x1", "1x1_cfg", "1x1_batch2", "1x2"] + [n for n, _, _ in TWO_RANK_RUNS]
+    runs = {e.name: summarize_entry(e, job) for e in sorted(entries,
+                                                            key=lambda e: order.index(e.name))}
 
     report = summarize(machine, model, job, runs, launches)
     report["contention"] = {"threshold": quiet.threshold, "waited_s": quiet.waited,
@@ -451,7 +480,11 @@ def markdown(rep: dict) -> str:
           f"(machine CPU time minus the workers' and the host's); jobs above "
           f"{c['threshold']} cores are re-run and not counted (waited {c['waited_s']:.0f} s "
           "for a quiet machine in all). Worker CPU share = CPU seconds a worker got per wall "
-          "second of its job, all threads, text encoding included."]
+          "second of its job, all threads, text encoding included (below 1.0 for a 1-thread "
+          "rank: time spent waiting). The pools stay warm side by side and the "
+          "configurations are timed round-robin, one job at a time; the idle pools used at "
+          f"most {max(r['idle_pool_cores_max'] for r in runs.values()):.3f} cores during "
+          "another pool's job."]
     t = rep["targets"]
     best = t["best_sp_speedup"]
     L += ["", f"Best sequence-parallel speed-up at 2 ranks x 1 thread: "

@@ -16,8 +16,8 @@ def test_bench_quick(tmp_path):
     env = dict(os.environ)
     env.pop("XDIT_COMM_METER", None)  # the bench must switch the meter on by itself
     proc = subprocess.run(
-        [sys.executable, "-m", "comfyui_xdit", "bench", "--quick", "--out", str(out),
-         "--cache", str(tmp_path / "models")],
+        # the default model cache: --quick uses the demo's tiny model, built once and reused
+        [sys.executable, "-m", "comfyui_xdit", "bench", "--quick", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -30,7 +30,7 @@ def test_bench_quick(tmp_path):
         assert key in rep, key
     assert rep["machine"]["cpu_count"] >= 1 and rep["machine"]["torch"]
     model, job = rep["model"], rep["job"]
-    assert model["transformer_params"] > 0 and model["attention_layers"] == 2
+    assert model["transformer_params"] > 0 and model["attention_layers"] >= 2
     assert job["image_tokens"] == (job["height"] // 16) * (job["width"] // 16)
 
     runs = rep["runs"]
