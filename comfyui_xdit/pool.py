@@ -335,8 +335,8 @@ class WorkerPool:
             body = {"job_id": job_id, "request": dataclasses.asdict(req),
                     "config": self.config.key(), "noise": noise, "init_latent": init_latent,
                     "denoise": denoise}
+            self._running_job = job_id  # before sending: a cancel() racing the send counts
             self._chan.send(("job", body))
-            self._running_job = job_id
             first_step = None
             try:
                 while True:
@@ -364,14 +364,25 @@ class WorkerPool:
                     elif kind == "cancelled" and msg[1] == job_id:
                         raise JobCancelled(f"job cancelled ({msg[2]})")
                     elif kind == "error":
-                        fatal = msg[3]
-                        if fatal:
-                            time.sleep(0.3)
-                            self._shutdown()
+                        if msg[3]:  # fatal: a dead peer usually shows up as rank 0's error
+                            self._raise_fatal(msg[2], f"running job {job_id}")
                         raise PoolError(msg[2])
             finally:
                 self._running_job = None
                 self._progress = {}
+
+    def _raise_fatal(self, reported: str, when: str) -> None:
+        """Rank 0 gave up (its collective failed): name the rank that actually died, if one
+        did, then stop the pool."""
+        deadline = time.monotonic() + 2.0
+        dead = self._dead()
+        while dead is None and time.monotonic() < deadline and self._procs:
+            time.sleep(0.1)
+            dead = self._dead()
+        self._shutdown()
+        if dead:
+            raise PoolError(f"{dead} ({when}); rank 0 reported: {reported}")
+        raise PoolError(reported)
 
     def _cancel_and_drain(self, job_id: int) -> None:
         """The caller gave up on the job (e.g. ComfyUI's interrupt): stop it on the workers
@@ -382,7 +393,7 @@ class WorkerPool:
                 msg = self._recv(self.step_timeout, f"cancelling job {job_id}")
                 if msg[0] in ("cancelled", "result", "error") and msg[1] in (job_id, None):
                     if msg[0] == "error" and msg[3]:
-                        self._shutdown()
+                        self._raise_fatal(msg[2], f"cancelling job {job_id}")
                     return
         except PoolError:
             return

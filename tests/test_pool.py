@@ -156,10 +156,6 @@ class WorkersDiedWithThread(AssertionError):
     """The workers of a pool died when the thread that launched the pool ended."""
 
 
-@pytest.mark.xfail(strict=True, raises=WorkersDiedWithThread, reason=(
-    "workers/serve.py _die_with_parent uses PR_SET_PDEATHSIG, which fires when the *thread* "
-    "that spawned the worker exits, not the process: a pool launched from a short-lived "
-    "thread loses its workers (SIGTERM) as soon as that thread ends"))
 def test_two_pools_at_once_and_close_cleans_up(model_dir, reference):
     """Two pools launched at the same moment from two threads: different ports and temp
     dirs, disjoint workers, equal results (each pool's first job is the other's second).
@@ -248,10 +244,7 @@ class RankNotNamed(AssertionError):
 
 
 @pytest.mark.parametrize("rank", [
-    pytest.param(1, marks=pytest.mark.xfail(strict=True, raises=RankNotNamed, reason=(
-        "pool.py generate(): rank 0's fatal ('error', ..., True) message ('rank 0: "
-        "RuntimeError: ... Connection reset by peer') is raised as is, before the host "
-        "checks which worker died, so a killed rank 1 is reported as a rank-0 error"))),
+    1,
     0,
 ])
 def test_killed_worker_fails_fast_and_next_job_relaunches(kill_pool, reference, rank):

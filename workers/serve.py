@@ -22,13 +22,19 @@ log = logging.getLogger("xdit.worker")
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGTERM when the process that launched us dies (no orphans)."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    """Exit when the process that launched us goes away (no orphans). Polls the parent pid:
+    Linux's PR_SET_PDEATHSIG fires when the launching *thread* ends, which would kill a pool
+    started from a short-lived thread."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                log.error("parent process %d is gone; exiting", parent)
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="xdit-parent-watch").start()
 
 
 def _parse(argv):
