@@ -133,7 +133,7 @@ class WorkerPool:
         ranks = [dict(r) for r in info.get("ranks", [])]
         if not self._attached:  # local: read each worker's memory now
             for r, p in zip(ranks, self._procs):
-                r["rss_mb"] = _rss_mb(p.pid)
+                r["rss_mb"] = rss_mb(p.pid)
         info["ranks"] = ranks
         info["attached"] = bool(self._attached)
         return info
@@ -399,7 +399,8 @@ class WorkerPool:
             return
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid="self") -> float:
+    """Resident memory of a process in MiB (Linux /proc; 0 where unavailable)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:

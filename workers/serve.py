@@ -18,6 +18,8 @@ import threading
 import time
 import traceback
 
+from comfyui_xdit.pool import rss_mb
+
 log = logging.getLogger("xdit.worker")
 
 
@@ -88,7 +90,7 @@ class Worker:
         self.topologies = {}
         self.parallel = None  # (config key, SequenceParallel or None)
         self.ranks = _gather_all({"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-                                  "device": str(self.device), "rss_mb": _rss_mb()})
+                                  "device": str(self.device), "rss_mb": rss_mb()})
         self.state = {"state": "idle", "job_id": None, "step": 0, "total": 0}
 
     def describe(self) -> dict:
@@ -155,7 +157,7 @@ class Worker:
         t = time.perf_counter()
         with torch.inference_mode():
             samples = run_job(job, self.model, self.adapter, topo, emit, should_stop)
-        stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": _rss_mb()}
+        stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb()}
         if self.device.type == "cuda":
             stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         if meter is not None:
@@ -169,17 +171,6 @@ class Worker:
             for r, st in zip(self.ranks, stats):
                 r["rss_mb"] = st["rss_mb"]
         return samples, images, stats
-
-
-def _rss_mb() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def _gather_all(obj):
