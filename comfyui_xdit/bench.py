@@ -78,10 +78,11 @@ def add_cli(sub):
     p.add_argument("--max-foreign-load", type=float, default=0.25,
                    help="cores other processes may use during a timed job before it is "
                         "re-run (default 0.25)")
-    p.add_argument("--max-retries", type=int, default=6,
+    p.add_argument("--max-retries", type=int, default=4,
                    help="extra timed jobs per configuration to replace contended ones")
-    p.add_argument("--max-wait", type=float, default=240.0,
-                   help="total seconds to wait for a quiet machine (default 240; --quick: 0)")
+    p.add_argument("--max-wait", type=float, default=150.0,
+                   help="total seconds to wait for a quiet machine (default 150; --quick: 0); "
+                        "once spent, contended jobs are kept (and flagged)")
     p.add_argument("--no-extras", action="store_true",
                    help="skip the 1x2-thread reference and the cfg/dp comparison")
     p.set_defaults(func=run)
@@ -191,6 +192,10 @@ class Contention:
         self.waited = 0.0
         self.log = log
 
+    @property
+    def exhausted(self) -> bool:
+        return self.waited >= self.budget
+
     def _ours(self, pids) -> float:
         t = os.times()
         return sum(_cpu_seconds(p) or 0.0 for p in pids) + t.user + t.system
@@ -207,19 +212,20 @@ class Contention:
         return max(0.0, ((busy1 - busy0) - (ours1 - ours0)) / (t1 - t0))
 
     def wait_quiet(self, pids, window: float = 0.5) -> None:
-        while self.budget - self.waited > 0:
+        """Return once other processes used at most `threshold` cores over `window` seconds,
+        or when the wait budget is spent (only time spent on a busy machine counts)."""
+        while not self.exhausted:
             s = self.sample(pids)
             time.sleep(window)
             f = self.foreign(s, pids)
-            self.waited += window
             if f is None or f <= self.threshold:
                 return
-            if self.waited >= self.budget:
-                self.log(f"    machine still busy ({f:.2f} foreign cores); the wait budget "
-                         f"is spent, measuring anyway")
+            self.waited += window + 2.0
+            if self.exhausted:
+                self.log(f"    machine still busy ({f:.2f} cores used by other processes); "
+                         f"the wait budget is spent, measuring anyway")
                 return
             time.sleep(2.0)
-            self.waited += 2.0
 
 
 class Entry:
@@ -280,7 +286,9 @@ def measure_interleaved(entries: list, job: dict, warmup: int, repeats: int, max
             e.pool.generate(_request(e.workload, job))
         all_pids += [p for p in e.pool.worker_pids() if p not in all_pids]
     while True:
-        todo = [e for e in entries if e.clean() < repeats and len(e.jobs) < max_attempts]
+        # once the wait budget is spent, re-running contended jobs cannot help: stop at repeats
+        cap = repeats if quiet.exhausted else max_attempts
+        todo = [e for e in entries if e.clean() < repeats and len(e.jobs) < cap]
         if not todo:
             return
         for e in todo:

@@ -43,7 +43,7 @@ class WorkerPool:
     def __init__(self, model_path, config: Optional[ParallelConfig] = None, device: str = "cpu",
                  dtype: str = "fp32", threads_per_rank: Optional[int] = None,
                  gpus: Optional[list] = None, start_timeout: float = 900.0,
-                 step_timeout: float = 600.0):
+                 step_timeout: float = 600.0, load_in_turn: Optional[bool] = None):
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda (got {device!r})")
         if dtype not in ("fp32", "bf16", "fp16"):
@@ -56,6 +56,10 @@ class WorkerPool:
         self.gpus = gpus
         self.start_timeout = start_timeout
         self.step_timeout = step_timeout
+        # ranks load one after another: host memory peaks at one model copy, not N (on GPU
+        # the host copy is freed once on the device; default there)
+        self.load_in_turn = (device == "cuda") if load_in_turn is None else load_in_turn
+        self._phase = "stopped"
         self._info: Optional[ModelInfo] = None
         self._procs: list = []
         self._chan: Optional[Channel] = None
@@ -115,7 +119,7 @@ class WorkerPool:
     def status(self) -> dict:
         """Ranks, pids, devices, memory per rank and state (idle, loading, running k/n).
         Asks rank 0 when idle; while a job runs, answers from the job's own event stream."""
-        if not self.is_running():
+        if not self.is_running() and self._phase != "loading":
             return {"state": "stopped", "world_size": self.config.ranks, "ranks": [],
                     "model": self.model_path}
         if self._lock.acquire(blocking=False):
@@ -128,6 +132,10 @@ class WorkerPool:
             finally:
                 self._lock.release()
             info = dict(self._remote)
+        elif self._phase == "loading":
+            return {"state": "loading", "world_size": self.config.ranks, "model": self.model_path,
+                    "ranks": [{"rank": r, "pid": p.pid, "rss_mb": rss_mb(p.pid)}
+                              for r, p in enumerate(self._procs)]}
         else:
             info = dict(self._remote, state="running", **self._progress)
         ranks = [dict(r) for r in info.get("ranks", [])]
@@ -185,6 +193,13 @@ class WorkerPool:
                               f"configuration whose degrees multiply to {n}")
 
     def _launch(self) -> None:
+        self._phase = "loading"
+        try:
+            self._launch_inner()
+        finally:
+            self._phase = "ready" if self._chan is not None else "stopped"
+
+    def _launch_inner(self) -> None:
         if self._attached:
             return self._connect_attached()
         t0 = time.perf_counter()
@@ -219,6 +234,8 @@ class WorkerPool:
                    "--dtype", self.dtype, "--threads", str(threads)]
             if rank == 0:
                 cmd += ["--address-file", addr_file, "--secret-file", secret_file]
+            if self.load_in_turn:
+                cmd += ["--load-in-turn"]
             log = open(self._log_path(rank), "wb")
             self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, env=env,
@@ -240,7 +257,11 @@ class WorkerPool:
         self._remote = msg[1]
         self.launches += 1
         self.last_launch = {"spawn_s": t_spawn - t0, "ready_s": time.perf_counter() - t0,
-                            "load_s_rank0": msg[1]["load_seconds"]}
+                            "load_s_rank0": msg[1]["load_seconds"],
+                            "ranks": [{k: r.get(k) for k in ("rank", "import_s", "load_s",
+                                                             "rss_after_import_mb",
+                                                             "load_peak_rss_mb", "rss_mb")}
+                                      for r in msg[1]["ranks"]]}
 
     def _check_alive(self, when: str) -> None:
         dead = self._dead()
@@ -343,9 +364,10 @@ class WorkerPool:
                     msg = self._recv(self.step_timeout, f"running job {job_id}")
                     kind = msg[0]
                     if kind == "event" and msg[1] == job_id:
-                        self._progress = {"job_id": job_id, "step": msg[2]["step"],
-                                          "total": msg[2]["total"]}
-                        if first_step is None:
+                        if "step" in msg[2]:
+                            self._progress = {"job_id": job_id, "step": msg[2]["step"],
+                                              "total": msg[2]["total"]}
+                        if first_step is None and "step" in msg[2]:
                             first_step = time.perf_counter() - t_ready
                         if on_event is not None:
                             try:

@@ -95,10 +95,15 @@ def run_job(job: Job, model, adapter, topo: Topology,
     def predict(branch: dict) -> torch.Tensor:
         return adapter.forward(model, latents, t, branch, req.get("guidance"), extra)
 
+    collector = None
+    if topo.degree("dp") > 1:
+        collector = BatchCollector(topo, sizes, (16, height // 8, width // 8), emit)
     t0 = time.perf_counter()
     total = len(timesteps)
     for i, t in enumerate(timesteps):
         if _stop_requested(should_stop, dev):
+            if collector is not None:
+                collector.cancel()
             raise Cancelled(f"cancelled at step {i}/{total}")
         if cfg_parallel:
             mine_pred = predict(uncond if topo.index("cfg") == 0 else cond)
@@ -120,21 +125,67 @@ def run_job(job: Job, model, adapter, topo: Topology,
             if want_preview:
                 event["preview"] = adapter.to_comfy(model, x0[:1].float(), height, width).half().cpu()
             emit(event)
+        if collector is not None:
+            collector.poll()
 
     out = adapter.to_comfy(model, latents.float(), height, width)
-    return gather_batch(out, sizes, topo)
+    if collector is None:
+        return out.cpu() if topo.rank == 0 else None
+    return collector.finish(out)
 
 
-def gather_batch(samples: torch.Tensor, sizes: list, topo: Topology) -> Optional[torch.Tensor]:
-    """Collect every dp replica's slice on rank 0, in batch order."""
-    if topo.degree("dp") == 1:
-        return samples.cpu() if topo.rank == 0 else None
-    longest = max(sizes)
-    padded = samples
-    if samples.shape[0] < longest:
-        padded = torch.cat([samples, samples.new_zeros((longest - samples.shape[0],) + samples.shape[1:])])
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded.contiguous(), group=topo.group("dp"))
-    if topo.rank != 0:
+class BatchCollector:
+    """Data parallel: rank 0 collects each dp replica's images as soon as that replica is
+    done (posted receives, checked between rank 0's own steps), so the host can stream
+    finished images before the whole batch is ready."""
+
+    def __init__(self, topo: Topology, sizes: list, shape, emit):
+        self.topo, self.sizes, self.emit, self.shape = topo, sizes, emit, tuple(shape)
+        self.starts = [sum(sizes[:d]) for d in range(len(sizes))]
+        self.parts = {}
+        self.pending = {}
+        if topo.rank == 0:
+            for d in range(1, len(sizes)):
+                buf = torch.empty((sizes[d],) + tuple(shape), dtype=torch.float32)
+                self.pending[d] = (dist.irecv(buf, src=self.leader(d)), buf)
+
+    def leader(self, d: int) -> int:
+        return self.topo.global_rank(dp=d, cfg=0, pipefusion=0, ring=0, ulysses=0)
+
+    def poll(self, wait: bool = False) -> None:
+        for d, (work, buf) in list(self.pending.items()):
+            if wait:
+                work.wait()
+            elif not work.is_completed():
+                continue
+            del self.pending[d]
+            self._arrived(d, buf)
+
+    def _arrived(self, d: int, samples: torch.Tensor) -> None:
+        self.parts[d] = samples
+        if self.emit is not None:
+            for j in range(samples.shape[0]):
+                self.emit({"image_index": self.starts[d] + j, "samples": samples[j:j + 1]})
+
+    def cancel(self) -> None:
+        """Every rank stops at the same step: settle the posted receives with empty sends so
+        none is left to swallow a later job's images."""
+        topo = self.topo
+        d = topo.index("dp")
+        if topo.rank == 0:
+            for work, _ in self.pending.values():
+                work.wait()
+            self.pending = {}
+        elif topo.rank == self.leader(d):
+            dist.send(torch.zeros((self.sizes[d],) + tuple(self.shape)), dst=0)
+
+    def finish(self, samples: torch.Tensor) -> Optional[torch.Tensor]:
+        topo = self.topo
+        d = topo.index("dp")
+        if topo.rank == 0:
+            self._arrived(0, samples.cpu())
+            self.poll(wait=True)
+            return torch.cat([self.parts[i] for i in range(len(self.sizes))])
+        if topo.rank == self.leader(d):
+            dist.send(samples.float().cpu().contiguous(), dst=0)
         return None
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).cpu()

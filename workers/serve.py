@@ -51,6 +51,8 @@ def _parse(argv):
     p.add_argument("--listen", default="127.0.0.1:0", help="rank 0's control address")
     p.add_argument("--address-file", default=None, help="rank 0 writes HOST:PORT here")
     p.add_argument("--secret-file", default=None, help="else $XDIT_POOL_SECRET (hex)")
+    p.add_argument("--load-in-turn", action="store_true",
+                   help="ranks load one after another (bounds host memory at one copy)")
     return p.parse_args(argv)
 
 
@@ -71,8 +73,11 @@ def _init_distributed(args, rank, world):
 
 
 class Worker:
-    def __init__(self, args, rank, world):
+    def __init__(self, args, rank, world, import_s=0.0):
+        import resource
+
         import torch
+        import torch.distributed as dist
 
         from .models import get_adapter, read_arch
 
@@ -83,14 +88,23 @@ class Worker:
             else torch.device("cpu")
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
         self.adapter = get_adapter(read_arch(args.model))
+        rss_after_import = rss_mb()
         t = time.perf_counter()
-        self.model = self.adapter.load(args.model, self.device, self.dtype,
-                                       with_text_encoders=(rank == 0))
+        for turn in (range(world) if args.load_in_turn else [rank]):
+            if turn == rank:
+                self.model = self.adapter.load(args.model, self.device, self.dtype,
+                                               with_text_encoders=(rank == 0))
+            if args.load_in_turn and world > 1:
+                dist.barrier()
         self.load_seconds = time.perf_counter() - t
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.topologies = {}
         self.parallel = None  # (config key, SequenceParallel or None)
         self.ranks = _gather_all({"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-                                  "device": str(self.device), "rss_mb": rss_mb()})
+                                  "device": str(self.device), "rss_mb": rss_mb(),
+                                  "import_s": import_s, "load_s": self.load_seconds,
+                                  "rss_after_import_mb": rss_after_import,
+                                  "load_peak_rss_mb": peak})
         self.state = {"state": "idle", "job_id": None, "step": 0, "total": 0}
 
     def describe(self) -> dict:
@@ -298,7 +312,8 @@ def _leader_loop(worker, acceptor):
             return bool(cancelled)
 
         def emit(event):
-            worker.state.update(step=event["step"], total=event["total"])
+            if "step" in event:
+                worker.state.update(step=event["step"], total=event["total"])
             chan.send(("event", job.job_id, event))
 
         worker.state.update(state="running", job_id=job.job_id, step=0,
@@ -326,7 +341,11 @@ def main(argv=None) -> int:
     _die_with_parent()
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    t_import = time.perf_counter()
+    import diffusers  # noqa: F401  (timed: the import floor of every launch)
     import torch
+    import yunchang  # noqa: F401
+    import_s = time.perf_counter() - t_import
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -347,7 +366,7 @@ def main(argv=None) -> int:
                         listener.getsockname()[1])
 
     _init_distributed(args, rank, world)
-    worker = Worker(args, rank, world)
+    worker = Worker(args, rank, world, import_s)
     log.info("loaded %s in %.2fs", args.model, worker.load_seconds)
     if rank != 0:
         _follower_loop(worker)

@@ -1,0 +1,373 @@
+"""Patch-parallel VAE decode, exact against the single-process decode.
+
+The latent is split into row bands over the ranks of a process group (balanced, uneven
+bands allowed: band i gets `h // n` rows plus one for the first `h % n` ranks). Every rank
+runs the stock diffusers `vae.decode` on its band while the decoder's spatially-mixing
+modules are temporarily rewired so that the band computes exactly the rows the full decode
+would:
+
+- `nn.Conv2d` with a kernel taller than 1 (3x3 in the AutoencoderKL decoder) gets a halo of
+  `(k-1)/2` rows from its neighbour ranks (point-to-point, overlapped with the conv of the
+  band's interior). The band is convolved with the conv's own zero padding, then the `p`
+  rows at each inner band edge, which saw zeros instead of the neighbour's rows, are
+  recomputed from `[halo, edge rows]` and written over. At the image's true top and bottom
+  the zero padding is what the full decode uses, so nothing changes there. This keeps peak
+  memory at one activation (no padded copy of the band); bands thinner than `2p` rows fall
+  back to convolving `cat([halo_top, band, halo_bottom])`.
+- `nn.GroupNorm` (statistics over the whole image): each rank computes per-(sample, group)
+  mean and variance of its band (`torch.var_mean`, fp32 or better), turns them into sums
+  and sums of squares in float64, and one all-reduce per norm gives the global mean and
+  variance. The affine transform is folded into one per-channel scale and shift (as
+  PyTorch's own CPU kernel does).
+- Attention (the mid-block self-attention over all pixels of the lowest resolution): forward
+  hooks on `to_k` and `to_v` all-gather their outputs over the group in band order, so each
+  rank's queries (its own pixels) attend to every key and value in the same order as the
+  single-process decode. Memory: K and V at the latent resolution, scores for local queries.
+- Everything else in the AutoencoderKL decoder is per pixel (SiLU, 1x1 convs such as
+  `post_quant_conv` and resnet shortcuts, linear projections, residual adds) or per band row
+  (nearest-neighbour 2x upsampling doubles every band exactly), so it runs unchanged.
+
+Bands decoded by the other ranks are sent to the group's rank 0, which writes them into the
+full image. Nothing of diffusers' forward code is copied: modules are rewired for the
+duration of one call (`forward` overridden on the instance, hooks registered) and restored
+afterwards. Before decoding, the decoder's module tree is checked against the module types
+and settings this scheme is proven for; anything else (transposed-conv upsamplers, spatial
+norms, fused QKV, strided convs, ...) raises `NotImplementedError` instead of returning a
+silently wrong image. The FLUX and SD3 VAEs (both AutoencoderKL) pass.
+
+Per-rank activation memory falls roughly as 1/n: the largest tensors are the full-resolution
+band activations; only K/V (latent resolution) and, on rank 0, the 3-channel output image are
+full size.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["band_rows", "decode_parallel", "check_decoder", "FAULTS"]
+
+# Test-only switches that break one part of the scheme (negative controls).
+FAULTS = ("no_halo", "local_groupnorm", "local_attention")
+
+
+def band_rows(height: int, n: int) -> list[int]:
+    """Balanced row split: the first `height % n` bands get one extra row."""
+    base, extra = divmod(height, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------------------
+# What the scheme is proven for
+
+
+def _allowed_types():
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.autoencoders.vae import Decoder
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D, UpDecoderBlock2D
+    from diffusers.models.upsampling import Upsample2D
+
+    return {
+        # per pixel / containers
+        nn.SiLU: None, nn.Dropout: None, nn.Identity: None, nn.Linear: None,
+        nn.ModuleList: None, nn.Sequential: None,
+        # rewired here
+        nn.Conv2d: _check_conv, nn.GroupNorm: None, Attention: _check_attention,
+        # composites whose own code only adds, scales, activates or upsamples (nearest)
+        Decoder: _check_decoder_top, UNetMidBlock2D: None, UpDecoderBlock2D: None,
+        ResnetBlock2D: _check_resnet, Upsample2D: _check_upsample,
+    }
+
+
+def _check_conv(m: nn.Conv2d):
+    kh, kw = m.kernel_size
+    if m.stride != (1, 1) or m.padding_mode != "zeros" or isinstance(m.padding, str) \
+            or m.padding[0] != m.dilation[0] * (kh - 1) // 2 or (kh - 1) % 2:
+        return (f"Conv2d kernel {m.kernel_size} stride {m.stride} padding {m.padding} "
+                f"({m.padding_mode}) dilation {m.dilation}: only stride-1, odd-kernel, "
+                f"'same' zero-padded convs are supported")
+
+
+def _check_attention(m):
+    if getattr(m, "spatial_norm", None) is not None:
+        return "Attention with a spatial norm"
+    if getattr(m, "fused_projections", False) or not isinstance(getattr(m, "to_k", None), nn.Linear):
+        return "Attention with fused QKV projections"
+    if getattr(m, "is_cross_attention", False):
+        return "cross-attention"
+
+
+def _check_resnet(m):
+    if getattr(m, "up", False) or getattr(m, "down", False):
+        return "ResnetBlock2D with internal up/down sampling"
+    if getattr(m, "time_emb_proj", None) is not None:
+        return "ResnetBlock2D with a time embedding"
+
+
+def _check_upsample(m):
+    if getattr(m, "use_conv_transpose", False) or not getattr(m, "interpolate", True):
+        return "Upsample2D without nearest interpolation"
+
+
+def _check_decoder_top(m):
+    if not isinstance(m.conv_norm_out, nn.GroupNorm):
+        return "Decoder with a spatial output norm"
+
+
+def check_decoder(vae) -> None:
+    """Raise NotImplementedError if `vae`'s decode path holds anything this scheme does not
+    provably handle."""
+    allowed = _allowed_types()
+    roots = [("decoder", vae.decoder)]
+    pqc = getattr(vae, "post_quant_conv", None)
+    if pqc is not None:
+        roots.append(("post_quant_conv", pqc))
+    for root_name, root in roots:
+        for name, m in root.named_modules():
+            check = allowed.get(type(m), "missing")
+            if check == "missing":
+                raise NotImplementedError(
+                    f"patch-parallel VAE decode: {root_name}.{name} is a {type(m).__name__}, "
+                    f"which it does not support")
+            why = check(m) if check is not None else None
+            if why:
+                raise NotImplementedError(
+                    f"patch-parallel VAE decode: {root_name}.{name}: {why}")
+
+
+# ----------------------------------------------------------------------------------------
+# The band context and the rewired modules
+
+
+@dataclass
+class _Bands:
+    group: object
+    rank: int  # in the group
+    size: int
+    bands: list  # latent rows per group rank
+    fault: str | None = None
+    fired: dict = field(default_factory=lambda: {"conv": 0, "norm": 0, "attn_k": 0, "attn_v": 0})
+
+    @property
+    def rows(self) -> int:
+        return self.bands[self.rank]
+
+    def peer(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def scaled(self, local: int) -> list[int]:
+        """Every rank's extent along a dim whose local extent is `local`, for a dim that
+        scales with the band (rows at any resolution, or tokens = rows * width)."""
+        if local % self.rows:
+            raise RuntimeError(f"patch-parallel VAE decode: extent {local} is not a multiple "
+                               f"of the band's {self.rows} latent rows")
+        s = local // self.rows
+        return [b * s for b in self.bands]
+
+
+def _start_halo_exchange(ctx: _Bands, x: torch.Tensor, p: int):
+    """Post sends of our top/bottom p rows and receives of the neighbours' rows.
+    Returns (top, bottom, wait): top/bottom are None at the image's true edges."""
+    top = bottom = None
+    ops = []
+    if ctx.fault != "no_halo":
+        if ctx.rank > 0:
+            top = x.new_empty(x.shape[0], x.shape[1], p, x.shape[3])
+            ops.append(dist.P2POp(dist.isend, x[:, :, :p].contiguous(), ctx.peer(ctx.rank - 1), ctx.group))
+            ops.append(dist.P2POp(dist.irecv, top, ctx.peer(ctx.rank - 1), ctx.group))
+        if ctx.rank < ctx.size - 1:
+            bottom = x.new_empty(x.shape[0], x.shape[1], p, x.shape[3])
+            ops.append(dist.P2POp(dist.isend, x[:, :, -p:].contiguous(), ctx.peer(ctx.rank + 1), ctx.group))
+            ops.append(dist.P2POp(dist.irecv, bottom, ctx.peer(ctx.rank + 1), ctx.group))
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait():
+        for r in reqs:
+            r.wait()
+    return top, bottom, wait
+
+
+def _halo_conv_forward(conv: nn.Conv2d, ctx: _Bands, x: torch.Tensor) -> torch.Tensor:
+    ctx.fired["conv"] += 1
+    p = conv.padding[0]
+    h = x.shape[2]
+    if h < p:
+        raise RuntimeError(f"patch-parallel VAE decode: band of {h} rows is thinner than the "
+                           f"{p}-row halo of a {conv.kernel_size} conv")
+    top, bottom, wait = _start_halo_exchange(ctx, x, p)
+    edge_pad = (0, conv.padding[1])
+
+    def conv_rows(rows):
+        return F.conv2d(rows, conv.weight, conv.bias, conv.stride, edge_pad, conv.dilation,
+                        conv.groups)
+
+    if h < 2 * p:  # thin band: convolve the haloed copy (small tensors only)
+        wait()
+        z = lambda: x.new_zeros(x.shape[0], x.shape[1], p, x.shape[3])
+        return conv_rows(torch.cat([top if top is not None else z(), x,
+                                    bottom if bottom is not None else z()], dim=2))
+    # the band with the conv's own zero padding: right at the image's true edges
+    out = F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+    wait()
+    if top is not None:
+        out[:, :, :p] = conv_rows(torch.cat([top, x[:, :, :2 * p]], dim=2))
+    if bottom is not None:
+        out[:, :, h - p:] = conv_rows(torch.cat([x[:, :, h - 2 * p:], bottom], dim=2))
+    return out
+
+
+def _group_norm_forward(gn: nn.GroupNorm, ctx: _Bands, x: torch.Tensor) -> torch.Tensor:
+    ctx.fired["norm"] += 1
+    b, c = x.shape[:2]
+    g = gn.num_groups
+    xg = x.reshape(b, g, -1)
+    stat_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    var, mean = torch.var_mean(xg.to(stat_dtype), dim=-1, correction=0)
+    n = xg.shape[-1]
+    mean, var = mean.double(), var.double()
+    # [sum, sum of squares, count] per (sample, group), reconstructed from the band's
+    # accurate moments, summed over the ranks in float64
+    stats = torch.stack([mean * n, (var + mean * mean) * n, torch.full_like(mean, n)], dim=-1)
+    if ctx.fault != "local_groupnorm":
+        dist.all_reduce(stats, group=ctx.group)
+    total = stats[..., 2]
+    mean = stats[..., 0] / total
+    var = (stats[..., 1] / total - mean * mean).clamp_min(0)
+    rstd = torch.rsqrt(var + gn.eps)  # [b, g]
+    scale = rstd.repeat_interleave(c // g, dim=1)  # [b, c]
+    shift = -mean.repeat_interleave(c // g, dim=1) * scale
+    if gn.affine:
+        w = gn.weight.double()
+        scale, shift = scale * w, shift * w + gn.bias.double()
+    view = (b, c) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.to(x.dtype).view(view), x, scale.to(x.dtype).view(view))
+
+
+def _gather_tokens_hook(kind: str, ctx: _Bands):
+    """Forward hook on to_k / to_v: all-gather [B, tokens, C] over the group in band order."""
+    def hook(module, args, out):
+        ctx.fired["attn_" + kind] += 1
+        if ctx.fault == "local_attention":
+            return out
+        if out.dim() != 3:
+            raise RuntimeError(f"patch-parallel VAE decode: to_{kind} output of shape "
+                               f"{tuple(out.shape)}, expected [batch, tokens, channels]")
+        counts = ctx.scaled(out.shape[1])
+        m = max(counts)
+        mine = out if out.shape[1] == m else F.pad(out, (0, 0, 0, m - out.shape[1]))
+        parts = [torch.empty_like(mine) for _ in range(ctx.size)]
+        dist.all_gather(parts, mine.contiguous(), group=ctx.group)
+        return torch.cat([pt[:, :k] for pt, k in zip(parts, counts)], dim=1)
+    return hook
+
+
+@contextlib.contextmanager
+def _rewired(vae, ctx: _Bands):
+    """Rewire the decode path's modules for one banded decode; restore everything after."""
+    from diffusers.models.attention_processor import Attention
+
+    roots = [vae.decoder]
+    if getattr(vae, "post_quant_conv", None) is not None:
+        roots.append(vae.post_quant_conv)
+    patched, handles = [], []
+    saved_tiling = getattr(vae, "use_tiling", False)
+    try:
+        vae.use_tiling = False  # tiles would depend on each rank's band size
+        for root in roots:
+            for m in root.modules():
+                if isinstance(m, nn.Conv2d) and m.kernel_size[0] > 1:
+                    m.forward = types.MethodType(
+                        lambda self, x, _c=ctx: _halo_conv_forward(self, _c, x), m)
+                    patched.append(m)
+                elif isinstance(m, nn.GroupNorm):
+                    m.forward = types.MethodType(
+                        lambda self, x, _c=ctx: _group_norm_forward(self, _c, x), m)
+                    patched.append(m)
+                elif isinstance(m, Attention):
+                    handles.append(m.to_k.register_forward_hook(_gather_tokens_hook("k", ctx)))
+                    handles.append(m.to_v.register_forward_hook(_gather_tokens_hook("v", ctx)))
+        yield
+    finally:
+        for m in patched:
+            del m.forward  # back to the class's forward
+        for h in handles:
+            h.remove()
+        vae.use_tiling = saved_tiling
+
+
+# ----------------------------------------------------------------------------------------
+# Entry point
+
+
+def _broadcast_latents(latents, group, device, dtype):
+    """Group rank 0's latents to every rank of the group (others may pass None)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    me = dist.get_rank(group)
+    meta = torch.zeros(4, dtype=torch.long)
+    if me == 0:
+        meta[:] = torch.tensor(latents.shape, dtype=torch.long)
+    dist.broadcast(meta, src=src, group=group)
+    shape = [int(s) for s in meta]
+    if me == 0:
+        z = latents.to(device, dtype).contiguous()
+    else:
+        z = torch.empty(shape, device=device, dtype=dtype)
+    dist.broadcast(z, src=src, group=group)
+    return z
+
+
+def decode_parallel(vae, latents, group=None, fault: str | None = None):
+    """Decode raw-VAE-space `latents` [B, C, h, w] with `vae` (diffusers AutoencoderKL) split
+    into row bands over the ranks of `group` (None: the default group).
+
+    Collective: every rank of the group calls it. Group rank 0 must pass the latents; the
+    others may pass None (they receive them by broadcast). Returns `vae.decode(latents).sample`
+    ([B, 3, 8h, 8w], the VAE's dtype) on group rank 0 and None elsewhere. A latent with
+    fewer rows than ranks is decoded by rank 0 alone. `fault` (tests only, see FAULTS)
+    disables one part of the exact scheme.
+    """
+    if fault is not None and fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    param = next(vae.parameters())
+    if n == 1:
+        return vae.decode(latents.to(param.device, param.dtype), return_dict=False)[0]
+    check_decoder(vae)
+    z = _broadcast_latents(latents, group, param.device, param.dtype)
+    h = z.shape[2]
+    if h < n:  # not enough rows for a band each
+        return vae.decode(z, return_dict=False)[0] if me == 0 else None
+
+    bands = band_rows(h, n)
+    ctx = _Bands(group=group, rank=me, size=n, bands=bands, fault=fault)
+    start = sum(bands[:me])
+    band = z[:, :, start:start + bands[me]]
+    with _rewired(vae, ctx):
+        out = vae.decode(band, return_dict=False)[0]
+    # every rank ran the same module sequence; make sure the rewiring was actually used
+    if ctx.fired["conv"] == 0 or ctx.fired["norm"] == 0 or ctx.fired["attn_k"] != ctx.fired["attn_v"]:
+        raise RuntimeError(f"patch-parallel VAE decode: rewired modules did not run ({ctx.fired})")
+    del z, band
+
+    out_rows = ctx.scaled(out.shape[2])
+    if me != 0:
+        dist.send(out.contiguous(), dist.get_global_rank(group, 0) if group is not None else 0,
+                  group=group)
+        return None
+    full = out.new_empty(out.shape[0], out.shape[1], sum(out_rows), out.shape[3])
+    full[:, :, :out_rows[0]] = out
+    del out
+    offset = out_rows[0]
+    for r in range(1, n):
+        buf = full.new_empty(full.shape[0], full.shape[1], out_rows[r], full.shape[3])
+        dist.recv(buf, dist.get_global_rank(group, r) if group is not None else r, group=group)
+        full[:, :, offset:offset + out_rows[r]] = buf
+        offset += out_rows[r]
+    return full
