@@ -92,7 +92,7 @@ class ParallelConfig:
         if request is not None:
             req_problems = request.problems(model)
             out.extend(req_problems)
-            n = len(request.prompt)
+            n = request.batch
             if degrees_ok and n < self.dp:
                 out.append(f"batch of {n} prompt(s) is smaller than dp {self.dp}; "
                            f"give at least {self.dp} prompts or lower dp")

@@ -28,11 +28,24 @@ class GenerationRequest:
     loras: list = field(default_factory=list)
     output: str = "latent"  # "latent" or "image" (decoded by rank 0 with the model's VAE)
     preview_every: int = 0  # 0: no previews; k: a low-res x0 preview every k steps
+    # Pre-encoded text (ComfyUI CONDITIONING, diffusers layout): {"cond": [b,T,D],
+    # "pooled": [b,P]} with b 1 or the batch; replaces prompt / negative_prompt encoding.
+    positive: Optional[dict] = None
+    negative: Optional[dict] = None
+    batch_size: Optional[int] = None  # default: len(prompt), or the conditioning's batch
 
     def __post_init__(self):
         if isinstance(self.prompt, str):
             self.prompt = [self.prompt]
-        self.prompt = list(self.prompt)
+        self.prompt = list(self.prompt or [])
+
+    @property
+    def batch(self) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        if self.prompt:
+            return len(self.prompt)
+        return int(self.positive["cond"].shape[0]) if self.positive else 0
 
     def resolved_cfg(self, arch: str) -> float:
         return float(self.cfg if self.cfg is not None else ARCH_DEFAULTS[arch]["cfg"])
@@ -48,8 +61,24 @@ class GenerationRequest:
 
     def problems(self, model: Any = None) -> list[str]:
         out = []
-        if not self.prompt or not all(isinstance(p, str) for p in self.prompt):
-            out.append("prompt must be one or more strings")
+        if self.positive is None and (not self.prompt or
+                                      not all(isinstance(p, str) for p in self.prompt)):
+            out.append("prompt must be one or more strings (or give positive conditioning)")
+        for name in ("positive", "negative"):
+            c = getattr(self, name)
+            if c is None:
+                continue
+            if not isinstance(c, dict) or "cond" not in c or "pooled" not in c:
+                out.append(f"{name} conditioning must be {{'cond': [b,T,D], 'pooled': [b,P]}}")
+            elif c["cond"].dim() != 3 or c["pooled"].dim() != 2:
+                out.append(f"{name} conditioning has shapes {tuple(c['cond'].shape)} / "
+                           f"{tuple(c['pooled'].shape)}; expected [b,T,D] and [b,P]")
+            elif int(c["cond"].shape[0]) not in (1, self.batch):
+                out.append(f"{name} conditioning batch {int(c['cond'].shape[0])} is neither 1 "
+                           f"nor the batch {self.batch}")
+        if self.batch_size is not None and self.prompt and len(self.prompt) not in (1, self.batch_size):
+            out.append(f"{len(self.prompt)} prompts for a batch of {self.batch_size}; give 1 or "
+                       f"{self.batch_size}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
             out.append(f"seed must be an integer in [0, 2^64) (got {self.seed!r})")
         if not isinstance(self.steps, int) or self.steps < 1:

@@ -144,17 +144,27 @@ class Worker:
         from .denoise import Job, prepare_noise
 
         req = msg["request"]
-        b = len(req["prompt"])
+        b = req["batch_size"] or len(req["prompt"]) or int(req["positive"]["cond"].shape[0])
         use_cfg = float(req["cfg"]) > 1.0
+
+        def branch(given, texts):
+            if given is not None:
+                d = self.adapter.conditioning(given["cond"], given["pooled"])
+            else:
+                texts = list(texts) if len(texts) in (1, b) else texts[:1]
+                d = self.adapter.encode(self.model, texts, req["max_sequence_length"])
+            return {k: (v.expand(b, *v.shape[1:]).contiguous()
+                        if k in ("encoder_hidden_states", "pooled_projections") and v.shape[0] == 1
+                        else v).detach().cpu() for k, v in d.items()}
+
         with torch.inference_mode():
-            cond, uncond = self.adapter.encode(self.model, req["prompt"], req["negative_prompt"],
-                                               req["max_sequence_length"], use_cfg)
-        cpu = lambda d: None if d is None else {k: v.detach().cpu() for k, v in d.items()}
+            cond = branch(req["positive"], req["prompt"])
+            uncond = branch(req["negative"], [req["negative_prompt"]]) if use_cfg else None
         noise = msg.get("noise")
         if noise is None:
             noise = prepare_noise(req["seed"], (b, 16, req["height"] // 8, req["width"] // 8))
         return Job(job_id=msg["job_id"], request=req, config=tuple(msg["config"]), noise=noise,
-                   cond=cpu(cond), uncond=cpu(uncond), init_latent=msg.get("init_latent"),
+                   cond=cond, uncond=uncond, init_latent=msg.get("init_latent"),
                    denoise=float(msg.get("denoise", 1.0)))
 
     def run(self, job, emit=None, should_stop=lambda: False):

@@ -74,7 +74,12 @@ class DiTAdapter:
     def timesteps(self, scheduler, steps: int, latents, device):
         raise NotImplementedError
 
-    def encode(self, model, prompts, negative, max_sequence_length, with_negative):
+    def encode(self, model, texts, max_sequence_length) -> dict:
+        """Prompt texts -> the transformer's text inputs (rank 0 only)."""
+        raise NotImplementedError
+
+    def conditioning(self, cond, pooled) -> dict:
+        """ComfyUI CONDITIONING tensors -> the transformer's text inputs."""
         raise NotImplementedError
 
     def forward(self, model, latents, t, cond: dict, guidance):

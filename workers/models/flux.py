@@ -63,18 +63,16 @@ class FluxAdapter(DiTAdapter):
         scheduler.set_begin_index(0)
         return scheduler.timesteps
 
-    def encode(self, model, prompts, negative, max_sequence_length, with_negative):
-        pipe = model.encoder
+    def encode(self, model, texts, max_sequence_length):
+        pe, pooled, ids = model.encoder.encode_prompt(
+            prompt=list(texts), prompt_2=None, device=model.device, num_images_per_prompt=1,
+            max_sequence_length=max_sequence_length)
+        return {"encoder_hidden_states": pe, "pooled_projections": pooled, "txt_ids": ids}
 
-        def one(texts):
-            pe, pooled, ids = pipe.encode_prompt(prompt=texts, prompt_2=None, device=model.device,
-                                                 num_images_per_prompt=1,
-                                                 max_sequence_length=max_sequence_length)
-            return {"encoder_hidden_states": pe, "pooled_projections": pooled, "txt_ids": ids}
-
-        cond = one(list(prompts))
-        uncond = one([negative] * len(prompts)) if with_negative else None
-        return cond, uncond
+    def conditioning(self, cond, pooled):
+        # ComfyUI's FLUX CONDITIONING: T5 states and CLIP pooled; text ids are all zero
+        ids = torch.zeros(cond.shape[1], 3, dtype=cond.dtype)
+        return {"encoder_hidden_states": cond, "pooled_projections": pooled, "txt_ids": ids}
 
     def forward(self, model, latents, t, cond, guidance, extra=None):
         tr = model.transformer

@@ -39,16 +39,16 @@ class SD3Adapter(DiTAdapter):
         scheduler.set_timesteps(steps, device=device, **kwargs)
         return scheduler.timesteps
 
-    def encode(self, model, prompts, negative, max_sequence_length, with_negative):
-        pe, npe, pooled, npooled = model.encoder.encode_prompt(
-            prompt=list(prompts), prompt_2=None, prompt_3=None, device=model.device,
-            num_images_per_prompt=1, do_classifier_free_guidance=with_negative,
-            negative_prompt=[negative] * len(prompts) if with_negative else None,
+    def encode(self, model, texts, max_sequence_length):
+        pe, _, pooled, _ = model.encoder.encode_prompt(
+            prompt=list(texts), prompt_2=None, prompt_3=None, device=model.device,
+            num_images_per_prompt=1, do_classifier_free_guidance=False,
             max_sequence_length=max_sequence_length)
-        cond = {"encoder_hidden_states": pe, "pooled_projections": pooled}
-        uncond = ({"encoder_hidden_states": npe, "pooled_projections": npooled}
-                  if with_negative else None)
-        return cond, uncond
+        return {"encoder_hidden_states": pe, "pooled_projections": pooled}
+
+    def conditioning(self, cond, pooled):
+        # ComfyUI's SD3 CONDITIONING has diffusers' layout: CLIP-L|G padded, then T5
+        return {"encoder_hidden_states": cond, "pooled_projections": pooled}
 
     def forward(self, model, latents, t, cond, guidance, extra=None):
         b = latents.shape[0]
