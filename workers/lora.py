@@ -1,0 +1,153 @@
+"""LoRA on a loaded transformer: files are loaded once as named peft adapters and cached;
+each job only switches and re-weights them, so the base model is never reloaded.
+
+Files go through diffusers' own readers (`FluxPipeline.lora_state_dict` converts kohya /
+ComfyUI FLUX keys; SD3 takes diffusers/peft keys) and `load_lora_into_transformer`. An empty
+LoRA list disables every adapter: peft's LoRA layers then call the untouched base Linear
+only, so the base output is restored bitwise.
+
+Rank 0 calls `resolve` before a job is broadcast: it reads and checks every new file (clear
+one-line `LoraError`s, nothing changed in the model). Every rank then calls `apply`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+_PREFIX = "transformer."
+
+
+class LoraError(ValueError):
+    """A LoRA file that cannot be used; the model is left as it was."""
+
+
+def adapter_name(path: str) -> str:
+    """One adapter per file version: a hash of the path, mtime and size."""
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_mtime_ns}|{st.st_size}"
+    return "lora_" + hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def _base_linear(mod):
+    base = getattr(mod, "base_layer", None)  # already wrapped by peft
+    return base if base is not None else mod
+
+
+def _lora_module(key: str):
+    """'transformer.a.b.lora_A.weight' -> ('a.b', 'A'); None for other keys."""
+    for part in ("A", "B"):
+        tag = f".lora_{part}."
+        if tag in key:
+            return key[len(_PREFIX):].split(tag)[0], part
+    return None
+
+
+class LoraManager:
+    def __init__(self, adapter):
+        self.arch = adapter.arch
+        self.pipeline_class = adapter.pipeline_class
+        self.loaded: dict[str, str] = {}  # adapter name -> path
+        self.loads = 0  # LoRA files loaded into the model so far
+        self.used = False  # a job has asked for LoRA (then every job re-applies the list)
+        self._pending: dict[str, tuple] = {}  # read and checked by resolve, not yet loaded
+
+    def _pipeline(self):
+        import diffusers
+        return getattr(diffusers, self.pipeline_class)
+
+    def read(self, path: str, transformer) -> tuple:
+        """-> (state dict with 'transformer.' keys, network alphas, metadata), checked
+        against `transformer`; raises LoraError naming the file."""
+        if not os.path.isfile(path):
+            raise LoraError(f"LoRA file not found: {path}")
+        try:
+            from safetensors import safe_open
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except Exception as e:
+            raise LoraError(f"LoRA file {path} is not a readable safetensors file "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        pcls = self._pipeline()
+        alphas = None
+        try:
+            if self.arch == "flux":
+                sd, alphas, metadata = pcls.lora_state_dict(
+                    path, return_alphas=True, return_lora_metadata=True, use_safetensors=True)
+            else:
+                sd, metadata = pcls.lora_state_dict(path, return_lora_metadata=True,
+                                                    use_safetensors=True)
+        except Exception as e:
+            raise LoraError(f"LoRA file {path} could not be read as a {self.arch} LoRA "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        if not any(k.startswith(_PREFIX) for k in sd):
+            # bare peft keys ("transformer_blocks.0.attn.to_q.lora_A.weight")
+            sd = {(k if k.startswith("text_encoder") else _PREFIX + k): v for k, v in sd.items()}
+        tsd = {k: v for k, v in sd.items() if k.startswith(_PREFIX)}
+        modules = dict(transformer.named_modules())
+        matched, bad = 0, []
+        for k, v in tsd.items():
+            ref = _lora_module(k)
+            if ref is None:
+                continue
+            name, part = ref
+            mod = modules.get(name)
+            lin = _base_linear(mod) if mod is not None else None
+            if not isinstance(lin, torch.nn.Linear):
+                bad.append(f"{k} (no such layer)")
+                continue
+            want = lin.in_features if part == "A" else lin.out_features
+            got = v.shape[1] if part == "A" else v.shape[0]
+            if v.dim() != 2 or got != want:
+                bad.append(f"{k} (shape {tuple(v.shape)} does not fit {name}: "
+                           f"{lin.in_features}->{lin.out_features})")
+                continue
+            matched += 1
+        if not matched:
+            some = next(iter(sd), "<empty file>")
+            raise LoraError(f"LoRA file {path} has no key that matches this {self.arch} model "
+                            f"(e.g. {some!r}); is it a LoRA for another model?")
+        if bad:
+            raise LoraError(f"LoRA file {path}: {len(bad)} LoRA keys do not fit this "
+                            f"{self.arch} model, e.g. {bad[0]}")
+        if alphas:
+            alphas = {k: v for k, v in alphas.items() if k.startswith(_PREFIX)}
+        return tsd, alphas, metadata
+
+    def resolve(self, transformer, loras) -> list:
+        """Rank 0, before broadcast: [(path, strength)] -> [(adapter name, path, strength)];
+        reads and checks every file not loaded yet (the model is not touched)."""
+        out = []
+        for path, strength in loras or []:
+            path = os.path.abspath(os.path.expanduser(str(path)))
+            if not os.path.isfile(path):
+                raise LoraError(f"LoRA file not found: {path}")
+            name = adapter_name(path)
+            if name not in self.loaded and name not in self._pending:
+                self._pending[name] = self.read(path, transformer)
+            out.append((name, path, float(strength)))
+        return out
+
+    def apply(self, transformer, resolved) -> None:
+        """Every rank: load what is new (once), then activate exactly `resolved` with its
+        strengths; [] disables every adapter (the base weights were never changed)."""
+        if resolved:
+            self.used = True
+        weights: dict[str, float] = {}
+        for name, path, strength in resolved:
+            if name not in self.loaded:
+                tsd, alphas, metadata = self._pending.pop(name, None) or self.read(path, transformer)
+                kw = {"network_alphas": alphas} if self.arch == "flux" else {}
+                self._pipeline().load_lora_into_transformer(
+                    tsd, transformer=transformer, adapter_name=name, metadata=metadata, **kw)
+                self.loaded[name] = path
+                self.loads += 1
+            weights[name] = weights.get(name, 0.0) + strength  # a file listed twice adds up
+        if not self.loaded:
+            return
+        if weights:
+            transformer.enable_lora()
+            transformer.set_adapters(list(weights), list(weights.values()))
+        else:
+            transformer.disable_lora()
