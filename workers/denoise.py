@@ -97,7 +97,7 @@ def run_job(job: Job, model, adapter, topo: Topology,
 
     collector = None
     if topo.degree("dp") > 1:
-        collector = BatchCollector(topo, sizes, (16, height // 8, width // 8), emit)
+        collector = BatchCollector(topo, sizes, (16, height // 8, width // 8), emit, dev)
     t0 = time.perf_counter()
     total = len(timesteps)
     for i, t in enumerate(timesteps):
@@ -139,14 +139,16 @@ class BatchCollector:
     done (posted receives, checked between rank 0's own steps), so the host can stream
     finished images before the whole batch is ready."""
 
-    def __init__(self, topo: Topology, sizes: list, shape, emit):
+    def __init__(self, topo: Topology, sizes: list, shape, emit, device):
+        # buffers live on the compute device: NCCL only moves device tensors
         self.topo, self.sizes, self.emit, self.shape = topo, sizes, emit, tuple(shape)
+        self.device = device
         self.starts = [sum(sizes[:d]) for d in range(len(sizes))]
         self.parts = {}
         self.pending = {}
         if topo.rank == 0:
             for d in range(1, len(sizes)):
-                buf = torch.empty((sizes[d],) + tuple(shape), dtype=torch.float32)
+                buf = torch.empty((sizes[d],) + tuple(shape), dtype=torch.float32, device=device)
                 self.pending[d] = (dist.irecv(buf, src=self.leader(d)), buf)
 
     def leader(self, d: int) -> int:
@@ -162,6 +164,7 @@ class BatchCollector:
             self._arrived(d, buf)
 
     def _arrived(self, d: int, samples: torch.Tensor) -> None:
+        samples = samples.cpu()
         self.parts[d] = samples
         if self.emit is not None:
             for j in range(samples.shape[0]):
@@ -177,15 +180,15 @@ class BatchCollector:
                 work.wait()
             self.pending = {}
         elif topo.rank == self.leader(d):
-            dist.send(torch.zeros((self.sizes[d],) + tuple(self.shape)), dst=0)
+            dist.send(torch.zeros((self.sizes[d],) + self.shape, device=self.device), dst=0)
 
     def finish(self, samples: torch.Tensor) -> Optional[torch.Tensor]:
         topo = self.topo
         d = topo.index("dp")
         if topo.rank == 0:
-            self._arrived(0, samples.cpu())
+            self._arrived(0, samples)
             self.poll(wait=True)
             return torch.cat([self.parts[i] for i in range(len(self.sizes))])
         if topo.rank == self.leader(d):
-            dist.send(samples.float().cpu().contiguous(), dst=0)
+            dist.send(samples.float().contiguous(), dst=0)
         return None
