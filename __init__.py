@@ -18,3 +18,9 @@ if "comfyui_xdit" not in sys.modules:
     _mod = importlib.util.module_from_spec(_spec)
     sys.modules["comfyui_xdit"] = _mod
     _spec.loader.exec_module(_mod)
+
+
+async def comfy_entrypoint():
+    """ComfyUI V3 entry: the nodes are imported here, not at pack import time."""
+    from comfyui_xdit.nodes import XDiTExtension
+    return XDiTExtension()

@@ -1,0 +1,166 @@
+"""ComfyUI values <-> pool requests, without importing ComfyUI (tested in CI).
+
+- CONDITIONING `[[cond, {"pooled_output": p, "guidance": g, ...}]]` -> the request's
+  `{"cond": [b,T,D], "pooled": [b,P]}` plus FluxGuidance's value.
+- LATENT `{"samples": [B,C,H/8,W/8], "batch_index"?: [...]}` (raw VAE space) -> batch, size,
+  noise and, when not all zeros, the img2img input; and the pool's samples -> LATENT.
+- A raw-VAE-space preview latent -> an RGB preview with ComfyUI's latent_rgb_factors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .config import ConfigError
+
+LATENT_CHANNELS = 16
+
+# ComfyUI's comfy/latent_formats.py (SD3 and Flux): scale/shift of the VAE and the linear
+# latent->RGB map ComfyUI's latent2rgb previewer applies to model-space latents.
+LATENT_FORMATS = {
+    "sd3": {
+        "scale": 1.5305, "shift": 0.0609,
+        "rgb": [[-0.0922, -0.0175, 0.0749], [0.0311, 0.0633, 0.0954], [0.1994, 0.0927, 0.0458],
+                [0.0856, 0.0339, 0.0902], [0.0587, 0.0272, -0.0496], [-0.0006, 0.1104, 0.0309],
+                [0.0978, 0.0306, 0.0427], [-0.0042, 0.1038, 0.1358], [-0.0194, 0.0020, 0.0669],
+                [-0.0488, 0.0130, -0.0268], [0.0922, 0.0988, 0.0951], [-0.0278, 0.0524, -0.0542],
+                [0.0332, 0.0456, 0.0895], [-0.0069, -0.0030, -0.0810], [-0.0596, -0.0465, -0.0293],
+                [-0.1448, -0.1463, -0.1189]],
+        "bias": [0.2394, 0.2135, 0.1925],
+    },
+    "flux": {
+        "scale": 0.3611, "shift": 0.1159,
+        "rgb": [[-0.0346, 0.0244, 0.0681], [0.0034, 0.0210, 0.0687], [0.0275, -0.0668, -0.0433],
+                [-0.0174, 0.0160, 0.0617], [0.0859, 0.0721, 0.0329], [0.0004, 0.0383, 0.0115],
+                [0.0405, 0.0861, 0.0915], [-0.0236, -0.0185, -0.0259], [-0.0245, 0.0250, 0.1180],
+                [0.1008, 0.0755, -0.0421], [-0.0515, 0.0201, 0.0011], [0.0428, -0.0012, -0.0036],
+                [0.0817, 0.0765, 0.0749], [-0.1264, -0.0522, -0.1103], [-0.0280, -0.0881, -0.0499],
+                [-0.1262, -0.0982, -0.0778]],
+        "bias": [-0.0329, -0.0718, -0.0851],
+    },
+}
+
+
+# ---- CONDITIONING ---------------------------------------------------------------------
+def conditioning_to_request(conditioning, name: str = "positive") -> tuple[dict, Optional[float]]:
+    """One ComfyUI CONDITIONING -> ({"cond": [b,T,D], "pooled": [b,P]} fp32 CPU, guidance).
+
+    Only plain text conditioning can run on the pool: several entries (ConditioningCombine,
+    area / mask / ControlNet conditioning) are refused with a message, never ignored."""
+    import torch
+
+    if not isinstance(conditioning, (list, tuple)) or not conditioning:
+        raise ConfigError(f"{name} CONDITIONING is empty; connect a text encode node")
+    if len(conditioning) != 1:
+        raise ConfigError(f"{name} CONDITIONING has {len(conditioning)} entries (combined "
+                          f"conditioning); the xDiT sampler takes one text encoding, use a "
+                          f"single CLIPTextEncode / CLIPTextEncodeFlux / CLIPTextEncodeSD3")
+    entry = conditioning[0]
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+        raise ConfigError(f"{name} CONDITIONING entry must be [cond, options]")
+    cond, extra = entry[0], dict(entry[1] or {})
+    unsupported = sorted(k for k in ("area", "mask", "control", "gligen", "hooks",
+                                     "reference_latents", "start_percent", "end_percent")
+                         if extra.get(k) is not None and
+                         not (k == "start_percent" and extra[k] == 0.0) and
+                         not (k == "end_percent" and extra[k] == 1.0))
+    if unsupported:
+        raise ConfigError(f"{name} CONDITIONING uses {', '.join(unsupported)}, which the xDiT "
+                          f"sampler does not support; use plain text conditioning")
+    pooled = extra.get("pooled_output")
+    if not torch.is_tensor(cond) or cond.dim() != 3:
+        raise ConfigError(f"{name} CONDITIONING tensor must be [batch, tokens, dim]")
+    if pooled is None:
+        raise ConfigError(f"{name} CONDITIONING has no pooled_output; encode it with a "
+                          f"FLUX/SD3 CLIP loader (CLIP-L + T5, or CLIP-L + CLIP-G + T5)")
+    if pooled.dim() == 1:
+        pooled = pooled.unsqueeze(0)
+    guidance = extra.get("guidance")
+    return ({"cond": cond.detach().float().cpu().contiguous(),
+             "pooled": pooled.detach().float().cpu().contiguous()},
+            None if guidance is None else float(guidance))
+
+
+def request_to_conditioning(c: dict, guidance: Optional[float] = None) -> list:
+    """The inverse (for tests and round trips): request dict -> ComfyUI CONDITIONING."""
+    extra = {"pooled_output": c["pooled"]}
+    if guidance is not None:
+        extra["guidance"] = guidance
+    return [[c["cond"], extra]]
+
+
+# ---- LATENT ---------------------------------------------------------------------------
+@dataclass
+class LatentInput:
+    batch: int
+    height: int
+    width: int
+    empty: bool  # all zeros: text-to-image
+    samples: Any  # [B,16,h,w] fp32 CPU (zeros expanded to 16 channels when empty)
+    batch_index: Optional[list] = None
+
+
+def is_empty_latent(samples) -> bool:
+    """An all-zero latent (EmptySD3LatentImage / EmptyLatentImage) means text-to-image."""
+    import torch
+    return int(torch.count_nonzero(samples)) == 0
+
+
+def latent_from_comfy(latent: dict) -> LatentInput:
+    import torch
+
+    if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
+        raise ConfigError("LATENT input must be a dict with 'samples'; connect "
+                          "EmptySD3LatentImage or a VAEEncode")
+    s = latent["samples"]
+    if s.dim() != 4:
+        raise ConfigError(f"LATENT samples have shape {tuple(s.shape)}; expected "
+                          f"[batch, 16, height/8, width/8] (image latents, not video)")
+    if latent.get("noise_mask") is not None:
+        raise ConfigError("LATENT has a noise_mask (inpainting), which the xDiT sampler does "
+                          "not support; remove SetLatentNoiseMask / use VAEEncode")
+    empty = is_empty_latent(s)
+    b, c, h, w = (int(v) for v in s.shape)
+    if c != LATENT_CHANNELS:
+        if not empty:
+            raise ConfigError(f"LATENT has {c} channels; FLUX and SD3 use 16 (encode with the "
+                              f"model's VAE, or start from EmptySD3LatentImage)")
+        s = torch.zeros(b, LATENT_CHANNELS, h, w)  # as ComfyUI's fix_empty_latent_channels
+    bi = latent.get("batch_index")
+    return LatentInput(batch=b, height=h * 8, width=w * 8, empty=empty,
+                       samples=s.detach().float().cpu().contiguous(),
+                       batch_index=list(bi) if bi is not None else None)
+
+
+def latent_to_comfy(samples) -> dict:
+    """Pool result samples (already raw VAE space) -> ComfyUI LATENT."""
+    return {"samples": samples.float().cpu()}
+
+
+def comfy_noise(seed: int, shape, batch_index=None):
+    """Exactly ComfyUI's `comfy.sample.prepare_noise` (fp32, CPU), batch_index included."""
+    import torch
+
+    gen = torch.manual_seed(seed)
+    if batch_index is None:
+        return torch.randn(list(shape), dtype=torch.float32, generator=gen, device="cpu")
+    uniq = sorted(set(int(i) for i in batch_index))
+    drawn = {}
+    for i in range(uniq[-1] + 1):
+        n = torch.randn([1] + list(shape)[1:], dtype=torch.float32, generator=gen, device="cpu")
+        if i in uniq:
+            drawn[i] = n
+    return torch.cat([drawn[int(i)] for i in batch_index], dim=0)
+
+
+# ---- previews -------------------------------------------------------------------------
+def preview_rgb(preview, arch: str):
+    """Raw-VAE-space latent [1,16,h,w] -> uint8 RGB [h,w,3] the way ComfyUI's latent2rgb
+    previewer shows it (it works on model-space latents, hence process_in first)."""
+    import torch
+
+    fmt = LATENT_FORMATS[arch]
+    x = (preview[0].float() - fmt["shift"]) * fmt["scale"]
+    rgb = torch.nn.functional.linear(x.movedim(0, -1), torch.tensor(fmt["rgb"]).T,
+                                     bias=torch.tensor(fmt["bias"]))
+    return ((rgb + 1.0) / 2.0).clamp(0, 1).mul(255).round().to(torch.uint8)

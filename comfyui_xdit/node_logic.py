@@ -1,0 +1,337 @@
+"""What the ComfyUI nodes do, without importing ComfyUI (tested in CI).
+
+- `ModelHandle`: what the loader node outputs (path, degrees, device, dtype); nothing starts.
+- `PoolRegistry` (one module-level `REGISTRY`): one warm WorkerPool per (model, parallel
+  config, device, dtype, gpus). Node re-execution and cache eviction only look the pool up;
+  another configuration replaces the pool (the same model/device/world size keeps the warm
+  workers and just rebuilds their process groups).
+- `discover_models`: diffusers folders (model_index.json + transformer/config.json).
+- `sample`: LATENT / CONDITIONING / widgets -> GenerationRequest -> pool -> LATENT.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from .comfy_convert import (comfy_noise, conditioning_to_request, latent_from_comfy,
+                            latent_to_comfy)
+from .config import ConfigError, ParallelConfig, auto_config
+from .model_info import read_model_info
+from .request import GenerationRequest
+
+WORLD_SIZES = ["auto"] + [str(i) for i in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)]
+DEVICES = ["cuda", "cpu"]
+DTYPES = ["bf16", "fp16", "fp32"]
+MAX_SEED = 2 ** 64 - 1
+
+
+# ---- model discovery ------------------------------------------------------------------
+def is_diffusers_folder(path) -> bool:
+    p = Path(path)
+    return (p / "model_index.json").is_file() and (p / "transformer" / "config.json").is_file()
+
+
+def discover_models(folders, max_depth: int = 3) -> list[str]:
+    """Diffusers model folders under `folders`, as '/'-separated names relative to their
+    root (sorted, unique). Single-file checkpoints are not listed: the pool loads diffusers
+    folders only."""
+    found = set()
+    for root in folders or []:
+        root = Path(root)
+        if not root.is_dir():
+            continue
+        for dirpath, dirnames, _ in os.walk(root, followlinks=True):
+            d = Path(dirpath)
+            rel = d.relative_to(root)
+            if d != root and is_diffusers_folder(d):
+                found.add(rel.as_posix())
+                dirnames[:] = []  # a model's subfolders are its components
+                continue
+            if len(rel.parts) >= max_depth:
+                dirnames[:] = []
+            dirnames[:] = sorted(n for n in dirnames if not n.startswith("."))
+    return sorted(found)
+
+
+def resolve_model(name: str, folders) -> str:
+    """A name from `discover_models` (or an absolute path) -> the folder's path."""
+    if os.path.isabs(name) and is_diffusers_folder(name):
+        return name
+    for root in folders or []:
+        p = Path(root) / name
+        if is_diffusers_folder(p):
+            return str(p)
+    raise ConfigError(f"model {name!r} is not a diffusers folder (model_index.json + "
+                      f"transformer/config.json) under {', '.join(map(str, folders or []))}")
+
+
+# ---- the loader's handle ----------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelHandle:
+    """Output of the loader node: a description only; the pool starts at sampling."""
+
+    path: str
+    device: str = "cpu"
+    dtype: str = "fp32"
+    world_size: Optional[int] = None  # None: "auto"
+    ulysses: int = 1
+    ring: int = 1
+    cfg_parallel: bool = False
+    dp: int = 1
+    gpus: Optional[tuple] = None
+    threads_per_rank: Optional[int] = None
+
+    @property
+    def degrees_given(self) -> bool:
+        return self.ulysses > 1 or self.ring > 1 or self.cfg_parallel or self.dp > 1
+
+    def default_world(self) -> int:
+        if self.device == "cuda":
+            if self.gpus:
+                return len(self.gpus)
+            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if vis:
+                return len([v for v in vis.split(",") if v.strip()])
+            try:
+                import torch
+                return max(1, torch.cuda.device_count())
+            except Exception:
+                return 1
+        return max(1, min(2, os.cpu_count() or 1))
+
+    def explicit_config(self) -> ParallelConfig:
+        return ParallelConfig(dp=self.dp, cfg_parallel=self.cfg_parallel, ulysses=self.ulysses,
+                              ring=self.ring, world_size=self.world_size)
+
+    def config_for(self, request: Optional[GenerationRequest] = None) -> ParallelConfig:
+        """Degrees given: exactly those (the world size must match their product). All
+        degrees 1: an automatic split of the world size ('auto': every GPU, 2 CPU ranks)."""
+        if self.degrees_given:
+            return self.explicit_config()
+        world = self.world_size or self.default_world()
+        info = read_model_info(self.path)
+        uses_cfg = request.uses_cfg(info.arch) if request is not None else False
+        batch = request.batch if request is not None else 1
+        return auto_config(world, info.heads, uses_cfg, batch).with_world_size(world)
+
+    def validate(self) -> None:
+        """What the loader can check before anything runs (raises ConfigError)."""
+        info = read_model_info(self.path)
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {DEVICES} (got {self.device!r})")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES} (got {self.dtype!r})")
+        if self.degrees_given:
+            self.explicit_config().validate(info)
+        elif self.world_size is not None and self.world_size < 1:
+            raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
+        if self.device == "cuda" and self.gpus is not None:
+            world = self.explicit_config().ranks if self.degrees_given else \
+                (self.world_size or len(self.gpus))
+            if world > len(self.gpus):
+                raise ConfigError(f"{world} ranks need {world} GPUs but the GPU list has "
+                                  f"{len(self.gpus)} ({','.join(self.gpus)})")
+
+
+def make_handle(model_path: str, device: str, dtype: str, world_size="auto", ulysses: int = 1,
+                ring: int = 1, cfg_parallel: bool = False, dp: int = 1, gpus: str = "",
+                threads_per_rank: Optional[int] = None) -> ModelHandle:
+    ws = None if str(world_size).strip().lower() in ("auto", "", "0") else int(world_size)
+    gpu_list = tuple(g.strip() for g in str(gpus or "").split(",") if g.strip()) or None
+    return ModelHandle(path=str(Path(model_path).resolve()), device=device, dtype=dtype,
+                       world_size=ws, ulysses=int(ulysses), ring=int(ring),
+                       cfg_parallel=bool(cfg_parallel), dp=int(dp), gpus=gpu_list,
+                       threads_per_rank=threads_per_rank)
+
+
+# ---- the registry -----------------------------------------------------------------------
+class PoolRegistry:
+    """Warm pools by (path, device, dtype, gpus); each pool's config follows the last job.
+
+    At most `max_pools` pools live at once (default 1: a second model replaces the first,
+    so two copies of a large model never sit in memory)."""
+
+    def __init__(self, max_pools: int = 1, pool_factory=None):
+        self._pools: dict = {}  # (path, device, dtype, gpus) -> WorkerPool
+        self._lock = threading.RLock()
+        self.max_pools = max_pools
+        self._factory = pool_factory
+        self.last_error: Optional[str] = None
+        self.last_job: dict = {}
+
+    @staticmethod
+    def _key(handle: ModelHandle) -> tuple:
+        return (handle.path, handle.device, handle.dtype, handle.gpus, handle.threads_per_rank)
+
+    def get(self, handle: ModelHandle, config: ParallelConfig):
+        """The pool for `handle` running `config`: the same one on every call with the same
+        arguments (re-executed nodes do not spawn workers); another config replaces it."""
+        from .pool import WorkerPool
+
+        key = self._key(handle)
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is not None and pool.config != config:
+                if pool.config.ranks == config.ranks:
+                    pool.reconfigure(config)  # same ranks: warm workers, new process groups
+                else:
+                    self._close(key)
+                    pool = None
+            if pool is None:
+                for other in list(self._pools)[: max(0, len(self._pools) - self.max_pools + 1)]:
+                    self._close(other)
+                factory = self._factory or WorkerPool
+                pool = factory(handle.path, config, device=handle.device, dtype=handle.dtype,
+                               gpus=list(handle.gpus) if handle.gpus else None,
+                               threads_per_rank=handle.threads_per_rank)
+                self._pools[key] = pool
+            return pool
+
+    def pools(self) -> list:
+        with self._lock:
+            return list(self._pools.values())
+
+    def _close(self, key) -> None:
+        pool = self._pools.pop(key, None)
+        if pool is not None:
+            pool.close()
+
+    def unload_all(self) -> int:
+        """Stop every pool and forget it; returns how many were stopped."""
+        with self._lock:
+            keys = list(self._pools)
+            for k in keys:
+                self._close(k)
+            return len(keys)
+
+    def restart_all(self) -> int:
+        """Stop every pool's workers but keep it: the next job relaunches it."""
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+            return len(self._pools)
+
+    def status(self) -> dict:
+        out = []
+        for pool in self.pools():
+            try:
+                st = pool.status()
+            except Exception as e:  # a status request must never raise into the server
+                st = {"state": "error", "error": str(e)}
+            st = dict(st)
+            st.setdefault("model", pool.model_path)
+            st["config"] = pool.config.describe()
+            st["world_size"] = pool.config.ranks
+            st["device"] = pool.device
+            st["dtype"] = pool.dtype
+            st["launches"] = pool.launches
+            out.append(_jsonable(st))
+        return {"pools": out, "last_error": self.last_error, "last_job": _jsonable(self.last_job)}
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+REGISTRY = PoolRegistry()
+
+
+# ---- sampling ---------------------------------------------------------------------------
+@dataclass
+class SampleInputs:
+    latent: dict
+    seed: int = 0
+    steps: int = 20
+    cfg: float = 0.0  # 0: the model's default (FLUX 1 = off, SD3 7)
+    guidance: float = 3.5
+    denoise: float = 1.0
+    prompt: str = ""
+    negative_prompt: str = ""
+    positive: Optional[list] = None  # ComfyUI CONDITIONING
+    negative: Optional[list] = None
+    max_sequence_length: int = 512
+    preview_every: int = 0  # k: a low-res preview latent every k steps
+
+
+def build_job(inp: SampleInputs) -> tuple[GenerationRequest, dict]:
+    """-> (request, generate() keyword arguments: noise, init_latent, denoise)."""
+    lat = latent_from_comfy(inp.latent)
+    guidance = float(inp.guidance)
+    positive = negative = None
+    if inp.positive is not None:
+        positive, g = conditioning_to_request(inp.positive, "positive")
+        if g is not None:  # FluxGuidance / CLIPTextEncodeFlux set it on the conditioning
+            guidance = g
+    if inp.negative is not None:
+        negative, _ = conditioning_to_request(inp.negative, "negative")
+    if positive is None and not (inp.prompt or "").strip():
+        raise ConfigError("no prompt: connect positive CONDITIONING or type a prompt")
+    req = GenerationRequest(
+        prompt=[] if positive is not None else [inp.prompt], negative_prompt=inp.negative_prompt or "",
+        positive=positive, negative=negative, batch_size=lat.batch, seed=int(inp.seed),
+        steps=int(inp.steps), height=lat.height, width=lat.width, guidance=guidance,
+        cfg=None if not inp.cfg else float(inp.cfg),
+        max_sequence_length=int(inp.max_sequence_length), preview_every=int(inp.preview_every))
+    kw = {"noise": None, "init_latent": None, "denoise": 1.0}
+    if lat.batch_index is not None:
+        kw["noise"] = comfy_noise(int(inp.seed), (lat.batch, 16, lat.height // 8,
+                                                  lat.width // 8), lat.batch_index)
+    if not lat.empty:
+        if not 0.0 < float(inp.denoise) <= 1.0:
+            raise ConfigError(f"denoise must be in (0, 1] (got {inp.denoise})")
+        kw["init_latent"] = lat.samples
+        kw["denoise"] = float(inp.denoise)
+    return req, kw
+
+
+def sample(handle: ModelHandle, inp: SampleInputs,
+           on_event: Optional[Callable[[dict], None]] = None,
+           is_interrupted: Optional[Callable[[], bool]] = None,
+           registry: Optional[PoolRegistry] = None) -> dict:
+    """Run one sampler node: returns the ComfyUI LATENT. `is_interrupted` is polled from a
+    watcher thread, so a cancel lands within one step even between progress events."""
+    registry = registry or REGISTRY
+    t0 = time.perf_counter()
+    try:
+        req, kw = build_job(inp)
+        config = handle.config_for(req)
+        pool = registry.get(handle, config)
+        stop = threading.Event()
+        watcher = None
+        if is_interrupted is not None:
+            def watch():
+                while not stop.wait(0.1):
+                    try:
+                        if is_interrupted():
+                            pool.cancel()
+                    except Exception:
+                        pass
+            watcher = threading.Thread(target=watch, name="xdit-interrupt-watch", daemon=True)
+            watcher.start()
+        try:
+            result = pool.generate(req, on_event=on_event, **kw)
+        finally:
+            stop.set()
+            if watcher is not None:
+                watcher.join(timeout=1.0)
+    except Exception as e:
+        registry.last_error = f"{type(e).__name__}: {e}"
+        raise
+    registry.last_error = None
+    registry.last_job = {"config": config.describe(), "batch": req.batch, "steps": req.steps,
+                         "height": req.height, "width": req.width,
+                         "img2img": kw["init_latent"] is not None,
+                         "seconds": round(time.perf_counter() - t0, 3),
+                         "timings": {k: (round(v, 3) if isinstance(v, float) else v)
+                                     for k, v in result.timings.items()}}
+    return latent_to_comfy(result.samples)

@@ -1,0 +1,263 @@
+"""The ComfyUI nodes (V3 schema). The only module that imports ComfyUI; kept thin: every
+decision lives in `node_logic` / `comfy_convert`, which CI tests without ComfyUI."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+from comfy_api.v0_0_2 import ComfyExtension, io
+
+from .config import ConfigError
+from .model_info import read_model_info
+from . import node_logic
+from .node_logic import (DEVICES, DTYPES, MAX_SEED, REGISTRY, WORLD_SIZES, SampleInputs,
+                         discover_models, make_handle, resolve_model)
+
+log = logging.getLogger("comfyui_xdit")
+CATEGORY = "xDiT"
+XDiTModel = io.Custom("XDIT_MODEL")
+PREVIEW_MAX = 512
+
+
+def _model_folders() -> list:
+    return folder_paths.get_folder_paths("diffusers")
+
+
+def _device_options() -> list:
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except Exception:
+        cuda = False
+    return list(DEVICES) if cuda else ["cpu", "cuda"]
+
+
+def _previews_enabled() -> bool:
+    try:
+        from comfy.cli_args import args, LatentPreviewMethod
+        return args.preview_method != LatentPreviewMethod.NoPreviews
+    except Exception:
+        return False
+
+
+class LoadModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        models = discover_models(_model_folders())
+        return io.Schema(
+            node_id="xDiT.LoadModel",
+            display_name="Load model (xDiT)",
+            category=CATEGORY,
+            description="Describes a FLUX.1 / SD3 model and how to split it over a worker pool. "
+                        "Nothing starts here: the pool launches at the first sampling and stays warm.",
+            inputs=[
+                io.Combo.Input("model", options=models or ["(no diffusers model found)"],
+                               tooltip="A diffusers folder (model_index.json + transformer/) in "
+                                       "ComfyUI's models/diffusers. Single-file .safetensors "
+                                       "checkpoints are not supported by the pool yet."),
+                io.Combo.Input("device", options=_device_options(),
+                               tooltip="cuda: one GPU per rank; cpu: one process per rank (gloo)"),
+                io.Combo.Input("dtype", options=list(DTYPES), default="bf16",
+                               tooltip="Weights and compute dtype on the workers (fp32 on CPU)"),
+                io.Combo.Input("world_size", options=list(WORLD_SIZES), default="auto",
+                               tooltip="Ranks. auto: every visible GPU (2 processes on CPU). With "
+                                       "all degrees at 1 the split is chosen automatically (CFG "
+                                       "parallel first, then Ulysses, then Ring); otherwise it "
+                                       "must equal dp x cfg x ulysses x ring."),
+                io.Int.Input("ulysses", default=1, min=1, max=64,
+                             tooltip="Ulysses degree (splits attention heads; must divide them)"),
+                io.Int.Input("ring", default=1, min=1, max=64,
+                             tooltip="Ring attention degree (K/V passed around a ring)"),
+                io.Boolean.Input("cfg_parallel", default=False,
+                                 tooltip="Positive and negative branch on different ranks "
+                                         "(needs cfg > 1)"),
+                io.Int.Input("dp", default=1, min=1, max=64,
+                             tooltip="Data parallel: the latent batch split over ranks"),
+                io.String.Input("gpus", default="", optional=True,
+                                tooltip="Comma-separated GPU ids for the ranks (empty: all visible)"),
+            ],
+            outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
+        )
+
+    @classmethod
+    def _handle(cls, model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp, gpus=""):
+        path = resolve_model(model, _model_folders())
+        if device == "cpu" and dtype != "fp32":
+            dtype = "fp32"  # CPU kernels: fp32 only
+        return make_handle(path, device, dtype, world_size, ulysses, ring, cfg_parallel, dp, gpus)
+
+    @classmethod
+    def validate_inputs(cls, model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
+                        gpus=""):
+        try:
+            cls._handle(model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
+                        gpus).validate()
+        except ConfigError as e:
+            return str(e)
+        return True
+
+    @classmethod
+    def execute(cls, model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
+                gpus="") -> io.NodeOutput:
+        handle = cls._handle(model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
+                             gpus)
+        handle.validate()
+        return io.NodeOutput(handle)
+
+
+class Sampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="xDiT.Sampler",
+            display_name="Sampler (xDiT)",
+            category=CATEGORY,
+            description="Samples FLUX.1 / SD3 on the xDiT worker pool. LATENT out is ComfyUI's "
+                        "(raw VAE space): decode it with the stock VAEDecode.",
+            inputs=[
+                XDiTModel.Input("model"),
+                io.Latent.Input("latent", tooltip="EmptySD3LatentImage (text-to-image) or a "
+                                                  "VAEEncode latent (image-to-image with denoise)"),
+                io.String.Input("prompt", multiline=True, default="",
+                                tooltip="Used when no positive CONDITIONING is connected "
+                                        "(encoded by the pool's own text encoders)"),
+                io.String.Input("negative_prompt", multiline=True, default="",
+                                tooltip="Used with cfg > 1 when no negative CONDITIONING is connected"),
+                io.Int.Input("seed", default=0, min=0, max=MAX_SEED, control_after_generate=True,
+                             tooltip="Same noise as KSampler for the same seed and latent"),
+                io.Int.Input("steps", default=20, min=1, max=10000),
+                io.Float.Input("cfg", default=0.0, min=0.0, max=100.0, step=0.1, round=0.01,
+                               tooltip="Classifier-free guidance. 0: the model's default "
+                                       "(FLUX 1 = off, SD3 7); > 1 enables it"),
+                io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1, round=0.01,
+                               tooltip="FLUX embedded guidance (ignored by SD3); a FluxGuidance "
+                                       "value on the positive CONDITIONING takes precedence"),
+                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="For a non-empty input latent (image-to-image); an empty "
+                                       "latent is always sampled from pure noise"),
+                io.Int.Input("max_sequence_length", default=512, min=1, max=512, optional=True,
+                             tooltip="T5 tokens for the prompt text path"),
+                io.Conditioning.Input("positive", optional=True,
+                                      tooltip="FLUX: CLIP-L + T5 encode; SD3: CLIP-L + CLIP-G + T5"),
+                io.Conditioning.Input("negative", optional=True),
+            ],
+            outputs=[io.Latent.Output()],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, latent, prompt, negative_prompt, seed, steps, cfg, guidance, denoise,
+                max_sequence_length=512, positive=None, negative=None) -> io.NodeOutput:
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        previews = _previews_enabled()
+        inp = SampleInputs(latent=latent, seed=seed, steps=steps, cfg=cfg, guidance=guidance,
+                           denoise=denoise, prompt=prompt, negative_prompt=negative_prompt,
+                           positive=positive, negative=negative,
+                           max_sequence_length=max_sequence_length,
+                           preview_every=1 if previews else 0)
+        arch = read_model_info(model.path).arch
+        pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
+
+        def on_event(ev: dict) -> None:
+            if "step" not in ev:
+                return
+            preview = None
+            if previews and ev.get("preview") is not None:
+                try:
+                    from PIL import Image
+
+                    from .comfy_convert import preview_rgb
+                    img = Image.fromarray(preview_rgb(ev["preview"], arch).numpy())
+                    preview = ("JPEG", img, PREVIEW_MAX)
+                except Exception as e:  # a preview must never fail the job
+                    log.debug("xDiT preview failed: %s", e)
+            # raises InterruptProcessingException on ComfyUI's cancel: the pool cancels the job
+            pbar.update_absolute(ev["step"], ev["total"], preview)
+
+        if model.device == "cuda":  # room for the pool next to ComfyUI's own models
+            comfy.model_management.unload_all_models()
+            comfy.model_management.soft_empty_cache()
+        try:
+            out = node_logic.sample(model, inp, on_event=on_event,
+                                    is_interrupted=comfy.model_management.processing_interrupted)
+        except Exception as e:
+            from .pool import JobCancelled
+            if isinstance(e, JobCancelled):
+                comfy.model_management.throw_exception_if_processing_interrupted()
+            raise
+        return io.NodeOutput(out)
+
+
+class UnloadPool(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="xDiT.UnloadPool",
+            display_name="Unload pool (xDiT)",
+            category=CATEGORY,
+            description="Stops every xDiT worker pool and frees its memory (the next sampling "
+                        "relaunches). Pass a LATENT through to order it after a sampler.",
+            inputs=[io.Latent.Input("latent", optional=True)],
+            outputs=[io.Latent.Output()],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs):
+        return float("nan")  # always runs
+
+    @classmethod
+    def execute(cls, latent=None) -> io.NodeOutput:
+        n = REGISTRY.unload_all()
+        log.info("xDiT: unloaded %d pool(s)", n)
+        return io.NodeOutput(latent)
+
+
+class XDiTExtension(ComfyExtension):
+    async def on_load(self) -> None:
+        _register_routes()
+
+    async def get_node_list(self) -> list:
+        return [LoadModel, Sampler, UnloadPool]
+
+
+_ROUTES_DONE = False
+
+
+def _register_routes() -> None:
+    global _ROUTES_DONE
+    if _ROUTES_DONE:
+        return
+    try:
+        from aiohttp import web
+        from server import PromptServer
+        routes = PromptServer.instance.routes
+    except Exception as e:  # no server (e.g. a script importing the nodes)
+        log.debug("xDiT: no PromptServer, status routes not registered: %s", e)
+        return
+
+    async def run(fn):
+        return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+    @routes.get("/xdit/status")
+    async def xdit_status(request):
+        return web.json_response(await run(REGISTRY.status))
+
+    @routes.post("/xdit/unload")
+    async def xdit_unload(request):
+        n = await run(REGISTRY.unload_all)
+        return web.json_response({"unloaded": n})
+
+    @routes.post("/xdit/restart")
+    async def xdit_restart(request):
+        n = await run(REGISTRY.restart_all)
+        return web.json_response({"restarted": n})
+
+    _ROUTES_DONE = True
+
+
+async def comfy_entrypoint() -> XDiTExtension:
+    return XDiTExtension()
