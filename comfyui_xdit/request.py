@@ -92,12 +92,34 @@ class GenerationRequest:
             out.append(f"max_sequence_length must be in 1..512 (got {self.max_sequence_length!r})")
         if self.cfg is not None and self.cfg < 1.0:
             out.append(f"cfg must be >= 1 (got {self.cfg}); 1 disables classifier-free guidance")
-        if self.loras:
-            out.append("LoRA is not supported by the pool yet; remove the LoRA "
-                       "(it arrives with the ComfyUI nodes)")
+        out.extend(_lora_problems(self.loras))
         if self.output not in ("latent", "image"):
             out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
         return out
+
+
+def _lora_problems(loras) -> list[str]:
+    """`loras` is a list of (file, strength); the files must exist (the workers read them
+    again, by the same path, and check their keys against the model)."""
+    import math
+    import os
+
+    if not isinstance(loras, (list, tuple)):
+        return [f"loras must be a list of (file, strength) pairs (got {type(loras).__name__})"]
+    out = []
+    for i, item in enumerate(loras):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            out.append(f"LoRA #{i + 1} must be a (file, strength) pair (got {item!r})")
+            continue
+        path, strength = item
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            out.append(f"LoRA #{i + 1}: the file must be a path (got {path!r})")
+        elif not os.path.isfile(os.path.expanduser(str(path))):
+            out.append(f"LoRA file not found: {path}")
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) \
+                or not math.isfinite(strength):
+            out.append(f"LoRA {path}: strength must be a finite number (got {strength!r})")
+    return out
 
 
 @dataclass

@@ -45,7 +45,7 @@ def other_model(tmp_path):
     (["--height", "128", "--width", "128", "--pipefusion", "2", "--world-size", "2"], "pipefusion 2 is not available yet"),
     (["--height", "128", "--width", "128", "--max-sequence-length", "600"], "max_sequence_length must be in 1..512"),
     (["--height", "128", "--width", "128", "--bogus"], "unrecognized arguments: --bogus"),
-    (["--height", "128", "--width", "128", "--lora", "x.safetensors:0.8"], "LoRA is not supported by the pool yet"),
+    (["--height", "128", "--width", "128", "--lora", "missing.safetensors:0.8"], "LoRA file not found: missing.safetensors"),
 ])
 def test_bad_input_exits_2_with_one_line(model_dir, tmp_path, extra, expect):
     out = tmp_path / "x.png"

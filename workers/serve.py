@@ -79,6 +79,7 @@ class Worker:
         import torch
         import torch.distributed as dist
 
+        from .lora import LoraManager
         from .models import get_adapter, read_arch
 
         self.args = args
@@ -97,6 +98,8 @@ class Worker:
             if args.load_in_turn and world > 1:
                 dist.barrier()
         self.load_seconds = time.perf_counter() - t
+        self.base_loads = 1  # the base model is loaded once; LoRA never reloads it
+        self.loras = LoraManager(self.adapter)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.topologies = {}
         self.parallel = None  # (config key, SequenceParallel or None)
@@ -160,6 +163,8 @@ class Worker:
         with torch.inference_mode():
             cond = branch(req["positive"], req["prompt"])
             uncond = branch(req["negative"], [req["negative_prompt"]]) if use_cfg else None
+        # LoRA files are read and checked here, before anything is broadcast
+        req["lora_adapters"] = self.loras.resolve(self.model.transformer, req.get("loras"))
         noise = msg.get("noise")
         if noise is None:
             noise = prepare_noise(req["seed"], (b, 16, req["height"] // 8, req["width"] // 8))
@@ -175,13 +180,15 @@ class Worker:
         from .comm_meter import get_meter
 
         topo = self.topology(job.config)
+        self._apply_loras(job)
         meter = get_meter()
         if meter is not None:
             meter.reset()
         t = time.perf_counter()
         with torch.inference_mode():
             samples = run_job(job, self.model, self.adapter, topo, emit, should_stop)
-        stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb()}
+        stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
+                 "lora_loads": self.loras.loads, "base_loads": self.base_loads}
         if self.device.type == "cuda":
             stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         if meter is not None:
@@ -195,6 +202,30 @@ class Worker:
             for r, st in zip(self.ranks, stats):
                 r["rss_mb"] = st["rss_mb"]
         return samples, images, stats
+
+    def _apply_loras(self, job):
+        """Every rank switches to the job's LoRA list; the ranks then agree on success
+        (one small collective, only once LoRA has been used), so a file that fails on any
+        rank fails the job on all of them without breaking the pool."""
+        from .lora import LoraError
+
+        resolved = job.request.get("lora_adapters") or []
+        if not resolved and not self.loras.used:
+            return
+        self.loras.used = True
+        err = None
+        try:
+            self.loras.apply(self.model.transformer, resolved)
+        except Exception as e:  # noqa: BLE001  (reported by every rank below)
+            err = f"rank {self.rank}: {e}" if isinstance(e, LoraError) else \
+                f"rank {self.rank}: {type(e).__name__}: {e}"
+        errors = [x for x in (_gather_all(err) if self.world > 1 else [err]) if x]
+        if errors:
+            try:  # leave the model in a known state: no adapter active
+                self.loras.apply(self.model.transformer, [])
+            except Exception:  # noqa: BLE001
+                pass
+            raise LoraError("; ".join(errors))
 
 
 def _gather_all(obj):
@@ -224,13 +255,14 @@ def _broadcast(obj):
 
 def _follower_loop(worker):
     from .denoise import Cancelled
+    from .lora import LoraError
     while True:
         job = _broadcast(None)
         if job == "shutdown":
             return
         try:
             worker.run(job)
-        except Cancelled:
+        except (Cancelled, LoraError):  # LoraError: every rank refused the job together
             pass
 
 
@@ -274,6 +306,7 @@ def _leader_loop(worker, acceptor):
     import torch
 
     from .denoise import Cancelled
+    from .lora import LoraError
 
     chan = None
     while True:
@@ -335,6 +368,9 @@ def _leader_loop(worker, acceptor):
                 worker.state.update(state="idle", job_id=None)
         except Cancelled as e:
             chan.send(("cancelled", job.job_id, str(e)))
+            continue
+        except LoraError as e:  # every rank refused the job together: the pool is fine
+            chan.send(("error", job.job_id, f"LoraError: {e}", False))
             continue
         except Exception as e:
             # other ranks may be inside a collective: the pool cannot continue

@@ -1,0 +1,187 @@
+"""LoRA in the pool: a LoRA at strength s is the manually merged `W + s * (alpha/r) * B A`;
+switching LoRA lists and strengths between jobs never reloads the base model, and removing
+them restores the base output exactly; bad files fail one job with one clear error.
+
+LoRA files are made here: a peft adapter on the tiny transformer with random non-zero B,
+saved with the pipeline's `save_lora_weights` (diffusers format), plus a kohya-style FLUX
+file with double-block keys only (diffusers' converter hard-codes FLUX.1's sizes for single
+blocks)."""
+from __future__ import annotations
+
+import shutil
+
+import diffusers
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig, PoolError, WorkerPool
+
+R, ALPHA = 4, 8.0  # scale alpha/r = 2
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+PIPE = {"flux": diffusers.FluxPipeline, "sd3": diffusers.StableDiffusion3Pipeline}
+TRANSFORMER = {"flux": diffusers.FluxTransformer2DModel, "sd3": diffusers.SD3Transformer2DModel}
+
+
+def request(**kw):
+    base = dict(prompt=["a lora cat"], seed=5, steps=2, height=64, width=64,
+                max_sequence_length=8, cfg=1.0)
+    base.update(kw)
+    return GenerationRequest(**base)
+
+
+def make_peft_lora(arch, model, out_dir, seed):
+    """-> (file, {module name: (A, B)}) for a diffusers-format LoRA with alpha/r = 2."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    t = TRANSFORMER[arch].from_pretrained(model, subfolder="transformer")
+    cfg = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS)
+    t.add_adapter(cfg, adapter_name="x")
+    g = torch.Generator().manual_seed(seed)
+    for n, p in t.named_parameters():
+        if "lora_" in n:  # B is zero-initialised: make both random
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    sd = get_peft_model_state_dict(t, adapter_name="x")
+    meta = {k: v for k, v in cfg.to_dict().items()}
+    PIPE[arch].save_lora_weights(out_dir, transformer_lora_layers=sd,
+                                 transformer_lora_adapter_metadata=meta)
+    pairs = {}
+    for k, v in sd.items():
+        if ".lora_A." in k:
+            pairs[k.split(".lora_A.")[0]] = (v.clone(), sd[k.replace(".lora_A.", ".lora_B.")].clone())
+    return out_dir / "pytorch_lora_weights.safetensors", pairs
+
+
+def make_kohya_flux(path, seed):
+    """kohya FLUX keys for double block 0's image attention qkv (dim 64)."""
+    g = torch.Generator().manual_seed(seed)
+    down = torch.randn(R, 64, generator=g) * 0.1
+    up = torch.randn(3 * 64, R, generator=g) * 0.1
+    key = "lora_unet_double_blocks_0_img_attn_qkv"
+    save_file({f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up,
+               f"{key}.alpha": torch.tensor(ALPHA)}, str(path))
+    q, k, v = up.chunk(3, dim=0)
+    return path, {f"transformer_blocks.0.attn.to_{n}": (down, u) for n, u in zip("qkv", (q, k, v))}
+
+
+def merged_folder(model, dest, loras):
+    """A copy of the model whose transformer weights are W + sum s * (alpha/r) * B @ A."""
+    shutil.copytree(model, dest)
+    f = dest / "transformer" / "diffusion_pytorch_model.safetensors"
+    w = load_file(str(f))
+    for pairs, s in loras:
+        for name, (a, b) in pairs.items():
+            w[f"{name}.weight"] = w[f"{name}.weight"] + s * (ALPHA / R) * (b @ a)
+    save_file(w, str(f))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def loras(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    out = {}
+    for arch in ("flux", "sd3"):
+        for i in (1, 2):
+            d = root / f"{arch}{i}"
+            d.mkdir()
+            out[f"{arch}{i}"] = make_peft_lora(arch, model_dir(arch), d, seed=10 * i)
+    out["kohya"] = make_kohya_flux(root / "kohya.safetensors", seed=3)
+    bad = root / "corrupt.safetensors"
+    bad.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1),
+                                  dtype=torch.uint8).numpy().tobytes())
+    out["corrupt"] = (bad, None)
+    nomatch = root / "nomatch.safetensors"
+    save_file({"lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.ones(R, 8),
+               "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.ones(8, R)},
+              str(nomatch))
+    out["nomatch"] = (nomatch, None)
+    return out
+
+
+def maxdiff(a, b):
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("arch,names,strengths", [
+    ("flux", ["flux1"], [0.8]),
+    ("sd3", ["sd31"], [0.8]),
+    ("flux", ["flux1", "flux2", "kohya"], [0.6, -0.5, 1.3]),
+])
+def test_lora_equals_manual_merge(pools, model_dir, loras, tmp_path, arch, names, strengths):
+    pool = pools(arch, 1)
+    pool.reconfigure(ParallelConfig())
+    base = pool.generate(request()).samples
+    got = pool.generate(request(loras=[(str(loras[n][0]), s)
+                                       for n, s in zip(names, strengths)])).samples
+    merged = merged_folder(model_dir(arch), tmp_path / "merged",
+                           [(loras[n][1], s) for n, s in zip(names, strengths)])
+    with WorkerPool(merged, ParallelConfig(), device="cpu", threads_per_rank=1) as oracle:
+        want = oracle.generate(request()).samples
+    print(f"{arch} {names} {strengths}: |lora - merged| = {maxdiff(got, want):.2e}, "
+          f"|lora - base| = {maxdiff(got, base):.2e}")
+    assert maxdiff(got, base) > 1e-3  # the LoRA does something
+    assert maxdiff(got, want) <= 1e-4
+
+
+def test_switching_never_reloads_and_removal_is_exact(pools, loras):
+    pool = pools("flux", 2)
+    pool.reconfigure(ParallelConfig(ulysses=2))
+    pids = pool.worker_pids()
+    first = pool.generate(request())
+    base, loads0 = first.samples, first.stats[0]["lora_loads"]
+    a, b = str(loras["flux1"][0]), str(loras["flux2"][0])
+    outs = {}
+    for lst in ([(a, 1.0)], [(a, 0.5)], [(b, 1.0)], [(a, 0.5), (b, 1.0)], [], [(a, 1.0)]):
+        r = pool.generate(request(loras=lst))
+        outs.setdefault(tuple(lst), []).append(r.samples)
+        for st in r.stats:
+            assert st["base_loads"] == 1
+            assert st["lora_loads"] - loads0 <= 2
+        assert pool.worker_pids() == pids
+    assert all(st["lora_loads"] - loads0 == 2 for st in r.stats)  # each file loaded once
+    assert torch.equal(outs[()][0], base), maxdiff(outs[()][0], base)  # removed: exactly base
+    assert torch.equal(outs[((a, 1.0),)][0], outs[((a, 1.0),)][1])  # re-activated: same
+    assert maxdiff(outs[((a, 1.0),)][0], outs[((a, 0.5),)][0]) > 1e-4  # strength matters
+    assert torch.equal(pool.generate(request()).samples, base)
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_lora_ulysses_equals_one_rank(pools, loras, arch):
+    lst = [(str(loras[f"{arch}1"][0]), 0.7), (str(loras[f"{arch}2"][0]), 0.4)]
+    one = pools(arch, 1)
+    one.reconfigure(ParallelConfig())
+    want = one.generate(request(loras=lst)).samples
+    two = pools(arch, 2)
+    two.reconfigure(ParallelConfig(ulysses=2))
+    got = two.generate(request(loras=lst)).samples
+    print(f"{arch}: |ulysses2 - 1 rank| with LoRA = {maxdiff(got, want):.2e}")
+    assert maxdiff(got, want) <= 1e-4
+
+
+def test_bad_lora_files_fail_one_job_and_leave_the_pool_usable(pools, loras, tmp_path):
+    pool = pools("flux", 2)
+    pool.reconfigure(ParallelConfig(ulysses=2))
+    pids = pool.worker_pids()
+    base = pool.generate(request()).samples
+    with pytest.raises(ConfigError, match="LoRA file not found: .*missing.safetensors"):
+        pool.generate(request(loras=[(str(tmp_path / "missing.safetensors"), 1.0)]))
+    with pytest.raises(ConfigError, match="strength must be a finite number"):
+        pool.generate(request(loras=[(str(loras["flux1"][0]), "strong")]))
+    cases = [
+        ("corrupt", "corrupt.safetensors is not a readable safetensors file"),
+        ("nomatch", "nomatch.safetensors has no key that matches this flux model"),
+    ]
+    for name, msg in cases:
+        # together with a good LoRA: the job fails as a whole and nothing stays active
+        with pytest.raises(PoolError, match=msg) as e:
+            pool.generate(request(loras=[(str(loras["flux1"][0]), 1.0),
+                                         (str(loras[name][0]), 1.0)]))
+        assert len(str(e.value).splitlines()) == 1
+        assert pool.worker_pids() == pids
+        assert torch.equal(pool.generate(request()).samples, base)
+    # a FLUX file on SD3 names layers SD3 does not have (single blocks)
+    sd3 = pools("sd3", 1)
+    with pytest.raises(PoolError, match="LoRA keys do not fit this sd3 model"):
+        sd3.generate(request(loras=[(str(loras["flux1"][0]), 1.0)]))
+    assert sd3.generate(request()).samples.shape == (1, 16, 8, 8)
