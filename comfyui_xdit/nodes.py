@@ -221,6 +221,7 @@ class XDiTExtension(ComfyExtension):
         _register_routes()
 
     async def get_node_list(self) -> list:
+        _register_routes()  # on_load is not called by every ComfyUI release
         return [LoadModel, Sampler, UnloadPool]
 
 

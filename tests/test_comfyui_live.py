@@ -1,0 +1,206 @@
+"""The pack inside a real ComfyUI (skipped unless COMFYUI_PATH is set).
+
+COMFYUI_PATH: a ComfyUI checkout; COMFYUI_PYTHON: its venv's python (with this pack's
+requirements). The test links this pack into custom_nodes/, puts the tiny FLUX model into
+models/diffusers/ and a ComfyUI-loadable random VAE into models/vae/, starts
+`main.py --cpu`, then: /object_info lists the nodes, the example API workflow runs to a
+saved image with progress over /ws, and /interrupt cancels a long job.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+COMFY = os.environ.get("COMFYUI_PATH")
+pytestmark = pytest.mark.skipif(not COMFY, reason="COMFYUI_PATH not set (live ComfyUI test)")
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "xdit-test-flux"
+VAE_NAME = "xdit-test-vae.safetensors"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(base, path, data=None, timeout=30):
+    body = None if data is None else json.dumps(data).encode()
+    req = urllib.request.Request(base + path, data=body, method="POST" if data is not None
+                                 else "GET", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw
+
+
+def _comfy_vae(path: Path) -> None:
+    """A random 16-channel VAE in the layout ComfyUI's VAELoader recognises (ch 128,
+    ch_mult 1,2,4,4, 2 res blocks), saved in diffusers key format, which ComfyUI converts."""
+    if path.exists():
+        return
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+    import torch
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                        block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                        down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4)
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, str(tmp))
+    tmp.rename(path)
+
+
+@pytest.fixture(scope="module")
+def comfy(model_dir, tmp_path_factory):
+    comfy = Path(COMFY)
+    py = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    link = comfy / "custom_nodes" / "comfyui-xdit-under-test"
+    if not link.exists():
+        link.symlink_to(ROOT, target_is_directory=True)
+    (comfy / "models" / "diffusers").mkdir(parents=True, exist_ok=True)
+    model = comfy / "models" / "diffusers" / MODEL_NAME
+    if model.is_symlink() or model.exists():
+        model.unlink() if model.is_symlink() else shutil.rmtree(model)
+    shutil.copytree(model_dir("flux"), model)
+    (comfy / "models" / "vae").mkdir(parents=True, exist_ok=True)
+    _comfy_vae(comfy / "models" / "vae" / VAE_NAME)
+    port = _free_port()
+    log = tmp_path_factory.mktemp("comfy") / "comfyui.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([py, "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
+                                 str(port), "--disable-auto-launch", "--preview-method",
+                                 "latent2rgb"], cwd=comfy, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            _http(base, "/system_stats", timeout=5)
+            break
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("ComfyUI did not start:\n" + log.read_text()[-4000:])
+            time.sleep(1)
+    yield {"base": base, "port": port, "log": log}
+    try:
+        _http(base, "/xdit/unload", {})
+    except Exception:
+        pass
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    assert not [ln for ln in log.read_text().splitlines()
+                if "IMPORT FAILED" in ln and "comfyui-xdit-under-test" in ln]
+
+
+def _workflow(steps: int, size: int = 64) -> dict:
+    wf = json.loads((ROOT / "example_workflows" / "xdit_flux_text_to_image_api.json").read_text())
+    wf["1"]["inputs"].update(model=MODEL_NAME, device="cpu", dtype="fp32", world_size="2",
+                             ulysses=2)
+    wf["2"]["inputs"].update(width=size, height=size)
+    wf["3"]["inputs"].update(steps=steps, max_sequence_length=16, prompt="a small red cube")
+    wf["4"]["inputs"]["vae_name"] = VAE_NAME
+    wf["6"]["inputs"]["filename_prefix"] = "xdit-live-test"
+    return wf
+
+
+def _ws(comfy, client_id):
+    import websocket
+    ws = websocket.create_connection(f"ws://127.0.0.1:{comfy['port']}/ws?clientId={client_id}",
+                                     timeout=5)
+    return ws
+
+
+def _messages(ws, until, timeout):
+    import websocket
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            m = ws.recv()
+        except websocket.WebSocketTimeoutException:
+            continue
+        if isinstance(m, bytes):
+            out.append({"type": "binary_preview", "size": len(m)})
+            continue
+        msg = json.loads(m)
+        out.append(msg)
+        if until(msg):
+            return out
+    raise AssertionError(f"timed out; last messages: {out[-8:]}")
+
+
+def test_object_info_lists_nodes(comfy):
+    info = _http(comfy["base"], "/object_info")
+    for n in ("xDiT.LoadModel", "xDiT.Sampler", "xDiT.UnloadPool"):
+        assert n in info and info[n]["category"] == "xDiT"
+    models = info["xDiT.LoadModel"]["input"]["required"]["model"]
+    assert MODEL_NAME in json.dumps(models)
+    seed = info["xDiT.Sampler"]["input"]["required"]["seed"][1]
+    assert seed["max"] == 2 ** 64 - 1 and seed.get("control_after_generate")
+    # a bad combination is refused at validation, with the ConfigError's message
+    wf = _workflow(2)
+    wf["1"]["inputs"].update(world_size="4", ulysses=3)
+    try:
+        _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
+        raise AssertionError("invalid configuration accepted")
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+        assert "world size 4 != dp 1 x cfg 1" in json.dumps(body["node_errors"])
+
+
+def test_workflow_runs_with_progress_and_saves_an_image(comfy):
+    cid = uuid.uuid4().hex
+    ws = _ws(comfy, cid)
+    r = _http(comfy["base"], "/prompt", {"prompt": _workflow(3), "client_id": cid})
+    pid = r["prompt_id"]
+    msgs = _messages(ws, lambda m: m.get("type") in ("execution_success", "execution_error")
+                     and m["data"].get("prompt_id") == pid, 600)
+    ws.close()
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
+    assert [p["value"] for p in progress][-1] == 3 and progress[-1]["max"] == 3
+    assert any(m.get("type") == "binary_preview" for m in msgs)
+    hist = _http(comfy["base"], f"/history/{pid}")[pid]
+    images = hist["outputs"]["6"]["images"]
+    assert images and images[0]["filename"].startswith("xdit-live-test")
+    img = _http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
+                .format(**images[0]))
+    assert img[:8] == b"\x89PNG\r\n\x1a\n"
+    st = _http(comfy["base"], "/xdit/status")
+    assert st["pools"] and st["pools"][0]["world_size"] == 2 and st["pools"][0]["state"] == "idle"
+
+
+def test_interrupt_cancels_a_long_job(comfy):
+    cid = uuid.uuid4().hex
+    ws = _ws(comfy, cid)
+    wf = _workflow(5000)
+    wf["3"]["inputs"]["seed"] = 2
+    pid = _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
+    _messages(ws, lambda m: m.get("type") == "progress" and m["data"].get("node") == "3", 300)
+    t = time.monotonic()
+    _http(comfy["base"], "/interrupt", {})
+    msgs = _messages(ws, lambda m: m.get("type") in ("execution_interrupted", "execution_success",
+                                                     "execution_error")
+                     and m["data"].get("prompt_id") == pid, 120)
+    ws.close()
+    assert msgs[-1]["type"] == "execution_interrupted", msgs[-1]
+    assert time.monotonic() - t < 30
+    last = [m["data"]["value"] for m in msgs if m.get("type") == "progress"]
+    assert not last or last[-1] < 5000
+    st = _http(comfy["base"], "/xdit/status")
+    assert st["pools"][0]["state"] == "idle"  # the pool stays warm
