@@ -152,6 +152,8 @@ def test_object_info_lists_nodes(comfy):
     assert MODEL_NAME in json.dumps(models)
     seed = info["xDiT.Sampler"]["input"]["required"]["seed"][1]
     assert seed["max"] == 2 ** 64 - 1 and seed.get("control_after_generate")
+    js = _http(comfy["base"], "/extensions/comfyui-xdit-under-test/xdit.js")
+    assert b"xDiT.StatusPanel" in js
     # a bad combination is refused at validation, with the ConfigError's message
     wf = _workflow(2)
     wf["1"]["inputs"].update(world_size="4", ulysses=3)

@@ -213,3 +213,20 @@ def test_img2img_and_interrupt(registry, model_dir):
     again = sample(h, SampleInputs(latent={"samples": torch.zeros_like(x)}, prompt="a cat",
                                    **steps), registry=registry)["samples"]
     assert torch.equal(again, txt)
+
+
+def test_pack_entry_is_v3_and_cheap(tmp_path):
+    """The root __init__ defines comfy_entrypoint (V3) and no NODE_CLASS_MAPPINGS, and
+    importing it loads neither torch.distributed nor ComfyUI."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    code = ("import importlib.util, sys, inspect\n"
+            f"spec = importlib.util.spec_from_file_location('pack_under_test', {str(root / '__init__.py')!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "assert not hasattr(m, 'NODE_CLASS_MAPPINGS')\n"
+            "assert inspect.iscoroutinefunction(m.comfy_entrypoint) and m.WEB_DIRECTORY == './web'\n"
+            "bad = [n for n in ('torch', 'comfy', 'comfy_api', 'folder_paths', 'server') if n in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)

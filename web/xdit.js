@@ -1,0 +1,89 @@
+// comfyui-xdit: a sidebar tab showing the xDiT worker pools (GET /xdit/status) with
+// Unload / Restart buttons (POST /xdit/unload, /xdit/restart). Polls while visible.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const POLL_MS = 2000;
+
+function esc(s) {
+  return String(s ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
+}
+
+function renderPool(p) {
+  const state = p.state === "running" && p.total ? `running ${p.step ?? 0}/${p.total}` : p.state;
+  const ranks = (p.ranks || []).map((r) =>
+    `<tr><td>${esc(r.rank)}</td><td>${esc(r.pid)}</td><td>${esc(r.device ?? p.device)}</td>` +
+    `<td>${r.rss_mb != null ? Math.round(r.rss_mb) + " MB" : ""}</td>` +
+    `<td>${r.gpu_mem_mb != null ? Math.round(r.gpu_mem_mb) + " MB" : ""}</td></tr>`).join("");
+  return `<div style="margin-bottom:10px;padding:6px;border:1px solid var(--border-color,#444);border-radius:4px">
+    <div><b>${esc((p.model || "").split("/").pop())}</b> — ${esc(state)}</div>
+    <div style="opacity:.8">${esc(p.config)} · ${esc(p.world_size)} rank(s) · ${esc(p.device)} ${esc(p.dtype)} · launches ${esc(p.launches)}</div>
+    ${ranks ? `<table style="width:100%;font-size:12px"><tr><th>rank</th><th>pid</th><th>device</th><th>RSS</th><th>GPU</th></tr>${ranks}</table>` : ""}
+    ${p.error ? `<div style="color:#e66">${esc(p.error)}</div>` : ""}
+  </div>`;
+}
+
+async function refresh(el) {
+  let body;
+  try {
+    const r = await api.fetchApi("/xdit/status");
+    body = await r.json();
+  } catch (e) {
+    el.querySelector(".xdit-pools").innerHTML = `<div style="color:#e66">status unavailable: ${esc(e)}</div>`;
+    return;
+  }
+  const pools = body.pools || [];
+  el.querySelector(".xdit-pools").innerHTML = pools.length
+    ? pools.map(renderPool).join("")
+    : "<div style='opacity:.7'>No pool yet: it starts at the first xDiT sampling.</div>";
+  const job = body.last_job || {};
+  el.querySelector(".xdit-last").innerHTML =
+    (body.last_error ? `<div style="color:#e66">last error: ${esc(body.last_error)}</div>` : "") +
+    (job.config ? `<div style="opacity:.8">last job: ${esc(job.config)}, ${esc(job.width)}x${esc(job.height)} x${esc(job.batch)}, ${esc(job.steps)} steps, ${esc(job.seconds)} s</div>` : "");
+}
+
+async function post(path, el) {
+  try {
+    await api.fetchApi(path, { method: "POST" });
+  } finally {
+    refresh(el);
+  }
+}
+
+app.registerExtension({
+  name: "xDiT.StatusPanel",
+  async setup() {
+    const tab = {
+      id: "xdit-status",
+      icon: "pi pi-server",
+      title: "xDiT",
+      tooltip: "xDiT worker pool",
+      type: "custom",
+      render: (el) => {
+        el.innerHTML = `<div style="padding:8px;font-size:13px">
+          <h3 style="margin:0 0 8px">xDiT pool</h3>
+          <div class="xdit-pools"></div><div class="xdit-last"></div>
+          <div style="margin-top:8px;display:flex;gap:6px">
+            <button class="xdit-restart" title="Stop the workers; the next sampling relaunches them">Restart</button>
+            <button class="xdit-unload" title="Stop the workers and forget the pool (frees memory)">Unload</button>
+          </div></div>`;
+        el.querySelector(".xdit-unload").onclick = () => post("/xdit/unload", el);
+        el.querySelector(".xdit-restart").onclick = () => post("/xdit/restart", el);
+        refresh(el);
+        clearInterval(el._xditTimer);
+        el._xditTimer = setInterval(() => {
+          if (!el.isConnected) return clearInterval(el._xditTimer);
+          refresh(el);
+        }, POLL_MS);
+      },
+    };
+    if (app.extensionManager?.registerSidebarTab) {
+      app.extensionManager.registerSidebarTab(tab);
+    }
+    // refresh promptly on progress of an xDiT sampler
+    api.addEventListener("progress", () => {
+      const el = document.querySelector(".xdit-pools")?.parentElement?.parentElement;
+      if (el) refresh(el);
+    });
+  },
+});
