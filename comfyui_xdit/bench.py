@@ -395,8 +395,16 @@ def run(args) -> int:
     report = summarize(machine, model, job, runs, launches)
     report["contention"] = {"threshold": quiet.threshold, "waited_s": quiet.waited,
                             "max_wait_s": quiet.budget, "attempts_per_config": attempts}
+    if extras:
+        from . import bench_pool
+        log("pool overheads: warm pool vs in-process diffusers, launch, per-job overhead")
+        tiny = ensure_tiny_model("flux", cache)
+        report["pool"] = {"warm": bench_pool.warm_pool_vs_diffusers(model_path, job, r, log),
+                          "launch": bench_pool.launch_and_dispatch(model_path, tiny, job, log)}
     report["wall_s"] = time.perf_counter() - t_start
     md = markdown(report)
+    if "pool" in report:
+        md += "\n" + bench_pool.markdown(report["pool"])
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "bench.md").write_text(md)
     print(md)

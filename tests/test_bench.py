@@ -62,3 +62,14 @@ def test_bench_quick(tmp_path):
             assert o["measured_bytes_per_step_per_rank"] == [o["expected_bytes_per_step"]] * 2
         else:
             assert o["measured_bytes_per_step_per_rank"] == [4, 0]
+
+    # the pool section: warm pool vs in-process diffusers, the launch breakdown, per-job
+    # overhead (measurements: only their presence and signs are checked)
+    pool = rep["pool"]
+    assert pool["warm"]["pool_median_s"] > 0 and pool["warm"]["diffusers_median_s"] > 0
+    launch = pool["launch"]
+    assert [r["rank"] for r in launch["ranks"]] == [0, 1]
+    assert all(r["load_peak_rss_mb"] > 0 and r["import_s"] > 0 for r in launch["ranks"])
+    assert launch["ready_s"] >= launch["spawn_s"] > 0
+    assert len(launch["dispatch_ms"]) == 10
+    assert "## Pool overheads" in md
