@@ -84,6 +84,15 @@ class ModelHandle:
     dp: int = 1
     gpus: Optional[tuple] = None
     threads_per_rank: Optional[int] = None
+    loras: tuple = ()  # ((path, strength), ...) added by the LoRA node; never a new pool
+
+    def with_lora(self, path: str, strength: float) -> "ModelHandle":
+        """The LoRA node: chain one more adapter (the workers cache adapters, so changing
+        this list between jobs never reloads the base model)."""
+        import dataclasses
+        if not os.path.isfile(path):
+            raise ConfigError(f"LoRA file not found: {path}")
+        return dataclasses.replace(self, loras=self.loras + ((str(path), float(strength)),))
 
     @property
     def degrees_given(self) -> bool:
@@ -304,6 +313,7 @@ def sample(handle: ModelHandle, inp: SampleInputs,
     t0 = time.perf_counter()
     try:
         req, kw = build_job(inp)
+        req.loras = list(handle.loras)
         config = handle.config_for(req)
         pool = registry.get(handle, config)
         stop = threading.Event()

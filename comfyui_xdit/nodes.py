@@ -191,6 +191,27 @@ class Sampler(io.ComfyNode):
         return io.NodeOutput(out)
 
 
+class LoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="xDiT.LoRA",
+            display_name="LoRA (xDiT)",
+            category=CATEGORY,
+            description="Adds a LoRA from models/loras to an xDiT model; chain several. "
+                        "Changing the list or strengths never reloads the base model.",
+            inputs=[XDiTModel.Input("model"),
+                    io.Combo.Input("lora_name", options=folder_paths.get_filename_list("loras")),
+                    io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01)],
+            outputs=[XDiTModel.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, lora_name, strength) -> io.NodeOutput:
+        path = folder_paths.get_full_path_or_raise("loras", lora_name)
+        return io.NodeOutput(model.with_lora(path, strength))
+
+
 class UnloadPool(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -222,7 +243,7 @@ class XDiTExtension(ComfyExtension):
 
     async def get_node_list(self) -> list:
         _register_routes()  # on_load is not called by every ComfyUI release
-        return [LoadModel, Sampler, UnloadPool]
+        return [LoadModel, LoRA, Sampler, UnloadPool]
 
 
 _ROUTES_DONE = False

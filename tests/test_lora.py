@@ -185,3 +185,29 @@ def test_bad_lora_files_fail_one_job_and_leave_the_pool_usable(pools, loras, tmp
     with pytest.raises(PoolError, match="LoRA keys do not fit this sd3 model"):
         sd3.generate(request(loras=[(str(loras["flux1"][0]), 1.0)]))
     assert sd3.generate(request()).samples.shape == (1, 16, 8, 8)
+
+
+def test_lora_node_chain_matches_pool(pools, model_dir, loras, tmp_path):
+    """The LoRA node's chained handle gives exactly the pool job with the same LoRA list."""
+    from comfyui_xdit.config import ConfigError
+    from comfyui_xdit.node_logic import ModelHandle, PoolRegistry, SampleInputs, sample
+
+    path = str(loras["flux1"][0])
+    handle = ModelHandle(path=str(model_dir("flux")), device="cpu", dtype="fp32",
+                         world_size=2, ulysses=2, threads_per_rank=1)
+    chained = handle.with_lora(path, 0.8).with_lora(str(loras["flux2"][0]), -0.3)
+    assert chained.loras == ((path, 0.8), (str(loras["flux2"][0]), -0.3)) and handle.loras == ()
+    registry = PoolRegistry()
+    try:
+        got = sample(chained, SampleInputs(latent={"samples": torch.zeros(1, 16, 8, 8)},
+                                           prompt="a lora cat", seed=5, steps=2, cfg=1.0,
+                                           max_sequence_length=8), registry=registry)["samples"]
+    finally:
+        registry.unload_all()
+    pool = pools("flux", 2)
+    pool.reconfigure(ParallelConfig(ulysses=2))
+    want = pool.generate(request(loras=[(path, 0.8), (str(loras["flux2"][0]), -0.3)])).samples
+    base = pool.generate(request()).samples
+    assert maxdiff(got, want) <= 1e-6 and maxdiff(got, base) > 1e-3
+    with pytest.raises(ConfigError, match="LoRA file not found"):
+        handle.with_lora(str(tmp_path / "missing.safetensors"), 1.0)
