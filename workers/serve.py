@@ -7,6 +7,7 @@ same denoising loop. Other ranks only ever listen to rank 0.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import logging
 import os
@@ -275,31 +276,41 @@ class _Acceptor(threading.Thread):
         self.secret = secret
         self.channels = queue.Queue()
         self.busy = threading.Event()  # a host is connected: others are told so and dropped
+        self.lock = threading.Lock()
 
     def run(self):
-        from comfyui_xdit.channel import AuthError, server_handshake
         while True:
             try:
                 conn, peer = self.sock.accept()
             except OSError:
                 return
-            try:
-                chan = server_handshake(conn, self.secret)
-                for _ in range(20):  # a host that just left may not be noticed yet
-                    if not self.busy.is_set():
-                        break
-                    time.sleep(0.1)
-                if self.busy.is_set():
-                    log.info("control connection from %s refused: another host is connected", peer)
+            # each handshake in its own thread: a silent client cannot hold up the next one
+            threading.Thread(target=self._handshake, args=(conn, peer), daemon=True,
+                             name="xdit-handshake").start()
+
+    def _handshake(self, conn, peer):
+        from comfyui_xdit.channel import AuthError, server_handshake
+        try:
+            chan = server_handshake(conn, self.secret)
+        except AuthError as e:
+            log.warning("refused control connection from %s: %s", peer, e)
+            conn.close()
+            return
+        for _ in range(20):  # a host that just left may not be noticed yet
+            if not self.busy.is_set():
+                break
+            time.sleep(0.1)
+        with self.lock:
+            if self.busy.is_set():
+                log.info("control connection from %s refused: another host is connected", peer)
+                try:
                     chan.send(("busy", "another host is connected to this pool"))
+                finally:
                     chan.close()
-                    continue
-                self.busy.set()
-                self.channels.put(chan)
-                log.info("control connection from %s authenticated", peer)
-            except AuthError as e:
-                log.warning("refused control connection from %s: %s", peer, e)
-                conn.close()
+                return
+            self.busy.set()
+        self.channels.put(chan)
+        log.info("control connection from %s authenticated", peer)
 
 
 def _leader_loop(worker, acceptor):
@@ -309,12 +320,14 @@ def _leader_loop(worker, acceptor):
     from .lora import LoraError
 
     chan = None
+    later = collections.deque()  # messages that arrived during a job, handled after it
     while True:
         if chan is None:
+            later.clear()
             chan = acceptor.channels.get()
             chan.send(("ready", worker.describe()))
         try:
-            msg = chan.recv()
+            msg = later.popleft() if later else chan.recv()
         except (ConnectionError, OSError, EOFError):
             log.info("host disconnected")
             chan = None
@@ -352,6 +365,8 @@ def _leader_loop(worker, acceptor):
                     cancelled.append(m)
                 elif m[0] == "status":
                     chan.send(("status", worker.describe()))
+                elif m[0] != "cancel":
+                    later.append(m)
             return bool(cancelled)
 
         def emit(event):
