@@ -97,7 +97,8 @@ def _check_conv(m: nn.Conv2d):
 def _check_attention(m):
     if getattr(m, "spatial_norm", None) is not None:
         return "Attention with a spatial norm"
-    if getattr(m, "fused_projections", False) or not isinstance(getattr(m, "to_k", None), nn.Linear):
+    if getattr(m, "fused_projections", False) \
+            or not isinstance(getattr(m, "to_k", None), nn.Linear):
         return "Attention with fused QKV projections"
     if getattr(m, "is_cross_attention", False):
         return "cross-attention"
@@ -130,6 +131,10 @@ def check_decoder(vae) -> None:
         roots.append(("post_quant_conv", pqc))
     for root_name, root in roots:
         for name, m in root.named_modules():
+            if hasattr(m, "_hf_hook"):
+                raise NotImplementedError(
+                    f"patch-parallel VAE decode: {root_name}.{name} carries an accelerate hook "
+                    f"(sequential offload); decode on one rank instead")
             check = allowed.get(type(m), "missing")
             if check == "missing":
                 raise NotImplementedError(
@@ -153,13 +158,16 @@ class _Bands:
     bands: list  # latent rows per group rank
     fault: str | None = None
     fired: dict = field(default_factory=lambda: {"conv": 0, "norm": 0, "attn_k": 0, "attn_v": 0})
+    rewired: dict = field(default_factory=lambda: {"conv": 0, "norm": 0, "attn_k": 0, "attn_v": 0})
 
     @property
     def rows(self) -> int:
         return self.bands[self.rank]
 
     def peer(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
 
     def scaled(self, local: int) -> list[int]:
         """Every rank's extent along a dim whose local extent is `local`, for a dim that
@@ -178,13 +186,15 @@ def _start_halo_exchange(ctx: _Bands, x: torch.Tensor, p: int):
     ops = []
     if ctx.fault != "no_halo":
         if ctx.rank > 0:
+            up = ctx.peer(ctx.rank - 1)
             top = x.new_empty(x.shape[0], x.shape[1], p, x.shape[3])
-            ops.append(dist.P2POp(dist.isend, x[:, :, :p].contiguous(), ctx.peer(ctx.rank - 1), ctx.group))
-            ops.append(dist.P2POp(dist.irecv, top, ctx.peer(ctx.rank - 1), ctx.group))
+            ops.append(dist.P2POp(dist.isend, x[:, :, :p].contiguous(), up, ctx.group))
+            ops.append(dist.P2POp(dist.irecv, top, up, ctx.group))
         if ctx.rank < ctx.size - 1:
+            down = ctx.peer(ctx.rank + 1)
             bottom = x.new_empty(x.shape[0], x.shape[1], p, x.shape[3])
-            ops.append(dist.P2POp(dist.isend, x[:, :, -p:].contiguous(), ctx.peer(ctx.rank + 1), ctx.group))
-            ops.append(dist.P2POp(dist.irecv, bottom, ctx.peer(ctx.rank + 1), ctx.group))
+            ops.append(dist.P2POp(dist.isend, x[:, :, -p:].contiguous(), down, ctx.group))
+            ops.append(dist.P2POp(dist.irecv, bottom, down, ctx.group))
     reqs = dist.batch_isend_irecv(ops) if ops else []
 
     def wait():
@@ -227,8 +237,12 @@ def _group_norm_forward(gn: nn.GroupNorm, ctx: _Bands, x: torch.Tensor) -> torch
     b, c = x.shape[:2]
     g = gn.num_groups
     xg = x.reshape(b, g, -1)
-    stat_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    var, mean = torch.var_mean(xg.to(stat_dtype), dim=-1, correction=0)
+    full = x.dtype in (torch.float32, torch.float64)
+    if full:
+        var, mean = torch.var_mean(xg, dim=-1, correction=0)
+    else:  # half precision: fp32 statistics, one group at a time (no fp32 copy of the band)
+        vm = [torch.var_mean(xg[:, i].float(), dim=-1, correction=0) for i in range(g)]
+        var, mean = torch.stack([v for v, _ in vm], 1), torch.stack([m for _, m in vm], 1)
     n = xg.shape[-1]
     mean, var = mean.double(), var.double()
     # [sum, sum of squares, count] per (sample, group), reconstructed from the band's
@@ -246,7 +260,15 @@ def _group_norm_forward(gn: nn.GroupNorm, ctx: _Bands, x: torch.Tensor) -> torch
         w = gn.weight.double()
         scale, shift = scale * w, shift * w + gn.bias.double()
     view = (b, c) + (1,) * (x.dim() - 2)
-    return torch.addcmul(shift.to(x.dtype).view(view), x, scale.to(x.dtype).view(view))
+    if full:
+        return torch.addcmul(shift.to(x.dtype).view(view), x, scale.to(x.dtype).view(view))
+    # half precision: normalise in fp32 and round once, a group's channels at a time
+    out = torch.empty_like(x)
+    scale, shift = scale.float().view(view), shift.float().view(view)
+    for i in range(0, c, c // g):
+        sl = slice(i, i + c // g)
+        out[:, sl] = torch.addcmul(shift[:, sl], x[:, sl].float(), scale[:, sl]).to(x.dtype)
+    return out
 
 
 def _gather_tokens_hook(kind: str, ctx: _Bands):
@@ -275,30 +297,46 @@ def _rewired(vae, ctx: _Bands):
     roots = [vae.decoder]
     if getattr(vae, "post_quant_conv", None) is not None:
         roots.append(vae.post_quant_conv)
-    patched, handles = [], []
+    patched, handles = [], []  # (module, its own instance-level forward or None)
     saved_tiling = getattr(vae, "use_tiling", False)
     try:
         vae.use_tiling = False  # tiles would depend on each rank's band size
         for root in roots:
             for m in root.modules():
                 if isinstance(m, nn.Conv2d) and m.kernel_size[0] > 1:
+                    patched.append((m, m.__dict__.get("forward")))
                     m.forward = types.MethodType(
                         lambda self, x, _c=ctx: _halo_conv_forward(self, _c, x), m)
-                    patched.append(m)
+                    ctx.rewired["conv"] += 1
                 elif isinstance(m, nn.GroupNorm):
+                    patched.append((m, m.__dict__.get("forward")))
                     m.forward = types.MethodType(
                         lambda self, x, _c=ctx: _group_norm_forward(self, _c, x), m)
-                    patched.append(m)
+                    ctx.rewired["norm"] += 1
                 elif isinstance(m, Attention):
                     handles.append(m.to_k.register_forward_hook(_gather_tokens_hook("k", ctx)))
                     handles.append(m.to_v.register_forward_hook(_gather_tokens_hook("v", ctx)))
+                    ctx.rewired["attn_k"] += 1
+                    ctx.rewired["attn_v"] += 1
         yield
     finally:
-        for m in patched:
-            del m.forward  # back to the class's forward
+        for m, own in reversed(patched):
+            if own is None:
+                del m.forward  # back to the class's forward
+            else:
+                m.forward = own
         for h in handles:
             h.remove()
         vae.use_tiling = saved_tiling
+
+
+def _max_halo(vae) -> int:
+    """Widest conv halo in the decode path, in rows (1 for 3x3 convs). Every band has at
+    least as many rows at the latent resolution (and twice as many after each upsample)."""
+    roots = [vae.decoder] + ([vae.post_quant_conv] if getattr(vae, "post_quant_conv", None)
+                             is not None else [])
+    return max([m.padding[0] for r in roots for m in r.modules() if isinstance(m, nn.Conv2d)],
+               default=0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -329,8 +367,8 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None):
     Collective: every rank of the group calls it. Group rank 0 must pass the latents; the
     others may pass None (they receive them by broadcast). Returns `vae.decode(latents).sample`
     ([B, 3, 8h, 8w], the VAE's dtype) on group rank 0 and None elsewhere. A latent with
-    fewer rows than ranks is decoded by rank 0 alone. `fault` (tests only, see FAULTS)
-    disables one part of the exact scheme.
+    fewer rows than ranks (times the widest conv halo) is decoded by group rank 0 alone.
+    `fault` (tests only, see FAULTS) disables one part of the exact scheme.
     """
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
@@ -342,7 +380,7 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None):
     check_decoder(vae)
     z = _broadcast_latents(latents, group, param.device, param.dtype)
     h = z.shape[2]
-    if h < n:  # not enough rows for a band each
+    if h < n * max(1, _max_halo(vae)):  # too few rows for a band (and its halo) each
         return vae.decode(z, return_dict=False)[0] if me == 0 else None
 
     bands = band_rows(h, n)
@@ -351,15 +389,16 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None):
     band = z[:, :, start:start + bands[me]]
     with _rewired(vae, ctx):
         out = vae.decode(band, return_dict=False)[0]
-    # every rank ran the same module sequence; make sure the rewiring was actually used
-    if ctx.fired["conv"] == 0 or ctx.fired["norm"] == 0 or ctx.fired["attn_k"] != ctx.fired["attn_v"]:
-        raise RuntimeError(f"patch-parallel VAE decode: rewired modules did not run ({ctx.fired})")
+    # every rewired module runs at least once per decode; if one did not go through its
+    # rewired path (a processor bypassing to_k, say), the image cannot be trusted
+    if any(ctx.fired[k] < ctx.rewired[k] for k in ctx.rewired):
+        raise RuntimeError(f"patch-parallel VAE decode: rewired modules did not all run "
+                           f"(ran {ctx.fired}, rewired {ctx.rewired})")
     del z, band
 
     out_rows = ctx.scaled(out.shape[2])
     if me != 0:
-        dist.send(out.contiguous(), dist.get_global_rank(group, 0) if group is not None else 0,
-                  group=group)
+        dist.send(out.contiguous(), ctx.peer(0), group=group)
         return None
     full = out.new_empty(out.shape[0], out.shape[1], sum(out_rows), out.shape[3])
     full[:, :, :out_rows[0]] = out
@@ -367,7 +406,7 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None):
     offset = out_rows[0]
     for r in range(1, n):
         buf = full.new_empty(full.shape[0], full.shape[1], out_rows[r], full.shape[3])
-        dist.recv(buf, dist.get_global_rank(group, r) if group is not None else r, group=group)
+        dist.recv(buf, ctx.peer(r), group=group)
         full[:, :, offset:offset + out_rows[r]] = buf
         offset += out_rows[r]
     return full
