@@ -195,9 +195,12 @@ class Worker:
         if meter is not None:
             stats["comm"] = meter.snapshot()
         images = None
-        if self.rank == 0 and job.request.get("output") == "image":
-            with torch.inference_mode():
-                images = self.adapter.decode(self.model, samples)
+        if job.request.get("output") == "image":  # the same decision on every rank
+            import torch.distributed as dist
+            group = dist.group.WORLD if self.world > 1 else None  # patch-parallel decode
+            if group is not None or self.rank == 0:
+                with torch.inference_mode():
+                    images = self.adapter.decode(self.model, samples, group=group)
         stats = _gather_stats(stats)
         if stats and self.rank == 0:
             for r, st in zip(self.ranks, stats):

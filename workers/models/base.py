@@ -53,15 +53,24 @@ class DiTAdapter:
         scale, shift = self._scale_shift(model)
         return self.pack((samples.float() - shift) * scale)
 
-    def decode(self, model: LoadedModel, comfy_samples: torch.Tensor) -> torch.Tensor:
-        """Raw-VAE-space samples -> IMAGE [B,H,W,3] in 0..1 (float32, CPU)."""
+    def decode(self, model: LoadedModel, comfy_samples, group=None):
+        """Raw-VAE-space samples -> IMAGE [B,H,W,3] in 0..1 (float32, CPU).
+        With `group`: patch-parallel decode (workers/vae_parallel.py), collective over the
+        group; the samples are needed on group rank 0 only, the image is returned there and
+        None elsewhere."""
         if model.vae is None:
             from diffusers import AutoencoderKL
             model.vae = AutoencoderKL.from_pretrained(model.path, subfolder="vae",
                                                       torch_dtype=model.dtype)
             model.vae.to(model.device).eval().requires_grad_(False)
-        x = comfy_samples.to(model.device, model.vae.dtype)
-        img = model.vae.decode(x, return_dict=False)[0]
+        x = None if comfy_samples is None else comfy_samples.to(model.device, model.vae.dtype)
+        if group is not None:
+            from ..vae_parallel import decode_parallel
+            img = decode_parallel(model.vae, x, group)
+            if img is None:
+                return None
+        else:
+            img = model.vae.decode(x, return_dict=False)[0]
         return (img.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
 
     # per-architecture
