@@ -206,3 +206,44 @@ def test_interrupt_cancels_a_long_job(comfy):
     assert not last or last[-1] < 5000
     st = _http(comfy["base"], "/xdit/status")
     assert st["pools"][0]["state"] == "idle"  # the pool stays warm
+
+
+def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
+    """The xDiT sidebar tab renders the pool status in a real browser with no console errors
+    from our script; a screenshot is saved (to $XDIT_SCREENSHOT or the test's tmp dir)."""
+    pw = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium:
+        pytest.skip("no chromium (Debian package chromium)")
+    # a job first, so the panel has a pool to show
+    _http(comfy["base"], "/prompt", {"prompt": _workflow(steps=2), "client_id": "panel"})
+    errors = []
+    with pw.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(comfy["base"] + "/", wait_until="networkidle", timeout=120_000)
+        tab = page.locator(".xdit-status-tab-button, [class*='xdit-status']").first
+        tab.wait_for(timeout=60_000)
+        for _ in range(3):  # ComfyUI's first-run dialogs (templates, news) cover the page
+            if page.locator(".p-dialog-mask").count() == 0:
+                break
+            page.keyboard.press("Escape")
+            page.wait_for_timeout(500)
+        tab.click(force=True)
+        page.wait_for_selector(".xdit-pools", timeout=30_000)
+        page.wait_for_function(
+            "document.querySelector('.xdit-pools').innerText.includes('rank')"
+            " || document.querySelector('.xdit-pools').innerText.includes('No pool')",
+            timeout=30_000)
+        text = page.inner_text(".xdit-pools")
+        shot = Path(os.environ.get("XDIT_SCREENSHOT", tmp_path / "xdit-panel.png"))
+        page.screenshot(path=str(shot))
+        browser.close()
+    assert "rank" in text or "No pool" in text
+    ours = [e for e in errors if "xdit" in e.lower()]
+    assert not ours, ours
+    assert shot.stat().st_size > 10_000
