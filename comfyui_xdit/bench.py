@@ -228,6 +228,75 @@ class Contention:
             time.sleep(2.0)
 
 
+_HELPER = r"""
+import sys, time
+import torch
+torch.set_num_threads(1)
+a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+for _ in range(3):
+    a @ b
+print("ready", flush=True)
+for line in sys.stdin:
+    seconds = float(line)
+    t = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t < seconds:
+        a @ b
+        n += 1
+    print(2 * 1024 ** 3 * n / (time.perf_counter() - t) / 1e9, flush=True)
+"""
+
+
+class Ceiling:
+    """What two cores give this machine right now: GFLOP/s of a 1-thread 1024^3 fp32 matmul
+    loop alone, and of two such loops in two processes at once. Their ratio is the best
+    speed-up any 2-process x 1-thread split of compute-bound work can reach at that moment.
+    On a virtual machine it is not a constant (vCPUs that share a physical core, neighbours
+    on the host): it has been seen anywhere from ~1.3x to ~1.9x here, so it is sampled in
+    every round, next to the jobs it explains."""
+
+    def __init__(self, seconds: float):
+        import subprocess
+
+        self.seconds = seconds
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.procs = [subprocess.Popen([sys.executable, "-c", _HELPER], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, env=env)
+                      for _ in range(2)]
+        for p in self.procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("the matmul helper of the bench did not start")
+        self.samples: list = []
+
+    def pids(self) -> list:
+        return [p.pid for p in self.procs]
+
+    def _go(self, procs) -> list:
+        for p in procs:
+            p.stdin.write(f"{self.seconds}\n")
+            p.stdin.flush()
+        return [float(p.stdout.readline()) for p in procs]
+
+    def sample(self, quiet: "Contention", all_pids: list, log) -> dict:
+        quiet.wait_quiet(all_pids)
+        before = quiet.sample(all_pids)
+        alone = self._go(self.procs[:1])[0]
+        pair = self._go(self.procs)
+        foreign = quiet.foreign(before, all_pids)
+        rec = {"alone_gflops": alone, "pair_gflops": pair, "ratio": sum(pair) / alone,
+               "foreign_cores": foreign,
+               "contended": foreign is not None and foreign > quiet.threshold}
+        self.samples.append(rec)
+        log(f"  {'ceiling':12s} 1 core {alone:.0f} GFLOP/s, 2 cores {sum(pair):.0f} GFLOP/s "
+            f"-> {rec['ratio']:.2f}x" + (" (contended)" if rec["contended"] else ""))
+        return rec
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
 class Entry:
     """One measured configuration: a run name, its pool, its ParallelConfig and workload."""
 
@@ -240,7 +309,7 @@ class Entry:
         return sum(not j["contended"] for j in self.jobs)
 
 
-def _job(entry: Entry, job: dict, quiet: Contention, all_pids: list, log) -> dict:
+def _job(entry: Entry, job: dict, quiet: Contention, all_pids: list, log, rnd: int) -> dict:
     pool = entry.pool
     if pool.config != entry.config:
         pool.reconfigure(entry.config)  # same world size: the workers stay warm
@@ -260,7 +329,7 @@ def _job(entry: Entry, job: dict, quiet: Contention, all_pids: list, log) -> dic
     # included): near 1.0 per 1-thread rank when it never waits
     share = [None if a is None or b is None else (b - a) / wall for a, b in zip(cpu0, cpu1)]
     contended = foreign is not None and foreign > quiet.threshold
-    rec = {"job_s": wall, "denoise_s": [s["denoise_s"] for s in res.stats],
+    rec = {"round": rnd, "job_s": wall, "denoise_s": [s["denoise_s"] for s in res.stats],
            "cpu_share": share, "foreign_cores": foreign, "idle_pool_cores": (idle1 - idle0) / wall,
            "contended": contended, "comm": [s.get("comm") for s in res.stats]}
     d = max(rec["denoise_s"])
@@ -271,12 +340,13 @@ def _job(entry: Entry, job: dict, quiet: Contention, all_pids: list, log) -> dic
 
 
 def measure_interleaved(entries: list, job: dict, warmup: int, repeats: int, max_attempts: int,
-                        quiet: Contention, log) -> None:
-    """Warm every entry up, then time them round-robin (one job of each in turn) until each
-    has `repeats` jobs on a quiet machine or `max_attempts` jobs. Interleaving spreads slow
-    drifts of the machine (neighbours, clock, memory) evenly over the configurations
-    compared, instead of charging them all to whichever ran last. Jobs never overlap."""
-    all_pids = []
+                        quiet: Contention, ceiling: Ceiling, log) -> list:
+    """Warm every entry up, then time them round-robin (one job of each in turn, plus one
+    ceiling sample per round) until each has `repeats` jobs on a quiet machine or
+    `max_attempts` jobs. Interleaving spreads slow drifts of the machine (neighbours, clock,
+    memory) evenly over the configurations compared, instead of charging them all to
+    whichever ran last. Jobs never overlap. Returns this section's ceiling samples."""
+    all_pids = list(ceiling.pids())
     for e in entries:
         log(f"  {e.name}: warming up ({e.config.describe()}, {e.threads} thread(s)/rank, "
             f"workload {e.workload})")
@@ -285,14 +355,18 @@ def measure_interleaved(entries: list, job: dict, warmup: int, repeats: int, max
         for _ in range(warmup):
             e.pool.generate(_request(e.workload, job))
         all_pids += [p for p in e.pool.worker_pids() if p not in all_pids]
+    samples = []
+    rnd = 0
     while True:
         # once the wait budget is spent, re-running contended jobs cannot help: stop at repeats
         cap = repeats if quiet.exhausted else max_attempts
         todo = [e for e in entries if e.clean() < repeats and len(e.jobs) < cap]
         if not todo:
-            return
+            return samples
+        samples.append(dict(ceiling.sample(quiet, all_pids, log), round=rnd))
         for e in todo:
-            e.jobs.append(_job(e, job, quiet, all_pids, log))
+            e.jobs.append(_job(e, job, quiet, all_pids, log, rnd))
+        rnd += 1
 
 
 def summarize_entry(e: Entry, job: dict) -> dict:
@@ -358,7 +432,10 @@ def run(args) -> int:
     os.environ["XDIT_COMM_METER"] = "1"
     machine = machine_facts()
     pools = {}
+    ceiling = None
+    sections = {}
     try:
+        ceiling = Ceiling(0.4 if args.quick else 1.5)
         pools["1x1"] = WorkerPool(model_path, ParallelConfig(), device="cpu", threads_per_rank=1)
         pools["2x1"] = WorkerPool(model_path, ParallelConfig(ulysses=2), device="cpu",
                                   threads_per_rank=1)
@@ -370,19 +447,23 @@ def run(args) -> int:
         cmp = [Entry(n, pools["2x1"], ParallelConfig(**kw), wl, 1) for n, wl, kw in TWO_RANK_RUNS]
         head += [e for e in cmp if e.workload == "base"]
         log("headline: 1 rank vs 2 ranks, same job")
-        measure_interleaved(head, job, w, r, attempts, quiet, log)
+        sections["headline"] = measure_interleaved(head, job, w, r, attempts, quiet, ceiling,
+                                                   log)
         entries = list(head)
         if extras:
             rest = [Entry("1x1_cfg", pools["1x1"], ParallelConfig(), "cfg", 1),
                     Entry("1x1_batch2", pools["1x1"], ParallelConfig(), "batch2", 1)]
             rest += [e for e in cmp if e.workload != "base"]
             log("comparison: cfg-parallel and dp against 1 rank on their own workloads")
-            measure_interleaved(rest, job, w, r, attempts, quiet, log)
+            sections["comparison"] = measure_interleaved(rest, job, w, r, attempts, quiet,
+                                                         ceiling, log)
             entries += rest
         launches = {k: dict(p.last_launch) for k, p in pools.items()}
     finally:
         for p in pools.values():
             p.close()
+        if ceiling is not None:
+            ceiling.close()
         if old_meter is None:
             os.environ.pop("XDIT_COMM_METER", None)
         else:
@@ -392,7 +473,7 @@ def run(args) -> int:
     runs = {e.name: summarize_entry(e, job) for e in sorted(entries,
                                                             key=lambda e: order.index(e.name))}
 
-    report = summarize(machine, model, job, runs, launches)
+    report = summarize(machine, model, job, runs, launches, sections)
     report["contention"] = {"threshold": quiet.threshold, "waited_s": quiet.waited,
                             "max_wait_s": quiet.budget, "attempts_per_config": attempts}
     if extras:
@@ -419,15 +500,37 @@ def _rank_bytes(run: dict, kind: str) -> list:
     return [0.0 if c is None else float(c.get(kind, 0.0)) for c in run["comm_bytes_per_step"]]
 
 
-def summarize(machine, model, job, runs, launches) -> dict:
+def _paired(base: dict, r: dict, steps: int) -> list:
+    """base/r time per step of the jobs that ran in the same round, both uncontended."""
+    b = {j["round"]: max(j["denoise_s"]) for j in base["jobs"] if not j["contended"]}
+    return [b[j["round"]] / max(j["denoise_s"]) for j in r["jobs"]
+            if not j["contended"] and j["round"] in b]
+
+
+def summarize(machine, model, job, runs, launches, sections) -> dict:
     n = 2
     th = theory(model, job, n)
+    ceilings = {}
+    for name, samples in sections.items():
+        clean = [x["ratio"] for x in samples if not x["contended"]] or \
+            [x["ratio"] for x in samples]
+        ceilings[name] = {"ratio_median": statistics.median(clean) if clean else None,
+                          "ratio_min": min(clean) if clean else None,
+                          "ratio_max": max(clean) if clean else None, "samples": samples}
     speedup = {}
     for name, r in runs.items():
         base = runs.get(_BASELINE[r["workload"]])
         if base is not None and name != base["name"]:
             speedup[name] = base["step_s_median"] / r["step_s_median"]
             r["speedup_vs_1x1"] = speedup[name]
+            paired = _paired(base, r, job["steps"])
+            r["speedup_paired_all"] = paired
+            r["speedup_paired_median"] = statistics.median(paired) if paired else None
+            if r["ranks"] == 2 and r["threads_per_rank"] == 1:
+                sec = "headline" if r["workload"] == "base" else "comparison"
+                c = ceilings.get(sec, {}).get("ratio_median")
+                r["two_core_ceiling"] = c
+                r["efficiency_vs_ceiling"] = speedup[name] / c if c else None
     checks = []
     for name, kind, key, formula in (("ulysses2", "all_to_all", "ulysses_all_to_all",
                                       "4(N-1)/N^2 * A * layers"),
@@ -451,7 +554,7 @@ def summarize(machine, model, job, runs, launches) -> dict:
     bytes_ok = all(abs(x - 1.0) <= BYTES_TOLERANCE for c in checks for x in c["ratio"])
     best = max((speedup[k] for k in ("ulysses2", "ring2") if k in speedup), default=None)
     return {"machine": machine, "model": model, "job": job, "theory": th, "runs": runs,
-            "launches": launches, "speedup_vs_1x1": speedup, "bytes_checks": checks,
+            "launches": launches, "two_core_ceiling": ceilings, "speedup_vs_1x1": speedup, "bytes_checks": checks,
             "other_traffic": other,
             "targets": {"speedup": SPEEDUP_TARGET, "bytes_tolerance": BYTES_TOLERANCE,
                         "best_sp_speedup": best,
@@ -478,34 +581,49 @@ def markdown(rep: dict) -> str:
              f"{j['steps']} steps, {j['dtype']}, CPU; per configuration {j['warmup_jobs']} "
              f"warm-up job then {j['timed_jobs']} timed job(s); time/step = denoising loop "
              f"(slowest rank) / steps, median")
+    ceil = rep.get("two_core_ceiling", {})
     L += ["", "## Time per step", "",
-          "| run | configuration | ranks x threads | workload | time/step median (s) | min (s) "
-          "| speed-up vs 1 rank x 1 thread | timed jobs used | other processes (cores, max) "
+          "| run | parallelism | ranks x threads | workload | time/step median (s) | min (s) "
+          "| speed-up (medians) | speed-up (same-round pairs, median) | two-core ceiling "
+          "| speed-up / ceiling | timed jobs used | other processes (cores, max) "
           "| worker CPU share (min) |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         sp = r.get("speedup_vs_1x1")
-        L.append(f"| {name} | {r['config']} | {r['ranks']} x {r['threads_per_rank']} | "
+        L.append(f"| {name} | {_short(r)} | {r['ranks']} x {r['threads_per_rank']} | "
                  f"{_workload_label(r)} | {r['step_s_median']:.3f} | {r['step_s_min']:.3f} | "
                  f"{'1.00 (baseline)' if sp is None else f'{sp:.2f}x'} | "
+                 f"{_fmt(r.get('speedup_paired_median'), 'x')} | "
+                 f"{_fmt(r.get('two_core_ceiling'), 'x')} | "
+                 f"{_fmt(r.get('efficiency_vs_ceiling'))} | "
                  f"{r['timed_jobs_used']}/{len(r['jobs'])}"
                  f"{' (all contended)' if r['contended'] else ''} | "
                  f"{_fmt(r.get('foreign_cores_max'))} | {_fmt(r.get('cpu_share_min'))} |")
     c = rep["contention"]
-    L += ["", "Other processes = cores used by processes outside this bench during a timed job "
-          f"(machine CPU time minus the workers' and the host's); jobs above "
-          f"{c['threshold']} cores are re-run and not counted (waited {c['waited_s']:.0f} s "
-          "for a quiet machine in all). Worker CPU share = CPU seconds a worker got per wall "
-          "second of its job, all threads, text encoding included (below 1.0 for a 1-thread "
-          "rank: time spent waiting). The pools stay warm side by side and the "
-          "configurations are timed round-robin, one job at a time; the idle pools used at "
-          f"most {max(r['idle_pool_cores_max'] for r in runs.values()):.3f} cores during "
-          "another pool's job."]
+    L += ["", "- Speed-up (medians) = median time/step at 1 rank x 1 thread (same workload) / "
+          "median time/step of the run. Same-round pairs = the same ratio for the two jobs of "
+          "each round, median over rounds (robust to slow drifts of the machine)."]
+    for sec, cc in ceil.items():
+        if cc.get("ratio_median") is not None:
+            L.append(f"- Two-core ceiling ({sec}): two 1-thread matmul processes at once vs one "
+                     f"alone gave {cc['ratio_median']:.2f}x (median of {len(cc['samples'])} "
+                     f"samples, range {cc['ratio_min']:.2f}-{cc['ratio_max']:.2f}); no "
+                     "2-rank x 1-thread split of compute-bound work can beat it, so speed-up / "
+                     "ceiling is the engine's parallel efficiency.")
+    L += [f"- Other processes = cores used outside this bench during a timed job (machine CPU "
+          f"time minus the workers', helpers' and host's); jobs above {c['threshold']} cores "
+          f"are re-run and not counted (waited {c['waited_s']:.0f} s for a quiet machine in "
+          "all). Worker CPU share = CPU seconds a worker got per wall second of its job, all "
+          "threads, text encoding included (below 1.0 for a 1-thread rank: time spent "
+          "waiting). The pools stay warm side by side and are timed round-robin, one job at a "
+          f"time; idle pools used at most "
+          f"{max(r['idle_pool_cores_max'] for r in runs.values()):.3f} cores during another "
+          "pool's job."]
     t = rep["targets"]
     best = t["best_sp_speedup"]
-    L += ["", f"Best sequence-parallel speed-up at 2 ranks x 1 thread: "
-          f"**{best:.2f}x** (target >= {t['speedup']}x: "
-          f"{'met' if t['speedup_met'] else 'NOT met'})." if best is not None else ""]
+    if best is not None:
+        L += ["", f"Best sequence-parallel speed-up at 2 ranks x 1 thread: **{best:.2f}x** "
+              f"(target >= {t['speedup']}x: {'met' if t['speedup_met'] else 'NOT met'})."]
     A = rep["theory"]["activation_bytes"]
     L += ["", "## Bytes sent per step per rank (attention collectives)", "",
           f"One full attention activation A = batch 1 x {j['text_tokens'] + j['image_tokens']} "
@@ -534,19 +652,28 @@ def markdown(rep: dict) -> str:
     if any(r["workload"] != "base" for r in extra):
         L += ["", "## 2 ranks: ulysses vs ring vs cfg-parallel vs dp", "",
               "| run | workload | 1 rank x 1 thread (s/step) | 2 ranks x 1 thread (s/step) "
-              "| speed-up | bytes sent/step (max rank) |", "|---|---|---|---|---|---|"]
+              "| speed-up | same-round pairs | speed-up / ceiling | bytes sent/step (max rank) |",
+              "|---|---|---|---|---|---|---|---|"]
         for r in extra:
             base = runs.get(_BASELINE[r["workload"]])
             L.append(f"| {r['name']} | {_workload_label(r)} | "
                      f"{base['step_s_median']:.3f} | {r['step_s_median']:.3f} | "
-                     f"{r.get('speedup_vs_1x1', float('nan')):.2f}x | "
+                     f"{_fmt(r.get('speedup_vs_1x1'), 'x')} | "
+                     f"{_fmt(r.get('speedup_paired_median'), 'x')} | "
+                     f"{_fmt(r.get('efficiency_vs_ceiling'))} | "
                      f"{r['comm_total_bytes_per_step_max_rank']:,.0f} B |")
     L += ["", f"Wall time of the bench: {rep['wall_s']:.0f} s.", ""]
     return "\n".join(L)
 
 
-def _fmt(x) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
+def _fmt(x, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:.2f}{unit}"
+
+
+def _short(r: dict) -> str:
+    return {"1x1": "none", "1x1_cfg": "none", "1x1_batch2": "none", "1x2": "none (2 threads)",
+            "ulysses2": "ulysses 2", "ring2": "ring 2", "cfg_parallel": "cfg-parallel",
+            "dp2": "dp 2"}.get(r["name"], r["config"])
 
 
 def _workload_label(r: dict) -> str:
