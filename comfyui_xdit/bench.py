@@ -662,6 +662,9 @@ def markdown(rep: dict) -> str:
                      f"{_fmt(r.get('speedup_paired_median'), 'x')} | "
                      f"{_fmt(r.get('efficiency_vs_ceiling'))} | "
                      f"{r['comm_total_bytes_per_step_max_rank']:,.0f} B |")
+        L += ["", "(bytes: what `workers/comm_meter.py` counts, i.e. all_to_all_single, "
+              "batch_isend_irecv, all_gather and broadcast; plain send/recv, such as dp's "
+              "transfer of each replica's result to rank 0, is not counted.)"]
     L += ["", f"Wall time of the bench: {rep['wall_s']:.0f} s.", ""]
     return "\n".join(L)
 
