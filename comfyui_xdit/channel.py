@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import io
 import os
 import pickle
 import socket

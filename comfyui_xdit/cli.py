@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from .config import ConfigError, ParallelConfig

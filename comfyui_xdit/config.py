@@ -5,7 +5,7 @@ nothing: the CLI exits 2 and a node shows one line naming every degree involved.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # pragma: no cover

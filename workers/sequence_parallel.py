@@ -11,7 +11,7 @@ processors explicitly through `joint_attention_kwargs`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch

@@ -12,12 +12,10 @@ import datetime
 import logging
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
 import time
-import traceback
 
 from comfyui_xdit.pool import rss_mb
 
