@@ -52,7 +52,12 @@ def _add_generate(sub):
     p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale")
     p.add_argument("--max-sequence-length", type=int, default=GenerationRequest.max_sequence_length)
     _add_parallel_flags(p)
-    p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="PipeFusion: full synchronous steps before the patch pipeline")
+    p.add_argument("--pipeline-patches", type=_positive("--pipeline-patches"), default=None,
+                   help="PipeFusion: patches per step (default: the pipefusion degree)")
+    p.add_argument("--pipefusion-split", default="compute",
+                   help="PipeFusion stage split: compute | memory | block counts like 10,9")
     p.add_argument("--lora", type=_lora, action="append", default=[])
     p.add_argument("--out", required=True, help="x.safetensors (LATENT) or x.png")
     p.add_argument("--attach", default=None, metavar="HOST:PORT",
@@ -91,6 +96,11 @@ def _add_serve(sub):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     p.add_argument("--threads-per-rank", type=_positive("--threads-per-rank"), default=None)
+    p.add_argument("--pipefusion", type=_positive("--pipefusion"), default=1,
+                   help="PipeFusion degree the pool is launched for (each rank loads one stage)")
+    p.add_argument("--pipefusion-inner", type=_positive("--pipefusion-inner"), default=1,
+                   help="ulysses x ring per PipeFusion stage")
+    p.add_argument("--pipefusion-split", default="compute")
     p.set_defaults(func=run_serve)
 
 
@@ -102,7 +112,9 @@ def run_serve(args) -> int:
         _read_secret(args)  # fail early, with the clear message, on rank 0
     argv = ["--model", str(Path(args.model).resolve()), "--listen", args.listen,
             "--device", args.device, "--dtype", args.dtype,
-            "--threads", str(args.threads_per_rank or 0)]
+            "--threads", str(args.threads_per_rank or 0),
+            "--pipefusion", str(args.pipefusion), "--pipefusion-inner",
+            str(args.pipefusion_inner), "--pipefusion-split", args.pipefusion_split]
     if args.secret_file:
         argv += ["--secret-file", args.secret_file]
     if args.address_file:
@@ -165,6 +177,8 @@ def config_from_args(args) -> ParallelConfig:
     return ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel, pipefusion=args.pipefusion,
                           ulysses=args.ulysses, ring=args.ring,
                           warmup_steps=getattr(args, "warmup_steps", 1),
+                          pipeline_patches=getattr(args, "pipeline_patches", None),
+                          pipefusion_split=getattr(args, "pipefusion_split", "compute"),
                           world_size=args.world_size)
 
 

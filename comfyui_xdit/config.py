@@ -31,7 +31,8 @@ class ParallelConfig:
     ulysses: int = 1
     ring: int = 1
     warmup_steps: int = 1
-    pipeline_patches: Optional[int] = None
+    pipeline_patches: Optional[int] = None  # PipeFusion patches per step (default: degree)
+    pipefusion_split: str = "compute"  # "compute" | "memory" | block counts "10,9"
     world_size: Optional[int] = None
 
     @property
@@ -58,6 +59,17 @@ class ParallelConfig:
         """What the worker topology depends on (process groups are cached on it)."""
         return (self.dp, self.cfg, self.pipefusion, self.ulysses, self.ring)
 
+    def launch_key(self) -> tuple:
+        """What the workers' loaded weights depend on: under PipeFusion each rank holds one
+        stage, so another pipeline layout needs a relaunch (other changes do not)."""
+        if self.pipefusion == 1:
+            return (self.ranks, 1)
+        return (self.ranks, self.pipefusion, self.sp, str(self.pipefusion_split))
+
+    def options(self) -> dict:
+        """Per-job settings that are not process-group layout."""
+        return {"warmup_steps": self.warmup_steps, "pipeline_patches": self.pipeline_patches}
+
     def with_world_size(self, n: Optional[int]) -> "ParallelConfig":
         return replace(self, world_size=n)
 
@@ -73,11 +85,22 @@ class ParallelConfig:
         if self.world_size is not None and self.world_size != self.product:
             out.append(f"world size {self.world_size} != {self.describe()} = {self.product}; "
                        f"make the product of the degrees equal the world size")
-        if self.pipefusion > 1:
-            out.append(f"pipefusion {self.pipefusion} is not available yet; use pipefusion 1 "
-                       f"(ulysses/ring give the same speed-up exactly)")
-        if self.warmup_steps < 0:
-            out.append(f"warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            out.append(f"warmup_steps must be an integer >= 0 (got {self.warmup_steps!r})")
+        if self.pipeline_patches is not None and (not isinstance(self.pipeline_patches, int)
+                                                  or self.pipeline_patches < 1):
+            out.append(f"pipeline_patches must be an integer >= 1 or unset "
+                       f"(got {self.pipeline_patches!r})")
+        split = str(self.pipefusion_split)
+        if split not in ("compute", "memory"):
+            try:
+                counts = [int(x) for x in split.split(",")]
+            except ValueError:
+                counts = []
+            if len(counts) != self.pipefusion or min(counts or [0]) < 1:
+                out.append(f"pipefusion_split {split!r} must be 'compute', 'memory' or "
+                           f"{self.pipefusion} positive block counts like "
+                           f"{','.join(['4'] * self.pipefusion)}")
         return out
 
     def validate(self, model: "ModelInfo | None" = None,
@@ -105,6 +128,13 @@ class ParallelConfig:
                 if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
                                f"{self.sp} ranks; use a larger image or fewer ranks")
+            if degrees_ok and not req_problems and self.pipefusion > 1:
+                rows, cols = request.height // 16, request.width // 16
+                patches = min(self.pipeline_patches or self.pipefusion, rows)
+                if (rows // patches) * cols < self.sp:
+                    out.append(f"a PipeFusion patch of {rows // patches} token rows x {cols} "
+                               f"cannot be split over ulysses x ring = {self.sp} ranks; use "
+                               f"fewer pipeline_patches or a larger image")
         if out:
             raise ConfigError("invalid configuration: " + "; ".join(out))
         return self

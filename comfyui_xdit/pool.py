@@ -100,8 +100,11 @@ class WorkerPool:
                     if self._chan is None:
                         self._launch()
                 r = self._remote
+                single = r.get("kind") == "file"
                 self._info = ModelInfo(path=r["model"], arch=r["arch"], heads=r["heads"],
-                                       patch_size=r["patch_size"])
+                                       patch_size=r["patch_size"],
+                                       kind="file" if single else "diffusers",
+                                       has_text_encoders=not single, has_vae=not single)
             else:
                 self._info = read_model_info(self.model_path)
         return self._info
@@ -148,10 +151,11 @@ class WorkerPool:
 
     def reconfigure(self, config: ParallelConfig) -> None:
         """Switch the parallel configuration. The same world size keeps the warm workers
-        (they rebuild their process groups); another world size relaunches on next use."""
+        (they rebuild their process groups); another world size or PipeFusion layout (each
+        rank holds one stage's weights) relaunches on next use."""
         config.validate(self.model_info)
         with self._lock:
-            if self._procs and config.ranks != self.config.ranks:
+            if self._procs and config.launch_key() != self.config.launch_key():
                 self._shutdown()
             self.config = config
 
@@ -236,6 +240,10 @@ class WorkerPool:
                 cmd += ["--address-file", addr_file, "--secret-file", secret_file]
             if self.load_in_turn:
                 cmd += ["--load-in-turn"]
+            if self.config.pipefusion > 1:
+                cmd += ["--pipefusion", str(self.config.pipefusion), "--pipefusion-inner",
+                        str(self.config.sp), "--pipefusion-split",
+                        str(self.config.pipefusion_split)]
             log = open(self._log_path(rank), "wb")
             self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, env=env,
@@ -355,7 +363,7 @@ class WorkerPool:
             job_id = self._job_id
             body = {"job_id": job_id, "request": dataclasses.asdict(req),
                     "config": self.config.key(), "noise": noise, "init_latent": init_latent,
-                    "denoise": denoise}
+                    "denoise": denoise, "options": self.config.options()}
             self._running_job = job_id  # before sending: a cancel() racing the send counts
             self._chan.send(("job", body))
             first_step = None
@@ -392,6 +400,34 @@ class WorkerPool:
             finally:
                 self._running_job = None
                 self._progress = {}
+
+    def decode(self, samples):
+        """ComfyUI LATENT samples [B,16,H/8,W/8] -> IMAGE [B,H,W,3] in 0..1, decoded with the
+        model folder's VAE, patch-parallel over every rank (launches the pool if needed).
+        Bad input is refused on rank 0 before anything is broadcast: the pool stays warm."""
+        info = self.model_info
+        if not info.has_vae:
+            from .model_info import NO_VAE
+            raise ConfigError(NO_VAE)
+        with self._lock:
+            if not self.is_running():
+                self._shutdown()
+                self._launch()
+            self._job_id += 1
+            job_id = self._job_id
+            self._running_job = job_id
+            self._chan.send(("decode", {"job_id": job_id, "samples": samples}))
+            try:
+                while True:
+                    msg = self._recv(self.step_timeout, f"decoding (job {job_id})")
+                    if msg[0] == "result" and msg[1] == job_id:
+                        return msg[2]["images"]
+                    if msg[0] == "error":
+                        if msg[3]:
+                            self._raise_fatal(msg[2], f"decoding (job {job_id})")
+                        raise PoolError(msg[2])
+            finally:
+                self._running_job = None
 
     def _raise_fatal(self, reported: str, when: str) -> None:
         """Rank 0 gave up (its collective failed): name the rank that actually died, if one

@@ -108,10 +108,11 @@ class ShardedAttention:
         PROCESS_GROUP.RING_PG = topo.group("ring")
         self._lca_cls = LongContextAttention
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 lengths: Sequence[int]) -> torch.Tensor:
-        """q, k, v: [B, S_local, H, D]; `lengths[i]` = valid tokens on sp rank i."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, streams,
+                 module=None) -> torch.Tensor:
+        """q, k, v: [B, S_local, H, D], the local tokens of `streams` under `plan`."""
         topo = self.topo
+        lengths = plan.lengths(streams)
         s_local = q.shape[1]
         if s_local != lengths[topo.sp_rank]:
             raise RuntimeError(f"local sequence {s_local} != planned {lengths[topo.sp_rank]}")

@@ -34,6 +34,7 @@ class Job:
     uncond: Optional[dict]
     init_latent: Optional[torch.Tensor] = None  # ComfyUI LATENT samples (img2img)
     denoise: float = 1.0
+    options: Optional[dict] = None  # PipeFusion: warmup_steps, pipeline_patches
 
 
 def prepare_noise(seed: int, shape) -> torch.Tensor:
@@ -52,15 +53,25 @@ def _stop_requested(should_stop: Callable[[], bool], device) -> bool:
     return bool(flag.item())
 
 
-def run_job(job: Job, model, adapter, topo: Topology,
-            emit: Optional[Callable[[dict], None]] = None,
-            should_stop: Callable[[], bool] = lambda: False) -> Optional[torch.Tensor]:
-    """Run one job on this rank. Returns the full batch's ComfyUI LATENT on rank 0."""
+@dataclass
+class Prepared:
+    """This rank's part of a job, ready for a denoising loop."""
+
+    sizes: list  # dp batch split
+    mine: slice  # this replica's batch slice
+    cond: dict
+    uncond: Optional[dict]
+    latents: torch.Tensor  # packed, model space, at the first timestep
+    scheduler: object
+    timesteps: torch.Tensor
+    begin: int  # first schedule index (img2img starts part-way down)
+    extra: dict  # per-size forward inputs (FLUX image ids)
+
+
+def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
     req = job.request
     dev, dtype = model.device, model.dtype
-    height, width, steps = req["height"], req["width"], req["steps"]
     batch = job.noise.shape[0]
-
     # data parallel: a near-even slice of the batch (3 prompts on dp 2 -> 2 + 1)
     sizes = even_sizes(batch, topo.degree("dp"))
     start = sum(sizes[: topo.index("dp")])
@@ -71,33 +82,62 @@ def run_job(job: Job, model, adapter, topo: Topology,
                                           for k, v in adapter.slice_cond(cond, mine).items()}
 
     cond, uncond = to_dev(job.cond), to_dev(job.uncond)
-    use_cfg = uncond is not None
-    cfg_parallel = topo.degree("cfg") == 2
-    if cfg_parallel and not use_cfg:
+    if topo.degree("cfg") == 2 and uncond is None:
         raise RuntimeError("cfg-parallel job without a negative branch")
-    scale = float(req["cfg"])
-
     noise = adapter.pack(job.noise[mine].to(dev, dtype))
     latents = noise
     scheduler = adapter.make_scheduler(model)
-    timesteps = adapter.timesteps(scheduler, steps, latents, dev)
+    timesteps = adapter.timesteps(scheduler, req["steps"], latents, dev)
     begin = 0
     if job.init_latent is not None and job.denoise < 1.0:
         # img2img: start part-way down the schedule from the noised input latent
+        steps = req["steps"]
         begin = steps - max(1, int(round(steps * job.denoise)))
         timesteps = timesteps[begin:]
         scheduler.set_begin_index(begin)
         x0 = adapter.from_comfy(model, job.init_latent[mine]).to(dev, dtype)
         sigma = scheduler.sigmas[begin].to(dev, dtype)
         latents = sigma * noise + (1 - sigma) * x0
-    extra = adapter.forward_extra(model, height, width)
+    return Prepared(sizes=sizes, mine=mine, cond=cond, uncond=uncond, latents=latents,
+                    scheduler=scheduler, timesteps=timesteps, begin=begin,
+                    extra=adapter.forward_extra(model, req["height"], req["width"]))
+
+
+def run_job(job: Job, model, adapter, topo: Topology,
+            emit: Optional[Callable[[dict], None]] = None,
+            should_stop: Callable[[], bool] = lambda: False) -> Optional[torch.Tensor]:
+    """Run one job on this rank. Returns the full batch's ComfyUI LATENT on rank 0."""
+    req = job.request
+    dev = model.device
+    height, width = req["height"], req["width"]
+    prep = prepare(job, model, adapter, topo)
+    collector = None
+    if topo.degree("dp") > 1:
+        collector = BatchCollector(topo, prep.sizes, (16, height // 8, width // 8), emit, dev)
+    if topo.degree("pipefusion") > 1:
+        from .pipefusion import run_pipefusion
+        try:
+            out = run_pipefusion(job, prep, model, adapter, topo, emit, should_stop)
+        except Cancelled:
+            if collector is not None:
+                collector.cancel()
+            raise
+        if out is None:
+            return None
+        if collector is None:
+            return out.cpu() if topo.rank == 0 else None
+        return collector.finish(out)
+
+    cond, uncond, scheduler, begin, extra = (prep.cond, prep.uncond, prep.scheduler,
+                                             prep.begin, prep.extra)
+    timesteps, latents = prep.timesteps, prep.latents
+    use_cfg = uncond is not None
+    cfg_parallel = topo.degree("cfg") == 2
+    scale = float(req["cfg"])
 
     def predict(branch: dict) -> torch.Tensor:
         return adapter.forward(model, latents, t, branch, req.get("guidance"), extra)
 
-    collector = None
-    if topo.degree("dp") > 1:
-        collector = BatchCollector(topo, sizes, (16, height // 8, width // 8), emit, dev)
     t0 = time.perf_counter()
     total = len(timesteps)
     for i, t in enumerate(timesteps):

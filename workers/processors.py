@@ -2,7 +2,8 @@
 
 Each computes exactly what the stock diffusers processor computes (projections, QK norms,
 RoPE for FLUX, output projections) on the local token shard; only the attention kernel is
-replaced by `ShardedAttention`, which sees every rank's keys. The per-forward
+replaced by the attention the parallel method installs: `ShardedAttention` (USP: every
+rank's keys) or PipeFusion's `PatchAttention` (a patch's queries against the K/V cache). The per-forward
 `SequencePlan` arrives as the `sp_plan` keyword through `joint_attention_kwargs`.
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ class FluxShardedAttnProcessor:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
 
-        out = self.attention(query, key, value, plan.lengths(("text", "image")))
+        out = self.attention(query, key, value, plan, ("text", "image"), attn)
         out = out.flatten(2, 3).to(query.dtype)
 
         if encoder_hidden_states is not None:
@@ -114,7 +115,7 @@ class SD3ShardedAttnProcessor:
             value = torch.cat([value, ev], dim=1)
             streams = ("image", "text")
 
-        out = self.attention(query, key, value, plan.lengths(streams))
+        out = self.attention(query, key, value, plan, streams, attn)
         out = out.reshape(b, -1, attn.heads * head_dim).to(query.dtype)
 
         if encoder_hidden_states is not None:

@@ -12,7 +12,7 @@ processors explicitly through `joint_attention_kwargs`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,30 +28,65 @@ def even_sizes(n: int, parts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class SequencePlan:
+    """Which tokens one forward call computes and which of them this sp rank holds.
+
+    Without PipeFusion a forward covers every text and image token. Under PipeFusion it
+    covers one patch: the image tokens `image_range` and, for a branch's first patch only,
+    the text tokens (`with_text`); `patch` then carries that call's pipeline context (K/V
+    cache, peers). Either way the selected tokens of each stream are split near-evenly over
+    the sp ranks.
+    """
+
     sp_rank: int
     sp_size: int
-    text_len: int
+    text_len: int  # tokens of the full sequence, per stream
     image_len: int
+    image_range: Optional[tuple] = None  # (start, stop) of the image tokens computed
+    with_text: bool = True
+    patch: Any = None  # workers.pipefusion.PatchContext for a PipeFusion forward
+
+    def full_len(self, stream: str) -> int:
+        return self.text_len if stream == "text" else self.image_len
+
+    def selected(self, stream: str) -> tuple:
+        """(first token, count) of the stream's tokens this forward computes."""
+        if stream == "text":
+            return 0, (self.text_len if self.with_text else 0)
+        if self.image_range is None:
+            return 0, self.image_len
+        return self.image_range[0], self.image_range[1] - self.image_range[0]
 
     def sizes(self, stream: str) -> list[int]:
-        return even_sizes(self.text_len if stream == "text" else self.image_len, self.sp_size)
+        return even_sizes(self.selected(stream)[1], self.sp_size)
 
-    def local_slice(self, stream: str) -> slice:
+    def local_slice(self, stream: str, sp_rank: Optional[int] = None) -> slice:
+        r = self.sp_rank if sp_rank is None else sp_rank
         sizes = self.sizes(stream)
-        start = sum(sizes[: self.sp_rank])
-        return slice(start, start + sizes[self.sp_rank])
+        start = self.selected(stream)[0] + sum(sizes[:r])
+        return slice(start, start + sizes[r])
 
     def lengths(self, streams=STREAMS) -> list[int]:
         """Local token count of every sp rank for attention over `streams`."""
         per = [self.sizes(s) for s in streams]
         return [sum(p[r] for p in per) for r in range(self.sp_size)]
 
+    def positions(self, streams, sp_rank: Optional[int] = None) -> torch.Tensor:
+        """Where the local tokens of `sp_rank` (in the order the processors concatenate
+        `streams`) sit in the full sequence of `streams`."""
+        out, offset = [], 0
+        for s in streams:
+            sl = self.local_slice(s, sp_rank)
+            out.append(torch.arange(sl.start, sl.stop) + offset)
+            offset += self.full_len(s)
+        return torch.cat(out)
+
     def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
-        full = self.text_len if stream == "text" else self.image_len
+        full = self.full_len(stream)
         if x.shape[dim] != full:
             raise RuntimeError(f"{stream} tensor has {x.shape[dim]} tokens on dim {dim}, "
                                f"plan says {full}")
-        return x.narrow(dim, self.local_slice(stream).start, self.sizes(stream)[self.sp_rank])
+        sl = self.local_slice(stream)
+        return x.narrow(dim, sl.start, sl.stop - sl.start)
 
 
 @dataclass(frozen=True)
@@ -85,7 +120,9 @@ def all_gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> tor
 
 
 class SequenceParallel:
-    """Hooks one transformer for sequence parallelism over `topo`'s sp group."""
+    """Hooks one transformer for sequence parallelism over `topo`'s sp group, and routes
+    PipeFusion's patches (a forward called with `joint_attention_kwargs={"patch": ...}`
+    computes only that patch's tokens; `attention` is then the K/V-cache attention)."""
 
     def __init__(self, transformer: torch.nn.Module, layout: SequenceLayout, topo: Topology,
                  attention):
@@ -119,13 +156,18 @@ class SequenceParallel:
         if args:
             raise TypeError("call the parallel transformer with keyword arguments only")
         text, image = self.layout.token_counts(module, kwargs)
+        jak = dict(kwargs.get("joint_attention_kwargs") or {})
+        patch = jak.pop("patch", None)  # PipeFusion: this call computes one patch
         plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image)
+        if patch is not None:
+            plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image,
+                                image_range=patch.image_range, with_text=patch.with_text,
+                                patch=patch)
         self.plan = plan
         kwargs = dict(kwargs)
         for key, (stream, dim) in self.layout.split_inputs.items():
             if kwargs.get(key) is not None:
                 kwargs[key] = plan.shard(kwargs[key], dim, stream)
-        jak = dict(kwargs.get("joint_attention_kwargs") or {})
         jak["sp_plan"] = plan
         kwargs["joint_attention_kwargs"] = jak
         return args, kwargs
@@ -140,8 +182,17 @@ class SequenceParallel:
 
     def _gatherer(self, dim: int):
         def hook(module, args, output):
-            return all_gather_tokens(output, dim, self.plan.sizes("image"),
-                                     self.topo.group("sp"))
+            plan = self.plan
+            if plan.sp_size > 1:
+                output = all_gather_tokens(output, dim, plan.sizes("image"),
+                                           self.topo.group("sp"))
+            if plan.image_range is not None:  # a patch: place it in a full-size output
+                full = list(output.shape)
+                full[dim] = plan.image_len
+                out = output.new_zeros(full)
+                out.narrow(dim, plan.image_range[0], output.shape[dim]).copy_(output)
+                output = out
+            return output
         return hook
 
     def remove(self):

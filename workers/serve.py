@@ -52,6 +52,12 @@ def _parse(argv):
     p.add_argument("--secret-file", default=None, help="else $XDIT_POOL_SECRET (hex)")
     p.add_argument("--load-in-turn", action="store_true",
                    help="ranks load one after another (bounds host memory at one copy)")
+    p.add_argument("--pipefusion", type=int, default=1,
+                   help="PipeFusion degree: each rank loads only its stage's blocks")
+    p.add_argument("--pipefusion-inner", type=int, default=1,
+                   help="ulysses x ring inside each stage (places ranks on stages)")
+    p.add_argument("--pipefusion-split", default="compute",
+                   help="compute | memory | block counts per stage, e.g. 3,2")
     return p.parse_args(argv)
 
 
@@ -90,10 +96,15 @@ class Worker:
         self.adapter = get_adapter(read_arch(args.model))
         rss_after_import = rss_mb()
         t = time.perf_counter()
+        stage = None
+        if args.pipefusion > 1:
+            from .pipefusion_stages import stage_of_rank
+            stage = (stage_of_rank(rank, args.pipefusion, args.pipefusion_inner),
+                     args.pipefusion, args.pipefusion_split)
         for turn in (range(world) if args.load_in_turn else [rank]):
             if turn == rank:
                 self.model = self.adapter.load(args.model, self.device, self.dtype,
-                                               with_text_encoders=(rank == 0))
+                                               with_text_encoders=(rank == 0), stage=stage)
             if args.load_in_turn and world > 1:
                 dist.barrier()
         self.load_seconds = time.perf_counter() - t
@@ -102,8 +113,14 @@ class Worker:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.topologies = {}
         self.parallel = None  # (config key, SequenceParallel or None)
+        st = self.model.stage
         self.ranks = _gather_all({"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
                                   "device": str(self.device), "rss_mb": rss_mb(),
+                                  "transformer_params": sum(
+                                      p.numel() for p in self.model.transformer.parameters()),
+                                  "stage": None if st is None else
+                                  {"index": st.index, "of": st.count, "blocks": list(st.owned),
+                                   "n_blocks": st.n_blocks},
                                   "import_s": import_s, "load_s": self.load_seconds,
                                   "rss_after_import_mb": rss_after_import,
                                   "load_peak_rss_mb": peak})
@@ -113,6 +130,7 @@ class Worker:
         """What `status` shows: the model, the ranks, and what rank 0 is doing."""
         t = self.model.transformer.config
         return {"model": self.args.model, "arch": self.model.arch,
+                "kind": "file" if os.path.isfile(self.args.model) else "diffusers",
                 "heads": int(t.num_attention_heads), "patch_size": int(t.get("patch_size", 1) or 1),
                 "world_size": self.world, "load_seconds": self.load_seconds,
                 "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
@@ -132,7 +150,11 @@ class Worker:
             if self.parallel is not None and self.parallel[1] is not None:
                 self.parallel[1].remove()
             sp = None
-            if topo.sp > 1:
+            if topo.degree("pipefusion") > 1:
+                from .pipefusion import PatchAttention
+                sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
+                                      PatchAttention(topo))
+            elif topo.sp > 1:
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
                                       ShardedAttention(topo, self.device.type,
                                                        fault=os.environ.get("XDIT_FAULT", "")))
@@ -146,12 +168,16 @@ class Worker:
         from .denoise import Job, prepare_noise
 
         req = msg["request"]
+        self._check_stages(tuple(msg["config"]))
         b = req["batch_size"] or len(req["prompt"]) or int(req["positive"]["cond"].shape[0])
         use_cfg = float(req["cfg"]) > 1.0
 
         def branch(given, texts):
             if given is not None:
                 d = self.adapter.conditioning(given["cond"], given["pooled"])
+            elif self.model.encoder is None:  # a single file: nothing to encode text with
+                from comfyui_xdit.model_info import NO_TEXT_ENCODERS
+                raise ValueError(NO_TEXT_ENCODERS)
             else:
                 texts = list(texts) if len(texts) in (1, b) else texts[:1]
                 d = self.adapter.encode(self.model, texts, req["max_sequence_length"])
@@ -169,7 +195,19 @@ class Worker:
             noise = prepare_noise(req["seed"], (b, 16, req["height"] // 8, req["width"] // 8))
         return Job(job_id=msg["job_id"], request=req, config=tuple(msg["config"]), noise=noise,
                    cond=cond, uncond=uncond, init_latent=msg.get("init_latent"),
-                   denoise=float(msg.get("denoise", 1.0)))
+                   denoise=float(msg.get("denoise", 1.0)), options=msg.get("options"))
+
+    def _check_stages(self, key) -> None:
+        """A PipeFusion pool holds one stage per rank: it runs only its launch's layout."""
+        dp, cfg, pf, uly, ring = key
+        want = (pf, uly * ring) if pf > 1 else (1,)
+        have = (self.args.pipefusion, self.args.pipefusion_inner) \
+            if self.args.pipefusion > 1 else (1,)
+        if want != have:
+            raise RuntimeError(f"this pool was launched for pipefusion {self.args.pipefusion}"
+                               f" (x{self.args.pipefusion_inner} sp ranks per stage); a job "
+                               f"with pipefusion {pf} x ulysses {uly} x ring {ring} needs a "
+                               f"relaunch of the pool")
 
     def run(self, job, emit=None, should_stop=lambda: False):
         import torch
@@ -230,6 +268,63 @@ class Worker:
             raise LoraError("; ".join(errors))
 
 
+class DecodeJob:
+    """Decode-only job (the xDiT Decode node): every rank joins the patch-parallel VAE decode
+    of LATENT samples that only rank 0 holds."""
+
+    def __init__(self, job_id):
+        self.job_id = job_id
+
+
+def _decode_problem(worker, samples):
+    """Checked on rank 0 before anything is broadcast, so a bad request leaves the pool fine."""
+    import torch
+
+    from comfyui_xdit.model_info import NO_VAE
+    if not os.path.isfile(os.path.join(worker.args.model, "vae", "config.json")):
+        return NO_VAE
+    if not torch.is_tensor(samples) or samples.dim() != 4 or samples.shape[1] != 16 \
+            or not samples.is_floating_point():
+        shape = tuple(samples.shape) if torch.is_tensor(samples) else type(samples).__name__
+        return (f"decode takes LATENT samples [batch, 16, height/8, width/8] (got {shape}); "
+                f"connect the xDiT sampler's LATENT")
+    if min(samples.shape[0], samples.shape[2], samples.shape[3]) < 1:
+        return f"decode got empty LATENT samples {tuple(samples.shape)}"
+    return None
+
+
+def _decode(worker, samples):
+    """Every rank: the VAE decode, patch-parallel over the world (the image on rank 0)."""
+    import torch
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if worker.world > 1 else None
+    with torch.inference_mode():
+        return worker.adapter.decode(worker.model, samples, group=group)
+
+
+def _leader_decode(worker, chan, body):
+    job_id = body.get("job_id")
+    samples = body.get("samples")
+    problem = _decode_problem(worker, samples)
+    if problem:
+        chan.send(("error", job_id, f"ValueError: {problem}", False))
+        return
+    _broadcast(DecodeJob(job_id))
+    worker.state.update(state="running", job_id=job_id, step=0, total=0)
+    t = time.perf_counter()
+    try:
+        images = _decode(worker, samples.float())
+    except Exception as e:
+        # the other ranks may be inside the decode's collectives: the pool cannot continue
+        chan.send(("error", job_id, f"rank 0: {type(e).__name__}: {e}", True))
+        raise
+    finally:
+        worker.state.update(state="idle", job_id=None)
+    chan.send(("result", job_id, {"samples": None, "images": images,
+                                  "stats": [{"rank": 0, "decode_s": time.perf_counter() - t}]}))
+
+
 def _gather_all(obj):
     import torch.distributed as dist
     out = [None] * dist.get_world_size()
@@ -262,6 +357,9 @@ def _follower_loop(worker):
         job = _broadcast(None)
         if job == "shutdown":
             return
+        if isinstance(job, DecodeJob):
+            _decode(worker, None)
+            continue
         try:
             worker.run(job)
         except (Cancelled, LoraError):  # LoraError: every rank refused the job together
@@ -346,6 +444,9 @@ def _leader_loop(worker, acceptor):
             chan.send(("status", worker.describe()))
             continue
         if kind == "cancel":  # arrived after its job ended: nothing to stop
+            continue
+        if kind == "decode":
+            _leader_decode(worker, chan, msg[1])
             continue
         if kind != "job":
             chan.send(("error", None, f"unknown message {kind!r}", False))

@@ -80,6 +80,7 @@ def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: in
 
     groups = {a: make((a,)) for a in AXES}
     groups["sp"] = make(("ring", "ulysses"))
+    groups["stage"] = make(tuple(a for a in AXES if a != "pipefusion"))  # same pipeline stage
     sp_rank = mine["ring"] * ulysses + mine["ulysses"]
     return Topology(rank=rank, world_size=world_size, degrees=degrees, coords=mine,
                     groups=groups, sp_rank=sp_rank)

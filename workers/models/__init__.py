@@ -21,6 +21,7 @@ class LoadedModel:
     device: Any
     dtype: Any
     vae: Any = None  # loaded on first decode (rank 0)
+    stage: Any = None  # PipeFusion StageInfo when this rank holds one stage of the blocks
 
 
 def get_adapter(arch: str):
@@ -34,8 +35,7 @@ def get_adapter(arch: str):
 
 
 def read_arch(path: str) -> str:
-    import json
-    import os
-    with open(os.path.join(path, "transformer", "config.json")) as f:
-        cls = json.load(f).get("_class_name")
-    return {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3"}[cls]
+    """flux | sd3 of a diffusers folder or a single .safetensors file (the host's detection,
+    comfyui_xdit.model_info, is the one place the class -> architecture map lives)."""
+    from comfyui_xdit.model_info import read_model_info
+    return read_model_info(path).arch

@@ -18,13 +18,26 @@ class DiTAdapter:
     arch = ""
     transformer_class = ""
     pipeline_class = ""
+    block_lists: tuple = ()  # the transformer's block lists in execution order (PipeFusion)
 
-    def load(self, path: str, device, dtype, with_text_encoders: bool) -> LoadedModel:
+    def load(self, path: str, device, dtype, with_text_encoders: bool,
+             stage=None) -> LoadedModel:
+        """`stage` = (index, count, split): PipeFusion, load only that stage's blocks."""
         import diffusers
 
+        if os.path.isfile(path):  # one .safetensors transformer (ComfyUI's model folders)
+            from .single_file import load_single_file
+            return load_single_file(self, path, device, dtype)
         tcls = getattr(diffusers, self.transformer_class)
-        transformer = tcls.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        transformer.to(device).eval().requires_grad_(False)
+        stage_info = None
+        if stage is not None:
+            from ..pipefusion_stages import load_stage_transformer
+            transformer, stage_info = load_stage_transformer(
+                tcls, os.path.join(path, "transformer"), self.block_lists, *stage,
+                device=device, dtype=dtype)
+        else:
+            transformer = tcls.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
+            transformer.to(device).eval().requires_grad_(False)
         encoder = None
         if with_text_encoders:
             pcls = getattr(diffusers, self.pipeline_class)
@@ -34,7 +47,7 @@ class DiTAdapter:
             path=path, arch=self.arch, transformer=transformer, encoder=encoder,
             scheduler_config=_read_json(os.path.join(path, "scheduler", "scheduler_config.json")),
             vae_config=_read_json(os.path.join(path, "vae", "config.json")),
-            device=device, dtype=dtype)
+            device=device, dtype=dtype, stage=stage_info)
 
     def make_scheduler(self, model: LoadedModel):
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -79,6 +92,11 @@ class DiTAdapter:
 
     def unpack(self, x, height, width):
         return x
+
+    def latent_rows(self, x, r0: int, r1: int, cols: int):
+        """View of token rows r0..r1 (16 pixels each) of a model-space latent as the
+        transformer takes it (PipeFusion's patches)."""
+        raise NotImplementedError
 
     def timesteps(self, scheduler, steps: int, latents, device):
         raise NotImplementedError

@@ -16,6 +16,7 @@ def _token_counts(transformer, kw):
 class FluxAdapter(DiTAdapter):
     arch = "flux"
     transformer_class = "FluxTransformer2DModel"
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
     pipeline_class = "FluxPipeline"
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("image", 1), "img_ids": ("image", 0),
@@ -37,6 +38,9 @@ class FluxAdapter(DiTAdapter):
         h, w = height // 16, width // 16
         x = x.view(b, h, w, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(b, c // 4, h * 2, w * 2)
+
+    def latent_rows(self, x, r0, r1, cols):  # packed [B, rows*cols, 64]
+        return x.narrow(1, r0 * cols, (r1 - r0) * cols)
 
     @staticmethod
     def image_ids(height, width, device, dtype):
@@ -74,7 +78,7 @@ class FluxAdapter(DiTAdapter):
         ids = torch.zeros(cond.shape[1], 3, dtype=cond.dtype)
         return {"encoder_hidden_states": cond, "pooled_projections": pooled, "txt_ids": ids}
 
-    def forward(self, model, latents, t, cond, guidance, extra=None):
+    def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         tr = model.transformer
         b = latents.shape[0]
         g = None
@@ -84,7 +88,8 @@ class FluxAdapter(DiTAdapter):
         return tr(hidden_states=latents, timestep=t.expand(b).to(latents.dtype) / 1000,
                   guidance=g, pooled_projections=cond["pooled_projections"],
                   encoder_hidden_states=cond["encoder_hidden_states"],
-                  txt_ids=cond["txt_ids"], img_ids=ids, return_dict=False)[0]
+                  txt_ids=cond["txt_ids"], img_ids=ids, joint_attention_kwargs=jak,
+                  return_dict=False)[0]
 
     def forward_extra(self, model, height, width):
         return {"img_ids": self.image_ids(height, width, model.device, model.dtype)}

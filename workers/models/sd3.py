@@ -15,6 +15,7 @@ def _token_counts(transformer, kw):
 class SD3Adapter(DiTAdapter):
     arch = "sd3"
     transformer_class = "SD3Transformer2DModel"
+    block_lists = ("transformer_blocks",)
     pipeline_class = "StableDiffusion3Pipeline"
     # PatchEmbed crops its positional table by the input size, so split after embedding.
     layout = SequenceLayout(
@@ -25,6 +26,9 @@ class SD3Adapter(DiTAdapter):
         attention_processor=SD3ShardedAttnProcessor,
         replaces=("JointAttnProcessor2_0", "AttnProcessor2_0"),
     )
+
+    def latent_rows(self, x, r0, r1, cols):  # [B, 16, h, w], 2x2 latent pixels per token
+        return x.narrow(2, 2 * r0, 2 * (r1 - r0))
 
     def timesteps(self, scheduler, steps, latents, device):
         kwargs = {}
@@ -50,12 +54,12 @@ class SD3Adapter(DiTAdapter):
         # ComfyUI's SD3 CONDITIONING has diffusers' layout: CLIP-L|G padded, then T5
         return {"encoder_hidden_states": cond, "pooled_projections": pooled}
 
-    def forward(self, model, latents, t, cond, guidance, extra=None):
+    def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         b = latents.shape[0]
         return model.transformer(hidden_states=latents, timestep=t.expand(b),
                                  encoder_hidden_states=cond["encoder_hidden_states"],
                                  pooled_projections=cond["pooled_projections"],
-                                 return_dict=False)[0]
+                                 joint_attention_kwargs=jak, return_dict=False)[0]
 
     def forward_extra(self, model, height, width):
         return {}

@@ -1,0 +1,212 @@
+"""PipeFusion's stages: which transformer blocks a rank holds, and loading only those.
+
+The blocks of a model (FLUX: 19 double then 38 single; SD3: its joint blocks) are cut into
+`pipefusion` contiguous stages. A rank builds the transformer on the meta device, replaces
+every block outside its stage by a weightless `RemoteBlock`, and reads only its own tensors
+from the checkpoint, so no rank ever holds the whole transformer. The modules around the
+blocks (embedders, final norm and projection: <1% of FLUX's weights) are on every stage.
+
+Two hooks move activations between stages: the first block of a stage replaces its inputs
+by the previous stage's output, the last block of a stage sends its output on. The
+per-call pipeline context arrives with the call (`sp_plan.patch`), never from a global.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+SPLITS = ("compute", "memory")
+
+
+class RemoteBlock(torch.nn.Module):
+    """Stands in for a block another stage holds: passes its inputs through unchanged."""
+
+    context_pre_only = False
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, hidden_states, encoder_hidden_states=None, **_):
+        return encoder_hidden_states, hidden_states
+
+
+def model_blocks(transformer, lists) -> list:
+    """[(list attribute, index in it, module)] in execution order."""
+    return [(name, i, m) for name in lists for i, m in enumerate(getattr(transformer, name))]
+
+
+def block_cost(block, split: str) -> float:
+    """Relative cost of a block. "memory": its parameters. "compute": matmul work per token
+    (a two-stream block, FLUX double or SD3 joint, applies each stream's weights to that
+    stream's tokens only, so it costs about half its parameters per token)."""
+    params = sum(p.numel() for p in block.parameters())
+    if split == "memory":
+        return float(params)
+    return params / 2.0 if hasattr(block, "ff_context") else float(params)
+
+
+def partition(costs: list, stages: int) -> list:
+    """Contiguous split of `costs` into `stages` non-empty runs minimising the largest run
+    (exact dynamic programme; n <= a few hundred). Returns [(start, stop)] per stage."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {stages} pipeline stages; use "
+                         f"pipefusion <= {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[s][i]: first i blocks, s stages
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                v = max(best[s - 1][j], prefix[i] - prefix[j])
+                if v < best[s][i] - 1e-9 * abs(v):
+                    best[s][i], cut[s][i] = v, j
+    bounds, i = [], n
+    for s in range(stages, 0, -1):
+        bounds.append((cut[s][i], i))
+        i = cut[s][i]
+    return bounds[::-1]
+
+
+def parse_split(split: str, n_blocks: int, stages: int):
+    """"compute" | "memory" | explicit block counts "10,9,9" (summing to the block count)."""
+    if split in SPLITS:
+        return split
+    try:
+        counts = [int(x) for x in str(split).split(",")]
+    except ValueError:
+        raise ValueError(f"pipefusion split {split!r} is not one of {SPLITS} or a list of "
+                         f"block counts like '10,9'") from None
+    if len(counts) != stages or sum(counts) != n_blocks or min(counts) < 1:
+        raise ValueError(f"pipefusion split {split!r} must give {stages} positive block counts "
+                         f"summing to the model's {n_blocks} blocks")
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return out
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    index: int
+    count: int
+    ranges: tuple  # ((start, stop), ...) of every stage, over the execution-order blocks
+    n_blocks: int
+    split: str
+
+    @property
+    def owned(self) -> tuple:
+        return self.ranges[self.index]
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def plan_stages(transformer, lists, stage: int, stages: int, split: str) -> StageInfo:
+    blocks = model_blocks(transformer, lists)
+    ranges = parse_split(split, len(blocks), stages)
+    if isinstance(ranges, str):
+        ranges = partition([block_cost(m, ranges) for _, _, m in blocks], stages)
+    return StageInfo(index=stage, count=stages, ranges=tuple(ranges), n_blocks=len(blocks),
+                     split=str(split))
+
+
+def _checkpoint_files(folder: str) -> dict:
+    """tensor name -> file, for a diffusers component folder (single or sharded)."""
+    names = sorted(os.listdir(folder))
+    index = [n for n in names if n.endswith(".safetensors.index.json")]
+    if index:
+        with open(os.path.join(folder, index[0])) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
+    files = [n for n in names if n.endswith(".safetensors")]
+    if len(files) != 1:
+        raise FileNotFoundError(f"{folder} has no safetensors weights (or several without an "
+                                f"index); PipeFusion loads stages from safetensors only")
+    from safetensors import safe_open
+    path = os.path.join(folder, files[0])
+    with safe_open(path, "pt") as f:
+        return {k: path for k in f.keys()}
+
+
+def load_stage_transformer(transformer_class, folder: str, lists, stage: int, stages: int,
+                           split: str, device, dtype):
+    """Build the transformer with only stage `stage`'s blocks, reading only their tensors."""
+    from safetensors import safe_open
+
+    config = transformer_class.load_config(folder)
+    with torch.device("meta"):
+        tr = transformer_class.from_config(config)
+    info = plan_stages(tr, lists, stage, stages, split)
+    lo, hi = info.owned
+    for j, (name, i, _) in enumerate(model_blocks(tr, lists)):
+        if not lo <= j < hi:
+            getattr(tr, name)[i] = RemoteBlock(j)
+    wanted = tr.state_dict()
+    where = _checkpoint_files(folder)
+    missing = [k for k in wanted if k not in where]
+    if missing:
+        raise KeyError(f"checkpoint {folder} lacks {len(missing)} tensors of stage {stage}, "
+                       f"e.g. {missing[:3]}")
+    state = {}
+    by_file: dict = {}
+    for k in wanted:
+        by_file.setdefault(where[k], []).append(k)
+    for path, keys in by_file.items():
+        with safe_open(path, "pt", device="cpu") as f:
+            for k in keys:
+                t = f.get_tensor(k)
+                state[k] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    tr.load_state_dict(state, strict=True, assign=True)
+    leftover = [n for n, b in tr.named_buffers() if b.is_meta]
+    if leftover:
+        raise RuntimeError(f"buffers {leftover} are not in the checkpoint; PipeFusion cannot "
+                           f"build this transformer stage")
+    tr.eval().requires_grad_(False)
+    install_stage_hooks(tr, lists, info)
+    return tr, info
+
+
+def _pipeline_context(kwargs):
+    plan = (kwargs.get("joint_attention_kwargs") or {}).get("sp_plan")
+    ctx = getattr(plan, "patch", None)
+    if ctx is None:
+        raise RuntimeError("a PipeFusion stage was called without a patch context (this "
+                           "pool holds one stage of the model; run it through PipeFusion)")
+    return plan, ctx
+
+
+def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
+    blocks = model_blocks(transformer, lists)
+    lo, hi = info.owned
+    if not info.first:
+        def receive(module, args, kwargs):
+            plan, ctx = _pipeline_context(kwargs)
+            enc, hid = ctx.run.receive_activations(plan)
+            return args, dict(kwargs, hidden_states=hid, encoder_hidden_states=enc)
+        blocks[lo][2].register_forward_pre_hook(receive, with_kwargs=True)
+    if not info.last:
+        def send(module, args, kwargs, output):
+            plan, ctx = _pipeline_context(kwargs)
+            ctx.run.send_activations(plan, output[0], output[1])
+        blocks[hi - 1][2].register_forward_hook(send, with_kwargs=True)
+
+
+def stage_of_rank(rank: int, pipefusion: int, inner: int) -> int:
+    """Pipeline stage of a global rank (axes dp, cfg, pipefusion, ring, ulysses; `inner` =
+    ring x ulysses), matching workers/topology.py."""
+    return (rank // inner) % pipefusion
