@@ -95,7 +95,27 @@ class GenerationRequest:
         out.extend(_lora_problems(self.loras))
         if self.output not in ("latent", "image"):
             out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
+        out.extend(_single_file_problems(self, model))
         return out
+
+
+def _single_file_problems(req: "GenerationRequest", model) -> list[str]:
+    """A single-file model has no text encoders and no VAE (model: a ModelInfo)."""
+    from .model_info import NO_TEXT_ENCODERS, NO_VAE
+
+    out = []
+    if model is None:
+        return out
+    if not getattr(model, "has_text_encoders", True):
+        if req.positive is None:
+            out.append(NO_TEXT_ENCODERS)
+        elif req.uses_cfg(model.arch) and req.negative is None:
+            out.append(f"cfg {req.resolved_cfg(model.arch)} needs negative CONDITIONING too: "
+                       f"this single-file model has no text encoders to encode the negative "
+                       f"prompt text (connect one, or set cfg 1)")
+    if req.output == "image" and not getattr(model, "has_vae", True):
+        out.append(NO_VAE)
+    return out
 
 
 def _lora_problems(loras) -> list[str]:

@@ -1,0 +1,126 @@
+"""Test helper: write a tiny diffusers transformer as a BFL / ComfyUI single file.
+
+The reverse of what the loader does, written independently (per key, from the BFL layout),
+so a wrong rule on either side shows up as a different latent, not a silent round trip.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+PREFIX = "model.diffusion_model."
+
+
+def _shift_scale(w):
+    """diffusers (scale, shift) -> BFL (shift, scale)."""
+    scale, shift = w.chunk(2, dim=0)
+    return torch.cat([shift, scale], dim=0)
+
+
+def flux_to_bfl(sd: dict) -> dict:
+    out = {}
+    g = sd.get
+    for p in ("weight", "bias"):
+        out[f"img_in.{p}"] = sd[f"x_embedder.{p}"]
+        out[f"txt_in.{p}"] = sd[f"context_embedder.{p}"]
+        out[f"time_in.in_layer.{p}"] = sd[f"time_text_embed.timestep_embedder.linear_1.{p}"]
+        out[f"time_in.out_layer.{p}"] = sd[f"time_text_embed.timestep_embedder.linear_2.{p}"]
+        out[f"vector_in.in_layer.{p}"] = sd[f"time_text_embed.text_embedder.linear_1.{p}"]
+        out[f"vector_in.out_layer.{p}"] = sd[f"time_text_embed.text_embedder.linear_2.{p}"]
+        if g(f"time_text_embed.guidance_embedder.linear_1.{p}") is not None:
+            out[f"guidance_in.in_layer.{p}"] = sd[f"time_text_embed.guidance_embedder.linear_1.{p}"]
+            out[f"guidance_in.out_layer.{p}"] = sd[f"time_text_embed.guidance_embedder.linear_2.{p}"]
+        out[f"final_layer.linear.{p}"] = sd[f"proj_out.{p}"]
+        out[f"final_layer.adaLN_modulation.1.{p}"] = _shift_scale(sd[f"norm_out.linear.{p}"])
+    n_double = len({k.split(".")[1] for k in sd if k.startswith("transformer_blocks.")})
+    n_single = len({k.split(".")[1] for k in sd if k.startswith("single_transformer_blocks.")})
+    for i in range(n_double):
+        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for p in ("weight", "bias"):
+            out[f"{b}img_mod.lin.{p}"] = sd[f"{d}norm1.linear.{p}"]
+            out[f"{b}txt_mod.lin.{p}"] = sd[f"{d}norm1_context.linear.{p}"]
+            out[f"{b}img_attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.to_{x}.{p}"] for x in "qkv"])
+            out[f"{b}txt_attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.add_{x}_proj.{p}"]
+                                                     for x in "qkv"])
+            out[f"{b}img_attn.proj.{p}"] = sd[f"{d}attn.to_out.0.{p}"]
+            out[f"{b}txt_attn.proj.{p}"] = sd[f"{d}attn.to_add_out.{p}"]
+            out[f"{b}img_mlp.0.{p}"] = sd[f"{d}ff.net.0.proj.{p}"]
+            out[f"{b}img_mlp.2.{p}"] = sd[f"{d}ff.net.2.{p}"]
+            out[f"{b}txt_mlp.0.{p}"] = sd[f"{d}ff_context.net.0.proj.{p}"]
+            out[f"{b}txt_mlp.2.{p}"] = sd[f"{d}ff_context.net.2.{p}"]
+        out[f"{b}img_attn.norm.query_norm.scale"] = sd[f"{d}attn.norm_q.weight"]
+        out[f"{b}img_attn.norm.key_norm.scale"] = sd[f"{d}attn.norm_k.weight"]
+        out[f"{b}txt_attn.norm.query_norm.scale"] = sd[f"{d}attn.norm_added_q.weight"]
+        out[f"{b}txt_attn.norm.key_norm.scale"] = sd[f"{d}attn.norm_added_k.weight"]
+    for i in range(n_single):
+        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        for p in ("weight", "bias"):
+            out[f"{b}modulation.lin.{p}"] = sd[f"{d}norm.linear.{p}"]
+            out[f"{b}linear1.{p}"] = torch.cat([sd[f"{d}attn.to_q.{p}"], sd[f"{d}attn.to_k.{p}"],
+                                                sd[f"{d}attn.to_v.{p}"], sd[f"{d}proj_mlp.{p}"]])
+            out[f"{b}linear2.{p}"] = sd[f"{d}proj_out.{p}"]
+        out[f"{b}norm.query_norm.scale"] = sd[f"{d}attn.norm_q.weight"]
+        out[f"{b}norm.key_norm.scale"] = sd[f"{d}attn.norm_k.weight"]
+    assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in sd.values())
+    return out
+
+
+def sd3_to_bfl(sd: dict) -> dict:
+    out = {"pos_embed": sd["pos_embed.pos_embed"]}
+    n = len({k.split(".")[1] for k in sd if k.startswith("transformer_blocks.")})
+    for p in ("weight", "bias"):
+        out[f"x_embedder.proj.{p}"] = sd[f"pos_embed.proj.{p}"]
+        out[f"context_embedder.{p}"] = sd[f"context_embedder.{p}"]
+        out[f"t_embedder.mlp.0.{p}"] = sd[f"time_text_embed.timestep_embedder.linear_1.{p}"]
+        out[f"t_embedder.mlp.2.{p}"] = sd[f"time_text_embed.timestep_embedder.linear_2.{p}"]
+        out[f"y_embedder.mlp.0.{p}"] = sd[f"time_text_embed.text_embedder.linear_1.{p}"]
+        out[f"y_embedder.mlp.2.{p}"] = sd[f"time_text_embed.text_embedder.linear_2.{p}"]
+        out[f"final_layer.linear.{p}"] = sd[f"proj_out.{p}"]
+        out[f"final_layer.adaLN_modulation.1.{p}"] = _shift_scale(sd[f"norm_out.linear.{p}"])
+    for i in range(n):
+        d, b = f"transformer_blocks.{i}.", f"joint_blocks.{i}."
+        last = i == n - 1
+        for p in ("weight", "bias"):
+            out[f"{b}x_block.attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.to_{x}.{p}"] for x in "qkv"])
+            out[f"{b}context_block.attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.add_{x}_proj.{p}"]
+                                                               for x in "qkv"])
+            out[f"{b}x_block.attn.proj.{p}"] = sd[f"{d}attn.to_out.0.{p}"]
+            out[f"{b}x_block.adaLN_modulation.1.{p}"] = sd[f"{d}norm1.linear.{p}"]
+            ctx_mod = sd[f"{d}norm1_context.linear.{p}"]
+            # the last block's context stream only feeds attention: its modulation is a
+            # continuous norm (diffusers scale, shift; BFL shift, scale)
+            out[f"{b}context_block.adaLN_modulation.1.{p}"] = _shift_scale(ctx_mod) if last \
+                else ctx_mod
+            out[f"{b}x_block.mlp.fc1.{p}"] = sd[f"{d}ff.net.0.proj.{p}"]
+            out[f"{b}x_block.mlp.fc2.{p}"] = sd[f"{d}ff.net.2.{p}"]
+            if not last:
+                out[f"{b}context_block.attn.proj.{p}"] = sd[f"{d}attn.to_add_out.{p}"]
+                out[f"{b}context_block.mlp.fc1.{p}"] = sd[f"{d}ff_context.net.0.proj.{p}"]
+                out[f"{b}context_block.mlp.fc2.{p}"] = sd[f"{d}ff_context.net.2.{p}"]
+    assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in sd.values())
+    return out
+
+
+def write_single_file(model_dir, arch: str, out: Path, prefix: bool = False,
+                      naming: str = "bfl", extra: dict | None = None,
+                      perturb_block: int | None = None) -> Path:
+    """The tiny folder's transformer as one file. `prefix`: under model.diffusion_model. (as in
+    a full checkpoint; `extra` adds other parts such as fake VAE keys); `perturb_block`: add
+    noise to that block's weights (negative control)."""
+    sd = load_file(str(Path(model_dir) / "transformer" / "diffusion_pytorch_model.safetensors"))
+    if perturb_block is not None:
+        g = torch.Generator().manual_seed(1)
+        key = f"transformer_blocks.{perturb_block}."
+        sd = {k: (v + 0.05 * torch.randn(v.shape, generator=g) if k.startswith(key) else v)
+              for k, v in sd.items()}
+    if naming == "bfl":
+        sd = flux_to_bfl(sd) if arch == "flux" else sd3_to_bfl(sd)
+    if prefix:
+        sd = {PREFIX + k: v for k, v in sd.items()}
+    sd.update(extra or {})
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out))
+    return out
