@@ -76,17 +76,18 @@ def oracle(model_dir):
 
     pipes, cache = {}, {}
 
-    def run(arch: str, req: GenerationRequest) -> torch.Tensor:
-        key = (arch, tuple(req.prompt), req.seed, req.steps, req.height, req.width, req.cfg,
+    def run(arch: str, req: GenerationRequest, path=None) -> torch.Tensor:
+        """`path`: another model folder of `arch` (default: the session's tiny model)."""
+        path = str(path or model_dir(arch))
+        key = (path, tuple(req.prompt), req.seed, req.steps, req.height, req.width, req.cfg,
                req.guidance, req.max_sequence_length, req.negative_prompt)
         if key in cache:
             return cache[key]
-        path = str(model_dir(arch))
         adapter = get_adapter(arch)
         noise = prepare_noise(req.seed, (len(req.prompt), 16, req.height // 8, req.width // 8))
         r = req.resolved(arch)
         if arch == "flux":
-            pipe = pipes.get(arch) or diffusers.FluxPipeline.from_pretrained(path)
+            pipe = pipes.get(path) or diffusers.FluxPipeline.from_pretrained(path)
             kw = dict(true_cfg_scale=r.cfg, negative_prompt=[r.negative_prompt] * len(r.prompt)
                       ) if r.cfg > 1 else {}
             out = pipe(prompt=r.prompt, guidance_scale=r.guidance, height=r.height,
@@ -94,13 +95,13 @@ def oracle(model_dir):
                        max_sequence_length=r.max_sequence_length, output_type="latent", **kw)
             lat = adapter.unpack(out.images, r.height, r.width)
         else:
-            pipe = pipes.get(arch) or diffusers.StableDiffusion3Pipeline.from_pretrained(path)
+            pipe = pipes.get(path) or diffusers.StableDiffusion3Pipeline.from_pretrained(path)
             out = pipe(prompt=r.prompt, negative_prompt=[r.negative_prompt] * len(r.prompt),
                        guidance_scale=r.cfg, height=r.height, width=r.width,
                        num_inference_steps=r.steps, latents=noise,
                        max_sequence_length=r.max_sequence_length, output_type="latent")
             lat = out.images
-        pipes[arch] = pipe
+        pipes[path] = pipe
         vae = pipe.vae.config
         cache[key] = lat.float() / vae.scaling_factor + vae.shift_factor
         return cache[key]

@@ -1,0 +1,222 @@
+"""PipeFusion (workers/pipefusion.py, workers/pipefusion_stages.py).
+
+With `warmup_steps >= steps` every step is a full synchronous pass through the stages, so the
+result must equal the single-process diffusers pipeline (DESIGN.md numerics 4). With fewer
+warmup steps the patch pipeline reuses one-step-stale K/V: the result must differ from the
+exact one (negative control: proves the pipelined path ran) but stay close. A stage's sp
+ranks (ulysses/ring) and cfg-parallel pipelines compute the same stale-K/V algorithm, so
+they must reproduce the plain pipelined result. Each rank must hold only its stage's blocks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+from comfyui_xdit.config import ConfigError
+from comfyui_xdit.tiny_model import ensure_tiny_model
+from workers.pipefusion import patch_rows
+from workers.pipefusion_stages import parse_split, partition
+
+TOL = 1e-4
+PROMPTS = ["a photo of a red cat", "a dog on the grass", "blue sky"]
+
+
+def request(arch, height=128, width=96, batch=2, msl=16, steps=3, seed=5, **kw):
+    return GenerationRequest(prompt=PROMPTS[:batch], seed=seed, steps=steps, height=height,
+                             width=width, max_sequence_length=msl,
+                             cfg=kw.pop("cfg", 3.0 if arch == "sd3" else 1.0),
+                             negative_prompt="ugly", **kw)
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """Tiny models with 4 blocks per list: enough blocks for 4 stages."""
+    root = tmp_path_factory.mktemp("deep")
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = ensure_tiny_model(arch, root / arch, depth=4)
+        return made[arch]
+    return get
+
+
+@pytest.fixture(scope="module")
+def pf_pools():
+    """Warm PipeFusion pools by (model, launch layout); at most two alive (memory)."""
+    made = {}
+
+    def get(path, config: ParallelConfig):
+        key = (str(path), config.launch_key())
+        pool = made.pop(key, None)
+        if pool is None:
+            while len(made) >= 2:
+                made.pop(next(iter(made))).close()
+            pool = WorkerPool(path, config, device="cpu", threads_per_rank=1)
+        else:
+            pool.reconfigure(config)
+        made[key] = pool  # most recently used last
+        assert pool.config.launch_key() == key[1]
+        return pool
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+# ---- the stage split -----------------------------------------------------------------
+def test_partition_is_contiguous_and_minimises_the_largest_stage():
+    costs = [5, 1, 1, 1, 1, 1, 5, 1]
+    parts = partition(costs, 3)
+    assert parts[0][0] == 0 and parts[-1][1] == len(costs)
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(parts, parts[1:]))
+    worst = max(sum(costs[a:b]) for a, b in parts)
+    # brute force over every contiguous 3-way split
+    best = min(max(sum(costs[:i]), sum(costs[i:j]), sum(costs[j:]))
+               for i in range(1, 7) for j in range(i + 1, 8))
+    assert worst == best == 6
+    with pytest.raises(ValueError, match="pipefusion <= 8"):
+        partition(costs, 9)
+
+
+def test_explicit_split_and_its_errors():
+    assert parse_split("3,1", 4, 2) == [(0, 3), (3, 4)]
+    assert parse_split("memory", 4, 2) == "memory"
+    for bad in ("3,2", "4,0", "x,y", "1,1,2"):
+        with pytest.raises(ValueError, match="pipefusion split"):
+            parse_split(bad, 4, 2)
+
+
+def test_patch_rows_cover_the_image_once():
+    for rows, n in ((8, 2), (9, 4), (5, 5)):
+        bands = patch_rows(rows, n)
+        assert bands[0][0] == 0 and bands[-1][1] == rows and len(bands) == n
+        assert all(a[1] == b[0] for a, b in zip(bands, bands[1:]))
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(ConfigError, match="pipefusion_split 'a,b'"):
+        ParallelConfig(pipefusion=2, pipefusion_split="a,b").validate()
+    with pytest.raises(ConfigError, match="pipeline_patches must be"):
+        ParallelConfig(pipefusion=2, pipeline_patches=0).validate()
+    with pytest.raises(ConfigError, match="warmup_steps must be"):
+        ParallelConfig(pipefusion=2, warmup_steps=-1).validate()
+    # 2 token rows of 2 tokens per patch cannot feed ulysses 4
+    with pytest.raises(ConfigError, match="PipeFusion patch of 1 token rows x 2"):
+        ParallelConfig(pipefusion=2, ulysses=4).validate(
+            None, GenerationRequest(prompt=["x"], height=32, width=32))
+    assert ParallelConfig(pipefusion=2).launch_key() != ParallelConfig(pipefusion=2, ulysses=2,
+                                                                      world_size=4).launch_key()
+
+
+# ---- exactness with full warmup, staleness without --------------------------------------
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_pipefusion2_exact_with_full_warmup_and_close_without(arch, model_dir, oracle,
+                                                              pf_pools):
+    path = model_dir(arch)
+    pool = pf_pools(path, ParallelConfig(pipefusion=2, warmup_steps=3))
+    for h, w, batch, msl in ((128, 96, 2, 16), (144, 112, 1, 11), (112, 144, 3, 7)):
+        req = request(arch, h, w, batch, msl)
+        ref = oracle(arch, req)
+        got = pool.generate(req).samples
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max().item() <= TOL, (h, w, batch)
+    pids = pool.worker_pids()
+    # the patch pipeline (1 warmup step of 3): stale K/V, so not exact, but close
+    req = request(arch, 128, 96, 2, 16)
+    ref = oracle(arch, req)
+    for warmup, patches in ((1, None), (0, 3)):
+        pool.reconfigure(ParallelConfig(pipefusion=2, warmup_steps=warmup,
+                                        pipeline_patches=patches))
+        got = pool.generate(req).samples
+        diff = (got - ref).abs().max().item()
+        assert 1e-4 < diff < 0.5 * ref.abs().max().item(), (warmup, diff)
+        assert torch.isfinite(got).all()
+    assert pool.worker_pids() == pids  # warmup/patches are per job: no relaunch
+
+
+def test_stages_hold_only_their_blocks(model_dir, pf_pools):
+    """Each rank's transformer has exactly its stage's block weights plus the shared
+    embedders/final layers; the stages' blocks add up to the whole model."""
+    import diffusers
+    path = model_dir("flux")
+    full = diffusers.FluxTransformer2DModel.from_pretrained(path, subfolder="transformer")
+    blocks = list(full.transformer_blocks) + list(full.single_transformer_blocks)
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum(p.numel() for p in full.parameters())
+    shared = total - sum(block_params)
+    pool = pf_pools(path, ParallelConfig(pipefusion=2, warmup_steps=3))
+    pool.generate(request("flux", batch=1))
+    ranks = pool.status()["ranks"]
+    spans = [tuple(r["stage"]["blocks"]) for r in ranks]
+    assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == len(blocks)
+    for r, (a, b) in zip(ranks, spans):
+        assert r["transformer_params"] == shared + sum(block_params[a:b])
+        assert r["transformer_params"] < total
+
+
+def test_back_to_back_jobs_with_other_shapes(model_dir, pf_pools):
+    """K/V caches and pipeline buffers follow each job's shapes (text length, size, batch)."""
+    pool = pf_pools(model_dir("flux"), ParallelConfig(pipefusion=2, warmup_steps=1))
+    pool.generate(request("flux", steps=1))
+    pids = pool.worker_pids()
+    for h, w, batch, msl in ((64, 64, 1, 8), (96, 128, 2, 16), (64, 64, 1, 12),
+                             (160, 48, 3, 5)):
+        out = pool.generate(request("flux", h, w, batch, msl, steps=2)).samples
+        assert out.shape == (batch, 16, h // 8, w // 8)
+        assert torch.isfinite(out).all()
+    assert pool.worker_pids() == pids
+
+
+def test_cancel_mid_job_keeps_the_pool(model_dir, pf_pools):
+    from comfyui_xdit.pool import JobCancelled
+    pool = pf_pools(model_dir("flux"), ParallelConfig(pipefusion=2, warmup_steps=1))
+    pool.generate(request("flux", steps=1))
+    pids = pool.worker_pids()
+    seen = []
+
+    def on_event(ev):
+        if "step" in ev:
+            seen.append(ev["step"])
+            if ev["step"] == 2:
+                pool.cancel()
+    with pytest.raises(JobCancelled):
+        pool.generate(request("flux", steps=8), on_event=on_event)
+    assert seen and max(seen) < 8
+    out = pool.generate(request("flux", steps=2)).samples
+    assert torch.isfinite(out).all() and pool.worker_pids() == pids
+
+
+# ---- 4 ranks: degree 4 and the mixed layouts ------------------------------------------------
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_pipefusion4_exact_with_full_warmup(arch, deep_model, oracle, pf_pools):
+    path = deep_model(arch)
+    pool = pf_pools(path, ParallelConfig(pipefusion=4, warmup_steps=3))
+    for h, w, batch, msl in ((128, 96, 2, 16), (144, 112, 1, 11)):
+        req = request(arch, h, w, batch, msl)
+        got = pool.generate(req).samples
+        assert (got - oracle(arch, req, path)).abs().max().item() <= TOL, (h, w)
+    assert sorted(r["stage"]["index"] for r in pool.status()["ranks"]) == [0, 1, 2, 3]
+    req = request(arch, 128, 96, 2, 16)
+    pool.reconfigure(ParallelConfig(pipefusion=4, warmup_steps=1))
+    diff = (pool.generate(req).samples - oracle(arch, req, path)).abs().max().item()
+    assert diff > 1e-4
+
+
+@pytest.mark.parametrize("arch,inner", [("flux", dict(ulysses=2)), ("flux", dict(ring=2)),
+                                        ("sd3", dict(cfg_parallel=True))])
+def test_mixed_layouts_match_plain_pipefusion(arch, inner, model_dir, oracle, pf_pools):
+    """pipefusion 2 x (ulysses 2 | ring 2 | cfg 2): exact with full warmup, and the
+    pipelined result equals pipefusion 2 alone (the same stale-K/V algorithm)."""
+    path = model_dir(arch)
+    req = request(arch, 144, 112, 2, 11)
+    pool = pf_pools(path, ParallelConfig(pipefusion=2, warmup_steps=3, **inner))
+    assert len(pool.generate(req).samples) == 2
+    got = pool.generate(req).samples
+    assert (got - oracle(arch, req)).abs().max().item() <= TOL
+    pool.reconfigure(ParallelConfig(pipefusion=2, warmup_steps=1, **inner))
+    mixed = pool.generate(req).samples
+    plain_pool = pf_pools(path, ParallelConfig(pipefusion=2, warmup_steps=1))
+    plain = plain_pool.generate(req).samples
+    assert (mixed - plain).abs().max().item() <= 1e-5
+    assert (mixed - oracle(arch, req)).abs().max().item() > 1e-4
