@@ -211,3 +211,26 @@ def test_lora_node_chain_matches_pool(pools, model_dir, loras, tmp_path):
     assert maxdiff(got, want) <= 1e-6 and maxdiff(got, base) > 1e-3
     with pytest.raises(ConfigError, match="LoRA file not found"):
         handle.with_lora(str(tmp_path / "missing.safetensors"), 1.0)
+
+
+def test_lora_under_pipefusion_equals_exact(pools, model_dir, loras):
+    """Under PipeFusion each stage loads only its own blocks' LoRA layers; the kohya file
+    touches double block 0 only, so stage 1 holds none of it. With warmup >= steps the
+    result equals the exact configuration's."""
+    exact = pools("flux", 2)
+    exact.reconfigure(ParallelConfig(ulysses=2))
+    pf = WorkerPool(model_dir("flux"), ParallelConfig(pipefusion=2, warmup_steps=2),
+                    device="cpu", threads_per_rank=1)
+    a, k = str(loras["flux1"][0]), str(loras["kohya"][0])
+    try:
+        base = pf.generate(request()).samples
+        for lst in ([(a, 1.0)], [(k, 0.8)], [(a, 0.5), (k, 1.0)], []):
+            got = pf.generate(request(loras=lst)).samples
+            want = exact.generate(request(loras=lst)).samples
+            assert maxdiff(got, want) <= 1e-4, lst
+            assert (maxdiff(got, base) > 1e-4) == bool(lst), lst
+        with pytest.raises(PoolError, match="no key that matches"):
+            pf.generate(request(loras=[(str(loras["nomatch"][0]), 1.0)]))
+        assert torch.equal(pf.generate(request()).samples, base)
+    finally:
+        pf.close()

@@ -51,6 +51,7 @@ class LoraManager:
         self.loaded: dict[str, str] = {}  # adapter name -> path
         self.loads = 0  # LoRA files loaded into the model so far
         self.used = False  # a job has asked for LoRA (then every job re-applies the list)
+        self.absent: set = set()  # PipeFusion: adapters with no layer on this rank's stage
         self._pending: dict[str, tuple] = {}  # read and checked by resolve, not yet loaded
 
     def _pipeline(self):
@@ -79,19 +80,28 @@ class LoraManager:
                 sd, metadata = pcls.lora_state_dict(path, return_lora_metadata=True,
                                                     use_safetensors=True)
         except Exception as e:
+            kinds = "diffusers/PEFT or kohya/ComfyUI" if self.arch == "flux" else "diffusers/PEFT"
             raise LoraError(f"LoRA file {path} could not be read as a {self.arch} LoRA "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                            f"is it a LoRA for another model? Give a {kinds} LoRA trained "
+                            f"for this {self.arch} model")
         if not any(k.startswith(_PREFIX) for k in sd):
             # bare peft keys ("transformer_blocks.0.attn.to_q.lora_A.weight")
             sd = {(k if k.startswith("text_encoder") else _PREFIX + k): v for k, v in sd.items()}
         tsd = {k: v for k, v in sd.items() if k.startswith(_PREFIX)}
         modules = dict(transformer.named_modules())
-        matched, bad = 0, []
+        # PipeFusion: blocks held by other stages are RemoteBlocks; their keys are checked
+        # and loaded by the rank that holds them
+        remote = tuple(n + "." for n, m in modules.items() if type(m).__name__ == "RemoteBlock")
+        matched, bad, elsewhere = 0, [], set()
         for k, v in tsd.items():
             ref = _lora_module(k)
             if ref is None:
                 continue
             name, part = ref
+            if remote and (name + ".").startswith(remote):
+                elsewhere.add(k)
+                continue
             mod = modules.get(name)
             lin = _base_linear(mod) if mod is not None else None
             if not isinstance(lin, torch.nn.Linear):
@@ -104,7 +114,7 @@ class LoraManager:
                            f"{lin.in_features}->{lin.out_features})")
                 continue
             matched += 1
-        if not matched:
+        if not matched and not elsewhere:
             some = next(iter(sd), "<empty file>")
             raise LoraError(f"LoRA file {path} has no key that matches this {self.arch} model "
                             f"(e.g. {some!r}); is it a LoRA for another model?")
@@ -113,6 +123,10 @@ class LoraManager:
                             f"{self.arch} model, e.g. {bad[0]}")
         if alphas:
             alphas = {k: v for k, v in alphas.items() if k.startswith(_PREFIX)}
+        if elsewhere:
+            tsd = {k: v for k, v in tsd.items() if k not in elsewhere}
+            if not any(_lora_module(k) for k in tsd):
+                tsd = {}  # nothing of this file lives on this rank's stage
         return tsd, alphas, metadata
 
     def resolve(self, transformer, loras) -> list:
@@ -139,12 +153,17 @@ class LoraManager:
             if name not in self.loaded:
                 tsd, alphas, metadata = self._pending.pop(name, None) or self.read(path, transformer)
                 kw = {"network_alphas": alphas} if self.arch == "flux" else {}
-                self._pipeline().load_lora_into_transformer(
-                    tsd, transformer=transformer, adapter_name=name, metadata=metadata, **kw)
+                if tsd:
+                    self._pipeline().load_lora_into_transformer(
+                        tsd, transformer=transformer, adapter_name=name, metadata=metadata,
+                        **kw)
+                else:
+                    self.absent.add(name)
                 self.loaded[name] = path
                 self.loads += 1
-            weights[name] = weights.get(name, 0.0) + strength  # a file listed twice adds up
-        if not self.loaded:
+            if name not in self.absent:
+                weights[name] = weights.get(name, 0.0) + strength  # listed twice adds up
+        if not set(self.loaded) - self.absent:
             return
         if weights:
             transformer.enable_lora()
