@@ -5,7 +5,10 @@
   config, device, dtype, gpus). Node re-execution and cache eviction only look the pool up;
   another configuration replaces the pool (the same model/device/world size keeps the warm
   workers and just rebuilds their process groups).
-- `discover_models`: diffusers folders (model_index.json + transformer/config.json).
+- `discover_models` / `discover_single_files`: diffusers folders (model_index.json +
+  transformer/config.json) and single .safetensors files (diffusion_models, checkpoints).
+- `decode`: LATENT -> IMAGE, on the pool (diffusers folders: patch-parallel VAE) or with
+  ComfyUI's VAE (single files).
 - `sample`: LATENT / CONDITIONING / widgets -> GenerationRequest -> pool -> LATENT.
 """
 from __future__ import annotations
@@ -17,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .comfy_convert import (comfy_noise, conditioning_to_request, latent_from_comfy,
-                            latent_to_comfy)
+from .comfy_convert import (LATENT_CHANNELS, comfy_noise, conditioning_to_request,
+                            latent_from_comfy, latent_to_comfy)
 from .config import ConfigError, ParallelConfig, auto_config
 from .model_info import read_model_info
 from .request import GenerationRequest
@@ -37,8 +40,7 @@ def is_diffusers_folder(path) -> bool:
 
 def discover_models(folders, max_depth: int = 3) -> list[str]:
     """Diffusers model folders under `folders`, as '/'-separated names relative to their
-    root (sorted, unique). Single-file checkpoints are not listed: the pool loads diffusers
-    folders only."""
+    root (sorted, unique)."""
     found = set()
     for root in folders or []:
         root = Path(root)
@@ -57,16 +59,77 @@ def discover_models(folders, max_depth: int = 3) -> list[str]:
     return sorted(found)
 
 
-def resolve_model(name: str, folders) -> str:
-    """A name from `discover_models` (or an absolute path) -> the folder's path."""
-    if os.path.isabs(name) and is_diffusers_folder(name):
+# Single files: ComfyUI folder kinds, each listed as "<kind>/<file>" so a name says where it
+# is (and never collides with a diffusers folder's name). A checkpoints folder mixes model
+# families, so only files holding a FLUX/SD3 transformer are listed from it.
+FILE_KINDS = ("diffusion_models", "checkpoints")
+_HEADER_CACHE: dict = {}
+
+
+def _is_dit_file(path: Path) -> bool:
+    from .model_info import read_safetensors_header, transformer_keys
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _HEADER_CACHE:
+        try:
+            transformer_keys(read_safetensors_header(path))
+            _HEADER_CACHE[key] = True
+        except ConfigError:
+            _HEADER_CACHE[key] = False
+    return _HEADER_CACHE[key]
+
+
+def discover_single_files(roots_by_kind: dict, max_depth: int = 3) -> list[str]:
+    """`{"diffusion_models": [dirs], "checkpoints": [dirs]}` -> sorted "<kind>/<rel path>"
+    names of .safetensors files (every file of diffusion_models, FLUX/SD3 ones of
+    checkpoints)."""
+    from .model_info import SINGLE_FILE_SUFFIXES
+    found = set()
+    for kind in FILE_KINDS:
+        for root in roots_by_kind.get(kind) or []:
+            root = Path(root)
+            if not root.is_dir():
+                continue
+            for dirpath, dirnames, files in os.walk(root, followlinks=True):
+                d = Path(dirpath)
+                rel = d.relative_to(root)
+                if len(rel.parts) >= max_depth:
+                    dirnames[:] = []
+                dirnames[:] = sorted(n for n in dirnames if not n.startswith("."))
+                for f in files:
+                    if not f.lower().endswith(SINGLE_FILE_SUFFIXES) or f.startswith("."):
+                        continue
+                    if kind == "checkpoints" and not _is_dit_file(d / f):
+                        continue
+                    found.add(f"{kind}/{(rel / f).as_posix()}")
+    return sorted(found)
+
+
+def resolve_model(name: str, folders, roots_by_kind: Optional[dict] = None) -> str:
+    """A name from `discover_models` / `discover_single_files` (or an absolute path) ->
+    the model's path. A missing file or folder gives one error naming where it looked."""
+    if os.path.isabs(name) and (is_diffusers_folder(name) or os.path.isfile(name)):
         return name
+    kind, _, rest = name.partition("/")
+    if kind in FILE_KINDS and rest:
+        roots = list((roots_by_kind or {}).get(kind) or [])
+        for root in roots:
+            p = Path(root) / rest
+            if p.is_file():
+                return str(p)
+        raise ConfigError(f"model file {rest!r} not found in {kind} "
+                          f"({', '.join(map(str, roots)) or 'no folder configured'}); pick a "
+                          f"file from the list (refresh it after adding models)")
     for root in folders or []:
         p = Path(root) / name
         if is_diffusers_folder(p):
             return str(p)
     raise ConfigError(f"model {name!r} is not a diffusers folder (model_index.json + "
-                      f"transformer/config.json) under {', '.join(map(str, folders or []))}")
+                      f"transformer/config.json) under {', '.join(map(str, folders or []))}, "
+                      f"nor a 'diffusion_models/...' or 'checkpoints/...' .safetensors file")
 
 
 # ---- the loader's handle ----------------------------------------------------------------
@@ -200,6 +263,15 @@ class PoolRegistry:
                 self._pools[key] = pool
             return pool
 
+    def pool_for_decode(self, handle: ModelHandle):
+        """The warm pool of `handle` as it is (a decode runs on any configuration of the
+        right model); a new one with the handle's configuration if there is none."""
+        with self._lock:
+            pool = self._pools.get(self._key(handle))
+            if pool is not None:
+                return pool
+        return self.get(handle, handle.config_for(None))
+
     def pools(self) -> list:
         with self._lock:
             return list(self._pools.values())
@@ -315,6 +387,10 @@ def sample(handle: ModelHandle, inp: SampleInputs,
         req, kw = build_job(inp)
         req.loras = list(handle.loras)
         config = handle.config_for(req)
+        if req.batch < config.dp:  # said in the graph's terms (the CLI says "prompts")
+            raise ConfigError(f"the LATENT batch of {req.batch} is smaller than dp {config.dp}: "
+                              f"set batch_size >= {config.dp} on the empty-latent node, or "
+                              f"lower dp")
         pool = registry.get(handle, config)
         stop = threading.Event()
         watcher = None
@@ -345,3 +421,38 @@ def sample(handle: ModelHandle, inp: SampleInputs,
                          "timings": {k: (round(v, 3) if isinstance(v, float) else v)
                                      for k, v in result.timings.items()}}
     return latent_to_comfy(result.samples)
+
+
+# ---- decoding ---------------------------------------------------------------------------
+def decode(handle: ModelHandle, latent: dict, vae=None,
+           registry: Optional[PoolRegistry] = None):
+    """The Decode node: LATENT -> IMAGE [B,H,W,3] in 0..1. A diffusers folder decodes on
+    the model's pool (its VAE, patch-parallel over the ranks); a single file has no VAE, so
+    the connected ComfyUI VAE decodes (its `decode(samples)`)."""
+    import torch
+
+    from .model_info import read_model_info
+    registry = registry or REGISTRY
+    if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
+        raise ConfigError("LATENT input must be a dict with 'samples'; connect the xDiT "
+                          "sampler's LATENT")
+    samples = latent["samples"]
+    if samples.dim() != 4 or samples.shape[1] != LATENT_CHANNELS:
+        raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; the Decode node "
+                          f"takes FLUX/SD3 latents [batch, {LATENT_CHANNELS}, height/8, width/8]")
+    info = read_model_info(handle.path)
+    try:
+        if info.has_vae:
+            images = registry.pool_for_decode(handle).decode(samples.detach().float().cpu())
+        elif vae is not None:
+            images = vae.decode(samples)
+            if images.dim() == 5:  # video VAEs: frames into the batch, as VAEDecode does
+                images = images.reshape(-1, *images.shape[-3:])
+        else:
+            raise ConfigError(f"model {os.path.basename(handle.path)!r} is a single file with "
+                              f"no VAE: connect a VAE (VAELoader with the model's VAE) to the "
+                              f"Decode node's vae input")
+    except Exception as e:
+        registry.last_error = f"{type(e).__name__}: {e}"
+        raise
+    return images

@@ -13,8 +13,9 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 from .config import ConfigError
 from .model_info import read_model_info
 from . import node_logic
-from .node_logic import (DEVICES, DTYPES, MAX_SEED, REGISTRY, WORLD_SIZES, SampleInputs,
-                         discover_models, make_handle, resolve_model)
+from .node_logic import (DEVICES, DTYPES, FILE_KINDS, MAX_SEED, REGISTRY, WORLD_SIZES,
+                         SampleInputs, discover_models, discover_single_files, make_handle,
+                         resolve_model)
 
 log = logging.getLogger("comfyui_xdit")
 CATEGORY = "xDiT"
@@ -24,6 +25,21 @@ PREVIEW_MAX = 512
 
 def _model_folders() -> list:
     return folder_paths.get_folder_paths("diffusers")
+
+
+def _file_roots() -> dict:
+    """models/diffusion_models (+ legacy unet) and models/checkpoints, as ComfyUI knows them."""
+    out = {}
+    for kind in FILE_KINDS:
+        try:
+            out[kind] = folder_paths.get_folder_paths(kind)
+        except Exception:  # a ComfyUI without this folder kind
+            out[kind] = []
+    return out
+
+
+def _model_options() -> list:
+    return discover_models(_model_folders()) + discover_single_files(_file_roots())
 
 
 def _device_options() -> list:
@@ -46,7 +62,7 @@ def _previews_enabled() -> bool:
 class LoadModel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        models = discover_models(_model_folders())
+        models = _model_options()
         return io.Schema(
             node_id="xDiT.LoadModel",
             display_name="Load model (xDiT)",
@@ -54,10 +70,13 @@ class LoadModel(io.ComfyNode):
             description="Describes a FLUX.1 / SD3 model and how to split it over a worker pool. "
                         "Nothing starts here: the pool launches at the first sampling and stays warm.",
             inputs=[
-                io.Combo.Input("model", options=models or ["(no diffusers model found)"],
-                               tooltip="A diffusers folder (model_index.json + transformer/) in "
-                                       "ComfyUI's models/diffusers. Single-file .safetensors "
-                                       "checkpoints are not supported by the pool yet."),
+                io.Combo.Input("model", options=models or ["(no FLUX/SD3 model found)"],
+                               tooltip="A diffusers folder in models/diffusers (name as is: "
+                                       "text encoders and VAE included), or a single FLUX/SD3 "
+                                       ".safetensors from models/diffusion_models (or unet) "
+                                       "or models/checkpoints (listed as diffusion_models/... "
+                                       "and checkpoints/...): transformer only, so connect "
+                                       "CONDITIONING and decode with a ComfyUI VAE."),
                 io.Combo.Input("device", options=_device_options(),
                                tooltip="cuda: one GPU per rank; cpu: one process per rank (gloo)"),
                 io.Combo.Input("dtype", options=list(DTYPES), default="bf16",
@@ -84,7 +103,7 @@ class LoadModel(io.ComfyNode):
 
     @classmethod
     def _handle(cls, model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp, gpus=""):
-        path = resolve_model(model, _model_folders())
+        path = resolve_model(model, _model_folders(), _file_roots())
         if device == "cpu" and dtype != "fp32":
             dtype = "fp32"  # CPU kernels: fp32 only
         return make_handle(path, device, dtype, world_size, ulysses, ring, cfg_parallel, dp, gpus)
@@ -123,7 +142,8 @@ class Sampler(io.ComfyNode):
                                                   "VAEEncode latent (image-to-image with denoise)"),
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="Used when no positive CONDITIONING is connected "
-                                        "(encoded by the pool's own text encoders)"),
+                                        "(encoded by the pool's own text encoders: diffusers "
+                                        "folders only; a single-file model needs CONDITIONING)"),
                 io.String.Input("negative_prompt", multiline=True, default="",
                                 tooltip="Used with cfg > 1 when no negative CONDITIONING is connected"),
                 io.Int.Input("seed", default=0, min=0, max=MAX_SEED, control_after_generate=True,
@@ -212,6 +232,29 @@ class LoRA(io.ComfyNode):
         return io.NodeOutput(model.with_lora(path, strength))
 
 
+class Decode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="xDiT.Decode",
+            display_name="Decode (xDiT)",
+            category=CATEGORY,
+            description="LATENT -> IMAGE. A diffusers-folder model decodes on its warm pool "
+                        "with the folder's VAE, patch-parallel over every rank; a single-file "
+                        "model has no VAE, so the connected ComfyUI VAE decodes.",
+            inputs=[XDiTModel.Input("model"),
+                    io.Latent.Input("samples"),
+                    io.Vae.Input("vae", optional=True,
+                                 tooltip="Used when the model is a single file (no VAE of its "
+                                         "own); ignored for diffusers folders")],
+            outputs=[io.Image.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, samples, vae=None) -> io.NodeOutput:
+        return io.NodeOutput(node_logic.decode(model, samples, vae=vae))
+
+
 class UnloadPool(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -243,7 +286,7 @@ class XDiTExtension(ComfyExtension):
 
     async def get_node_list(self) -> list:
         _register_routes()  # on_load is not called by every ComfyUI release
-        return [LoadModel, LoRA, Sampler, UnloadPool]
+        return [LoadModel, LoRA, Sampler, Decode, UnloadPool]
 
 
 _ROUTES_DONE = False

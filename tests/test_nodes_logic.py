@@ -11,11 +11,13 @@ from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig
 from comfyui_xdit.comfy_convert import (comfy_noise, conditioning_to_request, is_empty_latent,
                                         latent_from_comfy, latent_to_comfy, preview_rgb,
                                         request_to_conditioning)
-from comfyui_xdit.node_logic import (ModelHandle, PoolRegistry, SampleInputs, build_job,
-                                     discover_models, make_handle, resolve_model, sample)
+from comfyui_xdit.node_logic import (ModelHandle, PoolRegistry, SampleInputs, build_job, decode,
+                                     discover_models, discover_single_files, make_handle,
+                                     resolve_model, sample)
 from comfyui_xdit.pool import JobCancelled
 from workers.denoise import prepare_noise
 
+from single_file_util import write_single_file
 from test_conditioning import encode
 
 
@@ -105,6 +107,29 @@ def test_discover_models(tmp_path, model_dir):
     assert resolve_model("sub/sd3-tiny", [root]) == str(root / "sub" / "sd3-tiny")
     with pytest.raises(ConfigError, match="not a diffusers folder"):
         resolve_model("not-a-model", [root])
+
+
+def test_discover_and_resolve_single_files(tmp_path, model_dir):
+    """The loader lists diffusion_models (and legacy unet) files and the FLUX/SD3 files of
+    checkpoints, each as '<kind>/<file>', next to the diffusers folders' plain names."""
+    unet, dm, ck = tmp_path / "unet", tmp_path / "diffusion_models", tmp_path / "checkpoints"
+    write_single_file(model_dir("flux"), "flux", dm / "flux1-tiny.safetensors")
+    write_single_file(model_dir("flux"), "flux", unet / "sub" / "old.safetensors")
+    write_single_file(model_dir("flux"), "flux", ck / "flux1-ckpt.safetensors", prefix=True)
+    from safetensors.torch import save_file
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2)},
+              str(ck / "sdxl.safetensors"))  # another family: not listed from checkpoints
+    (dm / "notes.txt").write_text("x")
+    roots = {"diffusion_models": [unet, dm], "checkpoints": [ck]}
+    names = discover_single_files(roots)
+    assert names == ["checkpoints/flux1-ckpt.safetensors", "diffusion_models/flux1-tiny.safetensors",
+                     "diffusion_models/sub/old.safetensors"]
+    for n in names:
+        p = resolve_model(n, [], roots)
+        assert p.endswith(n.split("/", 1)[1]) and make_handle(p, "cpu", "fp32").path == p
+        make_handle(p, "cpu", "fp32", "2", ulysses=2).validate()
+    with pytest.raises(ConfigError, match="'gone.safetensors' not found in diffusion_models"):
+        resolve_model("diffusion_models/gone.safetensors", [], roots)
 
 
 def test_handle_validation_and_auto_config(model_dir):
@@ -230,3 +255,111 @@ def test_pack_entry_is_v3_and_cheap(tmp_path):
             "bad = [n for n in ('torch', 'comfy', 'comfy_api', 'folder_paths', 'server') if n in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+
+
+# ---- the Decode node ------------------------------------------------------------------
+def test_decode_on_the_pool_and_with_a_comfyui_vae(registry, model_dir, tmp_path):
+    """A diffusers folder decodes on its warm pool (patch-parallel over 2 ranks), equal to
+    the single-process VAE decode; a single file uses the connected VAE; neither: an error."""
+    from diffusers import AutoencoderKL
+    h = _handle(model_dir, world_size=2, ulysses=2)
+    lat = sample(h, SampleInputs(latent={"samples": torch.zeros(2, 16, 8, 12)}, prompt="a cat",
+                                 **COMMON), registry=registry)
+    pool = registry.pools()[0]
+    pids = pool.worker_pids()
+    img = decode(h, lat, registry=registry)
+    assert img.shape == (2, 64, 96, 3) and 0 <= img.min() and img.max() <= 1
+    assert registry.pools() == [pool] and pool.worker_pids() == pids  # the same warm pool
+    vae = AutoencoderKL.from_pretrained(str(model_dir("flux")), subfolder="vae")
+    with torch.no_grad():
+        ref = (vae.decode(lat["samples"]).sample / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
+    diff = (img - ref).abs().max().item()
+    print("pool decode vs single-process VAE: max abs diff", diff)
+    assert diff <= 1e-4
+    other = decode(h, {"samples": lat["samples"].flip(0)}, registry=registry)
+    assert (other - img).abs().max().item() > 1e-3  # the comparison can fail
+    # bad samples: refused before the pool (node) and on rank 0 before broadcast (pool)
+    with pytest.raises(ConfigError, match="takes FLUX/SD3 latents \\[batch, 16"):
+        decode(h, {"samples": torch.zeros(1, 4, 8, 8)}, registry=registry)
+    from comfyui_xdit.pool import PoolError
+    with pytest.raises(PoolError, match="decode takes LATENT samples \\[batch, 16"):
+        pool.decode(torch.zeros(1, 4, 8, 8))
+    assert pool.worker_pids() == pids and torch.equal(decode(h, lat, registry=registry), img)
+
+    # a single file: ComfyUI's VAE object decodes (its decode(samples) -> IMAGE)
+    f = write_single_file(model_dir("flux"), "flux", tmp_path / "flux1.safetensors")
+    hf = ModelHandle(path=str(f), device="cpu", dtype="fp32", world_size=2, ulysses=2)
+
+    class FakeVAE:
+        def decode(self, s):
+            self.got = s
+            return torch.full((s.shape[0], s.shape[2] * 8, s.shape[3] * 8, 3), 0.25)
+    fake = FakeVAE()
+    out = decode(hf, lat, vae=fake, registry=registry)
+    assert fake.got is lat["samples"] and out.shape == (2, 64, 96, 3) and out[0, 0, 0, 0] == 0.25
+    with pytest.raises(ConfigError, match="single file with no VAE: connect a VAE"):
+        decode(hf, lat, registry=registry)
+    assert registry.pools() == [pool] and pool.worker_pids() == pids
+
+
+# ---- bad inputs at node level, against a real 2-rank pool ----------------------------------
+def test_bad_inputs_give_one_clear_error_and_the_pool_survives(registry, model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    from comfyui_xdit.pool import PoolError
+    h = _handle(model_dir, world_size=2, ulysses=2)
+    empty = {"samples": torch.zeros(1, 16, 8, 8)}
+    good = sample(h, SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=registry)
+    pool = registry.pools()[0]
+    pids = pool.worker_pids()
+    roots = {"diffusion_models": [tmp_path], "checkpoints": [tmp_path]}
+
+    def loader(name):  # what the loader node does with a model name
+        make_handle(resolve_model(name, [], roots), "cpu", "fp32", "2", ulysses=2).validate()
+
+    with pytest.raises(ConfigError, match="'flux1-missing.safetensors' not found in "
+                                          "diffusion_models.*pick a file from the list"):
+        loader("diffusion_models/flux1-missing.safetensors")
+    with pytest.raises(ConfigError, match="does not exist; give a FLUX/SD3 diffusers folder"):
+        make_handle(str(tmp_path / "nothing-here"), "cpu", "fp32").validate()
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2, 2),
+               "first_stage_model.decoder.conv_in.weight": torch.zeros(2)},
+              str(tmp_path / "sdxl.safetensors"))
+    with pytest.raises(ConfigError, match="not a FLUX.1 or SD3/3.5 transformer: it looks like "
+                                          "an SD1.x/SDXL-style UNet.*Give a FLUX/SD3"):
+        loader("checkpoints/sdxl.safetensors")
+    f = write_single_file(model_dir("flux"), "flux", tmp_path / "flux1.safetensors")
+    raw = f.read_bytes()
+    (tmp_path / "corrupt.safetensors").write_bytes(raw[:8] + b"#" * 64 + raw[72:])
+    with pytest.raises(ConfigError, match="not a valid .safetensors file .*re-download"):
+        loader("diffusion_models/corrupt.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes(raw[: len(raw) - 1000])
+    with pytest.raises(ConfigError, match="truncated download"):
+        loader("diffusion_models/cut.safetensors")
+    lora = tmp_path / "sdxl_lora.safetensors"
+    save_file({"lora_unet_input_blocks_1_0_emb_layers_1.lora_down.weight": torch.zeros(4, 8),
+               "lora_unet_input_blocks_1_0_emb_layers_1.lora_up.weight": torch.zeros(8, 4)},
+              str(lora))
+    with pytest.raises(PoolError, match="LoRA file .*sdxl_lora.safetensors could not be read "
+                                        "as a flux LoRA .*Give a diffusers/PEFT or kohya"):
+        sample(h.with_lora(str(lora), 1.0), SampleInputs(latent=empty, prompt="a cat", **COMMON),
+               registry=registry)
+    other = tmp_path / "sd3_lora.safetensors"  # PEFT keys of layers FLUX does not have
+    save_file({"transformer.pos_embed.proj.lora_A.weight": torch.zeros(4, 64),
+               "transformer.pos_embed.proj.lora_B.weight": torch.zeros(64, 4)}, str(other))
+    with pytest.raises(PoolError, match="sd3_lora.safetensors has no key that matches this "
+                                        "flux model .*is it a LoRA for another model"):
+        sample(h.with_lora(str(other), 1.0), SampleInputs(latent=empty, prompt="a cat", **COMMON),
+               registry=registry)
+    with pytest.raises(ConfigError, match="height 72 is not a positive multiple of 16 "
+                                          "\\(try 64\\)"):
+        sample(h, SampleInputs(latent={"samples": torch.zeros(1, 16, 9, 8)}, prompt="a cat",
+                               **COMMON), registry=registry)
+    with pytest.raises(ConfigError, match="LATENT batch of 1 is smaller than dp 2: set "
+                                          "batch_size >= 2 on the empty-latent node, or lower dp"):
+        sample(_handle(model_dir, world_size=2, dp=2), SampleInputs(latent=empty, prompt="a cat",
+                                                                    **COMMON), registry=registry)
+    # the same workers, still warm, still right
+    assert registry.pools() == [pool] and pool.worker_pids() == pids
+    again = sample(h, SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=registry)
+    assert torch.equal(again["samples"], good["samples"]) and pool.worker_pids() == pids
