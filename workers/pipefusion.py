@@ -47,7 +47,8 @@ class PatchContext:
 class _KV:
     k: torch.Tensor
     v: torch.Tensor
-    filled: torch.Tensor  # bool [S]: positions written at least once
+    filled: torch.Tensor  # bool [S] on the host: positions written at least once
+    complete: bool = False
 
 
 class PatchAttention:
@@ -61,17 +62,20 @@ class PatchAttention:
         if ctx is None:
             raise RuntimeError("PipeFusion attention called without a patch context")
         topo = self.topo
-        pos = plan.positions(streams).to(q.device)
+        pos = plan.positions(streams)  # host tensors: no device sync for the bookkeeping
         if topo.sp > 1:
             q, k, v, pos, back = _gather_patch(q, k, v, plan, streams, topo)
         cache = ctx.run.kv_cache(module, ctx.branch, streams, plan, k)
-        cache.k.index_copy_(1, pos, k)
-        cache.v.index_copy_(1, pos, v)
-        cache.filled[pos] = True
+        dev_pos = pos.to(k.device)
+        cache.k.index_copy_(1, dev_pos, k)
+        cache.v.index_copy_(1, dev_pos, v)
         kk, vv = cache.k, cache.v
-        if not bool(cache.filled.all()):  # warmup 0, first step: only what exists so far
-            idx = cache.filled.nonzero().squeeze(1)
-            kk, vv = kk.index_select(1, idx), vv.index_select(1, idx)
+        if not cache.complete:
+            cache.filled[pos] = True
+            cache.complete = bool(cache.filled.all())
+            if not cache.complete:  # warmup 0, first step: only the tokens computed so far
+                idx = cache.filled.nonzero().squeeze(1).to(k.device)
+                kk, vv = kk.index_select(1, idx), vv.index_select(1, idx)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2),
                                              vv.transpose(1, 2)).transpose(1, 2)
         if topo.sp > 1:
@@ -122,14 +126,16 @@ def _gather_patch(q, k, v, plan, streams, topo):
     else:
         kv_pos = q_pos
     keep = (kv_pos >= 0).nonzero().squeeze(1)
-    k, v, kv_pos = k.index_select(1, keep), v.index_select(1, keep), kv_pos[keep]
+    kv_pos = kv_pos[keep]
+    keep = keep.to(k.device)
+    k, v = k.index_select(1, keep), v.index_select(1, keep)
 
     def back(out):
         if U > 1:
             out = _all_to_all(out, 1, 2, topo.group("ulysses"), U)
         return out[:, :n_local]
 
-    return q, k, v, kv_pos.to(q.device), back
+    return q, k, v, kv_pos, back
 
 
 class _Inbox:
@@ -259,7 +265,7 @@ class PipelineRun:
         shape = (k.shape[0], full) + tuple(k.shape[2:])
         if entry is None or tuple(entry.k.shape) != shape or entry.k.dtype != k.dtype:
             entry = _KV(k.new_zeros(shape), k.new_zeros(shape),
-                        torch.zeros(full, dtype=torch.bool, device=k.device))
+                        torch.zeros(full, dtype=torch.bool))
             self.caches[key] = entry
         return entry
 
