@@ -1,0 +1,28 @@
+"""Test-only ComfyUI pack for tests/test_comfyui_live.py: a CONDITIONING source for the tiny
+random FLUX model. ComfyUI's own CLIP loaders only know the real text encoders' shapes, so the
+live single-file workflow gets its conditioning from the tiny diffusers folder's encoders (the
+same tensors ComfyUI's CLIPTextEncode produces for FLUX: T5 states + CLIP-L pooled).
+Never shipped: the live test links this folder into custom_nodes/ for its run only."""
+
+
+class XDiTTestConditioning:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"text": ("STRING", {"default": "a small red cube"}),
+                             "model_folder": ("STRING", {"default": ""}),
+                             "max_sequence_length": ("INT", {"default": 16, "min": 1,
+                                                             "max": 512})}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "encode"
+    CATEGORY = "xDiT tests"
+
+    def encode(self, text, model_folder, max_sequence_length):
+        import diffusers
+        pipe = diffusers.FluxPipeline.from_pretrained(model_folder, transformer=None, vae=None)
+        pe, pooled, _ = pipe.encode_prompt(prompt=[text], prompt_2=None,
+                                           max_sequence_length=max_sequence_length)
+        return ([[pe.detach().float(), {"pooled_output": pooled.detach().float()}]],)
+
+
+NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning}

@@ -1,0 +1,91 @@
+"""The example workflows: each UI-format file (the graph editor's saved format, made in the
+real ComfyUI frontend by tests/live_helpers/export_ui_workflows.py) describes the same nodes,
+links and widget values as its API-format twin, references only nodes that exist, and has a
+same-named .jpg thumbnail. tests/test_comfyui_live.py also runs them in a real ComfyUI."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WF = ROOT / "example_workflows"
+API_FILES = sorted(WF.glob("*_api.json"))
+# stock ComfyUI nodes the examples may use (checked against /object_info by the live test)
+STOCK = {"EmptySD3LatentImage", "EmptyLatentImage", "SaveImage", "PreviewImage", "VAELoader",
+         "VAEDecode", "CLIPTextEncode", "DualCLIPLoader", "TripleCLIPLoader", "FluxGuidance"}
+
+
+def our_node_ids() -> set:
+    """node_id="..." of every schema in nodes.py (read as text: importing needs ComfyUI)."""
+    return set(re.findall(r'node_id="([^"]+)"', (ROOT / "comfyui_xdit" / "nodes.py").read_text()))
+
+
+def api_graph(api: dict):
+    nodes = {str(k): v["class_type"] for k, v in api.items()}
+    links, widgets = set(), {}
+    for nid, node in api.items():
+        for name, value in node["inputs"].items():
+            if isinstance(value, list):
+                links.add((str(value[0]), int(value[1]), str(nid), name))
+            else:
+                widgets[(str(nid), name)] = value
+    return nodes, links, widgets
+
+
+def ui_graph(ui: dict):
+    nodes = {str(n["id"]): n for n in ui["nodes"]}
+    links = set()
+    for link_id, src, src_slot, dst, dst_slot, _type in ui["links"]:
+        assert str(src) in nodes and str(dst) in nodes, f"link {link_id} to a missing node"
+        target = nodes[str(dst)]
+        assert dst_slot < len(target["inputs"]), f"link {link_id}: no input slot {dst_slot}"
+        assert target["inputs"][dst_slot]["link"] == link_id
+        assert link_id in nodes[str(src)]["outputs"][src_slot]["links"]
+        links.add((str(src), int(src_slot), str(dst), target["inputs"][dst_slot]["name"]))
+    return nodes, links
+
+
+def test_every_api_workflow_has_a_ui_twin_and_a_thumbnail():
+    assert {p.name for p in API_FILES} >= {"xdit_flux_text_to_image_api.json",
+                                           "xdit_sd3_text_to_image_api.json"}
+    for api_file in API_FILES:
+        ui = api_file.with_name(api_file.name.replace("_api.json", ".json"))
+        thumb = ui.with_suffix(".jpg")
+        assert ui.is_file() and thumb.is_file(), api_file.name
+        assert thumb.read_bytes()[:3] == b"\xff\xd8\xff" and thumb.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("api_file", API_FILES, ids=lambda p: p.name)
+def test_ui_and_api_describe_the_same_graph(api_file):
+    api = json.loads(api_file.read_text())
+    ui = json.loads(api_file.with_name(api_file.name.replace("_api.json", ".json")).read_text())
+    a_nodes, a_links, a_widgets = api_graph(api)
+    u_nodes, u_links = ui_graph(ui)
+    assert {k: n["type"] for k, n in u_nodes.items()} == a_nodes
+    assert u_links == a_links
+    assert ui["last_node_id"] >= max(int(k) for k in u_nodes)
+    assert ui["last_link_id"] >= max(link[0] for link in ui["links"])
+    known = our_node_ids() | STOCK
+    assert {"xDiT.LoadModel", "xDiT.Sampler", "xDiT.Decode"} <= our_node_ids()
+    assert set(a_nodes.values()) <= known, set(a_nodes.values()) - known
+    # widget values: every API value is the UI node's value of the widget of that name
+    for (nid, name), value in a_widgets.items():
+        node = u_nodes[nid]
+        names = [i["name"] for i in node["inputs"] if i.get("widget")]
+        vals = [v for v in node["widgets_values"] if v not in ("fixed", "randomize",
+                                                               "increment", "decrement")]
+        assert name in names, (nid, name)
+        assert vals[names.index(name)] == value, (nid, name, vals, names)
+
+
+def test_the_comparison_can_fail():
+    api = json.loads(API_FILES[0].read_text())
+    ui = json.loads(API_FILES[0].with_name(API_FILES[0].name.replace("_api.json", ".json"))
+                    .read_text())
+    _, a_links, _ = api_graph(api)
+    ui["links"][0][4] = 1 - ui["links"][0][4]  # plug one link into another input
+    with pytest.raises(AssertionError):
+        assert ui_graph(ui)[1] == a_links
