@@ -42,7 +42,8 @@ def other_model(tmp_path):
     (["--height", "128", "--width", "128", "--dp", "2"], "batch of 1 prompt(s) is smaller than dp 2"),
     (["--height", "128", "--width", "128", "--cfg-parallel"], "cfg-parallel needs classifier-free guidance"),
     (["--height", "128", "--width", "128", "--ring", "0"], "--ring must be >= 1"),
-    (["--height", "128", "--width", "128", "--pipefusion", "2", "--world-size", "2"], "pipefusion 2 is not available yet"),
+    (["--height", "128", "--width", "128", "--pipefusion", "2", "--pipefusion-split", "a,b"], "pipefusion_split 'a,b' must be 'compute', 'memory' or 2 positive block counts like 4,4"),
+    (["--height", "32", "--width", "32", "--pipefusion", "2", "--ulysses", "4"], "a PipeFusion patch of 1 token rows x 2 cannot be split over ulysses x ring = 4 ranks"),
     (["--height", "128", "--width", "128", "--max-sequence-length", "600"], "max_sequence_length must be in 1..512"),
     (["--height", "128", "--width", "128", "--bogus"], "unrecognized arguments: --bogus"),
     (["--height", "128", "--width", "128", "--lora", "missing.safetensors:0.8"], "LoRA file not found: missing.safetensors"),
@@ -67,7 +68,7 @@ def test_bad_model_or_output_exits_2(model_dir, other_model, tmp_path, which):
             "--out", out, tmpdir=tmp_path)
     assert r.returncode == 2
     msg = r.stderr.strip().splitlines()[-1]
-    assert {"missing": "is not a directory", "other": "'UNet2DConditionModel' transformer",
+    assert {"missing": "does not exist", "other": "'UNet2DConditionModel' transformer",
             "out": "must end in .safetensors"}[which] in msg
 
 
@@ -88,6 +89,12 @@ def test_generate_latent_matches_pool_and_png(model_dir, pools, tmp_path):
                                            height=96, width=128, max_sequence_length=16)).samples
     assert got.shape == (2, 16, 12, 16) and got.dtype == torch.float32
     assert torch.equal(got, want)
+
+    # PipeFusion with every step in warmup is exact too
+    pf = [a if a != "--ulysses" else "--pipefusion" for a in args] + ["--warmup-steps", "2"]
+    r = cli(*pf, "--out", tmp_path / "pf.safetensors")
+    assert r.returncode == 0, r.stderr
+    assert (load_file(str(tmp_path / "pf.safetensors"))["samples"] - want).abs().max() <= 1e-4
 
     r = cli(*args, "--out", tmp_path / "img.png")
     assert r.returncode == 0, r.stderr
