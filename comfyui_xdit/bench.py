@@ -85,6 +85,11 @@ def add_cli(sub):
                         "once spent, contended jobs are kept (and flagged)")
     p.add_argument("--no-extras", action="store_true",
                    help="skip the 1x2-thread reference and the cfg/dp comparison")
+    p.add_argument("--pipefusion", action="store_true",
+                   help="run the PipeFusion section instead: weights and memory per rank at "
+                        "pipefusion 1/2/4 (compute and memory splits), time/step and bytes "
+                        "at pipefusion 1 vs 2, PSNR vs the exact run per warmup_steps "
+                        "(see comfyui_xdit/bench_pipefusion.py)")
     p.set_defaults(func=run)
 
 
@@ -394,6 +399,8 @@ def run(args) -> int:
     from .pool import WorkerPool
     from .tiny_model import ensure_tiny_model
 
+    if getattr(args, "pipefusion", False):
+        return run_pipefusion(args)
     t_start = time.perf_counter()
     preset = dict(PRESETS["quick" if args.quick else "full"])
     if args.steps is not None:
@@ -486,6 +493,27 @@ def run(args) -> int:
     md = markdown(report)
     if "pool" in report:
         md += "\n" + bench_pool.markdown(report["pool"])
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench.md").write_text(md)
+    print(md)
+    return 0
+
+
+def run_pipefusion(args) -> int:
+    from . import bench_pipefusion
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    machine = machine_facts()
+    t = time.perf_counter()
+    section = bench_pipefusion.run(args, log, machine)
+    machine["loadavg_end"] = _loadavg()
+    report = {"machine": machine, "pipefusion": section, "wall_s": time.perf_counter() - t}
+    md = bench_pipefusion.markdown(report)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "bench.md").write_text(md)
     print(md)
@@ -662,9 +690,9 @@ def markdown(rep: dict) -> str:
                      f"{_fmt(r.get('speedup_paired_median'), 'x')} | "
                      f"{_fmt(r.get('efficiency_vs_ceiling'))} | "
                      f"{r['comm_total_bytes_per_step_max_rank']:,.0f} B |")
-        L += ["", "(bytes: what `workers/comm_meter.py` counts, i.e. all_to_all_single, "
-              "batch_isend_irecv, all_gather and broadcast; plain send/recv, such as dp's "
-              "transfer of each replica's result to rank 0, is not counted.)"]
+        L += ["", "(bytes: what `workers/comm_meter.py` counts, i.e. all_to_all, "
+              "batch_isend_irecv, isend/send (such as dp's transfer of each replica's result "
+              "to rank 0), all_gather and broadcast, on the sending rank.)"]
     L += ["", f"Wall time of the bench: {rep['wall_s']:.0f} s.", ""]
     return "\n".join(L)
 
