@@ -391,6 +391,8 @@ def sample(handle: ModelHandle, inp: SampleInputs,
             raise ConfigError(f"the LATENT batch of {req.batch} is smaller than dp {config.dp}: "
                               f"set batch_size >= {config.dp} on the empty-latent node, or "
                               f"lower dp")
+        # refused before the registry is touched: a bad job never replaces a warm pool
+        config.validate(read_model_info(handle.path), req)
         pool = registry.get(handle, config)
         stop = threading.Event()
         watcher = None

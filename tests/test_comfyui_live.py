@@ -1,10 +1,13 @@
 """The pack inside a real ComfyUI (skipped unless COMFYUI_PATH is set).
 
 COMFYUI_PATH: a ComfyUI checkout; COMFYUI_PYTHON: its venv's python (with this pack's
-requirements). The test links this pack into custom_nodes/, puts the tiny FLUX model into
-models/diffusers/ and a ComfyUI-loadable random VAE into models/vae/, starts
-`main.py --cpu`, then: /object_info lists the nodes, the example API workflow runs to a
-saved image with progress over /ws, and /interrupt cancels a long job.
+requirements). The test links this pack into custom_nodes/ (plus a test-only CONDITIONING
+source, tests/live_helpers/xdit_test_conditioning), puts the tiny FLUX model into
+models/diffusers/, the same transformer as a BFL single file into models/diffusion_models/ and
+a ComfyUI-loadable random VAE into models/vae/, starts `main.py --cpu`, then: /object_info
+lists the nodes and both kinds of model, the example API workflow runs to a saved image
+(sampled and decoded on the pool: Decode (xDiT)) with progress over /ws, a single-file
+workflow runs with CONDITIONING and ComfyUI's VAE, and /interrupt cancels a long job.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ pytestmark = pytest.mark.skipif(not COMFY, reason="COMFYUI_PATH not set (live Co
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "xdit-test-flux"
+FILE_NAME = "xdit-test-flux.safetensors"
+FILE_OPTION = f"diffusion_models/{FILE_NAME}"
 VAE_NAME = "xdit-test-vae.safetensors"
 
 
@@ -69,11 +74,18 @@ def comfy(model_dir, tmp_path_factory):
     link = comfy / "custom_nodes" / "comfyui-xdit-under-test"
     if not link.exists():
         link.symlink_to(ROOT, target_is_directory=True)
+    helper = comfy / "custom_nodes" / "xdit-live-test-helpers"
+    if not helper.exists():
+        helper.symlink_to(ROOT / "tests" / "live_helpers" / "xdit_test_conditioning",
+                          target_is_directory=True)
     (comfy / "models" / "diffusers").mkdir(parents=True, exist_ok=True)
     model = comfy / "models" / "diffusers" / MODEL_NAME
     if model.is_symlink() or model.exists():
         model.unlink() if model.is_symlink() else shutil.rmtree(model)
     shutil.copytree(model_dir("flux"), model)
+    from single_file_util import write_single_file
+    (comfy / "models" / "diffusion_models").mkdir(parents=True, exist_ok=True)
+    write_single_file(model_dir("flux"), "flux", comfy / "models" / "diffusion_models" / FILE_NAME)
     (comfy / "models" / "vae").mkdir(parents=True, exist_ok=True)
     _comfy_vae(comfy / "models" / "vae" / VAE_NAME)
     port = _free_port()
@@ -94,7 +106,7 @@ def comfy(model_dir, tmp_path_factory):
                 proc.kill()
                 pytest.fail("ComfyUI did not start:\n" + log.read_text()[-4000:])
             time.sleep(1)
-    yield {"base": base, "port": port, "log": log}
+    yield {"base": base, "port": port, "log": log, "model": model}
     try:
         _http(base, "/xdit/unload", {})
     except Exception:
@@ -114,9 +126,35 @@ def _workflow(steps: int, size: int = 64) -> dict:
                              ulysses=2)
     wf["2"]["inputs"].update(width=size, height=size)
     wf["3"]["inputs"].update(steps=steps, max_sequence_length=16, prompt="a small red cube")
-    wf["4"]["inputs"]["vae_name"] = VAE_NAME
-    wf["6"]["inputs"]["filename_prefix"] = "xdit-live-test"
+    assert wf["4"]["class_type"] == "xDiT.Decode"  # decoded on the pool, the folder's VAE
+    wf["5"]["inputs"]["filename_prefix"] = "xdit-live-test"
     return wf
+
+
+def _single_file_workflow(comfy, prompt_text: str = "") -> dict:
+    """The single-file model: CONDITIONING in, ComfyUI's VAE (Decode's vae input) out."""
+    wf = _workflow(2)
+    wf["1"]["inputs"]["model"] = FILE_OPTION
+    wf["3"]["inputs"].update(prompt=prompt_text, positive=["7", 0], seed=3)
+    wf["4"]["inputs"]["vae"] = ["8", 0]
+    wf["5"]["inputs"]["filename_prefix"] = "xdit-live-single"
+    wf["7"] = {"class_type": "XDiTTestConditioning",
+               "inputs": {"text": "a small red cube", "model_folder": str(comfy["model"]),
+                          "max_sequence_length": 16}}
+    wf["8"] = {"class_type": "VAELoader", "inputs": {"vae_name": VAE_NAME}}
+    if prompt_text:  # the prompt-text path, no CONDITIONING
+        del wf["3"]["inputs"]["positive"]
+    return wf
+
+
+def _run(comfy, wf, timeout=600):
+    cid = uuid.uuid4().hex
+    ws = _ws(comfy, cid)
+    pid = _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
+    msgs = _messages(ws, lambda m: m.get("type") in ("execution_success", "execution_error")
+                     and m["data"].get("prompt_id") == pid, timeout)
+    ws.close()
+    return pid, msgs
 
 
 def _ws(comfy, client_id):
@@ -146,10 +184,17 @@ def _messages(ws, until, timeout):
 
 def test_object_info_lists_nodes(comfy):
     info = _http(comfy["base"], "/object_info")
-    for n in ("xDiT.LoadModel", "xDiT.Sampler", "xDiT.UnloadPool"):
+    for n in ("xDiT.LoadModel", "xDiT.Sampler", "xDiT.Decode", "xDiT.UnloadPool"):
         assert n in info and info[n]["category"] == "xDiT"
-    models = info["xDiT.LoadModel"]["input"]["required"]["model"]
-    assert MODEL_NAME in json.dumps(models)
+    assert info["xDiT.Decode"]["output"] == ["IMAGE"]
+    models = json.dumps(info["xDiT.LoadModel"]["input"]["required"]["model"])
+    assert MODEL_NAME in models and FILE_OPTION in models  # a folder and a single file
+    # the example workflows (API and UI format) only use nodes this ComfyUI has
+    for f in (ROOT / "example_workflows").glob("*.json"):
+        g = json.loads(f.read_text())
+        types = {n["type"] for n in g["nodes"]} if "nodes" in g else \
+            {n["class_type"] for n in g.values()}
+        assert types <= set(info), (f.name, types - set(info))
     seed = info["xDiT.Sampler"]["input"]["required"]["seed"][1]
     assert seed["max"] == 2 ** 64 - 1 and seed.get("control_after_generate")
     js = _http(comfy["base"], "/extensions/comfyui-xdit-under-test/xdit.js")
@@ -166,25 +211,42 @@ def test_object_info_lists_nodes(comfy):
 
 
 def test_workflow_runs_with_progress_and_saves_an_image(comfy):
-    cid = uuid.uuid4().hex
-    ws = _ws(comfy, cid)
-    r = _http(comfy["base"], "/prompt", {"prompt": _workflow(3), "client_id": cid})
-    pid = r["prompt_id"]
-    msgs = _messages(ws, lambda m: m.get("type") in ("execution_success", "execution_error")
-                     and m["data"].get("prompt_id") == pid, 600)
-    ws.close()
+    pid, msgs = _run(comfy, _workflow(3))
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
     assert [p["value"] for p in progress][-1] == 3 and progress[-1]["max"] == 3
     assert any(m.get("type") == "binary_preview" for m in msgs)
     hist = _http(comfy["base"], f"/history/{pid}")[pid]
-    images = hist["outputs"]["6"]["images"]
+    images = hist["outputs"]["5"]["images"]
     assert images and images[0]["filename"].startswith("xdit-live-test")
     img = _http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
                 .format(**images[0]))
     assert img[:8] == b"\x89PNG\r\n\x1a\n"
     st = _http(comfy["base"], "/xdit/status")
     assert st["pools"] and st["pools"][0]["world_size"] == 2 and st["pools"][0]["state"] == "idle"
+
+
+def test_single_file_workflow_with_conditioning_and_decode(comfy):
+    """diffusion_models/<file> samples with CONDITIONING on a 2-rank pool; Decode uses the
+    connected VAE. Prompt text on the file fails with the clear message; the next run works."""
+    pid, msgs = _run(comfy, _single_file_workflow(comfy))
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    hist = _http(comfy["base"], f"/history/{pid}")[pid]
+    images = hist["outputs"]["5"]["images"]
+    assert images and images[0]["filename"].startswith("xdit-live-single")
+    st = _http(comfy["base"], "/xdit/status")
+    assert st["pools"][0]["model"].endswith(FILE_NAME) and st["pools"][0]["world_size"] == 2
+    pids = [r["pid"] for r in st["pools"][0]["ranks"]]
+    _, msgs = _run(comfy, _single_file_workflow(comfy, prompt_text="a cat"))
+    assert msgs[-1]["type"] == "execution_error"
+    err = msgs[-1]["data"]["exception_message"]
+    assert "no text encoders" in err and "CONDITIONING" in err, err
+    wf = _single_file_workflow(comfy)
+    wf["3"]["inputs"]["seed"] = 4
+    _, msgs = _run(comfy, wf)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    st = _http(comfy["base"], "/xdit/status")
+    assert [r["pid"] for r in st["pools"][0]["ranks"]] == pids  # the same warm workers
 
 
 def test_interrupt_cancels_a_long_job(comfy):
