@@ -216,7 +216,7 @@ def _flux_rope_axes(head_dim: int) -> tuple[int, int, int]:
 
 
 def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width: int | None = None,
-                   heads: int = 4) -> dict:
+                   heads: int = 4, sd35: bool = False) -> dict:
     """Validate the knobs and fill in defaults; the result is what the cache key hashes, so
     equivalent calls (explicit default vs omitted) share one folder."""
     if arch not in ARCHS:
@@ -238,8 +238,13 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
         )
     if arch == "sd3" and head_dim < 2:
         raise ValueError(f"sd3 needs a head dim >= 2; width {width} / heads {heads} = {head_dim}")
-    return {"arch": arch, "seed": seed, "depth": depth, "width": width, "heads": heads,
-            "builder_version": BUILDER_VERSION}
+    if sd35 and arch != "sd3":
+        raise ValueError("sd35 (QK RMS norm, dual-attention blocks) applies to --arch sd3 only")
+    out = {"arch": arch, "seed": seed, "depth": depth, "width": width, "heads": heads,
+           "builder_version": BUILDER_VERSION}
+    if sd35:  # only when set, so the cache keys of the other models stay as they were
+        out["sd35"] = True
+    return out
 
 
 def _build_flux(cfg: dict):
@@ -310,6 +315,9 @@ def _build_sd3(cfg: dict):
         caption_projection_dim=width,
         pooled_projection_dim=CLIP_L["projection_dim"] + CLIP_G["projection_dim"],
         pos_embed_max_size=SD3_POS_EMBED_MAX,
+        # SD3.5: RMS-normed q/k and a second, image-only attention in every block
+        **(dict(qk_norm="rms_norm", dual_attention_layers=tuple(range(cfg["depth"])))
+           if cfg.get("sd35") else {}),
     )
     vae = _vae(SD3_VAE_SCALE, SD3_VAE_SHIFT, seed, 4)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
@@ -327,16 +335,17 @@ def _build_sd3(cfg: dict):
 
 
 def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, depth: int | None = None,
-                     width: int | None = None, heads: int = 4) -> pathlib.Path:
+                     width: int | None = None, heads: int = 4, sd35: bool = False) -> pathlib.Path:
     """Writes a complete diffusers folder (model_index.json, transformer/, vae/, text_encoder*/,
     tokenizer*/, scheduler/) and returns its path.
 
     depth: FLUX double and single block count (each), or SD3 joint block count (default 2).
     width: transformer hidden size = heads * head_dim (default heads * 16).
     heads: attention heads (default 4, so Ulysses degrees 2 and 4 divide it).
+    sd35: SD3.5-style blocks (QK RMS norm, dual attention); arch sd3 only.
     Same arguments -> byte-identical safetensors.
     """
-    cfg = resolve_config(arch, seed=seed, depth=depth, width=width, heads=heads)
+    cfg = resolve_config(arch, seed=seed, depth=depth, width=width, heads=heads, sd35=sd35)
     import torch
 
     out = pathlib.Path(out_dir)
@@ -440,7 +449,8 @@ def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.
             return final
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
         try:
-            build_tiny_model(arch, tmp, **{k: cfg[k] for k in ("seed", "depth", "width", "heads")})
+            build_tiny_model(arch, tmp, **{k: cfg[k] for k in ("seed", "depth", "width", "heads")},
+                             sd35=bool(cfg.get("sd35")))
             if final.exists():  # left incomplete by something else: move it aside first
                 trash = cache / f".{final.name}.trash-{uuid.uuid4().hex}"
                 with contextlib.suppress(OSError):
@@ -470,6 +480,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--width", type=int, default=None,
                    help=f"transformer hidden size, a multiple of --heads (default heads*{DEFAULT_HEAD_DIM})")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--sd35", action="store_true",
+                   help="SD3.5-style blocks: QK RMS norm and dual attention (arch sd3)")
     p.set_defaults(func=run_cli)
 
 
@@ -477,7 +489,7 @@ def run_cli(args) -> int:
     """Runs `tiny-model`; bad knobs exit 2 with one line on stderr."""
     try:
         path = build_tiny_model(args.arch, args.out, seed=args.seed, depth=args.depth, width=args.width,
-                                heads=args.heads)
+                                heads=args.heads, sd35=args.sd35)
     except ValueError as exc:
         print(f"tiny-model: error: {exc}", file=sys.stderr)
         return 2

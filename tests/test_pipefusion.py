@@ -204,9 +204,9 @@ def test_pipefusion4_exact_with_full_warmup(arch, deep_model, oracle, pf_pools):
 
 
 @pytest.mark.parametrize("arch,inner", [("flux", dict(ulysses=2)), ("flux", dict(ring=2)),
-                                        ("sd3", dict(cfg_parallel=True))])
+                                        ("sd3", dict(cfg_parallel=True)), ("flux", dict(dp=2))])
 def test_mixed_layouts_match_plain_pipefusion(arch, inner, model_dir, oracle, pf_pools):
-    """pipefusion 2 x (ulysses 2 | ring 2 | cfg 2): exact with full warmup, and the
+    """pipefusion 2 x (ulysses 2 | ring 2 | cfg 2 | dp 2): exact with full warmup, and the
     pipelined result equals pipefusion 2 alone (the same stale-K/V algorithm)."""
     path = model_dir(arch)
     req = request(arch, 144, 112, 2, 11)
@@ -220,3 +220,14 @@ def test_mixed_layouts_match_plain_pipefusion(arch, inner, model_dir, oracle, pf
     plain = plain_pool.generate(req).samples
     assert (mixed - plain).abs().max().item() <= 1e-5
     assert (mixed - oracle(arch, req)).abs().max().item() > 1e-4
+
+
+def test_sd35_blocks_ulysses_and_pipefusion_exact(tmp_path_factory, oracle, pf_pools):
+    """SD3.5's QK RMS norm and image-only second attention (its own K/V cache under
+    PipeFusion) through both parallel paths."""
+    path = ensure_tiny_model("sd3", tmp_path_factory.mktemp("sd35"), sd35=True)
+    req = request("sd3", 144, 112, 2, 11)
+    ref = oracle("sd3", req, path)
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2, warmup_steps=3)):
+        got = pf_pools(path, config).generate(req).samples
+        assert (got - ref).abs().max().item() <= TOL, config.describe()
