@@ -14,11 +14,12 @@ function renderPool(p) {
   const ranks = (p.ranks || []).map((r) =>
     `<tr><td>${esc(r.rank)}</td><td>${esc(r.pid)}</td><td>${esc(r.device ?? p.device)}</td>` +
     `<td>${r.rss_mb != null ? Math.round(r.rss_mb) + " MB" : ""}</td>` +
-    `<td>${r.gpu_mem_mb != null ? Math.round(r.gpu_mem_mb) + " MB" : ""}</td></tr>`).join("");
+    `<td>${r.gpu_mem_mb != null ? Math.round(r.gpu_mem_mb) + " MB" : ""}</td>` +
+    `<td>${r.stage ? `${r.stage.index + 1}/${r.stage.of} (blocks ${r.stage.blocks[0]}–${r.stage.blocks[1] - 1})` : ""}</td></tr>`).join("");
   return `<div style="margin-bottom:10px;padding:6px;border:1px solid var(--border-color,#444);border-radius:4px">
     <div><b>${esc((p.model || "").split("/").pop())}</b> — ${esc(state)}</div>
     <div style="opacity:.8">${esc(p.config)} · ${esc(p.world_size)} rank(s) · ${esc(p.device)} ${esc(p.dtype)} · launches ${esc(p.launches)}</div>
-    ${ranks ? `<table style="width:100%;font-size:12px"><tr><th>rank</th><th>pid</th><th>device</th><th>RSS</th><th>GPU</th></tr>${ranks}</table>` : ""}
+    ${ranks ? `<table style="width:100%;font-size:12px"><tr><th>rank</th><th>pid</th><th>device</th><th>RSS</th><th>GPU</th><th>stage</th></tr>${ranks}</table>` : ""}
     ${p.error ? `<div style="color:#e66">${esc(p.error)}</div>` : ""}
   </div>`;
 }
