@@ -357,6 +357,16 @@ def run_pipefusion(job, prep, model, adapter, topo, emit: Optional[Callable] = N
                                                 req["width"]).half().cpu()
         emit(event)
 
+    def receive_rows(covered, upto):
+        """Stage 0: take the last stage's new latent rows (in send order) until rows
+        [0, upto) of the previous step's output are here; returns the rows covered."""
+        while covered < upto:
+            piece = run.latents_in.take()
+            h = piece.numel() // adapter.latent_rows(latents, 0, 1, cols).numel()
+            adapter.latent_rows(latents, covered, covered + h, cols).copy_(piece)
+            covered += h
+        return covered
+
     def want_preview(i):
         return emit is not None and every and ((i + 1) % every == 0 or i + 1 == total)
 
@@ -389,11 +399,7 @@ def run_pipefusion(job, prep, model, adapter, topo, emit: Optional[Callable] = N
             # 2. this step's micro-batches
             for mb in schedule(i):
                 if stage == 0 and i > 0:
-                    while covered < mb.rows[1]:  # rows of step i-1's output, in send order
-                        piece = run.latents_in.take()
-                        h = _piece_rows(adapter, latents, piece, cols)
-                        adapter.latent_rows(latents, covered, covered + h, cols).copy_(piece)
-                        covered += h
+                    covered = receive_rows(covered, mb.rows[1])
                 ctx = PatchContext(image_range=(mb.rows[0] * cols, mb.rows[1] * cols),
                                    with_text=mb.with_text, branch=mb.branch, run=run)
                 out = adapter.forward(model, latents, t, branches[mb.branch], req.get("guidance"),
@@ -407,12 +413,7 @@ def run_pipefusion(job, prep, model, adapter, topo, emit: Optional[Callable] = N
             if stage == 0:
                 x_before = latents.clone() if want_preview(i) else None
         if stage == 0:  # the last step's output
-            covered = 0
-            while covered < rows:
-                piece = run.latents_in.take()
-                h = _piece_rows(adapter, latents, piece, cols)
-                adapter.latent_rows(latents, covered, covered + h, cols).copy_(piece)
-                covered += h
+            receive_rows(0, rows)
             finish_step_event(total - 1)
         run.out.wait()
     finally:
@@ -420,12 +421,6 @@ def run_pipefusion(job, prep, model, adapter, topo, emit: Optional[Callable] = N
     if stage != 0:
         return None
     return adapter.to_comfy(model, latents.float(), req["height"], req["width"])
-
-
-def _piece_rows(adapter, latents, piece, cols) -> int:
-    """How many token rows a received latent piece covers."""
-    one = adapter.latent_rows(latents, 0, 1, cols)
-    return piece.numel() // one.numel()
 
 
 def _finish_patch(mb, pred, pending, order, cfg_parallel, topo, scale, latents, adapter,
