@@ -99,17 +99,29 @@ def sd3_to_bfl(sd: dict) -> dict:
                 out[f"{b}context_block.attn.proj.{p}"] = sd[f"{d}attn.to_add_out.{p}"]
                 out[f"{b}context_block.mlp.fc1.{p}"] = sd[f"{d}ff_context.net.0.proj.{p}"]
                 out[f"{b}context_block.mlp.fc2.{p}"] = sd[f"{d}ff_context.net.2.{p}"]
+            if f"{d}attn2.to_q.{p}" in sd:  # SD3.5 dual attention (image stream only)
+                out[f"{b}x_block.attn2.qkv.{p}"] = torch.cat([sd[f"{d}attn2.to_{x}.{p}"]
+                                                              for x in "qkv"])
+                out[f"{b}x_block.attn2.proj.{p}"] = sd[f"{d}attn2.to_out.0.{p}"]
+        if f"{d}attn.norm_q.weight" in sd:  # SD3.5 qk-norm (RMS, weight only)
+            for x, y in (("q", "q"), ("k", "k")):
+                out[f"{b}x_block.attn.ln_{x}.weight"] = sd[f"{d}attn.norm_{y}.weight"]
+                out[f"{b}context_block.attn.ln_{x}.weight"] = sd[f"{d}attn.norm_added_{y}.weight"]
+                if f"{d}attn2.norm_{y}.weight" in sd:
+                    out[f"{b}x_block.attn2.ln_{x}.weight"] = sd[f"{d}attn2.norm_{y}.weight"]
     assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in sd.values())
     return out
 
 
 def write_single_file(model_dir, arch: str, out: Path, prefix: bool = False,
                       naming: str = "bfl", extra: dict | None = None,
-                      perturb_block: int | None = None) -> Path:
-    """The tiny folder's transformer as one file. `prefix`: under model.diffusion_model. (as in
-    a full checkpoint; `extra` adds other parts such as fake VAE keys); `perturb_block`: add
-    noise to that block's weights (negative control)."""
-    sd = load_file(str(Path(model_dir) / "transformer" / "diffusion_pytorch_model.safetensors"))
+                      perturb_block: int | None = None, state: dict | None = None) -> Path:
+    """The tiny folder's transformer (or `state`, a diffusers state dict) as one file.
+    `prefix`: under model.diffusion_model. (as in a full checkpoint; `extra` adds other parts
+    such as fake VAE keys); `perturb_block`: add noise to that block's weights (negative
+    control)."""
+    sd = dict(state) if state is not None else \
+        load_file(str(Path(model_dir) / "transformer" / "diffusion_pytorch_model.safetensors"))
     if perturb_block is not None:
         g = torch.Generator().manual_seed(1)
         key = f"transformer_blocks.{perturb_block}."

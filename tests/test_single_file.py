@@ -211,3 +211,66 @@ def test_sd3_single_file_pool_equals_folder(files):
     print("sd3 single-file vs folder max abs diff:", diffs)
     assert all(d <= TOL for d in diffs.values()), diffs
     assert PREFIX == "model.diffusion_model."
+
+
+# ---- in process: variants the tiny folders do not cover ------------------------------------
+def _round_trip(arch, model, tmp_path, **kw):
+    """diffusers model -> BFL file -> our loader: the same config, tensors and outputs."""
+    from workers.models import get_adapter
+    from workers.models.single_file import load_single_file
+    f = write_single_file(None, arch, tmp_path / f"{arch}.safetensors",
+                          state=model.state_dict(), **kw)
+    loaded = load_single_file(get_adapter(arch), str(f), torch.device("cpu"),
+                              torch.float32).transformer
+    a, b = model.state_dict(), loaded.state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for k, v in single_file_config(f)["config"].items():
+        if k != "sample_size":
+            want = model.config.get(k)
+            want = model.config["in_channels"] if (k, want) == ("out_channels", None) else want
+            assert (list(v) if isinstance(v, (list, tuple)) else v) == \
+                (list(want) if isinstance(want, (list, tuple)) else want), k
+    return f, loaded
+
+
+def test_sd35_dual_attention_and_qk_norm_file(tmp_path):
+    """SD3.5 layout: RMS qk-norm (its weights give the head dim) and dual-attention blocks."""
+    from diffusers import SD3Transformer2DModel
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=16, out_channels=16,
+                                  num_layers=3, attention_head_dim=8, num_attention_heads=4,
+                                  joint_attention_dim=24, caption_projection_dim=32,
+                                  pooled_projection_dim=20, pos_embed_max_size=16,
+                                  dual_attention_layers=(0, 1), qk_norm="rms_norm").eval()
+    f, loaded = _round_trip("sd3", model, tmp_path, prefix=True)
+    cfg = single_file_config(f)["config"]
+    assert cfg["dual_attention_layers"] == [0, 1] and cfg["qk_norm"] == "rms_norm"
+    assert cfg["attention_head_dim"] == 8  # from ln_q, not SD3's default 64
+    x, ctx, pooled = torch.randn(1, 16, 8, 8), torch.randn(1, 5, 24), torch.randn(1, 20)
+    with torch.no_grad():
+        ref = model(hidden_states=x, encoder_hidden_states=ctx, pooled_projections=pooled,
+                    timestep=torch.tensor([500.0])).sample
+        got = loaded(hidden_states=x, encoder_hidden_states=ctx, pooled_projections=pooled,
+                     timestep=torch.tensor([500.0])).sample
+    assert torch.equal(got, ref)
+
+
+def test_flux_schnell_file_gets_schnell_defaults(tmp_path):
+    """No guidance_in: FLUX schnell (scheduler shift 1, no dynamic shift); dev keeps its own."""
+    from diffusers import FluxTransformer2DModel
+
+    from workers.models.single_file import SCHEDULER_DEFAULTS, defaults_for
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(in_channels=64, num_layers=1, num_single_layers=2,
+                                   attention_head_dim=16, num_attention_heads=2,
+                                   joint_attention_dim=24, pooled_projection_dim=12,
+                                   guidance_embeds=False, axes_dims_rope=(4, 6, 6)).eval()
+    f, _ = _round_trip("flux", model, tmp_path)
+    cfg = single_file_config(f)["config"]
+    assert cfg["guidance_embeds"] is False
+    sched, vae = defaults_for("flux", cfg)
+    assert sched == SCHEDULER_DEFAULTS["flux-schnell"] and sched["shift"] == 1.0
+    assert not sched["use_dynamic_shifting"]
+    assert defaults_for("flux", dict(cfg, guidance_embeds=True))[0]["use_dynamic_shifting"]
+    assert vae == {"scaling_factor": 0.3611, "shift_factor": 0.1159}
+    assert defaults_for("sd3", {})[0] == {"num_train_timesteps": 1000, "shift": 3.0}
