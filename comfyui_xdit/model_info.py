@@ -211,6 +211,11 @@ def single_file_config(path) -> dict:
     header = read_safetensors_header(p)
     arch, naming, prefix = transformer_keys(header)
     shapes = {k[len(prefix):]: v["shape"] for k, v in header.items() if k.startswith(prefix)}
+    scaled = [k for k in shapes if k.endswith((".scale_weight", ".scale_input"))]
+    if scaled:
+        raise ConfigError(f"{str(p)!r} is a scaled-fp8 {arch.upper()} file ({scaled[0]!r}), "
+                          f"which the pool cannot load; use an fp16/bf16 (or plain fp8) file "
+                          f"or a diffusers folder")
     try:
         cfg = (_flux_config if arch == "flux" else _sd3_config)(shapes, naming)
     except (KeyError, IndexError, ValueError) as e:

@@ -95,6 +95,12 @@ def test_bad_files_give_one_clear_error(tmp_path, files):
         read_safetensors_header(bad_json)
     with pytest.raises(ConfigError, match="does not exist"):
         read_model_info(tmp_path / "missing.safetensors")
+    from safetensors.torch import load_file
+    sd = load_file(str(files["flux"]))
+    sd["double_blocks.0.img_attn.qkv.scale_weight"] = torch.ones(1)
+    save_file(sd, str(tmp_path / "fp8_scaled.safetensors"))
+    with pytest.raises(ConfigError, match="scaled-fp8 FLUX file .*use an fp16/bf16"):
+        read_model_info(tmp_path / "fp8_scaled.safetensors")
 
 
 def test_flux_conversion_matches_diffusers_converter():
