@@ -101,6 +101,7 @@ def _add_serve(sub):
     p.add_argument("--pipefusion-inner", type=_positive("--pipefusion-inner"), default=1,
                    help="ulysses x ring per PipeFusion stage")
     p.add_argument("--pipefusion-split", default="compute")
+    p.add_argument("--attention", choices=["auto", "flash", "torch"], default="auto")
     p.set_defaults(func=run_serve)
 
 
@@ -114,7 +115,8 @@ def run_serve(args) -> int:
             "--device", args.device, "--dtype", args.dtype,
             "--threads", str(args.threads_per_rank or 0),
             "--pipefusion", str(args.pipefusion), "--pipefusion-inner",
-            str(args.pipefusion_inner), "--pipefusion-split", args.pipefusion_split]
+            str(args.pipefusion_inner), "--pipefusion-split", args.pipefusion_split,
+            "--attention", args.attention]
     if args.secret_file:
         argv += ["--secret-file", args.secret_file]
     if args.address_file:
@@ -171,6 +173,9 @@ def _add_parallel_flags(p):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--threads-per-rank", type=_positive("--threads-per-rank"), default=None)
+    p.add_argument("--attention", choices=["auto", "flash", "torch"], default="auto",
+                   help="CUDA attention kernel: flash-attn when present (auto), required, "
+                        "or torch's")
 
 
 def config_from_args(args) -> ParallelConfig:
@@ -202,7 +207,7 @@ def run_generate(args) -> int:
     else:
         config.validate(read_model_info(args.model), request)  # before anything launches
         pool = WorkerPool(args.model, config, device=args.device, dtype=args.dtype,
-                          threads_per_rank=args.threads_per_rank)
+                          threads_per_rank=args.threads_per_rank, attention=args.attention)
     with pool:
         if args.attach:
             served = pool.model_info.path

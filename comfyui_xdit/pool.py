@@ -43,9 +43,16 @@ class WorkerPool:
     def __init__(self, model_path, config: Optional[ParallelConfig] = None, device: str = "cpu",
                  dtype: str = "fp32", threads_per_rank: Optional[int] = None,
                  gpus: Optional[list] = None, start_timeout: float = 900.0,
-                 step_timeout: float = 600.0, load_in_turn: Optional[bool] = None):
+                 step_timeout: float = 600.0, load_in_turn: Optional[bool] = None,
+                 attention: str = "auto"):
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda (got {device!r})")
+        if attention not in ("auto", "flash", "torch"):
+            raise ConfigError(f"attention must be auto, flash or torch (got {attention!r})")
+        if attention == "flash" and device != "cuda":
+            raise ConfigError("attention 'flash' (flash-attn) needs device cuda; use 'auto' "
+                              "or 'torch'")
+        self.attention = attention
         if dtype not in ("fp32", "bf16", "fp16"):
             raise ConfigError(f"dtype must be fp32, bf16 or fp16 (got {dtype!r})")
         self.model_path = str(Path(model_path).resolve())
@@ -235,7 +242,8 @@ class WorkerPool:
             cmd = [sys.executable, "-m", "workers.serve", "--model", self.model_path,
                    "--rank", str(rank), "--world-size", str(world),
                    "--store", os.path.join(self._tmp, "store"), "--device", self.device,
-                   "--dtype", self.dtype, "--threads", str(threads)]
+                   "--dtype", self.dtype, "--threads", str(threads),
+                   "--attention", self.attention]
             if rank == 0:
                 cmd += ["--address-file", addr_file, "--secret-file", secret_file]
             if self.load_in_turn:

@@ -29,13 +29,37 @@ def _cpu_kernel(q, k, v, scale):
     return out.transpose(1, 2), lse
 
 
-def _cuda_kernel(q, k, v, scale):
-    try:  # flash-attn returns the LSE natively in the layout yunchang merges
+BACKENDS = ("auto", "flash", "torch")
+
+
+def _flash_attn_func():
+    try:
         from flash_attn.flash_attn_interface import flash_attn_func
     except ImportError:
-        flash_attn_func = None
-    if flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, return_attn_probs=True)
+        return None
+    return flash_attn_func
+
+
+def check_backend(backend: str, device_type: str, dtype) -> None:
+    """One clear error, at pool start, for a backend this device/dtype cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
+    if backend != "flash":
+        return
+    if device_type != "cuda":
+        raise ValueError("attention backend 'flash' needs CUDA GPUs; use 'auto' or 'torch'")
+    if _flash_attn_func() is None:
+        raise ValueError("attention backend 'flash' needs the flash-attn package; install it "
+                         "or use 'auto' (flash-attn when present, else torch)")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError("flash-attn runs in bf16/fp16 only; use dtype bf16 or backend 'torch'")
+
+
+def _cuda_kernel(q, k, v, scale, backend="auto"):
+    flash = _flash_attn_func() if backend != "torch" else None
+    if flash is not None and q.dtype in (torch.float16, torch.bfloat16):
+        # flash-attn returns the LSE natively in the layout yunchang merges
+        out, lse, _ = flash(q, k, v, softmax_scale=scale, return_attn_probs=True)
         return out, lse
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, False,
@@ -43,9 +67,20 @@ def _cuda_kernel(q, k, v, scale):
     return out.transpose(1, 2), lse[..., : q.shape[1]]  # efficient attn pads the LSE
 
 
-def block_kernel(device_type: str) -> Callable:
+def block_kernel(device_type: str, backend: str = "auto") -> Callable:
     """(q, k, v [B,S,H,D], scale) -> (out [B,S,H,D], lse [B,H,S] fp32)."""
-    return _cuda_kernel if device_type == "cuda" else _cpu_kernel
+    if device_type == "cuda":
+        return lambda q, k, v, scale: _cuda_kernel(q, k, v, scale, backend)
+    return _cpu_kernel
+
+
+def plain_attention(q, k, v, backend: str = "auto") -> torch.Tensor:
+    """Full attention without LSE, [B,S,H,D] in and out (PipeFusion's cache attention)."""
+    flash = _flash_attn_func() if backend != "torch" and q.is_cuda else None
+    if flash is not None and q.dtype in (torch.float16, torch.bfloat16):
+        return flash(q, k, v)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                          v.transpose(1, 2)).transpose(1, 2)
 
 
 class _BlockAttention:
@@ -93,14 +128,15 @@ class _BlockAttention:
 class ShardedAttention:
     """Attention of local query shards against the keys of every sequence-parallel rank."""
 
-    def __init__(self, topo: Topology, device_type: str, fault: str = ""):
+    def __init__(self, topo: Topology, device_type: str, fault: str = "",
+                 backend: str = "auto"):
         """`fault` injects a known bug for the tests' negative controls ("lse_zero": zero
         log-sum-exp as yunchang's TORCH_MATH returns; "keep_padding": padded keys kept)."""
         from yunchang import LongContextAttention
         from yunchang.globals import PROCESS_GROUP
 
         self.topo = topo
-        self.kernel = block_kernel(device_type)
+        self.kernel = block_kernel(device_type, backend)
         self.fault = fault
         # yunchang's constructor insists on its global groups being set; set them to ours
         # (fixed for the life of this topology) and also pass ours explicitly below.

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .attention import plain_attention
 from .sequence_parallel import SequencePlan, even_sizes
 
 
@@ -54,8 +55,9 @@ class _KV:
 class PatchAttention:
     """A patch's queries against the layer's K/V cache, refreshed with the patch's own K/V."""
 
-    def __init__(self, topo):
+    def __init__(self, topo, backend: str = "auto"):
         self.topo = topo
+        self.backend = backend
 
     def __call__(self, q, k, v, plan: SequencePlan, streams, module=None):
         ctx = plan.patch
@@ -76,8 +78,7 @@ class PatchAttention:
             if not cache.complete:  # warmup 0, first step: only the tokens computed so far
                 idx = cache.filled.nonzero().squeeze(1).to(k.device)
                 kk, vv = kk.index_select(1, idx), vv.index_select(1, idx)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2),
-                                             vv.transpose(1, 2)).transpose(1, 2)
+        out = plain_attention(q, kk, vv, self.backend)
         if topo.sp > 1:
             out = back(out)
         return out

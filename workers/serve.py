@@ -52,6 +52,9 @@ def _parse(argv):
     p.add_argument("--secret-file", default=None, help="else $XDIT_POOL_SECRET (hex)")
     p.add_argument("--load-in-turn", action="store_true",
                    help="ranks load one after another (bounds host memory at one copy)")
+    p.add_argument("--attention", default="auto", choices=["auto", "flash", "torch"],
+                   help="attention kernel on CUDA: flash-attn when present (auto), required "
+                        "(flash), or torch's efficient/SDPA kernels (torch)")
     p.add_argument("--pipefusion", type=int, default=1,
                    help="PipeFusion degree: each rank loads only its stage's blocks")
     p.add_argument("--pipefusion-inner", type=int, default=1,
@@ -93,6 +96,8 @@ class Worker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
             else torch.device("cpu")
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        from .attention import check_backend
+        check_backend(args.attention, self.device.type, self.dtype)
         self.adapter = get_adapter(read_arch(args.model))
         rss_after_import = rss_mb()
         t = time.perf_counter()
@@ -153,11 +158,12 @@ class Worker:
             if topo.degree("pipefusion") > 1:
                 from .pipefusion import PatchAttention
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
-                                      PatchAttention(topo))
+                                      PatchAttention(topo, self.args.attention))
             elif topo.sp > 1:
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
                                       ShardedAttention(topo, self.device.type,
-                                                       fault=os.environ.get("XDIT_FAULT", "")))
+                                                       fault=os.environ.get("XDIT_FAULT", ""),
+                                                       backend=self.args.attention))
             self.parallel = (key, sp)
         return topo
 
