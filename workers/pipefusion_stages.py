@@ -152,10 +152,7 @@ def load_stage_transformer(transformer_class, folder: str, lists, stage: int, st
     with torch.device("meta"):
         tr = transformer_class.from_config(config)
     info = plan_stages(tr, lists, stage, stages, split)
-    lo, hi = info.owned
-    for j, (name, i, _) in enumerate(model_blocks(tr, lists)):
-        if not lo <= j < hi:
-            getattr(tr, name)[i] = RemoteBlock(j)
+    keep_stage_blocks(tr, lists, info)
     wanted = tr.state_dict()
     where = _checkpoint_files(folder)
     missing = [k for k in wanted if k not in where]
@@ -169,16 +166,38 @@ def load_stage_transformer(transformer_class, folder: str, lists, stage: int, st
     for path, keys in by_file.items():
         with safe_open(path, "pt", device="cpu") as f:
             for k in keys:
-                t = f.get_tensor(k)
-                state[k] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-    tr.load_state_dict(state, strict=True, assign=True)
-    leftover = [n for n, b in tr.named_buffers() if b.is_meta]
+                state[k] = f.get_tensor(k)
+    materialize_stage(tr, lists, info, state, device, dtype)
+    return tr, info
+
+
+def keep_stage_blocks(transformer, lists, info: StageInfo) -> None:
+    """Replace every block outside the stage by a weightless RemoteBlock."""
+    lo, hi = info.owned
+    for j, (name, i, _) in enumerate(model_blocks(transformer, lists)):
+        if not lo <= j < hi:
+            getattr(transformer, name)[i] = RemoteBlock(j)
+
+
+def stage_block_names(transformer, lists, info: StageInfo) -> set:
+    """Module names ("transformer_blocks.3") of the blocks this stage does NOT hold."""
+    lo, hi = info.owned
+    return {f"{name}.{i}" for j, (name, i, _) in enumerate(model_blocks(transformer, lists))
+            if not lo <= j < hi}
+
+
+def materialize_stage(transformer, lists, info: StageInfo, state: dict, device, dtype):
+    """Load the stage's tensors (exactly those: strict) into the meta-built transformer whose
+    other blocks are RemoteBlocks, then hook the stage boundaries."""
+    state = {k: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+             for k, t in state.items()}
+    transformer.load_state_dict(state, strict=True, assign=True)
+    leftover = [n for n, b in transformer.named_buffers() if b.is_meta]
     if leftover:
         raise RuntimeError(f"buffers {leftover} are not in the checkpoint; PipeFusion cannot "
                            f"build this transformer stage")
-    tr.eval().requires_grad_(False)
-    install_stage_hooks(tr, lists, info)
-    return tr, info
+    transformer.eval().requires_grad_(False)
+    install_stage_hooks(transformer, lists, info)
 
 
 def _pipeline_context(kwargs):
