@@ -304,6 +304,21 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
         text = page.inner_text(".xdit-pools")
         shot = Path(os.environ.get("XDIT_SCREENSHOT", tmp_path / "xdit-panel.png"))
         page.screenshot(path=str(shot))
+        # the UI-format example workflows load in the real frontend with every node and link
+        loaded = {}
+        for f in sorted((ROOT / "example_workflows").glob("*.json")):
+            g = json.loads(f.read_text())
+            if "nodes" not in g:
+                continue
+            loaded[f.name] = page.evaluate(
+                """async (g) => { await window.app.loadGraphData(g);
+                   const gr = window.app.graph;
+                   return [gr._nodes.map(n => n.type).sort(),
+                           Object.keys(gr.links || {}).length || (gr._links ? gr._links.size : 0)]; }""",
+                g)
+            assert loaded[f.name][0] == sorted(n["type"] for n in g["nodes"]), f.name
+            assert loaded[f.name][1] == len(g["links"]), f.name
+        assert len(loaded) >= 2
         browser.close()
     assert "rank" in text or "No pool" in text
     ours = [e for e in errors if "xdit" in e.lower()]
