@@ -43,7 +43,7 @@ PRESETS = {
     "full": dict(flux=dict(double=19, single=38, heads=8, head_dim=24),
                  sd3=dict(depth=24, heads=8, head_dim=24),
                  degrees=(1, 2, 4), splits=("compute", "memory"),
-                 time=dict(height=256, width=256, steps=5, warmup=1, repeats=3,
+                 time=dict(height=256, width=256, steps=8, warmup=1, repeats=3,
                            max_sequence_length=32, warmup_steps=1),
                  quality=dict(height=256, width=256, steps=12, warmups=(0, 1, 2, 4),
                               degrees=(2, 4), max_sequence_length=32)),
@@ -224,8 +224,8 @@ def measure_quality(pool, cfg_kwargs: dict, degree: int, q: dict, reference, log
     return rows
 
 
-def _quality_request(q: dict) -> GenerationRequest:
-    return GenerationRequest(prompt=PROMPT, seed=11, steps=q["steps"], height=q["height"],
+def _quality_request(q: dict, seed: int = 11) -> GenerationRequest:
+    return GenerationRequest(prompt=PROMPT, seed=seed, steps=q["steps"], height=q["height"],
                              width=q["width"], max_sequence_length=q["max_sequence_length"],
                              cfg=1.0, guidance=3.5, output="image")
 
@@ -270,7 +270,7 @@ def run(args, log, machine: dict) -> dict:
     attempts = tcfg["repeats"] if args.quick else tcfg["repeats"] + max(0, args.max_retries)
     old_meter = os.environ.get("XDIT_COMM_METER")
     os.environ["XDIT_COMM_METER"] = "1"
-    memory, quality, timing, samples = [], [], {}, []
+    memory, quality, timing, samples, scale = [], [], {}, [], {}
     ceiling = None
     pools = []
 
@@ -304,6 +304,13 @@ def run(args, log, machine: dict) -> dict:
         # 2. quality: the exact run, then PipeFusion per warmup setting
         exact = p1.generate(_quality_request(q))
         reference = {"image": exact.images, "latent": exact.samples}
+        # the scale of the PSNR on this random-weight model: an unrelated image (other seed)
+        other = p1.generate(_quality_request(q, seed=12))
+        scale = _psnr(other.images, exact.images)
+        scale.update(latent_mse=_psnr(other.samples, exact.samples)["mse"],
+                     image_std=float(exact.images.float().std()),
+                     image_range=[float(exact.images.min()), float(exact.images.max())],
+                     latent_var=float(exact.samples.float().var()))
         log(f"pipefusion: quality, {q['width']}x{q['height']}, {q['steps']} steps, warmup "
             f"{list(q['warmups'])}")
         if 2 in q["degrees"]:
@@ -376,7 +383,7 @@ def run(args, log, machine: dict) -> dict:
     ratios = [x for c in comm for x in c["ratio"] if x is not None]
     return {"models": facts, "job": job, "quality_job": q, "memory": memory,
             "timing": timing, "speed": speed, "comm": comm, "activation_bytes": th[0] - 4,
-            "quality": quality,
+            "quality": quality, "quality_scale": scale,
             "targets": {"memory_slack": MEMORY_SLACK, "bytes_tolerance": BYTES_TOLERANCE,
                         "bytes_met": all(abs(x - 1) <= BYTES_TOLERANCE for x in ratios),
                         "memory_met": {f"{m['arch']} {m['degree']} {m['split']}": m["met"]
@@ -510,6 +517,14 @@ def markdown(rep: dict) -> str:
         psnr = "identical" if r["psnr_db"] is None else f"{r['psnr_db']:.2f}"
         L.append(f"| {r['degree']} | {r['warmup_steps']} | {psnr} | "
                  f"{r['max_abs']:.4f} | {r['latent_mse']:.3g} |")
+    sc = pf.get("quality_scale") or {}
+    if sc:
+        L += ["", f"Scale on this model: the exact image of another seed (12) scores "
+              f"{sc['psnr_db']:.2f} dB against seed 11 (latent MSE {sc['latent_mse']:.3g}); "
+              f"the exact image's pixels span {sc['image_range'][0]:.3f}-"
+              f"{sc['image_range'][1]:.3f} (std {sc['image_std']:.4f}), its latent variance is "
+              f"{sc['latent_var']:.3g}. A random-weight VAE makes low-contrast images, so "
+              "absolute dB are high; compare rows with each other and with this scale."]
     L += ["", f"Wall time of the PipeFusion section: {pf['wall_s']:.0f} s (waited "
           f"{pf['contention']['waited_s']:.0f} s for a quiet machine).", ""]
     return "\n".join(L)
