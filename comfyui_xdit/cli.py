@@ -56,8 +56,9 @@ def _add_generate(sub):
                    help="PipeFusion: full synchronous steps before the patch pipeline")
     p.add_argument("--pipeline-patches", type=_positive("--pipeline-patches"), default=None,
                    help="PipeFusion: patches per step (default: the pipefusion degree)")
-    p.add_argument("--pipefusion-split", default="compute",
-                   help="PipeFusion stage split: compute | memory | block counts like 10,9")
+    p.add_argument("--pipefusion-split", default="balanced",
+                   help="PipeFusion stage split: balanced (compute, weights <= 1/N + 5%%) | "
+                        "compute | memory | block counts like 10,9")
     p.add_argument("--lora", type=_lora, action="append", default=[])
     p.add_argument("--out", required=True, help="x.safetensors (LATENT) or x.png")
     p.add_argument("--attach", default=None, metavar="HOST:PORT",
@@ -100,7 +101,7 @@ def _add_serve(sub):
                    help="PipeFusion degree the pool is launched for (each rank loads one stage)")
     p.add_argument("--pipefusion-inner", type=_positive("--pipefusion-inner"), default=1,
                    help="ulysses x ring per PipeFusion stage")
-    p.add_argument("--pipefusion-split", default="compute")
+    p.add_argument("--pipefusion-split", default="balanced")
     p.add_argument("--attention", choices=["auto", "flash", "torch"], default="auto")
     p.set_defaults(func=run_serve)
 
@@ -183,7 +184,7 @@ def config_from_args(args) -> ParallelConfig:
                           ulysses=args.ulysses, ring=args.ring,
                           warmup_steps=getattr(args, "warmup_steps", 1),
                           pipeline_patches=getattr(args, "pipeline_patches", None),
-                          pipefusion_split=getattr(args, "pipefusion_split", "compute"),
+                          pipefusion_split=getattr(args, "pipefusion_split", "balanced"),
                           world_size=args.world_size)
 
 

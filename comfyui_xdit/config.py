@@ -32,7 +32,7 @@ class ParallelConfig:
     ring: int = 1
     warmup_steps: int = 1
     pipeline_patches: Optional[int] = None  # PipeFusion patches per step (default: degree)
-    pipefusion_split: str = "compute"  # "compute" | "memory" | block counts "10,9"
+    pipefusion_split: str = "balanced"  # | "compute" | "memory" | block counts "10,9"
     world_size: Optional[int] = None
 
     @property
@@ -92,13 +92,13 @@ class ParallelConfig:
             out.append(f"pipeline_patches must be an integer >= 1 or unset "
                        f"(got {self.pipeline_patches!r})")
         split = str(self.pipefusion_split)
-        if split not in ("compute", "memory"):
+        if split not in ("balanced", "compute", "memory"):
             try:
                 counts = [int(x) for x in split.split(",")]
             except ValueError:
                 counts = []
             if len(counts) != self.pipefusion or min(counts or [0]) < 1:
-                out.append(f"pipefusion_split {split!r} must be 'compute', 'memory' or "
+                out.append(f"pipefusion_split {split!r} must be 'balanced', 'compute', 'memory' or "
                            f"{self.pipefusion} positive block counts like "
                            f"{','.join(['4'] * self.pipefusion)}")
         return out

@@ -79,9 +79,43 @@ def test_partition_is_contiguous_and_minimises_the_largest_stage():
         partition(costs, 9)
 
 
+REAL_FLUX = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                 pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_real_flux_split_meets_the_memory_bound(stages):
+    """On FLUX.1's real dimensions (built on the meta device: no weights), the default
+    "balanced" split keeps every stage's weights <= 1/N + 5% of the transformer; "compute"
+    balances the work but overloads stage 0 (double blocks weigh ~2.4x a single block)."""
+    import diffusers
+
+    from workers.pipefusion_stages import block_cost, model_blocks, plan_stages
+    with torch.device("meta"):
+        tr = diffusers.FluxTransformer2DModel(**REAL_FLUX)
+    lists = ("transformer_blocks", "single_transformer_blocks")
+    blocks = model_blocks(tr, lists)
+    total = sum(p.numel() for p in tr.parameters())
+    shared = total - sum(block_cost(b, "memory") for _, _, b in blocks)
+
+    def shares(split, kind):
+        ranges = plan_stages(tr, lists, 0, stages, split).ranges
+        cost = [block_cost(b, kind) for _, _, b in blocks]
+        whole = (total if kind == "memory" else sum(cost))
+        return [((shared if kind == "memory" else 0) + sum(cost[a:b])) / whole
+                for a, b in ranges]
+
+    assert max(shares("balanced", "memory")) <= 1 / stages + 0.05
+    assert max(shares("compute", "memory")) > 1 / stages + 0.05
+    assert max(shares("compute", "compute")) < 1 / stages + 0.02
+    assert max(shares("memory", "memory")) <= max(shares("balanced", "memory"))
+
+
 def test_explicit_split_and_its_errors():
     assert parse_split("3,1", 4, 2) == [(0, 3), (3, 4)]
     assert parse_split("memory", 4, 2) == "memory"
+    assert parse_split("balanced", 4, 2) == "balanced"
     for bad in ("3,2", "4,0", "x,y", "1,1,2"):
         with pytest.raises(ValueError, match="pipefusion split"):
             parse_split(bad, 4, 2)

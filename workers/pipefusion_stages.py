@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-SPLITS = ("compute", "memory")
+SPLITS = ("balanced", "compute", "memory")
+WEIGHT_SLACK = 0.05  # "balanced": a stage may hold up to 1/N + 5% of the weights
 
 
 class RemoteBlock(torch.nn.Module):
@@ -40,25 +41,28 @@ def model_blocks(transformer, lists) -> list:
 
 
 def block_cost(block, split: str) -> float:
-    """Relative cost of a block. "memory": its parameters. "compute": matmul work per token
-    (a two-stream block, FLUX double or SD3 joint, applies each stream's weights to that
-    stream's tokens only, so it costs about half its parameters per token)."""
-    params = sum(p.numel() for p in block.parameters())
+    """Relative cost of a block. "memory": its parameters. "compute": matmul work per token:
+    the parameters outside its adaLN modulation (those act once per sample, not per token),
+    halved for a two-stream block (FLUX double / SD3 joint), which applies each stream's
+    weights to that stream's tokens only. Every block runs one attention over all tokens."""
     if split == "memory":
-        return float(params)
-    return params / 2.0 if hasattr(block, "ff_context") else float(params)
+        return float(sum(p.numel() for p in block.parameters()))
+    per_token = sum(p.numel() for n, p in block.named_parameters() if "norm" not in n)
+    return per_token / 2.0 if hasattr(block, "ff_context") else float(per_token)
 
 
-def partition(costs: list, stages: int) -> list:
+def partition(costs: list, stages: int, weights: list = None, cap: float = None) -> list:
     """Contiguous split of `costs` into `stages` non-empty runs minimising the largest run
-    (exact dynamic programme; n <= a few hundred). Returns [(start, stop)] per stage."""
+    (exact dynamic programme; n <= a few hundred). With `weights` and `cap`, only runs whose
+    weight is <= cap are allowed (None if no split fits). Returns [(start, stop)] per stage."""
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot split {n} blocks into {stages} pipeline stages; use "
                          f"pipefusion <= {n}")
-    prefix = [0.0]
-    for c in costs:
+    prefix, wprefix = [0.0], [0.0]
+    for i, c in enumerate(costs):
         prefix.append(prefix[-1] + c)
+        wprefix.append(wprefix[-1] + (weights[i] if weights else 0.0))
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[s][i]: first i blocks, s stages
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
@@ -66,9 +70,13 @@ def partition(costs: list, stages: int) -> list:
     for s in range(1, stages + 1):
         for i in range(s, n + 1):
             for j in range(s - 1, i):
+                if cap is not None and wprefix[i] - wprefix[j] > cap:
+                    continue
                 v = max(best[s - 1][j], prefix[i] - prefix[j])
                 if v < best[s][i] - 1e-9 * abs(v):
                     best[s][i], cut[s][i] = v, j
+    if best[stages][n] == inf:
+        return None
     bounds, i = [], n
     for s in range(stages, 0, -1):
         bounds.append((cut[s][i], i))
@@ -77,7 +85,7 @@ def partition(costs: list, stages: int) -> list:
 
 
 def parse_split(split: str, n_blocks: int, stages: int):
-    """"compute" | "memory" | explicit block counts "10,9,9" (summing to the block count)."""
+    """"balanced" | "compute" | "memory" | block counts "10,9,9" (summing to the blocks)."""
     if split in SPLITS:
         return split
     try:
@@ -117,8 +125,20 @@ class StageInfo:
 
 
 def plan_stages(transformer, lists, stage: int, stages: int, split: str) -> StageInfo:
+    """"balanced" (default): the least compute on the slowest stage such that no stage holds
+    more than 1/N + 5% of the transformer's weights (FLUX's double blocks weigh ~2.4x a
+    single block for the same work, so pure compute balance would overload stage 0's memory);
+    "compute" / "memory": balance only that; or explicit block counts."""
     blocks = model_blocks(transformer, lists)
     ranges = parse_split(split, len(blocks), stages)
+    if ranges == "balanced":
+        weights = [block_cost(m, "memory") for _, _, m in blocks]
+        total = sum(p.numel() for p in transformer.parameters())
+        shared = total - sum(weights)
+        ranges = partition([block_cost(m, "compute") for _, _, m in blocks], stages, weights,
+                           cap=(1.0 / stages + WEIGHT_SLACK) * total - shared)
+        if ranges is None:  # no split meets the memory bound: balance memory
+            ranges = "memory"
     if isinstance(ranges, str):
         ranges = partition([block_cost(m, ranges) for _, _, m in blocks], stages)
     return StageInfo(index=stage, count=stages, ranges=tuple(ranges), n_blocks=len(blocks),

@@ -59,8 +59,8 @@ def _parse(argv):
                    help="PipeFusion degree: each rank loads only its stage's blocks")
     p.add_argument("--pipefusion-inner", type=int, default=1,
                    help="ulysses x ring inside each stage (places ranks on stages)")
-    p.add_argument("--pipefusion-split", default="compute",
-                   help="compute | memory | block counts per stage, e.g. 3,2")
+    p.add_argument("--pipefusion-split", default="balanced",
+                   help="balanced | compute | memory | block counts per stage, e.g. 3,2")
     return p.parse_args(argv)
 
 
