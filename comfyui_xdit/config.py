@@ -108,6 +108,19 @@ class ParallelConfig:
         """Raise one ConfigError listing every problem; return self when runnable."""
         out = self.problems()
         degrees_ok = not out
+        blocks = getattr(model, "blocks", None)
+        if blocks is not None and degrees_ok and self.pipefusion > blocks:
+            out.append(f"pipefusion {self.pipefusion} exceeds the model's {blocks} transformer "
+                       f"blocks; use pipefusion <= {blocks}")
+        split = str(self.pipefusion_split)
+        if blocks is not None and degrees_ok and self.pipefusion > 1 and "," in split:
+            try:
+                total = sum(int(x) for x in split.split(","))
+            except ValueError:
+                total = None
+            if total is not None and total != blocks:
+                out.append(f"pipefusion_split {split!r} covers {total} blocks but the model "
+                           f"has {blocks}; give counts summing to {blocks}")
         if model is not None and degrees_ok and model.heads % self.ulysses:
             divisors = [d for d in range(1, model.heads + 1) if model.heads % d == 0]
             out.append(f"ulysses {self.ulysses} does not divide the model's {model.heads} "

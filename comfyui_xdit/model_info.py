@@ -25,6 +25,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from .config import ConfigError
 
@@ -60,6 +61,15 @@ class ModelInfo:
     kind: str = "diffusers"  # "diffusers" (folder) | "file" (single .safetensors)
     has_text_encoders: bool = True  # a single file has none: CONDITIONING must be given
     has_vae: bool = True  # the pool decodes images with the folder's VAE only
+    blocks: Optional[int] = None  # transformer blocks (FLUX: double + single), for PipeFusion
+
+
+def _block_count(arch: str, cfg: dict) -> Optional[int]:
+    try:
+        n = int(cfg["num_layers"])
+        return n + int(cfg.get("num_single_layers", 0)) if arch == "flux" else n
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def is_single_file(path) -> bool:
@@ -75,7 +85,8 @@ def read_model_info(path) -> ModelInfo:
         cfg = sf["config"]
         return ModelInfo(path=str(p), arch=sf["arch"], heads=int(cfg["num_attention_heads"]),
                          patch_size=int(cfg["patch_size"]), kind="file",
-                         has_text_encoders=False, has_vae=False)
+                         has_text_encoders=False, has_vae=False,
+                         blocks=_block_count(sf["arch"], cfg))
     cfg_file = p / "transformer" / "config.json"
     if not p.exists():
         raise ConfigError(f"model {str(p)!r} does not exist; give a FLUX/SD3 diffusers folder "
@@ -96,7 +107,8 @@ def read_model_info(path) -> ModelInfo:
         raise ConfigError(f"model {str(p)!r} has a {cls!r} transformer; supported: "
                           f"{', '.join(sorted(ARCH_BY_CLASS))} (FLUX.1, SD3/3.5)")
     return ModelInfo(path=str(p), arch=arch, heads=int(cfg.get("num_attention_heads", 24)),
-                     patch_size=int(cfg.get("patch_size", 2 if arch == "sd3" else 1)))
+                     patch_size=int(cfg.get("patch_size", 2 if arch == "sd3" else 1)),
+                     blocks=_block_count(arch, cfg))
 
 
 # ---- safetensors header -----------------------------------------------------------------

@@ -111,7 +111,8 @@ class WorkerPool:
                 self._info = ModelInfo(path=r["model"], arch=r["arch"], heads=r["heads"],
                                        patch_size=r["patch_size"],
                                        kind="file" if single else "diffusers",
-                                       has_text_encoders=not single, has_vae=not single)
+                                       has_text_encoders=not single, has_vae=not single,
+                                       blocks=r.get("blocks"))
             else:
                 self._info = read_model_info(self.model_path)
         return self._info

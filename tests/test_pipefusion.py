@@ -265,3 +265,14 @@ def test_sd35_blocks_ulysses_and_pipefusion_exact(tmp_path_factory, oracle, pf_p
     for config in (ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2, warmup_steps=3)):
         got = pf_pools(path, config).generate(req).samples
         assert (got - ref).abs().max().item() <= TOL, config.describe()
+
+
+def test_degree_and_split_are_checked_against_the_model(model_dir):
+    from comfyui_xdit.model_info import read_model_info
+    info = read_model_info(model_dir("flux"))
+    assert info.blocks == 4  # 2 double + 2 single
+    with pytest.raises(ConfigError, match="pipefusion 5 exceeds the model's 4 transformer blocks"):
+        ParallelConfig(pipefusion=5).validate(info)
+    with pytest.raises(ConfigError, match="covers 6 blocks but the model has 4"):
+        ParallelConfig(pipefusion=2, pipefusion_split="3,3").validate(info)
+    ParallelConfig(pipefusion=2, pipefusion_split="3,1").validate(info)

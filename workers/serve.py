@@ -137,6 +137,8 @@ class Worker:
         return {"model": self.args.model, "arch": self.model.arch,
                 "kind": "file" if os.path.isfile(self.args.model) else "diffusers",
                 "heads": int(t.num_attention_heads), "patch_size": int(t.get("patch_size", 1) or 1),
+                "blocks": sum(len(getattr(self.model.transformer, n))
+                              for n in self.adapter.block_lists),
                 "world_size": self.world, "load_seconds": self.load_seconds,
                 "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
                 **self.state}
