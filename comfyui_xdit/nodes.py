@@ -252,6 +252,9 @@ class Decode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, samples, vae=None) -> io.NodeOutput:
+        if model.device == "cuda" and read_model_info(model.path).has_vae:
+            comfy.model_management.unload_all_models()  # room for the pool's decode
+            comfy.model_management.soft_empty_cache()
         return io.NodeOutput(node_logic.decode(model, samples, vae=vae))
 
 
