@@ -19,6 +19,10 @@ by side and are timed round-robin, one job at a time, so slow drifts of a shared
 every configuration alike; jobs during which other processes used more than
 `--max-foreign-load` cores are re-run. Writes `bench.json` (raw
 numbers) and `bench.md` under `--out`, and prints the markdown.
+
+`--pipefusion` runs the PipeFusion section instead (comfyui_xdit/bench_pipefusion.py):
+weights and memory per rank at pipefusion 1/2/4 per split, time/step and bytes/step at
+pipefusion 1 vs 2, PSNR against the exact run per warmup_steps.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ a small hidden size, so that the blocks hold ~99% of the transformer's weights a
 model (plus an SD3-shaped one with 24 joint blocks, memory only), it measures:
 
 * memory: transformer parameters each rank holds (`transformer_params` of the pool status)
-  against the whole model, at pipefusion 1/2/4 and for the split "compute" (default) and
-  "memory"; the target is <= 1/N + 5% of the whole per rank. Peak RSS while loading
+  against the whole model, at pipefusion 1/2/4 and for the splits "balanced" (default:
+  least compute on the slowest stage within the memory bound), "compute" and "memory";
+  the target is <= 1/N + 5% of the whole per rank. Peak RSS while loading
   (`load_peak_rss_mb`), RSS after importing (before loading) and RSS after a job;
 * time per step at pipefusion 1 (1 rank) vs pipefusion 2 (2 ranks), same job, warm pools
   timed round-robin (the machinery of `bench`), and the bytes each rank sends per step
@@ -35,6 +36,7 @@ from .config import ParallelConfig
 from .request import GenerationRequest
 
 BYTES_TOLERANCE = 0.05
+DEFAULT_SPLIT = ParallelConfig().pipefusion_split  # what a user gets without asking
 MEMORY_SLACK = 0.05  # target: transformer weights per rank <= 1/N + 5% of the whole
 
 PRESETS = {
@@ -42,7 +44,7 @@ PRESETS = {
     # one core while blocks hold 99% of the weights (real FLUX.1: 99.4%)
     "full": dict(flux=dict(double=19, single=38, heads=8, head_dim=24),
                  sd3=dict(depth=24, heads=8, head_dim=24),
-                 degrees=(1, 2, 4), splits=("compute", "memory"),
+                 degrees=(1, 2, 4), splits=("balanced", "compute", "memory"),
                  time=dict(height=256, width=256, steps=8, warmup=1, repeats=3,
                            max_sequence_length=32, warmup_steps=1),
                  quality=dict(height=256, width=256, steps=12, warmups=(0, 1, 2, 4),
@@ -50,7 +52,7 @@ PRESETS = {
     # the default tiny model (2 double + 2 single blocks): every code path in seconds
     # (one split only: every pool launch costs seconds of imports on a busy 2-core box)
     "quick": dict(flux=dict(double=2, single=2, heads=4, head_dim=16), sd3=None,
-                  degrees=(1, 2), splits=("compute",),
+                  degrees=(1, 2), splits=(DEFAULT_SPLIT,),
                   time=dict(height=128, width=128, steps=3, warmup=0, repeats=1,
                             max_sequence_length=8, warmup_steps=1),
                   quality=dict(height=128, width=128, steps=3, warmups=(0, 1), degrees=(2,),
@@ -157,7 +159,7 @@ def theory(model: dict, job: dict, degree: int, batch: int = 1, branches: int = 
 
 
 # ---- measuring -------------------------------------------------------------------------------
-def _config(degree: int, split: str = "compute", warmup_steps: int = 1) -> ParallelConfig:
+def _config(degree: int, split: str = DEFAULT_SPLIT, warmup_steps: int = 1) -> ParallelConfig:
     if degree == 1:
         return ParallelConfig()
     return ParallelConfig(pipefusion=degree, pipefusion_split=split, warmup_steps=warmup_steps)
@@ -288,11 +290,11 @@ def run(args, log, machine: dict) -> dict:
         # --quick: no ceiling helpers (two more torch processes to start)
         ceiling = _NoCeiling() if args.quick else bench.Ceiling(1.0)
         # 1. time per step, pipefusion 1 vs 2, side by side (warm pools, round-robin)
-        p1 = pool_for(flux, 1, "compute")
-        p2 = pool_for(flux, 2, "compute")
+        p1 = pool_for(flux, 1, "-")
+        p2 = pool_for(flux, 2, DEFAULT_SPLIT)
         entries = [bench.Entry("pipefusion1", p1, _config(1), "base", 1),
-                   bench.Entry("pipefusion2", p2, _config(2, "compute", tcfg["warmup_steps"]),
-                               "base", 1)]
+                   bench.Entry("pipefusion2", p2, _config(2, DEFAULT_SPLIT,
+                                                          tcfg["warmup_steps"]), "base", 1)]
         log(f"pipefusion: time/step, 1 rank vs pipefusion 2 ({job['width']}x{job['height']}, "
             f"{job['steps']} steps, warmup_steps {tcfg['warmup_steps']})")
         samples = bench.measure_interleaved(entries, job, tcfg["warmup"], tcfg["repeats"],
@@ -300,7 +302,7 @@ def run(args, log, machine: dict) -> dict:
         timing = {e.name: bench.summarize_entry(e, job) for e in entries}
         # (RSS after a job: read from /proc by the status, the pools idle after their jobs)
         memory.append(memory_record(p1, facts["flux"], 1, "-"))
-        memory.append(memory_record(p2, facts["flux"], 2, "compute"))
+        memory.append(memory_record(p2, facts["flux"], 2, DEFAULT_SPLIT))
         # 2. quality: the exact run, then PipeFusion per warmup setting
         exact = p1.generate(_quality_request(q))
         reference = {"image": exact.images, "latent": exact.samples}
@@ -314,34 +316,30 @@ def run(args, log, machine: dict) -> dict:
         log(f"pipefusion: quality, {q['width']}x{q['height']}, {q['steps']} steps, warmup "
             f"{list(q['warmups'])}")
         if 2 in q["degrees"]:
-            quality += measure_quality(p2, {"split": "compute"}, 2, q, reference, log)
+            quality += measure_quality(p2, {"split": DEFAULT_SPLIT}, 2, q, reference, log)
         close(p2)
-        # 3. the other layouts: memory (and degree 4's quality)
+        # 3. the other layouts: memory (and the quality at the other degrees)
+        seen = {("flux", 2, _ranges(flux, 2, DEFAULT_SPLIT))}
         for degree in preset["degrees"]:
             for split in preset["splits"]:
-                if degree == 1 or (degree == 2 and split == "compute"):
+                if degree == 1 or (degree == 2 and split == DEFAULT_SPLIT):
+                    continue
+                if _same_layout(seen, memory, "flux", flux, degree, split):
                     continue
                 p = pool_for(flux, degree, split)
                 res = p.generate(_small_job("flux", tcfg))
                 memory.append(memory_record(p, facts["flux"], degree, split, res.stats))
                 log(f"  flux pipefusion {degree} {split}: max share "
                     f"{memory[-1]['max_share']:.3f} (target {memory[-1]['target_share']:.3f})")
-                if degree in q["degrees"] and split == "compute":
-                    quality += measure_quality(p, {"split": "compute"}, degree, q, reference,
-                                               log)
+                if degree in q["degrees"] and split == DEFAULT_SPLIT:
+                    quality += measure_quality(p, {"split": split}, degree, q, reference, log)
                 close(p)
         close(p1)
         if "sd3" in models:
-            seen = set()
             for degree in preset["degrees"]:
-                for split in (preset["splits"] if degree > 1 else ("compute",)):
-                    ranges = _ranges(models["sd3"], degree, split)
-                    if (degree, ranges) in seen:  # same layout as the other split
-                        prev = next(m for m in memory if m["arch"] == "sd3"
-                                    and m["degree"] == degree)
-                        memory.append(dict(prev, split=split, same_as=prev["split"]))
+                for split in (preset["splits"] if degree > 1 else ("-",)):
+                    if _same_layout(seen, memory, "sd3", models["sd3"], degree, split):
                         continue
-                    seen.add((degree, ranges))
                     p = pool_for(models["sd3"], degree, split)
                     res = p.generate(_small_job("sd3", tcfg))
                     memory.append(memory_record(p, facts["sd3"], degree, split, res.stats))
@@ -390,6 +388,21 @@ def run(args, log, machine: dict) -> dict:
                                        for m in memory}},
             "contention": {"threshold": quiet.threshold, "waited_s": quiet.waited},
             "wall_s": time.perf_counter() - t_start}
+
+
+def _same_layout(seen: set, memory: list, arch: str, model: Path, degree: int,
+                 split: str) -> bool:
+    """A split that gives a layout already measured (same model, degree, block ranges) gets
+    a copy of that row instead of another pool launch."""
+    ranges = _ranges(model, degree, split) if degree > 1 else ()
+    if (arch, degree, ranges) not in seen:
+        seen.add((arch, degree, ranges))
+        return False
+    prev = next(m for m in memory if m["arch"] == arch and m["degree"] == degree
+                and tuple(tuple(r["blocks"]) for r in m["ranks"]
+                          if r["blocks"]) == tuple(tuple(x) for x in ranges))
+    memory.append(dict(prev, split=split, same_as=prev["split"]))
+    return True
 
 
 class _NoCeiling:

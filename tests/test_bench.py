@@ -101,7 +101,8 @@ def test_bench_pipefusion_quick(tmp_path):
 
     # weights: one row per layout; every block on exactly one stage, the rest on every stage
     rows = {(m["degree"], m["split"]): m for m in pf["memory"]}
-    assert set(rows) >= {(1, "-"), (2, "compute")}
+    from comfyui_xdit.config import ParallelConfig
+    assert set(rows) >= {(1, "-"), (2, ParallelConfig().pipefusion_split)}
     for m in rows.values():
         n = m["degree"]
         assert len(m["ranks"]) == n and m["total_params"] == total
