@@ -45,7 +45,7 @@ PRESETS = {
     "full": dict(flux=dict(double=19, single=38, heads=8, head_dim=24),
                  sd3=dict(depth=24, heads=8, head_dim=24),
                  degrees=(1, 2, 4), splits=("balanced", "compute", "memory"),
-                 time=dict(height=256, width=256, steps=8, warmup=1, repeats=3,
+                 time=dict(height=256, width=256, steps=8, warmup=1, repeats=5,
                            max_sequence_length=32, warmup_steps=1, extra_splits=("compute",)),
                  quality=dict(height=256, width=256, steps=12, warmups=(0, 1, 2, 4),
                               degrees=(2, 4), max_sequence_length=32)),
@@ -113,28 +113,38 @@ def sd3_model(cache: Path, depth: int, heads: int, head_dim: int) -> Path:
 
 
 def model_facts(path: Path) -> dict:
-    """Parameters of the transformer (safetensors headers), split into blocks and the rest."""
-    from safetensors import safe_open
+    """Parameters of the transformer (built on the meta device: no weights read), split
+    into the blocks and the rest; buffers saved with the weights (SD3's positional table)
+    are not parameters and not counted, as in the pool's `transformer_params`."""
+    tr, lists = _meta_transformer(path)
+    cfg = tr.config
+    total = sum(p.numel() for p in tr.parameters())
+    blocks = sum(p.numel() for name in lists for p in getattr(tr, name).parameters())
+    flux = type(tr).__name__ == "FluxTransformer2DModel"
+    heads, hd = int(cfg.num_attention_heads), int(cfg.attention_head_dim)
+    return {"path": str(path), "arch": "flux" if flux else "sd3",
+            "class": type(tr).__name__, "transformer_params": total,
+            "block_params": blocks, "block_fraction": blocks / total,
+            "double_blocks": int(cfg.num_layers) if flux else None,
+            "single_blocks": int(cfg.num_single_layers) if flux else None,
+            "joint_blocks": None if flux else int(cfg.num_layers),
+            "heads": heads, "head_dim": hd, "width": heads * hd}
+
+
+def _meta_transformer(path: Path):
+    """The model folder's transformer on the meta device, and its block lists."""
+    import torch
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     tdir = path / "transformer"
     cfg = json.loads((tdir / "config.json").read_text())
-    total = blocks = 0
-    for f in sorted(tdir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                n = math.prod(fh.get_slice(k).get_shape())
-                total += n
-                if k.startswith(("transformer_blocks.", "single_transformer_blocks.")):
-                    blocks += n
     flux = cfg.get("_class_name") == "FluxTransformer2DModel"
-    heads, hd = int(cfg["num_attention_heads"]), int(cfg["attention_head_dim"])
-    return {"path": str(path), "arch": "flux" if flux else "sd3",
-            "class": cfg.get("_class_name"), "transformer_params": total,
-            "block_params": blocks, "block_fraction": blocks / total,
-            "double_blocks": int(cfg["num_layers"]) if flux else None,
-            "single_blocks": int(cfg["num_single_layers"]) if flux else None,
-            "joint_blocks": None if flux else int(cfg["num_layers"]),
-            "heads": heads, "head_dim": hd, "width": heads * hd}
+    cls = FluxTransformer2DModel if flux else SD3Transformer2DModel
+    lists = ("transformer_blocks", "single_transformer_blocks") if flux \
+        else ("transformer_blocks",)
+    with torch.device("meta"):
+        tr = cls.from_config(cls.load_config(str(tdir)))
+    return tr, lists
 
 
 # ---- theory ----------------------------------------------------------------------------------
@@ -441,19 +451,9 @@ class _NoCeiling:
 
 def _ranges(model: Path, degree: int, split: str) -> tuple:
     """The stage layout a split gives (computed on the meta device, no weights)."""
-    import torch
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-
     from workers.pipefusion_stages import plan_stages
 
-    tdir = model / "transformer"
-    cfg = json.loads((tdir / "config.json").read_text())
-    flux = cfg.get("_class_name") == "FluxTransformer2DModel"
-    cls = FluxTransformer2DModel if flux else SD3Transformer2DModel
-    lists = ("transformer_blocks", "single_transformer_blocks") if flux \
-        else ("transformer_blocks",)
-    with torch.device("meta"):
-        tr = cls.from_config(cls.load_config(str(tdir)))
+    tr, lists = _meta_transformer(model)
     return plan_stages(tr, lists, 0, degree, split).ranges
 
 
