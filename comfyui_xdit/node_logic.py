@@ -29,6 +29,8 @@ from .request import GenerationRequest
 WORLD_SIZES = ["auto"] + [str(i) for i in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)]
 DEVICES = ["cuda", "cpu"]
 DTYPES = ["bf16", "fp16", "fp32"]
+ATTENTION = ["auto", "flash", "torch"]
+SPLITS = ["balanced", "compute", "memory"]
 MAX_SEED = 2 ** 64 - 1
 
 
@@ -148,6 +150,11 @@ class ModelHandle:
     gpus: Optional[tuple] = None
     threads_per_rank: Optional[int] = None
     loras: tuple = ()  # ((path, strength), ...) added by the LoRA node; never a new pool
+    pipefusion: int = 1
+    warmup_steps: int = 1  # PipeFusion: full synchronous steps before the patch pipeline
+    pipeline_patches: Optional[int] = None  # PipeFusion patches per step (None: the degree)
+    pipefusion_split: str = "balanced"
+    attention: str = "auto"  # CUDA attention kernel: auto | flash | torch
 
     def with_lora(self, path: str, strength: float) -> "ModelHandle":
         """The LoRA node: chain one more adapter (the workers cache adapters, so changing
@@ -159,7 +166,8 @@ class ModelHandle:
 
     @property
     def degrees_given(self) -> bool:
-        return self.ulysses > 1 or self.ring > 1 or self.cfg_parallel or self.dp > 1
+        return (self.ulysses > 1 or self.ring > 1 or self.cfg_parallel or self.dp > 1
+                or self.pipefusion > 1)
 
     def default_world(self) -> int:
         if self.device == "cuda":
@@ -177,7 +185,10 @@ class ModelHandle:
 
     def explicit_config(self) -> ParallelConfig:
         return ParallelConfig(dp=self.dp, cfg_parallel=self.cfg_parallel, ulysses=self.ulysses,
-                              ring=self.ring, world_size=self.world_size)
+                              ring=self.ring, pipefusion=self.pipefusion,
+                              warmup_steps=self.warmup_steps,
+                              pipeline_patches=self.pipeline_patches,
+                              pipefusion_split=self.pipefusion_split, world_size=self.world_size)
 
     def config_for(self, request: Optional[GenerationRequest] = None) -> ParallelConfig:
         """Degrees given: exactly those (the world size must match their product). All
@@ -197,6 +208,11 @@ class ModelHandle:
             raise ConfigError(f"device must be one of {DEVICES} (got {self.device!r})")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES} (got {self.dtype!r})")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention must be one of {ATTENTION} (got {self.attention!r})")
+        if self.attention == "flash" and self.device != "cuda":
+            raise ConfigError("attention 'flash' (flash-attn) needs device cuda; use 'auto' "
+                              "or 'torch'")
         if self.degrees_given:
             self.explicit_config().validate(info)
         elif self.world_size is not None and self.world_size < 1:
@@ -211,13 +227,20 @@ class ModelHandle:
 
 def make_handle(model_path: str, device: str, dtype: str, world_size="auto", ulysses: int = 1,
                 ring: int = 1, cfg_parallel: bool = False, dp: int = 1, gpus: str = "",
-                threads_per_rank: Optional[int] = None) -> ModelHandle:
+                threads_per_rank: Optional[int] = None, pipefusion: int = 1,
+                warmup_steps: int = 1, pipeline_patches: int = 0,
+                pipefusion_split: str = "balanced", attention: str = "auto") -> ModelHandle:
+    """The loader's widgets -> a handle. `pipeline_patches` 0 means "the PipeFusion degree"."""
     ws = None if str(world_size).strip().lower() in ("auto", "", "0") else int(world_size)
     gpu_list = tuple(g.strip() for g in str(gpus or "").split(",") if g.strip()) or None
     return ModelHandle(path=str(Path(model_path).resolve()), device=device, dtype=dtype,
                        world_size=ws, ulysses=int(ulysses), ring=int(ring),
                        cfg_parallel=bool(cfg_parallel), dp=int(dp), gpus=gpu_list,
-                       threads_per_rank=threads_per_rank)
+                       threads_per_rank=threads_per_rank, pipefusion=int(pipefusion),
+                       warmup_steps=int(warmup_steps),
+                       pipeline_patches=int(pipeline_patches) or None,
+                       pipefusion_split=str(pipefusion_split).strip() or "balanced",
+                       attention=str(attention))
 
 
 # ---- the registry -----------------------------------------------------------------------
@@ -237,7 +260,8 @@ class PoolRegistry:
 
     @staticmethod
     def _key(handle: ModelHandle) -> tuple:
-        return (handle.path, handle.device, handle.dtype, handle.gpus, handle.threads_per_rank)
+        return (handle.path, handle.device, handle.dtype, handle.gpus, handle.threads_per_rank,
+                handle.attention)
 
     def get(self, handle: ModelHandle, config: ParallelConfig):
         """The pool for `handle` running `config`: the same one on every call with the same
@@ -257,9 +281,10 @@ class PoolRegistry:
                 for other in list(self._pools)[: max(0, len(self._pools) - self.max_pools + 1)]:
                     self._close(other)
                 factory = self._factory or WorkerPool
+                kw = {"attention": handle.attention} if handle.attention != "auto" else {}
                 pool = factory(handle.path, config, device=handle.device, dtype=handle.dtype,
                                gpus=list(handle.gpus) if handle.gpus else None,
-                               threads_per_rank=handle.threads_per_rank)
+                               threads_per_rank=handle.threads_per_rank, **kw)
                 self._pools[key] = pool
             return pool
 

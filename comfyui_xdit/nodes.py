@@ -13,7 +13,8 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 from .config import ConfigError
 from .model_info import read_model_info
 from . import node_logic
-from .node_logic import (DEVICES, DTYPES, FILE_KINDS, MAX_SEED, REGISTRY, WORLD_SIZES,
+from .node_logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, REGISTRY, SPLITS,
+                         WORLD_SIZES,
                          SampleInputs, discover_models, discover_single_files, make_handle,
                          resolve_model)
 
@@ -97,32 +98,49 @@ class LoadModel(io.ComfyNode):
                              tooltip="Data parallel: the latent batch split over ranks"),
                 io.String.Input("gpus", default="", optional=True,
                                 tooltip="Comma-separated GPU ids for the ranks (empty: all visible)"),
+                io.Int.Input("pipefusion", default=1, min=1, max=64, optional=True,
+                             tooltip="PipeFusion degree: each rank loads only 1/N of the "
+                                     "transformer blocks and the image flows through them "
+                                     "patch by patch (least memory and traffic; not exact "
+                                     "after the warmup steps)"),
+                io.Int.Input("warmup_steps", default=1, min=0, max=1000, optional=True,
+                             tooltip="PipeFusion: full synchronous steps first (exact); "
+                                     ">= steps makes the whole run exact"),
+                io.Int.Input("pipeline_patches", default=0, min=0, max=64, optional=True,
+                             tooltip="PipeFusion: patches per step (0: the PipeFusion degree)"),
+                io.Combo.Input("pipefusion_split", options=list(SPLITS), default="balanced",
+                               optional=True,
+                               tooltip="PipeFusion stages: balanced (least work on the slowest "
+                                       "stage, each <= 1/N + 5% of the weights), compute, or "
+                                       "memory"),
+                io.Combo.Input("attention", options=list(ATTENTION), default="auto",
+                               optional=True,
+                               tooltip="CUDA attention kernel: flash-attn when installed "
+                                       "(auto), required (flash), or torch's"),
             ],
             outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
         )
 
     @classmethod
-    def _handle(cls, model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp, gpus=""):
+    def _handle(cls, model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
+                gpus="", **pipefusion_and_attention):
         path = resolve_model(model, _model_folders(), _file_roots())
         if device == "cpu" and dtype != "fp32":
             dtype = "fp32"  # CPU kernels: fp32 only
-        return make_handle(path, device, dtype, world_size, ulysses, ring, cfg_parallel, dp, gpus)
+        return make_handle(path, device, dtype, world_size, ulysses, ring, cfg_parallel, dp, gpus,
+                           **pipefusion_and_attention)
 
     @classmethod
-    def validate_inputs(cls, model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
-                        gpus=""):
+    def validate_inputs(cls, **inputs):
         try:
-            cls._handle(model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
-                        gpus).validate()
+            cls._handle(**inputs).validate()
         except ConfigError as e:
             return str(e)
         return True
 
     @classmethod
-    def execute(cls, model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
-                gpus="") -> io.NodeOutput:
-        handle = cls._handle(model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
-                             gpus)
+    def execute(cls, **inputs) -> io.NodeOutput:
+        handle = cls._handle(**inputs)
         handle.validate()
         return io.NodeOutput(handle)
 

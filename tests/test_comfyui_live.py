@@ -226,6 +226,28 @@ def test_workflow_runs_with_progress_and_saves_an_image(comfy):
     assert st["pools"] and st["pools"][0]["world_size"] == 2 and st["pools"][0]["state"] == "idle"
 
 
+def test_pipefusion_workflow_through_the_api(comfy):
+    """The loader's PipeFusion inputs through /prompt: a 2-stage pool (each rank holds half
+    the blocks, shown per rank by /xdit/status) produces the image."""
+    wf = _workflow(3)
+    wf["1"]["inputs"].update(world_size="2", ulysses=1, pipefusion=2, warmup_steps=1,
+                             pipeline_patches=0, pipefusion_split="balanced")
+    pid, msgs = _run(comfy, wf)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
+    assert progress and progress[-1]["value"] == 3
+    assert _http(comfy["base"], f"/history/{pid}")[pid]["outputs"]["5"]["images"]
+    pool = _http(comfy["base"], "/xdit/status")["pools"][0]
+    assert [r["stage"]["index"] for r in pool["ranks"]] == [0, 1]
+    # a degree the model cannot take is refused at validation
+    wf["1"]["inputs"].update(world_size="8", pipefusion=8)
+    try:
+        _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
+        raise AssertionError("invalid configuration accepted")
+    except urllib.error.HTTPError as e:
+        assert "exceeds the model's 4 transformer blocks" in json.dumps(json.loads(e.read()))
+
+
 def test_single_file_workflow_with_conditioning_and_decode(comfy):
     """diffusion_models/<file> samples with CONDITIONING on a 2-rank pool; Decode uses the
     connected VAE. Prompt text on the file fails with the clear message; the next run works."""

@@ -363,3 +363,33 @@ def test_bad_inputs_give_one_clear_error_and_the_pool_survives(registry, model_d
     assert registry.pools() == [pool] and pool.worker_pids() == pids
     again = sample(h, SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=registry)
     assert torch.equal(again["samples"], good["samples"]) and pool.worker_pids() == pids
+
+
+def test_pipefusion_handle_relaunches_once_and_is_exact_with_full_warmup(registry, model_dir):
+    """The loader's PipeFusion inputs: another stage layout relaunches the pool (each rank
+    holds one stage); warmup/patches are per job and keep the workers."""
+    latent = {"samples": torch.zeros(1, 16, 8, 8)}
+    inputs = SampleInputs(latent=latent, prompt="a cat", **COMMON)
+    exact = sample(_handle(model_dir, world_size=2, ulysses=2), inputs, registry=registry)
+    pf = _handle(model_dir, world_size=2, pipefusion=2, warmup_steps=2)
+    got = sample(pf, inputs, registry=registry)
+    assert (got["samples"] - exact["samples"]).abs().max() <= 1e-4
+    pool = registry.pools()[0]
+    pids = pool.worker_pids()
+    assert [r["stage"]["index"] for r in pool.status()["ranks"]] == [0, 1]
+    stale = sample(_handle(model_dir, world_size=2, pipefusion=2, warmup_steps=0,
+                           pipeline_patches=2), inputs, registry=registry)
+    assert (stale["samples"] - exact["samples"]).abs().max() > 1e-4
+    assert registry.pools() == [pool] and pool.worker_pids() == pids
+
+
+def test_loader_refuses_bad_pipefusion_and_attention(model_dir):
+    path = str(model_dir("flux"))
+    with pytest.raises(ConfigError, match="world size 2 != dp 1 x cfg 1 x pipefusion 4"):
+        make_handle(path, "cpu", "fp32", "2", pipefusion=4).validate()
+    with pytest.raises(ConfigError, match="pipefusion 8 exceeds the model's 4 transformer"):
+        make_handle(path, "cpu", "fp32", "8", pipefusion=8).validate()
+    with pytest.raises(ConfigError, match="attention 'flash' .* needs device cuda"):
+        make_handle(path, "cpu", "fp32", "2", ulysses=2, attention="flash").validate()
+    h = make_handle(path, "cpu", "fp32", "auto", pipefusion=2, pipeline_patches=0)
+    assert h.pipeline_patches is None and h.explicit_config().pipefusion == 2
