@@ -27,11 +27,7 @@ class DiTAdapter:
 
         if os.path.isfile(path):  # one .safetensors transformer (ComfyUI's model folders)
             from .single_file import load_single_file
-            if stage is not None:
-                raise ValueError("PipeFusion loads one stage's blocks per rank from a diffusers "
-                                 "folder; a single-file model runs with pipefusion 1 "
-                                 "(use ulysses/ring), or convert it to a diffusers folder")
-            return load_single_file(self, path, device, dtype)
+            return load_single_file(self, path, device, dtype, stage=stage)
         tcls = getattr(diffusers, self.transformer_class)
         stage_info = None
         if stage is not None:

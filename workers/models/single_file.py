@@ -175,9 +175,8 @@ def to_diffusers_state(arch: str, naming: str, sd: dict, config: dict) -> dict:
     return convert_sd3_bfl(sd)
 
 
-def build_transformer(arch: str, config: dict, state: dict, dtype):
-    """A diffusers transformer for `config` holding exactly `state` (strict: a missing or an
-    extra tensor, or a shape that does not fit, raises)."""
+def _skeleton(arch: str, config: dict):
+    """The transformer for `config` on the meta device (no memory, no random init)."""
     import diffusers
 
     cls = getattr(diffusers, CLASS_BY_ARCH[arch])
@@ -186,7 +185,13 @@ def build_transformer(arch: str, config: dict, state: dict, dtype):
         if k in kw:
             kw[k] = tuple(kw[k])
     with torch.device("meta"):
-        model = cls(**kw)
+        return cls(**kw)
+
+
+def build_transformer(arch: str, config: dict, state: dict, dtype):
+    """A diffusers transformer for `config` holding exactly `state` (strict: a missing or an
+    extra tensor, or a shape that does not fit, raises)."""
+    model = _skeleton(arch, config)
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
@@ -196,15 +201,66 @@ def build_transformer(arch: str, config: dict, state: dict, dtype):
     return model
 
 
-def load_single_file(adapter, path: str, device, dtype) -> LoadedModel:
+# the file's block names for diffusers' block lists (BFL/ComfyUI naming)
+_BFL_BLOCKS = {"transformer_blocks": {"flux": "double_blocks", "sd3": "joint_blocks"},
+               "single_transformer_blocks": {"flux": "single_blocks"}}
+
+
+def load_single_file(adapter, path: str, device, dtype, stage=None) -> LoadedModel:
+    """`stage` = (index, count, split): PipeFusion, keep only that stage's blocks."""
     sf = single_file_config(path)
     if sf["arch"] != adapter.arch:
         raise ValueError(f"{path} is a {sf['arch']} file, not {adapter.arch}")
+    sched, vae = defaults_for(sf["arch"], sf["config"])
+    if stage is not None:
+        transformer, info = _load_stage(adapter, path, sf, stage, device, dtype)
+        return LoadedModel(path=path, arch=sf["arch"], transformer=transformer, encoder=None,
+                           scheduler_config=sched, vae_config=vae, device=device, dtype=dtype,
+                           stage=info)
     state = read_transformer_state(path, sf["prefix"])
     state = to_diffusers_state(sf["arch"], sf["naming"], state, sf["config"])
     transformer = build_transformer(sf["arch"], sf["config"], state, dtype)
     del state
     transformer.to(device).eval().requires_grad_(False)
-    sched, vae = defaults_for(sf["arch"], sf["config"])
     return LoadedModel(path=path, arch=sf["arch"], transformer=transformer, encoder=None,
                        scheduler_config=sched, vae_config=vae, device=device, dtype=dtype)
+
+
+def _load_stage(adapter, path: str, sf: dict, stage, device, dtype):
+    """PipeFusion from a file: read only this stage's blocks (plus the shared layers). FLUX
+    and diffusers-named files convert tensor by tensor, so other blocks are never read;
+    diffusers' SD3 converter needs every block, so a BFL-named SD3 file is read whole once
+    (on the CPU) and the other blocks dropped."""
+    from ..pipefusion_stages import (keep_stage_blocks, materialize_stage, plan_stages,
+                                     stage_block_names)
+    arch, lists = sf["arch"], adapter.block_lists
+    tr = _skeleton(arch, sf["config"])
+    info = plan_stages(tr, lists, *stage)
+    others = stage_block_names(tr, lists, info)  # "transformer_blocks.3", ...
+
+    def elsewhere(name: str) -> bool:  # a diffusers-named tensor of another stage's block
+        parts = name.split(".")
+        return len(parts) > 2 and f"{parts[0]}.{parts[1]}" in others
+
+    raw_others = set()
+    if sf["naming"] == "diffusers":
+        raw_others = others
+    elif arch == "flux":
+        raw_others = {f"{_BFL_BLOCKS[b.split('.')[0]]['flux']}.{b.split('.')[1]}"
+                      for b in others}
+    from safetensors import safe_open
+    state = {}
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for k in f.keys():
+            if not k.startswith(sf["prefix"]):
+                continue
+            name = k[len(sf["prefix"]):]
+            parts = name.split(".")
+            if len(parts) > 2 and f"{parts[0]}.{parts[1]}" in raw_others:
+                continue
+            state[name] = f.get_tensor(k)
+    state = to_diffusers_state(arch, sf["naming"], state, sf["config"])
+    state = {k: v for k, v in state.items() if not elsewhere(k)}
+    keep_stage_blocks(tr, lists, info)
+    materialize_stage(tr, lists, info, state, device, dtype)
+    return tr, info
