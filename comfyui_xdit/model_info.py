@@ -145,7 +145,7 @@ def read_safetensors_header(path) -> dict:
     for name, t in header.items():
         try:
             start, end = (int(v) for v in t["data_offsets"])
-            shape = [int(v) for v in t["shape"]]
+            [int(v) for v in t["shape"]]  # well-formed entries only
             str(t["dtype"])
         except (TypeError, KeyError, ValueError):
             raise ConfigError(f"{bad} (entry {name!r} malformed); re-download or re-save it") \

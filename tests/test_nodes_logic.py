@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig
+from comfyui_xdit import ConfigError, GenerationRequest
 from comfyui_xdit.comfy_convert import (comfy_noise, conditioning_to_request, is_empty_latent,
                                         latent_from_comfy, latent_to_comfy, preview_rgb,
                                         request_to_conditioning)

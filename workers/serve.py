@@ -421,8 +421,6 @@ class _Acceptor(threading.Thread):
 
 
 def _leader_loop(worker, acceptor):
-    import torch
-
     from .denoise import Cancelled
     from .lora import LoraError
 

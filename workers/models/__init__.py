@@ -7,7 +7,7 @@ The parallel methods themselves never look at the model class.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
