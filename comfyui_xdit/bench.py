@@ -37,6 +37,20 @@ from pathlib import Path
 from .config import ParallelConfig
 from .request import GenerationRequest
 
+def enable_comm_meter():
+    """Turn the workers' byte meter on (they inherit the environment, so before any pool
+    launches); returns the function that restores the previous setting."""
+    old = os.environ.get("XDIT_COMM_METER")
+    os.environ["XDIT_COMM_METER"] = "1"
+
+    def restore():
+        if old is None:
+            os.environ.pop("XDIT_COMM_METER", None)
+        else:
+            os.environ["XDIT_COMM_METER"] = old
+    return restore
+
+
 SPEEDUP_TARGET = 1.7
 BYTES_TOLERANCE = 0.10
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -438,9 +452,7 @@ def run(args) -> int:
     w, r = preset["warmup"], preset["repeats"]
     attempts = r if args.quick else r + max(0, args.max_retries)
     quiet = Contention(args.max_foreign_load, 0.0 if args.quick else args.max_wait, log)
-    # the workers inherit the environment: the meter must be on before any pool launches
-    old_meter = os.environ.get("XDIT_COMM_METER")
-    os.environ["XDIT_COMM_METER"] = "1"
+    restore_meter = enable_comm_meter()
     machine = machine_facts()
     pools = {}
     ceiling = None
@@ -475,10 +487,7 @@ def run(args) -> int:
             p.close()
         if ceiling is not None:
             ceiling.close()
-        if old_meter is None:
-            os.environ.pop("XDIT_COMM_METER", None)
-        else:
-            os.environ["XDIT_COMM_METER"] = old_meter
+        restore_meter()
     machine["loadavg_end"] = _loadavg()
     order = ["1x1", "1x1_cfg", "1x1_batch2", "1x2"] + [n for n, _, _ in TWO_RANK_RUNS]
     runs = {e.name: summarize_entry(e, job) for e in sorted(entries,

@@ -280,8 +280,7 @@ def run(args, log, machine: dict) -> dict:
 
     quiet = bench.Contention(args.max_foreign_load, 0.0 if args.quick else args.max_wait, log)
     attempts = tcfg["repeats"] if args.quick else tcfg["repeats"] + max(0, args.max_retries)
-    old_meter = os.environ.get("XDIT_COMM_METER")
-    os.environ["XDIT_COMM_METER"] = "1"
+    restore_meter = bench.enable_comm_meter()
     memory, quality, timing, samples, scale = [], [], {}, [], {}
     ceiling = None
     pools = []
@@ -373,10 +372,7 @@ def run(args, log, machine: dict) -> dict:
             p.close()
         if ceiling is not None:
             ceiling.close()
-        if old_meter is None:
-            os.environ.pop("XDIT_COMM_METER", None)
-        else:
-            os.environ["XDIT_COMM_METER"] = old_meter
+        restore_meter()
 
     th = theory(facts["flux"], job, 2)
     comm = []

@@ -198,7 +198,6 @@ class _Outbox:
 
 @dataclass
 class _Micro:
-    step: int
     patch: int
     rows: tuple  # token rows (r0, r1)
     branch: int
@@ -218,7 +217,6 @@ class PipelineRun:
     text_len: dict  # branch -> text tokens
     batch: int
     hidden: int
-    dtype: Any
     device: Any
     caches: dict = field(default_factory=dict)
 
@@ -318,28 +316,29 @@ def run_pipefusion(job, prep, model, adapter, topo, emit: Optional[Callable] = N
                       text_len={b: c["encoder_hidden_states"].shape[1] for b, c in branches.items()},
                       batch=prep.latents.shape[0],
                       hidden=int(tconf.num_attention_heads) * int(tconf.attention_head_dim),
-                      dtype=dtype, device=dev)
+                      device=dev)
     timesteps = prep.timesteps
     total = len(timesteps)
     sigmas = prep.scheduler.sigmas[prep.begin:].to(dev)
     latents = prep.latents.clone()
     scale = float(req["cfg"])
 
-    def schedule(i):
-        bands = patch_rows(rows, 1 if i < warmup else patches)
-        return [_Micro(i, m, band, b, m == 0) for m, band in enumerate(bands) for b in order]
+    bands = [patch_rows(rows, 1 if i < warmup else patches) for i in range(total)]
+    schedule = [[_Micro(m, band, b, m == 0) for m, band in enumerate(bands[i]) for b in order]
+                for i in range(total)]
 
     # every message of the job, in order, per link
-    flag_index, piece_index = {}, {}
+    flag_index, last_piece = [], []  # per step: its flag's / its last latent piece's index
     for i in range(total):
         if run.acts is not None:
-            flag_index[i] = run.acts.expect((1,), torch.int32)
-            for mb in schedule(i):
+            flag_index.append(run.acts.expect((1,), torch.int32))
+            for mb in schedule[i]:
                 run.acts.expect(run.activation_shape(run.plan(mb)), dtype)
         if run.latents_in is not None:
-            for band in patch_rows(rows, 1 if i < warmup else patches):
-                piece_index[(i, band)] = run.latents_in.expect(
+            for band in bands[i]:
+                last = run.latents_in.expect(
                     adapter.latent_rows(latents, band[0], band[1], cols).shape, dtype)
+            last_piece.append(last)
     stage_group = topo.group("stage")
     every = int(req.get("preview_every") or 0)
     t0 = time.perf_counter()
@@ -393,12 +392,11 @@ def run_pipefusion(job, prep, model, adapter, topo, emit: Optional[Callable] = N
             if run.acts is not None:  # the previous stage now sends step i, then flag i+1
                 run.acts.allow(flag_index[i + 1] + 1 if i + 1 < total else len(run.acts.specs))
             if run.latents_in is not None:
-                last_piece = max(v for (s, _), v in piece_index.items() if s == i)
-                run.latents_in.allow(last_piece + 1)
+                run.latents_in.allow(last_piece[i] + 1)
             if stage == 0:
                 covered = 0
             # 2. this step's micro-batches
-            for mb in schedule(i):
+            for mb in schedule[i]:
                 if stage == 0 and i > 0:
                     covered = receive_rows(covered, mb.rows[1])
                 ctx = PatchContext(image_range=(mb.rows[0] * cols, mb.rows[1] * cols),
