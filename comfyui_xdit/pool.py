@@ -44,7 +44,10 @@ class WorkerPool:
                  dtype: str = "fp32", threads_per_rank: Optional[int] = None,
                  gpus: Optional[list] = None, start_timeout: float = 900.0,
                  step_timeout: float = 600.0, load_in_turn: Optional[bool] = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", worker_hooks=()):
+        """`worker_hooks`: "module:function" specs every worker runs at start (tests and
+        benchmarks: NCCL-rules emulation, communication meter, fault injection; see
+        workers/hooks.py). Not for production use."""
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda (got {device!r})")
         if attention not in ("auto", "flash", "torch"):
@@ -53,6 +56,7 @@ class WorkerPool:
             raise ConfigError("attention 'flash' (flash-attn) needs device cuda; use 'auto' "
                               "or 'torch'")
         self.attention = attention
+        self.worker_hooks = tuple(worker_hooks or ())
         if dtype not in ("fp32", "bf16", "fp16"):
             raise ConfigError(f"dtype must be fp32, bf16 or fp16 (got {dtype!r})")
         self.model_path = str(Path(model_path).resolve())
@@ -249,6 +253,8 @@ class WorkerPool:
                 cmd += ["--address-file", addr_file, "--secret-file", secret_file]
             if self.load_in_turn:
                 cmd += ["--load-in-turn"]
+            for spec in self.worker_hooks:
+                cmd += ["--hook", spec]
             if self.config.pipefusion > 1:
                 cmd += ["--pipefusion", str(self.config.pipefusion), "--pipefusion-inner",
                         str(self.config.sp), "--pipefusion-split",

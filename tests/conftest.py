@@ -43,20 +43,11 @@ def pools(model_dir):
     def get(arch: str, world: int, fault: str | None = None):
         key = (arch, world, fault)
         if key not in made:
-            old = os.environ.get("XDIT_FAULT")
-            if fault:
-                os.environ["XDIT_FAULT"] = fault
-            try:
-                pool = WorkerPool(model_dir(arch), ParallelConfig(ulysses=world),
-                                  device="cpu", threads_per_rank=1)
-                pool.generate(GenerationRequest(prompt=["warm"], steps=1, height=64, width=64,
-                                                max_sequence_length=8, cfg=1.0))
-            finally:
-                if fault:
-                    if old is None:
-                        os.environ.pop("XDIT_FAULT", None)
-                    else:
-                        os.environ["XDIT_FAULT"] = old
+            hooks = [f"xdit_testhooks.faults:{fault}"] if fault else []
+            pool = WorkerPool(model_dir(arch), ParallelConfig(ulysses=world),
+                              device="cpu", threads_per_rank=1, worker_hooks=hooks)
+            pool.generate(GenerationRequest(prompt=["warm"], steps=1, height=64, width=64,
+                                            max_sequence_length=8, cfg=1.0))
             made[key] = pool
         return made[key]
 

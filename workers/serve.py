@@ -59,29 +59,34 @@ def _parse(argv):
                    help="PipeFusion degree: each rank loads only its stage's blocks")
     p.add_argument("--pipefusion-inner", type=int, default=1,
                    help="ulysses x ring inside each stage (places ranks on stages)")
+    p.add_argument("--hook", action="append", default=[],
+                   help="module:function run in this worker before the process group "
+                        "exists (tests and benchmarks only; see workers/hooks.py)")
     p.add_argument("--pipefusion-split", default="balanced",
                    help="balanced | compute | memory | block counts per stage, e.g. 3,2")
     return p.parse_args(argv)
 
 
 def _init_distributed(args, rank, world):
+    """Both planes (workers/topology.py): set the GPU first, then the process group."""
     import torch
     import torch.distributed as dist
 
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    # Idle pools wait on rank 0's broadcast indefinitely; hangs are caught by the host.
-    timeout = datetime.timedelta(days=30)
-    if args.store:
-        store = dist.FileStore(args.store, world)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    else:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    from .topology import init_world
+
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        # the pool gives each rank one visible GPU; under torchrun LOCAL_RANK picks it
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))
+                              % max(1, torch.cuda.device_count()))
+    else:
+        device = torch.device("cpu")
+    store = dist.FileStore(args.store, world) if args.store else None
+    return init_world(rank, world, device, store)
 
 
 class Worker:
-    def __init__(self, args, rank, world, import_s=0.0):
+    def __init__(self, args, rank, world, import_s=0.0, planes=None, hooks=None,
+                 hook_options=None):
         import resource
 
         import torch
@@ -93,8 +98,10 @@ class Worker:
         self.args = args
         self.rank = rank
         self.world = world
-        self.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
-            else torch.device("cpu")
+        self.planes = planes  # workers.topology.World
+        self.hooks = hooks or {}
+        self.hook_options = hook_options or {}
+        self.device = planes.device
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
         from .attention import check_backend
         check_backend(args.attention, self.device.type, self.dtype)
@@ -111,7 +118,7 @@ class Worker:
                 self.model = self.adapter.load(args.model, self.device, self.dtype,
                                                with_text_encoders=(rank == 0), stage=stage)
             if args.load_in_turn and world > 1:
-                dist.barrier()
+                dist.barrier(group=planes.control)
         self.load_seconds = time.perf_counter() - t
         self.base_loads = 1  # the base model is loaded once; LoRA never reloads it
         self.loras = LoraManager(self.adapter)
@@ -119,7 +126,7 @@ class Worker:
         self.topologies = {}
         self.parallel = None  # (config key, SequenceParallel or None)
         st = self.model.stage
-        self.ranks = _gather_all({"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+        self.ranks = _gather_all(planes.control, {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
                                   "device": str(self.device), "rss_mb": rss_mb(),
                                   "transformer_params": sum(
                                       p.numel() for p in self.model.transformer.parameters()),
@@ -151,7 +158,8 @@ class Worker:
 
         if key not in self.topologies:
             dp, cfg, pf, uly, ring = key
-            self.topologies[key] = build_topology(self.rank, self.world, dp, cfg, pf, uly, ring)
+            self.topologies[key] = build_topology(self.rank, self.world, dp, cfg, pf, uly, ring,
+                                                  device=self.device)
         topo = self.topologies[key]
         if self.parallel is None or self.parallel[0] != key:
             if self.parallel is not None and self.parallel[1] is not None:
@@ -164,7 +172,7 @@ class Worker:
             elif topo.sp > 1:
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
                                       ShardedAttention(topo, self.device.type,
-                                                       fault=os.environ.get("XDIT_FAULT", ""),
+                                                       fault=self.hook_options.get("attention_fault", ""),
                                                        backend=self.args.attention))
             self.parallel = (key, sp)
         return topo
@@ -222,13 +230,11 @@ class Worker:
 
         from .denoise import run_job
 
-        from .comm_meter import get_meter
+        from .hooks import job_started
 
         topo = self.topology(job.config)
         self._apply_loras(job)
-        meter = get_meter()
-        if meter is not None:
-            meter.reset()
+        job_started(self.hooks)
         t = time.perf_counter()
         with torch.inference_mode():
             samples = run_job(job, self.model, self.adapter, topo, emit, should_stop)
@@ -236,8 +242,6 @@ class Worker:
                  "lora_loads": self.loras.loads, "base_loads": self.base_loads}
         if self.device.type == "cuda":
             stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        if meter is not None:
-            stats["comm"] = meter.snapshot()
         images = None
         if job.request.get("output") == "image":  # the same decision on every rank
             import torch.distributed as dist
@@ -245,7 +249,10 @@ class Worker:
             if group is not None or self.rank == 0:
                 with torch.inference_mode():
                     images = self.adapter.decode(self.model, samples, group=group)
-        stats = _gather_stats(stats)
+        if self.hooks:
+            from .hooks import job_stats
+            stats["hooks"] = job_stats(self.hooks)
+        stats = _gather_stats(self.planes.control, stats)
         if stats and self.rank == 0:
             for r, st in zip(self.ranks, stats):
                 r["rss_mb"] = st["rss_mb"]
@@ -267,7 +274,7 @@ class Worker:
         except Exception as e:  # noqa: BLE001  (reported by every rank below)
             err = f"rank {self.rank}: {e}" if isinstance(e, LoraError) else \
                 f"rank {self.rank}: {type(e).__name__}: {e}"
-        errors = [x for x in (_gather_all(err) if self.world > 1 else [err]) if x]
+        errors = [x for x in (_gather_all(self.planes.control, err) if self.world > 1 else [err]) if x]
         if errors:
             try:  # leave the model in a known state: no adapter active
                 self.loras.apply(self.model.transformer, [])
@@ -318,7 +325,7 @@ def _leader_decode(worker, chan, body):
     if problem:
         chan.send(("error", job_id, f"ValueError: {problem}", False))
         return
-    _broadcast(DecodeJob(job_id))
+    _broadcast(worker.planes.control, DecodeJob(job_id))
     worker.state.update(state="running", job_id=job_id, step=0, total=0)
     t = time.perf_counter()
     try:
@@ -333,28 +340,30 @@ def _leader_decode(worker, chan, body):
                                   "stats": [{"rank": 0, "decode_s": time.perf_counter() - t}]}))
 
 
-def _gather_all(obj):
+def _gather_all(control, obj):
+    """Every rank's object on every rank, over the control plane."""
     import torch.distributed as dist
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(control)
+    dist.all_gather_object(out, obj, group=control)
     return out
 
 
-def _gather_stats(stats):
+def _gather_stats(control, stats):
     """Every rank's job statistics, on rank 0 (one small collective per job)."""
     import torch.distributed as dist
     if dist.get_world_size() == 1:
         return [stats]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(stats, out, dst=0)
+    dist.gather_object(stats, out, dst=0, group=control)
     return out
 
 
-def _broadcast(obj):
+def _broadcast(control, obj):
+    """Rank 0's object to every rank, over the control plane (where idle ranks wait)."""
     import torch.distributed as dist
     box = [obj]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=control)
     return box[0]
 
 
@@ -362,7 +371,7 @@ def _follower_loop(worker):
     from .denoise import Cancelled
     from .lora import LoraError
     while True:
-        job = _broadcast(None)
+        job = _broadcast(worker.planes.control, None)
         if job == "shutdown":
             return
         if isinstance(job, DecodeJob):
@@ -440,7 +449,7 @@ def _leader_loop(worker, acceptor):
             continue
         kind = msg[0]
         if kind == "shutdown":
-            _broadcast("shutdown")
+            _broadcast(worker.planes.control, "shutdown")
             chan.send(("bye",))
             return
         if kind == "ping":
@@ -463,7 +472,7 @@ def _leader_loop(worker, acceptor):
         except Exception as e:  # nothing was broadcast: the pool is still consistent
             chan.send(("error", body["job_id"], f"{type(e).__name__}: {e}", False))
             continue
-        _broadcast(job)
+        _broadcast(worker.planes.control, job)
         cancelled = []
 
         def should_stop():
@@ -534,8 +543,12 @@ def main(argv=None) -> int:
             log.warning("control channel listening on %s:%d (beyond loopback)", host,
                         listener.getsockname()[1])
 
-    _init_distributed(args, rank, world)
-    worker = Worker(args, rank, world, import_s)
+    from .hooks import HookContext, install
+    ctx = HookContext(rank=rank, world=world, device=args.device)
+    hooks = install(args.hook, ctx)  # before the process group: hooks may wrap it
+    planes = _init_distributed(args, rank, world)
+    worker = Worker(args, rank, world, import_s, planes=planes, hooks=hooks,
+                    hook_options=ctx.options)
     log.info("loaded %s in %.2fs", args.model, worker.load_seconds)
     if rank != 0:
         _follower_loop(worker)

@@ -1,22 +1,60 @@
-"""Process groups for dp x cfg x pipefusion x ulysses x ring, built in one place.
+"""Process groups for dp x cfg x pipefusion x ulysses x ring, built in one place, on two
+planes.
 
 Rank layout (outermost first): dp, cfg, pipefusion, ring, ulysses. Ulysses is innermost so
 its all-to-all stays between neighbouring ranks (same NVLink island on a GPU box), and
 within a sequence-parallel group `sp_rank = ring_rank * ulysses + ulysses_rank`, which is the
 order yunchang's hybrid attention concatenates shards in.
 
+Two planes (DESIGN.md, "Communication"): every device group (NCCL on GPUs, gloo on CPU) has
+a gloo twin with the same members. Data (activations, K/V, latents, predictions) moves on the
+device groups with device tensors only; control (job broadcast, stop flags, shapes, object
+gathers, stats) on the gloo twins with CPU tensors or objects. Idle ranks wait on the control
+plane, never inside a device collective.
+
 A Topology is immutable and passed explicitly; workers cache one per configuration (every
 rank receives the same jobs in the same order, so `new_group` calls line up).
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 AXES = ("dp", "cfg", "pipefusion", "ring", "ulysses")
+
+# Idle pools wait on rank 0's control broadcast indefinitely; hangs are caught by the host.
+_TIMEOUT = datetime.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class World:
+    """The whole pool: its rank, size, compute device, and the world group on each plane."""
+
+    rank: int
+    size: int
+    device: Any  # torch.device of this rank's compute
+    data: Any  # world device group (NCCL on CUDA, gloo on CPU)
+    control: Any  # world gloo group
+
+
+def init_world(rank: int, size: int, device: torch.device, store=None) -> World:
+    """`init_process_group` for this rank. On CUDA the device is set first and bound with
+    `device_id` (NCCL then creates its communicator eagerly, on the right GPU)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"timeout": _TIMEOUT, "rank": rank, "world_size": size}
+    if store is not None:
+        kw["store"] = store
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kw["device_id"] = device
+    dist.init_process_group(backend, **kw)
+    control = dist.new_group(list(range(size)), backend="gloo", timeout=_TIMEOUT)
+    return World(rank=rank, size=size, device=device, data=dist.group.WORLD, control=control)
 
 
 @dataclass(frozen=True)
@@ -25,8 +63,10 @@ class Topology:
     world_size: int
     degrees: dict  # axis -> degree
     coords: dict  # axis -> this rank's index along the axis
-    groups: dict  # axis name (and "sp") -> ProcessGroup containing this rank
+    groups: dict  # axis name (and "sp", "stage") -> device-plane ProcessGroup with this rank
+    controls: dict  # the same names -> the gloo twin
     sp_rank: int
+    device: Any = None
 
     @property
     def sp(self) -> int:
@@ -39,7 +79,12 @@ class Topology:
         return self.coords[axis]
 
     def group(self, axis: str) -> Any:
+        """Data plane: device tensors only."""
         return self.groups[axis]
+
+    def control(self, axis: str) -> Any:
+        """Control plane (gloo): CPU tensors and objects."""
+        return self.controls[axis]
 
     def global_rank(self, **coords) -> int:
         """Global rank of the rank whose coordinates equal ours except those given."""
@@ -51,7 +96,7 @@ class Topology:
 
 
 def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: int,
-                   ulysses: int, ring: int) -> Topology:
+                   ulysses: int, ring: int, device=None) -> Topology:
     degrees = {"dp": dp, "cfg": cfg, "pipefusion": pipefusion, "ring": ring, "ulysses": ulysses}
     product = dp * cfg * pipefusion * ring * ulysses
     if product != world_size:
@@ -63,8 +108,9 @@ def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: in
         coords_of[r] = dict(zip(AXES, c))
     mine = coords_of[rank]
 
-    def make(varying: tuple) -> Any:
-        """Create every group along `varying` axes (collectively); return the one with us."""
+    def make(varying: tuple) -> tuple:
+        """Create every group along `varying` axes on both planes (collectively); return
+        the pair that holds us."""
         fixed = [a for a in AXES if a not in varying]
         buckets: dict = {}
         for r in range(world_size):
@@ -73,14 +119,17 @@ def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: in
         found = None
         for key in sorted(buckets):
             members = buckets[key]
-            g = dist.new_group(members)
+            g = dist.new_group(members, timeout=_TIMEOUT)
+            c = dist.new_group(members, backend="gloo", timeout=_TIMEOUT)
             if rank in members:
-                found = g
+                found = (g, c)
         return found
 
-    groups = {a: make((a,)) for a in AXES}
-    groups["sp"] = make(("ring", "ulysses"))
-    groups["stage"] = make(tuple(a for a in AXES if a != "pipefusion"))  # same pipeline stage
+    names = {a: (a,) for a in AXES}
+    names["sp"] = ("ring", "ulysses")
+    names["stage"] = tuple(a for a in AXES if a != "pipefusion")  # same pipeline stage
+    made = {n: make(v) for n, v in names.items()}
     sp_rank = mine["ring"] * ulysses + mine["ulysses"]
     return Topology(rank=rank, world_size=world_size, degrees=degrees, coords=mine,
-                    groups=groups, sp_rank=sp_rank)
+                    groups={n: p[0] for n, p in made.items()},
+                    controls={n: p[1] for n, p in made.items()}, sp_rank=sp_rank, device=device)
