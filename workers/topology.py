@@ -27,6 +27,20 @@ import torch.distributed as dist
 
 AXES = ("dp", "cfg", "pipefusion", "ring", "ulysses")
 
+_CONTROL_GROUPS: set = set()  # ids of the gloo twins (filled as they are created, never later)
+
+
+def is_control(group) -> bool:
+    """Whether `group` is a control-plane (gloo twin) group: meters count the data plane."""
+    return group is not None and id(group) in _CONTROL_GROUPS
+
+
+def _control_group(members):
+    g = dist.new_group(members, backend="gloo", timeout=_TIMEOUT)
+    _CONTROL_GROUPS.add(id(g))
+    return g
+
+
 # Idle pools wait on rank 0's control broadcast indefinitely; hangs are caught by the host.
 _TIMEOUT = datetime.timedelta(days=30)
 
@@ -53,7 +67,7 @@ def init_world(rank: int, size: int, device: torch.device, store=None) -> World:
         torch.cuda.set_device(device)
         kw["device_id"] = device
     dist.init_process_group(backend, **kw)
-    control = dist.new_group(list(range(size)), backend="gloo", timeout=_TIMEOUT)
+    control = _control_group(list(range(size)))
     return World(rank=rank, size=size, device=device, data=dist.group.WORLD, control=control)
 
 
@@ -120,7 +134,7 @@ def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: in
         for key in sorted(buckets):
             members = buckets[key]
             g = dist.new_group(members, timeout=_TIMEOUT)
-            c = dist.new_group(members, backend="gloo", timeout=_TIMEOUT)
+            c = _control_group(members)
             if rank in members:
                 found = (g, c)
         return found
