@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .config import ConfigError
+from .worker_modules import worker_module
 
 LATENT_CHANNELS = 16
 
@@ -164,3 +165,22 @@ def preview_rgb(preview, arch: str):
     rgb = torch.nn.functional.linear(x.movedim(0, -1), torch.tensor(fmt["rgb"]).T,
                                      bias=torch.tensor(fmt["bias"]))
     return ((rgb + 1.0) / 2.0).clamp(0, 1).mul(255).round().to(torch.uint8)
+
+
+# ---- ComfyUI LATENT space <-> the workers' model space -----------------------------------
+# The workers speak model space (DESIGN.md numerics 5): FLUX packs 2x2 latent pixels per
+# token, and both scale by the VAE's factors. `fmt` is what the pool reports for its model:
+# {"scale": ..., "shift": ...}; the packing is the architecture's (workers/models/latent_layout).
+def comfy_to_model(arch: str, samples, fmt: dict):
+    """ComfyUI LATENT samples (raw VAE space, [B,16,H/8,W/8]) -> model space."""
+    return worker_module("models.latent_layout").to_model(arch, samples, fmt["scale"], fmt["shift"])
+
+
+def model_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):
+    """Model-space latents -> ComfyUI LATENT samples (raw VAE space, fp32)."""
+    return worker_module("models.latent_layout").to_raw(arch, latents, fmt["scale"], fmt["shift"], height, width).float()
+
+
+def noise_to_model(arch: str, noise):
+    """ComfyUI's noise [B,16,H/8,W/8] -> the transformer's layout (noise is not scaled)."""
+    return worker_module("models.latent_layout").pack(arch, noise.float())

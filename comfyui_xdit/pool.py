@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .channel import Channel, connect, parse_address
+from .comfy_convert import (LATENT_CHANNELS, comfy_noise, comfy_to_model, model_to_comfy,
+                            noise_to_model)
 from .config import ConfigError, ParallelConfig
 from .model_info import ModelInfo, read_model_info
 from .request import GenerationRequest, GenerationResult
@@ -376,9 +378,19 @@ class WorkerPool:
             t_ready = time.perf_counter()
             self._job_id += 1
             job_id = self._job_id
+            # the workers speak model space; ComfyUI's conventions are converted here only
+            fmt = self._remote["latent"]
+            if noise is None:  # ComfyUI's prepare_noise, drawn once for the whole batch
+                noise = comfy_noise(req.seed, (req.batch, LATENT_CHANNELS, req.height // 8,
+                                               req.width // 8))
             body = {"job_id": job_id, "request": dataclasses.asdict(req),
-                    "config": self.config.key(), "noise": noise, "init_latent": init_latent,
+                    "config": self.config.key(), "noise": noise_to_model(info.arch, noise),
+                    "init_latent": None if init_latent is None else
+                    comfy_to_model(info.arch, init_latent, fmt),
                     "denoise": denoise, "options": self.config.options()}
+
+            def to_comfy(latents):
+                return model_to_comfy(info.arch, latents, fmt, req.height, req.width)
             self._running_job = job_id  # before sending: a cancel() racing the send counts
             self._chan.send(("job", body))
             first_step = None
@@ -392,16 +404,20 @@ class WorkerPool:
                                               "total": msg[2]["total"]}
                         if first_step is None and "step" in msg[2]:
                             first_step = time.perf_counter() - t_ready
+                        event = dict(msg[2])
+                        for key in ("preview", "samples"):  # model space -> ComfyUI's
+                            if key in event:
+                                event[key] = to_comfy(event[key])
                         if on_event is not None:
                             try:
-                                on_event(msg[2])
+                                on_event(event)
                             except BaseException:
                                 self._cancel_and_drain(job_id)
                                 raise
                     elif kind == "result" and msg[1] == job_id:
                         payload = msg[2]
                         return GenerationResult(
-                            samples=payload["samples"], images=payload["images"],
+                            samples=to_comfy(payload["samples"]), images=payload["images"],
                             config=self.config, stats=payload.get("stats") or [],
                             timings={"launch_s": (t_ready - t0) if launched else 0.0,
                                      "first_step_s": first_step,

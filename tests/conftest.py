@@ -62,7 +62,10 @@ def oracle(model_dir):
     ComfyUI's LATENT space, from the same noise (DESIGN.md numerics 4)."""
     import diffusers
 
-    from workers.denoise import prepare_noise
+
+    def prepare_noise(seed, shape):  # ComfyUI's comfy.sample.prepare_noise
+        return torch.randn(shape, generator=torch.manual_seed(seed), dtype=torch.float32,
+                           device="cpu")
     from workers.models import get_adapter
 
     pipes, cache = {}, {}

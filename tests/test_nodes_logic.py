@@ -15,7 +15,7 @@ from comfyui_xdit.node_logic import (ModelHandle, PoolRegistry, SampleInputs, bu
                                      discover_models, discover_single_files, make_handle,
                                      resolve_model, sample)
 from comfyui_xdit.pool import JobCancelled
-from workers.denoise import prepare_noise
+from comfyui_xdit.comfy_convert import comfy_noise as prepare_noise
 
 from single_file_util import write_single_file
 from test_conditioning import encode

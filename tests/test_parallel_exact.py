@@ -66,7 +66,7 @@ def run_and_compare(pools, oracle, arch, world, config, size, batch, cfg):
 
 
 def pool_noise(req):
-    from workers.denoise import prepare_noise
+    from comfyui_xdit.comfy_convert import comfy_noise as prepare_noise
     return prepare_noise(req.seed, (len(req.prompt), 16, req.height // 8, req.width // 8))
 
 

@@ -15,7 +15,7 @@ import torch
 from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
 from comfyui_xdit.config import ConfigError
 from comfyui_xdit.tiny_model import ensure_tiny_model
-from workers.pipefusion import patch_rows
+from workers.schedule import patch_rows
 from workers.pipefusion_stages import parse_split, partition
 
 TOL = 1e-4

@@ -51,7 +51,7 @@ def _key(req: GenerationRequest) -> str:
 
 
 def _noise(req: GenerationRequest) -> torch.Tensor:
-    from workers.denoise import prepare_noise
+    from comfyui_xdit.comfy_convert import comfy_noise as prepare_noise
     return prepare_noise(req.seed, (len(req.prompt), 16, req.height // 8, req.width // 8))
 
 

@@ -156,7 +156,7 @@ def _sd3_reference(folder, pos, neg, cfg):
     ComfyUI's noise (the pool reproduces this pipeline, DESIGN.md numerics 4)."""
     import diffusers
 
-    from workers.denoise import prepare_noise
+    from comfyui_xdit.comfy_convert import comfy_noise as prepare_noise
     pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(str(folder))
     noise = prepare_noise(COMMON["seed"], (1, 16, COMMON["height"] // 8, COMMON["width"] // 8))
     out = pipe(prompt_embeds=pos["cond"], pooled_prompt_embeds=pos["pooled"],

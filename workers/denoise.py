@@ -1,9 +1,21 @@
-"""The denoising loop every rank runs: flow-matching Euler, with CFG parallel and data parallel.
+"""The one denoising loop every rank runs, for every parallel method.
 
-Sequence parallelism is invisible here (it lives in the transformer's hooks); this loop only
-decides which batch slice (dp) and which guidance branch (cfg) a rank computes, and how the
-results come together. Every input arrives in the `Job` broadcast from rank 0, so no rank
-derives anything on its own.
+The loop walks the job's tick table (workers/schedule.py). Without PipeFusion a tick is one
+guidance branch of one step on the whole image; with PipeFusion each stage computes one
+patch per tick. Written once here, for every method:
+
+* the stop decision: rank 0 asks the host at the start of each step and tells every rank
+  over the control plane (gloo), at the same tick on every rank;
+* the transfers between ticks: one grouped exchange with the neighbour stages (data plane);
+* the guidance combination (CFG in one process, or over the cfg ranks: one all-gather of
+  the two predictions on the data plane);
+* the scheduler's step (flow-matching Euler, on the rows a micro-batch finished);
+* progress events and previews (rank 0), and data parallel's gather of the batch.
+
+Sequence parallelism is invisible here (it lives in the transformer's hooks). Everything
+arrives in the `Job` that rank 0 broadcast; no rank derives anything on its own. The loop
+speaks model space (packed latents, model timesteps); the host converts to ComfyUI's
+conventions.
 """
 from __future__ import annotations
 
@@ -14,6 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .p2p import exchange
+from .schedule import Micro, build_schedule
 from .sequence_parallel import even_sizes
 from .topology import Topology
 
@@ -29,43 +43,48 @@ class Job:
     job_id: int
     request: dict  # GenerationRequest fields, defaults resolved
     config: tuple  # ParallelConfig.key()
-    noise: torch.Tensor  # [B,16,H/8,W/8] fp32, ComfyUI's prepare_noise
+    noise: torch.Tensor  # model space (packed for FLUX), fp32, the whole batch
     cond: dict
     uncond: Optional[dict]
-    init_latent: Optional[torch.Tensor] = None  # ComfyUI LATENT samples (img2img)
+    init_latent: Optional[torch.Tensor] = None  # model space, the whole batch (img2img)
     denoise: float = 1.0
     options: Optional[dict] = None  # PipeFusion: warmup_steps, pipeline_patches
 
 
-def prepare_noise(seed: int, shape) -> torch.Tensor:
-    """Exactly ComfyUI's `comfy.sample.prepare_noise` (no batch_index)."""
-    return torch.randn(shape, generator=torch.manual_seed(seed), dtype=torch.float32,
-                       device="cpu")
-
-
-def _stop_requested(should_stop: Callable[[], bool], device) -> bool:
-    """Rank 0 decides; one tiny broadcast keeps every rank on the same step."""
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
-    if dist.get_rank() == 0 and should_stop():
-        flag += 1
-    if dist.get_world_size() > 1:
-        dist.broadcast(flag, src=0)
-    return bool(flag.item())
+def schedule_window(steps: int, denoise: float) -> tuple:
+    """(schedule length, first index) of ComfyUI's KSampler rule: with denoise < 1 it builds
+    the schedule for int(steps / denoise) steps and runs the last `steps` of them."""
+    if denoise >= 1.0:
+        return steps, 0
+    total = max(steps, int(steps / denoise))
+    return total, total - steps
 
 
 @dataclass
 class Prepared:
-    """This rank's part of a job, ready for a denoising loop."""
+    """This rank's part of a job, ready for the loop."""
 
     sizes: list  # dp batch split
     mine: slice  # this replica's batch slice
     cond: dict
     uncond: Optional[dict]
-    latents: torch.Tensor  # packed, model space, at the first timestep
-    scheduler: object
+    latents: torch.Tensor  # model space, at the first timestep
+    sigmas: torch.Tensor  # the run's sigmas, one more than timesteps (fp32, device)
     timesteps: torch.Tensor
-    begin: int  # first schedule index (img2img starts part-way down)
     extra: dict  # per-size forward inputs (FLUX image ids)
+
+
+def check_scheduler(scheduler) -> None:
+    """The loop's step is flow-matching Euler on the scheduler's sigmas: refuse a scheduler
+    configuration it would not reproduce, rather than run it wrong."""
+    c = scheduler.config
+    if type(scheduler).__name__ != "FlowMatchEulerDiscreteScheduler":
+        raise ValueError(f"scheduler {type(scheduler).__name__} is not supported; the pool "
+                         f"runs FlowMatchEulerDiscreteScheduler (FLUX, SD3)")
+    for key in ("stochastic_sampling", "use_karras_sigmas", "use_exponential_sigmas",
+                "use_beta_sigmas"):
+        if c.get(key):
+            raise ValueError(f"scheduler option {key} is not supported by the pool's loop")
 
 
 def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
@@ -84,151 +103,178 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
     cond, uncond = to_dev(job.cond), to_dev(job.uncond)
     if topo.degree("cfg") == 2 and uncond is None:
         raise RuntimeError("cfg-parallel job without a negative branch")
-    noise = adapter.pack(job.noise[mine].to(dev, dtype))
-    latents = noise
+    noise = job.noise[mine].to(dev, dtype)
     scheduler = adapter.make_scheduler(model)
-    timesteps = adapter.timesteps(scheduler, req["steps"], latents, dev)
-    begin = 0
-    if job.init_latent is not None and job.denoise < 1.0:
-        # img2img: start part-way down the schedule from the noised input latent
-        steps = req["steps"]
-        begin = steps - max(1, int(round(steps * job.denoise)))
-        timesteps = timesteps[begin:]
-        scheduler.set_begin_index(begin)
-        x0 = adapter.from_comfy(model, job.init_latent[mine]).to(dev, dtype)
-        sigma = scheduler.sigmas[begin].to(dev, dtype)
-        latents = sigma * noise + (1 - sigma) * x0
+    check_scheduler(scheduler)
+    img2img = job.init_latent is not None and job.denoise < 1.0
+    total, begin = schedule_window(req["steps"], job.denoise if img2img else 1.0)
+    timesteps = adapter.timesteps(scheduler, total, noise, dev)[begin:]
+    sigmas = scheduler.sigmas[begin:].to(dev, torch.float32)
+    latents = noise
+    if img2img:  # start part-way down the schedule from the noised input latent
+        x0 = job.init_latent[mine].to(dev, dtype)
+        latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(dtype)
     return Prepared(sizes=sizes, mine=mine, cond=cond, uncond=uncond, latents=latents,
-                    scheduler=scheduler, timesteps=timesteps, begin=begin,
+                    sigmas=sigmas, timesteps=timesteps,
                     extra=adapter.forward_extra(model, req["height"], req["width"]))
 
 
-def run_job(job: Job, model, adapter, topo: Topology,
+def euler_step(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int) -> torch.Tensor:
+    """FlowMatchEulerDiscreteScheduler.step without noise: x + (sigma_{i+1} - sigma_i) v,
+    in fp32, back to the prediction's dtype (rows or the whole latent alike)."""
+    return (x.float() + (sigmas[i + 1] - sigmas[i]) * v.float()).to(v.dtype)
+
+
+def combine(neg: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance (SD3's guidance scale, FLUX's true CFG)."""
+    return neg + scale * (pos - neg)
+
+
+def _stop_requested(should_stop: Callable[[], bool], control) -> bool:
+    """Rank 0 decides; one tiny broadcast on the control plane keeps every rank on the same
+    step."""
+    flag = torch.zeros(1, dtype=torch.int32)
+    if dist.get_rank() == 0 and should_stop():
+        flag += 1
+    if dist.get_world_size(control) > 1:
+        dist.broadcast(flag, src=0, group=control)
+    return bool(flag.item())
+
+
+def _branches(prep: Prepared, topo: Topology) -> dict:
+    if prep.uncond is None:
+        return {1: prep.cond}
+    if topo.degree("cfg") == 2:
+        mine = topo.index("cfg")
+        return {mine: prep.uncond if mine == 0 else prep.cond}
+    return {0: prep.uncond, 1: prep.cond}
+
+
+def run_job(job: Job, model, adapter, topo: Topology, control,
             emit: Optional[Callable[[dict], None]] = None,
             should_stop: Callable[[], bool] = lambda: False) -> Optional[torch.Tensor]:
-    """Run one job on this rank. Returns the full batch's ComfyUI LATENT on rank 0."""
+    """Run one job on this rank (`control`: the world's control-plane group). Returns the
+    whole batch's final latent (model space) on rank 0, None elsewhere."""
     req = job.request
-    dev = model.device
-    height, width = req["height"], req["width"]
+    dev, dtype = model.device, model.dtype
     prep = prepare(job, model, adapter, topo)
-    collector = None
-    if topo.degree("dp") > 1:
-        collector = BatchCollector(topo, prep.sizes, (16, height // 8, width // 8), emit, dev)
-    if topo.degree("pipefusion") > 1:
-        from .pipefusion import run_pipefusion
-        try:
-            out = run_pipefusion(job, prep, model, adapter, topo, emit, should_stop)
-        except Cancelled:
-            if collector is not None:
-                collector.cancel()
-            raise
-        if out is None:
-            return None
-        if collector is None:
-            return out.cpu() if topo.rank == 0 else None
-        return collector.finish(out)
-
-    cond, uncond, scheduler, begin, extra = (prep.cond, prep.uncond, prep.scheduler,
-                                             prep.begin, prep.extra)
-    timesteps, latents = prep.timesteps, prep.latents
-    use_cfg = uncond is not None
-    cfg_parallel = topo.degree("cfg") == 2
-    scale = float(req["cfg"])
-
-    def predict(branch: dict) -> torch.Tensor:
-        return adapter.forward(model, latents, t, branch, req.get("guidance"), extra)
-
+    branches = _branches(prep, topo)
+    stages, stage = topo.degree("pipefusion"), topo.index("pipefusion")
+    rows, cols = req["height"] // 16, req["width"] // 16
+    opts = job.options or {}
+    sched = build_schedule(len(prep.timesteps), stages, rows, sorted(branches),
+                           warmup=int(opts.get("warmup_steps", 1)),
+                           patches=int(opts.get("pipeline_patches") or stages))
+    run = None
+    if stages > 1:
+        from .pipefusion import PipelineRun, check_stage
+        check_stage(model, topo)
+        run = PipelineRun(topo=topo, rows=rows, cols=cols, batch=prep.latents.shape[0],
+                          text_len={b: c["encoder_hidden_states"].shape[1]
+                                    for b, c in branches.items()},
+                          hidden=int(model.transformer.config.num_attention_heads)
+                          * int(model.transformer.config.attention_head_dim), device=dev)
+    pipe = topo.group("pipefusion")
+    latents = prep.latents.clone()
+    sigmas, scale = prep.sigmas, float(req["cfg"])
+    total = sched.steps
+    every = int(req.get("preview_every") or 0)
     t0 = time.perf_counter()
-    total = len(timesteps)
-    for i, t in enumerate(timesteps):
-        if _stop_requested(should_stop, dev):
-            if collector is not None:
-                collector.cancel()
-            raise Cancelled(f"cancelled at step {i}/{total}")
-        if cfg_parallel:
-            mine_pred = predict(uncond if topo.index("cfg") == 0 else cond)
-            both = [torch.empty_like(mine_pred) for _ in range(2)]
-            dist.all_gather(both, mine_pred.contiguous(), group=topo.group("cfg"))
-            pred = both[0] + scale * (both[1] - both[0])
-        elif use_cfg:
-            neg = predict(uncond)
-            pred = neg + scale * (predict(cond) - neg)
-        else:
-            pred = predict(cond)
-        every = int(req.get("preview_every") or 0)
-        want_preview = emit is not None and every and ((i + 1) % every == 0 or i + 1 == total)
-        if want_preview:  # flow matching's x0 estimate: x_t - sigma_t * v
-            x0 = latents - scheduler.sigmas[begin + i].to(dev, latents.dtype) * pred
-        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-        if emit is not None:
-            event = {"step": i + 1, "total": total, "elapsed": time.perf_counter() - t0}
-            if want_preview:
-                event["preview"] = adapter.to_comfy(model, x0[:1].float(), height, width).half().cpu()
-            emit(event)
-        if collector is not None:
-            collector.poll()
+    first, last = stage == 0, stage == stages - 1
+    outgoing = None  # activations computed at the previous tick, for the next stage
+    pending = {}  # last stage, CFG in one pipeline: patch -> negative prediction rows
+    x_step = latents.clone() if (first and emit is not None and every) else None
 
-    out = adapter.to_comfy(model, latents.float(), height, width)
-    if collector is None:
-        return out.cpu() if topo.rank == 0 else None
-    return collector.finish(out)
+    def rows_of(x, m: Micro):
+        return adapter.latent_rows(x, m.rows[0], m.rows[1], cols)
 
+    def want_preview(i):
+        return emit is not None and every and ((i + 1) % every == 0 or i + 1 == total)
 
-class BatchCollector:
-    """Data parallel: rank 0 collects each dp replica's images as soon as that replica is
-    done (posted receives, checked between rank 0's own steps), so the host can stream
-    finished images before the whole batch is ready."""
-
-    def __init__(self, topo: Topology, sizes: list, shape, emit, device):
-        # buffers live on the compute device: NCCL only moves device tensors
-        self.topo, self.sizes, self.emit, self.shape = topo, sizes, emit, tuple(shape)
-        self.device = device
-        self.starts = [sum(sizes[:d]) for d in range(len(sizes))]
-        self.parts = {}
-        self.pending = {}
-        if topo.rank == 0:
-            for d in range(1, len(sizes)):
-                buf = torch.empty((sizes[d],) + tuple(shape), dtype=torch.float32, device=device)
-                self.pending[d] = (dist.irecv(buf, src=self.leader(d)), buf)
-
-    def leader(self, d: int) -> int:
-        return self.topo.global_rank(dp=d, cfg=0, pipefusion=0, ring=0, ulysses=0)
-
-    def poll(self, wait: bool = False) -> None:
-        for d, (work, buf) in list(self.pending.items()):
-            if wait:
-                work.wait()
-            elif not work.is_completed():
+    try:
+        for tick in range(sched.ticks):
+            if tick in sched.stop_ticks and _stop_requested(should_stop, control):
+                raise Cancelled(f"cancelled at step {sched.stop_ticks[tick]}/{total}")
+            micro = sched.compute_at(stage, tick)
+            arrivals = sched.arrivals(tick) if stages > 1 else []
+            # 1. transfers: activations to the next stage, finished rows back to stage 0
+            sends, recvs = [], []
+            if outgoing is not None:
+                sends.append((outgoing, run.next))
+                outgoing = None
+            if run is not None and not first and micro is not None:
+                recvs.append((run.activation_shape(micro), dtype, run.prev))
+            for m in arrivals:
+                if last:
+                    sends.append((rows_of(latents, m), run.head))
+                if first:
+                    recvs.append((tuple(rows_of(latents, m).shape), dtype, run.tail))
+            got = exchange(sends, recvs, pipe, dev) if (sends or recvs) else []
+            if run is not None and not first and micro is not None:
+                run.incoming = got.pop(0)
+            if first:
+                for m, piece in zip(arrivals, got):
+                    rows_of(latents, m).copy_(piece)
+                for i in sched.steps_done(tick):
+                    if emit is not None:
+                        event = {"step": i + 1, "total": total,
+                                 "elapsed": time.perf_counter() - t0}
+                        if want_preview(i):  # flow matching: x0 = x_i - sigma_i * v
+                            v = (latents.float() - x_step.float()) / (sigmas[i + 1] - sigmas[i])
+                            event["preview"] = (x_step[:1].float() - sigmas[i] * v[:1]).half().cpu()
+                        emit(event)
+                    if x_step is not None:
+                        x_step = latents.clone()
+            if micro is None:
                 continue
-            del self.pending[d]
-            self._arrived(d, buf)
+            # 2. this tick's forward
+            t = prep.timesteps[micro.step]
+            jak = None
+            if run is not None:
+                jak = {"patch": run.context(micro)}
+            out = adapter.forward(model, latents, t, branches[micro.branch], req.get("guidance"),
+                                  prep.extra, jak=jak)
+            if run is not None and not last:
+                outgoing = run.take_outgoing()
+                continue
+            # 3. last stage: guidance, then the scheduler's step on the micro's rows
+            pred = rows_of(out, micro) if run is not None else out
+            if topo.degree("cfg") == 2:
+                both = [torch.empty_like(pred) for _ in range(2)]
+                dist.all_gather(both, pred.contiguous(), group=topo.group("cfg"))
+                pred = combine(both[0], both[1], scale)
+            elif len(branches) == 2:
+                if not micro.finishes:
+                    pending[micro.patch] = pred.clone()
+                    continue
+                pred = combine(pending.pop(micro.patch), pred, scale)
+            x = rows_of(latents, micro)
+            x.copy_(euler_step(x, pred, sigmas, micro.step))
+    finally:
+        if run is not None:
+            run.close()
+    return _gather_batch(latents, prep, topo, emit) if first else None
 
-    def _arrived(self, d: int, samples: torch.Tensor) -> None:
-        samples = samples.cpu()
-        self.parts[d] = samples
-        if self.emit is not None:
-            for j in range(samples.shape[0]):
-                self.emit({"image_index": self.starts[d] + j, "samples": samples[j:j + 1]})
 
-    def cancel(self) -> None:
-        """Every rank stops at the same step: settle the posted receives with empty sends so
-        none is left to swallow a later job's images."""
-        topo = self.topo
-        d = topo.index("dp")
-        if topo.rank == 0:
-            for work, _ in self.pending.values():
-                work.wait()
-            self.pending = {}
-        elif topo.rank == self.leader(d):
-            dist.send(torch.zeros((self.sizes[d],) + self.shape, device=self.device), dst=0)
-
-    def finish(self, samples: torch.Tensor) -> Optional[torch.Tensor]:
-        topo = self.topo
-        d = topo.index("dp")
-        if topo.rank == 0:
-            self._arrived(0, samples)
-            self.poll(wait=True)
-            return torch.cat([self.parts[i] for i in range(len(self.sizes))])
-        if topo.rank == self.leader(d):
-            dist.send(samples.float().contiguous(), dst=0)
+def _gather_batch(latents, prep: Prepared, topo: Topology, emit) -> Optional[torch.Tensor]:
+    """Data parallel: the replicas' latents to rank 0 in one all-gather over the dp leaders
+    (every replica ends at the same tick, so no receive is ever left posted). Rank 0 reports
+    each image, then returns the whole batch."""
+    leader = all(topo.index(a) == 0 for a in ("cfg", "pipefusion", "ring", "ulysses"))
+    if topo.degree("dp") == 1:
+        return latents.float().cpu() if topo.rank == 0 else None
+    if not leader:
         return None
+    sizes = prep.sizes
+    buf = latents.float()
+    if buf.shape[0] < max(sizes):  # uneven batch: pad to the largest replica
+        buf = torch.cat([buf, buf.new_zeros((max(sizes) - buf.shape[0],) + buf.shape[1:])])
+    parts = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(parts, buf.contiguous(), group=topo.group("dp"))
+    if topo.rank != 0:
+        return None
+    out = torch.cat([p[:n] for p, n in zip(parts, sizes)]).cpu()
+    if emit is not None:
+        for j in range(out.shape[0]):
+            emit({"image_index": j, "samples": out[j:j + 1]})
+    return out

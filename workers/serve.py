@@ -137,6 +137,9 @@ class Worker:
                                   "rss_after_import_mb": rss_after_import,
                                   "load_peak_rss_mb": peak})
         self.state = {"state": "idle", "job_id": None, "step": 0, "total": 0}
+        if world > 1:  # the patch-parallel VAE's halo links (neighbour ranks, world group)
+            from .p2p import warm_pairs
+            warm_pairs([(r, r + 1) for r in range(world - 1)], rank, planes.data, self.device)
 
     def describe(self) -> dict:
         """What `status` shows: the model, the ranks, and what rank 0 is doing."""
@@ -147,6 +150,7 @@ class Worker:
                 "blocks": sum(len(getattr(self.model.transformer, n))
                               for n in self.adapter.block_lists),
                 "world_size": self.world, "load_seconds": self.load_seconds,
+                "latent": dict(zip(("scale", "shift"), self.adapter.scale_shift(self.model))),
                 "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
                 **self.state}
 
@@ -158,8 +162,10 @@ class Worker:
 
         if key not in self.topologies:
             dp, cfg, pf, uly, ring = key
-            self.topologies[key] = build_topology(self.rank, self.world, dp, cfg, pf, uly, ring,
-                                                  device=self.device)
+            topo = build_topology(self.rank, self.world, dp, cfg, pf, uly, ring,
+                                  device=self.device)
+            _warm_pairs(topo)
+            self.topologies[key] = topo
         topo = self.topologies[key]
         if self.parallel is None or self.parallel[0] != key:
             if self.parallel is not None and self.parallel[1] is not None:
@@ -181,11 +187,12 @@ class Worker:
         """Rank 0: turn a host request into the broadcastable Job (encode once, noise once)."""
         import torch
 
-        from .denoise import Job, prepare_noise
+        from .denoise import Job
 
         req = msg["request"]
         self._check_stages(tuple(msg["config"]))
-        b = req["batch_size"] or len(req["prompt"]) or int(req["positive"]["cond"].shape[0])
+        noise = msg["noise"]  # model space, drawn once by the host (ComfyUI's prepare_noise)
+        b = int(noise.shape[0])
         use_cfg = float(req["cfg"]) > 1.0
 
         def branch(given, texts):
@@ -206,9 +213,6 @@ class Worker:
             uncond = branch(req["negative"], [req["negative_prompt"]]) if use_cfg else None
         # LoRA files are read and checked here, before anything is broadcast
         req["lora_adapters"] = self.loras.resolve(self.model.transformer, req.get("loras"))
-        noise = msg.get("noise")
-        if noise is None:
-            noise = prepare_noise(req["seed"], (b, 16, req["height"] // 8, req["width"] // 8))
         return Job(job_id=msg["job_id"], request=req, config=tuple(msg["config"]), noise=noise,
                    cond=cond, uncond=uncond, init_latent=msg.get("init_latent"),
                    denoise=float(msg.get("denoise", 1.0)), options=msg.get("options"))
@@ -237,18 +241,17 @@ class Worker:
         job_started(self.hooks)
         t = time.perf_counter()
         with torch.inference_mode():
-            samples = run_job(job, self.model, self.adapter, topo, emit, should_stop)
+            samples = run_job(job, self.model, self.adapter, topo, self.planes.control, emit,
+                              should_stop)
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
                  "lora_loads": self.loras.loads, "base_loads": self.base_loads}
         if self.device.type == "cuda":
             stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         images = None
         if job.request.get("output") == "image":  # the same decision on every rank
-            import torch.distributed as dist
-            group = dist.group.WORLD if self.world > 1 else None  # patch-parallel decode
-            if group is not None or self.rank == 0:
-                with torch.inference_mode():
-                    images = self.adapter.decode(self.model, samples, group=group)
+            raw = None if samples is None else self.adapter.to_raw(
+                self.model, samples, job.request["height"], job.request["width"])
+            images = _decode(self, raw)
         if self.hooks:
             from .hooks import job_stats
             stats["hooks"] = job_stats(self.hooks)
@@ -283,6 +286,21 @@ class Worker:
             raise LoraError("; ".join(errors))
 
 
+def _warm_pairs(topo):
+    """Create every pair communicator a job of this topology will use, now, in one order
+    (workers/p2p.py): PipeFusion's stage links and Ring attention's neighbours."""
+    from .p2p import warm_pairs
+
+    if topo.degree("pipefusion") > 1:
+        from .pipefusion import pipeline_pairs
+        warm_pairs(pipeline_pairs(topo), topo.rank, topo.group("pipefusion"), topo.device)
+    r = topo.degree("ring")
+    if r > 1:
+        ranks = [topo.global_rank(ring=i) for i in range(r)]
+        warm_pairs([(ranks[i], ranks[(i + 1) % r]) for i in range(r)], topo.rank,
+                   topo.group("ring"), topo.device)
+
+
 class DecodeJob:
     """Decode-only job (the xDiT Decode node): every rank joins the patch-parallel VAE decode
     of LATENT samples that only rank 0 holds."""
@@ -311,11 +329,13 @@ def _decode_problem(worker, samples):
 def _decode(worker, samples):
     """Every rank: the VAE decode, patch-parallel over the world (the image on rank 0)."""
     import torch
-    import torch.distributed as dist
 
-    group = dist.group.WORLD if worker.world > 1 else None
-    with torch.inference_mode():
-        return worker.adapter.decode(worker.model, samples, group=group)
+    if worker.world == 1:
+        with torch.inference_mode():
+            return worker.adapter.decode(worker.model, samples)
+    with torch.inference_mode():  # patch-parallel over the world, both planes
+        return worker.adapter.decode(worker.model, samples, group=worker.planes.data,
+                                     control=worker.planes.control)
 
 
 def _leader_decode(worker, chan, body):

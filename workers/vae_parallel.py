@@ -180,27 +180,33 @@ class _Bands:
 
 
 def _start_halo_exchange(ctx: _Bands, x: torch.Tensor, p: int):
-    """Post sends of our top/bottom p rows and receives of the neighbours' rows.
-    Returns (top, bottom, wait): top/bottom are None at the image's true edges."""
-    top = bottom = None
-    ops = []
+    """Post sends of our top/bottom p rows and receives of the neighbours' rows, grouped
+    (workers/p2p.py: NCCL-safe, staged through the host where gloo moves CUDA tensors).
+    Returns (top, bottom, wait): top/bottom are None at the image's true edges; they hold
+    the neighbours' rows once `wait()` has run (it returns them)."""
+    from .p2p import post
+
+    sends, recvs, where = [], [], []
+    shape = (x.shape[0], x.shape[1], p, x.shape[3])
     if ctx.fault != "no_halo":
         if ctx.rank > 0:
             up = ctx.peer(ctx.rank - 1)
-            top = x.new_empty(x.shape[0], x.shape[1], p, x.shape[3])
-            ops.append(dist.P2POp(dist.isend, x[:, :, :p].contiguous(), up, ctx.group))
-            ops.append(dist.P2POp(dist.irecv, top, up, ctx.group))
+            sends.append((x[:, :, :p], up))
+            recvs.append((shape, x.dtype, up))
+            where.append("top")
         if ctx.rank < ctx.size - 1:
             down = ctx.peer(ctx.rank + 1)
-            bottom = x.new_empty(x.shape[0], x.shape[1], p, x.shape[3])
-            ops.append(dist.P2POp(dist.isend, x[:, :, -p:].contiguous(), down, ctx.group))
-            ops.append(dist.P2POp(dist.irecv, bottom, down, ctx.group))
-    reqs = dist.batch_isend_irecv(ops) if ops else []
+            sends.append((x[:, :, -p:], down))
+            recvs.append((shape, x.dtype, down))
+            where.append("bottom")
+    transfer = post(sends, recvs, ctx.group, x.device)
+    got = dict(zip(where, transfer.bufs))
+    box = {}
 
     def wait():
-        for r in reqs:
-            r.wait()
-    return top, bottom, wait
+        box.update(zip(where, transfer.wait()))
+        return box.get("top"), box.get("bottom")
+    return got.get("top"), got.get("bottom"), wait
 
 
 def _halo_conv_forward(conv: nn.Conv2d, ctx: _Bands, x: torch.Tensor) -> torch.Tensor:
@@ -218,13 +224,13 @@ def _halo_conv_forward(conv: nn.Conv2d, ctx: _Bands, x: torch.Tensor) -> torch.T
                         conv.groups)
 
     if h < 2 * p:  # thin band: convolve the haloed copy (small tensors only)
-        wait()
+        top, bottom = wait()
         z = lambda: x.new_zeros(x.shape[0], x.shape[1], p, x.shape[3])
         return conv_rows(torch.cat([top if top is not None else z(), x,
                                     bottom if bottom is not None else z()], dim=2))
     # the band with the conv's own zero padding: right at the image's true edges
     out = F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
-    wait()
+    top, bottom = wait()
     if top is not None:
         out[:, :, :p] = conv_rows(torch.cat([top, x[:, :, :2 * p]], dim=2))
     if bottom is not None:
@@ -343,14 +349,15 @@ def _max_halo(vae) -> int:
 # Entry point
 
 
-def _broadcast_latents(latents, group, device, dtype):
-    """Group rank 0's latents to every rank of the group (others may pass None)."""
+def _broadcast_latents(latents, group, control, device, dtype):
+    """Group rank 0's latents to every rank of the group (others may pass None): the shape
+    on the control plane (a CPU tensor), the latents on the data plane (device tensor)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     me = dist.get_rank(group)
     meta = torch.zeros(4, dtype=torch.long)
     if me == 0:
         meta[:] = torch.tensor(latents.shape, dtype=torch.long)
-    dist.broadcast(meta, src=src, group=group)
+    dist.broadcast(meta, src=src, group=control)
     shape = [int(s) for s in meta]
     if me == 0:
         z = latents.to(device, dtype).contiguous()
@@ -360,9 +367,11 @@ def _broadcast_latents(latents, group, device, dtype):
     return z
 
 
-def decode_parallel(vae, latents, group=None, fault: str | None = None):
+def decode_parallel(vae, latents, group=None, fault: str | None = None, control=None):
     """Decode raw-VAE-space `latents` [B, C, h, w] with `vae` (diffusers AutoencoderKL) split
-    into row bands over the ranks of `group` (None: the default group).
+    into row bands over the ranks of `group` (None: the default group); `control` is its
+    gloo twin (None: `group` itself, for a gloo group). Bands travel on `group` (halo
+    exchange grouped per conv, the bands gathered by one all-gather), shapes on `control`.
 
     Collective: every rank of the group calls it. Group rank 0 must pass the latents; the
     others may pass None (they receive them by broadcast). Returns `vae.decode(latents).sample`
@@ -378,7 +387,8 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None):
     if n == 1:
         return vae.decode(latents.to(param.device, param.dtype), return_dict=False)[0]
     check_decoder(vae)
-    z = _broadcast_latents(latents, group, param.device, param.dtype)
+    z = _broadcast_latents(latents, group, control if control is not None else group,
+                           param.device, param.dtype)
     h = z.shape[2]
     if h < n * max(1, _max_halo(vae)):  # too few rows for a band (and its halo) each
         return vae.decode(z, return_dict=False)[0] if me == 0 else None
@@ -397,16 +407,15 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None):
     del z, band
 
     out_rows = ctx.scaled(out.shape[2])
-    if me != 0:
-        dist.send(out.contiguous(), ctx.peer(0), group=group)
-        return None
-    full = out.new_empty(out.shape[0], out.shape[1], sum(out_rows), out.shape[3])
-    full[:, :, :out_rows[0]] = out
+    # one all-gather of equal-height (padded) bands: no receive is posted ahead of the
+    # peers, whatever the rank count (NCCL-safe)
+    tallest = max(out_rows)
+    if out.shape[2] < tallest:
+        out = torch.cat([out, out.new_zeros(out.shape[0], out.shape[1], tallest - out.shape[2],
+                                            out.shape[3])], dim=2)
+    parts = [torch.empty_like(out) for _ in range(n)]
+    dist.all_gather(parts, out.contiguous(), group=group)
     del out
-    offset = out_rows[0]
-    for r in range(1, n):
-        buf = full.new_empty(full.shape[0], full.shape[1], out_rows[r], full.shape[3])
-        dist.recv(buf, ctx.peer(r), group=group)
-        full[:, :, offset:offset + out_rows[r]] = buf
-        offset += out_rows[r]
-    return full
+    if me != 0:
+        return None
+    return torch.cat([p[:, :, :r] for p, r in zip(parts, out_rows)], dim=2)

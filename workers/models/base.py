@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from . import LoadedModel
+from . import LoadedModel, latent_layout
 
 
 def _read_json(path: str) -> dict:
@@ -53,33 +53,30 @@ class DiTAdapter:
         from diffusers import FlowMatchEulerDiscreteScheduler
         return FlowMatchEulerDiscreteScheduler.from_config(model.scheduler_config)
 
-    # ComfyUI LATENT <-> model space (DESIGN.md numerics 5)
-    def _scale_shift(self, model: LoadedModel):
+    def scale_shift(self, model: LoadedModel) -> tuple:
+        """The VAE's (scaling_factor, shift_factor): model space <-> raw VAE space."""
         return (float(model.vae_config.get("scaling_factor", 1.0)),
                 float(model.vae_config.get("shift_factor", 0.0) or 0.0))
 
-    def to_comfy(self, model: LoadedModel, latents: torch.Tensor, height: int, width: int):
-        scale, shift = self._scale_shift(model)
-        return self.unpack(latents, height, width).float() / scale + shift
+    def to_raw(self, model: LoadedModel, latents: torch.Tensor, height: int, width: int):
+        """Model-space latents -> raw VAE space [B,C,h,w] (what the VAE decodes)."""
+        scale, shift = self.scale_shift(model)
+        return latent_layout.to_raw(self.arch, latents, scale, shift, height, width)
 
-    def from_comfy(self, model: LoadedModel, samples: torch.Tensor) -> torch.Tensor:
-        scale, shift = self._scale_shift(model)
-        return self.pack((samples.float() - shift) * scale)
-
-    def decode(self, model: LoadedModel, comfy_samples, group=None):
-        """Raw-VAE-space samples -> IMAGE [B,H,W,3] in 0..1 (float32, CPU).
-        With `group`: patch-parallel decode (workers/vae_parallel.py), collective over the
-        group; the samples are needed on group rank 0 only, the image is returned there and
-        None elsewhere."""
+    def decode(self, model: LoadedModel, raw, group=None, control=None):
+        """Raw-VAE-space latents -> IMAGE [B,H,W,3] in 0..1 (float32, CPU).
+        With `group` (and its control-plane twin `control`): patch-parallel decode
+        (workers/vae_parallel.py), collective over the group; the latents are needed on group
+        rank 0 only, the image is returned there and None elsewhere."""
         if model.vae is None:
             from diffusers import AutoencoderKL
             model.vae = AutoencoderKL.from_pretrained(model.path, subfolder="vae",
                                                       torch_dtype=model.dtype)
             model.vae.to(model.device).eval().requires_grad_(False)
-        x = None if comfy_samples is None else comfy_samples.to(model.device, model.vae.dtype)
+        x = None if raw is None else raw.to(model.device, model.vae.dtype)
         if group is not None:
             from ..vae_parallel import decode_parallel
-            img = decode_parallel(model.vae, x, group)
+            img = decode_parallel(model.vae, x, group, control=control)
             if img is None:
                 return None
         else:

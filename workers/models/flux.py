@@ -6,6 +6,7 @@ import torch
 
 from ..processors import FluxShardedAttnProcessor
 from ..sequence_parallel import SequenceLayout
+from . import latent_layout
 from .base import DiTAdapter
 
 
@@ -29,15 +30,10 @@ class FluxAdapter(DiTAdapter):
     )
 
     def pack(self, x):
-        b, c, h, w = x.shape
-        x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+        return latent_layout.pack("flux", x)
 
     def unpack(self, x, height, width):
-        b, n, c = x.shape
-        h, w = height // 16, width // 16
-        x = x.view(b, h, w, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c // 4, h * 2, w * 2)
+        return latent_layout.unpack("flux", x, height, width)
 
     def latent_rows(self, x, r0, r1, cols):  # packed [B, rows*cols, 64]
         return x.narrow(1, r0 * cols, (r1 - r0) * cols)

@@ -1,0 +1,27 @@
+"""Host access to the few worker modules that hold facts both sides need (latent layout,
+architecture detection), without putting the pack's `workers/` folder on sys.path inside
+ComfyUI (a top-level name `workers` could clash with another pack). The folder is loaded
+once as the private package `comfyui_xdit_workers`; its modules import each other
+relatively, so they work under that name. Only cheap modules (no torch.distributed at import)
+are meant to be loaded this way.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+_PACKAGE = "comfyui_xdit_workers"
+_FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers")
+
+
+def worker_module(name: str):
+    """`worker_module("models.latent_layout")` -> that module of the pack's workers/."""
+    if _PACKAGE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            _PACKAGE, os.path.join(_FOLDER, "__init__.py"), submodule_search_locations=[_FOLDER])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[_PACKAGE] = mod
+        spec.loader.exec_module(mod)
+    return importlib.import_module(f"{_PACKAGE}.{name}")
