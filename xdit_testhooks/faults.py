@@ -9,3 +9,66 @@ def lse_zero(ctx):
 def keep_padding(ctx):
     """Padded keys of uneven shards are kept in the attention."""
     ctx.options["attention_fault"] = "keep_padding"
+
+
+# ---- transfer schedules that gloo forgives and NCCL does not (negative controls for the
+# NCCL-rules emulation, xdit_testhooks/nccl_rules.py) --------------------------------------
+def early_dp_receive(ctx):
+    """The old data-parallel collector: rank 0 posts its receives from the other replicas'
+    leaders when the job starts; they send when it ends (after every step's broadcasts)."""
+    import torch
+    import torch.distributed as dist
+
+    import workers.denoise as denoise
+
+    original = denoise.run_job
+
+    def run_job(job, model, adapter, topo, control, emit=None, should_stop=lambda: False):
+        dp = topo.degree("dp")
+        if dp == 1:
+            return original(job, model, adapter, topo, control, emit, should_stop)
+        leaders = [topo.global_rank(dp=d, cfg=0, pipefusion=0, ring=0, ulysses=0)
+                   for d in range(dp)]
+        posted = []
+        if topo.rank == 0:
+            for src in leaders[1:]:
+                buf = torch.empty(1, device=model.device)
+                posted.append(dist.irecv(buf, src=src))
+        out = original(job, model, adapter, topo, control, emit, should_stop)
+        if topo.rank in leaders[1:]:
+            dist.send(torch.zeros(1, device=model.device), dst=0)
+        for work in posted:
+            work.wait()
+        return out
+
+    denoise.run_job = run_job
+
+
+def ungrouped_exchange(ctx):
+    """Point-to-point issued one by one, sends before receives (what the old PipeFusion did
+    on a stage pair): fine on gloo, where a send does not wait for its receive; on NCCL both
+    directions of a pair share one ordered stream and the two sends wait for each other."""
+    import torch.distributed as dist
+
+    import workers.p2p as p2p
+
+    class _Done:
+        def __init__(self, bufs, works):
+            self.bufs, self.works = bufs, works
+
+        def wait(self):
+            for w in self.works:
+                w.wait()
+            return self.bufs
+
+    def post(sends, recvs, group, device):
+        works = [dist.isend(t.contiguous(), dst=peer, group=group) for t, peer in sends]
+        bufs = []
+        for shape, dtype, peer in recvs:
+            import torch
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            works.append(dist.irecv(buf, src=peer, group=group))
+            bufs.append(buf)
+        return _Done(bufs, works)
+
+    p2p.post = post
