@@ -67,7 +67,7 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _init_distributed(args, rank, world):
+def _init_distributed(args, rank, world, backend=""):
     """Both planes (workers/topology.py): set the GPU first, then the process group."""
     import torch
     import torch.distributed as dist
@@ -81,7 +81,7 @@ def _init_distributed(args, rank, world):
     else:
         device = torch.device("cpu")
     store = dist.FileStore(args.store, world) if args.store else None
-    return init_world(rank, world, device, store)
+    return init_world(rank, world, device, store, backend=backend)
 
 
 class Worker:
@@ -566,7 +566,7 @@ def main(argv=None) -> int:
     from .hooks import HookContext, install
     ctx = HookContext(rank=rank, world=world, device=args.device)
     hooks = install(args.hook, ctx)  # before the process group: hooks may wrap it
-    planes = _init_distributed(args, rank, world)
+    planes = _init_distributed(args, rank, world, backend=ctx.options.get("backend", ""))
     worker = Worker(args, rank, world, import_s, planes=planes, hooks=hooks,
                     hook_options=ctx.options)
     log.info("loaded %s in %.2fs", args.model, worker.load_seconds)

@@ -56,16 +56,19 @@ class World:
     control: Any  # world gloo group
 
 
-def init_world(rank: int, size: int, device: torch.device, store=None) -> World:
+def init_world(rank: int, size: int, device: torch.device, store=None,
+               backend: str = "") -> World:
     """`init_process_group` for this rank. On CUDA the device is set first and bound with
-    `device_id` (NCCL then creates its communicator eagerly, on the right GPU)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    `device_id` (NCCL then creates its communicator eagerly, on the right GPU). `backend`
+    "gloo" on CUDA is the shared-GPU test mode (several ranks on one GPU; NCCL refuses)."""
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     kw = {"timeout": _TIMEOUT, "rank": rank, "world_size": size}
     if store is not None:
         kw["store"] = store
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        kw["device_id"] = device
+        if backend == "nccl":
+            kw["device_id"] = device
     dist.init_process_group(backend, **kw)
     control = _control_group(list(range(size)))
     return World(rank=rank, size=size, device=device, data=dist.group.WORLD, control=control)
