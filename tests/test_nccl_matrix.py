@@ -1,0 +1,169 @@
+"""Every parallel method under NCCL's point-to-point rules, emulated on gloo
+(xdit_testhooks/nccl_rules.py): one ordered stream per pair of ranks, both directions alike;
+a pair's first send/recv blocks both hosts until each has made it. A schedule that gloo
+forgives and NCCL would deadlock on fails here within seconds, naming the ranks and the
+operation. Negative controls: the old data-parallel collector and the old PipeFusion
+transfer order must be caught (and must pass on plain gloo, so the emulation is what
+catches them).
+
+Pools are shared across cases (one launch per layout); results are checked against the
+single-process diffusers oracle (exact methods) or the same layout on plain gloo
+(pipelined PipeFusion).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+
+RULES = "xdit_testhooks.nccl_rules:install"
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def short_deadlock_timeout():
+    old = os.environ.get("XDIT_NCCL_RULES_TIMEOUT")
+    os.environ["XDIT_NCCL_RULES_TIMEOUT"] = "8"
+    yield
+    if old is None:
+        os.environ.pop("XDIT_NCCL_RULES_TIMEOUT", None)
+    else:
+        os.environ["XDIT_NCCL_RULES_TIMEOUT"] = old
+
+
+@pytest.fixture(scope="module")
+def rule_pools(model_dir):
+    from comfyui_xdit import WorkerPool
+    made = {}
+
+    def get(arch, config, hooks=(RULES,), name=""):
+        key = (arch, config.launch_key(), tuple(hooks), name)
+        if key not in made:
+            made[key] = WorkerPool(model_dir(arch), config, device="cpu", threads_per_rank=1,
+                                   worker_hooks=list(hooks))
+        pool = made[key]
+        pool.reconfigure(config)
+        return pool
+    yield get
+    for p in made.values():
+        p.close()
+
+
+def _req(arch, batch=1, cfg=None, **kw):
+    prompts = ["a red fox", "a blue bird", "a green tree"][:batch]
+    base = dict(prompt=prompts, seed=11, steps=3, height=64, width=96, max_sequence_length=8,
+                negative_prompt="blurry")
+    base["cfg"] = cfg if cfg is not None else (3.0 if arch == "sd3" else 1.0)
+    base.update(kw)
+    return GenerationRequest(**base)
+
+
+EXACT_2 = [
+    ("ulysses2", ParallelConfig(ulysses=2), {}),
+    ("ring2", ParallelConfig(ring=2), {}),
+    ("cfg2", ParallelConfig(cfg=2), {"cfg": 3.0}),
+    ("dp2-uneven", ParallelConfig(dp=2), {"batch": 3}),
+]
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_two_rank_methods_under_nccl_rules(rule_pools, oracle, arch):
+    pool = rule_pools(arch, ParallelConfig(ulysses=2))
+    pids = pool.worker_pids()
+    for name, config, kw in EXACT_2:
+        pool.reconfigure(config)
+        req = _req(arch, **kw)
+        got = pool.generate(req).samples
+        diff = float((got - oracle(arch, req)).abs().max())
+        assert diff <= TOL, f"{arch} {name}: {diff}"
+    assert pool.worker_pids() == pids  # no relaunch, nothing died
+
+
+def test_four_rank_layouts_under_nccl_rules(rule_pools, oracle):
+    pool = rule_pools("flux", ParallelConfig(ulysses=2, ring=2))
+    for config, kw in [(ParallelConfig(ulysses=2, ring=2), {}),
+                       (ParallelConfig(dp=2, ulysses=2), {"batch": 3}),
+                       (ParallelConfig(cfg=2, ring=2), {"cfg": 2.5})]:
+        pool.reconfigure(config)
+        req = _req("flux", **kw)
+        diff = float((pool.generate(req).samples - oracle("flux", req)).abs().max())
+        assert diff <= TOL, f"{config.describe()}: {diff}"
+
+
+def test_image_output_decode_and_cancel_under_nccl_rules(rule_pools):
+    from comfyui_xdit.pool import JobCancelled
+
+    pool = rule_pools("flux", ParallelConfig(ulysses=2))
+    pool.reconfigure(ParallelConfig(ulysses=2))
+    res = pool.generate(_req("flux", output="image", height=128, width=128))
+    assert res.images is not None and res.images.shape == (1, 128, 128, 3)
+    again = pool.decode(res.samples)
+    assert float((again - res.images).abs().max()) < 1e-5
+    # cancel mid-job: every rank leaves at the same step; the pool stays warm
+    steps = []
+
+    def stop_after_first(event):
+        if "step" in event:
+            steps.append(event["step"])
+            pool.cancel()
+    with pytest.raises(JobCancelled):
+        pool.generate(_req("flux", steps=6), on_event=stop_after_first)
+    assert steps and steps[-1] < 6
+    assert pool.generate(_req("flux")).samples.shape == (1, 16, 8, 12)
+
+
+def test_pipefusion_under_nccl_rules(rule_pools, oracle):
+    req = _req("flux", steps=4, height=96, width=64, batch=2)
+    sync = ParallelConfig(pipefusion=2, warmup_steps=4)
+    pool = rule_pools("flux", sync)
+    diff = float((pool.generate(req).samples - oracle("flux", req)).abs().max())
+    assert diff <= TOL, f"synchronous PipeFusion: {diff}"
+    piped = ParallelConfig(pipefusion=2, warmup_steps=1, pipeline_patches=3)
+    pool.reconfigure(piped)
+    got = pool.generate(req).samples
+    plain = rule_pools("flux", piped, hooks=()).generate(req).samples
+    assert float((got - plain).abs().max()) <= 1e-6  # same schedule, same numbers
+    # with CFG in one pipeline, and a cancel in the middle of the pipeline
+    cfg_req = _req("flux", steps=3, height=96, width=64, cfg=2.0)
+    pool.reconfigure(ParallelConfig(pipefusion=2, warmup_steps=3))
+    diff = float((pool.generate(cfg_req).samples - oracle("flux", cfg_req)).abs().max())
+    assert diff <= TOL
+
+
+def test_mixed_pipefusion_layouts_under_nccl_rules(rule_pools, oracle):
+    req = _req("sd3", steps=3, height=96, width=64)
+    for config in (ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=3),
+                   ParallelConfig(pipefusion=2, cfg=2, warmup_steps=3)):
+        pool = rule_pools("sd3", config)
+        diff = float((pool.generate(req).samples - oracle("sd3", req)).abs().max())
+        assert diff <= TOL, f"{config.describe()}: {diff}"
+    piped = ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=1, pipeline_patches=2)
+    pool = rule_pools("sd3", piped)
+    assert torch.isfinite(pool.generate(req).samples).all()
+
+
+# ---- negative controls -------------------------------------------------------------------
+NEGATIVE = [
+    ("xdit_testhooks.faults:early_dp_receive", ParallelConfig(dp=2), {"batch": 2}),
+    ("xdit_testhooks.faults:ungrouped_exchange",
+     ParallelConfig(pipefusion=2, warmup_steps=1, pipeline_patches=2), {"steps": 3}),
+]
+
+
+@pytest.mark.parametrize("fault,config,kw", NEGATIVE, ids=["old-dp-collector",
+                                                          "old-pipefusion-order"])
+def test_old_schedules_pass_on_gloo_and_deadlock_under_nccl_rules(rule_pools, fault, config,
+                                                                  kw):
+    from comfyui_xdit.pool import PoolError
+
+    req = _req("flux", height=96, width=64, **kw)
+    forgiving = rule_pools("flux", config, hooks=(fault,))
+    assert forgiving.generate(req).samples.shape[0] == req.batch  # gloo lets it through
+    strict = rule_pools("flux", config, hooks=(RULES, fault))
+    with pytest.raises(PoolError) as err:
+        strict.generate(req)
+    msg = str(err.value)
+    assert "NCCL" in msg and "rank" in msg, msg
