@@ -1,5 +1,8 @@
 """`python -m comfyui_xdit ...`: demo, tiny-model, generate, bench (DESIGN.md fixes the flags).
 
+`bench` runs the benchmarks, which live outside this package (`benchmarks/` at the repository
+root, `python -m benchmarks`): they are imported only when `bench` runs.
+
 Bad input exits 2 with one line on stderr, before any worker starts.
 """
 from __future__ import annotations
@@ -243,7 +246,33 @@ def save_pngs(images, out: Path) -> list:
     return paths
 
 
+def _add_bench(sub):
+    # listed here; its options are the benchmarks' own (parsed by benchmarks/cli.py)
+    sub.add_parser("bench", add_help=False,
+                   help="time/step and bytes/step of 1 vs 2 CPU ranks (the benchmarks, "
+                        "benchmarks/ in a checkout; `bench --help` for the options)")
+
+
+def run_bench(argv) -> int:
+    """`bench ...`: the benchmarks' command line, imported now (they are not part of the
+    node pack ComfyUI loads, and may be missing from an install)."""
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "benchmarks" / "__init__.py").is_file() and str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    try:
+        from benchmarks.cli import main as bench_main
+    except ModuleNotFoundError as e:
+        if e.name not in ("benchmarks", "benchmarks.cli"):
+            raise
+        raise ConfigError("bench: the benchmarks are not installed here (they live in "
+                          "benchmarks/ of a checkout of the comfyui-xdit repository, next to "
+                          "comfyui_xdit/); run `python -m comfyui_xdit bench` or "
+                          "`python -m benchmarks` from such a checkout") from None
+    return bench_main(argv, prog="python -m comfyui_xdit bench")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = _Parser(prog="python -m comfyui_xdit",
                      description="xDiT-style parallel FLUX/SD3 sampling on a warm worker pool")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -253,12 +282,10 @@ def main(argv=None) -> int:
     _add_generate(sub)
     _add_serve(sub)
     _add_status(sub)
+    _add_bench(sub)
     try:
-        from . import bench
-        bench.add_cli(sub)
-    except ImportError:
-        pass
-    try:
+        if argv[:1] == ["bench"]:
+            return run_bench(argv[1:])
         args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except ConfigError as e:

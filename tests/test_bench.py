@@ -1,5 +1,9 @@
-"""`python -m comfyui_xdit bench --quick`: runs end to end, writes the JSON/markdown, and the
-communication volume it measures matches the theory (deterministic; timing is never asserted)."""
+"""The benchmarks (benchmarks/, outside the product package): `python -m comfyui_xdit bench
+--quick` and `python -m benchmarks --pipefusion --quick` run end to end, write the
+JSON/markdown, and the communication volume they measure (benchmarks/comm_meter.py, a worker
+hook) matches the theory (deterministic; timing is never asserted). Plus: the product package
+does not import the benchmarks, and the meter counts the data plane only, stacked with another
+hook that wraps the same torch.distributed functions, in either order."""
 from __future__ import annotations
 
 import json
@@ -7,19 +11,132 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+METER = "benchmarks.comm_meter:install"
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get(
+        "PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def test_product_package_does_not_import_benchmarks():
+    code = ("import sys; import comfyui_xdit, comfyui_xdit.cli, comfyui_xdit.pool, "
+            "comfyui_xdit.demo, workers.serve\n"
+            "bad = sorted(m for m in sys.modules if m == 'benchmarks' or "
+            "m.startswith('benchmarks.'))\n"
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("bench.py", "bench_pipefusion.py", "bench_pool.py"):
+        assert not (ROOT / "comfyui_xdit" / name).exists(), name
+    assert not (ROOT / "workers" / "comm_meter.py").exists()
+
+
+_METER_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def other_hook(ctx):
+        # stands in for another hook wrapping the same functions (the NCCL-rules emulation):
+        # plain wrappers (no __wrapped__), a P2POp that unwraps them, a batch_isend_irecv
+        orig = {n: getattr(dist, n) for n in ("isend", "irecv", "P2POp", "batch_isend_irecv")}
+        def isend(*a, **k):
+            return orig["isend"](*a, **k)
+        def irecv(*a, **k):
+            return orig["irecv"](*a, **k)
+        mine = {isend: orig["isend"], irecv: orig["irecv"]}
+        base = orig["P2POp"]
+        class P2POp(base):
+            def __new__(cls, op, *a, **k):
+                return base.__new__(cls, mine.get(op, op), *a, **k)
+            def __init__(self, op, *a, **k):
+                super().__init__(mine.get(op, op), *a, **k)
+        def batch_isend_irecv(ops):
+            for op in ops:
+                op.op = mine.get(op.op, op.op)
+            return orig["batch_isend_irecv"](ops)
+        dist.isend, dist.irecv, dist.P2POp = isend, irecv, P2POp
+        dist.batch_isend_irecv = batch_isend_irecv
+
+    def rank_main(rank, specs, port, q):
+        import __main__
+        __main__.other_hook = other_hook
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        from workers.hooks import HookContext, install, job_started, job_stats
+        from workers.p2p import exchange
+        from workers.topology import init_world
+        hooks = install(specs, HookContext(rank=rank, world=2, device="cpu"))
+        w = init_world(rank, 2, torch.device("cpu"))
+        cpu, peer = torch.device("cpu"), 1 - rank
+        exchange([(torch.zeros(7), peer)], [((7,), torch.float32, peer)], w.data, cpu)
+        job_started(hooks)  # resets: the exchange above is not counted
+        exchange([(torch.zeros(10), peer)], [((10,), torch.float32, peer)], w.data, cpu)
+        if rank == 0:  # sends only, on one side
+            exchange([(torch.zeros(3), 1)], [], w.data, cpu)
+            dist.isend(torch.zeros(5), 1).wait()
+        else:
+            exchange([], [((3,), torch.float32, 0)], w.data, cpu)
+            dist.irecv(torch.zeros(5), 0).wait()
+        dist.broadcast(torch.zeros(2), src=0, group=w.control)  # control plane: skipped
+        dist.all_gather([torch.zeros(4) for _ in range(2)], torch.zeros(4), group=w.control)
+        dist.broadcast(torch.zeros(6), src=0)
+        dist.all_gather([torch.zeros(4) for _ in range(2)], torch.zeros(4))
+        dist.all_to_all_single(torch.zeros(8), torch.zeros(8))
+        q.put((rank, job_stats(hooks)["%(meter)s"]["bytes"]))
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        import socket
+        ctx = mp.get_context("spawn")
+        out = {}
+        for name, specs in (("meter_last", ["__main__:other_hook", "%(meter)s"]),
+                            ("meter_first", ["%(meter)s", "__main__:other_hook"])):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            q = ctx.Queue()
+            ps = [ctx.Process(target=rank_main, args=(r, specs, port, q)) for r in range(2)]
+            for p in ps:
+                p.start()
+            got = dict(q.get(timeout=120) for _ in ps)
+            for p in ps:
+                p.join(60)
+            out[name] = [got[0], got[1]]
+        print(json.dumps(out))
+""") % {"meter": METER}
+
+
+def test_comm_meter_hook_counts_data_plane_under_another_hook(tmp_path):
+    script = tmp_path / "meter_check.py"
+    script.write_text(_METER_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # fp32: p2p = the grouped sends (10, +3 on rank 0), send = plain isend (5), broadcast on
+    # its source only (6), all_gather one shard to the peer (4), all_to_all half of 8;
+    # nothing on the control plane, nothing received
+    want = [{"p2p": 52, "send": 20, "broadcast": 24, "all_gather": 16, "all_to_all": 16},
+            {"p2p": 40, "all_gather": 16, "all_to_all": 16}]
+    assert got == {"meter_last": want, "meter_first": want}
 
 
 def test_bench_quick(tmp_path):
     out = tmp_path / "bench"
-    env = dict(os.environ)
-    env.pop("XDIT_COMM_METER", None)  # the bench must switch the meter on by itself
     proc = subprocess.run(
-        # the default model cache: --quick uses the demo's tiny model, built once and reused
+        # the default model cache: --quick uses the demo's tiny model, built once and reused;
+        # through the product CLI's thin entry (it imports benchmarks only for `bench`)
         [sys.executable, "-m", "comfyui_xdit", "bench", "--quick", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     rep = json.loads((out / "bench.json").read_text())
@@ -41,6 +158,8 @@ def test_bench_quick(tmp_path):
         assert r["ranks"] == ranks and r["threads_per_rank"] == 1
         assert r["step_s_median"] > 0 and len(r["step_s_all"]) == job["timed_jobs"]
         assert len(r["comm_bytes_per_step"]) == ranks
+        # the meter's numbers arrive through the worker hook's stats, one per rank
+        assert all(set(c) >= {"bytes", "calls", "total_bytes"} for c in r["jobs"][-1]["comm"])
     assert set(rep["speedup_vs_1x1"]) >= {"ulysses2", "ring2", "cfg_parallel", "dp2"}
     # the machine's two-core ceiling is sampled next to the jobs (a measurement: presence only)
     ceiling = rep["two_core_ceiling"]["headline"]
@@ -62,12 +181,21 @@ def test_bench_quick(tmp_path):
         assert per_rank.get("all_to_all", 0) == 0
     for per_rank in runs["ulysses2"]["comm_bytes_per_step"]:
         assert per_rank.get("p2p", 0) == 0
-    # the other traffic: proj_out's all-gather per forward, the stop flag on rank 0 only
+    # the other traffic: proj_out's all-gather per forward; no broadcast on the data plane
+    # (the stop flag goes over the control plane, which the meter skips)
+    kinds = set()
     for o in rep["other_traffic"]:
+        kinds.add(o["collective"])
         if o["collective"] == "all_gather":
+            assert o["expected_bytes_per_step"] > 0
             assert o["measured_bytes_per_step_per_rank"] == [o["expected_bytes_per_step"]] * 2
         else:
-            assert o["measured_bytes_per_step_per_rank"] == [4, 0]
+            assert o["expected_bytes_per_step"] == 0
+            assert o["measured_bytes_per_step_per_rank"] == [0, 0]
+    assert kinds == {"all_gather", "broadcast"}
+    for r in runs.values():  # a 1-rank pool sends nothing
+        if r["ranks"] == 1:
+            assert r["comm_bytes_per_step"] == [{}]
 
     # the pool section: warm pool vs in-process diffusers, the launch breakdown, per-job
     # overhead (measurements: only their presence and signs are checked)
@@ -82,14 +210,13 @@ def test_bench_quick(tmp_path):
 
 
 def test_bench_pipefusion_quick(tmp_path):
-    """`bench --pipefusion --quick`: the PipeFusion section runs end to end on the tiny model
-    and its numbers hold together (deterministic facts only; timing is never asserted)."""
+    """`python -m benchmarks --pipefusion --quick`: the PipeFusion section runs end to end on
+    the tiny model and its numbers hold together (deterministic facts only; timing is never
+    asserted)."""
     out = tmp_path / "bench-pf"
-    env = dict(os.environ)
-    env.pop("XDIT_COMM_METER", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "comfyui_xdit", "bench", "--pipefusion", "--quick", "--out",
-         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [sys.executable, "-m", "benchmarks", "--pipefusion", "--quick", "--out", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads((out / "bench.json").read_text())
     md = (out / "bench.md").read_text()
@@ -117,13 +244,15 @@ def test_bench_pipefusion_quick(tmp_path):
             assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
     assert rows[(1, "-")]["ranks"][0]["transformer_params"] == total
 
-    # bytes: isend per stage per step equals the formula (B x (image + text) x hidden x 4 +
-    # a 4-byte flag forward, B x image x 64 x 4 back)
+    # bytes: point-to-point ("send" + "p2p") per stage per step equals the formula
+    # (B x (image + text) x hidden x 4 forward, B x image x 64 x 4 back); nothing else
     job = pf["job"]
     act = (job["image_tokens"] + job["text_tokens"]) * model["width"] * 4
     comm = {c["run"]: c for c in pf["comm"]}
-    assert comm["pipefusion2"]["theory_bytes_per_step"] == [act + 4, job["image_tokens"] * 256]
-    assert comm["pipefusion1"]["measured_send_bytes_per_step"] == [0.0]
+    assert comm["pipefusion2"]["theory_bytes_per_step"] == [act, job["image_tokens"] * 256]
+    assert sorted(comm["pipefusion2"]["kinds"]) == ["p2p", "send"]
+    assert comm["pipefusion1"]["measured_bytes_per_step"] == [0.0]
+    assert comm["pipefusion2"]["other_bytes_per_step"] == [{}, {}]
     for ratio in comm["pipefusion2"]["ratio"]:
         assert abs(ratio - 1.0) <= 0.05
     assert pf["targets"]["bytes_met"] is True

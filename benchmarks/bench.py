@@ -1,4 +1,5 @@
-"""`python -m comfyui_xdit bench`: speed-up and communication volume of the parallel engine.
+"""`python -m benchmarks` (also `python -m comfyui_xdit bench`): speed-up and communication
+volume of the parallel engine.
 
 On a FLUX-shaped random-weight model big enough that compute dominates (default: 12 heads x
 48 head dim, 2 double + 2 single blocks, ~36M transformer parameters; 512x512 image = 1024
@@ -7,9 +8,9 @@ image tokens), it measures on CPU, one configuration after the other (never conc
 * time per denoising step at 1 rank x 1 thread, and at 2 ranks x 1 thread with Ulysses 2 and
   Ring 2 (the same warm 2-rank pool, switched with `reconfigure`); a 1 rank x 2 threads run
   is shown as a reference (the other way to use two cores);
-* bytes each rank sends per step, per collective (the workers' `XDIT_COMM_METER`), against
-  the theoretical volume of one full attention activation A per attention layer:
-  Ulysses 4(N-1)/N^2 * A, Ring 2(N-1)/N * A;
+* bytes each rank sends per step on the data plane, per collective (benchmarks/comm_meter.py,
+  a worker hook of the pools measured), against the theoretical volume of one full
+  attention activation A per attention layer: Ulysses 4(N-1)/N^2 * A, Ring 2(N-1)/N * A;
 * a small comparison of ulysses 2 / ring 2 / cfg-parallel (true CFG 2.0) / dp 2 (2 prompts),
   each against the 1-rank time of the same workload.
 
@@ -20,36 +21,23 @@ every configuration alike; jobs during which other processes used more than
 `--max-foreign-load` cores are re-run. Writes `bench.json` (raw
 numbers) and `bench.md` under `--out`, and prints the markdown.
 
-`--pipefusion` runs the PipeFusion section instead (comfyui_xdit/bench_pipefusion.py):
+`--pipefusion` runs the PipeFusion section instead (benchmarks/pipefusion.py):
 weights and memory per rank at pipefusion 1/2/4 per split, time/step and bytes/step at
 pipefusion 1 vs 2, PSNR against the exact run per warmup_steps.
 """
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from .config import ParallelConfig
-from .request import GenerationRequest
+from comfyui_xdit.config import ParallelConfig
 
-def enable_comm_meter():
-    """Turn the workers' byte meter on (they inherit the environment, so before any pool
-    launches); returns the function that restores the previous setting."""
-    old = os.environ.get("XDIT_COMM_METER")
-    os.environ["XDIT_COMM_METER"] = "1"
-
-    def restore():
-        if old is None:
-            os.environ.pop("XDIT_COMM_METER", None)
-        else:
-            os.environ["XDIT_COMM_METER"] = old
-    return restore
-
+from . import pool as bench_pool
+from .measure import (METER_HOOKS, Ceiling, Contention, Entry, loadavg, machine_facts,
+                      measure_interleaved, paired, summarize_entry)
 
 SPEEDUP_TARGET = 1.7
 BYTES_TOLERANCE = 0.10
@@ -65,14 +53,6 @@ PRESETS = {
                   max_sequence_length=8, warmup=1, repeats=1),
 }
 
-# workload name -> request overrides. Every 2-rank configuration is compared with the 1-rank
-# time of its own workload (true CFG doubles the work per step, 2 prompts double the batch).
-WORKLOADS = {
-    "base": dict(prompt=["a photo of a red cat"], cfg=1.0),
-    "cfg": dict(prompt=["a photo of a red cat"], cfg=2.0, negative_prompt="blurry"),
-    "batch2": dict(prompt=["a photo of a red cat", "a blue bird on a tree"], cfg=1.0),
-}
-
 # (run name, workload, ParallelConfig kwargs) on the 2-rank pool, in order.
 TWO_RANK_RUNS = [
     ("ulysses2", "base", dict(ulysses=2)),
@@ -80,35 +60,6 @@ TWO_RANK_RUNS = [
     ("cfg_parallel", "cfg", dict(cfg_parallel=True)),
     ("dp2", "batch2", dict(dp=2)),
 ]
-
-
-def add_cli(sub):
-    p = sub.add_parser("bench", help="time/step and bytes/step of 1 vs 2 CPU ranks",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench-out", help="folder for bench.json and bench.md")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, 128x128, 2 steps, no 1x2-thread reference: checks the "
-                        "bench itself in seconds")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps per job")
-    p.add_argument("--repeats", type=int, default=None, help="timed jobs per configuration")
-    p.add_argument("--cache", default=None,
-                   help="model cache folder (default: the demo's cache/models)")
-    p.add_argument("--max-foreign-load", type=float, default=0.25,
-                   help="cores other processes may use during a timed job before it is "
-                        "re-run (default 0.25)")
-    p.add_argument("--max-retries", type=int, default=4,
-                   help="extra timed jobs per configuration to replace contended ones")
-    p.add_argument("--max-wait", type=float, default=150.0,
-                   help="total seconds to wait for a quiet machine (default 150; --quick: 0); "
-                        "once spent, contended jobs are kept (and flagged)")
-    p.add_argument("--no-extras", action="store_true",
-                   help="skip the 1x2-thread reference and the cfg/dp comparison")
-    p.add_argument("--pipefusion", action="store_true",
-                   help="run the PipeFusion section instead: weights and memory per rank at "
-                        "pipefusion 1/2/4 (compute and memory splits), time/step and bytes "
-                        "at pipefusion 1 vs 2, PSNR vs the exact run per warmup_steps "
-                        "(see comfyui_xdit/bench_pipefusion.py)")
-    p.set_defaults(func=run)
 
 
 # ---- model facts -----------------------------------------------------------------------------
@@ -135,39 +86,6 @@ def model_facts(path: Path) -> dict:
                                                                      or cfg["in_channels"])}
 
 
-def machine_facts() -> dict:
-    import torch
-
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "host_torch_threads": torch.get_num_threads(),
-            "loadavg_start": _loadavg()}
-
-
-def _cpu_seconds(pid: int):
-    """user + system CPU seconds of a process and all its threads (Linux /proc), else None."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 # ---- theory ----------------------------------------------------------------------------------
 def theory(model: dict, job: dict, n: int, batch: int = 1, dtype: str = "fp32") -> dict:
     """Bytes one rank sends per denoising step (one forward, batch `batch`) at sp degree n."""
@@ -182,243 +100,18 @@ def theory(model: dict, job: dict, n: int, batch: int = 1, dtype: str = "fp32") 
         # proj_out's image tokens, all-gathered once per forward
         "output_all_gather": batch * image_shard * model["out_channels"]
         * BYTES_PER_ELEMENT[dtype] * (n - 1),
-        "stop_flag_broadcast_rank0": 4 * (n - 1),
+        # the per-step stop flag travels on the control plane (gloo twin), which the meter
+        # skips: no data-plane broadcast at all
+        "data_plane_broadcast": 0,
     }
 
 
-# ---- measuring -------------------------------------------------------------------------------
-def _request(workload: str, job: dict) -> GenerationRequest:
-    return GenerationRequest(seed=7, steps=job["steps"], height=job["height"], width=job["width"],
-                             max_sequence_length=job["max_sequence_length"], guidance=3.5,
-                             **WORKLOADS[workload])
-
-
-def _busy_cpu_seconds():
-    """CPU seconds every process of the machine has used so far (Linux /proc/stat), else None."""
-    try:
-        f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class Contention:
-    """Measures how many cores *other* processes use (machine CPU time minus ours), waits for a
-    quiet machine before timed jobs, and tells which jobs ran on a contended machine. On a
-    shared 2-core box one busy neighbour halves a rank's speed, so a median over contended
-    jobs would measure the neighbour, not the engine."""
-
-    def __init__(self, threshold: float, max_wait: float, log):
-        self.threshold = threshold  # foreign cores tolerated during a timed job
-        self.budget = max_wait  # total seconds this bench may spend waiting
-        self.waited = 0.0
-        self.log = log
-
-    @property
-    def exhausted(self) -> bool:
-        return self.waited >= self.budget
-
-    def _ours(self, pids) -> float:
-        t = os.times()
-        return sum(_cpu_seconds(p) or 0.0 for p in pids) + t.user + t.system
-
-    def sample(self, pids):
-        return time.perf_counter(), _busy_cpu_seconds(), self._ours(pids)
-
-    def foreign(self, before, pids):
-        """Cores used by other processes since `before` (a `sample`)."""
-        t1, busy1, ours1 = self.sample(pids)
-        t0, busy0, ours0 = before
-        if busy0 is None or busy1 is None or t1 <= t0:
-            return None
-        return max(0.0, ((busy1 - busy0) - (ours1 - ours0)) / (t1 - t0))
-
-    def wait_quiet(self, pids, window: float = 0.5) -> None:
-        """Return once other processes used at most `threshold` cores over `window` seconds,
-        or when the wait budget is spent (only time spent on a busy machine counts)."""
-        while not self.exhausted:
-            s = self.sample(pids)
-            time.sleep(window)
-            f = self.foreign(s, pids)
-            if f is None or f <= self.threshold:
-                return
-            self.waited += window + 2.0
-            if self.exhausted:
-                self.log(f"    machine still busy ({f:.2f} cores used by other processes); "
-                         f"the wait budget is spent, measuring anyway")
-                return
-            time.sleep(2.0)
-
-
-_HELPER = r"""
-import sys, time
-import torch
-torch.set_num_threads(1)
-a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-for _ in range(3):
-    a @ b
-print("ready", flush=True)
-for line in sys.stdin:
-    seconds = float(line)
-    t = time.perf_counter()
-    n = 0
-    while time.perf_counter() - t < seconds:
-        a @ b
-        n += 1
-    print(2 * 1024 ** 3 * n / (time.perf_counter() - t) / 1e9, flush=True)
-"""
-
-
-class Ceiling:
-    """What two cores give this machine right now: GFLOP/s of a 1-thread 1024^3 fp32 matmul
-    loop alone, and of two such loops in two processes at once. Their ratio is the best
-    speed-up any 2-process x 1-thread split of compute-bound work can reach at that moment.
-    On a virtual machine it is not a constant (vCPUs that share a physical core, neighbours
-    on the host): it has been seen anywhere from ~1.3x to ~1.9x here, so it is sampled in
-    every round, next to the jobs it explains."""
-
-    def __init__(self, seconds: float):
-        import subprocess
-
-        self.seconds = seconds
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.procs = [subprocess.Popen([sys.executable, "-c", _HELPER], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True, env=env)
-                      for _ in range(2)]
-        for p in self.procs:
-            if p.stdout.readline().strip() != "ready":
-                raise RuntimeError("the matmul helper of the bench did not start")
-        self.samples: list = []
-
-    def pids(self) -> list:
-        return [p.pid for p in self.procs]
-
-    def _go(self, procs) -> list:
-        for p in procs:
-            p.stdin.write(f"{self.seconds}\n")
-            p.stdin.flush()
-        return [float(p.stdout.readline()) for p in procs]
-
-    def sample(self, quiet: "Contention", all_pids: list, log) -> dict:
-        quiet.wait_quiet(all_pids)
-        before = quiet.sample(all_pids)
-        alone = self._go(self.procs[:1])[0]
-        pair = self._go(self.procs)
-        foreign = quiet.foreign(before, all_pids)
-        rec = {"alone_gflops": alone, "pair_gflops": pair, "ratio": sum(pair) / alone,
-               "foreign_cores": foreign,
-               "contended": foreign is not None and foreign > quiet.threshold}
-        self.samples.append(rec)
-        log(f"  {'ceiling':12s} 1 core {alone:.0f} GFLOP/s, 2 cores {sum(pair):.0f} GFLOP/s "
-            f"-> {rec['ratio']:.2f}x" + (" (contended)" if rec["contended"] else ""))
-        return rec
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.kill()
-            p.wait()
-
-
-class Entry:
-    """One measured configuration: a run name, its pool, its ParallelConfig and workload."""
-
-    def __init__(self, name: str, pool, config: ParallelConfig, workload: str, threads: int):
-        self.name, self.pool, self.config, self.workload = name, pool, config, workload
-        self.threads = threads
-        self.jobs: list = []
-
-    def clean(self) -> int:
-        return sum(not j["contended"] for j in self.jobs)
-
-
-def _job(entry: Entry, job: dict, quiet: Contention, all_pids: list, log, rnd: int) -> dict:
-    pool = entry.pool
-    if pool.config != entry.config:
-        pool.reconfigure(entry.config)  # same world size: the workers stay warm
-    req = _request(entry.workload, job)
-    pids = pool.worker_pids()
-    others = [p for p in all_pids if p not in pids]  # idle pools of this bench
-    quiet.wait_quiet(all_pids)
-    cpu0 = [_cpu_seconds(p) for p in pids]
-    idle0 = sum(_cpu_seconds(p) or 0.0 for p in others)
-    before = quiet.sample(all_pids)
-    res = pool.generate(req)
-    foreign = quiet.foreign(before, all_pids)
-    cpu1 = [_cpu_seconds(p) for p in pids]
-    idle1 = sum(_cpu_seconds(p) or 0.0 for p in others)
-    wall = res.timings["job_s"]
-    # CPU seconds each worker got per wall second of the job (text encoding on rank 0
-    # included): near 1.0 per 1-thread rank when it never waits
-    share = [None if a is None or b is None else (b - a) / wall for a, b in zip(cpu0, cpu1)]
-    contended = foreign is not None and foreign > quiet.threshold
-    rec = {"round": rnd, "job_s": wall, "denoise_s": [s["denoise_s"] for s in res.stats],
-           "cpu_share": share, "foreign_cores": foreign, "idle_pool_cores": (idle1 - idle0) / wall,
-           "contended": contended, "comm": [s.get("comm") for s in res.stats]}
-    d = max(rec["denoise_s"])
-    log(f"  {entry.name:12s} job {len(entry.jobs) + 1}: {d / job['steps']:.3f} s/step, other "
-        f"processes {'?' if foreign is None else f'{foreign:.2f}'} cores"
-        + (" -> contended, not counted" if contended else ""))
-    return rec
-
-
-def measure_interleaved(entries: list, job: dict, warmup: int, repeats: int, max_attempts: int,
-                        quiet: Contention, ceiling: Ceiling, log) -> list:
-    """Warm every entry up, then time them round-robin (one job of each in turn, plus one
-    ceiling sample per round) until each has `repeats` jobs on a quiet machine or
-    `max_attempts` jobs. Interleaving spreads slow drifts of the machine (neighbours, clock,
-    memory) evenly over the configurations compared, instead of charging them all to
-    whichever ran last. Jobs never overlap. Returns this section's ceiling samples."""
-    all_pids = list(ceiling.pids())
-    for e in entries:
-        log(f"  {e.name}: warming up ({e.config.describe()}, {e.threads} thread(s)/rank, "
-            f"workload {e.workload})")
-        if e.pool.config != e.config:
-            e.pool.reconfigure(e.config)
-        for _ in range(warmup):
-            e.pool.generate(_request(e.workload, job))
-        all_pids += [p for p in e.pool.worker_pids() if p not in all_pids]
-    samples = []
-    rnd = 0
-    while True:
-        # once the wait budget is spent, re-running contended jobs cannot help: stop at repeats
-        cap = repeats if quiet.exhausted else max_attempts
-        todo = [e for e in entries if e.clean() < repeats and len(e.jobs) < cap]
-        if not todo:
-            return samples
-        samples.append(dict(ceiling.sample(quiet, all_pids, log), round=rnd))
-        for e in todo:
-            e.jobs.append(_job(e, job, quiet, all_pids, log, rnd))
-        rnd += 1
-
-
-def summarize_entry(e: Entry, job: dict) -> dict:
-    clean = [j for j in e.jobs if not j["contended"]]
-    used = clean or e.jobs
-    per_step = [max(j["denoise_s"]) / job["steps"] for j in used]
-    shares = [x for j in used for x in j["cpu_share"] if x is not None]
-    steps = job["steps"]
-    comm_per_step = [None if c is None else {k: v / steps for k, v in c["bytes"].items()}
-                     for c in e.jobs[-1]["comm"]]
-    req = _request(e.workload, job)
-    return {"name": e.name, "config": e.config.describe(), "ranks": e.config.ranks,
-            "threads_per_rank": e.threads, "workload": e.workload, "batch": len(req.prompt),
-            "cfg": req.cfg, "step_s_median": statistics.median(per_step),
-            "step_s_min": min(per_step), "step_s_all": per_step, "timed_jobs_used": len(used),
-            "contended": not clean, "cpu_share_min": min(shares) if shares else None,
-            "foreign_cores_max": max((j["foreign_cores"] for j in used
-                                      if j["foreign_cores"] is not None), default=None),
-            "idle_pool_cores_max": max(j["idle_pool_cores"] for j in used),
-            "jobs": e.jobs, "comm_bytes_per_step": comm_per_step}
-
-
+# ---- the bench -------------------------------------------------------------------------------
 def run(args) -> int:
-    from .demo import default_cache
-    from .pool import WorkerPool
-    from .tiny_model import ensure_tiny_model
+    from comfyui_xdit.demo import default_cache
+    from comfyui_xdit.pool import WorkerPool
+    from comfyui_xdit.tiny_model import ensure_tiny_model
 
-    if getattr(args, "pipefusion", False):
-        return run_pipefusion(args)
     t_start = time.perf_counter()
     preset = dict(PRESETS["quick" if args.quick else "full"])
     if args.steps is not None:
@@ -452,20 +145,20 @@ def run(args) -> int:
     w, r = preset["warmup"], preset["repeats"]
     attempts = r if args.quick else r + max(0, args.max_retries)
     quiet = Contention(args.max_foreign_load, 0.0 if args.quick else args.max_wait, log)
-    restore_meter = enable_comm_meter()
     machine = machine_facts()
     pools = {}
     ceiling = None
     sections = {}
     try:
         ceiling = Ceiling(0.4 if args.quick else 1.5)
-        pools["1x1"] = WorkerPool(model_path, ParallelConfig(), device="cpu", threads_per_rank=1)
+        pools["1x1"] = WorkerPool(model_path, ParallelConfig(), device="cpu", threads_per_rank=1,
+                                  worker_hooks=METER_HOOKS)
         pools["2x1"] = WorkerPool(model_path, ParallelConfig(ulysses=2), device="cpu",
-                                  threads_per_rank=1)
+                                  threads_per_rank=1, worker_hooks=METER_HOOKS)
         head = [Entry("1x1", pools["1x1"], ParallelConfig(), "base", 1)]
         if extras and not args.quick:  # one more pool; --quick keeps to two
             pools["1x2"] = WorkerPool(model_path, ParallelConfig(), device="cpu",
-                                      threads_per_rank=2)
+                                      threads_per_rank=2, worker_hooks=METER_HOOKS)
             head.append(Entry("1x2", pools["1x2"], ParallelConfig(), "base", 2))
         cmp = [Entry(n, pools["2x1"], ParallelConfig(**kw), wl, 1) for n, wl, kw in TWO_RANK_RUNS]
         head += [e for e in cmp if e.workload == "base"]
@@ -487,8 +180,7 @@ def run(args) -> int:
             p.close()
         if ceiling is not None:
             ceiling.close()
-        restore_meter()
-    machine["loadavg_end"] = _loadavg()
+    machine["loadavg_end"] = loadavg()
     order = ["1x1", "1x1_cfg", "1x1_batch2", "1x2"] + [n for n, _, _ in TWO_RANK_RUNS]
     runs = {e.name: summarize_entry(e, job) for e in sorted(entries,
                                                             key=lambda e: order.index(e.name))}
@@ -497,7 +189,6 @@ def run(args) -> int:
     report["contention"] = {"threshold": quiet.threshold, "waited_s": quiet.waited,
                             "max_wait_s": quiet.budget, "attempts_per_config": attempts}
     if extras:
-        from . import bench_pool
         log("pool overheads: warm pool vs in-process diffusers, launch, per-job overhead")
         tiny = ensure_tiny_model("flux", cache)
         report["pool"] = {"warm": bench_pool.warm_pool_vs_diffusers(model_path, job, r, log),
@@ -512,40 +203,12 @@ def run(args) -> int:
     return 0
 
 
-def run_pipefusion(args) -> int:
-    from . import bench_pipefusion
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
-    machine = machine_facts()
-    t = time.perf_counter()
-    section = bench_pipefusion.run(args, log, machine)
-    machine["loadavg_end"] = _loadavg()
-    report = {"machine": machine, "pipefusion": section, "wall_s": time.perf_counter() - t}
-    md = bench_pipefusion.markdown(report)
-    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "bench.md").write_text(md)
-    print(md)
-    return 0
-
-
 # ---- summary ---------------------------------------------------------------------------------
 _BASELINE = {"base": "1x1", "cfg": "1x1_cfg", "batch2": "1x1_batch2"}
 
 
 def _rank_bytes(run: dict, kind: str) -> list:
-    return [0.0 if c is None else float(c.get(kind, 0.0)) for c in run["comm_bytes_per_step"]]
-
-
-def _paired(base: dict, r: dict, steps: int) -> list:
-    """base/r time per step of the jobs that ran in the same round, both uncontended."""
-    b = {j["round"]: max(j["denoise_s"]) for j in base["jobs"] if not j["contended"]}
-    return [b[j["round"]] / max(j["denoise_s"]) for j in r["jobs"]
-            if not j["contended"] and j["round"] in b]
+    return [float(c.get(kind, 0.0)) for c in run["comm_bytes_per_step"]]
 
 
 def summarize(machine, model, job, runs, launches, sections) -> dict:
@@ -564,9 +227,9 @@ def summarize(machine, model, job, runs, launches, sections) -> dict:
         if base is not None and name != base["name"]:
             speedup[name] = base["step_s_median"] / r["step_s_median"]
             r["speedup_vs_1x1"] = speedup[name]
-            paired = _paired(base, r, job["steps"])
-            r["speedup_paired_all"] = paired
-            r["speedup_paired_median"] = statistics.median(paired) if paired else None
+            pairs = paired(base, r, job["steps"])
+            r["speedup_paired_all"] = pairs
+            r["speedup_paired_median"] = statistics.median(pairs) if pairs else None
             if r["ranks"] == 2 and r["threads_per_rank"] == 1:
                 sec = "headline" if r["workload"] == "base" else "comparison"
                 c = ceilings.get(sec, {}).get("ratio_median")
@@ -584,14 +247,14 @@ def summarize(machine, model, job, runs, launches, sections) -> dict:
     other = []
     for name in ("ulysses2", "ring2"):
         for kind, key in (("all_gather", "output_all_gather"),
-                          ("broadcast", "stop_flag_broadcast_rank0")):
+                          ("broadcast", "data_plane_broadcast")):
             per_rank = _rank_bytes(runs[name], kind)
             other.append({"run": name, "collective": kind, "expected_bytes_per_step": th[key],
                           "measured_bytes_per_step_per_rank": per_rank})
     # the comm of the extra configurations, for the comparison table
     for r in runs.values():
         r["comm_total_bytes_per_step_max_rank"] = max(
-            (sum(c.values()) for c in r["comm_bytes_per_step"] if c), default=0.0)
+            (sum(c.values()) for c in r["comm_bytes_per_step"]), default=0.0)
     bytes_ok = all(abs(x - 1.0) <= BYTES_TOLERANCE for c in checks for x in c["ratio"])
     best = max((speedup[k] for k in ("ulysses2", "ring2") if k in speedup), default=None)
     return {"machine": machine, "model": model, "job": job, "theory": th, "runs": runs,
@@ -688,7 +351,8 @@ def markdown(rep: dict) -> str:
                  + " |")
     L.append("")
     L.append("(all_gather: the image tokens of `proj_out`, gathered once per forward; "
-             "broadcast: the 4-byte stop flag, counted on rank 0 only.)")
+             "broadcast: none on the data plane, the stop flag goes over the control plane, "
+             "which the meter does not count.)")
     extra = [r for r in runs.values() if r["ranks"] == 2]
     if any(r["workload"] != "base" for r in extra):
         L += ["", "## 2 ranks: ulysses vs ring vs cfg-parallel vs dp", "",
@@ -703,9 +367,10 @@ def markdown(rep: dict) -> str:
                      f"{_fmt(r.get('speedup_paired_median'), 'x')} | "
                      f"{_fmt(r.get('efficiency_vs_ceiling'))} | "
                      f"{r['comm_total_bytes_per_step_max_rank']:,.0f} B |")
-        L += ["", "(bytes: what `workers/comm_meter.py` counts, i.e. all_to_all, "
-              "batch_isend_irecv, isend/send (such as dp's transfer of each replica's result "
-              "to rank 0), all_gather and broadcast, on the sending rank.)"]
+        L += ["", "(bytes: what `benchmarks/comm_meter.py` counts on the data plane, i.e. "
+              "all_to_all, batch_isend_irecv, isend/send, all_gather (such as cfg-parallel's "
+              "predictions and dp's gather of the replicas' results, once per job) and "
+              "broadcast, on the sending rank; control-plane traffic is not counted.)"]
     L += ["", f"Wall time of the bench: {rep['wall_s']:.0f} s.", ""]
     return "\n".join(L)
 

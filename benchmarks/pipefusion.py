@@ -1,4 +1,4 @@
-"""`python -m comfyui_xdit bench --pipefusion`: what PipeFusion costs and saves on CPU (gloo).
+"""`python -m benchmarks --pipefusion`: what PipeFusion costs and saves on CPU (gloo).
 
 On a FLUX-shaped random-weight model with FLUX's own block counts (19 double + 38 single) and
 a small hidden size, so that the blocks hold ~99% of the transformer's weights as in the real
@@ -10,12 +10,12 @@ model (plus an SD3-shaped one with 24 joint blocks, memory only), it measures:
   the target is <= 1/N + 5% of the whole per rank. Peak RSS while loading
   (`load_peak_rss_mb`), RSS after importing (before loading) and RSS after a job;
 * time per step at pipefusion 1 (1 rank) vs pipefusion 2 (2 ranks), same job, warm pools
-  timed round-robin (the machinery of `bench`), and the bytes each rank sends per step
-  (`workers/comm_meter.py`, which counts isend/send) against the theory:
-  every stage boundary carries each patch's activations once per step, i.e.
-  B x (image tokens + text tokens) x hidden x bytes per branch, plus a 4-byte continue flag;
-  the last stage sends the new latent rows back to stage 0, B x image tokens x 64 x bytes;
-  warmup steps send the same volume in one piece;
+  timed round-robin (benchmarks/measure.py), and the point-to-point bytes each rank sends
+  per step (benchmarks/comm_meter.py: "send" + "p2p", plain and grouped sends, data plane
+  only) against the theory: every stage boundary carries each patch's activations once per
+  step, i.e. B x (image tokens + text tokens) x hidden x bytes per branch; the last stage
+  sends the new latent rows back to stage 0, B x image tokens x 64 x bytes; warmup steps send
+  the same volume in one piece (the stop flag travels on the control plane, not counted);
 * quality: PSNR of the decoded image (the model's VAE, `output="image"`) of PipeFusion
   against the exact run (pipefusion 1, same seed) for warmup_steps 0/1/2/4 at degree 2 and 4,
   plus warmup = steps (all synchronous: must be exact, a control). Random weights make the
@@ -32,10 +32,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import ParallelConfig
-from .request import GenerationRequest
+from comfyui_xdit.config import ParallelConfig
+from comfyui_xdit.request import GenerationRequest
+
+from .measure import (METER_HOOKS, Ceiling, Contention, Entry, NoCeiling, measure_interleaved,
+                      paired, summarize_entry)
 
 BYTES_TOLERANCE = 0.05
+# the meter's kinds that carry PipeFusion's point-to-point traffic: grouped exchanges
+# (batch_isend_irecv) are "p2p", plain isend/send "send"; both count
+P2P_KINDS = ("send", "p2p")
 DEFAULT_SPLIT = ParallelConfig().pipefusion_split  # what a user gets without asking
 MEMORY_SLACK = 0.05  # target: transformer weights per rank <= 1/N + 5% of the whole
 
@@ -70,7 +76,7 @@ def flux_model(cache: Path, double: int, single: int, heads: int, head_dim: int)
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from .tiny_model import ensure_tiny_model
+    from comfyui_xdit.tiny_model import ensure_tiny_model
 
     width = heads * head_dim
     if double == single:
@@ -107,7 +113,7 @@ def flux_model(cache: Path, double: int, single: int, heads: int, head_dim: int)
 
 
 def sd3_model(cache: Path, depth: int, heads: int, head_dim: int) -> Path:
-    from .tiny_model import ensure_tiny_model
+    from comfyui_xdit.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model("sd3", cache, depth=depth, width=heads * head_dim, heads=heads)
 
@@ -150,10 +156,10 @@ def _meta_transformer(path: Path):
 # ---- theory ----------------------------------------------------------------------------------
 def theory(model: dict, job: dict, degree: int, batch: int = 1, branches: int = 1,
            bytes_per_element: int = 4) -> list:
-    """Bytes each stage sends per denoising step (plain isend), PipeFusion only (no sp/cfg
+    """Point-to-point bytes each stage sends per denoising step, PipeFusion only (no sp/cfg
     inside). Stage s < N-1: every patch's activations once, the text tokens once per
-    branch (carried by the step's first patch), plus the 4-byte continue flag; the last
-    stage: the new latent rows (FLUX packed latents: 64 channels per image token)."""
+    branch (carried by the step's first patch); the last stage: the new latent rows (FLUX
+    packed latents: 64 channels per image token)."""
     act = batch * branches * (job["image_tokens"] + job["text_tokens"]) * model["width"] \
         * bytes_per_element
     latent = batch * job["image_tokens"] * 64 * bytes_per_element
@@ -161,7 +167,7 @@ def theory(model: dict, job: dict, degree: int, batch: int = 1, branches: int = 
     for s in range(degree):
         b = 0
         if s < degree - 1:
-            b += act + 4
+            b += act
         if s == degree - 1 and degree > 1:
             b += latent
         out.append(b)
@@ -244,9 +250,8 @@ def _quality_request(q: dict, seed: int = 11) -> GenerationRequest:
 
 def run(args, log, machine: dict) -> dict:
     """The PipeFusion section; returns its report (also used by the tests)."""
-    from . import bench
-    from .demo import default_cache
-    from .pool import WorkerPool
+    from comfyui_xdit.demo import default_cache
+    from comfyui_xdit.pool import WorkerPool
 
     t_start = time.perf_counter()
     preset = PRESETS["quick" if args.quick else "full"]
@@ -278,16 +283,15 @@ def run(args, log, machine: dict) -> dict:
         f"{facts['flux']['transformer_params'] / 1e6:.1f}M params "
         f"({facts['flux']['block_fraction']:.1%} in blocks)")
 
-    quiet = bench.Contention(args.max_foreign_load, 0.0 if args.quick else args.max_wait, log)
+    quiet = Contention(args.max_foreign_load, 0.0 if args.quick else args.max_wait, log)
     attempts = tcfg["repeats"] if args.quick else tcfg["repeats"] + max(0, args.max_retries)
-    restore_meter = bench.enable_comm_meter()
     memory, quality, timing, samples, scale = [], [], {}, [], {}
     ceiling = None
     pools = []
 
     def pool_for(model, degree, split):
         p = WorkerPool(model, _config(degree, split, tcfg["warmup_steps"]), device="cpu",
-                       threads_per_rank=1)
+                       threads_per_rank=1, worker_hooks=METER_HOOKS)
         pools.append(p)
         return p
 
@@ -297,24 +301,24 @@ def run(args, log, machine: dict) -> dict:
 
     try:
         # --quick: no ceiling helpers (two more torch processes to start)
-        ceiling = _NoCeiling() if args.quick else bench.Ceiling(1.0)
+        ceiling = NoCeiling() if args.quick else Ceiling(1.0)
         # 1. time per step, pipefusion 1 vs 2, side by side (warm pools, round-robin)
         p1 = pool_for(flux, 1, "-")
         p2 = pool_for(flux, 2, DEFAULT_SPLIT)
-        entries = [bench.Entry("pipefusion1", p1, _config(1), "base", 1),
-                   bench.Entry("pipefusion2", p2, _config(2, DEFAULT_SPLIT,
-                                                          tcfg["warmup_steps"]), "base", 1)]
+        entries = [Entry("pipefusion1", p1, _config(1), "base", 1),
+                   Entry("pipefusion2", p2, _config(2, DEFAULT_SPLIT,
+                                                    tcfg["warmup_steps"]), "base", 1)]
         seen = {("flux", 1, ()), ("flux", 2, _ranges(flux, 2, DEFAULT_SPLIT))}
         for split in tcfg.get("extra_splits", ()):  # the same pipeline on another layout
             if _same_layout(seen, [], "flux", flux, 2, split, record=False):
                 continue
-            entries.append(bench.Entry(f"pipefusion2_{split}", pool_for(flux, 2, split),
-                                       _config(2, split, tcfg["warmup_steps"]), "base", 1))
+            entries.append(Entry(f"pipefusion2_{split}", pool_for(flux, 2, split),
+                                  _config(2, split, tcfg["warmup_steps"]), "base", 1))
         log(f"pipefusion: time/step, 1 rank vs pipefusion 2 ({job['width']}x{job['height']}, "
             f"{job['steps']} steps, warmup_steps {tcfg['warmup_steps']})")
-        samples = bench.measure_interleaved(entries, job, tcfg["warmup"], tcfg["repeats"],
-                                            attempts, quiet, ceiling, log)
-        timing = {e.name: bench.summarize_entry(e, job) for e in entries}
+        samples = measure_interleaved(entries, job, tcfg["warmup"], tcfg["repeats"],
+                                      attempts, quiet, ceiling, log)
+        timing = {e.name: summarize_entry(e, job) for e in entries}
         for e in entries:
             timing[e.name]["split"] = e.config.pipefusion_split if e.config.pipefusion > 1 \
                 else "-"
@@ -372,20 +376,19 @@ def run(args, log, machine: dict) -> dict:
             p.close()
         if ceiling is not None:
             ceiling.close()
-        restore_meter()
 
     th = theory(facts["flux"], job, 2)
     comm = []
     for name, r in timing.items():
         degree = r["ranks"]
         t = theory(facts["flux"], job, degree)
-        per_rank = [0.0 if c is None else float(c.get("send", 0.0))
+        per_rank = [float(sum(c.get(k, 0.0) for k in P2P_KINDS))
                     for c in timing[name]["comm_bytes_per_step"]]
-        other = [{k: v for k, v in (c or {}).items() if k != "send" and v}
+        other = [{k: v for k, v in c.items() if k not in P2P_KINDS and v}
                  for c in timing[name]["comm_bytes_per_step"]]
         comm.append({"run": name, "degree": degree, "split": r["split"],
-                     "theory_bytes_per_step": t,
-                     "measured_send_bytes_per_step": per_rank, "other_bytes_per_step": other,
+                     "theory_bytes_per_step": t, "kinds": list(P2P_KINDS),
+                     "measured_bytes_per_step": per_rank, "other_bytes_per_step": other,
                      "ratio": [m / x if x else (1.0 if m == 0 else None)
                                for m, x in zip(per_rank, t)]})
     samples = [x for x in samples if x.get("ratio") is not None]
@@ -394,18 +397,18 @@ def run(args, log, machine: dict) -> dict:
     for r in timing.values():
         if r is not base:
             r["speedup_vs_1"] = base["step_s_median"] / r["step_s_median"]
-            pr = bench._paired(base, r, job["steps"])
+            pr = paired(base, r, job["steps"])
             r["speedup_paired_median"] = statistics.median(pr) if pr else None
-    paired = bench._paired(base, pf, job["steps"])
+    pairs = paired(base, pf, job["steps"])
     speed = {"step_s": {k: v["step_s_median"] for k, v in timing.items()},
              "speedup": base["step_s_median"] / pf["step_s_median"],
-             "speedup_paired_median": statistics.median(paired) if paired else None,
+             "speedup_paired_median": statistics.median(pairs) if pairs else None,
              "two_core_ceiling": statistics.median(clean) if clean else None,
              "ceiling_samples": samples,
              "contended": any(v["contended"] for v in timing.values())}
     ratios = [x for c in comm for x in c["ratio"] if x is not None]
     return {"models": facts, "job": job, "quality_job": q, "memory": memory,
-            "timing": timing, "speed": speed, "comm": comm, "activation_bytes": th[0] - 4,
+            "timing": timing, "speed": speed, "comm": comm, "activation_bytes": th[0],
             "quality": quality, "quality_scale": scale,
             "targets": {"memory_slack": MEMORY_SLACK, "bytes_tolerance": BYTES_TOLERANCE,
                         "bytes_met": all(abs(x - 1) <= BYTES_TOLERANCE for x in ratios),
@@ -430,19 +433,6 @@ def _same_layout(seen: set, memory: list, arch: str, model: Path, degree: int,
                           if r["blocks"]) == tuple(tuple(x) for x in ranges))
     memory.append(dict(prev, split=split, same_as=prev["split"]))
     return True
-
-
-class _NoCeiling:
-    """Stands in for bench.Ceiling in --quick: no helper processes, no samples."""
-
-    def pids(self) -> list:
-        return []
-
-    def sample(self, quiet, all_pids, log) -> dict:
-        return {"ratio": None, "contended": False, "skipped": True}
-
-    def close(self) -> None:
-        pass
 
 
 def _ranges(model: Path, degree: int, split: str) -> tuple:
@@ -518,18 +508,19 @@ def markdown(rep: dict) -> str:
         L.append(f"Two-core ceiling sampled in the same rounds (two 1-thread matmul processes "
                  f"vs one): {s['two_core_ceiling']:.2f}x.")
     A = pf["activation_bytes"]
-    L += ["", "## Bytes sent per step per rank (isend, counted by the sender)", "",
-          f"Theory: stage s < N-1 sends B x (image + text tokens) x hidden x 4 B = 1 x "
-          f"({j['image_tokens']} + {j['text_tokens']}) x {pf['models']['flux']['width']} x 4 = "
-          f"{A:,} B per step (every patch once, the text with the step's first patch) + a "
-          f"4-byte continue flag; the last stage sends B x image tokens x 64 x 4 B = "
+    L += ["", "## Bytes sent per step per rank (point-to-point, counted by the sender)", "",
+          "Measured: the meter's `send` + `p2p` bytes (plain and grouped sends), data plane "
+          f"only. Theory: stage s < N-1 sends B x (image + text tokens) x hidden x 4 B = "
+          f"1 x ({j['image_tokens']} + {j['text_tokens']}) x {pf['models']['flux']['width']} x "
+          f"4 = {A:,} B per step (every patch once, the text with the step's first patch); the "
+          f"last stage sends B x image tokens x 64 x 4 B = "
           f"{j['image_tokens'] * 256:,} B of new latent rows back to stage 0. Warmup steps send "
           "the same in one piece.", "",
           "| run | rank | theory (B/step) | measured (B/step) | measured / theory | other "
           "traffic (B/step) |", "|---|---|---|---|---|---|"]
     for c in pf["comm"]:
         for i, (t, mm, ratio, o) in enumerate(zip(c["theory_bytes_per_step"],
-                                                   c["measured_send_bytes_per_step"],
+                                                   c["measured_bytes_per_step"],
                                                    c["ratio"], c["other_bytes_per_step"])):
             L.append(f"| {c['run']} | {i} | {t:,.0f} | {mm:,.0f} | "
                      f"{'n/a' if ratio is None else f'{ratio:.4f}'} | "

@@ -1,5 +1,6 @@
-"""Pool overheads for `bench`: warm-pool latency against in-process diffusers, the first-use
-launch broken down, and the per-job dispatch cost.
+"""Pool overheads for the bench (benchmarks/bench.py; skipped with --no-extras): warm-pool
+latency against in-process diffusers, the first-use launch broken down, and the per-job
+dispatch cost.
 
 * warm pool vs diffusers: the same 1-rank, 1-thread job (prompt encoding + denoising loop,
   latent out) through a warm `WorkerPool` and through `FluxPipeline.__call__` in this process,
@@ -14,17 +15,18 @@ import statistics
 import time
 from pathlib import Path
 
-from .config import ParallelConfig
-from .request import GenerationRequest
+from comfyui_xdit.config import ParallelConfig
+from comfyui_xdit.request import GenerationRequest
 
 
 def _diffusers_job(pipe, req: GenerationRequest) -> float:
     import torch
 
-    from workers.denoise import prepare_noise
-    from workers.models.flux import FluxAdapter
+    from comfyui_xdit.comfy_convert import comfy_noise, noise_to_model
 
-    noise = FluxAdapter().pack(prepare_noise(req.seed, (1, 16, req.height // 8, req.width // 8)))
+    # the noise the pool draws for the same request, in the transformer's (packed) layout
+    noise = noise_to_model("flux", comfy_noise(req.seed, (1, 16, req.height // 8,
+                                                          req.width // 8)))
     t = time.perf_counter()
     with torch.inference_mode():
         pipe(prompt=req.prompt, guidance_scale=3.5, height=req.height, width=req.width,
@@ -37,7 +39,7 @@ def warm_pool_vs_diffusers(model: Path, job: dict, repeats: int, log=print) -> d
     import torch
     import diffusers
 
-    from .pool import WorkerPool
+    from comfyui_xdit.pool import WorkerPool
 
     req = GenerationRequest(prompt=["a photo of a red cat"], seed=1, steps=job["steps"],
                             height=job["height"], width=job["width"], cfg=1.0,
@@ -65,7 +67,7 @@ def warm_pool_vs_diffusers(model: Path, job: dict, repeats: int, log=print) -> d
 
 
 def launch_and_dispatch(model: Path, tiny: Path, job: dict, log=print) -> dict:
-    from .pool import WorkerPool
+    from comfyui_xdit.pool import WorkerPool
 
     req = GenerationRequest(prompt=["a photo of a red cat"], seed=1, steps=job["steps"],
                             height=job["height"], width=job["width"], cfg=1.0,

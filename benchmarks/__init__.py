@@ -1,0 +1,11 @@
+"""Benchmarks of comfyui-xdit: not part of the product (ComfyUI never imports them).
+
+    python -m benchmarks [--quick] [--out bench-out]          # speed-up and bytes per step
+    python -m benchmarks --pipefusion [--quick]               # PipeFusion: memory, speed, PSNR
+
+(`python -m comfyui_xdit bench ...` is the same command.) Modules: `bench` (1 vs 2 CPU
+ranks: ulysses, ring, cfg-parallel, dp), `pipefusion` (the PipeFusion section), `pool` (pool
+overheads), `measure` (machine facts, the CPU-contention monitor, round-robin timing),
+`comm_meter` (the worker hook that counts the bytes each rank sends), `cli` (the options).
+This package may import comfyui_xdit and workers; they never import it.
+"""

@@ -1,0 +1,87 @@
+"""The benchmarks' command line: `python -m benchmarks ...`, also reached as
+`python -m comfyui_xdit bench ...` (comfyui_xdit/cli.py imports this module only then)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import bench
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="bench-out", help="folder for bench.json and bench.md")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 128x128, 2 steps, no 1x2-thread reference: checks the "
+                        "bench itself in seconds")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per job")
+    p.add_argument("--repeats", type=int, default=None, help="timed jobs per configuration")
+    p.add_argument("--cache", default=None,
+                   help="model cache folder (default: the demo's cache/models)")
+    p.add_argument("--max-foreign-load", type=float, default=0.25,
+                   help="cores other processes may use during a timed job before it is "
+                        "re-run (default 0.25)")
+    p.add_argument("--max-retries", type=int, default=4,
+                   help="extra timed jobs per configuration to replace contended ones")
+    p.add_argument("--max-wait", type=float, default=150.0,
+                   help="total seconds to wait for a quiet machine (default 150; --quick: 0); "
+                        "once spent, contended jobs are kept (and flagged)")
+    p.add_argument("--no-extras", action="store_true",
+                   help="skip the 1x2-thread reference, the cfg/dp comparison and the pool "
+                        "overheads")
+    p.add_argument("--pipefusion", action="store_true",
+                   help="run the PipeFusion section instead: weights and memory per rank at "
+                        "pipefusion 1/2/4 (compute and memory splits), time/step and bytes "
+                        "at pipefusion 1 vs 2, PSNR vs the exact run per warmup_steps "
+                        "(see benchmarks/pipefusion.py)")
+
+
+def parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=bench.__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p
+
+
+def run(args) -> int:
+    if args.pipefusion:
+        return run_pipefusion(args)
+    return bench.run(args)
+
+
+def run_pipefusion(args) -> int:
+    from . import pipefusion
+    from .measure import loadavg, machine_facts
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    machine = machine_facts()
+    t = time.perf_counter()
+    section = pipefusion.run(args, log, machine)
+    machine["loadavg_end"] = loadavg()
+    report = {"machine": machine, "pipefusion": section, "wall_s": time.perf_counter() - t}
+    md = pipefusion.markdown(report)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench.md").write_text(md)
+    print(md)
+    return 0
+
+
+def main(argv=None, prog: str = "python -m benchmarks") -> int:
+    args = parser(prog).parse_args(argv)
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a pool failure: one line, the details are in the message
+        from comfyui_xdit.pool import PoolError
+        if isinstance(e, PoolError):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
