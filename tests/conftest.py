@@ -56,17 +56,102 @@ def pools(model_dir):
         pool.close()
 
 
+# What the oracle assumes for every request field the test did not set: written here, not
+# taken from the product (DESIGN.md: the CLI's defaults, which are diffusers' FluxPipeline /
+# StableDiffusion3Pipeline guidance values). The oracle checks that the request resolves to
+# the same values, so a drifted default fails with a clear message instead of a diff.
+ORACLE_DEFAULTS = {
+    "flux": {"cfg": 1.0, "guidance": 3.5},
+    "sd3": {"cfg": 7.0, "guidance": None},
+}
+ORACLE_MAX_SEQUENCE_LENGTH = 512
+ORACLE_NEGATIVE_PROMPT = ""
+VAE_SCALE = 8  # pixels per latent pixel (ComfyUI's LATENT is [B,16,H/8,W/8])
+
+
+def comfyui_noise(seed: int, shape) -> torch.Tensor:
+    """ComfyUI's comfy.sample.prepare_noise (no batch_index), written out: one draw of the
+    whole latent from torch.manual_seed(seed), fp32, on the CPU."""
+    return torch.randn(tuple(shape), generator=torch.manual_seed(seed), dtype=torch.float32,
+                       device="cpu")
+
+
+def vae_factors(path) -> tuple:
+    """(scaling_factor, shift_factor) from the model folder's vae/config.json."""
+    import json
+    with open(Path(path) / "vae" / "config.json") as f:
+        c = json.load(f)
+    return float(c["scaling_factor"]), float(c.get("shift_factor") or 0.0)
+
+
+def model_to_latent(x: torch.Tensor, path) -> torch.Tensor:
+    """Model-space [B,16,h,w] (unpacked) -> ComfyUI LATENT (raw VAE space):
+    model_latent / scaling_factor + shift_factor (DESIGN.md numerics 5)."""
+    scale, shift = vae_factors(path)
+    return x.float() / scale + shift
+
+
+def latent_to_model(x: torch.Tensor, path) -> torch.Tensor:
+    """ComfyUI LATENT (raw VAE space) -> model space [B,16,h,w] (unpacked)."""
+    scale, shift = vae_factors(path)
+    return (x.float() - shift) * scale
+
+
+def oracle_settings(arch: str, req: GenerationRequest) -> dict:
+    """The request's generation settings, with the test's defaults for unset fields; the
+    product must resolve the request to the same values."""
+    d = ORACLE_DEFAULTS[arch]
+    out = {
+        "cfg": float(req.cfg) if req.cfg is not None else d["cfg"],
+        "guidance": float(req.guidance) if req.guidance is not None else d["guidance"],
+        "max_sequence_length": int(req.max_sequence_length),
+        "negative_prompt": req.negative_prompt,
+    }
+    r = req.resolved(arch)
+    got = {"cfg": r.cfg, "guidance": r.guidance, "max_sequence_length": r.max_sequence_length,
+           "negative_prompt": r.negative_prompt}
+    assert got == out, f"the request resolves to {got}; the oracle assumes {out}"
+    assert GenerationRequest(prompt=["x"]).max_sequence_length == ORACLE_MAX_SEQUENCE_LENGTH
+    assert GenerationRequest(prompt=["x"]).negative_prompt == ORACLE_NEGATIVE_PROMPT
+    return out
+
+
+def pack_flux(x: torch.Tensor) -> torch.Tensor:
+    """[B,16,h,w] -> FLUX's packed [B, h/2*w/2, 64], with diffusers' own packing."""
+    import diffusers
+    b, c, h, w = x.shape
+    return diffusers.FluxPipeline._pack_latents(x, b, c, h, w)
+
+
+def unpack_flux(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse, with diffusers' own unpacking (height/width in pixels)."""
+    import diffusers
+    return diffusers.FluxPipeline._unpack_latents(x, height, width, VAE_SCALE)
+
+
+@pytest.fixture(scope="session")
+def unmoved_latent(model_dir):
+    """unmoved_latent(arch, req, path=None) -> the request's initial noise as a ComfyUI
+    LATENT: exactly what the pool would return if the transformer predicted zero velocity
+    (every Euler step then adds 0 to the noise). A result "moved away from the noise" must
+    be compared with this, in the same space, never with the raw noise."""
+    def get(arch: str, req: GenerationRequest, path=None) -> torch.Tensor:
+        noise = comfyui_noise(req.seed, (req.batch, 16, req.height // VAE_SCALE,
+                                         req.width // VAE_SCALE))
+        return model_to_latent(noise, path or model_dir(arch))
+    return get
+
+
 @pytest.fixture(scope="session")
 def oracle(model_dir):
     """oracle(arch, request) -> the single-process diffusers pipeline's final latent, in
-    ComfyUI's LATENT space, from the same noise (DESIGN.md numerics 4)."""
+    ComfyUI's LATENT space, from the same noise (DESIGN.md numerics 4).
+
+    Nothing here comes from the product: the noise is ComfyUI's prepare_noise written out,
+    FLUX's packing is diffusers' `FluxPipeline._pack_latents` / `_unpack_latents`, the
+    defaults are `ORACLE_DEFAULTS`, and LATENT space uses the model folder's VAE config. So a
+    wrong but self-consistent packing, noise or default in the product is caught."""
     import diffusers
-
-
-    def prepare_noise(seed, shape):  # ComfyUI's comfy.sample.prepare_noise
-        return torch.randn(shape, generator=torch.manual_seed(seed), dtype=torch.float32,
-                           device="cpu")
-    from workers.models import get_adapter
 
     pipes, cache = {}, {}
 
@@ -77,27 +162,27 @@ def oracle(model_dir):
                req.guidance, req.max_sequence_length, req.negative_prompt)
         if key in cache:
             return cache[key]
-        adapter = get_adapter(arch)
-        noise = prepare_noise(req.seed, (len(req.prompt), 16, req.height // 8, req.width // 8))
-        r = req.resolved(arch)
+        s = oracle_settings(arch, req)
+        batch, h, w = len(req.prompt), req.height, req.width
+        noise = comfyui_noise(req.seed, (batch, 16, h // VAE_SCALE, w // VAE_SCALE))
+        negative = [s["negative_prompt"]] * batch
         if arch == "flux":
             pipe = pipes.get(path) or diffusers.FluxPipeline.from_pretrained(path)
-            kw = dict(true_cfg_scale=r.cfg, negative_prompt=[r.negative_prompt] * len(r.prompt)
-                      ) if r.cfg > 1 else {}
-            out = pipe(prompt=r.prompt, guidance_scale=r.guidance, height=r.height,
-                       width=r.width, num_inference_steps=r.steps, latents=adapter.pack(noise),
-                       max_sequence_length=r.max_sequence_length, output_type="latent", **kw)
-            lat = adapter.unpack(out.images, r.height, r.width)
+            kw = dict(true_cfg_scale=s["cfg"], negative_prompt=negative) if s["cfg"] > 1 else {}
+            out = pipe(prompt=list(req.prompt), guidance_scale=s["guidance"], height=h,
+                       width=w, num_inference_steps=req.steps, latents=pack_flux(noise),
+                       max_sequence_length=s["max_sequence_length"], output_type="latent",
+                       **kw)
+            lat = unpack_flux(out.images, h, w)
         else:
             pipe = pipes.get(path) or diffusers.StableDiffusion3Pipeline.from_pretrained(path)
-            out = pipe(prompt=r.prompt, negative_prompt=[r.negative_prompt] * len(r.prompt),
-                       guidance_scale=r.cfg, height=r.height, width=r.width,
-                       num_inference_steps=r.steps, latents=noise,
-                       max_sequence_length=r.max_sequence_length, output_type="latent")
+            out = pipe(prompt=list(req.prompt), negative_prompt=negative,
+                       guidance_scale=s["cfg"], height=h, width=w,
+                       num_inference_steps=req.steps, latents=noise,
+                       max_sequence_length=s["max_sequence_length"], output_type="latent")
             lat = out.images
         pipes[path] = pipe
-        vae = pipe.vae.config
-        cache[key] = lat.float() / vae.scaling_factor + vae.shift_factor
+        cache[key] = model_to_latent(lat, path)
         return cache[key]
 
     return run

@@ -51,7 +51,13 @@ def cases(configs: dict):
                                        id=f"{arch}-{name}-{size}-b{batch}")
 
 
-def run_and_compare(pools, oracle, arch, world, config, size, batch, cfg):
+# A result counts as "moved" when it is this far (max abs, LATENT space) from the initial
+# noise in LATENT space: a transformer that predicts zero velocity leaves the noise exactly
+# where it was (distance 0.0), whatever the configuration.
+MOVED = 1e-2
+
+
+def run_and_compare(pools, oracle, unmoved_latent, arch, world, config, size, batch, cfg):
     pool = pools(arch, world)
     pool.reconfigure(config)
     req = make_request(size, batch, cfg)
@@ -60,24 +66,24 @@ def run_and_compare(pools, oracle, arch, world, config, size, batch, cfg):
     assert got.shape == want.shape
     diff = (got - want).abs().max().item()
     assert diff <= TOL, f"{config.describe()}: max abs diff {diff:.3e} > {TOL}"
-    # not a degenerate pass: the latent moved away from the initial noise
-    assert (want - pool_noise(req)).abs().max().item() > 1e-2
+    # not a degenerate pass: both moved away from the initial noise, compared in one space
+    start = unmoved_latent(arch, req)
+    for name, x in (("oracle", want), ("pool", got)):
+        moved = (x - start).abs().max().item()
+        assert moved > MOVED, f"{name} result is the initial noise (moved {moved:.2e})"
     return got
 
 
-def pool_noise(req):
-    from comfyui_xdit.comfy_convert import comfy_noise as prepare_noise
-    return prepare_noise(req.seed, (len(req.prompt), 16, req.height // 8, req.width // 8))
-
-
 @pytest.mark.parametrize("arch,config,size,batch,cfg", list(cases(CONFIGS_2)))
-def test_two_ranks_match_diffusers(pools, oracle, arch, config, size, batch, cfg):
-    run_and_compare(pools, oracle, arch, 2, config, size, batch, cfg)
+def test_two_ranks_match_diffusers(pools, oracle, unmoved_latent, arch, config, size, batch,
+                                   cfg):
+    run_and_compare(pools, oracle, unmoved_latent, arch, 2, config, size, batch, cfg)
 
 
 @pytest.mark.parametrize("arch,config,size,batch,cfg", list(cases(CONFIGS_4)))
-def test_four_ranks_match_diffusers(pools, oracle, arch, config, size, batch, cfg):
-    run_and_compare(pools, oracle, arch, 4, config, size, batch, cfg)
+def test_four_ranks_match_diffusers(pools, oracle, unmoved_latent, arch, config, size, batch,
+                                    cfg):
+    run_and_compare(pools, oracle, unmoved_latent, arch, 4, config, size, batch, cfg)
 
 
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
@@ -123,3 +129,27 @@ def test_negative_control_detects_wrong_attention(pools, oracle, fault, config):
     req = make_request("B", 1, 1.0)
     diff = (pool.generate(req).samples - oracle("flux", req)).abs().max().item()
     assert diff > 10 * TOL, f"fault {fault} went unnoticed (diff {diff:.2e})"
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_moved_check_fails_for_a_zero_transformer(model_dir, oracle, unmoved_latent, tmp_path,
+                                                  arch):
+    """The "not degenerate" check above can fail: with the transformer's output projection
+    zeroed (every velocity is 0), the diffusers result is the initial noise in LATENT space,
+    at distance 0 from `unmoved_latent`, so `moved > MOVED` would fail. (Compared with the
+    raw noise instead, the same result is ~1/scale away and would pass.)"""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    zero = tmp_path / "zero"
+    shutil.copytree(model_dir(arch), zero)
+    f = zero / "transformer" / "diffusion_pytorch_model.safetensors"
+    w = load_file(str(f))
+    keys = [k for k in w if k.startswith("proj_out.")]
+    assert keys, sorted(w)[:5]
+    save_file({k: (torch.zeros_like(v) if k in keys else v) for k, v in w.items()}, str(f))
+    req = make_request("B", 1, 2.5)
+    got = oracle(arch, req, path=zero)
+    assert (got - unmoved_latent(arch, req, path=zero)).abs().max().item() <= MOVED / 100
+    assert (oracle(arch, req) - unmoved_latent(arch, req)).abs().max().item() > MOVED
