@@ -15,7 +15,6 @@ from comfyui_xdit.node_logic import (ModelHandle, PoolRegistry, SampleInputs, bu
                                      discover_models, discover_single_files, make_handle,
                                      resolve_model, sample)
 from comfyui_xdit.pool import JobCancelled
-from comfyui_xdit.comfy_convert import comfy_noise as prepare_noise
 
 from single_file_util import write_single_file
 from test_conditioning import encode
@@ -38,13 +37,24 @@ def test_latent_round_trip_and_empty_detection():
         latent_from_comfy({"samples": x, "noise_mask": torch.ones(1, 64, 96)})
 
 
+# ComfyUI's comfy/sample.py `prepare_noise(latent_image, seed, noise_inds=None)` (Comfy-Org/
+# ComfyUI a125cd84, Oct 2025): `generator = torch.manual_seed(seed)`; without noise_inds
+# `torch.randn(latent_image.size(), dtype=latent_image.dtype, ..., generator=generator,
+# device="cpu")` (an EmptySD3LatentImage is fp32); with noise_inds (LATENT "batch_index") one
+# `torch.randn([1] + size[1:])` per index 0..max(noise_inds), in order, and the draws at the
+# given indices concatenated. Written out here, not imported from the product.
 def test_noise_is_comfyui_prepare_noise():
     shape = (3, 16, 8, 8)
-    assert torch.equal(comfy_noise(7, shape), prepare_noise(7, shape))
-    assert torch.equal(comfy_noise(2 ** 64 - 1, shape), prepare_noise(2 ** 64 - 1, shape))
+    for seed in (7, 2 ** 64 - 1):
+        want = torch.randn(shape, generator=torch.manual_seed(seed), dtype=torch.float32,
+                           device="cpu")
+        got = comfy_noise(seed, shape)
+        assert got.dtype == torch.float32 and tuple(got.shape) == shape
+        assert torch.equal(got, want)
+    assert not torch.equal(comfy_noise(8, shape), comfy_noise(7, shape))
     # batch_index: ComfyUI draws one [1,...] per index up to the max, in order
     gen = torch.manual_seed(5)
-    per = [torch.randn((1, 16, 8, 8), generator=gen) for _ in range(4)]
+    per = [torch.randn((1, 16, 8, 8), generator=gen, dtype=torch.float32) for _ in range(4)]
     got = comfy_noise(5, shape, [3, 1, 3])
     assert torch.equal(got, torch.cat([per[3], per[1], per[3]]))
 
@@ -81,15 +91,55 @@ def test_build_job_txt2img_and_img2img():
         build_job(SampleInputs(latent={"samples": x}))
 
 
-def test_preview_rgb_matches_comfyui_latent2rgb():
-    x = torch.randn(1, 16, 4, 6)
-    img = preview_rgb(x, "flux")
+# Constants copied from ComfyUI's comfy/latent_formats.py (Comfy-Org/ComfyUI a125cd84, Oct
+# 2025), classes `SD3` and `Flux`: `scale_factor`, `shift_factor`, `latent_rgb_factors`
+# (16 x RGB) and `latent_rgb_factors_bias`.
+COMFYUI_LATENT_FORMATS = {
+    "sd3": dict(
+        scale_factor=1.5305, shift_factor=0.0609,
+        latent_rgb_factors=[
+            [-0.0922, -0.0175, 0.0749], [0.0311, 0.0633, 0.0954], [0.1994, 0.0927, 0.0458],
+            [0.0856, 0.0339, 0.0902], [0.0587, 0.0272, -0.0496], [-0.0006, 0.1104, 0.0309],
+            [0.0978, 0.0306, 0.0427], [-0.0042, 0.1038, 0.1358], [-0.0194, 0.0020, 0.0669],
+            [-0.0488, 0.0130, -0.0268], [0.0922, 0.0988, 0.0951], [-0.0278, 0.0524, -0.0542],
+            [0.0332, 0.0456, 0.0895], [-0.0069, -0.0030, -0.0810], [-0.0596, -0.0465, -0.0293],
+            [-0.1448, -0.1463, -0.1189]],
+        latent_rgb_factors_bias=[0.2394, 0.2135, 0.1925]),
+    "flux": dict(
+        scale_factor=0.3611, shift_factor=0.1159,
+        latent_rgb_factors=[
+            [-0.0346, 0.0244, 0.0681], [0.0034, 0.0210, 0.0687], [0.0275, -0.0668, -0.0433],
+            [-0.0174, 0.0160, 0.0617], [0.0859, 0.0721, 0.0329], [0.0004, 0.0383, 0.0115],
+            [0.0405, 0.0861, 0.0915], [-0.0236, -0.0185, -0.0259], [-0.0245, 0.0250, 0.1180],
+            [0.1008, 0.0755, -0.0421], [-0.0515, 0.0201, 0.0011], [0.0428, -0.0012, -0.0036],
+            [0.0817, 0.0765, 0.0749], [-0.1264, -0.0522, -0.1103], [-0.0280, -0.0881, -0.0499],
+            [-0.1262, -0.0982, -0.0778]],
+        latent_rgb_factors_bias=[-0.0329, -0.0718, -0.0851]),
+}
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_preview_rgb_matches_comfyui_latent2rgb(arch):
+    """ComfyUI's latent2rgb preview of a raw-VAE-space latent: the sampler hands the
+    previewer model-space x0 (`process_in`: (x - shift_factor) * scale_factor, latent_formats
+    .py), latent_preview.py `Latent2RGBPreviewer.decode_latent_to_preview` applies
+    `F.linear(x0.movedim(0, -1), latent_rgb_factors^T, bias=latent_rgb_factors_bias)` and
+    `preview_to_image` maps ((v + 1) / 2).clamp(0, 1) * 255 to uint8. ComfyUI's uint8 cast
+    truncates; the product rounds, so it is within half a level of ComfyUI's float value
+    (ComfyUI's own uint8 is within one level)."""
+    f = COMFYUI_LATENT_FORMATS[arch]
+    # a raw latent whose model-space x0 is ~N(0, 1), as a real latent is
+    x = torch.randn(1, 16, 4, 6, generator=torch.manual_seed(3)) / f["scale_factor"] \
+        + f["shift_factor"]
+    img = preview_rgb(x, arch)
     assert img.shape == (4, 6, 3) and img.dtype == torch.uint8
-    from comfyui_xdit.comfy_convert import LATENT_FORMATS
-    f = LATENT_FORMATS["flux"]
-    m = (x[0] - f["shift"]) * f["scale"]
-    ref = (torch.einsum("chw,cr->hwr", m, torch.tensor(f["rgb"])) + torch.tensor(f["bias"]))
-    ref = ((ref + 1) / 2).clamp(0, 1) * 255
+    x0 = (x[0] - f["shift_factor"]) * f["scale_factor"]
+    rgb = torch.nn.functional.linear(x0.movedim(0, -1),
+                                     torch.tensor(f["latent_rgb_factors"]).transpose(0, 1),
+                                     bias=torch.tensor(f["latent_rgb_factors_bias"]))
+    ref = ((rgb + 1.0) / 2.0).clamp(0, 1).mul(0xFF)
+    inside = ((ref > 0) & (ref < 255)).float().mean().item()
+    assert inside > 0.9, f"only {inside:.0%} unsaturated: the comparison would be weak"
     assert (img.float() - ref).abs().max() <= 0.5 + 1e-4
 
 
