@@ -43,13 +43,10 @@ SD3_HEAD_DIM = 64
 # FLUX.1's RoPE axes (not stored in the file) for its head dim of 128
 FLUX_ROPE_AXES_128 = (16, 56, 56)
 SINGLE_FILE_SUFFIXES = (".safetensors", ".sft")
-NO_TEXT_ENCODERS = ("this model is a single .safetensors file, which has no text encoders: "
-                    "connect positive (and, with cfg > 1, negative) CONDITIONING from ComfyUI's "
-                    "text-encoder nodes (DualCLIPLoader / TripleCLIPLoader + CLIPTextEncode) "
-                    "instead of prompt text, or use a diffusers model folder")
-NO_VAE = ("this model is a single .safetensors file, which has no VAE for the pool: take the "
-          "LATENT and decode it with ComfyUI's VAE (VAEDecode, or the xDiT Decode node's vae "
-          "input), or use a diffusers model folder")
+from .worker_modules import worker_module  # noqa: E402
+
+NO_TEXT_ENCODERS = worker_module("messages").NO_TEXT_ENCODERS
+NO_VAE = worker_module("messages").NO_VAE
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ from .comfy_convert import (LATENT_CHANNELS, comfy_noise, comfy_to_model, model_
                             noise_to_model)
 from .config import ConfigError, ParallelConfig
 from .model_info import ModelInfo, read_model_info
+from .worker_modules import worker_module
+
+P = worker_module("protocol")  # the typed host <-> rank 0 messages
 from .request import GenerationRequest, GenerationResult
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -141,11 +144,11 @@ class WorkerPool:
                     "model": self.model_path}
         if self._lock.acquire(blocking=False):
             try:
-                self._chan.send(("status",))
+                self._send(P.StatusQuery())
                 msg = self._recv(30.0, "asking for status")
-                while msg[0] != "status":
+                while not isinstance(msg, P.Status):
                     msg = self._recv(30.0, "asking for status")
-                self._remote = msg[1]
+                self._remote = msg.info
             finally:
                 self._lock.release()
             info = dict(self._remote)
@@ -197,12 +200,12 @@ class WorkerPool:
         address, secret = self._attached
         self._chan = connect(address, secret)
         msg = self._recv(self.step_timeout, f"waiting for the pool at {address[0]}:{address[1]}")
-        if msg[0] == "busy":
+        if isinstance(msg, P.Busy):
             self._shutdown()
-            raise PoolError(f"the pool at {address[0]}:{address[1]} is in use: {msg[1]}")
-        if msg[0] != "ready":
-            raise PoolError(f"unexpected first message from rank 0: {msg[0]!r}")
-        self._remote = msg[1]
+            raise PoolError(f"the pool at {address[0]}:{address[1]} is in use: {msg.reason}")
+        if not isinstance(msg, P.Ready):
+            raise PoolError(f"unexpected first message from rank 0: {msg.KIND!r}")
+        self._remote = msg.info
         if self._config_given and self.config.ranks != self._remote["world_size"]:
             n = self._remote["world_size"]
             self._shutdown()
@@ -277,16 +280,19 @@ class WorkerPool:
             address = parse_address(f.read())
         self._chan = connect(address, secret)
         msg = self._recv(deadline - time.monotonic(), "while loading")
-        if msg[0] != "ready":
-            raise PoolError(f"unexpected first message from rank 0: {msg[0]!r}")
-        self._remote = msg[1]
+        if not isinstance(msg, P.Ready):
+            raise PoolError(f"unexpected first message from rank 0: {msg.KIND!r}")
+        self._remote = msg.info
         self.launches += 1
         self.last_launch = {"spawn_s": t_spawn - t0, "ready_s": time.perf_counter() - t0,
-                            "load_s_rank0": msg[1]["load_seconds"],
+                            "load_s_rank0": msg.info["load_seconds"],
                             "ranks": [{k: r.get(k) for k in ("rank", "import_s", "load_s",
                                                              "rss_after_import_mb",
                                                              "load_peak_rss_mb", "rss_mb")}
-                                      for r in msg[1]["ranks"]]}
+                                      for r in msg.info["ranks"]]}
+
+    def _send(self, msg) -> None:
+        self._chan.send(P.to_wire(msg))
 
     def _check_alive(self, when: str) -> None:
         dead = self._dead()
@@ -300,7 +306,7 @@ class WorkerPool:
         while True:
             try:
                 if self._chan.poll(0.1):
-                    return self._chan.recv()
+                    return P.from_wire(self._chan.recv())
             except (ConnectionError, OSError, EOFError):
                 time.sleep(0.2)  # let the exit code of a dying worker appear
                 self._check_alive(when)
@@ -317,7 +323,7 @@ class WorkerPool:
         procs, self._procs = self._procs, []
         if self._chan is not None and not self._attached:
             try:
-                self._chan.send(("shutdown",))
+                self._send(P.Shutdown())
             except OSError:
                 pass
         deadline = time.monotonic() + 3.0
@@ -358,7 +364,7 @@ class WorkerPool:
         job, chan = self._running_job, self._chan
         if job is not None and chan is not None:
             try:
-                chan.send(("cancel", job))
+                chan.send(P.to_wire(P.Cancel(job)))
             except OSError:
                 pass
 
@@ -383,28 +389,27 @@ class WorkerPool:
             if noise is None:  # ComfyUI's prepare_noise, drawn once for the whole batch
                 noise = comfy_noise(req.seed, (req.batch, LATENT_CHANNELS, req.height // 8,
                                                req.width // 8))
-            body = {"job_id": job_id, "request": dataclasses.asdict(req),
-                    "config": self.config.key(), "noise": noise_to_model(info.arch, noise),
-                    "init_latent": None if init_latent is None else
-                    comfy_to_model(info.arch, init_latent, fmt),
-                    "denoise": denoise, "options": self.config.options()}
+            job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.key(),
+                        noise=noise_to_model(info.arch, noise),
+                        init_latent=None if init_latent is None else
+                        comfy_to_model(info.arch, init_latent, fmt),
+                        denoise=denoise, options=self.config.options())
 
             def to_comfy(latents):
                 return model_to_comfy(info.arch, latents, fmt, req.height, req.width)
             self._running_job = job_id  # before sending: a cancel() racing the send counts
-            self._chan.send(("job", body))
+            self._send(job)
             first_step = None
             try:
                 while True:
                     msg = self._recv(self.step_timeout, f"running job {job_id}")
-                    kind = msg[0]
-                    if kind == "event" and msg[1] == job_id:
-                        if "step" in msg[2]:
-                            self._progress = {"job_id": job_id, "step": msg[2]["step"],
-                                              "total": msg[2]["total"]}
-                        if first_step is None and "step" in msg[2]:
+                    if isinstance(msg, P.Event) and msg.job_id == job_id:
+                        if "step" in msg.event:
+                            self._progress = {"job_id": job_id, "step": msg.event["step"],
+                                              "total": msg.event["total"]}
+                        if first_step is None and "step" in msg.event:
                             first_step = time.perf_counter() - t_ready
-                        event = dict(msg[2])
+                        event = dict(msg.event)
                         for key in ("preview", "samples"):  # model space -> ComfyUI's
                             if key in event:
                                 event[key] = to_comfy(event[key])
@@ -414,20 +419,19 @@ class WorkerPool:
                             except BaseException:
                                 self._cancel_and_drain(job_id)
                                 raise
-                    elif kind == "result" and msg[1] == job_id:
-                        payload = msg[2]
+                    elif isinstance(msg, P.Result) and msg.job_id == job_id:
                         return GenerationResult(
-                            samples=to_comfy(payload["samples"]), images=payload["images"],
-                            config=self.config, stats=payload.get("stats") or [],
+                            samples=to_comfy(msg.samples), images=msg.images,
+                            config=self.config, stats=msg.stats or [],
                             timings={"launch_s": (t_ready - t0) if launched else 0.0,
                                      "first_step_s": first_step,
                                      "job_s": time.perf_counter() - t_ready})
-                    elif kind == "cancelled" and msg[1] == job_id:
-                        raise JobCancelled(f"job cancelled ({msg[2]})")
-                    elif kind == "error":
-                        if msg[3]:  # fatal: a dead peer usually shows up as rank 0's error
-                            self._raise_fatal(msg[2], f"running job {job_id}")
-                        raise PoolError(msg[2])
+                    elif isinstance(msg, P.Cancelled) and msg.job_id == job_id:
+                        raise JobCancelled(f"job cancelled ({msg.reason})")
+                    elif isinstance(msg, P.Error):
+                        if msg.fatal:  # a dead peer usually shows up as rank 0's error
+                            self._raise_fatal(msg.message, f"running job {job_id}")
+                        raise PoolError(msg.message)
             finally:
                 self._running_job = None
                 self._progress = {}
@@ -447,16 +451,16 @@ class WorkerPool:
             self._job_id += 1
             job_id = self._job_id
             self._running_job = job_id
-            self._chan.send(("decode", {"job_id": job_id, "samples": samples}))
+            self._send(P.Decode(job_id, samples))
             try:
                 while True:
                     msg = self._recv(self.step_timeout, f"decoding (job {job_id})")
-                    if msg[0] == "result" and msg[1] == job_id:
-                        return msg[2]["images"]
-                    if msg[0] == "error":
-                        if msg[3]:
-                            self._raise_fatal(msg[2], f"decoding (job {job_id})")
-                        raise PoolError(msg[2])
+                    if isinstance(msg, P.Result) and msg.job_id == job_id:
+                        return msg.images
+                    if isinstance(msg, P.Error):
+                        if msg.fatal:
+                            self._raise_fatal(msg.message, f"decoding (job {job_id})")
+                        raise PoolError(msg.message)
             finally:
                 self._running_job = None
 
@@ -477,12 +481,13 @@ class WorkerPool:
         """The caller gave up on the job (e.g. ComfyUI's interrupt): stop it on the workers
         and wait until they are idle again, so the next job starts clean."""
         try:
-            self._chan.send(("cancel", job_id))
+            self._send(P.Cancel(job_id))
             while True:
                 msg = self._recv(self.step_timeout, f"cancelling job {job_id}")
-                if msg[0] in ("cancelled", "result", "error") and msg[1] in (job_id, None):
-                    if msg[0] == "error" and msg[3]:
-                        self._raise_fatal(msg[2], f"cancelling job {job_id}")
+                if isinstance(msg, (P.Cancelled, P.Result, P.Error)) and \
+                        msg.job_id in (job_id, None):
+                    if isinstance(msg, P.Error) and msg.fatal:
+                        self._raise_fatal(msg.message, f"cancelling job {job_id}")
                     return
         except PoolError:
             return
@@ -490,14 +495,7 @@ class WorkerPool:
 
 def rss_mb(pid="self") -> float:
     """Resident memory of a process in MiB (Linux /proc; 0 where unavailable)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return worker_module("messages").rss_mb(pid)
 
 
 def _close_all() -> None:

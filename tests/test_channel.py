@@ -20,8 +20,9 @@ import psutil
 import pytest
 import torch
 
-from comfyui_xdit import GenerationRequest, ParallelConfig, channel
-from comfyui_xdit.channel import AuthError, connect, server_handshake
+from comfyui_xdit import GenerationRequest, ParallelConfig
+from workers import channel
+from workers.channel import AuthError, connect, server_handshake
 
 HELLO = len(channel.MAGIC) + channel.NONCE
 

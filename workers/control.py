@@ -1,0 +1,201 @@
+"""Rank 0's control channel to the host, and the other ranks' wait for work.
+
+Rank 0 accepts one authenticated host connection at a time (workers/channel.py), speaks the
+typed protocol (workers/protocol.py), prepares each job once and broadcasts it over the
+control plane; every rank then runs it (workers/worker.py). The other ranks only ever wait
+in that broadcast.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+
+from . import protocol as P
+from .worker import DecodeJob, _broadcast, _decode, _decode_problem
+
+log = logging.getLogger("xdit.worker")
+
+
+class Link:
+    """A channel that sends and receives protocol messages."""
+
+    def __init__(self, chan):
+        self.chan = chan
+
+    def send(self, msg: P.Message) -> None:
+        self.chan.send(P.to_wire(msg))
+
+    def recv(self) -> P.Message:
+        return P.from_wire(self.chan.recv())
+
+    def poll(self, timeout: float) -> bool:
+        return self.chan.poll(timeout)
+
+
+def _leader_decode(worker, link, msg: P.Decode):
+    job_id, samples = msg.job_id, msg.samples
+    problem = _decode_problem(worker, samples)
+    if problem:
+        link.send(P.Error(job_id, f"ValueError: {problem}"))
+        return
+    _broadcast(worker.planes.control, DecodeJob(job_id))
+    worker.state.update(state="running", job_id=job_id, step=0, total=0)
+    t = time.perf_counter()
+    try:
+        images = _decode(worker, samples.float())
+    except Exception as e:
+        # the other ranks may be inside the decode's collectives: the pool cannot continue
+        link.send(P.Error(job_id, f"rank 0: {type(e).__name__}: {e}", fatal=True))
+        raise
+    finally:
+        worker.state.update(state="idle", job_id=None)
+    link.send(P.Result(job_id, samples=None, images=images,
+                       stats=[{"rank": 0, "decode_s": time.perf_counter() - t}]))
+
+
+def _follower_loop(worker):
+    from .denoise import Cancelled
+    from .lora import LoraError
+    while True:
+        job = _broadcast(worker.planes.control, None)
+        if job == "shutdown":
+            return
+        if isinstance(job, DecodeJob):
+            _decode(worker, None)
+            continue
+        try:
+            worker.run(job)
+        except (Cancelled, LoraError):  # LoraError: every rank refused the job together
+            pass
+
+
+class _Acceptor(threading.Thread):
+    """Accepts and authenticates control connections; bad ones are logged and dropped."""
+
+    def __init__(self, sock, secret):
+        super().__init__(daemon=True, name="xdit-acceptor")
+        self.sock = sock
+        self.secret = secret
+        self.channels = queue.Queue()
+        self.busy = threading.Event()  # a host is connected: others are told so and dropped
+        self.lock = threading.Lock()
+
+    def run(self):
+        while True:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                return
+            # each handshake in its own thread: a silent client cannot hold up the next one
+            threading.Thread(target=self._handshake, args=(conn, peer), daemon=True,
+                             name="xdit-handshake").start()
+
+    def _handshake(self, conn, peer):
+        from .channel import AuthError, server_handshake
+        try:
+            chan = server_handshake(conn, self.secret)
+        except AuthError as e:
+            log.warning("refused control connection from %s: %s", peer, e)
+            conn.close()
+            return
+        for _ in range(20):  # a host that just left may not be noticed yet
+            if not self.busy.is_set():
+                break
+            time.sleep(0.1)
+        with self.lock:
+            if self.busy.is_set():
+                log.info("control connection from %s refused: another host is connected", peer)
+                try:
+                    chan.send(P.to_wire(P.Busy("another host is connected to this pool")))
+                finally:
+                    chan.close()
+                return
+            self.busy.set()
+        self.channels.put(Link(chan))
+        log.info("control connection from %s authenticated", peer)
+
+
+def _leader_loop(worker, acceptor):
+    from .denoise import Cancelled
+    from .lora import LoraError
+
+    link = None
+    later = collections.deque()  # messages that arrived during a job, handled after it
+    while True:
+        if link is None:
+            later.clear()
+            link = acceptor.channels.get()
+            link.send(P.Ready(worker.describe()))
+        try:
+            msg = later.popleft() if later else link.recv()
+        except P.ProtocolError as e:
+            link.send(P.Error(None, f"ProtocolError: {e}"))
+            continue
+        except (ConnectionError, OSError, EOFError):
+            log.info("host disconnected")
+            link = None
+            acceptor.busy.clear()
+            continue
+        if isinstance(msg, P.Shutdown):
+            _broadcast(worker.planes.control, "shutdown")
+            link.send(P.Bye())
+            return
+        if isinstance(msg, P.Ping):
+            link.send(P.Pong())
+            continue
+        if isinstance(msg, P.StatusQuery):
+            link.send(P.Status(worker.describe()))
+            continue
+        if isinstance(msg, P.Cancel):  # arrived after its job ended: nothing to stop
+            continue
+        if isinstance(msg, P.Decode):
+            _leader_decode(worker, link, msg)
+            continue
+        if not isinstance(msg, P.Job):
+            link.send(P.Error(None, f"rank 0 does not take {msg.KIND!r} messages"))
+            continue
+        try:
+            job = worker.prepare(msg)
+        except Exception as e:  # nothing was broadcast: the pool is still consistent
+            link.send(P.Error(msg.job_id, f"{type(e).__name__}: {e}"))
+            continue
+        _broadcast(worker.planes.control, job)
+        cancelled = []
+
+        def should_stop():
+            while link.poll(0):
+                m = link.recv()
+                if isinstance(m, P.Cancel) and m.job_id in (None, job.job_id):
+                    cancelled.append(m)
+                elif isinstance(m, P.StatusQuery):
+                    link.send(P.Status(worker.describe()))
+                elif not isinstance(m, P.Cancel):
+                    later.append(m)
+            return bool(cancelled)
+
+        def emit(event):
+            if "step" in event:
+                worker.state.update(step=event["step"], total=event["total"])
+            link.send(P.Event(job.job_id, event))
+
+        worker.state.update(state="running", job_id=job.job_id, step=0,
+                            total=job.request["steps"])
+        try:
+            try:
+                samples, images, stats = worker.run(job, emit, should_stop)
+            finally:
+                worker.state.update(state="idle", job_id=None)
+        except Cancelled as e:
+            link.send(P.Cancelled(job.job_id, str(e)))
+            continue
+        except LoraError as e:  # every rank refused the job together: the pool is fine
+            link.send(P.Error(job.job_id, f"LoraError: {e}"))
+            continue
+        except Exception as e:
+            # other ranks may be inside a collective: the pool cannot continue
+            link.send(P.Error(job.job_id, f"rank 0: {type(e).__name__}: {e}", fatal=True))
+            raise
+        link.send(P.Result(job.job_id, samples=samples, images=images, stats=stats))

@@ -1,0 +1,21 @@
+"""User-facing messages the workers and the host both give (one home each)."""
+
+NO_TEXT_ENCODERS = ("this model is a single .safetensors file, which has no text encoders: "
+                    "connect positive (and, with cfg > 1, negative) CONDITIONING from ComfyUI's "
+                    "text-encoder nodes (DualCLIPLoader / TripleCLIPLoader + CLIPTextEncode) "
+                    "instead of prompt text, or use a diffusers model folder")
+NO_VAE = ("this model is a single .safetensors file, which has no VAE for the pool: take the "
+          "LATENT and decode it with ComfyUI's VAE (VAEDecode, or the xDiT Decode node's vae "
+          "input), or use a diffusers model folder")
+
+
+def rss_mb(pid="self") -> float:
+    """Resident memory of a process in MiB (Linux /proc; 0 where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0

@@ -1,0 +1,296 @@
+"""A worker's job execution: the loaded model, its topologies and hooks, and what every rank
+does for a job (LoRA switch, the denoising loop, the image decode, stats). The control
+channel to the host is workers/control.py; the process entry point workers/serve.py.
+
+Control-plane helpers (`_broadcast`, `_gather_all`, `_gather_stats`) take the world's gloo
+group: objects never travel on the data plane.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from .messages import rss_mb
+
+
+class Worker:
+    def __init__(self, args, rank, world, import_s=0.0, planes=None, hooks=None,
+                 hook_options=None):
+        import resource
+
+        import torch
+        import torch.distributed as dist
+
+        from .lora import LoraManager
+        from .models import get_adapter, read_arch
+
+        self.args = args
+        self.rank = rank
+        self.world = world
+        self.planes = planes  # workers.topology.World
+        self.hooks = hooks or {}
+        self.hook_options = hook_options or {}
+        self.device = planes.device
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        from .attention import check_backend
+        check_backend(args.attention, self.device.type, self.dtype)
+        self.adapter = get_adapter(read_arch(args.model))
+        rss_after_import = rss_mb()
+        t = time.perf_counter()
+        stage = None
+        if args.pipefusion > 1:
+            from .pipefusion_stages import stage_of_rank
+            stage = (stage_of_rank(rank, args.pipefusion, args.pipefusion_inner),
+                     args.pipefusion, args.pipefusion_split)
+        for turn in (range(world) if args.load_in_turn else [rank]):
+            if turn == rank:
+                self.model = self.adapter.load(args.model, self.device, self.dtype,
+                                               with_text_encoders=(rank == 0), stage=stage)
+            if args.load_in_turn and world > 1:
+                dist.barrier(group=planes.control)
+        self.load_seconds = time.perf_counter() - t
+        self.base_loads = 1  # the base model is loaded once; LoRA never reloads it
+        self.loras = LoraManager(self.adapter)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.topologies = {}
+        self.parallel = None  # (config key, SequenceParallel or None)
+        st = self.model.stage
+        self.ranks = _gather_all(planes.control, {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+                                  "device": str(self.device), "rss_mb": rss_mb(),
+                                  "transformer_params": sum(
+                                      p.numel() for p in self.model.transformer.parameters()),
+                                  "stage": None if st is None else
+                                  {"index": st.index, "of": st.count, "blocks": list(st.owned),
+                                   "n_blocks": st.n_blocks},
+                                  "import_s": import_s, "load_s": self.load_seconds,
+                                  "rss_after_import_mb": rss_after_import,
+                                  "load_peak_rss_mb": peak})
+        self.state = {"state": "idle", "job_id": None, "step": 0, "total": 0}
+        if world > 1:  # the patch-parallel VAE's halo links (neighbour ranks, world group)
+            from .p2p import warm_pairs
+            warm_pairs([(r, r + 1) for r in range(world - 1)], rank, planes.data, self.device)
+
+    def describe(self) -> dict:
+        """What `status` shows: the model, the ranks, and what rank 0 is doing."""
+        t = self.model.transformer.config
+        return {"model": self.args.model, "arch": self.model.arch,
+                "kind": "file" if os.path.isfile(self.args.model) else "diffusers",
+                "heads": int(t.num_attention_heads), "patch_size": int(t.get("patch_size", 1) or 1),
+                "blocks": sum(len(getattr(self.model.transformer, n))
+                              for n in self.adapter.block_lists),
+                "world_size": self.world, "load_seconds": self.load_seconds,
+                "latent": dict(zip(("scale", "shift"), self.adapter.scale_shift(self.model))),
+                "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
+                **self.state}
+
+    def topology(self, key):
+        """Process groups and model hooks for a configuration, built once per key."""
+        from .attention import ShardedAttention
+        from .sequence_parallel import SequenceParallel
+        from .topology import build_topology
+
+        if key not in self.topologies:
+            dp, cfg, pf, uly, ring = key
+            topo = build_topology(self.rank, self.world, dp, cfg, pf, uly, ring,
+                                  device=self.device)
+            _warm_pairs(topo)
+            self.topologies[key] = topo
+        topo = self.topologies[key]
+        if self.parallel is None or self.parallel[0] != key:
+            if self.parallel is not None and self.parallel[1] is not None:
+                self.parallel[1].remove()
+            sp = None
+            if topo.degree("pipefusion") > 1:
+                from .pipefusion import PatchAttention
+                sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
+                                      PatchAttention(topo, self.args.attention))
+            elif topo.sp > 1:
+                sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
+                                      ShardedAttention(topo, self.device.type,
+                                                       fault=self.hook_options.get("attention_fault", ""),
+                                                       backend=self.args.attention))
+            self.parallel = (key, sp)
+        return topo
+
+    def prepare(self, msg) -> "Job":
+        """Rank 0: turn the host's `protocol.Job` into the broadcastable denoise.Job (prompts
+        encoded once, LoRA files checked) before anything is broadcast."""
+        import torch
+
+        from .denoise import Job
+
+        req = dict(msg.request)
+        self._check_stages(tuple(msg.config))
+        noise = msg.noise  # model space, drawn once by the host (ComfyUI's prepare_noise)
+        b = int(noise.shape[0])
+        use_cfg = float(req["cfg"]) > 1.0
+
+        def branch(given, texts):
+            if given is not None:
+                d = self.adapter.conditioning(given["cond"], given["pooled"])
+            elif self.model.encoder is None:  # a single file: nothing to encode text with
+                from .messages import NO_TEXT_ENCODERS
+                raise ValueError(NO_TEXT_ENCODERS)
+            else:
+                texts = list(texts) if len(texts) in (1, b) else texts[:1]
+                d = self.adapter.encode(self.model, texts, req["max_sequence_length"])
+            return {k: (v.expand(b, *v.shape[1:]).contiguous()
+                        if k in ("encoder_hidden_states", "pooled_projections") and v.shape[0] == 1
+                        else v).detach().cpu() for k, v in d.items()}
+
+        with torch.inference_mode():
+            cond = branch(req["positive"], req["prompt"])
+            uncond = branch(req["negative"], [req["negative_prompt"]]) if use_cfg else None
+        # LoRA files are read and checked here, before anything is broadcast
+        req["lora_adapters"] = self.loras.resolve(self.model.transformer, req.get("loras"))
+        return Job(job_id=msg.job_id, request=req, config=tuple(msg.config), noise=noise,
+                   cond=cond, uncond=uncond, init_latent=msg.init_latent,
+                   denoise=float(msg.denoise), options=dict(msg.options or {}))
+
+    def _check_stages(self, key) -> None:
+        """A PipeFusion pool holds one stage per rank: it runs only its launch's layout."""
+        dp, cfg, pf, uly, ring = key
+        want = (pf, uly * ring) if pf > 1 else (1,)
+        have = (self.args.pipefusion, self.args.pipefusion_inner) \
+            if self.args.pipefusion > 1 else (1,)
+        if want != have:
+            raise RuntimeError(f"this pool was launched for pipefusion {self.args.pipefusion}"
+                               f" (x{self.args.pipefusion_inner} sp ranks per stage); a job "
+                               f"with pipefusion {pf} x ulysses {uly} x ring {ring} needs a "
+                               f"relaunch of the pool")
+
+    def run(self, job, emit=None, should_stop=lambda: False):
+        import torch
+
+        from .denoise import run_job
+
+        from .hooks import job_started
+
+        topo = self.topology(job.config)
+        self._apply_loras(job)
+        job_started(self.hooks)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            samples = run_job(job, self.model, self.adapter, topo, self.planes.control, emit,
+                              should_stop)
+        stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
+                 "lora_loads": self.loras.loads, "base_loads": self.base_loads}
+        if self.device.type == "cuda":
+            stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        images = None
+        if job.request.get("output") == "image":  # the same decision on every rank
+            raw = None if samples is None else self.adapter.to_raw(
+                self.model, samples, job.request["height"], job.request["width"])
+            images = _decode(self, raw)
+        if self.hooks:
+            from .hooks import job_stats
+            stats["hooks"] = job_stats(self.hooks)
+        stats = _gather_stats(self.planes.control, stats)
+        if stats and self.rank == 0:
+            for r, st in zip(self.ranks, stats):
+                r["rss_mb"] = st["rss_mb"]
+        return samples, images, stats
+
+    def _apply_loras(self, job):
+        """Every rank switches to the job's LoRA list; the ranks then agree on success
+        (one small collective, only once LoRA has been used), so a file that fails on any
+        rank fails the job on all of them without breaking the pool."""
+        from .lora import LoraError
+
+        resolved = job.request.get("lora_adapters") or []
+        if not resolved and not self.loras.used:
+            return
+        self.loras.used = True
+        err = None
+        try:
+            self.loras.apply(self.model.transformer, resolved)
+        except Exception as e:  # noqa: BLE001  (reported by every rank below)
+            err = f"rank {self.rank}: {e}" if isinstance(e, LoraError) else \
+                f"rank {self.rank}: {type(e).__name__}: {e}"
+        errors = [x for x in (_gather_all(self.planes.control, err) if self.world > 1 else [err]) if x]
+        if errors:
+            try:  # leave the model in a known state: no adapter active
+                self.loras.apply(self.model.transformer, [])
+            except Exception:  # noqa: BLE001
+                pass
+            raise LoraError("; ".join(errors))
+
+
+def _warm_pairs(topo):
+    """Create every pair communicator a job of this topology will use, now, in one order
+    (workers/p2p.py): PipeFusion's stage links and Ring attention's neighbours."""
+    from .p2p import warm_pairs
+
+    if topo.degree("pipefusion") > 1:
+        from .pipefusion import pipeline_pairs
+        warm_pairs(pipeline_pairs(topo), topo.rank, topo.group("pipefusion"), topo.device)
+    r = topo.degree("ring")
+    if r > 1:
+        ranks = [topo.global_rank(ring=i) for i in range(r)]
+        warm_pairs([(ranks[i], ranks[(i + 1) % r]) for i in range(r)], topo.rank,
+                   topo.group("ring"), topo.device)
+
+
+class DecodeJob:
+    """Decode-only job (the xDiT Decode node): every rank joins the patch-parallel VAE decode
+    of LATENT samples that only rank 0 holds."""
+
+    def __init__(self, job_id):
+        self.job_id = job_id
+
+
+def _decode_problem(worker, samples):
+    """Checked on rank 0 before anything is broadcast, so a bad request leaves the pool fine."""
+    import torch
+
+    from .messages import NO_VAE
+    if not os.path.isfile(os.path.join(worker.args.model, "vae", "config.json")):
+        return NO_VAE
+    if not torch.is_tensor(samples) or samples.dim() != 4 or samples.shape[1] != 16 \
+            or not samples.is_floating_point():
+        shape = tuple(samples.shape) if torch.is_tensor(samples) else type(samples).__name__
+        return (f"decode takes LATENT samples [batch, 16, height/8, width/8] (got {shape}); "
+                f"connect the xDiT sampler's LATENT")
+    if min(samples.shape[0], samples.shape[2], samples.shape[3]) < 1:
+        return f"decode got empty LATENT samples {tuple(samples.shape)}"
+    return None
+
+
+def _decode(worker, samples):
+    """Every rank: the VAE decode, patch-parallel over the world (the image on rank 0)."""
+    import torch
+
+    if worker.world == 1:
+        with torch.inference_mode():
+            return worker.adapter.decode(worker.model, samples)
+    with torch.inference_mode():  # patch-parallel over the world, both planes
+        return worker.adapter.decode(worker.model, samples, group=worker.planes.data,
+                                     control=worker.planes.control)
+
+
+def _gather_all(control, obj):
+    """Every rank's object on every rank, over the control plane."""
+    import torch.distributed as dist
+    out = [None] * dist.get_world_size(control)
+    dist.all_gather_object(out, obj, group=control)
+    return out
+
+
+def _gather_stats(control, stats):
+    """Every rank's job statistics, on rank 0 (one small collective per job)."""
+    import torch.distributed as dist
+    if dist.get_world_size() == 1:
+        return [stats]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(stats, out, dst=0, group=control)
+    return out
+
+
+def _broadcast(control, obj):
+    """Rank 0's object to every rank, over the control plane (where idle ranks wait)."""
+    import torch.distributed as dist
+    box = [obj]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
