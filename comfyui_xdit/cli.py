@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, ParallelConfig
+from .images import save_pngs
 from .request import GenerationRequest
 
 
@@ -231,19 +232,6 @@ def write_output(result, out: Path) -> list:
         save_file({"samples": result.samples.float().contiguous()}, str(out))
         return [out]
     return save_pngs(result.images, out)
-
-
-def save_pngs(images, out: Path) -> list:
-    """IMAGE [B,H,W,3] -> out.png, out-1.png, ..."""
-    import numpy as np
-    from PIL import Image
-
-    paths = []
-    for i, img in enumerate(images):
-        p = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")
-        Image.fromarray((img.numpy() * 255).round().clip(0, 255).astype(np.uint8)).save(p)
-        paths.append(p)
-    return paths
 
 
 def _add_bench(sub):

@@ -30,7 +30,7 @@ def add_cli(sub):
 
 
 def run(args) -> int:
-    from .cli import save_pngs
+    from .images import save_pngs
     from .pool import WorkerPool
     from .tiny_model import ensure_tiny_model
 
