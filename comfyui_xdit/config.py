@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
-if TYPE_CHECKING:  # pragma: no cover
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover  (type names only: neither imports this module)
     from .model_info import ModelInfo
     from .request import GenerationRequest
 
-
-class ConfigError(ValueError):
-    """A request or configuration that cannot run; the message is one user-facing line."""
+__all__ = ["ConfigError", "ParallelConfig", "auto_config"]
 
 
 @dataclass(frozen=True)

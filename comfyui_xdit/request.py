@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from .worker_modules import worker_module
+
 # Per-architecture defaults, the only place they are written. FLUX dev is guidance-distilled
 # (no CFG by default); SD3 uses classic CFG.
 ARCH_DEFAULTS = {
@@ -101,20 +103,20 @@ class GenerationRequest:
 
 def _single_file_problems(req: "GenerationRequest", model) -> list[str]:
     """A single-file model has no text encoders and no VAE (model: a ModelInfo)."""
-    from .model_info import NO_TEXT_ENCODERS, NO_VAE
+    messages = worker_module("messages")  # the workers give the same two messages
 
     out = []
     if model is None:
         return out
     if not getattr(model, "has_text_encoders", True):
         if req.positive is None:
-            out.append(NO_TEXT_ENCODERS)
+            out.append(messages.NO_TEXT_ENCODERS)
         elif req.uses_cfg(model.arch) and req.negative is None:
             out.append(f"cfg {req.resolved_cfg(model.arch)} needs negative CONDITIONING too: "
                        f"this single-file model has no text encoders to encode the negative "
                        f"prompt text (connect one, or set cfg 1)")
     if req.output == "image" and not getattr(model, "has_vae", True):
-        out.append(NO_VAE)
+        out.append(messages.NO_VAE)
     return out
 
 
