@@ -15,12 +15,15 @@ from .config import ConfigError
 from .worker_modules import worker_module
 
 LATENT_CHANNELS = 16
+_VAE_LATENT = worker_module("models.facts").VAE_LATENT  # the VAEs' scaling / shift factors
 
-# ComfyUI's comfy/latent_formats.py (SD3 and Flux): scale/shift of the VAE and the linear
-# latent->RGB map ComfyUI's latent2rgb previewer applies to model-space latents.
+# ComfyUI's comfy/latent_formats.py (SD3 and Flux): scale/shift of the VAE (the released
+# VAEs' own, written once in workers/models/facts.py) and the linear latent->RGB map
+# ComfyUI's latent2rgb previewer applies to model-space latents.
 LATENT_FORMATS = {
     "sd3": {
-        "scale": 1.5305, "shift": 0.0609,
+        "scale": _VAE_LATENT["sd3"]["scaling_factor"],
+        "shift": _VAE_LATENT["sd3"]["shift_factor"],
         "rgb": [[-0.0922, -0.0175, 0.0749], [0.0311, 0.0633, 0.0954], [0.1994, 0.0927, 0.0458],
                 [0.0856, 0.0339, 0.0902], [0.0587, 0.0272, -0.0496], [-0.0006, 0.1104, 0.0309],
                 [0.0978, 0.0306, 0.0427], [-0.0042, 0.1038, 0.1358], [-0.0194, 0.0020, 0.0669],
@@ -30,7 +33,8 @@ LATENT_FORMATS = {
         "bias": [0.2394, 0.2135, 0.1925],
     },
     "flux": {
-        "scale": 0.3611, "shift": 0.1159,
+        "scale": _VAE_LATENT["flux"]["scaling_factor"],
+        "shift": _VAE_LATENT["flux"]["shift_factor"],
         "rgb": [[-0.0346, 0.0244, 0.0681], [0.0034, 0.0210, 0.0687], [0.0275, -0.0668, -0.0433],
                 [-0.0174, 0.0160, 0.0617], [0.0859, 0.0721, 0.0329], [0.0004, 0.0383, 0.0115],
                 [0.0405, 0.0861, 0.0915], [-0.0236, -0.0185, -0.0259], [-0.0245, 0.0250, 0.1180],

@@ -24,7 +24,10 @@ import sys
 import tempfile
 import uuid
 
-ARCHS = ("flux", "sd3")
+from .worker_modules import worker_module
+
+_facts = worker_module("models.facts")  # VAE factors, scheduler configs, RoPE axes
+ARCHS = _facts.ARCHS
 
 # Bump when the folder layout or any config below changes: it is part of the cache key, so
 # ensure_tiny_model never serves a folder built by an older recipe.
@@ -42,9 +45,8 @@ CLIP_G = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_att
 # T5 d_model (96) > CLIP-L + CLIP-G hidden (80): SD3's zero padding of the CLIP states is real.
 T5 = dict(d_model=96, d_kv=16, d_ff=192, num_layers=2, num_heads=4)
 
-# Real latent statistics of the two VAEs, so raw-VAE-space LATENT conversion is meaningful.
-FLUX_VAE_SCALE, FLUX_VAE_SHIFT = 0.3611, 0.1159
-SD3_VAE_SCALE, SD3_VAE_SHIFT = 1.5305, 0.0609
+# The VAEs carry the released VAEs' latent statistics (workers/models/facts.py VAE_LATENT),
+# so raw-VAE-space LATENT conversion is meaningful; the schedulers are the released configs.
 
 SD3_SAMPLE_SIZE = 16  # pipeline default 128x128
 SD3_POS_EMBED_MAX = 64  # latent grid up to 128 -> images up to 1024x1024
@@ -185,7 +187,7 @@ def _t5_model(tokenizer, seed: int, salt: int):
     return _seeded(seed, salt, T5EncoderModel, config)
 
 
-def _vae(scale: float, shift: float, seed: int, salt: int):
+def _vae(arch: str, seed: int, salt: int):
     from diffusers import AutoencoderKL
 
     return _seeded(
@@ -201,18 +203,10 @@ def _vae(scale: float, shift: float, seed: int, salt: int):
         norm_num_groups=8,
         latent_channels=16,
         sample_size=128,
-        scaling_factor=scale,
-        shift_factor=shift,
+        **_facts.VAE_LATENT[arch],  # scaling_factor, shift_factor
         use_quant_conv=False,  # FLUX and SD3 VAEs have no quant convs
         use_post_quant_conv=False,
     )
-
-
-def _flux_rope_axes(head_dim: int) -> tuple[int, int, int]:
-    """Split head_dim into FLUX's three RoPE axes (index, row, column), each even, the
-    two spatial axes equal, as in the real (16, 56, 56) for 128."""
-    spatial = ((head_dim - 2) // 2) // 2 * 2
-    return (head_dim - 2 * spatial, spatial, spatial)
 
 
 def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width: int | None = None,
@@ -244,6 +238,10 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
            "builder_version": BUILDER_VERSION}
     if sd35:  # only when set, so the cache keys of the other models stay as they were
         out["sd35"] = True
+    if arch == "flux" and head_dim == 128:
+        # FLUX.1's RoPE axes (16, 56, 56), as a single file of it is read (the old recipe
+        # split 128 as (4, 62, 62)): a new key for this recipe, the others' keys unchanged
+        out["rope"] = "flux1"
     return out
 
 
@@ -268,18 +266,10 @@ def _build_flux(cfg: dict):
         joint_attention_dim=T5["d_model"],
         pooled_projection_dim=CLIP_L["hidden_size"],
         guidance_embeds=True,  # FLUX.1-dev style embedded guidance
-        axes_dims_rope=_flux_rope_axes(head_dim),
+        axes_dims_rope=_facts.flux_rope_axes(head_dim),
     )
-    vae = _vae(FLUX_VAE_SCALE, FLUX_VAE_SHIFT, seed, 4)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    vae = _vae("flux", seed, 4)
+    scheduler = FlowMatchEulerDiscreteScheduler(**_facts.SCHEDULER_DEFAULTS["flux-dev"])
     return FluxPipeline(
         scheduler=scheduler,
         vae=vae,
@@ -319,8 +309,8 @@ def _build_sd3(cfg: dict):
         **(dict(qk_norm="rms_norm", dual_attention_layers=tuple(range(cfg["depth"])))
            if cfg.get("sd35") else {}),
     )
-    vae = _vae(SD3_VAE_SCALE, SD3_VAE_SHIFT, seed, 4)
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    vae = _vae("sd3", seed, 4)
+    scheduler = FlowMatchEulerDiscreteScheduler(**_facts.SCHEDULER_DEFAULTS["sd3"])
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=scheduler,

@@ -35,7 +35,7 @@ def get_adapter(arch: str):
 
 
 def read_arch(path: str) -> str:
-    """flux | sd3 of a diffusers folder or a single .safetensors file (the host's detection,
-    comfyui_xdit.model_info, is the one place the class -> architecture map lives)."""
-    from comfyui_xdit.model_info import read_model_info
-    return read_model_info(path).arch
+    """flux | sd3 of a diffusers folder or a single .safetensors file (models/detect.py, the
+    detection the host validates models with)."""
+    from .detect import read_arch as detect_arch
+    return detect_arch(path)

@@ -8,6 +8,7 @@ from ..processors import FluxShardedAttnProcessor
 from ..sequence_parallel import SequenceLayout
 from . import latent_layout
 from .base import DiTAdapter
+from .facts import CLASS_BY_ARCH, dynamic_shift_args
 
 
 def _token_counts(transformer, kw):
@@ -16,7 +17,7 @@ def _token_counts(transformer, kw):
 
 class FluxAdapter(DiTAdapter):
     arch = "flux"
-    transformer_class = "FluxTransformer2DModel"
+    transformer_class = CLASS_BY_ARCH["flux"]
     block_lists = ("transformer_blocks", "single_transformer_blocks")
     pipeline_class = "FluxPipeline"
     layout = SequenceLayout(
@@ -53,9 +54,7 @@ class FluxAdapter(DiTAdapter):
         sigmas = np.linspace(1.0, 1 / steps, steps)
         if c.get("use_flow_sigmas"):
             sigmas = None
-        mu = calculate_shift(latents.shape[1], c.get("base_image_seq_len", 256),
-                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                             c.get("max_shift", 1.15))
+        mu = calculate_shift(latents.shape[1], *dynamic_shift_args("flux", c))
         if sigmas is None:
             scheduler.set_timesteps(steps, device=device, mu=mu)
         else:

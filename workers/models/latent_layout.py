@@ -1,6 +1,6 @@
 """How each architecture lays out its latent for the transformer ("model space"), written
-once for the workers and the host (which converts ComfyUI LATENTs with it; see
-comfyui_xdit/comfy_convert.py). Pure tensor functions: cheap to import.
+once for the workers and the host (which converts ComfyUI LATENTs with it, in its
+comfy_convert module). Pure tensor functions: cheap to import.
 
 FLUX packs 2x2 latent pixels into one token ([B,16,h,w] -> [B, h/2*w/2, 64]); SD3 takes
 the [B,16,h,w] latent as is. Model space is also scaled: `(raw - shift) * scale`.

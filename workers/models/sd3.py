@@ -4,6 +4,7 @@ from __future__ import annotations
 from ..processors import SD3ShardedAttnProcessor
 from ..sequence_parallel import SequenceLayout
 from .base import DiTAdapter
+from .facts import CLASS_BY_ARCH, dynamic_shift_args
 
 
 def _token_counts(transformer, kw):
@@ -14,7 +15,7 @@ def _token_counts(transformer, kw):
 
 class SD3Adapter(DiTAdapter):
     arch = "sd3"
-    transformer_class = "SD3Transformer2DModel"
+    transformer_class = CLASS_BY_ARCH["sd3"]
     block_lists = ("transformer_blocks",)
     pipeline_class = "StableDiffusion3Pipeline"
     # PatchEmbed crops its positional table by the input size, so split after embedding.
@@ -37,9 +38,7 @@ class SD3Adapter(DiTAdapter):
             from diffusers.pipelines.flux.pipeline_flux import calculate_shift
             p = 2
             h, w = latents.shape[-2:]
-            kwargs["mu"] = calculate_shift((h // p) * (w // p), c.get("base_image_seq_len", 256),
-                                           c.get("max_image_seq_len", 4096),
-                                           c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+            kwargs["mu"] = calculate_shift((h // p) * (w // p), *dynamic_shift_args("sd3", c))
         scheduler.set_timesteps(steps, device=device, **kwargs)
         return scheduler.timesteps
 

@@ -1,36 +1,22 @@
 """Single-file FLUX.1 / SD3 transformers: build the diffusers model from one .safetensors.
 
-The diffusers config comes from the weight shapes (`comfyui_xdit.model_info.single_file_config`,
-the same code the host uses to validate the file before any worker starts); keys in BFL /
+The diffusers config comes from the weight shapes (`detect.single_file_config`, the same code
+the host uses to validate the file before any worker starts); keys in BFL /
 ComfyUI naming are converted to diffusers naming, then the weights are assigned to a model
 built on the meta device (no random init, one copy in memory) in the requested dtype. Only
 the transformer's tensors are read, so a full checkpoint's VAE and text encoders cost nothing.
 
 A single file has no scheduler, VAE or text encoders: the scheduler config and the VAE's
-latent scale/shift are the defaults below (the one place they are written), the text comes
-in as ComfyUI CONDITIONING, and images are decoded by ComfyUI's VAE.
+latent scale/shift are the released models' (models/facts.py), the text comes in as ComfyUI
+CONDITIONING, and images are decoded by ComfyUI's VAE.
 """
 from __future__ import annotations
 
 import torch
 
-from comfyui_xdit.comfy_convert import LATENT_FORMATS
-from comfyui_xdit.model_info import CLASS_BY_ARCH, single_file_config
-
 from . import LoadedModel
-
-# Scheduler configs of the released models (their diffusers folders' scheduler_config.json):
-# FLUX.1-dev (guidance-distilled: has guidance_in) uses the resolution-dependent shift,
-# FLUX.1-schnell (no guidance_in) a plain shift of 1, SD3/3.5 a shift of 3.
-SCHEDULER_DEFAULTS = {
-    "flux-dev": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True,
-                 "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
-                 "max_image_seq_len": 4096},
-    "flux-schnell": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False,
-                     "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
-                     "max_image_seq_len": 4096},
-    "sd3": {"num_train_timesteps": 1000, "shift": 3.0},
-}
+from .detect import single_file_config
+from .facts import CLASS_BY_ARCH, SCHEDULER_DEFAULTS, VAE_LATENT
 
 
 def defaults_for(arch: str, config: dict) -> tuple[dict, dict]:
@@ -39,8 +25,7 @@ def defaults_for(arch: str, config: dict) -> tuple[dict, dict]:
         sched = SCHEDULER_DEFAULTS["flux-dev" if config.get("guidance_embeds") else "flux-schnell"]
     else:
         sched = SCHEDULER_DEFAULTS["sd3"]
-    fmt = LATENT_FORMATS[arch]  # ComfyUI's latent format = the VAE's scaling/shift factors
-    return dict(sched), {"scaling_factor": fmt["scale"], "shift_factor": fmt["shift"]}
+    return dict(sched), dict(VAE_LATENT[arch])
 
 
 # ---- BFL / ComfyUI naming -> diffusers naming --------------------------------------------
