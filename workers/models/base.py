@@ -106,7 +106,8 @@ class DiTAdapter:
         """ComfyUI CONDITIONING tensors -> the transformer's text inputs."""
         raise NotImplementedError
 
-    def forward(self, model, latents, t, cond: dict, guidance):
+    def forward(self, model, latents, t, cond: dict, guidance, extra=None, jak=None):
+        """One transformer call -> the prediction, in the layout of `latents`."""
         raise NotImplementedError
 
     @staticmethod
