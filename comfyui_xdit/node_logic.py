@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -65,23 +66,27 @@ def discover_models(folders, max_depth: int = 3) -> list[str]:
 # is (and never collides with a diffusers folder's name). A checkpoints folder mixes model
 # families, so only files holding a FLUX/SD3 transformer are listed from it.
 FILE_KINDS = ("diffusion_models", "checkpoints")
-_HEADER_CACHE: dict = {}
+HEADER_CACHE_SIZE = 64  # checkpoint files whose verdict is remembered (least recently used go)
 
 
 def _is_dit_file(path: Path) -> bool:
-    from .model_info import read_safetensors_header, transformer_keys
     try:
         st = path.stat()
     except OSError:
         return False
-    key = (str(path), st.st_mtime_ns, st.st_size)
-    if key not in _HEADER_CACHE:
-        try:
-            transformer_keys(read_safetensors_header(path))
-            _HEADER_CACHE[key] = True
-        except ConfigError:
-            _HEADER_CACHE[key] = False
-    return _HEADER_CACHE[key]
+    return _holds_dit(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=HEADER_CACHE_SIZE)
+def _holds_dit(path: str, mtime_ns: int, size: int) -> bool:
+    """Whether the file holds a FLUX/SD3 transformer, from its header; keyed on the file's
+    (path, mtime, size) so a replaced file is read again."""
+    from .model_info import read_safetensors_header, transformer_keys
+    try:
+        transformer_keys(read_safetensors_header(path))
+        return True
+    except ConfigError:
+        return False
 
 
 def discover_single_files(roots_by_kind: dict, max_depth: int = 3) -> list[str]:
