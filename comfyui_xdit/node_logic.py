@@ -24,6 +24,7 @@ from typing import Callable, Optional
 from .comfy_convert import (LATENT_CHANNELS, comfy_noise, conditioning_to_request,
                             latent_from_comfy, latent_to_comfy)
 from .config import ConfigError, ParallelConfig, auto_config
+from .gpus import gpus_for_ranks, visible_gpus
 from .model_info import read_model_info
 from .request import GenerationRequest
 
@@ -175,18 +176,17 @@ class ModelHandle:
                 or self.pipefusion > 1)
 
     def default_world(self) -> int:
+        """'auto': every GPU of the list, else every visible GPU (comfyui_xdit/gpus.py; at
+        least 1, so none visible gives the GPU check's error); 2 ranks on CPU."""
         if self.device == "cuda":
-            if self.gpus:
-                return len(self.gpus)
-            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if vis:
-                return len([v for v in vis.split(",") if v.strip()])
-            try:
-                import torch
-                return max(1, torch.cuda.device_count())
-            except Exception:
-                return 1
+            return len(self.gpus) if self.gpus else max(1, len(visible_gpus()))
         return max(1, min(2, os.cpu_count() or 1))
+
+    def world(self) -> int:
+        """The world size this handle runs at (before a request's automatic split)."""
+        if self.degrees_given:
+            return self.explicit_config().ranks
+        return self.world_size or self.default_world()
 
     def explicit_config(self) -> ParallelConfig:
         return ParallelConfig(dp=self.dp, cfg_parallel=self.cfg_parallel, ulysses=self.ulysses,
@@ -222,12 +222,8 @@ class ModelHandle:
             self.explicit_config().validate(info)
         elif self.world_size is not None and self.world_size < 1:
             raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
-        if self.device == "cuda" and self.gpus is not None:
-            world = self.explicit_config().ranks if self.degrees_given else \
-                (self.world_size or len(self.gpus))
-            if world > len(self.gpus):
-                raise ConfigError(f"{world} ranks need {world} GPUs but the GPU list has "
-                                  f"{len(self.gpus)} ({','.join(self.gpus)})")
+        if self.device == "cuda":  # the GPUs must hold the world, before anything starts
+            gpus_for_ranks(self.world(), self.gpus)
 
 
 def make_handle(model_path: str, device: str, dtype: str, world_size="auto", ulysses: int = 1,
@@ -423,6 +419,8 @@ def sample(handle: ModelHandle, inp: SampleInputs,
                               f"lower dp")
         # refused before the registry is touched: a bad job never replaces a warm pool
         config.validate(read_model_info(handle.path), req)
+        if handle.device == "cuda":
+            gpus_for_ranks(config.ranks, handle.gpus)
         pool = registry.get(handle, config)
         stop = threading.Event()
         watcher = None

@@ -20,6 +20,7 @@ from .channel import Channel, connect, parse_address
 from .comfy_convert import (LATENT_CHANNELS, comfy_noise, comfy_to_model, model_to_comfy,
                             noise_to_model)
 from .config import ConfigError, ParallelConfig
+from .gpus import gpus_for_ranks
 from .model_info import ModelInfo, read_model_info
 from .worker_modules import worker_module
 
@@ -213,6 +214,13 @@ class WorkerPool:
                               f"{self.config.describe()} = {self.config.ranks}; give a "
                               f"configuration whose degrees multiply to {n}")
 
+    def _rank_gpus(self) -> Optional[list]:
+        """CUDA: one GPU id per rank (the GPU list, else the visible GPUs); a world size they
+        cannot hold raises one ConfigError naming both (comfyui_xdit/gpus.py)."""
+        if self.device != "cuda" or self._attached:
+            return None
+        return gpus_for_ranks(self.config.ranks, self.gpus)
+
     def _launch(self) -> None:
         self._phase = "loading"
         try:
@@ -225,6 +233,7 @@ class WorkerPool:
             return self._connect_attached()
         t0 = time.perf_counter()
         world = self.config.ranks
+        gpus = self._rank_gpus()  # refuses a world the GPUs cannot hold, before anything starts
         self._tmp = tempfile.mkdtemp(prefix="xdit-pool-")
         secret = os.urandom(32)
         secret_file = os.path.join(self._tmp, "secret")
@@ -233,12 +242,6 @@ class WorkerPool:
             f.write(secret.hex())
         addr_file = os.path.join(self._tmp, "address")
         threads = self.threads_per_rank or _default_threads(world)
-        gpus = self.gpus
-        if self.device == "cuda" and gpus is None:
-            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-            gpus = vis.split(",") if vis else [str(i) for i in range(world)]
-        if self.device == "cuda" and len(gpus) < world:
-            raise ConfigError(f"{world} ranks need {world} GPUs but only {len(gpus)} were given")
         for rank in range(world):
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
@@ -247,7 +250,7 @@ class WorkerPool:
             env["OMP_NUM_THREADS"] = str(threads)
             env["RANK"] = str(rank)
             if self.device == "cuda":
-                env["CUDA_VISIBLE_DEVICES"] = str(gpus[rank])
+                env["CUDA_VISIBLE_DEVICES"] = gpus[rank]  # one GPU per rank
                 env["LOCAL_RANK"] = "0"
             cmd = [sys.executable, "-m", "workers.serve", "--model", self.model_path,
                    "--rank", str(rank), "--world-size", str(world),
@@ -373,6 +376,8 @@ class WorkerPool:
                  noise=None, init_latent=None, denoise: float = 1.0) -> GenerationResult:
         info = self.model_info
         self.config.validate(info, request)
+        if not self.is_running():
+            self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
         req = request.resolved(info.arch)
         with self._lock:
             t0 = time.perf_counter()

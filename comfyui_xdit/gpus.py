@@ -1,0 +1,129 @@
+"""Which GPUs the pool may use: the one place GPU visibility is decided and a world size
+checked against it, on the host, before any worker process starts.
+
+- `visible_gpus()`: the GPUs of this process, as ids a child can be given in its
+  `CUDA_VISIBLE_DEVICES`. `CUDA_VISIBLE_DEVICES` unset: every GPU torch reports (`"0"`..);
+  set but empty (or starting with a negative index, CUDA's "none"): no GPU; a comma list:
+  its entries as given (indices, `GPU-<uuid>`, `MIG-<uuid>`), up to the first negative index
+  (CUDA ignores what follows one).
+- `gpus_for_ranks(world, explicit)`: one GPU id per rank, from the loader's GPU list when
+  given, else the visible GPUs in order; a world size they cannot hold raises one
+  ConfigError naming both, e.g. `4 ranks need 4 GPUs; 2 are visible (CUDA_VISIBLE_DEVICES=0,1)`.
+
+The loader's list is in this process's numbering (what ComfyUI calls `cuda:N`): an index N
+names the N-th visible GPU, so under `CUDA_VISIBLE_DEVICES=2,3` the list "1" is physical GPU
+3. UUID / MIG entries are passed through as given. An entry may repeat (ranks sharing a GPU,
+which only gloo allows; see tests/test_gpu_shared.py).
+
+Counting GPUs never initialises CUDA in this process: with `CUDA_VISIBLE_DEVICES` set the
+list is read from it alone, and otherwise `torch.cuda.device_count()` asks NVML (which does
+not poison later forks) and only falls back to the CUDA runtime where NVML is missing. The
+count is `device_count` of this module, replaced in tests.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence
+
+from .errors import ConfigError
+
+ENV = "CUDA_VISIBLE_DEVICES"
+
+
+def device_count() -> int:
+    """GPUs torch reports for this process (NVML-based where available: no CUDA init)."""
+    try:
+        import torch
+        return int(torch.cuda.device_count())
+    except Exception:
+        return 0
+
+
+def _env(environ) -> Optional[str]:
+    return (os.environ if environ is None else environ).get(ENV)
+
+
+def parse_visible(value: str) -> list[str]:
+    """A `CUDA_VISIBLE_DEVICES` value -> its GPU ids, as CUDA reads it: entries stripped,
+    blanks dropped, the list ends at the first negative index ("-1": no GPU)."""
+    out = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        try:
+            if int(entry) < 0:
+                break
+        except ValueError:
+            pass  # GPU-<uuid>, MIG-<uuid>, ...
+        out.append(entry)
+    return out
+
+
+def visible_gpus(environ=None, count: Optional[Callable[[], int]] = None) -> list[str]:
+    """The GPUs this process sees, as ids for a child's `CUDA_VISIBLE_DEVICES`."""
+    value = _env(environ)
+    if value is not None:
+        return parse_visible(value)
+    n = (count or device_count)()
+    return [str(i) for i in range(max(0, int(n)))]
+
+
+def describe_visible(environ=None) -> str:
+    """Where the visible set comes from, for messages: "(CUDA_VISIBLE_DEVICES=0,1)"."""
+    value = _env(environ)
+    if value is None:
+        return "(CUDA_VISIBLE_DEVICES unset: every GPU torch reports)"
+    if not value.strip():
+        return "(CUDA_VISIBLE_DEVICES is empty)"
+    return f"({ENV}={value})"
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def gpus_for_ranks(world: int, explicit: Optional[Sequence] = None, environ=None,
+                   count: Optional[Callable[[], int]] = None) -> list[str]:
+    """One GPU id per rank (for each rank's own `CUDA_VISIBLE_DEVICES`), or one ConfigError
+    line naming the world size and the GPUs there are."""
+    need = f"{_plural(world, 'rank needs', 'ranks need')} {_plural(world, 'GPU', 'GPUs')}"
+    if isinstance(explicit, str):
+        explicit = explicit.split(",")
+    if explicit:
+        given = [str(g).strip() for g in explicit if str(g).strip()]
+        listed = ",".join(given)
+        if len(given) < world:
+            raise ConfigError(f"{need}; the GPU list has {len(given)} (gpus={listed}): list "
+                              f"{world} GPU ids or lower the world size to {len(given)}")
+        given = given[:world]
+        if not any(g.lstrip("-").isdigit() for g in given):
+            return given
+        visible = visible_gpus(environ, count)
+        out = []
+        for g in given:
+            if not g.lstrip("-").isdigit():
+                out.append(g)  # a UUID / MIG id names its GPU itself
+                continue
+            i = int(g)
+            if not 0 <= i < len(visible):
+                right = (f"use indices 0..{len(visible) - 1}" if visible else
+                         "make GPUs visible or use device cpu")
+                raise ConfigError(f"GPU {g} of the GPU list (gpus={listed}) is not visible: "
+                                  f"{_visible_phrase(visible)} {describe_visible(environ)}; "
+                                  f"{right}")
+            out.append(visible[i])
+        return out
+    visible = visible_gpus(environ, count)
+    if len(visible) < world:
+        hint = (f"lower the world size to {len(visible)} or make more GPUs visible" if visible
+                else "make GPUs visible or use device cpu")
+        raise ConfigError(f"{need}; {_visible_phrase(visible)} {describe_visible(environ)}: "
+                          f"{hint}")
+    return visible[:world]
+
+
+def _visible_phrase(visible: list) -> str:
+    if not visible:
+        return "no GPU is visible"
+    return f"{len(visible)} {'is' if len(visible) == 1 else 'are'} visible"
