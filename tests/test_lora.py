@@ -8,6 +8,7 @@ file with double-block keys only (diffusers' converter hard-codes FLUX.1's sizes
 blocks)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import diffusers
@@ -19,8 +20,35 @@ from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig, PoolErr
 
 R, ALPHA = 4, 8.0  # scale alpha/r = 2
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-PIPE = {"flux": diffusers.FluxPipeline, "sd3": diffusers.StableDiffusion3Pipeline}
-TRANSFORMER = {"flux": diffusers.FluxTransformer2DModel, "sd3": diffusers.SD3Transformer2DModel}
+# by name: this module is also imported inside workers (the hook below), which need neither
+PIPE = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+TRANSFORMER = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel"}
+READS_HOOK = "tests.test_lora:count_safetensors_reads"
+
+
+def count_safetensors_reads(ctx):
+    """Worker hook: count every safetensors file this rank opens (safetensors' `safe_open`,
+    which `safetensors.torch.load_file` and so diffusers' `from_pretrained` go through), by
+    real path; each job's stats carry the counts so far."""
+    import safetensors
+    import safetensors.torch
+
+    real = safetensors.safe_open
+    reads: dict = {}
+
+    def counting_safe_open(filename, *args, **kwargs):
+        key = os.path.realpath(os.fspath(filename))
+        reads[key] = reads.get(key, 0) + 1
+        return real(filename, *args, **kwargs)
+
+    safetensors.safe_open = counting_safe_open
+    safetensors.torch.safe_open = counting_safe_open
+
+    class Reads:
+        def job_stats(self):
+            return dict(reads)
+
+    return Reads()
 
 
 def request(**kw):
@@ -35,7 +63,7 @@ def make_peft_lora(arch, model, out_dir, seed):
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    t = TRANSFORMER[arch].from_pretrained(model, subfolder="transformer")
+    t = getattr(diffusers, TRANSFORMER[arch]).from_pretrained(model, subfolder="transformer")
     cfg = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS)
     t.add_adapter(cfg, adapter_name="x")
     g = torch.Generator().manual_seed(seed)
@@ -44,8 +72,8 @@ def make_peft_lora(arch, model, out_dir, seed):
             p.data = torch.randn(p.shape, generator=g) * 0.1
     sd = get_peft_model_state_dict(t, adapter_name="x")
     meta = {k: v for k, v in cfg.to_dict().items()}
-    PIPE[arch].save_lora_weights(out_dir, transformer_lora_layers=sd,
-                                 transformer_lora_adapter_metadata=meta)
+    getattr(diffusers, PIPE[arch]).save_lora_weights(out_dir, transformer_lora_layers=sd,
+                                                     transformer_lora_adapter_metadata=meta)
     pairs = {}
     for k, v in sd.items():
         if ".lora_A." in k:
@@ -124,21 +152,54 @@ def test_lora_equals_manual_merge(pools, model_dir, loras, tmp_path, arch, names
     assert maxdiff(got, want) <= 1e-4
 
 
-def test_switching_never_reloads_and_removal_is_exact(pools, loras):
-    pool = pools("flux", 2)
-    pool.reconfigure(ParallelConfig(ulysses=2))
-    pids = pool.worker_pids()
+@pytest.fixture(scope="module")
+def counted_pool(model_dir):
+    """A 2-rank FLUX pool whose workers count the safetensors files they open."""
+    pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cpu",
+                      threads_per_rank=1, worker_hooks=[READS_HOOK])
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def test_switching_never_reloads_and_removal_is_exact(counted_pool, model_dir, loras):
+    """The base weights are read from disk once per rank, at launch: the worker hook sees
+    the transformer's weight file(s) opened then and never again while LoRA lists and
+    strengths switch (it does see each LoRA file being read, so it is watching)."""
+    pool = counted_pool
     first = pool.generate(request())
+    pids = pool.worker_pids()
+    weights = os.path.realpath(os.path.join(model_dir("flux"), "transformer"))
+
+    def reads(result):
+        """Per rank: ({base weight file: opens}, {other file: opens})."""
+        out = []
+        for st in result.stats:
+            got = st["hooks"][READS_HOOK]
+            out.append(({f: n for f, n in got.items() if f.startswith(weights + os.sep)},
+                        {f: n for f, n in got.items() if not f.startswith(weights + os.sep)}))
+        return out
+
+    at_launch = reads(first)
+    assert len(at_launch) == 2
+    for base_files, _ in at_launch:  # the hook saw the launch's load: one open per file
+        assert base_files and set(base_files.values()) == {1}, base_files
     base, loads0 = first.samples, first.stats[0]["lora_loads"]
     a, b = str(loras["flux1"][0]), str(loras["flux2"][0])
     outs = {}
     for lst in ([(a, 1.0)], [(a, 0.5)], [(b, 1.0)], [(a, 0.5), (b, 1.0)], [], [(a, 1.0)]):
         r = pool.generate(request(loras=lst))
         outs.setdefault(tuple(lst), []).append(r.samples)
+        for rank, ((base_files, others), (launch_files, _)) in enumerate(zip(reads(r),
+                                                                              at_launch)):
+            assert base_files == launch_files, \
+                f"rank {rank} read the base weights again with LoRAs {lst}: {base_files}"
+            for path, _ in lst:  # every LoRA file in use has been read on this rank
+                assert others.get(os.path.realpath(path), 0) >= 1, (rank, path, others)
         for st in r.stats:
-            assert st["base_loads"] == 1
             assert st["lora_loads"] - loads0 <= 2
-        assert pool.worker_pids() == pids
+        assert pool.worker_pids() == pids and pool.launches == 1
     assert all(st["lora_loads"] - loads0 == 2 for st in r.stats)  # each file loaded once
     assert torch.equal(outs[()][0], base), maxdiff(outs[()][0], base)  # removed: exactly base
     assert torch.equal(outs[((a, 1.0),)][0], outs[((a, 1.0),)][1])  # re-activated: same
