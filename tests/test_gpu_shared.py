@@ -21,7 +21,7 @@ HOOK = "xdit_testhooks.shared_gpu:install"
 CONFIGS = {
     "ulysses2": ParallelConfig(ulysses=2),
     "ring2": ParallelConfig(ring=2),
-    "cfg2": ParallelConfig(cfg=2),
+    "cfg2": ParallelConfig(cfg_parallel=True),
     "dp2": ParallelConfig(dp=2),
 }
 
