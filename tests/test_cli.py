@@ -16,12 +16,39 @@ from comfyui_xdit import GenerationRequest, ParallelConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cli(*args, tmpdir=None, timeout=300):
+# Every Python process started under `cli(..., procs=DIR)` (the CLI and any worker it
+# launches: workers are fresh interpreters that keep the caller's PYTHONPATH) writes one
+# file into DIR with its command line, from a sitecustomize placed first on PYTHONPATH.
+SITECUSTOMIZE = """\
+import json, os, sys
+_d = os.environ.get("XDIT_TEST_PROCS")
+if _d:
+    with open(os.path.join(_d, str(os.getpid())), "w") as _f:
+        json.dump(sys.orig_argv, _f)
+"""
+
+
+def cli(*args, tmpdir=None, timeout=300, procs=None):
     env = dict(os.environ)
     if tmpdir is not None:
-        env["TMPDIR"] = str(tmpdir)  # a launched pool would leave its folder here
+        env["TMPDIR"] = str(tmpdir)
+    if procs is not None:
+        procs.mkdir(exist_ok=True)
+        site = procs.parent / (procs.name + "-site")
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in env.get(
+            "PYTHONPATH", "").split(os.pathsep) if p])
+        env["XDIT_TEST_PROCS"] = str(procs)
     return subprocess.run([sys.executable, "-m", "comfyui_xdit", *map(str, args)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def started(procs) -> tuple:
+    """(the CLI's command lines, every other Python process's) recorded in `procs`."""
+    runs = [json.loads(f.read_text()) for f in sorted(procs.iterdir())]
+    mine = [a for a in runs if a[1:3] == ["-m", "comfyui_xdit"]]
+    return mine, [a for a in runs if a not in mine]
 
 
 BASE = ["--prompt", "a cat", "--seed", "1", "--steps", "2"]
@@ -51,13 +78,17 @@ def other_model(tmp_path):
 ])
 def test_bad_input_exits_2_with_one_line(model_dir, tmp_path, extra, expect):
     out = tmp_path / "x.png"
+    procs = tmp_path / "procs"
     r = cli("generate", "--model", model_dir("flux"), *BASE, *extra, "--out", out,
-            tmpdir=tmp_path)
+            tmpdir=tmp_path, procs=procs)
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.strip() and "torchvision" not in l]
     assert len(lines) == 1, r.stderr
     assert expect in lines[0]
-    assert not any(p.name.startswith("xdit-pool-") for p in tmp_path.iterdir()), "a pool started"
+    # the CLI was the only Python process: no worker was started (refused before launch)
+    mine, others = started(procs)
+    assert len(mine) == 1, mine
+    assert others == [], f"a pool started: {others}"
     assert not out.exists()
 
 
@@ -81,8 +112,13 @@ def test_generate_latent_matches_pool_and_png(model_dir, pools, tmp_path):
     args = ["generate", "--model", model, "--prompt", "a red cat", "--prompt", "a dog",
             "--seed", "5", "--steps", "2", "--height", "96", "--width", "128",
             "--max-sequence-length", "16", "--ulysses", "2", "--threads-per-rank", "1"]
-    r = cli(*args, "--out", tmp_path / "x.safetensors")
+    procs = tmp_path / "procs"
+    r = cli(*args, "--out", tmp_path / "x.safetensors", procs=procs)
     assert r.returncode == 0, r.stderr
+    # the process record sees a launch (so its silence in the bad-input tests means none):
+    # the CLI and one worker process per rank
+    mine, others = started(procs)
+    assert len(mine) == 1 and len(others) == 2, (mine, others)
     got = load_file(str(tmp_path / "x.safetensors"))["samples"]
     pool = pools("flux", 2)
     pool.reconfigure(ParallelConfig(ulysses=2))
