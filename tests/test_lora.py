@@ -23,32 +23,7 @@ TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 # by name: this module is also imported inside workers (the hook below), which need neither
 PIPE = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
 TRANSFORMER = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel"}
-READS_HOOK = "tests.test_lora:count_safetensors_reads"
-
-
-def count_safetensors_reads(ctx):
-    """Worker hook: count every safetensors file this rank opens (safetensors' `safe_open`,
-    which `safetensors.torch.load_file` and so diffusers' `from_pretrained` go through), by
-    real path; each job's stats carry the counts so far."""
-    import safetensors
-    import safetensors.torch
-
-    real = safetensors.safe_open
-    reads: dict = {}
-
-    def counting_safe_open(filename, *args, **kwargs):
-        key = os.path.realpath(os.fspath(filename))
-        reads[key] = reads.get(key, 0) + 1
-        return real(filename, *args, **kwargs)
-
-    safetensors.safe_open = counting_safe_open
-    safetensors.torch.safe_open = counting_safe_open
-
-    class Reads:
-        def job_stats(self):
-            return dict(reads)
-
-    return Reads()
+READS_HOOK = "xdit_testhooks.probes:count_safetensors_reads"
 
 
 def request(**kw):

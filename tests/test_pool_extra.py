@@ -99,21 +99,6 @@ def test_hung_worker_is_caught_by_the_timeout(model_dir):
 GATE_ENV = "XDIT_TEST_LAUNCH_GATE"
 
 
-def hold_launch(ctx):
-    """Worker hook (runs in each worker before its process group and model load): say so
-    in `<gate>.rank<N>`, then wait until the file named by $XDIT_TEST_LAUNCH_GATE exists, so
-    the pool stays in its launch for as long as the test needs to look at it."""
-    gate = os.environ.get(GATE_ENV)
-    if not gate:
-        return
-    with open(f"{gate}.rank{ctx.rank}.tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(f"{gate}.rank{ctx.rank}.tmp", f"{gate}.rank{ctx.rank}")
-    deadline = time.monotonic() + 300
-    while not os.path.exists(gate) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def wait_for(paths, proc_ok, limit=300.0) -> bool:
     """Wait until every path exists (an event: the limit only bounds a failing test)."""
     deadline = time.monotonic() + limit
@@ -133,7 +118,7 @@ def test_loading_state_load_in_turn_and_memory(model_dir, pools, tmp_path, monke
     monkeypatch.setenv(GATE_ENV, str(gate))  # inherited by the workers
     pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cpu",
                       threads_per_rank=1, load_in_turn=True,
-                      worker_hooks=["tests.test_pool_extra:hold_launch"])
+                      worker_hooks=["xdit_testhooks.probes:hold_launch"])
     states, errors = [], []
 
     def first_job():

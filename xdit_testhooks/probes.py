@@ -1,0 +1,48 @@
+"""Worker hooks that let tests observe a worker from outside: files it opens, a launch held
+open. (Kept out of tests/ so a worker never imports a test module.)"""
+from __future__ import annotations
+
+import os
+import time
+
+GATE_ENV = "XDIT_TEST_LAUNCH_GATE"
+
+
+def count_safetensors_reads(ctx):
+    """Worker hook: count every safetensors file this rank opens (safetensors' `safe_open`,
+    which `safetensors.torch.load_file` and so diffusers' `from_pretrained` go through), by
+    real path; each job's stats carry the counts so far."""
+    import safetensors
+    import safetensors.torch
+
+    real = safetensors.safe_open
+    reads: dict = {}
+
+    def counting_safe_open(filename, *args, **kwargs):
+        key = os.path.realpath(os.fspath(filename))
+        reads[key] = reads.get(key, 0) + 1
+        return real(filename, *args, **kwargs)
+
+    safetensors.safe_open = counting_safe_open
+    safetensors.torch.safe_open = counting_safe_open
+
+    class Reads:
+        def job_stats(self):
+            return dict(reads)
+
+    return Reads()
+
+
+def hold_launch(ctx):
+    """Worker hook (runs in each worker before its process group and model load): say so
+    in `<gate>.rank<N>`, then wait until the file named by $XDIT_TEST_LAUNCH_GATE exists, so
+    the pool stays in its launch for as long as the test needs to look at it."""
+    gate = os.environ.get(GATE_ENV)
+    if not gate:
+        return
+    with open(f"{gate}.rank{ctx.rank}.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(f"{gate}.rank{ctx.rank}.tmp", f"{gate}.rank{ctx.rank}")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
