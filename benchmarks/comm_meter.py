@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from xdit_testhooks.p2p_ops import is_send as p2p_is_send
+
 SPEC = "benchmarks.comm_meter:install"
 
 _METER = None  # one per process: a second install returns it instead of wrapping again
@@ -124,18 +126,7 @@ class CommMeter:
         recvs = {c10d.irecv, c10d.recv, orig["irecv"]}
 
         def is_send(op) -> bool:
-            """Whether a P2POp's op sends, whoever wrapped it: by identity with torch's
-            functions or a known wrapper, following `__wrapped__` chains, else by name (an
-            unknown wrapper that is not a receive counts as a send)."""
-            fn, seen = op, set()
-            while fn is not None and id(fn) not in seen:
-                seen.add(id(fn))
-                if fn in sends:
-                    return True
-                if fn in recvs:
-                    return False
-                fn = getattr(fn, "__wrapped__", None)
-            return "recv" not in getattr(op, "__name__", "")
+            return p2p_is_send(op, sends, recvs)
 
         base = orig["P2POp"]
 

@@ -8,9 +8,8 @@
   topology that uses point-to-point is built: NCCL's first send/recv between two ranks
   blocks both hosts until each has made it, so letting a job create them mid-schedule
   invites a deadlock.
-* Device tensors only. Where the data plane is gloo on CUDA tensors (the shared-GPU test
-  mode), point-to-point is staged through host memory: gloo's send/recv refuse CUDA
-  tensors, its collectives do not.
+* Device tensors only (the shared-GPU test mode, gloo on CUDA tensors, stages them through
+  the host in its hook, xdit_testhooks/shared_gpu.py).
 """
 from __future__ import annotations
 
@@ -18,42 +17,35 @@ import torch
 import torch.distributed as dist
 
 
-def staged(group, device) -> bool:
-    """gloo moving CUDA tensors: stage point-to-point through the host."""
-    return device.type == "cuda" and dist.get_backend(group) == "gloo"
-
-
 class Transfer:
     """Posted point-to-point operations; `wait()` returns the received tensors."""
 
-    def __init__(self, works, bufs, device, host):
-        self.works, self.bufs, self.device, self.host = works, bufs, device, host
+    def __init__(self, works, bufs):
+        self.works, self.bufs = works, bufs
 
     def wait(self) -> list:
         for work in self.works:
             work.wait()
         self.works = []
-        return [b.to(self.device) for b in self.bufs] if self.host else self.bufs
+        return self.bufs
 
 
 def post(sends: list, recvs: list, group, device) -> Transfer:
     """`sends`: [(tensor, global peer)]; `recvs`: [(shape, dtype, global peer)]. Posts all
     in one `batch_isend_irecv`; the caller waits (and may compute meanwhile)."""
-    host = staged(group, device)
     ops, bufs = [], []
     for t, peer in sends:
-        t = t.detach().contiguous()
-        ops.append(dist.P2POp(dist.isend, t.cpu() if host else t, peer, group))
+        ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), peer, group))
     for shape, dtype, peer in recvs:
-        buf = torch.empty(shape, dtype=dtype, device="cpu" if host else device)
+        buf = torch.empty(shape, dtype=dtype, device=device)
         bufs.append(buf)
         ops.append(dist.P2POp(dist.irecv, buf, peer, group))
     works = dist.batch_isend_irecv(ops) if ops else []
-    return Transfer(works, bufs, device, host)
+    return Transfer(works, bufs)
 
 
 def exchange(sends: list, recvs: list, group, device) -> list:
-    """`post` and wait: the received tensors (on `device`) in `recvs` order."""
+    """`post` and wait: the received tensors in `recvs` order."""
     return post(sends, recvs, group, device).wait()
 
 

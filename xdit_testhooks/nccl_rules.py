@@ -50,6 +50,8 @@ import threading
 import time
 from typing import Optional
 
+from xdit_testhooks.p2p_ops import is_send as p2p_is_send
+
 SPEC = "xdit_testhooks.nccl_rules:install"
 ENV_TIMEOUT = "XDIT_NCCL_RULES_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0  # seconds an operation may wait for its match before it is a deadlock
@@ -398,18 +400,8 @@ class NcclRules:
         sends = {c10d.isend, c10d.send, orig["isend"], orig["send"], isend, send}
         recvs = {c10d.irecv, c10d.recv, orig["irecv"], orig["recv"], irecv, recv}
 
-        def is_send(fn) -> bool:
-            """Whether a P2POp's op sends: by identity with torch's functions or a known
-            wrapper, following `__wrapped__` chains, else by name."""
-            first, seen = fn, set()
-            while fn is not None and id(fn) not in seen:
-                seen.add(id(fn))
-                if fn in sends:
-                    return True
-                if fn in recvs:
-                    return False
-                fn = getattr(fn, "__wrapped__", None)
-            return "recv" not in getattr(first, "__name__", "")
+        def is_send(op) -> bool:
+            return p2p_is_send(op, sends, recvs)
 
         self._is_send = is_send
         base = orig["P2POp"]
