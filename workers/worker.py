@@ -50,7 +50,6 @@ class Worker:
             if args.load_in_turn and world > 1:
                 dist.barrier(group=planes.control)
         self.load_seconds = time.perf_counter() - t
-        self.base_loads = 1  # the base model is loaded once; LoRA never reloads it
         self.loras = LoraManager(self.adapter)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.topologies = {}
@@ -175,7 +174,7 @@ class Worker:
             samples = run_job(job, self.model, self.adapter, topo, self.planes.control, emit,
                               should_stop)
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
-                 "lora_loads": self.loras.loads, "base_loads": self.base_loads}
+                 "lora_loads": self.loras.loads}
         if self.device.type == "cuda":
             stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         images = None
