@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .p2p import exchange
 from .schedule import Micro, build_schedule
-from .sequence_parallel import even_sizes
+from .sequence_parallel import all_gather_tokens, even_sizes
 from .topology import Topology
 
 
@@ -258,22 +258,17 @@ def run_job(job: Job, model, adapter, topo: Topology, control,
 
 def _gather_batch(latents, prep: Prepared, topo: Topology, emit) -> Optional[torch.Tensor]:
     """Data parallel: the replicas' latents to rank 0 in one all-gather over the dp leaders
-    (every replica ends at the same tick, so no receive is ever left posted). Rank 0 reports
-    each image, then returns the whole batch."""
+    (uneven replicas padded; every replica ends at the same tick, so no receive is ever left
+    posted). Rank 0 reports each image, then returns the whole batch."""
     leader = all(topo.index(a) == 0 for a in ("cfg", "pipefusion", "ring", "ulysses"))
     if topo.degree("dp") == 1:
         return latents.float().cpu() if topo.rank == 0 else None
     if not leader:
         return None
-    sizes = prep.sizes
-    buf = latents.float()
-    if buf.shape[0] < max(sizes):  # uneven batch: pad to the largest replica
-        buf = torch.cat([buf, buf.new_zeros((max(sizes) - buf.shape[0],) + buf.shape[1:])])
-    parts = [torch.empty_like(buf) for _ in sizes]
-    dist.all_gather(parts, buf.contiguous(), group=topo.group("dp"))
+    gathered = all_gather_tokens(latents.float(), 0, prep.sizes, topo.group("dp"))
     if topo.rank != 0:
         return None
-    out = torch.cat([p[:n] for p, n in zip(parts, sizes)]).cpu()
+    out = gathered.cpu()
     if emit is not None:
         for j in range(out.shape[0]):
             emit({"image_index": j, "samples": out[j:j + 1]})

@@ -50,6 +50,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .sequence_parallel import all_gather_tokens
+
 __all__ = ["band_rows", "decode_parallel", "check_decoder", "FAULTS"]
 
 # Test-only switches that break one part of the scheme (negative controls).
@@ -407,15 +409,8 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     del z, band
 
     out_rows = ctx.scaled(out.shape[2])
-    # one all-gather of equal-height (padded) bands: no receive is posted ahead of the
-    # peers, whatever the rank count (NCCL-safe)
-    tallest = max(out_rows)
-    if out.shape[2] < tallest:
-        out = torch.cat([out, out.new_zeros(out.shape[0], out.shape[1], tallest - out.shape[2],
-                                            out.shape[3])], dim=2)
-    parts = [torch.empty_like(out) for _ in range(n)]
-    dist.all_gather(parts, out.contiguous(), group=group)
+    # one all-gather of the (padded) bands: no receive is posted ahead of the peers, whatever
+    # the rank count (NCCL-safe)
+    full = all_gather_tokens(out, 2, out_rows, group)
     del out
-    if me != 0:
-        return None
-    return torch.cat([p[:, :, :r] for p, r in zip(parts, out_rows)], dim=2)
+    return full if me == 0 else None
