@@ -24,7 +24,6 @@ schedule is NCCL-safe and a cancel at a step boundary leaves nothing unmatched.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -149,14 +148,6 @@ def check_stage(model, topo) -> None:
         held = "the whole model" if info is None else f"stage {info.index} of {info.count}"
         raise RuntimeError(f"this rank holds {held}, the job asks for stage {stage} of "
                            f"{stages}; relaunch the pool for this pipefusion degree")
-
-
-def pipeline_pairs(topo) -> list:
-    """Global rank pairs of this rank's pipeline that exchange data: neighbour stages, and
-    the last stage with stage 0 (finished latent rows)."""
-    n = topo.degree("pipefusion")
-    ranks = [topo.global_rank(pipefusion=s) for s in range(n)]
-    return [(ranks[s], ranks[(s + 1) % n]) for s in range(n)]
 
 
 @dataclass

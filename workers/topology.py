@@ -103,6 +103,13 @@ class Topology:
         """Control plane (gloo): CPU tensors and objects."""
         return self.controls[axis]
 
+    def ring_pairs(self, axis: str) -> list:
+        """Global rank pairs of neighbours along `axis`, closed into a ring (PipeFusion: each
+        stage and the next, the last stage and stage 0; Ring attention: K/V neighbours)."""
+        n = self.degrees[axis]
+        ranks = [self.global_rank(**{axis: i}) for i in range(n)]
+        return [(ranks[i], ranks[(i + 1) % n]) for i in range(n)]
+
     def global_rank(self, **coords) -> int:
         """Global rank of the rank whose coordinates equal ours except those given."""
         c = dict(self.coords, **coords)

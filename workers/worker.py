@@ -221,15 +221,9 @@ def _warm_pairs(topo):
     (workers/p2p.py): PipeFusion's stage links and Ring attention's neighbours."""
     from .p2p import warm_pairs
 
-    if topo.degree("pipefusion") > 1:
-        from .pipefusion import pipeline_pairs
-        warm_pairs(pipeline_pairs(topo), topo.rank, topo.group("pipefusion"), topo.device)
-    r = topo.degree("ring")
-    if r > 1:
-        ranks = [topo.global_rank(ring=i) for i in range(r)]
-        warm_pairs([(ranks[i], ranks[(i + 1) % r]) for i in range(r)], topo.rank,
-                   topo.group("ring"), topo.device)
-
+    for axis in ("pipefusion", "ring"):
+        if topo.degree(axis) > 1:
+            warm_pairs(topo.ring_pairs(axis), topo.rank, topo.group(axis), topo.device)
 
 class DecodeJob:
     """Decode-only job (the xDiT Decode node): every rank joins the patch-parallel VAE decode
