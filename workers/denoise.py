@@ -183,13 +183,15 @@ def run_job(job: Job, model, adapter, topo: Topology, control,
     first, last = stage == 0, stage == stages - 1
     outgoing = None  # activations computed at the previous tick, for the next stage
     pending = {}  # last stage, CFG in one pipeline: patch -> negative prediction rows
-    x_step = latents.clone() if (first and emit is not None and every) else None
-
-    def rows_of(x, m: Micro):
-        return adapter.latent_rows(x, m.rows[0], m.rows[1], cols)
 
     def want_preview(i):
         return emit is not None and every and ((i + 1) % every == 0 or i + 1 == total)
+
+    # stage 0: the first image at the start of a step whose preview is wanted
+    x_step = latents[:1].clone() if (first and want_preview(0)) else None
+
+    def rows_of(x, m: Micro):
+        return adapter.latent_rows(x, m.rows[0], m.rows[1], cols)
 
     try:
         for tick in range(sched.ticks):
@@ -209,22 +211,22 @@ def run_job(job: Job, model, adapter, topo: Topology, control,
                     sends.append((rows_of(latents, m), run.head))
                 if first:
                     recvs.append((tuple(rows_of(latents, m).shape), dtype, run.tail))
-            got = exchange(sends, recvs, pipe, dev) if (sends or recvs) else []
+            got = exchange(sends, recvs, pipe, dev)
             if run is not None and not first and micro is not None:
                 run.incoming = got.pop(0)
             if first:
                 for m, piece in zip(arrivals, got):
                     rows_of(latents, m).copy_(piece)
                 for i in sched.steps_done(tick):
-                    if emit is not None:
-                        event = {"step": i + 1, "total": total,
-                                 "elapsed": time.perf_counter() - t0}
-                        if want_preview(i):  # flow matching: x0 = x_i - sigma_i * v
-                            v = (latents.float() - x_step.float()) / (sigmas[i + 1] - sigmas[i])
-                            event["preview"] = (x_step[:1].float() - sigmas[i] * v[:1]).half().cpu()
-                        emit(event)
-                    if x_step is not None:
-                        x_step = latents.clone()
+                    if emit is None:
+                        continue
+                    event = {"step": i + 1, "total": total, "elapsed": time.perf_counter() - t0}
+                    if want_preview(i):  # flow matching: x0 = x_i - sigma_i * v
+                        x = x_step.float()
+                        v = (latents[:1].float() - x) / (sigmas[i + 1] - sigmas[i])
+                        event["preview"] = (x - sigmas[i] * v).half().cpu()
+                    emit(event)
+                    x_step = latents[:1].clone() if want_preview(i + 1) else None
             if micro is None:
                 continue
             # 2. this tick's forward

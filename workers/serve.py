@@ -7,11 +7,8 @@ same denoising loop. Other ranks only ever listen to rank 0.
 from __future__ import annotations
 
 import argparse
-import collections
-import datetime
 import logging
 import os
-import queue
 import socket
 import sys
 import threading

@@ -112,7 +112,7 @@ class Worker:
             self.parallel = (key, sp)
         return topo
 
-    def prepare(self, msg) -> "Job":
+    def prepare(self, msg):
         """Rank 0: turn the host's `protocol.Job` into the broadcastable denoise.Job (prompts
         encoded once, LoRA files checked) before anything is broadcast."""
         import torch
