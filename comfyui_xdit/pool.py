@@ -376,6 +376,7 @@ class WorkerPool:
                  noise=None, init_latent=None, denoise: float = 1.0) -> GenerationResult:
         info = self.model_info
         self.config.validate(info, request)
+        _check_job_inputs(request, noise, init_latent, denoise)
         if not self.is_running():
             self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
         req = request.resolved(info.arch)
@@ -496,6 +497,21 @@ class WorkerPool:
                     return
         except PoolError:
             return
+
+
+def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise) -> None:
+    """The tensors `generate` takes beside the request, checked before anything is sent: a
+    wrong one is one clear error and the pool stays as it is."""
+    import torch
+
+    if not isinstance(denoise, (int, float)) or not 0.0 < float(denoise) <= 1.0:
+        raise ConfigError(f"denoise must be in (0, 1] (got {denoise!r})")
+    shape = (request.batch, LATENT_CHANNELS, request.height // 8, request.width // 8)
+    for name, t in (("noise", noise), ("init_latent", init_latent)):
+        if t is not None and (not torch.is_tensor(t) or tuple(t.shape) != shape):
+            got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+            raise ConfigError(f"{name} must be a ComfyUI LATENT tensor of shape {list(shape)} "
+                              f"(batch, 16, height/8, width/8) for this request; got {got}")
 
 
 def rss_mb(pid="self") -> float:

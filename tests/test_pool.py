@@ -474,6 +474,14 @@ def test_bad_request_refused_before_anything_is_sent(warm_pool, reference):
         assert "height 100" in str(info.value)
         with pytest.raises(ConfigError):
             pool.reconfigure(ParallelConfig(ulysses=3))  # 3 does not divide 4 heads
+        good = torch.zeros(R1.batch, 16, R1.height // 8, R1.width // 8)
+        for kw, words in [({"init_latent": good, "denoise": 0.0}, "denoise"),
+                          ({"init_latent": good, "denoise": 1.5}, "denoise"),
+                          ({"init_latent": good[:, :, :-1]}, "init_latent"),
+                          ({"noise": torch.zeros(R1.batch + 1, 16, 2, 2)}, "noise")]:
+            with pytest.raises(ConfigError) as info:
+                pool.generate(R1, **kw)
+            assert words in str(info.value)
     finally:
         del chan.send
     assert sent == [], f"sent to the pool: {sent}"
