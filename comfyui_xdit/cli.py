@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, ParallelConfig
+from .config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig
 from .images import save_pngs
 from .request import GenerationRequest
 
@@ -106,7 +106,7 @@ def _add_serve(sub):
     p.add_argument("--pipefusion-inner", type=_positive("--pipefusion-inner"), default=1,
                    help="ulysses x ring per PipeFusion stage")
     p.add_argument("--pipefusion-split", default="balanced")
-    p.add_argument("--attention", choices=["auto", "flash", "torch"], default="auto")
+    _add_engine_flags(p)
     p.set_defaults(func=run_serve)
 
 
@@ -121,7 +121,7 @@ def run_serve(args) -> int:
             "--threads", str(args.threads_per_rank or 0),
             "--pipefusion", str(args.pipefusion), "--pipefusion-inner",
             str(args.pipefusion_inner), "--pipefusion-split", args.pipefusion_split,
-            "--attention", args.attention]
+            *engine_from_args(args).worker_argv()]
     if args.secret_file:
         argv += ["--secret-file", args.secret_file]
     if args.address_file:
@@ -178,9 +178,27 @@ def _add_parallel_flags(p):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--threads-per-rank", type=_positive("--threads-per-rank"), default=None)
-    p.add_argument("--attention", choices=["auto", "flash", "torch"], default="auto",
-                   help="CUDA attention kernel: flash-attn when present (auto), required, "
-                        "or torch's")
+    _add_engine_flags(p)
+
+
+def _add_engine_flags(p):
+    """EngineOptions beyond --device/--dtype (comfyui_xdit/config.py)."""
+    p.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default="auto",
+                   help="attention kernel, chosen once per pool: auto picks the fastest the "
+                        "device has (cuDNN/flash-attn with LSE for Ring, plain SDPA otherwise)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the transformer blocks while the pool warms up")
+    p.add_argument("--weights", choices=list(WEIGHTS), default="auto",
+                   help="auto: as the checkpoint (fp8 files stay fp8); fp8: store the block "
+                        "weights in fp8 e4m3fn; full: every weight in --dtype")
+    p.add_argument("--text-encoders", default="auto",
+                   help="where T5/CLIP run on rank 0: auto | cpu | gpu | cuda:N")
+
+
+def engine_from_args(args) -> EngineOptions:
+    return EngineOptions(device=args.device, dtype=args.dtype, attention=args.attention,
+                         compile=args.compile, weights=args.weights,
+                         text_encoders=args.text_encoders).validate()
 
 
 def config_from_args(args) -> ParallelConfig:
@@ -211,8 +229,10 @@ def run_generate(args) -> int:
         pool = WorkerPool.attach(args.attach, _read_secret(args), config)
     else:
         config.validate(read_model_info(args.model), request)  # before anything launches
-        pool = WorkerPool(args.model, config, device=args.device, dtype=args.dtype,
-                          threads_per_rank=args.threads_per_rank, attention=args.attention)
+        e = engine_from_args(args)
+        pool = WorkerPool(args.model, config, device=e.device, dtype=e.dtype,
+                          threads_per_rank=args.threads_per_rank, attention=e.attention,
+                          compile=e.compile, weights=e.weights, text_encoders=e.text_encoders)
     with pool:
         if args.attach:
             served = pool.model_info.path

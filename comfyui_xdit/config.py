@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover  (type names only: neither imports this mo
     from .model_info import ModelInfo
     from .request import GenerationRequest
 
-__all__ = ["ConfigError", "ParallelConfig", "auto_config"]
+__all__ = ["ConfigError", "EngineOptions", "ParallelConfig", "auto_config"]
 
 
 @dataclass(frozen=True)
@@ -165,3 +165,69 @@ def auto_config(world_size: int, heads: int, uses_cfg: bool, batch: int) -> Para
     ulysses = max(d for d in range(1, rest + 1) if rest % d == 0 and heads % d == 0)
     ring = rest // ulysses
     return ParallelConfig(cfg_parallel=cfg, ulysses=ulysses, ring=ring)
+
+
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "torch")
+WEIGHTS = ("auto", "fp8", "full")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How each rank runs the model, fixed for the life of a pool (a change relaunches it).
+
+    attention:     the attention kernel, chosen once per pool (workers/attention.py): "auto"
+                   picks the fastest this device has; "cudnn", "flash" (flash-attn) and
+                   "efficient" force one on CUDA; "torch" means torch's SDPA choice.
+    compile:       torch.compile of the transformer blocks (regional), during warm-up.
+    weights:       "auto" keeps the checkpoint's storage (an fp8 file stays fp8 on the GPU,
+                   anything else is cast to `dtype`); "fp8" stores the block weights in fp8
+                   e4m3fn (half of bf16's memory) and computes in `dtype`; "full" casts every
+                   weight to `dtype`, fp8 files included.
+    text_encoders: where rank 0 runs T5/CLIP: "auto" (rank 0's GPU when they fit beside the
+                   transformer, else the CPU), "cpu", "gpu" (rank 0's GPU) or "cuda:N".
+    """
+
+    device: str = "cpu"
+    dtype: str = "fp32"
+    attention: str = "auto"
+    compile: bool = False
+    weights: str = "auto"
+    text_encoders: str = "auto"
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.device not in ("cpu", "cuda"):
+            out.append(f"device must be cpu or cuda (got {self.device!r})")
+        if self.dtype not in DTYPES:
+            out.append(f"dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if self.attention not in ATTENTION_BACKENDS:
+            out.append(f"attention must be one of {', '.join(ATTENTION_BACKENDS)} "
+                       f"(got {self.attention!r})")
+        elif self.attention in ("cudnn", "flash", "efficient") and self.device != "cuda":
+            out.append(f"attention {self.attention!r} is a CUDA kernel and needs device cuda; "
+                       f"use 'auto' or 'torch' on {self.device}")
+        if not isinstance(self.compile, bool):
+            out.append(f"compile must be true or false (got {self.compile!r})")
+        if self.weights not in WEIGHTS:
+            out.append(f"weights must be one of {', '.join(WEIGHTS)} (got {self.weights!r})")
+        te = str(self.text_encoders)
+        if not (te in ("auto", "cpu", "gpu") or (te.startswith("cuda:") and te[5:].isdigit())):
+            out.append(f"text_encoders must be auto, cpu, gpu or cuda:N (got {te!r})")
+        elif te != "auto" and te != "cpu" and self.device != "cuda":
+            out.append(f"text_encoders {te!r} needs device cuda; use 'auto' or 'cpu'")
+        return out
+
+    def validate(self) -> "EngineOptions":
+        out = self.problems()
+        if out:
+            raise ConfigError("invalid engine options: " + "; ".join(out))
+        return self
+
+    def worker_argv(self) -> list[str]:
+        """The matching `workers.serve` flags."""
+        argv = ["--device", self.device, "--dtype", self.dtype, "--attention", self.attention,
+                "--weights", self.weights, "--text-encoders", str(self.text_encoders)]
+        if self.compile:
+            argv.append("--compile")
+        return argv

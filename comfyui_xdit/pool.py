@@ -19,7 +19,7 @@ from typing import Callable, Optional
 from .channel import Channel, connect, parse_address
 from .comfy_convert import (LATENT_CHANNELS, comfy_noise, comfy_to_model, model_to_comfy,
                             noise_to_model)
-from .config import ConfigError, ParallelConfig
+from .config import ConfigError, EngineOptions, ParallelConfig
 from .gpus import gpus_for_ranks
 from .model_info import ModelInfo, read_model_info
 from .worker_modules import worker_module
@@ -50,21 +50,17 @@ class WorkerPool:
                  dtype: str = "fp32", threads_per_rank: Optional[int] = None,
                  gpus: Optional[list] = None, start_timeout: float = 900.0,
                  step_timeout: float = 600.0, load_in_turn: Optional[bool] = None,
-                 attention: str = "auto", worker_hooks=()):
-        """`worker_hooks`: "module:function" specs every worker runs at start (tests and
+                 attention: str = "auto", worker_hooks=(), compile: bool = False,
+                 weights: str = "auto", text_encoders: str = "auto"):
+        """`attention`, `compile`, `weights`, `text_encoders`: see `EngineOptions`.
+        `worker_hooks`: "module:function" specs every worker runs at start (tests and
         benchmarks: NCCL-rules emulation, communication meter, fault injection; see
         workers/hooks.py). Not for production use."""
-        if device not in ("cpu", "cuda"):
-            raise ConfigError(f"device must be cpu or cuda (got {device!r})")
-        if attention not in ("auto", "flash", "torch"):
-            raise ConfigError(f"attention must be auto, flash or torch (got {attention!r})")
-        if attention == "flash" and device != "cuda":
-            raise ConfigError("attention 'flash' (flash-attn) needs device cuda; use 'auto' "
-                              "or 'torch'")
+        self.engine = EngineOptions(device=device, dtype=dtype, attention=attention,
+                                    compile=compile, weights=weights,
+                                    text_encoders=text_encoders).validate()
         self.attention = attention
         self.worker_hooks = tuple(worker_hooks or ())
-        if dtype not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"dtype must be fp32, bf16 or fp16 (got {dtype!r})")
         self.model_path = str(Path(model_path).resolve())
         self.config = config or ParallelConfig()
         self.device = device
@@ -254,9 +250,8 @@ class WorkerPool:
                 env["LOCAL_RANK"] = "0"
             cmd = [sys.executable, "-m", "workers.serve", "--model", self.model_path,
                    "--rank", str(rank), "--world-size", str(world),
-                   "--store", os.path.join(self._tmp, "store"), "--device", self.device,
-                   "--dtype", self.dtype, "--threads", str(threads),
-                   "--attention", self.attention]
+                   "--store", os.path.join(self._tmp, "store"), "--threads", str(threads),
+                   *self.engine.worker_argv()]
             if rank == 0:
                 cmd += ["--address-file", addr_file, "--secret-file", secret_file]
             if self.load_in_turn:

@@ -71,7 +71,7 @@ def other_model(tmp_path):
     (["--height", "128", "--width", "128", "--ring", "0"], "--ring must be >= 1"),
     (["--height", "128", "--width", "128", "--pipefusion", "2", "--pipefusion-split", "a,b"], "pipefusion_split 'a,b' must be 'balanced', 'compute', 'memory' or 2 positive block counts like 4,4"),
     (["--height", "32", "--width", "32", "--pipefusion", "2", "--ulysses", "4"], "a PipeFusion patch of 1 token rows x 2 cannot be split over ulysses x ring = 4 ranks"),
-    (["--height", "128", "--width", "128", "--attention", "flash"], "attention 'flash' (flash-attn) needs device cuda"),
+    (["--height", "128", "--width", "128", "--attention", "flash"], "attention 'flash' is a CUDA kernel and needs device cuda"),
     (["--height", "128", "--width", "128", "--max-sequence-length", "600"], "max_sequence_length must be in 1..512"),
     (["--height", "128", "--width", "128", "--bogus"], "unrecognized arguments: --bogus"),
     (["--height", "128", "--width", "128", "--lora", "missing.safetensors:0.8"], "LoRA file not found: missing.safetensors"),

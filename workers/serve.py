@@ -48,9 +48,16 @@ def _parse(argv):
     p.add_argument("--secret-file", default=None, help="else $XDIT_POOL_SECRET (hex)")
     p.add_argument("--load-in-turn", action="store_true",
                    help="ranks load one after another (bounds host memory at one copy)")
-    p.add_argument("--attention", default="auto", choices=["auto", "flash", "torch"],
-                   help="attention kernel on CUDA: flash-attn when present (auto), required "
-                        "(flash), or torch's efficient/SDPA kernels (torch)")
+    p.add_argument("--attention", default="auto",
+                   choices=["auto", "cudnn", "flash", "efficient", "torch"],
+                   help="attention kernel, chosen once per pool (workers/attention.py)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the transformer blocks during warm-up")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp8", "full"],
+                   help="weight storage: as the checkpoint (auto), fp8 e4m3fn blocks, or all "
+                        "in --dtype (full)")
+    p.add_argument("--text-encoders", default="auto",
+                   help="where rank 0 runs the text encoders: auto | cpu | gpu | cuda:N")
     p.add_argument("--pipefusion", type=int, default=1,
                    help="PipeFusion degree: each rank loads only its stage's blocks")
     p.add_argument("--pipefusion-inner", type=int, default=1,
