@@ -465,6 +465,45 @@ class WorkerPool:
             finally:
                 self._running_job = None
 
+    def model_call(self, config: ParallelConfig, x, timestep, guidance, chunks: list,
+                   conds: dict, known: set):
+        """One denoiser evaluation (workers/model_call.py) for a host-side sampler: `x`
+        [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
+        `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
+        of which those in `known` are not sent (rank 0 has them). Returns (prediction,
+        stats, keys sent). Launches the pool if needed; a bad call leaves it warm."""
+        config.validate(self.model_info)
+        with self._lock:
+            if not self.is_running():
+                self._shutdown()
+                self._launch()
+                known = set()
+            sent = []
+            for _ in range(2):
+                self._job_id += 1
+                call_id = self._job_id
+                new = {k: conds[k] for k, _ in chunks if k not in known and k not in sent}
+                sent += list(new)
+                self._running_job = call_id
+                self._send(P.Predict(call_id=call_id, config=config.key(), x=x,
+                                     timestep=timestep, guidance=guidance,
+                                     chunks=[(k, int(r)) for k, r in chunks], conds=new))
+                try:
+                    while True:
+                        msg = self._recv(self.step_timeout, f"model call {call_id}")
+                        if isinstance(msg, P.Prediction) and msg.call_id == call_id:
+                            break
+                        if isinstance(msg, P.Error) and msg.job_id in (call_id, None):
+                            if msg.fatal:
+                                self._raise_fatal(msg.message, f"model call {call_id}")
+                            raise PoolError(msg.message)
+                finally:
+                    self._running_job = None
+                if not msg.missing:
+                    return msg.out, dict(msg.stats), sent
+                known = set(known) - set(msg.missing)  # the pool forgot them: send again
+            raise PoolError(f"the pool kept asking for conditionings {msg.missing}")
+
     def _raise_fatal(self, reported: str, when: str) -> None:
         """Rank 0 gave up (its collective failed): name the rank that actually died, if one
         did, then stop the pool."""

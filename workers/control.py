@@ -14,6 +14,7 @@ import threading
 import time
 
 from . import protocol as P
+from .model_call import ModelCall
 from .worker import DecodeJob, _broadcast, _decode, _decode_problem
 
 log = logging.getLogger("xdit.worker")
@@ -56,6 +57,28 @@ def _leader_decode(worker, link, msg: P.Decode):
                        stats=[{"rank": 0, "decode_s": time.perf_counter() - t}]))
 
 
+def _leader_predict(worker, link, msg: P.Predict):
+    """One denoiser evaluation for a host-side sampler: checked, broadcast, run, answered."""
+    t = time.perf_counter()
+    try:
+        call = worker.prepare_call(msg)
+    except Exception as e:  # nothing was broadcast: the pool is still consistent
+        link.send(P.Error(msg.call_id, f"{type(e).__name__}: {e}"))
+        return
+    if isinstance(call, list):
+        link.send(P.Prediction(msg.call_id, missing=call))
+        return
+    _broadcast(worker.planes.control, call)
+    try:
+        out = worker.call(call)
+    except Exception as e:
+        link.send(P.Error(msg.call_id, f"rank 0: {type(e).__name__}: {e}", fatal=True))
+        raise
+    link.send(P.Prediction(msg.call_id, out=out,
+                           stats={"call_s": time.perf_counter() - t,
+                                  "cond_puts": worker.cond_cache.puts}))
+
+
 def _follower_loop(worker):
     from .denoise import Cancelled
     from .lora import LoraError
@@ -65,6 +88,9 @@ def _follower_loop(worker):
             return
         if isinstance(job, DecodeJob):
             _decode(worker, None)
+            continue
+        if isinstance(job, ModelCall):
+            worker.call(job)
             continue
         try:
             worker.run(job)
@@ -153,6 +179,9 @@ def _leader_loop(worker, acceptor):
             continue
         if isinstance(msg, P.Decode):
             _leader_decode(worker, link, msg)
+            continue
+        if isinstance(msg, P.Predict):
+            _leader_predict(worker, link, msg)
             continue
         if not isinstance(msg, P.Job):
             link.send(P.Error(None, f"rank 0 does not take {msg.KIND!r} messages"))

@@ -54,6 +54,22 @@ class Decode(Message):
 
 
 @_message
+class Predict(Message):
+    """One denoiser evaluation for a host-side sampler (workers/model_call.py): latents
+    [N, C, h, w] model space, one timestep (sigma * 1000) and FLUX guidance per row,
+    `chunks` [(conditioning key, rows)] in row order; `conds` carries the conditionings rank 0
+    has not seen ({key: {"context", "pooled"}}, ComfyUI's CONDITIONING tensors)."""
+    KIND: ClassVar[str] = "predict"
+    call_id: int
+    config: tuple  # ParallelConfig.key()
+    x: Any
+    timestep: Any
+    guidance: Any = None
+    chunks: list = field(default_factory=list)
+    conds: dict = field(default_factory=dict)
+
+
+@_message
 class Cancel(Message):
     KIND: ClassVar[str] = "cancel"
     job_id: Optional[int] = None  # None: whatever runs
@@ -116,6 +132,17 @@ class Result(Message):
     samples: Any  # model space (None for a decode)
     images: Any  # IMAGE [B,H,W,3] or None
     stats: list = field(default_factory=list)
+
+
+@_message
+class Prediction(Message):
+    """The answer to `Predict`: the model's output [N, C, h, w] (model space, fp32), or,
+    when rank 0 lacks some conditionings (`missing` keys), nothing: the host resends them."""
+    KIND: ClassVar[str] = "prediction"
+    call_id: int
+    out: Any = None
+    missing: list = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
 
 
 @_message

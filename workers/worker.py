@@ -51,6 +51,8 @@ class Worker:
                 dist.barrier(group=planes.control)
         self.load_seconds = time.perf_counter() - t
         self.loras = LoraManager(self.adapter)
+        from .model_call import CondCache
+        self.cond_cache = CondCache()  # conditionings of host-side samplers (model calls)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.topologies = {}
         self.parallel = None  # (config key, SequenceParallel or None)
@@ -191,13 +193,60 @@ class Worker:
                 r["rss_mb"] = st["rss_mb"]
         return samples, images, stats
 
+    def prepare_call(self, msg):
+        """Rank 0: a host sampler's `protocol.Predict` -> the broadcastable ModelCall, or the
+        list of conditioning keys rank 0 lacks (the host resends them). A bad call raises
+        before anything is broadcast, so the pool stays consistent."""
+        import torch
+
+        from .model_call import ModelCall, call_problem
+
+        key = tuple(msg.config)
+        if key[2] > 1:
+            raise ValueError("PipeFusion pipelines patches across denoising steps, so it cannot "
+                             "serve a sampler that calls the model one step at a time "
+                             "(KSampler & co.); use Sampler (xDiT) with this pool, or a pool "
+                             "without pipefusion for the xDiT MODEL")
+        self._check_stages(key)
+        chunks = [(str(k), int(r)) for k, r in msg.chunks]
+        conds = {str(k): {"context": v["context"], "pooled": v["pooled"]}
+                 for k, v in (msg.conds or {}).items()}
+        missing = [k for k in self.cond_cache.missing(k for k, _ in chunks) if k not in conds]
+        if missing:
+            return missing
+        problem = call_problem(self.model, self.adapter, msg.x, msg.timestep, msg.guidance,
+                               chunks, conds, self.cond_cache)
+        if problem:
+            raise ValueError(problem)
+        x = msg.x.detach().to("cpu", torch.float32).contiguous()
+        return ModelCall(call_id=int(msg.call_id), config=key, x=x,
+                         timestep=msg.timestep.detach().float().cpu(),
+                         guidance=None if msg.guidance is None else
+                         msg.guidance.detach().float().cpu(),
+                         chunks=chunks, new_conds={k: conds[k] for k in dict.fromkeys(
+                             k for k, _ in chunks) if k in conds})
+
+    def call(self, call):
+        """Every rank: one model evaluation (workers/model_call.py); the prediction on rank 0."""
+        import torch
+
+        from .model_call import run_call
+
+        topo = self.topology(call.config)
+        self._switch_loras([])  # a host sampler's MODEL carries no pool LoRA
+        with torch.inference_mode():
+            return run_call(call, self.model, self.adapter, topo, self.cond_cache,
+                            self.planes.data)
+
     def _apply_loras(self, job):
+        self._switch_loras(job.request.get("lora_adapters") or [])
+
+    def _switch_loras(self, resolved):
         """Every rank switches to the job's LoRA list; the ranks then agree on success
         (one small collective, only once LoRA has been used), so a file that fails on any
         rank fails the job on all of them without breaking the pool."""
         from .lora import LoraError
 
-        resolved = job.request.get("lora_adapters") or []
         if not resolved and not self.loras.used:
             return
         self.loras.used = True

@@ -77,8 +77,9 @@ class FluxAdapter(DiTAdapter):
         tr = model.transformer
         b = latents.shape[0]
         g = None
-        if tr.config.guidance_embeds:
-            g = torch.full([b], float(guidance), device=latents.device, dtype=torch.float32)
+        if tr.config.guidance_embeds:  # one value for the batch, or one per row
+            g = (guidance if torch.is_tensor(guidance) else torch.tensor(float(guidance)))
+            g = g.to(latents.device, torch.float32).expand(b)
         ids = extra["img_ids"]
         return tr(hidden_states=latents, timestep=t.expand(b).to(latents.dtype) / 1000,
                   guidance=g, pooled_projections=cond["pooled_projections"],

@@ -1,0 +1,175 @@
+"""The xDiT MODEL's per-call protocol (comfyui_xdit/model_calls.py, workers/model_call.py):
+each call ComfyUI's samplers would make returns exactly what the single-process diffusers
+transformer returns for the same inputs under ComfyUI's model conventions, with the
+conditional/unconditional rows and the batch split over 2 and 4 ranks, and each
+conditioning sent to the pool once per sampling run.
+
+The reference is written here from diffusers alone: FLUX takes packed 2x2 latents, sigma as
+its timestep (its pipeline divides sigma * 1000 by 1000) and zero text ids; SD3 takes the
+latents as they are and sigma * 1000.
+"""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from comfyui_xdit import ParallelConfig
+from comfyui_xdit.config import ConfigError
+from comfyui_xdit.model_calls import PoolDenoiser
+from comfyui_xdit.pool import PoolError
+
+from conftest import pack_flux, unpack_flux
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def transformers(model_dir):
+    import diffusers
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            cls = diffusers.FluxTransformer2DModel if arch == "flux" else \
+                diffusers.SD3Transformer2DModel
+            made[arch] = cls.from_pretrained(str(model_dir(arch)), subfolder="transformer",
+                                             torch_dtype=torch.float32).eval()
+        return made[arch]
+    return get
+
+
+def reference(arch, tr, x, timestep, context, y, guidance):
+    """ComfyUI's FLUX / SD3 model output for these inputs, from the diffusers transformer."""
+    n, _, h, w = x.shape
+    with torch.inference_mode():
+        if arch == "flux":
+            ids = torch.zeros(h // 2, w // 2, 3)
+            ids[..., 1] += torch.arange(h // 2)[:, None]
+            ids[..., 2] += torch.arange(w // 2)[None, :]
+            g = guidance if tr.config.guidance_embeds else None
+            out = tr(hidden_states=pack_flux(x), timestep=timestep, guidance=g,
+                     pooled_projections=y, encoder_hidden_states=context,
+                     txt_ids=torch.zeros(context.shape[1], 3), img_ids=ids.reshape(-1, 3),
+                     return_dict=False)[0]
+            return unpack_flux(out, h * 8, w * 8)
+        return tr(hidden_states=x, timestep=timestep, encoder_hidden_states=context,
+                  pooled_projections=y, return_dict=False)[0]
+
+
+def comfy_call(arch, tr, batch, h, w, tokens=7, seed=0):
+    """The inputs of one batched sampler call: the unconditional then the conditional chunk
+    of `batch` rows each, as ComfyUI's calc_cond_batch builds them."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = tr.config
+    n = 2 * batch
+    x = torch.randn(n, 16, h, w, generator=gen)
+    ctx = torch.randn(2, tokens, cfg.joint_attention_dim, generator=gen)
+    pooled = torch.randn(2, cfg.pooled_projection_dim, generator=gen)
+    context = torch.cat([ctx[i:i + 1].expand(batch, -1, -1) for i in range(2)])
+    y = torch.cat([pooled[i:i + 1].expand(batch, -1) for i in range(2)])
+    sigma = torch.tensor(0.7)
+    timestep = (sigma if arch == "flux" else sigma * 1000).expand(n)
+    guidance = torch.full((n,), 3.5) if arch == "flux" else None
+    options = {"uuids": [uuid.uuid4(), uuid.uuid4()], "cond_or_uncond": [1, 0]}
+    return dict(x=x, timestep=timestep, context=context, y=y, guidance=guidance,
+                transformer_options=options)
+
+
+CASES = [  # (arch, world, config, batch, latent h, w): cfg rows and the batch over 2 and 4
+    ("flux", 2, ParallelConfig(cfg_parallel=True), 1, 8, 6),
+    ("flux", 2, ParallelConfig(ulysses=2), 3, 10, 8),
+    ("flux", 2, ParallelConfig(dp=2), 3, 8, 6),
+    ("flux", 4, ParallelConfig(cfg_parallel=True, ring=2), 3, 10, 8),
+    ("flux", 4, ParallelConfig(dp=2, ulysses=2), 1, 8, 6),
+    ("sd3", 2, ParallelConfig(ring=2), 1, 10, 8),
+    ("sd3", 2, ParallelConfig(cfg_parallel=True), 3, 8, 6),
+    ("sd3", 4, ParallelConfig(cfg_parallel=True, ulysses=2), 3, 10, 8),
+    ("sd3", 4, ParallelConfig(dp=2, ring=2), 1, 8, 6),
+]
+
+
+@pytest.mark.parametrize("arch,world,config,batch,h,w", CASES,
+                         ids=[f"{a}-{c.describe().replace(' ', '')}-b{b}-{h}x{w}"
+                              for a, _, c, b, h, w in CASES])
+def test_call_equals_diffusers_transformer(pools, transformers, arch, world, config, batch,
+                                           h, w):
+    pool = pools(arch, world)
+    tr = transformers(arch)
+    den = PoolDenoiser(pool, config.with_world_size(world), arch)
+    call = comfy_call(arch, tr, batch, h, w, seed=world * 10 + batch)
+    want = reference(arch, tr, call["x"], call["timestep"],
+                     call["context"], call["y"], call["guidance"])
+    got = den(**call)
+    assert got.shape == call["x"].shape and got.dtype == call["x"].dtype
+    diff = (got - want).abs().max().item()
+    assert diff <= TOL, f"{config.describe()}: max abs diff {diff:.3e}"
+    # not a degenerate pass: the two conditionings give different predictions
+    n = call["x"].shape[0] // 2
+    swapped = dict(call, context=call["context"].flip(0), y=call["y"].flip(0),
+                   transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()]})
+    other = den(**swapped)
+    assert (other[:n] - got[:n]).abs().max().item() > 1e-3
+
+
+def test_conditioning_crosses_once_per_run(pools, transformers):
+    pool = pools("flux", 2)
+    tr = transformers("flux")
+    den = PoolDenoiser(pool, ParallelConfig(cfg_parallel=True).with_world_size(2), "flux")
+    call = comfy_call("flux", tr, 1, 8, 8, seed=3)
+    first = den(**call)
+    puts = den.last_stats["cond_puts"]
+    for sigma in (0.5, 0.3):  # the later steps of the same run: latents and timesteps only
+        step = dict(call, timestep=torch.full((2,), sigma), x=call["x"] * sigma)
+        got = den(**step)
+        want = reference("flux", tr, step["x"], step["timestep"], call["context"], call["y"],
+                         call["guidance"])
+        assert (got - want).abs().max().item() <= TOL
+    assert den.calls == 3 and den.conds_sent == 2
+    assert den.last_stats["cond_puts"] == puts  # the workers cached them, nothing re-put
+    # a new run (new uuids) sends its conditionings again
+    den(**dict(call, transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()]}))
+    assert den.conds_sent == 4
+    assert (first - reference("flux", tr, call["x"], call["timestep"], call["context"],
+                              call["y"], call["guidance"])).abs().max().item() <= TOL
+
+
+def test_forgotten_conditioning_is_sent_again(pools, transformers):
+    """The host believes the pool holds a conditioning it does not (e.g. evicted): rank 0
+    asks for it and the call still returns the right answer."""
+    pool = pools("sd3", 2)
+    tr = transformers("sd3")
+    den = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "sd3")
+    call = comfy_call("sd3", tr, 1, 8, 6, seed=5)
+    for u in call["transformer_options"]["uuids"]:  # never sent, but marked known
+        den._known[f"{u}:1:{call['context'].shape[1]}"] = None
+    den._launches = pool.launches
+    got = den(**call)
+    want = reference("sd3", tr, call["x"], call["timestep"], call["context"], call["y"], None)
+    assert (got - want).abs().max().item() <= TOL
+    assert den.conds_sent == 2
+
+
+def test_bad_calls_are_refused_and_the_pool_stays_warm(pools, transformers):
+    pool = pools("flux", 2)
+    tr = transformers("flux")
+    pids = pool.worker_pids()
+    den = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "flux")
+    call = comfy_call("flux", tr, 1, 8, 6, seed=9)
+    with pytest.raises(PoolError, match=r"latents \[batch, 16"):
+        den(**dict(call, x=torch.randn(2, 4, 8, 6)))
+    with pytest.raises(ConfigError, match="ControlNet"):
+        den(**call, control={"output": [torch.zeros(1)]})
+    with pytest.raises(ConfigError, match="patches"):
+        den(**dict(call, transformer_options=dict(call["transformer_options"],
+                                                  patches_replace={"dit": {"x": 1}})))
+    with pytest.raises(ConfigError, match="reference latents"):
+        den(**call, ref_latents=[torch.zeros(1, 16, 8, 6)])
+    with pytest.raises(ConfigError, match="PipeFusion"):
+        PoolDenoiser(pool, ParallelConfig(pipefusion=2), "flux")
+    got = den(**call)  # still warm, same workers, right answer
+    want = reference("flux", tr, call["x"], call["timestep"], call["context"], call["y"],
+                     call["guidance"])
+    assert (got - want).abs().max().item() <= TOL
+    assert pool.worker_pids() == pids
