@@ -1,165 +1,452 @@
 """Exact joint attention over a sequence sharded across the sequence-parallel ranks.
 
-yunchang's `LongContextAttention` does the communication (Ulysses all-to-all over heads,
-Ring K/V passing, or both). We hand it our own block kernel, which
-  * returns a true log-sum-exp (yunchang's TORCH_MATH returns zeros, so its ring merge
-    averages blocks and is silently wrong), and
-  * drops padding keys. Shards may differ in length by a token or two (odd sizes); each is
-    padded to the longest so the collectives see equal shapes, and the kernel removes the
-    padded keys of whichever block it is given, so the result is exact.
+The block kernel is chosen once per pool (device, dtype, backend) and per method: without
+Ring (ring degree 1) no log-sum-exp is needed, so plain SDPA (torch picks its best backend);
+Ring and the hybrid merge blocks by their log-sum-exp, so they need a kernel that returns it
+(cuDNN attention where it runs, torch's flash kernel, efficient attention as the fallback;
+flash-attn when asked for; aten's CPU flash kernel on CPU). yunchang's TORCH_MATH returns a
+zero LSE, which makes Ring silently wrong: every LSE kernel is probed once against full
+attention (two key halves merged) before it is used.
 
-Full (non-causal, unmasked) attention is invariant to the order of the keys, so any
-assignment of text and image tokens to ranks is correct as long as each query sees every key
-exactly once.
+Communication (`ShardedAttention`): Ulysses moves q, k and v in one `all_to_all_single` of a
+packed tensor (sequence in, heads out) and the output back in one more; Ring passes K/V with
+yunchang's ring loop (batched point-to-point, verified under the NCCL-rules emulation) around
+our block function.
+
+Uneven shards: the sequence-parallel hooks pad each stream's local shard to the longest once
+per forward (`SequencePlan.padded`), so every layer's q/k/v already have equal lengths on all
+ranks; the kernels drop the padded keys (index lists built once per shape) and the output
+gather drops the padded queries. Full (non-causal, unmasked) attention is invariant to the
+order of the keys, so any assignment of tokens to ranks is exact as long as each query sees
+every real key exactly once.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import collections
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from yunchang.ring.ring_flash_attn import ring_flash_attn_forward  # imported once, here
 
 from .topology import Topology
 
+BACKENDS = ("auto", "cudnn", "flash", "efficient", "torch")  # = comfyui_xdit.config's list
+HALF = (torch.float16, torch.bfloat16)
 
-def _cpu_kernel(q, k, v, scale):
-    # aten's CPU flash kernel: (B,H,S,D) in, (out, lse[B,H,S] fp32) out.
+# kernel name -> calls in this process. Tests read it to see which path ran; one dict
+# increment per attention call costs nothing next to the kernel.
+CALLS: collections.Counter = collections.Counter()
+
+
+class AttentionBackendError(ValueError):
+    """An explicit attention backend this device/dtype cannot run (raised at pool start)."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One attention kernel on [B, S, H, D] tensors. `lse`: returns (out, lse [B,H,S] fp32)
+    (what Ring's merge needs); otherwise returns out only."""
+
+    name: str
+    lse: bool
+    fn: Callable
+
+    def __call__(self, q, k, v, scale):
+        CALLS[self.name] += 1
+        return self.fn(q, k, v, scale)
+
+
+def _t(x):
+    return x.transpose(1, 2)  # [B,S,H,D] <-> [B,H,S,D]; last dim stays contiguous
+
+
+def _lse_bhs(lse, q):
+    """The kernels differ in LSE shape: efficient pads S to a multiple of 32, cuDNN may add a
+    trailing unit dim. Normalise to [B, H, S] fp32."""
+    if lse.dim() == 4:
+        lse = lse[..., 0]
+    return lse[..., : q.shape[1]].float()
+
+
+def _sdpa(q, k, v, scale):
+    return _t(F.scaled_dot_product_attention(_t(q), _t(k), _t(v), scale=scale))
+
+
+def _cpu_flash(q, k, v, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False, scale=scale)
-    return out.transpose(1, 2), lse
+        _t(q), _t(k), _t(v), 0.0, False, scale=scale)
+    return _t(out), lse
 
 
-BACKENDS = ("auto", "flash", "torch")
+def _cudnn(lse: bool):
+    def fn(q, k, v, scale):
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _t(q), _t(k), _t(v), None, lse, 0.0, False, False, scale=scale)
+        return (_t(r[0]), _lse_bhs(r[1], q)) if lse else _t(r[0])
+    return fn
 
 
-def _flash_attn_func():
+def _torch_flash(q, k, v, scale):
+    r = torch.ops.aten._scaled_dot_product_flash_attention(
+        _t(q), _t(k), _t(v), 0.0, False, False, scale=scale)
+    return _t(r[0]), _lse_bhs(r[1], q)
+
+
+def _efficient(lse: bool):
+    def fn(q, k, v, scale):
+        r = torch.ops.aten._scaled_dot_product_efficient_attention(
+            _t(q), _t(k), _t(v), None, lse, 0.0, False, scale=scale)
+        return (_t(r[0]), _lse_bhs(r[1], q)) if lse else _t(r[0])
+    return fn
+
+
+def _flash_attn(version: int, func, lse: bool):
+    """flash-attn takes [B,S,H,D] directly. v2 returns (out, lse, p) with
+    return_attn_probs; v3's return differs between releases, so take what is there (the
+    probe checks the LSE before the kernel is used)."""
+    def fn(q, k, v, scale):
+        if version == 2:
+            r = func(q, k, v, softmax_scale=scale, return_attn_probs=lse)
+        else:
+            r = func(q, k, v, softmax_scale=scale, return_attn_probs=True) if lse \
+                else func(q, k, v, softmax_scale=scale)
+        if not lse:
+            return r[0] if isinstance(r, tuple) else r
+        if not isinstance(r, tuple) or len(r) < 2:
+            raise RuntimeError("this flash-attn release does not return the log-sum-exp")
+        return r[0], _lse_bhs(r[1], q)
+    return fn
+
+
+# -- what this machine has (monkeypatched in the tests to fake any GPU) ------------------
+def _cuda_capability() -> tuple:
+    return tuple(torch.cuda.get_device_capability())
+
+
+def _flash_attn_module():
+    """(version, flash_attn_func) of the installed flash-attn (3 preferred), else None.
+    Called at kernel selection only, never per attention call."""
     try:
-        from flash_attn.flash_attn_interface import flash_attn_func
+        from flash_attn_interface import flash_attn_func  # flash-attn 3 (Hopper)
+        return 3, flash_attn_func
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_func
+        return 2, flash_attn_func
     except ImportError:
         return None
-    return flash_attn_func
 
 
-def check_backend(backend: str, device_type: str, dtype) -> None:
-    """One clear error, at pool start, for a backend this device/dtype cannot run."""
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
-    if backend != "flash":
-        return
-    if device_type != "cuda":
-        raise ValueError("attention backend 'flash' needs CUDA GPUs; use 'auto' or 'torch'")
-    if _flash_attn_func() is None:
-        raise ValueError("attention backend 'flash' needs the flash-attn package; install it "
-                         "or use 'auto' (flash-attn when present, else torch)")
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError("flash-attn runs in bf16/fp16 only; use dtype bf16 or backend 'torch'")
+_PROBED: dict = {}
 
 
-def _cuda_kernel(q, k, v, scale, backend="auto"):
-    flash = _flash_attn_func() if backend != "torch" else None
-    if flash is not None and q.dtype in (torch.float16, torch.bfloat16):
-        # flash-attn returns the LSE natively in the layout yunchang merges
-        out, lse, _ = flash(q, k, v, softmax_scale=scale, return_attn_probs=True)
-        return out, lse
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, False,
-        scale=scale)[:2]
-    return out.transpose(1, 2), lse[..., : q.shape[1]]  # efficient attn pads the LSE
+def _probe(kernel: Kernel, device_type: str, dtype, head_dim: int) -> Optional[str]:
+    """None if `kernel` computes full attention on this device (an LSE kernel: two uneven key
+    halves merged by their LSE), else why not. One tiny call, cached per process."""
+    key = (kernel.name, kernel.lse, device_type, dtype, head_dim)
+    if key not in _PROBED:
+        _PROBED[key] = _run_probe(kernel, torch.device(device_type), dtype, head_dim)
+    return _PROBED[key]
 
 
-def block_kernel(device_type: str, backend: str = "auto") -> Callable:
-    """(q, k, v [B,S,H,D], scale) -> (out [B,S,H,D], lse [B,H,S] fp32)."""
-    if device_type == "cuda":
-        return lambda q, k, v, scale: _cuda_kernel(q, k, v, scale, backend)
-    return _cpu_kernel
+def _run_probe(kernel, device, dtype, head_dim) -> Optional[str]:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, head_dim, generator=gen) for _ in range(3))
+    scale = head_dim ** -0.5
+    ref = _sdpa(q.double(), k.double(), v.double(), scale)
+    qd, kd, vd = (t.to(device, dtype) for t in (q, k, v))
+    try:
+        if kernel.lse:
+            o1, l1 = kernel.fn(qd, kd[:, :23], vd[:, :23], scale)
+            o2, l2 = kernel.fn(qd, kd[:, 23:], vd[:, 23:], scale)
+            if tuple(l1.shape) != (1, 2, 40):
+                return f"its log-sum-exp has shape {tuple(l1.shape)}, expected (1, 2, 40)"
+            w = torch.sigmoid((l1 - l2).transpose(1, 2).unsqueeze(-1).double())
+            out = w * o1.double() + (1 - w) * o2.double()
+        else:
+            out = kernel.fn(qd, kd, vd, scale).double()
+    except Exception as e:  # noqa: BLE001  (the reason is reported, or auto moves on)
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    err = float((out.cpu() - ref).abs().max())
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    if not math.isfinite(err) or err > tol:
+        return f"its result differs from full attention by {err:.2e} (tolerance {tol:.0e})"
+    return None
 
 
-def plain_attention(q, k, v, backend: str = "auto") -> torch.Tensor:
-    """Full attention without LSE, [B,S,H,D] in and out (PipeFusion's cache attention)."""
-    flash = _flash_attn_func() if backend != "torch" and q.is_cuda else None
-    if flash is not None and q.dtype in (torch.float16, torch.bfloat16):
-        return flash(q, k, v)
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                          v.transpose(1, 2)).transpose(1, 2)
+# -- the selection rules ----------------------------------------------------------------
+SDPA = Kernel("sdpa", False, _sdpa)
+CPU_FLASH = Kernel("cpu-flash-lse", True, _cpu_flash)
+CUDNN_LSE = Kernel("cudnn-lse", True, _cudnn(True))
+CUDNN = Kernel("cudnn", False, _cudnn(False))
+TORCH_FLASH_LSE = Kernel("torch-flash-lse", True, _torch_flash)
+EFFICIENT_LSE = Kernel("efficient-lse", True, _efficient(True))
+EFFICIENT = Kernel("efficient", False, _efficient(False))
 
 
-class _BlockAttention:
-    """The per-block function yunchang's ring calls, once per ring step.
+def _why_not(backend: str, dtype, head_dim: int, lse: bool):
+    """(kernel, None) if `backend` runs on this CUDA device, else (None, reason)."""
+    cap = _cuda_capability()
+    half = dtype in HALF
+    if backend == "cudnn":
+        if cap < (8, 0):
+            return None, f"cuDNN attention needs compute capability 8.0+ (this GPU: {cap})"
+        if not half:
+            return None, "cuDNN attention runs in bf16/fp16 only"
+        kernel = CUDNN_LSE if lse else CUDNN
+    elif backend == "torch-flash":
+        if cap < (8, 0) or not half:
+            return None, "torch's flash kernel needs compute capability 8.0+ and bf16/fp16"
+        kernel = TORCH_FLASH_LSE
+    elif backend == "flash":
+        found = _flash_attn_module()
+        if found is None:
+            return None, "the flash-attn package is not installed (flash_attn or " \
+                         "flash_attn_interface)"
+        version, func = found
+        if not half:
+            return None, "flash-attn runs in bf16/fp16 only"
+        if version == 3 and cap[0] != 9:
+            return None, f"flash-attn 3 runs on Hopper GPUs (compute capability 9.x; this " \
+                         f"GPU: {cap})"
+        if version == 2 and cap < (8, 0):
+            return None, f"flash-attn 2 needs compute capability 8.0+ (this GPU: {cap})"
+        kernel = Kernel(f"flash-attn{version}" + ("-lse" if lse else ""), lse,
+                        _flash_attn(version, func, lse))
+    elif backend == "efficient":
+        kernel = EFFICIENT_LSE if lse else EFFICIENT
+    else:
+        raise AssertionError(backend)
+    why = _probe(kernel, "cuda", dtype, head_dim)
+    return (None, f"{kernel.name} failed its probe: {why}") if why else (kernel, None)
 
-    Ring step s on ring rank r holds the K/V block of ring rank (r - s) mod R; that block is
-    the concatenation of the (padded) shards of its Ulysses group, whose valid lengths we
-    know, so padded keys can be dropped exactly. One instance serves one attention call.
+
+def select_kernel(backend: str, device_type: str, dtype, ring: int,
+                  head_dim: int = 64) -> Kernel:
+    """The kernel for one pool (backend, device, dtype) and method (ring degree).
+
+    auto:  no Ring -> SDPA; Ring on CUDA -> cuDNN, else torch's flash, else efficient
+           (the first that passes its probe); on CPU -> aten's CPU flash kernel.
+    torch: SDPA without Ring; with Ring, efficient attention (CUDA) / CPU flash (CPU).
+    cudnn, flash (flash-attn), efficient: that kernel, with or without its LSE, or an
+           AttentionBackendError saying why not and what would work.
     """
+    lse = ring > 1
+    if backend not in BACKENDS:
+        raise AttentionBackendError(f"attention backend {backend!r} is not one of "
+                                    f"{', '.join(BACKENDS)}")
+    if device_type != "cuda":
+        if backend not in ("auto", "torch"):
+            raise AttentionBackendError(
+                f"attention {backend!r} is a CUDA kernel and this pool runs on "
+                f"{device_type}; use 'auto' or 'torch'")
+        return CPU_FLASH if lse else SDPA
+    if backend in ("auto", "torch") and not lse:
+        return SDPA
+    if backend == "auto":
+        for candidate in ("cudnn", "torch-flash"):
+            kernel, _ = _why_not(candidate, dtype, head_dim, lse)
+            if kernel is not None:
+                return kernel
+    kernel, why = _why_not(backend if backend in ("cudnn", "flash") else "efficient", dtype,
+                           head_dim, lse)
+    if kernel is None:
+        dt = str(dtype).replace("torch.", "")
+        raise AttentionBackendError(
+            f"attention {backend!r} cannot run here ({dt}, head dim {head_dim}): {why}; use "
+            f"'auto' (the fastest kernel that works here)"
+            + ("" if backend in ("auto", "torch", "efficient") else " or 'efficient'"))
+    return kernel
 
-    def __init__(self, kernel, lengths: Sequence[int], chunk: int, ulysses: int, ring: int,
-                 ring_rank: int, fault: str = ""):
-        self.kernel = kernel
-        self.lengths = lengths
+
+def check_backend(backend: str, device_type: str, dtype, head_dim: int = 64) -> dict:
+    """At pool start: refuse a backend this device/dtype cannot run (one clear error), and
+    return the kernel each method will use, for `status` and the bench."""
+    return {"backend": backend,
+            "no_ring": select_kernel(backend, device_type, dtype, 1, head_dim).name,
+            "ring": select_kernel(backend, device_type, dtype, 2, head_dim).name}
+
+
+class KernelChoice:
+    """The kernel of one attention site, resolved on its first call from the tensors' dtype
+    and head dim (the probe needs them) and then reused: no selection or import per call."""
+
+    def __init__(self, backend: str, device_type: str, ring: int, dtype=None):
+        self.backend, self.device_type, self.ring = backend, device_type, ring
+        self._by_shape: dict = {}
+        self.name = select_kernel(backend, device_type, dtype, ring).name \
+            if dtype is not None else None
+
+    def __call__(self, q) -> Kernel:
+        key = (q.dtype, q.shape[-1])
+        kernel = self._by_shape.get(key)
+        if kernel is None:
+            kernel = select_kernel(self.backend, self.device_type, q.dtype, self.ring,
+                                   q.shape[-1])
+            self._by_shape[key] = kernel
+            self.name = kernel.name
+        return kernel
+
+
+# -- Ulysses: q, k, v in one all-to-all ------------------------------------------------
+def ulysses_qkv(q, k, v, group, world: int):
+    """[B, S, H, D] x3 (this rank's tokens, all heads) -> [B, world*S, H/world, D] x3 (the
+    group's tokens in rank order, this rank's heads), in one `all_to_all_single`."""
+    b, s, h, d = q.shape
+    hl = h // world
+    send = q.new_empty((world, 3, b, s, hl, d))
+    for i, t in enumerate((q, k, v)):  # head block j goes to rank j
+        send[:, i].copy_(t.view(b, s, world, hl, d).permute(2, 0, 1, 3, 4))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's tokens, our heads
+    qkv = recv.permute(1, 2, 0, 3, 4, 5).reshape(3, b, world * s, hl, d)
+    return qkv[0], qkv[1], qkv[2]
+
+
+def ulysses_out(out, group, world: int):
+    """Inverse for the output: [B, world*S, H/world, D] -> [B, S, H, D]."""
+    b, sw, hl, d = out.shape
+    s = sw // world
+    send = out.view(b, world, s, hl, d).permute(1, 0, 2, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j]: our tokens, rank j's heads
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s, world * hl, d)
+
+
+# -- which keys are real ----------------------------------------------------------------
+def _valid_runs(plan, streams, padded: bool):
+    """(block length, per sp rank the list of (start, count) runs of real tokens in its
+    block). Padded plans pad each stream's shard to that stream's longest; unpadded input
+    (direct callers) is padded here as one tail."""
+    if padded:
+        per = [plan.sizes(s) for s in streams]
+        chunk = sum(max(p) for p in per)
+        runs = []
+        for r in range(len(per[0])):
+            at, mine = 0, []
+            for p in per:
+                mine.append((at, p[r]))
+                at += max(p)
+            runs.append(mine)
+        return chunk, runs
+    lengths = plan.lengths(streams)
+    return max(lengths), [[(0, n)] for n in lengths]
+
+
+class _Layout:
+    """Index lists of the real keys of each ring block (built once per shape, kept on the
+    device): block `src` holds ranks src*U .. src*U+U-1 of the sp group, each `chunk` long."""
+
+    def __init__(self, chunk, runs, ulysses, ring, device):
         self.chunk = chunk
-        self.ulysses = ulysses
-        self.ring = ring
-        self.ring_rank = ring_rank
-        self.step = 0
-        self.fault = fault
+        self.valid = []
+        for src in range(ring):
+            parts, full = [], True
+            for u in range(ulysses):
+                for start, n in runs[src * ulysses + u]:
+                    parts.append(torch.arange(start, start + n) + u * chunk)
+                full = full and sum(n for _, n in runs[src * ulysses + u]) == chunk
+            self.valid.append(None if full else torch.cat(parts).to(device))
 
-    def _valid_keys(self, src: int, device) -> Optional[torch.Tensor]:
-        lens = self.lengths[src * self.ulysses:(src + 1) * self.ulysses]
-        if all(n == self.chunk for n in lens):
-            return None
-        return torch.cat([torch.arange(n, device=device) + u * self.chunk
-                          for u, n in enumerate(lens)])
+
+class _RingBlock:
+    """The per-block function yunchang's ring loop calls, once per ring step. Built once per
+    ShardedAttention; `start` arms it for one attention call.
+
+    Ring step s on ring rank r holds the K/V block of ring rank (r - s) mod R; padded keys of
+    that block are dropped before the kernel runs."""
+
+    def __init__(self, ring: int, ring_rank: int, fault: str):
+        self.ring, self.ring_rank, self.fault = ring, ring_rank, fault
+        self.kernel, self.layout, self.step = None, None, 0
+
+    def start(self, kernel, layout):
+        self.kernel, self.layout, self.step = kernel, layout, 0
 
     def __call__(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **_):
         if causal or dropout_p:
             raise ValueError("sequence-parallel attention is non-causal and has no dropout")
         src = (self.ring_rank - self.step) % self.ring
         self.step += 1
-        idx = self._valid_keys(src, k.device)
+        idx = self.layout.valid[src]
         if idx is not None and self.fault != "keep_padding":
-            k = k.index_select(1, idx)
-            v = v.index_select(1, idx)
-        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        out, lse = self.kernel(q, k, v, scale)
+            k, v = k.index_select(1, idx), v.index_select(1, idx)
+        out, lse = self.kernel(q, k, v, softmax_scale)
         if self.fault == "lse_zero":  # the TORCH_MATH failure mode (negative control)
             lse = torch.zeros_like(lse)
         return out, lse
 
 
 class ShardedAttention:
-    """Attention of local query shards against the keys of every sequence-parallel rank."""
+    """Attention of local query shards against the keys of every sequence-parallel rank.
+    One instance per topology: groups, kernel choice, ring block and index lists are built
+    once and reused by every layer and step."""
 
     def __init__(self, topo: Topology, device_type: str, fault: str = "",
-                 backend: str = "auto"):
+                 backend: str = "auto", dtype=None):
         """`fault` injects a known bug for the tests' negative controls ("lse_zero": zero
         log-sum-exp as yunchang's TORCH_MATH returns; "keep_padding": padded keys kept)."""
-        from yunchang import LongContextAttention
-        from yunchang.globals import PROCESS_GROUP
-
         self.topo = topo
-        self.kernel = block_kernel(device_type, backend)
         self.fault = fault
-        # yunchang's constructor insists on its global groups being set; set them to ours
-        # (fixed for the life of this topology) and also pass ours explicitly below.
-        PROCESS_GROUP.ULYSSES_PG = topo.group("ulysses")
-        PROCESS_GROUP.RING_PG = topo.group("ring")
-        self._lca_cls = LongContextAttention
+        self.ulysses, self.ring = topo.degree("ulysses"), topo.degree("ring")
+        self.uly_group, self.ring_group = topo.group("ulysses"), topo.group("ring")
+        self.kernels = KernelChoice(backend, device_type, self.ring, dtype)
+        self.block = _RingBlock(self.ring, topo.index("ring"), fault)
+        self._layouts: dict = {}
+
+    @property
+    def kernel_name(self) -> Optional[str]:
+        return self.kernels.name
+
+    def _layout(self, plan, streams, padded, device) -> _Layout:
+        names = None if streams is None else tuple(streams)  # direct callers may pass None
+        key = (padded, names, tuple(plan.lengths(streams)),
+               tuple(tuple(plan.sizes(s)) for s in streams) if padded else None, device)
+        lay = self._layouts.get(key)
+        if lay is None:
+            chunk, runs = _valid_runs(plan, streams, padded)
+            lay = _Layout(chunk, runs, self.ulysses, self.ring, device)
+            if len(self._layouts) > 64:  # shapes change with jobs; keep the cache bounded
+                self._layouts.clear()
+            self._layouts[key] = lay
+        return lay
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, streams,
                  module=None) -> torch.Tensor:
-        """q, k, v: [B, S_local, H, D], the local tokens of `streams` under `plan`."""
+        """q, k, v: [B, S_local, H, D], the local tokens of `streams` under `plan`: padded
+        to the block length when `plan.padded` (the hooks' layout), else unpadded."""
         topo = self.topo
-        lengths = plan.lengths(streams)
+        padded = bool(getattr(plan, "padded", False))
+        lay = self._layout(plan, streams, padded, q.device)
         s_local = q.shape[1]
-        if s_local != lengths[topo.sp_rank]:
-            raise RuntimeError(f"local sequence {s_local} != planned {lengths[topo.sp_rank]}")
-        chunk = max(lengths)
-        if s_local < chunk:
-            pad = (0, 0, 0, 0, 0, chunk - s_local)
-            q, k, v = (F.pad(t, pad) for t in (q, k, v))
-        block = _BlockAttention(self.kernel, lengths, chunk, topo.degree("ulysses"),
-                                topo.degree("ring"), topo.index("ring"), self.fault)
-        lca = self._lca_cls(ring_impl_type="basic", attn_type=None, attn_processor=block)
-        lca.ulysses_pg = topo.group("ulysses")
-        lca.ring_pg = topo.group("ring")
-        out = lca(q.contiguous(), k.contiguous(), v.contiguous())
-        return out[:, :s_local]
+        want = lay.chunk if padded else plan.lengths(streams)[topo.sp_rank]
+        if s_local != want:
+            raise RuntimeError(f"local sequence {s_local} != planned {want}")
+        if s_local < lay.chunk:  # unpadded caller with uneven shards: pad here, once
+            qkv = F.pad(torch.stack((q, k, v)), (0, 0, 0, 0, 0, lay.chunk - s_local))
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.ulysses > 1:
+            q, k, v = ulysses_qkv(q, k, v, self.uly_group, self.ulysses)
+        kernel = self.kernels(q)
+        scale = q.shape[-1] ** -0.5
+        if self.ring == 1:
+            idx = lay.valid[0]
+            if idx is not None and self.fault != "keep_padding":
+                k, v = k.index_select(1, idx), v.index_select(1, idx)
+            out = kernel(q, k, v, scale)
+            if kernel.lse:
+                out = out[0]
+        else:
+            self.block.start(kernel, lay)
+            out, _ = ring_flash_attn_forward(self.ring_group, q, k.contiguous(), v.contiguous(),
+                                        softmax_scale=scale, dropout_p=0.0, causal=False,
+                                        attn_type=None, attn_processor=self.block)
+        out = out.to(q.dtype)
+        if self.ulysses > 1:
+            out = ulysses_out(out, self.uly_group, self.ulysses)
+        return out if out.shape[1] == s_local else out[:, :s_local]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .attention import plain_attention
+from .attention import KernelChoice, ulysses_out, ulysses_qkv
 from .schedule import Micro
 from .sequence_parallel import SequencePlan
 
@@ -57,9 +57,25 @@ class _KV:
 class PatchAttention:
     """A patch's queries against the layer's K/V cache, refreshed with the patch's own K/V."""
 
-    def __init__(self, topo, backend: str = "auto"):
+    def __init__(self, topo, backend: str = "auto", device_type: Optional[str] = None,
+                 dtype=None):
+        """The cache attention needs no log-sum-exp: the pool's plain kernel (ring degree 1
+        in the selection rules), chosen once from the first call's device, dtype, head dim."""
         self.topo = topo
         self.backend = backend
+        self._kernels = {}  # device type -> KernelChoice
+        if device_type is not None:
+            self._kernels[device_type] = KernelChoice(backend, device_type, 1, dtype)
+
+    @property
+    def kernel_name(self):
+        return next((c.name for c in self._kernels.values()), None)
+
+    def _kernel(self, q):
+        choice = self._kernels.get(q.device.type)
+        if choice is None:
+            choice = self._kernels[q.device.type] = KernelChoice(self.backend, q.device.type, 1)
+        return choice(q)
 
     def __call__(self, q, k, v, plan: SequencePlan, streams, module=None):
         ctx = plan.patch
@@ -80,18 +96,10 @@ class PatchAttention:
             if not cache.complete:  # warmup 0, first step: only the tokens computed so far
                 idx = cache.filled.nonzero().squeeze(1).to(k.device)
                 kk, vv = kk.index_select(1, idx), vv.index_select(1, idx)
-        out = plain_attention(q, kk, vv, self.backend)
+        out = self._kernel(q)(q, kk, vv, q.shape[-1] ** -0.5)
         if topo.sp > 1:
             out = back(out)
         return out
-
-
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, world: int):
-    """Split `x` into `world` chunks on `scatter_dim`, exchange, concatenate on `gather_dim`."""
-    parts = [c.contiguous() for c in x.chunk(world, dim=scatter_dim)]
-    got = [torch.empty_like(parts[0]) for _ in range(world)]
-    dist.all_to_all(got, parts, group=group)
-    return torch.cat(got, dim=gather_dim)
 
 
 def _gather_patch(q, k, v, plan, streams, topo):
@@ -104,18 +112,16 @@ def _gather_patch(q, k, v, plan, streams, topo):
     chunk = max(max(lengths), 1)
     n_local = q.shape[1]
 
-    def pad(x):
-        return F.pad(x, (0, 0, 0, 0, 0, chunk - x.shape[1])) if x.shape[1] < chunk else x
-
     def positions_of(sp_rank):
         p = plan.positions(streams, sp_rank)
         return torch.cat([p, p.new_full((chunk - p.numel(),), -1)])
 
     ring_i = topo.index("ring")
-    q, k, v = pad(q), pad(k), pad(v)
-    if U > 1:
-        g = topo.group("ulysses")
-        q, k, v = (_all_to_all(t, 2, 1, g, U) for t in (q, k, v))
+    if n_local < chunk:  # one pad of the packed q/k/v, not three
+        qkv = F.pad(torch.stack((q, k, v)), (0, 0, 0, 0, 0, chunk - n_local))
+        q, k, v = qkv[0], qkv[1], qkv[2]
+    if U > 1:  # q, k and v in one all-to-all
+        q, k, v = ulysses_qkv(q, k, v, topo.group("ulysses"), U)
     uly_ranks = [ring_i * U + u for u in range(U)]
     q_pos = torch.cat([positions_of(r) for r in uly_ranks])
     if R > 1:
@@ -135,7 +141,7 @@ def _gather_patch(q, k, v, plan, streams, topo):
 
     def back(out):
         if U > 1:
-            out = _all_to_all(out, 1, 2, topo.group("ulysses"), U)
+            out = ulysses_out(out, topo.group("ulysses"), U)
         return out[:, :n_local]
 
     return q, k, v, kv_pos, back

@@ -8,6 +8,14 @@ the model code itself is untouched.
 Text and image tokens are both split near-evenly over the sp ranks (the first `n % sp`
 ranks take one more token). The per-forward `SequencePlan` travels to the attention
 processors explicitly through `joint_attention_kwargs`.
+
+Uneven shards are padded once per forward: the input hooks pad each stream's local shard to
+that stream's longest (`SequencePlan.padded`), so every layer's q/k/v have the same length
+on every rank and the collectives need no per-layer padding; the attention drops the padded
+keys (workers/attention.py) and the output gather drops the padded tokens. Padded tokens
+only ever meet per-token layers and the attention, so they change no real token.
+PipeFusion's patch forwards stay unpadded (their activations and K/V cache positions are
+exact token counts); its attention pads inside.
 """
 from __future__ import annotations
 
@@ -44,6 +52,7 @@ class SequencePlan:
     image_range: Optional[tuple] = None  # (start, stop) of the image tokens computed
     with_text: bool = True
     patch: Any = None  # workers.pipefusion.PatchContext for a PipeFusion forward
+    padded: bool = False  # local shards padded to each stream's longest (see module doc)
 
     def full_len(self, stream: str) -> int:
         return self.text_len if stream == "text" else self.image_len
@@ -80,13 +89,24 @@ class SequencePlan:
             offset += self.full_len(s)
         return torch.cat(out)
 
+    def local_len(self, stream: str) -> int:
+        """Tokens of `stream` in this rank's local tensors (padding included)."""
+        sizes = self.sizes(stream)
+        return max(sizes) if self.padded else sizes[self.sp_rank]
+
     def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         full = self.full_len(stream)
         if x.shape[dim] != full:
             raise RuntimeError(f"{stream} tensor has {x.shape[dim]} tokens on dim {dim}, "
                                f"plan says {full}")
         sl = self.local_slice(stream)
-        return x.narrow(dim, sl.start, sl.stop - sl.start)
+        x = x.narrow(dim, sl.start, sl.stop - sl.start)
+        extra = self.local_len(stream) - x.shape[dim]
+        if extra:  # padded plan, shorter shard: zero tokens at the end of this stream
+            pad = list(x.shape)
+            pad[dim] = extra
+            x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+        return x
 
 
 @dataclass(frozen=True)
@@ -129,6 +149,7 @@ class SequenceParallel:
         self.layout = layout
         self.topo = topo
         self.plan: Optional[SequencePlan] = None  # set for the duration of one forward
+        self.attention = attention  # its `kernel_name` is what `status` shows
         self.handles = []
         processor = layout.attention_processor(attention)
         self.originals = {}  # module -> stock processor, restored by remove()
@@ -158,7 +179,7 @@ class SequenceParallel:
         text, image = self.layout.token_counts(module, kwargs)
         jak = dict(kwargs.get("joint_attention_kwargs") or {})
         patch = jak.pop("patch", None)  # PipeFusion: this call computes one patch
-        plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image)
+        plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image, padded=True)
         if patch is not None:
             plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image,
                                 image_range=patch.image_range, with_text=patch.with_text,
