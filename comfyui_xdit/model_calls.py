@@ -31,11 +31,13 @@ class PoolDenoiser:
     """Callable with ComfyUI's diffusion-model signature; one pool request per call."""
 
     def __init__(self, pool, config: ParallelConfig, arch: str, cache_size: int = 16):
+        """`pool`: a WorkerPool, or a function returning the current one (the nodes' pool
+        registry may replace a pool between calls; the denoiser then follows it)."""
         if config.pipefusion > 1:
             raise ConfigError("PipeFusion pipelines patches across denoising steps, so it "
                               "cannot serve KSampler & co. one step at a time; use Sampler "
                               "(xDiT) for PipeFusion, or set pipefusion 1 for the xDiT MODEL")
-        self.pool = pool
+        self._pool = pool
         self.config = config
         self.arch = arch
         self.cache_size = cache_size
@@ -44,6 +46,10 @@ class PoolDenoiser:
         self.calls = 0
         self.conds_sent = 0
         self.last_stats: dict = {}
+
+    @property
+    def pool(self):
+        return self._pool() if callable(self._pool) else self._pool
 
     # ---- ComfyUI's call ---------------------------------------------------------------
     def __call__(self, x, timestep, context=None, y=None, guidance=None, control=None,
@@ -64,13 +70,14 @@ class PoolDenoiser:
             g = guidance.reshape(-1).float().cpu()
             g = g.expand(n) if g.numel() == 1 else g
         chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n)
-        if self._launches != self.pool.launches:  # a (re)launched pool holds no conditioning
+        pool = self.pool
+        state = (id(pool), pool.launches)
+        if self._launches != state:  # another or a relaunched pool holds no conditioning
             self._known.clear()
-            self._launches = self.pool.launches
-        out, stats, sent = self.pool.model_call(
+        out, stats, sent = pool.model_call(
             self.config, x.detach().float().cpu(), t.contiguous(), g, chunks, conds,
             known=set(self._known))
-        self._launches = self.pool.launches
+        self._launches = (id(pool), pool.launches)
         self.calls += 1
         self.conds_sent += len(sent)
         for k, _ in chunks:

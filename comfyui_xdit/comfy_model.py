@@ -1,0 +1,80 @@
+"""The xDiT MODEL: a ComfyUI MODEL whose diffusion model is the warm worker pool.
+
+Imports ComfyUI, so only the node module imports it (at node execution). ComfyUI's own
+FLUX / SD3 model classes provide everything around the transformer (model sampling, latent
+format, conditioning handling), so stock KSampler, KSamplerAdvanced, SamplerCustomAdvanced,
+every sampler, scheduler and guider work unchanged; only the diffusion-model call is ours
+(comfyui_xdit/model_calls.py: one pool request per call). The MODEL holds no weights, so
+ComfyUI's memory manager neither loads nor offloads anything for it.
+"""
+from __future__ import annotations
+
+import torch
+
+import comfy.model_base
+import comfy.model_management
+import comfy.model_patcher
+import comfy.supported_models
+
+from .config import ConfigError
+from .model_calls import PoolDenoiser
+
+
+class _PoolDiffusionModel(torch.nn.Module):
+    """Stands where ComfyUI keeps the transformer; forwards each call to the pool."""
+
+    def __init__(self, denoiser: PoolDenoiser):
+        super().__init__()
+        self.denoiser = denoiser
+        self.dtype = torch.float32  # what ComfyUI casts inputs to (the workers cast again)
+
+    def forward(self, x, timestep, context=None, y=None, guidance=None, control=None,
+                transformer_options={}, **kwargs):
+        return self.denoiser(x, timestep, context=context, y=y, guidance=guidance,
+                             control=control, transformer_options=transformer_options, **kwargs)
+
+
+class _Weightless:
+    """Mixin for ComfyUI's model classes: no transformer is built here, and the memory the
+    sampler should reserve for a call is negligible (the work happens in the pool)."""
+
+    def memory_required(self, input_shape, cond_shapes={}):
+        return 1024 * 1024
+
+
+class XditFlux(_Weightless, comfy.model_base.Flux):
+    pass
+
+
+class XditSD3(_Weightless, comfy.model_base.SD3):
+    pass
+
+
+class XditModelPatcher(comfy.model_patcher.ModelPatcher):
+    """Weight patches (LoRA loaders, model merging) have no weights to act on here: refused
+    with a message instead of ComfyUI's silent "lora key not loaded"."""
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        raise ConfigError("the xDiT MODEL's weights live in the worker pool, so ComfyUI's "
+                          "LoRA loaders and model merges cannot patch them; use LoRA (xDiT) "
+                          "with Sampler (xDiT), or ComfyUI's own model for this graph")
+
+
+def build_model(pool, config, arch: str, guidance_embeds: bool = True):
+    """A ComfyUI MODEL (ModelPatcher) for `arch` whose diffusion model is `pool`."""
+    denoiser = PoolDenoiser(pool, config, arch)
+    if arch == "flux":
+        cls = comfy.supported_models.Flux if guidance_embeds else comfy.supported_models.FluxSchnell
+        model_config = cls(dict(cls.unet_config, disable_unet_model_creation=True))
+        model_type = comfy.model_base.ModelType.FLUX if guidance_embeds else \
+            comfy.model_base.ModelType.FLOW
+        model = XditFlux(model_config, model_type=model_type, device=torch.device("cpu"))
+    elif arch == "sd3":
+        model_config = comfy.supported_models.SD3(
+            dict(comfy.supported_models.SD3.unet_config, disable_unet_model_creation=True))
+        model = XditSD3(model_config, device=torch.device("cpu"))
+    else:
+        raise ConfigError(f"the xDiT MODEL supports flux and sd3, not {arch!r}")
+    model.diffusion_model = _PoolDiffusionModel(denoiser)
+    device = comfy.model_management.get_torch_device()
+    return XditModelPatcher(model, load_device=device, offload_device=device, size=1)

@@ -1,0 +1,74 @@
+"""The node that turns an xDiT model handle into a ComfyUI MODEL (V3 schema); imports ComfyUI,
+so only the node module imports it."""
+from __future__ import annotations
+
+from comfy_api.v0_0_2 import io
+
+from .config import ConfigError, auto_config
+from .model_info import read_model_info
+
+CATEGORY = "xDiT"
+XDiTModel = io.Custom("XDIT_MODEL")
+
+
+def model_config_for(handle, info):
+    """The parallel layout of the MODEL's calls: the loader's degrees when given; otherwise
+    CFG parallel for SD3 (its samplers batch the two branches in every call) and the
+    sequence split for FLUX (guidance-distilled, usually one branch)."""
+    if handle.degrees_given:
+        return handle.explicit_config()
+    world = handle.world()
+    return auto_config(world, info.heads, info.arch == "sd3", 1).with_world_size(world)
+
+
+class ToModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="xDiT.ToModel",
+            display_name="MODEL for KSampler (xDiT)",
+            category=CATEGORY,
+            description="A ComfyUI MODEL whose every model call runs on the warm xDiT pool: "
+                        "connect it to KSampler, KSamplerAdvanced or SamplerCustomAdvanced "
+                        "and use any sampler, scheduler or guider. CFG rows split over the "
+                        "cfg ranks, the batch over dp, the tokens over Ulysses/Ring. "
+                        "PipeFusion, ControlNet, attention patches and ComfyUI's LoRA "
+                        "loaders are refused with a message (use Sampler (xDiT) for those).",
+            inputs=[XDiTModel.Input("model")],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model) -> io.NodeOutput:
+        from . import node_logic
+        from .comfy_model import build_model
+
+        info = read_model_info(model.path)
+        if model.pipefusion > 1:
+            raise ConfigError("PipeFusion pipelines patches across denoising steps, so it "
+                              "cannot serve KSampler & co. one step at a time; set pipefusion "
+                              "1 on the loader, or use Sampler (xDiT)")
+        model.validate()
+        config = model_config_for(model, info).validate(info)
+
+        def current_pool():  # the registry may have replaced the pool since
+            return node_logic.REGISTRY.get(model, config)
+
+        return io.NodeOutput(build_model(current_pool, config, info.arch,
+                                         guidance_embeds=_guidance_embeds(model.path, info)))
+
+
+def _guidance_embeds(path: str, info) -> bool:
+    """FLUX dev (embedded guidance) or schnell: from the folder's config or the file's keys."""
+    import json
+    import os
+
+    if info.arch != "flux":
+        return False
+    if os.path.isdir(path):
+        with open(os.path.join(path, "transformer", "config.json")) as f:
+            return bool(json.load(f).get("guidance_embeds", False))
+    from safetensors import safe_open
+    with safe_open(path, framework="pt") as f:
+        return any(k.startswith(("guidance_in.", "time_text_embed.guidance_embedder."))
+                   or ".guidance_in." in k for k in f.keys())
