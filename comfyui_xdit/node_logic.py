@@ -23,15 +23,18 @@ from typing import Callable, Optional
 
 from .comfy_convert import (LATENT_CHANNELS, comfy_noise, conditioning_to_request,
                             latent_from_comfy, latent_to_comfy)
-from .config import ConfigError, ParallelConfig, auto_config
+from .config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
+    auto_config
 from .gpus import gpus_for_ranks, visible_gpus
 from .model_info import read_model_info
 from .request import GenerationRequest
 
 WORLD_SIZES = ["auto"] + [str(i) for i in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)]
-DEVICES = ["cuda", "cpu"]
-DTYPES = ["bf16", "fp16", "fp32"]
-ATTENTION = ["auto", "flash", "torch"]
+DEVICES = ["auto", "cuda", "cpu"]  # auto: cuda when this ComfyUI has CUDA, else cpu
+DTYPES = ["auto", "bf16", "fp16", "fp32"]  # auto: bf16 on cuda, fp32 on cpu
+ATTENTION = list(ATTENTION_BACKENDS)
+WEIGHT_OPTIONS = list(WEIGHTS)
+TEXT_ENCODER_OPTIONS = ["auto", "cpu", "gpu"]
 SPLITS = ["balanced", "compute", "memory"]
 MAX_SEED = 2 ** 64 - 1
 
@@ -135,9 +138,47 @@ def resolve_model(name: str, folders, roots_by_kind: Optional[dict] = None) -> s
         p = Path(root) / name
         if is_diffusers_folder(p):
             return str(p)
-    raise ConfigError(f"model {name!r} is not a diffusers folder (model_index.json + "
-                      f"transformer/config.json) under {', '.join(map(str, folders or []))}, "
-                      f"nor a 'diffusion_models/...' or 'checkpoints/...' .safetensors file")
+    raise ConfigError(missing_model_message(name, folders, roots_by_kind))
+
+
+def missing_model_message(name: str, folders, roots_by_kind: Optional[dict] = None) -> str:
+    """One line: the name, where it was looked for, what was found there, and where the
+    folder goes (the examples name FLUX.1-dev and stable-diffusion-3.5-medium)."""
+    found = discover_models(folders) + discover_single_files(roots_by_kind or {})
+    where = ", ".join(map(str, folders or [])) or "no models/diffusers folder configured"
+    listed = ", ".join(found[:12]) + (f" (+{len(found) - 12} more)" if len(found) > 12 else "")
+    return (f"model {name!r} not found: looked for a diffusers folder {name!r} (with "
+            f"model_index.json and transformer/config.json) in {where}, and for single "
+            f"files in models/diffusion_models and models/checkpoints; found "
+            f"{listed or 'no FLUX/SD3 model'}. Put the model folder at "
+            f"models/diffusers/{name} (e.g. a Hugging Face snapshot of the repository), "
+            f"then refresh the node list")
+
+
+def cuda_available() -> bool:
+    """Whether this process can use CUDA (torch imported lazily: never at import time)."""
+    try:
+        import torch
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def resolve_device(device: str, has_cuda: Optional[bool] = None) -> str:
+    """'auto' -> 'cuda' when CUDA is usable here (`has_cuda`, default: torch says so),
+    else 'cpu'; anything else as given."""
+    device = str(device or "auto").strip().lower()
+    if device == "auto":
+        return "cuda" if (cuda_available() if has_cuda is None else has_cuda) else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """'auto' -> bf16 on cuda, fp32 on cpu (the dtype that actually runs)."""
+    dtype = str(dtype or "auto").strip().lower()
+    if dtype == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    return dtype
 
 
 # ---- the loader's handle ----------------------------------------------------------------
@@ -160,7 +201,10 @@ class ModelHandle:
     warmup_steps: int = 1  # PipeFusion: full synchronous steps before the patch pipeline
     pipeline_patches: Optional[int] = None  # PipeFusion patches per step (None: the degree)
     pipefusion_split: str = "balanced"
-    attention: str = "auto"  # CUDA attention kernel: auto | flash | torch
+    attention: str = "auto"  # config.ATTENTION_BACKENDS
+    compile: bool = False  # EngineOptions: torch.compile of the blocks during warm-up
+    weights: str = "auto"  # EngineOptions: auto | fp8 | full
+    text_encoders: str = "auto"  # EngineOptions: auto | cpu | gpu | cuda:N
 
     def with_lora(self, path: str, strength: float) -> "ModelHandle":
         """The LoRA node: chain one more adapter (the workers cache adapters, so changing
@@ -206,34 +250,53 @@ class ModelHandle:
         batch = request.batch if request is not None else 1
         return auto_config(world, info.heads, uses_cfg, batch).with_world_size(world)
 
+    def engine(self) -> EngineOptions:
+        return EngineOptions(device=self.device, dtype=self.dtype, attention=self.attention,
+                             compile=self.compile, weights=self.weights,
+                             text_encoders=self.text_encoders)
+
+    def problems(self) -> list[str]:
+        """Every problem the loader can see before anything runs, each one phrase."""
+        out = []
+        if self.device in ("cpu",) and self.dtype in ("bf16", "fp16"):
+            out.append(f"dtype {self.dtype} does not run on cpu (the CPU workers compute in "
+                       f"fp32); use auto or fp32")
+        out += self.engine().problems()
+        try:
+            info = read_model_info(self.path)
+        except ConfigError as e:
+            return out + [str(e)]
+        try:
+            if self.degrees_given:
+                self.explicit_config().validate(info)
+            elif self.world_size is not None and self.world_size < 1:
+                raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
+            if self.device == "cuda":  # the GPUs must hold the world, before anything starts
+                gpus_for_ranks(self.world(), self.gpus)
+        except ConfigError as e:
+            out.append(str(e))
+        return out
+
     def validate(self) -> None:
-        """What the loader can check before anything runs (raises ConfigError)."""
-        info = read_model_info(self.path)
-        if self.device not in DEVICES:
-            raise ConfigError(f"device must be one of {DEVICES} (got {self.device!r})")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {DTYPES} (got {self.dtype!r})")
-        if self.attention not in ATTENTION:
-            raise ConfigError(f"attention must be one of {ATTENTION} (got {self.attention!r})")
-        if self.attention == "flash" and self.device != "cuda":
-            raise ConfigError("attention 'flash' (flash-attn) needs device cuda; use 'auto' "
-                              "or 'torch'")
-        if self.degrees_given:
-            self.explicit_config().validate(info)
-        elif self.world_size is not None and self.world_size < 1:
-            raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
-        if self.device == "cuda":  # the GPUs must hold the world, before anything starts
-            gpus_for_ranks(self.world(), self.gpus)
+        """Raise one ConfigError holding every problem (the loader shows it once)."""
+        out = self.problems()
+        if out:
+            raise ConfigError("; ".join(out))
 
 
 def make_handle(model_path: str, device: str, dtype: str, world_size="auto", ulysses: int = 1,
                 ring: int = 1, cfg_parallel: bool = False, dp: int = 1, gpus: str = "",
                 threads_per_rank: Optional[int] = None, pipefusion: int = 1,
                 warmup_steps: int = 1, pipeline_patches: int = 0,
-                pipefusion_split: str = "balanced", attention: str = "auto") -> ModelHandle:
-    """The loader's widgets -> a handle. `pipeline_patches` 0 means "the PipeFusion degree"."""
+                pipefusion_split: str = "balanced", attention: str = "auto",
+                compile: bool = False, weights: str = "auto", text_encoders: str = "auto",
+                has_cuda: Optional[bool] = None) -> ModelHandle:
+    """The loader's widgets -> a handle. `pipeline_patches` 0 means "the PipeFusion degree";
+    device/dtype 'auto' are resolved here (`has_cuda`: whether this ComfyUI has CUDA)."""
     ws = None if str(world_size).strip().lower() in ("auto", "", "0") else int(world_size)
     gpu_list = tuple(g.strip() for g in str(gpus or "").split(",") if g.strip()) or None
+    device = resolve_device(device, has_cuda)
+    dtype = resolve_dtype(dtype, device)
     return ModelHandle(path=str(Path(model_path).resolve()), device=device, dtype=dtype,
                        world_size=ws, ulysses=int(ulysses), ring=int(ring),
                        cfg_parallel=bool(cfg_parallel), dp=int(dp), gpus=gpu_list,
@@ -241,7 +304,45 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                        warmup_steps=int(warmup_steps),
                        pipeline_patches=int(pipeline_patches) or None,
                        pipefusion_split=str(pipefusion_split).strip() or "balanced",
-                       attention=str(attention))
+                       attention=str(attention), compile=bool(compile),
+                       weights=str(weights), text_encoders=str(text_encoders))
+
+
+LOADER_DEFAULTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1, ring=1,
+                       cfg_parallel=False, dp=1, gpus="", pipefusion=1, warmup_steps=1,
+                       pipeline_patches=0, pipefusion_split="balanced", attention="auto",
+                       compile=False, weights="auto", text_encoders="auto")
+
+
+def loader_handle(inputs: dict, folders, roots_by_kind: Optional[dict] = None,
+                  has_cuda: Optional[bool] = None,
+                  cuda_refusal: str = "") -> ModelHandle:
+    """The loader node: its inputs (as ComfyUI passes them) -> a validated handle. Every
+    problem (model missing, cuda without CUDA, dtype, engine options, degrees, GPUs) is
+    gathered into one ConfigError, shown once. `cuda_refusal`: why CUDA is off here (e.g.
+    ComfyUI's --cpu), said in the cuda message."""
+    kw = dict(LOADER_DEFAULTS)
+    kw.update({k: v for k, v in inputs.items() if k in LOADER_DEFAULTS and v is not None})
+    has_cuda = cuda_available() if has_cuda is None else has_cuda
+    problems = []
+    device = str(kw["device"]).strip().lower()
+    if device == "cuda" and not has_cuda:
+        problems.append("device cuda: " + (cuda_refusal or "this ComfyUI has no CUDA GPU "
+                                           "(torch.cuda.is_available() is False)")
+                        + "; use device auto (runs on cpu here) or cpu")
+        kw["device"] = "cpu"  # the other checks as they would run here
+        if str(kw["dtype"]).lower() in ("bf16", "fp16"):
+            kw["dtype"] = "auto"
+    name = str(inputs.get("model") or "")
+    try:
+        path = resolve_model(name, folders, roots_by_kind)
+    except ConfigError as e:
+        raise ConfigError("; ".join(problems + [str(e)])) from None
+    handle = make_handle(path, has_cuda=has_cuda, **kw)
+    problems += handle.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return handle
 
 
 # ---- the registry -----------------------------------------------------------------------
@@ -257,12 +358,14 @@ class PoolRegistry:
         self.max_pools = max_pools
         self._factory = pool_factory
         self.last_error: Optional[str] = None
+        self.last_error_log: Optional[str] = None  # a dead worker's kept log
         self.last_job: dict = {}
+        self.launching: Optional[str] = None  # "starting 2 workers", "loading 1/2", ...
 
     @staticmethod
     def _key(handle: ModelHandle) -> tuple:
         return (handle.path, handle.device, handle.dtype, handle.gpus, handle.threads_per_rank,
-                handle.attention)
+                handle.attention, handle.compile, handle.weights, handle.text_encoders)
 
     def get(self, handle: ModelHandle, config: ParallelConfig):
         """The pool for `handle` running `config`: the same one on every call with the same
@@ -282,7 +385,10 @@ class PoolRegistry:
                 for other in list(self._pools)[: max(0, len(self._pools) - self.max_pools + 1)]:
                     self._close(other)
                 factory = self._factory or WorkerPool
-                kw = {"attention": handle.attention} if handle.attention != "auto" else {}
+                # engine options away from their defaults only (test factories take **kw)
+                kw = {k: getattr(handle, k) for k, default in
+                      (("attention", "auto"), ("compile", False), ("weights", "auto"),
+                       ("text_encoders", "auto")) if getattr(handle, k) != default}
                 pool = factory(handle.path, config, device=handle.device, dtype=handle.dtype,
                                gpus=list(handle.gpus) if handle.gpus else None,
                                threads_per_rank=handle.threads_per_rank, **kw)
@@ -337,7 +443,31 @@ class PoolRegistry:
             st["dtype"] = pool.dtype
             st["launches"] = pool.launches
             out.append(_jsonable(st))
-        return {"pools": out, "last_error": self.last_error, "last_job": _jsonable(self.last_job)}
+        return {"pools": out, "last_error": self.last_error,
+                "last_error_log": self.last_error_log, "launching": self.launching,
+                "last_job": _jsonable(self.last_job)}
+
+    def job_started(self) -> None:
+        """A new job: the last one's error is history (the panel stops showing it)."""
+        self.last_error = None
+        self.last_error_log = None
+
+    def job_failed(self, e: BaseException) -> None:
+        self.last_error = error_text(e)
+        self.last_error_log = getattr(e, "log_path", None)
+
+    def launch_callback(self, on_launch: Optional[Callable[[str, int, int], None]] = None):
+        """Wraps a node's launch-progress callback so the panel shows the launch too."""
+        def cb(text: str, done: int, total: int) -> None:
+            self.launching = text
+            if on_launch is not None:
+                on_launch(text, done, total)
+        return cb
+
+
+def error_text(e: BaseException) -> str:
+    """The line the panel shows: the exception's type and its one-line message."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def _jsonable(x):
@@ -404,11 +534,14 @@ def build_job(inp: SampleInputs) -> tuple[GenerationRequest, dict]:
 def sample(handle: ModelHandle, inp: SampleInputs,
            on_event: Optional[Callable[[dict], None]] = None,
            is_interrupted: Optional[Callable[[], bool]] = None,
-           registry: Optional[PoolRegistry] = None) -> dict:
+           registry: Optional[PoolRegistry] = None,
+           on_launch: Optional[Callable[[str, int, int], None]] = None) -> dict:
     """Run one sampler node: returns the ComfyUI LATENT. `is_interrupted` is polled from a
-    watcher thread, so a cancel lands within one step even between progress events."""
+    watcher thread, so a cancel lands within one step even between progress events.
+    `on_launch(text, done, total)`: progress while the pool starts."""
     registry = registry or REGISTRY
     t0 = time.perf_counter()
+    registry.job_started()
     try:
         req, kw = build_job(inp)
         req.loras = list(handle.loras)
@@ -435,15 +568,16 @@ def sample(handle: ModelHandle, inp: SampleInputs,
             watcher = threading.Thread(target=watch, name="xdit-interrupt-watch", daemon=True)
             watcher.start()
         try:
-            result = pool.generate(req, on_event=on_event, **kw)
+            result = pool.generate(req, on_event=on_event,
+                                   on_launch=registry.launch_callback(on_launch), **kw)
         finally:
+            registry.launching = None
             stop.set()
             if watcher is not None:
                 watcher.join(timeout=1.0)
     except Exception as e:
-        registry.last_error = f"{type(e).__name__}: {e}"
+        registry.job_failed(e)
         raise
-    registry.last_error = None
     registry.last_job = {"config": config.describe(), "batch": req.batch, "steps": req.steps,
                          "height": req.height, "width": req.width,
                          "img2img": kw["init_latent"] is not None,
@@ -455,7 +589,8 @@ def sample(handle: ModelHandle, inp: SampleInputs,
 
 # ---- decoding ---------------------------------------------------------------------------
 def decode(handle: ModelHandle, latent: dict, vae=None,
-           registry: Optional[PoolRegistry] = None):
+           registry: Optional[PoolRegistry] = None,
+           on_launch: Optional[Callable[[str, int, int], None]] = None):
     """The Decode node: LATENT -> IMAGE [B,H,W,3] in 0..1. A diffusers folder decodes on
     the model's pool (its VAE, patch-parallel over the ranks); a single file has no VAE, so
     the connected ComfyUI VAE decodes (its `decode(samples)`)."""
@@ -463,6 +598,7 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
 
     from .model_info import read_model_info
     registry = registry or REGISTRY
+    registry.job_started()
     if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
         raise ConfigError("LATENT input must be a dict with 'samples'; connect the xDiT "
                           "sampler's LATENT")
@@ -473,7 +609,12 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
     info = read_model_info(handle.path)
     try:
         if info.has_vae:
-            images = registry.pool_for_decode(handle).decode(samples.detach().float().cpu())
+            pool = registry.pool_for_decode(handle)
+            try:
+                images = pool.decode(samples.detach().float().cpu(),
+                                     on_launch=registry.launch_callback(on_launch))
+            finally:
+                registry.launching = None
         elif vae is not None:
             images = vae.decode(samples)
             if images.dim() == 5:  # video VAEs: frames into the batch, as VAEDecode does
@@ -483,6 +624,6 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
                               f"no VAE: connect a VAE (VAELoader with the model's VAE) to the "
                               f"Decode node's vae input")
     except Exception as e:
-        registry.last_error = f"{type(e).__name__}: {e}"
+        registry.job_failed(e)
         raise
     return images

@@ -10,13 +10,11 @@ import comfy.utils
 import folder_paths
 from comfy_api.v0_0_2 import ComfyExtension, io
 
-from .config import ConfigError
 from .model_info import read_model_info
 from . import node_logic
 from .node_logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, REGISTRY, SPLITS,
-                         WORLD_SIZES,
-                         SampleInputs, discover_models, discover_single_files, make_handle,
-                         resolve_model)
+                         TEXT_ENCODER_OPTIONS, WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
+                         discover_models, discover_single_files, loader_handle)
 
 log = logging.getLogger("comfyui_xdit")
 CATEGORY = "xDiT"
@@ -43,13 +41,45 @@ def _model_options() -> list:
     return discover_models(_model_folders()) + discover_single_files(_file_roots())
 
 
-def _device_options() -> list:
+def _cuda_here() -> tuple:
+    """(usable, why not): CUDA counts only when torch has it and ComfyUI was not started
+    with --cpu (the user's word that this ComfyUI runs on the CPU)."""
+    try:
+        if comfy.model_management.cpu_state == comfy.model_management.CPUState.CPU:
+            return False, "ComfyUI runs with --cpu"
+    except Exception:
+        pass
     try:
         import torch
-        cuda = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            return True, ""
     except Exception:
-        cuda = False
-    return list(DEVICES) if cuda else ["cpu", "cuda"]
+        pass
+    return False, "this ComfyUI has no CUDA GPU (torch.cuda.is_available() is False)"
+
+
+def _progress_text(text: str, node_id) -> None:
+    """Text under the node (ComfyUI's progress_text); never fails the job."""
+    if node_id is None:
+        return
+    try:
+        from server import PromptServer
+        PromptServer.instance.send_progress_text(text, node_id)
+    except Exception as e:
+        log.debug("xDiT: no progress text: %s", e)
+
+
+def _launch_progress(node_id):
+    """Launch progress on the node: the bar (ranks loaded of ranks) and a text ("starting 4
+    workers", "loading 3/4"); ComfyUI's cancel raises from the bar's hook and stops the
+    launch."""
+    pbar = comfy.utils.ProgressBar(1, node_id=node_id)
+
+    def on_launch(text: str, done: int, total: int) -> None:
+        log.info("xDiT: %s", text)
+        _progress_text(text, node_id)
+        pbar.update_absolute(done, max(1, total))
+    return on_launch
 
 
 def _previews_enabled() -> bool:
@@ -72,16 +102,25 @@ class LoadModel(io.ComfyNode):
                         "Nothing starts here: the pool launches at the first sampling and stays warm.",
             inputs=[
                 io.Combo.Input("model", options=models or ["(no FLUX/SD3 model found)"],
-                               tooltip="A diffusers folder in models/diffusers (name as is: "
+                               tooltip="A diffusers folder in ComfyUI/models/diffusers, e.g. "
+                                       "models/diffusers/FLUX.1-dev or models/diffusers/"
+                                       "stable-diffusion-3.5-medium (the names the example "
+                                       "workflows use; a Hugging Face snapshot of the repo, "
                                        "text encoders and VAE included), or a single FLUX/SD3 "
                                        ".safetensors from models/diffusion_models (or unet) "
                                        "or models/checkpoints (listed as diffusion_models/... "
                                        "and checkpoints/...): transformer only, so connect "
-                                       "CONDITIONING and decode with a ComfyUI VAE."),
-                io.Combo.Input("device", options=_device_options(),
-                               tooltip="cuda: one GPU per rank; cpu: one process per rank (gloo)"),
-                io.Combo.Input("dtype", options=list(DTYPES), default="bf16",
-                               tooltip="Weights and compute dtype on the workers (fp32 on CPU)"),
+                                       "CONDITIONING and decode with a ComfyUI VAE. Refresh "
+                                       "(R) after adding a model."),
+                io.Combo.Input("device", options=list(DEVICES), default="auto",
+                               tooltip="auto: cuda when this ComfyUI has CUDA (and was not "
+                                       "started with --cpu), else cpu. cuda: one GPU per rank "
+                                       "(refused where there is no CUDA); cpu: one process "
+                                       "per rank (gloo)"),
+                io.Combo.Input("dtype", options=list(DTYPES), default="auto",
+                               tooltip="Weights and compute dtype on the workers. auto: bf16 "
+                                       "on cuda, fp32 on cpu (the CPU workers run fp32 only; "
+                                       "bf16/fp16 there are refused)"),
                 io.Combo.Input("world_size", options=list(WORLD_SIZES), default="auto",
                                tooltip="Ranks. auto: every visible GPU (2 processes on CPU). With "
                                        "all degrees at 1 the split is chosen automatically (CFG "
@@ -115,33 +154,50 @@ class LoadModel(io.ComfyNode):
                                        "memory"),
                 io.Combo.Input("attention", options=list(ATTENTION), default="auto",
                                optional=True,
-                               tooltip="CUDA attention kernel: flash-attn when installed "
-                                       "(auto), required (flash), or torch's"),
+                               tooltip="Attention kernel, chosen once per pool. auto: the "
+                                       "fastest this device has; cudnn, flash (flash-attn) "
+                                       "and efficient force one (CUDA only); torch: torch's "
+                                       "own SDPA choice"),
+                io.Boolean.Input("compile", default=False, optional=True,
+                                 tooltip="torch.compile of the transformer blocks during "
+                                         "warm-up: faster steps, a much slower first job"),
+                io.Combo.Input("weights", options=list(WEIGHT_OPTIONS), default="auto",
+                               optional=True,
+                               tooltip="auto: as the checkpoint stores them (an fp8 file "
+                                       "stays fp8 on the GPU, others in dtype); fp8: block "
+                                       "weights stored in fp8 e4m3fn (half of bf16's "
+                                       "memory), computed in dtype; full: every weight in "
+                                       "dtype, fp8 files included"),
+                io.Combo.Input("text_encoders", options=list(TEXT_ENCODER_OPTIONS),
+                               default="auto", optional=True,
+                               tooltip="Where rank 0 runs T5/CLIP for prompt text: auto "
+                                       "(rank 0's GPU when they fit beside the transformer, "
+                                       "else CPU), cpu, or gpu (rank 0's GPU)"),
             ],
             outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def _handle(cls, model, device, dtype, world_size, ulysses, ring, cfg_parallel, dp,
-                gpus="", **pipefusion_and_attention):
-        path = resolve_model(model, _model_folders(), _file_roots())
-        if device == "cpu" and dtype != "fp32":
-            dtype = "fp32"  # CPU kernels: fp32 only
-        return make_handle(path, device, dtype, world_size, ulysses, ring, cfg_parallel, dp, gpus,
-                           **pipefusion_and_attention)
+    def _handle(cls, **inputs):
+        has_cuda, why = _cuda_here()
+        return loader_handle(inputs, _model_folders(), _file_roots(), has_cuda=has_cuda,
+                             cuda_refusal=why)
 
     @classmethod
     def validate_inputs(cls, **inputs):
-        try:
-            cls._handle(**inputs).validate()
-        except ConfigError as e:
-            return str(e)
+        # Raised, not returned: ComfyUI attaches a returned message to every input it
+        # passed (14 copies of one problem); a raised one is reported once for the node.
+        cls._handle(**inputs)
         return True
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         handle = cls._handle(**inputs)
-        handle.validate()
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        # what will run, on the node (auto resolved): "cuda bf16" / "cpu fp32"
+        _progress_text(f"runs on {handle.device}, {handle.dtype}, {handle.world()} rank(s)",
+                       node_id)
         return io.NodeOutput(handle)
 
 
@@ -200,6 +256,10 @@ class Sampler(io.ComfyNode):
         pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(ev: dict) -> None:
+            if ev.get("phase") == "compiling":  # workers/compile.py, during the first steps
+                _progress_text(f"compiling ({ev.get('compiles', 0)} graph(s), "
+                               f"{float(ev.get('compile_s') or 0):.0f} s so far)", node_id)
+                return
             if "step" not in ev:
                 return
             preview = None
@@ -220,7 +280,8 @@ class Sampler(io.ComfyNode):
             comfy.model_management.soft_empty_cache()
         try:
             out = node_logic.sample(model, inp, on_event=on_event,
-                                    is_interrupted=comfy.model_management.processing_interrupted)
+                                    is_interrupted=comfy.model_management.processing_interrupted,
+                                    on_launch=_launch_progress(node_id))
         except Exception as e:
             from .pool import JobCancelled
             if isinstance(e, JobCancelled):
@@ -266,6 +327,7 @@ class Decode(io.ComfyNode):
                                  tooltip="Used when the model is a single file (no VAE of its "
                                          "own); ignored for diffusers folders")],
             outputs=[io.Image.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -273,7 +335,9 @@ class Decode(io.ComfyNode):
         if model.device == "cuda" and read_model_info(model.path).has_vae:
             comfy.model_management.unload_all_models()  # room for the pool's decode
             comfy.model_management.soft_empty_cache()
-        return io.NodeOutput(node_logic.decode(model, samples, vae=vae))
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        return io.NodeOutput(node_logic.decode(model, samples, vae=vae,
+                                               on_launch=_launch_progress(node_id)))
 
 
 class UnloadPool(io.ComfyNode):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import shutil
 import subprocess
@@ -28,7 +29,11 @@ P = worker_module("protocol")  # the typed host <-> rank 0 messages
 from .request import GenerationRequest, GenerationResult
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+_log = logging.getLogger("comfyui_xdit")
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+# log lines of workers/worker.py around each rank's weight load (launch progress)
+LOAD_STARTED = "xdit: loading weights"
+LOAD_DONE = "xdit: weights loaded"
 
 
 class PoolError(RuntimeError):
@@ -184,14 +189,43 @@ class WorkerPool:
         except (OSError, TypeError):
             return ""
 
-    def _dead(self) -> Optional[str]:
+    def _dead(self, when: str = "") -> Optional[str]:
+        """One sentence naming the dead rank (the first that died of its own cause, not of a
+        lost peer), where it ran and the exception's own message from its log; None while
+        every worker lives. The full log is kept (the pool's temp folder goes with it), its
+        path is in the sentence and in `last_death`, and it is printed to the console."""
+        from . import worker_log as W
+
+        dead = []
         for rank, p in enumerate(self._procs):
             code = p.poll()
             if code is not None:
-                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                tail = self.log_tail(rank).strip().splitlines()[-5:]
-                return f"worker rank {rank} (pid {p.pid}) {how}; last log lines: " + " | ".join(tail)
-        return None
+                try:
+                    with open(self._log_path(rank), errors="replace") as f:
+                        text = f.read()
+                except (OSError, TypeError):
+                    text = ""
+                dead.append({"rank": rank, "pid": p.pid, "code": code, "log": text,
+                             "cause": W.death_cause(code, text)})
+        culprit = W.pick_culprit(dead)
+        if culprit is None:
+            return None
+        rank = culprit["rank"]
+        kept = {}
+        if self._tmp:
+            kept = W.keep_logs({r: self._log_path(r) for r in range(len(self._procs))},
+                               label=f"rank{rank}")
+        gpus = getattr(self, "_launched_gpus", None)
+        where = f"GPU {gpus[rank]}" if gpus and rank < len(gpus) else f"pid {culprit['pid']}"
+        if when and not when.startswith("while "):
+            when = "while " + when
+        sentence = W.death_sentence(rank, culprit["cause"], when, where, kept.get(rank))
+        self.last_death = {"rank": rank, "cause": culprit["cause"], "log": kept.get(rank),
+                           "logs": kept, "message": sentence}
+        tail = "".join(culprit["log"].splitlines(keepends=True)[-200:])
+        _log.error("xDiT: %s\n---- rank %d log (%s) ----\n%s---- end of rank %d log ----",
+                   sentence, rank, kept.get(rank, "not kept"), tail, rank)
+        return sentence
 
     def _connect_attached(self) -> None:
         address, secret = self._attached
@@ -217,14 +251,40 @@ class WorkerPool:
             return None
         return gpus_for_ranks(self.config.ranks, self.gpus)
 
-    def _launch(self) -> None:
+    def _launch(self, on_launch: Optional[Callable[[str, int, int], None]] = None) -> None:
+        """`on_launch(text, done, total)`: launch progress ("starting 4 workers",
+        "loading 3/4"); whatever it raises (ComfyUI's cancel) stops the half-started pool."""
         self._phase = "loading"
         try:
-            self._launch_inner()
+            self._launch_inner(on_launch)
+        except BaseException:
+            if self._chan is None:  # never a half-started pool left behind
+                self._shutdown()
+            raise
         finally:
             self._phase = "ready" if self._chan is not None else "stopped"
 
-    def _launch_inner(self) -> None:
+    def _launch_progress(self, on_launch, seen: dict, world: int) -> None:
+        """Ranks log LOAD_STARTED / LOAD_DONE (workers/worker.py) around their weight load:
+        counted here from their logs, since the control channel opens only once all are
+        loaded."""
+        if on_launch is None:
+            return
+        for rank in range(world):
+            if seen.get(rank) == "done":
+                continue
+            text = self.log_tail(rank, lines=400)
+            if LOAD_DONE in text:
+                seen[rank] = "done"
+            elif LOAD_STARTED in text:
+                seen[rank] = "loading"
+        done = sum(1 for v in seen.values() if v == "done")
+        state = (f"loading {done}/{world}" if seen else f"starting {world} workers")
+        if state != seen.get("_reported"):
+            seen["_reported"] = state
+            on_launch(state, done, world)
+
+    def _launch_inner(self, on_launch=None) -> None:
         if self._attached:
             return self._connect_attached()
         t0 = time.perf_counter()
@@ -267,13 +327,17 @@ class WorkerPool:
                                                 stdin=subprocess.DEVNULL, env=env,
                                                 start_new_session=True))
             log.close()
+        self._launched_gpus = gpus
         t_spawn = time.perf_counter()
         deadline = time.monotonic() + self.start_timeout
+        seen: dict = {}
         while not os.path.exists(addr_file):
             self._check_alive("while starting")
+            self._launch_progress(on_launch, seen, world)
             if time.monotonic() > deadline:
                 raise PoolError(f"pool did not start within {self.start_timeout:.0f}s")
             time.sleep(0.05)
+        self._launch_progress(on_launch, seen, world)  # every rank has loaded by now
         with open(addr_file) as f:
             address = parse_address(f.read())
         self._chan = connect(address, secret)
@@ -293,10 +357,12 @@ class WorkerPool:
         self._chan.send(P.to_wire(msg))
 
     def _check_alive(self, when: str) -> None:
-        dead = self._dead()
+        dead = self._dead(when)
         if dead:
             self._shutdown()
-            raise PoolError(f"{dead} ({when})")
+            err = PoolError(dead)
+            err.log_path = self.last_death.get("log")
+            raise err
 
     def _recv(self, timeout: float, when: str):
         """Next message from rank 0, watching every worker while waiting."""
@@ -368,7 +434,10 @@ class WorkerPool:
 
     def generate(self, request: GenerationRequest,
                  on_event: Optional[Callable[[dict], None]] = None,
-                 noise=None, init_latent=None, denoise: float = 1.0) -> GenerationResult:
+                 noise=None, init_latent=None, denoise: float = 1.0,
+                 on_launch: Optional[Callable[[str, int, int], None]] = None
+                 ) -> GenerationResult:
+        """`on_launch(text, done, total)`: progress while the pool starts (see `_launch`)."""
         info = self.model_info
         self.config.validate(info, request)
         _check_job_inputs(request, noise, init_latent, denoise)
@@ -380,7 +449,7 @@ class WorkerPool:
             launched = False
             if not self.is_running():
                 self._shutdown()
-                self._launch()
+                self._launch(on_launch)
                 launched = True
             t_ready = time.perf_counter()
             self._job_id += 1
@@ -437,7 +506,7 @@ class WorkerPool:
                 self._running_job = None
                 self._progress = {}
 
-    def decode(self, samples):
+    def decode(self, samples, on_launch: Optional[Callable[[str, int, int], None]] = None):
         """ComfyUI LATENT samples [B,16,H/8,W/8] -> IMAGE [B,H,W,3] in 0..1, decoded with the
         model folder's VAE, patch-parallel over every rank (launches the pool if needed).
         Bad input is refused on rank 0 before anything is broadcast: the pool stays warm."""
@@ -448,7 +517,7 @@ class WorkerPool:
         with self._lock:
             if not self.is_running():
                 self._shutdown()
-                self._launch()
+                self._launch(on_launch)
             self._job_id += 1
             job_id = self._job_id
             self._running_job = job_id
@@ -506,16 +575,19 @@ class WorkerPool:
 
     def _raise_fatal(self, reported: str, when: str) -> None:
         """Rank 0 gave up (its collective failed): name the rank that actually died, if one
-        did, then stop the pool."""
+        did (rank 0's own report is then only the lost peer: it stays in the logs), then
+        stop the pool."""
         deadline = time.monotonic() + 2.0
-        dead = self._dead()
+        dead = self._dead(when)
         while dead is None and time.monotonic() < deadline and self._procs:
             time.sleep(0.1)
-            dead = self._dead()
+            dead = self._dead(when)
         self._shutdown()
         if dead:
-            raise PoolError(f"{dead} ({when}); rank 0 reported: {reported}")
-        raise PoolError(reported)
+            err = PoolError(dead)
+            err.log_path = self.last_death.get("log")
+            raise err
+        raise PoolError(" ".join(str(reported).split()))
 
     def _cancel_and_drain(self, job_id: int) -> None:
         """The caller gave up on the job (e.g. ComfyUI's interrupt): stop it on the workers

@@ -443,3 +443,207 @@ def test_loader_refuses_bad_pipefusion_and_attention(model_dir):
         make_handle(path, "cpu", "fp32", "2", ulysses=2, attention="flash").validate()
     h = make_handle(path, "cpu", "fp32", "auto", pipefusion=2, pipeline_patches=0)
     assert h.pipeline_patches is None and h.explicit_config().pipefusion == 2
+
+
+# ---- what the user sees: the loader's one message, worker deaths, launch progress -------------
+def comfy_validation_errors(validate, inputs: dict) -> list:
+    """ComfyUI 0.3.64's rule (execution.py `validate_inputs`), written out: a V3
+    `validate_inputs(cls, **kwargs)` gets every input; a returned message becomes one
+    "custom_validation_failed" error per input it got; a raised exception is caught once by
+    the node downstream ("exception_during_inner_validation"), one error for the node."""
+    try:
+        r = validate(**inputs)
+    except Exception as e:
+        return [str(e)]
+    return [] if r is True else [f"{x} - {r}" for x in inputs]
+
+
+LOADER_INPUTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1, ring=1,
+                     cfg_parallel=False, dp=1, gpus="", pipefusion=1, warmup_steps=1,
+                     pipeline_patches=0, pipefusion_split="balanced", attention="auto",
+                     compile=False, weights="auto", text_encoders="auto")
+
+
+@pytest.fixture
+def loader_node(monkeypatch, tmp_path, model_dir):
+    """nodes.LoadModel imported against stand-ins for ComfyUI's modules (a CPU-only
+    ComfyUI whose models/diffusers holds the tiny FLUX as FLUX.1-dev)."""
+    import sys
+    import types
+    from unittest import mock
+
+    diffusers_dir = tmp_path / "diffusers"
+    diffusers_dir.mkdir()
+    (diffusers_dir / "FLUX.1-dev").symlink_to(model_dir("flux"), target_is_directory=True)
+    io = mock.MagicMock()
+    io.ComfyNode = object
+    api = types.SimpleNamespace(ComfyExtension=object, io=io)
+    folder_paths = types.SimpleNamespace(
+        get_folder_paths=lambda kind: [str(diffusers_dir)] if kind == "diffusers" else [],
+        get_filename_list=lambda kind: [])
+    mm = types.SimpleNamespace(cpu_state="gpu", CPUState=types.SimpleNamespace(CPU="cpu"))
+    comfy = types.SimpleNamespace(model_management=mm, utils=mock.MagicMock())
+    for name, mod in {"comfy": comfy, "comfy.model_management": mm, "comfy.utils": comfy.utils,
+                      "folder_paths": folder_paths, "comfy_api": types.SimpleNamespace(),
+                      "comfy_api.v0_0_2": api}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    import comfyui_xdit.nodes as nodes
+    yield nodes.LoadModel, mm
+    sys.modules.pop("comfyui_xdit.nodes", None)
+
+
+def test_loader_reports_a_bad_configuration_once(loader_node):
+    LoadModel, mm = loader_node
+    ok = dict(LOADER_INPUTS, model="FLUX.1-dev")
+    assert comfy_validation_errors(LoadModel.validate_inputs, ok) == []
+    h = LoadModel._handle(**ok)  # auto on a CPU-only ComfyUI: what actually runs
+    assert (h.device, h.dtype, h.world()) == ("cpu", "fp32", 2)
+    bad = dict(ok, world_size="4", ulysses=3)
+    errors = comfy_validation_errors(LoadModel.validate_inputs, bad)
+    assert len(errors) == 1, errors
+    assert "world size 4 != dp 1 x cfg 1 x pipefusion 1 x ulysses 3" in errors[0]
+    # the rule can fail: a returned message would have been shown once per input
+    assert len(comfy_validation_errors(lambda **kw: "invalid", bad)) == len(bad) > 10
+    # cuda forced on a CPU-only ComfyUI: one line, with whatever else is wrong in it
+    errors = comfy_validation_errors(LoadModel.validate_inputs, dict(bad, device="cuda",
+                                                                     dtype="bf16"))
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert errors[0].startswith("device cuda: this ComfyUI has no CUDA GPU"), errors[0]
+    assert "use device auto (runs on cpu here) or cpu" in errors[0]
+    assert "world size 4 != " in errors[0]
+    mm.cpu_state = "cpu"  # ComfyUI started with --cpu: said so
+    errors = comfy_validation_errors(LoadModel.validate_inputs, dict(ok, device="cuda"))
+    assert errors == ["device cuda: ComfyUI runs with --cpu; use device auto (runs on cpu "
+                      "here) or cpu"]
+    # what cannot run is refused rather than silently changed
+    errors = comfy_validation_errors(LoadModel.validate_inputs, dict(ok, dtype="bf16"))
+    assert len(errors) == 1 and "dtype bf16 does not run on cpu" in errors[0]
+    errors = comfy_validation_errors(LoadModel.validate_inputs, dict(ok, attention="cudnn",
+                                                                     text_encoders="gpu"))
+    assert len(errors) == 1 and "attention 'cudnn' is a CUDA kernel" in errors[0] \
+        and "text_encoders 'gpu' needs device cuda" in errors[0], errors
+
+
+def test_missing_model_says_where_it_looked_and_what_it_found(loader_node, tmp_path):
+    LoadModel, _ = loader_node
+    errors = comfy_validation_errors(LoadModel.validate_inputs,
+                                     dict(LOADER_INPUTS, model="stable-diffusion-3.5-medium"))
+    assert len(errors) == 1
+    msg = errors[0]
+    assert "model 'stable-diffusion-3.5-medium' not found" in msg
+    assert str(tmp_path / "diffusers") in msg and "found FLUX.1-dev" in msg
+    assert "models/diffusers/stable-diffusion-3.5-medium" in msg
+
+
+def test_engine_options_reach_the_pool_and_key_it(model_dir):
+    made = []
+
+    class FakePool:
+        def __init__(self, path, config, **kw):
+            self.config, self.kw = config, kw
+            made.append(kw)
+
+        def close(self):
+            pass
+    reg = PoolRegistry(pool_factory=FakePool)
+    h = make_handle(str(model_dir("flux")), "auto", "auto", "2", has_cuda=False)
+    assert (h.device, h.dtype) == ("cpu", "fp32")
+    cfg = h.config_for()
+    p1 = reg.get(h, cfg)
+    assert reg.get(h, cfg) is p1 and made == [{"gpus": None, "threads_per_rank": None,
+                                               "device": "cpu", "dtype": "fp32"}]
+    import dataclasses
+    for change in (dict(compile=True), dict(weights="full"), dict(text_encoders="cpu"),
+                   dict(attention="torch")):
+        p = reg.get(dataclasses.replace(h, **change), cfg)
+        assert p is not p1 and made[-1].items() >= change.items(), (change, made[-1])
+    assert make_handle(h.path, "auto", "auto", has_cuda=True).dtype == "bf16"
+
+
+def test_worker_traceback_becomes_one_sentence(tmp_path):
+    from comfyui_xdit import worker_log as W
+    log = """2026-01-01 10:00:00 rank2 xdit: weights loaded
+Traceback (most recent call last):
+  File "/x/workers/serve.py", line 150, in main
+    _follower_loop(worker)
+    ~~~~~~~~~~~~~~^^^^^^^^
+  File "/x/workers/denoise.py", line 80, in step
+    out = block(x)
+          ^^^^^^^^
+RuntimeError: first failure
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/x/torch/nn/modules/module.py", line 1775, in _call_impl
+    return forward_call(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.2 GiB is free.
+"""
+    cause = W.death_cause(1, log)
+    assert cause.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00")
+    text = W.death_sentence(2, cause, "while running job 3", "GPU 2", "/tmp/k/rank2.log")
+    assert text.startswith("worker rank 2 (GPU 2) failed while running job 3: "
+                           "torch.OutOfMemoryError: CUDA out of memory.")
+    assert text.endswith("Full log: /tmp/k/rank2.log") and "\n" not in text
+    assert "^^^" not in text and "File " not in text and "first failure" not in text
+    # a message on the lines after the type, a kill without traceback, a lost peer
+    assert W.death_cause(1, "Traceback (most recent call last):\n  File \"a\"\nValueError:\n"
+                            "  bad shape\n") == "ValueError: bad shape"
+    killed = W.death_cause(-9, "2026 rank1 xdit: weights loaded\n")
+    assert killed.startswith("killed by SIGKILL (killed by hand or by the system's out-of-memory")
+    assert W.death_sentence(1, killed, "while running job 2", "pid 7").startswith(
+        "worker rank 1 (pid 7) was killed by SIGKILL")
+    peer = W.death_cause(1, "Traceback (most recent call last):\n  File \"x\"\n"
+                            "torch.distributed.DistBackendError: [../gloo] Connection closed "
+                            "by peer [127.0.0.1]:5000\n")
+    assert W.is_peer_loss(peer) and not W.is_peer_loss(cause) and not W.is_peer_loss(killed)
+    dead = [{"rank": 0, "cause": peer}, {"rank": 2, "cause": cause}]
+    assert W.pick_culprit(dead)["rank"] == 2 and W.pick_culprit(dead[:1])["rank"] == 0
+    # logs are kept out of the pool's temp folder
+    src = tmp_path / "rank2.log"
+    src.write_text(log)
+    kept = W.keep_logs({2: str(src)}, label="test")
+    assert open(kept[2]).read() == log and str(tmp_path) not in kept[2]
+
+
+def test_killed_worker_is_one_sentence_and_the_next_job_clears_it(model_dir):
+    """A real 2-rank pool: the launch reports progress, a SIGKILLed rank fails the job with
+    one sentence whose log path exists, the panel's last error is cleared by the next job."""
+    import os
+    import signal
+
+    reg = PoolRegistry()
+    try:
+        h = _handle(model_dir, world_size=2, ulysses=2)
+        empty = {"samples": torch.zeros(1, 16, 8, 8)}
+        launch = []
+        sample(h, SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=reg,
+               on_launch=lambda *a: launch.append(a))
+        assert launch[0] == ("starting 2 workers", 0, 2), launch
+        assert launch[-1] == ("loading 2/2", 2, 2), launch
+        assert [d for _, d, _ in launch] == sorted(d for _, d, _ in launch)
+        pool = reg.pools()[0]
+        victim = pool.worker_pids()[1]
+        seen = []
+
+        def on_event(ev):
+            seen.append(ev)
+            if len(seen) == 1:
+                os.kill(victim, signal.SIGKILL)
+        from comfyui_xdit.pool import PoolError
+        with pytest.raises(PoolError) as info:
+            sample(h, SampleInputs(latent=empty, prompt="a cat", **dict(COMMON, steps=200)),
+                   on_event=on_event, registry=reg)
+        msg = str(info.value)
+        assert msg.startswith("worker rank 1 (pid ") and "was killed by SIGKILL" in msg, msg
+        assert "\n" not in msg and "last log lines" not in msg
+        assert reg.last_error_log and os.path.isfile(reg.last_error_log)
+        assert msg.endswith(f"Full log: {reg.last_error_log}")
+        assert reg.status()["last_error"].endswith(msg)
+        sample(h, SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=reg)
+        assert reg.status()["last_error"] is None and reg.status()["last_error_log"] is None
+    finally:
+        reg.unload_all()
