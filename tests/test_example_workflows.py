@@ -89,3 +89,21 @@ def test_the_comparison_can_fail():
     ui["links"][0][4] = 1 - ui["links"][0][4]  # plug one link into another input
     with pytest.raises(AssertionError):
         assert ui_graph(ui)[1] == a_links
+
+
+def test_examples_fit_any_machine_and_say_where_their_model_goes():
+    """Issue #12: the examples ask for device/dtype auto (CUDA where this ComfyUI has it,
+    else CPU) and name model folders that the README's install section and the loader's
+    tooltip both place under models/diffusers/."""
+    readme = (ROOT / "README.md").read_text()
+    # adjacent string literals joined, as Python joins them
+    tooltips = re.sub(r'"\s*\n\s*"', "", (ROOT / "comfyui_xdit" / "nodes.py").read_text())
+    for api_file in API_FILES:
+        api = json.loads(api_file.read_text())
+        loaders = [n for n in api.values() if n["class_type"] == "xDiT.LoadModel"]
+        assert loaders, api_file.name
+        for node in loaders:
+            inputs = node["inputs"]
+            assert (inputs["device"], inputs["dtype"]) == ("auto", "auto"), api_file.name
+            assert f"models/diffusers/{inputs['model']}" in readme, inputs["model"]
+            assert f"models/diffusers/{inputs['model']}" in tooltips, inputs["model"]

@@ -38,8 +38,11 @@ async function refresh(el) {
     ? pools.map(renderPool).join("")
     : "<div style='opacity:.7'>No pool yet: it starts at the first xDiT sampling.</div>";
   const job = body.last_job || {};
+  // the server clears last_error when a job starts: only the latest job's error shows
   el.querySelector(".xdit-last").innerHTML =
+    (body.launching ? `<div>launching: ${esc(body.launching)}</div>` : "") +
     (body.last_error ? `<div style="color:#e66">last error: ${esc(body.last_error)}</div>` : "") +
+    (body.last_error_log ? `<div style="opacity:.8">full log: <code style="user-select:all">${esc(body.last_error_log)}</code></div>` : "") +
     (job.config ? `<div style="opacity:.8">last job: ${esc(job.config)}, ${esc(job.width)}x${esc(job.height)} x${esc(job.batch)}, ${esc(job.steps)} steps, ${esc(job.seconds)} s</div>` : "");
 }
 
@@ -81,10 +84,12 @@ app.registerExtension({
     if (app.extensionManager?.registerSidebarTab) {
       app.extensionManager.registerSidebarTab(tab);
     }
-    // refresh promptly on progress of an xDiT sampler
-    api.addEventListener("progress", () => {
-      const el = document.querySelector(".xdit-pools")?.parentElement?.parentElement;
-      if (el) refresh(el);
-    });
+    // refresh promptly when a job starts (its error is gone), on progress and on failure
+    for (const ev of ["execution_start", "progress", "execution_error"]) {
+      api.addEventListener(ev, () => {
+        const el = document.querySelector(".xdit-pools")?.parentElement?.parentElement;
+        if (el) refresh(el);
+      });
+    }
   },
 });
