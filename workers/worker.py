@@ -35,6 +35,8 @@ class Worker:
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
         from .attention import check_backend
         check_backend(args.attention, self.device.type, self.dtype)
+        from .compile import Compiler, check as check_compile
+        check_compile(getattr(args, "compile", False), args.pipefusion)
         self.adapter = get_adapter(read_arch(args.model))
         rss_after_import = rss_mb()
         t = time.perf_counter()
@@ -51,6 +53,8 @@ class Worker:
                 dist.barrier(group=planes.control)
         self.load_seconds = time.perf_counter() - t
         self.loras = LoraManager(self.adapter)
+        self.compiler = Compiler(getattr(args, "compile", False))  # workers/compile.py
+        self.compiler.install(self.model.transformer, self.adapter.block_lists)
         from .model_call import CondCache
         self.cond_cache = CondCache()  # conditionings of host-side samplers (model calls)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -83,6 +87,7 @@ class Worker:
                 "world_size": self.world, "load_seconds": self.load_seconds,
                 "latent": dict(zip(("scale", "shift"), self.adapter.scale_shift(self.model))),
                 "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
+                "compile": self.compiler.describe(),
                 **self.state}
 
     def topology(self, key):
@@ -108,9 +113,10 @@ class Worker:
                                       PatchAttention(topo, self.args.attention))
             elif topo.sp > 1:
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
-                                      ShardedAttention(topo, self.device.type,
-                                                       fault=self.hook_options.get("attention_fault", ""),
-                                                       backend=self.args.attention))
+                                      self.compiler.outside(ShardedAttention(
+                                          topo, self.device.type,
+                                          fault=self.hook_options.get("attention_fault", ""),
+                                          backend=self.args.attention)))
             self.parallel = (key, sp)
         return topo
 
@@ -172,11 +178,11 @@ class Worker:
         self._apply_loras(job)
         job_started(self.hooks)
         t = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self.compiler.job(emit) as compiled:
             samples = run_job(job, self.model, self.adapter, topo, self.planes.control, emit,
                               should_stop)
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
-                 "lora_loads": self.loras.loads}
+                 "lora_loads": self.loras.loads, "compile": compiled.stats}
         if self.device.type == "cuda":
             stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         images = None
