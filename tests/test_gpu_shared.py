@@ -96,3 +96,90 @@ def test_pipefusion_and_image_output_on_one_gpu(gpu_pools, arch):
     assert img1.shape == img2.shape and diff < 5e-2
     dec = pool.decode(one)
     assert dec.shape == img1.shape
+
+
+# -- attention kernels (workers/attention.py) on this GPU --------------------------------------
+def _kernel_inputs(heads=4, seq=1031, head_dim=128, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(1, seq, heads, head_dim, generator=gen).to("cuda", dtype)
+            for _ in range(3)]  # [B, S, H, D], an odd length on purpose
+
+
+def _lse_kernels(dtype):
+    """Every LSE kernel this GPU runs for `dtype` (by its explicit backend), plus the one
+    `auto` picks for Ring."""
+    from workers import attention as A
+    got = {}
+    for backend in ("cudnn", "flash", "efficient"):
+        try:
+            k = A.select_kernel(backend, "cuda", dtype, 2, 128)
+        except A.AttentionBackendError as e:
+            print(f"{backend}: not available: {e}")
+            continue
+        got[k.name] = k
+    auto = A.select_kernel("auto", "cuda", dtype, 2, 128)
+    got[auto.name] = auto
+    return got, auto.name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_lse_kernels_merge_halves_into_full_attention(dtype):
+    """What Ring relies on: each LSE kernel's two uneven key halves, merged by their LSE,
+    equal the same kernel over all keys (bf16: ~5e-4 on H100) and fp64 math."""
+    import torch.nn.functional as F
+    kernels, auto = _lse_kernels(dtype)
+    q, k, v = _kernel_inputs(dtype=dtype)
+    scale = q.shape[-1] ** -0.5
+    ref = F.scaled_dot_product_attention(*(t.double().transpose(1, 2) for t in (q, k, v)),
+                                         scale=scale).transpose(1, 2)
+    tol_full, tol_ref = (1e-5, 1e-4) if dtype == torch.float32 else (4e-3, 2e-2)
+    for name, kernel in kernels.items():
+        full, lse = kernel(q, k, v, scale)
+        assert lse.shape == (1, q.shape[2], q.shape[1]) and lse.dtype == torch.float32, name
+        o1, l1 = kernel(q, k[:, :517], v[:, :517], scale)
+        o2, l2 = kernel(q, k[:, 517:], v[:, 517:], scale)
+        w = torch.sigmoid(l1 - l2).transpose(1, 2).unsqueeze(-1)
+        merged = w * o1.float() + (1 - w) * o2.float()
+        d_full = float((merged - full.float()).abs().max())
+        d_ref = float((merged.double() - ref).abs().max())
+        print(f"{name} {dtype}: merged halves vs full {d_full:.2e}, vs fp64 {d_ref:.2e}")
+        assert d_full < tol_full and d_ref < tol_ref, name
+    if torch.cuda.get_device_capability() >= (8, 0) and dtype != torch.float32:
+        assert auto in ("cudnn-lse", "torch-flash-lse"), auto  # not the slow fallback
+
+
+@pytest.mark.parametrize("ring", [1, 2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_chosen_kernel_matches_diffusers_attention(ring, head_dim):
+    """The kernel `auto` picks (plain without Ring, LSE with it) computes what diffusers'
+    own attention dispatch computes, in bf16."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from workers import attention as A
+    kernel = A.select_kernel("auto", "cuda", torch.bfloat16, ring, head_dim)
+    q, k, v = _kernel_inputs(heads=6, head_dim=head_dim)
+    out = kernel(q, k, v, head_dim ** -0.5)
+    out = out[0] if kernel.lse else out
+    ref = dispatch_attention_fn(q, k, v)  # [B, S, H, D] in and out
+    d = float((out.float() - ref.float()).abs().max())
+    print(f"{kernel.name} (ring {ring}, head dim {head_dim}) vs diffusers: {d:.2e}")
+    assert out.shape == ref.shape and d < 2e-2
+
+
+def test_kernel_times_for_the_record():
+    """Per-call time of each LSE kernel at FLUX.1 size, printed only (no timing assertion):
+    what `auto` gains over the efficient fallback on this GPU."""
+    kernels, auto = _lse_kernels(torch.bfloat16)
+    q, k, v = _kernel_inputs(heads=24, seq=4608, head_dim=128)
+    for name, kernel in kernels.items():
+        for _ in range(3):
+            kernel(q, k, v, 128 ** -0.5)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            kernel(q, k, v, 128 ** -0.5)
+        stop.record()
+        torch.cuda.synchronize()
+        print(f"{name}: {start.elapsed_time(stop) / 20:.3f} ms per call"
+              + (" (auto)" if name == auto else ""))
+    assert auto in kernels
