@@ -65,13 +65,15 @@ def build_model(pool, config, arch: str, guidance_embeds: bool = True):
     denoiser = PoolDenoiser(pool, config, arch)
     if arch == "flux":
         cls = comfy.supported_models.Flux if guidance_embeds else comfy.supported_models.FluxSchnell
-        model_config = cls(dict(cls.unet_config, disable_unet_model_creation=True))
+        model_config = cls(dict(cls.unet_config, disable_unet_model_creation=True,
+                                in_channels=16, out_channels=16, patch_size=2))
         model_type = comfy.model_base.ModelType.FLUX if guidance_embeds else \
             comfy.model_base.ModelType.FLOW
         model = XditFlux(model_config, model_type=model_type, device=torch.device("cpu"))
     elif arch == "sd3":
         model_config = comfy.supported_models.SD3(
-            dict(comfy.supported_models.SD3.unet_config, disable_unet_model_creation=True))
+            dict(comfy.supported_models.SD3.unet_config, disable_unet_model_creation=True,
+                 out_channels=16))
         model = XditSD3(model_config, device=torch.device("cpu"))
     else:
         raise ConfigError(f"the xDiT MODEL supports flux and sd3, not {arch!r}")
