@@ -34,7 +34,7 @@ class Worker:
         self.device = planes.device
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
         from .attention import check_backend
-        check_backend(args.attention, self.device.type, self.dtype)
+        self.attention = check_backend(args.attention, self.device.type, self.dtype)
         from .compile import Compiler, check as check_compile
         check_compile(getattr(args, "compile", False), args.pipefusion)
         self.adapter = get_adapter(read_arch(args.model))
@@ -88,6 +88,9 @@ class Worker:
                 "latent": dict(zip(("scale", "shift"), self.adapter.scale_shift(self.model))),
                 "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
                 "compile": self.compiler.describe(),
+                "attention": dict(self.attention, current=getattr(
+                    self.parallel and self.parallel[1] and self.parallel[1].attention,
+                    "kernel_name", None)),
                 **self.state}
 
     def topology(self, key):
@@ -110,13 +113,14 @@ class Worker:
             if topo.degree("pipefusion") > 1:
                 from .pipefusion import PatchAttention
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
-                                      PatchAttention(topo, self.args.attention))
+                                      PatchAttention(topo, self.args.attention,
+                                                     self.device.type, self.dtype))
             elif topo.sp > 1:
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
                                       self.compiler.outside(ShardedAttention(
                                           topo, self.device.type,
                                           fault=self.hook_options.get("attention_fault", ""),
-                                          backend=self.args.attention)))
+                                          backend=self.args.attention, dtype=self.dtype)))
             self.parallel = (key, sp)
         return topo
 
