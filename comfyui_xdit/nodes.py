@@ -371,7 +371,8 @@ class XDiTExtension(ComfyExtension):
 
     async def get_node_list(self) -> list:
         _register_routes()  # on_load is not called by every ComfyUI release
-        return [LoadModel, LoRA, Sampler, Decode, UnloadPool]
+        from .nodes_model import ToModel  # the xDiT MODEL for ComfyUI's own samplers
+        return [LoadModel, LoRA, Sampler, Decode, UnloadPool, ToModel]
 
 
 _ROUTES_DONE = False
