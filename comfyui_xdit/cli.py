@@ -193,12 +193,16 @@ def _add_engine_flags(p):
                         "weights in fp8 e4m3fn; full: every weight in --dtype")
     p.add_argument("--text-encoders", default="auto",
                    help="where T5/CLIP run on rank 0: auto | cpu | gpu | cuda:N")
+    p.add_argument("--shard-weights", action="store_true",
+                   help="FSDP2-shard the transformer's block weights over every rank (exact; "
+                        "for models larger than one GPU)")
 
 
 def engine_from_args(args) -> EngineOptions:
     return EngineOptions(device=args.device, dtype=args.dtype, attention=args.attention,
                          compile=args.compile, weights=args.weights,
-                         text_encoders=args.text_encoders).validate()
+                         text_encoders=args.text_encoders,
+                         shard_weights=args.shard_weights).validate()
 
 
 def config_from_args(args) -> ParallelConfig:
@@ -232,7 +236,8 @@ def run_generate(args) -> int:
         e = engine_from_args(args)
         pool = WorkerPool(args.model, config, device=e.device, dtype=e.dtype,
                           threads_per_rank=args.threads_per_rank, attention=e.attention,
-                          compile=e.compile, weights=e.weights, text_encoders=e.text_encoders)
+                          compile=e.compile, weights=e.weights, text_encoders=e.text_encoders,
+                          shard_weights=e.shard_weights)
     with pool:
         if args.attach:
             served = pool.model_info.path

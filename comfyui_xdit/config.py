@@ -186,6 +186,8 @@ class EngineOptions:
                    weight to `dtype`, fp8 files included.
     text_encoders: where rank 0 runs T5/CLIP: "auto" (rank 0's GPU when they fit beside the
                    transformer, else the CPU), "cpu", "gpu" (rank 0's GPU) or "cuda:N".
+    shard_weights: FSDP2-shard the transformer's block weights over every rank (each block
+                   gathered just before it runs); exact, for models larger than one GPU.
     """
 
     device: str = "cpu"
@@ -194,6 +196,7 @@ class EngineOptions:
     compile: bool = False
     weights: str = "auto"
     text_encoders: str = "auto"
+    shard_weights: bool = False
 
     def problems(self) -> list[str]:
         out = []
@@ -207,6 +210,8 @@ class EngineOptions:
         elif self.attention in ("cudnn", "flash", "efficient") and self.device != "cuda":
             out.append(f"attention {self.attention!r} is a CUDA kernel and needs device cuda; "
                        f"use 'auto' or 'torch' on {self.device}")
+        if not isinstance(self.shard_weights, bool):
+            out.append(f"shard_weights must be true or false (got {self.shard_weights!r})")
         if not isinstance(self.compile, bool):
             out.append(f"compile must be true or false (got {self.compile!r})")
         if self.weights not in WEIGHTS:
@@ -230,4 +235,6 @@ class EngineOptions:
                 "--weights", self.weights, "--text-encoders", str(self.text_encoders)]
         if self.compile:
             argv.append("--compile")
+        if self.shard_weights:
+            argv.append("--shard-weights")
         return argv

@@ -56,14 +56,16 @@ class WorkerPool:
                  gpus: Optional[list] = None, start_timeout: float = 900.0,
                  step_timeout: float = 600.0, load_in_turn: Optional[bool] = None,
                  attention: str = "auto", worker_hooks=(), compile: bool = False,
-                 weights: str = "auto", text_encoders: str = "auto"):
+                 weights: str = "auto", text_encoders: str = "auto",
+                 shard_weights: bool = False):
         """`attention`, `compile`, `weights`, `text_encoders`: see `EngineOptions`.
         `worker_hooks`: "module:function" specs every worker runs at start (tests and
         benchmarks: NCCL-rules emulation, communication meter, fault injection; see
         workers/hooks.py). Not for production use."""
         self.engine = EngineOptions(device=device, dtype=dtype, attention=attention,
                                     compile=compile, weights=weights,
-                                    text_encoders=text_encoders).validate()
+                                    text_encoders=text_encoders,
+                                    shard_weights=shard_weights).validate()
         self.attention = attention
         self.worker_hooks = tuple(worker_hooks or ())
         self.model_path = str(Path(model_path).resolve())

@@ -56,6 +56,8 @@ def _parse(argv):
     p.add_argument("--weights", default="auto", choices=["auto", "fp8", "full"],
                    help="weight storage: as the checkpoint (auto), fp8 e4m3fn blocks, or all "
                         "in --dtype (full)")
+    p.add_argument("--shard-weights", action="store_true",
+                   help="FSDP2-shard the transformer's block weights over every rank")
     p.add_argument("--text-encoders", default="auto",
                    help="where rank 0 runs the text encoders: auto | cpu | gpu | cuda:N")
     p.add_argument("--pipefusion", type=int, default=1,
