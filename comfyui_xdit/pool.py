@@ -44,6 +44,19 @@ class JobCancelled(PoolError):
     pass
 
 
+SHARD_WEIGHTS_PIPEFUSION = (
+    "shard_weights cannot be combined with pipefusion {pf}: PipeFusion already splits the "
+    "blocks over its stages and runs each stage's blocks on its own ranks, so the sharded "
+    "blocks' all-gathers over every rank would never line up; use ulysses/ring/cfg/dp with "
+    "shard_weights, or a pool without shard_weights for PipeFusion")
+
+
+def _check_sharding(engine: EngineOptions, config: ParallelConfig) -> None:
+    """The one refusal of weight sharding (workers/sharding.py) with PipeFusion."""
+    if getattr(engine, "shard_weights", False) and config.pipefusion > 1:
+        raise ConfigError(SHARD_WEIGHTS_PIPEFUSION.format(pf=config.pipefusion))
+
+
 def _default_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
@@ -175,6 +188,7 @@ class WorkerPool:
         (they rebuild their process groups); another world size or PipeFusion layout (each
         rank holds one stage's weights) relaunches on next use."""
         config.validate(self.model_info)
+        _check_sharding(self.engine, config)
         with self._lock:
             if self._procs and config.launch_key() != self.config.launch_key():
                 self._shutdown()
@@ -442,6 +456,7 @@ class WorkerPool:
         """`on_launch(text, done, total)`: progress while the pool starts (see `_launch`)."""
         info = self.model_info
         self.config.validate(info, request)
+        _check_sharding(self.engine, self.config)
         _check_job_inputs(request, noise, init_latent, denoise)
         if not self.is_running():
             self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
@@ -544,6 +559,7 @@ class WorkerPool:
         of which those in `known` are not sent (rank 0 has them). Returns (prediction,
         stats, keys sent). Launches the pool if needed; a bad call leaves it warm."""
         config.validate(self.model_info)
+        _check_sharding(self.engine, config)
         with self._lock:
             if not self.is_running():
                 self._shutdown()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .sequence_parallel import even_sizes
+from .sharding import is_sharded
 
 COND_CACHE = 16  # conditionings kept per rank (a sampling run uses 1-3)
 
@@ -135,7 +136,12 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group
     mine = slice(start, start + sizes[me])
     longest = max(sizes)
     out = torch.zeros(longest, c, h, w, device=dev, dtype=torch.float32)
-    if sizes[me]:
+    # weight sharding (workers/sharding.py): every rank must run every block's forward, so a
+    # replica with no rows runs one dummy row (the first) and discards it
+    dummy = not sizes[me] and is_sharded(model.transformer)
+    if dummy:
+        mine = slice(0, 1)
+    if sizes[me] or dummy:
         cond = {}
         for k in conds[0]:
             if k in ("encoder_hidden_states", "pooled_projections"):
@@ -147,7 +153,8 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group
         g = None if call.guidance is None else call.guidance[mine].to(dev, torch.float32)
         extra = adapter.forward_extra(model, h * 8, w * 8)
         pred = adapter.forward(model, adapter.pack(x), t, cond, g, extra)
-        out[: sizes[me]] = adapter.unpack(pred, h * 8, w * 8).float()
+        if not dummy:
+            out[: sizes[me]] = adapter.unpack(pred, h * 8, w * 8).float()
     if dist.get_world_size(data_group) > 1:
         parts = [torch.empty_like(out) for _ in range(dist.get_world_size(data_group))]
         dist.all_gather(parts, out, group=data_group)

@@ -1,0 +1,232 @@
+"""Weight sharding (`EngineOptions.shard_weights`, `--shard-weights`): torch's FSDP2 over the
+pool, so a model larger than one GPU runs exactly with Ulysses, Ring, hybrid, CFG and DP.
+
+What is sharded: every block of the adapter's block lists (FLUX `transformer_blocks` +
+`single_transformer_blocks`, SD3 `transformer_blocks`) is its own `fully_shard` unit, and the
+transformer itself is the root unit, which shards what is left (embedders, `norm_out`,
+`proj_out`). Every parameter is split on dim 0 over the whole world (one 1-D device mesh on a
+process group of its own, so FSDP's all-gathers never interleave with the other data-plane
+traffic of the world group). Between forwards a rank holds 1/N of every weight (plus FSDP's
+dim-0 padding).
+
+What happens in a forward: the root's pre-forward all-gathers the non-block parameters (kept
+for the whole forward, freed after it: `reshard_after_forward=True` is set explicitly, which
+also overrides FSDP's "root stays unsharded" default) and prefetches block 0; each block's
+pre-forward waits for its own all-gather and issues the next block's
+(`set_modules_to_forward_prefetch`, a chain in execution order), so the next gather overlaps
+this block's compute; its post-forward frees the gathered weights. Peak: 1/N of the weights
++ the non-block weights + two gathered blocks (this one and the prefetched one).
+
+Exactness: an all-gather copies bits, so each block computes with exactly the weights of the
+unsharded model; nothing in the arithmetic changes.
+
+The rule that keeps it from deadlocking: FSDP's all-gathers are collectives over the whole
+world, so every rank must run every block's forward the same number of times, in the same
+order. The denoising loop does (CFG parallel: one branch per rank per step; DP with uneven
+batches: every replica steps every tick); host-sampler calls (workers/model_call.py) run a
+dummy one-row forward on a replica that got no rows. PipeFusion (each rank runs only its
+stage's blocks) is refused, and so is `compile` (not validated with FSDP's hooks).
+
+LoRA: peft wraps a block's Linear in a LoRA layer that keeps the original Linear as
+`base_layer`; FSDP keeps managing that Linear's (sharded) weight, so the base weight is
+gathered as before, and the small LoRA A/B matrices are ordinary, replicated parameters
+beside it. The result equals the unsharded model with the same adapters.
+
+Counted for `status` and the job stats (`counts()`): block parameters in total, held by this
+rank at rest, and measured during forwards (after a block's reshard, with the next block's
+prefetch in flight; and the peak inside a block); all-gather elements and bytes per forward.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+PIPEFUSION_REFUSED = ("shard_weights cannot be combined with PipeFusion: PipeFusion already "
+                      "splits the blocks over its stages, and each stage runs only its own "
+                      "blocks, so FSDP's all-gathers over every rank would never line up; "
+                      "launch the pool without pipefusion (Ulysses, Ring, CFG and DP combine "
+                      "with shard_weights), or without shard_weights")
+COMPILE_REFUSED = ("shard_weights and compile together are not supported yet (compile has "
+                   "not been validated with FSDP's hooks); launch with one of them")
+
+
+def check(shard_weights: bool, pipefusion: int, compile: bool = False) -> None:
+    """Raise the one clear message for a launch sharding cannot serve (worker side)."""
+    if not shard_weights:
+        return
+    if pipefusion > 1:
+        raise ValueError(PIPEFUSION_REFUSED)
+    if compile:
+        raise ValueError(COMPILE_REFUSED)
+
+
+def is_sharded(module) -> bool:
+    """Whether `module` is an FSDP2 unit (its forwards then take part in collectives)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _groups(module) -> list:
+    """The FSDPParamGroups of one fully_shard unit (torch internals, for counting only)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older torch: one group per state
+        g = getattr(state, "_fsdp_param_group", None)
+        groups = [g] if g is not None else []
+    return list(groups)
+
+
+def _held(tensor) -> int:
+    """Elements whose storage is allocated now (FSDP frees by resizing the storage to 0)."""
+    try:
+        if tensor.untyped_storage().size() == 0:
+            return 0
+    except Exception:  # noqa: BLE001
+        return 0
+    return int(tensor.numel())
+
+
+def _group_elems(group) -> tuple:
+    """(local shard elements, gathered elements allocated now) of one FSDPParamGroup."""
+    shard, gathered = 0, 0
+    for fp in group.fsdp_params:
+        shard += int(fp._sharded_param_data.numel())
+        for t in getattr(fp, "all_gather_outputs", []) or []:
+            gathered += _held(t)
+    pending = getattr(group, "_all_gather_result", None)  # a prefetch in flight
+    if pending is not None:
+        out = getattr(pending, "all_gather_output", None)
+        if out is not None:
+            gathered += _held(out)
+    return shard, gathered
+
+
+class WeightSharding:
+    """fully_shard over the blocks and the root of one transformer, with the counters."""
+
+    def __init__(self, transformer, block_lists, group, device):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.world = dist.get_world_size(group)
+        self.group = group
+        self.mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        self.blocks = [b for name in block_lists for b in getattr(transformer, name)]
+        if not self.blocks:
+            raise RuntimeError("no transformer blocks to shard")
+        self.block_numels = [sum(p.numel() for p in b.parameters()) for b in self.blocks]
+        self.block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters())
+                            for b in self.blocks]
+        block_ids = {id(p) for b in self.blocks for p in b.parameters()}
+        rest = [p for p in transformer.parameters() if id(p) not in block_ids]
+        self.root_numel = sum(p.numel() for p in rest)
+        self.root_bytes = sum(p.numel() * p.element_size() for p in rest)
+        for b in self.blocks:
+            fully_shard(b, mesh=self.mesh, reshard_after_forward=True)
+        fully_shard(transformer, mesh=self.mesh, reshard_after_forward=True)
+        self.transformer = transformer
+        # explicit prefetch chain, in execution order: root -> block 0 -> block 1 -> ...
+        transformer.set_modules_to_forward_prefetch([self.blocks[0]])
+        for a, b in zip(self.blocks, self.blocks[1:]):
+            a.set_modules_to_forward_prefetch([b])
+        self.forwards = 0  # transformer forwards run while sharded
+        self.block_forwards = 0
+        self.gathered_elems = 0  # elements all-gathered (whole tensors) so far
+        self.peak_in_block = 0  # block elements allocated on this rank, measured
+        self.peak_between = 0
+        self._hooks = []
+        for b in self.blocks:
+            self._hooks.append(b.register_forward_pre_hook(self._in_block))
+            self._hooks.append(b.register_forward_hook(self._after_block))
+        self._hooks.append(transformer.register_forward_pre_hook(self._enter))
+
+    # ---- counting ---------------------------------------------------------------------------
+    def _block_resident(self) -> int:
+        total = 0
+        for b in self.blocks:
+            for g in _groups(b):
+                s, u = _group_elems(g)
+                total += s + u
+        return total
+
+    def _enter(self, module, args):
+        self.forwards += 1
+        self.gathered_elems += self.root_numel
+
+    def _in_block(self, module, args):  # after FSDP's own pre-forward: gathered + prefetch
+        self.block_forwards += 1
+        self.gathered_elems += sum(p.numel() for p in module.parameters())
+        self.peak_in_block = max(self.peak_in_block, self._block_resident())
+
+    def _after_block(self, module, args, output):  # after FSDP's post-forward: resharded
+        self.peak_between = max(self.peak_between, self._block_resident())
+
+    def local_block_elems(self) -> int:
+        """Block parameter elements this rank holds between forwards (its shards)."""
+        return sum(_group_elems(g)[0] for b in self.blocks for g in _groups(b))
+
+    def local_root_elems(self) -> int:
+        return sum(_group_elems(g)[0] for g in _groups(self.transformer))
+
+    def counts(self) -> dict:
+        n = self.world
+        total = sum(self.block_numels)
+        block_gather = sum(self.block_bytes)
+        return {
+            "ranks": n,
+            "block_params": total,
+            "largest_block_params": max(self.block_numels),
+            "block_params_local": self.local_block_elems(),
+            "block_params_resident_now": self._block_resident(),  # shards + any gathered
+            "nonblock_params": self.root_numel,
+            "nonblock_params_local": self.local_root_elems(),
+            "peak_block_params_between_blocks": self.peak_between,
+            "peak_block_params_in_block": self.peak_in_block,
+            # what one forward all-gathers: every sharded weight once; each rank receives
+            # (N-1)/N of it from the others
+            "gather_bytes_per_forward": block_gather + self.root_bytes,
+            "received_bytes_per_forward_per_rank":
+                int((block_gather + self.root_bytes) * (n - 1) / n),
+            "forwards": self.forwards,
+            "block_forwards": self.block_forwards,
+            "gathered_params": self.gathered_elems,
+        }
+
+    def reset_peaks(self) -> None:
+        self.peak_in_block = self.peak_between = 0
+
+
+def unsharded_counts(transformer, block_lists) -> dict:
+    """The same block counts for a pool without sharding (every rank holds every weight)."""
+    numels = [sum(p.numel() for p in b.parameters())
+              for name in block_lists for b in getattr(transformer, name)]
+    return {"ranks": 1, "block_params": sum(numels), "largest_block_params": max(numels),
+            "block_params_local": sum(numels)}
+
+
+def job_counts(worker) -> dict:
+    """What a job's stats report about weight residency on this rank."""
+    if worker.sharding is not None:
+        return worker.sharding.counts()
+    return unsharded_counts(worker.model.transformer, worker.adapter.block_lists)
+
+
+def shard_after_load(worker) -> Optional[WeightSharding]:
+    """Worker hook, called once after the transformer is loaded: shard it when the pool was
+    launched with `--shard-weights` (on every rank, collectively), else do nothing."""
+    args = worker.args
+    if not getattr(args, "shard_weights", False):
+        return None
+    check(True, args.pipefusion, getattr(args, "compile", False))
+    import torch.distributed as dist
+    # a device group of its own for FSDP's all-gathers (NCCL on GPUs, gloo on CPU and in the
+    # shared-GPU test mode: the world group's backend)
+    group = dist.new_group(list(range(worker.world)),
+                           backend=dist.get_backend(worker.planes.data))
+    return WeightSharding(worker.model.transformer, worker.adapter.block_lists, group,
+                          worker.device)
