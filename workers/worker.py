@@ -52,6 +52,8 @@ class Worker:
             if args.load_in_turn and world > 1:
                 dist.barrier(group=planes.control)
         self.load_seconds = time.perf_counter() - t
+        from .sharding import shard_after_load
+        self.sharding = shard_after_load(self)  # --shard-weights: FSDP2 (workers/sharding.py)
         self.loras = LoraManager(self.adapter)
         self.compiler = Compiler(getattr(args, "compile", False))  # workers/compile.py
         self.compiler.install(self.model.transformer, self.adapter.block_lists)
@@ -88,6 +90,7 @@ class Worker:
                 "latent": dict(zip(("scale", "shift"), self.adapter.scale_shift(self.model))),
                 "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
                 "compile": self.compiler.describe(),
+                "sharding": self.sharding.counts() if self.sharding else None,
                 "attention": dict(self.attention, current=getattr(
                     self.parallel and self.parallel[1] and self.parallel[1].attention,
                     "kernel_name", None)),
@@ -187,6 +190,9 @@ class Worker:
                               should_stop)
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
                  "lora_loads": self.loras.loads, "compile": compiled.stats}
+        if self.model.stage is None:  # block weights held here (workers/sharding.py)
+            from .sharding import job_counts
+            stats["sharding"] = job_counts(self)
         if self.device.type == "cuda":
             stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         images = None
