@@ -7,6 +7,7 @@ group: objects never travel on the data plane.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -46,9 +47,11 @@ class Worker:
             stage = (stage_of_rank(rank, args.pipefusion, args.pipefusion_inner),
                      args.pipefusion, args.pipefusion_split)
         for turn in (range(world) if args.load_in_turn else [rank]):
-            if turn == rank:
+            if turn == rank:  # the pool counts these two lines for "loading k/N"
+                logging.getLogger("xdit.worker").info("xdit: loading weights")
                 self.model = self.adapter.load(args.model, self.device, self.dtype,
                                                with_text_encoders=(rank == 0), stage=stage)
+                logging.getLogger("xdit.worker").info("xdit: weights loaded")
             if args.load_in_turn and world > 1:
                 dist.barrier(group=planes.control)
         self.load_seconds = time.perf_counter() - t
