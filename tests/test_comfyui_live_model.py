@@ -1,0 +1,230 @@
+"""The xDiT MODEL under stock KSampler in a real ComfyUI (skipped unless COMFYUI_PATH is set).
+
+COMFYUI_PATH: a ComfyUI checkout; COMFYUI_PYTHON: its venv's python (with this pack's
+requirements). The fixture links this pack and a test-only helper pack
+(tests/live_helpers/xdit_test_model_nodes: a seeded random CONDITIONING and a node that saves
+IMAGE / LATENT tensors at full precision) into custom_nodes/, writes random single files that
+ComfyUI's own UNETLoader detects correctly (tests/native_models.py) into
+models/diffusion_models/ and a random 16-channel VAE into models/vae/, and starts
+`main.py --cpu`.
+
+Each comparison is one graph with two branches from the same seed, latent, CONDITIONING and
+VAE: stock KSampler on "MODEL for KSampler (xDiT)" (xDiT.LoadModel of the file on a 2-rank
+CPU fp32 pool) and stock KSampler on ComfyUI's own model (UNETLoader, weight_dtype default),
+each decoded by VAEDecode; the decoded IMAGE tensors must agree to 1e-3.
+* SD3 (cfg 3.5, so every call carries the conditional and unconditional rows) at Ulysses 2
+  and at CFG parallel, with euler/simple and dpmpp_2m/beta;
+* FLUX (FLUX.1-wide, 1 double + 1 single block: ComfyUI hard-codes FLUX's widths) at
+  Ulysses 2 through FluxGuidance, with the same two samplers.
+The API example example_workflows/xdit_flux_ksampler_api.json runs with the tiny FLUX folder,
+the test VAE and test conditioning substituted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_comfyui_live import _comfy_vae, _free_port, _http, _run
+
+COMFY = os.environ.get("COMFYUI_PATH")
+pytestmark = pytest.mark.skipif(not COMFY, reason="COMFYUI_PATH not set (live ComfyUI test)")
+
+ROOT = Path(__file__).resolve().parent.parent
+VAE_NAME = "xdit-test-vae.safetensors"
+FILES = {"sd3": "xdit-native-sd3.safetensors", "flux": "xdit-native-flux.safetensors"}
+TINY_FLUX = "xdit-test-flux-ksampler"  # models/diffusers/<this>: the tiny FLUX folder
+TOL = 1e-3
+SAMPLERS = [("euler", "simple"), ("dpmpp_2m", "beta")]
+
+
+def _link(path: Path, target: Path) -> None:
+    if not path.is_symlink() and not path.exists():
+        path.symlink_to(target, target_is_directory=True)
+
+
+@pytest.fixture(scope="module")
+def comfy(model_dir, tmp_path_factory):
+    from native_models import native_single_file
+
+    comfy = Path(COMFY)
+    py = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    _link(comfy / "custom_nodes" / "comfyui-xdit-under-test", ROOT)
+    _link(comfy / "custom_nodes" / "xdit-live-test-model-nodes",
+          ROOT / "tests" / "live_helpers" / "xdit_test_model_nodes")
+    files = comfy / "models" / "diffusion_models"
+    files.mkdir(parents=True, exist_ok=True)
+    # the FLUX.1-wide file is ~1.1 GB: built once, then kept beside the other models
+    for arch, name in FILES.items():
+        native_single_file(arch, files / name)
+    (comfy / "models" / "vae").mkdir(parents=True, exist_ok=True)
+    _comfy_vae(comfy / "models" / "vae" / VAE_NAME)
+    tiny = comfy / "models" / "diffusers" / TINY_FLUX
+    if not tiny.exists():
+        tiny.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(model_dir("flux"), tiny)
+    port = _free_port()
+    tmp = tmp_path_factory.mktemp("comfy-model")
+    log = tmp / "comfyui.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([py, "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
+                                 str(port), "--disable-auto-launch"], cwd=comfy, stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            _http(base, "/system_stats", timeout=5)
+            break
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("ComfyUI did not start:\n" + log.read_text()[-4000:])
+            time.sleep(1)
+    yield {"base": base, "port": port, "log": log, "tmp": tmp, "tiny": tiny}
+    try:
+        _http(base, "/xdit/unload", {})
+    except Exception:
+        pass
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    text = log.read_text()
+    assert "IMPORT FAILED" not in text, text[-3000:]
+
+
+def _tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+def _compare_graph(comfy, arch: str, layout: dict, sampler: str, scheduler: str, cfg: float,
+                   tag: str, size: int = 64, steps: int = 4, seed: int = 7) -> dict:
+    """API graph: the same KSampler on the xDiT MODEL ("x" branch) and on ComfyUI's own model
+    loaded from the same file ("n" branch), both decoded with the same VAE and saved."""
+    ctx_dim, pooled_dim = {"sd3": (4096, 2048), "flux": (4096, 768)}[arch]
+    out = {b: str(comfy["tmp"] / f"{tag}-{b}.safetensors") for b in ("x", "n")}
+    wf = {
+        "1": {"class_type": "xDiT.LoadModel",
+              "inputs": dict({"model": f"diffusion_models/{FILES[arch]}", "device": "cpu",
+                              "dtype": "fp32", "world_size": "2", "ulysses": 1, "ring": 1,
+                              "cfg_parallel": False, "dp": 1, "gpus": ""}, **layout)},
+        "2": {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0]}},
+        "3": {"class_type": "UNETLoader", "inputs": {"unet_name": FILES[arch],
+                                                      "weight_dtype": "default"}},
+        "4": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 1, "tokens": 8, "context_dim": ctx_dim,
+                         "pooled_dim": pooled_dim, "guidance": -1.0}},
+        "5": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 2, "tokens": 8, "context_dim": ctx_dim,
+                         "pooled_dim": pooled_dim, "guidance": -1.0}},
+        "6": {"class_type": "EmptySD3LatentImage",
+              "inputs": {"width": size, "height": size, "batch_size": 1}},
+        "9": {"class_type": "VAELoader", "inputs": {"vae_name": VAE_NAME}},
+    }
+    positive = ["4", 0]
+    if arch == "flux":  # embedded guidance through ComfyUI's own node
+        wf["14"] = {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0],
+                                                             "guidance": 3.5}}
+        positive = ["14", 0]
+    for b, model, k, d, s in (("x", ["2", 0], "7", "10", "12"), ("n", ["3", 0], "8", "11", "13")):
+        wf[k] = {"class_type": "KSampler",
+                 "inputs": {"model": model, "seed": seed, "steps": steps, "cfg": cfg,
+                            "sampler_name": sampler, "scheduler": scheduler,
+                            "positive": positive, "negative": ["5", 0],
+                            "latent_image": ["6", 0], "denoise": 1.0}}
+        wf[d] = {"class_type": "VAEDecode", "inputs": {"samples": [k, 0], "vae": ["9", 0]}}
+        wf[s] = {"class_type": "XDiTTestSaveTensors",
+                 "inputs": {"images": [d, 0], "latent": [k, 0], "path": out[b]}}
+    return wf, out
+
+
+def _compare(comfy, arch, layout, sampler, scheduler, cfg, tag, **kw) -> dict:
+    wf, out = _compare_graph(comfy, arch, layout, sampler, scheduler, cfg, tag, **kw)
+    _, msgs = _run(comfy, wf, timeout=1500)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    x, n = _tensors(Path(out["x"])), _tensors(Path(out["n"]))
+    assert x["image"].shape == n["image"].shape and x["image"].shape[-1] == 3
+    fig = {"image_max_abs": float((x["image"] - n["image"]).abs().max()),
+           "latent_max_abs": float((x["latent"] - n["latent"]).abs().max()),
+           "latent_max": float(n["latent"].abs().max()),
+           "image_std": float(n["image"].std())}
+    print(f"\n{tag}: {json.dumps(fig)}")
+    # the comparison can see a difference: a non-trivial latent and image
+    assert fig["latent_max"] > 0.05 and fig["image_std"] > 1e-3, fig
+    assert fig["image_max_abs"] <= TOL, fig
+    assert fig["latent_max_abs"] <= TOL, fig
+    return {"x": x, "n": n, "fig": fig}
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg_parallel": True}],
+                         ids=["ulysses2", "cfg_parallel"])
+def test_sd3_ksampler_on_the_pool_matches_comfyui_own_model(comfy, layout):
+    results = {}
+    for sampler, scheduler in SAMPLERS:
+        tag = f"sd3-{'-'.join(map(str, layout.values()))}-{sampler}"
+        results[sampler] = _compare(comfy, "sd3", layout, sampler, scheduler, 3.5, tag)
+    # the two samplers give different images: the 1e-3 agreement above is not vacuous
+    a, b = (results[s]["n"]["image"] for s, _ in SAMPLERS)
+    assert float((a - b).abs().max()) > 1e-2
+    st = _http(comfy["base"], "/xdit/status")
+    pool = next(p for p in st["pools"] if p["model"].endswith(FILES["sd3"]))
+    assert pool["world_size"] == 2
+
+
+def test_flux_ksampler_on_the_pool_matches_comfyui_own_model(comfy):
+    """FLUX.1-wide (1 + 1 blocks, bf16 file, fp32 compute) at Ulysses 2, FluxGuidance 3.5."""
+    _http(comfy["base"], "/xdit/unload", {})  # room for the 0.55 B-parameter ranks
+    results = {}
+    for sampler, scheduler in SAMPLERS:
+        results[sampler] = _compare(comfy, "flux", {"ulysses": 2}, sampler, scheduler, 1.0,
+                                    f"flux-ulysses2-{sampler}", steps=3)
+    a, b = (results[s]["n"]["image"] for s, _ in SAMPLERS)
+    assert float((a - b).abs().max()) > 1e-2
+    _http(comfy["base"], "/xdit/unload", {})
+    _http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+
+
+def test_ksampler_example_workflow_runs(comfy):
+    """example_workflows/xdit_flux_ksampler_api.json with the tiny FLUX folder, the test VAE
+    and a random CONDITIONING (in place of the FLUX text encoders) substituted."""
+    wf = json.loads((ROOT / "example_workflows" / "xdit_flux_ksampler_api.json").read_text())
+    by_type = {}
+    for nid, node in wf.items():
+        by_type.setdefault(node["class_type"], []).append(nid)
+    assert {"xDiT.LoadModel", "xDiT.ToModel", "KSampler", "FluxGuidance", "VAEDecode",
+            "SaveImage"} <= set(by_type)
+    loader = wf[by_type["xDiT.LoadModel"][0]]["inputs"]
+    loader.update(model=TINY_FLUX, device="cpu", world_size="2", ulysses=2)
+    cfg = json.loads((comfy["tiny"] / "transformer" / "config.json").read_text())
+    for nid in by_type.get("CLIPTextEncode", []):  # the text encoders' CONDITIONING
+        wf[nid] = {"class_type": "XDiTTestRandomConditioning",
+                   "inputs": {"seed": int(nid), "tokens": 8,
+                              "context_dim": cfg["joint_attention_dim"],
+                              "pooled_dim": cfg["pooled_projection_dim"], "guidance": -1.0}}
+    for nid in by_type.get("DualCLIPLoader", []):
+        del wf[nid]
+    wf[by_type["VAELoader"][0]]["inputs"]["vae_name"] = VAE_NAME
+    latent = next(n for n in wf.values() if n["class_type"] == "EmptySD3LatentImage")
+    latent["inputs"].update(width=64, height=64)
+    ks = wf[by_type["KSampler"][0]]["inputs"]
+    ks["steps"] = 3
+    wf[by_type["SaveImage"][0]]["inputs"]["filename_prefix"] = "xdit-live-ksampler"
+    pid, msgs = _run(comfy, wf)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    progress = [m["data"] for m in msgs if m.get("type") == "progress"
+                and m["data"].get("node") == by_type["KSampler"][0]]
+    assert progress and progress[-1]["value"] == 3  # KSampler's own progress
+    images = _http(comfy["base"], f"/history/{pid}")[pid]["outputs"][by_type["SaveImage"][0]]
+    assert images["images"][0]["filename"].startswith("xdit-live-ksampler")
+    st = _http(comfy["base"], "/xdit/status")
+    pool = next(p for p in st["pools"] if p["model"].endswith(TINY_FLUX))
+    assert pool["world_size"] == 2
