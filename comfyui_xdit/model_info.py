@@ -59,6 +59,17 @@ class ModelInfo:
     has_text_encoders: bool = True  # a single file has none: CONDITIONING must be given
     has_vae: bool = True  # the pool decodes images with the folder's VAE only
     blocks: Optional[int] = None  # transformer blocks (FLUX: double + single), for PipeFusion
+    # how the checkpoint stores its weights: "bf16" | "fp16" | "fp32" | "fp8" | "scaled-fp8"
+    # (an fp8 file stays fp8 on the GPU under weights="auto": EngineOptions)
+    storage: Optional[str] = None
+
+
+def _storage_name(storage) -> Optional[str]:
+    if not storage:
+        return None
+    if storage.get("fp8"):
+        return "scaled-fp8" if storage.get("scaled") else "fp8"
+    return storage.get("dtype")
 
 
 def _block_count(arch: str, cfg: dict) -> Optional[int]:
@@ -83,8 +94,9 @@ def read_model_info(path) -> ModelInfo:
         return ModelInfo(path=str(path), arch=arch, heads=int(cfg["num_attention_heads"]),
                          patch_size=int(cfg["patch_size"]), kind="file",
                          has_text_encoders=False, has_vae=False,
-                         blocks=_block_count(arch, cfg))
+                         blocks=_block_count(arch, cfg),
+                         storage=_storage_name(d.get("storage")))
     # a folder's config omits what equals the diffusers class default
     return ModelInfo(path=str(path), arch=arch, heads=int(cfg.get("num_attention_heads", 24)),
                      patch_size=int(cfg.get("patch_size", 2 if arch == "sd3" else 1)),
-                     blocks=_block_count(arch, cfg))
+                     blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")))

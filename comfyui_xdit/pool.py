@@ -91,7 +91,7 @@ class WorkerPool:
         self.step_timeout = step_timeout
         # ranks load one after another: host memory peaks at one model copy, not N (on GPU
         # the host copy is freed once on the device; default there)
-        self.load_in_turn = (device == "cuda") if load_in_turn is None else load_in_turn
+        self.load_in_turn = bool(load_in_turn)  # default off: weights stream to each device
         self._phase = "stopped"
         self._info: Optional[ModelInfo] = None
         self._procs: list = []

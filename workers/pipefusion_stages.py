@@ -12,8 +12,6 @@ per-call pipeline context arrives with the call (`sp_plan.patch`), never from a 
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -145,50 +143,19 @@ def plan_stages(transformer, lists, stage: int, stages: int, split: str) -> Stag
                      split=str(split))
 
 
-def _checkpoint_files(folder: str) -> dict:
-    """tensor name -> file, for a diffusers component folder (single or sharded)."""
-    names = sorted(os.listdir(folder))
-    index = [n for n in names if n.endswith(".safetensors.index.json")]
-    if index:
-        with open(os.path.join(folder, index[0])) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
-    files = [n for n in names if n.endswith(".safetensors")]
-    if len(files) != 1:
-        raise FileNotFoundError(f"{folder} has no safetensors weights (or several without an "
-                                f"index); PipeFusion loads stages from safetensors only")
-    from safetensors import safe_open
-    path = os.path.join(folder, files[0])
-    with safe_open(path, "pt") as f:
-        return {k: path for k in f.keys()}
-
-
 def load_stage_transformer(transformer_class, folder: str, lists, stage: int, stages: int,
-                           split: str, device, dtype):
-    """Build the transformer with only stage `stage`'s blocks, reading only their tensors."""
-    from safetensors import safe_open
+                           split: str, device, dtype, weights: str = "auto"):
+    """Build the transformer with only stage `stage`'s blocks, reading only their tensors,
+    each straight to `device` (workers/weights.py). -> (transformer, StageInfo, LoadReport)"""
+    from .models.base import meta_transformer
+    from .weights import load_folder
 
-    config = transformer_class.load_config(folder)
-    with torch.device("meta"):
-        tr = transformer_class.from_config(config)
+    tr = meta_transformer(transformer_class, folder)
     info = plan_stages(tr, lists, stage, stages, split)
     keep_stage_blocks(tr, lists, info)
-    wanted = tr.state_dict()
-    where = _checkpoint_files(folder)
-    missing = [k for k in wanted if k not in where]
-    if missing:
-        raise KeyError(f"checkpoint {folder} lacks {len(missing)} tensors of stage {stage}, "
-                       f"e.g. {missing[:3]}")
-    state = {}
-    by_file: dict = {}
-    for k in wanted:
-        by_file.setdefault(where[k], []).append(k)
-    for path, keys in by_file.items():
-        with safe_open(path, "pt", device="cpu") as f:
-            for k in keys:
-                state[k] = f.get_tensor(k)
-    materialize_stage(tr, lists, info, state, device, dtype)
-    return tr, info
+    report = load_folder(tr, lists, folder, device, dtype, weights, names=list(tr.state_dict()))
+    finish_stage(tr, lists, info)
+    return tr, info, report
 
 
 def keep_stage_blocks(transformer, lists, info: StageInfo) -> None:
@@ -206,12 +173,9 @@ def stage_block_names(transformer, lists, info: StageInfo) -> set:
             if not lo <= j < hi}
 
 
-def materialize_stage(transformer, lists, info: StageInfo, state: dict, device, dtype):
-    """Load the stage's tensors (exactly those: strict) into the meta-built transformer whose
-    other blocks are RemoteBlocks, then hook the stage boundaries."""
-    state = {k: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-             for k, t in state.items()}
-    transformer.load_state_dict(state, strict=True, assign=True)
+def finish_stage(transformer, lists, info: StageInfo) -> None:
+    """After the stage's tensors are assigned (workers/weights.load_tensors, strict): check
+    nothing is left on the meta device, then hook the stage boundaries."""
     leftover = [n for n, b in transformer.named_buffers() if b.is_meta]
     if leftover:
         raise RuntimeError(f"buffers {leftover} are not in the checkpoint; PipeFusion cannot "

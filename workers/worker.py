@@ -49,8 +49,10 @@ class Worker:
         for turn in (range(world) if args.load_in_turn else [rank]):
             if turn == rank:  # the pool counts these two lines for "loading k/N"
                 logging.getLogger("xdit.worker").info("xdit: loading weights")
-                self.model = self.adapter.load(args.model, self.device, self.dtype,
-                                               with_text_encoders=(rank == 0), stage=stage)
+                self.model = self.adapter.load(
+                    args.model, self.device, self.dtype, with_text_encoders=(rank == 0),
+                    stage=stage, weights=getattr(args, "weights", "auto"),
+                    text_encoders=getattr(args, "text_encoders", "auto"))
                 logging.getLogger("xdit.worker").info("xdit: weights loaded")
             if args.load_in_turn and world > 1:
                 dist.barrier(group=planes.control)
@@ -75,7 +77,8 @@ class Worker:
                                    "n_blocks": st.n_blocks},
                                   "import_s": import_s, "load_s": self.load_seconds,
                                   "rss_after_import_mb": rss_after_import,
-                                  "load_peak_rss_mb": peak})
+                                  "load_peak_rss_mb": peak,
+                                  "load": getattr(self.model, "load_report", None)})
         self.state = {"state": "idle", "job_id": None, "step": 0, "total": 0}
         if world > 1:  # the patch-parallel VAE's halo links (neighbour ranks, world group)
             from .p2p import warm_pairs
@@ -92,6 +95,9 @@ class Worker:
                 "world_size": self.world, "load_seconds": self.load_seconds,
                 "latent": dict(zip(("scale", "shift"), self.adapter.scale_shift(self.model))),
                 "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
+                "weights": (getattr(self.model, "load_report", None) or {}).get("weights"),
+                "text_encoders": (getattr(self.model, "load_report", None) or {}).get(
+                    "text_encoders"),
                 "compile": self.compiler.describe(),
                 "sharding": self.sharding.counts() if self.sharding else None,
                 "attention": dict(self.attention, current=getattr(

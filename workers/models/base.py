@@ -9,6 +9,22 @@ import torch
 from . import LoadedModel, latent_layout
 
 
+def meta_transformer(tcls, folder: str):
+    """The transformer of a diffusers folder, built from its config on the meta device (no
+    memory, no random init), its weights to be assigned."""
+    import torch
+
+    with torch.device("meta"):
+        return tcls.from_config(tcls.load_config(folder))
+
+
+def text_encoder_device_of(model) -> "object":
+    """Where the (rank-0) text encoders run: prompts are encoded there; the embeddings are
+    moved to the transformer's device by the job broadcast."""
+    enc = getattr(model, "encoder", None)
+    return enc.device if enc is not None else model.device
+
+
 def _read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -21,33 +37,66 @@ class DiTAdapter:
     block_lists: tuple = ()  # the transformer's block lists in execution order (PipeFusion)
 
     def load(self, path: str, device, dtype, with_text_encoders: bool,
-             stage=None) -> LoadedModel:
-        """`stage` = (index, count, split): PipeFusion, load only that stage's blocks."""
+             stage=None, weights: str = "auto", text_encoders: str = "auto") -> LoadedModel:
+        """`stage` = (index, count, split): PipeFusion, load only that stage's blocks.
+        `weights`: auto | fp8 | full (workers/weights.py); `text_encoders`: where rank 0 runs
+        T5/CLIP (auto | cpu | gpu | cuda:N). The transformer goes straight from the file to
+        `device`, tensor by tensor (no host copy), so all ranks may load at once."""
         import diffusers
+
+        from ..weights import has_safetensors, load_folder, parameter_bytes, to_fp8
 
         if os.path.isfile(path):  # one .safetensors transformer (ComfyUI's model folders)
             from .single_file import load_single_file
-            return load_single_file(self, path, device, dtype, stage=stage)
+            return load_single_file(self, path, device, dtype, stage=stage, weights=weights)
         tcls = getattr(diffusers, self.transformer_class)
+        folder = os.path.join(path, "transformer")
         stage_info = None
         if stage is not None:
             from ..pipefusion_stages import load_stage_transformer
-            transformer, stage_info = load_stage_transformer(
-                tcls, os.path.join(path, "transformer"), self.block_lists, *stage,
-                device=device, dtype=dtype)
-        else:
+            transformer, stage_info, report = load_stage_transformer(
+                tcls, folder, self.block_lists, *stage, device=device, dtype=dtype,
+                weights=weights)
+        elif has_safetensors(folder):
+            transformer = meta_transformer(tcls, folder)
+            report = load_folder(transformer, self.block_lists, folder, device, dtype, weights)
+        else:  # .bin weights: diffusers' own loader (through host memory)
             transformer = tcls.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
             transformer.to(device).eval().requires_grad_(False)
-        encoder = None
+            from ..weights import LoadReport
+            n = to_fp8(transformer, self.block_lists) if weights == "fp8" else 0
+            report = LoadReport(weights="fp8" if n else "full", fp8_layers=n,
+                                transformer_bytes=parameter_bytes(transformer))
+        encoder, te_device = None, None
         if with_text_encoders:
+            te_device = self._text_encoder_device(path, device, dtype, text_encoders)
             pcls = getattr(diffusers, self.pipeline_class)
             encoder = pcls.from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype)
-            encoder.to(device)
-        return LoadedModel(
+            encoder.to(te_device)
+        model = LoadedModel(
             path=path, arch=self.arch, transformer=transformer, encoder=encoder,
             scheduler_config=_read_json(os.path.join(path, "scheduler", "scheduler_config.json")),
             vae_config=_read_json(os.path.join(path, "vae", "config.json")),
             device=device, dtype=dtype, stage=stage_info)
+        model.load_report = dict(report.as_dict(), text_encoders=te_device)  # describe()
+        return model
+
+    def _text_encoder_device(self, path, device, dtype, option) -> str:
+        """workers/weights.text_encoder_device with this GPU's free memory (after the
+        transformer load) and the encoders' size in `dtype` (from their headers)."""
+        import torch
+
+        from ..weights import device_name, folder_tensor_bytes, text_encoder_device
+        free, need = None, 0
+        if torch.device(device).type == "cuda" and str(option) == "auto":
+            free = torch.cuda.mem_get_info(device_name(device))[0]
+            need = folder_tensor_bytes([os.path.join(path, d) for d in os.listdir(path)
+                                        if d.startswith("text_encoder")], dtype)
+        out = text_encoder_device(option, device, free, need)
+        if out.startswith("cuda:") and int(out[5:]) >= torch.cuda.device_count():
+            raise ValueError(f"text_encoders {option!r}: this worker sees "
+                             f"{torch.cuda.device_count()} GPU(s); use gpu, auto or cpu")
+        return out
 
     def make_scheduler(self, model: LoadedModel):
         from diffusers import FlowMatchEulerDiscreteScheduler

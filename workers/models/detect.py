@@ -41,11 +41,13 @@ class ModelFileError(ValueError):
 
 def describe_model(path) -> dict:
     """{"arch": "flux" | "sd3", "kind": "file" | "diffusers", "config": the diffusers
-    transformer config} of a diffusers folder or a single .safetensors file."""
+    transformer config, "storage": weight_storage} of a diffusers folder or a single
+    .safetensors file."""
     p = Path(path)
     if p.is_file():
         sf = single_file_config(p)
-        return {"arch": sf["arch"], "kind": "file", "config": sf["config"]}
+        return {"arch": sf["arch"], "kind": "file", "config": sf["config"],
+                "storage": sf["storage"]}
     cfg_file = p / "transformer" / "config.json"
     if not p.exists():
         raise ModelFileError(f"model {str(p)!r} does not exist; give a FLUX/SD3 diffusers "
@@ -65,7 +67,8 @@ def describe_model(path) -> dict:
     if arch is None:
         raise ModelFileError(f"model {str(p)!r} has a {cls!r} transformer; supported: "
                              f"{', '.join(sorted(ARCH_BY_CLASS))} (FLUX.1, SD3/3.5)")
-    return {"arch": arch, "kind": "diffusers", "config": cfg}
+    return {"arch": arch, "kind": "diffusers", "config": cfg,
+            "storage": folder_storage(p / "transformer")}
 
 
 def read_arch(path) -> str:
@@ -178,11 +181,6 @@ def single_file_config(path) -> dict:
     header = read_safetensors_header(p)
     arch, naming, prefix = transformer_keys(header)
     shapes = {k[len(prefix):]: v["shape"] for k, v in header.items() if k.startswith(prefix)}
-    scaled = [k for k in shapes if k.endswith((".scale_weight", ".scale_input"))]
-    if scaled:
-        raise ModelFileError(f"{str(p)!r} is a scaled-fp8 {arch.upper()} file "
-                             f"({scaled[0]!r}), which the pool cannot load; use an fp16/bf16 "
-                             f"(or plain fp8) file or a diffusers folder")
     try:
         cfg = (_flux_config if arch == "flux" else _sd3_config)(shapes, naming)
     except (KeyError, IndexError, ValueError) as e:
@@ -190,7 +188,43 @@ def single_file_config(path) -> dict:
         raise ModelFileError(f"{str(p)!r} looks like a {arch.upper()} transformer but is "
                              f"incomplete or inconsistent ({detail}); give a complete FLUX/SD3 "
                              f"transformer file") from None
-    return {"arch": arch, "naming": naming, "prefix": prefix, "config": cfg}
+    return {"arch": arch, "naming": naming, "prefix": prefix, "config": cfg,
+            "storage": weight_storage(header, prefix)}
+
+
+_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+def weight_storage(header: dict, prefix: str = "") -> dict:
+    """How a checkpoint stores its weights, from its header: {"dtype": the dtype holding the
+    most bytes ("fp8" for float8), "fp8": any float8 tensor, "scaled": ComfyUI scaled-fp8
+    (per-layer `scale_weight` tensors, usually with a `scaled_fp8` marker key)}."""
+    by_dtype: dict = {}
+    fp8 = scaled = False
+    for k, e in header.items():
+        if not k.startswith(prefix):
+            continue
+        name = k[len(prefix):]
+        if name == "scaled_fp8" or name.endswith(".scale_weight"):
+            scaled = True
+            continue
+        start, end = (int(v) for v in e["data_offsets"])
+        dt = "fp8" if e["dtype"] in _FP8_DTYPES else e["dtype"].lower()
+        fp8 = fp8 or dt == "fp8"
+        by_dtype[dt] = by_dtype.get(dt, 0) + end - start
+    dtype = max(by_dtype, key=by_dtype.get) if by_dtype else None
+    return {"dtype": dtype, "fp8": fp8, "scaled": scaled and fp8}
+
+
+def folder_storage(folder) -> dict:
+    """weight_storage of a diffusers component folder (all its safetensors shards)."""
+    out = {"dtype": None, "fp8": False, "scaled": False}
+    p = Path(folder)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
+    header: dict = {}
+    for i, f in enumerate(files):
+        header.update({f"{i}:{k}": v for k, v in read_safetensors_header(f).items()})
+    return weight_storage(header) if header else out
 
 
 def _pick(shapes, bfl: bool, a: str, b: str):

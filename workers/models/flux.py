@@ -7,7 +7,7 @@ import torch
 from ..processors import FluxShardedAttnProcessor
 from ..sequence_parallel import SequenceLayout
 from . import latent_layout
-from .base import DiTAdapter
+from .base import DiTAdapter, text_encoder_device_of
 from .facts import CLASS_BY_ARCH, dynamic_shift_args
 
 
@@ -64,8 +64,8 @@ class FluxAdapter(DiTAdapter):
 
     def encode(self, model, texts, max_sequence_length):
         pe, pooled, ids = model.encoder.encode_prompt(
-            prompt=list(texts), prompt_2=None, device=model.device, num_images_per_prompt=1,
-            max_sequence_length=max_sequence_length)
+            prompt=list(texts), prompt_2=None, device=text_encoder_device_of(model),
+            num_images_per_prompt=1, max_sequence_length=max_sequence_length)
         return {"encoder_hidden_states": pe, "pooled_projections": pooled, "txt_ids": ids}
 
     def conditioning(self, cond, pooled):

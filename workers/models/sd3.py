@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..processors import SD3ShardedAttnProcessor
 from ..sequence_parallel import SequenceLayout
-from .base import DiTAdapter
+from .base import DiTAdapter, text_encoder_device_of
 from .facts import CLASS_BY_ARCH, dynamic_shift_args
 
 
@@ -44,7 +44,8 @@ class SD3Adapter(DiTAdapter):
 
     def encode(self, model, texts, max_sequence_length):
         pe, _, pooled, _ = model.encoder.encode_prompt(
-            prompt=list(texts), prompt_2=None, prompt_3=None, device=model.device,
+            prompt=list(texts), prompt_2=None, prompt_3=None,
+            device=text_encoder_device_of(model),
             num_images_per_prompt=1, do_classifier_free_guidance=False,
             max_sequence_length=max_sequence_length)
         return {"encoder_hidden_states": pe, "pooled_projections": pooled}

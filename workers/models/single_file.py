@@ -124,8 +124,7 @@ def convert_flux_bfl(sd: dict, hidden: int) -> dict:
             else:
                 out[new] = w
     if unknown:
-        raise ValueError(f"{len(unknown)} tensor(s) with no FLUX rule, e.g. {unknown[:3]} "
-                         f"(scaled-fp8 or other non-standard files are not supported)")
+        raise ValueError(f"{len(unknown)} tensor(s) with no FLUX rule, e.g. {unknown[:3]}")
     return out
 
 
@@ -141,15 +140,18 @@ def convert_sd3_bfl(sd: dict) -> dict:
 
 
 # ---- loading -------------------------------------------------------------------------------
+SCALE_SUFFIX = ".scale_weight"
+# scaled-fp8 files also carry these; without fp8 matmuls the input scales are not used
+IGNORED = ("scaled_fp8",)
+IGNORED_SUFFIXES = (".scale_input",)
+
+
 def read_transformer_state(path: str, prefix: str) -> dict:
-    """The transformer's tensors of a file (prefix stripped); other parts are not read."""
-    from safetensors import safe_open
-    sd = {}
-    with safe_open(path, framework="pt", device="cpu") as f:
-        for k in f.keys():
-            if k.startswith(prefix):
-                sd[k[len(prefix):]] = f.get_tensor(k)
-    return sd
+    """The transformer's tensors of a file (prefix stripped), on the CPU; other parts are
+    not read. (Tests and tools; the loader streams instead.)"""
+    from ..weights import Checkpoint
+    with Checkpoint.open([path]) as ck:
+        return {k[len(prefix):]: ck.read(k) for k in ck.keys() if k.startswith(prefix)}
 
 
 def to_diffusers_state(arch: str, naming: str, sd: dict, config: dict) -> dict:
@@ -191,61 +193,84 @@ _BFL_BLOCKS = {"transformer_blocks": {"flux": "double_blocks", "sd3": "joint_blo
                "single_transformer_blocks": {"flux": "single_blocks"}}
 
 
-def load_single_file(adapter, path: str, device, dtype, stage=None) -> LoadedModel:
-    """`stage` = (index, count, split): PipeFusion, keep only that stage's blocks."""
+def file_tensors(ck, sf: dict, device, dtype, skip=lambda name: False):
+    """(diffusers name, tensor on `device` in the file's dtype, scale_weight or None) of a
+    single file's transformer, one tensor at a time. FLUX and diffusers-named files convert
+    key by key (so `skip`ped blocks, in the file's naming, are never read); diffusers' SD3
+    converter needs every block, so a BFL-named SD3 file is read whole (each tensor cast to
+    `dtype` as it arrives, fp8 ones dequantized) and then converted."""
+    from ..weights import dequantize, is_fp8
+    arch, naming, prefix = sf["arch"], sf["naming"], sf["prefix"]
+    names = [k[len(prefix):] for k in ck.keys() if k.startswith(prefix)]
+    scale_of = {n[: -len(SCALE_SUFFIX)] + ".weight": prefix + n for n in names
+                if n.endswith(SCALE_SUFFIX)}
+    names = [n for n in names if not (n.endswith(SCALE_SUFFIX) or n in IGNORED
+                                      or n.endswith(IGNORED_SUFFIXES) or skip(n))]
+
+    def scale(n):
+        return ck.read(scale_of[n], device) if n in scale_of else None
+
+    if naming == "diffusers":
+        for n in names:
+            yield n, ck.read(prefix + n, device), scale(n)
+    elif arch == "flux":
+        hidden = sf["config"]["num_attention_heads"] * sf["config"]["attention_head_dim"]
+        for n in names:
+            s = scale(n)
+            for out, t in convert_flux_bfl({n: ck.read(prefix + n, device)}, hidden).items():
+                yield out, t, s  # a fused tensor's parts share its scale
+    else:
+        state = {}
+        for n in names:
+            t = ck.read(prefix + n, device)
+            state[n] = dequantize(t, scale(n), torch.float32).to(dtype) if is_fp8(t) else \
+                (t.to(dtype) if t.is_floating_point() else t)
+        for out, t in convert_sd3_bfl(state).items():
+            yield out, t, None
+
+
+def load_single_file(adapter, path: str, device, dtype, stage=None,
+                     weights: str = "auto") -> LoadedModel:
+    """`stage` = (index, count, split): PipeFusion, keep only that stage's blocks.
+    `weights`: auto | fp8 | full (workers/weights.py); a scaled-fp8 file's scale_weight
+    tensors are applied (kept beside the fp8 weights, or folded in when dequantized)."""
+    from ..weights import Checkpoint, device_name, load_tensors
     sf = single_file_config(path)
     if sf["arch"] != adapter.arch:
         raise ValueError(f"{path} is a {sf['arch']} file, not {adapter.arch}")
     sched, vae = defaults_for(sf["arch"], sf["config"])
-    if stage is not None:
-        transformer, info = _load_stage(adapter, path, sf, stage, device, dtype)
-        return LoadedModel(path=path, arch=sf["arch"], transformer=transformer, encoder=None,
-                           scheduler_config=sched, vae_config=vae, device=device, dtype=dtype,
-                           stage=info)
-    state = read_transformer_state(path, sf["prefix"])
-    state = to_diffusers_state(sf["arch"], sf["naming"], state, sf["config"])
-    transformer = build_transformer(sf["arch"], sf["config"], state, dtype)
-    del state
-    transformer.to(device).eval().requires_grad_(False)
-    return LoadedModel(path=path, arch=sf["arch"], transformer=transformer, encoder=None,
-                       scheduler_config=sched, vae_config=vae, device=device, dtype=dtype)
-
-
-def _load_stage(adapter, path: str, sf: dict, stage, device, dtype):
-    """PipeFusion from a file: read only this stage's blocks (plus the shared layers). FLUX
-    and diffusers-named files convert tensor by tensor, so other blocks are never read;
-    diffusers' SD3 converter needs every block, so a BFL-named SD3 file is read whole once
-    (on the CPU) and the other blocks dropped."""
-    from ..pipefusion_stages import (keep_stage_blocks, materialize_stage, plan_stages,
-                                     stage_block_names)
     arch, lists = sf["arch"], adapter.block_lists
     tr = _skeleton(arch, sf["config"])
-    info = plan_stages(tr, lists, *stage)
-    others = stage_block_names(tr, lists, info)  # "transformer_blocks.3", ...
+    info, skip, elsewhere = None, (lambda name: False), (lambda name: False)
+    if stage is not None:
+        from ..pipefusion_stages import keep_stage_blocks, plan_stages, stage_block_names
+        info = plan_stages(tr, lists, *stage)
+        others = stage_block_names(tr, lists, info)  # "transformer_blocks.3", ...
+        raw_others = set()
+        if sf["naming"] == "diffusers":
+            raw_others = others
+        elif arch == "flux":
+            raw_others = {f"{_BFL_BLOCKS[b.split('.')[0]]['flux']}.{b.split('.')[1]}"
+                          for b in others}
 
-    def elsewhere(name: str) -> bool:  # a diffusers-named tensor of another stage's block
-        parts = name.split(".")
-        return len(parts) > 2 and f"{parts[0]}.{parts[1]}" in others
-
-    raw_others = set()
-    if sf["naming"] == "diffusers":
-        raw_others = others
-    elif arch == "flux":
-        raw_others = {f"{_BFL_BLOCKS[b.split('.')[0]]['flux']}.{b.split('.')[1]}"
-                      for b in others}
-    from safetensors import safe_open
-    state = {}
-    with safe_open(path, framework="pt", device="cpu") as f:
-        for k in f.keys():
-            if not k.startswith(sf["prefix"]):
-                continue
-            name = k[len(sf["prefix"]):]
+        def in_block(name, blocks):
             parts = name.split(".")
-            if len(parts) > 2 and f"{parts[0]}.{parts[1]}" in raw_others:
-                continue
-            state[name] = f.get_tensor(k)
-    state = to_diffusers_state(arch, sf["naming"], state, sf["config"])
-    state = {k: v for k, v in state.items() if not elsewhere(k)}
-    keep_stage_blocks(tr, lists, info)
-    materialize_stage(tr, lists, info, state, device, dtype)
-    return tr, info
+            return len(parts) > 2 and f"{parts[0]}.{parts[1]}" in blocks
+        skip = lambda name: in_block(name, raw_others)  # noqa: E731
+        elsewhere = lambda name: in_block(name, others)  # noqa: E731
+        keep_stage_blocks(tr, lists, info)
+    with Checkpoint.open([path]) as ck:
+        source = ((n, t, s) for n, t, s in file_tensors(ck, sf, device_name(device), dtype,
+                                                        skip) if not elsewhere(n))
+        report = load_tensors(tr, lists, source, dtype, weights)
+    report.checkpoint_fp8 = sf.get("storage", {}).get("fp8", False)
+    report.checkpoint_scaled = sf.get("storage", {}).get("scaled", False)
+    report.tensors_read, report.bytes_read = ck.reads, ck.bytes_read
+    if stage is not None:
+        from ..pipefusion_stages import finish_stage
+        finish_stage(tr, lists, info)
+    model = LoadedModel(path=path, arch=arch, transformer=tr, encoder=None,
+                        scheduler_config=sched, vae_config=vae, device=device, dtype=dtype,
+                        stage=info)
+    model.load_report = dict(report.as_dict(), text_encoders=None)  # Worker.describe()
+    return model
