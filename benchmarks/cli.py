@@ -36,6 +36,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pipefusion 1/2/4 (compute and memory splits), time/step and bytes "
                         "at pipefusion 1 vs 2, PSNR vs the exact run per warmup_steps "
                         "(see benchmarks/pipefusion.py)")
+    p.add_argument("--engine", action="store_true",
+                   help="run the engine section instead: time/step of in-process diffusers vs "
+                        "a 1-rank pool, eager vs compiled, and 1 vs N ranks, on --device "
+                        "(see benchmarks/engine.py)")
+    p.add_argument("--preset", choices=["quick", "cpu", "flux-dev"], default=None,
+                   help="--engine model and job: quick (tiny), cpu (the bench's CPU model, "
+                        "512x512; default), flux-dev (FLUX.1-dev's transformer dimensions, "
+                        "random weights, 1024x1024; needs --device cuda)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="--engine: where the pools and diffusers run (default cpu)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="--engine: compute dtype (default: the preset's, fp32 or bf16)")
+    p.add_argument("--compile", action="store_true",
+                   help="--engine: also measure torch.compile (the pools' compile option and "
+                        "diffusers' compile_repeated_blocks)")
+    p.add_argument("--ranks", default=None,
+                   help="--engine: comma-separated pool sizes, e.g. 1,2,4,8 (default: 1 and "
+                        "every Ulysses degree the GPUs / cores allow)")
+    p.add_argument("--model-call", action="store_true",
+                   help="run the xDiT MODEL section instead: per-call overhead of a "
+                        "KSampler-style model call beyond the transformer, 1 and 2 ranks, "
+                        "1024x1024 (see benchmarks/model_call.py)")
 
 
 def parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
@@ -47,6 +69,12 @@ def parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
 def run(args) -> int:
     if args.pipefusion:
         return run_pipefusion(args)
+    if args.model_call:
+        from . import model_call
+        return model_call.run(args)
+    if args.engine:
+        from . import engine
+        return engine.main_section(args)
     return bench.run(args)
 
 
@@ -80,7 +108,11 @@ def main(argv=None, prog: str = "python -m benchmarks") -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a pool failure: one line, the details are in the message
+        from comfyui_xdit.errors import ConfigError
         from comfyui_xdit.pool import PoolError
+        if isinstance(e, ConfigError):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if isinstance(e, PoolError):
             print(f"error: {e}", file=sys.stderr)
             return 1

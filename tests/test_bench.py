@@ -270,3 +270,57 @@ def test_bench_pipefusion_quick(tmp_path):
     sc = pf["quality_scale"]  # an unrelated seed: far below the all-synchronous control
     assert sc["psnr_db"] is not None and sc["psnr_db"] < min(r["psnr_db"] or 1e9 for r in full)
     assert "## Quality" in md and "## Bytes sent" in md and "## Transformer weights" in md
+
+
+def test_flux_dev_preset_has_flux1_dev_dimensions():
+    """The GPU preset is FLUX.1-dev's transformer (19 double + 38 single blocks, 24 heads x
+    128, 11.9B parameters), counted on the meta device: nothing is allocated."""
+    from benchmarks.engine import PRESETS, meta_params
+
+    p = PRESETS["flux-dev"]
+    assert (p["double"], p["single"], p["heads"], p["head_dim"]) == (19, 38, 24, 128)
+    assert (p["height"], p["width"], p["text"], p["dtype"]) == (1024, 1024, 512, "bf16")
+    n = meta_params({k: p[k] for k in ("heads", "head_dim", "double", "single", "text_dim",
+                                       "pooled_dim")})
+    assert 11.85e9 < n < 11.95e9, n
+
+
+def test_bench_engine_quick_compile(tmp_path):
+    """`bench --engine --quick --compile --ranks 1`: in-process diffusers (eager and
+    compile_repeated_blocks) and a 1-rank pool eager and compiled, on a tiny model made by the
+    same meta-device builder as the flux-dev preset; the report has every run, the compiled
+    pool compiled during its warm-up job (and said so) and never while timed."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "comfyui_xdit", "bench", "--engine", "--quick", "--compile",
+         "--ranks", "1", "--out", str(out), "--cache", str(tmp_path / "cache")],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads((out / "bench.json").read_text())["engine"]
+    runs = {r["name"]: r for r in rep["runs"]}
+    assert sorted(runs) == ["diffusers", "diffusers_compiled", "pool1_compiled", "pool1_eager"]
+    for r in runs.values():
+        assert all(math.isfinite(x) for x in r["step_s_all"]), r
+        assert math.isfinite(r["vs_diffusers"])
+    assert runs["diffusers"]["vs_diffusers"] == 1.0
+    comp, eager = runs["pool1_compiled"], runs["pool1_eager"]
+    assert comp["compiles_first_job"] > 0 and comp["compile_s"] > 0
+    assert comp["compiling_events"] > 0 and comp["compiles_while_timed"] == 0
+    assert eager["compiles_first_job"] == 0 and eager["compiling_events"] == 0
+    m = rep["model"]
+    assert (m["double_blocks"], m["single_blocks"], m["heads"], m["head_dim"]) == (1, 1, 2, 16)
+    # the builder wrote the real widths into the configs it saved
+    folder = Path(m["path"])
+    tcfg = json.loads((folder / "transformer" / "config.json").read_text())
+    assert (tcfg["joint_attention_dim"], tcfg["pooled_projection_dim"]) == (64, 32)
+    assert json.loads((folder / "text_encoder_2" / "config.json").read_text())["d_model"] == 64
+    assert "pool1_compiled" in (out / "bench.md").read_text()
+
+
+def test_bench_engine_refuses_flux_dev_on_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--engine", "--preset", "flux-dev",
+         "--out", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "needs --device cuda" in proc.stderr.strip().splitlines()[-1]
