@@ -367,5 +367,20 @@ def test_negative_controls_are_caught(reports, layout, fault):
     assert worst > 1e-2, (layout, fault, worst)
 
 
+def test_pool_status_names_the_kernels(pools):
+    """The worker keeps the kernels chosen at pool start and shows the current topology's
+    kernel in status (what the bench and the status node print)."""
+    from comfyui_xdit import GenerationRequest, ParallelConfig
+    pool = pools("flux", 2)
+    req = GenerationRequest(prompt=["a"], steps=1, height=64, width=48,
+                            max_sequence_length=5, cfg=1.0)
+    for config, current in ((ParallelConfig(ring=2), "cpu-flash-lse"),
+                            (ParallelConfig(ulysses=2), "sdpa")):
+        pool.reconfigure(config)
+        pool.generate(req)
+        assert pool.status()["attention"] == {"backend": "auto", "no_ring": "sdpa",
+                                              "ring": "cpu-flash-lse", "current": current}
+
+
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "launch":
     _launch(sys.argv[2])
