@@ -165,10 +165,13 @@ def device_name(device) -> str:
 class FP8Linear(torch.nn.Linear):
     """A Linear whose weight is stored in float8_e4m3fn with a per-tensor scale; computes in
     the input's dtype: y = x @ (w.to(x.dtype) * scale).T + b. A Linear subclass, so peft's
-    LoRA wraps it like any Linear (workers/lora.py keeps the adapters in the pool dtype)."""
+    LoRA wraps it like any Linear; `compute_dtype` (the pool dtype) is what peft reads to
+    keep the LoRA matrices in that dtype instead of the weight's fp8."""
 
-    def __init__(self, in_features, out_features, bias=True, device=None):
+    def __init__(self, in_features, out_features, bias=True, device=None,
+                 compute_dtype=torch.float32):
         torch.nn.Module.__init__(self)
+        self.compute_dtype = compute_dtype
         self.in_features, self.out_features = in_features, out_features
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8, device="meta"), requires_grad=False)
@@ -272,7 +275,7 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
     for mod, s in scales.items():
         lin = cands[mod]
         fp8 = FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                        device=state[mod + ".weight"].device)
+                        device=state[mod + ".weight"].device, compute_dtype=dtype)
         if s is not None:
             fp8.scale = s
         _set_module(transformer, mod, fp8)
@@ -296,7 +299,7 @@ def to_fp8(transformer, lists) -> int:
     for name, lin in block_linears(transformer, lists).items():
         w, s = quantize(lin.weight.data)
         fp8 = FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                        device=w.device)
+                        device=w.device, compute_dtype=lin.weight.dtype)
         fp8.weight = torch.nn.Parameter(w, requires_grad=False)
         if lin.bias is not None:
             fp8.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)

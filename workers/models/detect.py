@@ -193,6 +193,7 @@ def single_file_config(path) -> dict:
 
 
 _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+_DTYPE_NAMES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64"}
 
 
 def weight_storage(header: dict, prefix: str = "") -> dict:
@@ -209,7 +210,8 @@ def weight_storage(header: dict, prefix: str = "") -> dict:
             scaled = True
             continue
         start, end = (int(v) for v in e["data_offsets"])
-        dt = "fp8" if e["dtype"] in _FP8_DTYPES else e["dtype"].lower()
+        dt = "fp8" if e["dtype"] in _FP8_DTYPES else _DTYPE_NAMES.get(e["dtype"],
+                                                                       e["dtype"].lower())
         fp8 = fp8 or dt == "fp8"
         by_dtype[dt] = by_dtype.get(dt, 0) + end - start
     dtype = max(by_dtype, key=by_dtype.get) if by_dtype else None
