@@ -8,13 +8,18 @@ a ComfyUI-loadable random VAE into models/vae/, starts `main.py --cpu`, then: /o
 lists the nodes and both kinds of model, the example API workflow runs to a saved image
 (sampled and decoded on the pool: Decode (xDiT)) with progress over /ws, a single-file
 workflow runs with CONDITIONING and ComfyUI's VAE, and /interrupt cancels a long job.
+Issue #12: the example workflows run unmodified (device auto; the tiny models stand in under
+the folder names they use), cuda forced on this CPU-only ComfyUI is refused with one message,
+a killed worker reaches the user as one sentence, and the node shows launch progress.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -32,6 +37,9 @@ MODEL_NAME = "xdit-test-flux"
 FILE_NAME = "xdit-test-flux.safetensors"
 FILE_OPTION = f"diffusion_models/{FILE_NAME}"
 VAE_NAME = "xdit-test-vae.safetensors"
+# the folder names the example workflows use (README: where models go)
+EXAMPLE_MODELS = {"xdit_flux_text_to_image_api.json": ("FLUX.1-dev", "flux"),
+                  "xdit_sd3_text_to_image_api.json": ("stable-diffusion-3.5-medium", "sd3")}
 
 
 def _free_port() -> int:
@@ -83,6 +91,11 @@ def comfy(model_dir, tmp_path_factory):
     if model.is_symlink() or model.exists():
         model.unlink() if model.is_symlink() else shutil.rmtree(model)
     shutil.copytree(model_dir("flux"), model)
+    for name, arch in EXAMPLE_MODELS.values():  # tiny models under the examples' names
+        dst = comfy / "models" / "diffusers" / name
+        if dst.is_symlink() or dst.exists():
+            dst.unlink() if dst.is_symlink() else shutil.rmtree(dst)
+        shutil.copytree(model_dir(arch), dst)
     from single_file_util import write_single_file
     (comfy / "models" / "diffusion_models").mkdir(parents=True, exist_ok=True)
     write_single_file(model_dir("flux"), "flux", comfy / "models" / "diffusion_models" / FILE_NAME)
@@ -173,7 +186,13 @@ def _messages(ws, until, timeout):
         except websocket.WebSocketTimeoutException:
             continue
         if isinstance(m, bytes):
-            out.append({"type": "binary_preview", "size": len(m)})
+            (kind,) = struct.unpack(">I", m[:4])
+            if kind == 3:  # ComfyUI's progress text: node id length, node id, text
+                (n,) = struct.unpack(">I", m[4:8])
+                out.append({"type": "progress_text", "node": m[8:8 + n].decode(),
+                            "text": m[8 + n:].decode()})
+            else:
+                out.append({"type": "binary_preview", "size": len(m)})
             continue
         msg = json.loads(m)
         out.append(msg)
@@ -208,6 +227,8 @@ def test_object_info_lists_nodes(comfy):
     except urllib.error.HTTPError as e:
         body = json.loads(e.read())
         assert "world size 4 != dp 1 x cfg 1" in json.dumps(body["node_errors"])
+        # one message, once (not once per loader input)
+        assert [len(v["errors"]) for v in body["node_errors"].values()] == [1], body
 
 
 def test_workflow_runs_with_progress_and_saves_an_image(comfy):
@@ -277,7 +298,9 @@ def test_interrupt_cancels_a_long_job(comfy):
     wf = _workflow(5000)
     wf["3"]["inputs"]["seed"] = 2
     pid = _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
-    _messages(ws, lambda m: m.get("type") == "progress" and m["data"].get("node") == "3", 300)
+    # a denoising step (max 5000), not the launch's progress (max = ranks)
+    _messages(ws, lambda m: m.get("type") == "progress" and m["data"].get("node") == "3"
+              and m["data"]["max"] == 5000, 300)
     t = time.monotonic()
     _http(comfy["base"], "/interrupt", {})
     msgs = _messages(ws, lambda m: m.get("type") in ("execution_interrupted", "execution_success",
@@ -346,3 +369,90 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
     ours = [e for e in errors if "xdit" in e.lower()]
     assert not ours, ours
     assert shot.stat().st_size > 10_000
+
+
+def _refused(comfy, wf) -> dict:
+    try:
+        _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
+    except urllib.error.HTTPError as e:
+        assert e.code == 400
+        return json.loads(e.read())
+    raise AssertionError("the workflow was accepted")
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLE_MODELS))
+def test_example_workflow_runs_unmodified_on_cpu(comfy, name):
+    """The example as shipped (device auto, dtype auto, 1024x1024, its steps): on this
+    CPU-only ComfyUI auto means cpu/fp32, and the image is saved."""
+    wf = json.loads((ROOT / "example_workflows" / name).read_text())
+    loader = next(n for n in wf.values() if n["class_type"] == "xDiT.LoadModel")
+    assert loader["inputs"]["device"] == "auto" and loader["inputs"]["model"] == \
+        EXAMPLE_MODELS[name][0]
+    pid, msgs = _run(comfy, wf, timeout=1200)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    saved = [o for o in _http(comfy["base"], f"/history/{pid}")[pid]["outputs"].values()
+             if o.get("images")]
+    assert saved and saved[0]["images"][0]["filename"].endswith(".png")
+    texts = [m["text"] for m in msgs if m.get("type") == "progress_text"]
+    assert any(t.startswith("runs on cpu, fp32, 2 rank(s)") for t in texts), texts
+    pool = _http(comfy["base"], "/xdit/status")["pools"][0]
+    assert (pool["device"], pool["dtype"]) == ("cpu", "fp32")
+
+
+def test_cuda_forced_on_a_cpu_comfyui_is_refused_once(comfy):
+    wf = json.loads((ROOT / "example_workflows" / "xdit_flux_text_to_image_api.json")
+                    .read_text())
+    wf["1"]["inputs"]["device"] = "cuda"
+    body = _refused(comfy, wf)
+    errors = [e for v in body["node_errors"].values() for e in v["errors"]]
+    assert len(errors) == 1, body
+    assert "device cuda: ComfyUI runs with --cpu; use device auto" in errors[0]["details"]
+    # a missing model says where it looked and what it found, also once
+    wf["1"]["inputs"].update(device="auto", model="FLUX.1-schnell")
+    errors = [e for v in _refused(comfy, wf)["node_errors"].values() for e in v["errors"]]
+    assert len(errors) == 1 and "model 'FLUX.1-schnell' not found" in errors[0]["details"]
+    assert "models/diffusers" in errors[0]["details"] and "FLUX.1-dev" in errors[0]["details"]
+
+
+def test_launch_progress_shows_on_the_node_before_step_1(comfy):
+    _http(comfy["base"], "/xdit/unload", {})  # the next job launches the pool
+    wf = _workflow(3)
+    wf["3"]["inputs"]["seed"] = 5
+    pid, msgs = _run(comfy, wf)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    first_step = next(i for i, m in enumerate(msgs) if m.get("type") == "progress"
+                      and m["data"]["node"] == "3" and m["data"]["max"] == 3)
+    before = msgs[:first_step]
+    texts = [m["text"] for m in before if m.get("type") == "progress_text" and m["node"] == "3"]
+    assert texts[0] == "starting 2 workers" and "loading 2/2" in texts, texts
+    bars = [(m["data"]["value"], m["data"]["max"]) for m in before
+            if m.get("type") == "progress" and m["data"]["node"] == "3"]
+    assert bars and bars[0] == (0, 2) and bars[-1] == (2, 2), bars
+
+
+def test_killed_worker_reaches_the_dialog_as_one_sentence(comfy):
+    cid = uuid.uuid4().hex
+    ws = _ws(comfy, cid)
+    wf = _workflow(5000)
+    wf["3"]["inputs"]["seed"] = 6
+    pid = _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
+    _messages(ws, lambda m: m.get("type") == "progress" and m["data"].get("node") == "3"
+              and m["data"]["max"] == 5000, 300)
+    ranks = _http(comfy["base"], "/xdit/status")["pools"][0]["ranks"]
+    os.kill(ranks[1]["pid"], signal.SIGKILL)
+    msgs = _messages(ws, lambda m: m.get("type") in ("execution_error", "execution_success",
+                                                     "execution_interrupted")
+                     and m["data"].get("prompt_id") == pid, 120)
+    ws.close()
+    assert msgs[-1]["type"] == "execution_error", msgs[-1]
+    err = msgs[-1]["data"]["exception_message"].strip()  # ComfyUI adds a newline
+    assert err.startswith("worker rank 1 (pid ") and "was killed by SIGKILL" in err, err
+    assert "\n" not in err and "^^^" not in err and "last log lines" not in err, err
+    st = _http(comfy["base"], "/xdit/status")
+    assert err in st["last_error"] and os.path.isfile(st["last_error_log"])
+    assert err.endswith(f"Full log: {st['last_error_log']}")
+    assert "rank 1 log" in comfy["log"].read_text()  # the full log on ComfyUI's console
+    # the next job relaunches and clears the panel's error
+    pid, msgs = _run(comfy, _workflow(2))
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    assert _http(comfy["base"], "/xdit/status")["last_error"] is None
