@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="--engine: also measure torch.compile (the pools' compile option and "
                         "diffusers' compile_repeated_blocks)")
+    p.add_argument("--build-only", action="store_true",
+                   help="--engine: build (or find) the preset's model in the cache, print its "
+                        "folder and stop (splits the first flux-dev run: ~24 GB written once)")
     p.add_argument("--ranks", default=None,
                    help="--engine: comma-separated pool sizes, e.g. 1,2,4,8 (default: 1 and "
                         "every Ulysses degree the GPUs / cores allow)")
