@@ -125,7 +125,8 @@ def big_flux(tmp_path_factory):
     with torch.device("meta"):
         tr = diffusers.FluxTransformer2DModel(**cfg)
     (folder / "config.json").write_text(json.dumps(
-        dict(cfg, _class_name="FluxTransformer2DModel", axes_dims_rope=list(cfg["axes_dims_rope"]))))
+        dict(cfg, _class_name="FluxTransformer2DModel",
+             axes_dims_rope=list(cfg["axes_dims_rope"]))))
     save_file({k: torch.full(v.shape, 0.01) for k, v in tr.state_dict().items()},
               str(folder / "diffusion_pytorch_model.safetensors"))
     return folder

@@ -185,10 +185,36 @@ class FP8Linear(torch.nn.Linear):
         return self.weight.to(dtype) * self.scale.to(dtype)
 
     def forward(self, x):
+        if FP8_MATMUL and _scaled_mm_ok(x, self):
+            return _scaled_mm_linear(x, self)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self):
         return super().extra_repr() + ", weight=float8_e4m3fn"
+
+
+# Opt-in (XDIT_FP8_MATMUL=1): fp8 x fp8 matmuls through torch._scaled_mm on GPUs that have
+# them (sm89+), activations cast to e4m3fn unscaled as ComfyUI's fp8 matmul does. NOT tested
+# here (no GPU in CI); off by default, where weights are upcast per call.
+FP8_MATMUL = os.environ.get("XDIT_FP8_MATMUL", "") == "1"
+
+
+def _scaled_mm_ok(x, lin) -> bool:
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    return lin.in_features % 16 == 0 and lin.out_features % 16 == 0
+
+
+def _scaled_mm_linear(x, lin):
+    shape = x.shape
+    x8 = x.reshape(-1, shape[-1]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    one = torch.ones((), device=x.device, dtype=torch.float32)
+    bias = None if lin.bias is None else lin.bias.to(x.dtype)
+    out = torch._scaled_mm(x8, lin.weight.t(), scale_a=one, scale_b=lin.scale.float(),
+                           bias=bias, out_dtype=x.dtype)
+    return out.reshape(*shape[:-1], lin.out_features)
 
 
 def quantize(w: torch.Tensor) -> tuple:
