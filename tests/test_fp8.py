@@ -307,3 +307,25 @@ def test_text_encoder_placement_decision():
     assert place("auto", torch.device("cpu"), free_bytes=80 * gib) == "cpu"
     with pytest.raises(ValueError, match="needs a CUDA pool"):
         place("gpu", torch.device("cpu"))
+
+
+def test_pipefusion_stages_of_a_scaled_fp8_file(fp8_files):
+    """Each stage of a scaled-fp8 file holds its blocks' fp8 weights and scales, exactly as a
+    whole load does, and reads fewer bytes than the file."""
+    from workers.models import get_adapter
+    ad = get_adapter("flux")
+    whole = ad.load(str(fp8_files["scaled"]), torch.device("cpu"), torch.float32, False)
+    ref = {n: m for n, m in whole.transformer.named_modules()}
+    size = fp8_files["scaled"].stat().st_size
+    held = set()
+    for stage in range(2):
+        m = ad.load(str(fp8_files["scaled"]), torch.device("cpu"), torch.float32, False,
+                    stage=(stage, 2, "balanced"))
+        assert m.load_report["bytes_read"] < 0.9 * size
+        for n, mod in m.transformer.named_modules():
+            if type(mod).__name__ == "FP8Linear":
+                assert mod.weight.dtype == FP8
+                assert torch.equal(mod.weight.float(), ref[n].weight.float()), n
+                assert torch.equal(mod.scale, ref[n].scale), n
+                held.add(n)
+    assert held == {n for n, mod in ref.items() if type(mod).__name__ == "FP8Linear"}
