@@ -9,6 +9,7 @@ rank's keys) or PipeFusion's `PatchAttention` (a patch's queries against the K/V
 from __future__ import annotations
 
 import torch
+from diffusers.models.embeddings import apply_rotary_emb  # once, not per attention call
 
 from .sequence_parallel import SequencePlan
 
@@ -29,8 +30,6 @@ class FluxShardedAttnProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None, sp_plan=None):
-        from diffusers.models.embeddings import apply_rotary_emb
-
         plan = _need_plan(sp_plan)
         if attention_mask is not None:
             raise ValueError("attention masks are not supported under sequence parallelism")
