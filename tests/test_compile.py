@@ -71,6 +71,9 @@ def test_compile_ids_count_recompiles():
             c._started(Args(cid))
             c._ended(Args(cid))
     assert (scope.stats["compiles"], scope.stats["recompiles"]) == (3, 1)
+    from torch._dynamo.callback import CallbackArgs, CallbackTrigger
+    c._started(CallbackArgs(CallbackTrigger.CUDAGRAPH_RECORDING, "0/2"))  # not a compile
+    assert (c.compiles, c.recompiles) == (3, 1)
     assert c.describe()["state"] == "compiled"
 
 

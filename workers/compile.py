@@ -82,6 +82,11 @@ def _compile_id(args) -> tuple:
     return -1, 0
 
 
+def _is_dynamo(args) -> bool:
+    trigger = getattr(args, "callback_trigger", None)
+    return trigger is None or getattr(trigger, "name", "DYNAMO") == "DYNAMO"
+
+
 class Compiler:
     """One per worker: compiles the blocks once, counts compiles, reports progress."""
 
@@ -106,6 +111,10 @@ class Compiler:
         from torch._dynamo.callback import on_compile_end, on_compile_start
 
         cfg = torch._dynamo.config
+        on_cpu = all(p.device.type == "cpu" for p in transformer.parameters())
+        if on_cpu:  # ranks share the cores: no pool of compile subprocesses beside them
+            import torch._inductor.config as inductor
+            inductor.compile_threads = 1
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
                 setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
@@ -122,6 +131,8 @@ class Compiler:
 
     # -- dynamo callbacks ----------------------------------------------------------------------
     def _started(self, args) -> None:
+        if not _is_dynamo(args):  # CUDA-graph recording, lazy backward: not a compile
+            return
         with self._lock:
             self._t0 = time.perf_counter()
             frame, attempt = _compile_id(args)
@@ -135,6 +146,8 @@ class Compiler:
             emit({"phase": "compiling", "compiles": n, "compile_s": self.seconds})
 
     def _ended(self, args) -> None:
+        if not _is_dynamo(args):
+            return
         with self._lock:
             if self._t0 is not None:
                 self.seconds += time.perf_counter() - self._t0
