@@ -147,6 +147,11 @@ def missing_model_message(name: str, folders, roots_by_kind: Optional[dict] = No
     found = discover_models(folders) + discover_single_files(roots_by_kind or {})
     where = ", ".join(map(str, folders or [])) or "no models/diffusers folder configured"
     listed = ", ".join(found[:12]) + (f" (+{len(found) - 12} more)" if len(found) > 12 else "")
+    present = [str(Path(r) / name) for r in folders or [] if (Path(r) / name).exists()]
+    if present:  # there, but not a model folder
+        return (f"model {name!r} at {present[0]} is not a diffusers folder (it needs "
+                f"model_index.json and transformer/config.json, as a Hugging Face snapshot "
+                f"of the repository has); found {listed or 'no FLUX/SD3 model'}")
     return (f"model {name!r} not found: looked for a diffusers folder {name!r} (with "
             f"model_index.json and transformer/config.json) in {where}, and for single "
             f"files in models/diffusion_models and models/checkpoints; found "
