@@ -558,6 +558,9 @@ class WorkerPool:
         `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
         of which those in `known` are not sent (rank 0 has them). Returns (prediction,
         stats, keys sent). Launches the pool if needed; a bad call leaves it warm."""
+        def _np(v):
+            return v.detach().cpu().numpy() if hasattr(v, "detach") else v
+
         config.validate(self.model_info)
         _check_sharding(self.engine, config)
         with self._lock:
@@ -572,8 +575,9 @@ class WorkerPool:
                 new = {k: conds[k] for k, _ in chunks if k not in known and k not in sent}
                 sent += list(new)
                 self._running_job = call_id
-                self._send(P.Predict(call_id=call_id, config=config.key(), x=x,
-                                     timestep=timestep, guidance=guidance,
+                # latents as numpy: a tensor pickles through torch.save, ~30x slower
+                self._send(P.Predict(call_id=call_id, config=config.key(), x=_np(x),
+                                     timestep=_np(timestep), guidance=_np(guidance),
                                      chunks=[(k, int(r)) for k, r in chunks], conds=new))
                 try:
                     while True:
@@ -587,7 +591,11 @@ class WorkerPool:
                 finally:
                     self._running_job = None
                 if not msg.missing:
-                    return msg.out, dict(msg.stats), sent
+                    out = msg.out
+                    if out is not None and not hasattr(out, "detach"):  # numpy
+                        import torch
+                        out = torch.from_numpy(out)
+                    return out, dict(msg.stats), sent
                 known = set(known) - set(msg.missing)  # the pool forgot them: send again
             raise PoolError(f"the pool kept asking for conditionings {msg.missing}")
 

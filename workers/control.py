@@ -58,9 +58,15 @@ def _leader_decode(worker, link, msg: P.Decode):
 
 
 def _leader_predict(worker, link, msg: P.Predict):
-    """One denoiser evaluation for a host-side sampler: checked, broadcast, run, answered."""
+    """One denoiser evaluation for a host-side sampler: checked, broadcast, run, answered.
+    Latents travel as numpy arrays on the channel and in the broadcast (a tensor pickles
+    through torch.save, ~30x slower: milliseconds per call at 1024x1024)."""
+    from .model_call import LAST_TIMES, as_tensor, for_wire
+
     t = time.perf_counter()
     try:
+        msg.x, msg.timestep, msg.guidance = (as_tensor(msg.x), as_tensor(msg.timestep),
+                                             as_tensor(msg.guidance))
         call = worker.prepare_call(msg)
     except Exception as e:  # nothing was broadcast: the pool is still consistent
         link.send(P.Error(msg.call_id, f"{type(e).__name__}: {e}"))
@@ -68,15 +74,22 @@ def _leader_predict(worker, link, msg: P.Predict):
     if isinstance(call, list):
         link.send(P.Prediction(msg.call_id, missing=call))
         return
-    _broadcast(worker.planes.control, call)
+    t_bcast = time.perf_counter()
+    _broadcast(worker.planes.control, for_wire(call))
+    t_run = time.perf_counter()
     try:
         out = worker.call(call)
     except Exception as e:
         link.send(P.Error(msg.call_id, f"rank 0: {type(e).__name__}: {e}", fatal=True))
         raise
-    link.send(P.Prediction(msg.call_id, out=out,
-                           stats={"call_s": time.perf_counter() - t,
-                                  "cond_puts": worker.cond_cache.puts}))
+    # rank 0's times in seconds: prepare (checks), broadcast of the call, the call itself,
+    # of which the transformer's forward (forward_s; forward_max_s: the slowest rank's),
+    # the all-gather (gather_s), and the work before / after the forward (pre_s, post_s)
+    stats = {k: LAST_TIMES.get(k, 0.0) for k in ("forward_s", "forward_max_s", "gather_s",
+                                                  "pre_s", "post_s")}
+    stats.update(call_s=time.perf_counter() - t, prepare_s=t_bcast - t,
+                 broadcast_s=t_run - t_bcast, cond_puts=worker.cond_cache.puts)
+    link.send(P.Prediction(msg.call_id, out=out.numpy(), stats=stats))
 
 
 def _follower_loop(worker):

@@ -15,7 +15,8 @@ the data plane brings every replica's rows to rank 0, which returns the predicti
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -25,6 +26,12 @@ from .sequence_parallel import even_sizes
 from .sharding import is_sharded
 
 COND_CACHE = 16  # conditionings kept per rank (a sampling run uses 1-3)
+
+# This process's timings of its last `run_call` (seconds): `forward_s` the transformer's own
+# forward (this rank's rows), `gather_s` the all-gather of the replicas' rows, `run_s` the
+# whole call on this rank. Rank 0 reports them with the prediction (the bench subtracts the
+# forward from the host's wall time: what remains is the per-call overhead).
+LAST_TIMES: dict = {}
 
 
 @dataclass
@@ -122,49 +129,99 @@ def replica_rows(n: int, topo) -> tuple:
     return even_sizes(n, replicas), me
 
 
+def as_tensor(v):
+    """A wire value (numpy array: pickles ~30x faster than a tensor) as a tensor."""
+    if v is None or torch.is_tensor(v):
+        return v
+    return torch.from_numpy(v)
+
+
+def for_wire(call: ModelCall) -> ModelCall:
+    """The copy of `call` rank 0 broadcasts: its arrays as numpy (cheap to pickle)."""
+    def np_(v):
+        return v.detach().cpu().numpy() if torch.is_tensor(v) else v
+    return replace(call, x=np_(call.x), timestep=np_(call.timestep), guidance=np_(call.guidance))
+
+
 def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group):
-    """Every rank: this rank's replica's rows, then one all-gather; the prediction
-    [N, C, h, w] (fp32, CPU) on rank 0, None elsewhere."""
+    """Every rank: this rank's replica's rows, then (with several replicas) one all-gather;
+    the prediction [N, C, h, w] (fp32, CPU) on rank 0, None elsewhere."""
+    t_run = time.perf_counter()
+    forward_s = 0.0
     dev, dtype = model.device, model.dtype
     for key, value in call.new_conds.items():
         _cached(cache, key, value, model, adapter)
     conds = [cache.get(k) for k, _ in call.chunks]
     cache.trim(keep=[k for k, _ in call.chunks])
-    n, c, h, w = call.x.shape
+    x_all, t_all, g_all = as_tensor(call.x), as_tensor(call.timestep), as_tensor(call.guidance)
+    n, c, h, w = x_all.shape
     sizes, me = replica_rows(n, topo)
     start = sum(sizes[:me])
     mine = slice(start, start + sizes[me])
-    longest = max(sizes)
-    out = torch.zeros(longest, c, h, w, device=dev, dtype=torch.float32)
     # weight sharding (workers/sharding.py): every rank must run every block's forward, so a
     # replica with no rows runs one dummy row (the first) and discards it
     dummy = not sizes[me] and is_sharded(model.transformer)
     if dummy:
         mine = slice(0, 1)
+    pred = None
+    t_fwd = t_post = time.perf_counter()
     if sizes[me] or dummy:
         cond = {}
         for k in conds[0]:
             if k in ("encoder_hidden_states", "pooled_projections"):
-                cond[k] = torch.cat([cd[k] for cd in conds])[mine]
+                cond[k] = conds[0][k] if len(conds) == 1 else torch.cat([cd[k] for cd in conds])
+                cond[k] = cond[k][mine]
             else:
                 cond[k] = conds[0][k]  # per-token ids, shared by the batch
-        x = call.x[mine].to(dev, dtype)
-        t = call.timestep[mine].to(dev, torch.float32)
-        g = None if call.guidance is None else call.guidance[mine].to(dev, torch.float32)
+        x = x_all[mine].to(dev, dtype)
+        t = t_all[mine].to(dev, torch.float32)
+        g = None if g_all is None else g_all[mine].to(dev, torch.float32)
         extra = adapter.forward_extra(model, h * 8, w * 8)
-        pred = adapter.forward(model, adapter.pack(x), t, cond, g, extra)
-        if not dummy:
-            out[: sizes[me]] = adapter.unpack(pred, h * 8, w * 8).float()
-    if dist.get_world_size(data_group) > 1:
-        parts = [torch.empty_like(out) for _ in range(dist.get_world_size(data_group))]
-        dist.all_gather(parts, out, group=data_group)
-    else:
-        parts = [out]
+        packed = adapter.pack(x)
+        t_fwd = time.perf_counter()
+        pred = adapter.forward(model, packed, t, cond, g, extra)
+        t_post = time.perf_counter()
+        forward_s = t_post - t_fwd
+        pred = None if dummy else adapter.unpack(pred, h * 8, w * 8)
+    times = {"pre_s": t_fwd - t_run, "forward_s": forward_s}
+    if len(sizes) == 1:
+        # one replica: every rank computed the same rows (sequence parallel inside), rank 0
+        # has the answer and nothing needs gathering
+        times.update(post_s=time.perf_counter() - t_post, gather_s=0.0,
+                     forward_max_s=forward_s)
+        LAST_TIMES.clear()
+        LAST_TIMES.update(times)
+        if topo.rank != 0:
+            LAST_TIMES["run_s"] = time.perf_counter() - t_run
+            return None
+        result = pred.float().cpu()
+        LAST_TIMES["run_s"] = time.perf_counter() - t_run
+        return result
+    # several replicas: one all-gather of [longest rows | this rank's forward seconds], so
+    # rank 0 also learns the slowest rank's forward at no extra collective
+    longest = max(sizes)
+    numel = longest * c * h * w
+    out = torch.zeros(numel + 1, device=dev, dtype=torch.float32)
+    if pred is not None:
+        out[: sizes[me] * c * h * w].view(sizes[me], c, h, w).copy_(pred)
+    out[numel] = forward_s
+    t_gather = time.perf_counter()
+    times["post_s"] = t_gather - t_post
+    world = dist.get_world_size(data_group)
+    parts = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(parts, out, group=data_group)
+    times["gather_s"] = time.perf_counter() - t_gather
+    LAST_TIMES.clear()
+    LAST_TIMES.update(times)
     if topo.rank != 0:
+        LAST_TIMES["run_s"] = time.perf_counter() - t_run
         return None
+    LAST_TIMES["forward_max_s"] = float(max(float(p[numel]) for p in parts))
     rows = []
     for r, size in enumerate(sizes):
         dp_i, cfg_i = divmod(r, topo.degree("cfg"))
         src = topo.global_rank(dp=dp_i, cfg=cfg_i, pipefusion=0, ring=0, ulysses=0)
-        rows.append(parts[src][:size])
-    return torch.cat(rows).cpu()
+        rows.append(parts[src][: size * c * h * w].view(size, c, h, w))
+    result = torch.cat(rows).cpu()
+    LAST_TIMES["run_s"] = time.perf_counter() - t_run
+    return result
