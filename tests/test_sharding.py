@@ -232,3 +232,57 @@ def test_pipefusion_is_refused_with_shard_weights(model_dir):
     check(False, 2)
     check(True, 1)
     assert "pipefusion" in PIPEFUSION_REFUSED
+
+
+def _transformer_bytes(folder) -> int:
+    """Bytes of every tensor in the transformer's safetensors (what a whole load reads)."""
+    from workers.weights import Checkpoint
+    with Checkpoint.folder(str(folder / "transformer")) as ck:
+        return sum(int(e["data_offsets"][1]) - int(e["data_offsets"][0])
+                   for _, _, e in ck.entries.values())
+
+
+@pytest.mark.parametrize("arch,world", [("flux", 2), ("sd3", 4)])
+def test_each_rank_reads_only_its_shards(shard_pools, pools, model_dir, arch, world):
+    """Loading fits the sharding: each rank reads only its rows of each tensor from the
+    checkpoint (FSDP's dim-0 chunks), so the ranks together read the checkpoint exactly once
+    and none reads more than 1/N of it + 5%. Negative control: every rank of an unsharded
+    pool reads all of it."""
+    total = _transformer_bytes(model_dir(arch))
+    pool = shard_pools(arch, world)
+    pool.reconfigure(ParallelConfig(ulysses=world))
+    pool.generate(make_request(cfg=2.0))  # launched (if not yet) and in use
+    ranks = pool.status()["ranks"]
+    reads = [r["load"]["bytes_read"] for r in ranks]
+    # buffers (SD3's positional table) are not parameters: FSDP leaves them whole on every
+    # rank, so every rank reads them
+    buffers = {r["load"]["buffer_bytes_read"] for r in ranks}
+    assert len(buffers) == 1
+    buf = buffers.pop()
+    print(f"{arch} x{world}: checkpoint {total} B ({buf} B of buffers), read per rank {reads}")
+    assert all(r["load"]["loaded"] == "shards only" for r in ranks)
+    assert sum(reads) == total + (world - 1) * buf  # every parameter byte read exactly once
+    assert max(reads) - buf <= (total - buf) / world + 0.05 * (total - buf)
+    plain = pools(arch, 2).status()["ranks"]
+    assert all(r["load"]["bytes_read"] == total for r in plain)
+
+
+def test_bf16_and_fp8_sharded_equal_unsharded(model_dir):
+    """bf16 (read shard by shard) and fp8 storage (quantized whole, then sharded): the sharded
+    pool's result equals the unsharded pool's with the same engine options."""
+    req = make_request(batch=3)
+    for opts, load in ((dict(dtype="bf16"), "shards only"),
+                       (dict(dtype="bf16", weights="fp8"), "whole, then sharded")):
+        out = {}
+        for shard in (True, False):
+            with WorkerPool(model_dir("flux"), ParallelConfig(ring=2), device="cpu",
+                            threads_per_rank=1, shard_weights=shard, **opts) as pool:
+                res = pool.generate(req)
+                out[shard] = res.samples
+                if shard:
+                    c = check_residency(res.stats, 2)
+                    assert c["load"] == load, c
+                    print(f"{opts}: {c}")
+        diff = (out[True] - out[False]).abs().max().item()
+        print(f"{opts}: sharded vs unsharded max abs diff {diff:.2e}")
+        assert diff <= TOL

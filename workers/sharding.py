@@ -32,6 +32,17 @@ LoRA: peft wraps a block's Linear in a LoRA layer that keeps the original Linear
 gathered as before, and the small LoRA A/B matrices are ordinary, replicated parameters
 beside it. The result equals the unsharded model with the same adapters.
 
+Loading fits the sharding (`ShardSetup`, set up before the load): for a diffusers folder with
+safetensors the transformer is built on the meta device, sharded there, materialised as
+shards only (`to_empty`), and each rank reads just its rows of each tensor (FSDP2's dim-0
+chunks: rows of a row-major tensor are one contiguous byte range, one positioned read), cast
+to the pool dtype. No rank ever holds a whole weight, host or device; together the ranks read
+each parameter byte once. Buffers (SD3's positional table) are not parameters: FSDP leaves
+them whole, so every rank reads and holds them. Single files (converted from ComfyUI/BFL
+names, fused tensors split), `weights=fp8` (a per-tensor scale of the whole tensor), fp8
+folders and .bin weights are loaded whole (tensor by tensor, workers/weights.py), then
+sharded; `counts()["load"]` says which happened.
+
 Counted for `status` and the job stats (`counts()`): block parameters in total, held by this
 rank at rest, and measured during forwards (after a block's reshard, with the next block's
 prefetch in flight; and the peak inside a block); all-gather elements and bytes per forward.
@@ -98,10 +109,12 @@ def _group_elems(group) -> tuple:
         for t in getattr(fp, "all_gather_outputs", []) or []:
             gathered += _held(t)
     pending = getattr(group, "_all_gather_result", None)  # a prefetch in flight
-    if pending is not None:
+    if pending is not None and not gathered:
+        # its flat receive buffer (bytes when the dtypes are mixed, e.g. fp8 + bias): count
+        # the parameters it will hold, so every figure here is in parameter elements
         out = getattr(pending, "all_gather_output", None)
-        if out is not None:
-            gathered += _held(out)
+        if out is not None and _held(out):
+            gathered += sum(int(torch.Size(fp._orig_size).numel()) for fp in group.fsdp_params)
     return shard, gathered
 
 
@@ -179,6 +192,7 @@ class WeightSharding:
         block_gather = sum(self.block_bytes)
         return {
             "ranks": n,
+            "load": getattr(self, "load_mode", None),
             "block_params": total,
             "largest_block_params": max(self.block_numels),
             "block_params_local": self.local_block_elems(),
@@ -216,17 +230,192 @@ def job_counts(worker) -> dict:
     return unsharded_counts(worker.model.transformer, worker.adapter.block_lists)
 
 
-def shard_after_load(worker) -> Optional[WeightSharding]:
-    """Worker hook, called once after the transformer is loaded: shard it when the pool was
-    launched with `--shard-weights` (on every rank, collectively), else do nothing."""
-    args = worker.args
-    if not getattr(args, "shard_weights", False):
+# ---- loading only this rank's shards ----------------------------------------------------------
+def direct_load_problem(path: str, weights: str) -> str:
+    """Why the transformer at `path` cannot be read shard by shard ("" when it can): then it
+    is loaded whole (tensor by tensor, workers/weights.py) and sharded after the load."""
+    import os
+
+    from .weights import Checkpoint, has_safetensors, is_fp8
+    if os.path.isfile(path):
+        return ("a single-file checkpoint is converted to diffusers names tensor by tensor "
+                "(fused tensors split), so it is loaded whole, then sharded")
+    folder = os.path.join(path, "transformer")
+    if not has_safetensors(folder):
+        return "the transformer has no safetensors weights (.bin: diffusers' own loader)"
+    if weights == "fp8":
+        return ("weights=fp8 quantizes each block Linear with the scale of the whole tensor, "
+                "so it is loaded whole, then sharded")
+    with Checkpoint.folder(folder) as ck:
+        if any(is_fp8(torch.empty(0, dtype=ck.dtype(k))) for k in ck.keys()):
+            return "an fp8 checkpoint is loaded whole (FP8Linear layers), then sharded"
+    return ""
+
+
+def chunk_rows(n: int, world: int, rank: int) -> tuple:
+    """FSDP2's dim-0 split (torch.chunk): rows [start, stop) of `rank` out of `n`."""
+    per = -(-n // world)
+    start = min(rank * per, n)
+    return start, min(start + per, n)
+
+
+def _read_rows(ck, name: str, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of one checkpoint tensor (the whole tensor for a 0-dim one), in the
+    file's dtype, on the CPU: one positioned read of exactly those bytes (a row-major tensor's
+    rows are contiguous), into a buffer that lives until the copy to the device."""
+    import os
+
+    from .weights import _DTYPES
+    path, start, e = ck.entries[name]
+    dtype = _DTYPES.get(e["dtype"])
+    if dtype is None:
+        raise ValueError(f"{path}: tensor {name!r} has dtype {e['dtype']}, not supported")
+    a, b = (int(v) for v in e["data_offsets"])
+    shape = [int(v) for v in e["shape"]]
+    if shape:
+        row = (b - a) // shape[0] if shape[0] else 0
+        a, b = a + r0 * row, a + r1 * row
+        shape = [r1 - r0] + shape[1:]
+    ck.reads += 1
+    ck.bytes_read += b - a
+    if b == a:
+        return torch.empty(shape, dtype=dtype)
+    buf = bytearray(b - a)
+    view, fd, pos = memoryview(buf), ck._handle(path, "fd"), start + a
+    while view:
+        got = os.preadv(fd, [view], pos)
+        if got <= 0:
+            raise ValueError(f"{path}: tensor {name!r} is truncated")
+        view, pos = view[got:], pos + got
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def load_direct(adapter, path: str, device, dtype, group, rank: int, world: int):
+    """(transformer, WeightSharding, report): the transformer built on the meta device,
+    sharded there, materialised as shards only, and each rank's rows read from the
+    checkpoint (nothing else of the weights is ever read or held on this rank)."""
+    import os
+
+    import diffusers
+
+    from .models.base import meta_transformer
+    from .weights import Checkpoint
+
+    folder = os.path.join(path, "transformer")
+    transformer = meta_transformer(getattr(diffusers, adapter.transformer_class), folder)
+    transformer.to(dtype).requires_grad_(False).eval()
+    persistent = set(transformer.state_dict().keys())
+    loose = [n for n, _ in transformer.named_buffers() if n not in persistent]
+    if loose:
+        raise ValueError(f"buffers not stored in the checkpoint: {loose[:3]}")
+    sharding = WeightSharding(transformer, adapter.block_lists, group, device)
+    transformer.to_empty(device=device)
+    dev = torch.device(device)
+    with Checkpoint.folder(folder) as ck:
+        want = set(transformer.state_dict().keys())
+        have = set(ck.keys())
+        if want != have:
+            raise ValueError(f"checkpoint {folder} does not match the model: missing "
+                             f"{sorted(want - have)[:3]}, unexpected {sorted(have - want)[:3]}")
+        with torch.no_grad():
+            for name, p in transformer.named_parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                full = ck.shape(name)
+                r0, r1 = chunk_rows(full[0], world, rank) if full else (0, 0)
+                if full and (local.shape[0] != r1 - r0 or list(local.shape[1:]) != full[1:]):
+                    raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not rows "
+                                       f"{r0}:{r1} of {full} (FSDP's dim-0 split changed?)")
+                if local.numel():
+                    local.copy_(_read_rows(ck, name, r0, r1).to(dev, dtype))
+            param_bytes = ck.bytes_read
+            for name, buf in transformer.named_buffers():  # not sharded: read whole
+                t = _read_rows(ck, name, 0, ck.shape(name)[0] if ck.shape(name) else 0)
+                buf.copy_(t.to(dev, dtype if t.is_floating_point() else None))
+        report = {"weights": "full", "loaded": "shards only", "tensors_read": ck.reads,
+                  "bytes_read": ck.bytes_read, "buffer_bytes_read": ck.bytes_read - param_bytes,
+                  "checkpoint_fp8": False,
+                  "transformer_bytes": sum(
+                      (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                      for p in transformer.parameters())}
+    return transformer, sharding, report
+
+
+class ShardSetup:
+    """What `--shard-weights` prepares before the load (the group: a collective, so before
+    the ranks may load in turn) and finishes after it."""
+
+    def __init__(self, worker):
+        import torch.distributed as dist
+
+        args = worker.args
+        check(True, args.pipefusion, getattr(args, "compile", False))
+        # a device group of its own for FSDP's all-gathers (NCCL on GPUs, gloo on CPU and in
+        # the shared-GPU test mode: the world group's backend)
+        self.group = dist.new_group(list(range(worker.world)),
+                                    backend=dist.get_backend(worker.planes.data))
+        self.fallback = direct_load_problem(args.model, getattr(args, "weights", "auto"))
+        self.sharding: Optional[WeightSharding] = None
+        self.loaded_direct = False
+
+    @property
+    def direct(self) -> bool:
+        return not self.fallback
+
+    def load(self, worker):
+        """This rank's model with the transformer loaded shard-only (`direct` only)."""
+        import os
+
+        from .models import LoadedModel
+        from .models.base import _read_json
+
+        args, adapter = worker.args, worker.adapter
+        transformer, self.sharding, report = load_direct(
+            adapter, args.model, worker.device, worker.dtype, self.group, worker.rank,
+            worker.world)
+        encoder, te_device = None, None
+        if worker.rank == 0:  # as DiTAdapter.load: the text encoders on rank 0
+            import diffusers
+            te_device = adapter._text_encoder_device(args.model, worker.device, worker.dtype,
+                                                     getattr(args, "text_encoders", "auto"))
+            encoder = getattr(diffusers, adapter.pipeline_class).from_pretrained(
+                args.model, transformer=None, vae=None, torch_dtype=worker.dtype)
+            encoder.to(te_device)
+        model = LoadedModel(
+            path=args.model, arch=adapter.arch, transformer=transformer, encoder=encoder,
+            scheduler_config=_read_json(os.path.join(args.model, "scheduler",
+                                                     "scheduler_config.json")),
+            vae_config=_read_json(os.path.join(args.model, "vae", "config.json")),
+            device=worker.device, dtype=worker.dtype)
+        model.load_report = dict(report, text_encoders=te_device)
+        self.loaded_direct = True
+        return model
+
+    def finish(self, worker) -> WeightSharding:
+        """After the load: the sharding (a whole-loaded transformer is sharded now)."""
+        if not self.loaded_direct:
+            self.sharding = WeightSharding(worker.model.transformer, worker.adapter.block_lists,
+                                           self.group, worker.device)
+            report = getattr(worker.model, "load_report", None)
+            if isinstance(report, dict):
+                report["loaded"] = f"whole, then sharded ({self.fallback})"
+        self.sharding.load_mode = "shards only" if self.loaded_direct else "whole, then sharded"
+        return self.sharding
+
+
+def begin(worker) -> Optional[ShardSetup]:
+    """Worker hook before the load (every rank at once): None without `--shard-weights`."""
+    if not getattr(worker.args, "shard_weights", False):
         return None
-    check(True, args.pipefusion, getattr(args, "compile", False))
-    import torch.distributed as dist
-    # a device group of its own for FSDP's all-gathers (NCCL on GPUs, gloo on CPU and in the
-    # shared-GPU test mode: the world group's backend)
-    group = dist.new_group(list(range(worker.world)),
-                           backend=dist.get_backend(worker.planes.data))
-    return WeightSharding(worker.model.transformer, worker.adapter.block_lists, group,
-                          worker.device)
+    return ShardSetup(worker)
+
+
+def shard_after_load(worker) -> Optional[WeightSharding]:
+    """Worker hook after the load: the transformer's sharding, or None without
+    `--shard-weights` (a pool whose `begin` was not called shards the loaded model here)."""
+    setup = getattr(worker, "shard_setup", None)
+    if setup is None:
+        if not getattr(worker.args, "shard_weights", False):
+            return None
+        setup = ShardSetup(worker)
+        setup.fallback = setup.fallback or "loaded before sharding was set up"
+    return setup.finish(worker)

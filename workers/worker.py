@@ -46,13 +46,18 @@ class Worker:
             from .pipefusion_stages import stage_of_rank
             stage = (stage_of_rank(rank, args.pipefusion, args.pipefusion_inner),
                      args.pipefusion, args.pipefusion_split)
+        from .sharding import begin as begin_sharding
+        self.shard_setup = begin_sharding(self)  # --shard-weights (workers/sharding.py)
         for turn in (range(world) if args.load_in_turn else [rank]):
             if turn == rank:  # the pool counts these two lines for "loading k/N"
                 logging.getLogger("xdit.worker").info("xdit: loading weights")
-                self.model = self.adapter.load(
-                    args.model, self.device, self.dtype, with_text_encoders=(rank == 0),
-                    stage=stage, weights=getattr(args, "weights", "auto"),
-                    text_encoders=getattr(args, "text_encoders", "auto"))
+                if self.shard_setup is not None and self.shard_setup.direct:
+                    self.model = self.shard_setup.load(self)  # this rank's shards only
+                else:
+                    self.model = self.adapter.load(
+                        args.model, self.device, self.dtype, with_text_encoders=(rank == 0),
+                        stage=stage, weights=getattr(args, "weights", "auto"),
+                        text_encoders=getattr(args, "text_encoders", "auto"))
                 logging.getLogger("xdit.worker").info("xdit: weights loaded")
             if args.load_in_turn and world > 1:
                 dist.barrier(group=planes.control)
