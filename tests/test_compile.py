@@ -77,6 +77,37 @@ def test_compile_ids_count_recompiles():
     assert c.describe()["state"] == "compiled"
 
 
+def test_identical_blocks_compile_once():
+    """Regional compile reuses one block's graphs for every identical block: a FLUX
+    transformer with 4 double + 4 single blocks compiles as many frames as one with 2 + 2.
+    (Not 1 + 1: the first single block gets a contiguous input, the others a strided one, so
+    single blocks compile twice whatever their number.)"""
+    import diffusers
+    import torch._dynamo
+
+    from workers.compile import Compiler
+
+    def compiles(depth):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        tr = diffusers.FluxTransformer2DModel(
+            num_layers=depth, num_single_layers=depth, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+            axes_dims_rope=(4, 6, 6)).eval()
+        c = Compiler(True)
+        c.install(tr, ("transformer_blocks", "single_transformer_blocks"), backend="eager")
+        with torch.inference_mode(), c.job() as scope:
+            tr(hidden_states=torch.randn(1, 16, 64), encoder_hidden_states=torch.randn(1, 4, 32),
+               pooled_projections=torch.randn(1, 16), timestep=torch.ones(1),
+               img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3))
+        assert c.blocks == 2 * depth
+        return scope.stats["compiles"]
+
+    two, four = compiles(2), compiles(4)
+    torch._dynamo.reset()
+    assert two > 0 and four == two, (two, four)
+
+
 def test_pipefusion_with_compile_is_refused_at_pool_start(model_dir):
     from workers.compile import PIPEFUSION_REFUSED
 

@@ -103,8 +103,9 @@ class Compiler:
         self._t0 = None
 
     # -- setup ---------------------------------------------------------------------------------
-    def install(self, transformer, block_lists) -> None:
-        """Mark every block for compilation (lazy: nothing compiles until the first job)."""
+    def install(self, transformer, block_lists, backend: str = "inductor") -> None:
+        """Mark every block for compilation (lazy: nothing compiles until the first job).
+        `backend`: tests trace with "eager" to check graph reuse without code generation."""
         if not self.enabled:
             return
         import torch._dynamo
@@ -120,7 +121,7 @@ class Compiler:
                 setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
         for lname in block_lists:
             for block in getattr(transformer, lname, None) or []:
-                block.compile()
+                block.compile(backend=backend)
                 self.blocks += 1
         on_compile_start(self._started)
         on_compile_end(self._ended)
