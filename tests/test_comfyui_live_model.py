@@ -16,8 +16,8 @@ each decoded by VAEDecode; the decoded IMAGE tensors must agree to 1e-3.
   and at CFG parallel, with euler/simple and dpmpp_2m/beta;
 * FLUX (FLUX.1-wide, 1 double + 1 single block: ComfyUI hard-codes FLUX's widths) at
   Ulysses 2 through FluxGuidance, with the same two samplers.
-The API example example_workflows/xdit_flux_ksampler_api.json runs with the tiny FLUX folder,
-the test VAE and test conditioning substituted.
+The KSampler examples (example_workflows/xdit_{flux,sd3}_ksampler_api.json) run with the tiny
+model folders, the test VAE and random conditioning substituted.
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ pytestmark = pytest.mark.skipif(not COMFY, reason="COMFYUI_PATH not set (live Co
 ROOT = Path(__file__).resolve().parent.parent
 VAE_NAME = "xdit-test-vae.safetensors"
 FILES = {"sd3": "xdit-native-sd3.safetensors", "flux": "xdit-native-flux.safetensors"}
-TINY_FLUX = "xdit-test-flux-ksampler"  # models/diffusers/<this>: the tiny FLUX folder
+# models/diffusers/<name>: the tiny folders standing in for the KSampler examples' models
+TINY = {"flux": "xdit-test-flux-ksampler", "sd3": "xdit-test-sd3-ksampler"}
+EXAMPLES = {"xdit_flux_ksampler_api.json": "flux", "xdit_sd3_ksampler_api.json": "sd3"}
 TOL = 1e-3
 SAMPLERS = [("euler", "simple"), ("dpmpp_2m", "beta")]
 
@@ -65,10 +67,11 @@ def comfy(model_dir, tmp_path_factory):
         native_single_file(arch, files / name)
     (comfy / "models" / "vae").mkdir(parents=True, exist_ok=True)
     _comfy_vae(comfy / "models" / "vae" / VAE_NAME)
-    tiny = comfy / "models" / "diffusers" / TINY_FLUX
-    if not tiny.exists():
-        tiny.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(model_dir("flux"), tiny)
+    for arch, name in TINY.items():
+        tiny = comfy / "models" / "diffusers" / name
+        if not tiny.exists():
+            tiny.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(model_dir(arch), tiny)
     port = _free_port()
     tmp = tmp_path_factory.mktemp("comfy-model")
     log = tmp / "comfyui.log"
@@ -87,7 +90,8 @@ def comfy(model_dir, tmp_path_factory):
                 proc.kill()
                 pytest.fail("ComfyUI did not start:\n" + log.read_text()[-4000:])
             time.sleep(1)
-    yield {"base": base, "port": port, "log": log, "tmp": tmp, "tiny": tiny}
+    yield {"base": base, "port": port, "log": log, "tmp": tmp,
+           "tiny": {a: comfy / "models" / "diffusers" / n for a, n in TINY.items()}}
     try:
         _http(base, "/xdit/unload", {})
     except Exception:
@@ -193,38 +197,44 @@ def test_flux_ksampler_on_the_pool_matches_comfyui_own_model(comfy):
     _http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
 
 
-def test_ksampler_example_workflow_runs(comfy):
-    """example_workflows/xdit_flux_ksampler_api.json with the tiny FLUX folder, the test VAE
-    and a random CONDITIONING (in place of the FLUX text encoders) substituted."""
-    wf = json.loads((ROOT / "example_workflows" / "xdit_flux_ksampler_api.json").read_text())
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_ksampler_example_workflow_runs(comfy, name):
+    """The KSampler example (API format) with the tiny model folder, the test VAE and a random
+    CONDITIONING of the tiny model's widths (in place of ComfyUI's text encoders, which only
+    load the real encoders) substituted; everything else as shipped."""
+    arch = EXAMPLES[name]
+    wf = json.loads((ROOT / "example_workflows" / name).read_text())
     by_type = {}
     for nid, node in wf.items():
         by_type.setdefault(node["class_type"], []).append(nid)
-    assert {"xDiT.LoadModel", "xDiT.ToModel", "KSampler", "FluxGuidance", "VAEDecode",
-            "SaveImage"} <= set(by_type)
+    assert {"xDiT.LoadModel", "xDiT.ToModel", "KSampler", "SaveImage"} <= set(by_type)
     loader = wf[by_type["xDiT.LoadModel"][0]]["inputs"]
-    loader.update(model=TINY_FLUX, device="cpu", world_size="2", ulysses=2)
-    cfg = json.loads((comfy["tiny"] / "transformer" / "config.json").read_text())
+    assert loader["device"] == "auto" and loader["world_size"] == "auto"
+    loader.update(model=TINY[arch], device="cpu")  # auto layout on 2 CPU ranks
+    cfg = json.loads((comfy["tiny"][arch] / "transformer" / "config.json").read_text())
     for nid in by_type.get("CLIPTextEncode", []):  # the text encoders' CONDITIONING
         wf[nid] = {"class_type": "XDiTTestRandomConditioning",
                    "inputs": {"seed": int(nid), "tokens": 8,
                               "context_dim": cfg["joint_attention_dim"],
                               "pooled_dim": cfg["pooled_projection_dim"], "guidance": -1.0}}
-    for nid in by_type.get("DualCLIPLoader", []):
-        del wf[nid]
-    wf[by_type["VAELoader"][0]]["inputs"]["vae_name"] = VAE_NAME
+    for t in ("DualCLIPLoader", "TripleCLIPLoader"):
+        for nid in by_type.get(t, []):
+            del wf[nid]
+    for nid in by_type.get("VAELoader", []):
+        wf[nid]["inputs"]["vae_name"] = VAE_NAME
     latent = next(n for n in wf.values() if n["class_type"] == "EmptySD3LatentImage")
     latent["inputs"].update(width=64, height=64)
     ks = wf[by_type["KSampler"][0]]["inputs"]
     ks["steps"] = 3
-    wf[by_type["SaveImage"][0]]["inputs"]["filename_prefix"] = "xdit-live-ksampler"
+    save = by_type["SaveImage"][0]
+    wf[save]["inputs"]["filename_prefix"] = f"xdit-live-ksampler-{arch}"
     pid, msgs = _run(comfy, wf)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     progress = [m["data"] for m in msgs if m.get("type") == "progress"
                 and m["data"].get("node") == by_type["KSampler"][0]]
-    assert progress and progress[-1]["value"] == 3  # KSampler's own progress
-    images = _http(comfy["base"], f"/history/{pid}")[pid]["outputs"][by_type["SaveImage"][0]]
-    assert images["images"][0]["filename"].startswith("xdit-live-ksampler")
+    assert progress and progress[-1]["value"] == 3  # KSampler's own progress bar
+    images = _http(comfy["base"], f"/history/{pid}")[pid]["outputs"][save]["images"]
+    assert images[0]["filename"].startswith(f"xdit-live-ksampler-{arch}")
     st = _http(comfy["base"], "/xdit/status")
-    pool = next(p for p in st["pools"] if p["model"].endswith(TINY_FLUX))
+    pool = next(p for p in st["pools"] if p["model"].endswith(TINY[arch]))
     assert pool["world_size"] == 2
