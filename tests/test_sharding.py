@@ -286,3 +286,46 @@ def test_bf16_and_fp8_sharded_equal_unsharded(model_dir):
         diff = (out[True] - out[False]).abs().max().item()
         print(f"{opts}: sharded vs unsharded max abs diff {diff:.2e}")
         assert diff <= TOL
+
+
+def test_memory_plan_matches_the_counts_and_flux1_dev(shard_pools):
+    """The plan's sharding figures equal what the 2-rank pool counted (fp32 tiny FLUX), and
+    for FLUX.1-dev's dimensions (built on the meta device: 11.9B parameters, bf16) they are
+    the README's figures."""
+    import diffusers
+
+    from workers.sharding import model_sizes, plan
+
+    pool = shard_pools("flux", 2)
+    pool.reconfigure(ParallelConfig(ulysses=2))
+    c = pool.generate(make_request()).stats[0]["sharding"]
+    tr = diffusers.FluxTransformer2DModel.from_pretrained(
+        str(pool.model_path), subfolder="transformer", torch_dtype=torch.float32)
+    sizes = model_sizes(tr, ("transformer_blocks", "single_transformer_blocks"))
+    p = plan(sizes["block_bytes"], sizes["nonblock_bytes"], 2, sizes["buffer_bytes"])
+    assert p["sharded_bytes_at_rest"] == 4 * (c["block_params_local"] + c["nonblock_params_local"])
+    assert p["gather_bytes_per_forward_per_rank"] == c["received_bytes_per_forward_per_rank"]
+    assert p["sharded_peak_bytes"] >= 4 * c["peak_block_params_in_block"]
+    assert p["unsharded_bytes_per_rank"] == 4 * (c["block_params"] + c["nonblock_params"])
+    with torch.device("meta"):
+        dev = diffusers.FluxTransformer2DModel(guidance_embeds=True).to(torch.bfloat16)
+    sizes = model_sizes(dev, ("transformer_blocks", "single_transformer_blocks"))
+    gb = 1e9
+    one = plan(sizes["block_bytes"], sizes["nonblock_bytes"], 1)
+    assert 23.7 * gb < one["unsharded_bytes_per_rank"] < 23.9 * gb  # 11.9B x 2 B
+    rows = []
+    for n in (2, 4, 8):
+        for link in (450.0, 25.0):  # NVLink (H100) vs PCIe 4.0 x16, GB/s
+            q = plan(sizes["block_bytes"], sizes["nonblock_bytes"], n, link_gb_s=link,
+                     device_bytes=int(16 * gb))  # a 16 GB card
+            rows.append((n, link, q))
+            print(f"FLUX.1-dev bf16 x{n} @ {link:g} GB/s: rest {q['sharded_bytes_at_rest'] / gb:.2f}"
+                  f" GB, peak {q['sharded_peak_bytes'] / gb:.2f} GB, gather/forward/rank "
+                  f"{q['gather_bytes_per_forward_per_rank'] / gb:.2f} GB = "
+                  f"{q['gather_seconds_per_step'] * 1e3:.0f} ms")
+            assert q["needs_sharding"] and q["fits_sharded"]
+            assert q["gather_bytes_per_forward_per_rank"] == \
+                one["unsharded_bytes_per_rank"] * (n - 1) // n
+    # negative control: a model that fits needs no sharding
+    small = plan([10, 10], 5, 2, device_bytes=100)
+    assert not small["needs_sharding"]

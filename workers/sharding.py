@@ -230,6 +230,55 @@ def job_counts(worker) -> dict:
     return unsharded_counts(worker.model.transformer, worker.adapter.block_lists)
 
 
+# ---- the memory plan's sharding figures ----------------------------------------------------
+def model_sizes(transformer, block_lists) -> dict:
+    """Parameter bytes of a transformer (a meta-built one will do: nothing is read) as the
+    plan takes them: each block, the rest (non-block parameters), the buffers."""
+    def nbytes(ps):
+        return sum(p.numel() * p.element_size() for p in ps)
+    blocks = [nbytes(b.parameters()) for name in block_lists for b in getattr(transformer, name)]
+    ids = {id(p) for name in block_lists for b in getattr(transformer, name)
+           for p in b.parameters()}
+    return {"block_bytes": blocks,
+            "nonblock_bytes": nbytes(p for p in transformer.parameters() if id(p) not in ids),
+            "buffer_bytes": nbytes(transformer.buffers())}
+
+
+def plan(block_bytes, nonblock_bytes: int, world: int, buffer_bytes: int = 0,
+         link_gb_s: Optional[float] = None, forwards_per_step: int = 1,
+         device_bytes: Optional[int] = None, prefetch: int = 1) -> dict:
+    """Weights per rank with and without sharding over `world` ranks, and what sharding
+    costs per denoising step on a link of `link_gb_s` GB/s (1e9 B/s, each rank's receive
+    bandwidth for an all-gather).
+
+    Sharded, a rank holds 1/N of every parameter (FSDP's dim-0 chunks, rounded up) plus the
+    buffers (whole) at rest; during a forward, the non-block parameters (gathered for the
+    whole forward) and the running block plus `prefetch` prefetched blocks (the largest ones,
+    as an upper bound). Each forward all-gathers every sharded parameter once: a rank receives
+    (N-1)/N of all parameter bytes. `forwards_per_step`: 2 with CFG in one process, 1 with CFG
+    parallel or without CFG. `device_bytes`: the memory a rank may use for weights; then
+    `needs_sharding` says whether the unsharded model overflows it and `fits_sharded` whether
+    the sharded peak fits."""
+    n = max(1, int(world))
+    blocks = sorted((int(b) for b in block_bytes), reverse=True)
+    params = sum(blocks) + int(nonblock_bytes)
+    unsharded = params + int(buffer_bytes)
+    rest = sum(-(-b // n) for b in blocks) + -(-int(nonblock_bytes) // n) + int(buffer_bytes)
+    gathered = int(nonblock_bytes) + sum(blocks[:1 + prefetch])
+    peak = rest + gathered
+    received = params * (n - 1) // n
+    out = {"world": n, "unsharded_bytes_per_rank": unsharded, "sharded_bytes_at_rest": rest,
+           "sharded_peak_bytes": peak, "largest_block_bytes": blocks[0] if blocks else 0,
+           "gather_bytes_per_forward_per_rank": received,
+           "gather_bytes_per_step_per_rank": received * forwards_per_step}
+    if link_gb_s:
+        out["gather_seconds_per_step"] = received * forwards_per_step / (link_gb_s * 1e9)
+    if device_bytes is not None:
+        out["needs_sharding"] = unsharded > device_bytes
+        out["fits_sharded"] = peak <= device_bytes
+    return out
+
+
 # ---- loading only this rank's shards ----------------------------------------------------------
 def direct_load_problem(path: str, weights: str) -> str:
     """Why the transformer at `path` cannot be read shard by shard ("" when it can): then it
