@@ -15,12 +15,15 @@ WF = ROOT / "example_workflows"
 API_FILES = sorted(WF.glob("*_api.json"))
 # stock ComfyUI nodes the examples may use (checked against /object_info by the live test)
 STOCK = {"EmptySD3LatentImage", "EmptyLatentImage", "SaveImage", "PreviewImage", "VAELoader",
-         "VAEDecode", "CLIPTextEncode", "DualCLIPLoader", "TripleCLIPLoader", "FluxGuidance"}
+         "VAEDecode", "CLIPTextEncode", "DualCLIPLoader", "TripleCLIPLoader", "FluxGuidance",
+         "KSampler", "KSamplerAdvanced", "ModelSamplingFlux", "ModelSamplingSD3"}
 
 
 def our_node_ids() -> set:
-    """node_id="..." of every schema in nodes.py (read as text: importing needs ComfyUI)."""
-    return set(re.findall(r'node_id="([^"]+)"', (ROOT / "comfyui_xdit" / "nodes.py").read_text()))
+    """node_id="..." of every schema in the node modules (comfyui_xdit/nodes*.py; read as
+    text: importing needs ComfyUI)."""
+    return {n for f in (ROOT / "comfyui_xdit").glob("nodes*.py")
+            for n in re.findall(r'node_id="([^"]+)"', f.read_text())}
 
 
 def api_graph(api: dict):
