@@ -74,11 +74,14 @@ def _launch_progress(node_id):
     workers", "loading 3/4"); ComfyUI's cancel raises from the bar's hook and stops the
     launch."""
     pbar = comfy.utils.ProgressBar(1, node_id=node_id)
+    shown = []
 
     def on_launch(text: str, done: int, total: int) -> None:
-        log.info("xDiT: %s", text)
-        _progress_text(text, node_id)
-        pbar.update_absolute(done, max(1, total))
+        if not shown or shown[-1] != text:  # repeated every second: said once
+            shown.append(text)
+            log.info("xDiT: %s", text)
+            _progress_text(text, node_id)
+        pbar.update_absolute(done, max(1, total))  # its hook raises on ComfyUI's cancel
     return on_launch
 
 

@@ -89,9 +89,9 @@ class WorkerPool:
         self.gpus = gpus
         self.start_timeout = start_timeout
         self.step_timeout = step_timeout
-        # ranks load one after another: host memory peaks at one model copy, not N (on GPU
-        # the host copy is freed once on the device; default there)
-        self.load_in_turn = bool(load_in_turn)  # default off: weights stream to each device
+        # every rank streams its weights tensor by tensor to its device (no host copy), so
+        # ranks load at once; load_in_turn=True serialises them (e.g. for .bin folders)
+        self.load_in_turn = bool(load_in_turn)
         self._phase = "stopped"
         self._info: Optional[ModelInfo] = None
         self._procs: list = []
@@ -294,10 +294,14 @@ class WorkerPool:
                 seen[rank] = "done"
             elif LOAD_STARTED in text:
                 seen[rank] = "loading"
-        done = sum(1 for v in seen.values() if v == "done")
-        state = (f"loading {done}/{world}" if seen else f"starting {world} workers")
-        if state != seen.get("_reported"):
-            seen["_reported"] = state
+        done = sum(1 for v in seen.values() if v in ("done",))
+        loading = any(v in ("done", "loading") for k, v in seen.items() if isinstance(k, int))
+        state = f"loading {done}/{world}" if loading else f"starting {world} workers"
+        now = time.monotonic()
+        # on a change, and again every second: the caller's cancel check (ComfyUI's
+        # progress hook) then lands within a second even in a long phase
+        if state != seen.get("_reported") or now - seen.get("_at", 0.0) >= 1.0:
+            seen["_reported"], seen["_at"] = state, now
             on_launch(state, done, world)
 
     def _launch_inner(self, on_launch=None) -> None:

@@ -619,13 +619,27 @@ def test_killed_worker_is_one_sentence_and_the_next_job_clears_it(model_dir):
     try:
         h = _handle(model_dir, world_size=2, ulysses=2)
         empty = {"samples": torch.zeros(1, 16, 8, 8)}
+
+        class Cancel(Exception):  # what ComfyUI's progress hook raises on its cancel
+            pass
+        started = []
+
+        def cancel_in_launch(*a):
+            started.append(a)
+            if len(started) == 2:  # the repeat a second later: the cancel check lands
+                raise Cancel()
+        with pytest.raises(Cancel):
+            sample(h, SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=reg,
+                   on_launch=cancel_in_launch)
+        pool = reg.pools()[0]
+        assert not pool.is_running() and pool.worker_pids() == [] and pool.launches == 0
         launch = []
         sample(h, SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=reg,
                on_launch=lambda *a: launch.append(a))
         assert launch[0] == ("starting 2 workers", 0, 2), launch
         assert launch[-1] == ("loading 2/2", 2, 2), launch
         assert [d for _, d, _ in launch] == sorted(d for _, d, _ in launch)
-        pool = reg.pools()[0]
+        assert pool.launches == 1 and reg.pools() == [pool]
         victim = pool.worker_pids()[1]
         seen = []
 
