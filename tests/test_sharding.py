@@ -329,3 +329,27 @@ def test_memory_plan_matches_the_counts_and_flux1_dev(shard_pools):
     # negative control: a model that fits needs no sharding
     small = plan([10, 10], 5, 2, device_bytes=100)
     assert not small["needs_sharding"]
+
+
+def test_single_file_loads_whole_then_shards(model_dir, tmp_path):
+    """A ComfyUI/BFL single file is converted while loading, so it is loaded whole, then
+    sharded: a host-sampler call on it equals the diffusers transformer of the same weights."""
+    import diffusers
+
+    from comfyui_xdit.model_calls import PoolDenoiser
+    from single_file_util import write_single_file
+    from test_model_calls import comfy_call, reference
+
+    path = write_single_file(model_dir("flux"), "flux", tmp_path / "flux1-tiny.safetensors")
+    tr = diffusers.FluxTransformer2DModel.from_pretrained(
+        str(model_dir("flux")), subfolder="transformer", torch_dtype=torch.float32).eval()
+    call = comfy_call("flux", tr, 1, 8, 6, seed=5)
+    want = reference("flux", tr, call["x"], call["timestep"], call["context"], call["y"],
+                     call["guidance"])
+    with WorkerPool(path, ParallelConfig(ulysses=2), device="cpu", threads_per_rank=1,
+                    shard_weights=True) as pool:
+        got = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "flux")(**call)
+        s = pool.status()["sharding"]
+    assert s["load"] == "whole, then sharded" and s["block_params_local"] < s["block_params"]
+    diff = (got - want).abs().max().item()
+    assert diff <= 1e-5, f"max abs diff {diff:.3e}"
