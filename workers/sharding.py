@@ -38,10 +38,11 @@ shards only (`to_empty`), and each rank reads just its rows of each tensor (FSDP
 chunks: rows of a row-major tensor are one contiguous byte range, one positioned read), cast
 to the pool dtype. No rank ever holds a whole weight, host or device; together the ranks read
 each parameter byte once. Buffers (SD3's positional table) are not parameters: FSDP leaves
-them whole, so every rank reads and holds them. Single files (converted from ComfyUI/BFL
-names, fused tensors split), `weights=fp8` (a per-tensor scale of the whole tensor), fp8
-folders and .bin weights are loaded whole (tensor by tensor, workers/weights.py), then
-sharded; `counts()["load"]` says which happened.
+them whole, so every rank reads and holds them. `weights=fp8` quantizes each rank's rows with
+the whole tensor's scale (one all-reduce of the maxima; the fp8 weights' rows are read twice),
+exactly as the whole loader does. Single files (converted from ComfyUI/BFL names, fused
+tensors split), fp8 checkpoints and .bin weights are loaded whole (tensor by tensor,
+workers/weights.py), then sharded; `counts()["load"]` says which happened.
 
 Counted for `status` and the job stats (`counts()`): block parameters in total, held by this
 rank at rest, and measured during forwards (after a block's reshard, with the next block's
@@ -292,9 +293,6 @@ def direct_load_problem(path: str, weights: str) -> str:
     folder = os.path.join(path, "transformer")
     if not has_safetensors(folder):
         return "the transformer has no safetensors weights (.bin: diffusers' own loader)"
-    if weights == "fp8":
-        return ("weights=fp8 quantizes each block Linear with the scale of the whole tensor, "
-                "so it is loaded whole, then sharded")
     with Checkpoint.folder(folder) as ck:
         if any(is_fp8(torch.empty(0, dtype=ck.dtype(k))) for k in ck.keys()):
             return "an fp8 checkpoint is loaded whole (FP8Linear layers), then sharded"
@@ -339,48 +337,103 @@ def _read_rows(ck, name: str, r0: int, r1: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
-def load_direct(adapter, path: str, device, dtype, group, rank: int, world: int):
+def _fp8_modules(transformer, block_lists, dtype) -> dict:
+    """weights=fp8: the block Linears become FP8Linear on the meta device (as the whole
+    loader's `load_tensors` makes them), before sharding; {weight name: module}."""
+    from .weights import FP8Linear, _set_module, block_linears
+    out = {}
+    for name, lin in block_linears(transformer, block_lists).items():
+        fp8 = FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                        device="meta", compute_dtype=dtype)
+        if lin.bias is not None:
+            fp8.bias = torch.nn.Parameter(torch.empty(lin.out_features, device="meta",
+                                                      dtype=dtype), requires_grad=False)
+        _set_module(transformer, name, fp8)
+        out[name + ".weight"] = fp8
+    return out
+
+
+def load_direct(adapter, path: str, device, dtype, group, rank: int, world: int,
+                mode: str = "auto", control=None):
     """(transformer, WeightSharding, report): the transformer built on the meta device,
     sharded there, materialised as shards only, and each rank's rows read from the
-    checkpoint (nothing else of the weights is ever read or held on this rank)."""
+    checkpoint (nothing else of the weights is ever read or held on this rank).
+
+    weights=fp8 (`mode`): each block Linear's weight is quantized as the whole loader does
+    (workers/weights.py `quantize`: scale = max|w| / 448 of the whole tensor, from the
+    checkpoint's values): one pass reads this rank's rows for their max, one all-reduce (MAX,
+    over `control`, the gloo world group) gives every rank the whole tensors' maxima, a second
+    pass reads the rows again and stores them in fp8."""
     import os
 
     import diffusers
 
     from .models.base import meta_transformer
-    from .weights import Checkpoint
+    from .weights import FP8, FP8_MAX, Checkpoint
 
     folder = os.path.join(path, "transformer")
     transformer = meta_transformer(getattr(diffusers, adapter.transformer_class), folder)
     transformer.to(dtype).requires_grad_(False).eval()
+    fp8 = _fp8_modules(transformer, adapter.block_lists, dtype) if mode == "fp8" else {}
     persistent = set(transformer.state_dict().keys())
-    loose = [n for n, _ in transformer.named_buffers() if n not in persistent]
+    loose = [n for n, _ in transformer.named_buffers()
+             if n not in persistent and n[:-len(".scale")] + ".weight" not in fp8]
     if loose:
         raise ValueError(f"buffers not stored in the checkpoint: {loose[:3]}")
     sharding = WeightSharding(transformer, adapter.block_lists, group, device)
     transformer.to_empty(device=device)
     dev = torch.device(device)
+
+    def rows(ck, name, local):
+        full = ck.shape(name)
+        r0, r1 = chunk_rows(full[0], world, rank) if full else (0, 0)
+        if full and (local.shape[0] != r1 - r0 or list(local.shape[1:]) != full[1:]):
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not rows "
+                               f"{r0}:{r1} of {full} (FSDP's dim-0 split changed?)")
+        return r0, r1
+
+    params = dict(transformer.named_parameters())
     with Checkpoint.folder(folder) as ck:
         want = set(transformer.state_dict().keys())
         have = set(ck.keys())
         if want != have:
             raise ValueError(f"checkpoint {folder} does not match the model: missing "
                              f"{sorted(want - have)[:3]}, unexpected {sorted(have - want)[:3]}")
+        scales = {}
+        if fp8:  # pass 1: the whole tensors' max |w|, from every rank's rows
+            names = sorted(fp8)
+            amax = torch.zeros(len(names), dtype=torch.float32)
+            for i, name in enumerate(names):
+                local = params[name].to_local()
+                r0, r1 = rows(ck, name, local)
+                if r1 > r0:
+                    amax[i] = _read_rows(ck, name, r0, r1).float().abs().max()
+            if world > 1:
+                import torch.distributed as dist
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=control)
+            scales = {n: (amax[i] / FP8_MAX).clamp(min=1e-12) for i, n in enumerate(names)}
         with torch.no_grad():
-            for name, p in transformer.named_parameters():
+            for name, p in params.items():
                 local = p.to_local() if hasattr(p, "to_local") else p
-                full = ck.shape(name)
-                r0, r1 = chunk_rows(full[0], world, rank) if full else (0, 0)
-                if full and (local.shape[0] != r1 - r0 or list(local.shape[1:]) != full[1:]):
-                    raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not rows "
-                                       f"{r0}:{r1} of {full} (FSDP's dim-0 split changed?)")
-                if local.numel():
-                    local.copy_(_read_rows(ck, name, r0, r1).to(dev, dtype))
+                r0, r1 = rows(ck, name, local)
+                if not local.numel():
+                    continue
+                t = _read_rows(ck, name, r0, r1)
+                if name in scales:  # weights.quantize's arithmetic, on this rank's rows
+                    t = (t.float() / scales[name]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+                    local.copy_(t.to(dev))
+                else:
+                    local.copy_(t.to(dev, dtype))
+            for name, mod in fp8.items():
+                mod.scale.copy_(scales[name].to(dev))
             param_bytes = ck.bytes_read
             for name, buf in transformer.named_buffers():  # not sharded: read whole
+                if name not in persistent:
+                    continue  # FP8Linear scales, set above
                 t = _read_rows(ck, name, 0, ck.shape(name)[0] if ck.shape(name) else 0)
                 buf.copy_(t.to(dev, dtype if t.is_floating_point() else None))
-        report = {"weights": "full", "loaded": "shards only", "tensors_read": ck.reads,
+        report = {"weights": "fp8" if fp8 else "full", "fp8_layers": len(fp8),
+                  "loaded": "shards only", "tensors_read": ck.reads,
                   "bytes_read": ck.bytes_read, "buffer_bytes_read": ck.bytes_read - param_bytes,
                   "checkpoint_fp8": False,
                   "transformer_bytes": sum(
@@ -403,6 +456,10 @@ class ShardSetup:
         self.group = dist.new_group(list(range(worker.world)),
                                     backend=dist.get_backend(worker.planes.data))
         self.fallback = direct_load_problem(args.model, getattr(args, "weights", "auto"))
+        if not self.fallback and getattr(args, "weights", "auto") == "fp8" and \
+                getattr(args, "load_in_turn", False) and worker.world > 1:
+            self.fallback = ("weights=fp8 shares the scales over every rank while loading, "
+                             "which ranks loading in turn cannot")
         self.sharding: Optional[WeightSharding] = None
         self.loaded_direct = False
 
@@ -420,7 +477,7 @@ class ShardSetup:
         args, adapter = worker.args, worker.adapter
         transformer, self.sharding, report = load_direct(
             adapter, args.model, worker.device, worker.dtype, self.group, worker.rank,
-            worker.world)
+            worker.world, mode=getattr(args, "weights", "auto"), control=worker.planes.control)
         encoder, te_device = None, None
         if worker.rank == 0:  # as DiTAdapter.load: the text encoders on rank 0
             import diffusers
