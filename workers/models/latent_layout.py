@@ -12,19 +12,19 @@ def pack(arch: str, x):
     """[B,C,h,w] -> what the transformer takes."""
     if arch != "flux":
         return x
-    b, c, h, w = x.shape
-    x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+    import torch.nn.functional as F
+    # token (i, j) holds channels c*4 + 2*dy + dx of latent pixels (2i+dy, 2j+dx):
+    # exactly pixel_unshuffle's channel order, in one copy
+    return F.pixel_unshuffle(x, 2).flatten(2).transpose(1, 2)
 
 
 def unpack(arch: str, x, height: int, width: int):
     """Inverse of `pack` for an image of height x width pixels."""
     if arch != "flux":
         return x
+    import torch.nn.functional as F
     b, n, c = x.shape
-    h, w = height // 16, width // 16
-    x = x.view(b, h, w, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c // 4, h * 2, w * 2)
+    return F.pixel_shuffle(x.transpose(1, 2).reshape(b, c, height // 16, width // 16), 2)
 
 
 def to_model(arch: str, raw, scale: float, shift: float):
