@@ -221,6 +221,24 @@ class EngineOptions:
             out.append(f"text_encoders must be auto, cpu, gpu or cuda:N (got {te!r})")
         elif te != "auto" and te != "cpu" and self.device != "cuda":
             out.append(f"text_encoders {te!r} needs device cuda; use 'auto' or 'cpu'")
+        if self.compile is True and self.shard_weights is True:
+            out.append("compile and shard_weights together are not supported yet (compile is "
+                       "not validated with FSDP's per-block hooks); choose one")
+        return out
+
+    def problems_with(self, config: "ParallelConfig") -> list[str]:
+        """What these options cannot run together with a parallel layout (checked on the host
+        before any launch; the workers refuse the same combinations as a second line)."""
+        out = []
+        if self.shard_weights and config.pipefusion > 1:
+            out.append(f"shard_weights cannot be combined with pipefusion {config.pipefusion}: "
+                       f"PipeFusion already splits the blocks over its stages, so the sharded "
+                       f"blocks' all-gathers over every rank would never line up; use "
+                       f"ulysses/ring/cfg/dp with shard_weights, or a pool without "
+                       f"shard_weights for PipeFusion")
+        if self.compile and config.pipefusion > 1:
+            out.append("compile is not supported with PipeFusion (its per-patch K/V-cache "
+                       "attention would recompile per patch); drop compile or pipefusion")
         return out
 
     def validate(self) -> "EngineOptions":

@@ -44,17 +44,12 @@ class JobCancelled(PoolError):
     pass
 
 
-SHARD_WEIGHTS_PIPEFUSION = (
-    "shard_weights cannot be combined with pipefusion {pf}: PipeFusion already splits the "
-    "blocks over its stages and runs each stage's blocks on its own ranks, so the sharded "
-    "blocks' all-gathers over every rank would never line up; use ulysses/ring/cfg/dp with "
-    "shard_weights, or a pool without shard_weights for PipeFusion")
-
-
-def _check_sharding(engine: EngineOptions, config: ParallelConfig) -> None:
-    """The one refusal of weight sharding (workers/sharding.py) with PipeFusion."""
-    if getattr(engine, "shard_weights", False) and config.pipefusion > 1:
-        raise ConfigError(SHARD_WEIGHTS_PIPEFUSION.format(pf=config.pipefusion))
+def _check_engine(engine: EngineOptions, config: ParallelConfig) -> None:
+    """Engine options a parallel layout cannot run with (shard_weights or compile with
+    PipeFusion): one ConfigError before anything launches."""
+    out = engine.problems_with(config)
+    if out:
+        raise ConfigError("invalid configuration: " + "; ".join(out))
 
 
 def _default_threads(world: int) -> int:
@@ -188,7 +183,7 @@ class WorkerPool:
         (they rebuild their process groups); another world size or PipeFusion layout (each
         rank holds one stage's weights) relaunches on next use."""
         config.validate(self.model_info)
-        _check_sharding(self.engine, config)
+        _check_engine(self.engine, config)
         with self._lock:
             if self._procs and config.launch_key() != self.config.launch_key():
                 self._shutdown()
@@ -460,7 +455,7 @@ class WorkerPool:
         """`on_launch(text, done, total)`: progress while the pool starts (see `_launch`)."""
         info = self.model_info
         self.config.validate(info, request)
-        _check_sharding(self.engine, self.config)
+        _check_engine(self.engine, self.config)
         _check_job_inputs(request, noise, init_latent, denoise)
         if not self.is_running():
             self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
@@ -566,7 +561,7 @@ class WorkerPool:
             return v.detach().cpu().numpy() if hasattr(v, "detach") else v
 
         config.validate(self.model_info)
-        _check_sharding(self.engine, config)
+        _check_engine(self.engine, config)
         with self._lock:
             if not self.is_running():
                 self._shutdown()

@@ -108,14 +108,22 @@ def test_identical_blocks_compile_once():
     assert two > 0 and four == two, (two, four)
 
 
-def test_pipefusion_with_compile_is_refused_at_pool_start(model_dir):
-    from workers.compile import PIPEFUSION_REFUSED
+def test_pipefusion_with_compile_is_refused_before_launch(model_dir):
+    """One ConfigError on the host, nothing launched; the workers' own check (a pool
+    started elsewhere, under torchrun) says the same."""
+    from comfyui_xdit.config import ConfigError
+    from workers.compile import PIPEFUSION_REFUSED, check
 
     with WorkerPool(model_dir("flux"), ParallelConfig(pipefusion=2), device="cpu",
                     threads_per_rank=1, compile=True) as pool:
-        with pytest.raises(PoolError) as e:
+        with pytest.raises(ConfigError, match="compile is not supported with PipeFusion"):
             pool.generate(request(h=64, w=64, msl=8))
+        assert not pool.is_running()
+    with pytest.raises(ValueError) as e:
+        check(True, 2)
     assert PIPEFUSION_REFUSED in str(e.value)
+    check(True, 1)
+    check(False, 2)
 
 
 # ---- compiled pools ----------------------------------------------------------------------------
