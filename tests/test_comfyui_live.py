@@ -193,6 +193,8 @@ def _messages(ws, until, timeout):
                             "text": m[8 + n:].decode()})
             else:
                 out.append({"type": "binary_preview", "size": len(m)})
+            if until(out[-1]):
+                return out
             continue
         msg = json.loads(m)
         out.append(msg)
@@ -456,3 +458,25 @@ def test_killed_worker_reaches_the_dialog_as_one_sentence(comfy):
     pid, msgs = _run(comfy, _workflow(2))
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     assert _http(comfy["base"], "/xdit/status")["last_error"] is None
+
+
+def test_interrupt_during_the_launch_stops_it(comfy):
+    _http(comfy["base"], "/xdit/unload", {})
+    cid = uuid.uuid4().hex
+    ws = _ws(comfy, cid)
+    wf = _workflow(3)
+    wf["3"]["inputs"]["seed"] = 8
+    pid = _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
+    _messages(ws, lambda m: m.get("type") == "progress_text" and m["node"] == "3"
+              and m["text"] == "starting 2 workers", 300)
+    t = time.monotonic()
+    _http(comfy["base"], "/interrupt", {})
+    msgs = _messages(ws, lambda m: m.get("type") in ("execution_interrupted", "execution_success",
+                                                     "execution_error")
+                     and m["data"].get("prompt_id") == pid, 120)
+    ws.close()
+    assert msgs[-1]["type"] == "execution_interrupted", msgs[-1]
+    assert time.monotonic() - t < 30
+    assert not [m for m in msgs if m.get("type") == "progress" and m["data"]["max"] == 3]
+    pools = _http(comfy["base"], "/xdit/status")["pools"]
+    assert pools and pools[0]["state"] == "stopped" and pools[0]["launches"] == 0
