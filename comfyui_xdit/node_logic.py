@@ -210,6 +210,7 @@ class ModelHandle:
     compile: bool = False  # EngineOptions: torch.compile of the blocks during warm-up
     weights: str = "auto"  # EngineOptions: auto | fp8 | full
     text_encoders: str = "auto"  # EngineOptions: auto | cpu | gpu | cuda:N
+    shard_weights: bool = False  # EngineOptions: FSDP2 block weights over every rank
 
     def with_lora(self, path: str, strength: float) -> "ModelHandle":
         """The LoRA node: chain one more adapter (the workers cache adapters, so changing
@@ -258,7 +259,8 @@ class ModelHandle:
     def engine(self) -> EngineOptions:
         return EngineOptions(device=self.device, dtype=self.dtype, attention=self.attention,
                              compile=self.compile, weights=self.weights,
-                             text_encoders=self.text_encoders)
+                             text_encoders=self.text_encoders,
+                             shard_weights=self.shard_weights)
 
     def problems(self) -> list[str]:
         """Every problem the loader can see before anything runs, each one phrase."""
@@ -274,6 +276,7 @@ class ModelHandle:
         try:
             if self.degrees_given:
                 self.explicit_config().validate(info)
+                out += self.engine().problems_with(self.explicit_config())
             elif self.world_size is not None and self.world_size < 1:
                 raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
             if self.device == "cuda":  # the GPUs must hold the world, before anything starts
@@ -295,7 +298,7 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                 warmup_steps: int = 1, pipeline_patches: int = 0,
                 pipefusion_split: str = "balanced", attention: str = "auto",
                 compile: bool = False, weights: str = "auto", text_encoders: str = "auto",
-                has_cuda: Optional[bool] = None) -> ModelHandle:
+                shard_weights: bool = False, has_cuda: Optional[bool] = None) -> ModelHandle:
     """The loader's widgets -> a handle. `pipeline_patches` 0 means "the PipeFusion degree";
     device/dtype 'auto' are resolved here (`has_cuda`: whether this ComfyUI has CUDA)."""
     ws = None if str(world_size).strip().lower() in ("auto", "", "0") else int(world_size)
@@ -310,13 +313,15 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                        pipeline_patches=int(pipeline_patches) or None,
                        pipefusion_split=str(pipefusion_split).strip() or "balanced",
                        attention=str(attention), compile=bool(compile),
-                       weights=str(weights), text_encoders=str(text_encoders))
+                       weights=str(weights), text_encoders=str(text_encoders),
+                       shard_weights=bool(shard_weights))
 
 
 LOADER_DEFAULTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1, ring=1,
                        cfg_parallel=False, dp=1, gpus="", pipefusion=1, warmup_steps=1,
                        pipeline_patches=0, pipefusion_split="balanced", attention="auto",
-                       compile=False, weights="auto", text_encoders="auto")
+                       compile=False, weights="auto", text_encoders="auto",
+                       shard_weights=False)
 
 
 def loader_handle(inputs: dict, folders, roots_by_kind: Optional[dict] = None,
@@ -370,7 +375,8 @@ class PoolRegistry:
     @staticmethod
     def _key(handle: ModelHandle) -> tuple:
         return (handle.path, handle.device, handle.dtype, handle.gpus, handle.threads_per_rank,
-                handle.attention, handle.compile, handle.weights, handle.text_encoders)
+                handle.attention, handle.compile, handle.weights, handle.text_encoders,
+                handle.shard_weights)
 
     def get(self, handle: ModelHandle, config: ParallelConfig):
         """The pool for `handle` running `config`: the same one on every call with the same
@@ -393,7 +399,8 @@ class PoolRegistry:
                 # engine options away from their defaults only (test factories take **kw)
                 kw = {k: getattr(handle, k) for k, default in
                       (("attention", "auto"), ("compile", False), ("weights", "auto"),
-                       ("text_encoders", "auto")) if getattr(handle, k) != default}
+                       ("text_encoders", "auto"), ("shard_weights", False))
+                      if getattr(handle, k) != default}
                 pool = factory(handle.path, config, device=handle.device, dtype=handle.dtype,
                                gpus=list(handle.gpus) if handle.gpus else None,
                                threads_per_rank=handle.threads_per_rank, **kw)

@@ -176,6 +176,13 @@ class LoadModel(io.ComfyNode):
                                tooltip="Where rank 0 runs T5/CLIP for prompt text: auto "
                                        "(rank 0's GPU when they fit beside the transformer, "
                                        "else CPU), cpu, or gpu (rank 0's GPU)"),
+                io.Boolean.Input("shard_weights", default=False, optional=True,
+                                 tooltip="Keep 1/N of the transformer's weights on each GPU "
+                                         "(torch FSDP2; each block gathered just before it "
+                                         "runs): exact, for models larger than one GPU; "
+                                         "costs one all-weight gather per step (fast on "
+                                         "NVLink, slow on PCIe). Not with PipeFusion or "
+                                         "compile"),
             ],
             outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
             hidden=[io.Hidden.unique_id],

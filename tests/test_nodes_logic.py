@@ -556,10 +556,18 @@ def test_engine_options_reach_the_pool_and_key_it(model_dir):
                                                "device": "cpu", "dtype": "fp32"}]
     import dataclasses
     for change in (dict(compile=True), dict(weights="full"), dict(text_encoders="cpu"),
-                   dict(attention="torch")):
+                   dict(attention="torch"), dict(shard_weights=True)):
         p = reg.get(dataclasses.replace(h, **change), cfg)
         assert p is not p1 and made[-1].items() >= change.items(), (change, made[-1])
     assert make_handle(h.path, "auto", "auto", has_cuda=True).dtype == "bf16"
+    # a combination the layout cannot run is the loader's one message, before any launch
+    bad = make_handle(h.path, "auto", "auto", "2", pipefusion=2, shard_weights=True,
+                      compile=True, has_cuda=False)
+    with pytest.raises(ConfigError) as e:
+        bad.validate()
+    msg = str(e.value)
+    assert msg.count("shard_weights") >= 1 and "compile is not supported with PipeFusion" in msg
+    assert "compile and shard_weights together" in msg
 
 
 def test_worker_traceback_becomes_one_sentence(tmp_path):
