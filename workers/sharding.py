@@ -217,8 +217,10 @@ class WeightSharding:
 
 
 def unsharded_counts(transformer, block_lists) -> dict:
-    """The same block counts for a pool without sharding (every rank holds every weight)."""
-    numels = [sum(p.numel() for p in b.parameters())
+    """The same block counts for a pool without sharding (every rank holds every weight);
+    the model's own weights only, not LoRA adapters a job added (as the sharded count,
+    taken when the blocks were sharded)."""
+    numels = [sum(p.numel() for n, p in b.named_parameters() if "lora_" not in n)
               for name in block_lists for b in getattr(transformer, name)]
     return {"ranks": 1, "block_params": sum(numels), "largest_block_params": max(numels),
             "block_params_local": sum(numels)}
