@@ -3,8 +3,11 @@
 Authentication is a challenge-response on the per-pool secret (HMAC-SHA256 of a random
 nonce, both directions) over fixed-size messages with a timeout, so a client without the
 secret, or one sending garbage, is dropped before a single byte of it is unpickled.
-Frames are `8-byte length + pickle`; tensors travel by value (never as shared-memory
-handles, which break when a process exits).
+Frames are `8-byte pickle length + 4-byte buffer count + 8 bytes per buffer length`, the
+pickle, then the buffers: pickle protocol 5 hands large numpy arrays over out of band, so a
+latent crosses the socket without being copied into the pickle, and is received straight
+into its own buffer. Tensors travel by value (never as shared-memory handles, which break
+when a process exits).
 """
 from __future__ import annotations
 
@@ -26,14 +29,17 @@ class AuthError(ConnectionError):
     pass
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly n bytes, received in place into one buffer."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
             raise ConnectionError("connection closed")
-        buf += chunk
-    return bytes(buf)
+        got += k
+    return buf
 
 
 def _mac(secret: bytes, nonce: bytes, role: bytes) -> bytes:
@@ -48,16 +54,25 @@ class Channel:
         self._send_lock = threading.Lock()  # cancel() may send from another thread
 
     def send(self, obj: Any) -> None:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        buffers: list = []
+        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        raws = [b.raw() for b in buffers]
+        head = struct.pack(f"!QI{len(raws)}Q", len(data), len(raws), *(r.nbytes for r in raws))
         with self._send_lock:
-            self.sock.sendall(struct.pack("!Q", len(data)) + data)
+            self.sock.sendall(head)
+            self.sock.sendall(data)
+            for r in raws:
+                self.sock.sendall(r)
 
     def recv(self, timeout: Optional[float] = None) -> Any:
         """Next message; raises TimeoutError when `timeout` passes first (nothing consumed)."""
         if timeout is not None and not self.poll(timeout):
             raise TimeoutError("no message")
-        (n,) = struct.unpack("!Q", _recv_exact(self.sock, 8))
-        return pickle.loads(_recv_exact(self.sock, n))
+        n, count = struct.unpack("!QI", _recv_exact(self.sock, 12))
+        sizes = struct.unpack(f"!{count}Q", _recv_exact(self.sock, 8 * count)) if count else ()
+        data = _recv_exact(self.sock, n)
+        buffers = [_recv_exact(self.sock, k) for k in sizes]
+        return pickle.loads(data, buffers=buffers)
 
     def poll(self, timeout: float = 0.0) -> bool:
         import select
