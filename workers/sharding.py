@@ -329,13 +329,8 @@ def _read_rows(ck, name: str, r0: int, r1: int) -> torch.Tensor:
     ck.bytes_read += b - a
     if b == a:
         return torch.empty(shape, dtype=dtype)
-    buf = bytearray(b - a)
-    view, fd, pos = memoryview(buf), ck._handle(path, "fd"), start + a
-    while view:
-        got = os.preadv(fd, [view], pos)
-        if got <= 0:
-            raise ValueError(f"{path}: tensor {name!r} is truncated")
-        view, pos = view[got:], pos + got
+    from .weights import pread_bytes
+    buf = pread_bytes(ck._handle(path, "fd"), start + a, b - a, path, name)
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 

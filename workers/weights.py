@@ -38,6 +38,19 @@ def is_fp8(t: torch.Tensor) -> bool:
 
 
 # ---- reading -------------------------------------------------------------------------------
+def pread_bytes(fd: int, pos: int, n: int, path: str, name: str) -> bytearray:
+    """n bytes at `pos` of an open file, read in place into one buffer (a tensor's bytes
+    straight from its byte range: no mapping, no second copy)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        got = os.preadv(fd, [view], pos)
+        if got <= 0:
+            raise ValueError(f"{path}: tensor {name!r} is truncated")
+        view, pos = view[got:], pos + got
+    return buf
+
+
 @dataclass
 class Checkpoint:
     """The tensors of one safetensors file or a sharded diffusers folder, read one at a time.
@@ -117,13 +130,7 @@ class Checkpoint:
             return self._handle(path, "mmap").get_tensor(name)
         if b == a:
             return torch.empty(shape, dtype=dtype, device=device)
-        buf = bytearray(b - a)
-        view, fd, pos = memoryview(buf), self._handle(path, "fd"), start + a
-        while view:
-            got = os.preadv(fd, [view], pos)
-            if got <= 0:
-                raise ValueError(f"{path}: tensor {name!r} is truncated")
-            view, pos = view[got:], pos + got
+        buf = pread_bytes(self._handle(path, "fd"), start + a, b - a, path, name)
         # frombuffer shares `buf`; the copy to the device is its only use
         return torch.frombuffer(buf, dtype=dtype).view(shape).to(device)
 
