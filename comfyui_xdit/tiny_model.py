@@ -28,6 +28,9 @@ from .worker_modules import worker_module
 
 _facts = worker_module("models.facts")  # VAE factors, scheduler configs, RoPE axes
 ARCHS = _facts.ARCHS
+# Archs only this builder knows (the pool does not run them yet): FLUX.2 [klein]-style folders.
+EXTRA_ARCHS = tuple(a for a in ("flux2",) if a not in ARCHS)
+BUILD_ARCHS = ARCHS + EXTRA_ARCHS
 
 # Bump when the folder layout or any config below changes: it is part of the cache key, so
 # ensure_tiny_model never serves a folder built by an older recipe.
@@ -213,8 +216,8 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
                    heads: int = 4, sd35: bool = False) -> dict:
     """Validate the knobs and fill in defaults; the result is what the cache key hashes, so
     equivalent calls (explicit default vs omitted) share one folder."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    if arch not in BUILD_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(BUILD_ARCHS)}")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     depth = DEFAULT_DEPTH if depth is None else depth
@@ -229,6 +232,10 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
     if arch == "flux" and (head_dim % 2 or head_dim < 6):
         raise ValueError(
             f"flux needs an even head dim >= 6 for its 3 RoPE axes; width {width} / heads {heads} = {head_dim}"
+        )
+    if arch == "flux2" and (head_dim % 8 or head_dim < 8):
+        raise ValueError(
+            f"flux2 needs a head dim that is a multiple of 8 for its 4 RoPE axes; width {width} / heads {heads} = {head_dim}"
         )
     if arch == "sd3" and head_dim < 2:
         raise ValueError(f"sd3 needs a head dim >= 2; width {width} / heads {heads} = {head_dim}")
@@ -324,6 +331,91 @@ def _build_sd3(cfg: dict):
     )
 
 
+# FLUX.2 [klein]: a Qwen3 causal LM whose hidden states 9, 18 and 27 (of 28 layers) are
+# concatenated into the transformer's text input, so joint_attention_dim = 3 x hidden.
+QWEN3 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=28, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16, max_position_embeddings=1024)
+QWEN3_LAYERS = (9, 18, 27)
+QWEN3_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _qwen_tokenizer():
+    """A byte-level BPE tokenizer in Qwen2's layout: the 256 byte symbols, merges that make
+    each word of _WORDS (with its leading-space marker) one token, then the ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+
+    alphabet = list(_bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    space = _bytes_to_unicode()[ord(" ")]
+    for word in _WORDS:
+        pieces = _bpe(list(space + word), ranks)
+        cur = pieces[0]
+        for piece in pieces[1:]:
+            if (cur, piece) not in ranks:
+                ranks[(cur, piece)] = len(merges)
+                merges.append((cur, piece))
+            cur += piece
+            vocab.setdefault(cur, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(QWEN3_SPECIALS))
+    out = Qwen2TokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                             unk_token=None, model_max_length=QWEN3["max_position_embeddings"])
+    out.chat_template = QWEN3_CHAT_TEMPLATE
+    return out
+
+
+def _build_flux2(cfg: dict):
+    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                           Flux2Transformer2DModel)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    seed, heads, head_dim = cfg["seed"], cfg["heads"], cfg["width"] // cfg["heads"]
+    tokenizer = _qwen_tokenizer()
+    text_encoder = _seeded(seed, 1, Qwen3ForCausalLM, Qwen3Config(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True, **QWEN3))
+    text_encoder.eval()
+    transformer = _seeded(
+        seed,
+        3,
+        Flux2Transformer2DModel,
+        patch_size=1,
+        in_channels=128,  # 32 latent channels packed 2x2
+        num_layers=cfg["depth"],
+        num_single_layers=cfg["depth"],
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=len(QWEN3_LAYERS) * QWEN3["hidden_size"],
+        timestep_guidance_channels=32,
+        axes_dims_rope=(head_dim // 4,) * 4,
+        guidance_embeds=False,  # klein: no embedded guidance
+    )
+    vae = _seeded(
+        seed,
+        4,
+        AutoencoderKLFlux2,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(8, 16, 32, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        latent_channels=32,
+        sample_size=128,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**_facts.SCHEDULER_DEFAULTS["flux-dev"])
+    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, transformer=transformer, is_distilled=True)
+
+
 def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, depth: int | None = None,
                      width: int | None = None, heads: int = 4, sd35: bool = False) -> pathlib.Path:
     """Writes a complete diffusers folder (model_index.json, transformer/, vae/, text_encoder*/,
@@ -342,7 +434,7 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     out.mkdir(parents=True, exist_ok=True)
     # Build on the default RNG but leave the caller's RNG state as it was.
     with torch.random.fork_rng(devices=[]):
-        pipe = _build_flux(cfg) if arch == "flux" else _build_sd3(cfg)
+        pipe = {"flux": _build_flux, "sd3": _build_sd3, "flux2": _build_flux2}[arch](cfg)
     with _quiet_transformers():
         pipe.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -506,7 +598,7 @@ def add_cli(subparsers) -> None:
         help="write a small random-weight diffusers model folder (offline)",
         description="Write a small random-weight FLUX or SD3 diffusers folder; nothing is downloaded.",
     )
-    p.add_argument("--arch", required=True, choices=ARCHS, help="model family")
+    p.add_argument("--arch", required=True, choices=BUILD_ARCHS, help="model family")
     p.add_argument("--out", required=True, help="output folder (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--depth", type=int, default=None, help=f"transformer blocks (default {DEFAULT_DEPTH})")

@@ -1,0 +1,82 @@
+"""FLUX.2 [klein]-style tiny models (issue #14 groundwork): the builder writes a folder the
+stock diffusers Flux2KleinPipeline loads and runs offline, with a head count Ulysses 2 and 4
+divide."""
+
+import json
+
+import pytest
+import torch
+
+from comfyui_xdit.tiny_model import build_tiny_model, ensure_tiny_model, resolve_config
+
+
+@pytest.fixture(scope="module")
+def flux2_folder(tmp_path_factory):
+    return build_tiny_model("flux2", tmp_path_factory.mktemp("tiny") / "flux2")
+
+
+def _pipe(path):
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_flux2_folder_loads_and_generates_a_latent(flux2_folder):
+    index = json.loads((flux2_folder / "model_index.json").read_text())
+    assert index["_class_name"] == "Flux2KleinPipeline"
+    assert {"transformer", "vae", "text_encoder", "tokenizer", "scheduler"} <= set(index)
+    pipe = _pipe(flux2_folder)
+    tr = pipe.transformer.config
+    assert tr.in_channels == 128 and tr.num_attention_heads == 4
+    assert tr.num_attention_heads % 2 == 0 and tr.num_attention_heads % 4 == 0
+    assert len(tr.axes_dims_rope) == 4 and sum(tr.axes_dims_rope) == tr.attention_head_dim
+    assert tr.joint_attention_dim == 3 * pipe.text_encoder.config.hidden_size
+    assert pipe.text_encoder.config.num_hidden_layers == 28
+    assert pipe.vae.config.latent_channels == 32 and pipe.vae_scale_factor == 8
+
+    seen = []
+
+    def record(_pipe, _i, _t, tensors):
+        seen.append(tensors["latents"].clone())
+        return {}
+
+    out = pipe(prompt="a photo of a red cat", height=128, width=96, num_inference_steps=2,
+               output_type="latent", generator=torch.Generator().manual_seed(0),
+               max_sequence_length=64, callback_on_step_end=record).images
+    assert out.shape == (1, 32, 128 // 8, 96 // 8)
+    assert torch.isfinite(out).all()
+    assert len(seen) == 2 and (seen[0] - seen[1]).abs().max() > 1e-3
+    # the prompt reaches the latent: another prompt, same noise, differs
+    other = pipe(prompt="a blue dog", height=128, width=96, num_inference_steps=2,
+                 output_type="latent", generator=torch.Generator().manual_seed(0),
+                 max_sequence_length=64).images
+    assert (other - out).abs().max() > 1e-4
+
+
+def test_flux2_tokenizer_words_are_single_tokens(flux2_folder):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(flux2_folder / "tokenizer")
+    assert len(tok(" cat").input_ids) == 1
+    assert tok.decode(tok("a photo of a red cat!").input_ids) == "a photo of a red cat!"
+    text = tok.apply_chat_template([{"role": "user", "content": "cat"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.startswith("<|im_start|>user\ncat<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_flux2_build_is_reproducible_and_cached(flux2_folder, tmp_path):
+    again = ensure_tiny_model("flux2", tmp_path)
+    assert ensure_tiny_model("flux2", tmp_path) == again
+    for sub in ("transformer", "vae", "text_encoder"):
+        for f in (flux2_folder / sub).glob("*.safetensors"):
+            assert (again / sub / f.name).read_bytes() == f.read_bytes()
+
+
+def test_flux2_knobs_validated():
+    assert resolve_config("flux2")["heads"] == 4
+    with pytest.raises(ValueError, match="flux2"):
+        resolve_config("flux2", heads=4, width=4 * 12)  # head dim 12: not 4 RoPE axes of 8k
+    with pytest.raises(ValueError, match="sd35"):
+        resolve_config("flux2", sd35=True)
