@@ -15,6 +15,15 @@ from .config import ConfigError
 from .worker_modules import worker_module
 
 LATENT_CHANNELS = 16
+# Raw-VAE-space channels of the archs whose VAE differs from FLUX.1 / SD3's 16
+LATENT_CHANNELS_BY_ARCH = {"flux2": 32}
+
+
+def latent_channels(arch: str) -> int:
+    """Channels of `arch`'s LATENT (raw VAE space, [B, C, H/8, W/8])."""
+    return LATENT_CHANNELS_BY_ARCH.get(arch, LATENT_CHANNELS)
+
+
 _VAE_LATENT = worker_module("models.facts").VAE_LATENT  # the VAEs' scaling / shift factors
 
 # ComfyUI's comfy/latent_formats.py (SD3 and Flux): scale/shift of the VAE (the released

@@ -75,7 +75,7 @@ def _storage_name(storage) -> Optional[str]:
 def _block_count(arch: str, cfg: dict) -> Optional[int]:
     try:
         n = int(cfg["num_layers"])
-        return n + int(cfg.get("num_single_layers", 0)) if arch == "flux" else n
+        return n + int(cfg.get("num_single_layers", 0)) if arch in ("flux", "flux2") else n
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .channel import Channel, connect, parse_address
-from .comfy_convert import (LATENT_CHANNELS, comfy_noise, comfy_to_model, model_to_comfy,
-                            noise_to_model)
+from .comfy_convert import (LATENT_CHANNELS, comfy_noise, comfy_to_model, latent_channels,
+                            model_to_comfy, noise_to_model)
 from .config import ConfigError, EngineOptions, ParallelConfig
 from .gpus import gpus_for_ranks
 from .model_info import ModelInfo, read_model_info
@@ -456,7 +456,7 @@ class WorkerPool:
         info = self.model_info
         self.config.validate(info, request)
         _check_engine(self.engine, self.config)
-        _check_job_inputs(request, noise, init_latent, denoise)
+        _check_job_inputs(request, noise, init_latent, denoise, latent_channels(info.arch))
         if not self.is_running():
             self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
         req = request.resolved(info.arch)
@@ -473,8 +473,8 @@ class WorkerPool:
             # the workers speak model space; ComfyUI's conventions are converted here only
             fmt = self._remote["latent"]
             if noise is None:  # ComfyUI's prepare_noise, drawn once for the whole batch
-                noise = comfy_noise(req.seed, (req.batch, LATENT_CHANNELS, req.height // 8,
-                                               req.width // 8))
+                noise = comfy_noise(req.seed, (req.batch, latent_channels(info.arch),
+                                               req.height // 8, req.width // 8))
             job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.key(),
                         noise=noise_to_model(info.arch, noise),
                         init_latent=None if init_latent is None else
@@ -630,19 +630,20 @@ class WorkerPool:
             return
 
 
-def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise) -> None:
+def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
+                      channels: int = LATENT_CHANNELS) -> None:
     """The tensors `generate` takes beside the request, checked before anything is sent: a
     wrong one is one clear error and the pool stays as it is."""
     import torch
 
     if not isinstance(denoise, (int, float)) or not 0.0 < float(denoise) <= 1.0:
         raise ConfigError(f"denoise must be in (0, 1] (got {denoise!r})")
-    shape = (request.batch, LATENT_CHANNELS, request.height // 8, request.width // 8)
+    shape = (request.batch, channels, request.height // 8, request.width // 8)
     for name, t in (("noise", noise), ("init_latent", init_latent)):
         if t is not None and (not torch.is_tensor(t) or tuple(t.shape) != shape):
             got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
             raise ConfigError(f"{name} must be a ComfyUI LATENT tensor of shape {list(shape)} "
-                              f"(batch, 16, height/8, width/8) for this request; got {got}")
+                              f"(batch, {channels}, height/8, width/8) for this request; got {got}")
 
 
 def rss_mb(pid="self") -> float:

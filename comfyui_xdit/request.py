@@ -11,6 +11,7 @@ from .worker_modules import worker_module
 ARCH_DEFAULTS = {
     "flux": {"cfg": 1.0, "guidance": 3.5},
     "sd3": {"cfg": 7.0, "guidance": None},
+    "flux2": {"cfg": 1.0, "guidance": None},  # FLUX.2 [klein]: step-distilled, no guidance embed
 }
 
 

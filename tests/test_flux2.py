@@ -80,3 +80,65 @@ def test_flux2_knobs_validated():
         resolve_config("flux2", heads=4, width=4 * 12)  # head dim 12: not 4 RoPE axes of 8k
     with pytest.raises(ValueError, match="sd35"):
         resolve_config("flux2", sd35=True)
+
+
+# ---- detection and the pool (issue #14) ------------------------------------------------
+
+def test_flux2_folder_detected(flux2_folder):
+    from comfyui_xdit.model_info import read_model_info
+
+    info = read_model_info(flux2_folder)
+    assert (info.arch, info.heads, info.patch_size, info.blocks) == ("flux2", 4, 1, 4)
+
+
+def test_flux2_latent_layout_round_trip():
+    """pack = diffusers' patchify + pack; the per-channel normalisation inverts exactly."""
+    from diffusers import Flux2KleinPipeline
+
+    from comfyui_xdit.worker_modules import worker_module
+
+    ll = worker_module("models.latent_layout")
+    raw = torch.randn(2, 32, 16, 12, generator=torch.manual_seed(1))
+    want = Flux2KleinPipeline._pack_latents(Flux2KleinPipeline._patchify_latents(raw))
+    assert torch.equal(ll.pack("flux2", raw), want)
+    scale, shift = torch.rand(128) + 0.5, torch.randn(128)
+    model = ll.to_model("flux2", raw, scale.tolist(), shift.tolist())
+    torch.testing.assert_close(model, (want - shift) * scale)
+    torch.testing.assert_close(ll.to_raw("flux2", model, scale.tolist(), shift.tolist(), 128, 96),
+                               raw, atol=1e-5, rtol=1e-5)
+
+
+def _oracle(path, prompts, seed, steps, height, width, msl):
+    """The single-process Flux2KleinPipeline from ComfyUI-style noise [B,32,h/8,w/8]: the
+    pipeline takes it patchified ([B,128,h/16,w/16], its own _patchify_latents) and returns
+    the raw 32-channel VAE latent (ComfyUI's LATENT space)."""
+    from diffusers import Flux2KleinPipeline
+
+    noise = torch.randn((len(prompts), 32, height // 8, width // 8),
+                        generator=torch.manual_seed(seed), dtype=torch.float32)
+    pipe = _pipe(path)
+    out = pipe(prompt=list(prompts), height=height, width=width, num_inference_steps=steps,
+               latents=Flux2KleinPipeline._patchify_latents(noise), max_sequence_length=msl,
+               output_type="latent").images
+    return noise, out
+
+
+@pytest.mark.parametrize("ulysses", [1, 2])
+def test_flux2_pool_matches_pipeline(flux2_folder, ulysses):
+    from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+
+    req = GenerationRequest(prompt=["a photo of a red cat"], seed=3, steps=3, height=128,
+                            width=96, max_sequence_length=32)
+    noise, want = _oracle(flux2_folder, req.prompt, req.seed, req.steps, req.height, req.width,
+                          req.max_sequence_length)
+    pool = WorkerPool(str(flux2_folder), ParallelConfig(ulysses=ulysses), device="cpu",
+                      threads_per_rank=1)
+    try:
+        got = pool.generate(req, noise=noise).samples
+        drawn = pool.generate(req).samples  # the pool's own noise: ComfyUI's, 32 channels
+    finally:
+        pool.close()
+    assert got.shape == want.shape == (1, 32, 16, 12)
+    assert (want - noise).abs().max() > 1e-2  # the model moved the latent
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drawn, got, atol=1e-6, rtol=0)  # same seed -> same noise

@@ -125,3 +125,78 @@ class SD3ShardedAttnProcessor:
         if encoder_hidden_states is not None:
             return out, encoder_out
         return out
+
+
+class Flux2ShardedAttnProcessor:
+    """FLUX.2 attention on the local token shard, for both of its attention modules (one
+    processor instance serves every module, so it tells them apart by their layers):
+
+    - `Flux2Attention` (double blocks): separate image and text projections, text first;
+      called as (attn, hidden_states, encoder_hidden_states, attention_mask, rotary).
+    - `Flux2ParallelSelfAttention` (single blocks): one fused projection producing q, k, v
+      and the SwiGLU MLP input, one fused output projection over [attention, MLP];
+      called as (attn, hidden_states, attention_mask, rotary).
+    """
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    def __call__(self, attn, hidden_states, *args, sp_plan=None, **kwargs):
+        plan = _need_plan(sp_plan)
+        single = hasattr(attn, "to_qkv_mlp_proj")
+        args = args + (None,) * (3 - len(args))
+        if single:
+            encoder_hidden_states, (attention_mask, rotary) = None, args[:2]
+        else:
+            encoder_hidden_states, attention_mask, rotary = args[:3]
+        attention_mask = kwargs.get("attention_mask", attention_mask)
+        rotary = kwargs.get("image_rotary_emb", rotary)
+        encoder_hidden_states = kwargs.get("encoder_hidden_states", encoder_hidden_states)
+        if attention_mask is not None:
+            raise ValueError("attention masks are not supported under sequence parallelism")
+
+        def heads(x):
+            return x.unflatten(-1, (-1, attn.head_dim))
+
+        mlp = None
+        if single:
+            fused = attn.to_qkv_mlp_proj(hidden_states)
+            qkv_width = 3 * attn.inner_dim
+            qkv, mlp = fused[..., :qkv_width], fused[..., qkv_width:]
+            query, key, value = qkv.chunk(3, dim=-1)
+        elif getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key, value = heads(query), heads(key), heads(value)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+
+        if encoder_hidden_states is not None and getattr(attn, "added_kv_proj_dim", None) is not None:
+            if getattr(attn, "fused_projections", False):
+                eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+            else:
+                eq = attn.add_q_proj(encoder_hidden_states)
+                ek = attn.add_k_proj(encoder_hidden_states)
+                ev = attn.add_v_proj(encoder_hidden_states)
+            eq, ek, ev = heads(eq), heads(ek), heads(ev)
+            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+            query = torch.cat([eq, query], dim=1)
+            key = torch.cat([ek, key], dim=1)
+            value = torch.cat([ev, value], dim=1)
+
+        if rotary is not None:
+            query = apply_rotary_emb(query, rotary, sequence_dim=1)
+            key = apply_rotary_emb(key, rotary, sequence_dim=1)
+
+        out = self.attention(query, key, value, plan, ("text", "image"), attn)
+        out = out.flatten(2, 3).to(query.dtype)
+
+        if single:
+            return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+        if encoder_hidden_states is not None:
+            text = encoder_hidden_states.shape[1]
+            encoder_out, out = out[:, :text], out[:, text:]
+            out = attn.to_out[1](attn.to_out[0](out.contiguous()))
+            encoder_out = attn.to_add_out(encoder_out.contiguous())
+            return out, encoder_out
+        return attn.to_out[1](attn.to_out[0](out))

@@ -31,6 +31,9 @@ def get_adapter(arch: str):
     if arch == "sd3":
         from .sd3 import SD3Adapter
         return SD3Adapter()
+    if arch == "flux2":
+        from .flux2 import Flux2Adapter
+        return Flux2Adapter()
     raise ValueError(f"unknown architecture {arch!r} (expected flux or sd3)")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 ARCH_BY_CLASS = {
     "FluxTransformer2DModel": "flux",
     "SD3Transformer2DModel": "sd3",
+    "Flux2Transformer2DModel": "flux2",  # FLUX.2 (dev / klein)
 }
 CLASS_BY_ARCH = {v: k for k, v in ARCH_BY_CLASS.items()}
 ARCHS = tuple(CLASS_BY_ARCH)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 def pack(arch: str, x):
     """[B,C,h,w] -> what the transformer takes."""
-    if arch != "flux":
+    if arch not in ("flux", "flux2"):  # FLUX.2 packs [B,32,h,w] 2x2 alike, into 128 channels
         return x
     import torch.nn.functional as F
     # token (i, j) holds channels c*4 + 2*dy + dx of latent pixels (2i+dy, 2j+dx):
@@ -20,7 +20,7 @@ def pack(arch: str, x):
 
 def unpack(arch: str, x, height: int, width: int):
     """Inverse of `pack` for an image of height x width pixels."""
-    if arch != "flux":
+    if arch not in ("flux", "flux2"):
         return x
     import torch.nn.functional as F
     b, n, c = x.shape
@@ -29,9 +29,31 @@ def unpack(arch: str, x, height: int, width: int):
 
 def to_model(arch: str, raw, scale: float, shift: float):
     """Raw-VAE-space [B,C,h,w] (ComfyUI's LATENT) -> model space."""
+    if arch == "flux2":
+        return _flux2_to_model(raw, scale, shift)
     return pack(arch, (raw.float() - shift) * scale)
 
 
 def to_raw(arch: str, latents, scale: float, shift: float, height: int, width: int):
     """Model space -> raw-VAE-space [B,C,h,w] (what a VAE decodes; ComfyUI's LATENT)."""
+    if arch == "flux2":
+        return _flux2_to_raw(latents, scale, shift, height, width)
     return unpack(arch, latents, height, width).float() / scale + shift
+
+
+# FLUX.2 normalises per packed channel (its VAE's batch-norm statistics over the 128
+# channels of the 2x2-patchified latent), so its `scale` and `shift` are 128 numbers each:
+# model = (pack(raw) - shift) * scale, with shift = running mean, scale = 1 / running std.
+def _per_channel(v, like):
+    import torch
+    return torch.as_tensor(v, dtype=torch.float32, device=like.device).reshape(-1)
+
+
+def _flux2_to_model(raw, scale, shift):
+    x = pack("flux2", raw.float())
+    return (x - _per_channel(shift, x)) * _per_channel(scale, x)
+
+
+def _flux2_to_raw(latents, scale, shift, height, width):
+    x = latents.float()
+    return unpack("flux2", x / _per_channel(scale, x) + _per_channel(shift, x), height, width)

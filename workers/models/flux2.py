@@ -1,0 +1,127 @@
+"""FLUX.2 (klein-style diffusers folders): 32-channel VAE latents patchified 2x2 into 128
+channels and normalised per channel by the VAE's batch-norm statistics, one Qwen3 text
+encoder (no pooled output), 4-axis RoPE ids (t, h, w, l) for text and image, text first,
+no embedded guidance on klein."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ..processors import Flux2ShardedAttnProcessor
+from ..sequence_parallel import SequenceLayout
+from . import latent_layout
+from .base import DiTAdapter, text_encoder_device_of
+from .facts import CLASS_BY_ARCH
+
+
+def _token_counts(transformer, kw):
+    return kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
+
+
+def empirical_mu(image_tokens: int, steps: int) -> float:
+    """FLUX.2's schedule shift: a line in the step count through fits at 10 and 200 steps,
+    each linear in the image token count (above 4300 tokens the 200-step fit alone)."""
+    slope_200, icpt_200 = 0.00016927, 0.45666666
+    slope_10, icpt_10 = 8.73809524e-05, 1.89833333
+    at_200 = slope_200 * image_tokens + icpt_200
+    if image_tokens > 4300:
+        return float(at_200)
+    at_10 = slope_10 * image_tokens + icpt_10
+    per_step = (at_200 - at_10) / 190.0
+    return float(at_200 + (steps - 200) * per_step)
+
+
+class Flux2Adapter(DiTAdapter):
+    arch = "flux2"
+    transformer_class = CLASS_BY_ARCH["flux2"]
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
+    pipeline_class = "Flux2KleinPipeline"
+    layout = SequenceLayout(
+        split_inputs={"hidden_states": ("image", 1), "img_ids": ("image", 0),
+                      "encoder_hidden_states": ("text", 1), "txt_ids": ("text", 0)},
+        split_outputs={},
+        gather_output=("proj_out", 1),
+        token_counts=_token_counts,
+        attention_processor=Flux2ShardedAttnProcessor,
+        replaces=("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"),
+    )
+
+    def pack(self, x):
+        return latent_layout.pack("flux2", x)
+
+    def unpack(self, x, height, width):
+        return latent_layout.unpack("flux2", x, height, width)
+
+    def latent_rows(self, x, r0, r1, cols):  # packed [B, rows*cols, 128]
+        return x.narrow(1, r0 * cols, (r1 - r0) * cols)
+
+    def scale_shift(self, model) -> tuple:
+        """Per packed channel: (1 / sqrt(running_var + eps), running_mean) of the VAE's
+        batch norm, as lists of 128 floats (read once from the VAE's weights)."""
+        cached = getattr(model, "_flux2_bn", None)
+        if cached is None:
+            from safetensors import safe_open
+            folder = os.path.join(model.path, "vae")
+            files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+            mean = var = None
+            for name in files:
+                with safe_open(os.path.join(folder, name), "pt") as f:
+                    keys = set(f.keys())
+                    if "bn.running_mean" in keys:
+                        mean = f.get_tensor("bn.running_mean").double()
+                        var = f.get_tensor("bn.running_var").double()
+            if mean is None:
+                raise ValueError(f"{folder} has no bn.running_mean: not a FLUX.2 VAE")
+            eps = float(model.vae_config.get("batch_norm_eps", 1e-4))
+            std = torch.sqrt(var + eps)
+            cached = ((1.0 / std).float().tolist(), mean.float().tolist())
+            model._flux2_bn = cached
+        return cached
+
+    @staticmethod
+    def image_ids(height, width, device, dtype):
+        h, w = height // 16, width // 16
+        ids = torch.zeros(h, w, 4)
+        ids[..., 1] += torch.arange(h)[:, None]
+        ids[..., 2] += torch.arange(w)[None, :]
+        return ids.reshape(h * w, 4).to(device=device, dtype=dtype)
+
+    def timesteps(self, scheduler, steps, latents, device):
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if scheduler.config.get("use_flow_sigmas"):
+            sigmas = None
+        mu = empirical_mu(latents.shape[1], steps)
+        if sigmas is None:
+            scheduler.set_timesteps(steps, device=device, mu=mu)
+        else:
+            scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler.timesteps
+
+    def encode(self, model, texts, max_sequence_length):
+        pe, ids = model.encoder.encode_prompt(
+            prompt=list(texts), device=text_encoder_device_of(model), num_images_per_prompt=1,
+            max_sequence_length=max_sequence_length)
+        return {"encoder_hidden_states": pe, "txt_ids": ids[0]}
+
+    def conditioning(self, cond, pooled):
+        ids = torch.zeros(cond.shape[1], 4, dtype=cond.dtype)
+        ids[:, 3] = torch.arange(cond.shape[1], dtype=cond.dtype)
+        return {"encoder_hidden_states": cond, "txt_ids": ids}
+
+    def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
+        tr = model.transformer
+        b = latents.shape[0]
+        g = None
+        if tr.config.guidance_embeds and guidance is not None:
+            g = (guidance if torch.is_tensor(guidance) else torch.tensor(float(guidance)))
+            g = g.to(latents.device, torch.float32).expand(b)
+        return tr(hidden_states=latents, timestep=t.expand(b).to(latents.dtype) / 1000,
+                  guidance=g, encoder_hidden_states=cond["encoder_hidden_states"],
+                  txt_ids=cond["txt_ids"], img_ids=extra["img_ids"],
+                  joint_attention_kwargs=jak, return_dict=False)[0]
+
+    def forward_extra(self, model, height, width):
+        return {"img_ids": self.image_ids(height, width, model.device, model.dtype)}
