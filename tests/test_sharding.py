@@ -335,9 +335,10 @@ def test_memory_plan_matches_the_counts_and_flux1_dev(shard_pools):
     assert not small["needs_sharding"]
 
 
-def test_single_file_loads_whole_then_shards(model_dir, tmp_path):
-    """A ComfyUI/BFL single file is converted while loading, so it is loaded whole, then
-    sharded: a host-sampler call on it equals the diffusers transformer of the same weights."""
+def test_single_file_loads_shard_only(model_dir, tmp_path):
+    """A ComfyUI/BFL single file is read shard by shard too (each diffusers tensor's rows are
+    row ranges of the file's tensors, fused qkv split by offset: tests/test_sharding_load.py):
+    a host-sampler call on it equals the diffusers transformer of the same weights."""
     import diffusers
 
     from comfyui_xdit.model_calls import PoolDenoiser
@@ -354,6 +355,6 @@ def test_single_file_loads_whole_then_shards(model_dir, tmp_path):
                     shard_weights=True) as pool:
         got = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "flux")(**call)
         s = pool.status()["sharding"]
-    assert s["load"] == "whole, then sharded" and s["block_params_local"] < s["block_params"]
+    assert s["load"] == "shards only" and s["block_params_local"] < s["block_params"]
     diff = (got - want).abs().max().item()
     assert diff <= 1e-5, f"max abs diff {diff:.3e}"

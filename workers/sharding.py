@@ -40,9 +40,15 @@ to the pool dtype. No rank ever holds a whole weight, host or device; together t
 each parameter byte once. Buffers (SD3's positional table) are not parameters: FSDP leaves
 them whole, so every rank reads and holds them. `weights=fp8` quantizes each rank's rows with
 the whole tensor's scale (one all-reduce of the maxima; the fp8 weights' rows are read twice),
-exactly as the whole loader does. Single files (converted from ComfyUI/BFL names, fused
-tensors split), fp8 checkpoints and .bin weights are loaded whole (tensor by tensor,
-workers/weights.py), then sharded; `counts()["load"]` says which happened.
+exactly as the whole loader does. Single files (ComfyUI/BFL names, FLUX and SD3) load the
+same way: `single_file.row_map` runs the whole loader's conversion on index tensors, so each
+diffusers tensor is known as row ranges of file tensors (a fused qkv / linear1 part: its row
+offset in the fused tensor; FLUX's final modulation: two halves swapped), and a rank reads only
+the file rows its chunk maps to. fp8 checkpoints (folders or files, scaled or not): a block
+Linear's float8_e4m3fn weight stays fp8 (weights auto/fp8, as the whole loader keeps it), a rank
+reads its fp8 rows and the per-tensor scale_weight (a scalar) whole; other fp8 tensors are
+dequantized row by row. .bin weights are loaded whole (tensor by tensor, workers/weights.py),
+then sharded; `counts()["load"]` says which happened.
 
 Counted for `status` and the job stats (`counts()`): block parameters in total, held by this
 rank at rest, and measured during forwards (after a block's reshard, with the next block's
@@ -285,20 +291,66 @@ def plan(block_bytes, nonblock_bytes: int, world: int, buffer_bytes: int = 0,
 # ---- loading only this rank's shards ----------------------------------------------------------
 def direct_load_problem(path: str, weights: str) -> str:
     """Why the transformer at `path` cannot be read shard by shard ("" when it can): then it
-    is loaded whole (tensor by tensor, workers/weights.py) and sharded after the load."""
+    is loaded whole (tensor by tensor, workers/weights.py) and sharded after the load.
+    Diffusers folders with safetensors and single files (any naming, bf16 or fp8, scaled or
+    not) can."""
     import os
 
-    from .weights import Checkpoint, has_safetensors, is_fp8
+    from .weights import has_safetensors
     if os.path.isfile(path):
-        return ("a single-file checkpoint is converted to diffusers names tensor by tensor "
-                "(fused tensors split), so it is loaded whole, then sharded")
+        return ""
     folder = os.path.join(path, "transformer")
     if not has_safetensors(folder):
         return "the transformer has no safetensors weights (.bin: diffusers' own loader)"
-    with Checkpoint.folder(folder) as ck:
-        if any(is_fp8(torch.empty(0, dtype=ck.dtype(k))) for k in ck.keys()):
-            return "an fp8 checkpoint is loaded whole (FP8Linear layers), then sharded"
     return ""
+
+
+class RowSource:
+    """Where each diffusers tensor's rows are in a checkpoint: {name: (shape, segments,
+    scale name)}, segments [(checkpoint tensor, first row, stop row)] whose rows, in order,
+    are the tensor's (a folder: the tensor itself; a single file: `single_file.row_map`)."""
+
+    def __init__(self, ck, table: dict):
+        self.ck, self.table = ck, table
+        self.scales = {}
+
+    def keys(self):
+        return self.table.keys()
+
+    def shape(self, name: str) -> list:
+        return list(self.table[name][0])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.ck.dtype(self.table[name][1][0][0])
+
+    def scale(self, name: str):
+        """The tensor's scale_weight (fp32 scalar, read whole once) or None."""
+        key = self.table[name][2]
+        if key is None:
+            return None
+        if key not in self.scales:
+            self.scales[key] = _read_rows(self.ck, key, 0, 0, whole=True).float().reshape(())
+        return self.scales[key]
+
+    def read(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) in the checkpoint's dtype (a 0-dim tensor: whole)."""
+        shape, segs, _ = self.table[name]
+        if not shape:
+            return _read_rows(self.ck, segs[0][0], 0, 0, whole=True)
+        parts, pos = [], 0
+        for key, a, b in segs:
+            lo, hi = max(r0, pos), min(r1, pos + b - a)
+            if hi > lo:
+                parts.append(_read_rows(self.ck, key, a + lo - pos, a + hi - pos))
+            pos += b - a
+        if not parts:
+            return torch.empty([0] + shape[1:], dtype=self.dtype(name))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def folder_source(ck) -> RowSource:
+    return RowSource(ck, {k: (ck.shape(k), [(k, 0, ck.shape(k)[0] if ck.shape(k) else 1)], None)
+                          for k in ck.keys()})
 
 
 def chunk_rows(n: int, world: int, rank: int) -> tuple:
@@ -308,7 +360,7 @@ def chunk_rows(n: int, world: int, rank: int) -> tuple:
     return start, min(start + per, n)
 
 
-def _read_rows(ck, name: str, r0: int, r1: int) -> torch.Tensor:
+def _read_rows(ck, name: str, r0: int, r1: int, whole: bool = False) -> torch.Tensor:
     """Rows [r0, r1) of one checkpoint tensor (the whole tensor for a 0-dim one), in the
     file's dtype, on the CPU: one positioned read of exactly those bytes (a row-major tensor's
     rows are contiguous), into a buffer that lives until the copy to the device."""
@@ -321,7 +373,7 @@ def _read_rows(ck, name: str, r0: int, r1: int) -> torch.Tensor:
         raise ValueError(f"{path}: tensor {name!r} has dtype {e['dtype']}, not supported")
     a, b = (int(v) for v in e["data_offsets"])
     shape = [int(v) for v in e["shape"]]
-    if shape:
+    if shape and not whole:
         row = (b - a) // shape[0] if shape[0] else 0
         a, b = a + r0 * row, a + r1 * row
         shape = [r1 - r0] + shape[1:]
@@ -334,12 +386,15 @@ def _read_rows(ck, name: str, r0: int, r1: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
-def _fp8_modules(transformer, block_lists, dtype) -> dict:
-    """weights=fp8: the block Linears become FP8Linear on the meta device (as the whole
-    loader's `load_tensors` makes them), before sharding; {weight name: module}."""
+def _fp8_modules(transformer, block_lists, dtype, names=None) -> dict:
+    """The block Linears (all, or those whose weight is in `names`) become FP8Linear on the
+    meta device (as the whole loader's `load_tensors` makes them), before sharding;
+    {weight name: module}."""
     from .weights import FP8Linear, _set_module, block_linears
     out = {}
     for name, lin in block_linears(transformer, block_lists).items():
+        if names is not None and name + ".weight" not in names:
+            continue
         fp8 = FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
                         device="meta", compute_dtype=dtype)
         if lin.bias is not None:
@@ -350,93 +405,134 @@ def _fp8_modules(transformer, block_lists, dtype) -> dict:
     return out
 
 
-def load_direct(adapter, path: str, device, dtype, group, rank: int, world: int,
-                mode: str = "auto", control=None):
-    """(transformer, WeightSharding, report): the transformer built on the meta device,
-    sharded there, materialised as shards only, and each rank's rows read from the
-    checkpoint (nothing else of the weights is ever read or held on this rank).
-
-    weights=fp8 (`mode`): each block Linear's weight is quantized as the whole loader does
-    (workers/weights.py `quantize`: scale = max|w| / 448 of the whole tensor, from the
-    checkpoint's values): one pass reads this rank's rows for their max, one all-reduce (MAX,
-    over `control`, the gloo world group) gives every rank the whole tensors' maxima, a second
-    pass reads the rows again and stores them in fp8."""
+def _open_source(path: str, adapter):
+    """(Checkpoint, RowSource, meta-built transformer, single-file config or None)."""
     import os
 
     import diffusers
 
     from .models.base import meta_transformer
-    from .weights import FP8, FP8_MAX, Checkpoint
-
+    from .weights import Checkpoint
+    if os.path.isfile(path):
+        from .models.detect import single_file_config
+        from .models.single_file import _skeleton, row_map
+        sf = single_file_config(path)
+        if sf["arch"] != adapter.arch:
+            raise ValueError(f"{path} is a {sf['arch']} file, not {adapter.arch}")
+        ck = Checkpoint.open([path])
+        return ck, RowSource(ck, row_map(ck, sf)), _skeleton(sf["arch"], sf["config"]), sf
     folder = os.path.join(path, "transformer")
-    transformer = meta_transformer(getattr(diffusers, adapter.transformer_class), folder)
-    transformer.to(dtype).requires_grad_(False).eval()
-    fp8 = _fp8_modules(transformer, adapter.block_lists, dtype) if mode == "fp8" else {}
-    persistent = set(transformer.state_dict().keys())
-    loose = [n for n, _ in transformer.named_buffers()
-             if n not in persistent and n[:-len(".scale")] + ".weight" not in fp8]
-    if loose:
-        raise ValueError(f"buffers not stored in the checkpoint: {loose[:3]}")
-    sharding = WeightSharding(transformer, adapter.block_lists, group, device)
-    transformer.to_empty(device=device)
-    dev = torch.device(device)
+    ck = Checkpoint.folder(folder)
+    return (ck, folder_source(ck),
+            meta_transformer(getattr(diffusers, adapter.transformer_class), folder), None)
 
-    def rows(ck, name, local):
-        full = ck.shape(name)
-        r0, r1 = chunk_rows(full[0], world, rank) if full else (0, 0)
-        if full and (local.shape[0] != r1 - r0 or list(local.shape[1:]) != full[1:]):
-            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not rows "
-                               f"{r0}:{r1} of {full} (FSDP's dim-0 split changed?)")
-        return r0, r1
 
-    params = dict(transformer.named_parameters())
-    with Checkpoint.folder(folder) as ck:
-        want = set(transformer.state_dict().keys())
-        have = set(ck.keys())
+def load_direct(adapter, path: str, device, dtype, group, rank: int, world: int,
+                mode: str = "auto", control=None):
+    """(transformer, WeightSharding, report, single-file config or None): the transformer
+    built on the meta device, sharded there, materialised as shards only, and each rank's
+    rows read from the checkpoint (nothing else of the weights is ever read or held on this
+    rank). `path`: a diffusers folder or a single file (its fused tensors' parts are row
+    ranges of them: `single_file.row_map`).
+
+    Block Linear weights stored in float8_e4m3fn stay fp8 (weights auto or fp8, as the whole
+    loader's `prepare`): a rank reads its fp8 rows, and the tensor's scale_weight (a scalar)
+    whole; fp8 tensors elsewhere are dequantized with their scale, row by row.
+    weights=fp8 on weights that are not fp8 in the checkpoint: each is quantized as the whole
+    loader does (workers/weights.py `quantize`: scale = max|w| / 448 of the whole tensor):
+    one pass reads this rank's rows for their max, one all-reduce (MAX, over `control`, the
+    gloo world group) gives every rank the whole tensors' maxima, a second pass reads the
+    rows again and stores them in fp8."""
+    from .weights import FP8, FP8_MAX, WEIGHT_MODES, block_linears, dequantize, is_fp8
+
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES} (got {mode!r})")
+    ck, src, transformer, sf = _open_source(path, adapter)
+    with ck:
+        transformer.to(dtype).requires_grad_(False).eval()
+        cands = {n + ".weight" for n in block_linears(transformer, adapter.block_lists)}
+        # a BFL SD3 file is dequantized to the pool dtype before diffusers' converter in the
+        # whole loader (single_file.file_tensors): nothing stays fp8 there, so nothing here
+        sd3_bfl = sf is not None and sf["arch"] != "flux" and sf["naming"] != "diffusers"
+        keep = set() if mode == "full" or sd3_bfl else {
+            n for n in cands if n in src.table and src.dtype(n) == FP8}
+        quant = (cands - keep) if mode == "fp8" else set()
+        fp8 = _fp8_modules(transformer, adapter.block_lists, dtype, keep | quant)
+        persistent = set(transformer.state_dict().keys())
+        loose = [n for n, _ in transformer.named_buffers()
+                 if n not in persistent and n[:-len(".scale")] + ".weight" not in fp8]
+        if loose:
+            raise ValueError(f"buffers not stored in the checkpoint: {loose[:3]}")
+        want, have = persistent, set(src.keys())
         if want != have:
-            raise ValueError(f"checkpoint {folder} does not match the model: missing "
+            raise ValueError(f"checkpoint {path} does not match the model: missing "
                              f"{sorted(want - have)[:3]}, unexpected {sorted(have - want)[:3]}")
-        scales = {}
-        if fp8:  # pass 1: the whole tensors' max |w|, from every rank's rows
-            names = sorted(fp8)
+        sharding = WeightSharding(transformer, adapter.block_lists, group, device)
+        transformer.to_empty(device=device)
+        dev = torch.device(device)
+
+        def rows(name, local):
+            full = src.shape(name)
+            r0, r1 = chunk_rows(full[0], world, rank) if full else (0, 0)
+            if full and (local.shape[0] != r1 - r0 or list(local.shape[1:]) != full[1:]):
+                raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not rows "
+                                   f"{r0}:{r1} of {full} (FSDP's dim-0 split changed?)")
+            return r0, r1
+
+        def values(name, r0, r1):  # rows as the whole loader sees them, fp8 dequantized
+            t, s = src.read(name, r0, r1), src.scale(name)
+            if sd3_bfl and t.is_floating_point():  # cast before converting, as there
+                return (dequantize(t, s, torch.float32) if is_fp8(t) else t).to(dtype)
+            return dequantize(t, s, torch.float32) if (is_fp8(t) or s is not None) else t
+
+        params = dict(transformer.named_parameters())
+        scales = {n: (src.scale(n) if src.scale(n) is not None else
+                      torch.ones((), dtype=torch.float32)) for n in keep}
+        if quant:  # pass 1: the whole tensors' max |w|, from every rank's rows
+            names = sorted(quant)
             amax = torch.zeros(len(names), dtype=torch.float32)
             for i, name in enumerate(names):
                 local = params[name].to_local()
-                r0, r1 = rows(ck, name, local)
+                r0, r1 = rows(name, local)
                 if r1 > r0:
-                    amax[i] = _read_rows(ck, name, r0, r1).float().abs().max()
+                    amax[i] = values(name, r0, r1).float().abs().max()
             if world > 1:
                 import torch.distributed as dist
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=control)
-            scales = {n: (amax[i] / FP8_MAX).clamp(min=1e-12) for i, n in enumerate(names)}
+            scales.update({n: (amax[i] / FP8_MAX).clamp(min=1e-12) for i, n in enumerate(names)})
         with torch.no_grad():
             for name, p in params.items():
                 local = p.to_local() if hasattr(p, "to_local") else p
-                r0, r1 = rows(ck, name, local)
+                r0, r1 = rows(name, local)
                 if not local.numel():
                     continue
-                t = _read_rows(ck, name, r0, r1)
-                if name in scales:  # weights.quantize's arithmetic, on this rank's rows
+                if name in keep:  # fp8 rows as stored
+                    local.copy_(src.read(name, r0, r1).to(dev))
+                    continue
+                t = values(name, r0, r1)
+                if name in quant:  # weights.quantize's arithmetic, on this rank's rows
                     t = (t.float() / scales[name]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
                     local.copy_(t.to(dev))
                 else:
-                    local.copy_(t.to(dev, dtype))
+                    local.copy_(t.to(dev, dtype if t.is_floating_point() else None))
             for name, mod in fp8.items():
-                mod.scale.copy_(scales[name].to(dev))
+                mod.scale.copy_(scales[name].reshape(()).to(dev))
             param_bytes = ck.bytes_read
             for name, buf in transformer.named_buffers():  # not sharded: read whole
                 if name not in persistent:
                     continue  # FP8Linear scales, set above
-                t = _read_rows(ck, name, 0, ck.shape(name)[0] if ck.shape(name) else 0)
+                full = src.shape(name)
+                t = values(name, 0, full[0] if full else 0)
                 buf.copy_(t.to(dev, dtype if t.is_floating_point() else None))
         report = {"weights": "fp8" if fp8 else "full", "fp8_layers": len(fp8),
                   "loaded": "shards only", "tensors_read": ck.reads,
                   "bytes_read": ck.bytes_read, "buffer_bytes_read": ck.bytes_read - param_bytes,
-                  "checkpoint_fp8": False,
+                  "checkpoint_fp8": any(is_fp8(torch.empty(0, dtype=ck.dtype(k)))
+                                        for k in ck.keys()),
                   "transformer_bytes": sum(
                       (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
                       for p in transformer.parameters())}
-    return transformer, sharding, report
+    return transformer, sharding, report, sf
 
 
 class ShardSetup:
@@ -472,9 +568,18 @@ class ShardSetup:
         from .models.base import _read_json
 
         args, adapter = worker.args, worker.adapter
-        transformer, self.sharding, report = load_direct(
+        transformer, self.sharding, report, sf = load_direct(
             adapter, args.model, worker.device, worker.dtype, self.group, worker.rank,
             worker.world, mode=getattr(args, "weights", "auto"), control=worker.planes.control)
+        if sf is not None:  # a single file: no text encoders, the released models' configs
+            from .models.single_file import defaults_for
+            sched, vae = defaults_for(sf["arch"], sf["config"])
+            model = LoadedModel(path=args.model, arch=adapter.arch, transformer=transformer,
+                                encoder=None, scheduler_config=sched, vae_config=vae,
+                                device=worker.device, dtype=worker.dtype)
+            model.load_report = dict(report, text_encoders=None)
+            self.loaded_direct = True
+            return model
         encoder, te_device = None, None
         if worker.rank == 0:  # as DiTAdapter.load: the text encoders on rank 0
             import diffusers

@@ -162,6 +162,45 @@ def to_diffusers_state(arch: str, naming: str, sd: dict, config: dict) -> dict:
     return convert_sd3_bfl(sd)
 
 
+def row_map(ck, sf: dict) -> dict:
+    """{diffusers name: (shape, [(file tensor name, first row, stop row), ...], scale_weight
+    name or None)} of a single file's transformer: which rows of which file tensors make up
+    each diffusers tensor, in order (a fused qkv / linear1 part: one row range of the fused
+    tensor; FLUX's final modulation: its two halves swapped). Found by running the very
+    conversion the whole loader runs (`to_diffusers_state`) on index tensors (one entry per
+    row, encoding tensor and row): the converters only split, chunk and concatenate along
+    dim 0, so every output row names the file row it came from. Nothing is read."""
+    arch, naming, prefix = sf["arch"], sf["naming"], sf["prefix"]
+    names = [k[len(prefix):] for k in ck.keys() if k.startswith(prefix)]
+    scale_of = {n[: -len(SCALE_SUFFIX)] + ".weight": prefix + n for n in names
+                if n.endswith(SCALE_SUFFIX)}
+    names = [n for n in names if not (n.endswith(SCALE_SUFFIX) or n in IGNORED
+                                      or n.endswith(IGNORED_SUFFIXES))]
+    big = 1 << 40
+    fake = {}
+    for i, n in enumerate(names):
+        shape = ck.shape(prefix + n)
+        fake[n] = torch.arange(shape[0] if shape else 1, dtype=torch.int64) + i * big
+    out = {}
+    for dname, idx in to_diffusers_state(arch, naming, fake, sf["config"]).items():
+        vals = idx.reshape(-1).tolist()
+        segs = []
+        for v in vals:
+            t, r = divmod(int(v), big)
+            if segs and segs[-1][0] == t and segs[-1][2] == r:
+                segs[-1][2] = r + 1
+            else:
+                segs.append([t, r, r + 1])
+        fshape = ck.shape(prefix + names[segs[0][0]]) if segs else []
+        shape = [len(vals)] + list(fshape[1:]) if fshape else []
+        srcs = {names[t] for t, _, _ in segs}
+        scale = scale_of.get(srcs.pop()) if len(srcs) == 1 else None
+        if any(n in scale_of for n in {names[t] for t, _, _ in segs}) and scale is None:
+            raise ValueError(f"{dname}: made of several scaled tensors")
+        out[dname] = (shape, [(prefix + names[t], a, b) for t, a, b in segs], scale)
+    return out
+
+
 def _skeleton(arch: str, config: dict):
     """The transformer for `config` on the meta device (no memory, no random init)."""
     import diffusers
