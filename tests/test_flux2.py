@@ -142,3 +142,24 @@ def test_flux2_pool_matches_pipeline(flux2_folder, ulysses):
     assert (want - noise).abs().max() > 1e-2  # the model moved the latent
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(drawn, got, atol=1e-6, rtol=0)  # same seed -> same noise
+
+
+def test_flux2_pool_image_matches_pipeline(flux2_folder):
+    """output="image": the pool decodes the raw 32-channel latent like the pipeline does."""
+    from diffusers import Flux2KleinPipeline
+
+    from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+
+    req = GenerationRequest(prompt=["a photo of a red cat"], seed=3, steps=2, height=128,
+                            width=96, max_sequence_length=32, output="image")
+    noise = torch.randn((1, 32, 16, 12), generator=torch.manual_seed(3))
+    want = _pipe(flux2_folder)(prompt=req.prompt, height=128, width=96, num_inference_steps=2,
+                               latents=Flux2KleinPipeline._patchify_latents(noise),
+                               max_sequence_length=32, output_type="pt").images
+    pool = WorkerPool(str(flux2_folder), ParallelConfig(), device="cpu", threads_per_rank=1)
+    try:
+        got = pool.generate(req, noise=noise).images
+    finally:
+        pool.close()
+    assert got.shape == (1, 128, 96, 3) and want.std() > 1e-2
+    torch.testing.assert_close(got, want.permute(0, 2, 3, 1), atol=1e-4, rtol=1e-4)
