@@ -21,6 +21,32 @@ def _need_plan(sp_plan):
     return sp_plan
 
 
+def _flux_joint_qkv(attn, query, key, value, encoder_hidden_states, rotary):
+    """FLUX / FLUX.2 after the image projections: heads, QK norms, the text stream's own
+    projections joined in front (double blocks), RoPE; [B, S, H, D] each."""
+    def heads(x):
+        return x.unflatten(-1, (-1, attn.head_dim))
+
+    query, key, value = heads(query), heads(key), heads(value)
+    query, key = attn.norm_q(query), attn.norm_k(key)
+    if encoder_hidden_states is not None and getattr(attn, "added_kv_proj_dim", None) is not None:
+        if getattr(attn, "fused_projections", False):
+            eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+        else:
+            eq = attn.add_q_proj(encoder_hidden_states)
+            ek = attn.add_k_proj(encoder_hidden_states)
+            ev = attn.add_v_proj(encoder_hidden_states)
+        eq, ek, ev = heads(eq), heads(ek), heads(ev)
+        eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+        query = torch.cat([eq, query], dim=1)
+        key = torch.cat([ek, key], dim=1)
+        value = torch.cat([ev, value], dim=1)
+    if rotary is not None:
+        query = apply_rotary_emb(query, rotary, sequence_dim=1)
+        key = apply_rotary_emb(key, rotary, sequence_dim=1)
+    return query, key, value
+
+
 class FluxShardedAttnProcessor:
     """FLUX double blocks (text + image streams, text first) and single blocks (one
     concatenated stream); both attend over all text and image tokens."""
@@ -34,32 +60,12 @@ class FluxShardedAttnProcessor:
         if attention_mask is not None:
             raise ValueError("attention masks are not supported under sequence parallelism")
 
-        def heads(x):
-            return x.unflatten(-1, (-1, attn.head_dim))
-
         if getattr(attn, "fused_projections", False):
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        query, key, value = heads(query), heads(key), heads(value)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-
-        if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
-            if getattr(attn, "fused_projections", False):
-                eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
-            else:
-                eq = attn.add_q_proj(encoder_hidden_states)
-                ek = attn.add_k_proj(encoder_hidden_states)
-                ev = attn.add_v_proj(encoder_hidden_states)
-            eq, ek, ev = heads(eq), heads(ek), heads(ev)
-            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
-            query = torch.cat([eq, query], dim=1)
-            key = torch.cat([ek, key], dim=1)
-            value = torch.cat([ev, value], dim=1)
-
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key, value = _flux_joint_qkv(attn, query, key, value, encoder_hidden_states,
+                                            image_rotary_emb)
 
         out = self.attention(query, key, value, plan, ("text", "image"), attn)
         out = out.flatten(2, 3).to(query.dtype)
@@ -155,9 +161,6 @@ class Flux2ShardedAttnProcessor:
         if attention_mask is not None:
             raise ValueError("attention masks are not supported under sequence parallelism")
 
-        def heads(x):
-            return x.unflatten(-1, (-1, attn.head_dim))
-
         mlp = None
         if single:
             fused = attn.to_qkv_mlp_proj(hidden_states)
@@ -168,25 +171,7 @@ class Flux2ShardedAttnProcessor:
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        query, key, value = heads(query), heads(key), heads(value)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-
-        if encoder_hidden_states is not None and getattr(attn, "added_kv_proj_dim", None) is not None:
-            if getattr(attn, "fused_projections", False):
-                eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
-            else:
-                eq = attn.add_q_proj(encoder_hidden_states)
-                ek = attn.add_k_proj(encoder_hidden_states)
-                ev = attn.add_v_proj(encoder_hidden_states)
-            eq, ek, ev = heads(eq), heads(ek), heads(ev)
-            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
-            query = torch.cat([eq, query], dim=1)
-            key = torch.cat([ek, key], dim=1)
-            value = torch.cat([ev, value], dim=1)
-
-        if rotary is not None:
-            query = apply_rotary_emb(query, rotary, sequence_dim=1)
-            key = apply_rotary_emb(key, rotary, sequence_dim=1)
+        query, key, value = _flux_joint_qkv(attn, query, key, value, encoder_hidden_states, rotary)
 
         out = self.attention(query, key, value, plan, ("text", "image"), attn)
         out = out.flatten(2, 3).to(query.dtype)

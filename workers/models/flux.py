@@ -31,12 +31,12 @@ class FluxAdapter(DiTAdapter):
     )
 
     def pack(self, x):
-        return latent_layout.pack("flux", x)
+        return latent_layout.pack(self.arch, x)
 
     def unpack(self, x, height, width):
-        return latent_layout.unpack("flux", x, height, width)
+        return latent_layout.unpack(self.arch, x, height, width)
 
-    def latent_rows(self, x, r0, r1, cols):  # packed [B, rows*cols, 64]
+    def latent_rows(self, x, r0, r1, cols):  # packed [B, rows*cols, 4 * channels]
         return x.narrow(1, r0 * cols, (r1 - r0) * cols)
 
     @staticmethod

@@ -4,20 +4,16 @@ encoder (no pooled output), 4-axis RoPE ids (t, h, w, l) for text and image, tex
 no embedded guidance on klein."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 import torch
 
 from ..processors import Flux2ShardedAttnProcessor
-from ..sequence_parallel import SequenceLayout
-from . import latent_layout
-from .base import DiTAdapter, text_encoder_device_of
+from .base import text_encoder_device_of
+from .flux import FluxAdapter
 from .facts import CLASS_BY_ARCH
-
-
-def _token_counts(transformer, kw):
-    return kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
@@ -33,29 +29,15 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
     return float(at_200 + (steps - 200) * per_step)
 
 
-class Flux2Adapter(DiTAdapter):
+class Flux2Adapter(FluxAdapter):
+    """FLUX.1's token layout, packing and patch rows (inherited); its own processors,
+    schedule, text encoder, ids and latent space."""
     arch = "flux2"
     transformer_class = CLASS_BY_ARCH["flux2"]
-    block_lists = ("transformer_blocks", "single_transformer_blocks")
     pipeline_class = "Flux2KleinPipeline"
-    layout = SequenceLayout(
-        split_inputs={"hidden_states": ("image", 1), "img_ids": ("image", 0),
-                      "encoder_hidden_states": ("text", 1), "txt_ids": ("text", 0)},
-        split_outputs={},
-        gather_output=("proj_out", 1),
-        token_counts=_token_counts,
-        attention_processor=Flux2ShardedAttnProcessor,
-        replaces=("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"),
-    )
-
-    def pack(self, x):
-        return latent_layout.pack("flux2", x)
-
-    def unpack(self, x, height, width):
-        return latent_layout.unpack("flux2", x, height, width)
-
-    def latent_rows(self, x, r0, r1, cols):  # packed [B, rows*cols, 128]
-        return x.narrow(1, r0 * cols, (r1 - r0) * cols)
+    layout = dataclasses.replace(
+        FluxAdapter.layout, attention_processor=Flux2ShardedAttnProcessor,
+        replaces=("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"))
 
     def scale_shift(self, model) -> tuple:
         """Per packed channel: (1 / sqrt(running_var + eps), running_mean) of the VAE's
