@@ -61,7 +61,7 @@ def _leader_predict(worker, link, msg: P.Predict):
     """One denoiser evaluation for a host-side sampler: checked, broadcast, run, answered.
     Latents travel as numpy arrays on the channel and in the broadcast (a tensor pickles
     through torch.save, ~30x slower: milliseconds per call at 1024x1024)."""
-    from .model_call import LAST_TIMES, as_tensor, for_wire
+    from .model_call import as_tensor, for_wire
 
     t = time.perf_counter()
     try:
@@ -78,14 +78,14 @@ def _leader_predict(worker, link, msg: P.Predict):
     _broadcast(worker.planes.control, for_wire(call))
     t_run = time.perf_counter()
     try:
-        out = worker.call(call)
+        out, times = worker.call(call)
     except Exception as e:
         link.send(P.Error(msg.call_id, f"rank 0: {type(e).__name__}: {e}", fatal=True))
         raise
     # rank 0's times in seconds: prepare (checks), broadcast of the call, the call itself,
     # of which the transformer's forward (forward_s; forward_max_s: the slowest rank's),
     # the all-gather (gather_s), and the work before / after the forward (pre_s, post_s)
-    stats = {k: LAST_TIMES.get(k, 0.0) for k in ("forward_s", "forward_max_s", "gather_s",
+    stats = {k: times.get(k, 0.0) for k in ("forward_s", "forward_max_s", "gather_s",
                                                   "pre_s", "post_s")}
     stats.update(call_s=time.perf_counter() - t, prepare_s=t_bcast - t,
                  broadcast_s=t_run - t_bcast, cond_puts=worker.cond_cache.puts)

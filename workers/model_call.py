@@ -27,12 +27,6 @@ from .sharding import is_sharded
 
 COND_CACHE = 16  # conditionings kept per rank (a sampling run uses 1-3)
 
-# This process's timings of its last `run_call` (seconds): `forward_s` the transformer's own
-# forward (this rank's rows), `gather_s` the all-gather of the replicas' rows, `run_s` the
-# whole call on this rank. Rank 0 reports them with the prediction (the bench subtracts the
-# forward from the host's wall time: what remains is the per-call overhead).
-LAST_TIMES: dict = {}
-
 
 @dataclass
 class ModelCall:
@@ -144,8 +138,9 @@ def for_wire(call: ModelCall) -> ModelCall:
 
 
 def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group):
-    """Every rank: this rank's replica's rows, then (with several replicas) one all-gather;
-    the prediction [N, C, h, w] (fp32, CPU) on rank 0, None elsewhere."""
+    """Every rank: this rank's replica's rows, then (with several replicas) one all-gather.
+    Returns (the prediction [N, C, h, w] fp32 CPU on rank 0, None elsewhere; this rank's
+    timings)."""
     t_run = time.perf_counter()
     forward_s = 0.0
     dev, dtype = model.device, model.dtype
@@ -189,14 +184,9 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group
         # has the answer and nothing needs gathering
         times.update(post_s=time.perf_counter() - t_post, gather_s=0.0,
                      forward_max_s=forward_s)
-        LAST_TIMES.clear()
-        LAST_TIMES.update(times)
-        if topo.rank != 0:
-            LAST_TIMES["run_s"] = time.perf_counter() - t_run
-            return None
-        result = pred.float().cpu()
-        LAST_TIMES["run_s"] = time.perf_counter() - t_run
-        return result
+        result = pred.float().cpu() if topo.rank == 0 else None
+        times["run_s"] = time.perf_counter() - t_run
+        return result, times
     # several replicas: one all-gather of [longest rows | this rank's forward seconds], so
     # rank 0 also learns the slowest rank's forward at no extra collective
     longest = max(sizes)
@@ -211,17 +201,15 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group
     parts = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(parts, out, group=data_group)
     times["gather_s"] = time.perf_counter() - t_gather
-    LAST_TIMES.clear()
-    LAST_TIMES.update(times)
     if topo.rank != 0:
-        LAST_TIMES["run_s"] = time.perf_counter() - t_run
-        return None
-    LAST_TIMES["forward_max_s"] = float(max(float(p[numel]) for p in parts))
+        times["run_s"] = time.perf_counter() - t_run
+        return None, times
+    times["forward_max_s"] = float(max(float(p[numel]) for p in parts))
     rows = []
     for r, size in enumerate(sizes):
         dp_i, cfg_i = divmod(r, topo.degree("cfg"))
         src = topo.global_rank(dp=dp_i, cfg=cfg_i, pipefusion=0, ring=0, ulysses=0)
         rows.append(parts[src][: size * c * h * w].view(size, c, h, w))
     result = torch.cat(rows).cpu()
-    LAST_TIMES["run_s"] = time.perf_counter() - t_run
-    return result
+    times["run_s"] = time.perf_counter() - t_run
+    return result, times

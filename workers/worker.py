@@ -257,7 +257,8 @@ class Worker:
                              k for k, _ in chunks) if k in conds})
 
     def call(self, call):
-        """Every rank: one model evaluation (workers/model_call.py); the prediction on rank 0."""
+        """Every rank: one model evaluation (workers/model_call.py): (the prediction on
+        rank 0, None elsewhere; this rank's timings)."""
         import torch
 
         from .model_call import run_call
