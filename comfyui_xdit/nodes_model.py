@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from .config import ConfigError, auto_config
+from .config import auto_config
 from .model_info import read_model_info
 
 CATEGORY = "xDiT"
@@ -44,11 +44,7 @@ class ToModel(io.ComfyNode):
         from .comfy_model import build_model
 
         info = read_model_info(model.path)
-        if model.pipefusion > 1:
-            raise ConfigError("PipeFusion pipelines patches across denoising steps, so it "
-                              "cannot serve KSampler & co. one step at a time; set pipefusion "
-                              "1 on the loader, or use Sampler (xDiT)")
-        model.validate()
+        model.validate()  # a PipeFusion layout is refused by PoolDenoiser, in build_model
         config = model_config_for(model, info).validate(info)
 
         def current_pool():  # the registry may have replaced the pool since
