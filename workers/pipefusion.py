@@ -196,14 +196,16 @@ class PipelineRun:
         return (self.batch, plan.sizes("text")[r] + plan.sizes("image")[r], self.hidden)
 
     # -- called by the stage hooks (workers/pipefusion_stages.py) -------------------------
-    def receive_activations(self, plan: SequencePlan):
+    def receive_activations(self, plan: SequencePlan, joined: bool = False):
+        """The previous stage's [text, image] activations: split in two, or as one joined
+        tensor for a block that takes the streams joined (FLUX.2's single blocks)."""
         buf, self.incoming = self.incoming, None
         t = plan.sizes("text")[self.topo.sp_rank]
         want = t + plan.sizes("image")[self.topo.sp_rank]
         if buf is None or buf.shape[1] != want:
             got = None if buf is None else tuple(buf.shape)
             raise RuntimeError(f"pipeline activations {got} do not fit the patch ({want} tokens)")
-        return buf[:, :t], buf[:, t:]
+        return buf if joined else (buf[:, :t], buf[:, t:])
 
     def send_activations(self, plan: SequencePlan, encoder_hidden_states, hidden_states):
         parts = [hidden_states] if encoder_hidden_states is None \

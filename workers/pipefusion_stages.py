@@ -30,6 +30,10 @@ class RemoteBlock(torch.nn.Module):
         self.index = index
 
     def forward(self, hidden_states, encoder_hidden_states=None, **_):
+        # FLUX.2's single blocks take and return one joined [text, image] stream
+        # (encoder_hidden_states=None); the two-stream blocks return (text, image)
+        if encoder_hidden_states is None:
+            return hidden_states
         return encoder_hidden_states, hidden_states
 
 
@@ -199,13 +203,18 @@ def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
     if not info.first:
         def receive(module, args, kwargs):
             plan, ctx = _pipeline_context(kwargs)
+            if kwargs.get("encoder_hidden_states") is None:  # one joined stream (FLUX.2)
+                return args, dict(kwargs, hidden_states=ctx.run.receive_activations(plan, True))
             enc, hid = ctx.run.receive_activations(plan)
             return args, dict(kwargs, hidden_states=hid, encoder_hidden_states=enc)
         blocks[lo][2].register_forward_pre_hook(receive, with_kwargs=True)
     if not info.last:
         def send(module, args, kwargs, output):
             plan, ctx = _pipeline_context(kwargs)
-            ctx.run.send_activations(plan, output[0], output[1])
+            if torch.is_tensor(output):  # one joined [text, image] stream (FLUX.2)
+                ctx.run.send_activations(plan, None, output)
+            else:
+                ctx.run.send_activations(plan, output[0], output[1])
         blocks[hi - 1][2].register_forward_hook(send, with_kwargs=True)
 
 
