@@ -137,7 +137,9 @@ class ParallelConfig:
                            f"{request.resolved_cfg(model.arch)} for {model.arch}; "
                            f"set cfg > 1 or drop cfg-parallel")
             if degrees_ok and not req_problems and self.sp > 1:
-                tokens = (request.height // 16) * (request.width // 16)
+                # the image stream holds the latent's tokens and the references'
+                tokens = (request.height // 16) * (request.width // 16) \
+                    + request.reference_tokens()
                 if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
                                f"{self.sp} ranks; use a larger image or fewer ranks")

@@ -475,11 +475,15 @@ class WorkerPool:
             if noise is None:  # ComfyUI's prepare_noise, drawn once for the whole batch
                 noise = comfy_noise(req.seed, (req.batch, latent_channels(info.arch),
                                                req.height // 8, req.width // 8))
+            refs = req.reference_latents  # raw VAE space; the workers convert them
+            req = dataclasses.replace(req, reference_latents=None)
             job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.key(),
                         noise=noise_to_model(info.arch, noise),
                         init_latent=None if init_latent is None else
                         comfy_to_model(info.arch, init_latent, fmt),
-                        denoise=denoise, options=self.config.options())
+                        denoise=denoise, options=self.config.options(),
+                        references=None if refs is None else
+                        [r.detach().float().cpu().contiguous() for r in refs])
 
             def to_comfy(latents):
                 return model_to_comfy(info.arch, latents, fmt, req.height, req.width)
@@ -556,7 +560,14 @@ class WorkerPool:
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
         `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
         of which those in `known` are not sent (rank 0 has them). Returns (prediction,
-        stats, keys sent). Launches the pool if needed; a bad call leaves it warm."""
+        stats, keys sent). Launches the pool if needed; a bad call leaves it warm.
+
+        Reference latents (FLUX Kontext / ReferenceLatent) belong to a conditioning and are
+        cached with it: a conds entry may add "ref_latents", a list of tensors
+        [rows, C, h, w] in x's space (model space, unpacked: what ComfyUI's FLUX model gets
+        as `ref_latents`, sliced to the chunk's rows), and "ref_method" ("offset" (default),
+        "index" or "uxo": ComfyUI's `ref_latents_method`). The chunks of one call must
+        agree on the references' shapes and method."""
         def _np(v):
             return v.detach().cpu().numpy() if hasattr(v, "detach") else v
 

@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 from .worker_modules import worker_module
 
+REFERENCE_METHODS = worker_module("models.facts").REFERENCE_METHODS
+
 # Per-architecture defaults, the only place they are written. FLUX dev is guidance-distilled
 # (no CFG by default); SD3 uses classic CFG.
 ARCH_DEFAULTS = {
@@ -36,6 +38,13 @@ class GenerationRequest:
     positive: Optional[dict] = None
     negative: Optional[dict] = None
     batch_size: Optional[int] = None  # default: len(prompt), or the conditioning's batch
+    # Reference images (FLUX.1 Kontext, FLUX.2; ComfyUI's ReferenceLatent): a list of LATENT
+    # samples in raw VAE space, each [1 or batch, C, h, w] (C = 16 for FLUX.1, 32 for
+    # FLUX.2; h, w even), in reference order. Their tokens join the image stream after the
+    # latent's; `reference_method` places several of them in RoPE position space
+    # (REFERENCE_METHODS; None: the architecture's default, "offset" / "index").
+    reference_latents: Optional[list] = None
+    reference_method: Optional[str] = None
 
     def __post_init__(self):
         if isinstance(self.prompt, str):
@@ -59,8 +68,18 @@ class GenerationRequest:
     def resolved(self, arch: str) -> "GenerationRequest":
         """A copy with every default made concrete for `arch`: what the workers receive."""
         guidance = self.guidance if self.guidance is not None else ARCH_DEFAULTS[arch]["guidance"]
+        method = self.reference_method
+        if self.reference_latents and method is None:
+            method = REFERENCE_METHODS.get(arch, (None,))[0]
         return replace(self, cfg=self.resolved_cfg(arch), guidance=guidance,
-                       prompt=list(self.prompt), loras=list(self.loras))
+                       prompt=list(self.prompt), loras=list(self.loras),
+                       reference_latents=None if self.reference_latents is None
+                       else list(self.reference_latents), reference_method=method)
+
+    def reference_tokens(self) -> int:
+        """Tokens the references add to the image stream (2x2 latent pixels per token)."""
+        return sum((int(r.shape[-2]) // 2) * (int(r.shape[-1]) // 2)
+                   for r in (self.reference_latents or []) if hasattr(r, "shape") and r.dim() == 4)
 
     def problems(self, model: Any = None) -> list[str]:
         out = []
@@ -71,11 +90,17 @@ class GenerationRequest:
             c = getattr(self, name)
             if c is None:
                 continue
+            # FLUX.2 has no pooled output: "pooled" None (refused for the archs that need it)
+            needs_pooled = getattr(model, "arch", None) not in (None, "flux2")
             if not isinstance(c, dict) or "cond" not in c or "pooled" not in c:
                 out.append(f"{name} conditioning must be {{'cond': [b,T,D], 'pooled': [b,P]}}")
-            elif c["cond"].dim() != 3 or c["pooled"].dim() != 2:
+            elif c["pooled"] is None and needs_pooled:
+                out.append(f"{name} conditioning has no pooled output [b,P], which "
+                           f"{model.arch.upper()} needs")
+            elif c["cond"].dim() != 3 or (c["pooled"] is not None and c["pooled"].dim() != 2):
+                pooled = None if c["pooled"] is None else tuple(c["pooled"].shape)
                 out.append(f"{name} conditioning has shapes {tuple(c['cond'].shape)} / "
-                           f"{tuple(c['pooled'].shape)}; expected [b,T,D] and [b,P]")
+                           f"{pooled}; expected [b,T,D] and [b,P]")
             elif int(c["cond"].shape[0]) not in (1, self.batch):
                 out.append(f"{name} conditioning batch {int(c['cond'].shape[0])} is neither 1 "
                            f"nor the batch {self.batch}")
@@ -99,7 +124,54 @@ class GenerationRequest:
         if self.output not in ("latent", "image"):
             out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
         out.extend(_single_file_problems(self, model))
+        out.extend(_reference_problems(self, model))
         return out
+
+
+def _reference_problems(req: "GenerationRequest", model) -> list[str]:
+    """Reference latents: a list of raw-VAE-space LATENT samples [1 or batch, C, h, w] with
+    the model's latent channels and even sizes (2x2 latent pixels make one token)."""
+    import torch
+
+    refs, method = req.reference_latents, req.reference_method
+    arch = getattr(model, "arch", None)
+    if refs is None:
+        return []
+    if not isinstance(refs, (list, tuple)) or not refs:
+        return [f"reference_latents must be a non-empty list of LATENT samples [1 or batch, C, "
+                f"height/8, width/8] (got {type(refs).__name__}"
+                f"{' (empty)' if isinstance(refs, (list, tuple)) else ''}); leave it None for "
+                f"no reference"]
+    if arch is not None and arch not in REFERENCE_METHODS:
+        return [f"reference images are not supported by {arch} models; they need FLUX.1 "
+                f"Kontext or FLUX.2 (remove the reference latents)"]
+    out = []
+    if arch is not None and method is not None and method not in REFERENCE_METHODS[arch]:
+        out.append(f"reference_method {method!r} is not one of {list(REFERENCE_METHODS[arch])} "
+                   f"for {arch}")
+    elif arch is None and method is not None and \
+            method not in {m for ms in REFERENCE_METHODS.values() for m in ms}:
+        out.append(f"reference_method {method!r} is unknown")
+    from .comfy_convert import latent_channels
+    channels = None if arch is None else latent_channels(arch)
+    for i, r in enumerate(refs):
+        name = f"reference latent #{i + 1}"
+        if not torch.is_tensor(r) or r.dim() != 4 or not r.is_floating_point():
+            got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
+            out.append(f"{name} must be a float LATENT tensor [1 or batch, C, height/8, "
+                       f"width/8] (got {got})")
+            continue
+        b, c, h, w = (int(v) for v in r.shape)
+        if channels is not None and c != channels:
+            out.append(f"{name} has {c} channels; this {arch} model's VAE latents have "
+                       f"{channels} (encode the reference with the model's own VAE)")
+        if b not in (1, req.batch):
+            out.append(f"{name} has batch {b}; give 1 (shared) or the batch {req.batch}")
+        if h < 2 or w < 2 or h % 2 or w % 2:
+            out.append(f"{name} is {h}x{w} latent pixels; height and width must be even "
+                       f"(reference images a multiple of 16 pixels, e.g. "
+                       f"{max(2, h // 2 * 2) * 8}x{max(2, w // 2 * 2) * 8})")
+    return out
 
 
 def _single_file_problems(req: "GenerationRequest", model) -> list[str]:

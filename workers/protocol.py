@@ -43,6 +43,9 @@ class Job(Message):
     init_latent: Any = None  # model space (img2img)
     denoise: float = 1.0
     options: dict = field(default_factory=dict)  # per-job PipeFusion settings
+    # reference images: raw-VAE-space [1 or B, C, h, w] each, in order (the workers turn
+    # them into model-space tokens); their layout method is request["reference_method"]
+    references: Optional[list] = None
 
 
 @_message
@@ -58,7 +61,9 @@ class Predict(Message):
     """One denoiser evaluation for a host-side sampler (workers/model_call.py): latents
     [N, C, h, w] model space, one timestep (sigma * 1000) and FLUX guidance per row,
     `chunks` [(conditioning key, rows)] in row order; `conds` carries the conditionings rank 0
-    has not seen ({key: {"context", "pooled"}}, ComfyUI's CONDITIONING tensors)."""
+    has not seen ({key: {"context", "pooled"}}, ComfyUI's CONDITIONING tensors, plus
+    optionally "ref_latents" [[rows, C, h, w] model space, ...] and "ref_method": the
+    reference latents ComfyUI's FLUX model receives, cached with their conditioning)."""
     KIND: ClassVar[str] = "predict"
     call_id: int
     config: tuple  # ParallelConfig.key()

@@ -64,3 +64,12 @@ def flux_rope_axes(head_dim: int) -> tuple:
         return FLUX_ROPE_AXES_128
     spatial = ((head_dim - 2) // 2) // 2 * 2
     return (head_dim - 2 * spatial, spatial, spatial)
+
+
+# Reference images (FLUX.1 Kontext, FLUX.2): how several references are laid out in RoPE
+# position space, per architecture; the first is the default. FLUX.1 has ComfyUI's methods
+# (comfy/ldm/flux/model.py): "offset" (index 1, later references shifted beside the earlier
+# ones; one reference = diffusers' FluxKontextPipeline), "index" (index 1, 2, ...), "uxo"
+# (index 0, placed diagonally past the image). FLUX.2 has diffusers' Flux2 pipelines' layout
+# only: "index", time coordinate 10, 20, ... per reference.
+REFERENCE_METHODS = {"flux": ("offset", "index", "uxo"), "flux2": ("index",)}
