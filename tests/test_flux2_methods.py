@@ -1,0 +1,194 @@
+"""FLUX.2 on every xDiT method (issue #14): a tiny FLUX.2 [klein]-style model run at every
+exact configuration on 2 and 4 ranks equals the single-process diffusers
+`Flux2KleinPipeline` to 1e-4 (fp32, final latent) from the same ComfyUI-style noise.
+
+* Ulysses 2 / 4, Ring 2 / 4, Ulysses 2 x Ring 2, CFG parallel (alone and x Ulysses 2), CFG
+  in-process, DP 2 and DP 2 x Ulysses 2 (batch 3: uneven), PipeFusion 2 / 4 and PipeFusion
+  2 x Ulysses 2 with warmup_steps >= steps (every step synchronous: exact), FSDP2 weight
+  sharding on 2 ranks.
+* Two sizes: 128x96 (8x6 image tokens) and 112x80 (7x5 tokens: no even split over 2 or 4
+  ranks, padded); batch 1 and 3.
+* Negative control: PipeFusion with warmup 1 reuses stale K/V, so it is NOT exact (> 1e-4
+  off) yet stays close; a test that passed it would not be testing the pipeline.
+
+One pool per launch layout serves every request of its configurations (`reconfigure` keeps
+the warm workers for a new non-PipeFusion layout of the same world size).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+from comfyui_xdit.tiny_model import build_tiny_model
+
+TOL = 1e-4
+MOVED = 1e-2  # the model moved the latent this far from the noise (a no-op run fails)
+PROMPTS = ["a photo of a red cat", "a dog on the grass", "blue sky"]
+MSL = 16
+STEPS = 2
+CFG = 2.5
+# (height, width, batch): 8x6 tokens, batch 1; 7x5 tokens (odd on 2 and 4 ranks), batch 3
+SHAPES = [(128, 96, 1), (112, 80, 3)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_tiny_model("flux2", tmp_path_factory.mktemp("tiny") / "flux2")
+
+
+_PIPES: dict = {}
+
+
+def pipeline(path, distilled: bool = True):
+    """The stock pipeline; `distilled=False` overrides the folder's is_distilled so the
+    pipeline runs classifier-free guidance (the tiny folder says is_distilled: true, and a
+    distilled Flux2KleinPipeline ignores guidance_scale)."""
+    from diffusers import Flux2KleinPipeline
+
+    key = (str(path), distilled)
+    if key not in _PIPES:
+        kw = {} if distilled else {"is_distilled": False}
+        pipe = Flux2KleinPipeline.from_pretrained(path, **kw)
+        pipe.set_progress_bar_config(disable=True)
+        _PIPES[key] = pipe
+    return _PIPES[key]
+
+
+def noise_for(batch, height, width, seed):
+    """ComfyUI's prepare_noise for a FLUX.2 LATENT [B,32,h/8,w/8]."""
+    return torch.randn((batch, 32, height // 8, width // 8), generator=torch.manual_seed(seed),
+                       dtype=torch.float32)
+
+
+_ORACLES: dict = {}
+
+
+def oracle(path, req: GenerationRequest, output_type="latent"):
+    """The pipeline's result for `req` from `noise_for(...)`: the raw 32-channel latent
+    (ComfyUI's LATENT space) or, for output_type "pt", the image [B,3,H,W] in 0..1."""
+    from diffusers import Flux2KleinPipeline
+
+    cfg = req.cfg if req.cfg is not None else 1.0
+    key = (str(path), tuple(req.prompt), req.seed, req.steps, req.height, req.width, cfg,
+           output_type)
+    if key not in _ORACLES:
+        noise = noise_for(len(req.prompt), req.height, req.width, req.seed)
+        pipe = pipeline(path, distilled=cfg <= 1.0)
+        _ORACLES[key] = pipe(prompt=list(req.prompt), height=req.height, width=req.width,
+                             num_inference_steps=req.steps, guidance_scale=cfg,
+                             latents=Flux2KleinPipeline._patchify_latents(noise),
+                             max_sequence_length=req.max_sequence_length,
+                             output_type=output_type).images
+    return _ORACLES[key]
+
+
+def request(height, width, batch, seed=5, steps=STEPS, cfg=None, **kw):
+    return GenerationRequest(prompt=PROMPTS[:batch], seed=seed, steps=steps, height=height,
+                             width=width, max_sequence_length=MSL, cfg=cfg, **kw)
+
+
+@pytest.fixture(scope="module")
+def pools(folder):
+    """pools(config) -> a warm pool running `config`: one pool per launch layout (world
+    size and PipeFusion layout), reconfigured between the configurations it serves."""
+    made = {}
+
+    def get(config: ParallelConfig, shard: bool = False):
+        key = (config.launch_key(), shard)
+        if key not in made:
+            made[key] = WorkerPool(str(folder), config, device="cpu", threads_per_rank=1,
+                                   shard_weights=shard)
+        pool = made[key]
+        if pool.config != config:
+            pool.reconfigure(config)
+        return pool
+    yield get
+    for p in made.values():
+        p.close()
+
+
+def check_exact(pools, folder, config, shapes=SHAPES, cfg=None, shard=False):
+    pool = pools(config, shard)
+    for h, w, b in shapes:
+        req = request(h, w, b, cfg=cfg)
+        noise = noise_for(b, h, w, req.seed)
+        want = oracle(folder, req)
+        got = pool.generate(req, noise=noise).samples
+        assert got.shape == want.shape == (b, 32, h // 8, w // 8)
+        assert (want - noise).abs().max() > MOVED
+        err = (got - want).abs().max().item()
+        assert err <= TOL, f"{config.describe()} {h}x{w} batch {b} cfg {cfg}: max diff {err:.2e}"
+
+
+# ---- 2 ranks -----------------------------------------------------------------------------
+
+TWO = {
+    "ulysses2": ParallelConfig(ulysses=2),
+    "ring2": ParallelConfig(ring=2),
+    "dp2": ParallelConfig(dp=2),
+}
+
+
+@pytest.mark.parametrize("name", list(TWO))
+def test_two_ranks_exact(pools, folder, name):
+    shapes = SHAPES if name != "dp2" else [(h, w, 3) for h, w, _ in SHAPES]
+    check_exact(pools, folder, TWO[name], shapes)
+
+
+def test_cfg_parallel_exact(pools, folder):
+    """cfg > 1 on a distilled folder runs CFG as asked (ComfyUI's KSampler does); the oracle
+    is the same folder's pipeline told it is not distilled."""
+    check_exact(pools, folder, ParallelConfig(cfg_parallel=True), cfg=CFG)
+
+
+def test_cfg_in_process_exact(pools, folder):
+    check_exact(pools, folder, ParallelConfig(ulysses=2), cfg=CFG)
+
+
+def test_pipefusion2_exact_with_full_warmup(pools, folder):
+    check_exact(pools, folder, ParallelConfig(pipefusion=2, warmup_steps=STEPS))
+
+
+def test_pipefusion_stale_kv_is_close_not_exact(pools, folder):
+    """Negative control: warmup 1 of 3 steps pipelines two steps on stale K/V."""
+    pool = pools(ParallelConfig(pipefusion=2, warmup_steps=1))
+    req = request(128, 96, 1, steps=3)
+    want = oracle(folder, req)
+    got = pool.generate(req, noise=noise_for(1, 128, 96, req.seed)).samples
+    err = (got - want).abs().max().item()
+    assert err > TOL, f"PipeFusion with stale K/V equals the exact run ({err:.2e})"
+    assert err < 0.5 * (want - noise_for(1, 128, 96, req.seed)).abs().max().item()
+
+
+def test_sharded_weights_exact(pools, folder):
+    check_exact(pools, folder, ParallelConfig(ulysses=2), shard=True)
+    check_exact(pools, folder, ParallelConfig(ring=2), shapes=SHAPES[1:], shard=True)
+
+
+# ---- 4 ranks -----------------------------------------------------------------------------
+
+FOUR = {
+    "ulysses4": ParallelConfig(ulysses=4),
+    "ring4": ParallelConfig(ring=4),
+    "ulysses2_ring2": ParallelConfig(ulysses=2, ring=2),
+    "dp2_ulysses2": ParallelConfig(dp=2, ulysses=2),
+}
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_four_ranks_exact(pools, folder, name):
+    shapes = SHAPES if not name.startswith("dp") else [(h, w, 3) for h, w, _ in SHAPES]
+    check_exact(pools, folder, FOUR[name], shapes)
+
+
+def test_cfg_parallel_ulysses2_exact(pools, folder):
+    check_exact(pools, folder, ParallelConfig(cfg_parallel=True, ulysses=2), cfg=CFG)
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(pipefusion=4, warmup_steps=STEPS),
+                                    ParallelConfig(pipefusion=2, ulysses=2,
+                                                   warmup_steps=STEPS)],
+                         ids=["pipefusion4", "pipefusion2_ulysses2"])
+def test_four_rank_pipefusion_exact_with_full_warmup(pools, folder, config):
+    check_exact(pools, folder, config)
