@@ -1,9 +1,11 @@
 """ComfyUI values <-> pool requests, without importing ComfyUI (tested in CI).
 
 - CONDITIONING `[[cond, {"pooled_output": p, "guidance": g, ...}]]` -> the request's
-  `{"cond": [b,T,D], "pooled": [b,P]}` plus FluxGuidance's value.
-- LATENT `{"samples": [B,C,H/8,W/8], "batch_index"?: [...]}` (raw VAE space) -> batch, size,
-  noise and, when not all zeros, the img2img input; and the pool's samples -> LATENT.
+  `{"cond": [b,T,D], "pooled": [b,P]}` plus FluxGuidance's value. FLUX.2 has no pooled
+  output (its Qwen3 / Mistral text encoder gives hidden states only): `"pooled": None`.
+- LATENT `{"samples": [B,C,H/8,W/8], "batch_index"?: [...]}` (raw VAE space; C is 16 for
+  FLUX.1 / SD3, 32 for FLUX.2) -> batch, size, noise and, when not all zeros, the img2img
+  input; and the pool's samples -> LATENT.
 - A raw-VAE-space preview latent -> an RGB preview with ComfyUI's latent_rgb_factors.
 """
 from __future__ import annotations
@@ -56,11 +58,15 @@ LATENT_FORMATS = {
 
 
 # ---- CONDITIONING ---------------------------------------------------------------------
-def conditioning_to_request(conditioning, name: str = "positive") -> tuple[dict, Optional[float]]:
-    """One ComfyUI CONDITIONING -> ({"cond": [b,T,D], "pooled": [b,P]} fp32 CPU, guidance).
+def conditioning_to_request(conditioning, name: str = "positive",
+                            arch: Optional[str] = None) -> tuple[dict, Optional[float]]:
+    """One ComfyUI CONDITIONING -> ({"cond": [b,T,D], "pooled": [b,P] or None} fp32 CPU,
+    guidance).
 
     Only plain text conditioning can run on the pool: several entries (ConditioningCombine,
-    area / mask / ControlNet conditioning) are refused with a message, never ignored."""
+    area / mask / ControlNet conditioning) are refused with a message, never ignored. For
+    `arch` "flux2" a pooled output is not needed (and, when a text encoder adds one, not
+    used: FLUX.2 has no pooled projection)."""
     import torch
 
     if not isinstance(conditioning, (list, tuple)) or not conditioning:
@@ -84,20 +90,40 @@ def conditioning_to_request(conditioning, name: str = "positive") -> tuple[dict,
     pooled = extra.get("pooled_output")
     if not torch.is_tensor(cond) or cond.dim() != 3:
         raise ConfigError(f"{name} CONDITIONING tensor must be [batch, tokens, dim]")
+    guidance = extra.get("guidance")
+    guidance = None if guidance is None else float(guidance)
+    cond = cond.detach().float().cpu().contiguous()
+    if arch == "flux2":
+        return {"cond": cond, "pooled": None}, guidance
     if pooled is None:
         raise ConfigError(f"{name} CONDITIONING has no pooled_output; encode it with a "
                           f"FLUX/SD3 CLIP loader (CLIP-L + T5, or CLIP-L + CLIP-G + T5)")
     if pooled.dim() == 1:
         pooled = pooled.unsqueeze(0)
-    guidance = extra.get("guidance")
-    return ({"cond": cond.detach().float().cpu().contiguous(),
-             "pooled": pooled.detach().float().cpu().contiguous()},
-            None if guidance is None else float(guidance))
+    return {"cond": cond, "pooled": pooled.detach().float().cpu().contiguous()}, guidance
+
+
+def check_text_width(c: dict, width: int, arch: str, name: str = "positive") -> None:
+    """The text states' last dimension must be the transformer's joint_attention_dim: a
+    CONDITIONING from another model's text encoder is refused here, in one line, instead of
+    failing inside a worker."""
+    got = int(c["cond"].shape[-1])
+    if got == int(width):
+        return
+    hint = {"flux2": "encode with this FLUX.2 model's own text encoder (klein 4B: Qwen3-4B, "
+                     "klein 9B: Qwen3-8B, dev: Mistral Small 3.1) or type the prompt into "
+                     "the sampler",
+            "flux": "encode with FLUX.1's CLIP-L + T5-XXL (DualCLIPLoader type flux)",
+            "sd3": "encode with SD3's CLIP-L + CLIP-G + T5-XXL (TripleCLIPLoader)"}.get(
+        arch, "encode with this model's text encoders")
+    raise ConfigError(f"{name} CONDITIONING has text states of width {got}, but this "
+                      f"{arch.upper()} transformer takes {int(width)} (its "
+                      f"joint_attention_dim): {hint}")
 
 
 def request_to_conditioning(c: dict, guidance: Optional[float] = None) -> list:
     """The inverse (for tests and round trips): request dict -> ComfyUI CONDITIONING."""
-    extra = {"pooled_output": c["pooled"]}
+    extra = {} if c.get("pooled") is None else {"pooled_output": c["pooled"]}
     if guidance is not None:
         extra["guidance"] = guidance
     return [[c["cond"], extra]]
@@ -110,7 +136,7 @@ class LatentInput:
     height: int
     width: int
     empty: bool  # all zeros: text-to-image
-    samples: Any  # [B,16,h,w] fp32 CPU (zeros expanded to 16 channels when empty)
+    samples: Any  # [B,C,h,w] fp32 CPU (zeros of the model's C channels when empty)
     batch_index: Optional[list] = None
 
 
@@ -120,26 +146,40 @@ def is_empty_latent(samples) -> bool:
     return int(torch.count_nonzero(samples)) == 0
 
 
-def latent_from_comfy(latent: dict) -> LatentInput:
+# FLUX.2's 2x2-patchified layout (128 channels at 1/16 of the image, as newer ComfyUI's
+# empty FLUX.2 latent has it): accepted empty, as a size only
+FLUX2_PATCHIFIED_CHANNELS = 128
+
+
+def latent_from_comfy(latent: dict, arch: str = "flux") -> LatentInput:
+    """ComfyUI LATENT -> LatentInput for a model of `arch` (16 channels for FLUX.1 / SD3, 32
+    for FLUX.2). An all-zero latent of any channel count is text-to-image at its size (as
+    ComfyUI's fix_empty_latent_channels treats it); a non-empty one must have the model's
+    channels."""
     import torch
 
     if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
         raise ConfigError("LATENT input must be a dict with 'samples'; connect "
                           "EmptySD3LatentImage or a VAEEncode")
+    channels = latent_channels(arch)
     s = latent["samples"]
     if s.dim() != 4:
         raise ConfigError(f"LATENT samples have shape {tuple(s.shape)}; expected "
-                          f"[batch, 16, height/8, width/8] (image latents, not video)")
+                          f"[batch, {channels}, height/8, width/8] (image latents, not video)")
     if latent.get("noise_mask") is not None:
         raise ConfigError("LATENT has a noise_mask (inpainting), which the xDiT sampler does "
                           "not support; remove SetLatentNoiseMask / use VAEEncode")
     empty = is_empty_latent(s)
     b, c, h, w = (int(v) for v in s.shape)
-    if c != LATENT_CHANNELS:
+    if c != channels:
         if not empty:
-            raise ConfigError(f"LATENT has {c} channels; FLUX and SD3 use 16 (encode with the "
-                              f"model's VAE, or start from EmptySD3LatentImage)")
-        s = torch.zeros(b, LATENT_CHANNELS, h, w)  # as ComfyUI's fix_empty_latent_channels
+            names = {"flux2": "FLUX.2 uses 32 (its VAE's raw latent)"}.get(
+                arch, "FLUX and SD3 use 16")
+            raise ConfigError(f"LATENT has {c} channels; {names} (encode with the model's "
+                              f"VAE, or start from EmptySD3LatentImage)")
+        if arch == "flux2" and c == FLUX2_PATCHIFIED_CHANNELS:  # 1/16 of the image
+            h, w = 2 * h, 2 * w
+        s = torch.zeros(b, channels, h, w)
     bi = latent.get("batch_index")
     return LatentInput(batch=b, height=h * 8, width=w * 8, empty=empty,
                        samples=s.detach().float().cpu().contiguous(),
@@ -170,10 +210,13 @@ def comfy_noise(seed: int, shape, batch_index=None):
 # ---- previews -------------------------------------------------------------------------
 def preview_rgb(preview, arch: str):
     """Raw-VAE-space latent [1,16,h,w] -> uint8 RGB [h,w,3] the way ComfyUI's latent2rgb
-    previewer shows it (it works on model-space latents, hence process_in first)."""
+    previewer shows it (it works on model-space latents, hence process_in first); None for
+    an architecture without latent->RGB factors here (FLUX.2: no preview image)."""
     import torch
 
-    fmt = LATENT_FORMATS[arch]
+    fmt = LATENT_FORMATS.get(arch)
+    if fmt is None:
+        return None
     x = (preview[0].float() - fmt["shift"]) * fmt["scale"]
     rgb = torch.nn.functional.linear(x.movedim(0, -1), torch.tensor(fmt["rgb"]).T,
                                      bias=torch.tensor(fmt["bias"]))

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .comfy_convert import (LATENT_CHANNELS, comfy_noise, conditioning_to_request,
-                            latent_from_comfy, latent_to_comfy)
+from .comfy_convert import (check_text_width, comfy_noise, conditioning_to_request,
+                            latent_channels, latent_from_comfy, latent_to_comfy)
 from .config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
     auto_config
 from .gpus import gpus_for_ranks, visible_gpus
@@ -252,7 +252,7 @@ class ModelHandle:
             return self.explicit_config()
         world = self.world_size or self.default_world()
         info = read_model_info(self.path)
-        uses_cfg = request.uses_cfg(info.arch) if request is not None else False
+        uses_cfg = request.uses_cfg(info) if request is not None else False
         batch = request.batch if request is not None else 1
         return auto_config(world, info.heads, uses_cfg, batch).with_world_size(world)
 
@@ -512,17 +512,36 @@ class SampleInputs:
     preview_every: int = 0  # k: a low-res preview latent every k steps
 
 
-def build_job(inp: SampleInputs) -> tuple[GenerationRequest, dict]:
-    """-> (request, generate() keyword arguments: noise, init_latent, denoise)."""
-    lat = latent_from_comfy(inp.latent)
+# diffusers' class defaults for a folder config that omits joint_attention_dim
+_TEXT_WIDTH_DEFAULT = {"flux": 4096, "sd3": 4096, "flux2": 15360}
+
+
+def model_text_width(path: str) -> Optional[int]:
+    """The transformer's joint_attention_dim (the width its text states must have), from the
+    folder's config or the single file's weight shapes; None when unknown."""
+    from .model_info import _describe_model
+    d = _describe_model(path)
+    w = d["config"].get("joint_attention_dim", _TEXT_WIDTH_DEFAULT.get(d["arch"]))
+    return None if w is None else int(w)
+
+
+def build_job(inp: SampleInputs, arch: str = "flux",
+              text_width: Optional[int] = None) -> tuple[GenerationRequest, dict]:
+    """-> (request, generate() keyword arguments: noise, init_latent, denoise) for a model
+    of `arch`; `text_width`: its joint_attention_dim, checked against CONDITIONING."""
+    lat = latent_from_comfy(inp.latent, arch)
     guidance = float(inp.guidance)
     positive = negative = None
     if inp.positive is not None:
-        positive, g = conditioning_to_request(inp.positive, "positive")
+        positive, g = conditioning_to_request(inp.positive, "positive", arch)
         if g is not None:  # FluxGuidance / CLIPTextEncodeFlux set it on the conditioning
             guidance = g
     if inp.negative is not None:
-        negative, _ = conditioning_to_request(inp.negative, "negative")
+        negative, _ = conditioning_to_request(inp.negative, "negative", arch)
+    if text_width is not None:
+        for name, c in (("positive", positive), ("negative", negative)):
+            if c is not None:
+                check_text_width(c, text_width, arch, name)
     if positive is None and not (inp.prompt or "").strip():
         raise ConfigError("no prompt: connect positive CONDITIONING or type a prompt")
     req = GenerationRequest(
@@ -533,8 +552,9 @@ def build_job(inp: SampleInputs) -> tuple[GenerationRequest, dict]:
         max_sequence_length=int(inp.max_sequence_length), preview_every=int(inp.preview_every))
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
-        kw["noise"] = comfy_noise(int(inp.seed), (lat.batch, 16, lat.height // 8,
-                                                  lat.width // 8), lat.batch_index)
+        kw["noise"] = comfy_noise(int(inp.seed), (lat.batch, latent_channels(arch),
+                                                  lat.height // 8, lat.width // 8),
+                                  lat.batch_index)
     if not lat.empty:
         if not 0.0 < float(inp.denoise) <= 1.0:
             raise ConfigError(f"denoise must be in (0, 1] (got {inp.denoise})")
@@ -555,7 +575,8 @@ def sample(handle: ModelHandle, inp: SampleInputs,
     t0 = time.perf_counter()
     registry.job_started()
     try:
-        req, kw = build_job(inp)
+        info = read_model_info(handle.path)
+        req, kw = build_job(inp, info.arch, model_text_width(handle.path))
         req.loras = list(handle.loras)
         config = handle.config_for(req)
         if req.batch < config.dp:  # said in the graph's terms (the CLI says "prompts")
@@ -563,7 +584,7 @@ def sample(handle: ModelHandle, inp: SampleInputs,
                               f"set batch_size >= {config.dp} on the empty-latent node, or "
                               f"lower dp")
         # refused before the registry is touched: a bad job never replaces a warm pool
-        config.validate(read_model_info(handle.path), req)
+        config.validate(info, req)
         if handle.device == "cuda":
             gpus_for_ranks(config.ranks, handle.gpus)
         pool = registry.get(handle, config)
@@ -615,10 +636,12 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
         raise ConfigError("LATENT input must be a dict with 'samples'; connect the xDiT "
                           "sampler's LATENT")
     samples = latent["samples"]
-    if samples.dim() != 4 or samples.shape[1] != LATENT_CHANNELS:
-        raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; the Decode node "
-                          f"takes FLUX/SD3 latents [batch, {LATENT_CHANNELS}, height/8, width/8]")
     info = read_model_info(handle.path)
+    channels = latent_channels(info.arch)
+    if samples.dim() != 4 or samples.shape[1] != channels:
+        raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; this "
+                          f"{info.arch.upper()} model's Decode takes latents [batch, "
+                          f"{channels}, height/8, width/8] (the xDiT sampler's LATENT)")
     try:
         if info.has_vae:
             pool = registry.pool_for_decode(handle)

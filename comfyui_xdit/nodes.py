@@ -101,12 +101,14 @@ class LoadModel(io.ComfyNode):
             node_id="xDiT.LoadModel",
             display_name="Load model (xDiT)",
             category=CATEGORY,
-            description="Describes a FLUX.1 / SD3 model and how to split it over a worker pool. "
+            description="Describes a FLUX.1 / FLUX.2 / SD3 model and how to split it over a "
+                        "worker pool. "
                         "Nothing starts here: the pool launches at the first sampling and stays warm.",
             inputs=[
                 io.Combo.Input("model", options=models or ["(no FLUX/SD3 model found)"],
                                tooltip="A diffusers folder in ComfyUI/models/diffusers, e.g. "
-                                       "models/diffusers/FLUX.1-dev or models/diffusers/"
+                                       "models/diffusers/FLUX.1-dev, models/diffusers/"
+                                       "FLUX.2-klein-4B or models/diffusers/"
                                        "stable-diffusion-3.5-medium (the names the example "
                                        "workflows use; a Hugging Face snapshot of the repo, "
                                        "text encoders and VAE included), or a single FLUX/SD3 "
@@ -218,12 +220,15 @@ class Sampler(io.ComfyNode):
             node_id="xDiT.Sampler",
             display_name="Sampler (xDiT)",
             category=CATEGORY,
-            description="Samples FLUX.1 / SD3 on the xDiT worker pool. LATENT out is ComfyUI's "
-                        "(raw VAE space): decode it with the stock VAEDecode.",
+            description="Samples FLUX.1 / FLUX.2 / SD3 on the xDiT worker pool. LATENT out is "
+                        "ComfyUI's (raw VAE space; 32 channels for FLUX.2): decode it with "
+                        "Decode (xDiT) or the stock VAEDecode.",
             inputs=[
                 XDiTModel.Input("model"),
-                io.Latent.Input("latent", tooltip="EmptySD3LatentImage (text-to-image) or a "
-                                                  "VAEEncode latent (image-to-image with denoise)"),
+                io.Latent.Input("latent", tooltip="EmptySD3LatentImage (text-to-image; any "
+                                                  "empty latent gives the size) or a VAEEncode "
+                                                  "latent (image-to-image with denoise; FLUX.2: "
+                                                  "its VAE's 32-channel latent)"),
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="Used when no positive CONDITIONING is connected "
                                         "(encoded by the pool's own text encoders: diffusers "
@@ -235,17 +240,20 @@ class Sampler(io.ComfyNode):
                 io.Int.Input("steps", default=20, min=1, max=10000),
                 io.Float.Input("cfg", default=0.0, min=0.0, max=100.0, step=0.1, round=0.01,
                                tooltip="Classifier-free guidance. 0: the model's default "
-                                       "(FLUX 1 = off, SD3 7); > 1 enables it"),
+                                       "(FLUX.1 / FLUX.2 1 = off, SD3 7); > 1 enables it"),
                 io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1, round=0.01,
-                               tooltip="FLUX embedded guidance (ignored by SD3); a FluxGuidance "
-                                       "value on the positive CONDITIONING takes precedence"),
+                               tooltip="FLUX embedded guidance (ignored by SD3 and FLUX.2 "
+                                       "[klein], which have none); a FluxGuidance value on "
+                                       "the positive CONDITIONING takes precedence"),
                 io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
                                tooltip="For a non-empty input latent (image-to-image); an empty "
                                        "latent is always sampled from pure noise"),
                 io.Int.Input("max_sequence_length", default=512, min=1, max=512, optional=True,
                              tooltip="T5 tokens for the prompt text path"),
                 io.Conditioning.Input("positive", optional=True,
-                                      tooltip="FLUX: CLIP-L + T5 encode; SD3: CLIP-L + CLIP-G + T5"),
+                                      tooltip="FLUX: CLIP-L + T5 encode; SD3: CLIP-L + CLIP-G "
+                                              "+ T5; FLUX.2: its Qwen3 / Mistral encoder "
+                                              "(no pooled output needed)"),
                 io.Conditioning.Input("negative", optional=True),
             ],
             outputs=[io.Latent.Output()],
@@ -256,13 +264,14 @@ class Sampler(io.ComfyNode):
     def execute(cls, model, latent, prompt, negative_prompt, seed, steps, cfg, guidance, denoise,
                 max_sequence_length=512, positive=None, negative=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        previews = _previews_enabled()
+        arch = read_model_info(model.path).arch
+        from .comfy_convert import LATENT_FORMATS
+        previews = _previews_enabled() and arch in LATENT_FORMATS  # FLUX.2: no RGB factors
         inp = SampleInputs(latent=latent, seed=seed, steps=steps, cfg=cfg, guidance=guidance,
                            denoise=denoise, prompt=prompt, negative_prompt=negative_prompt,
                            positive=positive, negative=negative,
                            max_sequence_length=max_sequence_length,
                            preview_every=1 if previews else 0)
-        arch = read_model_info(model.path).arch
         pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(ev: dict) -> None:

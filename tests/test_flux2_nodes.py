@@ -1,0 +1,143 @@
+"""FLUX.2 through the nodes' logic, without ComfyUI (issue #14): 32-channel LATENTs in and
+out, CONDITIONING without a pooled output (FLUX.2's text encoder gives hidden states only),
+the text width checked against the transformer, Decode on the pool with the folder's VAE,
+FLUX.2 single files, and the xDiT MODEL's calls for a FLUX.2 caller."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_xdit import ConfigError, GenerationRequest
+from comfyui_xdit.comfy_convert import (conditioning_to_request, latent_from_comfy,
+                                        request_to_conditioning)
+from comfyui_xdit.node_logic import (ModelHandle, PoolRegistry, SampleInputs, build_job,
+                                     decode, model_text_width, sample)
+
+
+def encode_flux2(path, texts, msl):
+    """The folder's own Qwen3 encoder, as diffusers' Flux2KleinPipeline encodes a prompt:
+    the hidden states ComfyUI's FLUX.2 text encoder node would hand over (no pooled)."""
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(path, transformer=None, vae=None)
+    pe, _ = pipe.encode_prompt(prompt=list(texts), max_sequence_length=msl)
+    return pe.detach().float()
+
+
+# ---- conversions (no pool) ---------------------------------------------------------------
+def test_flux2_latents_have_32_channels():
+    x = torch.randn(2, 32, 8, 6)
+    lat = latent_from_comfy({"samples": x}, "flux2")
+    assert (lat.batch, lat.height, lat.width, lat.empty) == (2, 64, 48, False)
+    assert torch.equal(lat.samples, x)
+    # any empty latent gives the size: EmptySD3LatentImage (16 ch, 1/8) and the 2x2
+    # patchified layout newer ComfyUI uses for FLUX.2 (128 ch, 1/16)
+    for shape in ((1, 16, 8, 6), (1, 4, 8, 6), (1, 128, 4, 3)):
+        e = latent_from_comfy({"samples": torch.zeros(shape)}, "flux2")
+        assert e.empty and e.samples.shape == (1, 32, 8, 6) and (e.height, e.width) == (64, 48)
+    with pytest.raises(ConfigError, match="16 channels; FLUX.2 uses 32"):
+        latent_from_comfy({"samples": torch.randn(1, 16, 8, 8)}, "flux2")
+    with pytest.raises(ConfigError, match="32 channels; FLUX and SD3 use 16"):
+        latent_from_comfy({"samples": x}, "flux")  # FLUX.1 unchanged
+
+
+def test_flux2_conditioning_needs_no_pooled_output():
+    cond = torch.randn(1, 7, 96)
+    c, g = conditioning_to_request([[cond, {}]], "positive", "flux2")
+    assert torch.equal(c["cond"], cond) and c["pooled"] is None and g is None
+    # a pooled output some encoder adds is not used (FLUX.2 has no pooled projection)
+    c, _ = conditioning_to_request([[cond, {"pooled_output": torch.randn(1, 8)}]], "p", "flux2")
+    assert c["pooled"] is None
+    assert request_to_conditioning(c) == [[c["cond"], {}]]
+    with pytest.raises(ConfigError, match="no pooled_output"):  # FLUX.1 still needs one
+        conditioning_to_request([[cond, {}]], "positive", "flux")
+    req = GenerationRequest(prompt=[], positive={"cond": cond, "pooled": None}, height=64,
+                            width=64)
+    assert not req.problems()
+
+    class Flux1:
+        arch, has_text_encoders, has_vae = "flux", True, True
+    assert any("no pooled output" in p for p in req.problems(Flux1()))
+
+
+def test_flux2_build_job_noise_and_text_width():
+    lat = {"samples": torch.zeros(2, 32, 8, 8), "batch_index": [4, 1]}
+    cond = [[torch.randn(1, 5, 96), {}]]
+    req, kw = build_job(SampleInputs(latent=lat, positive=cond, seed=9), "flux2", 96)
+    assert req.positive["pooled"] is None and req.batch == 2
+    gen = torch.manual_seed(9)  # ComfyUI's prepare_noise with batch_index, 32 channels
+    per = [torch.randn((1, 32, 8, 8), generator=gen) for _ in range(5)]
+    assert torch.equal(kw["noise"], torch.cat([per[4], per[1]]))
+    # FLUX.1's T5 states on a FLUX.2 transformer: one line naming both widths
+    with pytest.raises(ConfigError, match=r"positive CONDITIONING has text states of width "
+                                          r"4096, but this FLUX2 transformer takes 96"):
+        build_job(SampleInputs(latent=lat, positive=[[torch.randn(1, 5, 4096), {}]]),
+                  "flux2", 96)
+    with pytest.raises(ConfigError, match="negative CONDITIONING has text states of width 64"):
+        build_job(SampleInputs(latent=lat, positive=cond, cfg=2.0,
+                               negative=[[torch.randn(1, 5, 64), {}]]), "flux2", 96)
+
+
+# ---- through a real pool -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def registry():
+    reg = PoolRegistry()
+    yield reg
+    reg.unload_all()
+
+
+def _handle(path, **kw):
+    return ModelHandle(path=str(path), device="cpu", dtype="fp32", threads_per_rank=1, **kw)
+
+
+COMMON = dict(seed=5, steps=2, max_sequence_length=16)
+
+
+def test_flux2_text_conditioning_latent_image_and_img2img(registry, model_dir):
+    """prompt -> pool -> 32-channel LATENT; the same text as CONDITIONING (hidden states,
+    no pooled) gives the same LATENT; Decode on the pool gives the IMAGE; a LATENT in with
+    denoise < 1 is image-to-image; a wrong-width CONDITIONING is refused and the pool still
+    works."""
+    path = model_dir("flux2")
+    assert model_text_width(str(path)) == 96
+    h = _handle(path, world_size=2, ulysses=2)
+    empty = {"samples": torch.zeros(1, 16, 8, 6)}  # EmptySD3LatentImage 48x64
+    by_text = sample(h, SampleInputs(latent=empty, prompt="a red cat", **COMMON),
+                     registry=registry)["samples"]
+    assert by_text.shape == (1, 32, 8, 6) and torch.isfinite(by_text).all()
+    pe = encode_flux2(str(path), ["a red cat"], 16)
+    assert pe.shape[-1] == 96
+    by_cond = sample(h, SampleInputs(latent=empty, positive=[[pe, {}]], **COMMON),
+                     registry=registry)["samples"]
+    assert (by_cond - by_text).abs().max().item() <= 1e-5
+    other = sample(h, SampleInputs(latent=empty, positive=[[encode_flux2(str(path), ["a dog"],
+                                                                         16), {}]], **COMMON),
+                   registry=registry)["samples"]
+    assert (other - by_text).abs().max().item() > 1e-4  # the comparison can fail
+    pool = registry.pools()[0]
+    pids = pool.worker_pids()
+
+    image = decode(h, {"samples": by_text}, registry=registry)
+    assert image.shape == (1, 64, 48, 3) and 0 <= image.min() and image.max() <= 1
+    assert image.std() > 1e-3
+    with pytest.raises(ConfigError, match=r"FLUX2 model's Decode takes latents \[batch, 32"):
+        decode(h, {"samples": torch.randn(1, 16, 8, 6)}, registry=registry)
+
+    steps = dict(COMMON, steps=4)
+    init = by_text
+    i2i = sample(h, SampleInputs(latent={"samples": init}, prompt="a red cat", denoise=0.5,
+                                 **steps), registry=registry)["samples"]
+    ref = pool.generate(GenerationRequest(prompt=["a red cat"], batch_size=1, height=64,
+                                          width=48, **steps), init_latent=init,
+                        denoise=0.5).samples
+    assert torch.equal(i2i, ref)
+    t2i = sample(h, SampleInputs(latent=empty, prompt="a red cat", **steps),
+                 registry=registry)["samples"]
+    assert (i2i - t2i).abs().max().item() > 1e-3
+
+    with pytest.raises(ConfigError, match="width 4096, but this FLUX2 transformer takes 96"):
+        sample(h, SampleInputs(latent=empty, positive=[[torch.randn(1, 4, 4096), {}]],
+                               **COMMON), registry=registry)
+    again = sample(h, SampleInputs(latent=empty, prompt="a red cat", **COMMON),
+                   registry=registry)["samples"]
+    assert torch.equal(again, by_text) and pool.worker_pids() == pids
