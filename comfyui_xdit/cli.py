@@ -289,9 +289,10 @@ def main(argv=None) -> int:
     parser = _Parser(prog="python -m comfyui_xdit",
                      description="xDiT-style parallel FLUX/SD3 sampling on a warm worker pool")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    from . import demo, tiny_model
+    from . import demo, memory_plan, tiny_model
     demo.add_cli(sub)
     tiny_model.add_cli(sub)
+    memory_plan.add_cli(sub)
     _add_generate(sub)
     _add_serve(sub)
     _add_status(sub)

@@ -1,0 +1,653 @@
+"""Will it fit? A per-rank GPU memory plan, computed before any worker starts.
+
+For a model (a diffusers folder, a single .safetensors transformer, or a named preset of
+published dimensions), a ParallelConfig, EngineOptions and a job size, each rank's bytes are
+added up part by part:
+
+- weights: the transformer's parameters as that rank holds them, counted on the real
+  module tree built on the meta device from the model's config (no memory, no download):
+  every parameter for Ulysses / Ring / CFG / DP (replicated); the rank's PipeFusion stage
+  (the split of workers/pipefusion_stages.py) plus the modules around the blocks; with
+  shard_weights, FSDP2's dim-0 shards (padded rows included) of every parameter, plus, during
+  a forward, the non-block parameters gathered whole and the two largest consecutive blocks
+  gathered (the running block and the prefetched next one: workers/sharding.py). fp8 (or an
+  fp8 checkpoint under weights=auto) stores the Linears inside the blocks in 1 byte
+  (workers/weights.py); everything else is in the pool dtype.
+- activations: one forward's live tensors, a conservative estimate (see `activation_bytes`),
+  or the patch-parallel VAE decode's if larger (it runs after the transformer has freed
+  its own).
+- kv_cache: PipeFusion's per-layer K/V of the full sequence for this rank's heads, for every
+  block of the stage and every CFG branch the rank runs.
+- text_encoders: on rank 0 only, unless placed on the CPU ("auto" mirrors the worker: the
+  GPU when they fit beside the rest with 2 GiB to spare, else the CPU).
+- vae: its weights on every rank (every rank takes part in the patch-parallel decode).
+- reserve: a fixed RESERVE_BYTES for the CUDA context, cuBLAS/cuDNN workspaces, NCCL
+  buffers of the pool's process groups and allocator fragmentation.
+
+Not counted: LoRA adapters (small), ComfyUI's own models in the same GPU (offloaded before a
+job), attention score matrices (the CUDA kernels the pool uses never materialise them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .config import ConfigError, EngineOptions, ParallelConfig
+from .worker_modules import worker_module
+
+GiB = 2 ** 30
+RESERVE_BYTES = 2 * GiB  # CUDA context + workspaces + NCCL buffers + fragmentation
+TEXT_ENCODER_MARGIN = 2 * GiB  # workers/weights.py: "auto" wants this much spare beside them
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+BLOCK_LISTS = {"flux": ("transformer_blocks", "single_transformer_blocks"),
+               "flux2": ("transformer_blocks", "single_transformer_blocks"),
+               "sd3": ("transformer_blocks",)}
+VAE_SCALE = 8  # every supported VAE downsamples by 8 ...
+PATCH = 2  # ... and the transformers see 2x2 latent patches: one token per 16x16 pixels
+# Activation multipliers (per token, in units of the model's hidden size): see activation_bytes
+ACT_STREAM = 8
+ACT_SP_BUFFERS = 4
+VAE_LIVE = 4  # live feature maps of the VAE decoder's largest level (in, norm, conv, residual)
+
+
+# ---- the models ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Preset:
+    """Published dimensions of a released model: the transformer's diffusers config, the
+    text encoders as (transformers class, config kwargs) and the VAE as (diffusers class,
+    config kwargs). Class defaults are noted where they are relied on."""
+
+    arch: str
+    transformer: dict
+    text_encoders: tuple
+    vae: tuple
+    text_tokens: int = 512  # the pipeline's default max_sequence_length
+    note: str = ""
+
+
+PRESETS = {
+    # FLUX.2 [dev]: diffusers' Flux2Transformer2DModel defaults are the dev model (8 double +
+    # 48 single blocks, 48 heads x 128, joint_attention_dim 15360, mlp_ratio 3); text encoder
+    # Mistral-Small-3.1-24B (Mistral3ForConditionalGeneration: 40 layers, hidden 5120, MLP
+    # 32768, 32 heads / 8 KV heads x 128, vocabulary 131072, untied LM head; Pixtral vision
+    # tower at transformers' defaults, hidden 1024 x 24 layers); VAE AutoencoderKLFlux2.
+    "flux2-dev": Preset(
+        arch="flux2", transformer={},
+        text_encoders=(("Mistral3ForConditionalGeneration", {
+            "text_config": {"model_type": "mistral", "hidden_size": 5120,
+                            "intermediate_size": 32768, "num_hidden_layers": 40,
+                            "num_attention_heads": 32, "num_key_value_heads": 8,
+                            "head_dim": 128, "vocab_size": 131072,
+                            "tie_word_embeddings": False},
+            "tie_word_embeddings": False}),),
+        vae=("AutoencoderKLFlux2", {}),
+        note="FLUX.2 [dev] 32B + Mistral-3 24B text encoder"),
+    # FLUX.1 [dev]: 19 double + 38 single blocks, 24 heads x 128, joint_attention_dim 4096,
+    # pooled 768, guidance embedding; T5-XXL v1.1 encoder (24 layers, d_model 4096, d_ff
+    # 10240, 64 heads x 64, gated GELU) + CLIP ViT-L/14 text model; 16-channel AutoencoderKL.
+    "flux1-dev": Preset(
+        arch="flux",
+        transformer={"num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
+                     "attention_head_dim": 128, "joint_attention_dim": 4096,
+                     "pooled_projection_dim": 768, "in_channels": 64, "guidance_embeds": True},
+        text_encoders=(("T5EncoderModel", {"d_model": 4096, "d_ff": 10240, "d_kv": 64,
+                                           "num_heads": 64, "num_layers": 24,
+                                           "feed_forward_proj": "gated-gelu",
+                                           "vocab_size": 32128, "tie_word_embeddings": False}),
+                       ("CLIPTextModel", {"hidden_size": 768, "intermediate_size": 3072,
+                                          "num_hidden_layers": 12, "num_attention_heads": 12,
+                                          "vocab_size": 49408, "max_position_embeddings": 77,
+                                          "projection_dim": 768})),
+        vae=("AutoencoderKL", {"block_out_channels": [128, 256, 512, 512],
+                               "down_block_types": ["DownEncoderBlock2D"] * 4,
+                               "up_block_types": ["UpDecoderBlock2D"] * 4,
+                               "latent_channels": 16, "layers_per_block": 2}),
+        note="FLUX.1 [dev] 12B + T5-XXL + CLIP-L"),
+}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the plan needs of a model, sizes as parameter (element) counts."""
+
+    name: str
+    arch: str
+    transformer_class: str
+    transformer_config: str  # JSON (hashable: the meta build is cached on it)
+    text_encoder_params: int  # 0: none (a single file: ComfyUI encodes)
+    vae_params: int  # 0: none
+    vae_channels: tuple  # the VAE's block_out_channels (decoder levels, full resolution first)
+    fp8_checkpoint: bool = False  # an fp8 file stays fp8 under weights="auto"
+    text_tokens: int = 512
+    text_encoder_bytes: Optional[int] = None  # measured from a folder's headers in the dtype
+
+
+def _meta(build):
+    import torch
+    with torch.device("meta"):
+        return build()
+
+
+@functools.lru_cache(maxsize=8)
+def _preset_counts(name: str) -> tuple:
+    """(text encoder parameters, VAE parameters, VAE channels) of a preset, from its classes
+    built on the meta device."""
+    import diffusers
+    import transformers
+
+    p = PRESETS[name]
+    te = 0
+    for cls_name, kw in p.text_encoders:
+        cls = getattr(transformers, cls_name)
+        config = cls.config_class(**kw)
+        model = _meta(lambda: cls(config))
+        te += sum(t.numel() for t in model.state_dict().values())  # untied heads count twice
+    vcls = getattr(diffusers, p.vae[0])
+    vae = _meta(lambda: vcls(**p.vae[1]))
+    return te, sum(t.numel() for t in vae.parameters()), tuple(vae.config.block_out_channels)
+
+
+def preset_facts(name: str) -> ModelFacts:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    p = PRESETS[name]
+    te, vae, channels = _preset_counts(name)
+    facts_mod = worker_module("models.facts")
+    return ModelFacts(name=name, arch=p.arch, transformer_class=facts_mod.CLASS_BY_ARCH[p.arch],
+                      transformer_config=json.dumps(p.transformer, sort_keys=True),
+                      text_encoder_params=te, vae_params=vae, vae_channels=channels,
+                      text_tokens=p.text_tokens)
+
+
+def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
+    """A diffusers folder or single file, through the pack's detection (model_info)."""
+    from .model_info import _describe_model
+
+    d = _describe_model(path)
+    arch, cfg = d["arch"], dict(d["config"])
+    storage = d.get("storage") or {}
+    tcls = worker_module("models.facts").CLASS_BY_ARCH[arch]
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    te_bytes, vae_params, channels = 0, 0, ()
+    if d["kind"] == "diffusers":
+        import torch
+        weights = worker_module("weights")
+        folders = [os.path.join(path, n) for n in sorted(os.listdir(path))
+                   if n.startswith("text_encoder")]
+        te_bytes = weights.folder_tensor_bytes(folders, _torch_dtype(dtype))
+        vae_dir = os.path.join(path, "vae")
+        if os.path.isdir(vae_dir):
+            vae_params = weights.folder_tensor_bytes([vae_dir], torch.float32) // 4
+            with open(os.path.join(vae_dir, "config.json")) as f:
+                channels = tuple(json.load(f).get("block_out_channels", (128, 256, 512, 512)))
+    return ModelFacts(name=str(path), arch=arch, transformer_class=tcls,
+                      transformer_config=json.dumps(cfg, sort_keys=True, default=list),
+                      text_encoder_params=0, text_encoder_bytes=te_bytes,
+                      vae_params=vae_params, vae_channels=channels,
+                      fp8_checkpoint=bool(storage.get("fp8")))
+
+
+def _torch_dtype(name: str):
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+@dataclass(frozen=True)
+class _Transformer:
+    """Per-parameter facts of the meta-built transformer, in execution order of the blocks."""
+
+    blocks: tuple  # per block: tuple of (numel, dim0 rows, is fp8-able Linear weight)
+    rest: tuple  # the non-block parameters, same triples
+    hidden: int
+    heads: int
+    widest: int  # the widest Linear output inside the blocks (features)
+    context_dim: int  # the text embeddings' width entering the transformer
+    in_channels: int
+    stage_costs: object  # (compute costs, memory costs) for pipefusion_stages.partition
+
+
+@functools.lru_cache(maxsize=8)
+def _transformer(class_name: str, config_json: str, arch: str) -> _Transformer:
+    import diffusers
+    import torch
+
+    stages = worker_module("pipefusion_stages")
+    weights = worker_module("weights")
+    cls = getattr(diffusers, class_name)
+    tr = _meta(lambda: cls.from_config(json.loads(config_json)))
+    lists = BLOCK_LISTS[arch]
+    fp8_able = {id(m.weight) for m in weights.block_linears(tr, lists).values()}
+
+    def triples(module):
+        return tuple((p.numel(), p.shape[0] if p.dim() else 1, id(p) in fp8_able)
+                     for p in module.parameters())
+
+    blocks = [m for _, _, m in stages.model_blocks(tr, lists)]
+    block_ids = {id(p) for b in blocks for p in b.parameters()}
+    rest = tuple((p.numel(), p.shape[0] if p.dim() else 1, False)
+                 for p in tr.parameters() if id(p) not in block_ids)
+    widest = max(m.out_features for b in blocks for m in b.modules()
+                 if isinstance(m, torch.nn.Linear))
+    c = tr.config
+    heads = int(c.num_attention_heads)
+    hidden = heads * int(c.attention_head_dim)
+    ctx = int(c.get("joint_attention_dim", 0) or c.get("caption_projection_dim", 0) or hidden)
+    costs = ([stages.block_cost(b, "compute") for b in blocks],
+             [stages.block_cost(b, "memory") for b in blocks])
+    return _Transformer(blocks=tuple(triples(b) for b in blocks), rest=rest, hidden=hidden,
+                        heads=heads, widest=int(widest), context_dim=ctx,
+                        in_channels=int(c.in_channels), stage_costs=costs)
+
+
+def stage_ranges(tr: _Transformer, stages: int, split: str) -> list:
+    """The (start, stop) block range of every PipeFusion stage: workers/pipefusion_stages.py's
+    split, on the counts of the meta model (the same arithmetic its plan_stages runs)."""
+    ps = worker_module("pipefusion_stages")
+    compute, memory = tr.stage_costs
+    ranges = ps.parse_split(str(split), len(compute), stages)
+    if ranges == "balanced":
+        total = sum(memory) + sum(n for n, _, _ in tr.rest)
+        ranges = ps.partition(compute, stages, memory,
+                              cap=(1.0 / stages + ps.WEIGHT_SLACK) * total - sum(
+                                  n for n, _, _ in tr.rest))
+        if ranges is None:
+            ranges = "memory"
+    if isinstance(ranges, str):
+        ranges = ps.partition(compute if ranges == "compute" else memory, stages)
+    return list(ranges)
+
+
+# ---- the plan --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobSize:
+    height: int = 1024
+    width: int = 1024
+    batch: int = 1
+    text_tokens: Optional[int] = None  # None: the model's default (512)
+    cfg: bool = False  # classifier-free guidance in use (two branches)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    role: str
+    weights: int
+    activations: int
+    kv_cache: int
+    text_encoders: int
+    vae: int
+    reserve: int
+    gpu_memory: Optional[int]
+
+    PARTS = ("weights", "activations", "kv_cache", "text_encoders", "vae", "reserve")
+    LABELS = {"weights": "transformer weights", "activations": "activations",
+              "kv_cache": "PipeFusion K/V cache", "text_encoders": "text encoders",
+              "vae": "VAE", "reserve": "CUDA reserve"}
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, p) for p in self.PARTS)
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.gpu_memory is None else self.total <= self.gpu_memory
+
+    @property
+    def largest(self) -> str:
+        return max(self.PARTS, key=lambda p: getattr(self, p))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model: str
+    config: ParallelConfig
+    engine: EngineOptions
+    job: JobSize
+    ranks: tuple
+    text_encoders_on: str  # "gpu (rank 0)" | "cpu" | "none"
+    alternatives: tuple = ()  # ((description, worst rank total), ...) that fit
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: (r.total - (r.gpu_memory or 0), r.total))
+
+    @property
+    def fits(self) -> Optional[bool]:
+        verdicts = [r.fits for r in self.ranks]
+        return None if None in verdicts else all(verdicts)
+
+    def summary(self) -> str:
+        """One line: the peak rank's total against its GPU and the verdict."""
+        w = self.worst
+        cap = f" of {gib(w.gpu_memory)}" if w.gpu_memory is not None else ""
+        verdict = {True: "fits", False: "does NOT fit", None: "GPU memory unknown"}[self.fits]
+        return (f"memory plan: rank {w.rank} peaks at {gib(w.total)}{cap} ({verdict}); "
+                f"largest part {RankPlan.LABELS[w.largest]} {gib(getattr(w, w.largest))}")
+
+    def message(self) -> str:
+        """A paragraph: the verdict with the numbers, the largest part, and what would fit."""
+        w = self.worst
+        parts = ", ".join(f"{RankPlan.LABELS[p]} {gib(getattr(w, p))}" for p in RankPlan.PARTS
+                          if getattr(w, p))
+        head = (f"{self.model} with {self.config.describe()}"
+                f"{' + shard_weights' if self.engine.shard_weights else ''}, "
+                f"{self.engine.dtype}, weights={self.engine.weights}, text encoders "
+                f"{self.text_encoders_on}, {self.job.height}x{self.job.width} batch "
+                f"{self.job.batch}: rank {w.rank} ({w.role}) needs {gib(w.total)}")
+        if w.gpu_memory is not None:
+            head += f" of its {gib(w.gpu_memory)} GPU"
+        head += f" ({parts}); the largest part is {RankPlan.LABELS[w.largest]}."
+        if self.fits is False:
+            if self.alternatives:
+                alts = "; ".join(f"{d} ({gib(t)} per GPU)" for d, t in self.alternatives[:4])
+                head += f" It does not fit. On these {len(self.ranks)} GPUs this would: {alts}."
+            else:
+                head += (f" It does not fit, and no layout on {len(self.ranks)} GPUs of this "
+                         f"size does (with pipefusion, shard_weights, fp8 weights or text "
+                         f"encoders on the CPU): use more or larger GPUs.")
+        return head
+
+    def table(self) -> str:
+        cols = ["rank", "role", "weights", "activ.", "K/V", "text enc.", "VAE", "reserve",
+                "total", "GPU", "fits"]
+        rows = [[str(r.rank), r.role] + [gib(getattr(r, p), unit=False) for p in r.PARTS] +
+                [gib(r.total, unit=False),
+                 "?" if r.gpu_memory is None else gib(r.gpu_memory, unit=False),
+                 {True: "yes", False: "NO", None: "?"}[r.fits]] for r in self.ranks]
+        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+        lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(cols)) + "   (GiB)"]
+        lines += ["  ".join(v.ljust(widths[i]) for i, v in enumerate(row)) for row in rows]
+        return "\n".join(lines)
+
+
+def gib(n: Optional[int], unit: bool = True) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GiB:.1f}" + (" GiB" if unit else "")
+
+
+def _bytes(triples, dtype_bytes: int, fp8: bool, shards: int = 1) -> int:
+    """Bytes of parameters; with `shards`, one rank's FSDP2 dim-0 chunk (rows padded up to a
+    multiple of the world, as FSDP2 pads)."""
+    total = 0
+    for numel, rows, fp8_able in triples:
+        size = 1 if (fp8 and fp8_able) else dtype_bytes
+        if shards > 1:
+            numel = math.ceil(rows / shards) * (numel // max(rows, 1))
+        total += numel * size
+    return total
+
+
+def activation_bytes(tr: _Transformer, tokens: int, text_tokens: int, full_tokens: int,
+                     batch: int, dtype_bytes: int, sp: int) -> int:
+    """One transformer forward's live activations on a rank, conservatively.
+
+    Per token the rank holds (x hidden size h, and W = the widest Linear output inside the
+    blocks, read from the model: the fused QKV+MLP projection of a FLUX.2 single block, the
+    MLP's first layer elsewhere): W twice (that projection's output and the activation
+    computed from it), ACT_STREAM x h for the residual stream, the modulated norm output,
+    Q, K, V, the attention output, the block output and a concatenation copy, and with
+    Ulysses/Ring ACT_SP_BUFFERS x h more for the all-to-all / ring send and receive buffers.
+    Plus the text embeddings entering the model (text tokens x context width) and the RoPE
+    tables (cos and sin, fp32, full sequence x head dim)."""
+    per_token = 2 * tr.widest + ACT_STREAM * tr.hidden + (ACT_SP_BUFFERS * tr.hidden
+                                                         if sp > 1 else 0)
+    head_dim = tr.hidden // tr.heads
+    return batch * dtype_bytes * (tokens * per_token + text_tokens * tr.context_dim) + \
+        2 * full_tokens * head_dim * 4
+
+
+def vae_decode_bytes(channels: tuple, height: int, width: int, batch: int, dtype_bytes: int,
+                     ranks: int) -> int:
+    """The patch-parallel VAE decode's live activations on one rank: VAE_LIVE copies of the
+    decoder's largest feature map (channels x pixels of one level: level i has
+    block_out_channels[i] channels at 1/2^i of the image side), split over the ranks, plus
+    the fp32 RGB image assembled on rank 0."""
+    if not channels:
+        return 0
+    largest = max(c * math.ceil(height / 2 ** i) * math.ceil(width / 2 ** i)
+                  for i, c in enumerate(channels))
+    return batch * (VAE_LIVE * dtype_bytes * math.ceil(largest / ranks) + 3 * height * width * 4)
+
+
+def plan(facts: ModelFacts, config: ParallelConfig, engine: EngineOptions,
+         job: JobSize = JobSize(), gpu_memory=None) -> MemoryPlan:
+    """Per-rank memory of `config` + `engine` for `job`. `gpu_memory`: bytes per GPU (one
+    number for every rank, or one per rank), or None (no verdict)."""
+    alternatives = ()
+    p = _plan(facts, config, engine, job, gpu_memory)
+    if p.fits is False:
+        alternatives = tuple(_alternatives(facts, config, engine, job, gpu_memory))
+    return dataclasses.replace(p, alternatives=alternatives)
+
+
+def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
+    world = config.ranks
+    if isinstance(gpu_memory, (list, tuple)):
+        caps = [None if g is None else int(g) for g in gpu_memory]
+        if len(caps) != world:
+            raise ConfigError(f"gpu_memory lists {len(caps)} GPUs for {world} ranks; give one "
+                              f"size or {world}")
+    else:
+        caps = [None if gpu_memory is None else int(gpu_memory)] * world
+    db = DTYPE_BYTES[engine.dtype]
+    fp8 = engine.weights == "fp8" or (engine.weights == "auto" and facts.fp8_checkpoint)
+    tr = _transformer(facts.transformer_class, facts.transformer_config, facts.arch)
+    n_blocks = len(tr.blocks)
+    block_bytes = [_bytes(b, db, fp8) for b in tr.blocks]
+    rest_bytes = _bytes(tr.rest, db, fp8)
+
+    # tokens a rank holds in one forward (PipeFusion's warmup steps run the whole image)
+    text = job.text_tokens if job.text_tokens is not None else facts.text_tokens
+    if facts.arch == "sd3":
+        text += 77  # CLIP's tokens joined to T5's
+    image = math.ceil(job.height / (VAE_SCALE * PATCH)) * math.ceil(job.width /
+                                                                    (VAE_SCALE * PATCH))
+    sp = config.sp
+    tokens = math.ceil(image / sp) + text
+    branches = 2 if job.cfg else 1
+    batch = math.ceil(job.batch / config.dp) * max(1, branches // config.cfg)
+    act = activation_bytes(tr, tokens, text, image + text, batch, db, sp)
+    act = max(act, vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
+                                    job.height, job.width, job.batch, db, world))
+    vae = facts.vae_params * db
+    te = (facts.text_encoder_bytes if facts.text_encoder_bytes is not None
+          else facts.text_encoder_params * db)
+
+    ranges = stage_ranges(tr, config.pipefusion, config.pipefusion_split) \
+        if config.pipefusion > 1 else [(0, n_blocks)]
+    ranks = []
+    for rank in range(world):
+        kv = 0
+        if engine.shard_weights and world > 1:
+            pairs = max((block_bytes[i] + (block_bytes[i + 1] if i + 1 < n_blocks else 0))
+                        for i in range(n_blocks))
+            weights = (sum(_bytes(b, db, fp8, world) for b in tr.blocks) +
+                       _bytes(tr.rest, db, fp8, world) + rest_bytes + pairs)
+            role = f"shard {rank + 1}/{world}"
+        elif config.pipefusion > 1:
+            stage = worker_module("pipefusion_stages").stage_of_rank(rank, config.pipefusion, sp)
+            lo, hi = ranges[stage]
+            weights = sum(block_bytes[lo:hi]) + rest_bytes
+            kv = 2 * (hi - lo) * (image + text) * math.ceil(tr.hidden / config.ulysses) * \
+                batch * db
+            role = f"stage {stage + 1}/{config.pipefusion} (blocks {lo}-{hi - 1})"
+        else:
+            weights = sum(block_bytes) + rest_bytes
+            role = "replica"
+        ranks.append(RankPlan(rank=rank, role=role, weights=weights, activations=act,
+                              kv_cache=kv, text_encoders=0, vae=vae, reserve=RESERVE_BYTES,
+                              gpu_memory=caps[rank]))
+
+    # text encoders: rank 0's GPU, or the CPU
+    where = "none" if not te else "cpu"
+    option = str(engine.text_encoders)
+    if te and engine.device == "cuda" and option != "cpu":
+        r0 = ranks[0]
+        if option != "auto" or r0.gpu_memory is None or \
+                r0.gpu_memory - r0.total >= te + TEXT_ENCODER_MARGIN:
+            ranks[0] = dataclasses.replace(r0, text_encoders=te)
+            where = "on rank 0's GPU"
+        else:
+            where = "on the CPU (auto: no room on rank 0's GPU)"
+    elif te:
+        where = "on the CPU"
+    return MemoryPlan(model=facts.name, config=config, engine=engine, job=job,
+                      ranks=tuple(ranks), text_encoders_on=where)
+
+
+def _alternatives(facts, config, engine, job, gpu_memory):
+    """Layouts on the same GPUs that fit, fewest changes first: (description, peak bytes).
+    A change that would not change anything (the layout already used, text encoders already
+    on the CPU, weights already fp8) is not offered."""
+    world = config.ranks
+    base = _plan(facts, config, engine, job, gpu_memory)
+    layouts = [("", config, engine.shard_weights)]
+    if world > 1:
+        for name, cfg, shard in ((f"pipefusion {world}", ParallelConfig(pipefusion=world),
+                                  False),
+                                 ("shard_weights", config, True),
+                                 (f"ulysses {world} + shard_weights",
+                                  ParallelConfig(ulysses=world), True)):
+            if (cfg.key(), shard) not in [(c.key(), sh) for _, c, sh in layouts] and \
+                    not (shard and cfg.pipefusion > 1):
+                layouts.append((name, cfg, shard))
+    te_options = [("", engine.text_encoders)]
+    if any(r.text_encoders for r in base.ranks):
+        te_options.append(("text_encoders=cpu", "cpu"))
+    weight_options = [("", engine.weights)]
+    if engine.weights != "fp8" and not (engine.weights == "auto" and facts.fp8_checkpoint):
+        weight_options.append(("weights=fp8", "fp8"))
+    out, seen = [], set()
+    for lname, cfg, shard in layouts:
+        for wname, weights in weight_options:
+            for tname, te in te_options:
+                changes = [c for c in (lname, wname, tname) if c]
+                if not changes:
+                    continue
+                e = dataclasses.replace(engine, weights=weights, text_encoders=te,
+                                        shard_weights=shard)
+                try:
+                    p = _plan(facts, cfg.with_world_size(None), e, job, gpu_memory)
+                except (ConfigError, ValueError):
+                    continue
+                desc = " + ".join(changes)
+                if p.fits and desc not in seen:
+                    seen.add(desc)
+                    out.append((len(changes), p.worst.total, desc))
+    return [(d, t) for _, t, d in sorted(out)]
+
+
+# ---- GPUs ------------------------------------------------------------------------------------
+def gpu_memory_bytes(gpu_ids: Sequence[str]) -> list:
+    """Total memory of each GPU id (an index or a GPU-/MIG- UUID, as comfyui_xdit/gpus.py
+    hands them to the ranks), read from nvidia-smi (NVML: no CUDA initialisation here), or
+    None where it cannot be read. Replaced in tests."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return [None] * len(gpu_ids)
+    try:
+        text = subprocess.run([exe, "--query-gpu=index,uuid,memory.total",
+                               "--format=csv,noheader,nounits"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return [None] * len(gpu_ids)
+    sizes = {}
+    for line in text.splitlines():
+        parts = [s.strip() for s in line.split(",")]
+        if len(parts) == 3 and parts[2].isdigit():
+            sizes[parts[0]] = sizes[parts[1]] = int(parts[2]) * 2 ** 20  # MiB
+    return [sizes.get(str(g).strip()) for g in gpu_ids]
+
+
+def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,
+                 request=None) -> Optional[MemoryPlan]:
+    """Before a CUDA pool launches: the plan against the GPUs' total memory; one ConfigError
+    with the numbers when a rank cannot fit. `gpus`: the ranks' GPU ids (gpus.gpus_for_ranks).
+    Without a request, the default job size (1024x1024, batch 1). Returns the plan (None on
+    CPU, or when no GPU's memory can be read)."""
+    if engine.device != "cuda" or not gpus:
+        return None
+    caps = gpu_memory_bytes(list(gpus))
+    if all(c is None for c in caps):
+        return None
+    # ranks sharing a GPU share its memory: give each of them its share
+    share = {g: list(gpus).count(g) for g in gpus}
+    caps = [None if c is None else c // share[g] for c, g in zip(caps, gpus)]
+    facts = model_facts(model_path, engine.dtype)
+    job = JobSize()
+    if request is not None:
+        job = JobSize(height=int(request.height), width=int(request.width),
+                      batch=max(1, int(request.batch)),
+                      text_tokens=int(request.max_sequence_length),
+                      cfg=bool(request.uses_cfg(facts.arch)))
+    p = plan(facts, config.with_world_size(None), engine, job, caps)
+    if p.fits is False:
+        raise ConfigError(p.message())
+    return p
+
+
+# ---- command line ----------------------------------------------------------------------------
+def add_cli(sub) -> None:
+    p = sub.add_parser("memory-plan", help="per-rank GPU memory of a configuration, before "
+                                           "launching (will it fit?)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="diffusers folder or single .safetensors transformer")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="published model dimensions")
+    for name in ("ulysses", "ring", "pipefusion", "dp"):
+        p.add_argument(f"--{name}", type=int, default=1)
+    p.add_argument("--cfg-parallel", action="store_true")
+    p.add_argument("--cfg", action="store_true", help="the job uses classifier-free guidance")
+    p.add_argument("--pipefusion-split", default="balanced")
+    p.add_argument("--shard-weights", action="store_true")
+    p.add_argument("--weights", choices=["auto", "fp8", "full"], default="auto")
+    p.add_argument("--text-encoders", default="auto")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    p.add_argument("--height", type=int, required=True)
+    p.add_argument("--width", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-sequence-length", type=int, default=None)
+    p.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="number of GPUs (must equal the product of the degrees)")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    config = ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel,
+                            pipefusion=args.pipefusion, ulysses=args.ulysses, ring=args.ring,
+                            pipefusion_split=args.pipefusion_split, world_size=args.gpus)
+    out = config.problems()
+    engine = EngineOptions(device="cuda", dtype=args.dtype, weights=args.weights,
+                           text_encoders=args.text_encoders, shard_weights=args.shard_weights)
+    out += engine.problems() + engine.problems_with(config)
+    for name in ("height", "width"):
+        v = getattr(args, name)
+        if v < 16 or v % 16:
+            out.append(f"--{name} must be a positive multiple of 16 (got {v})")
+    if args.batch < 1:
+        out.append(f"--batch must be >= 1 (got {args.batch})")
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        out.append(f"--gpu-memory must be > 0 GiB (got {args.gpu_memory})")
+    if out:
+        raise ConfigError("; ".join(out))
+    facts = preset_facts(args.preset) if args.preset else model_facts(args.model, args.dtype)
+    blocks = len(_transformer(facts.transformer_class, facts.transformer_config,
+                              facts.arch).blocks)
+    if config.pipefusion > blocks:
+        raise ConfigError(f"pipefusion {config.pipefusion} exceeds the model's {blocks} "
+                          f"blocks; use pipefusion <= {blocks}")
+    job = JobSize(height=args.height, width=args.width, batch=args.batch,
+                  text_tokens=args.max_sequence_length, cfg=args.cfg)
+    cap = None if args.gpu_memory is None else int(args.gpu_memory * GiB)
+    p = plan(facts, config.with_world_size(None), engine, job, cap)
+    print(p.table())
+    print(p.message())
+    return 0 if p.fits is not False else 1
