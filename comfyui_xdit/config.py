@@ -132,9 +132,9 @@ class ParallelConfig:
             if degrees_ok and n < self.dp:
                 out.append(f"batch of {n} prompt(s) is smaller than dp {self.dp}; "
                            f"give at least {self.dp} prompts or lower dp")
-            if self.cfg_parallel and model is not None and not request.uses_cfg(model.arch):
+            if self.cfg_parallel and model is not None and not request.uses_cfg(model):
                 out.append(f"cfg-parallel needs classifier-free guidance but cfg is "
-                           f"{request.resolved_cfg(model.arch)} for {model.arch}; "
+                           f"{request.resolved_cfg(model)} for {model.arch}; "
                            f"set cfg > 1 or drop cfg-parallel")
             if degrees_ok and not req_problems and self.sp > 1:
                 # the image stream holds the latent's tokens and the references'

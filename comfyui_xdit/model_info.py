@@ -52,7 +52,7 @@ _describe_model = _config_errors(_detect.describe_model)
 @dataclass(frozen=True)
 class ModelInfo:
     path: str
-    arch: str  # "flux" | "sd3"
+    arch: str  # "flux" | "sd3" | "flux2"
     heads: int
     patch_size: int
     kind: str = "diffusers"  # "diffusers" (folder) | "file" (single .safetensors)
@@ -62,6 +62,10 @@ class ModelInfo:
     # how the checkpoint stores its weights: "bf16" | "fp16" | "fp32" | "fp8" | "scaled-fp8"
     # (an fp8 file stays fp8 on the GPU under weights="auto": EngineOptions)
     storage: Optional[str] = None
+    # FLUX.2 [klein] folders: model_index.json's `is_distilled` (absent: False, the
+    # pipeline's own default). A step-distilled model runs without CFG by default, a base
+    # model with it. None where the model does not say (other pipelines, single files).
+    distilled: Optional[bool] = None
 
 
 def _storage_name(storage) -> Optional[str]:
@@ -78,6 +82,24 @@ def _block_count(arch: str, cfg: dict) -> Optional[int]:
         return n + int(cfg.get("num_single_layers", 0)) if arch in ("flux", "flux2") else n
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _klein_distilled(folder: Path) -> Optional[bool]:
+    """`is_distilled` of a Flux2KleinPipeline folder (False when the key is absent, as the
+    pipeline reads it); None for any other pipeline or an unreadable model_index.json."""
+    import json
+
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(index, dict) or index.get("_class_name") != "Flux2KleinPipeline":
+        return None
+    value = index.get("is_distilled", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{folder / 'model_index.json'}: is_distilled is {value!r}; "
+                          f"expected true or false")
+    return value
 
 
 def is_single_file(path) -> bool:
@@ -99,4 +121,5 @@ def read_model_info(path) -> ModelInfo:
     # a folder's config omits what equals the diffusers class default
     return ModelInfo(path=str(path), arch=arch, heads=int(cfg.get("num_attention_heads", 24)),
                      patch_size=int(cfg.get("patch_size", 2 if arch == "sd3" else 1)),
-                     blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")))
+                     blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
+                     distilled=_klein_distilled(path) if arch == "flux2" else None)

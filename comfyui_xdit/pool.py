@@ -459,7 +459,7 @@ class WorkerPool:
         _check_job_inputs(request, noise, init_latent, denoise, latent_channels(info.arch))
         if not self.is_running():
             self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
-        req = request.resolved(info.arch)
+        req = request.resolved(info)
         with self._lock:
             t0 = time.perf_counter()
             launched = False

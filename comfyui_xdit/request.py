@@ -13,8 +13,32 @@ REFERENCE_METHODS = worker_module("models.facts").REFERENCE_METHODS
 ARCH_DEFAULTS = {
     "flux": {"cfg": 1.0, "guidance": 3.5},
     "sd3": {"cfg": 7.0, "guidance": None},
-    "flux2": {"cfg": 1.0, "guidance": None},  # FLUX.2 [klein]: step-distilled, no guidance embed
+    # FLUX.2: [dev] embeds guidance (4.0, as Flux2Pipeline); [klein] has no guidance embedding
+    # and ignores it, as FLUX.1 schnell ignores FLUX's 3.5
+    "flux2": {"cfg": 1.0, "guidance": 4.0},
 }
+# Defaults that depend on the model, not only on its architecture: FLUX.2 [klein] base
+# models (model_index.json is_distilled false) take CFG 4.0 as Flux2KleinPipeline does; its
+# step-distilled models (and FLUX.2-dev, guidance-distilled) keep ARCH_DEFAULTS' 1.0.
+UNDISTILLED_CFG = {"flux2": 4.0}
+
+
+def default_cfg(model) -> float:
+    """The cfg a request without one runs at. `model`: a ModelInfo (anything with `.arch`
+    and `.distilled`), or an architecture name where the default does not depend on the
+    model."""
+    arch = _arch(model)
+    if arch in UNDISTILLED_CFG:
+        if isinstance(model, str):
+            raise ValueError(f"the default cfg of a {arch} model depends on whether it is "
+                             f"distilled; pass its ModelInfo (read_model_info), not {arch!r}")
+        if getattr(model, "distilled", None) is False:
+            return UNDISTILLED_CFG[arch]
+    return float(ARCH_DEFAULTS[arch]["cfg"])
+
+
+def _arch(model) -> str:
+    return model if isinstance(model, str) else model.arch
 
 
 @dataclass
@@ -59,19 +83,23 @@ class GenerationRequest:
             return len(self.prompt)
         return int(self.positive["cond"].shape[0]) if self.positive else 0
 
-    def resolved_cfg(self, arch: str) -> float:
-        return float(self.cfg if self.cfg is not None else ARCH_DEFAULTS[arch]["cfg"])
+    def resolved_cfg(self, model) -> float:
+        """An explicit cfg as given (cfg > 1 runs CFG even on a distilled model, as
+        ComfyUI's KSampler does); else `default_cfg(model)`."""
+        return float(self.cfg if self.cfg is not None else default_cfg(model))
 
-    def uses_cfg(self, arch: str) -> bool:
-        return self.resolved_cfg(arch) > 1.0
+    def uses_cfg(self, model) -> bool:
+        return self.resolved_cfg(model) > 1.0
 
-    def resolved(self, arch: str) -> "GenerationRequest":
-        """A copy with every default made concrete for `arch`: what the workers receive."""
+    def resolved(self, model) -> "GenerationRequest":
+        """A copy with every default made concrete for `model` (a ModelInfo, or an
+        architecture name, see `default_cfg`): what the workers receive."""
+        arch = _arch(model)
         guidance = self.guidance if self.guidance is not None else ARCH_DEFAULTS[arch]["guidance"]
         method = self.reference_method
         if self.reference_latents and method is None:
             method = REFERENCE_METHODS.get(arch, (None,))[0]
-        return replace(self, cfg=self.resolved_cfg(arch), guidance=guidance,
+        return replace(self, cfg=self.resolved_cfg(model), guidance=guidance,
                        prompt=list(self.prompt), loras=list(self.loras),
                        reference_latents=None if self.reference_latents is None
                        else list(self.reference_latents), reference_method=method)
@@ -184,8 +212,8 @@ def _single_file_problems(req: "GenerationRequest", model) -> list[str]:
     if not getattr(model, "has_text_encoders", True):
         if req.positive is None:
             out.append(messages.NO_TEXT_ENCODERS)
-        elif req.uses_cfg(model.arch) and req.negative is None:
-            out.append(f"cfg {req.resolved_cfg(model.arch)} needs negative CONDITIONING too: "
+        elif req.uses_cfg(model) and req.negative is None:
+            out.append(f"cfg {req.resolved_cfg(model)} needs negative CONDITIONING too: "
                        f"this single-file model has no text encoders to encode the negative "
                        f"prompt text (connect one, or set cfg 1)")
     if req.output == "image" and not getattr(model, "has_vae", True):

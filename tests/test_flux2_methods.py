@@ -192,3 +192,86 @@ def test_cfg_parallel_ulysses2_exact(pools, folder):
                          ids=["pipefusion4", "pipefusion2_ulysses2"])
 def test_four_rank_pipefusion_exact_with_full_warmup(pools, folder, config):
     check_exact(pools, folder, config)
+
+
+# ---- CFG defaults: base vs step-distilled FLUX.2 [klein] ---------------------------------
+
+def _klein_copy(src, dst, **index_changes):
+    """`src` with model_index.json changed (None: key removed); subfolders linked."""
+    import json
+
+    dst.mkdir()
+    for sub in src.iterdir():
+        if sub.is_dir():
+            (dst / sub.name).symlink_to(sub.resolve(), target_is_directory=True)
+    index = json.loads((src / "model_index.json").read_text())
+    for k, v in index_changes.items():
+        if v is None:
+            index.pop(k, None)
+        else:
+            index[k] = v
+    (dst / "model_index.json").write_text(json.dumps(index))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def base_folder(folder, tmp_path_factory):
+    return _klein_copy(folder, tmp_path_factory.mktemp("base") / "flux2-base", is_distilled=False)
+
+
+def test_distilled_flag_read_from_model_index(folder, base_folder, tmp_path):
+    from comfyui_xdit import ConfigError
+    from comfyui_xdit.model_info import read_model_info
+
+    assert read_model_info(folder).distilled is True
+    assert read_model_info(base_folder).distilled is False
+    # absent: the pipeline's own default (not distilled)
+    assert read_model_info(_klein_copy(folder, tmp_path / "absent", is_distilled=None)).distilled is False
+    # another FLUX.2 pipeline (FLUX.2-dev) does not say
+    dev = _klein_copy(folder, tmp_path / "dev", _class_name="Flux2Pipeline", is_distilled=None)
+    assert read_model_info(dev).distilled is None
+    with pytest.raises(ConfigError, match="is_distilled is 'yes'; expected true or false"):
+        read_model_info(_klein_copy(folder, tmp_path / "bad", is_distilled="yes"))
+
+
+def test_cfg_default_follows_the_model(folder, base_folder):
+    from comfyui_xdit.model_info import read_model_info
+    from comfyui_xdit.request import default_cfg
+
+    distilled, base = read_model_info(folder), read_model_info(base_folder)
+    req = GenerationRequest(prompt=["x"])
+    assert (req.resolved_cfg(distilled), req.uses_cfg(distilled)) == (1.0, False)
+    assert (req.resolved_cfg(base), req.uses_cfg(base)) == (4.0, True)
+    assert req.resolved(base).cfg == 4.0 and req.resolved(distilled).cfg == 1.0
+    # an explicit value is kept either way: cfg > 1 on a distilled model runs CFG
+    assert GenerationRequest(prompt=["x"], cfg=2.5).resolved(distilled).cfg == 2.5
+    assert GenerationRequest(prompt=["x"], cfg=1.0).resolved(base).cfg == 1.0
+    assert (default_cfg("flux"), default_cfg("sd3")) == (1.0, 7.0)
+    with pytest.raises(ValueError, match="flux2 model depends on whether it is distilled"):
+        req.resolved("flux2")
+    # cfg-parallel needs CFG: the base model's default gives it, the distilled one's does not
+    ParallelConfig(cfg_parallel=True).validate(base, req)
+    from comfyui_xdit import ConfigError
+    with pytest.raises(ConfigError, match="cfg-parallel needs classifier-free guidance but cfg is 1.0"):
+        ParallelConfig(cfg_parallel=True).validate(distilled, req)
+
+
+def test_base_model_default_cfg_matches_pipeline_default(base_folder):
+    """No cfg given on a base [klein] folder: the pool runs the pipeline's default 4.0 (its
+    own default guidance_scale, from the same folder), here split over cfg-parallel."""
+    from diffusers import Flux2KleinPipeline
+
+    req = request(128, 96, 1)
+    noise = noise_for(1, 128, 96, req.seed)
+    pipe = Flux2KleinPipeline.from_pretrained(base_folder)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.config.is_distilled is False
+    want = pipe(prompt=req.prompt, height=128, width=96, num_inference_steps=STEPS,
+                latents=Flux2KleinPipeline._patchify_latents(noise), max_sequence_length=MSL,
+                output_type="latent").images
+    no_cfg = oracle(base_folder, request(128, 96, 1, cfg=1.0))
+    assert (want - no_cfg).abs().max() > MOVED  # CFG changes the result
+    with WorkerPool(str(base_folder), ParallelConfig(cfg_parallel=True), device="cpu",
+                    threads_per_rank=1) as pool:
+        got = pool.generate(req, noise=noise).samples
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)
