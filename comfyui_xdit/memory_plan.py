@@ -581,13 +581,16 @@ def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions,
     # ranks sharing a GPU share its memory: give each of them its share
     share = {g: list(gpus).count(g) for g in gpus}
     caps = [None if c is None else c // share[g] for c, g in zip(caps, gpus)]
+    from .model_info import read_model_info
+
     facts = model_facts(model_path, engine.dtype)
     job = JobSize()
     if request is not None:
         job = JobSize(height=int(request.height), width=int(request.width),
                       batch=max(1, int(request.batch)),
                       text_tokens=int(request.max_sequence_length),
-                      cfg=bool(request.uses_cfg(facts.arch)))
+                      # the default cfg may depend on the model (FLUX.2 base vs distilled)
+                      cfg=bool(request.uses_cfg(read_model_info(model_path))))
     p = plan(facts, config.with_world_size(None), engine, job, caps)
     if p.fits is False:
         raise ConfigError(p.message())
