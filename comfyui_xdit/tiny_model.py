@@ -31,6 +31,7 @@ ARCHS = _facts.ARCHS
 # Archs only this builder knows (the pool does not run them yet): FLUX.2 [klein]-style folders.
 EXTRA_ARCHS = tuple(a for a in ("flux2",) if a not in ARCHS)
 BUILD_ARCHS = ARCHS + EXTRA_ARCHS
+FLUX2_VARIANTS = ("klein", "dev")  # tiny-model --arch flux2 --variant
 
 # Bump when the folder layout or any config below changes: it is part of the cache key, so
 # ensure_tiny_model never serves a folder built by an older recipe.
@@ -213,7 +214,7 @@ def _vae(arch: str, seed: int, salt: int):
 
 
 def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width: int | None = None,
-                   heads: int = 4, sd35: bool = False) -> dict:
+                   heads: int = 4, sd35: bool = False, variant: str | None = None) -> dict:
     """Validate the knobs and fill in defaults; the result is what the cache key hashes, so
     equivalent calls (explicit default vs omitted) share one folder."""
     if arch not in BUILD_ARCHS:
@@ -241,10 +242,16 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
         raise ValueError(f"sd3 needs a head dim >= 2; width {width} / heads {heads} = {head_dim}")
     if sd35 and arch != "sd3":
         raise ValueError("sd35 (QK RMS norm, dual-attention blocks) applies to --arch sd3 only")
+    if variant is not None and arch != "flux2":
+        raise ValueError(f"variant applies to --arch flux2 only (got arch {arch!r})")
+    if variant is not None and variant not in FLUX2_VARIANTS:
+        raise ValueError(f"unknown flux2 variant {variant!r}: expected one of {', '.join(FLUX2_VARIANTS)}")
     out = {"arch": arch, "seed": seed, "depth": depth, "width": width, "heads": heads,
            "builder_version": BUILDER_VERSION}
     if sd35:  # only when set, so the cache keys of the other models stay as they were
         out["sd35"] = True
+    if variant == "dev":  # likewise: klein (the default) keeps its key
+        out["variant"] = "dev"
     if arch == "flux" and head_dim == 128:
         # FLUX.1's RoPE axes (16, 56, 56), as a single file of it is read (the old recipe
         # split 128 as (4, 62, 62)): a new key for this recipe, the others' keys unchanged
@@ -343,18 +350,18 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
-def _qwen_tokenizer():
-    """A byte-level BPE tokenizer in Qwen2's layout: the 256 byte symbols, merges that make
-    each word of _WORDS (with its leading-space marker) one token, then the ChatML specials."""
+def _byte_level_bpe(words, specials):
+    """A byte-level BPE `tokenizers.Tokenizer` (GPT-2 / Qwen / Tekken style): the 256 byte
+    symbols, merges that make each of `words` (with its leading-space marker) one token, then
+    `specials`. Any text tokenizes; the listed words cost one token each."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import Qwen2TokenizerFast
 
     alphabet = list(_bytes_to_unicode().values())
     vocab = {c: i for i, c in enumerate(alphabet)}
     merges: list[tuple[str, str]] = []
     ranks: dict[tuple[str, str], int] = {}
     space = _bytes_to_unicode()[ord(" ")]
-    for word in _WORDS:
+    for word in words:
         pieces = _bpe(list(space + word), ranks)
         cur = pieces[0]
         for piece in pieces[1:]:
@@ -366,24 +373,28 @@ def _qwen_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(QWEN3_SPECIALS))
+    tok.add_special_tokens(list(specials))
+    return tok
+
+
+def _qwen_tokenizer():
+    """A byte-level BPE tokenizer in Qwen2's layout: the words of _WORDS one token each, then
+    the ChatML specials, with a ChatML chat template."""
+    from transformers import Qwen2TokenizerFast
+
+    tok = _byte_level_bpe(_WORDS, QWEN3_SPECIALS)
     out = Qwen2TokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                              unk_token=None, model_max_length=QWEN3["max_position_embeddings"])
     out.chat_template = QWEN3_CHAT_TEMPLATE
     return out
 
 
-def _build_flux2(cfg: dict):
-    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
-                           Flux2Transformer2DModel)
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _flux2_parts(cfg: dict, text_dim: int, guidance_embeds: bool):
+    """What every FLUX.2 variant shares: the transformer (taking `text_dim`-wide text
+    states), the 32-channel batch-norm VAE and the scheduler."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
     seed, heads, head_dim = cfg["seed"], cfg["heads"], cfg["width"] // cfg["heads"]
-    tokenizer = _qwen_tokenizer()
-    text_encoder = _seeded(seed, 1, Qwen3ForCausalLM, Qwen3Config(
-        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True, **QWEN3))
-    text_encoder.eval()
     transformer = _seeded(
         seed,
         3,
@@ -394,10 +405,10 @@ def _build_flux2(cfg: dict):
         num_single_layers=cfg["depth"],
         attention_head_dim=head_dim,
         num_attention_heads=heads,
-        joint_attention_dim=len(QWEN3_LAYERS) * QWEN3["hidden_size"],
+        joint_attention_dim=text_dim,
         timestep_guidance_channels=32,
         axes_dims_rope=(head_dim // 4,) * 4,
-        guidance_embeds=False,  # klein: no embedded guidance
+        guidance_embeds=guidance_embeds,
     )
     vae = _seeded(
         seed,
@@ -412,12 +423,92 @@ def _build_flux2(cfg: dict):
         sample_size=128,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(**_facts.SCHEDULER_DEFAULTS["flux-dev"])
+    return transformer, vae, scheduler
+
+
+def _build_flux2(cfg: dict):
+    if cfg.get("variant") == "dev":
+        return _build_flux2_dev(cfg)
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _qwen_tokenizer()
+    text_encoder = _seeded(cfg["seed"], 1, Qwen3ForCausalLM, Qwen3Config(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True, **QWEN3))
+    text_encoder.eval()
+    # klein: no embedded guidance
+    transformer, vae, scheduler = _flux2_parts(cfg, len(QWEN3_LAYERS) * QWEN3["hidden_size"], False)
     return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                               tokenizer=tokenizer, transformer=transformer, is_distilled=True)
 
 
+# FLUX.2 [dev]: a Mistral-3 (Mistral Small 3.1 style) vision-language model as text encoder;
+# Flux2Pipeline.encode_prompt reads its hidden states 10, 20 and 30 (its default
+# text_encoder_out_layers), so the text model needs 30 layers and joint_attention_dim is
+# 3 x hidden. Mistral3ForConditionalGeneration always builds a Pixtral vision tower: a tiny
+# one, never run (prompts are text only).
+MISTRAL3_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=30, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=16, max_position_embeddings=1024)
+MISTRAL3_LAYERS = (10, 20, 30)
+PIXTRAL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      head_dim=8, patch_size=4, image_size=32)
+MISTRAL3_SPECIALS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                     "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# The words of Flux2Pipeline's system message, one token each, so the system turn costs ~30
+# tokens and short max_sequence_length values still leave room for the prompt.
+MISTRAL3_EXTRA_WORDS = """you are ai that reasons about image descriptions give structured responses
+focusing object relationships attribution actions without speculation""".split()
+# Mistral's instruct layout. Flux2Pipeline sends each message's content as a list of
+# {"type": "text", "text": ...} parts; plain-string content is accepted too.
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['content'] is string %}{% set text = message['content'] %}"
+    "{% else %}{% set text = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('\\n') %}{% endif %}"
+    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif message['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def _mistral_tokenizer():
+    """Byte-level BPE with Mistral's special tokens and instruct chat template.
+
+    The released FLUX.2 [dev] folder ships a PixtralProcessor here; transformers 5 makes that
+    class require torchvision (which this project must not depend on), and Flux2Pipeline's
+    text path only calls `apply_chat_template`, which a tokenizer answers alike."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _byte_level_bpe(_WORDS + MISTRAL3_EXTRA_WORDS, MISTRAL3_SPECIALS)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>",
+                                  model_max_length=MISTRAL3_TEXT["max_position_embeddings"])
+    out.chat_template = MISTRAL3_CHAT_TEMPLATE
+    return out
+
+
+def _build_flux2_dev(cfg: dict):
+    from diffusers import Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    tokenizer = _mistral_tokenizer()
+    text_config = MistralConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id, **MISTRAL3_TEXT)
+    config = Mistral3Config(text_config=text_config, vision_config=PixtralVisionConfig(**PIXTRAL_VISION),
+                            image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"))
+    text_encoder = _seeded(cfg["seed"], 1, Mistral3ForConditionalGeneration, config)
+    text_encoder.eval()
+    transformer, vae, scheduler = _flux2_parts(
+        cfg, len(MISTRAL3_LAYERS) * MISTRAL3_TEXT["hidden_size"], True)  # dev: embedded guidance
+    return Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         transformer=transformer)
+
+
 def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, depth: int | None = None,
-                     width: int | None = None, heads: int = 4, sd35: bool = False) -> pathlib.Path:
+                     width: int | None = None, heads: int = 4, sd35: bool = False,
+                     variant: str | None = None) -> pathlib.Path:
     """Writes a complete diffusers folder (model_index.json, transformer/, vae/, text_encoder*/,
     tokenizer*/, scheduler/) and returns its path.
 
@@ -425,9 +516,12 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     width: transformer hidden size = heads * head_dim (default heads * 16).
     heads: attention heads (default 4, so Ulysses degrees 2 and 4 divide it).
     sd35: SD3.5-style blocks (QK RMS norm, dual attention); arch sd3 only.
+    variant: flux2 only: "klein" (default; Flux2KleinPipeline, Qwen3, no guidance embedding)
+    or "dev" (Flux2Pipeline, Mistral-3 text encoder, embedded guidance).
     Same arguments -> byte-identical safetensors.
     """
-    cfg = resolve_config(arch, seed=seed, depth=depth, width=width, heads=heads, sd35=sd35)
+    cfg = resolve_config(arch, seed=seed, depth=depth, width=width, heads=heads, sd35=sd35,
+                         variant=variant)
     import torch
 
     out = pathlib.Path(out_dir)
@@ -532,7 +626,7 @@ def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
         try:
             build_tiny_model(arch, tmp, **{k: cfg[k] for k in ("seed", "depth", "width", "heads")},
-                             sd35=bool(cfg.get("sd35")))
+                             sd35=bool(cfg.get("sd35")), variant=cfg.get("variant"))
             if final.exists():  # left incomplete by something else: move it aside first
                 trash = cache / f".{final.name}.trash-{uuid.uuid4().hex}"
                 with contextlib.suppress(OSError):
@@ -607,6 +701,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--sd35", action="store_true",
                    help="SD3.5-style blocks: QK RMS norm and dual attention (arch sd3)")
+    p.add_argument("--variant", choices=FLUX2_VARIANTS, default=None,
+                   help="FLUX.2 variant (arch flux2): klein (default; Qwen3, no guidance "
+                        "embedding) or dev (Mistral-3 text encoder, embedded guidance)")
     p.set_defaults(func=run_cli)
 
 
@@ -614,7 +711,7 @@ def run_cli(args) -> int:
     """Runs `tiny-model`; bad knobs exit 2 with one line on stderr."""
     try:
         path = build_tiny_model(args.arch, args.out, seed=args.seed, depth=args.depth, width=args.width,
-                                heads=args.heads, sd35=args.sd35)
+                                heads=args.heads, sd35=args.sd35, variant=args.variant)
     except ValueError as exc:
         print(f"tiny-model: error: {exc}", file=sys.stderr)
         return 2

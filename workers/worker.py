@@ -38,7 +38,7 @@ class Worker:
         self.attention = check_backend(args.attention, self.device.type, self.dtype)
         from .compile import Compiler, check as check_compile
         check_compile(getattr(args, "compile", False), args.pipefusion)
-        self.adapter = get_adapter(read_arch(args.model))
+        self.adapter = get_adapter(read_arch(args.model), args.model)
         rss_after_import = rss_mb()
         t = time.perf_counter()
         stage = None

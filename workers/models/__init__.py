@@ -24,7 +24,9 @@ class LoadedModel:
     stage: Any = None  # PipeFusion StageInfo when this rank holds one stage of the blocks
 
 
-def get_adapter(arch: str):
+def get_adapter(arch: str, path=None):
+    """The adapter of `arch`; `path` (the model) where the arch has variants that load
+    differently (FLUX.2 [dev] / [klein] text encoders)."""
     if arch == "flux":
         from .flux import FluxAdapter
         return FluxAdapter()
@@ -33,7 +35,7 @@ def get_adapter(arch: str):
         return SD3Adapter()
     if arch == "flux2":
         from .flux2 import Flux2Adapter
-        return Flux2Adapter()
+        return Flux2Adapter(path)
     raise ValueError(f"unknown architecture {arch!r} (expected flux or sd3)")
 
 

@@ -1,10 +1,12 @@
-"""FLUX.2 (klein-style diffusers folders): 32-channel VAE latents patchified 2x2 into 128
-channels and normalised per channel by the VAE's batch-norm statistics, one Qwen3 text
-encoder (no pooled output), 4-axis RoPE ids (t, h, w, l) for text and image, text first,
-no embedded guidance on klein."""
+"""FLUX.2 diffusers folders, [klein] (Flux2KleinPipeline: Qwen3 text encoder, no guidance
+embedding) and [dev] (Flux2Pipeline: Mistral-3 text encoder, embedded guidance): 32-channel
+VAE latents patchified 2x2 into 128 channels and normalised per channel by the VAE's
+batch-norm statistics, no pooled text output, 4-axis RoPE ids (t, h, w, l) for text and
+image, text first."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -29,15 +31,42 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
     return float(at_200 + (steps - 200) * per_step)
 
 
+def pipeline_class_of(path) -> str:
+    """The diffusers pipeline that encodes a FLUX.2 folder's prompts, from model_index.json:
+    Flux2Pipeline ([dev], Mistral-3) or Flux2KleinPipeline (every [klein] pipeline: Qwen3).
+    A folder without model_index.json (or a single file) keeps the klein default."""
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index):
+        return Flux2Adapter.pipeline_class
+    with open(index) as f:
+        name = json.load(f).get("_class_name")
+    if name == "Flux2Pipeline":
+        return name
+    if isinstance(name, str) and name.startswith("Flux2Klein"):
+        return "Flux2KleinPipeline"
+    raise ValueError(f"{index} names pipeline {name!r}; FLUX.2 folders run with Flux2Pipeline "
+                     f"([dev]) or a Flux2Klein*Pipeline ([klein])")
+
+
 class Flux2Adapter(FluxAdapter):
     """FLUX.1's token layout, packing and patch rows (inherited); its own processors,
-    schedule, text encoder, ids and latent space."""
+    schedule, text encoder, ids and latent space. `path` (a diffusers folder) picks the
+    pipeline class whose encode_prompt turns prompts into text states: the text encoders
+    of [dev] and [klein] differ, their transformers only in the guidance embedding."""
     arch = "flux2"
     transformer_class = CLASS_BY_ARCH["flux2"]
     pipeline_class = "Flux2KleinPipeline"
     layout = dataclasses.replace(
         FluxAdapter.layout, attention_processor=Flux2ShardedAttnProcessor,
         replaces=("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"))
+
+    def __init__(self, path=None):
+        if path is not None:
+            self.pipeline_class = pipeline_class_of(path)
+
+    def load(self, path, *args, **kwargs):
+        self.pipeline_class = pipeline_class_of(path)  # an adapter made without the path
+        return super().load(path, *args, **kwargs)
 
     def scale_shift(self, model) -> tuple:
         """Per packed channel: (1 / sqrt(running_var + eps), running_mean) of the VAE's
