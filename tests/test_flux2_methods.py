@@ -275,3 +275,45 @@ def test_base_model_default_cfg_matches_pipeline_default(base_folder):
                     threads_per_rank=1) as pool:
         got = pool.generate(req, noise=noise).samples
     torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+
+
+# ---- PipeFusion memory at the real FLUX.2-dev dimensions ---------------------------------
+
+def _stage_block_params(split, stages):
+    """Per stage: block parameters left on the rank after `keep_stage_blocks` (the loader's
+    own step) on a FLUX.2-dev transformer built on the meta device, and all block params."""
+    import diffusers
+
+    from comfyui_xdit.worker_modules import worker_module
+
+    ps = worker_module("pipefusion_stages")
+    lists = worker_module("models.flux2").Flux2Adapter.block_lists
+    held = []
+    for stage in range(stages):
+        with torch.device("meta"):
+            tr = diffusers.Flux2Transformer2DModel()  # defaults: FLUX.2-dev
+        if stage == 0:
+            blocks = ps.model_blocks(tr, lists)
+            total = sum(p.numel() for _, _, m in blocks for p in m.parameters())
+            assert (len(tr.transformer_blocks), len(tr.single_transformer_blocks)) == (8, 48)
+            assert (tr.config.num_attention_heads, tr.config.attention_head_dim) == (48, 128)
+            assert total > 30e9  # ~31.4 B block parameters (the real model, not a tiny one)
+        ps.keep_stage_blocks(tr, lists, ps.plan_stages(tr, lists, stage, stages, split))
+        held.append(sum(p.numel() for _, _, m in ps.model_blocks(tr, lists)
+                        for p in m.parameters()))
+    return held, total
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_pipefusion_stage_holds_its_share_of_flux2_dev(stages):
+    held, total = _stage_block_params("balanced", stages)
+    assert sum(held) == total  # every block on exactly one stage
+    worst = max(held) / total
+    assert worst <= 1 / stages + 0.05, f"a stage holds {worst:.3f} of the block weights"
+
+
+def test_compute_split_alone_would_overload_a_stage():
+    """Negative control: FLUX.2's double blocks weigh twice a single block for the same
+    per-token work, so a compute-only split breaks the bound the balanced split keeps."""
+    held, total = _stage_block_params("compute", 4)
+    assert max(held) / total > 1 / 4 + 0.05
