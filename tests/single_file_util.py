@@ -67,6 +67,50 @@ def flux_to_bfl(sd: dict) -> dict:
     return out
 
 
+def flux2_to_bfl(sd: dict) -> dict:
+    """diffusers Flux2Transformer2DModel -> BFL / ComfyUI FLUX.2 names (weights only: FLUX.2
+    has no biases). Written per key from the BFL layout."""
+    out = {}
+    top = {"x_embedder": "img_in", "context_embedder": "txt_in",
+           "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+           "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+           "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+           "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+           "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+           "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+           "single_stream_modulation.linear": "single_stream_modulation.lin",
+           "proj_out": "final_layer.linear"}
+    for d, b in top.items():
+        if f"{d}.weight" in sd:
+            out[f"{b}.weight"] = sd[f"{d}.weight"]
+    out["final_layer.adaLN_modulation.1.weight"] = _shift_scale(sd["norm_out.linear.weight"])
+    n_double = len({k.split(".")[1] for k in sd if k.startswith("transformer_blocks.")})
+    n_single = len({k.split(".")[1] for k in sd if k.startswith("single_transformer_blocks.")})
+    for i in range(n_double):
+        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        out[f"{b}img_attn.qkv.weight"] = torch.cat([sd[f"{d}attn.to_{x}.weight"] for x in "qkv"])
+        out[f"{b}txt_attn.qkv.weight"] = torch.cat([sd[f"{d}attn.add_{x}_proj.weight"]
+                                                    for x in "qkv"])
+        out[f"{b}img_attn.proj.weight"] = sd[f"{d}attn.to_out.0.weight"]
+        out[f"{b}txt_attn.proj.weight"] = sd[f"{d}attn.to_add_out.weight"]
+        out[f"{b}img_attn.norm.query_norm.scale"] = sd[f"{d}attn.norm_q.weight"]
+        out[f"{b}img_attn.norm.key_norm.scale"] = sd[f"{d}attn.norm_k.weight"]
+        out[f"{b}txt_attn.norm.query_norm.scale"] = sd[f"{d}attn.norm_added_q.weight"]
+        out[f"{b}txt_attn.norm.key_norm.scale"] = sd[f"{d}attn.norm_added_k.weight"]
+        out[f"{b}img_mlp.0.weight"] = sd[f"{d}ff.linear_in.weight"]
+        out[f"{b}img_mlp.2.weight"] = sd[f"{d}ff.linear_out.weight"]
+        out[f"{b}txt_mlp.0.weight"] = sd[f"{d}ff_context.linear_in.weight"]
+        out[f"{b}txt_mlp.2.weight"] = sd[f"{d}ff_context.linear_out.weight"]
+    for i in range(n_single):
+        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        out[f"{b}linear1.weight"] = sd[f"{d}attn.to_qkv_mlp_proj.weight"]
+        out[f"{b}linear2.weight"] = sd[f"{d}attn.to_out.weight"]
+        out[f"{b}norm.query_norm.scale"] = sd[f"{d}attn.norm_q.weight"]
+        out[f"{b}norm.key_norm.scale"] = sd[f"{d}attn.norm_k.weight"]
+    assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in sd.values())
+    return out
+
+
 def sd3_to_bfl(sd: dict) -> dict:
     out = {"pos_embed": sd["pos_embed.pos_embed"]}
     n = len({k.split(".")[1] for k in sd if k.startswith("transformer_blocks.")})
@@ -128,7 +172,7 @@ def write_single_file(model_dir, arch: str, out: Path, prefix: bool = False,
         sd = {k: (v + 0.05 * torch.randn(v.shape, generator=g) if k.startswith(key) else v)
               for k, v in sd.items()}
     if naming == "bfl":
-        sd = flux_to_bfl(sd) if arch == "flux" else sd3_to_bfl(sd)
+        sd = {"flux": flux_to_bfl, "flux2": flux2_to_bfl, "sd3": sd3_to_bfl}[arch](sd)
     if prefix:
         sd = {PREFIX + k: v for k, v in sd.items()}
     sd.update(extra or {})

@@ -141,3 +141,80 @@ def test_flux2_text_conditioning_latent_image_and_img2img(registry, model_dir):
     again = sample(h, SampleInputs(latent=empty, prompt="a red cat", **COMMON),
                    registry=registry)["samples"]
     assert torch.equal(again, by_text) and pool.worker_pids() == pids
+
+
+# ---- FLUX.2 single files -------------------------------------------------------------------
+def _bn(path):
+    """The folder VAE's per-packed-channel statistics (mean, std), read here directly."""
+    import json
+
+    from safetensors.torch import load_file
+    vae = load_file(str(path / "vae" / "diffusion_pytorch_model.safetensors"))
+    eps = json.loads((path / "vae" / "config.json").read_text())["batch_norm_eps"]
+    return vae["bn.running_mean"].double(), torch.sqrt(vae["bn.running_var"].double() + eps)
+
+
+def _normalised(raw, mean, std):
+    """raw 32-channel latent -> the transformer's normalised, 2x2-packed latent [B, N, 128]."""
+    packed = torch.nn.functional.pixel_unshuffle(raw.double(), 2).flatten(2).transpose(1, 2)
+    return (packed - mean) / std
+
+
+@pytest.mark.parametrize("prefix,naming", [(True, "bfl"), (False, "bfl"),
+                                           (False, "diffusers")])
+def test_flux2_single_file_detected_with_the_folders_config(model_dir, tmp_path, prefix,
+                                                             naming):
+    import json
+
+    from comfyui_xdit.model_info import read_model_info, single_file_config
+    from single_file_util import write_single_file
+
+    path = model_dir("flux2")
+    f = write_single_file(path, "flux2", tmp_path / "f2.safetensors", prefix=prefix,
+                          naming=naming)
+    sf = single_file_config(f)
+    assert (sf["arch"], sf["naming"]) == ("flux2", naming)
+    folder = json.loads((path / "transformer" / "config.json").read_text())
+    for k in ("in_channels", "num_layers", "num_single_layers", "attention_head_dim",
+              "num_attention_heads", "joint_attention_dim", "mlp_ratio", "guidance_embeds",
+              "axes_dims_rope", "rope_theta", "timestep_guidance_channels", "patch_size"):
+        assert sf["config"][k] == folder[k], k
+    info = read_model_info(f)
+    assert (info.arch, info.kind, info.heads, info.blocks) == ("flux2", "file", 4, 4)
+    assert model_text_width(str(f)) == 96
+
+
+def test_flux2_single_file_equals_the_folder(registry, model_dir, tmp_path):
+    """The tiny folder's transformer written as a BFL FLUX.2 file (under the checkpoint
+    prefix): with the same CONDITIONING and seed the 2-rank pool's latent is the folder's
+    (<= 1e-4) once both are in the transformer's normalised space (the file has no VAE, so
+    its LATENT is that space); a file with one block perturbed is not."""
+    from single_file_util import write_single_file
+
+    path = model_dir("flux2")
+    f = write_single_file(path, "flux2", tmp_path / "models" / "flux2-tiny.safetensors",
+                          prefix=True)
+    bad = write_single_file(path, "flux2", tmp_path / "models" / "flux2-bad.safetensors",
+                            prefix=True, perturb_block=1)
+    cond = [[encode_flux2(str(path), ["a red cat"], 16), {}]]
+    empty = {"samples": torch.zeros(1, 16, 8, 6)}
+    folder = sample(_handle(path, world_size=2, ulysses=2),
+                    SampleInputs(latent=empty, positive=cond, **COMMON),
+                    registry=registry)["samples"]
+    got = sample(_handle(f, world_size=2, ulysses=2),
+                 SampleInputs(latent=empty, positive=cond, **COMMON),
+                 registry=registry)["samples"]
+    assert got.shape == folder.shape == (1, 32, 8, 6)
+    mean, std = _bn(path)
+    want = _normalised(folder, mean, std)
+    have = torch.nn.functional.pixel_unshuffle(got.double(), 2).flatten(2).transpose(1, 2)
+    assert (want - have).abs().max().item() <= 1e-4
+    assert want.abs().max() > 0.1
+    other = sample(_handle(bad, world_size=2, ulysses=2),
+                   SampleInputs(latent=empty, positive=cond, **COMMON),
+                   registry=registry)["samples"]
+    assert (other - got).abs().max().item() > 1e-3
+    # a file has no text encoders: prompt text is refused in one line, the pool stays
+    with pytest.raises(ConfigError, match="no text encoders"):
+        sample(_handle(f, world_size=2, ulysses=2),
+               SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=registry)

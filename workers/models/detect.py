@@ -1,4 +1,4 @@
-"""Which model a path holds, read without torch: the architecture (FLUX.1 or SD3/3.5) and the
+"""Which model a path holds, read without torch: the architecture (FLUX.1, FLUX.2 or SD3/3.5) and the
 diffusers transformer config, for the workers (which build the transformer from it) and the
 host (which validates a model before any worker starts: its model_info module wraps this
 one and turns ModelFileError into its ConfigError).
@@ -14,7 +14,8 @@ Two kinds of model:
   diffusers config are derived from the key names and weight shapes (`single_file_config`).
 
 Key namings accepted in a file: BFL / ComfyUI (FLUX `double_blocks.N.*`, `single_blocks.N.*`,
-`img_in`, ...; SD3 `joint_blocks.N.*`, `x_embedder`, `pos_embed`, ...), optionally under
+`img_in`, ...; FLUX.2 the same plus `double_stream_modulation_img`, `single_stream_modulation`;
+SD3 `joint_blocks.N.*`, `x_embedder`, `pos_embed`, ...), optionally under
 `model.diffusion_model.` (full checkpoints add the VAE and text encoders under other
 prefixes, which are ignored), and diffusers naming (`transformer_blocks.N.*`, ...).
 Every error is one user-facing line.
@@ -126,6 +127,10 @@ def read_safetensors_header(path) -> dict:
 
 
 # ---- single-file architecture and config --------------------------------------------------
+# FLUX.2 first: its BFL files also have FLUX.1's double_blocks keys; its shared
+# modulations (one per stream kind instead of one per block) mark it in both namings
+_FLUX2_BFL = "single_stream_modulation.lin.weight"
+_FLUX2_DIFFUSERS = "single_stream_modulation.linear.weight"
 _FLUX_BFL = "double_blocks.0.img_attn.qkv.weight"
 _SD3_BFL = "joint_blocks.0.x_block.attn.qkv.weight"
 _FLUX_DIFFUSERS = "single_transformer_blocks.0.attn.to_q.weight"
@@ -140,6 +145,10 @@ def transformer_keys(names) -> tuple[str, str, str]:
         keys = {k[len(prefix):] for k in names if k.startswith(prefix)}
         if not keys:
             continue
+        if _FLUX2_BFL in keys:
+            return "flux2", "bfl", prefix
+        if _FLUX2_DIFFUSERS in keys:
+            return "flux2", "diffusers", prefix
         if _FLUX_BFL in keys:
             return "flux", "bfl", prefix
         if _SD3_BFL in keys:
@@ -164,7 +173,7 @@ def _not_dit_message(names) -> str:
         looks = "a text encoder"
     elif "blocks." in s:
         looks = "another transformer architecture"
-    return (f"this file is not a FLUX.1 or SD3/3.5 transformer: it looks like {looks}. "
+    return (f"this file is not a FLUX.1, FLUX.2 or SD3/3.5 transformer: it looks like {looks}. "
             f"Give a FLUX/SD3 .safetensors (double_blocks/single_blocks or joint_blocks keys, "
             f"optionally under {CHECKPOINT_PREFIX!r}) or a diffusers folder")
 
@@ -182,7 +191,8 @@ def single_file_config(path) -> dict:
     arch, naming, prefix = transformer_keys(header)
     shapes = {k[len(prefix):]: v["shape"] for k, v in header.items() if k.startswith(prefix)}
     try:
-        cfg = (_flux_config if arch == "flux" else _sd3_config)(shapes, naming)
+        cfg = {"flux": _flux_config, "flux2": _flux2_config, "sd3": _sd3_config}[arch](
+            shapes, naming)
     except (KeyError, IndexError, ValueError) as e:
         detail = f"missing tensor {e}" if isinstance(e, KeyError) else str(e)
         raise ModelFileError(f"{str(p)!r} looks like a {arch.upper()} transformer but is "
@@ -260,6 +270,45 @@ def _flux_config(shapes: dict, naming: str) -> dict:
             "pooled_projection_dim": int(_pick(shapes, bfl, "vector_in.in_layer.weight",
                                                "time_text_embed.text_embedder.linear_1.weight")[1]),
             "guidance_embeds": bool(guidance), "axes_dims_rope": list(flux_rope_axes(head_dim))}
+
+
+# FLUX.2's RoPE: 4 axes (time, row, column, text index) splitting the head dim evenly, as
+# the released models' (32, 32, 32, 32) for head dim 128, with theta 2000; neither is
+# stored in a file
+FLUX2_ROPE_AXES = 4
+FLUX2_ROPE_THETA = 2000
+
+
+def _flux2_config(shapes: dict, naming: str) -> dict:
+    bfl = naming == "bfl"
+    hidden, in_ch = _pick(shapes, bfl, "img_in.weight", "x_embedder.weight")
+    head_dim = int(_pick(shapes, bfl, "double_blocks.0.img_attn.norm.query_norm.scale",
+                         "transformer_blocks.0.attn.norm_q.weight")[0])
+    if hidden % head_dim or head_dim % FLUX2_ROPE_AXES:
+        raise ValueError(f"hidden size {hidden} / head dim {head_dim} do not fit FLUX.2's "
+                         f"{FLUX2_ROPE_AXES} RoPE axes")
+    # SwiGLU: the input projection holds gate and value, 2 x mlp_ratio x hidden rows
+    mlp_in = int(_pick(shapes, bfl, "double_blocks.0.img_mlp.0.weight",
+                       "transformer_blocks.0.ff.linear_in.weight")[0])
+    double = _indices(shapes, "double_blocks." if bfl else "transformer_blocks.")
+    single = _indices(shapes, "single_blocks." if bfl else "single_transformer_blocks.")
+    for name, idx in (("double", double), ("single", single)):
+        if idx != list(range(len(idx))) or not idx:
+            raise ValueError(f"{name} blocks are not numbered 0..n-1 (found {idx[:8]}...)")
+    out = int(_pick(shapes, bfl, "final_layer.linear.weight", "proj_out.weight")[0])
+    guidance = ("guidance_in.in_layer.weight" if bfl else
+                "time_guidance_embed.guidance_embedder.linear_1.weight") in shapes
+    return {"patch_size": 1, "in_channels": int(in_ch), "out_channels": out,
+            "num_layers": len(double), "num_single_layers": len(single),
+            "attention_head_dim": head_dim, "num_attention_heads": int(hidden) // head_dim,
+            "joint_attention_dim": int(_pick(shapes, bfl, "txt_in.weight",
+                                             "context_embedder.weight")[1]),
+            "timestep_guidance_channels": int(_pick(
+                shapes, bfl, "time_in.in_layer.weight",
+                "time_guidance_embed.timestep_embedder.linear_1.weight")[1]),
+            "mlp_ratio": mlp_in / 2 / int(hidden), "guidance_embeds": bool(guidance),
+            "axes_dims_rope": [head_dim // FLUX2_ROPE_AXES] * FLUX2_ROPE_AXES,
+            "rope_theta": FLUX2_ROPE_THETA}
 
 
 def _sd3_config(shapes: dict, naming: str) -> dict:

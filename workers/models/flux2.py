@@ -71,7 +71,8 @@ class Flux2Adapter(FluxAdapter):
     def scale_shift(self, model) -> tuple:
         """Per packed channel: (1 / sqrt(running_var + eps), running_mean) of the VAE's
         batch norm, as lists of 128 floats (read once from the VAE's weights)."""
-        cached = getattr(model, "_flux2_bn", None)
+        # a single file has no VAE: its loader gives the statistics in vae_config
+        cached = getattr(model, "_flux2_bn", None) or model.vae_config.get("latent_bn")
         if cached is None:
             from safetensors import safe_open
             folder = os.path.join(model.path, "vae")

@@ -1,4 +1,5 @@
-"""Single-file FLUX.1 / SD3 transformers: build the diffusers model from one .safetensors.
+"""Single-file FLUX.1 / FLUX.2 / SD3 transformers: build the diffusers model from one
+.safetensors.
 
 The diffusers config comes from the weight shapes (`detect.single_file_config`, the same code
 the host uses to validate the file before any worker starts); keys in BFL /
@@ -20,9 +21,18 @@ from .facts import CLASS_BY_ARCH, SCHEDULER_DEFAULTS, VAE_LATENT
 
 
 def defaults_for(arch: str, config: dict) -> tuple[dict, dict]:
-    """(scheduler config, VAE latent config) for a single-file model."""
+    """(scheduler config, VAE latent config) for a single-file model.
+
+    FLUX.2: the released folders' scheduler is FLUX.1-dev's dynamic-shift one (the adapter
+    computes FLUX.2's own mu). Its latent space is normalised by the VAE's batch-norm
+    statistics, which a transformer file does not hold: `latent_bn` is the identity, so a
+    FLUX.2 file's LATENT is the transformer's normalised latent (32 channels, unpatchified)."""
     if arch == "flux":
         sched = SCHEDULER_DEFAULTS["flux-dev" if config.get("guidance_embeds") else "flux-schnell"]
+    elif arch == "flux2":
+        channels = int(config.get("in_channels", 128))
+        return dict(SCHEDULER_DEFAULTS["flux-dev"]), {
+            "latent_bn": ([1.0] * channels, [0.0] * channels)}
     else:
         sched = SCHEDULER_DEFAULTS["sd3"]
     return dict(sched), dict(VAE_LATENT[arch])
@@ -128,6 +138,76 @@ def convert_flux_bfl(sd: dict, hidden: int) -> dict:
     return out
 
 
+# FLUX.2 BFL / ComfyUI names -> diffusers Flux2Transformer2DModel names. FLUX.2 has no
+# biases, shares one modulation per stream kind, and its single blocks keep the fused
+# qkv + MLP input (`linear1`) fused in diffusers too.
+_FLUX2_TOP = {
+    "img_in": "x_embedder",
+    "txt_in": "context_embedder",
+    "time_in.in_layer": "time_guidance_embed.timestep_embedder.linear_1",
+    "time_in.out_layer": "time_guidance_embed.timestep_embedder.linear_2",
+    "guidance_in.in_layer": "time_guidance_embed.guidance_embedder.linear_1",
+    "guidance_in.out_layer": "time_guidance_embed.guidance_embedder.linear_2",
+    "double_stream_modulation_img.lin": "double_stream_modulation_img.linear",
+    "double_stream_modulation_txt.lin": "double_stream_modulation_txt.linear",
+    "single_stream_modulation.lin": "single_stream_modulation.linear",
+    "final_layer.linear": "proj_out",
+}
+_FLUX2_DOUBLE = {
+    "img_attn.norm.query_norm.scale": "attn.norm_q.weight",
+    "img_attn.norm.key_norm.scale": "attn.norm_k.weight",
+    "txt_attn.norm.query_norm.scale": "attn.norm_added_q.weight",
+    "txt_attn.norm.key_norm.scale": "attn.norm_added_k.weight",
+    "img_attn.proj": "attn.to_out.0",
+    "txt_attn.proj": "attn.to_add_out",
+    "img_mlp.0": "ff.linear_in",
+    "img_mlp.2": "ff.linear_out",
+    "txt_mlp.0": "ff_context.linear_in",
+    "txt_mlp.2": "ff_context.linear_out",
+}
+_FLUX2_SINGLE = {
+    "linear1": "attn.to_qkv_mlp_proj",
+    "linear2": "attn.to_out",
+    "norm.query_norm.scale": "attn.norm_q.weight",
+    "norm.key_norm.scale": "attn.norm_k.weight",
+}
+
+
+def convert_flux2_bfl(sd: dict) -> dict:
+    """FLUX.2 BFL/ComfyUI keys -> diffusers keys, key by key (so a PipeFusion stage reads only
+    its blocks). Any key without a rule raises."""
+    out, unknown = {}, []
+    for name, w in sd.items():
+        parts = name.split(".")
+        new = None
+        if name.startswith("final_layer.adaLN_modulation.1."):
+            out["norm_out.linear." + parts[-1]] = _swap_halves(w)  # (shift, scale) swapped
+            continue
+        if parts[0] == "double_blocks" and len(parts) > 3:
+            pre, rest = f"transformer_blocks.{parts[1]}.", ".".join(parts[2:])
+            if rest in ("img_attn.qkv.weight", "txt_attn.qkv.weight",
+                        "img_attn.qkv.bias", "txt_attn.qkv.bias"):
+                names = ("to_q", "to_k", "to_v") if rest.startswith("img") else \
+                    ("add_q_proj", "add_k_proj", "add_v_proj")
+                for n, t in zip(names, w.chunk(3, dim=0)):
+                    out[f"{pre}attn.{n}.{parts[-1]}"] = t
+                continue
+            new = _rename(rest, _FLUX2_DOUBLE)
+            new = None if new is None else pre + new
+        elif parts[0] == "single_blocks" and len(parts) > 3:
+            new = _rename(".".join(parts[2:]), _FLUX2_SINGLE)
+            new = None if new is None else f"single_transformer_blocks.{parts[1]}.{new}"
+        else:
+            new = _rename(name, _FLUX2_TOP)
+        if new is None:
+            unknown.append(name)
+        else:
+            out[new] = w
+    if unknown:
+        raise ValueError(f"{len(unknown)} tensor(s) with no FLUX.2 rule, e.g. {unknown[:3]}")
+    return out
+
+
 def convert_sd3_bfl(sd: dict) -> dict:
     """SD3 BFL/ComfyUI (MMDiT) keys -> diffusers SD3Transformer2DModel keys, with diffusers'
     own converter (it derives every size from the tensors)."""
@@ -159,6 +239,8 @@ def to_diffusers_state(arch: str, naming: str, sd: dict, config: dict) -> dict:
         return sd
     if arch == "flux":
         return convert_flux_bfl(sd, config["num_attention_heads"] * config["attention_head_dim"])
+    if arch == "flux2":
+        return convert_flux2_bfl(sd)
     return convert_sd3_bfl(sd)
 
 
@@ -228,8 +310,9 @@ def build_transformer(arch: str, config: dict, state: dict, dtype):
 
 
 # the file's block names for diffusers' block lists (BFL/ComfyUI naming)
-_BFL_BLOCKS = {"transformer_blocks": {"flux": "double_blocks", "sd3": "joint_blocks"},
-               "single_transformer_blocks": {"flux": "single_blocks"}}
+_BFL_BLOCKS = {"transformer_blocks": {"flux": "double_blocks", "flux2": "double_blocks",
+                                      "sd3": "joint_blocks"},
+               "single_transformer_blocks": {"flux": "single_blocks", "flux2": "single_blocks"}}
 
 
 def file_tensors(ck, sf: dict, device, dtype, skip=lambda name: False):
@@ -252,11 +335,11 @@ def file_tensors(ck, sf: dict, device, dtype, skip=lambda name: False):
     if naming == "diffusers":
         for n in names:
             yield n, ck.read(prefix + n, device), scale(n)
-    elif arch == "flux":
-        hidden = sf["config"]["num_attention_heads"] * sf["config"]["attention_head_dim"]
+    elif arch in ("flux", "flux2"):
         for n in names:
             s = scale(n)
-            for out, t in convert_flux_bfl({n: ck.read(prefix + n, device)}, hidden).items():
+            for out, t in to_diffusers_state(arch, naming, {n: ck.read(prefix + n, device)},
+                                             sf["config"]).items():
                 yield out, t, s  # a fused tensor's parts share its scale
     else:
         state = {}
@@ -288,8 +371,8 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
         raw_others = set()
         if sf["naming"] == "diffusers":
             raw_others = others
-        elif arch == "flux":
-            raw_others = {f"{_BFL_BLOCKS[b.split('.')[0]]['flux']}.{b.split('.')[1]}"
+        elif arch in ("flux", "flux2"):
+            raw_others = {f"{_BFL_BLOCKS[b.split('.')[0]][arch]}.{b.split('.')[1]}"
                           for b in others}
 
         def in_block(name, blocks):
