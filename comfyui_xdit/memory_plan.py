@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -42,6 +43,7 @@ from typing import Optional, Sequence
 from .config import ConfigError, EngineOptions, ParallelConfig
 from .worker_modules import worker_module
 
+_log = logging.getLogger("comfyui_xdit")
 GiB = 2 ** 30
 RESERVE_BYTES = 2 * GiB  # CUDA context + workspaces + NCCL buffers + fragmentation
 TEXT_ENCODER_MARGIN = 2 * GiB  # workers/weights.py: "auto" wants this much spare beside them
@@ -148,7 +150,7 @@ def _preset_counts(name: str) -> tuple:
         cls = getattr(transformers, cls_name)
         config = cls.config_class(**kw)
         model = _meta(lambda: cls(config))
-        te += sum(t.numel() for t in model.state_dict().values())  # untied heads count twice
+        te += sum(p.numel() for p in model.parameters())  # a tied embedding counts once
     vcls = getattr(diffusers, p.vae[0])
     vae = _meta(lambda: vcls(**p.vae[1]))
     return te, sum(t.numel() for t in vae.parameters()), tuple(vae.config.block_out_channels)
@@ -309,7 +311,7 @@ class MemoryPlan:
     model: str
     config: ParallelConfig
     engine: EngineOptions
-    job: JobSize
+    job: Optional[JobSize]  # None: the fixed parts only (weights, encoders, VAE, reserve)
     ranks: tuple
     text_encoders_on: str  # "gpu (rank 0)" | "cpu" | "none"
     alternatives: tuple = ()  # ((description, worst rank total), ...) that fit
@@ -339,8 +341,10 @@ class MemoryPlan:
         head = (f"{self.model} with {self.config.describe()}"
                 f"{' + shard_weights' if self.engine.shard_weights else ''}, "
                 f"{self.engine.dtype}, weights={self.engine.weights}, text encoders "
-                f"{self.text_encoders_on}, {self.job.height}x{self.job.width} batch "
-                f"{self.job.batch}: rank {w.rank} ({w.role}) needs {gib(w.total)}")
+                f"{self.text_encoders_on}, "
+                + (f"{self.job.height}x{self.job.width} batch {self.job.batch}"
+                   if self.job is not None else "before any job's activations")
+                + f": rank {w.rank} ({w.role}) needs {gib(w.total)}")
         if w.gpu_memory is not None:
             head += f" of its {gib(w.gpu_memory)} GPU"
         head += f" ({parts}); the largest part is {RankPlan.LABELS[w.largest]}."
@@ -418,9 +422,10 @@ def vae_decode_bytes(channels: tuple, height: int, width: int, batch: int, dtype
 
 
 def plan(facts: ModelFacts, config: ParallelConfig, engine: EngineOptions,
-         job: JobSize = JobSize(), gpu_memory=None) -> MemoryPlan:
-    """Per-rank memory of `config` + `engine` for `job`. `gpu_memory`: bytes per GPU (one
-    number for every rank, or one per rank), or None (no verdict)."""
+         job: Optional[JobSize] = JobSize(), gpu_memory=None) -> MemoryPlan:
+    """Per-rank memory of `config` + `engine` for `job` (None: without a job's activations
+    and K/V cache). `gpu_memory`: bytes per GPU (one number for every rank, or one per
+    rank), or None (no verdict)."""
     alternatives = ()
     p = _plan(facts, config, engine, job, gpu_memory)
     if p.fits is False:
@@ -444,19 +449,22 @@ def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
     block_bytes = [_bytes(b, db, fp8) for b in tr.blocks]
     rest_bytes = _bytes(tr.rest, db, fp8)
 
-    # tokens a rank holds in one forward (PipeFusion's warmup steps run the whole image)
-    text = job.text_tokens if job.text_tokens is not None else facts.text_tokens
-    if facts.arch == "sd3":
-        text += 77  # CLIP's tokens joined to T5's
-    image = math.ceil(job.height / (VAE_SCALE * PATCH)) * math.ceil(job.width /
-                                                                    (VAE_SCALE * PATCH))
+    # tokens a rank holds in one forward (PipeFusion's warmup steps run the whole image);
+    # no job (a launch for decoding or host-sampler calls): the fixed parts only
+    image = text = batch = act = 0
     sp = config.sp
-    tokens = math.ceil(image / sp) + text
-    branches = 2 if job.cfg else 1
-    batch = math.ceil(job.batch / config.dp) * max(1, branches // config.cfg)
-    act = activation_bytes(tr, tokens, text, image + text, batch, db, sp)
-    act = max(act, vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
-                                    job.height, job.width, job.batch, db, world))
+    if job is not None:
+        text = job.text_tokens if job.text_tokens is not None else facts.text_tokens
+        if facts.arch == "sd3":
+            text += 77  # CLIP's tokens joined to T5's
+        image = math.ceil(job.height / (VAE_SCALE * PATCH)) * math.ceil(
+            job.width / (VAE_SCALE * PATCH))
+        tokens = math.ceil(image / sp) + text
+        branches = 2 if job.cfg else 1
+        batch = math.ceil(job.batch / config.dp) * max(1, branches // config.cfg)
+        act = activation_bytes(tr, tokens, text, image + text, batch, db, sp)
+        act = max(act, vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
+                                        job.height, job.width, job.batch, db, world))
     vae = facts.vae_params * db
     te = (facts.text_encoder_bytes if facts.text_encoder_bytes is not None
           else facts.text_encoder_params * db)
@@ -571,8 +579,9 @@ def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions,
                  request=None) -> Optional[MemoryPlan]:
     """Before a CUDA pool launches: the plan against the GPUs' total memory; one ConfigError
     with the numbers when a rank cannot fit. `gpus`: the ranks' GPU ids (gpus.gpus_for_ranks).
-    Without a request, the default job size (1024x1024, batch 1). Returns the plan (None on
-    CPU, or when no GPU's memory can be read)."""
+    Without a request (a launch to decode, or for host-sampler calls) only the fixed parts
+    are planned: what any job adds comes on top. Returns the plan (None on CPU, or when no
+    GPU's memory can be read)."""
     if engine.device != "cuda" or not gpus:
         return None
     caps = gpu_memory_bytes(list(gpus))
@@ -583,18 +592,35 @@ def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions,
     caps = [None if c is None else c // share[g] for c, g in zip(caps, gpus)]
     from .model_info import read_model_info
 
-    facts = model_facts(model_path, engine.dtype)
-    job = JobSize()
-    if request is not None:
-        job = JobSize(height=int(request.height), width=int(request.width),
-                      batch=max(1, int(request.batch)),
-                      text_tokens=int(request.max_sequence_length),
-                      # the default cfg may depend on the model (FLUX.2 base vs distilled)
-                      cfg=bool(request.uses_cfg(read_model_info(model_path))))
-    p = plan(facts, config.with_world_size(None), engine, job, caps)
+    try:
+        facts = model_facts(model_path, engine.dtype)
+        job = None
+        if request is not None:
+            job = JobSize(height=int(request.height), width=int(request.width),
+                          batch=max(1, int(request.batch)),
+                          text_tokens=int(request.max_sequence_length),
+                          # the default cfg may depend on the model (FLUX.2 base vs distilled)
+                          cfg=bool(request.uses_cfg(read_model_info(model_path))))
+        p = plan(facts, config.with_world_size(None), engine, job, caps)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001  a plan it cannot make never stops a launch
+        _log.warning("xDiT: no memory plan for %s: %s: %s", model_path, type(e).__name__, e)
+        return None
     if p.fits is False:
         raise ConfigError(p.message())
     return p
+
+
+def check_pool(pool, request=None, gpus=None) -> Optional[MemoryPlan]:
+    """WorkerPool's hook before a launch (CUDA pools it starts itself; attached pools are
+    someone else's): `check_launch` on the pool's model, layout, engine and rank GPUs."""
+    if pool.device != "cuda" or getattr(pool, "_attached", None):
+        return None
+    if gpus is None:
+        from .gpus import gpus_for_ranks
+        gpus = gpus_for_ranks(pool.config.ranks, pool.gpus)
+    return check_launch(pool.model_path, pool.config, pool.engine, gpus, request)
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -617,16 +643,83 @@ def add_cli(sub) -> None:
     p.add_argument("--width", type=int, required=True)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--max-sequence-length", type=int, default=None)
-    p.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU")
-    p.add_argument("--gpus", type=int, default=None,
-                   help="number of GPUs (must equal the product of the degrees)")
+    p.add_argument("--gpu-memory", default=None,
+                   help="GiB per GPU (with --compare: a comma list, e.g. 24,48,80)")
+    p.add_argument("--gpus", default=None,
+                   help="number of GPUs, the product of the degrees (with --compare: a comma "
+                        "list, e.g. 2,4,8)")
+    p.add_argument("--compare", action="store_true",
+                   help="a markdown table of every method (replicated, PipeFusion, "
+                        "shard_weights; text encoders on GPU or CPU; bf16 and, where it "
+                        "changes a verdict, fp8) on each GPU count x GPU size")
     p.set_defaults(func=run_cli)
 
 
+def _numbers(text, name, kind):
+    if text is None:
+        return []
+    try:
+        vals = [kind(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{name} must be a number or a comma list of numbers (got {text!r})")
+    if not vals or min(vals) <= 0:
+        raise ConfigError(f"{name} must be > 0 (got {text!r})")
+    return vals
+
+
+def compare_table(facts: ModelFacts, job: JobSize, dtype: str, counts, sizes_gib) -> str:
+    """Markdown: rows = method x text-encoder placement (x fp8 where it changes a verdict),
+    columns = GPU count x GPU size; a cell is the peak rank's GiB and the verdict."""
+    tr = _transformer(facts.transformer_class, facts.transformer_config, facts.arch)
+
+    def seq(n):  # Ulysses where the heads split evenly, else Ring: the same memory
+        return ParallelConfig(ulysses=n) if tr.heads % n == 0 else ParallelConfig(ring=n)
+    methods = [("Ulysses/Ring {n} (replicated)", seq, False),
+               ("PipeFusion {n}", lambda n: ParallelConfig(pipefusion=n), False),
+               ("shard_weights, Ulysses/Ring {n}", seq, True)]
+    cols = [(n, g) for g in sizes_gib for n in counts]
+    head = ["method", "text enc.", "weights"] + [f"{n}x{g:g} GB" for n, g in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, make, shard in methods:
+        for te in ("gpu", "cpu"):
+            rows = {}
+            for weights in ("full", "fp8"):
+                cells = []
+                for n, g in cols:
+                    if make(n).pipefusion > len(tr.blocks):
+                        cells.append((None, None))
+                        continue
+                    e = EngineOptions(device="cuda", dtype=dtype, weights=weights,
+                                      text_encoders=te, shard_weights=shard)
+                    p = _plan(facts, make(n), e, job, int(g * GiB))
+                    cells.append((p.worst.total, p.fits))
+                rows[weights] = cells
+            for weights in ("full", "fp8"):
+                if weights == "fp8" and [f for _, f in rows["fp8"]] == \
+                        [f for _, f in rows["full"]]:
+                    continue  # fp8 changes no verdict: not shown
+                cells = ["-" if t is None else f"{t / GiB:.1f} {'✓' if f else '✗'}"
+                         for t, f in rows[weights]]
+                lines.append("| " + " | ".join([label.format(n="N"), te,
+                                                dtype if weights == "full" else "fp8"]
+                                               + cells) + " |")
+    return "\n".join(lines)
+
+
 def run_cli(args) -> int:
+    counts = _numbers(args.gpus, "--gpus", int)
+    sizes = _numbers(args.gpu_memory, "--gpu-memory", float)
+    if args.compare:
+        if not counts or not sizes:
+            raise ConfigError("--compare needs --gpus (e.g. 2,4,8) and --gpu-memory in GiB "
+                              "(e.g. 24,48,80)")
+    elif len(counts) > 1 or len(sizes) > 1:
+        raise ConfigError(f"--gpus {args.gpus} / --gpu-memory {args.gpu_memory}: give one "
+                          f"number each, or add --compare for a table")
     config = ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel,
                             pipefusion=args.pipefusion, ulysses=args.ulysses, ring=args.ring,
-                            pipefusion_split=args.pipefusion_split, world_size=args.gpus)
+                            pipefusion_split=args.pipefusion_split,
+                            world_size=None if args.compare or not counts else counts[0])
     out = config.problems()
     engine = EngineOptions(device="cuda", dtype=args.dtype, weights=args.weights,
                            text_encoders=args.text_encoders, shard_weights=args.shard_weights)
@@ -637,8 +730,6 @@ def run_cli(args) -> int:
             out.append(f"--{name} must be a positive multiple of 16 (got {v})")
     if args.batch < 1:
         out.append(f"--batch must be >= 1 (got {args.batch})")
-    if args.gpu_memory is not None and args.gpu_memory <= 0:
-        out.append(f"--gpu-memory must be > 0 GiB (got {args.gpu_memory})")
     if out:
         raise ConfigError("; ".join(out))
     facts = preset_facts(args.preset) if args.preset else model_facts(args.model, args.dtype)
@@ -649,7 +740,10 @@ def run_cli(args) -> int:
                           f"blocks; use pipefusion <= {blocks}")
     job = JobSize(height=args.height, width=args.width, batch=args.batch,
                   text_tokens=args.max_sequence_length, cfg=args.cfg)
-    cap = None if args.gpu_memory is None else int(args.gpu_memory * GiB)
+    if args.compare:
+        print(compare_table(facts, job, args.dtype, counts, sizes))
+        return 0
+    cap = int(sizes[0] * GiB) if sizes else None
     p = plan(facts, config.with_world_size(None), engine, job, cap)
     print(p.table())
     print(p.message())

@@ -25,6 +25,7 @@ from .comfy_convert import (check_text_width, comfy_noise, conditioning_to_reque
                             latent_channels, latent_from_comfy, latent_to_comfy)
 from .config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
     auto_config
+from . import memory_plan
 from .gpus import gpus_for_ranks, visible_gpus
 from .model_info import read_model_info
 from .request import GenerationRequest
@@ -280,10 +281,18 @@ class ModelHandle:
             elif self.world_size is not None and self.world_size < 1:
                 raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
             if self.device == "cuda":  # the GPUs must hold the world, before anything starts
-                gpus_for_ranks(self.world(), self.gpus)
+                gpus = gpus_for_ranks(self.world(), self.gpus)
+                plan = memory_plan.check_launch(  # and its weights: refused with the numbers
+                    self.path, self.config_for(), self.engine(), gpus)
+                object.__setattr__(self, "_memory_plan", plan)  # for memory_summary()
         except ConfigError as e:
             out.append(str(e))
         return out
+
+    def memory_summary(self) -> str:
+        """The memory plan's line for the loader ("" on CPU or GPUs of unknown size)."""
+        p = self.__dict__.get("_memory_plan")
+        return p.summary() if p is not None else ""
 
     def validate(self) -> None:
         """Raise one ConfigError holding every problem (the loader shows it once)."""

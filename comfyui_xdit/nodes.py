@@ -208,7 +208,8 @@ class LoadModel(io.ComfyNode):
         handle = cls._handle(**inputs)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         # what will run, on the node (auto resolved): "cuda bf16" / "cpu fp32"
-        _progress_text(f"runs on {handle.device}, {handle.dtype}, {handle.world()} rank(s)",
+        _progress_text(f"runs on {handle.device}, {handle.dtype}, {handle.world()} rank(s)"
+                       + (f"; {handle.memory_summary()}" if handle.memory_summary() else ""),
                        node_id)
         return io.NodeOutput(handle)
 

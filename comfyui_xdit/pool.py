@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from .channel import Channel, connect, parse_address
 from .comfy_convert import (LATENT_CHANNELS, comfy_noise, comfy_to_model, latent_channels,
                             model_to_comfy, noise_to_model)
+from . import memory_plan
 from .config import ConfigError, EngineOptions, ParallelConfig
 from .gpus import gpus_for_ranks
 from .model_info import ModelInfo, read_model_info
@@ -305,6 +306,7 @@ class WorkerPool:
         t0 = time.perf_counter()
         world = self.config.ranks
         gpus = self._rank_gpus()  # refuses a world the GPUs cannot hold, before anything starts
+        memory_plan.check_pool(self, None, gpus)  # and one whose weights their memory cannot
         self._tmp = tempfile.mkdtemp(prefix="xdit-pool-")
         secret = os.urandom(32)
         secret_file = os.path.join(self._tmp, "secret")
@@ -459,6 +461,7 @@ class WorkerPool:
         _check_job_inputs(request, noise, init_latent, denoise, latent_channels(info.arch))
         if not self.is_running():
             self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
+            memory_plan.check_pool(self, request)  # so is one their memory cannot hold
         req = request.resolved(info)
         with self._lock:
             t0 = time.perf_counter()

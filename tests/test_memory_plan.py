@@ -1,0 +1,206 @@
+"""The memory plan (comfyui_xdit/memory_plan.py): weights per rank checked against the real
+meta-built modules each method leaves on a rank, fp8, monotonicity, the refusal with its
+numbers, the CLI, and the pool / loader refusing before any worker starts."""
+from __future__ import annotations
+
+import math
+import subprocess
+
+import pytest
+import torch
+
+from comfyui_xdit import ParallelConfig, memory_plan as mp
+from comfyui_xdit.cli import main as cli_main
+from comfyui_xdit.config import ConfigError, EngineOptions
+from comfyui_xdit.worker_modules import worker_module
+
+GiB = 2 ** 30
+LISTS = ("transformer_blocks", "single_transformer_blocks")
+BF16 = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu")
+
+
+@pytest.fixture(scope="module")
+def flux2():
+    """FLUX.2 [dev] on the meta device, as the loader would build it, and the preset."""
+    from diffusers import Flux2Transformer2DModel
+    with torch.device("meta"):
+        tr = Flux2Transformer2DModel()
+    return tr, mp.preset_facts("flux2-dev")
+
+
+def nbytes(params, fp8_ids=frozenset()) -> int:
+    return sum(p.numel() * (1 if id(p) in fp8_ids else 2) for p in params)
+
+
+def test_replicated_weights_are_every_parameter(flux2):
+    tr, facts = flux2
+    plan = mp.plan(facts, ParallelConfig(ulysses=2), BF16)
+    assert [r.weights for r in plan.ranks] == [nbytes(tr.parameters())] * 2
+    assert plan.ranks[0].kv_cache == 0 and plan.ranks[0].text_encoders == 0
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_pipefusion_stage_weights_are_the_stage_modules(flux2, n):
+    """Each rank's weights = the parameters the stage loader keeps (its blocks and the
+    modules around them), and no stage holds more than 1/N + 5% of the block weights."""
+    tr, facts = flux2
+    ps = worker_module("pipefusion_stages")
+    plan = mp.plan(facts, ParallelConfig(pipefusion=n), BF16, gpu_memory=80 * GiB)
+    blocks_total = sum(p.numel() for _, _, b in ps.model_blocks(tr, LISTS)
+                       for p in b.parameters()) * 2
+    for rank in range(n):
+        info = ps.plan_stages(tr, LISTS, rank, n, "balanced")
+        dropped = ps.stage_block_names(tr, LISTS, info)
+        kept = [p for name, p in tr.named_parameters()
+                if not any(name.startswith(d + ".") for d in dropped)]
+        assert plan.ranks[rank].weights == nbytes(kept)
+        lo, hi = info.owned
+        stage_blocks = sum(p.numel() for _, _, b in ps.model_blocks(tr, LISTS)[lo:hi]
+                           for p in b.parameters()) * 2
+        assert stage_blocks <= (1 / n + 0.05) * blocks_total
+        # K/V: 2 x blocks held x full sequence (4096 image + 512 text tokens) x 6144 x bf16
+        assert plan.ranks[rank].kv_cache == 2 * (hi - lo) * (4096 + 512) * 6144 * 2
+
+
+def test_shard_weights_are_fsdp_chunks_plus_gathered(flux2):
+    tr, facts = flux2
+    n = 4
+    plan = mp.plan(facts, ParallelConfig(ulysses=n), EngineOptions(
+        device="cuda", dtype="bf16", weights="full", text_encoders="cpu", shard_weights=True))
+    chunks = sum(math.ceil(p.shape[0] / n) * (p.numel() // p.shape[0]) * 2
+                 for p in tr.parameters())
+    blocks = [b for name in LISTS for b in getattr(tr, name)]
+    block_bytes = [nbytes(b.parameters()) for b in blocks]
+    ids = {id(p) for b in blocks for p in b.parameters()}
+    root = nbytes(p for p in tr.parameters() if id(p) not in ids)
+    pair = max(a + b for a, b in zip(block_bytes, block_bytes[1:]))
+    assert {r.weights for r in plan.ranks} == {chunks + root + pair}
+
+
+def test_fp8_halves_the_block_linear_weights(flux2):
+    tr, facts = flux2
+    linears = worker_module("weights").block_linears(tr, LISTS)
+    lin_bytes = sum(m.weight.numel() * 2 for m in linears.values())
+    full = mp.plan(facts, ParallelConfig(), BF16).ranks[0].weights
+    fp8 = mp.plan(facts, ParallelConfig(), EngineOptions(
+        device="cuda", dtype="bf16", weights="fp8", text_encoders="cpu")).ranks[0].weights
+    assert full - fp8 == lin_bytes // 2
+    assert lin_bytes > 0.9 * full  # the block Linears are nearly all of FLUX.2's weights
+
+
+def test_more_ranks_less_per_rank(flux2):
+    _, facts = flux2
+    shard = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu",
+                          shard_weights=True)
+    pf = [max(r.total for r in mp.plan(facts, ParallelConfig(pipefusion=n), BF16).ranks)
+          for n in (1, 2, 4, 8)]
+    sh = [max(r.total for r in mp.plan(facts, ParallelConfig(ulysses=n), shard).ranks)
+          for n in (2, 4, 8)]
+    assert pf == sorted(pf, reverse=True) and len(set(pf)) == 4
+    assert sh == sorted(sh, reverse=True) and len(set(sh)) == 3
+    # bigger images and batches only add
+    small = mp.plan(facts, ParallelConfig(ulysses=2), BF16, mp.JobSize(512, 512)).ranks[0]
+    big = mp.plan(facts, ParallelConfig(ulysses=2), BF16, mp.JobSize(2048, 2048, 2)).ranks[0]
+    assert small.weights == big.weights and small.activations < big.activations
+
+
+def test_text_encoders_on_rank0_only_and_auto_falls_back_to_cpu(flux2):
+    _, facts = flux2
+    assert 23.9e9 < facts.text_encoder_params < 24.1e9  # Mistral-Small-3.1: 24B
+    gpu = mp.plan(facts, ParallelConfig(pipefusion=2), EngineOptions(
+        device="cuda", dtype="bf16", text_encoders="gpu"), gpu_memory=80 * GiB)
+    assert gpu.ranks[0].text_encoders == facts.text_encoder_params * 2
+    assert gpu.ranks[1].text_encoders == 0
+    auto = mp.plan(facts, ParallelConfig(pipefusion=2), EngineOptions(
+        device="cuda", dtype="bf16", text_encoders="auto"), gpu_memory=80 * GiB)
+    assert auto.ranks[0].text_encoders == 0 and "CPU" in auto.text_encoders_on
+
+
+def test_refused_with_numbers_and_what_would_fit(flux2):
+    _, facts = flux2
+    plan = mp.plan(facts, ParallelConfig(ulysses=2), BF16, gpu_memory=24 * GiB)
+    assert plan.fits is False
+    msg = plan.message()
+    worst = plan.worst
+    assert f"{worst.total / GiB:.1f} GiB of its 24.0 GiB" in msg
+    assert "largest part is transformer weights" in msg
+    assert plan.alternatives and all(t <= 24 * GiB for _, t in plan.alternatives)
+    for desc, _ in plan.alternatives:  # each offered change really fits when applied
+        assert any(k in desc for k in ("pipefusion", "shard_weights", "fp8"))
+    assert mp.plan(facts, ParallelConfig(ulysses=2), BF16, gpu_memory=80 * GiB).fits
+
+
+def test_flux1_preset(flux2):
+    facts = mp.preset_facts("flux1-dev")
+    plan = mp.plan(facts, ParallelConfig(), BF16)
+    assert 11.8e9 < plan.ranks[0].weights / 2 < 12.0e9  # FLUX.1 [dev]: 11.9B parameters
+    assert 4.8e9 < facts.text_encoder_params < 5.0e9  # T5-XXL encoder + CLIP-L
+
+
+def test_model_folder_counts_its_real_modules(model_dir):
+    from diffusers import FluxTransformer2DModel
+    path = model_dir("flux")
+    facts = mp.model_facts(str(path), "bf16")
+    with torch.device("meta"):
+        tr = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(
+            str(path / "transformer")))
+    plan = mp.plan(facts, ParallelConfig(ulysses=2), BF16)
+    assert plan.ranks[0].weights == nbytes(tr.parameters())
+    assert facts.text_encoder_bytes > 0 and facts.vae_params > 0
+
+
+def test_cli_table_and_bad_input(capsys):
+    rc = cli_main(["memory-plan", "--preset", "flux2-dev", "--pipefusion", "4", "--gpus", "4",
+                   "--height", "1024", "--width", "1024", "--gpu-memory", "24",
+                   "--text-encoders", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "stage 4/4" in out and "fits" in out
+    rc = cli_main(["memory-plan", "--preset", "flux2-dev", "--ulysses", "2", "--gpus", "2",
+                   "--height", "1024", "--width", "1024", "--gpu-memory", "24"])
+    assert rc == 1 and "does not fit" in capsys.readouterr().out.lower()
+    rc = cli_main(["memory-plan", "--preset", "flux2-dev", "--ulysses", "2", "--gpus", "3",
+                   "--height", "1024", "--width", "1024"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "world size 3" in err
+    rc = cli_main(["memory-plan", "--preset", "flux2-dev", "--compare", "--gpus", "2,8",
+                   "--gpu-memory", "24,80", "--height", "1024", "--width", "1024"])
+    table = capsys.readouterr().out
+    assert rc == 0 and "| PipeFusion N | cpu | bf16 |" in table and "8x80 GB" in table
+
+
+def _no_spawn(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a worker was started")
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def test_pool_refuses_before_any_worker(model_dir, monkeypatch):
+    from comfyui_xdit import GenerationRequest, WorkerPool
+    _no_spawn(monkeypatch)
+    seen = []
+
+    def memory(ids):
+        seen.append(list(ids))
+        return [64 * 2 ** 20] * len(ids)  # 64 MiB GPUs: below the 2 GiB reserve
+    monkeypatch.setattr(mp, "gpu_memory_bytes", memory)
+    pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
+                      dtype="bf16", gpus=["GPU-a", "GPU-b"])
+    with pytest.raises(ConfigError) as e:
+        pool.generate(GenerationRequest(prompt=["x"], steps=1, height=64, width=64))
+    assert "of its 0.1 GiB GPU" in str(e.value) and "CUDA reserve 2.0 GiB" in str(e.value)
+    assert seen == [["GPU-a", "GPU-b"]] and pool.worker_pids() == []
+    with pytest.raises(ConfigError, match="before any job's activations"):
+        pool.decode(torch.zeros(1, 16, 8, 8))  # the launch path of decode / model calls
+    pool.close()
+
+
+def test_loader_shows_and_refuses(model_dir, monkeypatch):
+    from comfyui_xdit.node_logic import make_handle
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [64 * 2 ** 20] * len(ids))
+    h = make_handle(str(model_dir("flux")), "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b",
+                    has_cuda=True)
+    assert any("of its 0.1 GiB GPU" in p for p in h.problems())
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
+    assert h.problems() == [] and "fits" in h.memory_summary()
+    cpu = make_handle(str(model_dir("flux")), "cpu", "fp32", ulysses=2, has_cuda=False)
+    assert cpu.problems() == [] and cpu.memory_summary() == ""
