@@ -38,8 +38,11 @@ def pipeline_class_of(path) -> str:
     index = os.path.join(path, "model_index.json")
     if not os.path.isfile(index):
         return Flux2Adapter.pipeline_class
-    with open(index) as f:
-        name = json.load(f).get("_class_name")
+    try:
+        with open(index) as f:
+            name = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"cannot read the pipeline class from {index}: {e}") from None
     if name == "Flux2Pipeline":
         return name
     if isinstance(name, str) and name.startswith("Flux2Klein"):
