@@ -5,16 +5,22 @@ control, transformer_options, ...)`, with the conditional and unconditional rows
 side by side in one batch. `PoolDenoiser` turns each such call into one pool request
 (workers/model_call.py) and returns what ComfyUI's own FLUX / SD3 model would return:
 
-* x: model-space latents [N, 16, h, w] (ComfyUI has already applied the latent format);
-* timestep: FLUX gets sigma, SD3 sigma * 1000 (ComfyUI's model sampling); the pool speaks
-  the diffusers pipelines' sigma * 1000 for both;
+* x: model-space latents [N, 16, h, w] (ComfyUI has already applied the latent format).
+  FLUX.2 (ComfyUI's newer FLUX.2 model): the normalised latent 2x2-patchified, [N, 128,
+  H/16, W/16], or unpatchified [N, 32, H/8, W/8]; the pool takes the unpatchified one
+  (its packing is the same pixel-unshuffle order), so a patchified x is reshaped there and
+  the prediction back;
+* timestep: FLUX / FLUX.2 get sigma, SD3 sigma * 1000 (ComfyUI's model sampling); the pool
+  speaks the diffusers pipelines' sigma * 1000 for all;
+* reference latents (`ref_latents`, from ComfyUI's ReferenceLatent node, in x's space) and
+  `ref_latents_method` go to the pool with their conditioning (FLUX.1 Kontext, FLUX.2);
 * the output: the flow (velocity) prediction in x's layout.
 
 A conditioning crosses to the pool once per sampling run: ComfyUI names the conditioning of
 each chunk of rows in `transformer_options["uuids"]` (fresh for every sampling run), so a
 chunk's key is its uuid, row count and token count; without uuids (a caller outside
 ComfyUI's samplers) the key is a hash of the tensors. Anything the pool cannot honour
-(ControlNet, attention patches, masks, reference latents) is refused with a clear message.
+(ControlNet, attention patches, masks) is refused with a clear message.
 """
 from __future__ import annotations
 
@@ -57,26 +63,33 @@ class PoolDenoiser:
         import torch
 
         self._refuse(control, transformer_options or {}, kwargs)
-        if context is None or y is None:
+        if context is None or (y is None and self.arch != "flux2"):
             raise ConfigError("the xDiT MODEL needs text conditioning with a pooled output "
                               "(CONDITIONING from ComfyUI's FLUX / SD3 text encoders)")
         n = int(x.shape[0])
         t = timestep.reshape(-1).float().cpu().expand(n) if timestep.numel() == 1 else \
             timestep.reshape(-1).float().cpu()
-        if self.arch == "flux":
+        if self.arch in ("flux", "flux2"):
             t = t * 1000.0  # ComfyUI's FLUX takes sigma; the pool sigma * 1000
         g = None
         if guidance is not None:
             g = guidance.reshape(-1).float().cpu()
             g = g.expand(n) if g.numel() == 1 else g
-        chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n)
+        patchified = self._patchified(x)
+        refs = kwargs.get("ref_latents")
+        if refs is not None:
+            refs = [self._to_pool_layout(r, patchified) for r in refs]
+        chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n,
+                                     refs, kwargs.get("ref_latents_method"))
         pool = self.pool
         state = (id(pool), pool.launches)
         if self._launches != state:  # another or a relaunched pool holds no conditioning
             self._known.clear()
         out, stats, sent = pool.model_call(
-            self.config, x.detach().float().cpu(), t.contiguous(), g, chunks, conds,
+            self.config, self._to_pool_layout(x, patchified), t.contiguous(), g, chunks, conds,
             known=set(self._known))
+        if patchified:
+            out = torch.nn.functional.pixel_unshuffle(out, 2)
         self._launches = (id(pool), pool.launches)
         self.calls += 1
         self.conds_sent += len(sent)
@@ -102,38 +115,76 @@ class PoolDenoiser:
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN)
         if kwargs.get("attention_mask") is not None:
             raise ConfigError("attention masks are not supported on the xDiT MODEL")
-        if kwargs.get("ref_latents") is not None:
-            raise ConfigError("reference latents (Kontext / ReferenceLatent) are not supported "
-                              "on the xDiT MODEL yet")
+        refs = kwargs.get("ref_latents")
+        if refs is not None and self.arch not in ("flux", "flux2"):
+            raise ConfigError(f"reference latents (ReferenceLatent) need FLUX.1 Kontext or "
+                              f"FLUX.2; this is a {self.arch} model: remove the "
+                              f"ReferenceLatent node")
         if unknown:
             raise ConfigError(f"the xDiT MODEL cannot honour model inputs {unknown}; remove "
                               f"the node that adds them or use ComfyUI's own model")
 
-    def _chunks(self, context, y, uuids, n: int):
-        """[(key, rows)] and {key: {"context", "pooled"}} for the rows of one call."""
+    def _patchified(self, x) -> bool:
+        """FLUX.2 x in the 2x2-patchified layout (128 channels) rather than the pool's 32."""
+        if self.arch != "flux2" or x.dim() != 4:
+            return False
+        if x.shape[1] == 128:
+            return True
+        if x.shape[1] != 32:
+            raise ConfigError(f"the FLUX.2 xDiT MODEL takes latents [N, 128, H/16, W/16] or "
+                              f"[N, 32, H/8, W/8] (got {tuple(x.shape)})")
+        return False
+
+    @staticmethod
+    def _to_pool_layout(x, patchified: bool):
+        import torch
+        x = x.detach().float().cpu()
+        return torch.nn.functional.pixel_shuffle(x, 2) if patchified else x
+
+    def _chunks(self, context, y, uuids, n: int, refs=None, method=None):
+        """[(key, rows)] and {key: {"context", "pooled"[, "ref_latents", "ref_method"]}} for
+        the rows of one call (each reference sliced to the chunk's rows, a batch-1 one
+        shared)."""
         parts = len(uuids) if uuids else 1
         if n % parts:
             raise ConfigError(f"{n} latent rows cannot be split into {parts} conditionings")
         rows = n // parts
-        if context.shape[0] != n or y.shape[0] != n:
+        if context.shape[0] != n or (y is not None and y.shape[0] != n):
             raise ConfigError(f"conditioning has {context.shape[0]} rows for {n} latents")
+        for r in refs or []:
+            if r.dim() != 4 or int(r.shape[0]) not in (1, n):
+                raise ConfigError(f"a reference latent has shape {tuple(r.shape)}; the xDiT "
+                                  f"MODEL takes [1 or {n}, C, h, w]")
         chunks, conds = [], {}
         for i in range(parts):
-            ctx = context[i * rows:(i + 1) * rows]
-            pooled = y[i * rows:(i + 1) * rows]
-            if uuids:
+            sl = slice(i * rows, (i + 1) * rows)
+            ctx = context[sl]
+            pooled = None if y is None else y[sl]
+            mine = None if refs is None else \
+                [(r if r.shape[0] == 1 else r[sl]).expand(rows, *r.shape[1:]).contiguous()
+                 for r in refs]
+            if uuids:  # a conditioning's references are fixed for its sampling run
                 key = f"{uuids[i]}:{rows}:{ctx.shape[1]}"
             else:
-                key = "h:" + _digest(ctx, pooled)
+                key = "h:" + _digest(ctx, *([] if pooled is None else [pooled]),
+                                     *(mine or []), str(method))
             chunks.append((key, rows))
             conds[key] = {"context": ctx.detach().float().cpu().contiguous(),
-                          "pooled": pooled.detach().float().cpu().contiguous()}
+                          "pooled": None if pooled is None else
+                          pooled.detach().float().cpu().contiguous()}
+            if mine is not None:
+                conds[key]["ref_latents"] = mine
+                if method is not None:
+                    conds[key]["ref_method"] = str(method)
         return chunks, conds
 
 
 def _digest(*tensors) -> str:
     h = hashlib.blake2b(digest_size=16)
     for t in tensors:
+        if isinstance(t, str):
+            h.update(t.encode())
+            continue
         t = t.detach().float().cpu().contiguous()
         h.update(str(tuple(t.shape)).encode())
         h.update(t.numpy().tobytes())

@@ -218,3 +218,66 @@ def test_flux2_single_file_equals_the_folder(registry, model_dir, tmp_path):
     with pytest.raises(ConfigError, match="no text encoders"):
         sample(_handle(f, world_size=2, ulysses=2),
                SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=registry)
+
+
+# ---- the xDiT MODEL's calls for a FLUX.2 caller (model_calls.PoolDenoiser) ----------------
+def _transformer_oracle(path, x128, sigma, pe, refs=()):
+    """diffusers' Flux2Transformer2DModel on ComfyUI's patchified FLUX.2 latent [N,128,h,w]
+    (tokens row-major), with the Flux2 pipelines' ids; references (same layout) join the
+    image stream after the latent with time coordinates 10, 20, ... as Flux2KleinPipeline
+    places them, and only the latent's tokens are returned."""
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+
+    tr = Flux2Transformer2DModel.from_pretrained(path, subfolder="transformer").eval()
+    P = Flux2KleinPipeline
+    tokens, ids = P._pack_latents(x128), P._prepare_latent_ids(x128)
+    n = tokens.shape[1]
+    if refs:
+        ref_ids = P._prepare_image_ids([r[:1] for r in refs]).expand(x128.shape[0], -1, -1)
+        tokens = torch.cat([tokens] + [P._pack_latents(r) for r in refs], dim=1)
+        ids = torch.cat([ids, ref_ids.to(ids.dtype)], dim=1)
+    with torch.no_grad():
+        out = tr(hidden_states=tokens, timestep=sigma.expand(x128.shape[0]), guidance=None,
+                 encoder_hidden_states=pe, txt_ids=P._prepare_text_ids(pe), img_ids=ids,
+                 return_dict=False)[0]
+    b, c, h, w = x128.shape
+    return out[:, :n].transpose(1, 2).reshape(b, c, h, w)
+
+
+def test_pool_denoiser_flux2_layout_timestep_and_references(pools, model_dir):
+    """ComfyUI's FLUX.2 model calls its diffusion model with the patchified latent [N,128,
+    h,w], sigma and the text states (no pooled y); PoolDenoiser returns the velocity in that
+    layout, equal to the diffusers transformer (<= 1e-4) on 2 Ulysses ranks, with and without
+    a reference latent (ReferenceLatent's `ref_latents`)."""
+    from comfyui_xdit import ParallelConfig
+    from comfyui_xdit.model_calls import PoolDenoiser
+
+    path = model_dir("flux2")
+    pool = pools("flux2", 2)
+    config = ParallelConfig(ulysses=2)
+    pool.reconfigure(config)
+    den = PoolDenoiser(pool, config, "flux2")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 128, 4, 3, generator=g)
+    pe = encode_flux2(str(path), ["a red cat", "a blue dog"], 12)
+    sigma = torch.tensor([0.7])
+    got = den(x, sigma, context=pe, y=None, transformer_options={"uuids": ["u1"]})
+    want = _transformer_oracle(path, x, sigma, pe)
+    assert got.shape == x.shape
+    assert (got - want).abs().max().item() <= 1e-4 and want.abs().max() > 1e-2
+    # the 32-channel unpatchified layout is the same call
+    same = den(torch.nn.functional.pixel_shuffle(x, 2), sigma, context=pe, y=None,
+               transformer_options={"uuids": ["u1"]})
+    assert torch.allclose(torch.nn.functional.pixel_unshuffle(same, 2), got, atol=1e-6)
+    # the timestep is sigma (x1000 on the pool): another sigma gives another velocity
+    other = den(x, torch.tensor([0.2]), context=pe, y=None, transformer_options={"uuids": ["u1"]})
+    assert (other - got).abs().max().item() > 1e-3
+    with pytest.raises(ConfigError, match=r"FLUX.2 xDiT MODEL takes latents \[N, 128"):
+        den(torch.randn(2, 16, 8, 6), sigma, context=pe, y=None)
+
+    ref = torch.randn(1, 128, 2, 3, generator=g)
+    with_ref = den(x, sigma, context=pe, y=None, ref_latents=[ref],
+                   transformer_options={"uuids": ["u2"]})
+    want_ref = _transformer_oracle(path, x, sigma, pe, refs=[ref.expand(2, -1, -1, -1)])
+    assert (with_ref - want_ref).abs().max().item() <= 1e-4
+    assert (with_ref - got).abs().max().item() > 1e-3  # the reference changed the result

@@ -74,7 +74,8 @@ class CondCache:
 def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache) -> str:
     """Rank 0, before anything is broadcast: what is wrong with a call, or ""."""
     cfg = model.transformer.config
-    channels = int(cfg.in_channels) // (4 if adapter.arch == "flux" else 1)
+    # FLUX / FLUX.2 pack 2x2 latent pixels per token; the call's x is unpacked
+    channels = int(cfg.in_channels) // (4 if adapter.arch in ("flux", "flux2") else 1)
     if not torch.is_tensor(x) or x.dim() != 4 or x.shape[1] != channels:
         got = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
         return f"the model takes latents [batch, {channels}, height/8, width/8] (got {got})"
@@ -99,10 +100,13 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         if ctx.dim() != 3 or ctx.shape[0] != rows or ctx.shape[2] != int(cfg.joint_attention_dim):
             return (f"conditioning {key}: text states must be [{rows}, tokens, "
                     f"{int(cfg.joint_attention_dim)}] (got {tuple(ctx.shape)})")
-        if pooled.dim() != 2 or pooled.shape[0] != rows or \
-                pooled.shape[1] != int(cfg.pooled_projection_dim):
+        # FLUX.2 has no pooled projection: a pooled output is not needed (nor used)
+        if adapter.arch != "flux2" and (
+                pooled is None or pooled.dim() != 2 or pooled.shape[0] != rows
+                or pooled.shape[1] != int(cfg.pooled_projection_dim)):
             return (f"conditioning {key}: pooled output must be [{rows}, "
-                    f"{int(cfg.pooled_projection_dim)}] (got {tuple(pooled.shape)})")
+                    f"{int(cfg.pooled_projection_dim)}] (got "
+                    f"{None if pooled is None else tuple(pooled.shape)})")
         lengths.add(int(ctx.shape[1]))
     if len(lengths) > 1:
         return f"the conditionings of one call have different token counts {sorted(lengths)}"
