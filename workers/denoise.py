@@ -49,6 +49,9 @@ class Job:
     init_latent: Optional[torch.Tensor] = None  # model space, the whole batch (img2img)
     denoise: float = 1.0
     options: Optional[dict] = None  # PipeFusion: warmup_steps, pipeline_patches
+    # reference images: {"tokens": [1 or B, M, C] model space, "ids": [M, axes]}, shared by
+    # both guidance branches (the adapter joins them to the image stream)
+    references: Optional[dict] = None
 
 
 def schedule_window(steps: int, denoise: float) -> tuple:
@@ -71,7 +74,7 @@ class Prepared:
     latents: torch.Tensor  # model space, at the first timestep
     sigmas: torch.Tensor  # the run's sigmas, one more than timesteps (fp32, device)
     timesteps: torch.Tensor
-    extra: dict  # per-size forward inputs (FLUX image ids)
+    extra: dict  # per-size forward inputs (FLUX image ids, this replica's references)
 
 
 def check_scheduler(scheduler) -> None:
@@ -114,9 +117,13 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
     if img2img:  # start part-way down the schedule from the noised input latent
         x0 = job.init_latent[mine].to(dev, dtype)
         latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(dtype)
+    extra = adapter.forward_extra(model, req["height"], req["width"])
+    if job.references is not None:  # a batch of references is sliced like the latents
+        tokens = job.references["tokens"]
+        extra["ref_tokens"] = (tokens[mine] if tokens.shape[0] > 1 else tokens).to(dev, dtype)
+        extra["ref_ids"] = job.references["ids"].to(dev, extra["img_ids"].dtype)
     return Prepared(sizes=sizes, mine=mine, cond=cond, uncond=uncond, latents=latents,
-                    sigmas=sigmas, timesteps=timesteps,
-                    extra=adapter.forward_extra(model, req["height"], req["width"]))
+                    sigmas=sigmas, timesteps=timesteps, extra=extra)
 
 
 def euler_step(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int) -> torch.Tensor:
@@ -173,7 +180,9 @@ def run_job(job: Job, model, adapter, topo: Topology, control,
                           text_len={b: c["encoder_hidden_states"].shape[1]
                                     for b, c in branches.items()},
                           hidden=int(model.transformer.config.num_attention_heads)
-                          * int(model.transformer.config.attention_head_dim), device=dev)
+                          * int(model.transformer.config.attention_head_dim), device=dev,
+                          ref_tokens=int(prep.extra["ref_tokens"].shape[1])
+                          if "ref_tokens" in prep.extra else 0)
     pipe = topo.group("pipefusion")
     latents = prep.latents.clone()
     sigmas, scale = prep.sigmas, float(req["cfg"])

@@ -38,7 +38,9 @@ class ModelCall:
     timestep: torch.Tensor  # [N], sigma * 1000
     guidance: Optional[torch.Tensor]  # [N] FLUX embedded guidance, else None
     chunks: list  # [(key, rows)], rows summing to N, in row order
-    new_conds: dict = field(default_factory=dict)  # key -> {"context", "pooled"} (CPU)
+    # key -> {"context", "pooled"} (CPU), optionally with "ref_latents" (list of
+    # [rows, C, h, w], model space, unpacked: ComfyUI's `ref_latents`) and "ref_method"
+    new_conds: dict = field(default_factory=dict)
 
 
 class CondCache:
@@ -88,14 +90,19 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         return f"one guidance value per latent row expected ({n})"
     if sum(int(r) for _, r in chunks) != n or any(int(r) < 1 for _, r in chunks):
         return f"conditioning chunks cover {[r for _, r in chunks]} rows, the batch has {n}"
-    lengths = set()
+    lengths, references = set(), set()
     for key, rows in chunks:
         c = new_conds.get(key)
         if c is None:  # cached: checked when it arrived
             cached = cache.items.get(key)
             if cached is not None:
                 lengths.add(int(cached["encoder_hidden_states"].shape[1]))
+                references.add(cached.get("ref_layout"))
             continue
+        problem = _reference_problem(adapter, key, rows, int(x.shape[1]), c)
+        if problem:
+            return problem
+        references.add(reference_layout(adapter, c))
         ctx, pooled = c["context"], c["pooled"]
         if ctx.dim() != 3 or ctx.shape[0] != rows or ctx.shape[2] != int(cfg.joint_attention_dim):
             return (f"conditioning {key}: text states must be [{rows}, tokens, "
@@ -110,6 +117,42 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         lengths.add(int(ctx.shape[1]))
     if len(lengths) > 1:
         return f"the conditionings of one call have different token counts {sorted(lengths)}"
+    if len(references) > 1:
+        return ("the conditionings of one call have different reference latents (sizes or "
+                "method); one call runs one image stream layout")
+    return ""
+
+
+def reference_layout(adapter, c: dict):
+    """What must agree across a call's rows: the references' sizes and method (None: no
+    references)."""
+    refs = c.get("ref_latents")
+    if not refs:
+        return None
+    method = c.get("ref_method") or adapter.reference_methods()[0]
+    return (tuple((int(r.shape[-2]), int(r.shape[-1])) for r in refs), method)
+
+
+def _reference_problem(adapter, key, rows, channels, c: dict) -> str:
+    refs = c.get("ref_latents")
+    if refs is None:
+        return ""
+    if not hasattr(adapter, "reference_methods"):
+        return (f"conditioning {key}: reference latents are not supported by {adapter.arch} "
+                f"models (FLUX.1 Kontext or FLUX.2 only); remove the ReferenceLatent node")
+    methods = adapter.reference_methods()
+    if c.get("ref_method") is not None and c["ref_method"] not in methods:
+        return (f"conditioning {key}: reference method {c['ref_method']!r} is not one of "
+                f"{list(methods)}")
+    if not isinstance(refs, (list, tuple)) or not refs:
+        return f"conditioning {key}: ref_latents must be a non-empty list of latents"
+    for i, r in enumerate(refs):
+        r = as_tensor(r)
+        if not torch.is_tensor(r) or r.dim() != 4 or r.shape[0] != rows \
+                or r.shape[1] != channels or min(r.shape[-2:]) < 1:
+            got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
+            return (f"conditioning {key}: reference latent #{i + 1} must be [{rows}, "
+                    f"{channels}, h, w] like the call's latents (got {got})")
     return ""
 
 
@@ -117,7 +160,12 @@ def _cached(cache: CondCache, key: str, value: dict, model, adapter) -> None:
     """Convert a ComfyUI conditioning to the transformer's inputs on this rank's device."""
     dev, dtype = model.device, model.dtype
     d = adapter.conditioning(value["context"], value["pooled"])
-    cache.put(key, {k: v.to(dev, dtype if v.is_floating_point() else None) for k, v in d.items()})
+    d = {k: v.to(dev, dtype if v.is_floating_point() else None) for k, v in d.items()}
+    if value.get("ref_latents"):  # packed once per sampling run, like the text
+        refs = [as_tensor(r).to(dev, dtype) for r in value["ref_latents"]]
+        d["ref_tokens"] = adapter.pack_references(refs)
+        d["ref_layout"] = reference_layout(adapter, value)
+    cache.put(key, d)
 
 
 def replica_rows(n: int, topo) -> tuple:
@@ -167,15 +215,20 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group
     if sizes[me] or dummy:
         cond = {}
         for k in conds[0]:
-            if k in ("encoder_hidden_states", "pooled_projections"):
+            if k in ("encoder_hidden_states", "pooled_projections", "ref_tokens"):
                 cond[k] = conds[0][k] if len(conds) == 1 else torch.cat([cd[k] for cd in conds])
                 cond[k] = cond[k][mine]
-            else:
+            elif k != "ref_layout":
                 cond[k] = conds[0][k]  # per-token ids, shared by the batch
         x = x_all[mine].to(dev, dtype)
         t = t_all[mine].to(dev, torch.float32)
         g = None if g_all is None else g_all[mine].to(dev, torch.float32)
         extra = adapter.forward_extra(model, h * 8, w * 8)
+        if "ref_tokens" in cond:  # ComfyUI's FLUX: the references join the image stream
+            sizes, method = conds[0]["ref_layout"]
+            extra["ref_tokens"] = cond.pop("ref_tokens")
+            extra["ref_ids"] = adapter.reference_ids(sizes, method, h * 8, w * 8, dev,
+                                                     extra["img_ids"].dtype)
         packed = adapter.pack(x)
         t_fwd = time.perf_counter()
         pred = adapter.forward(model, packed, t, cond, g, extra)

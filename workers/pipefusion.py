@@ -10,6 +10,14 @@ patch) is fresh; the rest is one step stale. The last stage finishes a patch's E
 sends those latent rows straight back to stage 0, which starts the next step with them: there
 is no bubble between steps, only the fill at the start.
 
+Reference images (FLUX.1 Kontext, FLUX.2) are context like the text: their tokens are
+computed with each step's first patch (per guidance branch) and their K/V cached and
+refreshed like the text's, so later patches attend to them one patch stale at most within a
+step, and with warmup_steps >= steps the run is exact. For that the adapter puts them at the
+front of the image stream in patch calls (workers/models/flux.py `with_references`): the
+first patch's image tokens are then one range, [references, its rows], and the plans,
+shards and caches need no second range.
+
 With ulysses/ring inside a stage, each stage's sp ranks hold a shard of the patch; the
 attention gathers the patch's keys/values over the sp group (heads by all-to-all, tokens by
 all-gather) before it refreshes the cache, so every rank's cache holds the full sequence for
@@ -169,6 +177,7 @@ class PipelineRun:
     batch: int
     hidden: int
     device: Any
+    ref_tokens: int = 0  # reference tokens at the front of the image stream (module doc)
     caches: dict = field(default_factory=dict)
     incoming: Optional[torch.Tensor] = None  # this tick's activations from the previous stage
     outgoing: Optional[torch.Tensor] = None  # this tick's activations for the next stage
@@ -181,15 +190,20 @@ class PipelineRun:
         self.head = topo.global_rank(pipefusion=0)
         self.tail = topo.global_rank(pipefusion=n - 1)
 
+    def image_range(self, m: Micro) -> tuple:
+        """Image-stream tokens of a micro: its rows, after the references, which the
+        branch's first patch of a step (the one with the text) computes too."""
+        lo, hi = (self.ref_tokens + r * self.cols for r in m.rows)
+        return (0 if m.with_text else lo), hi
+
     def plan(self, m: Micro) -> SequencePlan:
         return SequencePlan(self.topo.sp_rank, self.topo.sp, self.text_len[m.branch],
-                            self.rows * self.cols,
-                            image_range=(m.rows[0] * self.cols, m.rows[1] * self.cols),
-                            with_text=m.with_text)
+                            self.ref_tokens + self.rows * self.cols,
+                            image_range=self.image_range(m), with_text=m.with_text)
 
     def context(self, m: Micro) -> PatchContext:
-        return PatchContext(image_range=(m.rows[0] * self.cols, m.rows[1] * self.cols),
-                            with_text=m.with_text, branch=m.branch, run=self)
+        return PatchContext(image_range=self.image_range(m), with_text=m.with_text,
+                            branch=m.branch, run=self)
 
     def activation_shape(self, m: Micro) -> tuple:
         plan, r = self.plan(m), self.topo.sp_rank

@@ -172,9 +172,19 @@ class Worker:
             uncond = branch(req["negative"], [req["negative_prompt"]]) if use_cfg else None
         # LoRA files are read and checked here, before anything is broadcast
         req["lora_adapters"] = self.loras.resolve(self.model.transformer, req.get("loras"))
+        refs = None
+        if msg.references:  # raw VAE space -> model-space tokens and ids, once, on rank 0
+            with torch.inference_mode():
+                refs = self.adapter.reference_inputs(
+                    self.model, [torch.as_tensor(r) for r in msg.references],
+                    req.get("reference_method"), req["height"], req["width"])
+            if refs["tokens"].shape[0] not in (1, b):
+                raise ValueError(f"reference latents have batch {refs['tokens'].shape[0]}; "
+                                 f"give 1 (shared) or the batch {b}")
         return Job(job_id=msg.job_id, request=req, config=tuple(msg.config), noise=noise,
                    cond=cond, uncond=uncond, init_latent=msg.init_latent,
-                   denoise=float(msg.denoise), options=dict(msg.options or {}))
+                   denoise=float(msg.denoise), options=dict(msg.options or {}),
+                   references=refs)
 
     def _check_stages(self, key) -> None:
         """A PipeFusion pool holds one stage per rank: it runs only its launch's layout."""
@@ -239,7 +249,8 @@ class Worker:
                              "without pipefusion for the xDiT MODEL")
         self._check_stages(key)
         chunks = [(str(k), int(r)) for k, r in msg.chunks]
-        conds = {str(k): {"context": v["context"], "pooled": v["pooled"]}
+        conds = {str(k): {f: v[f] for f in ("context", "pooled", "ref_latents", "ref_method")
+                          if f in v}
                  for k, v in (msg.conds or {}).items()}
         missing = [k for k in self.cond_cache.missing(k for k, _ in chunks) if k not in conds]
         if missing:

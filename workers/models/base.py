@@ -159,6 +159,11 @@ class DiTAdapter:
         """One transformer call -> the prediction, in the layout of `latents`."""
         raise NotImplementedError
 
+    def reference_inputs(self, model, raws, method, height, width) -> dict:
+        """Reference images -> {"tokens", "ids"} (workers/models/flux.py); not for this arch."""
+        raise ValueError(f"reference images are not supported by {self.arch} models; they "
+                         f"need FLUX.1 Kontext or FLUX.2")
+
     @staticmethod
     def slice_cond(cond: dict, sl: slice) -> dict:
         """The conditioning of a batch slice; per-token ids (2-D) are shared by the batch."""

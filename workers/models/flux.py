@@ -80,12 +80,118 @@ class FluxAdapter(DiTAdapter):
         if tr.config.guidance_embeds:  # one value for the batch, or one per row
             g = (guidance if torch.is_tensor(guidance) else torch.tensor(float(guidance)))
             g = g.to(latents.device, torch.float32).expand(b)
+        hidden, ids, keep = self.with_references(latents, extra, jak)
+        out = tr(hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,
+                 guidance=g, pooled_projections=cond["pooled_projections"],
+                 encoder_hidden_states=cond["encoder_hidden_states"],
+                 txt_ids=cond["txt_ids"], img_ids=ids, joint_attention_kwargs=jak,
+                 return_dict=False)[0]
+        return out if keep is None else out[:, keep]
+
+    # ---- reference images (FLUX.1 Kontext, FLUX.2) -------------------------------------
+    id_axes = 3  # RoPE id axes: (index, row, column)
+    reference_index_step = 1  # FLUX.2: 10 (its time coordinate per reference)
+
+    @staticmethod
+    def with_references(latents, extra, jak):
+        """The image stream the transformer takes: the latent's tokens joined with the
+        references' (`extra["ref_tokens"]` [1 or B, M, C], ids `extra["ref_ids"]`), and which
+        output tokens are the latent's prediction (None: all of them).
+
+        The references follow the latent, as in the diffusers pipelines and ComfyUI. A
+        PipeFusion patch call (`jak["patch"]`) puts them first instead, so that a step's first
+        patch computes them together with the text as one contiguous token range
+        (workers/pipefusion.py); every per-token layer and the attention are indifferent to
+        token order (positions come from the ids), so both orders compute the same result."""
         ids = extra["img_ids"]
-        return tr(hidden_states=latents, timestep=t.expand(b).to(latents.dtype) / 1000,
-                  guidance=g, pooled_projections=cond["pooled_projections"],
-                  encoder_hidden_states=cond["encoder_hidden_states"],
-                  txt_ids=cond["txt_ids"], img_ids=ids, joint_attention_kwargs=jak,
-                  return_dict=False)[0]
+        refs = extra.get("ref_tokens")
+        if refs is None:
+            return latents, ids, None
+        refs = refs.expand(latents.shape[0], -1, -1)
+        ref_ids, n, m = extra["ref_ids"], latents.shape[1], refs.shape[1]
+        if jak is not None and jak.get("patch") is not None:
+            return (torch.cat([refs, latents], 1), torch.cat([ref_ids, ids]), slice(m, m + n))
+        return torch.cat([latents, refs], 1), torch.cat([ids, ref_ids]), slice(0, n)
+
+    def reference_positions(self, sizes, method: str, height: int, width: int) -> list:
+        """(index, first row, first column) in token units of each reference in RoPE id
+        space; `sizes` [(h, w)] in latent pixels. ComfyUI's FLUX methods: "index" numbers the
+        references 1, 2, ...; "offset" gives them all index 1 and puts each next to the
+        ones before it (below or to the right, whichever keeps the canvas squarer); "uxo"
+        gives index 0 and places them diagonally beyond the image. Odd sizes round up (the
+        latent is padded to whole tokens)."""
+        method = method or self.reference_methods()[0]
+        if method not in self.reference_methods():
+            raise ValueError(f"reference method {method!r} is not one of "
+                             f"{list(self.reference_methods())} for {self.arch}")
+        rows, cols = height // 16, width // 16
+        used_h = used_w = index = 0
+        out = []
+        for h, w in sizes:
+            dh = dw = 0
+            if method == "index":
+                index += 1
+            elif method == "uxo":
+                index, dh, dw = 0, 2 * rows + used_h, 2 * cols + used_w
+                used_h, used_w = used_h + h, used_w + w
+            else:  # offset
+                index = 1
+                if h + used_h > w + used_w:
+                    dw = used_w
+                else:
+                    dh = used_h
+                used_h, used_w = max(used_h, h + dh), max(used_w, w + dw)
+            out.append((index * self.reference_index_step, (dh + 1) // 2, (dw + 1) // 2))
+        return out
+
+    def reference_methods(self) -> tuple:
+        from .facts import REFERENCE_METHODS
+        return REFERENCE_METHODS[self.arch]
+
+    def reference_ids(self, sizes, method, height, width, device, dtype):
+        """RoPE ids [M, axes] of the references' tokens (row-major per reference, in order)."""
+        parts = []
+        for (h, w), (index, r0, c0) in zip(sizes, self.reference_positions(sizes, method,
+                                                                           height, width)):
+            th, tw = (h + 1) // 2, (w + 1) // 2
+            ids = torch.zeros(th, tw, self.id_axes)
+            ids[..., 0] = index
+            ids[..., 1] += torch.arange(r0, r0 + th)[:, None]
+            ids[..., 2] += torch.arange(c0, c0 + tw)[None, :]
+            parts.append(ids.reshape(th * tw, self.id_axes))
+        return torch.cat(parts).to(device=device, dtype=dtype)
+
+    def pack_references(self, refs) -> torch.Tensor:
+        """Model-space references [b_i, C, h, w] -> tokens [b, M, C * 4] (a batch-1 reference
+        shared by the others). Odd sizes are padded circularly to whole 2x2 tokens, as
+        ComfyUI's FLUX does."""
+        import torch.nn.functional as F
+        toks = []
+        for r in refs:
+            ph, pw = r.shape[-2] % 2, r.shape[-1] % 2
+            if ph or pw:
+                r = F.pad(r, (0, pw, 0, ph), mode="circular")
+            toks.append(self.pack(r))
+        b = max(t.shape[0] for t in toks)
+        return torch.cat([t.expand(b, -1, -1) for t in toks], 1)
+
+    def reference_inputs(self, model, raws, method, height, width) -> dict:
+        """Raw-VAE-space references (a job's LATENTs) -> {"tokens": [1 or B, M, C] model
+        space, "ids": [M, axes]} (CPU, fp32), exactly as the pipelines encode theirs."""
+        channels = int(model.transformer.config.in_channels) // 4
+        for i, r in enumerate(raws):
+            if not torch.is_tensor(r) or r.dim() != 4 or r.shape[1] != channels \
+                    or r.shape[-2] % 2 or r.shape[-1] % 2:
+                got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
+                raise ValueError(f"reference latent #{i + 1} must be [1 or batch, {channels}, "
+                                 f"h, w] with h and w even for this {self.arch} model "
+                                 f"(got {got})")
+        scale, shift = self.scale_shift(model)
+        toks = [latent_layout.to_model(self.arch, r, scale, shift) for r in raws]
+        b = max(t.shape[0] for t in toks)
+        sizes = [(int(r.shape[-2]), int(r.shape[-1])) for r in raws]
+        return {"tokens": torch.cat([t.expand(b, -1, -1) for t in toks], 1).contiguous(),
+                "ids": self.reference_ids(sizes, method, height, width, "cpu", torch.float32)}
 
     def forward_extra(self, model, height, width):
         return {"img_ids": self.image_ids(height, width, model.device, model.dtype)}

@@ -126,6 +126,10 @@ class Flux2Adapter(FluxAdapter):
         ids[:, 3] = torch.arange(cond.shape[1], dtype=cond.dtype)
         return {"encoder_hidden_states": cond, "txt_ids": ids}
 
+    # references: 4-axis ids (t, h, w, l), t = 10, 20, ... (diffusers' Flux2 pipelines)
+    id_axes = 4
+    reference_index_step = 10
+
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         tr = model.transformer
         b = latents.shape[0]
@@ -133,10 +137,12 @@ class Flux2Adapter(FluxAdapter):
         if tr.config.guidance_embeds and guidance is not None:
             g = (guidance if torch.is_tensor(guidance) else torch.tensor(float(guidance)))
             g = g.to(latents.device, torch.float32).expand(b)
-        return tr(hidden_states=latents, timestep=t.expand(b).to(latents.dtype) / 1000,
-                  guidance=g, encoder_hidden_states=cond["encoder_hidden_states"],
-                  txt_ids=cond["txt_ids"], img_ids=extra["img_ids"],
-                  joint_attention_kwargs=jak, return_dict=False)[0]
+        hidden, ids, keep = self.with_references(latents, extra, jak)
+        out = tr(hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,
+                 guidance=g, encoder_hidden_states=cond["encoder_hidden_states"],
+                 txt_ids=cond["txt_ids"], img_ids=ids,
+                 joint_attention_kwargs=jak, return_dict=False)[0]
+        return out if keep is None else out[:, keep]
 
     def forward_extra(self, model, height, width):
         return {"img_ids": self.image_ids(height, width, model.device, model.dtype)}
