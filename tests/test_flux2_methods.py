@@ -317,3 +317,48 @@ def test_compute_split_alone_would_overload_a_stage():
     per-token work, so a compute-only split breaks the bound the balanced split keeps."""
     held, total = _stage_block_params("compute", 4)
     assert max(held) / total > 1 / 4 + 0.05
+
+
+# ---- patch-parallel VAE decode with the FLUX.2 VAE ---------------------------------------
+
+@pytest.mark.parametrize("config", [ParallelConfig(ulysses=2), ParallelConfig(ring=4)],
+                         ids=["2ranks", "4ranks"])
+def test_image_output_matches_pipeline_decode(pools, folder, config):
+    """output="image": the pool decodes the 32-channel latent patch-parallel over every rank
+    with the folder's AutoencoderKLFlux2; equal to the pipeline's output_type="pt". 112x80
+    is 14 latent rows: uneven bands on 4 ranks."""
+    pool = pools(config)
+    for h, w, b in SHAPES:
+        req = request(h, w, b, output="image")
+        want = oracle(folder, req, output_type="pt")
+        got = pool.generate(req, noise=noise_for(b, h, w, req.seed)).images
+        assert got.shape == (b, h, w, 3) and want.std() > 1e-2
+        err = (got - want.permute(0, 2, 3, 1)).abs().max().item()
+        assert err <= TOL, f"{config.describe()} {h}x{w}: image max diff {err:.2e}"
+
+
+def test_decode_loads_the_folders_vae_class(folder, tmp_path):
+    """The pool decodes with the class vae/config.json names (AutoencoderKLFlux2 here, not
+    an AutoencoderKL reading the same weights); a VAE class it has not proven is refused."""
+    import json
+
+    from comfyui_xdit.worker_modules import worker_module
+
+    base = worker_module("models.base")
+    LoadedModel = worker_module("models").LoadedModel
+
+    def model(path):
+        cfg = json.loads((path / "vae" / "config.json").read_text())
+        return LoadedModel(path=str(path), arch="flux2", transformer=None, encoder=None,
+                           scheduler_config={}, vae_config=cfg, device="cpu",
+                           dtype=torch.float32)
+    vae = base.load_vae(model(folder))
+    assert type(vae).__name__ == "AutoencoderKLFlux2" and vae.config.latent_channels == 32
+    other = _klein_copy(folder, tmp_path / "other")
+    (other / "vae").unlink()
+    (other / "vae").mkdir()
+    cfg = json.loads((folder / "vae" / "config.json").read_text())
+    (other / "vae" / "config.json").write_text(json.dumps(dict(cfg, _class_name="AutoencoderDC")))
+    with pytest.raises(ValueError, match="holds a AutoencoderDC; the pool decodes with "
+                                         "AutoencoderKL or AutoencoderKLFlux2 only"):
+        base.load_vae(model(other))

@@ -33,7 +33,9 @@ duration of one call (`forward` overridden on the instance, hooks registered) an
 afterwards. Before decoding, the decoder's module tree is checked against the module types
 and settings this scheme is proven for; anything else (transposed-conv upsamplers, spatial
 norms, fused QKV, strided convs, ...) raises `NotImplementedError` instead of returning a
-silently wrong image. The FLUX and SD3 VAEs (both AutoencoderKL) pass.
+silently wrong image. The FLUX and SD3 VAEs (AutoencoderKL) and FLUX.2's
+(AutoencoderKLFlux2: the same Decoder and post_quant_conv at 32 latent channels; its batch
+norm acts on the patchified latent in model space, before any decode) pass.
 
 Per-rank activation memory falls roughly as 1/n: the largest tensors are the full-resolution
 band activations; only K/V (latent resolution) and, on rank 0, the 3-channel output image are
@@ -370,10 +372,11 @@ def _broadcast_latents(latents, group, control, device, dtype):
 
 
 def decode_parallel(vae, latents, group=None, fault: str | None = None, control=None):
-    """Decode raw-VAE-space `latents` [B, C, h, w] with `vae` (diffusers AutoencoderKL) split
-    into row bands over the ranks of `group` (None: the default group); `control` is its
-    gloo twin (None: `group` itself, for a gloo group). Bands travel on `group` (halo
-    exchange grouped per conv, the bands gathered by one all-gather), shapes on `control`.
+    """Decode raw-VAE-space `latents` [B, C, h, w] with `vae` (diffusers AutoencoderKL, or
+    AutoencoderKLFlux2 at C=32) split into row bands over the ranks of `group` (None: the
+    default group); `control` is its gloo twin (None: `group` itself, for a gloo group).
+    Bands travel on `group` (halo exchange grouped per conv, the bands gathered by one
+    all-gather), shapes on `control`.
 
     Collective: every rank of the group calls it. Group rank 0 must pass the latents; the
     others may pass None (they receive them by broadcast). Returns `vae.decode(latents).sample`

@@ -30,6 +30,25 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
+# The VAE classes the pool decodes with: the same Decoder (what vae_parallel rewires);
+# FLUX.2's only adds a batch norm on the patchified latent, applied in model space.
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLFlux2")
+
+
+def load_vae(model: LoadedModel):
+    """The folder's own VAE class (vae/config.json `_class_name`), on the model's device."""
+    import diffusers
+
+    name = model.vae_config.get("_class_name") or "AutoencoderKL"
+    if name not in VAE_CLASSES:
+        raise ValueError(f"{os.path.join(model.path, 'vae')} holds a {name}; the pool decodes "
+                         f"with {' or '.join(VAE_CLASSES)} only (decode the LATENT with "
+                         f"ComfyUI's VAEDecode instead)")
+    vae = getattr(diffusers, name).from_pretrained(model.path, subfolder="vae",
+                                                   torch_dtype=model.dtype)
+    return vae.to(model.device).eval().requires_grad_(False)
+
+
 class DiTAdapter:
     arch = ""
     transformer_class = ""
@@ -118,10 +137,7 @@ class DiTAdapter:
         (workers/vae_parallel.py), collective over the group; the latents are needed on group
         rank 0 only, the image is returned there and None elsewhere."""
         if model.vae is None:
-            from diffusers import AutoencoderKL
-            model.vae = AutoencoderKL.from_pretrained(model.path, subfolder="vae",
-                                                      torch_dtype=model.dtype)
-            model.vae.to(model.device).eval().requires_grad_(False)
+            model.vae = load_vae(model)
         x = None if raw is None else raw.to(model.device, model.vae.dtype)
         if group is not None:
             from ..vae_parallel import decode_parallel
