@@ -281,3 +281,16 @@ def test_pool_denoiser_flux2_layout_timestep_and_references(pools, model_dir):
     want_ref = _transformer_oracle(path, x, sigma, pe, refs=[ref.expand(2, -1, -1, -1)])
     assert (with_ref - want_ref).abs().max().item() <= 1e-4
     assert (with_ref - got).abs().max().item() > 1e-3  # the reference changed the result
+
+
+def test_pool_denoiser_refuses_references_for_sd3():
+    """Before any pool is asked: a ReferenceLatent on an SD3 MODEL is one clear error."""
+    from comfyui_xdit import ParallelConfig
+    from comfyui_xdit.model_calls import PoolDenoiser
+
+    def no_pool():
+        raise AssertionError("the pool must not be reached")
+    den = PoolDenoiser(no_pool, ParallelConfig(), "sd3")
+    with pytest.raises(ConfigError, match="reference latents .* need FLUX.1 Kontext or FLUX.2"):
+        den(torch.randn(1, 16, 8, 8), torch.tensor([500.0]), context=torch.randn(1, 4, 32),
+            y=torch.randn(1, 16), ref_latents=[torch.randn(1, 16, 8, 8)])

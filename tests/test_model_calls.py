@@ -164,8 +164,8 @@ def test_bad_calls_are_refused_and_the_pool_stays_warm(pools, transformers):
     with pytest.raises(ConfigError, match="patches"):
         den(**dict(call, transformer_options=dict(call["transformer_options"],
                                                   patches_replace={"dit": {"x": 1}})))
-    with pytest.raises(ConfigError, match="reference latents"):
-        den(**call, ref_latents=[torch.zeros(1, 16, 8, 6)])
+    with pytest.raises(ConfigError, match="a reference latent has shape"):  # rows 1 or N
+        den(**call, ref_latents=[torch.zeros(5, 16, 8, 6)])
     with pytest.raises(ConfigError, match="PipeFusion"):
         PoolDenoiser(pool, ParallelConfig(pipefusion=2), "flux")
     got = den(**call)  # still warm, same workers, right answer
