@@ -28,9 +28,6 @@ from .worker_modules import worker_module
 
 _facts = worker_module("models.facts")  # VAE factors, scheduler configs, RoPE axes
 ARCHS = _facts.ARCHS
-# Archs only this builder knows (the pool does not run them yet): FLUX.2 [klein]-style folders.
-EXTRA_ARCHS = tuple(a for a in ("flux2",) if a not in ARCHS)
-BUILD_ARCHS = ARCHS + EXTRA_ARCHS
 FLUX2_VARIANTS = ("klein", "dev")  # tiny-model --arch flux2 --variant
 
 # Bump when the folder layout or any config below changes: it is part of the cache key, so
@@ -217,8 +214,8 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
                    heads: int = 4, sd35: bool = False, variant: str | None = None) -> dict:
     """Validate the knobs and fill in defaults; the result is what the cache key hashes, so
     equivalent calls (explicit default vs omitted) share one folder."""
-    if arch not in BUILD_ARCHS:
-        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(BUILD_ARCHS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHS)}")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     depth = DEFAULT_DEPTH if depth is None else depth
@@ -692,7 +689,7 @@ def add_cli(subparsers) -> None:
         help="write a small random-weight diffusers model folder (offline)",
         description="Write a small random-weight FLUX or SD3 diffusers folder; nothing is downloaded.",
     )
-    p.add_argument("--arch", required=True, choices=BUILD_ARCHS, help="model family")
+    p.add_argument("--arch", required=True, choices=ARCHS, help="model family")
     p.add_argument("--out", required=True, help="output folder (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--depth", type=int, default=None, help=f"transformer blocks (default {DEFAULT_DEPTH})")
