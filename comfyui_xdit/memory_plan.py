@@ -12,7 +12,8 @@ added up part by part:
   a forward, the non-block parameters gathered whole and the two largest consecutive blocks
   gathered (the running block and the prefetched next one: workers/sharding.py). fp8 (or an
   fp8 checkpoint under weights=auto) stores the Linears inside the blocks in 1 byte
-  (workers/weights.py); everything else is in the pool dtype.
+  (workers/weights.py); everything else is in the pool dtype. Persistent buffers (SD3's
+  positional table) are whole on every rank.
 - activations: one forward's live tensors, a conservative estimate (see `activation_bytes`),
   or the patch-parallel VAE decode's if larger (it runs after the transformer has freed
   its own).
@@ -213,6 +214,7 @@ class _Transformer:
     context_dim: int  # the text embeddings' width entering the transformer
     in_channels: int
     stage_costs: object  # (compute costs, memory costs) for pipefusion_stages.partition
+    buffers: int = 0  # persistent buffer elements (SD3's positional table): whole on every rank
 
 
 @functools.lru_cache(maxsize=8)
@@ -243,9 +245,11 @@ def _transformer(class_name: str, config_json: str, arch: str) -> _Transformer:
     ctx = int(c.get("joint_attention_dim", 0) or c.get("caption_projection_dim", 0) or hidden)
     costs = ([stages.block_cost(b, "compute") for b in blocks],
              [stages.block_cost(b, "memory") for b in blocks])
+    state = set(tr.state_dict())
+    buffers = sum(b.numel() for n, b in tr.named_buffers() if n in state)
     return _Transformer(blocks=tuple(triples(b) for b in blocks), rest=rest, hidden=hidden,
                         heads=heads, widest=int(widest), context_dim=ctx,
-                        in_channels=int(c.in_channels), stage_costs=costs)
+                        in_channels=int(c.in_channels), stage_costs=costs, buffers=buffers)
 
 
 def stage_ranges(tr: _Transformer, stages: int, split: str) -> list:
@@ -448,6 +452,7 @@ def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
     n_blocks = len(tr.blocks)
     block_bytes = [_bytes(b, db, fp8) for b in tr.blocks]
     rest_bytes = _bytes(tr.rest, db, fp8)
+    buffer_bytes = tr.buffers * db  # never sharded nor staged: FSDP leaves buffers whole
 
     # tokens a rank holds in one forward (PipeFusion's warmup steps run the whole image);
     # no job (a launch for decoding or host-sampler calls): the fixed parts only
@@ -490,7 +495,8 @@ def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
         else:
             weights = sum(block_bytes) + rest_bytes
             role = "replica"
-        ranks.append(RankPlan(rank=rank, role=role, weights=weights, activations=act,
+        ranks.append(RankPlan(rank=rank, role=role, weights=weights + buffer_bytes,
+                              activations=act,
                               kv_cache=kv, text_encoders=0, vae=vae, reserve=RESERVE_BYTES,
                               gpu_memory=caps[rank]))
 
