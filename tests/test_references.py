@@ -124,7 +124,7 @@ def kontext_oracle(model_dir):
             out = pipe(prompt=list(prompts), image=images if images else None, height=h,
                        width=w, num_inference_steps=steps, guidance_scale=3.5,
                        latents=pack_flux(x), max_sequence_length=MSL, output_type="latent",
-                       _auto_resize=False, **kw).images
+                       _auto_resize=False, max_area=h * w, **kw).images
         raw = unpack_flux(out, h, w) / scale + shift
         cache[key] = (spy.seen, raw, x)
         return cache[key]
@@ -347,6 +347,22 @@ def comfy_ref_ids(ref_sizes, method, h, w):
     return torch.cat(out)
 
 
+def test_comfy_ref_ids_hand_computed():
+    """The test's ComfyUI rules on a case worked by hand: references of 8x6 and 5x7 latent
+    pixels beside a 10x8 latent. offset: both index 1; the second goes below the first
+    (13 rows vs 13 columns: not wider, so down) at token row (8 + 1) // 2 = 4. index: 1, 2,
+    no shift. uxo: index 0, the first at tokens (5, 4), the second at ((10 + 8 + 1) // 2,
+    (8 + 6 + 1) // 2) = (9, 7)."""
+    sizes = [(8, 6), (5, 7)]
+    off = comfy_ref_ids(sizes, "offset", 10, 8)
+    assert off.shape == (12 + 12, 3)
+    assert off[0].tolist() == [1, 0, 0] and off[12].tolist() == [1, 4, 0]
+    idx = comfy_ref_ids(sizes, "index", 10, 8)
+    assert idx[0].tolist() == [1, 0, 0] and idx[12].tolist() == [2, 0, 0]
+    uxo = comfy_ref_ids(sizes, "uxo", 10, 8)
+    assert uxo[0].tolist() == [0, 5, 4] and uxo[12].tolist() == [0, 9, 7]
+
+
 def comfy_flux_call(tr, x, sigma, context, y, guidance, refs, method):
     """ComfyUI's FLUX model output with ref_latents, from the diffusers transformer: the
     references (model space, padded circularly to whole tokens) packed after the latent."""
@@ -407,6 +423,11 @@ def test_model_call_with_ref_latents(pools, flux_transformer, method):
                            [r.expand(2 * rows, -1, -1, -1) for r in refs], method)
     diff = (got - want).abs().max().item()
     assert diff <= 1e-5, f"max abs diff {diff:.3e}"
+    # the methods place the references differently, and that reaches the prediction
+    other_method = "index" if method != "index" else "offset"
+    moved = comfy_flux_call(tr, x, sigma, context, y, guidance,
+                            [r.expand(2 * rows, -1, -1, -1) for r in refs], other_method)
+    assert (moved - got).abs().max().item() > 1e-4
     # the second call of the run carries no conditioning and no references
     again, _, sent = pool.model_call(config, x, sigma * 1000, guidance, chunks, conds,
                                      set(keys))

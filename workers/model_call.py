@@ -225,9 +225,9 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group
         g = None if g_all is None else g_all[mine].to(dev, torch.float32)
         extra = adapter.forward_extra(model, h * 8, w * 8)
         if "ref_tokens" in cond:  # ComfyUI's FLUX: the references join the image stream
-            sizes, method = conds[0]["ref_layout"]
+            ref_sizes, ref_method = conds[0]["ref_layout"]
             extra["ref_tokens"] = cond.pop("ref_tokens")
-            extra["ref_ids"] = adapter.reference_ids(sizes, method, h * 8, w * 8, dev,
+            extra["ref_ids"] = adapter.reference_ids(ref_sizes, ref_method, h * 8, w * 8, dev,
                                                      extra["img_ids"].dtype)
         packed = adapter.pack(x)
         t_fwd = time.perf_counter()
