@@ -560,24 +560,37 @@ def _alternatives(facts, config, engine, job, gpu_memory):
 
 
 # ---- GPUs ------------------------------------------------------------------------------------
-def gpu_memory_bytes(gpu_ids: Sequence[str]) -> list:
-    """Total memory of each GPU id (an index or a GPU-/MIG- UUID, as comfyui_xdit/gpus.py
-    hands them to the ranks), read from nvidia-smi (NVML: no CUDA initialisation here), or
-    None where it cannot be read. Replaced in tests."""
+_SMI_SIZES: dict = {}  # nvidia-smi's answer, kept: a GPU's total memory never changes
+
+
+def _smi_sizes() -> dict:
+    """{index or UUID: total bytes} of every GPU nvidia-smi lists ({} when it cannot)."""
+    if _SMI_SIZES:
+        return _SMI_SIZES
     exe = shutil.which("nvidia-smi")
     if not exe:
-        return [None] * len(gpu_ids)
+        return {}
     try:
         text = subprocess.run([exe, "--query-gpu=index,uuid,memory.total",
                                "--format=csv,noheader,nounits"], capture_output=True,
                               text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
-        return [None] * len(gpu_ids)
-    sizes = {}
+        return {}
     for line in text.splitlines():
-        parts = [s.strip() for s in line.split(",")]
+        parts = [v.strip() for v in line.split(",")]
         if len(parts) == 3 and parts[2].isdigit():
-            sizes[parts[0]] = sizes[parts[1]] = int(parts[2]) * 2 ** 20  # MiB
+            _SMI_SIZES[parts[0]] = _SMI_SIZES[parts[1]] = int(parts[2]) * 2 ** 20  # MiB
+    return _SMI_SIZES
+
+
+def gpu_memory_bytes(gpu_ids: Sequence[str]) -> list:
+    """Total memory of each GPU id (an index or a GPU-/MIG- UUID, as comfyui_xdit/gpus.py
+    hands them to the ranks), from nvidia-smi (NVML: no CUDA initialisation in this
+    process), or None where it is not known (a MIG slice, no nvidia-smi). An index is read
+    in nvidia-smi's PCI bus order; CUDA's default order (fastest first) can differ only on a
+    box mixing GPU models, where a UUID in the loader's GPU list is exact. Replaced in tests.
+    """
+    sizes = _smi_sizes()
     return [sizes.get(str(g).strip()) for g in gpu_ids]
 
 

@@ -149,6 +149,27 @@ def test_model_folder_counts_its_real_modules(model_dir):
     assert facts.text_encoder_bytes > 0 and facts.vae_params > 0
 
 
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_single_file_counts_the_folder_modules(model_dir, tmp_path, arch):
+    """A single BFL-named file: the same transformer as its folder, no text encoders or VAE
+    (ComfyUI encodes and decodes). SD3's positional table is a buffer, whole on every rank."""
+    import diffusers
+    from single_file_util import write_single_file
+    folder = model_dir(arch)
+    f = write_single_file(folder, arch, tmp_path / f"{arch}.safetensors")
+    facts = mp.model_facts(str(f), "bf16")
+    cls = getattr(diffusers, facts.transformer_class)
+    with torch.device("meta"):
+        tr = cls.from_config(cls.load_config(str(folder / "transformer")))
+    buffers = sum(b.numel() for n, b in tr.named_buffers() if n in tr.state_dict()) * 2
+    assert (arch == "sd3") == (buffers > 0)
+    plan = mp.plan(facts, ParallelConfig(pipefusion=2), BF16)
+    whole = mp.plan(facts, ParallelConfig(), BF16).ranks[0]
+    assert whole.weights == nbytes(tr.parameters()) + buffers
+    assert whole.text_encoders == 0 and whole.vae == 0
+    assert all(r.weights < whole.weights for r in plan.ranks)
+
+
 def test_cli_table_and_bad_input(capsys):
     rc = cli_main(["memory-plan", "--preset", "flux2-dev", "--pipefusion", "4", "--gpus", "4",
                    "--height", "1024", "--width", "1024", "--gpu-memory", "24",
