@@ -2,6 +2,7 @@
 random FLUX model. ComfyUI's own CLIP loaders only know the real text encoders' shapes, so the
 live single-file workflow gets its conditioning from the tiny diffusers folder's encoders (the
 same tensors ComfyUI's CLIPTextEncode produces for FLUX: T5 states + CLIP-L pooled).
+XDiTTestFlux2Conditioning does the same for the tiny FLUX.2 folder (Qwen3 states, no pooled).
 Never shipped: the live test links this folder into custom_nodes/ for its run only."""
 
 
@@ -25,4 +26,29 @@ class XDiTTestConditioning:
         return ([[pe.detach().float(), {"pooled_output": pooled.detach().float()}]],)
 
 
-NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning}
+class XDiTTestFlux2Conditioning:
+    """FLUX.2's CONDITIONING as newer ComfyUI's FLUX.2 text encoders give it: the Qwen3
+    hidden states [B, T, D] and no pooled output (this ComfyUI predates FLUX.2, so the tiny
+    folder's own encoder stands in)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"text": ("STRING", {"default": "a small red cube"}),
+                             "model_folder": ("STRING", {"default": ""}),
+                             "max_sequence_length": ("INT", {"default": 16, "min": 1,
+                                                             "max": 512})}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "encode"
+    CATEGORY = "xDiT tests"
+
+    def encode(self, text, model_folder, max_sequence_length):
+        import diffusers
+        pipe = diffusers.Flux2KleinPipeline.from_pretrained(model_folder, transformer=None,
+                                                            vae=None)
+        pe, _ = pipe.encode_prompt(prompt=[text], max_sequence_length=max_sequence_length)
+        return ([[pe.detach().float(), {}]],)
+
+
+NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning,
+                       "XDiTTestFlux2Conditioning": XDiTTestFlux2Conditioning}
