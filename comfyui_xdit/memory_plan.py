@@ -278,6 +278,7 @@ class JobSize:
     batch: int = 1
     text_tokens: Optional[int] = None  # None: the model's default (512)
     cfg: bool = False  # classifier-free guidance in use (two branches)
+    reference_tokens: int = 0  # reference images' tokens, joined to the image stream
 
 
 @dataclass(frozen=True)
@@ -463,7 +464,7 @@ def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
         if facts.arch == "sd3":
             text += 77  # CLIP's tokens joined to T5's
         image = math.ceil(job.height / (VAE_SCALE * PATCH)) * math.ceil(
-            job.width / (VAE_SCALE * PATCH))
+            job.width / (VAE_SCALE * PATCH)) + job.reference_tokens
         tokens = math.ceil(image / sp) + text
         branches = 2 if job.cfg else 1
         batch = math.ceil(job.batch / config.dp) * max(1, branches // config.cfg)
@@ -618,6 +619,7 @@ def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions,
             job = JobSize(height=int(request.height), width=int(request.width),
                           batch=max(1, int(request.batch)),
                           text_tokens=int(request.max_sequence_length),
+                          reference_tokens=int(request.reference_tokens()),
                           # the default cfg may depend on the model (FLUX.2 base vs distilled)
                           cfg=bool(request.uses_cfg(read_model_info(model_path))))
         p = plan(facts, config.with_world_size(None), engine, job, caps)
