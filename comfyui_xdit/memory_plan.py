@@ -145,15 +145,15 @@ def _preset_counts(name: str) -> tuple:
     import diffusers
     import transformers
 
-    p = PRESETS[name]
+    preset = PRESETS[name]
     te = 0
-    for cls_name, kw in p.text_encoders:
+    for cls_name, kw in preset.text_encoders:
         cls = getattr(transformers, cls_name)
         config = cls.config_class(**kw)
         model = _meta(lambda: cls(config))
-        te += sum(p.numel() for p in model.parameters())  # a tied embedding counts once
-    vcls = getattr(diffusers, p.vae[0])
-    vae = _meta(lambda: vcls(**p.vae[1]))
+        te += sum(t.numel() for t in model.parameters())  # a tied embedding counts once
+    vcls = getattr(diffusers, preset.vae[0])
+    vae = _meta(lambda: vcls(**preset.vae[1]))
     return te, sum(t.numel() for t in vae.parameters()), tuple(vae.config.block_out_channels)
 
 
@@ -413,16 +413,23 @@ def activation_bytes(tr: _Transformer, tokens: int, text_tokens: int, full_token
         2 * full_tokens * head_dim * 4
 
 
+def vae_largest_map(channels: tuple, height: int, width: int) -> int:
+    """Elements of the VAE decoder's largest feature map for one image (vae_decode_bytes)."""
+    last = len(channels) - 1
+    return max(channels[min(i + 1, last)] * math.ceil(height / 2 ** i) *
+               math.ceil(width / 2 ** i) for i in range(len(channels)))
+
+
 def vae_decode_bytes(channels: tuple, height: int, width: int, batch: int, dtype_bytes: int,
                      ranks: int) -> int:
     """The patch-parallel VAE decode's live activations on one rank: VAE_LIVE copies of the
-    decoder's largest feature map (channels x pixels of one level: level i has
-    block_out_channels[i] channels at 1/2^i of the image side), split over the ranks, plus
-    the fp32 RGB image assembled on rank 0."""
+    decoder's largest feature map, split over the ranks, plus the fp32 RGB image assembled
+    on rank 0. At 1/2^i of the image side the decoder holds block_out_channels[i + 1]
+    channels (the deeper level's upsampled output, before its first resnet narrows it; the
+    deepest level its own), so FLUX's largest map is 256 channels at full resolution."""
     if not channels:
         return 0
-    largest = max(c * math.ceil(height / 2 ** i) * math.ceil(width / 2 ** i)
-                  for i, c in enumerate(channels))
+    largest = vae_largest_map(channels, height, width)
     return batch * (VAE_LIVE * dtype_bytes * math.ceil(largest / ranks) + 3 * height * width * 4)
 
 

@@ -225,3 +225,83 @@ def test_loader_shows_and_refuses(model_dir, monkeypatch):
     assert h.problems() == [] and "fits" in h.memory_summary()
     cpu = make_handle(str(model_dir("flux")), "cpu", "fp32", ulysses=2, has_cuda=False)
     assert cpu.problems() == [] and cpu.memory_summary() == ""
+
+
+def test_vae_largest_map_is_the_decoders(model_dir):
+    """The decode estimate's largest feature map equals the largest module output of the
+    real decoder (the tiny FLUX VAE, run on CPU)."""
+    from diffusers import AutoencoderKL
+    vae = AutoencoderKL.from_pretrained(str(model_dir("flux")), subfolder="vae").eval()
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, a, out: seen.append(
+        out.numel() if torch.is_tensor(out) else 0)) for m in vae.decoder.modules()]
+    h, w = 64, 96
+    with torch.no_grad():
+        vae.decode(torch.zeros(1, vae.config.latent_channels, h // 8, w // 8))
+    for hk in hooks:
+        hk.remove()
+    channels = tuple(vae.config.block_out_channels)
+    assert len(channels) == 4  # three 2x upsamplers: 8x, as VAE_SCALE says
+    assert max(seen) == mp.vae_largest_map(channels, h, w)
+
+
+class _LiveBytes:
+    """A dispatch mode measuring the peak bytes of tensor storages created by the ops run
+    inside it and still referenced (views share their storage: counted once)."""
+
+    def __new__(cls):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.refs, self.size, self.now, self.peak = {}, {}, 0, 0
+
+            def _drop(self, key):
+                self.refs[key] -= 1
+                if not self.refs[key]:
+                    self.now -= self.size.pop(key)
+                    del self.refs[key]
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if torch.is_tensor(t) and t.untyped_storage().nbytes():
+                        key = t.untyped_storage().data_ptr()
+                        if key not in self.refs:
+                            self.refs[key], self.size[key] = 0, t.untyped_storage().nbytes()
+                            self.now += self.size[key]
+                        self.refs[key] += 1
+                        weakref.finalize(t, self._drop, key)
+                self.peak = max(self.peak, self.now)
+                return out
+        return Mode()
+
+
+@pytest.mark.parametrize("arch", ["flux2", "flux"])
+def test_activation_estimate_bounds_a_real_forward(model_dir, arch):
+    """A tiny model's forward on CPU (fp32): the live activations it creates peak below the
+    plan's estimate for the same tokens, and not far below (the estimate is not loose)."""
+    import diffusers
+    path = model_dir(arch)
+    facts = mp.model_facts(str(path), "fp32")
+    tr = getattr(diffusers, facts.transformer_class).from_pretrained(
+        str(path), subfolder="transformer").eval()
+    c = tr.config
+    text, image = 32, (384 // 16) * (256 // 16)
+    kw = dict(hidden_states=torch.randn(1, image, c.in_channels),
+              encoder_hidden_states=torch.randn(1, text, c.joint_attention_dim),
+              timestep=torch.tensor([0.5]), img_ids=torch.zeros(image, 4 if arch == "flux2"
+                                                                   else 3),
+              txt_ids=torch.zeros(text, 4 if arch == "flux2" else 3),
+              guidance=torch.tensor([3.5]) if c.guidance_embeds else None)
+    if arch == "flux":
+        kw["pooled_projections"] = torch.randn(1, c.pooled_projection_dim)
+    with torch.no_grad(), _LiveBytes() as live:
+        tr(**kw)
+    t = mp._transformer(facts.transformer_class, facts.transformer_config, facts.arch)
+    estimate = mp.activation_bytes(t, image + text, text, image + text, 1, 4, 1)
+    assert 0.5 * estimate < live.peak <= estimate, (live.peak, estimate)
