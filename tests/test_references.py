@@ -460,3 +460,23 @@ def test_model_call_bad_ref_latents_refused(pools, flux_transformer):
                                 [("e", 2)], {"e": {"context": c["context"].expand(2, -1, -1),
                                                    "pooled": c["pooled"].expand(2, -1)}}, set())
     assert out.shape == x.shape
+
+
+def test_memory_plan_counts_reference_tokens():
+    """The memory plan sees the references' tokens: activations and PipeFusion's K/V grow
+    as if the image were that much larger (a 1024x1024 reference doubles the stream)."""
+    from comfyui_xdit import memory_plan as mp
+    from comfyui_xdit.config import EngineOptions
+
+    facts = mp.preset_facts("flux2-dev")
+    bf16 = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu")
+    req = GenerationRequest(prompt=["x"], height=1024, width=1024,
+                            reference_latents=[torch.zeros(1, 32, 128, 128)])
+    assert req.reference_tokens() == 64 * 64
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2)):
+        plain = mp.plan(facts, config, bf16, mp.JobSize(1024, 1024)).ranks[0]
+        refs = mp.plan(facts, config, bf16, mp.JobSize(1024, 1024, reference_tokens=4096))
+        refs = refs.ranks[0]
+        assert refs.activations > plain.activations and refs.weights == plain.weights
+        if config.pipefusion > 1:
+            assert refs.kv_cache > plain.kv_cache
