@@ -472,7 +472,7 @@ def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
             text += 77  # CLIP's tokens joined to T5's
         image = math.ceil(job.height / (VAE_SCALE * PATCH)) * math.ceil(
             job.width / (VAE_SCALE * PATCH)) + job.reference_tokens
-        tokens = math.ceil(image / sp) + text
+        tokens = math.ceil((image + text) / sp)  # both streams split over the sp ranks
         branches = 2 if job.cfg else 1
         batch = math.ceil(job.batch / config.dp) * max(1, branches // config.cfg)
         act = activation_bytes(tr, tokens, text, image + text, batch, db, sp)
