@@ -111,9 +111,12 @@ def _tensors(path: Path) -> dict:
 
 
 def _compare_graph(comfy, arch: str, layout: dict, sampler: str, scheduler: str, cfg: float,
-                   tag: str, size: int = 64, steps: int = 4, seed: int = 7) -> dict:
+                   tag: str, size: int = 64, steps: int = 4, seed: int = 7,
+                   reference: bool = False) -> dict:
     """API graph: the same KSampler on the xDiT MODEL ("x" branch) and on ComfyUI's own model
-    loaded from the same file ("n" branch), both decoded with the same VAE and saved."""
+    loaded from the same file ("n" branch), both decoded with the same VAE and saved.
+    `reference`: FLUX.1 Kontext's way, a VAEEncode'd image on the positive CONDITIONING
+    through ReferenceLatent (ComfyUI's own FLUX joins its tokens to the image stream)."""
     ctx_dim, pooled_dim = {"sd3": (4096, 2048), "flux": (4096, 768)}[arch]
     out = {b: str(comfy["tmp"] / f"{tag}-{b}.safetensors") for b in ("x", "n")}
     wf = {
@@ -139,6 +142,13 @@ def _compare_graph(comfy, arch: str, layout: dict, sampler: str, scheduler: str,
         wf["14"] = {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0],
                                                              "guidance": 3.5}}
         positive = ["14", 0]
+    if reference:
+        wf["15"] = {"class_type": "EmptyImage",
+                    "inputs": {"width": 48, "height": 64, "batch_size": 1, "color": 0x3366CC}}
+        wf["16"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["15", 0], "vae": ["9", 0]}}
+        wf["17"] = {"class_type": "ReferenceLatent",
+                    "inputs": {"conditioning": positive, "latent": ["16", 0]}}
+        positive = ["17", 0]
     for b, model, k, d, s in (("x", ["2", 0], "7", "10", "12"), ("n", ["3", 0], "8", "11", "13")):
         wf[k] = {"class_type": "KSampler",
                  "inputs": {"model": model, "seed": seed, "steps": steps, "cfg": cfg,
@@ -193,6 +203,21 @@ def test_flux_ksampler_on_the_pool_matches_comfyui_own_model(comfy):
                                     f"flux-ulysses2-{sampler}", steps=3)
     a, b = (results[s]["n"]["image"] for s, _ in SAMPLERS)
     assert float((a - b).abs().max()) > 1e-2
+    _http(comfy["base"], "/xdit/unload", {})
+    _http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+
+
+def test_flux_kontext_reference_ksampler_matches_comfyui_own_model(comfy):
+    """KSampler + ReferenceLatent + xDiT.ToModel (FLUX.1 Kontext's graph) against the same
+    KSampler on ComfyUI's own FLUX model from the same file: the references travel with the
+    conditioning to the pool and land where ComfyUI puts them (Ulysses 2, euler)."""
+    _http(comfy["base"], "/xdit/unload", {})
+    with_ref = _compare(comfy, "flux", {"ulysses": 2}, "euler", "simple", 1.0,
+                        "flux-kontext-ulysses2", steps=2, reference=True)
+    plain = _compare(comfy, "flux", {"ulysses": 2}, "euler", "simple", 1.0,
+                     "flux-plain-ulysses2", steps=2)["n"]
+    # the reference changed ComfyUI's own result too: the agreement is about the reference
+    assert float((with_ref["n"]["latent"] - plain["latent"]).abs().max()) > 1e-3
     _http(comfy["base"], "/xdit/unload", {})
     _http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
 
