@@ -654,7 +654,10 @@ def check_pool(pool, request=None, gpus=None) -> Optional[MemoryPlan]:
 # ---- command line ----------------------------------------------------------------------------
 def add_cli(sub) -> None:
     p = sub.add_parser("memory-plan", help="per-rank GPU memory of a configuration, before "
-                                           "launching (will it fit?)")
+                                           "launching (will it fit?)",
+                       description="Prints each rank's planned GPU memory (GiB) and whether it "
+                                   "fits --gpu-memory. Exit 0: fits (or no GPU size given), "
+                                   "1: does not fit, 2: bad input.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="diffusers folder or single .safetensors transformer")
     src.add_argument("--preset", choices=sorted(PRESETS), help="published model dimensions")
@@ -755,7 +758,8 @@ def run_cli(args) -> int:
     for name in ("height", "width"):
         v = getattr(args, name)
         if v < 16 or v % 16:
-            out.append(f"--{name} must be a positive multiple of 16 (got {v})")
+            out.append(f"--{name} must be a positive multiple of 16 (got {v}; try "
+                       f"{max(16, round(v / 16) * 16)})")
     if args.batch < 1:
         out.append(f"--batch must be >= 1 (got {args.batch})")
     if out:
