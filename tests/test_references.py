@@ -480,3 +480,17 @@ def test_memory_plan_counts_reference_tokens():
         assert refs.activations > plain.activations and refs.weights == plain.weights
         if config.pipefusion > 1:
             assert refs.kv_cache > plain.kv_cache
+
+
+def test_flux2_references_pipefusion_with_ulysses(model_dir, flux2_oracle):
+    """PipeFusion 2 x Ulysses 2 (4 ranks): each stage's patch, references included, is
+    sharded over the stage's two ranks (107 tokens: uneven); warmup >= steps is exact."""
+    images = [ref_image(0), ref_image(1)]
+    raws, want, x = flux2_oracle(PROMPTS[:1], 3, 3, "B", images)
+    h, w = SIZES["B"]
+    req = GenerationRequest(prompt=PROMPTS[:1], seed=3, steps=3, height=h, width=w,
+                            max_sequence_length=MSL, reference_latents=raws)
+    with WorkerPool(str(model_dir("flux2")),
+                    ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=3),
+                    device="cpu", threads_per_rank=1) as pool:
+        check(pool.generate(req, noise=x).samples, want, x)
