@@ -294,3 +294,74 @@ def test_pool_denoiser_refuses_references_for_sd3():
     with pytest.raises(ConfigError, match="reference latents .* need FLUX.1 Kontext or FLUX.2"):
         den(torch.randn(1, 16, 8, 8), torch.tensor([500.0]), context=torch.randn(1, 4, 32),
             y=torch.randn(1, 16), ref_latents=[torch.randn(1, 16, 8, 8)])
+
+
+# ---- reference images from CONDITIONING (ComfyUI's ReferenceLatent) -------------------------
+def test_reference_latents_move_from_conditioning_to_the_request():
+    ref = torch.randn(1, 16, 4, 4)
+    cond = [[torch.randn(1, 5, 32), {"pooled_output": torch.randn(1, 8),
+                                     "reference_latents": [ref],
+                                     "reference_latents_method": "index"}]]
+    lat = {"samples": torch.zeros(1, 16, 8, 8)}
+    req, _ = build_job(SampleInputs(latent=lat, positive=cond), "flux")
+    assert len(req.reference_latents) == 1 and torch.equal(req.reference_latents[0], ref)
+    assert req.reference_method == "index"
+    assert "reference_latents" not in req.positive  # carried once, by the request
+    # the negative: the same references (or none) with CFG; other ones are refused
+    same = [[torch.randn(1, 5, 32), {"pooled_output": torch.randn(1, 8),
+                                     "reference_latents": [ref.clone()],
+                                     "reference_latents_method": "index"}]]
+    build_job(SampleInputs(latent=lat, positive=cond, negative=same, cfg=2.0), "flux")
+    build_job(SampleInputs(latent=lat, positive=cond, negative=[[torch.randn(1, 5, 32),
+              {"pooled_output": torch.randn(1, 8)}]], cfg=2.0), "flux")
+    other = [[torch.randn(1, 5, 32), {"pooled_output": torch.randn(1, 8),
+                                      "reference_latents": [ref + 1]}]]
+    with pytest.raises(ConfigError, match="negative CONDITIONING has other reference latents"):
+        build_job(SampleInputs(latent=lat, positive=cond, negative=other, cfg=2.0), "flux")
+    build_job(SampleInputs(latent=lat, positive=cond, negative=other, cfg=1.0), "flux")
+
+
+def test_flux2_sampler_with_a_reference_latent(registry, model_dir):
+    """positive CONDITIONING + ReferenceLatent -> the pool's reference path: the same result
+    as the request API with that reference, and not the result without it."""
+    path = model_dir("flux2")
+    h = _handle(path, world_size=2, ulysses=2)
+    pe = encode_flux2(str(path), ["a red cat"], 16)
+    ref = torch.randn(1, 32, 4, 6, generator=torch.Generator().manual_seed(2))
+    empty = {"samples": torch.zeros(1, 16, 8, 6)}
+    got = sample(h, SampleInputs(latent=empty, positive=[[pe, {"reference_latents": [ref]}]],
+                                 **COMMON), registry=registry)["samples"]
+    pool = registry.pools()[0]
+    want = pool.generate(GenerationRequest(prompt=[], positive={"cond": pe, "pooled": None},
+                                           batch_size=1, height=64, width=48,
+                                           reference_latents=[ref], seed=COMMON["seed"],
+                                           steps=COMMON["steps"])).samples
+    assert torch.equal(got, want)
+    plain = sample(h, SampleInputs(latent=empty, positive=[[pe, {}]], **COMMON),
+                   registry=registry)["samples"]
+    assert (plain - got).abs().max().item() > 1e-3
+    with pytest.raises(ConfigError, match="reference latent #1 has 16 channels"):
+        sample(h, SampleInputs(latent=empty, positive=[[pe, {"reference_latents": [
+            torch.randn(1, 16, 4, 6)]}]], **COMMON), registry=registry)
+
+
+def test_flux2_single_file_sharded_and_pipefusion_equal_the_whole_load(registry, model_dir,
+                                                                      tmp_path):
+    """The FLUX.2 file's other loaders: FSDP2 weight sharding (each rank reads its rows of
+    the BFL tensors) and PipeFusion 2 (each stage reads its blocks), with warmup covering
+    every step, give the whole load's latent."""
+    from single_file_util import write_single_file
+
+    path = model_dir("flux2")
+    f = write_single_file(path, "flux2", tmp_path / "flux2.safetensors")
+    cond = [[encode_flux2(str(path), ["a red cat"], 16), {}]]
+    empty = {"samples": torch.zeros(1, 16, 8, 6)}
+    whole = sample(_handle(f, world_size=2, ulysses=2),
+                   SampleInputs(latent=empty, positive=cond, **COMMON),
+                   registry=registry)["samples"]
+    for kw in ({"world_size": 2, "ulysses": 2, "shard_weights": True},
+               {"world_size": 2, "pipefusion": 2, "warmup_steps": COMMON["steps"]}):
+        got = sample(_handle(f, **kw), SampleInputs(latent=empty, positive=cond, **COMMON),
+                     registry=registry)["samples"]
+        assert (got - whole).abs().max().item() <= 1e-4, kw
+    assert whole.abs().max() > 0.1

@@ -453,7 +453,7 @@ def load_direct(adapter, path: str, device, dtype, group, rank: int, world: int,
         cands = {n + ".weight" for n in block_linears(transformer, adapter.block_lists)}
         # a BFL SD3 file is dequantized to the pool dtype before diffusers' converter in the
         # whole loader (single_file.file_tensors): nothing stays fp8 there, so nothing here
-        sd3_bfl = sf is not None and sf["arch"] != "flux" and sf["naming"] != "diffusers"
+        sd3_bfl = sf is not None and sf["arch"] == "sd3" and sf["naming"] != "diffusers"
         keep = set() if mode == "full" or sd3_bfl else {
             n for n in cands if n in src.table and src.dtype(n) == FP8}
         quant = (cands - keep) if mode == "fp8" else set()
