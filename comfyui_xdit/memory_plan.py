@@ -58,6 +58,10 @@ PATCH = 2  # ... and the transformers see 2x2 latent patches: one token per 16x1
 ACT_STREAM = 8
 ACT_SP_BUFFERS = 4
 VAE_LIVE = 4  # live feature maps of the VAE decoder's largest level (in, norm, conv, residual)
+# Typical all-gather bus bandwidths (GB/s per GPU) to turn shard_weights' per-step traffic
+# into time: PCIe 4.0 x16 between consumer cards, NVLink on SXM boards (H100: ~350 GB/s
+# reachable by NCCL all-gather). Rough by design; `memory-plan --link-gbps` takes yours.
+LINKS_GBPS = (("PCIe 4.0 x16", 25.0), ("NVLink", 350.0))
 
 
 # ---- the models ------------------------------------------------------------------------------
@@ -320,6 +324,9 @@ class MemoryPlan:
     ranks: tuple
     text_encoders_on: str  # "gpu (rank 0)" | "cpu" | "none"
     alternatives: tuple = ()  # ((description, worst rank total), ...) that fit
+    # shard_weights: bytes each rank receives from the others' shards per denoising step
+    # (every sharded parameter gathered once per forward, one forward per branch it runs)
+    gather_bytes_per_step: int = 0
 
     @property
     def worst(self) -> RankPlan:
@@ -362,6 +369,16 @@ class MemoryPlan:
                          f"size does (with pipefusion, shard_weights, fp8 weights or text "
                          f"encoders on the CPU): use more or larger GPUs.")
         return head
+
+    def traffic(self, links=LINKS_GBPS) -> str:
+        """shard_weights' cost per step: the all-gather volume and its time on `links`
+        ((name, GB/s), ...); empty without sharding."""
+        if not self.gather_bytes_per_step:
+            return ""
+        gb = self.gather_bytes_per_step / 1e9
+        times = ", ".join(f"~{gb / bw:.3g} s on {name} ({bw:g} GB/s)" for name, bw in links)
+        return (f"shard_weights gathers {gib(self.gather_bytes_per_step)} per rank per step: "
+                f"{times}, hidden only where a block's compute takes longer than its gather")
 
     def table(self) -> str:
         cols = ["rank", "role", "weights", "activ.", "K/V", "text enc.", "VAE", "reserve",
@@ -485,6 +502,12 @@ def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
     ranges = stage_ranges(tr, config.pipefusion, config.pipefusion_split) \
         if config.pipefusion > 1 else [(0, n_blocks)]
     ranks = []
+    gather = 0
+    if engine.shard_weights and world > 1:
+        shard = sum(_bytes(b, db, fp8, world) for b in tr.blocks) + _bytes(tr.rest, db, fp8,
+                                                                            world)
+        forwards = 2 if (job is not None and job.cfg and config.cfg == 1) else 1
+        gather = (world - 1) * shard * forwards
     for rank in range(world):
         kv = 0
         if engine.shard_weights and world > 1:
@@ -522,7 +545,8 @@ def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
     elif te:
         where = "on the CPU"
     return MemoryPlan(model=facts.name, config=config, engine=engine, job=job,
-                      ranks=tuple(ranks), text_encoders_on=where)
+                      ranks=tuple(ranks), text_encoders_on=where,
+                      gather_bytes_per_step=gather)
 
 
 def _alternatives(facts, config, engine, job, gpu_memory):
@@ -679,6 +703,9 @@ def add_cli(sub) -> None:
     p.add_argument("--gpus", default=None,
                    help="number of GPUs, the product of the degrees (with --compare: a comma "
                         "list, e.g. 2,4,8)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="your GPUs' all-gather bandwidth in GB/s, to time shard_weights' "
+                        "per-step traffic (default: PCIe 4.0 x16 and NVLink figures)")
     p.add_argument("--compare", action="store_true",
                    help="a markdown table of every method (replicated, PipeFusion, "
                         "shard_weights; text encoders on GPU or CPU; bf16 and, where it "
@@ -779,4 +806,8 @@ def run_cli(args) -> int:
     p = plan(facts, config.with_world_size(None), engine, job, cap)
     print(p.table())
     print(p.message())
+    if p.gather_bytes_per_step:
+        if args.link_gbps is not None and args.link_gbps <= 0:
+            raise ConfigError(f"--link-gbps must be > 0 (got {args.link_gbps})")
+        print(p.traffic(((f"your link", args.link_gbps),) if args.link_gbps else LINKS_GBPS))
     return 0 if p.fits is not False else 1

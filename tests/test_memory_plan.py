@@ -77,6 +77,28 @@ def test_shard_weights_are_fsdp_chunks_plus_gathered(flux2):
     assert {r.weights for r in plan.ranks} == {chunks + root + pair}
 
 
+def test_shard_weights_traffic_per_step(flux2):
+    """Each rank receives the other N-1 ranks' chunks of every parameter once per forward
+    (twice per step with in-process CFG, once with cfg parallel); no sharding, no traffic."""
+    tr, facts = flux2
+    n = 4
+    engine = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu",
+                           shard_weights=True)
+    chunks = sum(math.ceil(p.shape[0] / n) * (p.numel() // p.shape[0]) * 2
+                 for p in tr.parameters())
+    one = mp.plan(facts, ParallelConfig(ulysses=n), engine)
+    assert one.gather_bytes_per_step == (n - 1) * chunks
+    cfg = mp.plan(facts, ParallelConfig(ulysses=n), engine, mp.JobSize(cfg=True))
+    assert cfg.gather_bytes_per_step == 2 * one.gather_bytes_per_step
+    split = mp.plan(facts, ParallelConfig(ulysses=2, cfg_parallel=True), engine,
+                    mp.JobSize(cfg=True))
+    assert split.gather_bytes_per_step == one.gather_bytes_per_step
+    assert mp.plan(facts, ParallelConfig(ulysses=n), BF16).gather_bytes_per_step == 0
+    assert mp.plan(facts, ParallelConfig(ulysses=n), BF16).traffic() == ""
+    text = one.traffic((("test link", 100.0),))
+    assert f"{one.gather_bytes_per_step / 1e9 / 100:.3g} s on test link" in text
+
+
 def test_fp8_halves_the_block_linear_weights(flux2):
     tr, facts = flux2
     linears = worker_module("weights").block_linears(tr, LISTS)
