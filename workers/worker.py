@@ -205,8 +205,8 @@ class Worker:
 
         from .hooks import job_started
 
+        self._apply_loras(job)  # first: a new adapter may re-hook the parallel layout
         topo = self.topology(job.config)
-        self._apply_loras(job)
         job_started(self.hooks)
         t = time.perf_counter()
         with torch.inference_mode(), self.compiler.job(emit) as compiled:
@@ -293,8 +293,14 @@ class Worker:
             return
         self.loras.used = True
         err = None
+        loads = self.loras.loads
         try:
             self.loras.apply(self.model.transformer, resolved)
+            if self.loras.loads != loads and self.parallel and self.parallel[1] is not None:
+                # peft wrapped layers the sequence-parallel hooks sit on (proj_out's gather,
+                # ...): the hooks would see the base output only, so hook the wrappers
+                self.parallel[1].remove()
+                self.parallel = None
         except Exception as e:  # noqa: BLE001  (reported by every rank below)
             err = f"rank {self.rank}: {e}" if isinstance(e, LoraError) else \
                 f"rank {self.rank}: {type(e).__name__}: {e}"
