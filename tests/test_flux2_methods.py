@@ -362,3 +362,197 @@ def test_decode_loads_the_folders_vae_class(folder, tmp_path):
     with pytest.raises(ValueError, match="holds a AutoencoderDC; the pool decodes with "
                                          "AutoencoderKL or AutoencoderKLFlux2 only"):
         base.load_vae(model(other))
+
+
+# ---- LoRA ----------------------------------------------------------------------------------
+
+R = 4
+
+
+def _linears(folder):
+    import diffusers
+
+    t = diffusers.Flux2Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    return {n: (m.in_features, m.out_features) for n, m in t.named_modules()
+            if isinstance(m, torch.nn.Linear)}
+
+
+def _ab(g, fan_in, fan_out, rank=R):
+    return (torch.randn(rank, fan_in, generator=g) * 0.1,
+            torch.randn(fan_out, rank, generator=g) * 0.1)
+
+
+def make_flux2_loras(folder, root):
+    """Random LoRAs for the tiny FLUX.2 transformer in every format diffusers'
+    Flux2 loader reads: {"peft": diffusers keys with alpha metadata (alpha/r = 2), "bfl":
+    ComfyUI / ai-toolkit keys (diffusion_model.double_blocks.0.img_attn.qkv.lora_A ...),
+    "kohya": lora_unet_... with lora_down/up and alpha}; every block layer, double and
+    single, plus the input and output projections."""
+    import json
+
+    from safetensors.torch import save_file
+
+    lin = _linears(folder)
+    n_double = sum(1 for n in lin if n.endswith(".attn.to_q"))
+    n_single = sum(1 for n in lin if n.endswith(".attn.to_qkv_mlp_proj"))
+    out = {}
+
+    g = torch.Generator().manual_seed(21)
+    targets = [n for n in lin if "blocks." in n] + ["x_embedder", "proj_out"]
+    sd = {}
+    for n in targets:
+        a, b = _ab(g, *lin[n])
+        sd[f"transformer.{n}.lora_A.weight"], sd[f"transformer.{n}.lora_B.weight"] = a, b
+    meta = {"r": R, "lora_alpha": 2 * R, "target_modules": targets}
+    out["peft"] = root / "peft.safetensors"
+    save_file(sd, str(out["peft"]),
+              metadata={"lora_adapter_metadata": json.dumps(
+                  {f"transformer.{k}": v for k, v in meta.items()}), "format": "pt"})
+
+    g = torch.Generator().manual_seed(22)
+    sd = {}
+    d = "diffusion_model."
+    for i in range(n_double):
+        tb = f"transformer_blocks.{i}."
+        names = {"img_attn.qkv": (lin[tb + "attn.to_q"][0], 3 * lin[tb + "attn.to_q"][1]),
+                 "txt_attn.qkv": (lin[tb + "attn.add_q_proj"][0], 3 * lin[tb + "attn.add_q_proj"][1]),
+                 "img_attn.proj": lin[tb + "attn.to_out.0"], "txt_attn.proj": lin[tb + "attn.to_add_out"],
+                 "img_mlp.0": lin[tb + "ff.linear_in"], "img_mlp.2": lin[tb + "ff.linear_out"],
+                 "txt_mlp.0": lin[tb + "ff_context.linear_in"],
+                 "txt_mlp.2": lin[tb + "ff_context.linear_out"]}
+        for name, dims in names.items():
+            a, b = _ab(g, *dims)
+            sd[f"{d}double_blocks.{i}.{name}.lora_A.weight"] = a
+            sd[f"{d}double_blocks.{i}.{name}.lora_B.weight"] = b
+    for i in range(n_single):
+        sb = f"single_transformer_blocks.{i}.attn."
+        for name, mod in (("linear1", "to_qkv_mlp_proj"), ("linear2", "to_out")):
+            a, b = _ab(g, *lin[sb + mod])
+            sd[f"{d}single_blocks.{i}.{name}.lora_A.weight"] = a
+            sd[f"{d}single_blocks.{i}.{name}.lora_B.weight"] = b
+    for name, mod in (("img_in", "x_embedder"), ("final_layer.linear", "proj_out")):
+        a, b = _ab(g, *lin[mod])
+        sd[f"{d}{name}.lora_A.weight"], sd[f"{d}{name}.lora_B.weight"] = a, b
+    out["bfl"] = root / "bfl.safetensors"
+    save_file(sd, str(out["bfl"]))
+
+    # kohya: the BFL layers again, lora_down/up with alpha 8 (alpha/r = 2)
+    g = torch.Generator().manual_seed(23)
+    sd = {}
+    for k, v in list(_bfl_modules(out["bfl"]).items()):
+        kk = "lora_unet_" + k.replace(".", "_")
+        a, b = _ab(g, v[0], v[1])
+        sd[kk + ".lora_down.weight"], sd[kk + ".lora_up.weight"] = a, b
+        sd[kk + ".alpha"] = torch.tensor(2.0 * R)
+    out["kohya"] = root / "kohya.safetensors"
+    save_file(sd, str(out["kohya"]))
+    return out
+
+
+def _bfl_modules(path):
+    """{BFL module name: (in, out)} of a BFL-format LoRA file."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path))
+    return {k[len("diffusion_model."):-len(".lora_A.weight")]:
+            (v.shape[1], sd[k.replace("lora_A", "lora_B")].shape[0])
+            for k, v in sd.items() if k.endswith(".lora_A.weight")}
+
+
+@pytest.fixture(scope="module")
+def flux2_loras(folder, tmp_path_factory):
+    return make_flux2_loras(folder, tmp_path_factory.mktemp("loras"))
+
+
+def lora_oracle(folder, req, loras):
+    """The pipeline with `pipe.load_lora_weights` of every (file, strength)."""
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    names = []
+    for i, (path, _) in enumerate(loras):
+        pipe.load_lora_weights(str(path), adapter_name=f"l{i}")
+        names.append(f"l{i}")
+    pipe.set_adapters(names, [s for _, s in loras])
+    noise = noise_for(len(req.prompt), req.height, req.width, req.seed)
+    return pipe(prompt=list(req.prompt), height=req.height, width=req.width,
+                num_inference_steps=req.steps, latents=Flux2KleinPipeline._patchify_latents(noise),
+                max_sequence_length=req.max_sequence_length, output_type="latent").images
+
+
+LORA_CASES = {  # name: ([(format, strength)], configurations)
+    "peft": ([("peft", 0.8)], [ParallelConfig(), ParallelConfig(ulysses=2),
+                               ParallelConfig(pipefusion=2, warmup_steps=STEPS)]),
+    "bfl": ([("bfl", 1.0)], [ParallelConfig(ulysses=2),
+                             ParallelConfig(pipefusion=2, warmup_steps=STEPS)]),
+    "kohya+peft": ([("kohya", 0.7), ("peft", -0.5)], [ParallelConfig(ulysses=2)]),
+}
+
+
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_lora_matches_pipeline(pools, folder, flux2_loras, case):
+    specs, configs = LORA_CASES[case]
+    loras = [(str(flux2_loras[f]), s) for f, s in specs]
+    req = request(128, 96, 1, loras=loras)
+    want = lora_oracle(folder, req, loras)
+    plain = oracle(folder, request(128, 96, 1))
+    assert (want - plain).abs().max() > MOVED  # the LoRA changes the result
+    noise = noise_for(1, 128, 96, req.seed)
+    for config in configs:
+        pool = pools(config)
+        # a job without LoRA first: the parallel layout is hooked before the adapter wraps
+        # its layers (proj_out's gather must then move to the wrapper)
+        for loras_on in (False, True, False):
+            got = pool.generate(req if loras_on else request(128, 96, 1), noise=noise).samples
+            err = (got - (want if loras_on else plain)).abs().max().item()
+            assert err <= TOL, f"{case} {loras_on} on {config.describe()}: max diff {err:.2e}"
+
+
+def test_lora_for_another_model_is_refused(pools, folder, tmp_path):
+    """Keys that do not fit FLUX.2 fail the job with one line naming the problem; nothing
+    stays active (the next plain job is the base model)."""
+    from safetensors.torch import save_file
+
+    from comfyui_xdit import PoolError
+
+    a, b = torch.ones(R, 64) * 0.1, torch.ones(64, R) * 0.1
+    files = {
+        # FLUX.1 kohya modulation layers (FLUX.2 has none per block): diffusers' converter
+        # would drop them with a log warning only
+        "kohya_flux1": ({"lora_unet_double_blocks_0_img_mod_lin.lora_down.weight": a,
+                         "lora_unet_double_blocks_0_img_mod_lin.lora_up.weight": b},
+                        "kohya modules are not FLUX.2 layers, e.g. "
+                        "'lora_unet_double_blocks_0_img_mod_lin'"),
+        # FLUX.1 diffusers layers (beside one that fits)
+        "peft_flux1": ({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": a,
+                        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": b,
+                        "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight": a,
+                        "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight": b},
+                       "LoRA keys do not fit this flux2 model, e.g. "
+                       "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight "
+                       r"\(no such layer\)"),
+        # right layer, another model's width
+        "peft_width": ({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(R, 3072),
+                        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(3072, R)},
+                       r"does not fit transformer_blocks.0.attn.to_q: 64->64"),
+        # text-encoder keys only
+        "te_only": ({"lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": a,
+                     "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": b},
+                    "has no key that matches this flux2 model"),
+        # BFL names of a FLUX.1 modulation layer
+        "bfl_flux1": ({"diffusion_model.double_blocks.0.img_mod.lin.lora_A.weight": a,
+                       "diffusion_model.double_blocks.0.img_mod.lin.lora_B.weight": b},
+                      "could not be read as a flux2 LoRA"),
+    }
+    pool = pools(ParallelConfig(ulysses=2))
+    noise = noise_for(1, 128, 96, 5)
+    plain = oracle(folder, request(128, 96, 1))
+    for name, (sd, msg) in files.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file({k: v.clone() for k, v in sd.items()}, str(path))
+        with pytest.raises(PoolError, match=msg) as e:
+            pool.generate(request(128, 96, 1, loras=[(str(path), 1.0)]), noise=noise)
+        assert len(str(e.value).splitlines()) == 1, str(e.value)
+        got = pool.generate(request(128, 96, 1), noise=noise).samples
+        assert (got - plain).abs().max().item() <= TOL

@@ -2,7 +2,8 @@
 each job only switches and re-weights them, so the base model is never reloaded.
 
 Files go through diffusers' own readers (`FluxPipeline.lora_state_dict` converts kohya /
-ComfyUI FLUX keys; SD3 takes diffusers/peft keys) and `load_lora_into_transformer`. An empty
+ComfyUI FLUX keys, `Flux2KleinPipeline.lora_state_dict` kohya and BFL FLUX.2 keys; SD3 takes
+diffusers/peft keys) and `load_lora_into_transformer`. An empty
 LoRA list disables every adapter: peft's LoRA layers then call the untouched base Linear
 only, so the base output is restored bitwise.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import torch
 
@@ -44,6 +46,26 @@ def _lora_module(key: str):
     return None
 
 
+# LoRA file formats diffusers' readers convert, per architecture
+_FORMATS = {"flux": "diffusers/PEFT or kohya/ComfyUI",
+            "flux2": "diffusers/PEFT, kohya (lora_unet_) or BFL/ComfyUI (diffusion_model.)"}
+# The kohya FLUX.2 modules diffusers' converter maps; it drops any other lora_unet_ module
+# with only a log warning (a FLUX.1 LoRA's img_mod / modulation layers, say), which would
+# run part of the LoRA silently, so they are refused here.
+_FLUX2_KOHYA = re.compile(r"lora_unet_(double_blocks_\d+_(img|txt)_(attn_qkv|attn_proj|mlp_0|mlp_2)"
+                          r"|single_blocks_\d+_linear[12]|img_in|txt_in|time_in_in_layer"
+                          r"|time_in_out_layer|final_layer_linear)")
+
+
+def _check_flux2_kohya(path: str, keys) -> None:
+    unknown = sorted({k.split(".")[0] for k in keys if k.startswith("lora_unet_")
+                      and not _FLUX2_KOHYA.fullmatch(k.split(".")[0])})
+    if unknown:
+        raise LoraError(f"LoRA file {path}: {len(unknown)} kohya modules are not FLUX.2 layers, "
+                        f"e.g. {unknown[0]!r}; is it a LoRA for another model (FLUX.1)? Give a "
+                        f"LoRA trained for this flux2 model")
+
+
 class LoraManager:
     def __init__(self, adapter):
         self.arch = adapter.arch
@@ -66,10 +88,12 @@ class LoraManager:
         try:
             from safetensors import safe_open
             with safe_open(path, framework="pt") as f:
-                f.keys()
+                file_keys = list(f.keys())
         except Exception as e:
             raise LoraError(f"LoRA file {path} is not a readable safetensors file "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        if self.arch == "flux2":
+            _check_flux2_kohya(path, file_keys)
         pcls = self._pipeline()
         alphas = None
         try:
@@ -80,7 +104,7 @@ class LoraManager:
                 sd, metadata = pcls.lora_state_dict(path, return_lora_metadata=True,
                                                     use_safetensors=True)
         except Exception as e:
-            kinds = "diffusers/PEFT or kohya/ComfyUI" if self.arch == "flux" else "diffusers/PEFT"
+            kinds = _FORMATS.get(self.arch, "diffusers/PEFT")
             raise LoraError(f"LoRA file {path} could not be read as a {self.arch} LoRA "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                             f"is it a LoRA for another model? Give a {kinds} LoRA trained "
@@ -114,13 +138,13 @@ class LoraManager:
                            f"{lin.in_features}->{lin.out_features})")
                 continue
             matched += 1
+        if bad:  # first: names the layer or shape, also when nothing else matched
+            raise LoraError(f"LoRA file {path}: {len(bad)} LoRA keys do not fit this "
+                            f"{self.arch} model, e.g. {bad[0]}")
         if not matched and not elsewhere:
             some = next(iter(sd), "<empty file>")
             raise LoraError(f"LoRA file {path} has no key that matches this {self.arch} model "
                             f"(e.g. {some!r}); is it a LoRA for another model?")
-        if bad:
-            raise LoraError(f"LoRA file {path}: {len(bad)} LoRA keys do not fit this "
-                            f"{self.arch} model, e.g. {bad[0]}")
         if alphas:
             alphas = {k: v for k, v in alphas.items() if k.startswith(_PREFIX)}
         if elsewhere:
