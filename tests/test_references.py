@@ -144,6 +144,7 @@ def check(got, want, start):
 FLUX2_CASES = [  # (world, config, size, references, batch, cfg)
     (1, ParallelConfig(), "A", 1, 1, 1.0),
     (1, ParallelConfig(), "B", 2, 1, 1.0),
+    (1, ParallelConfig(), "A", 2, 1, 2.5),  # CFG in one process (FLUX.2 base)
     (2, ParallelConfig(ulysses=2), "B", 2, 1, 1.0),
     (2, ParallelConfig(ring=2), "B", 1, 1, 1.0),
     (2, ParallelConfig(dp=2), "A", 1, 3, 1.0),
