@@ -107,7 +107,7 @@ class GenerationRequest:
     def reference_tokens(self) -> int:
         """Tokens the references add to the image stream (2x2 latent pixels per token)."""
         return sum((int(r.shape[-2]) // 2) * (int(r.shape[-1]) // 2)
-                   for r in (self.reference_latents or []) if hasattr(r, "shape") and r.dim() == 4)
+                   for r in (self.reference_latents or []) if getattr(r, "ndim", 0) == 4)
 
     def problems(self, model: Any = None) -> list[str]:
         out = []
