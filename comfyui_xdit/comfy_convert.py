@@ -61,7 +61,8 @@ LATENT_FORMATS = {
 def conditioning_to_request(conditioning, name: str = "positive",
                             arch: Optional[str] = None) -> tuple[dict, Optional[float]]:
     """One ComfyUI CONDITIONING -> ({"cond": [b,T,D], "pooled": [b,P] or None} fp32 CPU,
-    guidance).
+    guidance), plus "reference_latents" / "reference_method" when ReferenceLatent (and
+    FluxKontextMultiReferenceLatentMethod) set them.
 
     Only plain text conditioning can run on the pool: several entries (ConditioningCombine,
     area / mask / ControlNet conditioning) are refused with a message, never ignored. For
@@ -80,7 +81,7 @@ def conditioning_to_request(conditioning, name: str = "positive",
         raise ConfigError(f"{name} CONDITIONING entry must be [cond, options]")
     cond, extra = entry[0], dict(entry[1] or {})
     unsupported = sorted(k for k in ("area", "mask", "control", "gligen", "hooks",
-                                     "reference_latents", "start_percent", "end_percent")
+                                     "start_percent", "end_percent")
                          if extra.get(k) is not None and
                          not (k == "start_percent" and extra[k] == 0.0) and
                          not (k == "end_percent" and extra[k] == 1.0))
@@ -93,14 +94,22 @@ def conditioning_to_request(conditioning, name: str = "positive",
     guidance = extra.get("guidance")
     guidance = None if guidance is None else float(guidance)
     cond = cond.detach().float().cpu().contiguous()
+    out = {"cond": cond}
+    refs = extra.get("reference_latents")
+    if refs is not None:  # ComfyUI's ReferenceLatent: raw-VAE-space LATENT samples, in order
+        if not isinstance(refs, (list, tuple)) or not all(torch.is_tensor(r) for r in refs):
+            raise ConfigError(f"{name} CONDITIONING's reference_latents must be a list of "
+                              f"LATENT tensors (as ComfyUI's ReferenceLatent node sets them)")
+        out["reference_latents"] = [r.detach().float().cpu().contiguous() for r in refs]
+        out["reference_method"] = extra.get("reference_latents_method")
     if arch == "flux2":
-        return {"cond": cond, "pooled": None}, guidance
+        return dict(out, pooled=None), guidance
     if pooled is None:
         raise ConfigError(f"{name} CONDITIONING has no pooled_output; encode it with a "
                           f"FLUX/SD3 CLIP loader (CLIP-L + T5, or CLIP-L + CLIP-G + T5)")
     if pooled.dim() == 1:
         pooled = pooled.unsqueeze(0)
-    return {"cond": cond, "pooled": pooled.detach().float().cpu().contiguous()}, guidance
+    return dict(out, pooled=pooled.detach().float().cpu().contiguous()), guidance
 
 
 def check_text_width(c: dict, width: int, arch: str, name: str = "positive") -> None:
@@ -124,6 +133,10 @@ def check_text_width(c: dict, width: int, arch: str, name: str = "positive") -> 
 def request_to_conditioning(c: dict, guidance: Optional[float] = None) -> list:
     """The inverse (for tests and round trips): request dict -> ComfyUI CONDITIONING."""
     extra = {} if c.get("pooled") is None else {"pooled_output": c["pooled"]}
+    if c.get("reference_latents") is not None:
+        extra["reference_latents"] = list(c["reference_latents"])
+        if c.get("reference_method") is not None:
+            extra["reference_latents_method"] = c["reference_method"]
     if guidance is not None:
         extra["guidance"] = guidance
     return [[c["cond"], extra]]

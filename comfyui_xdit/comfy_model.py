@@ -60,10 +60,35 @@ class XditModelPatcher(comfy.model_patcher.ModelPatcher):
                           "with Sampler (xDiT), or ComfyUI's own model for this graph")
 
 
+FLUX2_MISSING = ("FLUX.2 on KSampler needs a ComfyUI with FLUX.2 support (a model_base.Flux2 "
+                 "class, ComfyUI releases from late November 2025 on); this ComfyUI has none. "
+                 "Update ComfyUI, or sample this FLUX.2 model with Sampler (xDiT), which "
+                 "runs it here")
+
+
+def flux2_support() -> tuple:
+    """(model_base class, supported_models config class) of this ComfyUI's FLUX.2, or a
+    ConfigError naming what is missing. The xDiT MODEL is ComfyUI's own model class with the
+    transformer swapped, so without that class there is nothing honest to build."""
+    base = getattr(comfy.model_base, "Flux2", None)
+    conf = getattr(comfy.supported_models, "Flux2", None)
+    if base is None or conf is None:
+        raise ConfigError(FLUX2_MISSING)
+    return base, conf
+
+
 def build_model(pool, config, arch: str, guidance_embeds: bool = True):
     """A ComfyUI MODEL (ModelPatcher) for `arch` whose diffusion model is `pool`."""
+    if arch == "flux2":
+        flux2_support()  # refused before anything is built
     denoiser = PoolDenoiser(pool, config, arch)
-    if arch == "flux":
+    if arch == "flux2":
+        base, conf = flux2_support()
+        model_config = conf(dict(getattr(conf, "unet_config", {}),
+                                 disable_unet_model_creation=True))
+        cls = type("XditFlux2", (_Weightless, base), {})
+        model = cls(model_config, device=torch.device("cpu"))
+    elif arch == "flux":
         cls = comfy.supported_models.Flux if guidance_embeds else comfy.supported_models.FluxSchnell
         model_config = cls(dict(cls.unet_config, disable_unet_model_creation=True,
                                 in_channels=16, out_channels=16, patch_size=2))
@@ -76,7 +101,7 @@ def build_model(pool, config, arch: str, guidance_embeds: bool = True):
                  out_channels=16))
         model = XditSD3(model_config, device=torch.device("cpu"))
     else:
-        raise ConfigError(f"the xDiT MODEL supports flux and sd3, not {arch!r}")
+        raise ConfigError(f"the xDiT MODEL supports flux, flux2 and sd3, not {arch!r}")
     model.diffusion_model = _PoolDiffusionModel(denoiser)
     device = comfy.model_management.get_torch_device()
     return XditModelPatcher(model, load_device=device, offload_device=device, size=1)

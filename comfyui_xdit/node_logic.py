@@ -551,6 +551,7 @@ def build_job(inp: SampleInputs, arch: str = "flux",
         for name, c in (("positive", positive), ("negative", negative)):
             if c is not None:
                 check_text_width(c, text_width, arch, name)
+    refs, method = _references(positive, negative, inp.cfg)
     if positive is None and not (inp.prompt or "").strip():
         raise ConfigError("no prompt: connect positive CONDITIONING or type a prompt")
     req = GenerationRequest(
@@ -558,7 +559,8 @@ def build_job(inp: SampleInputs, arch: str = "flux",
         positive=positive, negative=negative, batch_size=lat.batch, seed=int(inp.seed),
         steps=int(inp.steps), height=lat.height, width=lat.width, guidance=guidance,
         cfg=None if not inp.cfg else float(inp.cfg),
-        max_sequence_length=int(inp.max_sequence_length), preview_every=int(inp.preview_every))
+        max_sequence_length=int(inp.max_sequence_length), preview_every=int(inp.preview_every),
+        reference_latents=refs, reference_method=method)
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
         kw["noise"] = comfy_noise(int(inp.seed), (lat.batch, latent_channels(arch),
@@ -570,6 +572,33 @@ def build_job(inp: SampleInputs, arch: str = "flux",
         kw["init_latent"] = lat.samples
         kw["denoise"] = float(inp.denoise)
     return req, kw
+
+
+def _references(positive: Optional[dict], negative: Optional[dict], cfg: float):
+    """The positive CONDITIONING's reference images (ComfyUI's ReferenceLatent) -> the
+    request's (list or None, method). The pool gives both CFG branches the same
+    references, so with CFG on a negative must carry the same ones or none that differ."""
+    import torch
+
+    def of(c):
+        return (c or {}).get("reference_latents"), (c or {}).get("reference_method")
+    refs, method = of(positive)
+    if negative is not None and cfg and float(cfg) > 1.0:
+        nrefs, nmethod = of(negative)
+        same = (nrefs is None and refs is None) or (
+            nrefs is not None and refs is not None and len(nrefs) == len(refs)
+            and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(refs, nrefs))
+            and nmethod == method)
+        if not same and nrefs is not None:
+            raise ConfigError("the negative CONDITIONING has other reference latents than the "
+                              "positive; the xDiT sampler gives both branches the positive's "
+                              "references: connect the same ReferenceLatent to both, or none "
+                              "to the negative")
+    for c in (positive, negative):  # the request carries them, not the conditioning
+        if c is not None:
+            c.pop("reference_latents", None)
+            c.pop("reference_method", None)
+    return (list(refs) if refs else None), method
 
 
 def sample(handle: ModelHandle, inp: SampleInputs,
