@@ -659,6 +659,23 @@ def sample(handle: ModelHandle, inp: SampleInputs,
 
 
 # ---- decoding ---------------------------------------------------------------------------
+def _flux2_file_latent_for(vae, samples):
+    """A FLUX.2 single file's LATENT (the normalised latent, 32 channels at 1/8: the file
+    holds no VAE statistics) for a ComfyUI VAE. ComfyUI's FLUX.2 VAE (newer releases) takes
+    that latent 2x2-patchified, 128 channels at 1/16, and applies the statistics itself: one
+    pixel_unshuffle. A VAE of any other width cannot decode it."""
+    import torch
+
+    lc = getattr(vae, "latent_channels", None)
+    if lc == 128:
+        return torch.nn.functional.pixel_unshuffle(samples, 2)
+    raise ConfigError(f"a FLUX.2 single file's LATENT decodes with ComfyUI's FLUX.2 VAE "
+                      f"(128-channel latents; ComfyUI releases with FLUX.2 support); the "
+                      f"connected VAE has {lc if lc is not None else 'unknown'} latent "
+                      f"channels: load the FLUX.2 VAE with VAELoader")
+
+
+
 def decode(handle: ModelHandle, latent: dict, vae=None,
            registry: Optional[PoolRegistry] = None,
            on_launch: Optional[Callable[[str, int, int], None]] = None):
@@ -689,6 +706,8 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
             finally:
                 registry.launching = None
         elif vae is not None:
+            if info.arch == "flux2":
+                samples = _flux2_file_latent_for(vae, samples)
             images = vae.decode(samples)
             if images.dim() == 5:  # video VAEs: frames into the batch, as VAEDecode does
                 images = images.reshape(-1, *images.shape[-3:])

@@ -365,3 +365,31 @@ def test_flux2_single_file_sharded_and_pipefusion_equal_the_whole_load(registry,
                      registry=registry)["samples"]
         assert (got - whole).abs().max().item() <= 1e-4, kw
     assert whole.abs().max() > 0.1
+
+
+def test_flux2_single_file_decodes_with_a_flux2_comfyui_vae_only(tmp_path, model_dir):
+    """A FLUX.2 file has no VAE: Decode hands its normalised 32-channel LATENT to the
+    connected ComfyUI VAE 2x2-patchified (ComfyUI's FLUX.2 VAE layout, 128 channels), and
+    refuses a VAE of another width in one line before decoding anything."""
+    from single_file_util import write_single_file
+
+    f = write_single_file(model_dir("flux2"), "flux2", tmp_path / "f2.safetensors")
+    h = _handle(f, world_size=1)
+    lat = torch.randn(1, 32, 8, 6)
+
+    class VAE:
+        def __init__(self, channels):
+            self.latent_channels, self.got = channels, None
+
+        def decode(self, x):
+            self.got = x
+            return torch.zeros(x.shape[0], x.shape[2] * 16, x.shape[3] * 16, 3)
+
+    vae = VAE(128)
+    img = decode(h, {"samples": lat}, vae=vae, registry=PoolRegistry())
+    assert vae.got.shape == (1, 128, 4, 3) and img.shape == (1, 64, 48, 3)
+    assert torch.equal(torch.nn.functional.pixel_shuffle(vae.got, 2), lat)
+    flux1 = VAE(16)
+    with pytest.raises(ConfigError, match="FLUX.2 VAE .* the connected VAE has 16 latent"):
+        decode(h, {"samples": lat}, vae=flux1, registry=PoolRegistry())
+    assert flux1.got is None
