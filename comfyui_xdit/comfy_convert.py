@@ -164,11 +164,27 @@ def is_empty_latent(samples) -> bool:
 FLUX2_PATCHIFIED_CHANNELS = 128
 
 
-def latent_from_comfy(latent: dict, arch: str = "flux") -> LatentInput:
+def flux2_unpatchify(x, stats=None):
+    """Newer ComfyUI's FLUX.2 LATENT (its VAE's output: 2x2-patchified and normalised by the
+    VAE's batch-norm statistics, [B, 128, H/16, W/16]) -> this pack's FLUX.2 LATENT (the raw
+    32-channel VAE latent [B, 32, H/8, W/8]). `stats`: (mean, std) per packed channel, 128
+    each; None (a single file, whose LATENT is the normalised latent) leaves the values."""
+    import torch
+
+    x = x.detach().float().cpu()
+    if stats is not None:
+        mean, std = (torch.as_tensor(v, dtype=torch.float64).reshape(1, -1, 1, 1)
+                     for v in stats)
+        x = (x.double() * std + mean).float()
+    return torch.nn.functional.pixel_shuffle(x, 2).contiguous()
+
+
+def latent_from_comfy(latent: dict, arch: str = "flux", flux2_stats=None) -> LatentInput:
     """ComfyUI LATENT -> LatentInput for a model of `arch` (16 channels for FLUX.1 / SD3, 32
     for FLUX.2). An all-zero latent of any channel count is text-to-image at its size (as
     ComfyUI's fix_empty_latent_channels treats it); a non-empty one must have the model's
-    channels."""
+    channels, or for FLUX.2 newer ComfyUI's patchified 128 (converted with `flux2_stats`,
+    see flux2_unpatchify)."""
     import torch
 
     if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
@@ -184,9 +200,13 @@ def latent_from_comfy(latent: dict, arch: str = "flux") -> LatentInput:
                           "not support; remove SetLatentNoiseMask / use VAEEncode")
     empty = is_empty_latent(s)
     b, c, h, w = (int(v) for v in s.shape)
+    if arch == "flux2" and c == FLUX2_PATCHIFIED_CHANNELS and not empty:
+        s = flux2_unpatchify(s, flux2_stats)
+        b, c, h, w = (int(v) for v in s.shape)
     if c != channels:
         if not empty:
-            names = {"flux2": "FLUX.2 uses 32 (its VAE's raw latent)"}.get(
+            names = {"flux2": "FLUX.2 uses 32 (its VAE's raw latent) or newer ComfyUI's "
+                              "patchified 128"}.get(
                 arch, "FLUX and SD3 use 16")
             raise ConfigError(f"LATENT has {c} channels; {names} (encode with the model's "
                               f"VAE, or start from EmptySD3LatentImage)")

@@ -534,11 +534,30 @@ def model_text_width(path: str) -> Optional[int]:
     return None if w is None else int(w)
 
 
-def build_job(inp: SampleInputs, arch: str = "flux",
-              text_width: Optional[int] = None) -> tuple[GenerationRequest, dict]:
+def flux2_latent_stats(path: str):
+    """(mean, std) per packed channel of a FLUX.2 folder's VAE batch norm (what newer
+    ComfyUI's FLUX.2 LATENTs are normalised by); None for a single file (no VAE)."""
+    import json
+
+    from safetensors import safe_open
+    folder = Path(path) / "vae"
+    if not folder.is_dir():
+        return None
+    eps = float(json.loads((folder / "config.json").read_text()).get("batch_norm_eps", 1e-4))
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            if "bn.running_mean" in st.keys():
+                mean = st.get_tensor("bn.running_mean").double()
+                return mean, (st.get_tensor("bn.running_var").double() + eps).sqrt()
+    raise ConfigError(f"{folder} has no bn.running_mean: not a FLUX.2 VAE")
+
+
+def build_job(inp: SampleInputs, arch: str = "flux", text_width: Optional[int] = None,
+              flux2_stats=None) -> tuple[GenerationRequest, dict]:
     """-> (request, generate() keyword arguments: noise, init_latent, denoise) for a model
-    of `arch`; `text_width`: its joint_attention_dim, checked against CONDITIONING."""
-    lat = latent_from_comfy(inp.latent, arch)
+    of `arch`; `text_width`: its joint_attention_dim, checked against CONDITIONING;
+    `flux2_stats`: flux2_latent_stats, for LATENTs in newer ComfyUI's FLUX.2 layout."""
+    lat = latent_from_comfy(inp.latent, arch, flux2_stats)
     guidance = float(inp.guidance)
     positive = negative = None
     if inp.positive is not None:
@@ -552,6 +571,10 @@ def build_job(inp: SampleInputs, arch: str = "flux",
             if c is not None:
                 check_text_width(c, text_width, arch, name)
     refs, method = _references(positive, negative, inp.cfg)
+    if refs and arch == "flux2":  # newer ComfyUI's ReferenceLatent holds patchified ones
+        from .comfy_convert import FLUX2_PATCHIFIED_CHANNELS, flux2_unpatchify
+        refs = [flux2_unpatchify(r, flux2_stats) if r.dim() == 4 and
+                r.shape[1] == FLUX2_PATCHIFIED_CHANNELS else r for r in refs]
     if positive is None and not (inp.prompt or "").strip():
         raise ConfigError("no prompt: connect positive CONDITIONING or type a prompt")
     req = GenerationRequest(
@@ -614,7 +637,8 @@ def sample(handle: ModelHandle, inp: SampleInputs,
     registry.job_started()
     try:
         info = read_model_info(handle.path)
-        req, kw = build_job(inp, info.arch, model_text_width(handle.path))
+        req, kw = build_job(inp, info.arch, model_text_width(handle.path),
+                            flux2_latent_stats(handle.path) if info.arch == "flux2" else None)
         req.loras = list(handle.loras)
         config = handle.config_for(req)
         if req.batch < config.dp:  # said in the graph's terms (the CLI says "prompts")

@@ -393,3 +393,35 @@ def test_flux2_single_file_decodes_with_a_flux2_comfyui_vae_only(tmp_path, model
     with pytest.raises(ConfigError, match="FLUX.2 VAE .* the connected VAE has 16 latent"):
         decode(h, {"samples": lat}, vae=flux1, registry=PoolRegistry())
     assert flux1.got is None
+
+
+def test_newer_comfyui_patchified_flux2_latents_are_converted(model_dir):
+    """Newer ComfyUI's FLUX.2 LATENT (its VAE's output: 2x2-patchified and normalised by
+    the VAE's batch norm, [B, 128, H/16, W/16]), as img2img input and as a ReferenceLatent,
+    becomes the raw 32-channel latent with the folder's statistics; a single file (no
+    statistics: its LATENT is the normalised one) only unpatchifies."""
+    from comfyui_xdit.node_logic import flux2_latent_stats
+
+    path = model_dir("flux2")
+    stats = flux2_latent_stats(str(path))
+    mean, std = _bn(path)
+    assert torch.equal(stats[0], mean) and torch.allclose(stats[1], std)
+    raw = torch.randn(1, 32, 8, 6, generator=torch.Generator().manual_seed(4))
+    # the ComfyUI layout, written here from the normalised packed tokens
+    tokens = _normalised(raw, mean, std).float()
+    comfy128 = tokens.transpose(1, 2).reshape(1, 128, 4, 3)
+    ref128 = comfy128.flip(-1).contiguous()
+    cond = [[torch.randn(1, 5, 96), {"reference_latents": [ref128]}]]
+    req, kw = build_job(SampleInputs(latent={"samples": comfy128}, positive=cond,
+                                     denoise=0.5), "flux2", 96, stats)
+    assert kw["init_latent"].shape == (1, 32, 8, 6) and (req.height, req.width) == (64, 48)
+    assert (kw["init_latent"] - raw).abs().max().item() <= 1e-5
+    want_ref = torch.nn.functional.pixel_shuffle(
+        ref128.double() * std.reshape(1, -1, 1, 1) + mean.reshape(1, -1, 1, 1), 2)
+    assert (req.reference_latents[0] - want_ref).abs().max().item() <= 1e-5
+    # a single file: the values stay (its LATENT convention is the normalised latent)
+    _, kw = build_job(SampleInputs(latent={"samples": comfy128}, positive=cond, denoise=0.5),
+                      "flux2", 96, None)
+    assert torch.equal(kw["init_latent"], torch.nn.functional.pixel_shuffle(comfy128, 2))
+    with pytest.raises(ConfigError, match="64 channels; FLUX.2 uses 32 .* or newer ComfyUI's"):
+        latent_from_comfy({"samples": torch.randn(1, 64, 4, 4)}, "flux2")
