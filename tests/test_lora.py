@@ -33,13 +33,13 @@ def request(**kw):
     return GenerationRequest(**base)
 
 
-def make_peft_lora(arch, model, out_dir, seed):
+def make_peft_lora(arch, model, out_dir, seed, targets=TARGETS):
     """-> (file, {module name: (A, B)}) for a diffusers-format LoRA with alpha/r = 2."""
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
     t = getattr(diffusers, TRANSFORMER[arch]).from_pretrained(model, subfolder="transformer")
-    cfg = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS)
+    cfg = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=targets)
     t.add_adapter(cfg, adapter_name="x")
     g = torch.Generator().manual_seed(seed)
     for n, p in t.named_parameters():
@@ -193,6 +193,25 @@ def test_lora_ulysses_equals_one_rank(pools, loras, arch):
     got = two.generate(request(loras=lst)).samples
     print(f"{arch}: |ulysses2 - 1 rank| with LoRA = {maxdiff(got, want):.2e}")
     assert maxdiff(got, want) <= 1e-4
+
+
+def test_lora_on_hooked_layers_under_ulysses(pools, model_dir, tmp_path):
+    """A LoRA on the layers the sequence-parallel hooks sit on (proj_out's gather, the input
+    embedders), loaded into a pool whose Ulysses layout is already hooked, equals 1 rank: the
+    hooks move to peft's wrappers (else the LoRA branch sees the local shard only)."""
+    path, _ = make_peft_lora("flux", model_dir("flux"), tmp_path, seed=7,
+                             targets=["proj_out", "x_embedder", "context_embedder"] + TARGETS)
+    lst = [(str(path), 0.9)]
+    one = pools("flux", 1)
+    one.reconfigure(ParallelConfig())
+    want = one.generate(request(loras=lst)).samples
+    two = pools("flux", 2)
+    two.reconfigure(ParallelConfig(ulysses=2))
+    base = two.generate(request()).samples  # hooked before the adapter exists
+    got = two.generate(request(loras=lst)).samples
+    assert maxdiff(got, base) > 1e-3
+    assert maxdiff(got, want) <= 1e-4
+    assert torch.equal(two.generate(request()).samples, base)
 
 
 def test_bad_lora_files_fail_one_job_and_leave_the_pool_usable(pools, loras, tmp_path):
