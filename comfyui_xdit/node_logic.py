@@ -599,8 +599,9 @@ def build_job(inp: SampleInputs, arch: str = "flux", text_width: Optional[int] =
 
 def _references(positive: Optional[dict], negative: Optional[dict], cfg: float):
     """The positive CONDITIONING's reference images (ComfyUI's ReferenceLatent) -> the
-    request's (list or None, method). The pool gives both CFG branches the same
-    references, so with CFG on a negative must carry the same ones or none that differ."""
+    request's (list or None, method). The pool gives both CFG branches the positive's
+    references (diffusers' FLUX.2 pipelines do the same), so with CFG on a negative with
+    other references is refused rather than silently given the positive's."""
     import torch
 
     def of(c):
