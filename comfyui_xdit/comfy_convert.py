@@ -21,6 +21,10 @@ LATENT_CHANNELS = 16
 LATENT_CHANNELS_BY_ARCH = {"flux2": 32}
 
 
+# how messages name the architectures
+ARCH_NAMES = {"flux": "FLUX.1", "flux2": "FLUX.2", "sd3": "SD3"}
+
+
 def latent_channels(arch: str) -> int:
     """Channels of `arch`'s LATENT (raw VAE space, [B, C, H/8, W/8])."""
     return LATENT_CHANNELS_BY_ARCH.get(arch, LATENT_CHANNELS)
@@ -126,7 +130,7 @@ def check_text_width(c: dict, width: int, arch: str, name: str = "positive") -> 
             "sd3": "encode with SD3's CLIP-L + CLIP-G + T5-XXL (TripleCLIPLoader)"}.get(
         arch, "encode with this model's text encoders")
     raise ConfigError(f"{name} CONDITIONING has text states of width {got}, but this "
-                      f"{arch.upper()} transformer takes {int(width)} (its "
+                      f"{ARCH_NAMES.get(arch, arch)} transformer takes {int(width)} (its "
                       f"joint_attention_dim): {hint}")
 
 

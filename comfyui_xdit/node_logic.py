@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .comfy_convert import (check_text_width, comfy_noise, conditioning_to_request,
-                            latent_channels, latent_from_comfy, latent_to_comfy)
+from .comfy_convert import (ARCH_NAMES, check_text_width, comfy_noise,
+                            conditioning_to_request, latent_channels, latent_from_comfy,
+                            latent_to_comfy)
 from .config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
     auto_config
 from . import memory_plan
@@ -720,8 +721,9 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
     channels = latent_channels(info.arch)
     if samples.dim() != 4 or samples.shape[1] != channels:
         raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; this "
-                          f"{info.arch.upper()} model's Decode takes latents [batch, "
-                          f"{channels}, height/8, width/8] (the xDiT sampler's LATENT)")
+                          f"{ARCH_NAMES.get(info.arch, info.arch)} model's Decode takes "
+                          f"latents [batch, {channels}, height/8, width/8] (the xDiT "
+                          f"sampler's LATENT)")
     try:
         if info.has_vae:
             pool = registry.pool_for_decode(handle)

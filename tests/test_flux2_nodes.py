@@ -70,7 +70,7 @@ def test_flux2_build_job_noise_and_text_width():
     assert torch.equal(kw["noise"], torch.cat([per[4], per[1]]))
     # FLUX.1's T5 states on a FLUX.2 transformer: one line naming both widths
     with pytest.raises(ConfigError, match=r"positive CONDITIONING has text states of width "
-                                          r"4096, but this FLUX2 transformer takes 96"):
+                                          r"4096, but this FLUX.2 transformer takes 96"):
         build_job(SampleInputs(latent=lat, positive=[[torch.randn(1, 5, 4096), {}]]),
                   "flux2", 96)
     with pytest.raises(ConfigError, match="negative CONDITIONING has text states of width 64"):
@@ -120,7 +120,7 @@ def test_flux2_text_conditioning_latent_image_and_img2img(registry, model_dir):
     image = decode(h, {"samples": by_text}, registry=registry)
     assert image.shape == (1, 64, 48, 3) and 0 <= image.min() and image.max() <= 1
     assert image.std() > 1e-3
-    with pytest.raises(ConfigError, match=r"FLUX2 model's Decode takes latents \[batch, 32"):
+    with pytest.raises(ConfigError, match=r"FLUX.2 model's Decode takes latents \[batch, 32"):
         decode(h, {"samples": torch.randn(1, 16, 8, 6)}, registry=registry)
 
     steps = dict(COMMON, steps=4)
@@ -135,7 +135,7 @@ def test_flux2_text_conditioning_latent_image_and_img2img(registry, model_dir):
                  registry=registry)["samples"]
     assert (i2i - t2i).abs().max().item() > 1e-3
 
-    with pytest.raises(ConfigError, match="width 4096, but this FLUX2 transformer takes 96"):
+    with pytest.raises(ConfigError, match="width 4096, but this FLUX.2 transformer takes 96"):
         sample(h, SampleInputs(latent=empty, positive=[[torch.randn(1, 4, 4096), {}]],
                                **COMMON), registry=registry)
     again = sample(h, SampleInputs(latent=empty, prompt="a red cat", **COMMON),

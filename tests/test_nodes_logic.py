@@ -329,7 +329,7 @@ def test_decode_on_the_pool_and_with_a_comfyui_vae(registry, model_dir, tmp_path
     other = decode(h, {"samples": lat["samples"].flip(0)}, registry=registry)
     assert (other - img).abs().max().item() > 1e-3  # the comparison can fail
     # bad samples: refused before the pool (node) and on rank 0 before broadcast (pool)
-    with pytest.raises(ConfigError, match=r"FLUX model's Decode takes latents \[batch, 16"):
+    with pytest.raises(ConfigError, match=r"FLUX.1 model's Decode takes latents \[batch, 16"):
         decode(h, {"samples": torch.zeros(1, 4, 8, 8)}, registry=registry)
     from comfyui_xdit.pool import PoolError
     with pytest.raises(PoolError, match="decode takes LATENT samples \\[batch, 16"):
