@@ -11,8 +11,16 @@ exact configuration on 2 and 4 ranks equals the single-process diffusers
 * Negative control: PipeFusion with warmup 1 reuses stale K/V, so it is NOT exact (> 1e-4
   off) yet stays close; a test that passed it would not be testing the pipeline.
 
+Also: the default cfg follows model_index.json's is_distilled (4.0 base, 1.0 distilled);
+output="image" and `decode_parallel` on AutoencoderKLFlux2 equal the pipeline's decode on 2
+and 4 ranks; LoRA files in the diffusers/PEFT, BFL/ComfyUI and kohya formats equal
+`pipe.load_lora_weights` on 1 rank, Ulysses 2 and PipeFusion 2, and LoRAs for other models
+are refused; PipeFusion stages of the real FLUX.2-dev (meta device) hold <= 1/N + 5% of the
+block weights at N = 2, 4, 8.
+
 One pool per launch layout serves every request of its configurations (`reconfigure` keeps
-the warm workers for a new non-PipeFusion layout of the same world size).
+the warm workers for a new non-PipeFusion layout of the same world size). `-s` prints the
+max differences.
 """
 from __future__ import annotations
 
