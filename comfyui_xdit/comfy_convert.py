@@ -3,9 +3,10 @@
 - CONDITIONING `[[cond, {"pooled_output": p, "guidance": g, ...}]]` -> the request's
   `{"cond": [b,T,D], "pooled": [b,P]}` plus FluxGuidance's value. FLUX.2 has no pooled
   output (its Qwen3 / Mistral text encoder gives hidden states only): `"pooled": None`.
-- LATENT `{"samples": [B,C,H/8,W/8], "batch_index"?: [...]}` (raw VAE space; C is 16 for
-  FLUX.1 / SD3, 32 for FLUX.2) -> batch, size, noise and, when not all zeros, the img2img
-  input; and the pool's samples -> LATENT.
+- LATENT `{"samples": [B,C,h,w], "batch_index"?: [...]}` -> batch, size, noise and, when
+  not all zeros, the img2img input; and the pool's samples -> LATENT. FLUX.1 / SD3: the raw
+  VAE latent [B,16,H/8,W/8]. FLUX.2: ComfyUI's latent_formats.Flux2, the 2x2-patchified,
+  batch-norm-normalised latent [B,128,H/16,W/16] (model space; its VAE normalises).
 - A raw-VAE-space preview latent -> an RGB preview with ComfyUI's latent_rgb_factors.
 """
 from __future__ import annotations
@@ -17,8 +18,10 @@ from .config import ConfigError
 from .worker_modules import worker_module
 
 LATENT_CHANNELS = 16
-# Raw-VAE-space channels of the archs whose VAE differs from FLUX.1 / SD3's 16
-LATENT_CHANNELS_BY_ARCH = {"flux2": 32}
+# ComfyUI LATENT channels and downscale of the archs that differ from FLUX.1 / SD3's 16 at
+# 1/8: FLUX.2 is latent_formats.Flux2 (latent_channels 128, spacial_downscale_ratio 16)
+LATENT_CHANNELS_BY_ARCH = {"flux2": 128}
+LATENT_DOWNSCALE_BY_ARCH = {"flux2": 16}
 
 
 # how messages name the architectures
@@ -26,8 +29,34 @@ ARCH_NAMES = {"flux": "FLUX.1", "flux2": "FLUX.2", "sd3": "SD3"}
 
 
 def latent_channels(arch: str) -> int:
-    """Channels of `arch`'s LATENT (raw VAE space, [B, C, H/8, W/8])."""
+    """Channels of `arch`'s ComfyUI LATENT."""
     return LATENT_CHANNELS_BY_ARCH.get(arch, LATENT_CHANNELS)
+
+
+def latent_downscale(arch: str) -> int:
+    """Image pixels per LATENT pixel (each side) for `arch`."""
+    return LATENT_DOWNSCALE_BY_ARCH.get(arch, 8)
+
+
+def latent_shape(arch: str, batch: int, height: int, width: int) -> tuple:
+    """`arch`'s ComfyUI LATENT shape for a batch of height x width images (the noise's)."""
+    d = latent_downscale(arch)
+    return (int(batch), latent_channels(arch), int(height) // d, int(width) // d)
+
+
+def latent_shape_text(arch: str) -> str:
+    """How messages write `arch`'s LATENT shape."""
+    d = latent_downscale(arch)
+    return f"[batch, {latent_channels(arch)}, height/{d}, width/{d}]"
+
+
+# what a FLUX.2 pool says about a LATENT of the raw VAE's 32 channels
+FLUX2_RAW_LATENT = ("FLUX.2 LATENTs are ComfyUI's 128-channel [batch, 128, height/16, "
+                    "width/16] (the VAE latent 2x2-patchified and normalised by the VAE's "
+                    "batch-norm statistics, as ComfyUI's FLUX.2 VAEEncode, "
+                    "EmptyFlux2LatentImage and this pack's sampler give it); a raw "
+                    "32-channel [batch, 32, height/8, width/8] latent must be patchified and "
+                    "normalised first")
 
 
 _VAE_LATENT = worker_module("models.facts").VAE_LATENT  # the VAEs' scaling / shift factors
@@ -100,7 +129,7 @@ def conditioning_to_request(conditioning, name: str = "positive",
     cond = cond.detach().float().cpu().contiguous()
     out = {"cond": cond}
     refs = extra.get("reference_latents")
-    if refs is not None:  # ComfyUI's ReferenceLatent: raw-VAE-space LATENT samples, in order
+    if refs is not None:  # ComfyUI's ReferenceLatent: LATENT samples, in order
         if not isinstance(refs, (list, tuple)) or not all(torch.is_tensor(r) for r in refs):
             raise ConfigError(f"{name} CONDITIONING's reference_latents must be a list of "
                               f"LATENT tensors (as ComfyUI's ReferenceLatent node sets them)")
@@ -163,32 +192,11 @@ def is_empty_latent(samples) -> bool:
     return int(torch.count_nonzero(samples)) == 0
 
 
-# FLUX.2's 2x2-patchified layout (128 channels at 1/16 of the image, as newer ComfyUI's
-# empty FLUX.2 latent has it): accepted empty, as a size only
-FLUX2_PATCHIFIED_CHANNELS = 128
-
-
-def flux2_unpatchify(x, stats=None):
-    """Newer ComfyUI's FLUX.2 LATENT (its VAE's output: 2x2-patchified and normalised by the
-    VAE's batch-norm statistics, [B, 128, H/16, W/16]) -> this pack's FLUX.2 LATENT (the raw
-    32-channel VAE latent [B, 32, H/8, W/8]). `stats`: (mean, std) per packed channel, 128
-    each; None (a single file, whose LATENT is the normalised latent) leaves the values."""
-    import torch
-
-    x = x.detach().float().cpu()
-    if stats is not None:
-        mean, std = (torch.as_tensor(v, dtype=torch.float64).reshape(1, -1, 1, 1)
-                     for v in stats)
-        x = (x.double() * std + mean).float()
-    return torch.nn.functional.pixel_shuffle(x, 2).contiguous()
-
-
-def latent_from_comfy(latent: dict, arch: str = "flux", flux2_stats=None) -> LatentInput:
-    """ComfyUI LATENT -> LatentInput for a model of `arch` (16 channels for FLUX.1 / SD3, 32
-    for FLUX.2). An all-zero latent of any channel count is text-to-image at its size (as
-    ComfyUI's fix_empty_latent_channels treats it); a non-empty one must have the model's
-    channels, or for FLUX.2 newer ComfyUI's patchified 128 (converted with `flux2_stats`,
-    see flux2_unpatchify)."""
+def latent_from_comfy(latent: dict, arch: str = "flux") -> LatentInput:
+    """ComfyUI LATENT -> LatentInput for a model of `arch` (FLUX.1 / SD3: [B,16,H/8,W/8];
+    FLUX.2: [B,128,H/16,W/16]). An all-zero latent of any channel count is text-to-image at
+    its size (as ComfyUI's fix_empty_latent_channels treats it; 1/16 for a 128-channel one,
+    else 1/8); a non-empty one must be in the model's layout (one error otherwise)."""
     import torch
 
     if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
@@ -198,33 +206,31 @@ def latent_from_comfy(latent: dict, arch: str = "flux", flux2_stats=None) -> Lat
     s = latent["samples"]
     if s.dim() != 4:
         raise ConfigError(f"LATENT samples have shape {tuple(s.shape)}; expected "
-                          f"[batch, {channels}, height/8, width/8] (image latents, not video)")
+                          f"{latent_shape_text(arch)} (image latents, not video)")
     if latent.get("noise_mask") is not None:
         raise ConfigError("LATENT has a noise_mask (inpainting), which the xDiT sampler does "
                           "not support; remove SetLatentNoiseMask / use VAEEncode")
     empty = is_empty_latent(s)
     b, c, h, w = (int(v) for v in s.shape)
-    if arch == "flux2" and c == FLUX2_PATCHIFIED_CHANNELS and not empty:
-        s = flux2_unpatchify(s, flux2_stats)
-        b, c, h, w = (int(v) for v in s.shape)
+    d = latent_downscale(arch)
     if c != channels:
         if not empty:
-            names = {"flux2": "FLUX.2 uses 32 (its VAE's raw latent) or newer ComfyUI's "
-                              "patchified 128"}.get(
-                arch, "FLUX and SD3 use 16")
-            raise ConfigError(f"LATENT has {c} channels; {names} (encode with the model's "
-                              f"VAE, or start from EmptySD3LatentImage)")
-        if arch == "flux2" and c == FLUX2_PATCHIFIED_CHANNELS:  # 1/16 of the image
-            h, w = 2 * h, 2 * w
-        s = torch.zeros(b, channels, h, w)
+            if arch == "flux2":
+                raise ConfigError(f"LATENT has {c} channels; {FLUX2_RAW_LATENT}")
+            raise ConfigError(f"LATENT has {c} channels; FLUX and SD3 use 16 (encode with "
+                              f"the model's VAE, or start from EmptySD3LatentImage)")
+        # an empty latent of another layout gives only its image size (a size that is no
+        # multiple of 16 is then refused by the request, not rounded here)
+        d = 16 if c == LATENT_CHANNELS_BY_ARCH["flux2"] else 8
+        s = torch.zeros(latent_shape(arch, b, h * d, w * d))
     bi = latent.get("batch_index")
-    return LatentInput(batch=b, height=h * 8, width=w * 8, empty=empty,
+    return LatentInput(batch=b, height=h * d, width=w * d, empty=empty,
                        samples=s.detach().float().cpu().contiguous(),
                        batch_index=list(bi) if bi is not None else None)
 
 
 def latent_to_comfy(samples) -> dict:
-    """Pool result samples (already raw VAE space) -> ComfyUI LATENT."""
+    """Pool result samples (already ComfyUI's layout) -> ComfyUI LATENT."""
     return {"samples": samples.float().cpu()}
 
 
@@ -262,18 +268,21 @@ def preview_rgb(preview, arch: str):
 
 # ---- ComfyUI LATENT space <-> the workers' model space -----------------------------------
 # The workers speak model space (DESIGN.md numerics 5): FLUX packs 2x2 latent pixels per
-# token, and both scale by the VAE's factors. `fmt` is what the pool reports for its model:
-# {"scale": ..., "shift": ...}; the packing is the architecture's (workers/models/latent_layout).
+# token, and both scale by the VAE's factors; FLUX.2's LATENT is model space already, only
+# flattened. `fmt` is what the pool reports for its model: {"scale": ..., "shift": ...}; the
+# layouts are the architecture's (workers/models/latent_layout).
 def comfy_to_model(arch: str, samples, fmt: dict):
-    """ComfyUI LATENT samples (raw VAE space, [B,16,H/8,W/8]) -> model space."""
+    """ComfyUI LATENT samples -> model space."""
     return worker_module("models.latent_layout").to_model(arch, samples, fmt["scale"], fmt["shift"])
 
 
 def model_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):
-    """Model-space latents -> ComfyUI LATENT samples (raw VAE space, fp32)."""
-    return worker_module("models.latent_layout").to_raw(arch, latents, fmt["scale"], fmt["shift"], height, width).float()
+    """Model-space latents -> ComfyUI LATENT samples (fp32)."""
+    return worker_module("models.latent_layout").to_comfy(
+        arch, latents, fmt["scale"], fmt["shift"], height, width).float()
 
 
 def noise_to_model(arch: str, noise):
-    """ComfyUI's noise [B,16,H/8,W/8] -> the transformer's layout (noise is not scaled)."""
-    return worker_module("models.latent_layout").pack(arch, noise.float())
+    """ComfyUI's noise (drawn in the LATENT's shape) -> the transformer's layout (noise is
+    not scaled)."""
+    return worker_module("models.latent_layout").comfy_pack(arch, noise.float())

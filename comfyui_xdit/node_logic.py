@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .comfy_convert import (ARCH_NAMES, check_text_width, comfy_noise,
+from .comfy_convert import (ARCH_NAMES, FLUX2_RAW_LATENT, check_text_width, comfy_noise,
                             conditioning_to_request, latent_channels, latent_from_comfy,
-                            latent_to_comfy)
+                            latent_shape_text, latent_shape, latent_to_comfy)
 from .config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
     auto_config
 from . import memory_plan
 from .gpus import gpus_for_ranks, visible_gpus
 from .model_info import read_model_info
-from .request import GenerationRequest
+from .request import UNDISTILLED_CFG, GenerationRequest, default_cfg
 
 WORLD_SIZES = ["auto"] + [str(i) for i in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)]
 DEVICES = ["auto", "cuda", "cpu"]  # auto: cuda when this ComfyUI has CUDA, else cpu
@@ -511,8 +511,8 @@ class SampleInputs:
     latent: dict
     seed: int = 0
     steps: int = 20
-    cfg: float = 0.0  # 0: the model's default (FLUX 1 = off, SD3 7)
-    guidance: float = 3.5
+    cfg: float = 0.0  # 0: the model's default (FLUX 1 = off, SD3 7, FLUX.2 base klein 4)
+    guidance: float = 0.0  # 0: the model's default (FLUX.1 3.5, FLUX.2 [dev] 4)
     denoise: float = 1.0
     prompt: str = ""
     negative_prompt: str = ""
@@ -535,31 +535,14 @@ def model_text_width(path: str) -> Optional[int]:
     return None if w is None else int(w)
 
 
-def flux2_latent_stats(path: str):
-    """(mean, std) per packed channel of a FLUX.2 folder's VAE batch norm (what newer
-    ComfyUI's FLUX.2 LATENTs are normalised by); None for a single file (no VAE)."""
-    import json
-
-    from safetensors import safe_open
-    folder = Path(path) / "vae"
-    if not folder.is_dir():
-        return None
-    eps = float(json.loads((folder / "config.json").read_text()).get("batch_norm_eps", 1e-4))
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            if "bn.running_mean" in st.keys():
-                mean = st.get_tensor("bn.running_mean").double()
-                return mean, (st.get_tensor("bn.running_var").double() + eps).sqrt()
-    raise ConfigError(f"{folder} has no bn.running_mean: not a FLUX.2 VAE")
-
-
 def build_job(inp: SampleInputs, arch: str = "flux", text_width: Optional[int] = None,
-              flux2_stats=None) -> tuple[GenerationRequest, dict]:
+              model=None) -> tuple[GenerationRequest, dict]:
     """-> (request, generate() keyword arguments: noise, init_latent, denoise) for a model
-    of `arch`; `text_width`: its joint_attention_dim, checked against CONDITIONING;
-    `flux2_stats`: flux2_latent_stats, for LATENTs in newer ComfyUI's FLUX.2 layout."""
-    lat = latent_from_comfy(inp.latent, arch, flux2_stats)
-    guidance = float(inp.guidance)
+    of `arch`; `text_width`: its joint_attention_dim, checked against CONDITIONING; `model`:
+    its ModelInfo, which resolves a cfg of 0 (FLUX.2 [klein] base models run CFG 4)."""
+    lat = latent_from_comfy(inp.latent, arch)
+    # 0: the request's per-model default (FLUX.1 3.5, FLUX.2 [dev] 4.0)
+    guidance = float(inp.guidance) if inp.guidance else None
     positive = negative = None
     if inp.positive is not None:
         positive, g = conditioning_to_request(inp.positive, "positive", arch)
@@ -571,11 +554,13 @@ def build_job(inp: SampleInputs, arch: str = "flux", text_width: Optional[int] =
         for name, c in (("positive", positive), ("negative", negative)):
             if c is not None:
                 check_text_width(c, text_width, arch, name)
-    refs, method = _references(positive, negative, inp.cfg)
-    if refs and arch == "flux2":  # newer ComfyUI's ReferenceLatent holds patchified ones
-        from .comfy_convert import FLUX2_PATCHIFIED_CHANNELS, flux2_unpatchify
-        refs = [flux2_unpatchify(r, flux2_stats) if r.dim() == 4 and
-                r.shape[1] == FLUX2_PATCHIFIED_CHANNELS else r for r in refs]
+    if inp.cfg:
+        cfg = float(inp.cfg)
+    elif model is not None or arch not in UNDISTILLED_CFG:
+        cfg = default_cfg(model if model is not None else arch)
+    else:
+        cfg = None  # unknown without the model: the references are checked as under CFG
+    refs, method = _references(positive, negative, cfg)
     if positive is None and not (inp.prompt or "").strip():
         raise ConfigError("no prompt: connect positive CONDITIONING or type a prompt")
     req = GenerationRequest(
@@ -587,9 +572,8 @@ def build_job(inp: SampleInputs, arch: str = "flux", text_width: Optional[int] =
         reference_latents=refs, reference_method=method)
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
-        kw["noise"] = comfy_noise(int(inp.seed), (lat.batch, latent_channels(arch),
-                                                  lat.height // 8, lat.width // 8),
-                                  lat.batch_index)
+        kw["noise"] = comfy_noise(int(inp.seed), latent_shape(arch, lat.batch, lat.height,
+                                                              lat.width), lat.batch_index)
     if not lat.empty:
         if not 0.0 < float(inp.denoise) <= 1.0:
             raise ConfigError(f"denoise must be in (0, 1] (got {inp.denoise})")
@@ -598,17 +582,18 @@ def build_job(inp: SampleInputs, arch: str = "flux", text_width: Optional[int] =
     return req, kw
 
 
-def _references(positive: Optional[dict], negative: Optional[dict], cfg: float):
+def _references(positive: Optional[dict], negative: Optional[dict], cfg: Optional[float]):
     """The positive CONDITIONING's reference images (ComfyUI's ReferenceLatent) -> the
     request's (list or None, method). The pool gives both CFG branches the positive's
     references (diffusers' FLUX.2 pipelines do the same), so with CFG on a negative with
-    other references is refused rather than silently given the positive's."""
+    other references is refused rather than silently given the positive's. `cfg`: the
+    resolved cfg (None: not known, checked as if CFG ran)."""
     import torch
 
     def of(c):
         return (c or {}).get("reference_latents"), (c or {}).get("reference_method")
     refs, method = of(positive)
-    if negative is not None and cfg and float(cfg) > 1.0:
+    if negative is not None and (cfg is None or float(cfg) > 1.0):
         nrefs, nmethod = of(negative)
         same = (nrefs is None and refs is None) or (
             nrefs is not None and refs is not None and len(nrefs) == len(refs)
@@ -639,8 +624,7 @@ def sample(handle: ModelHandle, inp: SampleInputs,
     registry.job_started()
     try:
         info = read_model_info(handle.path)
-        req, kw = build_job(inp, info.arch, model_text_width(handle.path),
-                            flux2_latent_stats(handle.path) if info.arch == "flux2" else None)
+        req, kw = build_job(inp, info.arch, model_text_width(handle.path), info)
         req.loras = list(handle.loras)
         config = handle.config_for(req)
         if req.batch < config.dp:  # said in the graph's terms (the CLI says "prompts")
@@ -685,16 +669,12 @@ def sample(handle: ModelHandle, inp: SampleInputs,
 
 
 # ---- decoding ---------------------------------------------------------------------------
-def _flux2_file_latent_for(vae, samples):
-    """A FLUX.2 single file's LATENT (the normalised latent, 32 channels at 1/8: the file
-    holds no VAE statistics) for a ComfyUI VAE. ComfyUI's FLUX.2 VAE (newer releases) takes
-    that latent 2x2-patchified, 128 channels at 1/16, and applies the statistics itself: one
-    pixel_unshuffle. A VAE of any other width cannot decode it."""
-    import torch
-
+def _check_flux2_vae(vae):
+    """A FLUX.2 LATENT (ComfyUI's 128-channel one) decodes with ComfyUI's FLUX.2 VAE, which
+    applies the batch-norm statistics itself; a VAE of any other width cannot decode it."""
     lc = getattr(vae, "latent_channels", None)
     if lc == 128:
-        return torch.nn.functional.pixel_unshuffle(samples, 2)
+        return
     raise ConfigError(f"a FLUX.2 single file's LATENT decodes with ComfyUI's FLUX.2 VAE "
                       f"(128-channel latents; ComfyUI releases with FLUX.2 support); the "
                       f"connected VAE has {lc if lc is not None else 'unknown'} latent "
@@ -720,10 +700,11 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
     info = read_model_info(handle.path)
     channels = latent_channels(info.arch)
     if samples.dim() != 4 or samples.shape[1] != channels:
-        raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; this "
-                          f"{ARCH_NAMES.get(info.arch, info.arch)} model's Decode takes "
-                          f"latents [batch, {channels}, height/8, width/8] (the xDiT "
-                          f"sampler's LATENT)")
+        raw = info.arch == "flux2" and samples.dim() == 4 and samples.shape[1] == 32
+        raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; " + (
+            FLUX2_RAW_LATENT if raw else
+            f"this {ARCH_NAMES.get(info.arch, info.arch)} model's Decode takes latents "
+            f"{latent_shape_text(info.arch)} (the xDiT sampler's LATENT)"))
     try:
         if info.has_vae:
             pool = registry.pool_for_decode(handle)
@@ -734,7 +715,7 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
                 registry.launching = None
         elif vae is not None:
             if info.arch == "flux2":
-                samples = _flux2_file_latent_for(vae, samples)
+                _check_flux2_vae(vae)
             images = vae.decode(samples)
             if images.dim() == 5:  # video VAEs: frames into the batch, as VAEDecode does
                 images = images.reshape(-1, *images.shape[-3:])

@@ -223,14 +223,15 @@ class Sampler(io.ComfyNode):
             display_name="Sampler (xDiT)",
             category=CATEGORY,
             description="Samples FLUX.1 / FLUX.2 / SD3 on the xDiT worker pool. LATENT out is "
-                        "ComfyUI's (raw VAE space; 32 channels for FLUX.2): decode it with "
-                        "Decode (xDiT) or the stock VAEDecode.",
+                        "ComfyUI's (FLUX.1 / SD3: raw VAE space; FLUX.2: ComfyUI's 128-channel "
+                        "patchified, normalised latent at 1/16): decode it with Decode (xDiT) "
+                        "or the stock VAEDecode (FLUX.2: a ComfyUI with FLUX.2 support).",
             inputs=[
                 XDiTModel.Input("model"),
                 io.Latent.Input("latent", tooltip="EmptySD3LatentImage (text-to-image; any "
                                                   "empty latent gives the size) or a VAEEncode "
                                                   "latent (image-to-image with denoise; FLUX.2: "
-                                                  "its VAE's 32-channel latent)"),
+                                                  "ComfyUI's 128-channel FLUX.2 latent)"),
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="Used when no positive CONDITIONING is connected "
                                         "(encoded by the pool's own text encoders: diffusers "
@@ -242,11 +243,13 @@ class Sampler(io.ComfyNode):
                 io.Int.Input("steps", default=20, min=1, max=10000),
                 io.Float.Input("cfg", default=0.0, min=0.0, max=100.0, step=0.1, round=0.01,
                                tooltip="Classifier-free guidance. 0: the model's default "
-                                       "(FLUX.1 / FLUX.2 1 = off, SD3 7); > 1 enables it"),
-                io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1, round=0.01,
-                               tooltip="FLUX embedded guidance (ignored by SD3 and FLUX.2 "
-                                       "[klein], which have none); a FluxGuidance value on "
-                                       "the positive CONDITIONING takes precedence"),
+                                       "(FLUX.1, FLUX.2 [dev] / distilled [klein]: 1 = off; "
+                                       "FLUX.2 base [klein]: 4; SD3: 7); > 1 enables it"),
+                io.Float.Input("guidance", default=0.0, min=0.0, max=100.0, step=0.1, round=0.01,
+                               tooltip="FLUX embedded guidance. 0: the model's default "
+                                       "(FLUX.1 3.5, FLUX.2 [dev] 4); ignored by SD3 and "
+                                       "FLUX.2 [klein], which have none; a FluxGuidance value "
+                                       "on the positive CONDITIONING takes precedence"),
                 io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
                                tooltip="For a non-empty input latent (image-to-image); an empty "
                                        "latent is always sampled from pure noise"),

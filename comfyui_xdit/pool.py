@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .channel import Channel, connect, parse_address
-from .comfy_convert import (LATENT_CHANNELS, comfy_noise, comfy_to_model, latent_channels,
-                            model_to_comfy, noise_to_model)
+from .comfy_convert import (FLUX2_RAW_LATENT, comfy_noise, comfy_to_model, latent_shape,
+                            latent_shape_text, model_to_comfy, noise_to_model)
 from . import memory_plan
 from .config import ConfigError, EngineOptions, ParallelConfig
 from .gpus import gpus_for_ranks
@@ -458,7 +458,7 @@ class WorkerPool:
         info = self.model_info
         self.config.validate(info, request)
         _check_engine(self.engine, self.config)
-        _check_job_inputs(request, noise, init_latent, denoise, latent_channels(info.arch))
+        _check_job_inputs(request, noise, init_latent, denoise, info.arch)
         if not self.is_running():
             self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
             memory_plan.check_pool(self, request)  # so is one their memory cannot hold
@@ -475,10 +475,10 @@ class WorkerPool:
             job_id = self._job_id
             # the workers speak model space; ComfyUI's conventions are converted here only
             fmt = self._remote["latent"]
-            if noise is None:  # ComfyUI's prepare_noise, drawn once for the whole batch
-                noise = comfy_noise(req.seed, (req.batch, latent_channels(info.arch),
-                                               req.height // 8, req.width // 8))
-            refs = req.reference_latents  # raw VAE space; the workers convert them
+            if noise is None:  # ComfyUI's prepare_noise on the LATENT's shape, drawn once
+                noise = comfy_noise(req.seed, latent_shape(info.arch, req.batch, req.height,
+                                                           req.width))
+            refs = req.reference_latents  # ComfyUI LATENTs; the workers convert them
             req = dataclasses.replace(req, reference_latents=None)
             job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.key(),
                         noise=noise_to_model(info.arch, noise),
@@ -530,7 +530,7 @@ class WorkerPool:
                 self._progress = {}
 
     def decode(self, samples, on_launch: Optional[Callable[[str, int, int], None]] = None):
-        """ComfyUI LATENT samples [B,16,H/8,W/8] -> IMAGE [B,H,W,3] in 0..1, decoded with the
+        """ComfyUI LATENT samples -> IMAGE [B,H,W,3] in 0..1, decoded with the
         model folder's VAE, patch-parallel over every rank (launches the pool if needed).
         Bad input is refused on rank 0 before anything is broadcast: the pool stays warm."""
         info = self.model_info
@@ -645,19 +645,21 @@ class WorkerPool:
 
 
 def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
-                      channels: int = LATENT_CHANNELS) -> None:
+                      arch: str = "flux") -> None:
     """The tensors `generate` takes beside the request, checked before anything is sent: a
     wrong one is one clear error and the pool stays as it is."""
     import torch
 
     if not isinstance(denoise, (int, float)) or not 0.0 < float(denoise) <= 1.0:
         raise ConfigError(f"denoise must be in (0, 1] (got {denoise!r})")
-    shape = (request.batch, channels, request.height // 8, request.width // 8)
+    shape = latent_shape(arch, request.batch, request.height, request.width)
     for name, t in (("noise", noise), ("init_latent", init_latent)):
         if t is not None and (not torch.is_tensor(t) or tuple(t.shape) != shape):
             got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+            raw = arch == "flux2" and torch.is_tensor(t) and t.dim() == 4 and t.shape[1] == 32
             raise ConfigError(f"{name} must be a ComfyUI LATENT tensor of shape {list(shape)} "
-                              f"(batch, {channels}, height/8, width/8) for this request; got {got}")
+                              f"{latent_shape_text(arch)} for this request; got {got}"
+                              + (f" ({FLUX2_RAW_LATENT})" if raw else ""))
 
 
 def rss_mb(pid="self") -> float:

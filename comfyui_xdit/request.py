@@ -62,9 +62,9 @@ class GenerationRequest:
     positive: Optional[dict] = None
     negative: Optional[dict] = None
     batch_size: Optional[int] = None  # default: len(prompt), or the conditioning's batch
-    # Reference images (FLUX.1 Kontext, FLUX.2; ComfyUI's ReferenceLatent): a list of LATENT
-    # samples in raw VAE space, each [1 or batch, C, h, w] (C = 16 for FLUX.1, 32 for
-    # FLUX.2; h, w even), in reference order. Their tokens join the image stream after the
+    # Reference images (FLUX.1 Kontext, FLUX.2; ComfyUI's ReferenceLatent): a list of ComfyUI
+    # LATENT samples, each [1 or batch, C, h, w] (FLUX.1: raw VAE space, 16 channels at 1/8,
+    # h, w even; FLUX.2: patchified and normalised, 128 channels at 1/16), in reference order. Their tokens join the image stream after the
     # latent's; `reference_method` places several of them in RoPE position space
     # (REFERENCE_METHODS; None: the architecture's default, "offset" / "index").
     reference_latents: Optional[list] = None
@@ -105,9 +105,13 @@ class GenerationRequest:
                        else list(self.reference_latents), reference_method=method)
 
     def reference_tokens(self) -> int:
-        """Tokens the references add to the image stream (2x2 latent pixels per token)."""
-        return sum((int(r.shape[-2]) // 2) * (int(r.shape[-1]) // 2)
-                   for r in (self.reference_latents or []) if getattr(r, "ndim", 0) == 4)
+        """Tokens the references add to the image stream (2x2 latent pixels per token at 1/8;
+        one per pixel of a 128-channel FLUX.2 LATENT at 1/16)."""
+        def tokens(r):
+            per = 1 if int(r.shape[1]) == 128 else 2
+            return (int(r.shape[-2]) // per) * (int(r.shape[-1]) // per)
+        return sum(tokens(r) for r in (self.reference_latents or [])
+                   if getattr(r, "ndim", 0) == 4)
 
     def problems(self, model: Any = None) -> list[str]:
         out = []
@@ -157,8 +161,8 @@ class GenerationRequest:
 
 
 def _reference_problems(req: "GenerationRequest", model) -> list[str]:
-    """Reference latents: a list of raw-VAE-space LATENT samples [1 or batch, C, h, w] with
-    the model's latent channels and even sizes (2x2 latent pixels make one token)."""
+    """Reference latents: a list of ComfyUI LATENT samples [1 or batch, C, h, w] in the
+    model's layout (FLUX.1: even sizes, 2x2 latent pixels make one token)."""
     import torch
 
     refs, method = req.reference_latents, req.reference_method
@@ -180,22 +184,25 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
     elif arch is None and method is not None and \
             method not in {m for ms in REFERENCE_METHODS.values() for m in ms}:
         out.append(f"reference_method {method!r} is unknown")
-    from .comfy_convert import latent_channels
+    from .comfy_convert import FLUX2_RAW_LATENT, latent_channels, latent_downscale
     channels = None if arch is None else latent_channels(arch)
+    down = 8 if arch is None else latent_downscale(arch)
+    per_token = 1 if down == 16 else 2
     for i, r in enumerate(refs):
         name = f"reference latent #{i + 1}"
         if not torch.is_tensor(r) or r.dim() != 4 or not r.is_floating_point():
             got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
-            out.append(f"{name} must be a float LATENT tensor [1 or batch, C, height/8, "
-                       f"width/8] (got {got})")
+            out.append(f"{name} must be a float LATENT tensor [1 or batch, C, height/{down}, "
+                       f"width/{down}] (got {got})")
             continue
         b, c, h, w = (int(v) for v in r.shape)
         if channels is not None and c != channels:
-            out.append(f"{name} has {c} channels; this {arch} model's VAE latents have "
-                       f"{channels} (encode the reference with the model's own VAE)")
+            out.append(f"{name} has {c} channels; " + (FLUX2_RAW_LATENT if arch == "flux2" else
+                       f"this {arch} model's VAE latents have {channels} (encode the "
+                       f"reference with the model's own VAE)"))
         if b not in (1, req.batch):
             out.append(f"{name} has batch {b}; give 1 (shared) or the batch {req.batch}")
-        if h < 2 or w < 2 or h % 2 or w % 2:
+        if per_token == 2 and (h < 2 or w < 2 or h % 2 or w % 2):
             out.append(f"{name} is {h}x{w} latent pixels; height and width must be even "
                        f"(reference images a multiple of 16 pixels, e.g. "
                        f"{max(2, h // 2 * 2) * 8}x{max(2, w // 2 * 2) * 8})")
@@ -247,7 +254,8 @@ def _lora_problems(loras) -> list[str]:
 
 @dataclass
 class GenerationResult:
-    """`samples`: ComfyUI LATENT samples [B,16,H/8,W/8] in raw VAE space (fp32, CPU).
+    """`samples`: ComfyUI LATENT samples (fp32, CPU): [B,16,H/8,W/8] raw VAE space (FLUX.1,
+    SD3); [B,128,H/16,W/16] patchified and normalised (FLUX.2).
     `images`: [B,H,W,3] in 0..1 when the request asked for output="image"."""
 
     samples: Any

@@ -116,6 +116,36 @@ def oracle_settings(arch: str, req: GenerationRequest) -> dict:
     return out
 
 
+def flux2_noise(seed: int, batch: int, height: int, width: int) -> torch.Tensor:
+    """ComfyUI's prepare_noise on a FLUX.2 LATENT (latent_formats.Flux2: 128 channels at
+    1/16), which is also the shape diffusers' Flux2 pipelines draw their noise in."""
+    return comfyui_noise(seed, (batch, 128, height // 16, width // 16))
+
+
+def flux2_bn(path):
+    """(mean, std) [1,128,1,1] of a FLUX.2 folder's VAE batch norm, read from its files."""
+    import json
+
+    from safetensors.torch import load_file
+    folder = Path(path) / "vae"
+    eps = json.loads((folder / "config.json").read_text()).get("batch_norm_eps", 1e-4)
+    for f in sorted(folder.glob("*.safetensors")):
+        sd = load_file(str(f))
+        if "bn.running_mean" in sd:
+            mean, var = sd["bn.running_mean"].float(), sd["bn.running_var"].float()
+            return mean.view(1, -1, 1, 1), torch.sqrt(var + eps).view(1, -1, 1, 1)
+    raise AssertionError(f"{folder} has no bn.running_mean")
+
+
+def flux2_comfy_from_raw(raw: torch.Tensor, path) -> torch.Tensor:
+    """A Flux2KleinPipeline output_type="latent" result (the raw 32-channel VAE latent) ->
+    ComfyUI's FLUX.2 LATENT [B,128,h/16,w/16]: diffusers' own patchify, then the inverse of
+    the pipeline's `latents * bn_std + bn_mean`."""
+    from diffusers import Flux2KleinPipeline
+    mean, std = flux2_bn(path)
+    return (Flux2KleinPipeline._patchify_latents(raw.float()) - mean) / std
+
+
 def pack_flux(x: torch.Tensor) -> torch.Tensor:
     """[B,16,h,w] -> FLUX's packed [B, h/2*w/2, 64], with diffusers' own packing."""
     import diffusers

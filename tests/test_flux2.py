@@ -9,6 +9,8 @@ import torch
 
 from comfyui_xdit.tiny_model import build_tiny_model, ensure_tiny_model, resolve_config
 
+from conftest import flux2_comfy_from_raw, flux2_noise
+
 
 @pytest.fixture(scope="module")
 def flux2_folder(tmp_path_factory):
@@ -92,7 +94,9 @@ def test_flux2_folder_detected(flux2_folder):
 
 
 def test_flux2_latent_layout_round_trip():
-    """pack = diffusers' patchify + pack; the per-channel normalisation inverts exactly."""
+    """ComfyUI's FLUX.2 LATENT [B,128,h,w] is model space: to tokens is diffusers' plain
+    _pack_latents, no scaling; the raw VAE latent (decode path) is the BN-un-normalised,
+    unpatchified one, and `pack` of a raw latent is diffusers' patchify + pack."""
     from diffusers import Flux2KleinPipeline
 
     from comfyui_xdit.worker_modules import worker_module
@@ -102,25 +106,30 @@ def test_flux2_latent_layout_round_trip():
     want = Flux2KleinPipeline._pack_latents(Flux2KleinPipeline._patchify_latents(raw))
     assert torch.equal(ll.pack("flux2", raw), want)
     scale, shift = torch.rand(128) + 0.5, torch.randn(128)
-    model = ll.to_model("flux2", raw, scale.tolist(), shift.tolist())
-    torch.testing.assert_close(model, (want - shift) * scale)
-    torch.testing.assert_close(ll.to_raw("flux2", model, scale.tolist(), shift.tolist(), 128, 96),
-                               raw, atol=1e-5, rtol=1e-5)
+    comfy = torch.randn(2, 128, 8, 6, generator=torch.manual_seed(2))
+    tokens = ll.to_model("flux2", comfy, scale.tolist(), shift.tolist())
+    assert torch.equal(tokens, Flux2KleinPipeline._pack_latents(comfy))  # no scaling
+    assert torch.equal(ll.comfy_pack("flux2", comfy), tokens)
+    assert torch.equal(ll.to_comfy("flux2", tokens, scale.tolist(), shift.tolist(), 128, 96),
+                       comfy)
+    # decode path: the pipeline's `latents * bn_std + bn_mean`, then its unpatchify
+    decoded = Flux2KleinPipeline._unpatchify_latents(comfy / scale.view(1, -1, 1, 1)
+                                                     + shift.view(1, -1, 1, 1))
+    torch.testing.assert_close(ll.to_raw("flux2", tokens, scale.tolist(), shift.tolist(),
+                                         128, 96), decoded, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ll.comfy_to_raw("flux2", comfy, scale.tolist(), shift.tolist()),
+                               decoded, atol=1e-6, rtol=1e-6)
 
 
 def _oracle(path, prompts, seed, steps, height, width, msl):
-    """The single-process Flux2KleinPipeline from ComfyUI-style noise [B,32,h/8,w/8]: the
-    pipeline takes it patchified ([B,128,h/16,w/16], its own _patchify_latents) and returns
-    the raw 32-channel VAE latent (ComfyUI's LATENT space)."""
-    from diffusers import Flux2KleinPipeline
-
-    noise = torch.randn((len(prompts), 32, height // 8, width // 8),
-                        generator=torch.manual_seed(seed), dtype=torch.float32)
+    """The single-process Flux2KleinPipeline from ComfyUI's noise on the FLUX.2 LATENT
+    ([B,128,h/16,w/16], which the pipeline takes as is), its raw 32-channel result turned
+    into ComfyUI's FLUX.2 LATENT (patchified, BN-normalised)."""
+    noise = flux2_noise(seed, len(prompts), height, width)
     pipe = _pipe(path)
     out = pipe(prompt=list(prompts), height=height, width=width, num_inference_steps=steps,
-               latents=Flux2KleinPipeline._patchify_latents(noise), max_sequence_length=msl,
-               output_type="latent").images
-    return noise, out
+               latents=noise, max_sequence_length=msl, output_type="latent").images
+    return noise, flux2_comfy_from_raw(out, path)
 
 
 @pytest.mark.parametrize("ulysses", [1, 2])
@@ -135,27 +144,50 @@ def test_flux2_pool_matches_pipeline(flux2_folder, ulysses):
                       threads_per_rank=1)
     try:
         got = pool.generate(req, noise=noise).samples
-        drawn = pool.generate(req).samples  # the pool's own noise: ComfyUI's, 32 channels
+        drawn = pool.generate(req).samples  # the pool's own noise: ComfyUI's, 128 channels
     finally:
         pool.close()
-    assert got.shape == want.shape == (1, 32, 16, 12)
+    assert got.shape == want.shape == (1, 128, 8, 6)
     assert (want - noise).abs().max() > 1e-2  # the model moved the latent
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(drawn, got, atol=1e-6, rtol=0)  # same seed -> same noise
 
 
-def test_flux2_pool_image_matches_pipeline(flux2_folder):
-    """output="image": the pool decodes the raw 32-channel latent like the pipeline does."""
+def test_flux2_pool_noise_is_comfyuis_on_the_128_channel_latent(flux2_folder):
+    """The pool's own FLUX.2 noise for a seed is torch.randn([B,128,H/16,W/16],
+    manual_seed(seed)) (ComfyUI's prepare_noise on the LATENT, diffusers' draw shape): the
+    run from that explicit noise gives the same LATENT bit for bit, and the run from the old
+    32-channel draw (patchified) does not. A raw 32-channel noise is refused in one line."""
     from diffusers import Flux2KleinPipeline
 
+    from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig, WorkerPool
+
+    req = GenerationRequest(prompt=["a cat", "a dog"], seed=11, steps=1, height=64,
+                            width=80, max_sequence_length=16)
+    mine = torch.randn([2, 128, 4, 5], generator=torch.manual_seed(11))
+    old = Flux2KleinPipeline._patchify_latents(
+        torch.randn([2, 32, 8, 10], generator=torch.manual_seed(11)))
+    with WorkerPool(str(flux2_folder), ParallelConfig(), device="cpu",
+                    threads_per_rank=1) as pool:
+        drawn = pool.generate(req).samples
+        given = pool.generate(req, noise=mine).samples
+        from_old = pool.generate(req, noise=old).samples
+        with pytest.raises(ConfigError, match=r"raw 32-channel \[batch, 32, height/8"):
+            pool.generate(req, noise=torch.randn(2, 32, 8, 10))
+    assert drawn.shape == (2, 128, 4, 5)
+    assert torch.equal(drawn, given)
+    assert (drawn - from_old).abs().max() > 0.1
+
+
+def test_flux2_pool_image_matches_pipeline(flux2_folder):
+    """output="image": the pool decodes the raw 32-channel latent like the pipeline does."""
     from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
 
     req = GenerationRequest(prompt=["a photo of a red cat"], seed=3, steps=2, height=128,
                             width=96, max_sequence_length=32, output="image")
-    noise = torch.randn((1, 32, 16, 12), generator=torch.manual_seed(3))
+    noise = flux2_noise(3, 1, 128, 96)
     want = _pipe(flux2_folder)(prompt=req.prompt, height=128, width=96, num_inference_steps=2,
-                               latents=Flux2KleinPipeline._patchify_latents(noise),
-                               max_sequence_length=32, output_type="pt").images
+                               latents=noise, max_sequence_length=32, output_type="pt").images
     pool = WorkerPool(str(flux2_folder), ParallelConfig(), device="cpu", threads_per_rank=1)
     try:
         got = pool.generate(req, noise=noise).images

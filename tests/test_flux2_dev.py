@@ -1,8 +1,9 @@
 """FLUX.2 [dev] (issue #14): `tiny-model --arch flux2 --variant dev` writes a folder the stock
 diffusers `Flux2Pipeline` loads and runs offline (Mistral-3 text encoder, embedded guidance),
-and the pool reproduces that pipeline to 1e-4 (fp32, final latent) from the same
-ComfyUI-style noise on 1 rank, Ulysses 2, Ring 2 and PipeFusion 2 (warmup >= steps), batch 1
-and 3, at the default guidance (4.0) and an explicit one.
+and the pool reproduces that pipeline to 1e-4 (fp32, final latent) from the same ComfyUI
+noise (on its 128-channel FLUX.2 LATENT) on 1 rank, Ulysses 2, Ring 2 and PipeFusion 2
+(warmup >= steps), batch 1 and 3, at the default guidance (4.0) and an explicit one; the
+Sampler node's default guidance (0) resolves to that 4.0 (FLUX.1: 3.5).
 
 Negative controls: the two guidance values give different latents (guidance reaches the
 transformer), another prompt gives another latent, and [klein]'s transformer, which has no
@@ -59,43 +60,36 @@ def pipeline(path):
 
 
 def noise_for(batch, height, width, seed):
-    """ComfyUI's prepare_noise for a FLUX.2 LATENT [B,32,h/8,w/8]."""
-    return torch.randn((batch, 32, height // 8, width // 8), generator=torch.manual_seed(seed),
-                       dtype=torch.float32)
+    """ComfyUI's prepare_noise for a FLUX.2 LATENT [B,128,h/16,w/16]."""
+    return torch.randn((batch, 128, height // 16, width // 16),
+                       generator=torch.manual_seed(seed), dtype=torch.float32)
 
 
-def to_raw(pipe, packed, patchified):
+def to_comfy(packed, noise):
     """Flux2Pipeline's output_type="latent" is packed, normalised model space [B,tokens,128]
-    (unlike Flux2KleinPipeline's); the raw 32-channel VAE latent (ComfyUI's LATENT space) is
-    what the pipeline itself computes before decoding: unpack, undo the batch norm, unpatchify."""
+    (unlike Flux2KleinPipeline's): ComfyUI's FLUX.2 LATENT is that, unpacked with the
+    pipeline's own ids (no batch norm)."""
     from diffusers import Flux2Pipeline
 
-    x = Flux2Pipeline._unpack_latents_with_ids(packed, Flux2Pipeline._prepare_latent_ids(patchified))
-    bn = pipe.vae.bn
-    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
-    return Flux2Pipeline._unpatchify_latents(x * std + bn.running_mean.view(1, -1, 1, 1))
+    return Flux2Pipeline._unpack_latents_with_ids(packed, Flux2Pipeline._prepare_latent_ids(noise))
 
 
 _ORACLES: dict = {}
 
 
 def oracle(path, req: GenerationRequest):
-    """The single-process Flux2Pipeline from `noise_for(...)` (patchified, as the pipeline
-    takes its initial latents), as a raw 32-channel latent. guidance None: the pipeline's
-    own default guidance_scale."""
-    from diffusers import Flux2Pipeline
-
+    """The single-process Flux2Pipeline from `noise_for(...)` (its latents as drawn), as
+    ComfyUI's FLUX.2 LATENT. guidance None: the pipeline's own default guidance_scale."""
     key = (str(path), tuple(req.prompt), req.seed, req.steps, req.height, req.width, req.guidance)
     if key not in _ORACLES:
         pipe = pipeline(path)
-        patchified = Flux2Pipeline._patchify_latents(
-            noise_for(len(req.prompt), req.height, req.width, req.seed))
+        noise = noise_for(len(req.prompt), req.height, req.width, req.seed)
         kw = {} if req.guidance is None else {"guidance_scale": req.guidance}
         packed = pipe(prompt=list(req.prompt), height=req.height, width=req.width,
-                      num_inference_steps=req.steps, latents=patchified,
+                      num_inference_steps=req.steps, latents=noise,
                       max_sequence_length=req.max_sequence_length, output_type="latent",
                       **kw).images
-        _ORACLES[key] = to_raw(pipe, packed, patchified)
+        _ORACLES[key] = to_comfy(packed, noise)
     return _ORACLES[key]
 
 
@@ -180,6 +174,17 @@ def test_request_default_guidance_is_flux2_devs(folder):
     resolved = request(128, 96, 1).resolved(info)
     assert resolved.guidance == 4.0 and resolved.cfg == 1.0
     assert request(128, 96, 1, guidance=1.5).resolved(info).guidance == 1.5
+    # the Sampler node: its default guidance 0 is the model's default, an explicit value wins
+    from comfyui_xdit.node_logic import SampleInputs, build_job
+    empty = {"samples": torch.zeros(1, 128, 8, 6)}
+    node = build_job(SampleInputs(latent=empty, prompt="a cat"), "flux2", model=info)[0]
+    assert SampleInputs(latent=empty).guidance == 0.0 and node.resolved(info).guidance == 4.0
+    node = build_job(SampleInputs(latent=empty, prompt="a cat", guidance=2.5), "flux2",
+                     model=info)[0]
+    assert node.resolved(info).guidance == 2.5
+    flux1 = build_job(SampleInputs(latent={"samples": torch.zeros(1, 16, 16, 12)},
+                                   prompt="a cat"), "flux")[0]
+    assert flux1.resolved("flux").guidance == 3.5
 
 
 # ---- the engine --------------------------------------------------------------------------
@@ -275,7 +280,7 @@ def test_pool_equals_flux2_pipeline(pools, folder, name):
             noise = noise_for(b, h, w, req.seed)
             want = oracle(folder, req)
             got[g] = pool.generate(req, noise=noise).samples
-            assert got[g].shape == want.shape == (b, 32, h // 8, w // 8)
+            assert got[g].shape == want.shape == (b, 128, h // 16, w // 16)
             assert (want - noise).abs().max() > MOVED
             err = (got[g] - want).abs().max().item()
             assert err <= TOL, f"{name} {h}x{w} batch {b} guidance {g}: max diff {err:.2e}"

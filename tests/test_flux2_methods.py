@@ -1,6 +1,8 @@
 """FLUX.2 on every xDiT method (issue #14): a tiny FLUX.2 [klein]-style model run at every
 exact configuration on 2 and 4 ranks equals the single-process diffusers
-`Flux2KleinPipeline` to 1e-4 (fp32, final latent) from the same ComfyUI-style noise.
+`Flux2KleinPipeline` to 1e-4 (fp32, final latent) from the same ComfyUI noise (drawn on
+ComfyUI's FLUX.2 LATENT [B,128,H/16,W/16], given to the pipeline as its `latents`; its raw
+32-channel result patchified and BN-normalised into that LATENT's space).
 
 * Ulysses 2 / 4, Ring 2 / 4, Ulysses 2 x Ring 2, CFG parallel (alone and x Ulysses 2), CFG
   in-process, DP 2 and DP 2 x Ulysses 2 (batch 3: uneven), PipeFusion 2 / 4 and PipeFusion
@@ -29,6 +31,8 @@ import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
 from comfyui_xdit.tiny_model import build_tiny_model
+
+from conftest import flux2_comfy_from_raw, flux2_noise
 
 TOL = 1e-4
 MOVED = 1e-2  # the model moved the latent this far from the noise (a no-op run fails)
@@ -64,30 +68,26 @@ def pipeline(path, distilled: bool = True):
 
 
 def noise_for(batch, height, width, seed):
-    """ComfyUI's prepare_noise for a FLUX.2 LATENT [B,32,h/8,w/8]."""
-    return torch.randn((batch, 32, height // 8, width // 8), generator=torch.manual_seed(seed),
-                       dtype=torch.float32)
+    """ComfyUI's prepare_noise for a FLUX.2 LATENT [B,128,h/16,w/16]."""
+    return flux2_noise(seed, batch, height, width)
 
 
 _ORACLES: dict = {}
 
 
 def oracle(path, req: GenerationRequest, output_type="latent"):
-    """The pipeline's result for `req` from `noise_for(...)`: the raw 32-channel latent
-    (ComfyUI's LATENT space) or, for output_type "pt", the image [B,3,H,W] in 0..1."""
-    from diffusers import Flux2KleinPipeline
-
+    """The pipeline's result for `req` from `noise_for(...)`: ComfyUI's FLUX.2 LATENT
+    [B,128,h/16,w/16] or, for output_type "pt", the image [B,3,H,W] in 0..1."""
     cfg = req.cfg if req.cfg is not None else 1.0
     key = (str(path), tuple(req.prompt), req.seed, req.steps, req.height, req.width, cfg,
            output_type)
     if key not in _ORACLES:
         noise = noise_for(len(req.prompt), req.height, req.width, req.seed)
         pipe = pipeline(path, distilled=cfg <= 1.0)
-        _ORACLES[key] = pipe(prompt=list(req.prompt), height=req.height, width=req.width,
-                             num_inference_steps=req.steps, guidance_scale=cfg,
-                             latents=Flux2KleinPipeline._patchify_latents(noise),
-                             max_sequence_length=req.max_sequence_length,
-                             output_type=output_type).images
+        out = pipe(prompt=list(req.prompt), height=req.height, width=req.width,
+                   num_inference_steps=req.steps, guidance_scale=cfg, latents=noise,
+                   max_sequence_length=req.max_sequence_length, output_type=output_type).images
+        _ORACLES[key] = flux2_comfy_from_raw(out, path) if output_type == "latent" else out
     return _ORACLES[key]
 
 
@@ -128,7 +128,7 @@ def check_exact(pools, folder, config, shapes=SHAPES, cfg=None, shard=False):
         want = oracle(folder, req)
         res = pool.generate(req, noise=noise)
         got = res.samples
-        assert got.shape == want.shape == (b, 32, h // 8, w // 8)
+        assert got.shape == want.shape == (b, 128, h // 16, w // 16)
         assert (want - noise).abs().max() > MOVED
         err = (got - want).abs().max().item()
         print(f"{config.describe()}{' sharded' if shard else ''} {h}x{w} batch {b} "
@@ -291,9 +291,9 @@ def test_base_model_default_cfg_matches_pipeline_default(base_folder):
     pipe = Flux2KleinPipeline.from_pretrained(base_folder)
     pipe.set_progress_bar_config(disable=True)
     assert pipe.config.is_distilled is False
-    want = pipe(prompt=req.prompt, height=128, width=96, num_inference_steps=STEPS,
-                latents=Flux2KleinPipeline._patchify_latents(noise), max_sequence_length=MSL,
-                output_type="latent").images
+    want = flux2_comfy_from_raw(
+        pipe(prompt=req.prompt, height=128, width=96, num_inference_steps=STEPS, latents=noise,
+             max_sequence_length=MSL, output_type="latent").images, base_folder)
     no_cfg = oracle(base_folder, request(128, 96, 1, cfg=1.0))
     assert (want - no_cfg).abs().max() > MOVED  # CFG changes the result
     with WorkerPool(str(base_folder), ParallelConfig(cfg_parallel=True), device="cpu",
@@ -349,7 +349,7 @@ def test_compute_split_alone_would_overload_a_stage():
 @pytest.mark.parametrize("config", [ParallelConfig(ulysses=2), ParallelConfig(ring=4)],
                          ids=["2ranks", "4ranks"])
 def test_image_output_matches_pipeline_decode(pools, folder, config):
-    """output="image": the pool decodes the 32-channel latent patch-parallel over every rank
+    """output="image": the pool decodes the raw 32-channel latent patch-parallel over every rank
     with the folder's AutoencoderKLFlux2; equal to the pipeline's output_type="pt". 112x80
     is 14 latent rows: uneven bands on 4 ranks."""
     pool = pools(config)
@@ -501,9 +501,10 @@ def lora_oracle(folder, req, loras):
         names.append(f"l{i}")
     pipe.set_adapters(names, [s for _, s in loras])
     noise = noise_for(len(req.prompt), req.height, req.width, req.seed)
-    return pipe(prompt=list(req.prompt), height=req.height, width=req.width,
-                num_inference_steps=req.steps, latents=Flux2KleinPipeline._patchify_latents(noise),
-                max_sequence_length=req.max_sequence_length, output_type="latent").images
+    return flux2_comfy_from_raw(
+        pipe(prompt=list(req.prompt), height=req.height, width=req.width,
+             num_inference_steps=req.steps, latents=noise,
+             max_sequence_length=req.max_sequence_length, output_type="latent").images, folder)
 
 
 LORA_CASES = {  # name: ([(format, strength)], configurations)

@@ -1,5 +1,6 @@
-"""FLUX.2 through the nodes' logic, without ComfyUI (issue #14): 32-channel LATENTs in and
-out, CONDITIONING without a pooled output (FLUX.2's text encoder gives hidden states only),
+"""FLUX.2 through the nodes' logic, without ComfyUI (issue #14): ComfyUI's FLUX.2 LATENTs
+(latent_formats.Flux2: 2x2-patchified, batch-norm-normalised, [B,128,H/16,W/16]) in and out,
+raw 32-channel ones refused in one line, CONDITIONING without a pooled output (FLUX.2's text encoder gives hidden states only),
 the text width checked against the transformer, Decode on the pool with the folder's VAE,
 FLUX.2 single files, and the xDiT MODEL's calls for a FLUX.2 caller."""
 from __future__ import annotations
@@ -25,20 +26,27 @@ def encode_flux2(path, texts, msl):
 
 
 # ---- conversions (no pool) ---------------------------------------------------------------
-def test_flux2_latents_have_32_channels():
-    x = torch.randn(2, 32, 8, 6)
+def test_flux2_latents_are_comfyuis_128_channel_ones():
+    x = torch.randn(2, 128, 4, 3)
     lat = latent_from_comfy({"samples": x}, "flux2")
     assert (lat.batch, lat.height, lat.width, lat.empty) == (2, 64, 48, False)
-    assert torch.equal(lat.samples, x)
-    # any empty latent gives the size: EmptySD3LatentImage (16 ch, 1/8) and the 2x2
-    # patchified layout newer ComfyUI uses for FLUX.2 (128 ch, 1/16)
+    assert torch.equal(lat.samples, x)  # model space already: no conversion
+    # any empty latent gives the size: EmptySD3LatentImage (16 ch, 1/8), EmptyLatentImage
+    # (4 ch) and EmptyFlux2LatentImage (128 ch, 1/16)
     for shape in ((1, 16, 8, 6), (1, 4, 8, 6), (1, 128, 4, 3)):
         e = latent_from_comfy({"samples": torch.zeros(shape)}, "flux2")
-        assert e.empty and e.samples.shape == (1, 32, 8, 6) and (e.height, e.width) == (64, 48)
-    with pytest.raises(ConfigError, match="16 channels; FLUX.2 uses 32"):
+        assert e.empty and e.samples.shape == (1, 128, 4, 3) and (e.height, e.width) == (64, 48)
+    # the raw VAE latent (this pack's FLUX.2 LATENT before) is refused, saying what to do
+    with pytest.raises(ConfigError, match=r"32 channels; FLUX.2 LATENTs are ComfyUI's "
+                                          r"128-channel \[batch, 128, height/16, width/16\].*"
+                                          r"must be patchified and normalised first"):
+        latent_from_comfy({"samples": torch.randn(1, 32, 8, 6)}, "flux2")
+    with pytest.raises(ConfigError, match="16 channels; FLUX.2 LATENTs are ComfyUI's"):
         latent_from_comfy({"samples": torch.randn(1, 16, 8, 8)}, "flux2")
-    with pytest.raises(ConfigError, match="32 channels; FLUX and SD3 use 16"):
+    with pytest.raises(ConfigError, match="128 channels; FLUX and SD3 use 16"):
         latent_from_comfy({"samples": x}, "flux")  # FLUX.1 unchanged
+    f1 = latent_from_comfy({"samples": torch.zeros(1, 16, 8, 6)}, "flux")
+    assert f1.samples.shape == (1, 16, 8, 6) and (f1.height, f1.width) == (64, 48)
 
 
 def test_flux2_conditioning_needs_no_pooled_output():
@@ -61,12 +69,13 @@ def test_flux2_conditioning_needs_no_pooled_output():
 
 
 def test_flux2_build_job_noise_and_text_width():
-    lat = {"samples": torch.zeros(2, 32, 8, 8), "batch_index": [4, 1]}
+    lat = {"samples": torch.zeros(2, 128, 4, 4), "batch_index": [4, 1]}
     cond = [[torch.randn(1, 5, 96), {}]]
     req, kw = build_job(SampleInputs(latent=lat, positive=cond, seed=9), "flux2", 96)
     assert req.positive["pooled"] is None and req.batch == 2
-    gen = torch.manual_seed(9)  # ComfyUI's prepare_noise with batch_index, 32 channels
-    per = [torch.randn((1, 32, 8, 8), generator=gen) for _ in range(5)]
+    assert (req.height, req.width) == (64, 64)
+    gen = torch.manual_seed(9)  # ComfyUI's prepare_noise with batch_index, on the LATENT
+    per = [torch.randn((1, 128, 4, 4), generator=gen) for _ in range(5)]
     assert torch.equal(kw["noise"], torch.cat([per[4], per[1]]))
     # FLUX.1's T5 states on a FLUX.2 transformer: one line naming both widths
     with pytest.raises(ConfigError, match=r"positive CONDITIONING has text states of width "
@@ -76,6 +85,32 @@ def test_flux2_build_job_noise_and_text_width():
     with pytest.raises(ConfigError, match="negative CONDITIONING has text states of width 64"):
         build_job(SampleInputs(latent=lat, positive=cond, cfg=2.0,
                                negative=[[torch.randn(1, 5, 64), {}]]), "flux2", 96)
+
+
+def test_flux2_negative_references_checked_at_the_resolved_cfg():
+    """cfg 0 on the node is the model's default: CFG 4 on a FLUX.2 base [klein] model, so a
+    negative with other references than the positive is refused there (the pool would give
+    both branches the positive's); a distilled model (CFG off) takes it; without the model
+    the check is made (it cannot tell)."""
+    from types import SimpleNamespace
+
+    lat = {"samples": torch.zeros(1, 128, 4, 3)}
+    ref = torch.randn(1, 128, 2, 2)
+    pos = [[torch.randn(1, 5, 96), {"reference_latents": [ref]}]]
+
+    def neg():
+        return [[torch.randn(1, 5, 96), {"reference_latents": [ref + 1]}]]
+    base = SimpleNamespace(arch="flux2", distilled=False)
+    distilled = SimpleNamespace(arch="flux2", distilled=True)
+    for model in (base, None):
+        with pytest.raises(ConfigError, match="negative CONDITIONING has other reference"):
+            build_job(SampleInputs(latent=lat, positive=pos, negative=neg()), "flux2", 96,
+                      model=model)
+    req, _ = build_job(SampleInputs(latent=lat, positive=pos, negative=neg()), "flux2", 96,
+                       model=distilled)
+    assert torch.equal(req.reference_latents[0], ref)
+    build_job(SampleInputs(latent=lat, positive=pos, negative=neg(), cfg=1.0), "flux2", 96,
+              model=base)  # an explicit cfg 1: no CFG, no check
 
 
 # ---- through a real pool -------------------------------------------------------------------
@@ -94,8 +129,9 @@ COMMON = dict(seed=5, steps=2, max_sequence_length=16)
 
 
 def test_flux2_text_conditioning_latent_image_and_img2img(registry, model_dir):
-    """prompt -> pool -> 32-channel LATENT; the same text as CONDITIONING (hidden states,
-    no pooled) gives the same LATENT; Decode on the pool gives the IMAGE; a LATENT in with
+    """prompt -> pool -> ComfyUI's 128-channel FLUX.2 LATENT; the same text as CONDITIONING
+    (hidden states, no pooled) gives the same LATENT; Decode on the pool gives the IMAGE the
+    folder's VAE decodes from it (un-normalised, unpatchified); a LATENT in with
     denoise < 1 is image-to-image; a wrong-width CONDITIONING is refused and the pool still
     works."""
     path = model_dir("flux2")
@@ -104,7 +140,7 @@ def test_flux2_text_conditioning_latent_image_and_img2img(registry, model_dir):
     empty = {"samples": torch.zeros(1, 16, 8, 6)}  # EmptySD3LatentImage 48x64
     by_text = sample(h, SampleInputs(latent=empty, prompt="a red cat", **COMMON),
                      registry=registry)["samples"]
-    assert by_text.shape == (1, 32, 8, 6) and torch.isfinite(by_text).all()
+    assert by_text.shape == (1, 128, 4, 3) and torch.isfinite(by_text).all()
     pe = encode_flux2(str(path), ["a red cat"], 16)
     assert pe.shape[-1] == 96
     by_cond = sample(h, SampleInputs(latent=empty, positive=[[pe, {}]], **COMMON),
@@ -120,8 +156,19 @@ def test_flux2_text_conditioning_latent_image_and_img2img(registry, model_dir):
     image = decode(h, {"samples": by_text}, registry=registry)
     assert image.shape == (1, 64, 48, 3) and 0 <= image.min() and image.max() <= 1
     assert image.std() > 1e-3
-    with pytest.raises(ConfigError, match=r"FLUX.2 model's Decode takes latents \[batch, 32"):
+    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline
+    vae = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae").eval()
+    mean, std = _bn(path)
+    raw = Flux2KleinPipeline._unpatchify_latents(
+        by_text * std.float().view(1, -1, 1, 1) + mean.float().view(1, -1, 1, 1))
+    with torch.no_grad():
+        want = (vae.decode(raw).sample / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
+    assert (image - want).abs().max().item() <= 1e-4
+    with pytest.raises(ConfigError, match=r"FLUX.2 model's Decode takes latents \[batch, 128, "
+                                          r"height/16, width/16\]"):
         decode(h, {"samples": torch.randn(1, 16, 8, 6)}, registry=registry)
+    with pytest.raises(ConfigError, match="raw 32-channel .* must be patchified and normalised"):
+        decode(h, {"samples": torch.randn(1, 32, 8, 6)}, registry=registry)
 
     steps = dict(COMMON, steps=4)
     init = by_text
@@ -154,12 +201,6 @@ def _bn(path):
     return vae["bn.running_mean"].double(), torch.sqrt(vae["bn.running_var"].double() + eps)
 
 
-def _normalised(raw, mean, std):
-    """raw 32-channel latent -> the transformer's normalised, 2x2-packed latent [B, N, 128]."""
-    packed = torch.nn.functional.pixel_unshuffle(raw.double(), 2).flatten(2).transpose(1, 2)
-    return (packed - mean) / std
-
-
 @pytest.mark.parametrize("prefix,naming", [(True, "bfl"), (False, "bfl"),
                                            (False, "diffusers")])
 def test_flux2_single_file_detected_with_the_folders_config(model_dir, tmp_path, prefix,
@@ -186,9 +227,9 @@ def test_flux2_single_file_detected_with_the_folders_config(model_dir, tmp_path,
 
 def test_flux2_single_file_equals_the_folder(registry, model_dir, tmp_path):
     """The tiny folder's transformer written as a BFL FLUX.2 file (under the checkpoint
-    prefix): with the same CONDITIONING and seed the 2-rank pool's latent is the folder's
-    (<= 1e-4) once both are in the transformer's normalised space (the file has no VAE, so
-    its LATENT is that space); a file with one block perturbed is not."""
+    prefix): with the same CONDITIONING and seed the 2-rank pool's LATENT is the folder's
+    (<= 1e-4): ComfyUI's FLUX.2 LATENT is the normalised latent for both (the file, with no
+    VAE statistics, needs none); a file with one block perturbed is not."""
     from single_file_util import write_single_file
 
     path = model_dir("flux2")
@@ -204,12 +245,9 @@ def test_flux2_single_file_equals_the_folder(registry, model_dir, tmp_path):
     got = sample(_handle(f, world_size=2, ulysses=2),
                  SampleInputs(latent=empty, positive=cond, **COMMON),
                  registry=registry)["samples"]
-    assert got.shape == folder.shape == (1, 32, 8, 6)
-    mean, std = _bn(path)
-    want = _normalised(folder, mean, std)
-    have = torch.nn.functional.pixel_unshuffle(got.double(), 2).flatten(2).transpose(1, 2)
-    assert (want - have).abs().max().item() <= 1e-4
-    assert want.abs().max() > 0.1
+    assert got.shape == folder.shape == (1, 128, 4, 3)
+    assert (got - folder).abs().max().item() <= 1e-4
+    assert folder.abs().max() > 0.1
     other = sample(_handle(bad, world_size=2, ulysses=2),
                    SampleInputs(latent=empty, positive=cond, **COMMON),
                    registry=registry)["samples"]
@@ -327,7 +365,7 @@ def test_flux2_sampler_with_a_reference_latent(registry, model_dir):
     path = model_dir("flux2")
     h = _handle(path, world_size=2, ulysses=2)
     pe = encode_flux2(str(path), ["a red cat"], 16)
-    ref = torch.randn(1, 32, 4, 6, generator=torch.Generator().manual_seed(2))
+    ref = torch.randn(1, 128, 2, 3, generator=torch.Generator().manual_seed(2))
     empty = {"samples": torch.zeros(1, 16, 8, 6)}
     got = sample(h, SampleInputs(latent=empty, positive=[[pe, {"reference_latents": [ref]}]],
                                  **COMMON), registry=registry)["samples"]
@@ -343,6 +381,10 @@ def test_flux2_sampler_with_a_reference_latent(registry, model_dir):
     with pytest.raises(ConfigError, match="reference latent #1 has 16 channels"):
         sample(h, SampleInputs(latent=empty, positive=[[pe, {"reference_latents": [
             torch.randn(1, 16, 4, 6)]}]], **COMMON), registry=registry)
+    with pytest.raises(ConfigError, match="reference latent #1 has 32 channels; FLUX.2 "
+                                          "LATENTs are ComfyUI's 128-channel"):
+        sample(h, SampleInputs(latent=empty, positive=[[pe, {"reference_latents": [
+            torch.randn(1, 32, 4, 6)]}]], **COMMON), registry=registry)
 
 
 def test_flux2_single_file_sharded_and_pipefusion_equal_the_whole_load(registry, model_dir,
@@ -368,14 +410,14 @@ def test_flux2_single_file_sharded_and_pipefusion_equal_the_whole_load(registry,
 
 
 def test_flux2_single_file_decodes_with_a_flux2_comfyui_vae_only(tmp_path, model_dir):
-    """A FLUX.2 file has no VAE: Decode hands its normalised 32-channel LATENT to the
-    connected ComfyUI VAE 2x2-patchified (ComfyUI's FLUX.2 VAE layout, 128 channels), and
-    refuses a VAE of another width in one line before decoding anything."""
+    """A FLUX.2 file has no VAE: Decode hands its LATENT (ComfyUI's FLUX.2 one, 128
+    channels) to the connected ComfyUI VAE as it is (ComfyUI's FLUX.2 VAE applies the
+    statistics), and refuses a VAE of another width in one line before decoding anything."""
     from single_file_util import write_single_file
 
     f = write_single_file(model_dir("flux2"), "flux2", tmp_path / "f2.safetensors")
     h = _handle(f, world_size=1)
-    lat = torch.randn(1, 32, 8, 6)
+    lat = torch.randn(1, 128, 4, 3)
 
     class VAE:
         def __init__(self, channels):
@@ -387,41 +429,28 @@ def test_flux2_single_file_decodes_with_a_flux2_comfyui_vae_only(tmp_path, model
 
     vae = VAE(128)
     img = decode(h, {"samples": lat}, vae=vae, registry=PoolRegistry())
-    assert vae.got.shape == (1, 128, 4, 3) and img.shape == (1, 64, 48, 3)
-    assert torch.equal(torch.nn.functional.pixel_shuffle(vae.got, 2), lat)
+    assert torch.equal(vae.got, lat) and img.shape == (1, 64, 48, 3)
     flux1 = VAE(16)
     with pytest.raises(ConfigError, match="FLUX.2 VAE .* the connected VAE has 16 latent"):
         decode(h, {"samples": lat}, vae=flux1, registry=PoolRegistry())
     assert flux1.got is None
 
 
-def test_newer_comfyui_patchified_flux2_latents_are_converted(model_dir):
-    """Newer ComfyUI's FLUX.2 LATENT (its VAE's output: 2x2-patchified and normalised by
-    the VAE's batch norm, [B, 128, H/16, W/16]), as img2img input and as a ReferenceLatent,
-    becomes the raw 32-channel latent with the folder's statistics; a single file (no
-    statistics: its LATENT is the normalised one) only unpatchifies."""
-    from comfyui_xdit.node_logic import flux2_latent_stats
-
-    path = model_dir("flux2")
-    stats = flux2_latent_stats(str(path))
-    mean, std = _bn(path)
-    assert torch.equal(stats[0], mean) and torch.allclose(stats[1], std)
-    raw = torch.randn(1, 32, 8, 6, generator=torch.Generator().manual_seed(4))
-    # the ComfyUI layout, written here from the normalised packed tokens
-    tokens = _normalised(raw, mean, std).float()
-    comfy128 = tokens.transpose(1, 2).reshape(1, 128, 4, 3)
+def test_flux2_img2img_and_reference_latents_go_in_unchanged():
+    """ComfyUI's FLUX.2 LATENT, as img2img input and as a ReferenceLatent, reaches the
+    request as it is (model space: no statistics needed, folders and files alike); raw
+    32-channel ones and other widths are refused in one line."""
+    comfy128 = torch.randn(1, 128, 4, 3, generator=torch.Generator().manual_seed(4))
     ref128 = comfy128.flip(-1).contiguous()
     cond = [[torch.randn(1, 5, 96), {"reference_latents": [ref128]}]]
     req, kw = build_job(SampleInputs(latent={"samples": comfy128}, positive=cond,
-                                     denoise=0.5), "flux2", 96, stats)
-    assert kw["init_latent"].shape == (1, 32, 8, 6) and (req.height, req.width) == (64, 48)
-    assert (kw["init_latent"] - raw).abs().max().item() <= 1e-5
-    want_ref = torch.nn.functional.pixel_shuffle(
-        ref128.double() * std.reshape(1, -1, 1, 1) + mean.reshape(1, -1, 1, 1), 2)
-    assert (req.reference_latents[0] - want_ref).abs().max().item() <= 1e-5
-    # a single file: the values stay (its LATENT convention is the normalised latent)
-    _, kw = build_job(SampleInputs(latent={"samples": comfy128}, positive=cond, denoise=0.5),
-                      "flux2", 96, None)
-    assert torch.equal(kw["init_latent"], torch.nn.functional.pixel_shuffle(comfy128, 2))
-    with pytest.raises(ConfigError, match="64 channels; FLUX.2 uses 32 .* or newer ComfyUI's"):
+                                     denoise=0.5), "flux2", 96)
+    assert torch.equal(kw["init_latent"], comfy128) and (req.height, req.width) == (64, 48)
+    assert kw["denoise"] == 0.5 and torch.equal(req.reference_latents[0], ref128)
+    assert not req.problems(type("M", (), {"arch": "flux2"})())
+    raw_ref = [[torch.randn(1, 5, 96), {"reference_latents": [torch.randn(1, 32, 8, 6)]}]]
+    req, _ = build_job(SampleInputs(latent={"samples": comfy128}, positive=raw_ref), "flux2", 96)
+    assert any("has 32 channels; FLUX.2 LATENTs are ComfyUI's 128-channel" in p
+               for p in req.problems(type("M", (), {"arch": "flux2"})()))
+    with pytest.raises(ConfigError, match="64 channels; FLUX.2 LATENTs are ComfyUI's"):
         latent_from_comfy({"samples": torch.randn(1, 64, 4, 4)}, "flux2")

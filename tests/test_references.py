@@ -3,10 +3,12 @@
 The oracles are the stock diffusers pipelines given PIL reference images:
 `Flux2KleinPipeline(image=[...])` and `FluxKontextPipeline(image=...)` assembled from the
 tiny FLUX folder's components. A spy on the pipeline's VAE records the raw latents it
-encoded (the distribution's mode, which is what the pipelines use), and exactly those raw
-latents go to the pool as `GenerationRequest.reference_latents` (ComfyUI's LATENT space), so
-the pool's conversion (FLUX.2's batch-norm statistics, FLUX.1's shift and scale, packing,
-position ids) is checked against the pipelines' own. Final latents agree to 1e-4.
+encoded (the distribution's mode, which is what the pipelines use), and exactly those
+latents go to the pool as `GenerationRequest.reference_latents` in ComfyUI's LATENT space
+(FLUX.1: the raw latent; FLUX.2: patchified and normalised with the VAE's batch-norm
+statistics, here by diffusers' own patchify, as ComfyUI's FLUX.2 VAE encodes them), so the
+pool's conversion (FLUX.1's shift and scale, packing, position ids) is checked against the
+pipelines' own. Final latents agree to 1e-4 (FLUX.2's in ComfyUI's 128-channel LATENT).
 
 Sizes: A (128x96, 48 latent tokens) and B (144x112, 63 tokens): with one reference of 20
 tokens B's image stream has 83 tokens and with two references (20 + 24) 107, which no sp
@@ -24,7 +26,7 @@ from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
 from comfyui_xdit.config import ConfigError
 from comfyui_xdit.pool import PoolError
 
-from conftest import pack_flux, unpack_flux
+from conftest import flux2_comfy_from_raw, pack_flux, unpack_flux
 
 TOL = 1e-4
 SIZES = {"A": (128, 96), "B": (144, 112)}
@@ -42,8 +44,9 @@ def ref_image(i: int, size=None, seed: int = 0):
 
 
 def noise(channels: int, batch: int, height: int, width: int, seed: int) -> torch.Tensor:
-    """ComfyUI's prepare_noise, written out."""
-    return torch.randn((batch, channels, height // 8, width // 8),
+    """ComfyUI's prepare_noise on the LATENT, written out (128 channels: FLUX.2's, at 1/16)."""
+    down = 16 if channels == 128 else 8
+    return torch.randn((batch, channels, height // down, width // down),
                        generator=torch.manual_seed(seed), dtype=torch.float32)
 
 
@@ -71,8 +74,8 @@ class VaeSpy:
 
 @pytest.fixture(scope="module")
 def flux2_oracle(model_dir):
-    """(prompts, seed, steps, size, images, cfg) -> (raw reference latents the pipeline
-    encoded, its final raw latent [B, 32, h/8, w/8], the noise)."""
+    """(prompts, seed, steps, size, images, cfg) -> (the reference latents the pipeline
+    encoded, its final latent, the noise), all as ComfyUI's FLUX.2 LATENTs [B,128,h/16,w/16]."""
     from diffusers import Flux2KleinPipeline
 
     path = str(model_dir("flux2"))
@@ -88,13 +91,14 @@ def flux2_oracle(model_dir):
             pipes[distilled].set_progress_bar_config(disable=True)
         pipe = pipes[distilled]
         h, w = SIZES[size]
-        x = noise(32, len(prompts), h, w, seed)
+        x = noise(128, len(prompts), h, w, seed)
         with VaeSpy(pipe.vae) as spy:
             out = pipe(prompt=list(prompts), image=list(images) or None, height=h, width=w,
-                       num_inference_steps=steps, guidance_scale=cfg,
-                       latents=Flux2KleinPipeline._patchify_latents(x),
+                       num_inference_steps=steps, guidance_scale=cfg, latents=x,
                        max_sequence_length=MSL, output_type="latent").images
-        cache[key] = (spy.seen, out, x)
+        assert [r.shape[1] for r in spy.seen] == [32] * len(images)  # raw VAE latents
+        cache[key] = ([flux2_comfy_from_raw(r, path) for r in spy.seen],
+                      flux2_comfy_from_raw(out, path), x)
         return cache[key]
     return run
 
@@ -161,7 +165,8 @@ def test_flux2_references_match_pipeline(pools, flux2_oracle, world, config, siz
     prompts = PROMPTS[:batch]
     images = [ref_image(i) for i in range(nref)]
     raws, want, x = flux2_oracle(prompts, 3, 3, size, images, cfg)
-    assert [tuple(r.shape[-2:]) for r in raws] == [(h // 8, w // 8) for h, w in REF_SIZES[:nref]]
+    assert [tuple(r.shape[1:]) for r in raws] == [(128, h // 16, w // 16)
+                                                  for h, w in REF_SIZES[:nref]]
     pool = pools("flux2", world)
     pool.reconfigure(config.with_world_size(world))
     h, w = SIZES[size]
@@ -197,11 +202,14 @@ def test_flux2_wrong_references_refused_pool_keeps_working(pools, flux2_oracle):
     base = dict(prompt=PROMPTS[:1], seed=3, steps=3, height=h, width=w,
                 max_sequence_length=MSL)
     bad = [  # (references, method, what the one message must say)
-        ([torch.zeros(1, 16, 8, 6)], None, "has 16 channels; this flux2 model's VAE latents "
-                                           "have 32"),
-        ([torch.zeros(1, 32, 7, 6)], None, "height and width must be even"),
-        ([torch.zeros(2, 32, 8, 6)], None, "give 1 (shared) or the batch 1"),
-        ([torch.zeros(1, 32, 8, 6)], "offset", "'offset' is not one of ['index'] for flux2"),
+        ([torch.zeros(1, 16, 8, 6)], None, "has 16 channels; FLUX.2 LATENTs are ComfyUI's "
+                                           "128-channel [batch, 128, height/16, width/16]"),
+        ([torch.zeros(1, 32, 8, 6)], None, "has 32 channels; FLUX.2 LATENTs are ComfyUI's "
+                                           "128-channel"),
+        ([torch.zeros(1, 32, 8, 6)], None, "a raw 32-channel [batch, 32, height/8, width/8] "
+                                           "latent must be patchified and normalised first"),
+        ([torch.zeros(2, 128, 4, 3)], None, "give 1 (shared) or the batch 1"),
+        ([torch.zeros(1, 128, 4, 3)], "offset", "'offset' is not one of ['index'] for flux2"),
         ([], None, "non-empty list"),
     ]
     for refs, method, text in bad:
@@ -233,7 +241,8 @@ def test_reference_tokens_count_in_the_split_check():
     req = GenerationRequest(prompt=["x"], height=16, width=16)
     with pytest.raises(ConfigError, match="1 image tokens cannot be split"):
         ParallelConfig(ulysses=4).validate(model, req)
-    req.reference_latents = [torch.zeros(1, 32, 4, 4)]
+    req.reference_latents = [torch.zeros(1, 128, 2, 2)]  # FLUX.2's LATENT: a token a pixel
+    assert req.reference_tokens() == 4
     ParallelConfig(ulysses=4).validate(model, req)
 
 
@@ -472,7 +481,7 @@ def test_memory_plan_counts_reference_tokens():
     facts = mp.preset_facts("flux2-dev")
     bf16 = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu")
     req = GenerationRequest(prompt=["x"], height=1024, width=1024,
-                            reference_latents=[torch.zeros(1, 32, 128, 128)])
+                            reference_latents=[torch.zeros(1, 128, 64, 64)])
     assert req.reference_tokens() == 64 * 64
     for config in (ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2)):
         plain = mp.plan(facts, config, bf16, mp.JobSize(1024, 1024)).ranks[0]

@@ -46,7 +46,8 @@ def _leader_decode(worker, link, msg: P.Decode):
     worker.state.update(state="running", job_id=job_id, step=0, total=0)
     t = time.perf_counter()
     try:
-        images = _decode(worker, samples.float())
+        # ComfyUI's LATENT -> the VAE's raw latent (FLUX.2: un-normalise, unpatchify)
+        images = _decode(worker, worker.adapter.comfy_to_raw(worker.model, samples.float()))
     except Exception as e:
         # the other ranks may be inside the decode's collectives: the pool cannot continue
         link.send(P.Error(job_id, f"rank 0: {type(e).__name__}: {e}", fatal=True))

@@ -337,12 +337,14 @@ def _decode_problem(worker, samples):
     from .messages import NO_VAE
     if not os.path.isfile(os.path.join(worker.args.model, "vae", "config.json")):
         return NO_VAE
-    channels = 32 if worker.adapter.arch == "flux2" else 16  # the VAE's raw latent
+    # ComfyUI's LATENT: FLUX.2's is 2x2-patchified and normalised, [B,128,H/16,W/16]
+    flux2 = worker.adapter.arch == "flux2"
+    channels, down = (128, 16) if flux2 else (16, 8)
     if not torch.is_tensor(samples) or samples.dim() != 4 or samples.shape[1] != channels \
             or not samples.is_floating_point():
         shape = tuple(samples.shape) if torch.is_tensor(samples) else type(samples).__name__
-        return (f"decode takes LATENT samples [batch, {channels}, height/8, width/8] (got "
-                f"{shape}); connect the xDiT sampler's LATENT")
+        return (f"decode takes LATENT samples [batch, {channels}, height/{down}, width/{down}]"
+                f" (got {shape}); connect the xDiT sampler's LATENT")
     if min(samples.shape[0], samples.shape[2], samples.shape[3]) < 1:
         return f"decode got empty LATENT samples {tuple(samples.shape)}"
     return None

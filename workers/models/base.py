@@ -131,6 +131,11 @@ class DiTAdapter:
         scale, shift = self.scale_shift(model)
         return latent_layout.to_raw(self.arch, latents, scale, shift, height, width)
 
+    def comfy_to_raw(self, model: LoadedModel, samples: torch.Tensor):
+        """ComfyUI LATENT samples -> raw VAE space (what `decode` takes)."""
+        scale, shift = self.scale_shift(model)
+        return latent_layout.comfy_to_raw(self.arch, samples, scale, shift)
+
     def decode(self, model: LoadedModel, raw, group=None, control=None):
         """Raw-VAE-space latents -> IMAGE [B,H,W,3] in 0..1 (float32, CPU).
         With `group` (and its control-plane twin `control`): patch-parallel decode

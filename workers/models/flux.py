@@ -176,20 +176,25 @@ class FluxAdapter(DiTAdapter):
         return torch.cat([t.expand(b, -1, -1) for t in toks], 1)
 
     def reference_inputs(self, model, raws, method, height, width) -> dict:
-        """Raw-VAE-space references (a job's LATENTs) -> {"tokens": [1 or B, M, C] model
-        space, "ids": [M, axes]} (CPU, fp32), exactly as the pipelines encode theirs."""
-        channels = int(model.transformer.config.in_channels) // 4
+        """References as ComfyUI LATENTs (a job's; FLUX.1: raw VAE space at 1/8, FLUX.2:
+        patchified and normalised at 1/16) -> {"tokens": [1 or B, M, C] model space, "ids":
+        [M, axes]} (CPU, fp32), exactly as the pipelines encode theirs."""
+        # FLUX.2's LATENT holds one token per pixel (in_channels); FLUX.1's 2x2 pixels
+        per_token = 1 if self.arch == "flux2" else 2
+        channels = int(model.transformer.config.in_channels) // per_token ** 2
         for i, r in enumerate(raws):
             if not torch.is_tensor(r) or r.dim() != 4 or r.shape[1] != channels \
-                    or r.shape[-2] % 2 or r.shape[-1] % 2:
+                    or r.shape[-2] % per_token or r.shape[-1] % per_token:
                 got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
+                even = " with h and w even" if per_token == 2 else ""
                 raise ValueError(f"reference latent #{i + 1} must be [1 or batch, {channels}, "
-                                 f"h, w] with h and w even for this {self.arch} model "
-                                 f"(got {got})")
+                                 f"h, w]{even} for this {self.arch} model (got {got})")
         scale, shift = self.scale_shift(model)
         toks = [latent_layout.to_model(self.arch, r, scale, shift) for r in raws]
         b = max(t.shape[0] for t in toks)
-        sizes = [(int(r.shape[-2]), int(r.shape[-1])) for r in raws]
+        # sizes in 1/8-scale latent pixels, as reference_positions counts them
+        sizes = [(int(r.shape[-2]) * (2 // per_token), int(r.shape[-1]) * (2 // per_token))
+                 for r in raws]
         return {"tokens": torch.cat([t.expand(b, -1, -1) for t in toks], 1).contiguous(),
                 "ids": self.reference_ids(sizes, method, height, width, "cpu", torch.float32)}
 

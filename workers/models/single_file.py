@@ -25,8 +25,9 @@ def defaults_for(arch: str, config: dict) -> tuple[dict, dict]:
 
     FLUX.2: the released folders' scheduler is FLUX.1-dev's dynamic-shift one (the adapter
     computes FLUX.2's own mu). Its latent space is normalised by the VAE's batch-norm
-    statistics, which a transformer file does not hold: `latent_bn` is the identity, so a
-    FLUX.2 file's LATENT is the transformer's normalised latent (32 channels, unpatchified)."""
+    statistics, which a transformer file does not hold: `latent_bn` is the identity. Its
+    LATENT needs none: ComfyUI's FLUX.2 LATENT is the normalised latent itself (the same as a
+    folder's); only a decode to pixels needs the statistics (a ComfyUI FLUX.2 VAE has them)."""
     if arch == "flux":
         sched = SCHEDULER_DEFAULTS["flux-dev" if config.get("guidance_embeds") else "flux-schnell"]
     elif arch == "flux2":
