@@ -202,7 +202,8 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
                        f"reference with the model's own VAE)"))
         if b not in (1, req.batch):
             out.append(f"{name} has batch {b}; give 1 (shared) or the batch {req.batch}")
-        if per_token == 2 and (h < 2 or w < 2 or h % 2 or w % 2):
+        # 2x2 latent pixels make a token at 1/8; a 128-channel FLUX.2 LATENT is 1 a pixel
+        if per_token == 2 and c != 128 and (h < 2 or w < 2 or h % 2 or w % 2):
             out.append(f"{name} is {h}x{w} latent pixels; height and width must be even "
                        f"(reference images a multiple of 16 pixels, e.g. "
                        f"{max(2, h // 2 * 2) * 8}x{max(2, w // 2 * 2) * 8})")

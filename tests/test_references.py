@@ -244,6 +244,11 @@ def test_reference_tokens_count_in_the_split_check():
     req.reference_latents = [torch.zeros(1, 128, 2, 2)]  # FLUX.2's LATENT: a token a pixel
     assert req.reference_tokens() == 4
     ParallelConfig(ulysses=4).validate(model, req)
+    # odd sizes are whole tokens at 1/16 (48x80 px), with or without the model; not at 1/8
+    odd = GenerationRequest(prompt=["x"], reference_latents=[torch.zeros(1, 128, 3, 5)])
+    assert odd.problems() == odd.problems(model) == [] and odd.reference_tokens() == 15
+    odd.reference_latents = [torch.zeros(1, 16, 3, 5)]
+    assert any("must be even" in p for p in odd.problems())
 
 
 @pytest.fixture(scope="module")
