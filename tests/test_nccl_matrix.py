@@ -170,3 +170,23 @@ def test_old_schedules_pass_on_gloo_and_deadlock_under_nccl_rules(rule_pools, fa
         strict.generate(req)
     msg = str(err.value)
     assert "NCCL" in msg and "rank" in msg, msg
+
+
+# ---- FLUX.2 with reference images ----------------------------------------------------------
+def test_flux2_with_references_under_nccl_rules(rule_pools):
+    """FLUX.2 with two reference images (joined to the image stream, split over the sp ranks;
+    under PipeFusion computed with each step's first patch) under NCCL's rules gives exactly
+    what the same layout gives on plain gloo. Exactness against diffusers is
+    tests/test_flux2_methods.py's and tests/test_references.py's; here the question is the
+    transfer order alone."""
+    g = torch.Generator().manual_seed(5)
+    refs = [torch.randn(1, 128, 4, 5, generator=g), torch.randn(1, 128, 3, 4, generator=g)]
+    for config, kw in [(ParallelConfig(ulysses=2), {"batch": 3, "cfg": 2.0}),
+                       (ParallelConfig(ring=2), {}),
+                       (ParallelConfig(pipefusion=2, warmup_steps=1, pipeline_patches=2),
+                        {"steps": 4, "cfg": 2.0})]:
+        req = _req("flux2", height=112, width=80, reference_latents=refs, **kw)
+        got = rule_pools("flux2", config).generate(req).samples
+        plain = rule_pools("flux2", config, hooks=()).generate(req).samples
+        assert got.shape == (req.batch, 128, 7, 5)
+        assert float((got - plain).abs().max()) <= 1e-6, config.describe()
