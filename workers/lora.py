@@ -138,7 +138,10 @@ class LoraManager:
                            f"{lin.in_features}->{lin.out_features})")
                 continue
             matched += 1
-        if bad:  # first: names the layer or shape, also when nothing else matched
+        if bad and not matched and not elsewhere:  # the whole file is for another model
+            raise LoraError(f"LoRA file {path} has no key that matches this {self.arch} model "
+                            f"(e.g. {bad[0]}); is it a LoRA for another model?")
+        if bad:  # names the layer or shape that does not fit
             raise LoraError(f"LoRA file {path}: {len(bad)} LoRA keys do not fit this "
                             f"{self.arch} model, e.g. {bad[0]}")
         if not matched and not elsewhere:
