@@ -120,7 +120,14 @@ class Topology:
 
 
 def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: int,
-                   ulysses: int, ring: int, device=None) -> Topology:
+                   ulysses: int, ring: int, device=None, groups: dict = None) -> Topology:
+    """The process groups of one configuration. `groups` (the caller's, kept across
+    configurations): {member ranks: (device group, gloo twin)}, so every set of ranks gets
+    one pair of groups for the pool's lifetime, whichever axes and layouts use it. Each gloo
+    group runs its own transport thread, so a pool that went through a dozen layouts would
+    otherwise keep ~100 threads per rank waking up while idle. Every rank builds the same
+    layouts in the same order, so every rank finds the same entries and `new_group` calls
+    still line up."""
     degrees = {"dp": dp, "cfg": cfg, "pipefusion": pipefusion, "ring": ring, "ulysses": ulysses}
     product = dp * cfg * pipefusion * ring * ulysses
     if product != world_size:
@@ -131,6 +138,7 @@ def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: in
     for r, c in enumerate(itertools.product(*[range(s) for s in sizes])):
         coords_of[r] = dict(zip(AXES, c))
     mine = coords_of[rank]
+    cache = {} if groups is None else groups
 
     def make(varying: tuple) -> tuple:
         """Create every group along `varying` axes on both planes (collectively); return
@@ -142,11 +150,12 @@ def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: in
             buckets.setdefault(key, []).append(r)
         found = None
         for key in sorted(buckets):
-            members = buckets[key]
-            g = dist.new_group(members, timeout=_TIMEOUT)
-            c = _control_group(members)
+            members = tuple(buckets[key])
+            if members not in cache:
+                cache[members] = (dist.new_group(list(members), timeout=_TIMEOUT),
+                                  _control_group(list(members)))
             if rank in members:
-                found = (g, c)
+                found = cache[members]
         return found
 
     names = {a: (a,) for a in AXES}

@@ -71,6 +71,7 @@ class Worker:
         self.cond_cache = CondCache()  # conditionings of host-side samplers (model calls)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.topologies = {}
+        self.groups = {}  # member ranks -> (device group, gloo twin), shared by every layout
         self.parallel = None  # (config key, SequenceParallel or None)
         st = self.model.stage
         self.ranks = _gather_all(planes.control, {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
@@ -119,7 +120,7 @@ class Worker:
         if key not in self.topologies:
             dp, cfg, pf, uly, ring = key
             topo = build_topology(self.rank, self.world, dp, cfg, pf, uly, ring,
-                                  device=self.device)
+                                  device=self.device, groups=self.groups)
             _warm_pairs(topo)
             self.topologies[key] = topo
         topo = self.topologies[key]
