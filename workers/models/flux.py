@@ -39,22 +39,26 @@ class FluxAdapter(DiTAdapter):
     def latent_rows(self, x, r0, r1, cols):  # packed [B, rows*cols, 4 * channels]
         return x.narrow(1, r0 * cols, (r1 - r0) * cols)
 
-    @staticmethod
-    def image_ids(height, width, device, dtype):
+    @classmethod
+    def image_ids(cls, height, width, device, dtype):
+        """RoPE ids of the image tokens: row and column on axes 1 and 2, the other axes 0."""
         h, w = height // 16, width // 16
-        ids = torch.zeros(h, w, 3)
+        ids = torch.zeros(h, w, cls.id_axes)
         ids[..., 1] += torch.arange(h)[:, None]
         ids[..., 2] += torch.arange(w)[None, :]
-        return ids.reshape(h * w, 3).to(device=device, dtype=dtype)
+        return ids.reshape(h * w, cls.id_axes).to(device=device, dtype=dtype)
+
+    def schedule_mu(self, scheduler, image_tokens: int, steps: int) -> float:
+        """FLUX.1's shift of the schedule: the dynamic shift by the image token count."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+        return calculate_shift(image_tokens, *dynamic_shift_args("flux", scheduler.config))
 
     def timesteps(self, scheduler, steps, latents, device):
-        # FLUX's schedule: linear sigmas, shifted by the image token count (dynamic shift)
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-        c = scheduler.config
+        # linear sigmas, shifted by `schedule_mu` (the model's rule)
         sigmas = np.linspace(1.0, 1 / steps, steps)
-        if c.get("use_flow_sigmas"):
+        if scheduler.config.get("use_flow_sigmas"):
             sigmas = None
-        mu = calculate_shift(latents.shape[1], *dynamic_shift_args("flux", c))
+        mu = self.schedule_mu(scheduler, latents.shape[1], steps)
         if sigmas is None:
             scheduler.set_timesteps(steps, device=device, mu=mu)
         else:

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 
-import numpy as np
 import torch
 
 from ..processors import Flux2ShardedAttnProcessor
@@ -95,25 +94,8 @@ class Flux2Adapter(FluxAdapter):
             model._flux2_bn = cached
         return cached
 
-    @staticmethod
-    def image_ids(height, width, device, dtype):
-        h, w = height // 16, width // 16
-        ids = torch.zeros(h, w, 4)
-        ids[..., 1] += torch.arange(h)[:, None]
-        ids[..., 2] += torch.arange(w)[None, :]
-        return ids.reshape(h * w, 4).to(device=device, dtype=dtype)
-
-    def timesteps(self, scheduler, steps, latents, device):
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        if scheduler.config.get("use_flow_sigmas"):
-            sigmas = None
-        mu = empirical_mu(latents.shape[1], steps)
-        if sigmas is None:
-            scheduler.set_timesteps(steps, device=device, mu=mu)
-        else:
-            scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
-        scheduler.set_begin_index(0)
-        return scheduler.timesteps
+    def schedule_mu(self, scheduler, image_tokens: int, steps: int) -> float:
+        return empirical_mu(image_tokens, steps)
 
     def encode(self, model, texts, max_sequence_length):
         pe, ids = model.encoder.encode_prompt(
