@@ -90,53 +90,56 @@ def _rename(name: str, table: dict):
     return None
 
 
-def convert_flux_bfl(sd: dict, hidden: int) -> dict:
-    """FLUX BFL/ComfyUI keys -> diffusers FluxTransformer2DModel keys. Any key without a
-    rule raises (a silently dropped tensor would load as garbage)."""
+_QKV_NAMES = {"img": ("to_q", "to_k", "to_v"), "txt": ("add_q_proj", "add_k_proj", "add_v_proj")}
+
+
+def _convert_bfl(sd: dict, top: dict, double: dict, single: dict, label: str,
+                 hidden: int | None = None) -> dict:
+    """BFL/ComfyUI keys of a FLUX-family model -> diffusers keys, key by key (so a PipeFusion
+    stage reads only its blocks), with the model's rename tables. The double blocks' fused
+    qkv is split in three; with `hidden` (FLUX.1) the single blocks' fused `linear1` is split
+    into q, k, v and the MLP input, which FLUX.2 keeps fused. Any key without a rule raises
+    (a silently dropped tensor would load as garbage)."""
     out, unknown = {}, []
     for name, w in sd.items():
         parts = name.split(".")
+        kind = parts[0] if len(parts) > 3 else None  # "<kind>.<i>.<rest>"
+        rest = ".".join(parts[2:])
+        # the fused tensor a weight/bias belongs to (its other tensors, e.g. scales, never split)
+        fused = rest.rsplit(".", 1)[0] if parts[-1] in ("weight", "bias") else None
         if name.startswith("final_layer.adaLN_modulation.1."):
-            out["norm_out.linear." + parts[-1]] = _swap_halves(w)
-        elif parts[0] == "double_blocks":
-            i, rest = parts[1], ".".join(parts[2:])
-            pre = f"transformer_blocks.{i}."
-            if rest in ("img_attn.qkv.weight", "img_attn.qkv.bias", "txt_attn.qkv.weight",
-                        "txt_attn.qkv.bias"):
-                names = ("to_q", "to_k", "to_v") if rest.startswith("img") else \
-                    ("add_q_proj", "add_k_proj", "add_v_proj")
-                for n, t in zip(names, w.chunk(3, dim=0)):
-                    out[f"{pre}attn.{n}.{parts[-1]}"] = t
-            else:
-                new = _rename(rest, _FLUX_DOUBLE)
-                if new is None:
-                    unknown.append(name)
-                else:
-                    out[pre + new] = w
-        elif parts[0] == "single_blocks":
-            i, rest = parts[1], ".".join(parts[2:])
-            pre = f"single_transformer_blocks.{i}."
-            if rest in ("linear1.weight", "linear1.bias"):
-                mlp = w.shape[0] - 3 * hidden
-                q, k, v, m = w.split([hidden, hidden, hidden, mlp], dim=0)
-                for n, t in (("attn.to_q", q), ("attn.to_k", k), ("attn.to_v", v),
-                             ("proj_mlp", m)):
-                    out[f"{pre}{n}.{parts[-1]}"] = t
-            else:
-                new = _rename(rest, _FLUX_SINGLE)
-                if new is None:
-                    unknown.append(name)
-                else:
-                    out[pre + new] = w
+            out["norm_out.linear." + parts[-1]] = _swap_halves(w)  # (shift, scale) swapped
+            continue
+        if kind == "double_blocks" and fused in ("img_attn.qkv", "txt_attn.qkv"):
+            for n, t in zip(_QKV_NAMES[rest[:3]], w.chunk(3, dim=0)):
+                out[f"transformer_blocks.{parts[1]}.attn.{n}.{parts[-1]}"] = t
+            continue
+        if kind == "single_blocks" and hidden is not None and fused == "linear1":
+            split = [hidden, hidden, hidden, w.shape[0] - 3 * hidden]
+            for n, t in zip(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+                            w.split(split, dim=0)):
+                out[f"single_transformer_blocks.{parts[1]}.{n}.{parts[-1]}"] = t
+            continue
+        if kind == "double_blocks":
+            new = _rename(rest, double)
+            new = None if new is None else f"transformer_blocks.{parts[1]}.{new}"
+        elif kind == "single_blocks":
+            new = _rename(rest, single)
+            new = None if new is None else f"single_transformer_blocks.{parts[1]}.{new}"
         else:
-            new = _rename(name, _FLUX_TOP)
-            if new is None:
-                unknown.append(name)
-            else:
-                out[new] = w
+            new = _rename(name, top)
+        if new is None:
+            unknown.append(name)
+        else:
+            out[new] = w
     if unknown:
-        raise ValueError(f"{len(unknown)} tensor(s) with no FLUX rule, e.g. {unknown[:3]}")
+        raise ValueError(f"{len(unknown)} tensor(s) with no {label} rule, e.g. {unknown[:3]}")
     return out
+
+
+def convert_flux_bfl(sd: dict, hidden: int) -> dict:
+    """FLUX.1 BFL/ComfyUI keys -> diffusers FluxTransformer2DModel keys."""
+    return _convert_bfl(sd, _FLUX_TOP, _FLUX_DOUBLE, _FLUX_SINGLE, "FLUX", hidden)
 
 
 # FLUX.2 BFL / ComfyUI names -> diffusers Flux2Transformer2DModel names. FLUX.2 has no
@@ -175,38 +178,8 @@ _FLUX2_SINGLE = {
 
 
 def convert_flux2_bfl(sd: dict) -> dict:
-    """FLUX.2 BFL/ComfyUI keys -> diffusers keys, key by key (so a PipeFusion stage reads only
-    its blocks). Any key without a rule raises."""
-    out, unknown = {}, []
-    for name, w in sd.items():
-        parts = name.split(".")
-        new = None
-        if name.startswith("final_layer.adaLN_modulation.1."):
-            out["norm_out.linear." + parts[-1]] = _swap_halves(w)  # (shift, scale) swapped
-            continue
-        if parts[0] == "double_blocks" and len(parts) > 3:
-            pre, rest = f"transformer_blocks.{parts[1]}.", ".".join(parts[2:])
-            if rest in ("img_attn.qkv.weight", "txt_attn.qkv.weight",
-                        "img_attn.qkv.bias", "txt_attn.qkv.bias"):
-                names = ("to_q", "to_k", "to_v") if rest.startswith("img") else \
-                    ("add_q_proj", "add_k_proj", "add_v_proj")
-                for n, t in zip(names, w.chunk(3, dim=0)):
-                    out[f"{pre}attn.{n}.{parts[-1]}"] = t
-                continue
-            new = _rename(rest, _FLUX2_DOUBLE)
-            new = None if new is None else pre + new
-        elif parts[0] == "single_blocks" and len(parts) > 3:
-            new = _rename(".".join(parts[2:]), _FLUX2_SINGLE)
-            new = None if new is None else f"single_transformer_blocks.{parts[1]}.{new}"
-        else:
-            new = _rename(name, _FLUX2_TOP)
-        if new is None:
-            unknown.append(name)
-        else:
-            out[new] = w
-    if unknown:
-        raise ValueError(f"{len(unknown)} tensor(s) with no FLUX.2 rule, e.g. {unknown[:3]}")
-    return out
+    """FLUX.2 BFL/ComfyUI keys -> diffusers Flux2Transformer2DModel keys."""
+    return _convert_bfl(sd, _FLUX2_TOP, _FLUX2_DOUBLE, _FLUX2_SINGLE, "FLUX.2")
 
 
 def convert_sd3_bfl(sd: dict) -> dict:
