@@ -45,7 +45,7 @@ def _lora(text):
 
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate latents or PNGs on a local pool")
-    p.add_argument("--model", required=True, help="diffusers FLUX or SD3 folder")
+    p.add_argument("--model", required=True, help="FLUX.1 / FLUX.2 / SD3 diffusers folder")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--seed", type=int, required=True)
@@ -287,7 +287,7 @@ def run_bench(argv) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _Parser(prog="python -m comfyui_xdit",
-                     description="xDiT-style parallel FLUX/SD3 sampling on a warm worker pool")
+                     description="xDiT-style parallel FLUX.1/FLUX.2/SD3 sampling on a warm worker pool")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     from . import demo, memory_plan, tiny_model
     demo.add_cli(sub)

@@ -153,11 +153,11 @@ def missing_model_message(name: str, folders, roots_by_kind: Optional[dict] = No
     if present:  # there, but not a model folder
         return (f"model {name!r} at {present[0]} is not a diffusers folder (it needs "
                 f"model_index.json and transformer/config.json, as a Hugging Face snapshot "
-                f"of the repository has); found {listed or 'no FLUX/SD3 model'}")
+                f"of the repository has); found {listed or 'no FLUX.1/FLUX.2/SD3 model'}")
     return (f"model {name!r} not found: looked for a diffusers folder {name!r} (with "
             f"model_index.json and transformer/config.json) in {where}, and for single "
             f"files in models/diffusion_models and models/checkpoints; found "
-            f"{listed or 'no FLUX/SD3 model'}. Put the model folder at "
+            f"{listed or 'no FLUX.1/FLUX.2/SD3 model'}. Put the model folder at "
             f"models/diffusers/{name} (e.g. a Hugging Face snapshot of the repository), "
             f"then refresh the node list")
 

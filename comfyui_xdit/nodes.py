@@ -105,7 +105,7 @@ class LoadModel(io.ComfyNode):
                         "worker pool. "
                         "Nothing starts here: the pool launches at the first sampling and stays warm.",
             inputs=[
-                io.Combo.Input("model", options=models or ["(no FLUX/SD3 model found)"],
+                io.Combo.Input("model", options=models or ["(no FLUX.1/FLUX.2/SD3 model found)"],
                                tooltip="A diffusers folder in ComfyUI/models/diffusers, e.g. "
                                        "models/diffusers/FLUX.1-dev, models/diffusers/"
                                        "FLUX.2-klein-4B or models/diffusers/"

@@ -687,7 +687,8 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "tiny-model",
         help="write a small random-weight diffusers model folder (offline)",
-        description="Write a small random-weight FLUX or SD3 diffusers folder; nothing is downloaded.",
+        description="Write a small random-weight FLUX.1, FLUX.2 or SD3 diffusers folder; nothing "
+                    "is downloaded.",
     )
     p.add_argument("--arch", required=True, choices=ARCHS, help="model family")
     p.add_argument("--out", required=True, help="output folder (created if missing)")

@@ -201,6 +201,14 @@ def test_pipeline_class_follows_model_index(folder, tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(ValueError, match="'FluxPipeline'.*Flux2Pipeline"):
         pipeline_class_of(str(tmp_path))
+    # the host refuses such a folder before any worker starts
+    from comfyui_xdit.errors import ConfigError
+    from comfyui_xdit.model_info import read_model_info
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(
+        (folder / "transformer" / "config.json").read_text())
+    with pytest.raises(ConfigError, match="'FluxPipeline'.*Flux2Pipeline"):
+        read_model_info(tmp_path)
 
 
 def test_adapter_encodes_with_the_folders_pipeline(folder):

@@ -370,13 +370,13 @@ def test_bad_inputs_give_one_clear_error_and_the_pool_survives(registry, model_d
     with pytest.raises(ConfigError, match="'flux1-missing.safetensors' not found in "
                                           "diffusion_models.*pick a file from the list"):
         loader("diffusion_models/flux1-missing.safetensors")
-    with pytest.raises(ConfigError, match="does not exist; give a FLUX/SD3 diffusers folder"):
+    with pytest.raises(ConfigError, match="does not exist; give a FLUX.1/FLUX.2/SD3 diffusers folder"):
         make_handle(str(tmp_path / "nothing-here"), "cpu", "fp32").validate()
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2, 2),
                "first_stage_model.decoder.conv_in.weight": torch.zeros(2)},
               str(tmp_path / "sdxl.safetensors"))
     with pytest.raises(ConfigError, match="not a FLUX.1, FLUX.2 or SD3/3.5 transformer: it "
-                                          "looks like an SD1.x/SDXL-style UNet.*Give a FLUX/SD3"):
+                                          "looks like an SD1.x/SDXL-style UNet.*Give a FLUX.1/FLUX.2/SD3"):
         loader("checkpoints/sdxl.safetensors")
     f = write_single_file(model_dir("flux"), "flux", tmp_path / "flux1.safetensors")
     raw = f.read_bytes()

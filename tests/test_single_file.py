@@ -78,7 +78,7 @@ def test_bad_files_give_one_clear_error(tmp_path, files):
                "model.diffusion_model.middle_block.0.in_layers.0.weight": torch.zeros(4)},
               str(unet))
     with pytest.raises(ConfigError, match=r"not a FLUX.1, FLUX.2 or SD3/3.5 transformer: it "
-                                          r"looks like an SD1.x/SDXL-style UNet.*Give a FLUX/SD3"):
+                                          r"looks like an SD1.x/SDXL-style UNet.*Give a FLUX.1/FLUX.2/SD3"):
         read_model_info(unet)
     raw = files["flux"].read_bytes()
     cut = tmp_path / "truncated.safetensors"

@@ -41,7 +41,7 @@ class ModelFileError(ValueError):
 
 
 def describe_model(path) -> dict:
-    """{"arch": "flux" | "sd3", "kind": "file" | "diffusers", "config": the diffusers
+    """{"arch": "flux" | "flux2" | "sd3", "kind": "file" | "diffusers", "config": the diffusers
     transformer config, "storage": weight_storage} of a diffusers folder or a single
     .safetensors file."""
     p = Path(path)
@@ -51,14 +51,14 @@ def describe_model(path) -> dict:
                 "storage": sf["storage"]}
     cfg_file = p / "transformer" / "config.json"
     if not p.exists():
-        raise ModelFileError(f"model {str(p)!r} does not exist; give a FLUX/SD3 diffusers "
-                             f"folder or a single .safetensors transformer file")
+        raise ModelFileError(f"model {str(p)!r} does not exist; give a FLUX.1/FLUX.2/SD3 "
+                             f"diffusers folder or a single .safetensors transformer file")
     if not p.is_dir():
         raise ModelFileError(f"model {str(p)!r} is neither a directory nor a file; give a "
                              f"diffusers model folder or a .safetensors file")
     if not cfg_file.is_file():
         raise ModelFileError(f"model folder {str(p)!r} has no transformer/config.json; "
-                             f"give a FLUX or SD3 diffusers folder")
+                             f"give a FLUX.1, FLUX.2 or SD3 diffusers folder")
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
@@ -67,13 +67,37 @@ def describe_model(path) -> dict:
     arch = ARCH_BY_CLASS.get(cls)
     if arch is None:
         raise ModelFileError(f"model {str(p)!r} has a {cls!r} transformer; supported: "
-                             f"{', '.join(sorted(ARCH_BY_CLASS))} (FLUX.1, SD3/3.5)")
+                             f"{', '.join(sorted(ARCH_BY_CLASS))} (FLUX.1, FLUX.2, SD3/3.5)")
+    if arch == "flux2":  # a wrong pipeline is refused here, not ~16 s later in the workers
+        flux2_pipeline_class(p)
     return {"arch": arch, "kind": "diffusers", "config": cfg,
             "storage": folder_storage(p / "transformer")}
 
 
+FLUX2_DEFAULT_PIPELINE = "Flux2KleinPipeline"
+
+
+def flux2_pipeline_class(path) -> str:
+    """The diffusers pipeline that encodes a FLUX.2 folder's prompts, from model_index.json:
+    Flux2Pipeline ([dev], Mistral-3) or Flux2KleinPipeline (every [klein] pipeline: Qwen3).
+    A folder without model_index.json (or a single file) keeps the klein default."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        return FLUX2_DEFAULT_PIPELINE
+    try:
+        name = json.loads(index.read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelFileError(f"cannot read the pipeline class from {index}: {e}") from None
+    if name == "Flux2Pipeline":
+        return name
+    if isinstance(name, str) and name.startswith("Flux2Klein"):
+        return FLUX2_DEFAULT_PIPELINE
+    raise ModelFileError(f"{index} names pipeline {name!r}; FLUX.2 folders run with "
+                         f"Flux2Pipeline ([dev]) or a Flux2Klein*Pipeline ([klein])")
+
+
 def read_arch(path) -> str:
-    """flux | sd3 of a diffusers folder or a single .safetensors file."""
+    """flux | flux2 | sd3 of a diffusers folder or a single .safetensors file."""
     return describe_model(path)["arch"]
 
 
@@ -122,7 +146,8 @@ def read_safetensors_header(path) -> dict:
             raise ModelFileError(f"{bad}: tensor {name!r} ends at byte {end} but the file has "
                                  f"{data} data bytes (truncated download?); re-download it")
     if not header:
-        raise ModelFileError(f"{str(p)!r} holds no tensors; give a FLUX/SD3 transformer file")
+        raise ModelFileError(f"{str(p)!r} holds no tensors; give a FLUX.1/FLUX.2/SD3 "
+                             f"transformer file")
     return header
 
 
@@ -174,8 +199,8 @@ def _not_dit_message(names) -> str:
     elif "blocks." in s:
         looks = "another transformer architecture"
     return (f"this file is not a FLUX.1, FLUX.2 or SD3/3.5 transformer: it looks like {looks}. "
-            f"Give a FLUX/SD3 .safetensors (double_blocks/single_blocks or joint_blocks keys, "
-            f"optionally under {CHECKPOINT_PREFIX!r}) or a diffusers folder")
+            f"Give a FLUX.1/FLUX.2/SD3 .safetensors (double_blocks/single_blocks or "
+            f"joint_blocks keys, optionally under {CHECKPOINT_PREFIX!r}) or a diffusers folder")
 
 
 def _indices(keys, prefix: str) -> list[int]:

@@ -6,15 +6,15 @@ image, text first."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
 
 from ..processors import Flux2ShardedAttnProcessor
 from .base import text_encoder_device_of
-from .flux import FluxAdapter
+from .detect import FLUX2_DEFAULT_PIPELINE, flux2_pipeline_class as pipeline_class_of
 from .facts import CLASS_BY_ARCH
+from .flux import FluxAdapter
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
@@ -30,26 +30,6 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
     return float(at_200 + (steps - 200) * per_step)
 
 
-def pipeline_class_of(path) -> str:
-    """The diffusers pipeline that encodes a FLUX.2 folder's prompts, from model_index.json:
-    Flux2Pipeline ([dev], Mistral-3) or Flux2KleinPipeline (every [klein] pipeline: Qwen3).
-    A folder without model_index.json (or a single file) keeps the klein default."""
-    index = os.path.join(path, "model_index.json")
-    if not os.path.isfile(index):
-        return Flux2Adapter.pipeline_class
-    try:
-        with open(index) as f:
-            name = json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"cannot read the pipeline class from {index}: {e}") from None
-    if name == "Flux2Pipeline":
-        return name
-    if isinstance(name, str) and name.startswith("Flux2Klein"):
-        return "Flux2KleinPipeline"
-    raise ValueError(f"{index} names pipeline {name!r}; FLUX.2 folders run with Flux2Pipeline "
-                     f"([dev]) or a Flux2Klein*Pipeline ([klein])")
-
-
 class Flux2Adapter(FluxAdapter):
     """FLUX.1's token layout, packing and patch rows (inherited); its own processors,
     schedule, text encoder, ids and latent space. `path` (a diffusers folder) picks the
@@ -57,7 +37,7 @@ class Flux2Adapter(FluxAdapter):
     of [dev] and [klein] differ, their transformers only in the guidance embedding."""
     arch = "flux2"
     transformer_class = CLASS_BY_ARCH["flux2"]
-    pipeline_class = "Flux2KleinPipeline"
+    pipeline_class = FLUX2_DEFAULT_PIPELINE
     layout = dataclasses.replace(
         FluxAdapter.layout, attention_processor=Flux2ShardedAttnProcessor,
         replaces=("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"))
