@@ -9,6 +9,8 @@ ComfyUI's memory manager neither loads nor offloads anything for it.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import comfy.model_base
@@ -18,6 +20,25 @@ import comfy.supported_models
 
 from .config import ConfigError
 from .model_calls import PoolDenoiser
+from .node_logic import compiling_text
+
+log = logging.getLogger("comfyui_xdit")
+
+
+def _show_compiling(event: dict) -> None:
+    """A model call's compiling event as text under the node that samples (KSampler & co.,
+    the executing node of this thread); never fails the call."""
+    text = compiling_text(event)
+    if text is None:
+        return
+    try:
+        from comfy_execution.utils import get_executing_context
+        from server import PromptServer
+        ctx = get_executing_context()
+        if ctx is not None:
+            PromptServer.instance.send_progress_text(text, ctx.node_id)
+    except Exception as e:
+        log.debug("xDiT: no compiling text: %s", e)
 
 
 class _PoolDiffusionModel(torch.nn.Module):
@@ -81,7 +102,7 @@ def build_model(pool, config, arch: str, guidance_embeds: bool = True):
     """A ComfyUI MODEL (ModelPatcher) for `arch` whose diffusion model is `pool`."""
     if arch == "flux2":
         flux2_support()  # refused before anything is built
-    denoiser = PoolDenoiser(pool, config, arch)
+    denoiser = PoolDenoiser(pool, config, arch, on_event=_show_compiling)
     if arch == "flux2":
         base, conf = flux2_support()
         model_config = conf(dict(getattr(conf, "unet_config", {}),

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import collections
 import hashlib
+from typing import Callable, Optional
+
 from .config import ConfigError, ParallelConfig
 
 # inputs a FLUX / SD3 diffusion model call may carry that we pass on or check
@@ -36,9 +38,11 @@ _KNOWN = {"y", "guidance", "control", "transformer_options", "attention_mask", "
 class PoolDenoiser:
     """Callable with ComfyUI's diffusion-model signature; one pool request per call."""
 
-    def __init__(self, pool, config: ParallelConfig, arch: str, cache_size: int = 16):
+    def __init__(self, pool, config: ParallelConfig, arch: str, cache_size: int = 16,
+                 on_event: Optional[Callable[[dict], None]] = None):
         """`pool`: a WorkerPool, or a function returning the current one (the nodes' pool
-        registry may replace a pool between calls; the denoiser then follows it)."""
+        registry may replace a pool between calls; the denoiser then follows it).
+        `on_event`: the calls' events (compiling, on a `compile` pool's first calls)."""
         if config.pipefusion > 1:
             raise ConfigError("PipeFusion pipelines patches across denoising steps, so it "
                               "cannot serve KSampler & co. one step at a time; use Sampler "
@@ -47,6 +51,7 @@ class PoolDenoiser:
         self.config = config
         self.arch = arch
         self.cache_size = cache_size
+        self.on_event = on_event
         self._known: "collections.OrderedDict[str, None]" = collections.OrderedDict()
         self._launches = None
         self.calls = 0
@@ -87,7 +92,7 @@ class PoolDenoiser:
             self._known.clear()
         out, stats, sent = pool.model_call(
             self.config, self._to_pool_layout(x, patchified), t.contiguous(), g, chunks, conds,
-            known=set(self._known))
+            known=set(self._known), on_event=self.on_event)
         if patchified:
             out = torch.nn.functional.pixel_unshuffle(out, 2)
         self._launches = (id(pool), pool.launches)

@@ -487,6 +487,15 @@ class PoolRegistry:
         return cb
 
 
+def compiling_text(event: dict) -> Optional[str]:
+    """The text under a node for a compiling event (workers/compile.py: `compile` pools, while
+    dynamo compiles during the first steps or calls); None for any other event."""
+    if event.get("phase") != "compiling":
+        return None
+    return (f"compiling ({event.get('compiles', 0)} graph(s), "
+            f"{float(event.get('compile_s') or 0):.0f} s so far)")
+
+
 def error_text(e: BaseException) -> str:
     """The line the panel shows: the exception's type and its one-line message."""
     return f"{type(e).__name__}: {' '.join(str(e).split())}"

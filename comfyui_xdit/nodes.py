@@ -280,9 +280,9 @@ class Sampler(io.ComfyNode):
         pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(ev: dict) -> None:
-            if ev.get("phase") == "compiling":  # workers/compile.py, during the first steps
-                _progress_text(f"compiling ({ev.get('compiles', 0)} graph(s), "
-                               f"{float(ev.get('compile_s') or 0):.0f} s so far)", node_id)
+            text = node_logic.compiling_text(ev)
+            if text is not None:
+                _progress_text(text, node_id)
                 return
             if "step" not in ev:
                 return

@@ -558,7 +558,8 @@ class WorkerPool:
                 self._running_job = None
 
     def model_call(self, config: ParallelConfig, x, timestep, guidance, chunks: list,
-                   conds: dict, known: set):
+                   conds: dict, known: set,
+                   on_event: Optional[Callable[[dict], None]] = None):
         """One denoiser evaluation (workers/model_call.py) for a host-side sampler: `x`
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
         `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
@@ -570,7 +571,9 @@ class WorkerPool:
         [rows, C, h, w] in x's space (model space, unpacked: what ComfyUI's FLUX model gets
         as `ref_latents`, sliced to the chunk's rows), and "ref_method" ("offset" (default),
         "index" or "uxo": ComfyUI's `ref_latents_method`). The chunks of one call must
-        agree on the references' shapes and method."""
+        agree on the references' shapes and method. `on_event` receives the call's events: the
+        compiling ones of a `compile` pool's first calls (a failing callback is logged, never
+        fails the call)."""
         def _np(v):
             return v.detach().cpu().numpy() if hasattr(v, "detach") else v
 
@@ -597,6 +600,13 @@ class WorkerPool:
                         msg = self._recv(self.step_timeout, f"model call {call_id}")
                         if isinstance(msg, P.Prediction) and msg.call_id == call_id:
                             break
+                        if isinstance(msg, P.Event) and msg.job_id == call_id:
+                            if on_event is not None:
+                                try:
+                                    on_event(dict(msg.event))
+                                except Exception as e:  # progress display only
+                                    _log.debug("model call event callback failed: %s", e)
+                            continue
                         if isinstance(msg, P.Error) and msg.job_id in (call_id, None):
                             if msg.fatal:
                                 self._raise_fatal(msg.message, f"model call {call_id}")

@@ -197,3 +197,31 @@ def test_sd3_one_rank_compiled_matches_diffusers(model_dir, oracle):
         res = pool.generate(req)
     assert all(s["compiles"] > 0 for s in compile_stats(res))
     assert maxdiff(res.samples, oracle("sd3", req)) <= TOL
+
+
+def test_model_calls_report_compiling_and_match_diffusers(model_dir):
+    """A host sampler's calls (the xDiT MODEL under KSampler) on a compiled pool: the first
+    call reports compiling through the denoiser's `on_event` and counts its graphs; the same
+    call again compiles nothing and reports nothing; both equal the diffusers transformer."""
+    import diffusers
+
+    from comfyui_xdit.model_calls import PoolDenoiser
+    from test_model_calls import comfy_call, reference
+
+    folder = model_dir("sd3")
+    tr = diffusers.SD3Transformer2DModel.from_pretrained(
+        str(folder), subfolder="transformer", torch_dtype=torch.float32).eval()
+    call = comfy_call("sd3", tr, 1, 8, 6, seed=3)
+    want = reference("sd3", tr, call["x"], call["timestep"], call["context"], call["y"], None)
+    config = ParallelConfig()
+    with WorkerPool(folder, config, device="cpu", threads_per_rank=1, compile=True) as pool:
+        events = []
+        den = PoolDenoiser(pool, config.with_world_size(1), "sd3", on_event=events.append)
+        first = den(**call)
+        first_stats = dict(den.last_stats)
+        n_first = len(events)
+        again = den(**call)
+    assert first_stats["compiles"] > 0 and n_first > 0
+    assert all(e["phase"] == "compiling" for e in events[:n_first]), events
+    assert den.last_stats["compiles"] == 0 and len(events) == n_first, events
+    assert maxdiff(first, want) <= TOL and maxdiff(again, first) <= 1e-6

@@ -669,3 +669,11 @@ def test_killed_worker_is_one_sentence_and_the_next_job_clears_it(model_dir):
         assert reg.status()["last_error"] is None and reg.status()["last_error_log"] is None
     finally:
         reg.unload_all()
+
+
+def test_compiling_text_for_both_sampling_paths():
+    """Sampler (xDiT) and the xDiT MODEL under KSampler show the same text while compiling."""
+    from comfyui_xdit.node_logic import compiling_text
+    assert compiling_text({"phase": "compiling", "compiles": 3, "compile_s": 12.4}) == \
+        "compiling (3 graph(s), 12 s so far)"
+    assert compiling_text({"step": 1, "total": 4}) is None

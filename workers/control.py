@@ -79,7 +79,7 @@ def _leader_predict(worker, link, msg: P.Predict):
     _broadcast(worker.planes.control, for_wire(call))
     t_run = time.perf_counter()
     try:
-        out, times = worker.call(call)
+        out, times = worker.call(call, emit=lambda ev: link.send(P.Event(msg.call_id, ev)))
     except Exception as e:
         link.send(P.Error(msg.call_id, f"rank 0: {type(e).__name__}: {e}", fatal=True))
         raise
@@ -87,7 +87,7 @@ def _leader_predict(worker, link, msg: P.Predict):
     # of which the transformer's forward (forward_s; forward_max_s: the slowest rank's),
     # the all-gather (gather_s), and the work before / after the forward (pre_s, post_s)
     stats = {k: times.get(k, 0.0) for k in ("forward_s", "forward_max_s", "gather_s",
-                                                  "pre_s", "post_s")}
+                                                  "pre_s", "post_s", "compiles")}
     stats.update(call_s=time.perf_counter() - t, prepare_s=t_bcast - t,
                  broadcast_s=t_run - t_bcast, cond_puts=worker.cond_cache.puts)
     link.send(P.Prediction(msg.call_id, out=out.numpy(), stats=stats))

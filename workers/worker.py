@@ -268,18 +268,21 @@ class Worker:
                          chunks=chunks, new_conds={k: conds[k] for k in dict.fromkeys(
                              k for k, _ in chunks) if k in conds})
 
-    def call(self, call):
+    def call(self, call, emit=None):
         """Every rank: one model evaluation (workers/model_call.py): (the prediction on
-        rank 0, None elsewhere; this rank's timings)."""
+        rank 0, None elsewhere; this rank's timings, with the graphs compiled during it).
+        `emit` (rank 0) receives the compiling events, as a job's do."""
         import torch
 
         from .model_call import run_call
 
         topo = self.topology(call.config)
         self._switch_loras([])  # a host sampler's MODEL carries no pool LoRA
-        with torch.inference_mode():
-            return run_call(call, self.model, self.adapter, topo, self.cond_cache,
-                            self.planes.data)
+        with torch.inference_mode(), self.compiler.job(emit) as compiled:
+            out, times = run_call(call, self.model, self.adapter, topo, self.cond_cache,
+                                  self.planes.data)
+        times["compiles"] = compiled.stats["compiles"]
+        return out, times
 
     def _apply_loras(self, job):
         self._switch_loras(job.request.get("lora_adapters") or [])
