@@ -9,6 +9,9 @@ checked against it, on the host, before any worker process starts.
 - `gpus_for_ranks(world, explicit)`: one GPU id per rank, from the loader's GPU list when
   given, else the visible GPUs in order; a world size they cannot hold raises one
   ConfigError naming both, e.g. `4 ranks need 4 GPUs; 2 are visible (CUDA_VISIBLE_DEVICES=0,1)`.
+- `text_encoder_gpu(option, gpus)`: where `text_encoders=cuda:N` puts rank 0's text encoders
+  (the N-th visible GPU: rank 0's own, another rank's, or a spare one) and what rank 0 is
+  then given: that GPU too in its `CUDA_VISIBLE_DEVICES`, as its `cuda:1`.
 
 The loader's list is in this process's numbering (what ComfyUI calls `cuda:N`): an index N
 names the N-th visible GPU, so under `CUDA_VISIBLE_DEVICES=2,3` the list "1" is physical GPU
@@ -23,6 +26,7 @@ count is `device_count` of this module, replaced in tests.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .errors import ConfigError
@@ -127,3 +131,37 @@ def _visible_phrase(visible: list) -> str:
     if not visible:
         return "no GPU is visible"
     return f"{len(visible)} {'is' if len(visible) == 1 else 'are'} visible"
+
+
+@dataclass(frozen=True)
+class TextEncoderGPU:
+    """Where `text_encoders=cuda:N` runs rank 0's text encoders. `gpu`: the GPU's id;
+    `rank`: the rank whose GPU it is (None: a GPU no rank uses); `rank0_visible`: rank 0's
+    `CUDA_VISIBLE_DEVICES`; `worker_option`: rank 0's `--text-encoders` (its own GPU:
+    "gpu"; another one: "cuda:1", the second GPU it sees)."""
+    gpu: str
+    rank: Optional[int]
+    rank0_visible: str
+    worker_option: str
+
+
+def text_encoder_gpu(option: str, gpus: Sequence[str], environ=None,
+                     count: Optional[Callable[[], int]] = None) -> Optional[TextEncoderGPU]:
+    """The placement of `text_encoders=cuda:N` for ranks on `gpus` (gpus_for_ranks), N in
+    this process's numbering like the GPU list; None for any other option. A GPU that is not
+    visible raises one ConfigError. (Each worker sees only its own GPU, so rank 0 is given
+    the text encoders' GPU as a second one.)"""
+    option = str(option)
+    if not option.startswith("cuda:") or not gpus:
+        return None
+    n = int(option[5:])
+    visible = visible_gpus(environ, count)
+    if not 0 <= n < len(visible):
+        right = f"cuda:0..cuda:{len(visible) - 1}, " if visible else ""
+        raise ConfigError(f"text_encoders {option}: {_visible_phrase(visible)} "
+                          f"{describe_visible(environ)}; use {right}gpu, auto or cpu")
+    gpu = visible[n]
+    rank = list(gpus).index(gpu) if gpu in gpus else None
+    if gpu == gpus[0]:
+        return TextEncoderGPU(gpu, 0, gpus[0], "gpu")
+    return TextEncoderGPU(gpu, rank, f"{gpus[0]},{gpu}", "cuda:1")

@@ -19,8 +19,9 @@ added up part by part:
   its own).
 - kv_cache: PipeFusion's per-layer K/V of the full sequence for this rank's heads, for every
   block of the stage and every CFG branch the rank runs.
-- text_encoders: on rank 0 only, unless placed on the CPU ("auto" mirrors the worker: the
-  GPU when they fit beside the rest with 2 GiB to spare, else the CPU).
+- text_encoders: on rank 0's GPU, unless placed on the CPU ("auto" mirrors the worker: the
+  GPU when they fit beside the rest with 2 GiB to spare, else the CPU) or on the GPU that
+  `cuda:N` names: another rank's (counted there) or one no rank uses (checked on its own).
 - vae: its weights on every rank (every rank takes part in the patch-parallel decode).
 - reserve: a fixed RESERVE_BYTES for the CUDA context, cuBLAS/cuDNN workspaces, NCCL
   buffers of the pool's process groups and allocator fragmentation.
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .config import ConfigError, EngineOptions, ParallelConfig
+from .gpus import text_encoder_gpu
 from .worker_modules import worker_module
 
 _log = logging.getLogger("comfyui_xdit")
@@ -450,19 +452,30 @@ def vae_decode_bytes(channels: tuple, height: int, width: int, batch: int, dtype
     return batch * (VAE_LIVE * dtype_bytes * math.ceil(largest / ranks) + 3 * height * width * 4)
 
 
+_BY_OPTION = -1  # text_encoder_rank: from the option (cuda:N: rank N's GPU, N < world)
+
+
 def plan(facts: ModelFacts, config: ParallelConfig, engine: EngineOptions,
-         job: Optional[JobSize] = JobSize(), gpu_memory=None) -> MemoryPlan:
+         job: Optional[JobSize] = JobSize(), gpu_memory=None,
+         text_encoder_rank: Optional[int] = _BY_OPTION) -> MemoryPlan:
     """Per-rank memory of `config` + `engine` for `job` (None: without a job's activations
     and K/V cache). `gpu_memory`: bytes per GPU (one number for every rank, or one per
-    rank), or None (no verdict)."""
+    rank), or None (no verdict). `text_encoder_rank`: for `text_encoders=cuda:N`, the rank
+    whose GPU that is (None: a GPU no rank uses); by default rank N's (ranks on the visible
+    GPUs in order)."""
     alternatives = ()
-    p = _plan(facts, config, engine, job, gpu_memory)
+    p = _plan(facts, config, engine, job, gpu_memory, text_encoder_rank)
     if p.fits is False:
         alternatives = tuple(_alternatives(facts, config, engine, job, gpu_memory))
     return dataclasses.replace(p, alternatives=alternatives)
 
 
-def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
+def text_encoder_bytes(facts: ModelFacts, dtype: str) -> int:
+    return (facts.text_encoder_bytes if facts.text_encoder_bytes is not None
+            else facts.text_encoder_params * DTYPE_BYTES[dtype])
+
+
+def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryPlan:
     world = config.ranks
     if isinstance(gpu_memory, (list, tuple)):
         caps = [None if g is None else int(g) for g in gpu_memory]
@@ -496,8 +509,7 @@ def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
         act = max(act, vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
                                         job.height, job.width, job.batch, db, world))
     vae = facts.vae_params * db
-    te = (facts.text_encoder_bytes if facts.text_encoder_bytes is not None
-          else facts.text_encoder_params * db)
+    te = text_encoder_bytes(facts, engine.dtype)
 
     ranges = stage_ranges(tr, config.pipefusion, config.pipefusion_split) \
         if config.pipefusion > 1 else [(0, n_blocks)]
@@ -531,15 +543,20 @@ def _plan(facts, config, engine, job, gpu_memory) -> MemoryPlan:
                               kv_cache=kv, text_encoders=0, vae=vae, reserve=RESERVE_BYTES,
                               gpu_memory=caps[rank]))
 
-    # text encoders: rank 0's GPU, or the CPU
+    # text encoders: rank 0's GPU, the GPU cuda:N names, or the CPU
     where = "none" if not te else "cpu"
     option = str(engine.text_encoders)
     if te and engine.device == "cuda" and option != "cpu":
-        r0 = ranks[0]
-        if option != "auto" or r0.gpu_memory is None or \
-                r0.gpu_memory - r0.total >= te + TEXT_ENCODER_MARGIN:
-            ranks[0] = dataclasses.replace(r0, text_encoders=te)
-            where = "on rank 0's GPU"
+        r = 0
+        if option.startswith("cuda:"):
+            n = int(option[5:])
+            r = (n if n < world else None) if te_rank == _BY_OPTION else te_rank
+        if r is None:
+            where = f"on {option} (a GPU no rank uses)"
+        elif option != "auto" or ranks[r].gpu_memory is None or \
+                ranks[r].gpu_memory - ranks[r].total >= te + TEXT_ENCODER_MARGIN:
+            ranks[r] = dataclasses.replace(ranks[r], text_encoders=te)
+            where = "on rank 0's GPU" if r == 0 else f"on rank {r}'s GPU ({option})"
         else:
             where = "on the CPU (auto: no room on rank 0's GPU)"
     elif te:
@@ -653,7 +670,9 @@ def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions,
                           reference_tokens=int(request.reference_tokens()),
                           # the default cfg may depend on the model (FLUX.2 base vs distilled)
                           cfg=bool(request.uses_cfg(read_model_info(model_path))))
-        p = plan(facts, config.with_world_size(None), engine, job, caps)
+        te_gpu = text_encoder_gpu(engine.text_encoders, list(gpus))
+        p = plan(facts, config.with_world_size(None), engine, job, caps,
+                 _BY_OPTION if te_gpu is None else te_gpu.rank)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001  a plan it cannot make never stops a launch
@@ -661,6 +680,14 @@ def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions,
         return None
     if p.fits is False:
         raise ConfigError(p.message())
+    if te_gpu is not None and te_gpu.rank is None:  # a GPU of their own: they alone on it
+        need = text_encoder_bytes(facts, engine.dtype) + TEXT_ENCODER_MARGIN
+        cap = gpu_memory_bytes([te_gpu.gpu])[0]
+        if cap is not None and need > cap:
+            raise ConfigError(f"the text encoders need {need / GiB:.1f} GiB with the margin "
+                              f"({engine.dtype}); GPU {te_gpu.gpu} (text_encoders="
+                              f"{engine.text_encoders}) has {cap / GiB:.1f} GiB: use a "
+                              f"larger GPU, or text_encoders=cpu")
     return p
 
 

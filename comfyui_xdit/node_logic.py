@@ -37,6 +37,15 @@ DTYPES = ["auto", "bf16", "fp16", "fp32"]  # auto: bf16 on cuda, fp32 on cpu
 ATTENTION = list(ATTENTION_BACKENDS)
 WEIGHT_OPTIONS = list(WEIGHTS)
 TEXT_ENCODER_OPTIONS = ["auto", "cpu", "gpu"]
+
+
+def text_encoder_options(gpu_count: Optional[int] = None) -> list[str]:
+    """The loader's text_encoders choices: the fixed ones, then `cuda:N` for each visible GPU
+    (a spare GPU can hold FLUX.2-dev's 45 GB Mistral encoder beside the ranks)."""
+    if gpu_count is None:
+        from .gpus import visible_gpus
+        gpu_count = len(visible_gpus())
+    return TEXT_ENCODER_OPTIONS + [f"cuda:{i}" for i in range(gpu_count)]
 SPLITS = ["balanced", "compute", "memory"]
 MAX_SEED = 2 ** 64 - 1
 

@@ -13,7 +13,7 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 from .model_info import read_model_info
 from . import node_logic
 from .node_logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, REGISTRY, SPLITS,
-                         TEXT_ENCODER_OPTIONS, WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
+                         WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
                          discover_models, discover_single_files, loader_handle)
 
 log = logging.getLogger("comfyui_xdit")
@@ -174,11 +174,12 @@ class LoadModel(io.ComfyNode):
                                        "weights stored in fp8 e4m3fn (half of bf16's "
                                        "memory), computed in dtype; full: every weight in "
                                        "dtype, fp8 files included"),
-                io.Combo.Input("text_encoders", options=list(TEXT_ENCODER_OPTIONS),
+                io.Combo.Input("text_encoders", options=node_logic.text_encoder_options(),
                                default="auto", optional=True,
-                               tooltip="Where rank 0 runs T5/CLIP for prompt text: auto "
-                                       "(rank 0's GPU when they fit beside the transformer, "
-                                       "else CPU), cpu, or gpu (rank 0's GPU)"),
+                               tooltip="Where rank 0 runs the text encoders for prompt text: "
+                                       "auto (rank 0's GPU when they fit beside the "
+                                       "transformer, else CPU), cpu, gpu (rank 0's GPU), or "
+                                       "cuda:N (that GPU: a spare one, or another rank's)"),
                 io.Boolean.Input("shard_weights", default=False, optional=True,
                                  tooltip="Keep 1/N of the transformer's weights on each GPU "
                                          "(torch FSDP2; each block gathered just before it "

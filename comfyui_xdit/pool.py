@@ -22,7 +22,7 @@ from .comfy_convert import (FLUX2_RAW_LATENT, comfy_noise, comfy_to_model, laten
                             latent_shape_text, model_to_comfy, noise_to_model)
 from . import memory_plan
 from .config import ConfigError, EngineOptions, ParallelConfig
-from .gpus import gpus_for_ranks
+from .gpus import gpus_for_ranks, text_encoder_gpu
 from .model_info import ModelInfo, read_model_info
 from .worker_modules import worker_module
 
@@ -261,7 +261,9 @@ class WorkerPool:
         cannot hold raises one ConfigError naming both (comfyui_xdit/gpus.py)."""
         if self.device != "cuda" or self._attached:
             return None
-        return gpus_for_ranks(self.config.ranks, self.gpus)
+        gpus = gpus_for_ranks(self.config.ranks, self.gpus)
+        text_encoder_gpu(self.engine.text_encoders, gpus)  # so is a text-encoder GPU not there
+        return gpus
 
     def _launch(self, on_launch: Optional[Callable[[str, int, int], None]] = None) -> None:
         """`on_launch(text, done, total)`: launch progress ("starting 4 workers",
@@ -315,6 +317,7 @@ class WorkerPool:
             f.write(secret.hex())
         addr_file = os.path.join(self._tmp, "address")
         threads = self.threads_per_rank or _default_threads(world)
+        te_gpu = text_encoder_gpu(self.engine.text_encoders, gpus or [])
         for rank in range(world):
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
@@ -322,13 +325,17 @@ class WorkerPool:
             env["GLOO_SOCKET_IFNAME"] = env.get("XDIT_GLOO_IFNAME", "lo")
             env["OMP_NUM_THREADS"] = str(threads)
             env["RANK"] = str(rank)
+            engine = self.engine
             if self.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = gpus[rank]  # one GPU per rank
                 env["LOCAL_RANK"] = "0"
+                if rank == 0 and te_gpu is not None:  # and rank 0 its text encoders' GPU
+                    env["CUDA_VISIBLE_DEVICES"] = te_gpu.rank0_visible
+                    engine = dataclasses.replace(engine, text_encoders=te_gpu.worker_option)
             cmd = [sys.executable, "-m", "workers.serve", "--model", self.model_path,
                    "--rank", str(rank), "--world-size", str(world),
                    "--store", os.path.join(self._tmp, "store"), "--threads", str(threads),
-                   *self.engine.worker_argv()]
+                   *engine.worker_argv()]
             if rank == 0:
                 cmd += ["--address-file", addr_file, "--secret-file", secret_file]
             if self.load_in_turn:

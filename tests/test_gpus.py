@@ -201,3 +201,50 @@ def test_the_loader_and_the_sampler_check_first(model_dir, fake_gpus, no_spawn):
         sample(big, SampleInputs(latent={"samples": torch.zeros(1, 16, 8, 8)}, prompt="a cat",
                                  steps=1, max_sequence_length=8), registry=registry)
     assert registry.pools() == [] and no_spawn == []
+
+
+# ---- text encoders on a GPU of their own ----------------------------------------------------
+def test_text_encoder_gpu_placement(fake_gpus):
+    """text_encoders=cuda:N names the N-th visible GPU: rank 0's own ("gpu"), another rank's,
+    or a spare one; rank 0 is then given it as its second GPU (cuda:1)."""
+    from comfyui_xdit.gpus import TextEncoderGPU, text_encoder_gpu
+    fake_gpus(0, "2,3,5")
+    ranks = ["2", "3"]
+    assert text_encoder_gpu("auto", ranks) is None and text_encoder_gpu("cpu", ranks) is None
+    assert text_encoder_gpu("cuda:0", ranks) == TextEncoderGPU("2", 0, "2", "gpu")
+    assert text_encoder_gpu("cuda:1", ranks) == TextEncoderGPU("3", 1, "2,3", "cuda:1")
+    assert text_encoder_gpu("cuda:2", ranks) == TextEncoderGPU("5", None, "2,5", "cuda:1")
+    with pytest.raises(ConfigError) as e:
+        text_encoder_gpu("cuda:3", ranks)
+    assert str(e.value) == ("text_encoders cuda:3: 3 are visible (CUDA_VISIBLE_DEVICES=2,3,5); "
+                            "use cuda:0..cuda:2, gpu, auto or cpu")
+
+
+def test_rank0_is_given_the_text_encoders_gpu(model_dir, fake_gpus, monkeypatch, no_spawn):
+    """The spawned rank 0 sees its own GPU and the text encoders' one, and runs them on its
+    cuda:1; a GPU that is not visible is refused before anything starts."""
+    from comfyui_xdit import WorkerPool
+    fake_gpus(0, "0,1,2")
+    pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
+                      text_encoders="cuda:7")
+    with pytest.raises(ConfigError, match=r"^text_encoders cuda:7: 3 are visible"):
+        pool.generate(_req())
+    assert no_spawn == [] and pool.worker_pids() == []
+    pool.close()
+    spawned = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, env=None, **kw):
+        spawned.append((cmd, env))
+        raise Stop
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
+                      text_encoders="cuda:2")
+    with pytest.raises(Stop):
+        pool.generate(_req())
+    pool.close()
+    (cmd, env), = spawned  # rank 0 is spawned first
+    assert env[ENV] == "0,2"
+    assert cmd[cmd.index("--text-encoders") + 1] == "cuda:1"

@@ -3,6 +3,7 @@ meta-built modules each method leaves on a rank, fp8, monotonicity, the refusal 
 numbers, the CLI, and the pool / loader refusing before any worker starts."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 
@@ -327,3 +328,36 @@ def test_activation_estimate_bounds_a_real_forward(model_dir, arch):
     t = mp._transformer(facts.transformer_class, facts.transformer_config, facts.arch)
     estimate = mp.activation_bytes(t, image + text, text, image + text, 1, 4, 1)
     assert 0.5 * estimate < live.peak <= estimate, (live.peak, estimate)
+
+
+def test_text_encoders_on_a_named_gpu(flux2, monkeypatch):
+    """text_encoders=cuda:N: counted on the rank whose GPU that is, on none for a spare GPU;
+    the launch check then weighs the spare GPU alone and refuses one they cannot fit."""
+    from comfyui_xdit import gpus
+    _, facts = flux2
+    te = facts.text_encoder_params * 2
+    engine = EngineOptions(device="cuda", dtype="bf16", text_encoders="cuda:1")
+    other = mp.plan(facts, ParallelConfig(pipefusion=2), engine, gpu_memory=80 * GiB)
+    assert [r.text_encoders for r in other.ranks] == [0, te]
+    assert "rank 1's GPU" in other.text_encoders_on
+    spare = mp.plan(facts, ParallelConfig(pipefusion=2),
+                    dataclasses.replace(engine, text_encoders="cuda:2"), gpu_memory=80 * GiB)
+    assert [r.text_encoders for r in spare.ranks] == [0, 0]
+    assert "no rank uses" in spare.text_encoders_on
+
+    monkeypatch.setattr(gpus, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    monkeypatch.setattr(mp, "model_facts", lambda path, dtype: facts)
+    sizes = {"0": 80 * GiB, "1": 80 * GiB, "2": 24 * GiB}
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [sizes[i] for i in ids])
+    spare_engine = dataclasses.replace(engine, text_encoders="cuda:2")
+    with pytest.raises(ConfigError) as e:
+        mp.check_launch("unused", ParallelConfig(pipefusion=2), spare_engine, ["0", "1"])
+    assert "GPU 2 (text_encoders=cuda:2) has 24.0 GiB" in str(e.value)
+    sizes["2"] = 80 * GiB
+    p = mp.check_launch("unused", ParallelConfig(pipefusion=2), spare_engine, ["0", "1"])
+    assert p.fits and [r.text_encoders for r in p.ranks] == [0, 0]
+    # the GPU list decides whose GPU cuda:N is: ranks on GPUs 2 and 0, cuda:0 is rank 1's
+    p = mp.check_launch("unused", ParallelConfig(pipefusion=2),
+                        dataclasses.replace(engine, text_encoders="cuda:0"), ["2", "0"])
+    assert [r.text_encoders for r in p.ranks] == [0, te]

@@ -677,3 +677,10 @@ def test_compiling_text_for_both_sampling_paths():
     assert compiling_text({"phase": "compiling", "compiles": 3, "compile_s": 12.4}) == \
         "compiling (3 graph(s), 12 s so far)"
     assert compiling_text({"step": 1, "total": 4}) is None
+
+
+def test_text_encoder_choices_list_each_visible_gpu():
+    from comfyui_xdit.node_logic import text_encoder_options
+    assert text_encoder_options(0) == ["auto", "cpu", "gpu"]
+    assert text_encoder_options(3)[3:] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert text_encoder_options()[:3] == ["auto", "cpu", "gpu"]  # counts without a GPU
