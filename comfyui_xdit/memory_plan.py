@@ -552,7 +552,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
             n = int(option[5:])
             r = (n if n < world else None) if te_rank == _BY_OPTION else te_rank
         if r is None:
-            where = f"on {option} (a GPU no rank uses)"
+            where = f"on {option} (a GPU no rank uses; {te / GiB:.1f} GiB there)"
         elif option != "auto" or ranks[r].gpu_memory is None or \
                 ranks[r].gpu_memory - ranks[r].total >= te + TEXT_ENCODER_MARGIN:
             ranks[r] = dataclasses.replace(ranks[r], text_encoders=te)
