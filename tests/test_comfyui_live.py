@@ -18,10 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import struct
-import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -29,10 +25,11 @@ from pathlib import Path
 
 import pytest
 
-COMFY = os.environ.get("COMFYUI_PATH")
-pytestmark = pytest.mark.skipif(not COMFY, reason="COMFYUI_PATH not set (live ComfyUI test)")
+from live_comfy import (COMFY, ROOT, comfy_vae, http, link_packs, messages, place, run,
+                        running_comfyui, skip_without_comfyui, ws_connect)
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = skip_without_comfyui
+
 MODEL_NAME = "xdit-test-flux"
 FILE_NAME = "xdit-test-flux.safetensors"
 FILE_OPTION = f"diffusion_models/{FILE_NAME}"
@@ -42,95 +39,21 @@ EXAMPLE_MODELS = {"xdit_flux_text_to_image_api.json": ("FLUX.1-dev", "flux"),
                   "xdit_sd3_text_to_image_api.json": ("stable-diffusion-3.5-medium", "sd3")}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(base, path, data=None, timeout=30):
-    body = None if data is None else json.dumps(data).encode()
-    req = urllib.request.Request(base + path, data=body, method="POST" if data is not None
-                                 else "GET", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
-    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw
-
-
-def _comfy_vae(path: Path) -> None:
-    """A random 16-channel VAE in the layout ComfyUI's VAELoader recognises (ch 128,
-    ch_mult 1,2,4,4, 2 res blocks), saved in diffusers key format, which ComfyUI converts."""
-    if path.exists():
-        return
-    from diffusers import AutoencoderKL
-    from safetensors.torch import save_file
-    import torch
-    torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
-                        block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-                        down_block_types=("DownEncoderBlock2D",) * 4,
-                        up_block_types=("UpDecoderBlock2D",) * 4)
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, str(tmp))
-    tmp.rename(path)
-
-
 @pytest.fixture(scope="module")
 def comfy(model_dir, tmp_path_factory):
     comfy = Path(COMFY)
-    py = os.environ.get("COMFYUI_PYTHON", sys.executable)
-    link = comfy / "custom_nodes" / "comfyui-xdit-under-test"
-    if not link.exists():
-        link.symlink_to(ROOT, target_is_directory=True)
-    helper = comfy / "custom_nodes" / "xdit-live-test-helpers"
-    if not helper.exists():
-        helper.symlink_to(ROOT / "tests" / "live_helpers" / "xdit_test_conditioning",
-                          target_is_directory=True)
-    (comfy / "models" / "diffusers").mkdir(parents=True, exist_ok=True)
-    model = comfy / "models" / "diffusers" / MODEL_NAME
-    if model.is_symlink() or model.exists():
-        model.unlink() if model.is_symlink() else shutil.rmtree(model)
-    shutil.copytree(model_dir("flux"), model)
+    link_packs(comfy, "xdit-live-test-helpers")
+    diffusers_dir = comfy / "models" / "diffusers"
+    model = place(model_dir("flux"), diffusers_dir / MODEL_NAME)
     for name, arch in EXAMPLE_MODELS.values():  # tiny models under the examples' names
-        dst = comfy / "models" / "diffusers" / name
-        if dst.is_symlink() or dst.exists():
-            dst.unlink() if dst.is_symlink() else shutil.rmtree(dst)
-        shutil.copytree(model_dir(arch), dst)
+        place(model_dir(arch), diffusers_dir / name)
     from single_file_util import write_single_file
     (comfy / "models" / "diffusion_models").mkdir(parents=True, exist_ok=True)
     write_single_file(model_dir("flux"), "flux", comfy / "models" / "diffusion_models" / FILE_NAME)
-    (comfy / "models" / "vae").mkdir(parents=True, exist_ok=True)
-    _comfy_vae(comfy / "models" / "vae" / VAE_NAME)
-    port = _free_port()
+    comfy_vae(comfy / "models" / "vae" / VAE_NAME)
     log = tmp_path_factory.mktemp("comfy") / "comfyui.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([py, "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
-                                 str(port), "--disable-auto-launch", "--preview-method",
-                                 "latent2rgb"], cwd=comfy, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            _http(base, "/system_stats", timeout=5)
-            break
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("ComfyUI did not start:\n" + log.read_text()[-4000:])
-            time.sleep(1)
-    yield {"base": base, "port": port, "log": log, "model": model}
-    try:
-        _http(base, "/xdit/unload", {})
-    except Exception:
-        pass
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    assert not [ln for ln in log.read_text().splitlines()
-                if "IMPORT FAILED" in ln and "comfyui-xdit-under-test" in ln]
+    with running_comfyui(comfy, log, "--preview-method", "latent2rgb") as server:
+        yield dict(server, model=model)
 
 
 def _workflow(steps: int, size: int = 64) -> dict:
@@ -160,51 +83,8 @@ def _single_file_workflow(comfy, prompt_text: str = "") -> dict:
     return wf
 
 
-def _run(comfy, wf, timeout=600):
-    cid = uuid.uuid4().hex
-    ws = _ws(comfy, cid)
-    pid = _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
-    msgs = _messages(ws, lambda m: m.get("type") in ("execution_success", "execution_error")
-                     and m["data"].get("prompt_id") == pid, timeout)
-    ws.close()
-    return pid, msgs
-
-
-def _ws(comfy, client_id):
-    import websocket
-    ws = websocket.create_connection(f"ws://127.0.0.1:{comfy['port']}/ws?clientId={client_id}",
-                                     timeout=5)
-    return ws
-
-
-def _messages(ws, until, timeout):
-    import websocket
-    out, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            m = ws.recv()
-        except websocket.WebSocketTimeoutException:
-            continue
-        if isinstance(m, bytes):
-            (kind,) = struct.unpack(">I", m[:4])
-            if kind == 3:  # ComfyUI's progress text: node id length, node id, text
-                (n,) = struct.unpack(">I", m[4:8])
-                out.append({"type": "progress_text", "node": m[8:8 + n].decode(),
-                            "text": m[8 + n:].decode()})
-            else:
-                out.append({"type": "binary_preview", "size": len(m)})
-            if until(out[-1]):
-                return out
-            continue
-        msg = json.loads(m)
-        out.append(msg)
-        if until(msg):
-            return out
-    raise AssertionError(f"timed out; last messages: {out[-8:]}")
-
-
 def test_object_info_lists_nodes(comfy):
-    info = _http(comfy["base"], "/object_info")
+    info = http(comfy["base"], "/object_info")
     for n in ("xDiT.LoadModel", "xDiT.Sampler", "xDiT.Decode", "xDiT.UnloadPool"):
         assert n in info and info[n]["category"] == "xDiT"
     assert info["xDiT.Decode"]["output"] == ["IMAGE"]
@@ -218,13 +98,13 @@ def test_object_info_lists_nodes(comfy):
         assert types <= set(info), (f.name, types - set(info))
     seed = info["xDiT.Sampler"]["input"]["required"]["seed"][1]
     assert seed["max"] == 2 ** 64 - 1 and seed.get("control_after_generate")
-    js = _http(comfy["base"], "/extensions/comfyui-xdit-under-test/xdit.js")
+    js = http(comfy["base"], "/extensions/comfyui-xdit-under-test/xdit.js")
     assert b"xDiT.StatusPanel" in js
     # a bad combination is refused at validation, with the ConfigError's message
     wf = _workflow(2)
     wf["1"]["inputs"].update(world_size="4", ulysses=3)
     try:
-        _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
+        http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
         raise AssertionError("invalid configuration accepted")
     except urllib.error.HTTPError as e:
         body = json.loads(e.read())
@@ -234,18 +114,18 @@ def test_object_info_lists_nodes(comfy):
 
 
 def test_workflow_runs_with_progress_and_saves_an_image(comfy):
-    pid, msgs = _run(comfy, _workflow(3))
+    pid, msgs = run(comfy, _workflow(3))
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
     assert [p["value"] for p in progress][-1] == 3 and progress[-1]["max"] == 3
     assert any(m.get("type") == "binary_preview" for m in msgs)
-    hist = _http(comfy["base"], f"/history/{pid}")[pid]
+    hist = http(comfy["base"], f"/history/{pid}")[pid]
     images = hist["outputs"]["5"]["images"]
     assert images and images[0]["filename"].startswith("xdit-live-test")
-    img = _http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
+    img = http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
                 .format(**images[0]))
     assert img[:8] == b"\x89PNG\r\n\x1a\n"
-    st = _http(comfy["base"], "/xdit/status")
+    st = http(comfy["base"], "/xdit/status")
     assert st["pools"] and st["pools"][0]["world_size"] == 2 and st["pools"][0]["state"] == "idle"
 
 
@@ -255,17 +135,17 @@ def test_pipefusion_workflow_through_the_api(comfy):
     wf = _workflow(3)
     wf["1"]["inputs"].update(world_size="2", ulysses=1, pipefusion=2, warmup_steps=1,
                              pipeline_patches=0, pipefusion_split="balanced")
-    pid, msgs = _run(comfy, wf)
+    pid, msgs = run(comfy, wf)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
     assert progress and progress[-1]["value"] == 3
-    assert _http(comfy["base"], f"/history/{pid}")[pid]["outputs"]["5"]["images"]
-    pool = _http(comfy["base"], "/xdit/status")["pools"][0]
+    assert http(comfy["base"], f"/history/{pid}")[pid]["outputs"]["5"]["images"]
+    pool = http(comfy["base"], "/xdit/status")["pools"][0]
     assert [r["stage"]["index"] for r in pool["ranks"]] == [0, 1]
     # a degree the model cannot take is refused at validation
     wf["1"]["inputs"].update(world_size="8", pipefusion=8)
     try:
-        _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
+        http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
         raise AssertionError("invalid configuration accepted")
     except urllib.error.HTTPError as e:
         assert "exceeds the model's 4 transformer blocks" in json.dumps(json.loads(e.read()))
@@ -274,38 +154,38 @@ def test_pipefusion_workflow_through_the_api(comfy):
 def test_single_file_workflow_with_conditioning_and_decode(comfy):
     """diffusion_models/<file> samples with CONDITIONING on a 2-rank pool; Decode uses the
     connected VAE. Prompt text on the file fails with the clear message; the next run works."""
-    pid, msgs = _run(comfy, _single_file_workflow(comfy))
+    pid, msgs = run(comfy, _single_file_workflow(comfy))
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    hist = _http(comfy["base"], f"/history/{pid}")[pid]
+    hist = http(comfy["base"], f"/history/{pid}")[pid]
     images = hist["outputs"]["5"]["images"]
     assert images and images[0]["filename"].startswith("xdit-live-single")
-    st = _http(comfy["base"], "/xdit/status")
+    st = http(comfy["base"], "/xdit/status")
     assert st["pools"][0]["model"].endswith(FILE_NAME) and st["pools"][0]["world_size"] == 2
     pids = [r["pid"] for r in st["pools"][0]["ranks"]]
-    _, msgs = _run(comfy, _single_file_workflow(comfy, prompt_text="a cat"))
+    _, msgs = run(comfy, _single_file_workflow(comfy, prompt_text="a cat"))
     assert msgs[-1]["type"] == "execution_error"
     err = msgs[-1]["data"]["exception_message"]
     assert "no text encoders" in err and "CONDITIONING" in err, err
     wf = _single_file_workflow(comfy)
     wf["3"]["inputs"]["seed"] = 4
-    _, msgs = _run(comfy, wf)
+    _, msgs = run(comfy, wf)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    st = _http(comfy["base"], "/xdit/status")
+    st = http(comfy["base"], "/xdit/status")
     assert [r["pid"] for r in st["pools"][0]["ranks"]] == pids  # the same warm workers
 
 
 def test_interrupt_cancels_a_long_job(comfy):
     cid = uuid.uuid4().hex
-    ws = _ws(comfy, cid)
+    ws = ws_connect(comfy, cid)
     wf = _workflow(5000)
     wf["3"]["inputs"]["seed"] = 2
-    pid = _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
+    pid = http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
     # a denoising step (max 5000), not the launch's progress (max = ranks)
-    _messages(ws, lambda m: m.get("type") == "progress" and m["data"].get("node") == "3"
+    messages(ws, lambda m: m.get("type") == "progress" and m["data"].get("node") == "3"
               and m["data"]["max"] == 5000, 300)
     t = time.monotonic()
-    _http(comfy["base"], "/interrupt", {})
-    msgs = _messages(ws, lambda m: m.get("type") in ("execution_interrupted", "execution_success",
+    http(comfy["base"], "/interrupt", {})
+    msgs = messages(ws, lambda m: m.get("type") in ("execution_interrupted", "execution_success",
                                                      "execution_error")
                      and m["data"].get("prompt_id") == pid, 120)
     ws.close()
@@ -313,7 +193,7 @@ def test_interrupt_cancels_a_long_job(comfy):
     assert time.monotonic() - t < 30
     last = [m["data"]["value"] for m in msgs if m.get("type") == "progress"]
     assert not last or last[-1] < 5000
-    st = _http(comfy["base"], "/xdit/status")
+    st = http(comfy["base"], "/xdit/status")
     assert st["pools"][0]["state"] == "idle"  # the pool stays warm
 
 
@@ -325,7 +205,7 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
     if not chromium:
         pytest.skip("no chromium (Debian package chromium)")
     # a job first, so the panel has a pool to show
-    _http(comfy["base"], "/prompt", {"prompt": _workflow(steps=2), "client_id": "panel"})
+    http(comfy["base"], "/prompt", {"prompt": _workflow(steps=2), "client_id": "panel"})
     errors = []
     with pw.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
@@ -375,7 +255,7 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
 
 def _refused(comfy, wf) -> dict:
     try:
-        _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
+        http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
     except urllib.error.HTTPError as e:
         assert e.code == 400
         return json.loads(e.read())
@@ -390,14 +270,14 @@ def test_example_workflow_runs_unmodified_on_cpu(comfy, name):
     loader = next(n for n in wf.values() if n["class_type"] == "xDiT.LoadModel")
     assert loader["inputs"]["device"] == "auto" and loader["inputs"]["model"] == \
         EXAMPLE_MODELS[name][0]
-    pid, msgs = _run(comfy, wf, timeout=1200)
+    pid, msgs = run(comfy, wf, timeout=1200)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    saved = [o for o in _http(comfy["base"], f"/history/{pid}")[pid]["outputs"].values()
+    saved = [o for o in http(comfy["base"], f"/history/{pid}")[pid]["outputs"].values()
              if o.get("images")]
     assert saved and saved[0]["images"][0]["filename"].endswith(".png")
     texts = [m["text"] for m in msgs if m.get("type") == "progress_text"]
     assert any(t.startswith("runs on cpu, fp32, 2 rank(s)") for t in texts), texts
-    pool = _http(comfy["base"], "/xdit/status")["pools"][0]
+    pool = http(comfy["base"], "/xdit/status")["pools"][0]
     assert (pool["device"], pool["dtype"]) == ("cpu", "fp32")
 
 
@@ -417,10 +297,10 @@ def test_cuda_forced_on_a_cpu_comfyui_is_refused_once(comfy):
 
 
 def test_launch_progress_shows_on_the_node_before_step_1(comfy):
-    _http(comfy["base"], "/xdit/unload", {})  # the next job launches the pool
+    http(comfy["base"], "/xdit/unload", {})  # the next job launches the pool
     wf = _workflow(3)
     wf["3"]["inputs"]["seed"] = 5
-    pid, msgs = _run(comfy, wf)
+    pid, msgs = run(comfy, wf)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     first_step = next(i for i, m in enumerate(msgs) if m.get("type") == "progress"
                       and m["data"]["node"] == "3" and m["data"]["max"] == 3)
@@ -434,15 +314,15 @@ def test_launch_progress_shows_on_the_node_before_step_1(comfy):
 
 def test_killed_worker_reaches_the_dialog_as_one_sentence(comfy):
     cid = uuid.uuid4().hex
-    ws = _ws(comfy, cid)
+    ws = ws_connect(comfy, cid)
     wf = _workflow(5000)
     wf["3"]["inputs"]["seed"] = 6
-    pid = _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
-    _messages(ws, lambda m: m.get("type") == "progress" and m["data"].get("node") == "3"
+    pid = http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
+    messages(ws, lambda m: m.get("type") == "progress" and m["data"].get("node") == "3"
               and m["data"]["max"] == 5000, 300)
-    ranks = _http(comfy["base"], "/xdit/status")["pools"][0]["ranks"]
+    ranks = http(comfy["base"], "/xdit/status")["pools"][0]["ranks"]
     os.kill(ranks[1]["pid"], signal.SIGKILL)
-    msgs = _messages(ws, lambda m: m.get("type") in ("execution_error", "execution_success",
+    msgs = messages(ws, lambda m: m.get("type") in ("execution_error", "execution_success",
                                                      "execution_interrupted")
                      and m["data"].get("prompt_id") == pid, 120)
     ws.close()
@@ -450,33 +330,33 @@ def test_killed_worker_reaches_the_dialog_as_one_sentence(comfy):
     err = msgs[-1]["data"]["exception_message"].strip()  # ComfyUI adds a newline
     assert err.startswith("worker rank 1 (pid ") and "was killed by SIGKILL" in err, err
     assert "\n" not in err and "^^^" not in err and "last log lines" not in err, err
-    st = _http(comfy["base"], "/xdit/status")
+    st = http(comfy["base"], "/xdit/status")
     assert err in st["last_error"] and os.path.isfile(st["last_error_log"])
     assert err.endswith(f"Full log: {st['last_error_log']}")
     assert "rank 1 log" in comfy["log"].read_text()  # the full log on ComfyUI's console
     # the next job relaunches and clears the panel's error
-    pid, msgs = _run(comfy, _workflow(2))
+    pid, msgs = run(comfy, _workflow(2))
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    assert _http(comfy["base"], "/xdit/status")["last_error"] is None
+    assert http(comfy["base"], "/xdit/status")["last_error"] is None
 
 
 def test_interrupt_during_the_launch_stops_it(comfy):
-    _http(comfy["base"], "/xdit/unload", {})
+    http(comfy["base"], "/xdit/unload", {})
     cid = uuid.uuid4().hex
-    ws = _ws(comfy, cid)
+    ws = ws_connect(comfy, cid)
     wf = _workflow(3)
     wf["3"]["inputs"]["seed"] = 8
-    pid = _http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
-    _messages(ws, lambda m: m.get("type") == "progress_text" and m["node"] == "3"
+    pid = http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
+    messages(ws, lambda m: m.get("type") == "progress_text" and m["node"] == "3"
               and m["text"] == "starting 2 workers", 300)
     t = time.monotonic()
-    _http(comfy["base"], "/interrupt", {})
-    msgs = _messages(ws, lambda m: m.get("type") in ("execution_interrupted", "execution_success",
+    http(comfy["base"], "/interrupt", {})
+    msgs = messages(ws, lambda m: m.get("type") in ("execution_interrupted", "execution_success",
                                                      "execution_error")
                      and m["data"].get("prompt_id") == pid, 120)
     ws.close()
     assert msgs[-1]["type"] == "execution_interrupted", msgs[-1]
     assert time.monotonic() - t < 30
     assert not [m for m in msgs if m.get("type") == "progress" and m["data"]["max"] == 3]
-    pools = _http(comfy["base"], "/xdit/status")["pools"]
+    pools = http(comfy["base"], "/xdit/status")["pools"]
     assert pools and pools[0]["state"] == "stopped" and pools[0]["launches"] == 0

@@ -17,88 +17,33 @@ puts the tiny FLUX.2 folder into models/diffusers/ under the example's name
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from test_comfyui_live import _comfy_vae, _free_port, _http, _run
+from live_comfy import (COMFY, ROOT, comfy_vae, http, link_packs, place, run,
+                        running_comfyui, skip_without_comfyui, tensors)
 
-COMFY = os.environ.get("COMFYUI_PATH")
-pytestmark = pytest.mark.skipif(not COMFY, reason="COMFYUI_PATH not set (live ComfyUI test)")
+pytestmark = skip_without_comfyui
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = "xdit_flux2_text_to_image_api.json"
 FLUX2_NAME = "FLUX.2-klein-4B"  # the example's folder name; the tiny model stands in
 KONTEXT_NAME = "xdit-test-flux-kontext"
 VAE_NAME = "xdit-test-vae.safetensors"
 
 
-def _link(path: Path, target: Path) -> None:
-    if not path.is_symlink() and not path.exists():
-        path.symlink_to(target, target_is_directory=True)
-
-
-def _place(src: Path, dst: Path) -> None:
-    if dst.is_symlink() or dst.exists():
-        dst.unlink() if dst.is_symlink() else shutil.rmtree(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, dst)
-
-
 @pytest.fixture(scope="module")
 def comfy(model_dir, tmp_path_factory):
     comfy = Path(COMFY)
-    py = os.environ.get("COMFYUI_PYTHON", sys.executable)
-    _link(comfy / "custom_nodes" / "comfyui-xdit-under-test", ROOT)
-    _link(comfy / "custom_nodes" / "xdit-live-test-helpers",
-          ROOT / "tests" / "live_helpers" / "xdit_test_conditioning")
-    _link(comfy / "custom_nodes" / "xdit-live-test-model-nodes",
-          ROOT / "tests" / "live_helpers" / "xdit_test_model_nodes")
+    link_packs(comfy, "xdit-live-test-helpers", "xdit-live-test-model-nodes")
     diffusers_dir = comfy / "models" / "diffusers"
-    _place(model_dir("flux2"), diffusers_dir / FLUX2_NAME)
-    _place(model_dir("flux"), diffusers_dir / KONTEXT_NAME)
-    (comfy / "models" / "vae").mkdir(parents=True, exist_ok=True)
-    _comfy_vae(comfy / "models" / "vae" / VAE_NAME)
-    port = _free_port()
-    tmp = tmp_path_factory.mktemp("comfy-flux2")
-    log = tmp / "comfyui.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([py, "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
-                                 str(port), "--disable-auto-launch"], cwd=comfy, stdout=f,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            _http(base, "/system_stats", timeout=5)
-            break
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("ComfyUI did not start:\n" + log.read_text()[-4000:])
-            time.sleep(1)
-    yield {"base": base, "port": port, "log": log, "tmp": tmp,
-           "flux2": diffusers_dir / FLUX2_NAME, "kontext": diffusers_dir / KONTEXT_NAME}
-    try:
-        _http(base, "/xdit/unload", {})
-    except Exception:
-        pass
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    assert "IMPORT FAILED" not in log.read_text()
-
-
-def _tensors(path) -> dict:
-    from safetensors.torch import load_file
-    return load_file(str(path))
+    place(model_dir("flux2"), diffusers_dir / FLUX2_NAME)
+    place(model_dir("flux"), diffusers_dir / KONTEXT_NAME)
+    comfy_vae(comfy / "models" / "vae" / VAE_NAME)
+    log = tmp_path_factory.mktemp("comfy-flux2") / "comfyui.log"
+    with running_comfyui(comfy, log) as server:
+        yield dict(server, tmp=log.parent, flux2=diffusers_dir / FLUX2_NAME,
+                   kontext=diffusers_dir / KONTEXT_NAME)
 
 
 def _ok(msgs):
@@ -111,18 +56,18 @@ def test_flux2_example_workflow_runs_unmodified(comfy):
     wf = json.loads((ROOT / "example_workflows" / EXAMPLE).read_text())
     loader = next(n for n in wf.values() if n["class_type"] == "xDiT.LoadModel")
     assert loader["inputs"]["model"] == FLUX2_NAME and loader["inputs"]["device"] == "auto"
-    pid, msgs = _run(comfy, wf, timeout=1200)
+    pid, msgs = run(comfy, wf, timeout=1200)
     _ok(msgs)
-    saved = [o for o in _http(comfy["base"], f"/history/{pid}")[pid]["outputs"].values()
+    saved = [o for o in http(comfy["base"], f"/history/{pid}")[pid]["outputs"].values()
              if o.get("images")]
     assert saved and saved[0]["images"][0]["filename"].startswith("xdit-flux2")
-    img = _http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
+    img = http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
                 .format(**saved[0]["images"][0]))
     assert img[:8] == b"\x89PNG\r\n\x1a\n"
     from PIL import Image
     import io
     assert Image.open(io.BytesIO(img)).size == (1024, 1024)
-    pool = _http(comfy["base"], "/xdit/status")["pools"][0]
+    pool = http(comfy["base"], "/xdit/status")["pools"][0]
     assert pool["model"].endswith(FLUX2_NAME) and pool["world_size"] == 2
 
 
@@ -161,9 +106,9 @@ def _flux2_graph(comfy, out: str, text: str = "a small red cube") -> dict:
 
 def test_flux2_conditioning_equals_prompt_and_img2img(comfy):
     out = str(comfy["tmp"] / "flux2")
-    _, msgs = _run(comfy, _flux2_graph(comfy, out))
+    _, msgs = run(comfy, _flux2_graph(comfy, out))
     _ok(msgs)
-    a, b, c = (_tensors(f"{out}-{k}.safetensors") for k in "abc")
+    a, b, c = (tensors(f"{out}-{k}.safetensors") for k in "abc")
     assert a["latent"].shape == (1, 128, 3, 4) and a["image"].shape == (1, 48, 64, 3)
     print(f"\nflux2 cond vs prompt: latent {float((a['latent'] - b['latent']).abs().max()):.2e}"
           f", image {float((a['image'] - b['image']).abs().max()):.2e}")
@@ -174,9 +119,9 @@ def test_flux2_conditioning_equals_prompt_and_img2img(comfy):
     assert float((c["latent"] - b["latent"]).abs().max()) > 1e-3
     # another text's CONDITIONING changes the result (the comparison above can fail)
     out2 = str(comfy["tmp"] / "flux2-other")
-    _, msgs = _run(comfy, _flux2_graph(comfy, out2, text="a blue dog"))
+    _, msgs = run(comfy, _flux2_graph(comfy, out2, text="a blue dog"))
     _ok(msgs)
-    assert float((_tensors(f"{out2}-b.safetensors")["latent"] - b["latent"]).abs().max()) > 1e-4
+    assert float((tensors(f"{out2}-b.safetensors")["latent"] - b["latent"]).abs().max()) > 1e-4
 
 
 def test_flux2_ksampler_model_refused_on_this_comfyui(comfy):
@@ -201,13 +146,13 @@ def test_flux2_ksampler_model_refused_on_this_comfyui(comfy):
               "inputs": {"images": ["7", 0], "path": str(comfy["tmp"] / "never.safetensors")}},
         "7": {"class_type": "xDiT.Decode", "inputs": {"model": ["1", 0], "samples": ["5", 0]}},
     }
-    _, msgs = _run(comfy, wf)
+    _, msgs = run(comfy, wf)
     assert msgs[-1]["type"] == "execution_error", msgs[-1]
     err = msgs[-1]["data"]["exception_message"]
     assert "ComfyUI with FLUX.2 support" in err and "Sampler (xDiT)" in err, err
     assert msgs[-1]["data"]["node_type"] == "xDiT.ToModel"
     out = str(comfy["tmp"] / "flux2-after")
-    _, msgs = _run(comfy, _flux2_graph(comfy, out))
+    _, msgs = run(comfy, _flux2_graph(comfy, out))
     _ok(msgs)
 
 
@@ -258,9 +203,9 @@ def test_flux_kontext_reference_latent_through_the_xdit_sampler(comfy):
                                                                         "index")}
     for key, ref, method in (("none", False, ""), ("ref", True, ""), ("again", True, ""),
                              ("index", True, "index")):
-        _, msgs = _run(comfy, _kontext_graph(comfy, paths[key], ref, method))
+        _, msgs = run(comfy, _kontext_graph(comfy, paths[key], ref, method))
         _ok(msgs)
-    t = {k: _tensors(p)["latent"] for k, p in paths.items()}
+    t = {k: tensors(p)["latent"] for k, p in paths.items()}
     assert t["ref"].shape == (1, 16, 8, 8)
     assert float((t["ref"] - t["none"]).abs().max()) > 1e-3
     assert float((t["ref"] - t["again"]).abs().max()) == 0.0

@@ -22,21 +22,16 @@ model folders, the test VAE and random conditioning substituted.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from test_comfyui_live import _comfy_vae, _free_port, _http, _run
+from live_comfy import (COMFY, ROOT, comfy_vae, http, link_packs, run, running_comfyui,
+                        skip_without_comfyui, tensors)
 
-COMFY = os.environ.get("COMFYUI_PATH")
-pytestmark = pytest.mark.skipif(not COMFY, reason="COMFYUI_PATH not set (live ComfyUI test)")
+pytestmark = skip_without_comfyui
 
-ROOT = Path(__file__).resolve().parent.parent
 VAE_NAME = "xdit-test-vae.safetensors"
 FILES = {"sd3": "xdit-native-sd3.safetensors", "flux": "xdit-native-flux.safetensors"}
 # models/diffusers/<name>: the tiny folders standing in for the KSampler examples' models
@@ -46,68 +41,27 @@ TOL = 1e-3
 SAMPLERS = [("euler", "simple"), ("dpmpp_2m", "beta")]
 
 
-def _link(path: Path, target: Path) -> None:
-    if not path.is_symlink() and not path.exists():
-        path.symlink_to(target, target_is_directory=True)
-
-
 @pytest.fixture(scope="module")
 def comfy(model_dir, tmp_path_factory):
     from native_models import native_single_file
 
     comfy = Path(COMFY)
-    py = os.environ.get("COMFYUI_PYTHON", sys.executable)
-    _link(comfy / "custom_nodes" / "comfyui-xdit-under-test", ROOT)
-    _link(comfy / "custom_nodes" / "xdit-live-test-model-nodes",
-          ROOT / "tests" / "live_helpers" / "xdit_test_model_nodes")
+    link_packs(comfy, "xdit-live-test-model-nodes")
     files = comfy / "models" / "diffusion_models"
     files.mkdir(parents=True, exist_ok=True)
     # the FLUX.1-wide file is ~1.1 GB: built once, then kept beside the other models
     for arch, name in FILES.items():
         native_single_file(arch, files / name)
-    (comfy / "models" / "vae").mkdir(parents=True, exist_ok=True)
-    _comfy_vae(comfy / "models" / "vae" / VAE_NAME)
+    comfy_vae(comfy / "models" / "vae" / VAE_NAME)
     for arch, name in TINY.items():
         tiny = comfy / "models" / "diffusers" / name
         if not tiny.exists():
             tiny.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(model_dir(arch), tiny)
-    port = _free_port()
-    tmp = tmp_path_factory.mktemp("comfy-model")
-    log = tmp / "comfyui.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([py, "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
-                                 str(port), "--disable-auto-launch"], cwd=comfy, stdout=f,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            _http(base, "/system_stats", timeout=5)
-            break
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("ComfyUI did not start:\n" + log.read_text()[-4000:])
-            time.sleep(1)
-    yield {"base": base, "port": port, "log": log, "tmp": tmp,
-           "tiny": {a: comfy / "models" / "diffusers" / n for a, n in TINY.items()}}
-    try:
-        _http(base, "/xdit/unload", {})
-    except Exception:
-        pass
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    text = log.read_text()
-    assert "IMPORT FAILED" not in text, text[-3000:]
-
-
-def _tensors(path: Path) -> dict:
-    from safetensors.torch import load_file
-    return load_file(str(path))
+    log = tmp_path_factory.mktemp("comfy-model") / "comfyui.log"
+    with running_comfyui(comfy, log) as server:
+        yield dict(server, tmp=log.parent,
+                   tiny={a: comfy / "models" / "diffusers" / n for a, n in TINY.items()})
 
 
 def _compare_graph(comfy, arch: str, layout: dict, sampler: str, scheduler: str, cfg: float,
@@ -163,9 +117,9 @@ def _compare_graph(comfy, arch: str, layout: dict, sampler: str, scheduler: str,
 
 def _compare(comfy, arch, layout, sampler, scheduler, cfg, tag, **kw) -> dict:
     wf, out = _compare_graph(comfy, arch, layout, sampler, scheduler, cfg, tag, **kw)
-    _, msgs = _run(comfy, wf, timeout=1500)
+    _, msgs = run(comfy, wf, timeout=1500)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    x, n = _tensors(Path(out["x"])), _tensors(Path(out["n"]))
+    x, n = tensors(Path(out["x"])), tensors(Path(out["n"]))
     assert x["image"].shape == n["image"].shape and x["image"].shape[-1] == 3
     fig = {"image_max_abs": float((x["image"] - n["image"]).abs().max()),
            "latent_max_abs": float((x["latent"] - n["latent"]).abs().max()),
@@ -189,37 +143,37 @@ def test_sd3_ksampler_on_the_pool_matches_comfyui_own_model(comfy, layout):
     # the two samplers give different images: the 1e-3 agreement above is not vacuous
     a, b = (results[s]["n"]["image"] for s, _ in SAMPLERS)
     assert float((a - b).abs().max()) > 1e-2
-    st = _http(comfy["base"], "/xdit/status")
+    st = http(comfy["base"], "/xdit/status")
     pool = next(p for p in st["pools"] if p["model"].endswith(FILES["sd3"]))
     assert pool["world_size"] == 2
 
 
 def test_flux_ksampler_on_the_pool_matches_comfyui_own_model(comfy):
     """FLUX.1-wide (1 + 1 blocks, bf16 file, fp32 compute) at Ulysses 2, FluxGuidance 3.5."""
-    _http(comfy["base"], "/xdit/unload", {})  # room for the 0.55 B-parameter ranks
+    http(comfy["base"], "/xdit/unload", {})  # room for the 0.55 B-parameter ranks
     results = {}
     for sampler, scheduler in SAMPLERS:
         results[sampler] = _compare(comfy, "flux", {"ulysses": 2}, sampler, scheduler, 1.0,
                                     f"flux-ulysses2-{sampler}", steps=3)
     a, b = (results[s]["n"]["image"] for s, _ in SAMPLERS)
     assert float((a - b).abs().max()) > 1e-2
-    _http(comfy["base"], "/xdit/unload", {})
-    _http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+    http(comfy["base"], "/xdit/unload", {})
+    http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
 
 
 def test_flux_kontext_reference_ksampler_matches_comfyui_own_model(comfy):
     """KSampler + ReferenceLatent + xDiT.ToModel (FLUX.1 Kontext's graph) against the same
     KSampler on ComfyUI's own FLUX model from the same file: the references travel with the
     conditioning to the pool and land where ComfyUI puts them (Ulysses 2, euler)."""
-    _http(comfy["base"], "/xdit/unload", {})
+    http(comfy["base"], "/xdit/unload", {})
     with_ref = _compare(comfy, "flux", {"ulysses": 2}, "euler", "simple", 1.0,
                         "flux-kontext-ulysses2", steps=2, reference=True)
     plain = _compare(comfy, "flux", {"ulysses": 2}, "euler", "simple", 1.0,
                      "flux-plain-ulysses2", steps=2)["n"]
     # the reference changed ComfyUI's own result too: the agreement is about the reference
     assert float((with_ref["n"]["latent"] - plain["latent"]).abs().max()) > 1e-3
-    _http(comfy["base"], "/xdit/unload", {})
-    _http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+    http(comfy["base"], "/xdit/unload", {})
+    http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
@@ -253,13 +207,13 @@ def test_ksampler_example_workflow_runs(comfy, name):
     ks["steps"] = 3
     save = by_type["SaveImage"][0]
     wf[save]["inputs"]["filename_prefix"] = f"xdit-live-ksampler-{arch}"
-    pid, msgs = _run(comfy, wf)
+    pid, msgs = run(comfy, wf)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     progress = [m["data"] for m in msgs if m.get("type") == "progress"
                 and m["data"].get("node") == by_type["KSampler"][0]]
     assert progress and progress[-1]["value"] == 3  # KSampler's own progress bar
-    images = _http(comfy["base"], f"/history/{pid}")[pid]["outputs"][save]["images"]
+    images = http(comfy["base"], f"/history/{pid}")[pid]["outputs"][save]["images"]
     assert images[0]["filename"].startswith(f"xdit-live-ksampler-{arch}")
-    st = _http(comfy["base"], "/xdit/status")
+    st = http(comfy["base"], "/xdit/status")
     pool = next(p for p in st["pools"] if p["model"].endswith(TINY[arch]))
     assert pool["world_size"] == 2

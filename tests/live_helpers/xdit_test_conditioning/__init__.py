@@ -6,7 +6,9 @@ XDiTTestFlux2Conditioning does the same for the tiny FLUX.2 folder (Qwen3 states
 Never shipped: the live test links this folder into custom_nodes/ for its run only."""
 
 
-class XDiTTestConditioning:
+class _TextConditioning:
+    """A prompt encoded by a tiny diffusers folder's own text encoders."""
+
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"text": ("STRING", {"default": "a small red cube"}),
@@ -18,6 +20,8 @@ class XDiTTestConditioning:
     FUNCTION = "encode"
     CATEGORY = "xDiT tests"
 
+
+class XDiTTestConditioning(_TextConditioning):
     def encode(self, text, model_folder, max_sequence_length):
         import diffusers
         pipe = diffusers.FluxPipeline.from_pretrained(model_folder, transformer=None, vae=None)
@@ -26,21 +30,10 @@ class XDiTTestConditioning:
         return ([[pe.detach().float(), {"pooled_output": pooled.detach().float()}]],)
 
 
-class XDiTTestFlux2Conditioning:
+class XDiTTestFlux2Conditioning(_TextConditioning):
     """FLUX.2's CONDITIONING as newer ComfyUI's FLUX.2 text encoders give it: the Qwen3
     hidden states [B, T, D] and no pooled output (this ComfyUI predates FLUX.2, so the tiny
     folder's own encoder stands in)."""
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"text": ("STRING", {"default": "a small red cube"}),
-                             "model_folder": ("STRING", {"default": ""}),
-                             "max_sequence_length": ("INT", {"default": 16, "min": 1,
-                                                             "max": 512})}}
-
-    RETURN_TYPES = ("CONDITIONING",)
-    FUNCTION = "encode"
-    CATEGORY = "xDiT tests"
 
     def encode(self, text, model_folder, max_sequence_length):
         import diffusers

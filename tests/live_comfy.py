@@ -1,0 +1,168 @@
+"""Scaffolding of the live ComfyUI tests (tests/test_comfyui_live*.py, skipped unless
+COMFYUI_PATH is set): placing models and helper packs into a ComfyUI checkout, running its
+`main.py --cpu` for a test module, and talking to it over HTTP and /ws."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COMFY = os.environ.get("COMFYUI_PATH")
+skip_without_comfyui = pytest.mark.skipif(not COMFY,
+                                          reason="COMFYUI_PATH not set (live ComfyUI test)")
+HELPERS = {"xdit-live-test-helpers": "xdit_test_conditioning",
+           "xdit-live-test-model-nodes": "xdit_test_model_nodes"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(base, path, data=None, timeout=30):
+    body = None if data is None else json.dumps(data).encode()
+    req = urllib.request.Request(base + path, data=body, method="POST" if data is not None
+                                 else "GET", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw
+
+
+def comfy_vae(path: Path) -> None:
+    """A random 16-channel VAE in the layout ComfyUI's VAELoader recognises (ch 128,
+    ch_mult 1,2,4,4, 2 res blocks), saved in diffusers key format, which ComfyUI converts."""
+    if path.exists():
+        return
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+    import torch
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                        block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                        down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, str(tmp))
+    tmp.rename(path)
+
+
+def link_packs(comfy: Path, *helpers: str) -> None:
+    """This pack and the named test-only helper packs (tests/live_helpers) into
+    custom_nodes/, as symlinks (kept between modules)."""
+    pairs = [("comfyui-xdit-under-test", ROOT)]
+    pairs += [(name, ROOT / "tests" / "live_helpers" / HELPERS[name]) for name in helpers]
+    for name, target in pairs:
+        path = comfy / "custom_nodes" / name
+        if not path.is_symlink() and not path.exists():
+            path.symlink_to(target, target_is_directory=True)
+
+
+def place(src: Path, dst: Path) -> Path:
+    """A fresh copy of the model folder `src` at `dst` (whatever was there is replaced)."""
+    if dst.is_symlink() or dst.exists():
+        dst.unlink() if dst.is_symlink() else shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, dst)
+    return dst
+
+
+@contextlib.contextmanager
+def running_comfyui(comfy: Path, log: Path, *args: str):
+    """`main.py --cpu` on a free port (COMFYUI_PYTHON: its venv's python) until the block
+    ends: yields {"base", "port", "log"}. Then the pack's pools are unloaded, ComfyUI is
+    stopped, and its log must show no failed custom-node import."""
+    py = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    port = free_port()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([py, "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
+                                 str(port), "--disable-auto-launch", *args], cwd=comfy,
+                                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            http(base, "/system_stats", timeout=5)
+            break
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("ComfyUI did not start:\n" + log.read_text()[-4000:])
+            time.sleep(1)
+    try:
+        yield {"base": base, "port": port, "log": log}
+    finally:
+        try:
+            http(base, "/xdit/unload", {})
+        except Exception:
+            pass
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    text = log.read_text()
+    assert "IMPORT FAILED" not in text, text[-3000:]
+
+
+def ws_connect(comfy, client_id):
+    import websocket
+    return websocket.create_connection(
+        f"ws://127.0.0.1:{comfy['port']}/ws?clientId={client_id}", timeout=5)
+
+
+def messages(ws, until, timeout):
+    """/ws messages until `until(message)` holds (JSON ones as dicts; progress text as
+    {"type": "progress_text", "node", "text"}; previews as {"type": "binary_preview"})."""
+    import websocket
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            m = ws.recv()
+        except websocket.WebSocketTimeoutException:
+            continue
+        if isinstance(m, bytes):
+            (kind,) = struct.unpack(">I", m[:4])
+            if kind == 3:  # ComfyUI's progress text: node id length, node id, text
+                (n,) = struct.unpack(">I", m[4:8])
+                out.append({"type": "progress_text", "node": m[8:8 + n].decode(),
+                            "text": m[8 + n:].decode()})
+            else:
+                out.append({"type": "binary_preview", "size": len(m)})
+            if until(out[-1]):
+                return out
+            continue
+        msg = json.loads(m)
+        out.append(msg)
+        if until(msg):
+            return out
+    raise AssertionError(f"timed out; last messages: {out[-8:]}")
+
+
+def run(comfy, wf, timeout=600):
+    """Queue API-format workflow `wf`; (prompt id, its /ws messages up to success or error)."""
+    cid = uuid.uuid4().hex
+    ws = ws_connect(comfy, cid)
+    pid = http(comfy["base"], "/prompt", {"prompt": wf, "client_id": cid})["prompt_id"]
+    msgs = messages(ws, lambda m: m.get("type") in ("execution_success", "execution_error")
+                    and m["data"].get("prompt_id") == pid, timeout)
+    ws.close()
+    return pid, msgs
+
+
+def tensors(path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(path))
