@@ -130,7 +130,7 @@ def _compare(comfy, arch, layout, sampler, scheduler, cfg, tag, **kw) -> dict:
     assert fig["latent_max"] > 0.05 and fig["image_std"] > 1e-3, fig
     assert fig["image_max_abs"] <= TOL, fig
     assert fig["latent_max_abs"] <= TOL, fig
-    return {"x": x, "n": n, "fig": fig}
+    return {"x": x, "n": n, "fig": fig, "msgs": msgs}
 
 
 @pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg_parallel": True}],
@@ -217,3 +217,16 @@ def test_ksampler_example_workflow_runs(comfy, name):
     st = http(comfy["base"], "/xdit/status")
     pool = next(p for p in st["pools"] if p["model"].endswith(TINY[arch]))
     assert pool["world_size"] == 2
+
+
+def test_compiled_pool_under_ksampler_says_compiling_and_matches(comfy):
+    """compile=True behind the xDiT MODEL: the KSampler node shows "compiling" while the
+    pool's first calls compile, and the result still equals ComfyUI's own model."""
+    http(comfy["base"], "/xdit/unload", {})
+    got = _compare(comfy, "sd3", {"ulysses": 2, "compile": True}, "euler", "simple", 3.5,
+                   "sd3-compiled")
+    texts = [m["text"] for m in got["msgs"] if m.get("type") == "progress_text"
+             and m["node"] == "7"]
+    assert any(t.startswith("compiling (") for t in texts), texts
+    http(comfy["base"], "/xdit/unload", {})
+
