@@ -5,7 +5,6 @@ fault) serves every test that needs it; tests switch configurations with `reconf
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -54,6 +53,36 @@ def pools(model_dir):
     yield get
     for pool in made.values():
         pool.close()
+
+
+class LayoutPools:
+    """Warm CPU pools by (model, launch layout, pool options, tag): a configuration a pool
+    can serve reuses it (reconfigured); with `keep`, only that many most recently used stay
+    warm and the others are closed (memory on a shared 2-core CI machine)."""
+
+    def __init__(self, keep: int | None = None):
+        self.keep = keep
+        self.made: dict = {}
+
+    def get(self, path, config: ParallelConfig, tag: str = "", **pool_options):
+        from comfyui_xdit import WorkerPool
+        key = (str(path), config.launch_key(), tag,
+               tuple(sorted((k, repr(v)) for k, v in pool_options.items())))
+        pool = self.made.pop(key, None)
+        if pool is None:
+            while self.keep is not None and len(self.made) >= self.keep:
+                self.made.pop(next(iter(self.made))).close()
+            pool = WorkerPool(str(path), config, device="cpu", threads_per_rank=1,
+                              **pool_options)
+        elif pool.config != config:
+            pool.reconfigure(config)
+        self.made[key] = pool  # most recently used last
+        return pool
+
+    def close(self) -> None:
+        for pool in self.made.values():
+            pool.close()
+        self.made.clear()
 
 
 # What the oracle assumes for every request field the test did not set: written here, not

@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+from comfyui_xdit import GenerationRequest, ParallelConfig
 from comfyui_xdit.tiny_model import (MISTRAL3_LAYERS, add_cli, build_tiny_model, ensure_tiny_model,
                                      resolve_config)
 
@@ -255,19 +255,10 @@ def test_guidance_ignored_by_klein_used_by_dev(folder, tmp_path):
 def pools(folder):
     """pools(config) -> a warm pool: one per launch layout, reconfigured between the
     configurations it serves."""
-    made = {}
-
-    def get(config: ParallelConfig):
-        key = config.launch_key()
-        if key not in made:
-            made[key] = WorkerPool(str(folder), config, device="cpu", threads_per_rank=1)
-        pool = made[key]
-        if pool.config != config:
-            pool.reconfigure(config)
-        return pool
-    yield get
-    for p in made.values():
-        p.close()
+    from conftest import LayoutPools
+    cache = LayoutPools()
+    yield lambda config: cache.get(folder, config)
+    cache.close()
 
 
 CONFIGS = {

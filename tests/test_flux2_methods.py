@@ -101,22 +101,10 @@ def pools(folder):
     """pools(config) -> a warm pool running `config`: one pool per launch layout (world
     size and PipeFusion layout), reconfigured between the configurations it serves; the
     three most recently used stay warm (a shared 2-core CI machine: ~10 processes at most)."""
-    made = {}
-
-    def get(config: ParallelConfig, shard: bool = False):
-        key = (config.launch_key(), shard)
-        if key not in made:
-            while len(made) >= 3:
-                made.pop(next(iter(made))).close()
-            made[key] = WorkerPool(str(folder), config, device="cpu", threads_per_rank=1,
-                                   shard_weights=shard)
-        pool = made[key] = made.pop(key)  # most recently used last
-        if pool.config != config:
-            pool.reconfigure(config)
-        return pool
-    yield get
-    for p in made.values():
-        p.close()
+    from conftest import LayoutPools
+    cache = LayoutPools(keep=3)
+    yield lambda config, shard=False: cache.get(folder, config, shard_weights=shard)
+    cache.close()
 
 
 def check_exact(pools, folder, config, shapes=SHAPES, cfg=None, shard=False):

@@ -36,20 +36,13 @@ def short_deadlock_timeout():
 
 @pytest.fixture(scope="module")
 def rule_pools(model_dir):
-    from comfyui_xdit import WorkerPool
-    made = {}
+    from conftest import LayoutPools
+    cache = LayoutPools()
 
     def get(arch, config, hooks=(RULES,), name=""):
-        key = (arch, config.launch_key(), tuple(hooks), name)
-        if key not in made:
-            made[key] = WorkerPool(model_dir(arch), config, device="cpu", threads_per_rank=1,
-                                   worker_hooks=list(hooks))
-        pool = made[key]
-        pool.reconfigure(config)
-        return pool
+        return cache.get(model_dir(arch), config, tag=name, worker_hooks=list(hooks))
     yield get
-    for p in made.values():
-        p.close()
+    cache.close()
 
 
 def _req(arch, batch=1, cfg=None, **kw):

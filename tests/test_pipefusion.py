@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+from comfyui_xdit import GenerationRequest, ParallelConfig
 from comfyui_xdit.config import ConfigError
 from comfyui_xdit.tiny_model import ensure_tiny_model
 from workers.schedule import patch_rows
@@ -45,23 +45,10 @@ def deep_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pf_pools():
     """Warm PipeFusion pools by (model, launch layout); at most two alive (memory)."""
-    made = {}
-
-    def get(path, config: ParallelConfig):
-        key = (str(path), config.launch_key())
-        pool = made.pop(key, None)
-        if pool is None:
-            while len(made) >= 2:
-                made.pop(next(iter(made))).close()
-            pool = WorkerPool(path, config, device="cpu", threads_per_rank=1)
-        else:
-            pool.reconfigure(config)
-        made[key] = pool  # most recently used last
-        assert pool.config.launch_key() == key[1]
-        return pool
-    yield get
-    for pool in made.values():
-        pool.close()
+    from conftest import LayoutPools
+    cache = LayoutPools(keep=2)
+    yield cache.get
+    cache.close()
 
 
 # ---- the stage split -----------------------------------------------------------------
