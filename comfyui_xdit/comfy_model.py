@@ -10,6 +10,7 @@ ComfyUI's memory manager neither loads nor offloads anything for it.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -98,18 +99,22 @@ def flux2_support() -> tuple:
     return base, conf
 
 
-def build_model(pool, config, arch: str, guidance_embeds: bool = True):
-    """A ComfyUI MODEL (ModelPatcher) for `arch` whose diffusion model is `pool`."""
+def build_model(pool, config, arch: str, unet: Optional[dict] = None):
+    """A ComfyUI MODEL (ModelPatcher) for `arch` whose diffusion model is `pool`. `unet`:
+    what ComfyUI's detection would find in the model (model_info.comfy_unet_config): FLUX.1
+    dev vs schnell, FLUX.2's channels and hidden size, which its config class reads."""
+    unet = dict(unet or {})
     if arch == "flux2":
         flux2_support()  # refused before anything is built
     denoiser = PoolDenoiser(pool, config, arch, on_event=_show_compiling)
     if arch == "flux2":
         base, conf = flux2_support()
-        model_config = conf(dict(getattr(conf, "unet_config", {}),
+        model_config = conf(dict(getattr(conf, "unet_config", {}), **unet,
                                  disable_unet_model_creation=True))
         cls = type("XditFlux2", (_Weightless, base), {})
         model = cls(model_config, device=torch.device("cpu"))
     elif arch == "flux":
+        guidance_embeds = unet.get("guidance_embed", True)
         cls = comfy.supported_models.Flux if guidance_embeds else comfy.supported_models.FluxSchnell
         model_config = cls(dict(cls.unet_config, disable_unet_model_creation=True,
                                 in_channels=16, out_channels=16, patch_size=2))

@@ -123,3 +123,31 @@ def read_model_info(path) -> ModelInfo:
                      patch_size=int(cfg.get("patch_size", 2 if arch == "sd3" else 1)),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
                      distilled=_klein_distilled(path) if arch == "flux2" else None)
+
+
+# diffusers' class defaults for what a folder's config.json may omit (tests check them)
+FLUX_CONFIG_DEFAULTS = {
+    "flux": {"guidance_embeds": False, "num_attention_heads": 24, "attention_head_dim": 128,
+             "joint_attention_dim": 4096},
+    "flux2": {"guidance_embeds": True, "num_attention_heads": 48, "attention_head_dim": 128,
+              "joint_attention_dim": 15360},
+}
+
+
+def comfy_unet_config(path) -> dict:
+    """What ComfyUI's model detection would find in this model's transformer, for the xDiT
+    MODEL's ComfyUI model config (comfyui_xdit/comfy_model.py): FLUX.1 dev vs schnell
+    (`guidance_embed`), and for FLUX.2 the 128-channel patch-1 layout and the hidden size its
+    config class needs. From a folder's config.json or a single file's header."""
+    d = _describe_model(Path(path))
+    arch, cfg = d["arch"], dict(d["config"])
+    if arch == "sd3":
+        return {"image_model": "sd3"}
+    cfg = {**FLUX_CONFIG_DEFAULTS[arch], **cfg}
+    out = {"image_model": arch, "guidance_embed": bool(cfg["guidance_embeds"])}
+    if arch == "flux":
+        return dict(out, in_channels=16, out_channels=16, patch_size=2)
+    return dict(out, in_channels=128, out_channels=128, patch_size=1,
+                hidden_size=int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"]),
+                context_in_dim=int(cfg["joint_attention_dim"]))
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.v0_0_2 import io
 
 from .config import auto_config
-from .model_info import read_model_info
+from .model_info import comfy_unet_config, read_model_info
 
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
@@ -51,20 +51,4 @@ class ToModel(io.ComfyNode):
             return node_logic.REGISTRY.get(model, config)
 
         return io.NodeOutput(build_model(current_pool, config, info.arch,
-                                         guidance_embeds=_guidance_embeds(model.path, info)))
-
-
-def _guidance_embeds(path: str, info) -> bool:
-    """FLUX dev (embedded guidance) or schnell: from the folder's config or the file's keys."""
-    import json
-    import os
-
-    if info.arch != "flux":
-        return False
-    if os.path.isdir(path):
-        with open(os.path.join(path, "transformer", "config.json")) as f:
-            return bool(json.load(f).get("guidance_embeds", False))
-    from safetensors import safe_open
-    with safe_open(path, framework="pt") as f:
-        return any(k.startswith(("guidance_in.", "time_text_embed.guidance_embedder."))
-                   or ".guidance_in." in k for k in f.keys())
+                                         comfy_unet_config(model.path)))

@@ -454,3 +454,41 @@ def test_flux2_img2img_and_reference_latents_go_in_unchanged():
                for p in req.problems(type("M", (), {"arch": "flux2"})()))
     with pytest.raises(ConfigError, match="64 channels; FLUX.2 LATENTs are ComfyUI's"):
         latent_from_comfy({"samples": torch.randn(1, 64, 4, 4)}, "flux2")
+
+
+def test_comfy_unet_config_for_the_xdit_model(model_dir, tmp_path):
+    """What the xDiT MODEL tells ComfyUI's model config classes, from folders and single files
+    alike: FLUX.1 dev vs schnell, FLUX.2's 128-channel patch-1 layout and hidden size (newer
+    ComfyUI's FLUX.2 config reads `hidden_size`; its detection sets these keys from the
+    weights). The defaults assumed for an omitted config key are diffusers' own."""
+    import inspect
+    import json
+
+    import diffusers
+
+    from comfyui_xdit.model_info import FLUX_CONFIG_DEFAULTS, comfy_unet_config
+    from single_file_util import write_single_file
+
+    for arch, cls in (("flux", diffusers.FluxTransformer2DModel),
+                      ("flux2", diffusers.Flux2Transformer2DModel)):
+        params = inspect.signature(cls.__init__).parameters
+        assert {k: params[k].default for k in FLUX_CONFIG_DEFAULTS[arch]} == \
+            FLUX_CONFIG_DEFAULTS[arch]
+    flux2 = model_dir("flux2")
+    want = {"image_model": "flux2", "guidance_embed": False, "in_channels": 128,
+            "out_channels": 128, "patch_size": 1, "hidden_size": 64, "context_in_dim": 96}
+    assert comfy_unet_config(flux2) == want
+    assert comfy_unet_config(write_single_file(flux2, "flux2", tmp_path / "f2.safetensors",
+                                               prefix=True)) == want
+    flux = model_dir("flux")
+    assert comfy_unet_config(flux) == {"image_model": "flux", "guidance_embed": True,
+                                       "in_channels": 16, "out_channels": 16, "patch_size": 2}
+    # a folder whose config omits guidance_embeds: FLUX.1 schnell, FLUX.2 [dev] style
+    for arch, path, default in (("flux", flux, False), ("flux2", flux2, True)):
+        copy = tmp_path / f"{arch}-omitted"
+        (copy / "transformer").mkdir(parents=True)
+        cfg = json.loads((path / "transformer" / "config.json").read_text())
+        cfg.pop("guidance_embeds", None)
+        (copy / "transformer" / "config.json").write_text(json.dumps(cfg))
+        assert comfy_unet_config(copy)["guidance_embed"] is default
+    assert comfy_unet_config(model_dir("sd3")) == {"image_model": "sd3"}
