@@ -632,15 +632,22 @@ def _smi_sizes() -> dict:
     return _SMI_SIZES
 
 
-def gpu_memory_bytes(gpu_ids: Sequence[str]) -> list:
+def gpu_memory_bytes(gpu_ids: Sequence[str], environ=None) -> list:
     """Total memory of each GPU id (an index or a GPU-/MIG- UUID, as comfyui_xdit/gpus.py
     hands them to the ranks), from nvidia-smi (NVML: no CUDA initialisation in this
-    process), or None where it is not known (a MIG slice, no nvidia-smi). An index is read
-    in nvidia-smi's PCI bus order; CUDA's default order (fastest first) can differ only on a
-    box mixing GPU models, where a UUID in the loader's GPU list is exact. Replaced in tests.
-    """
+    process), or None where it is not known (a MIG slice, no nvidia-smi). nvidia-smi numbers
+    GPUs in PCI bus order, CUDA fastest first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`: on a box
+    mixing GPU sizes an index is then ambiguous, and the smallest card's size is used (a UUID
+    in the loader's GPU list is exact). Replaced in tests."""
     sizes = _smi_sizes()
-    return [sizes.get(str(g).strip()) for g in gpu_ids]
+    env = os.environ if environ is None else environ
+    by_index = [v for k, v in sizes.items() if k.isdigit()]
+    ambiguous = env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and len(set(by_index)) > 1
+    out = []
+    for g in gpu_ids:
+        g = str(g).strip()
+        out.append(min(by_index) if ambiguous and g in sizes and g.isdigit() else sizes.get(g))
+    return out
 
 
 def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,

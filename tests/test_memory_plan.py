@@ -361,3 +361,16 @@ def test_text_encoders_on_a_named_gpu(flux2, monkeypatch):
     p = mp.check_launch("unused", ParallelConfig(pipefusion=2),
                         dataclasses.replace(engine, text_encoders="cuda:0"), ["2", "0"])
     assert [r.text_encoders for r in p.ranks] == [0, te]
+
+
+def test_gpu_sizes_by_index_on_a_mixed_box(monkeypatch):
+    """nvidia-smi numbers GPUs in PCI order, CUDA fastest first: on a box mixing sizes an index
+    is planned with the smallest card unless CUDA_DEVICE_ORDER=PCI_BUS_ID; UUIDs are exact."""
+    small, big = 24 * GiB, 80 * GiB
+    monkeypatch.setattr(mp, "_smi_sizes", lambda: {"0": small, "1": big, "GPU-a": small,
+                                                   "GPU-b": big})
+    assert mp.gpu_memory_bytes(["1", "0", "GPU-b", "7"], environ={}) == [small, small, big, None]
+    assert mp.gpu_memory_bytes(["1", "0"], environ={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == \
+        [big, small]
+    monkeypatch.setattr(mp, "_smi_sizes", lambda: {"0": big, "1": big, "GPU-a": big})
+    assert mp.gpu_memory_bytes(["1", "GPU-a"], environ={}) == [big, big]  # uniform: exact
