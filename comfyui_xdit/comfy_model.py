@@ -10,7 +10,6 @@ ComfyUI's memory manager neither loads nor offloads anything for it.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 
@@ -99,11 +98,11 @@ def flux2_support() -> tuple:
     return base, conf
 
 
-def build_model(pool, config, arch: str, unet: Optional[dict] = None):
+def build_model(pool, config, arch: str, unet: dict):
     """A ComfyUI MODEL (ModelPatcher) for `arch` whose diffusion model is `pool`. `unet`:
     what ComfyUI's detection would find in the model (model_info.comfy_unet_config): FLUX.1
-    dev vs schnell, FLUX.2's channels and hidden size, which its config class reads."""
-    unet = dict(unet or {})
+    dev vs schnell, the channels, patch size and FLUX.2's hidden size its config classes
+    read."""
     if arch == "flux2":
         flux2_support()  # refused before anything is built
     denoiser = PoolDenoiser(pool, config, arch, on_event=_show_compiling)
@@ -114,10 +113,9 @@ def build_model(pool, config, arch: str, unet: Optional[dict] = None):
         cls = type("XditFlux2", (_Weightless, base), {})
         model = cls(model_config, device=torch.device("cpu"))
     elif arch == "flux":
-        guidance_embeds = unet.get("guidance_embed", True)
+        guidance_embeds = unet["guidance_embed"]
         cls = comfy.supported_models.Flux if guidance_embeds else comfy.supported_models.FluxSchnell
-        model_config = cls(dict(cls.unet_config, disable_unet_model_creation=True,
-                                in_channels=16, out_channels=16, patch_size=2))
+        model_config = cls(dict(cls.unet_config, **unet, disable_unet_model_creation=True))
         model_type = comfy.model_base.ModelType.FLUX if guidance_embeds else \
             comfy.model_base.ModelType.FLOW
         model = XditFlux(model_config, model_type=model_type, device=torch.device("cpu"))

@@ -150,4 +150,3 @@ def comfy_unet_config(path) -> dict:
     return dict(out, in_channels=128, out_channels=128, patch_size=1,
                 hidden_size=int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"]),
                 context_in_dim=int(cfg["joint_attention_dim"]))
-

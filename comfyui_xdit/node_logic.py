@@ -37,6 +37,8 @@ DTYPES = ["auto", "bf16", "fp16", "fp32"]  # auto: bf16 on cuda, fp32 on cpu
 ATTENTION = list(ATTENTION_BACKENDS)
 WEIGHT_OPTIONS = list(WEIGHTS)
 TEXT_ENCODER_OPTIONS = ["auto", "cpu", "gpu"]
+SPLITS = ["balanced", "compute", "memory"]
+MAX_SEED = 2 ** 64 - 1
 
 
 def text_encoder_options(gpu_count: Optional[int] = None) -> list[str]:
@@ -46,8 +48,6 @@ def text_encoder_options(gpu_count: Optional[int] = None) -> list[str]:
         from .gpus import visible_gpus
         gpu_count = len(visible_gpus())
     return TEXT_ENCODER_OPTIONS + [f"cuda:{i}" for i in range(gpu_count)]
-SPLITS = ["balanced", "compute", "memory"]
-MAX_SEED = 2 ** 64 - 1
 
 
 # ---- model discovery ------------------------------------------------------------------

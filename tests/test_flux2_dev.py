@@ -191,16 +191,16 @@ def test_request_default_guidance_is_flux2_devs(folder):
 
 def test_pipeline_class_follows_model_index(folder, tmp_path):
     from workers.models import get_adapter
-    from workers.models.flux2 import pipeline_class_of
+    from workers.models.detect import flux2_pipeline_class
 
     assert get_adapter("flux2", str(folder)).pipeline_class == "Flux2Pipeline"
     for name, want in [("Flux2KleinPipeline", "Flux2KleinPipeline"),
                        ("Flux2KleinKVPipeline", "Flux2KleinPipeline")]:
         (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": name}))
-        assert pipeline_class_of(str(tmp_path)) == want
+        assert flux2_pipeline_class(str(tmp_path)) == want
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(ValueError, match="'FluxPipeline'.*Flux2Pipeline"):
-        pipeline_class_of(str(tmp_path))
+        flux2_pipeline_class(str(tmp_path))
     # the host refuses such a folder before any worker starts
     from comfyui_xdit.errors import ConfigError
     from comfyui_xdit.model_info import read_model_info

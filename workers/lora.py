@@ -138,16 +138,13 @@ class LoraManager:
                            f"{lin.in_features}->{lin.out_features})")
                 continue
             matched += 1
-        if bad and not matched and not elsewhere:  # the whole file is for another model
+        if not matched and not elsewhere:  # the whole file is for another model
+            some = bad[0] if bad else repr(next(iter(sd), "<empty file>"))
             raise LoraError(f"LoRA file {path} has no key that matches this {self.arch} model "
-                            f"(e.g. {bad[0]}); is it a LoRA for another model?")
+                            f"(e.g. {some}); is it a LoRA for another model?")
         if bad:  # names the layer or shape that does not fit
             raise LoraError(f"LoRA file {path}: {len(bad)} LoRA keys do not fit this "
                             f"{self.arch} model, e.g. {bad[0]}")
-        if not matched and not elsewhere:
-            some = next(iter(sd), "<empty file>")
-            raise LoraError(f"LoRA file {path} has no key that matches this {self.arch} model "
-                            f"(e.g. {some!r}); is it a LoRA for another model?")
         if alphas:
             alphas = {k: v for k, v in alphas.items() if k.startswith(_PREFIX)}
         if elsewhere:

@@ -12,7 +12,7 @@ import torch
 
 from ..processors import Flux2ShardedAttnProcessor
 from .base import text_encoder_device_of
-from .detect import FLUX2_DEFAULT_PIPELINE, flux2_pipeline_class as pipeline_class_of
+from .detect import FLUX2_DEFAULT_PIPELINE, flux2_pipeline_class
 from .facts import CLASS_BY_ARCH
 from .flux import FluxAdapter
 
@@ -44,10 +44,10 @@ class Flux2Adapter(FluxAdapter):
 
     def __init__(self, path=None):
         if path is not None:
-            self.pipeline_class = pipeline_class_of(path)
+            self.pipeline_class = flux2_pipeline_class(path)
 
     def load(self, path, *args, **kwargs):
-        self.pipeline_class = pipeline_class_of(path)  # an adapter made without the path
+        self.pipeline_class = flux2_pipeline_class(path)  # an adapter made without the path
         return super().load(path, *args, **kwargs)
 
     def scale_shift(self, model) -> tuple:
