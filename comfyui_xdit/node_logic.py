@@ -43,7 +43,7 @@ MAX_SEED = 2 ** 64 - 1
 
 def text_encoder_options(gpu_count: Optional[int] = None) -> list[str]:
     """The loader's text_encoders choices: the fixed ones, then `cuda:N` for each visible GPU
-    (a spare GPU can hold FLUX.2-dev's 45 GB Mistral encoder beside the ranks)."""
+    (a spare GPU can hold FLUX.2-dev's 44.7 GiB Mistral encoder beside the ranks)."""
     if gpu_count is None:
         from .gpus import visible_gpus
         gpu_count = len(visible_gpus())
