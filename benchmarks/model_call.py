@@ -37,6 +37,7 @@ def measure(pool, config, arch: str, size: int, calls: int, warmup: int = 2,
 
     cfg = json.loads((Path(pool.model_path) / "transformer" / "config.json").read_text())
     den = PoolDenoiser(pool, config, arch)
+    den.timed = True
     g = torch.Generator().manual_seed(0)
     h = size // 8
     x = torch.randn(2, 16, h, h, generator=g)
@@ -59,7 +60,10 @@ def measure(pool, config, arch: str, size: int, calls: int, warmup: int = 2,
                          "forward_rank0": st["forward_s"], "call": st["call_s"],
                          "prepare": st["prepare_s"], "broadcast": st["broadcast_s"],
                          "pre": st["pre_s"], "post": st["post_s"],
-                         "gather": st["gather_s"] - (st["forward_max_s"] - st["forward_s"])})
+                         # the all-gather's own time: it also waits for the slowest
+                         # rank's forward (none when there is one replica: no gather)
+                         "gather": max(0.0, st["gather_s"] - (st["forward_max_s"]
+                                                              - st["forward_s"]))})
     ms = {k: 1000 * _median([r[k] for r in rows]) for k in rows[0]}
     overhead = [1000 * (r["wall"] - r["forward"]) for r in rows]
     transport = [1000 * (r["wall"] - r["call"]) for r in rows]

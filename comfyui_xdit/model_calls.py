@@ -57,6 +57,7 @@ class PoolDenoiser:
         self.calls = 0
         self.conds_sent = 0
         self.last_stats: dict = {}
+        self.timed = False  # benchmarks: each call's stats carry its phases' timings
 
     @property
     def pool(self):
@@ -92,7 +93,7 @@ class PoolDenoiser:
             self._known.clear()
         out, stats, sent = pool.model_call(
             self.config, self._to_pool_layout(x, patchified), t.contiguous(), g, chunks, conds,
-            known=set(self._known), on_event=self.on_event)
+            known=set(self._known), on_event=self.on_event, timed=self.timed)
         if patchified:
             out = torch.nn.functional.pixel_unshuffle(out, 2)
         self._launches = (id(pool), pool.launches)

@@ -566,7 +566,7 @@ class WorkerPool:
 
     def model_call(self, config: ParallelConfig, x, timestep, guidance, chunks: list,
                    conds: dict, known: set,
-                   on_event: Optional[Callable[[dict], None]] = None):
+                   on_event: Optional[Callable[[dict], None]] = None, timed: bool = False):
         """One denoiser evaluation (workers/model_call.py) for a host-side sampler: `x`
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
         `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
@@ -580,7 +580,9 @@ class WorkerPool:
         "index" or "uxo": ComfyUI's `ref_latents_method`). The chunks of one call must
         agree on the references' shapes and method. `on_event` receives the call's events: the
         compiling ones of a `compile` pool's first calls (a failing callback is logged, never
-        fails the call)."""
+        fails the call). `timed` (benchmarks): the stats carry the call's phases
+        (`forward_s`, `forward_max_s`: the slowest rank's, `gather_s`, `pre_s`, `post_s`),
+        timed with CUDA events on GPUs; untimed calls measure nothing on the device."""
         def _np(v):
             return v.detach().cpu().numpy() if hasattr(v, "detach") else v
 
@@ -601,7 +603,8 @@ class WorkerPool:
                 # latents as numpy: a tensor pickles through torch.save, ~30x slower
                 self._send(P.Predict(call_id=call_id, config=config.key(), x=_np(x),
                                      timestep=_np(timestep), guidance=_np(guidance),
-                                     chunks=[(k, int(r)) for k, r in chunks], conds=new))
+                                     chunks=[(k, int(r)) for k, r in chunks], conds=new,
+                                     timed=timed))
                 try:
                     while True:
                         msg = self._recv(self.step_timeout, f"model call {call_id}")

@@ -28,6 +28,7 @@ from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig, WorkerP
 
 TOL = 1e-4
 RULES = "xdit_testhooks.nccl_rules:install"
+MEASURE = "xdit_testhooks.probes:measure_sharding"  # residency peaks (off in production)
 PROMPTS = ["a photo of a red cat", "a dog on the grass", "blue sky"]
 MOVED = 1e-2  # see tests/test_parallel_exact.py
 
@@ -41,7 +42,7 @@ def shard_pools(model_dir):
         if key not in made:
             made[key] = WorkerPool(model_dir(arch), ParallelConfig(ulysses=world),
                                    device="cpu", threads_per_rank=1, shard_weights=True,
-                                   worker_hooks=list(hooks))
+                                   worker_hooks=[MEASURE, *hooks])
         return made[key]
     yield get
     for p in made.values():

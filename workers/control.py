@@ -86,8 +86,7 @@ def _leader_predict(worker, link, msg: P.Predict):
     # rank 0's times in seconds: prepare (checks), broadcast of the call, the call itself,
     # of which the transformer's forward (forward_s; forward_max_s: the slowest rank's),
     # the all-gather (gather_s), and the work before / after the forward (pre_s, post_s)
-    stats = {k: times.get(k, 0.0) for k in ("forward_s", "forward_max_s", "gather_s",
-                                                  "pre_s", "post_s", "compiles")}
+    stats = {k: v for k, v in times.items() if k != "run_s"}
     stats.update(call_s=time.perf_counter() - t, prepare_s=t_bcast - t,
                  broadcast_s=t_run - t_bcast, cond_puts=worker.cond_cache.puts)
     link.send(P.Prediction(msg.call_id, out=out.numpy(), stats=stats))

@@ -19,6 +19,7 @@ conventions.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -75,6 +76,7 @@ class Prepared:
     sigmas: torch.Tensor  # the run's sigmas, one more than timesteps (fp32, device)
     timesteps: torch.Tensor
     extra: dict  # per-size forward inputs (FLUX image ids, this replica's references)
+    guidance: Optional[torch.Tensor] = None  # embedded guidance, a device scalar (or None)
 
 
 def check_scheduler(scheduler) -> None:
@@ -122,8 +124,12 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
         tokens = job.references["tokens"]
         extra["ref_tokens"] = (tokens[mine] if tokens.shape[0] > 1 else tokens).to(dev, dtype)
         extra["ref_ids"] = job.references["ids"].to(dev, extra["img_ids"].dtype)
+    # made once here on the device (a fill, not a host copy), so no step waits on the host
+    g = req.get("guidance")
+    guidance = None if g is None else torch.full((), float(g), device=dev,
+                                                  dtype=torch.float32)
     return Prepared(sizes=sizes, mine=mine, cond=cond, uncond=uncond, latents=latents,
-                    sigmas=sigmas, timesteps=timesteps, extra=extra)
+                    sigmas=sigmas, timesteps=timesteps, extra=extra, guidance=guidance)
 
 
 def euler_step(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int) -> torch.Tensor:
@@ -148,6 +154,11 @@ def _stop_requested(should_stop: Callable[[], bool], control) -> bool:
     return bool(flag.item())
 
 
+@contextlib.contextmanager
+def _no_scope(kind, index):
+    yield
+
+
 def _branches(prep: Prepared, topo: Topology) -> dict:
     if prep.uncond is None:
         return {1: prep.cond}
@@ -159,9 +170,13 @@ def _branches(prep: Prepared, topo: Topology) -> dict:
 
 def run_job(job: Job, model, adapter, topo: Topology, control,
             emit: Optional[Callable[[dict], None]] = None,
-            should_stop: Callable[[], bool] = lambda: False) -> Optional[torch.Tensor]:
+            should_stop: Callable[[], bool] = lambda: False,
+            step_scope=None) -> Optional[torch.Tensor]:
     """Run one job on this rank (`control`: the world's control-plane group). Returns the
-    whole batch's final latent (model space) on rank 0, None elsewhere."""
+    whole batch's final latent (model space) on rank 0, None elsewhere. `step_scope(kind,
+    step)`: a context entered around each tick's work after the stop flag (test hooks that
+    watch what a step does, xdit_testhooks/host_syncs.py); none in production."""
+    scope = step_scope or _no_scope
     req = job.request
     dev, dtype = model.device, model.dtype
     prep = prepare(job, model, adapter, topo)
@@ -207,60 +222,62 @@ def run_job(job: Job, model, adapter, topo: Topology, control,
             if tick in sched.stop_ticks and _stop_requested(should_stop, control):
                 raise Cancelled(f"cancelled at step {sched.stop_ticks[tick]}/{total}")
             micro = sched.compute_at(stage, tick)
-            arrivals = sched.arrivals(tick) if stages > 1 else []
-            # 1. transfers: activations to the next stage, finished rows back to stage 0
-            sends, recvs = [], []
-            if outgoing is not None:
-                sends.append((outgoing, run.next))
-                outgoing = None
-            if run is not None and not first and micro is not None:
-                recvs.append((run.activation_shape(micro), dtype, run.prev))
-            for m in arrivals:
-                if last:
-                    sends.append((rows_of(latents, m), run.head))
+            with scope("job", None if micro is None else micro.step):
+                arrivals = sched.arrivals(tick) if stages > 1 else []
+                # 1. transfers: activations to the next stage, finished rows back to stage 0
+                sends, recvs = [], []
+                if outgoing is not None:
+                    sends.append((outgoing, run.next))
+                    outgoing = None
+                if run is not None and not first and micro is not None:
+                    recvs.append((run.activation_shape(micro), dtype, run.prev))
+                for m in arrivals:
+                    if last:
+                        sends.append((rows_of(latents, m), run.head))
+                    if first:
+                        recvs.append((tuple(rows_of(latents, m).shape), dtype, run.tail))
+                got = exchange(sends, recvs, pipe, dev)
+                if run is not None and not first and micro is not None:
+                    run.incoming = got.pop(0)
                 if first:
-                    recvs.append((tuple(rows_of(latents, m).shape), dtype, run.tail))
-            got = exchange(sends, recvs, pipe, dev)
-            if run is not None and not first and micro is not None:
-                run.incoming = got.pop(0)
-            if first:
-                for m, piece in zip(arrivals, got):
-                    rows_of(latents, m).copy_(piece)
-                for i in sched.steps_done(tick):
-                    if emit is None:
-                        continue
-                    event = {"step": i + 1, "total": total, "elapsed": time.perf_counter() - t0}
-                    if want_preview(i):  # flow matching: x0 = x_i - sigma_i * v
-                        x = x_step.float()
-                        v = (latents[:1].float() - x) / (sigmas[i + 1] - sigmas[i])
-                        event["preview"] = (x - sigmas[i] * v).half().cpu()
-                    emit(event)
-                    x_step = latents[:1].clone() if want_preview(i + 1) else None
-            if micro is None:
-                continue
-            # 2. this tick's forward
-            t = prep.timesteps[micro.step]
-            jak = None
-            if run is not None:
-                jak = {"patch": run.context(micro)}
-            out = adapter.forward(model, latents, t, branches[micro.branch], req.get("guidance"),
-                                  prep.extra, jak=jak)
-            if run is not None and not last:
-                outgoing = run.take_outgoing()
-                continue
-            # 3. last stage: guidance, then the scheduler's step on the micro's rows
-            pred = rows_of(out, micro) if run is not None else out
-            if topo.degree("cfg") == 2:
-                both = [torch.empty_like(pred) for _ in range(2)]
-                dist.all_gather(both, pred.contiguous(), group=topo.group("cfg"))
-                pred = combine(both[0], both[1], scale)
-            elif len(branches) == 2:
-                if not micro.finishes:
-                    pending[micro.patch] = pred.clone()
+                    for m, piece in zip(arrivals, got):
+                        rows_of(latents, m).copy_(piece)
+                    for i in sched.steps_done(tick):
+                        if emit is None:
+                            continue
+                        event = {"step": i + 1, "total": total,
+                                 "elapsed": time.perf_counter() - t0}
+                        if want_preview(i):  # flow matching: x0 = x_i - sigma_i * v
+                            x = x_step.float()
+                            v = (latents[:1].float() - x) / (sigmas[i + 1] - sigmas[i])
+                            event["preview"] = (x - sigmas[i] * v).half().cpu()
+                        emit(event)
+                        x_step = latents[:1].clone() if want_preview(i + 1) else None
+                if micro is None:
                     continue
-                pred = combine(pending.pop(micro.patch), pred, scale)
-            x = rows_of(latents, micro)
-            x.copy_(euler_step(x, pred, sigmas, micro.step))
+                # 2. this tick's forward
+                t = prep.timesteps[micro.step]
+                jak = None
+                if run is not None:
+                    jak = {"patch": run.context(micro)}
+                out = adapter.forward(model, latents, t, branches[micro.branch], prep.guidance,
+                                      prep.extra, jak=jak)
+                if run is not None and not last:
+                    outgoing = run.take_outgoing()
+                    continue
+                # 3. last stage: guidance, then the scheduler's step on the micro's rows
+                pred = rows_of(out, micro) if run is not None else out
+                if topo.degree("cfg") == 2:
+                    both = [torch.empty_like(pred) for _ in range(2)]
+                    dist.all_gather(both, pred.contiguous(), group=topo.group("cfg"))
+                    pred = combine(both[0], both[1], scale)
+                elif len(branches) == 2:
+                    if not micro.finishes:
+                        pending[micro.patch] = pred.clone()
+                        continue
+                    pred = combine(pending.pop(micro.patch), pred, scale)
+                x = rows_of(latents, micro)
+                x.copy_(euler_step(x, pred, sigmas, micro.step))
     finally:
         if run is not None:
             run.close()

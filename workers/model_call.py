@@ -15,6 +15,7 @@ the data plane brings every replica's rows to rank 0, which returns the predicti
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -41,6 +42,7 @@ class ModelCall:
     # key -> {"context", "pooled"} (CPU), optionally with "ref_latents" (list of
     # [rows, C, h, w], model space, unpacked: ComfyUI's `ref_latents`) and "ref_method"
     new_conds: dict = field(default_factory=dict)
+    timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
 
 
 class CondCache:
@@ -51,6 +53,15 @@ class CondCache:
         self.capacity = capacity
         self.items: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
         self.puts = 0
+        self.calls = 0  # model calls run on this rank
+        self.by_size: dict = {}  # per latent size: forward inputs made once on the device
+
+    def sized(self, key, make) -> dict:
+        if key not in self.by_size:
+            if len(self.by_size) >= self.capacity:
+                self.by_size.pop(next(iter(self.by_size)))
+            self.by_size[key] = make()
+        return self.by_size[key]
 
     def missing(self, keys) -> list:
         return [k for k in dict.fromkeys(keys) if k not in self.items]
@@ -189,12 +200,17 @@ def for_wire(call: ModelCall) -> ModelCall:
     return replace(call, x=np_(call.x), timestep=np_(call.timestep), guidance=np_(call.guidance))
 
 
-def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group):
-    """Every rank: this rank's replica's rows, then (with several replicas) one all-gather.
-    Returns (the prediction [N, C, h, w] fp32 CPU on rank 0, None elsewhere; this rank's
-    timings)."""
-    t_run = time.perf_counter()
-    forward_s = 0.0
+def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
+             step_scope=None):
+    """Every rank: this rank's replica's rows, then (with several replicas) one all-gather
+    among the replicas' leaders. Returns (the prediction [N, C, h, w] fp32 CPU on rank 0,
+    None elsewhere; this rank's timings, when `call.timed`).
+
+    The call's own inputs come from the host and its prediction goes back to it; between
+    those (`step_scope`, xdit_testhooks/host_syncs.py) nothing waits on the host: per-size
+    inputs are cached on the device, and timings, asked for by benchmarks only, are CUDA
+    events read once the prediction is home."""
+    clock = _Clock(model.device, call.timed)
     dev, dtype = model.device, model.dtype
     for key, value in call.new_conds.items():
         _cached(cache, key, value, model, adapter)
@@ -211,7 +227,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group
     if dummy:
         mine = slice(0, 1)
     pred = None
-    t_fwd = t_post = time.perf_counter()
+    scope = step_scope or _no_scope
     if sizes[me] or dummy:
         cond = {}
         for k in conds[0]:
@@ -220,53 +236,98 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group
                 cond[k] = cond[k][mine]
             elif k != "ref_layout":
                 cond[k] = conds[0][k]  # per-token ids, shared by the batch
-        x = x_all[mine].to(dev, dtype)
+        x = x_all[mine].to(dev, dtype)  # the call's inputs: the one upload per call
         t = t_all[mine].to(dev, torch.float32)
         g = None if g_all is None else g_all[mine].to(dev, torch.float32)
-        extra = adapter.forward_extra(model, h * 8, w * 8)
+        layout = conds[0].get("ref_layout")
+        extra = dict(cache.sized((h, w, layout), lambda: _extra(model, adapter, h, w, layout)))
         if "ref_tokens" in cond:  # ComfyUI's FLUX: the references join the image stream
-            ref_sizes, ref_method = conds[0]["ref_layout"]
             extra["ref_tokens"] = cond.pop("ref_tokens")
-            extra["ref_ids"] = adapter.reference_ids(ref_sizes, ref_method, h * 8, w * 8, dev,
-                                                     extra["img_ids"].dtype)
-        packed = adapter.pack(x)
-        t_fwd = time.perf_counter()
-        pred = adapter.forward(model, packed, t, cond, g, extra)
-        t_post = time.perf_counter()
-        forward_s = t_post - t_fwd
-        pred = None if dummy else adapter.unpack(pred, h * 8, w * 8)
-    times = {"pre_s": t_fwd - t_run, "forward_s": forward_s}
-    if len(sizes) == 1:
-        # one replica: every rank computed the same rows (sequence parallel inside), rank 0
-        # has the answer and nothing needs gathering
-        times.update(post_s=time.perf_counter() - t_post, gather_s=0.0,
-                     forward_max_s=forward_s)
+        with scope("call", cache.calls):
+            packed = adapter.pack(x)
+            clock.mark("forward")
+            pred = adapter.forward(model, packed, t, cond, g, extra)
+            clock.mark("post")
+            pred = None if dummy else adapter.unpack(pred, h * 8, w * 8)
+    cache.calls += 1
+    leader = all(topo.index(a) == 0 for a in ("pipefusion", "ring", "ulysses"))
+    if len(sizes) == 1 or not leader:
+        # one replica: every rank computed the same rows (sequence parallel inside) and rank
+        # 0 has the answer; a replica's other ranks hold copies of their leader's rows
         result = pred.float().cpu() if topo.rank == 0 else None
-        times["run_s"] = time.perf_counter() - t_run
-        return result, times
-    # several replicas: one all-gather of [longest rows | this rank's forward seconds], so
-    # rank 0 also learns the slowest rank's forward at no extra collective
+        return result, clock.read(planes.control)
+    # several replicas: their leaders gather the rows (padded to the longest replica)
     longest = max(sizes)
-    numel = longest * c * h * w
-    out = torch.zeros(numel + 1, device=dev, dtype=torch.float32)
+    out = torch.zeros(longest, c, h, w, device=dev, dtype=torch.float32)
     if pred is not None:
-        out[: sizes[me] * c * h * w].view(sizes[me], c, h, w).copy_(pred)
-    out[numel] = forward_s
-    t_gather = time.perf_counter()
-    times["post_s"] = t_gather - t_post
-    world = dist.get_world_size(data_group)
-    parts = [torch.empty_like(out) for _ in range(world)]
-    dist.all_gather(parts, out, group=data_group)
-    times["gather_s"] = time.perf_counter() - t_gather
-    if topo.rank != 0:
-        times["run_s"] = time.perf_counter() - t_run
-        return None, times
-    times["forward_max_s"] = float(max(float(p[numel]) for p in parts))
-    rows = []
-    for r, size in enumerate(sizes):
-        dp_i, cfg_i = divmod(r, topo.degree("cfg"))
-        src = topo.global_rank(dp=dp_i, cfg=cfg_i, pipefusion=0, ring=0, ulysses=0)
-        rows.append(parts[src][: size * c * h * w].view(size, c, h, w))
-    result = torch.cat(rows).cpu()
-    times["run_s"] = time.perf_counter() - t_run
-    return result, times
+        out[: sizes[me]].copy_(pred)
+    clock.mark("gather")
+    parts = [torch.empty_like(out) for _ in sizes]
+    dist.all_gather(parts, out, group=topo.group("replicas"))
+    clock.mark("end")
+    result = None
+    if topo.rank == 0:
+        result = torch.cat([p[:size] for p, size in zip(parts, sizes)]).cpu()
+    return result, clock.read(planes.control)
+
+
+def _extra(model, adapter, h, w, layout) -> dict:
+    """A latent size's forward inputs (image ids, references' ids) on the device."""
+    extra = adapter.forward_extra(model, h * 8, w * 8)
+    if layout is not None:
+        ref_sizes, ref_method = layout
+        extra["ref_ids"] = adapter.reference_ids(ref_sizes, ref_method, h * 8, w * 8,
+                                                 model.device, extra["img_ids"].dtype)
+    return extra
+
+
+@contextlib.contextmanager
+def _no_scope(kind, index):
+    yield
+
+
+class _Clock:
+    """A call's phases, timed only when a benchmark asks (`ModelCall.timed`): CUDA events on a
+    GPU (host clocks would time kernel launches, not the work), read once at the end; the
+    slowest rank's forward comes from one small control-plane all-reduce."""
+
+    def __init__(self, device, on: bool):
+        self.on, self.cuda = on, on and torch.device(device).type == "cuda"
+        self.marks = {}
+        if on:
+            self.mark("start")
+
+    def mark(self, name: str) -> None:
+        if not self.on:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks[name] = ev
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def _span(self, a: str, b: str) -> float:
+        if a not in self.marks or b not in self.marks:
+            return 0.0
+        if self.cuda:
+            return self.marks[a].elapsed_time(self.marks[b]) / 1000
+        return self.marks[b] - self.marks[a]
+
+    def read(self, control) -> dict:
+        if not self.on:
+            return {}
+        self.mark("done")
+        if self.cuda:
+            self.marks["done"].synchronize()
+        after = "gather" if "gather" in self.marks else "done"
+        times = {"pre_s": self._span("start", "forward"),
+                 "forward_s": self._span("forward", "post"),
+                 "post_s": self._span("post", after),
+                 "gather_s": self._span("gather", "end"),
+                 "run_s": self._span("start", "done")}
+        slowest = torch.tensor([times["forward_s"]], dtype=torch.float64)
+        if dist.get_world_size(control) > 1:
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=control)
+        times["forward_max_s"] = float(slowest[0])
+        return times

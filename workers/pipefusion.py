@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -58,7 +59,7 @@ class PatchContext:
 class _KV:
     k: torch.Tensor
     v: torch.Tensor
-    filled: torch.Tensor  # bool [S] on the host: positions written at least once
+    filled: np.ndarray  # bool [S] on the host: positions written at least once
     complete: bool = False
 
 
@@ -89,20 +90,21 @@ class PatchAttention:
         ctx = plan.patch
         if ctx is None:
             raise RuntimeError("PipeFusion attention called without a patch context")
-        topo = self.topo
-        pos = plan.positions(streams)  # host tensors: no device sync for the bookkeeping
+        topo, run = self.topo, ctx.run
         if topo.sp > 1:
-            q, k, v, pos, back = _gather_patch(q, k, v, plan, streams, topo)
-        cache = ctx.run.kv_cache(module, ctx.branch, streams, plan, k)
-        dev_pos = pos.to(k.device)
+            q, k, v, back = _gather_patch(q, k, v, plan, streams, topo, run)
+        # cache positions: host numbers for the bookkeeping, a device index made once per
+        # patch shape and job (copying it in per layer would stall the stream each time)
+        pos, dev_pos = run.cache_positions(plan, streams, topo, k.device)
+        cache = run.kv_cache(module, ctx.branch, streams, plan, k)
         cache.k.index_copy_(1, dev_pos, k)
         cache.v.index_copy_(1, dev_pos, v)
         kk, vv = cache.k, cache.v
-        if not cache.complete:
+        if not cache.complete:  # host bookkeeping only (numpy): no device sync
             cache.filled[pos] = True
             cache.complete = bool(cache.filled.all())
             if not cache.complete:  # warmup 0, first step: only the tokens computed so far
-                idx = cache.filled.nonzero().squeeze(1).to(k.device)
+                idx = torch.from_numpy(cache.filled.nonzero()[0]).to(k.device)
                 kk, vv = kk.index_select(1, idx), vv.index_select(1, idx)
         out = self._kernel(q)(q, kk, vv, q.shape[-1] ** -0.5)
         if topo.sp > 1:
@@ -110,41 +112,26 @@ class PatchAttention:
         return out
 
 
-def _gather_patch(q, k, v, plan, streams, topo):
+def _gather_patch(q, k, v, plan, streams, topo, run):
     """sp > 1 inside a stage: Ulysses all-to-all (tokens of the Ulysses group, H/U heads),
     then an all-gather of K/V over the ring group, so the cache and the keys are complete
-    for this rank's heads. Returns the gathered q/k/v, the cache positions of k/v, and the
+    for this rank's heads. Returns the gathered q/k/v (padding dropped from k/v) and the
     inverse map for the attention output."""
     U, R = topo.degree("ulysses"), topo.degree("ring")
-    lengths = plan.lengths(streams)
-    chunk = max(max(lengths), 1)
+    chunk = max(max(plan.lengths(streams)), 1)
     n_local = q.shape[1]
-
-    def positions_of(sp_rank):
-        p = plan.positions(streams, sp_rank)
-        return torch.cat([p, p.new_full((chunk - p.numel(),), -1)])
-
-    ring_i = topo.index("ring")
     if n_local < chunk:  # one pad of the packed q/k/v, not three
         qkv = F.pad(torch.stack((q, k, v)), (0, 0, 0, 0, 0, chunk - n_local))
         q, k, v = qkv[0], qkv[1], qkv[2]
     if U > 1:  # q, k and v in one all-to-all
         q, k, v = ulysses_qkv(q, k, v, topo.group("ulysses"), U)
-    uly_ranks = [ring_i * U + u for u in range(U)]
-    q_pos = torch.cat([positions_of(r) for r in uly_ranks])
     if R > 1:
-        g = topo.group("ring")
         kv = torch.stack([k, v])
         parts = [torch.empty_like(kv) for _ in range(R)]
-        dist.all_gather(parts, kv.contiguous(), group=g)
+        dist.all_gather(parts, kv.contiguous(), group=topo.group("ring"))
         kv = torch.cat(parts, dim=2)
         k, v = kv[0], kv[1]
-        kv_pos = torch.cat([positions_of(r) for r in range(R * U)])
-    else:
-        kv_pos = q_pos
-    keep = (kv_pos >= 0).nonzero().squeeze(1)
-    kv_pos = kv_pos[keep]
-    keep = keep.to(k.device)
+    keep = run.gathered_keep(plan, streams, topo, k.device)
     k, v = k.index_select(1, keep), v.index_select(1, keep)
 
     def back(out):
@@ -152,7 +139,21 @@ def _gather_patch(q, k, v, plan, streams, topo):
             out = ulysses_out(out, topo.group("ulysses"), U)
         return out[:, :n_local]
 
-    return q, k, v, kv_pos, back
+    return q, k, v, back
+
+
+def _gathered_positions(plan, streams, topo) -> torch.Tensor:
+    """Cache positions of the gathered k/v rows (host), -1 where a shard was padded: the
+    ring group's shards in order, each the Ulysses group's shards padded to one chunk."""
+    U, R = topo.degree("ulysses"), topo.degree("ring")
+    chunk = max(max(plan.lengths(streams)), 1)
+
+    def positions_of(sp_rank):
+        p = plan.positions(streams, sp_rank)
+        return torch.cat([p, p.new_full((chunk - p.numel(),), -1)])
+
+    ranks = range(R * U) if R > 1 else [topo.index("ring") * U + u for u in range(U)]
+    return torch.cat([positions_of(r) for r in ranks])
 
 
 def check_stage(model, topo) -> None:
@@ -179,6 +180,7 @@ class PipelineRun:
     device: Any
     ref_tokens: int = 0  # reference tokens at the front of the image stream (module doc)
     caches: dict = field(default_factory=dict)
+    indices: dict = field(default_factory=dict)  # per patch shape: (host positions, device index)
     incoming: Optional[torch.Tensor] = None  # this tick's activations from the previous stage
     outgoing: Optional[torch.Tensor] = None  # this tick's activations for the next stage
 
@@ -233,17 +235,43 @@ class PipelineRun:
         return out
 
     # -- called by PatchAttention -------------------------------------------------------
+    def _index(self, key, make, device):
+        if key not in self.indices:
+            host = make()
+            self.indices[key] = (host.numpy(), host.to(device))
+        return self.indices[key]
+
+    @staticmethod
+    def _plan_key(plan: SequencePlan, streams) -> tuple:
+        return (plan.text_len, plan.image_len, plan.image_range, plan.with_text, tuple(streams))
+
+    def cache_positions(self, plan: SequencePlan, streams, topo, device) -> tuple:
+        """(host positions, device index) in the K/V cache of this call's keys: this rank's
+        tokens, or with sp > 1 the gathered (unpadded) ones."""
+        def make():
+            if topo.sp == 1:
+                return plan.positions(streams)
+            p = _gathered_positions(plan, streams, topo)
+            return p[p >= 0]
+        return self._index(("pos",) + self._plan_key(plan, streams), make, device)
+
+    def gathered_keep(self, plan: SequencePlan, streams, topo, device) -> torch.Tensor:
+        """Device index of the gathered k/v rows that are real tokens (not padding)."""
+        def make():
+            return (_gathered_positions(plan, streams, topo) >= 0).nonzero().squeeze(1)
+        return self._index(("keep",) + self._plan_key(plan, streams), make, device)[1]
+
     def kv_cache(self, module, branch: int, streams, plan: SequencePlan, k) -> _KV:
         key = (id(module), branch, tuple(streams))
         entry = self.caches.get(key)
         full = sum(plan.full_len(s) for s in streams)
         shape = (k.shape[0], full) + tuple(k.shape[2:])
         if entry is None or tuple(entry.k.shape) != shape or entry.k.dtype != k.dtype:
-            entry = _KV(k.new_zeros(shape), k.new_zeros(shape),
-                        torch.zeros(full, dtype=torch.bool))
+            entry = _KV(k.new_zeros(shape), k.new_zeros(shape), np.zeros(full, dtype=bool))
             self.caches[key] = entry
         return entry
 
     def close(self) -> None:
         self.caches.clear()
+        self.indices.clear()
         self.incoming = self.outgoing = None

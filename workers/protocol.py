@@ -72,6 +72,7 @@ class Predict(Message):
     guidance: Any = None
     chunks: list = field(default_factory=list)
     conds: dict = field(default_factory=dict)
+    timed: bool = False  # benchmarks: report the call's phase timings (CUDA events on GPUs)
 
 
 @_message

@@ -157,15 +157,24 @@ class WeightSharding:
         self.forwards = 0  # transformer forwards run while sharded
         self.block_forwards = 0
         self.gathered_elems = 0  # elements all-gathered (whole tensors) so far
-        self.peak_in_block = 0  # block elements allocated on this rank, measured
-        self.peak_between = 0
-        self._hooks = []
-        for b in self.blocks:
-            self._hooks.append(b.register_forward_pre_hook(self._in_block))
-            self._hooks.append(b.register_forward_hook(self._after_block))
+        self._numel = {id(b): n for b, n in zip(self.blocks, self.block_numels)}
+        self.peak_in_block = self.peak_between = None  # measured only on request (tests)
+        self._hooks = [b.register_forward_pre_hook(self._count_block) for b in self.blocks]
         self._hooks.append(transformer.register_forward_pre_hook(self._enter))
 
     # ---- counting ---------------------------------------------------------------------------
+    def measure_residency(self) -> None:
+        """Track the block weights allocated on this rank inside and between blocks (tests:
+        the prefetch is in flight, gathered blocks are freed). Each reading walks every
+        block's FSDP groups, so it is never on in production, where it would put
+        O(blocks^2) Python into every forward and hold up FSDP2's prefetch."""
+        if self.peak_in_block is not None:
+            return
+        self.peak_in_block = self.peak_between = 0
+        for b in self.blocks:
+            self._hooks.append(b.register_forward_pre_hook(self._in_block))
+            self._hooks.append(b.register_forward_hook(self._after_block))
+
     def _block_resident(self) -> int:
         total = 0
         for b in self.blocks:
@@ -178,9 +187,11 @@ class WeightSharding:
         self.forwards += 1
         self.gathered_elems += self.root_numel
 
-    def _in_block(self, module, args):  # after FSDP's own pre-forward: gathered + prefetch
+    def _count_block(self, module, args):
         self.block_forwards += 1
-        self.gathered_elems += sum(p.numel() for p in module.parameters())
+        self.gathered_elems += self._numel[id(module)]
+
+    def _in_block(self, module, args):  # after FSDP's own pre-forward: gathered + prefetch
         self.peak_in_block = max(self.peak_in_block, self._block_resident())
 
     def _after_block(self, module, args, output):  # after FSDP's post-forward: resharded
@@ -219,7 +230,8 @@ class WeightSharding:
         }
 
     def reset_peaks(self) -> None:
-        self.peak_in_block = self.peak_between = 0
+        if self.peak_in_block is not None:
+            self.peak_in_block = self.peak_between = 0
 
 
 def unsharded_counts(transformer, block_lists) -> dict:
@@ -607,6 +619,8 @@ class ShardSetup:
             if isinstance(report, dict):
                 report["loaded"] = f"whole, then sharded ({self.fallback})"
         self.sharding.load_mode = "shards only" if self.loaded_direct else "whole, then sharded"
+        if worker.hook_options.get("measure_sharding"):  # xdit_testhooks.probes
+            self.sharding.measure_residency()
         return self.sharding
 
 

@@ -161,6 +161,7 @@ def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: in
     names = {a: (a,) for a in AXES}
     names["sp"] = ("ring", "ulysses")
     names["stage"] = tuple(a for a in AXES if a != "pipefusion")  # same pipeline stage
+    names["replicas"] = ("dp", "cfg")  # ranks holding distinct rows (model calls' gather)
     made = {n: make(v) for n, v in names.items()}
     sp_rank = mine["ring"] * ulysses + mine["ulysses"]
     return Topology(rank=rank, world_size=world_size, degrees=degrees, coords=mine,

@@ -212,7 +212,7 @@ class Worker:
         t = time.perf_counter()
         with torch.inference_mode(), self.compiler.job(emit) as compiled:
             samples = run_job(job, self.model, self.adapter, topo, self.planes.control, emit,
-                              should_stop)
+                              should_stop, step_scope=self.hook_options.get("step_scope"))
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
                  "lora_loads": self.loras.loads, "compile": compiled.stats}
         if self.model.stage is None:  # block weights held here (workers/sharding.py)
@@ -266,7 +266,7 @@ class Worker:
                          guidance=None if msg.guidance is None else
                          msg.guidance.detach().float().cpu(),
                          chunks=chunks, new_conds={k: conds[k] for k in dict.fromkeys(
-                             k for k, _ in chunks) if k in conds})
+                             k for k, _ in chunks) if k in conds}, timed=bool(msg.timed))
 
     def call(self, call, emit=None):
         """Every rank: one model evaluation (workers/model_call.py): (the prediction on
@@ -280,8 +280,11 @@ class Worker:
         self._switch_loras([])  # a host sampler's MODEL carries no pool LoRA
         with torch.inference_mode(), self.compiler.job(emit) as compiled:
             out, times = run_call(call, self.model, self.adapter, topo, self.cond_cache,
-                                  self.planes.data)
+                                  self.planes, step_scope=self.hook_options.get("step_scope"))
         times["compiles"] = compiled.stats["compiles"]
+        if self.hooks:  # test hooks watching calls: every rank's, on rank 0
+            from .hooks import job_stats
+            times["hooks"] = _gather_stats(self.planes.control, job_stats(self.hooks))
         return out, times
 
     def _apply_loras(self, job):

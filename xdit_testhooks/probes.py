@@ -46,3 +46,9 @@ def hold_launch(ctx):
     deadline = time.monotonic() + 300
     while not os.path.exists(gate) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def measure_sharding(ctx):
+    """Worker hook: weight sharding records the block weights resident inside and between
+    blocks (`peak_block_params_*` in each job's sharding counts; off in production)."""
+    ctx.options["measure_sharding"] = True

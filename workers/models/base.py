@@ -186,6 +186,18 @@ class DiTAdapter:
                          f"need FLUX.1 Kontext or FLUX.2")
 
     @staticmethod
+    def guidance_rows(guidance, rows: int, device):
+        """Embedded guidance as the transformer takes it, fp32 [rows] on the device (None
+        stays None). A job passes a device scalar made once (workers/denoise.py), a model call
+        one value per row; a plain number is filled on the device, never built on the host
+        and copied in per forward (that copy would stall the stream every call)."""
+        if guidance is None:
+            return None
+        if not torch.is_tensor(guidance):
+            return torch.full((rows,), float(guidance), device=device, dtype=torch.float32)
+        return guidance.to(device, torch.float32).expand(rows)
+
+    @staticmethod
     def slice_cond(cond: dict, sl: slice) -> dict:
         """The conditioning of a batch slice; per-token ids (2-D) are shared by the batch."""
         return {k: (v[sl] if v.dim() >= 2 and k in ("encoder_hidden_states", "pooled_projections")

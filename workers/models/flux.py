@@ -80,10 +80,8 @@ class FluxAdapter(DiTAdapter):
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         tr = model.transformer
         b = latents.shape[0]
-        g = None
-        if tr.config.guidance_embeds:  # one value for the batch, or one per row
-            g = (guidance if torch.is_tensor(guidance) else torch.tensor(float(guidance)))
-            g = g.to(latents.device, torch.float32).expand(b)
+        g = self.guidance_rows(guidance, b, latents.device) if tr.config.guidance_embeds \
+            else None
         hidden, ids, keep = self.with_references(latents, extra, jak)
         out = tr(hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,
                  guidance=g, pooled_projections=cond["pooled_projections"],
