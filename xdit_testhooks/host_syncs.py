@@ -80,3 +80,18 @@ def install(ctx):
     hs = HostSyncs()
     ctx.options["step_scope"] = hs.scope
     return hs
+
+
+def install_with_host_guidance(ctx):
+    """Negative control: the counter, plus FLUX's guidance built as it used to be, a host
+    tensor made from the Python value on every forward and copied to the device."""
+    from workers.models.base import DiTAdapter
+
+    def guidance_rows(guidance, rows, device):
+        if guidance is None:
+            return None
+        g = guidance if not torch.is_tensor(guidance) else float(guidance.reshape(-1)[0])
+        return torch.tensor(float(g)).to(device, torch.float32).expand(rows)
+
+    DiTAdapter.guidance_rows = staticmethod(guidance_rows)
+    return install(ctx)
