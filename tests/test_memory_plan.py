@@ -447,6 +447,50 @@ def test_pool_mode_is_checked_and_can_change_before_a_launch(model_dir, monkeypa
         pool.decode(torch.zeros(1, 16, 8, 8))
 
 
+def test_loader_option_advises(model_dir, monkeypatch):
+    from comfyui_xdit.node_logic import loader_handle, make_handle
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
+    path = str(model_dir("flux"))
+    enforce = make_handle(path, "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b", has_cuda=True)
+    assert any("XDIT_MEMORY_PLAN=advise" in p for p in enforce.problems())
+    h = loader_handle(dict(model=path, device="cuda", ulysses=2, gpus="GPU-a,GPU-b",
+                           memory_plan="advise"), [], has_cuda=True)  # validated: no raise
+    assert h.memory_plan == "advise"
+    assert "does NOT fit" in h.memory_summary() and "launches anyway" in h.memory_summary()
+    monkeypatch.setenv("XDIT_MEMORY_PLAN", "advise")  # auto follows the environment
+    assert enforce.problems() == [] and "launches anyway" in enforce.memory_summary()
+    bad = make_handle(path, "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b",
+                      memory_plan="sometimes", has_cuda=True)
+    assert [p for p in bad.problems() if "memory_plan" in p] == [
+        "memory_plan must be enforce, advise or auto ($XDIT_MEMORY_PLAN, default enforce); "
+        "got 'sometimes'"]
+
+
+def test_registry_hands_the_mode_to_the_pool(model_dir):
+    import dataclasses as dc
+
+    from comfyui_xdit.node_logic import PoolRegistry, make_handle
+    made = []
+
+    class FakePool:
+        memory_plan = "enforce"
+
+        def __init__(self, path, config, **kw):
+            self.config = config
+            self.memory_plan = kw.get("memory_plan", "enforce")
+            made.append(kw)
+
+        def close(self):
+            pass
+    reg = PoolRegistry(pool_factory=FakePool)
+    h = make_handle(str(model_dir("flux")), "cpu", "fp32", "2", has_cuda=False)
+    p = reg.get(dc.replace(h, memory_plan="advise"), h.config_for())
+    assert made[-1]["memory_plan"] == "advise" and p.memory_plan == "advise"
+    # not a new pool: the mode acts at the pool's next launch
+    assert reg.get(dc.replace(h, memory_plan="enforce"), h.config_for()) is p
+    assert p.memory_plan == "enforce" and len(made) == 1
+
+
 # ---- predicted vs measured -------------------------------------------------------------------
 def test_measured_line_from_given_numbers():
     line = mp.measured_line([21504, 12288], [17000.4, 9000], [17800, None], reserve_mb=2048)
