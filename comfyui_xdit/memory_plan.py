@@ -26,6 +26,11 @@ added up part by part:
 - reserve: a fixed RESERVE_BYTES for the CUDA context, cuBLAS/cuDNN workspaces, NCCL
   buffers of the pool's process groups and allocator fragmentation.
 
+The activation estimate and the reserve have not been measured on a GPU yet, so a misfit is
+refused by default (mode "enforce") but the user may overrule it (mode "advise": warn and
+launch; see `resolve_mode`). Either way the pool records the prediction beside each rank's
+measured CUDA peak after its first job (`measured_line`, WorkerPool.status()), to calibrate.
+
 Not counted: LoRA adapters (small), ComfyUI's own models in the same GPU (offloaded before a
 job), attention score matrices (the CUDA kernels the pool uses never materialise them).
 """
@@ -64,6 +69,11 @@ VAE_LIVE = 4  # live feature maps of the VAE decoder's largest level (in, norm, 
 # into time: PCIe 4.0 x16 between consumer cards, NVLink on SXM boards (H100: ~350 GB/s
 # reachable by NCCL all-gather). Rough by design; `memory-plan --link-gbps` takes yours.
 LINKS_GBPS = (("PCIe 4.0 x16", 25.0), ("NVLink", 350.0))
+MODE_ENV = "XDIT_MEMORY_PLAN"
+MODES = ("enforce", "advise")  # refuse a predicted misfit | warn and launch anyway
+OVERRIDE_HINT = ("To launch anyway (the plan is an estimate), set memory_plan to advise on "
+                 "the loader, pass WorkerPool(..., memory_plan=\"advise\") or set "
+                 f"{MODE_ENV}=advise.")
 
 
 # ---- the models ------------------------------------------------------------------------------
@@ -329,6 +339,9 @@ class MemoryPlan:
     # shard_weights: bytes each rank receives from the others' shards per denoising step
     # (every sharded parameter gathered once per forward, one forward per branch it runs)
     gather_bytes_per_step: int = 0
+    # plan_launch: each reason the launch does not fit, one sentence with its numbers (the
+    # plan's message; a text-encoder GPU too small): mode "enforce" raises them, "advise" warns
+    misfits: tuple = ()
 
     @property
     def worst(self) -> RankPlan:
@@ -650,13 +663,46 @@ def gpu_memory_bytes(gpu_ids: Sequence[str], environ=None) -> list:
     return out
 
 
-def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,
-                 request=None) -> Optional[MemoryPlan]:
-    """Before a CUDA pool launches: the plan against the GPUs' total memory; one ConfigError
-    with the numbers when a rank cannot fit. `gpus`: the ranks' GPU ids (gpus.gpus_for_ranks).
-    Without a request (a launch to decode, or for host-sampler calls) only the fixed parts
-    are planned: what any job adds comes on top. Returns the plan (None on CPU, or when no
-    GPU's memory can be read)."""
+def resolve_mode(value=None, environ=None) -> str:
+    """The memory plan's mode: "enforce" (refuse a predicted misfit) or "advise" (warn and
+    launch); None or "auto": $XDIT_MEMORY_PLAN, else "enforce". Anything else is one
+    ConfigError listing the allowed values: a typo must neither skip nor silently keep the
+    check."""
+    if value is None or str(value).strip().lower() in ("", "auto"):
+        raw = (os.environ if environ is None else environ).get(MODE_ENV, "")
+        v = raw.strip().lower()
+        if v in ("", "auto"):
+            return "enforce"
+        if v in MODES:
+            return v
+        raise ConfigError(f"{MODE_ENV}={raw!r} is not a memory plan mode; set it to enforce "
+                          f"(refuse a layout the plan says will not fit; the default) or "
+                          f"advise (warn and launch anyway)")
+    v = str(value).strip().lower()
+    if v not in MODES:
+        raise ConfigError(f"memory_plan must be enforce, advise or auto (${MODE_ENV}, "
+                          f"default enforce); got {value!r}")
+    return v
+
+
+def _job_size(request, model_path: str) -> JobSize:
+    from .model_info import read_model_info
+
+    return JobSize(height=int(request.height), width=int(request.width),
+                   batch=max(1, int(request.batch)),
+                   text_tokens=int(request.max_sequence_length),
+                   reference_tokens=int(request.reference_tokens()),
+                   # the default cfg may depend on the model (FLUX.2 base vs distilled)
+                   cfg=bool(request.uses_cfg(read_model_info(model_path))))
+
+
+def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,
+                request=None) -> Optional[MemoryPlan]:
+    """The plan of a CUDA launch against the GPUs' total memory, with `misfits` filled, and
+    no verdict acted on (check_launch does; the pool also re-plans quietly to compare with
+    a measured peak). `gpus`: the ranks' GPU ids (gpus.gpus_for_ranks). Without a request (a
+    launch to decode, or for host-sampler calls) only the fixed parts are planned: what any
+    job adds comes on top. None on CPU, or when no GPU's memory can be read."""
     if engine.device != "cuda" or not gpus:
         return None
     caps = gpu_memory_bytes(list(gpus))
@@ -665,18 +711,9 @@ def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions,
     # ranks sharing a GPU share its memory: give each of them its share
     share = {g: list(gpus).count(g) for g in gpus}
     caps = [None if c is None else c // share[g] for c, g in zip(caps, gpus)]
-    from .model_info import read_model_info
-
     try:
         facts = model_facts(model_path, engine.dtype)
-        job = None
-        if request is not None:
-            job = JobSize(height=int(request.height), width=int(request.width),
-                          batch=max(1, int(request.batch)),
-                          text_tokens=int(request.max_sequence_length),
-                          reference_tokens=int(request.reference_tokens()),
-                          # the default cfg may depend on the model (FLUX.2 base vs distilled)
-                          cfg=bool(request.uses_cfg(read_model_info(model_path))))
+        job = None if request is None else _job_size(request, model_path)
         te_gpu = text_encoder_gpu(engine.text_encoders, list(gpus))
         p = plan(facts, config.with_world_size(None), engine, job, caps,
                  _BY_OPTION if te_gpu is None else te_gpu.rank)
@@ -685,28 +722,114 @@ def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions,
     except Exception as e:  # noqa: BLE001  a plan it cannot make never stops a launch
         _log.warning("xDiT: no memory plan for %s: %s: %s", model_path, type(e).__name__, e)
         return None
-    if p.fits is False:
-        raise ConfigError(p.message())
+    misfits = [p.message()] if p.fits is False else []
     if te_gpu is not None and te_gpu.rank is None:  # a GPU of their own: they alone on it
         need = text_encoder_bytes(facts, engine.dtype) + TEXT_ENCODER_MARGIN
         cap = gpu_memory_bytes([te_gpu.gpu])[0]
         if cap is not None and need > cap:
-            raise ConfigError(f"the text encoders need {need / GiB:.1f} GiB with the margin "
-                              f"({engine.dtype}); GPU {te_gpu.gpu} (text_encoders="
-                              f"{engine.text_encoders}) has {cap / GiB:.1f} GiB: use a "
-                              f"larger GPU, or text_encoders=cpu")
+            misfits.append(f"The text encoders need {need / GiB:.1f} GiB with the margin "
+                           f"({engine.dtype}); GPU {te_gpu.gpu} (text_encoders="
+                           f"{engine.text_encoders}) has {cap / GiB:.1f} GiB: use a larger "
+                           f"GPU, or text_encoders=cpu.")
+    return dataclasses.replace(p, misfits=tuple(misfits))
+
+
+def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,
+                 request=None, mode: Optional[str] = None) -> Optional[MemoryPlan]:
+    """Before a CUDA pool launches: `plan_launch`, and under mode "enforce" (`resolve_mode`;
+    None: the environment's) one ConfigError with the numbers and how to overrule it when a
+    rank cannot fit. Under "advise" the plan comes back with its `misfits`, for the caller
+    to warn."""
+    mode = resolve_mode(mode)
+    p = plan_launch(model_path, config, engine, gpus, request)
+    if p is not None and p.misfits and mode == "enforce":
+        raise ConfigError(" ".join(p.misfits + (OVERRIDE_HINT,)))
     return p
 
 
 def check_pool(pool, request=None, gpus=None) -> Optional[MemoryPlan]:
     """WorkerPool's hook before a launch (CUDA pools it starts itself; attached pools are
-    someone else's): `check_launch` on the pool's model, layout, engine and rank GPUs."""
+    someone else's): `check_launch` on the pool's model, layout, engine, rank GPUs and mode;
+    a misfit it launches anyway is logged as a warning with the prediction."""
     if pool.device != "cuda" or getattr(pool, "_attached", None):
         return None
     if gpus is None:
         from .gpus import gpus_for_ranks
         gpus = gpus_for_ranks(pool.config.ranks, pool.gpus)
-    return check_launch(pool.model_path, pool.config, pool.engine, gpus, request)
+    mode = getattr(pool, "memory_plan", None)
+    p = check_launch(pool.model_path, pool.config, pool.engine, gpus, request, mode)
+    if p is not None and p.misfits:
+        _log.warning("xDiT: memory_plan=advise, launching although the memory plan predicts "
+                     "it will not fit: %s", " ".join(p.misfits))
+    return p
+
+
+# ---- predicted vs measured -------------------------------------------------------------------
+MiB = 2 ** 20
+
+
+def plan_status(plan: Optional[MemoryPlan], mode: str) -> dict:
+    """The plan as WorkerPool.status() shows it (MiB per rank), with room for the measured
+    peaks `record_measured` adds after the first job: the numbers to calibrate it with."""
+    out = {"mode": mode, "predicted_mb_per_rank": None, "measured_peak_mb": None}
+    if plan is None:
+        return out
+    out.update(predicted_mb_per_rank=[round(r.total / MiB) for r in plan.ranks],
+               gpu_mb_per_rank=[None if r.gpu_memory is None else round(r.gpu_memory / MiB)
+                                for r in plan.ranks],
+               reserve_mb=round(RESERVE_BYTES / MiB), fits=plan.fits and not plan.misfits,
+               job=None if plan.job is None else
+               f"{plan.job.height}x{plan.job.width} batch {plan.job.batch}")
+    return out
+
+
+def measured_peaks(stats, world: int) -> Optional[tuple]:
+    """A job's per-rank stats (workers/worker.py: `cuda_peak_mb`, `cuda_reserved_peak_mb`)
+    -> (allocated MiB per rank, reserved MiB per rank), None where a rank did not say; None
+    when no rank reported a CUDA peak (a CPU pool)."""
+    alloc, reserved = [None] * world, [None] * world
+    for i, st in enumerate(stats or []):
+        r = st.get("rank", i) if isinstance(st, dict) else i
+        if isinstance(st, dict) and 0 <= r < world:
+            alloc[r] = st.get("cuda_peak_mb")
+            reserved[r] = st.get("cuda_reserved_peak_mb")
+    if all(a is None for a in alloc):
+        return None
+    return alloc, reserved
+
+
+def measured_line(predicted_mb, measured_mb, reserved_mb=None,
+                  reserve_mb: float = RESERVE_BYTES / MiB) -> str:
+    """One log line: the plan's per-rank prediction beside the measured CUDA peaks. torch's
+    allocator sees neither the CUDA context nor NCCL's buffers, which the plan's reserve
+    stands for, so the ratio is taken against the prediction without the reserve."""
+    def row(values, fmt="{:.0f}"):
+        return "/".join("?" if v is None else fmt.format(v) for v in values)
+    bare = [p - reserve_mb for p in predicted_mb]
+    ratio = [None if m is None or b <= 0 else m / b for m, b in zip(measured_mb, bare)]
+    line = (f"xDiT memory plan vs the first job, MiB on ranks "
+            f"{row(range(len(predicted_mb)))}: predicted {row(predicted_mb)} ({row(bare)} "
+            f"without the {reserve_mb:.0f} MiB CUDA reserve); measured peak allocated "
+            f"{row(measured_mb)} ({row(ratio, '{:.2f}')}x the prediction without reserve)")
+    if reserved_mb is not None and any(v is not None for v in reserved_mb):
+        line += f", reserved {row(reserved_mb)}"
+    return line
+
+
+def record_measured(status: dict, stats, world: int) -> Optional[str]:
+    """After a job on a CUDA pool: the first measured peaks into `status` (plan_status's
+    dict) and the line to log; None when there is nothing new (already measured, no
+    prediction, no CUDA peak in the stats)."""
+    if status.get("measured_peak_mb") is not None or not status.get("predicted_mb_per_rank"):
+        return None
+    peaks = measured_peaks(stats, world)
+    if peaks is None:
+        return None
+    status["measured_peak_mb"] = [None if v is None else round(v) for v in peaks[0]]
+    if any(v is not None for v in peaks[1]):
+        status["measured_reserved_mb"] = [None if v is None else round(v) for v in peaks[1]]
+    return measured_line(status["predicted_mb_per_rank"], peaks[0], peaks[1],
+                         status.get("reserve_mb", RESERVE_BYTES / MiB))
 
 
 # ---- command line ----------------------------------------------------------------------------

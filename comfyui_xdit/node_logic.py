@@ -38,6 +38,7 @@ ATTENTION = list(ATTENTION_BACKENDS)
 WEIGHT_OPTIONS = list(WEIGHTS)
 TEXT_ENCODER_OPTIONS = ["auto", "cpu", "gpu"]
 SPLITS = ["balanced", "compute", "memory"]
+MEMORY_PLAN_OPTIONS = ["auto"] + list(memory_plan.MODES)  # auto: $XDIT_MEMORY_PLAN
 MAX_SEED = 2 ** 64 - 1
 
 
@@ -222,6 +223,7 @@ class ModelHandle:
     weights: str = "auto"  # EngineOptions: auto | fp8 | full
     text_encoders: str = "auto"  # EngineOptions: auto | cpu | gpu | cuda:N
     shard_weights: bool = False  # EngineOptions: FSDP2 block weights over every rank
+    memory_plan: str = "auto"  # enforce | advise | auto ($XDIT_MEMORY_PLAN): a misfit refused?
 
     def with_lora(self, path: str, strength: float) -> "ModelHandle":
         """The LoRA node: chain one more adapter (the workers cache adapters, so changing
@@ -281,6 +283,11 @@ class ModelHandle:
                        f"fp32); use auto or fp32")
         out += self.engine().problems()
         try:
+            mode = memory_plan.resolve_mode(self.memory_plan)
+        except ConfigError as e:  # said once; no misfit refusal beside it
+            out.append(str(e))
+            mode = "advise"
+        try:
             info = read_model_info(self.path)
         except ConfigError as e:
             return out + [str(e)]
@@ -293,7 +300,7 @@ class ModelHandle:
             if self.device == "cuda":  # the GPUs must hold the world, before anything starts
                 gpus = gpus_for_ranks(self.world(), self.gpus)
                 plan = memory_plan.check_launch(  # and its weights: refused with the numbers
-                    self.path, self.config_for(), self.engine(), gpus)
+                    self.path, self.config_for(), self.engine(), gpus, mode=mode)
                 object.__setattr__(self, "_memory_plan", plan)  # for memory_summary()
         except ConfigError as e:
             out.append(str(e))
@@ -302,7 +309,10 @@ class ModelHandle:
     def memory_summary(self) -> str:
         """The memory plan's line for the loader ("" on CPU or GPUs of unknown size)."""
         p = self.__dict__.get("_memory_plan")
-        return p.summary() if p is not None else ""
+        if p is None:
+            return ""
+        return p.summary() + ("; memory_plan=advise: the pool launches anyway" if p.misfits
+                              else "")
 
     def validate(self) -> None:
         """Raise one ConfigError holding every problem (the loader shows it once)."""
@@ -317,7 +327,8 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                 warmup_steps: int = 1, pipeline_patches: int = 0,
                 pipefusion_split: str = "balanced", attention: str = "auto",
                 compile: bool = False, weights: str = "auto", text_encoders: str = "auto",
-                shard_weights: bool = False, has_cuda: Optional[bool] = None) -> ModelHandle:
+                shard_weights: bool = False, memory_plan: str = "auto",
+                has_cuda: Optional[bool] = None) -> ModelHandle:
     """The loader's widgets -> a handle. `pipeline_patches` 0 means "the PipeFusion degree";
     device/dtype 'auto' are resolved here (`has_cuda`: whether this ComfyUI has CUDA)."""
     ws = None if str(world_size).strip().lower() in ("auto", "", "0") else int(world_size)
@@ -333,14 +344,15 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                        pipefusion_split=str(pipefusion_split).strip() or "balanced",
                        attention=str(attention), compile=bool(compile),
                        weights=str(weights), text_encoders=str(text_encoders),
-                       shard_weights=bool(shard_weights))
+                       shard_weights=bool(shard_weights),
+                       memory_plan=str(memory_plan).strip().lower() or "auto")
 
 
 LOADER_DEFAULTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1, ring=1,
                        cfg_parallel=False, dp=1, gpus="", pipefusion=1, warmup_steps=1,
                        pipeline_patches=0, pipefusion_split="balanced", attention="auto",
                        compile=False, weights="auto", text_encoders="auto",
-                       shard_weights=False)
+                       shard_weights=False, memory_plan="auto")
 
 
 def loader_handle(inputs: dict, folders, roots_by_kind: Optional[dict] = None,
@@ -420,10 +432,14 @@ class PoolRegistry:
                       (("attention", "auto"), ("compile", False), ("weights", "auto"),
                        ("text_encoders", "auto"), ("shard_weights", False))
                       if getattr(handle, k) != default}
+                if handle.memory_plan != "auto":
+                    kw["memory_plan"] = handle.memory_plan
                 pool = factory(handle.path, config, device=handle.device, dtype=handle.dtype,
                                gpus=list(handle.gpus) if handle.gpus else None,
                                threads_per_rank=handle.threads_per_rank, **kw)
                 self._pools[key] = pool
+            else:  # not in the key: the mode only acts at the pool's next launch
+                pool.memory_plan = handle.memory_plan
             return pool
 
     def pool_for_decode(self, handle: ModelHandle):

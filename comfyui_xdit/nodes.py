@@ -12,8 +12,8 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 
 from .model_info import read_model_info
 from . import node_logic
-from .node_logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, REGISTRY, SPLITS,
-                         WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
+from .node_logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, MEMORY_PLAN_OPTIONS,
+                         REGISTRY, SPLITS, WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
                          discover_models, discover_single_files, loader_handle)
 
 log = logging.getLogger("comfyui_xdit")
@@ -187,6 +187,13 @@ class LoadModel(io.ComfyNode):
                                          "costs one all-weight gather per step (fast on "
                                          "NVLink, slow on PCIe). Not with PipeFusion or "
                                          "compile"),
+                io.Combo.Input("memory_plan", options=list(MEMORY_PLAN_OPTIONS),
+                               default="auto", optional=True,
+                               tooltip="The per-GPU memory plan made before a CUDA pool "
+                                       "launches (an estimate): enforce refuses a layout it "
+                                       "predicts will not fit, advise warns and launches "
+                                       "anyway; auto: the XDIT_MEMORY_PLAN environment "
+                                       "variable, else enforce"),
             ],
             outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
             hidden=[io.Hidden.unique_id],

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from .channel import Channel, connect, parse_address
 from .comfy_convert import (FLUX2_RAW_LATENT, comfy_noise, comfy_to_model, latent_shape,
                             latent_shape_text, model_to_comfy, noise_to_model)
-from . import memory_plan
+from . import memory_plan as memory_plan_mod
 from .config import ConfigError, EngineOptions, ParallelConfig
 from .gpus import gpus_for_ranks, text_encoder_gpu
 from .model_info import ModelInfo, read_model_info
@@ -45,6 +45,9 @@ class JobCancelled(PoolError):
     pass
 
 
+_UNPLANNED = object()  # _launch: no memory plan checked yet for this launch
+
+
 def _check_engine(engine: EngineOptions, config: ParallelConfig) -> None:
     """Engine options a parallel layout cannot run with (shard_weights or compile with
     PipeFusion): one ConfigError before anything launches."""
@@ -66,8 +69,11 @@ class WorkerPool:
                  step_timeout: float = 600.0, load_in_turn: Optional[bool] = None,
                  attention: str = "auto", worker_hooks=(), compile: bool = False,
                  weights: str = "auto", text_encoders: str = "auto",
-                 shard_weights: bool = False):
+                 shard_weights: bool = False, memory_plan: Optional[str] = None):
         """`attention`, `compile`, `weights`, `text_encoders`: see `EngineOptions`.
+        `memory_plan`: "enforce" refuses a CUDA launch the memory plan predicts will not fit,
+        "advise" warns and launches (the plan is an estimate); None: $XDIT_MEMORY_PLAN, else
+        enforce. It acts at the next launch (the attribute may be changed before one).
         `worker_hooks`: "module:function" specs every worker runs at start (tests and
         benchmarks: NCCL-rules emulation, communication meter, fault injection; see
         workers/hooks.py). Not for production use."""
@@ -75,6 +81,8 @@ class WorkerPool:
                                     compile=compile, weights=weights,
                                     text_encoders=text_encoders,
                                     shard_weights=shard_weights).validate()
+        self.memory_plan = memory_plan  # validated by the property's setter
+        self._memory: dict = {}  # the last launch's plan and measured peaks (status())
         self.attention = attention
         self.worker_hooks = tuple(worker_hooks or ())
         self.model_path = str(Path(model_path).resolve())
@@ -122,6 +130,14 @@ class WorkerPool:
 
     # ---- info -----------------------------------------------------------------------
     @property
+    def memory_plan(self) -> str:
+        return self._memory_mode
+
+    @memory_plan.setter
+    def memory_plan(self, value: Optional[str]) -> None:
+        self._memory_mode = memory_plan_mod.resolve_mode(value)
+
+    @property
     def model_info(self) -> ModelInfo:
         if self._info is None:
             if self._attached:
@@ -153,8 +169,8 @@ class WorkerPool:
         """Ranks, pids, devices, memory per rank and state (idle, loading, running k/n).
         Asks rank 0 when idle; while a job runs, answers from the job's own event stream."""
         if not self.is_running() and self._phase != "loading":
-            return {"state": "stopped", "world_size": self.config.ranks, "ranks": [],
-                    "model": self.model_path}
+            return self._with_memory({"state": "stopped", "world_size": self.config.ranks,
+                                      "ranks": [], "model": self.model_path})
         if self._lock.acquire(blocking=False):
             try:
                 self._send(P.StatusQuery())
@@ -166,9 +182,10 @@ class WorkerPool:
                 self._lock.release()
             info = dict(self._remote)
         elif self._phase == "loading":
-            return {"state": "loading", "world_size": self.config.ranks, "model": self.model_path,
-                    "ranks": [{"rank": r, "pid": p.pid, "rss_mb": rss_mb(p.pid)}
-                              for r, p in enumerate(self._procs)]}
+            return self._with_memory({
+                "state": "loading", "world_size": self.config.ranks, "model": self.model_path,
+                "ranks": [{"rank": r, "pid": p.pid, "rss_mb": rss_mb(p.pid)}
+                          for r, p in enumerate(self._procs)]})
         else:
             info = dict(self._remote, state="running", **self._progress)
         ranks = [dict(r) for r in info.get("ranks", [])]
@@ -177,6 +194,13 @@ class WorkerPool:
                 r["rss_mb"] = rss_mb(p.pid)
         info["ranks"] = ranks
         info["attached"] = bool(self._attached)
+        return self._with_memory(info)
+
+    def _with_memory(self, info: dict) -> dict:
+        """A CUDA pool's status carries its memory plan: mode, predicted and (after the first
+        job) measured MiB per rank, to calibrate the plan with."""
+        if self.device == "cuda" and not self._attached:
+            info["memory_plan"] = dict(self._memory) or {"mode": self.memory_plan}
         return info
 
     def reconfigure(self, config: ParallelConfig) -> None:
@@ -265,12 +289,15 @@ class WorkerPool:
         text_encoder_gpu(self.engine.text_encoders, gpus)  # so is a text-encoder GPU not there
         return gpus
 
-    def _launch(self, on_launch: Optional[Callable[[str, int, int], None]] = None) -> None:
+    def _launch(self, on_launch: Optional[Callable[[str, int, int], None]] = None,
+                plan=_UNPLANNED) -> None:
         """`on_launch(text, done, total)`: launch progress ("starting 4 workers",
-        "loading 3/4"); whatever it raises (ComfyUI's cancel) stops the half-started pool."""
+        "loading 3/4"); whatever it raises (ComfyUI's cancel) stops the half-started pool.
+        `plan`: the memory plan `generate` already checked for its job (else the launch
+        checks the fixed parts), so a misfit is refused or warned about once."""
         self._phase = "loading"
         try:
-            self._launch_inner(on_launch)
+            self._launch_inner(on_launch, plan)
         except BaseException:
             if self._chan is None:  # never a half-started pool left behind
                 self._shutdown()
@@ -302,13 +329,16 @@ class WorkerPool:
             seen["_reported"], seen["_at"] = state, now
             on_launch(state, done, world)
 
-    def _launch_inner(self, on_launch=None) -> None:
+    def _launch_inner(self, on_launch=None, plan=_UNPLANNED) -> None:
         if self._attached:
             return self._connect_attached()
         t0 = time.perf_counter()
         world = self.config.ranks
         gpus = self._rank_gpus()  # refuses a world the GPUs cannot hold, before anything starts
-        memory_plan.check_pool(self, None, gpus)  # and one whose weights their memory cannot
+        if plan is _UNPLANNED:  # and one whose weights their memory cannot (mode "enforce")
+            plan = memory_plan_mod.check_pool(self, None, gpus)
+        self._memory = memory_plan_mod.plan_status(plan, self.memory_plan) \
+            if self.device == "cuda" else {}
         self._tmp = tempfile.mkdtemp(prefix="xdit-pool-")
         secret = os.urandom(32)
         secret_file = os.path.join(self._tmp, "secret")
@@ -466,16 +496,17 @@ class WorkerPool:
         self.config.validate(info, request)
         _check_engine(self.engine, self.config)
         _check_job_inputs(request, noise, init_latent, denoise, info.arch)
+        plan = _UNPLANNED
         if not self.is_running():
             self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
-            memory_plan.check_pool(self, request)  # so is one their memory cannot hold
+            plan = memory_plan_mod.check_pool(self, request)  # so is one their memory cannot
         req = request.resolved(info)
         with self._lock:
             t0 = time.perf_counter()
             launched = False
             if not self.is_running():
                 self._shutdown()
-                self._launch(on_launch)
+                self._launch(on_launch, plan)
                 launched = True
             t_ready = time.perf_counter()
             self._job_id += 1
@@ -520,6 +551,7 @@ class WorkerPool:
                                 self._cancel_and_drain(job_id)
                                 raise
                     elif isinstance(msg, P.Result) and msg.job_id == job_id:
+                        self._note_measured(request, msg.stats)
                         return GenerationResult(
                             samples=to_comfy(msg.samples), images=msg.images,
                             config=self.config, stats=msg.stats or [],
@@ -535,6 +567,26 @@ class WorkerPool:
             finally:
                 self._running_job = None
                 self._progress = {}
+
+    def _note_measured(self, request: GenerationRequest, stats) -> None:
+        """After the first job on a CUDA pool: the plan's per-rank prediction for that job
+        beside the ranks' measured CUDA peaks, logged once and kept in status(). A pool
+        launched without a job (decode, model calls) is planned for this one first."""
+        if self.device != "cuda" or self._attached or not self._memory or \
+                self._memory.get("measured_peak_mb") is not None:
+            return
+        try:
+            if self._memory.get("predicted_mb_per_rank") and self._memory.get("job") is None:
+                plan = memory_plan_mod.plan_launch(
+                    self.model_path, self.config, self.engine,
+                    getattr(self, "_launched_gpus", None), request)
+                self._memory = memory_plan_mod.plan_status(plan, self.memory_plan)
+            line = memory_plan_mod.record_measured(self._memory, stats, self.config.ranks)
+        except Exception as e:  # noqa: BLE001  calibration must never fail a finished job
+            _log.debug("xDiT: no memory plan comparison: %s", e)
+            return
+        if line:
+            _log.info("%s", line)
 
     def decode(self, samples, on_launch: Optional[Callable[[str, int, int], None]] = None):
         """ComfyUI LATENT samples -> IMAGE [B,H,W,3] in 0..1, decoded with the

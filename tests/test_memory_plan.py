@@ -232,6 +232,7 @@ def test_pool_refuses_before_any_worker(model_dir, monkeypatch):
     with pytest.raises(ConfigError) as e:
         pool.generate(GenerationRequest(prompt=["x"], steps=1, height=64, width=64))
     assert "of its 0.1 GiB GPU" in str(e.value) and "CUDA reserve 2.0 GiB" in str(e.value)
+    assert str(e.value).endswith(mp.OVERRIDE_HINT) and "XDIT_MEMORY_PLAN=advise" in str(e.value)
     assert seen == [["GPU-a", "GPU-b"]] and pool.worker_pids() == []
     with pytest.raises(ConfigError, match="before any job's activations"):
         pool.decode(torch.zeros(1, 16, 8, 8))  # the launch path of decode / model calls
@@ -374,3 +375,174 @@ def test_gpu_sizes_by_index_on_a_mixed_box(monkeypatch):
         [big, small]
     monkeypatch.setattr(mp, "_smi_sizes", lambda: {"0": big, "1": big, "GPU-a": big})
     assert mp.gpu_memory_bytes(["1", "GPU-a"], environ={}) == [big, big]  # uniform: exact
+
+
+# ---- enforce | advise ------------------------------------------------------------------------
+TINY_GPUS = 64 * 2 ** 20  # below the 2 GiB reserve alone: every plan misfits
+
+
+class Launched(Exception):
+    """Raised by the stand-in Popen: the pool went past its memory check to start workers."""
+
+
+def _launch_stops_at_popen(monkeypatch):
+    def launched(*a, **k):
+        raise Launched()
+    monkeypatch.setattr(subprocess, "Popen", launched)
+
+
+def test_mode_from_argument_env_and_one_error_for_a_bad_value():
+    assert mp.resolve_mode(None, environ={}) == "enforce"
+    assert mp.resolve_mode("auto", environ={"XDIT_MEMORY_PLAN": "Advise "}) == "advise"
+    assert mp.resolve_mode("enforce", environ={"XDIT_MEMORY_PLAN": "advise"}) == "enforce"
+    with pytest.raises(ConfigError) as e:
+        mp.resolve_mode("warn", environ={})
+    assert str(e.value) == ("memory_plan must be enforce, advise or auto ($XDIT_MEMORY_PLAN, "
+                            "default enforce); got 'warn'")
+    with pytest.raises(ConfigError, match="XDIT_MEMORY_PLAN='off' is not a memory plan mode; "
+                                          "set it to enforce .* or advise"):
+        mp.resolve_mode(None, environ={"XDIT_MEMORY_PLAN": "off"})
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_advise_launches_anyway_and_warns_with_the_numbers(model_dir, monkeypatch, caplog,
+                                                          how):
+    from comfyui_xdit import GenerationRequest, WorkerPool
+    _launch_stops_at_popen(monkeypatch)
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
+    kw = {"memory_plan": "advise"} if how == "argument" else {}
+    if how == "env":
+        monkeypatch.setenv("XDIT_MEMORY_PLAN", "advise")
+    pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
+                      dtype="bf16", gpus=["GPU-a", "GPU-b"], **kw)
+    assert pool.memory_plan == "advise"
+    with caplog.at_level("WARNING", logger="comfyui_xdit"), pytest.raises(Launched):
+        pool.generate(GenerationRequest(prompt=["x"], steps=1, height=64, width=64))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings  # generate's check, not repeated by the launch
+    assert "memory_plan=advise, launching although" in warnings[0]
+    assert "of its 0.1 GiB GPU" in warnings[0] and "CUDA reserve 2.0 GiB" in warnings[0]
+    st = pool.status()["memory_plan"]
+    assert st["mode"] == "advise" and st["fits"] is False and st["job"] == "64x64 batch 1"
+    assert st["gpu_mb_per_rank"] == [64, 64] and st["measured_peak_mb"] is None
+    assert min(st["predicted_mb_per_rank"]) > 2048  # the reserve alone
+    pool.close()
+
+
+def test_pool_mode_is_checked_and_can_change_before_a_launch(model_dir, monkeypatch):
+    from comfyui_xdit import GenerationRequest, WorkerPool
+    with pytest.raises(ConfigError, match="memory_plan must be enforce, advise or auto"):
+        WorkerPool(model_dir("flux"), device="cuda", memory_plan="maybe")
+    _launch_stops_at_popen(monkeypatch)
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
+    pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
+                      dtype="bf16", gpus=["GPU-a", "GPU-b"], memory_plan="enforce")
+    req = GenerationRequest(prompt=["x"], steps=1, height=64, width=64)
+    with pytest.raises(ConfigError, match="does not fit"):
+        pool.generate(req)
+    pool.memory_plan = "advise"
+    with pytest.raises(Launched):
+        pool.generate(req)
+    with pytest.raises(Launched):  # decode's launch: the fixed parts, overruled alike
+        pool.decode(torch.zeros(1, 16, 8, 8))
+
+
+def test_loader_option_advises(model_dir, monkeypatch):
+    from comfyui_xdit.node_logic import loader_handle, make_handle
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
+    path = str(model_dir("flux"))
+    enforce = make_handle(path, "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b", has_cuda=True)
+    assert any("XDIT_MEMORY_PLAN=advise" in p for p in enforce.problems())
+    h = loader_handle(dict(model=path, device="cuda", ulysses=2, gpus="GPU-a,GPU-b",
+                           memory_plan="advise"), [], has_cuda=True)  # validated: no raise
+    assert h.memory_plan == "advise"
+    assert "does NOT fit" in h.memory_summary() and "launches anyway" in h.memory_summary()
+    monkeypatch.setenv("XDIT_MEMORY_PLAN", "advise")  # auto follows the environment
+    assert enforce.problems() == [] and "launches anyway" in enforce.memory_summary()
+    bad = make_handle(path, "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b",
+                      memory_plan="sometimes", has_cuda=True)
+    assert [p for p in bad.problems() if "memory_plan" in p] == [
+        "memory_plan must be enforce, advise or auto ($XDIT_MEMORY_PLAN, default enforce); "
+        "got 'sometimes'"]
+
+
+def test_registry_hands_the_mode_to_the_pool(model_dir):
+    import dataclasses as dc
+
+    from comfyui_xdit.node_logic import PoolRegistry, make_handle
+    made = []
+
+    class FakePool:
+        memory_plan = "enforce"
+
+        def __init__(self, path, config, **kw):
+            self.config = config
+            self.memory_plan = kw.get("memory_plan", "enforce")
+            made.append(kw)
+
+        def close(self):
+            pass
+    reg = PoolRegistry(pool_factory=FakePool)
+    h = make_handle(str(model_dir("flux")), "cpu", "fp32", "2", has_cuda=False)
+    p = reg.get(dc.replace(h, memory_plan="advise"), h.config_for())
+    assert made[-1]["memory_plan"] == "advise" and p.memory_plan == "advise"
+    # not a new pool: the mode acts at the pool's next launch
+    assert reg.get(dc.replace(h, memory_plan="enforce"), h.config_for()) is p
+    assert p.memory_plan == "enforce" and len(made) == 1
+
+
+# ---- predicted vs measured -------------------------------------------------------------------
+def test_measured_line_from_given_numbers():
+    line = mp.measured_line([21504, 12288], [17000.4, 9000], [17800, None], reserve_mb=2048)
+    assert line == ("xDiT memory plan vs the first job, MiB on ranks 0/1: predicted "
+                    "21504/12288 (19456/10240 without the 2048 MiB CUDA reserve); measured "
+                    "peak allocated 17000/9000 (0.87/0.88x the prediction without reserve), "
+                    "reserved 17800/?")
+    assert "reserved" not in mp.measured_line([4096], [None], [None])
+    assert "measured peak allocated ? (?x" in mp.measured_line([4096], [None], [None])
+
+
+def test_first_job_peaks_recorded_once(flux2):
+    _, facts = flux2
+    plan = mp.plan(facts, ParallelConfig(pipefusion=2), BF16, mp.JobSize(), 24 * GiB)
+    status = mp.plan_status(plan, "advise")
+    assert status["predicted_mb_per_rank"] == [round(r.total / 2 ** 20) for r in plan.ranks]
+    assert status["job"] == "1024x1024 batch 1" and status["reserve_mb"] == 2048
+    # stats as workers/worker.py gathers them (rank order not relied on), CPU: none
+    assert mp.record_measured(status, [{"rank": 0, "rss_mb": 1.0}], 2) is None
+    stats = [{"rank": 1, "cuda_peak_mb": 15000.0, "cuda_reserved_peak_mb": 15500.0},
+             {"rank": 0, "cuda_peak_mb": 16000.0, "cuda_reserved_peak_mb": 16600.0}]
+    line = mp.record_measured(status, stats, 2)
+    assert line == mp.measured_line(status["predicted_mb_per_rank"], [16000.0, 15000.0],
+                                    [16600.0, 15500.0])
+    assert status["measured_peak_mb"] == [16000, 15000]
+    assert status["measured_reserved_mb"] == [16600, 15500]
+    assert mp.record_measured(status, stats, 2) is None  # the first job only
+    assert mp.record_measured(mp.plan_status(None, "enforce"), stats, 2) is None
+
+
+def test_pool_logs_the_comparison_after_its_first_job(model_dir, monkeypatch, caplog):
+    """The pool's glue, without workers: a launch plan made without a job (decode) is
+    re-planned for the first job, then logged once beside the measured peaks and kept in
+    status()."""
+    from comfyui_xdit import GenerationRequest, WorkerPool
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
+    pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
+                      dtype="bf16", gpus=["GPU-a", "GPU-b"])
+    fixed = mp.check_pool(pool, None)
+    assert fixed.job is None
+    pool._memory = mp.plan_status(fixed, pool.memory_plan)
+    pool._launched_gpus = ["GPU-a", "GPU-b"]
+    req = GenerationRequest(prompt=["x"], steps=1, height=64, width=64)
+    stats = [{"rank": r, "cuda_peak_mb": 3000.0 + r} for r in range(2)]
+    with caplog.at_level("INFO", logger="comfyui_xdit"):
+        pool._note_measured(req, stats)
+        pool._note_measured(req, stats)
+    lines = [r.getMessage() for r in caplog.records if "memory plan vs" in r.getMessage()]
+    assert len(lines) == 1 and "measured peak allocated 3000/3001" in lines[0]
+    st = pool.status()["memory_plan"]
+    assert st["job"] == "64x64 batch 1" and st["measured_peak_mb"] == [3000, 3001]
+    assert st["mode"] == "enforce" and st["fits"] is True
+    assert f"predicted {st['predicted_mb_per_rank'][0]}/" in lines[0]
+    cpu = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2))
+    assert "memory_plan" not in cpu.status()

@@ -526,6 +526,20 @@ def test_loader_reports_a_bad_configuration_once(loader_node):
         and "text_encoders 'gpu' needs device cuda" in errors[0], errors
 
 
+def test_loader_memory_plan_option(loader_node):
+    """An optional enum beside the engine options, passed to the handle as chosen."""
+    import sys
+    LoadModel, _ = loader_node
+    combo = sys.modules["comfyui_xdit.nodes"].io.Combo.Input
+    LoadModel.define_schema()
+    calls = [c for c in combo.call_args_list if c.args and c.args[0] == "memory_plan"]
+    assert len(calls) == 1 and calls[0].kwargs["options"] == ["auto", "enforce", "advise"]
+    assert calls[0].kwargs["default"] == "auto" and calls[0].kwargs["optional"] is True
+    h = LoadModel._handle(**dict(LOADER_INPUTS, model="FLUX.1-dev", memory_plan="advise"))
+    assert h.memory_plan == "advise"
+    assert LoadModel._handle(**dict(LOADER_INPUTS, model="FLUX.1-dev")).memory_plan == "auto"
+
+
 def test_missing_model_says_where_it_looked_and_what_it_found(loader_node, tmp_path):
     LoadModel, _ = loader_node
     errors = comfy_validation_errors(LoadModel.validate_inputs,

@@ -218,13 +218,16 @@ class Worker:
         if self.model.stage is None:  # block weights held here (workers/sharding.py)
             from .sharding import job_counts
             stats["sharding"] = job_counts(self)
-        if self.device.type == "cuda":
-            stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         images = None
         if job.request.get("output") == "image":  # the same decision on every rank
             raw = None if samples is None else self.adapter.to_raw(
                 self.model, samples, job.request["height"], job.request["width"])
             images = _decode(self, raw)
+        if self.device.type == "cuda":  # the process's peaks so far (load and every job):
+            # read once, after the decode the plan also counts; the host compares them with
+            # the memory plan after the first job (comfyui_xdit/memory_plan.py)
+            stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            stats["cuda_reserved_peak_mb"] = torch.cuda.max_memory_reserved() / 2**20
         if self.hooks:
             from .hooks import job_stats
             stats["hooks"] = job_stats(self.hooks)
