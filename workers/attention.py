@@ -56,7 +56,8 @@ class Kernel:
     fn: Callable
 
     def __call__(self, q, k, v, scale):
-        CALLS[self.name] += 1
+        if not torch.compiler.is_compiling():  # traced into a compiled block: no side effect
+            CALLS[self.name] += 1
         return self.fn(q, k, v, scale)
 
 
@@ -380,6 +381,22 @@ class _RingBlock:
         if self.fault == "lse_zero":  # the TORCH_MATH failure mode (negative control)
             lse = torch.zeros_like(lse)
         return out, lse
+
+
+class LocalAttention:
+    """Attention over the whole sequence on one rank (no sequence parallelism: 1 rank, CFG
+    or DP only): the pool's chosen kernel, so the loader's `attention` choice holds at every
+    degree. No collectives, so compiled blocks trace straight through it."""
+
+    def __init__(self, backend: str, device_type: str, dtype=None):
+        self.kernels = KernelChoice(backend, device_type, 1, dtype)
+
+    @property
+    def kernel_name(self) -> Optional[str]:
+        return self.kernels.name
+
+    def __call__(self, q, k, v, plan, streams, module=None) -> torch.Tensor:
+        return self.kernels(q)(q, k, v, q.shape[-1] ** -0.5)
 
 
 class ShardedAttention:

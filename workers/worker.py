@@ -112,8 +112,10 @@ class Worker:
                 **self.state}
 
     def topology(self, key):
-        """Process groups and model hooks for a configuration, built once per key."""
-        from .attention import ShardedAttention
+        """Process groups and model hooks for a configuration, built once per key. The
+        project's attention processors run at every degree (at sp 1 with the plain
+        `LocalAttention`), so the pool's `attention` choice is the kernel that runs."""
+        from .attention import LocalAttention, ShardedAttention
         from .sequence_parallel import SequenceParallel
         from .topology import build_topology
 
@@ -139,6 +141,10 @@ class Worker:
                                           topo, self.device.type,
                                           fault=self.hook_options.get("attention_fault", ""),
                                           backend=self.args.attention, dtype=self.dtype)))
+            else:
+                sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
+                                      LocalAttention(self.args.attention, self.device.type,
+                                                     self.dtype))
             self.parallel = (key, sp)
         return topo
 

@@ -52,3 +52,23 @@ def measure_sharding(ctx):
     """Worker hook: weight sharding records the block weights resident inside and between
     blocks (`peak_block_params_*` in each job's sharding counts; off in production)."""
     ctx.options["measure_sharding"] = True
+
+
+def attention_calls(ctx):
+    """Worker hook: each job's stats carry the attention kernels this rank ran during it
+    ({kernel name: calls}, from workers/attention.py's per-kernel counter): a spy on what
+    actually runs, not on what was configured."""
+    from workers import attention
+
+    class Calls:
+        def __init__(self):
+            self.before = {}
+
+        def job_started(self):
+            self.before = dict(attention.CALLS)
+
+        def job_stats(self):
+            return {k: n - self.before.get(k, 0) for k, n in attention.CALLS.items()
+                    if n != self.before.get(k, 0)}
+
+    return Calls()

@@ -1,4 +1,6 @@
-"""No step waits on the host: over steps 2..N of a job (and every model call after a run's
+"""What a GPU step does, checked on CPU pools.
+
+No step waits on the host: over steps 2..N of a job (and every model call after a run's
 first), no rank runs an operation that would stall a GPU stream or copy host data in
 (xdit_testhooks/host_syncs.py: `.item()` / `float()` / `bool()` of a tensor, `nonzero`,
 tensors built from Python data, copies across devices), for every exact method, weight
@@ -8,6 +10,10 @@ in the first step only (the partly filled K/V cache's index, once per attention 
 On CPU pools a host copy is invisible (host and device are one), so this test sees the
 syncs and the tensors made from Python data; on a GPU the same hook also sees the copies.
 Negative control: the old per-forward guidance tensor is caught.
+
+The loader's `attention` choice is the kernel that runs at every degree: a spy on the
+kernels each rank called (xdit_testhooks/probes.py) at 1 rank, CFG-only and DP-only, where
+no sequence parallelism is involved, as under Ulysses and Ring.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
 from comfyui_xdit.model_calls import PoolDenoiser
 
 HOOK = "xdit_testhooks.host_syncs:install"
+SPY = "xdit_testhooks.probes:attention_calls"
 CONTROL = "xdit_testhooks.host_syncs:install_with_host_guidance"
 
 
@@ -31,7 +38,7 @@ def sync_pools(model_dir):
         key = (arch, world, hook, tuple(sorted(options.items())))
         if key not in made:
             made[key] = WorkerPool(model_dir(arch), ParallelConfig(ulysses=world), device="cpu",
-                                   threads_per_rank=1, worker_hooks=[hook], **options)
+                                   threads_per_rank=1, worker_hooks=[hook, SPY], **options)
         return made[key]
     yield get
     for p in made.values():
@@ -148,3 +155,35 @@ def test_negative_control_catches_a_host_guidance_tensor(sync_pools):
         # per forward: float() of the device scalar and a tensor from the Python value
         assert flagged.get("aten.lift_fresh", 0) >= 2 and flagged.get("aten.item", 0) >= 2, \
             (rank, c)
+
+
+def _attention_sites(path) -> int:
+    import json
+    cfg = json.loads((path / "transformer" / "config.json").read_text())
+    return int(cfg["num_layers"]) + int(cfg.get("num_single_layers", 0))
+
+
+@pytest.mark.parametrize("world,config", [
+    (1, ParallelConfig()),
+    (4, ParallelConfig(cfg_parallel=True, dp=2)),
+    (4, ParallelConfig(dp=4)),
+    (4, ParallelConfig(ulysses=2, ring=2)),
+], ids=["1rank", "cfg2xdp2", "dp4", "ulysses2xring2"])
+def test_the_chosen_kernel_runs_at_every_degree(sync_pools, model_dir, world, config):
+    """Every attention call of every forward goes through the pool's kernel (CPU: SDPA
+    without Ring, aten's CPU flash kernel with its LSE under Ring), not diffusers' stock
+    processor; `status` names it."""
+    pool = sync_pools("flux", world)
+    pool.reconfigure(config)
+    steps, batch = 2, 4
+    res = pool.generate(_req(prompt=["a", "b", "c", "d"], steps=steps))
+    want = "cpu-flash-lse" if config.ring > 1 else "sdpa"
+    sites = _attention_sites(model_dir("flux"))
+    for rank, st in enumerate(res.stats):
+        calls = st["hooks"][SPY]
+        # CFG in one process runs two forwards a step; under cfg parallel each rank one
+        branches = 1 if config.cfg_parallel else 2
+        # Ring runs the block kernel once per ring step (each K/V block)
+        assert calls == {want: sites * steps * branches * config.ring}, (rank, calls)
+    att = pool.status()["attention"]
+    assert att["current"] == want, att
