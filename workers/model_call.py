@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .sequence_parallel import even_sizes
 from .sharding import is_sharded
+from .topology import all_gather
 
 COND_CACHE = 16  # conditionings kept per rank (a sampling run uses 1-3)
 
@@ -256,7 +257,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, data_group
     times["post_s"] = t_gather - t_post
     world = dist.get_world_size(data_group)
     parts = [torch.empty_like(out) for _ in range(world)]
-    dist.all_gather(parts, out, group=data_group)
+    all_gather(parts, out, group=data_group)
     times["gather_s"] = time.perf_counter() - t_gather
     if topo.rank != 0:
         times["run_s"] = time.perf_counter() - t_run

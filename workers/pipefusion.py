@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from .attention import KernelChoice, ulysses_out, ulysses_qkv
 from .schedule import Micro
 from .sequence_parallel import SequencePlan
+from .topology import all_gather
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def _gather_patch(q, k, v, plan, streams, topo):
         g = topo.group("ring")
         kv = torch.stack([k, v])
         parts = [torch.empty_like(kv) for _ in range(R)]
-        dist.all_gather(parts, kv.contiguous(), group=g)
+        all_gather(parts, kv.contiguous(), group=g)
         kv = torch.cat(parts, dim=2)
         k, v = kv[0], kv[1]
         kv_pos = torch.cat([positions_of(r) for r in range(R * U)])
