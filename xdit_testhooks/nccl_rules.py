@@ -2,12 +2,14 @@
 
     WorkerPool(..., worker_hooks=["xdit_testhooks.nccl_rules:install"])
 
-installs it in every rank before `init_process_group`. gloo forgives schedules that NCCL
-deadlocks on (DESIGN.md, "Communication: two planes, NCCL's rules"); under this hook they
-deadlock on CPU too, and the rank that waits raises `NcclOrderError` within the timeout
-(`XDIT_NCCL_RULES_TIMEOUT` seconds, default `DEFAULT_TIMEOUT`), with one message naming
-both ranks, the group, the operation and what heads the pair's queue; the message also goes
-to stderr (logger "xdit.nccl_rules"), so a pool's rank log shows it.
+installs it in every rank before `init_process_group`, and turns on the plane check
+(workers/topology.py: every collective and point-to-point call's tensors must suit its
+group's plane). gloo forgives schedules that NCCL deadlocks on (DESIGN.md, "Communication:
+two planes, NCCL's rules"); under this hook they deadlock on CPU too, and the rank that
+waits raises `NcclOrderError` within the timeout (`XDIT_NCCL_RULES_TIMEOUT` seconds,
+default `DEFAULT_TIMEOUT`), with one message naming both ranks, the group, the operation
+and what heads the pair's queue; the message also goes to stderr (logger
+"xdit.nccl_rules"), so a pool's rank log shows it.
 
 What is emulated, for `torch.distributed.isend / irecv / send / recv / batch_isend_irecv`
 on every data-plane group (control-plane gloo twins, `workers.topology.is_control`, and
@@ -80,8 +82,11 @@ def timeout_seconds() -> float:
 
 def install(ctx=None):
     """Worker hook: wrap torch.distributed's point-to-point functions (before the process
-    group exists). Returns the emulation; its `job_stats()` counts what it carried."""
+    group exists) and turn on the plane check. Returns the emulation; its `job_stats()`
+    counts what it carried."""
     global _EMULATION
+    if ctx is not None:
+        ctx.options["check_planes"] = True
     if _EMULATION is None:
         _EMULATION = NcclRules(timeout_seconds())
     return _EMULATION
