@@ -254,3 +254,16 @@ def test_check_off_by_default(tmp_path):
         assert topology.plane_check() is None
     finally:
         dist.destroy_process_group()
+
+
+def test_nccl_rules_pools_run_with_the_check_on(model_dir):
+    """The NCCL-rules hook turns the check on in every rank (the matrix runs under it), and
+    a 2-rank Ulysses job (all-to-all, all-gather, object gathers, stop flags) passes it."""
+    from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+
+    rules = "xdit_testhooks.nccl_rules:install"
+    with WorkerPool(str(model_dir("flux")), ParallelConfig(ulysses=2), device="cpu",
+                    threads_per_rank=1, worker_hooks=[rules]) as pool:
+        got = pool.generate(GenerationRequest(prompt=["a red fox"], seed=1, steps=1,
+                                              height=64, width=64, max_sequence_length=8))
+    assert [st["hooks"][rules]["plane_check"] for st in got.stats] == ["cpu", "cpu"]

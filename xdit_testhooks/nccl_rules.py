@@ -333,7 +333,9 @@ class NcclRules:
         self.stats = {"ops": 0, "batches": 0}
 
     def job_stats(self) -> dict:
-        return dict(self.stats, pairs=len(self.pairs), timeout_s=self.timeout)
+        """What it carried, and the plane check's device (so tests see the check is on)."""
+        return dict(self.stats, pairs=len(self.pairs), timeout_s=self.timeout,
+                    plane_check=self._plane_check())
 
     # -- wrapping ------------------------------------------------------------------------
     def _install(self) -> None:
@@ -341,11 +343,15 @@ class NcclRules:
         import torch.distributed.distributed_c10d as c10d
 
         try:
-            from workers.topology import is_control
+            from workers.topology import is_control, plane_check
         except ImportError:  # outside the repository: every group is a data group
             def is_control(group):
                 return False
+
+            def plane_check():
+                return None
         self._is_control = is_control
+        self._plane_check = plane_check
         self.c10d = c10d
         orig = {name: getattr(dist, name) for name in
                 ("isend", "irecv", "send", "recv", "batch_isend_irecv", "P2POp")}
