@@ -175,7 +175,7 @@ def test_the_chosen_kernel_runs_at_every_degree(sync_pools, model_dir, world, co
     processor; `status` names it."""
     pool = sync_pools("flux", world)
     pool.reconfigure(config)
-    steps, batch = 2, 4
+    steps = 2
     res = pool.generate(_req(prompt=["a", "b", "c", "d"], steps=steps))
     want = "cpu-flash-lse" if config.ring > 1 else "sdpa"
     sites = _attention_sites(model_dir("flux"))

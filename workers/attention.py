@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from yunchang.ring.ring_flash_attn import ring_flash_attn_forward  # imported once, here
 
-from .topology import Topology
+from .topology import Topology, all_to_all_single
 
 BACKENDS = ("auto", "cudnn", "flash", "efficient", "torch")  # = comfyui_xdit.config's list
 HALF = (torch.float16, torch.bfloat16)
@@ -304,7 +303,7 @@ def ulysses_qkv(q, k, v, group, world: int):
     for i, t in enumerate((q, k, v)):  # head block j goes to rank j
         send[:, i].copy_(t.view(b, s, world, hl, d).permute(2, 0, 1, 3, 4))
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's tokens, our heads
+    all_to_all_single(recv, send, group=group)  # recv[j]: rank j's tokens, our heads
     qkv = recv.permute(1, 2, 0, 3, 4, 5).reshape(3, b, world * s, hl, d)
     return qkv[0], qkv[1], qkv[2]
 
@@ -315,7 +314,7 @@ def ulysses_out(out, group, world: int):
     s = sw // world
     send = out.view(b, world, s, hl, d).permute(1, 0, 2, 3, 4).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[j]: our tokens, rank j's heads
+    all_to_all_single(recv, send, group=group)  # recv[j]: our tokens, rank j's heads
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s, world * hl, d)
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .p2p import exchange
 from .schedule import Micro, build_schedule
 from .sequence_parallel import all_gather_tokens, even_sizes
-from .topology import Topology
+from .topology import Topology, all_gather, broadcast
 
 
 class Cancelled(Exception):
@@ -150,7 +150,7 @@ def _stop_requested(should_stop: Callable[[], bool], control) -> bool:
     if dist.get_rank() == 0 and should_stop():
         flag += 1
     if dist.get_world_size(control) > 1:
-        dist.broadcast(flag, src=0, group=control)
+        broadcast(flag, src=0, group=control)
     return bool(flag.item())
 
 
@@ -269,7 +269,7 @@ def run_job(job: Job, model, adapter, topo: Topology, control,
                 pred = rows_of(out, micro) if run is not None else out
                 if topo.degree("cfg") == 2:
                     both = [torch.empty_like(pred) for _ in range(2)]
-                    dist.all_gather(both, pred.contiguous(), group=topo.group("cfg"))
+                    all_gather(both, pred.contiguous(), group=topo.group("cfg"))
                     pred = combine(both[0], both[1], scale)
                 elif len(branches) == 2:
                     if not micro.finishes:

@@ -3,8 +3,10 @@
 A hook is `"module:function"`, importable in the worker (the repository root is on its
 path), called once per rank before the process group exists, so it can wrap
 `torch.distributed` (the NCCL-rules emulation, the communication meter) or set per-pool
-test switches in `ctx.options` (fault injection). The product never installs one itself:
-`WorkerPool(..., worker_hooks=[...])` passes them as `--hook` arguments.
+test switches in `ctx.options` (fault injection; `check_planes`, the plane check of
+workers/topology.py, which the NCCL-rules and shared-GPU modes turn on). The product never
+installs one itself: `WorkerPool(..., worker_hooks=[...])` passes them as `--hook`
+arguments.
 
 A hook may return an object with `job_started()` and/or `job_stats() -> dict`; the worker
 calls them around every job and reports the stats under `stats["hooks"][spec]`.

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .sequence_parallel import even_sizes
 from .sharding import is_sharded
+from .topology import all_gather, all_reduce
 
 COND_CACHE = 16  # conditionings kept per rank (a sampling run uses 1-3)
 
@@ -263,7 +264,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         out[: sizes[me]].copy_(pred)
     clock.mark("gather")
     parts = [torch.empty_like(out) for _ in sizes]
-    dist.all_gather(parts, out, group=topo.group("replicas"))
+    all_gather(parts, out, group=topo.group("replicas"))
     clock.mark("end")
     result = None
     if topo.rank == 0:
@@ -328,6 +329,6 @@ class _Clock:
                  "run_s": self._span("start", "done")}
         slowest = torch.tensor([times["forward_s"]], dtype=torch.float64)
         if dist.get_world_size(control) > 1:
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=control)
+            all_reduce(slowest, group=control, op="max")
         times["forward_max_s"] = float(slowest[0])
         return times

@@ -9,12 +9,15 @@
   blocks both hosts until each has made it, so letting a job create them mid-schedule
   invites a deadlock.
 * Device tensors only (the shared-GPU test mode, gloo on CUDA tensors, stages them through
-  the host in its hook, xdit_testhooks/shared_gpu.py).
+  the host in its hook, xdit_testhooks/shared_gpu.py); in the test modes `post` checks
+  this (workers/topology.check_plane).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from . import topology
 
 
 class Transfer:
@@ -40,6 +43,8 @@ def post(sends: list, recvs: list, group, device) -> Transfer:
         buf = torch.empty(shape, dtype=dtype, device=device)
         bufs.append(buf)
         ops.append(dist.P2POp(dist.irecv, buf, peer, group))
+    if topology.plane_check() is not None:
+        topology.check_plane("batch_isend_irecv", group, [op.tensor for op in ops])
     works = dist.batch_isend_irecv(ops) if ops else []
     return Transfer(works, bufs)
 

@@ -37,12 +37,12 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from .attention import KernelChoice, ulysses_out, ulysses_qkv
 from .schedule import Micro
 from .sequence_parallel import SequencePlan
+from .topology import all_gather
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def _gather_patch(q, k, v, plan, streams, topo, run):
     if R > 1:
         kv = torch.stack([k, v])
         parts = [torch.empty_like(kv) for _ in range(R)]
-        dist.all_gather(parts, kv.contiguous(), group=topo.group("ring"))
+        all_gather(parts, kv.contiguous(), group=topo.group("ring"))
         kv = torch.cat(parts, dim=2)
         k, v = kv[0], kv[1]
     keep = run.gathered_keep(plan, streams, topo, k.device)

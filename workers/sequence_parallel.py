@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
-from .topology import Topology
+from .topology import Topology, all_gather
 
 STREAMS = ("text", "image")
 
@@ -137,7 +136,7 @@ def all_gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> tor
         pad_shape[dim] = longest - x.shape[dim]
         x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
     parts = [torch.empty_like(x) for _ in sizes]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    all_gather(parts, x.contiguous(), group=group)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
 

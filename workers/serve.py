@@ -72,7 +72,7 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _init_distributed(args, rank, world, backend=""):
+def _init_distributed(args, rank, world, backend="", check_planes=False):
     """Both planes (workers/topology.py): set the GPU first, then the process group."""
     import torch
     import torch.distributed as dist
@@ -86,7 +86,7 @@ def _init_distributed(args, rank, world, backend=""):
     else:
         device = torch.device("cpu")
     store = dist.FileStore(args.store, world) if args.store else None
-    return init_world(rank, world, device, store, backend=backend)
+    return init_world(rank, world, device, store, backend=backend, check_planes=check_planes)
 
 
 def main(argv=None) -> int:
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     from .hooks import HookContext, install
     ctx = HookContext(rank=rank, world=world, device=args.device)
     hooks = install(args.hook, ctx)  # before the process group: hooks may wrap it
-    planes = _init_distributed(args, rank, world, backend=ctx.options.get("backend", ""))
+    planes = _init_distributed(args, rank, world, backend=ctx.options.get("backend", ""),
+                               check_planes=bool(ctx.options.get("check_planes")))
     from .control import _Acceptor, _follower_loop, _leader_loop
     from .worker import Worker
     worker = Worker(args, rank, world, import_s, planes=planes, hooks=hooks,

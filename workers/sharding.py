@@ -509,8 +509,8 @@ def load_direct(adapter, path: str, device, dtype, group, rank: int, world: int,
                 if r1 > r0:
                     amax[i] = values(name, r0, r1).float().abs().max()
             if world > 1:
-                import torch.distributed as dist
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=control)
+                from .topology import all_reduce
+                all_reduce(amax, op="max", group=control)
             scales.update({n: (amax[i] / FP8_MAX).clamp(min=1e-12) for i, n in enumerate(names)})
         with torch.no_grad():
             for name, p in params.items():

@@ -14,6 +14,12 @@ plane, never inside a device collective.
 
 A Topology is immutable and passed explicitly; workers cache one per configuration (every
 rank receives the same jobs in the same order, so `new_group` calls line up).
+
+One door: every `torch.distributed` communication in workers/ goes through the functions at
+the end of this module (collectives) or workers/p2p.py (point-to-point), never straight to
+torch (tests/test_one_door.py). That is where the plane check lives: in the test modes
+(NCCL-rules emulation, shared GPU) each call checks that its tensors suit its group's plane,
+so a CPU tensor on a CUDA data plane fails on the first job instead of on a real NCCL box.
 """
 from __future__ import annotations
 
@@ -57,10 +63,13 @@ class World:
 
 
 def init_world(rank: int, size: int, device: torch.device, store=None,
-               backend: str = "") -> World:
+               backend: str = "", check_planes: bool = False) -> World:
     """`init_process_group` for this rank. On CUDA the device is set first and bound with
     `device_id` (NCCL then creates its communicator eagerly, on the right GPU). `backend`
-    "gloo" on CUDA is the shared-GPU test mode (several ranks on one GPU; NCCL refuses)."""
+    "gloo" on CUDA is the shared-GPU test mode (several ranks on one GPU; NCCL refuses).
+    `check_planes` (test modes, from a worker hook's `ctx.options["check_planes"]`) turns
+    on the plane check for this process's lifetime (`set_plane_check`)."""
+    set_plane_check(device.type if check_planes else None)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     kw = {"timeout": _TIMEOUT, "rank": rank, "world_size": size}
     if store is not None:
@@ -167,3 +176,108 @@ def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: in
     return Topology(rank=rank, world_size=world_size, degrees=degrees, coords=mine,
                     groups={n: p[0] for n, p in made.items()},
                     controls={n: p[1] for n, p in made.items()}, sp_rank=sp_rank, device=device)
+
+
+# -- the one door ---------------------------------------------------------------------------
+# Thin wrappers over torch.distributed, called with the group (and plane) explicit. They look
+# `dist.<name>` up at call time, so hooks that wrap torch.distributed (NCCL-rules emulation,
+# the byte meter, the shared-GPU staging) still see every call, with the same arguments.
+
+_DATA_DEVICE = None  # the data plane's device type while the plane check is on, else None
+
+
+class PlaneError(RuntimeError):
+    """A tensor (or object) on the wrong plane: what NCCL rejects or hangs on in production."""
+
+
+def set_plane_check(data_device) -> None:
+    """Check every call's tensors against its plane from now on: `data_device` is the
+    pool's compute device type ("cuda" | "cpu"), None turns the check off. Set once per
+    process, before any job (init_world), never during a forward."""
+    global _DATA_DEVICE
+    _DATA_DEVICE = None if data_device is None else torch.device(data_device).type
+
+
+def plane_check() -> Any:
+    """The data plane's device type while the check is on, else None."""
+    return _DATA_DEVICE
+
+
+def check_plane(op: str, group, tensors=(), objects: bool = False) -> None:
+    """Raise PlaneError if `tensors` (or, with `objects`, the call itself) do not belong on
+    `group`'s plane: control (gloo twins) carries CPU tensors and objects, data carries the
+    pool's device tensors only. No-op while the check is off. On a CPU pool both planes
+    expect CPU, so only a stray non-CPU tensor or an object collective on the data plane
+    can fail there; the CPU-tensor-on-a-CUDA-data-plane case needs a CUDA pool (the
+    shared-GPU mode) or a test that sets the check to "cuda"."""
+    want = _DATA_DEVICE
+    if want is None:
+        return
+    if is_control(group):
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise PlaneError(f"{op} on the control plane got a {t.device.type} tensor; "
+                                 f"the control plane (gloo) carries cpu tensors only")
+        return
+    if objects:
+        raise PlaneError(f"{op} on the data plane; objects travel on the control plane "
+                         f"(the gloo twins, Topology.control / World.control) only")
+    for t in tensors:
+        if t.device.type != want:
+            backend = "NCCL" if want == "cuda" else "gloo"
+            raise PlaneError(f"{op} on the data plane got a {t.device.type} tensor; the "
+                             f"pool's data plane carries {want} tensors only ({backend})")
+
+
+def all_gather(parts: list, x: torch.Tensor, group) -> None:
+    """`dist.all_gather`: every rank's `x` into `parts` (rank order)."""
+    if _DATA_DEVICE is not None:
+        check_plane("all_gather", group, [x, *parts])
+    dist.all_gather(parts, x, group=group)
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """`dist.all_to_all_single` with even splits along dim 0."""
+    if _DATA_DEVICE is not None:
+        check_plane("all_to_all_single", group, [out, inp])
+    dist.all_to_all_single(out, inp, group=group)
+
+
+def all_reduce(t: torch.Tensor, group, op: str = "sum") -> None:
+    """`dist.all_reduce` in place; `op` names a `dist.ReduceOp` ("sum", "max", ...)."""
+    if _DATA_DEVICE is not None:
+        check_plane("all_reduce", group, [t])
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op.upper()), group=group)
+
+
+def broadcast(t: torch.Tensor, src: int, group) -> None:
+    """`dist.broadcast` in place from global rank `src`."""
+    if _DATA_DEVICE is not None:
+        check_plane("broadcast", group, [t])
+    dist.broadcast(t, src=src, group=group)
+
+
+def barrier(group) -> None:
+    """`dist.barrier` (the control plane: idle ranks never wait inside a device group)."""
+    dist.barrier(group=group)
+
+
+def all_gather_object(out: list, obj, group) -> None:
+    """`dist.all_gather_object`: every rank's `obj` into `out` (control plane only)."""
+    if _DATA_DEVICE is not None:
+        check_plane("all_gather_object", group, objects=True)
+    dist.all_gather_object(out, obj, group=group)
+
+
+def gather_object(obj, out, dst: int, group) -> None:
+    """`dist.gather_object` to global rank `dst` (`out` there, None elsewhere)."""
+    if _DATA_DEVICE is not None:
+        check_plane("gather_object", group, objects=True)
+    dist.gather_object(obj, out, dst=dst, group=group)
+
+
+def broadcast_object_list(objs: list, src: int, group) -> None:
+    """`dist.broadcast_object_list` in place from global rank `src`."""
+    if _DATA_DEVICE is not None:
+        check_plane("broadcast_object_list", group, objects=True)
+    dist.broadcast_object_list(objs, src=src, group=group)

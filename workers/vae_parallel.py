@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .sequence_parallel import all_gather_tokens
+from .topology import all_gather, all_reduce, broadcast
 
 __all__ = ["band_rows", "decode_parallel", "check_decoder", "FAULTS"]
 
@@ -259,7 +260,7 @@ def _group_norm_forward(gn: nn.GroupNorm, ctx: _Bands, x: torch.Tensor) -> torch
     # accurate moments, summed over the ranks in float64
     stats = torch.stack([mean * n, (var + mean * mean) * n, torch.full_like(mean, n)], dim=-1)
     if ctx.fault != "local_groupnorm":
-        dist.all_reduce(stats, group=ctx.group)
+        all_reduce(stats, group=ctx.group)
     total = stats[..., 2]
     mean = stats[..., 0] / total
     var = (stats[..., 1] / total - mean * mean).clamp_min(0)
@@ -294,7 +295,7 @@ def _gather_tokens_hook(kind: str, ctx: _Bands):
         m = max(counts)
         mine = out if out.shape[1] == m else F.pad(out, (0, 0, 0, m - out.shape[1]))
         parts = [torch.empty_like(mine) for _ in range(ctx.size)]
-        dist.all_gather(parts, mine.contiguous(), group=ctx.group)
+        all_gather(parts, mine.contiguous(), group=ctx.group)
         return torch.cat([pt[:, :k] for pt, k in zip(parts, counts)], dim=1)
     return hook
 
@@ -361,13 +362,13 @@ def _broadcast_latents(latents, group, control, device, dtype):
     meta = torch.zeros(4, dtype=torch.long)
     if me == 0:
         meta[:] = torch.tensor(latents.shape, dtype=torch.long)
-    dist.broadcast(meta, src=src, group=control)
+    broadcast(meta, src=src, group=control)
     shape = [int(s) for s in meta]
     if me == 0:
         z = latents.to(device, dtype).contiguous()
     else:
         z = torch.empty(shape, device=device, dtype=dtype)
-    dist.broadcast(z, src=src, group=group)
+    broadcast(z, src=src, group=group)
     return z
 
 

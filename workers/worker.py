@@ -21,10 +21,10 @@ class Worker:
         import resource
 
         import torch
-        import torch.distributed as dist
 
         from .lora import LoraManager
         from .models import get_adapter, read_arch
+        from .topology import barrier
 
         self.args = args
         self.rank = rank
@@ -60,7 +60,7 @@ class Worker:
                         text_encoders=getattr(args, "text_encoders", "auto"))
                 logging.getLogger("xdit.worker").info("xdit: weights loaded")
             if args.load_in_turn and world > 1:
-                dist.barrier(group=planes.control)
+                barrier(group=planes.control)
         self.load_seconds = time.perf_counter() - t
         from .sharding import shard_after_load
         self.sharding = shard_after_load(self)  # --shard-weights: FSDP2 (workers/sharding.py)
@@ -381,25 +381,31 @@ def _decode(worker, samples):
 def _gather_all(control, obj):
     """Every rank's object on every rank, over the control plane."""
     import torch.distributed as dist
+
+    from .topology import all_gather_object
     out = [None] * dist.get_world_size(control)
-    dist.all_gather_object(out, obj, group=control)
+    all_gather_object(out, obj, group=control)
     return out
 
 
 def _gather_stats(control, stats):
     """Every rank's job statistics, on rank 0 (one small collective per job)."""
     import torch.distributed as dist
+
+    from .topology import gather_object
     if dist.get_world_size() == 1:
         return [stats]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(stats, out, dst=0, group=control)
+    gather_object(stats, out, dst=0, group=control)
     return out
 
 
 def _broadcast(control, obj):
     """Rank 0's object to every rank, over the control plane (where idle ranks wait)."""
     import torch.distributed as dist
+
+    from .topology import broadcast_object_list
     box = [obj]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0, group=control)
+        broadcast_object_list(box, src=0, group=control)
     return box[0]

@@ -2,12 +2,14 @@
 
     WorkerPool(..., worker_hooks=["xdit_testhooks.nccl_rules:install"])
 
-installs it in every rank before `init_process_group`. gloo forgives schedules that NCCL
-deadlocks on (DESIGN.md, "Communication: two planes, NCCL's rules"); under this hook they
-deadlock on CPU too, and the rank that waits raises `NcclOrderError` within the timeout
-(`XDIT_NCCL_RULES_TIMEOUT` seconds, default `DEFAULT_TIMEOUT`), with one message naming
-both ranks, the group, the operation and what heads the pair's queue; the message also goes
-to stderr (logger "xdit.nccl_rules"), so a pool's rank log shows it.
+installs it in every rank before `init_process_group`, and turns on the plane check
+(workers/topology.py: every collective and point-to-point call's tensors must suit its
+group's plane). gloo forgives schedules that NCCL deadlocks on (DESIGN.md, "Communication:
+two planes, NCCL's rules"); under this hook they deadlock on CPU too, and the rank that
+waits raises `NcclOrderError` within the timeout (`XDIT_NCCL_RULES_TIMEOUT` seconds,
+default `DEFAULT_TIMEOUT`), with one message naming both ranks, the group, the operation
+and what heads the pair's queue; the message also goes to stderr (logger
+"xdit.nccl_rules"), so a pool's rank log shows it.
 
 What is emulated, for `torch.distributed.isend / irecv / send / recv / batch_isend_irecv`
 on every data-plane group (control-plane gloo twins, `workers.topology.is_control`, and
@@ -80,8 +82,11 @@ def timeout_seconds() -> float:
 
 def install(ctx=None):
     """Worker hook: wrap torch.distributed's point-to-point functions (before the process
-    group exists). Returns the emulation; its `job_stats()` counts what it carried."""
+    group exists) and turn on the plane check. Returns the emulation; its `job_stats()`
+    counts what it carried."""
     global _EMULATION
+    if ctx is not None:
+        ctx.options["check_planes"] = True
     if _EMULATION is None:
         _EMULATION = NcclRules(timeout_seconds())
     return _EMULATION
@@ -328,7 +333,9 @@ class NcclRules:
         self.stats = {"ops": 0, "batches": 0}
 
     def job_stats(self) -> dict:
-        return dict(self.stats, pairs=len(self.pairs), timeout_s=self.timeout)
+        """What it carried, and the plane check's device (so tests see the check is on)."""
+        return dict(self.stats, pairs=len(self.pairs), timeout_s=self.timeout,
+                    plane_check=self._plane_check())
 
     # -- wrapping ------------------------------------------------------------------------
     def _install(self) -> None:
@@ -336,11 +343,15 @@ class NcclRules:
         import torch.distributed.distributed_c10d as c10d
 
         try:
-            from workers.topology import is_control
+            from workers.topology import is_control, plane_check
         except ImportError:  # outside the repository: every group is a data group
             def is_control(group):
                 return False
+
+            def plane_check():
+                return None
         self._is_control = is_control
+        self._plane_check = plane_check
         self.c10d = c10d
         orig = {name: getattr(dist, name) for name in
                 ("isend", "irecv", "send", "recv", "batch_isend_irecv", "P2POp")}

@@ -2,13 +2,15 @@
 one device). gloo takes CUDA tensors in broadcast / all_reduce / all_gather /
 all_to_all_single but not in send/recv (nor batch_isend_irecv), so this hook stages every
 point-to-point CUDA tensor through host memory, for the project's transfers and yunchang's
-Ring alike. The data plane still refuses what gloo refuses on CUDA, so control data sent on
-it fails here as it would on NCCL."""
+Ring alike. gloo would carry a CPU tensor on the data plane where NCCL refuses it, so the
+hook turns on the plane check (workers/topology.py): such a tensor, in a collective or a
+point-to-point call, fails here as it would on NCCL instead of passing through."""
 from __future__ import annotations
 
 
 def install(ctx):
     ctx.options["backend"] = "gloo"
+    ctx.options["check_planes"] = True
     _stage_point_to_point()
 
 
@@ -32,25 +34,46 @@ class _Staged:
         return getattr(self.work, name)
 
 
+def _plane_check():
+    """workers.topology.check_plane (a no-op outside the repository): what the one door
+    checks, applied here to point-to-point calls that bypass it (yunchang's Ring)."""
+    try:
+        from workers.topology import check_plane
+    except ImportError:
+        def check_plane(op, group, tensors=(), objects=False):
+            pass
+    return check_plane
+
+
+def _group(a, k):
+    """The `group` argument of isend / irecv / send / recv (after the tensor)."""
+    return k["group"] if "group" in k else (a[1] if len(a) > 1 else None)
+
+
 def _stage_point_to_point():
     import torch.distributed as dist
 
+    check = _plane_check()
     orig = {n: getattr(dist, n) for n in ("isend", "irecv", "send", "recv",
                                           "batch_isend_irecv", "P2POp")}
 
     def isend(tensor, *a, **k):
+        check("isend", _group(a, k), [tensor])
         return orig["isend"](tensor.cpu() if tensor.is_cuda else tensor, *a, **k)
 
     def send(tensor, *a, **k):
+        check("send", _group(a, k), [tensor])
         return orig["send"](tensor.cpu() if tensor.is_cuda else tensor, *a, **k)
 
     def irecv(tensor, *a, **k):
+        check("irecv", _group(a, k), [tensor])
         if not tensor.is_cuda:
             return orig["irecv"](tensor, *a, **k)
         host = tensor.new_empty(tensor.shape, device="cpu")
         return _Staged(orig["irecv"](host, *a, **k), host, tensor)
 
     def recv(tensor, *a, **k):
+        check("recv", _group(a, k), [tensor])
         if not tensor.is_cuda:
             return orig["recv"](tensor, *a, **k)
         host = tensor.new_empty(tensor.shape, device="cpu")
@@ -62,6 +85,7 @@ def _stage_point_to_point():
         staged, copies = [], []
         for op in ops:
             t = op.tensor
+            check("batch_isend_irecv", op.group, [t])
             if t.is_cuda:
                 host = t.detach().cpu() if _sends(op) else t.new_empty(t.shape, device="cpu")
                 if not _sends(op):
