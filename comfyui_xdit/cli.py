@@ -161,6 +161,8 @@ def format_status(info: dict) -> str:
              f"{info.get('world_size')}  state: {info.get('state')}"
              + (f" (job {info.get('job_id')}, step {info.get('step')}/{info.get('total')})"
                 if info.get("state") == "running" else "")]
+    if info.get("fp8_compute"):
+        lines.append(info["fp8_compute"])  # which fp8 path multiplies
     lines.append("rank  pid      host                 device   rss_mb")
     for r in info.get("ranks", []):
         lines.append(f"{r['rank']:<5} {r['pid']:<8} {r['host'][:20]:<20} {r['device']:<8} "

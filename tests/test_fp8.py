@@ -291,6 +291,197 @@ def test_scaled_fp8_file_pool_equals_reference(model_dir, fp8_files):
     assert maxdiff(got, want) <= TOL
 
 
+# ---- fp8 compute (torch._scaled_mm) ---------------------------------------------------------
+SCALED_MM_HOOK = "xdit_testhooks.probes:count_scaled_mm"
+FP8_MATMUL_TEXT = "fp8 weights, fp8 matmul (scaled_mm, per-row activation scales)"
+# dB, final latent vs the full-precision pipeline, fp8 weights with fp8 matmul (per-row
+# activation scales); the tiny models measured FLUX 70.6, SD3 74.7 (upcast: 72.3, 77.6)
+COMPUTE_PSNR_FLOOR = 60.0
+
+
+def flux_like(tokens, k, n, seed=0):
+    """A FLUX-shaped layer's weight / bias and activations whose few outliers (a handful of
+    channels in some tokens, 2000-5000 as FLUX's residual stream has) are far beyond fp8's
+    448."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k ** -0.5
+    b = torch.randn(n, generator=g) * 0.1
+    x = torch.randn(tokens, k, generator=g)
+    rows = torch.randperm(tokens, generator=g)[:max(2, tokens // 16)]
+    cols = torch.randperm(k, generator=g)[:3]
+    for i, r in enumerate(rows.tolist()):
+        x[r, cols[i % 3]] = (2000.0 + 3000.0 * torch.rand((), generator=g).item()) * \
+            (-1) ** i
+    return w, b, x
+
+
+def ref_fp8_matmul(x, w, b):
+    """The same quantisation, written here: weight per tensor (s_w = max|w| / 448),
+    activations per row (s_a = max|row| / 448, in x's dtype); both dequantized and
+    multiplied in float64."""
+    s_w = (w.float().abs().max() / 448.0).clamp(min=1e-12)
+    w8 = (w.float() / s_w).clamp(-448, 448).to(FP8)
+    s_a = x.abs().amax(dim=-1, keepdim=True) / 448.0
+    x8 = (x / s_a).to(FP8)
+    y = (x8.double() * s_a.double()) @ (w8.double() * s_w.double()).t()
+    return y + b.double(), w8, s_w
+
+
+def fp8_layer(w, b, dtype, matmul):
+    from workers.weights import FP8Linear, quantize, set_fp8_compute
+    w8, s = quantize(w)
+    lin = FP8Linear(w.shape[1], w.shape[0], compute_dtype=dtype)
+    lin.weight = torch.nn.Parameter(w8, requires_grad=False)
+    lin.bias = torch.nn.Parameter(b.to(dtype), requires_grad=False)
+    lin.scale = s
+    info = set_fp8_compute(torch.nn.Sequential(lin), "on" if matmul else "off", "cpu", dtype)
+    return lin, info
+
+
+@pytest.mark.parametrize("k,n", [(256, 768), (3072, 3072)])
+def test_fp8_matmul_is_the_per_row_quantisation(k, n):
+    """fp8 compute through _scaled_mm (CPU) = the float64 product of the per-row-quantised
+    activations and the per-tensor-quantised weight, to fp32 rounding; with outliers of
+    thousands it stays close to the exact product, where the unscaled cast (clamp at 448,
+    scale 1: the old XDIT_FP8_MATMUL recipe) is far off."""
+    w, b, x = flux_like(128, k, n)
+    x = x.reshape(2, 64, k)  # [batch, tokens, features]
+    lin, info = fp8_layer(w, b, torch.float32, matmul=True)
+    assert info["fp8_matmul_layers"] == 1 and info["text"] == FP8_MATMUL_TEXT
+    got = lin(x)
+    want, w8, s_w = ref_fp8_matmul(x, w, b)
+    assert got.shape == (2, 64, n) and got.dtype == torch.float32
+    rel = maxdiff(got, want) / want.abs().max().item()
+    assert rel < 1e-5, rel
+    exact = x.double() @ (w8.double() * s_w.double()).t() + b.double()  # float activations
+    scaled_err = maxdiff(got, exact)
+    unscaled = torch._scaled_mm(x.reshape(-1, k).clamp(-448, 448).to(FP8), w8.t(),
+                                scale_a=torch.ones(()), scale_b=s_w.reshape(()),
+                                bias=b, out_dtype=torch.float32).reshape(2, 64, n)
+    unscaled_err = maxdiff(unscaled, exact)
+    print(f"{k}->{n}: |fp8 matmul - its quantisation| {rel:.1e} (relative); vs the exact "
+          f"product: per-row scales {scaled_err:.3g}, unscaled cast {unscaled_err:.3g} "
+          f"({unscaled_err / scaled_err:.0f}x)")
+    assert unscaled_err > 10 * scaled_err
+    # bf16 activations: the scale is computed and applied in bf16, handed to the matmul as is
+    got16 = fp8_layer(w, b, torch.bfloat16, matmul=True)[0](x.bfloat16())
+    want16 = ref_fp8_matmul(x.bfloat16(), w, b)[0]
+    assert got16.dtype == torch.bfloat16
+    assert maxdiff(got16, want16) / want16.abs().max().item() < 1e-2  # bf16 output rounding
+
+
+def test_fp8_matmul_choice():
+    from workers.weights import FP8Linear, fp8_matmul_choice, set_fp8_compute
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert fp8_matmul_choice("auto", "cpu", None, fp32)[0] is False
+    assert fp8_matmul_choice("on", "cpu", None, fp32)[0] is True
+    assert fp8_matmul_choice("off", "cuda", (9, 0), bf16)[0] is False
+    assert fp8_matmul_choice("auto", "cuda", (8, 6), bf16)[0] is False  # Ampere: none
+    assert fp8_matmul_choice("on", "cuda", (8, 6), bf16)[0] is True  # probed at load
+    for cap, dt in (((8, 9), bf16), ((9, 0), fp16), ((10, 0), bf16)):
+        assert fp8_matmul_choice("auto", "cuda", cap, dt)[0] is True
+    assert fp8_matmul_choice("auto", "cuda", (9, 0), fp32)[0] is False
+    with pytest.raises(ValueError, match="bf16 or fp16 pool"):
+        fp8_matmul_choice("on", "cuda", (9, 0), fp32)
+    with pytest.raises(ValueError, match="XDIT_FP8_COMPUTE must be one of auto, on, off"):
+        fp8_matmul_choice("1", "cpu")
+    # per layer: features not multiples of 16 upcast (decided at load, said in the text)
+    w, b, x = flux_like(32, 24, 64)
+    odd = FP8Linear(24, 64, bias=False)
+    odd.weight = torch.nn.Parameter(torch.randn(64, 24).to(FP8), requires_grad=False)
+    ok, _ = fp8_layer(torch.randn(64, 64), torch.zeros(64), fp32, matmul=False)
+    info = set_fp8_compute(torch.nn.Sequential(odd, ok), "on", "cpu", fp32)
+    assert (odd.fp8_matmul, ok.fp8_matmul) == (False, True)
+    assert info["text"] == (f"{FP8_MATMUL_TEXT} in 1 of 2 layers, the rest (features not "
+                            f"multiples of 16) upcast to fp32 per call")
+    assert torch.equal(odd(x), F.linear(x, odd.weight.float()))
+    assert set_fp8_compute(torch.nn.Sequential(odd, ok), "auto", "cpu", fp32)["text"] == \
+        "fp8 weights, upcast to fp32 per call (no fp8 matmul on cpu by default)"
+    assert set_fp8_compute(torch.nn.Linear(4, 4), "on", "cpu", fp32)["text"] is None
+
+
+def test_fp8_matmul_never_syncs_with_the_host():
+    """The fp8 forward, op by op under a dispatch recorder: no scalar read back
+    (`_local_scalar_dense` / `item`), no data-dependent shape (`nonzero`), no copy to another
+    device. A negative control shows the recorder does see a sync."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.name().split("::")[-1].split(".")[0]
+            src = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            dst = kwargs.get("device")
+            if name in ("_to_copy", "copy_") and dst is None and len(args) > 1 and \
+                    isinstance(args[1], torch.Tensor):
+                dst = args[1].device  # copy_(dst, src)
+            cross = dst is not None and src is not None and torch.device(dst) != src
+            self.ops.append((name, cross))
+            return func(*args, **kwargs)
+
+    def syncs(ops):
+        return [n for n, cross in ops
+                if n in ("_local_scalar_dense", "item", "nonzero") or cross]
+
+    w, b, x = flux_like(64, 256, 768)
+    for dtype in (torch.float32, torch.bfloat16):
+        lin, _ = fp8_layer(w, b, dtype, matmul=True)
+        with Recorder() as rec:
+            lin(x.to(dtype).reshape(4, 16, 256))
+        names = [n for n, _ in rec.ops]
+        assert "_scaled_mm" in names, names
+        assert syncs(rec.ops) == [], rec.ops
+    with Recorder() as rec:  # negative control
+        x.abs().max().item()
+    assert "_local_scalar_dense" in syncs(rec.ops)
+
+
+def _fp8_compute_run(monkeypatch, folder, mode, config, req):
+    """One generation on a fresh fp8 pool launched with XDIT_FP8_COMPUTE=mode (the workers
+    read their environment at launch): (latent, status, _scaled_mm calls per rank)."""
+    monkeypatch.setenv("XDIT_FP8_COMPUTE", mode)
+    pool = WorkerPool(folder, config, device="cpu", threads_per_rank=1, weights="fp8",
+                      text_encoders="cpu", worker_hooks=[SCALED_MM_HOOK])
+    try:
+        res = pool.generate(req)
+        st = pool.status()
+    finally:
+        pool.close()
+    return res.samples, st, [r["hooks"][SCALED_MM_HOOK]["scaled_mm"] for r in res.stats]
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_fp8_compute_pool_stays_close_to_full_precision(arch, model_dir, oracle, monkeypatch):
+    """Pools with fp8 weights forced to multiply in fp8 (XDIT_FP8_COMPUTE=on, as a GPU with
+    fp8 tensor cores does by default) stay close to the full-precision pipeline, and
+    _scaled_mm really ran on every rank; with off it never ran and the result is the upcast
+    one (the quantized weights in fp32)."""
+    folder = model_dir(arch)
+    req = request(prompt=["an fp8 cat"])
+    full = oracle(arch, req)
+    on, st_on, calls_on = _fp8_compute_run(monkeypatch, folder, "on",
+                                           ParallelConfig(ulysses=2), req)
+    off, st_off, calls_off = _fp8_compute_run(monkeypatch, folder, "off", ParallelConfig(),
+                                              req)
+    p_on, p_off = psnr(on, full), psnr(off, full)
+    print(f"{arch}: PSNR vs full precision, fp8 matmul {p_on:.1f} dB, fp8 upcast "
+          f"{p_off:.1f} dB; fp8 matmul vs upcast {psnr(on, off):.1f} dB; _scaled_mm calls "
+          f"per rank on {calls_on}, off {calls_off}")
+    # every fp8 layer, every step (cfg 1: one model call a step), on each rank
+    assert calls_on == [r["load"]["fp8_layers"] * req.steps for r in st_on["ranks"]], calls_on
+    assert len(calls_on) == 2 and calls_on[0] > 0 and calls_off == [0]
+    assert st_on["fp8_compute"] == FP8_MATMUL_TEXT
+    assert all(r["fp8_compute"] == FP8_MATMUL_TEXT for r in st_on["ranks"])
+    assert st_off["fp8_compute"] == "fp8 weights, upcast to fp32 per call (XDIT_FP8_COMPUTE=off)"
+    assert p_on > COMPUTE_PSNR_FLOOR
+    assert p_off > PSNR_FLOOR  # upcast: only the weights are quantized
+    assert maxdiff(on, off) > 10 * TOL  # the activations really went through fp8
+
+
 # ---- text encoders -------------------------------------------------------------------------
 def test_text_encoder_placement_decision():
     from workers.weights import TEXT_ENCODER_MARGIN as M

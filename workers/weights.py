@@ -7,14 +7,23 @@ copy of the model: host memory stays at the largest single tensor (FLUX.1: ~150 
 ranks can load at the same time. Plain reads rather than a memory map, so the file's pages
 stay in the shared page cache and are not counted (or pinned) in each rank's RSS.
 
-fp8: `FP8Linear` stores a Linear's weight as float8_e4m3fn plus a per-tensor fp32 scale and
-computes in the activations' dtype by upcasting per call (`w.to(x.dtype) * scale`), the same
-arithmetic as ComfyUI's scaled-fp8 layers without fp8 matmul. Only the Linears inside the
-transformer blocks are stored in fp8 (>98% of FLUX's weights); embedders, norms and the final
-projection stay in the pool dtype.
+fp8: `FP8Linear` stores a Linear's weight as float8_e4m3fn plus a per-tensor fp32 scale. Only
+the Linears inside the transformer blocks are stored in fp8 (>98% of FLUX's weights);
+embedders, norms and the final projection stay in the pool dtype. Each layer multiplies one
+of two ways, chosen once at load (`set_fp8_compute`), never per call:
+- fp8 matmul: `torch._scaled_mm` on e4m3fn activations quantized per token (row) with a
+  dynamic scale amax(|row|) / 448, so FLUX's activation outliers (thousands) are not clipped;
+  the weight's per-tensor scale goes in as scale_b. Default on CUDA GPUs with fp8 tensor
+  cores (compute capability >= 8.9) in bf16/fp16 pools.
+- upcast: `w.to(x.dtype) * scale` per call, then an ordinary matmul (ComfyUI's scaled-fp8
+  arithmetic without fp8 matmul): saves memory, not time. Everywhere else, and for layers
+  whose in/out features are not multiples of 16 (what the CUDA kernels need).
+`XDIT_FP8_COMPUTE=on|off|auto` (read once at worker start) overrides: `on` takes the fp8
+matmul wherever the shapes allow, the CPU included (tests), `off` always upcasts.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -25,6 +34,8 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 WEIGHT_MODES = ("auto", "fp8", "full")
+FP8_COMPUTE = ("auto", "on", "off")  # XDIT_FP8_COMPUTE
+FP8_MATMUL_TEXT = "fp8 matmul (scaled_mm, per-row activation scales)"
 
 # safetensors dtype names -> torch
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -170,10 +181,11 @@ def device_name(device) -> str:
 
 # ---- fp8 Linear ----------------------------------------------------------------------------
 class FP8Linear(torch.nn.Linear):
-    """A Linear whose weight is stored in float8_e4m3fn with a per-tensor scale; computes in
-    the input's dtype: y = x @ (w.to(x.dtype) * scale).T + b. A Linear subclass, so peft's
-    LoRA wraps it like any Linear; `compute_dtype` (the pool dtype) is what peft reads to
-    keep the LoRA matrices in that dtype instead of the weight's fp8."""
+    """A Linear whose weight is stored in float8_e4m3fn with a per-tensor scale. By default it
+    computes in the input's dtype, y = x @ (w.to(x.dtype) * scale).T + b; after
+    `use_fp8_matmul()` it multiplies in fp8 instead (`fp8_linear`). A Linear subclass, so
+    peft's LoRA wraps it like any Linear; `compute_dtype` (the pool dtype) is what peft reads
+    to keep the LoRA matrices in that dtype instead of the weight's fp8."""
 
     def __init__(self, in_features, out_features, bias=True, device=None,
                  compute_dtype=torch.float32):
@@ -187,41 +199,135 @@ class FP8Linear(torch.nn.Linear):
         # not in the state dict: set by the loader (1.0 for unscaled fp8 files)
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device),
                              persistent=False)
+        # set once at load (use_fp8_matmul), read per call as a plain bool: no per-call
+        # decision on tensor values, no process-wide switch
+        self.fp8_matmul = False
+        self.register_buffer("scale_row", None, persistent=False)
+
+    def use_fp8_matmul(self, on: bool = True) -> None:
+        """Multiply in fp8 from now on (or not). The weight scale is expanded here, once, to
+        the [1, out_features] contiguous fp32 row that `_scaled_mm`'s row-wise mode takes
+        for scale_b (it refuses a scalar or an expanded view there); call again if `scale`
+        is replaced."""
+        self.fp8_matmul = bool(on)
+        self.scale_row = (self.scale.float().reshape(1, 1).expand(1, self.out_features)
+                          .contiguous() if on else None)
 
     def dequantized(self, dtype) -> torch.Tensor:
         return self.weight.to(dtype) * self.scale.to(dtype)
 
     def forward(self, x):
-        if FP8_MATMUL and _scaled_mm_ok(x, self):
-            return _scaled_mm_linear(x, self)
+        if self.fp8_matmul and x.dtype == self.compute_dtype:
+            return fp8_linear(x, self.weight, self.scale_row, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self):
-        return super().extra_repr() + ", weight=float8_e4m3fn"
+        return (super().extra_repr() + ", weight=float8_e4m3fn"
+                + (", fp8 matmul" if self.fp8_matmul else ""))
 
 
-# Opt-in (XDIT_FP8_MATMUL=1): fp8 x fp8 matmuls through torch._scaled_mm on GPUs that have
-# them (sm89+), activations cast to e4m3fn unscaled as ComfyUI's fp8 matmul does. NOT tested
-# here (no GPU in CI); off by default, where weights are upcast per call.
-FP8_MATMUL = os.environ.get("XDIT_FP8_MATMUL", "") == "1"
+def quantize_rows(x2: torch.Tensor) -> tuple:
+    """[M, K] activations -> (e4m3fn [M, K], fp32 scale [M, 1]) with each row's absolute max
+    mapped to fp8's max: a per-token scale, since one outlier token (FLUX has activations in
+    the thousands, fp8 stops at 448) would otherwise be clipped or would flush every other
+    token into fp8's subnormals. The scale is computed and applied in x's dtype (the
+    division then writes a bf16 tensor, not an fp32 one: half the traffic of this pass) and
+    handed to the matmul exactly as applied, so x8 * scale is x to fp8 rounding. All on the
+    device: no host sync."""
+    amax = torch.linalg.vector_norm(x2, float("inf"), dim=-1, keepdim=True)  # one pass
+    s = (amax / FP8_MAX).clamp_min(torch.finfo(x2.dtype).tiny)  # all-zero rows: no 0/0
+    return (x2 / s).to(FP8), s.float()
 
 
-def _scaled_mm_ok(x, lin) -> bool:
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if torch.cuda.get_device_capability(x.device) < (8, 9):
-        return False
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale_row: torch.Tensor, bias=None):
+    """x @ (w8 * scale).T + bias multiplied in fp8 by `torch._scaled_mm`: activations
+    quantized per row (`quantize_rows`, scale_a [M, 1]), the weight's per-tensor scale as
+    scale_b [1, N] (row-wise mode takes both or neither as vectors); out in x's dtype, which
+    the CUDA kernels also want for the bias."""
+    shape = x.shape
+    x8, sa = quantize_rows(x.reshape(-1, shape[-1]))
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    out = torch._scaled_mm(x8, w8.t(), scale_a=sa, scale_b=w_scale_row, bias=bias,
+                           out_dtype=x.dtype)
+    return out.reshape(*shape[:-1], w8.shape[0])
+
+
+def fp8_matmul_choice(choice: str, device_type: str, capability=None, dtype=None) -> tuple:
+    """(fp8 matmul or not, why) for a pool, from static facts. `choice` is XDIT_FP8_COMPUTE:
+    "auto" multiplies in fp8 on CUDA GPUs with fp8 tensor cores (compute capability >= 8.9:
+    Ada, Hopper, Blackwell) in a bf16/fp16 pool (the kernels' bias and output dtypes), where
+    it beats upcasting the weight on the large layers; "on" wherever torch runs it (CPU
+    included: tests), "off" never."""
+    if choice not in FP8_COMPUTE:
+        raise ValueError(f"XDIT_FP8_COMPUTE must be one of {', '.join(FP8_COMPUTE)} "
+                         f"(got {choice!r})")
+    if choice == "off":
+        return False, "XDIT_FP8_COMPUTE=off"
+    if device_type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
+        if choice == "on":
+            raise ValueError("XDIT_FP8_COMPUTE=on needs a bf16 or fp16 pool on CUDA "
+                             f"(got {dtype}); use auto or off")
+        return False, "fp8 matmul needs a bf16 or fp16 pool"
+    if choice == "on":
+        return True, "XDIT_FP8_COMPUTE=on"
+    if device_type != "cuda":
+        return False, f"no fp8 matmul on {device_type} by default"
+    if tuple(capability or (0, 0)) < (8, 9):
+        return False, "this GPU has no fp8 tensor cores (compute capability < 8.9)"
+    return True, "fp8 tensor cores"
+
+
+def fp8_matmul_shape_ok(lin) -> bool:
+    """The CUDA kernels need K and N to be multiples of 16 (the CPU does not; the same rule
+    everywhere, so CPU tests take the branches a GPU would)."""
     return lin.in_features % 16 == 0 and lin.out_features % 16 == 0
 
 
-def _scaled_mm_linear(x, lin):
-    shape = x.shape
-    x8 = x.reshape(-1, shape[-1]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    one = torch.ones((), device=x.device, dtype=torch.float32)
-    bias = None if lin.bias is None else lin.bias.to(x.dtype)
-    out = torch._scaled_mm(x8, lin.weight.t(), scale_a=one, scale_b=lin.scale.float(),
-                           bias=bias, out_dtype=x.dtype)
-    return out.reshape(*shape[:-1], lin.out_features)
+@functools.lru_cache(maxsize=None)
+def _row_wise_scaled_mm_runs(device: str, dtype) -> bool:
+    """Whether this torch build runs row-wise `_scaled_mm` on `device` with this output and
+    bias dtype: one 16x16 product, once per process, at load (torch's support differs by
+    version and GPU generation; a failure here is a fallback, not a crash mid-job)."""
+    try:
+        a = torch.ones(16, 16, device=device).to(FP8)
+        out = torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device),
+                               scale_b=torch.ones(1, 16, device=device),
+                               bias=torch.zeros(16, device=device, dtype=dtype), out_dtype=dtype)
+        return bool((out.float() == 16).all())
+    except (RuntimeError, ValueError, NotImplementedError, TypeError):
+        return False
+
+
+def set_fp8_compute(transformer, choice: str, device, dtype) -> dict:
+    """Choose, once at load, how each FP8Linear of `transformer` multiplies (see the module
+    docstring) and say so: {"fp8_layers", "fp8_matmul_layers", "text"}; text is what the
+    pool's status shows (None when no layer is fp8)."""
+    d = torch.device(device)
+    cap = torch.cuda.get_device_capability(d) if d.type == "cuda" else None
+    on, why = fp8_matmul_choice(choice, d.type, cap, dtype)
+    if on and not _row_wise_scaled_mm_runs(device_name(d), dtype):
+        if choice == "on":
+            raise RuntimeError(f"XDIT_FP8_COMPUTE=on: torch {torch.__version__} does not run "
+                               f"row-wise torch._scaled_mm on {device_name(d)}; use auto or off")
+        on, why = False, f"torch {torch.__version__} has no row-wise scaled_mm here"
+    layers = [m for m in transformer.modules() if isinstance(m, FP8Linear)]
+    n_mm = 0
+    for lin in layers:
+        lin.use_fp8_matmul(on and fp8_matmul_shape_ok(lin))
+        n_mm += lin.fp8_matmul
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype))
+    if not layers:
+        text = None
+    elif n_mm == len(layers):
+        text = f"fp8 weights, {FP8_MATMUL_TEXT}"
+    elif n_mm:
+        text = (f"fp8 weights, {FP8_MATMUL_TEXT} in {n_mm} of {len(layers)} layers, the rest "
+                f"(features not multiples of 16) upcast to {name} per call")
+    else:
+        text = f"fp8 weights, upcast to {name} per call ({why})"
+    return {"fp8_layers": len(layers), "fp8_matmul_layers": n_mm, "text": text}
 
 
 def quantize(w: torch.Tensor) -> tuple:

@@ -64,6 +64,10 @@ class Worker:
         self.load_seconds = time.perf_counter() - t
         from .sharding import shard_after_load
         self.sharding = shard_after_load(self)  # --shard-weights: FSDP2 (workers/sharding.py)
+        from .weights import set_fp8_compute  # how the fp8 layers multiply, fixed here
+        self.fp8_compute = set_fp8_compute(self.model.transformer,
+                                           getattr(args, "fp8_compute", "auto"), self.device,
+                                           self.dtype)
         self.loras = LoraManager(self.adapter)
         self.compiler = Compiler(getattr(args, "compile", False))  # workers/compile.py
         self.compiler.install(self.model.transformer, self.adapter.block_lists)
@@ -84,7 +88,8 @@ class Worker:
                                   "import_s": import_s, "load_s": self.load_seconds,
                                   "rss_after_import_mb": rss_after_import,
                                   "load_peak_rss_mb": peak,
-                                  "load": getattr(self.model, "load_report", None)})
+                                  "load": getattr(self.model, "load_report", None),
+                                  "fp8_compute": self.fp8_compute["text"]})
         self.state = {"state": "idle", "job_id": None, "step": 0, "total": 0}
         if world > 1:  # the patch-parallel VAE's halo links (neighbour ranks, world group)
             from .p2p import warm_pairs
@@ -104,6 +109,7 @@ class Worker:
                 "weights": (getattr(self.model, "load_report", None) or {}).get("weights"),
                 "text_encoders": (getattr(self.model, "load_report", None) or {}).get(
                     "text_encoders"),
+                "fp8_compute": self.fp8_compute["text"],
                 "compile": self.compiler.describe(),
                 "sharding": self.sharding.counts() if self.sharding else None,
                 "attention": dict(self.attention, current=getattr(

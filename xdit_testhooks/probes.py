@@ -72,3 +72,29 @@ def attention_calls(ctx):
                     if n != self.before.get(k, 0)}
 
     return Calls()
+
+
+def count_scaled_mm(ctx):
+    """Worker hook: count this rank's `torch._scaled_mm` calls (the fp8 matmul path of
+    workers/weights.py looks it up on torch at call time), so a test sees which path really
+    ran rather than reading a setting; each job's stats carry that job's count (the load's
+    one probe call is not counted)."""
+    import torch
+
+    real = torch._scaled_mm
+    calls = {"scaled_mm": 0}
+
+    def counting_scaled_mm(*args, **kwargs):
+        calls["scaled_mm"] += 1
+        return real(*args, **kwargs)
+
+    torch._scaled_mm = counting_scaled_mm
+
+    class Calls:
+        def job_started(self):
+            calls["scaled_mm"] = 0
+
+        def job_stats(self):
+            return dict(calls)
+
+    return Calls()
