@@ -72,9 +72,40 @@ def test_compile_ids_count_recompiles():
             c._ended(Args(cid))
     assert (scope.stats["compiles"], scope.stats["recompiles"]) == (3, 1)
     from torch._dynamo.callback import CallbackArgs, CallbackTrigger
-    c._started(CallbackArgs(CallbackTrigger.CUDAGRAPH_RECORDING, "0/2"))  # not a compile
+    events = []
+    with c.job(events.append) as scope:
+        c._started(CallbackArgs(CallbackTrigger.CUDAGRAPH_RECORDING, "0/2"))  # not a compile
     assert (c.compiles, c.recompiles) == (3, 1)
     assert c.describe()["state"] == "compiled"
+    # a CUDA graph capture is counted as such, per job, and said while it happens
+    assert (scope.stats["graph_records"], c.describe()["graph_records"]) == (1, 1)
+    assert events and events[0]["detail"] == "capturing CUDA graphs"
+
+
+def test_cuda_graphs_only_on_cuda_and_switchable(monkeypatch):
+    """`compile` captures CUDA graphs on CUDA (reduce-overhead regions) unless
+    XDIT_CUDA_GRAPHS=0; a CPU pool compiles without them and adds no per-forward hook."""
+    from workers.compile import Compiler, cuda_graphs_wanted
+
+    assert cuda_graphs_wanted(True) and not cuda_graphs_wanted(False)
+    monkeypatch.setenv("XDIT_CUDA_GRAPHS", "0")
+    assert not cuda_graphs_wanted(True)
+    monkeypatch.delenv("XDIT_CUDA_GRAPHS")
+    modes = []
+
+    class Block(torch.nn.Linear):
+        def compile(self, **kw):
+            modes.append(kw.get("mode"))
+
+    class Tr(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer_blocks = torch.nn.ModuleList([Block(2, 2), Block(2, 2)])
+    tr = Tr()
+    c = Compiler(True)
+    c.install(tr, ("transformer_blocks",))
+    assert modes == [None, None] and not c.cuda_graphs
+    assert not tr._forward_pre_hooks
 
 
 def test_identical_blocks_compile_once():

@@ -29,11 +29,24 @@ LoRA: peft's layers replace Linear modules inside the blocks and switch adapters
 module attributes; dynamo guards on both, so loading, switching or re-weighting a LoRA after
 compile recompiles (or reuses a matching graph) and never runs a stale graph.
 
+CUDA graphs (on CUDA; `XDIT_CUDA_GRAPHS=0` turns them off): the blocks compile in
+`reduce-overhead` mode, so inductor captures each compiled region into a CUDA graph (one
+tree per pool: the regions of one forward are recorded in order, in one memory pool) and
+replays it: a block's hundreds of kernel launches become one, which is what keeps many
+small per-rank shares of a step from being launch-bound. Collectives stay at the regions'
+boundaries (the `outside()` attention above), never inside a graph. A forward pre-hook on the
+transformer marks each forward as a new step for the graph trees (the last step's outputs
+are dead by then). Captures are counted (`graph_records`) and each job's stats say how many
+it recorded. Bounded: the static graph of the first size (and batch 1) is captured once;
+sizes served by the dynamic recompile run compiled without graphs
+(`cudagraph_skip_dynamic_graphs`), rather than capturing a new set of graphs per size.
+
 PipeFusion is refused (`check`): its per-patch K/V-cache attention and patch sizes would
 recompile per patch and have not been validated compiled.
 """
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -82,9 +95,24 @@ def _compile_id(args) -> tuple:
     return -1, 0
 
 
-def _is_dynamo(args) -> bool:
+def _trigger(args) -> str:
     trigger = getattr(args, "callback_trigger", None)
-    return trigger is None or getattr(trigger, "name", "DYNAMO") == "DYNAMO"
+    return "DYNAMO" if trigger is None else getattr(trigger, "name", "DYNAMO")
+
+
+def _is_dynamo(args) -> bool:
+    return _trigger(args) == "DYNAMO"
+
+
+def _new_graph_step(module, args):
+    """Each transformer forward is a new step for inductor's CUDA graph trees: the graphs
+    may reuse the previous forward's output memory (nothing holds it by then)."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def cuda_graphs_wanted(on_cuda: bool) -> bool:
+    """CUDA graphs with `compile` on CUDA unless XDIT_CUDA_GRAPHS=0 (read at worker start)."""
+    return on_cuda and os.environ.get("XDIT_CUDA_GRAPHS", "1") != "0"
 
 
 class Compiler:
@@ -92,6 +120,8 @@ class Compiler:
 
     def __init__(self, enabled: bool):
         self.enabled = bool(enabled)
+        self.cuda_graphs = False  # decided at install (the weights' device)
+        self.graph_records = 0  # CUDA graph captures, whole life of the worker
         self.blocks = 0
         self.compiles = 0  # dynamo frame compilations, whole life of the worker
         self.recompiles = 0  # of those, frames compiled again (a guard failed: shape, LoRA...)
@@ -111,17 +141,25 @@ class Compiler:
         import torch._dynamo
         from torch._dynamo.callback import on_compile_end, on_compile_start
 
+        import torch._inductor.config as inductor
+
         cfg = torch._dynamo.config
         on_cpu = all(p.device.type == "cpu" for p in transformer.parameters())
         if on_cpu:  # ranks share the cores: no pool of compile subprocesses beside them
-            import torch._inductor.config as inductor
             inductor.compile_threads = 1
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
                 setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+        self.cuda_graphs = backend == "inductor" and cuda_graphs_wanted(
+            any(p.device.type == "cuda" for p in transformer.parameters()))
+        mode = None
+        if self.cuda_graphs:
+            mode = "reduce-overhead"
+            inductor.triton.cudagraph_skip_dynamic_graphs = True  # bounded captures (doc)
+            transformer.register_forward_pre_hook(_new_graph_step)
         for lname in block_lists:
             for block in getattr(transformer, lname, None) or []:
-                block.compile(backend=backend)
+                block.compile(backend=backend, mode=mode)
                 self.blocks += 1
         on_compile_start(self._started)
         on_compile_end(self._ended)
@@ -132,7 +170,15 @@ class Compiler:
 
     # -- dynamo callbacks ----------------------------------------------------------------------
     def _started(self, args) -> None:
-        if not _is_dynamo(args):  # CUDA-graph recording, lazy backward: not a compile
+        if _trigger(args) == "CUDAGRAPH_RECORDING":
+            with self._lock:
+                self.graph_records += 1
+                emit = self._emit
+            if emit is not None and self.graph_records % 16 == 1:  # a capture takes ms
+                emit({"phase": "compiling", "compiles": self.compiles,
+                      "compile_s": self.seconds, "detail": "capturing CUDA graphs"})
+            return
+        if not _is_dynamo(args):  # lazy backward, autotuning: not a compile
             return
         with self._lock:
             self._t0 = time.perf_counter()
@@ -163,6 +209,7 @@ class Compiler:
 
     def describe(self) -> dict:
         return {"enabled": self.enabled, "state": self.state, "blocks": self.blocks,
+                "cuda_graphs": self.cuda_graphs, "graph_records": self.graph_records,
                 "compiles": self.compiles, "recompiles": self.recompiles,
                 "compile_s": round(self.seconds, 3), "jobs": self.jobs}
 
@@ -174,7 +221,7 @@ class _JobScope:
 
     def __enter__(self):
         c = self.c
-        self.before = (c.compiles, c.recompiles, c.seconds)
+        self.before = (c.compiles, c.recompiles, c.seconds, c.graph_records)
         c._emit = self.emit
         return self
 
@@ -185,8 +232,9 @@ class _JobScope:
             c.jobs += 1
             if c.state == "compiling":  # an exception inside a compile
                 c.state = "compiled"
-        n0, r0, s0 = self.before
+        n0, r0, s0, g0 = self.before
         self.stats = {"enabled": c.enabled, "compiles": c.compiles - n0,
+                      "cuda_graphs": c.cuda_graphs, "graph_records": c.graph_records - g0,
                       "recompiles": c.recompiles - r0, "compile_s": c.seconds - s0,
                       "compiles_total": c.compiles, "recompiles_total": c.recompiles}
         return False
