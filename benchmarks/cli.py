@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="--engine: also measure torch.compile (the pools' compile option and "
                         "diffusers' compile_repeated_blocks)")
+    p.add_argument("--weights", choices=["auto", "fp8"], default="auto",
+                   help="--engine: the pools' weights (fp8: stored in fp8; they multiply in "
+                        "fp8 on sm89+ GPUs unless XDIT_FP8_COMPUTE=off)")
     p.add_argument("--build-only", action="store_true",
                    help="--engine: build (or find) the preset's model in the cache, print its "
                         "folder and stop (splits the first flux-dev run: ~24 GB written once)")

@@ -201,12 +201,12 @@ def _summary(name: str, est: list, **extra) -> dict:
 
 
 def measure_pool(name, model, config: ParallelConfig, p: dict, device: str, dtype: str,
-                 compile: bool, log) -> dict:
+                 compile: bool, log, weights: str = "auto") -> dict:
     from comfyui_xdit.pool import WorkerPool
 
     threads = 1 if device == "cpu" else None
     with WorkerPool(model, config, device=device, dtype=dtype, threads_per_rank=threads,
-                    compile=compile) as pool:
+                    compile=compile, weights=weights) as pool:
         t = time.perf_counter()
         phases = []
         first = pool.generate(_request(p, p["steps"][0]),
@@ -221,11 +221,14 @@ def measure_pool(name, model, config: ParallelConfig, p: dict, device: str, dtyp
             return max(s["denoise_s"] for s in r.stats)
         est = _step_estimates(job, p)
         launch = dict(pool.last_launch)
+        fp8 = pool.status().get("fp8_compute") if weights != "auto" else None
     res = _summary(name, est, ranks=config.ranks, config=config.describe(), compile=compile,
                    first_job_s=first_s, launch_ready_s=launch.get("ready_s"),
                    compile_s=max((w.get("compile_s", 0.0) for w in warm), default=0.0),
                    compiles_first_job=max((w.get("compiles", 0) for w in warm), default=0),
-                   compiling_events=len(phases), compiles_while_timed=sum(after))
+                   compiling_events=len(phases), compiles_while_timed=sum(after),
+                   weights=weights, fp8_compute=fp8,
+                   graph_records=max((w.get("graph_records", 0) for w in warm), default=0))
     log(f"  {name}: {res['step_s_median'] * 1000:.1f} ms/step (first job {first_s:.1f} s"
         + (f", compile {res['compile_s']:.1f} s" if compile else "") + ")")
     return res
@@ -319,18 +322,21 @@ def run(args, log) -> dict:
     facts = model_facts(Path(model))
     log(f"bench --engine: preset {name}, {_params(facts)} transformer parameters, {p['width']}x{p['height']}, {p['text']} text tokens, {device} {dtype}, "
         f"steps {p['steps'][1]} - {p['steps'][0]}, ranks {ranks}, compile {args.compile}")
+    weights = getattr(args, "weights", "auto")
     runs = measure_diffusers(model, p, device, dtype, args.compile, log)
     modes = [False, True] if args.compile else [False]
     for n in ranks:
         for comp in modes:
             cfg = ParallelConfig(ulysses=n) if n > 1 else ParallelConfig()
-            runs.append(measure_pool(f"pool{n}_{'compiled' if comp else 'eager'}", model, cfg,
-                                     p, device, dtype, comp, log))
+            tag = "" if weights == "auto" else f"_{weights}"
+            runs.append(measure_pool(f"pool{n}_{'compiled' if comp else 'eager'}{tag}", model,
+                                     cfg, p, device, dtype, comp, log, weights=weights))
     by = {r["name"]: r for r in runs}
     base = by["diffusers"]["step_s_median"]
     for r in runs:
         r["vs_diffusers"] = r["step_s_median"] / base
-        one = by.get(f"pool1_{'compiled' if r['compile'] else 'eager'}")
+        tag = "" if weights == "auto" else f"_{weights}"
+        one = by.get(f"pool1_{'compiled' if r['compile'] else 'eager'}{tag}")
         if r["name"].startswith("pool") and one is not None:
             r["speedup_vs_1_rank"] = one["step_s_median"] / r["step_s_median"]
     return {"preset": name, "device": device, "dtype": dtype, "ranks": ranks,

@@ -98,3 +98,11 @@ def count_scaled_mm(ctx):
             return dict(calls)
 
     return Calls()
+
+
+def no_tf32(ctx):
+    """Worker hook: fp32 means fp32 on the GPU (no TF32 in matmuls or convolutions), so a
+    CUDA pool can be held to the CPU oracle's fp32 tolerance."""
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
