@@ -283,13 +283,13 @@ class KernelChoice:
             if dtype is not None else None
 
     def __call__(self, q) -> Kernel:
-        key = (q.dtype, q.shape[-1])
-        kernel = self._by_shape.get(key)
-        if kernel is None:
-            kernel = select_kernel(self.backend, self.device_type, q.dtype, self.ring,
-                                   q.shape[-1])
-            self._by_shape[key] = kernel
-            self.name = kernel.name
+        kernel = self._by_shape.get((q.dtype, q.shape[-1]))
+        return kernel if kernel is not None else self.resolve(q.dtype, q.shape[-1])
+
+    def resolve(self, dtype, head_dim: int) -> Kernel:
+        kernel = select_kernel(self.backend, self.device_type, dtype, self.ring, head_dim)
+        self._by_shape[(dtype, head_dim)] = kernel
+        self.name = kernel.name
         return kernel
 
 
@@ -387,8 +387,13 @@ class LocalAttention:
     or DP only): the pool's chosen kernel, so the loader's `attention` choice holds at every
     degree. No collectives, so compiled blocks trace straight through it."""
 
-    def __init__(self, backend: str, device_type: str, dtype=None):
+    def __init__(self, backend: str, device_type: str, dtype=None, head_dim=None):
+        """`head_dim` (the model's) resolves the kernel now: a compiled block then traces a
+        settled choice instead of filling the cache (which would recompile on the next
+        call)."""
         self.kernels = KernelChoice(backend, device_type, 1, dtype)
+        if dtype is not None and head_dim is not None:
+            self.kernels.resolve(dtype, int(head_dim))
 
     @property
     def kernel_name(self) -> Optional[str]:

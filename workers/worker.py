@@ -150,7 +150,8 @@ class Worker:
             else:
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
                                       LocalAttention(self.args.attention, self.device.type,
-                                                     self.dtype))
+                                                     self.dtype, self.model.transformer.config
+                                                     .get("attention_head_dim")))
             self.parallel = (key, sp)
         return topo
 
