@@ -281,7 +281,8 @@ def test_bf16_and_fp8_sharded_equal_unsharded(model_dir):
         out = {}
         for shard in (True, False):
             with WorkerPool(model_dir("flux"), ParallelConfig(ring=2), device="cpu",
-                            threads_per_rank=1, shard_weights=shard, **opts) as pool:
+                            threads_per_rank=1, shard_weights=shard, worker_hooks=[MEASURE],
+                            **opts) as pool:
                 res = pool.generate(req)
                 out[shard] = res.samples
                 if shard:

@@ -25,10 +25,11 @@ def early_dp_receive(ctx):
     p2p.warm_pairs = lambda *a, **k: None  # the old code created pair links lazily
     original = denoise.run_job
 
-    def run_job(job, model, adapter, topo, control, emit=None, should_stop=lambda: False):
+    def run_job(job, model, adapter, topo, control, emit=None, should_stop=lambda: False,
+                **kw):
         dp = topo.degree("dp")
         if dp == 1:
-            return original(job, model, adapter, topo, control, emit, should_stop)
+            return original(job, model, adapter, topo, control, emit, should_stop, **kw)
         leaders = [topo.global_rank(dp=d, cfg=0, pipefusion=0, ring=0, ulysses=0)
                    for d in range(dp)]
         posted = []
@@ -36,7 +37,7 @@ def early_dp_receive(ctx):
             for src in leaders[1:]:
                 buf = torch.empty(1, device=model.device)
                 posted.append(dist.irecv(buf, src=src))
-        out = original(job, model, adapter, topo, control, emit, should_stop)
+        out = original(job, model, adapter, topo, control, emit, should_stop, **kw)
         if topo.rank in leaders[1:]:
             dist.send(torch.zeros(1, device=model.device), dst=0)
         for work in posted:
