@@ -87,6 +87,28 @@ def test_four_rank_layouts_under_nccl_rules(rule_pools, oracle):
         assert diff <= TOL, f"{config.describe()}: {diff}"
 
 
+def test_model_calls_under_nccl_rules(rule_pools):
+    """The xDiT MODEL's calls: only the dp x cfg leaders gather the rows (a subgroup), the
+    other ranks return; with an uneven row split and one replica holding none."""
+    import diffusers
+    from test_model_calls import comfy_call, reference
+
+    from comfyui_xdit.model_calls import PoolDenoiser
+
+    pool = rule_pools("flux", ParallelConfig(ulysses=2, ring=2))
+    tr = diffusers.FluxTransformer2DModel.from_pretrained(
+        str(pool.model_path), subfolder="transformer", torch_dtype=torch.float32).eval()
+    call = comfy_call("flux", tr, 1, 10, 6, seed=5)  # 2 rows, 15 image tokens
+    want = reference("flux", tr, call["x"], call["timestep"], call["context"], call["y"],
+                     call["guidance"])
+    for config in (ParallelConfig(dp=2, ulysses=2), ParallelConfig(cfg_parallel=True, ring=2),
+                   ParallelConfig(dp=4)):  # dp 4: two replicas have no row
+        den = PoolDenoiser(pool, config.with_world_size(4), "flux")
+        for _ in range(2):
+            d = float((den(**call) - want).abs().max())
+            assert d <= TOL, f"{config.describe()}: {d}"
+
+
 def test_image_output_decode_and_cancel_under_nccl_rules(rule_pools):
     from comfyui_xdit.pool import JobCancelled
 

@@ -19,7 +19,6 @@ conventions.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -27,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .hooks import no_step_scope
 from .p2p import exchange
 from .schedule import Micro, build_schedule
 from .sequence_parallel import all_gather_tokens, even_sizes
@@ -154,11 +154,6 @@ def _stop_requested(should_stop: Callable[[], bool], control) -> bool:
     return bool(flag.item())
 
 
-@contextlib.contextmanager
-def _no_scope(kind, index):
-    yield
-
-
 def _branches(prep: Prepared, topo: Topology) -> dict:
     if prep.uncond is None:
         return {1: prep.cond}
@@ -176,7 +171,7 @@ def run_job(job: Job, model, adapter, topo: Topology, control,
     whole batch's final latent (model space) on rank 0, None elsewhere. `step_scope(kind,
     step)`: a context entered around each tick's work after the stop flag (test hooks that
     watch what a step does, xdit_testhooks/host_syncs.py); none in production."""
-    scope = step_scope or _no_scope
+    scope = step_scope or no_step_scope
     req = job.request
     dev, dtype = model.device, model.dtype
     prep = prepare(job, model, adapter, topo)

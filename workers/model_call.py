@@ -15,7 +15,6 @@ the data plane brings every replica's rows to rank 0, which returns the predicti
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -23,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .hooks import no_step_scope
 from .sequence_parallel import even_sizes
 from .sharding import is_sharded
 from .topology import all_gather, all_reduce
@@ -228,7 +228,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
     if dummy:
         mine = slice(0, 1)
     pred = None
-    scope = step_scope or _no_scope
+    scope = step_scope or no_step_scope
     if sizes[me] or dummy:
         cond = {}
         for k in conds[0]:
@@ -280,11 +280,6 @@ def _extra(model, adapter, h, w, layout) -> dict:
         extra["ref_ids"] = adapter.reference_ids(ref_sizes, ref_method, h * 8, w * 8,
                                                  model.device, extra["img_ids"].dtype)
     return extra
-
-
-@contextlib.contextmanager
-def _no_scope(kind, index):
-    yield
 
 
 class _Clock:
