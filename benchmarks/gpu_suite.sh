@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one command (README "Testing"): the GPU test suite, then the engine figures
+# The GPU check, one command (docs/testing.md): the GPU test suite, then the engine figures
 # on FLUX.1-dev's dimensions (random weights, built once, ~24 GB): eager vs compiled (CUDA
 # graphs), and fp8 weights with fp8 compute on and off. Logs and bench reports land in $OUT
 # (default ./gpu-suite-out).

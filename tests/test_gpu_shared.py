@@ -2,7 +2,7 @@
 on one device), against the same CPU oracles as the CPU suite.
 
 Skipped without CUDA. One command runs it with the engine figures (`bash
-benchmarks/gpu_suite.sh`, README "Testing"). Parallel pools run in fp32 with TF32 off
+benchmarks/gpu_suite.sh`, docs/testing.md). Parallel pools run in fp32 with TF32 off
 (xdit_testhooks/probes.py `no_tf32`) and are held to the CPU diffusers oracle at <= 1e-4 at
 sizes that need padding (80x48: 15 image tokens, 7 text tokens, batch 3 on dp 2): Ulysses,
 Ring, CFG, DP, weight sharding, the xDiT MODEL's call, pipelined PipeFusion (against its

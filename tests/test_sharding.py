@@ -297,7 +297,7 @@ def test_bf16_and_fp8_sharded_equal_unsharded(model_dir):
 def test_memory_plan_matches_the_counts_and_flux1_dev(shard_pools):
     """The plan's sharding figures equal what the 2-rank pool counted (fp32 tiny FLUX), and
     for FLUX.1-dev's dimensions (built on the meta device: 11.9B parameters, bf16) they are
-    the README's figures."""
+    the figures in docs/memory.md and docs/methods.md."""
     import diffusers
 
     from workers.sharding import model_sizes, plan
