@@ -22,5 +22,5 @@ if "comfyui_xdit" not in sys.modules:
 
 async def comfy_entrypoint():
     """ComfyUI V3 entry: the nodes are imported here, not at pack import time."""
-    from comfyui_xdit.nodes import XDiTExtension
+    from comfyui_xdit.nodes.extension import XDiTExtension
     return XDiTExtension()

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from comfyui_xdit.config import ParallelConfig
+from comfyui_xdit.planning.config import ParallelConfig
 
 from . import pool as bench_pool
 from .measure import (METER_HOOKS, Ceiling, Contention, Entry, loadavg, machine_facts,
@@ -108,9 +108,9 @@ def theory(model: dict, job: dict, n: int, batch: int = 1, dtype: str = "fp32") 
 
 # ---- the bench -------------------------------------------------------------------------------
 def run(args) -> int:
-    from comfyui_xdit.demo import default_cache
-    from comfyui_xdit.pool import WorkerPool
-    from comfyui_xdit.tiny_model import ensure_tiny_model
+    from comfyui_xdit.cli.demo import default_cache
+    from comfyui_xdit.client.pool import WorkerPool
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
     t_start = time.perf_counter()
     preset = dict(PRESETS["quick" if args.quick else "full"])

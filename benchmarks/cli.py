@@ -1,5 +1,5 @@
 """The benchmarks' command line: `python -m benchmarks ...`, also reached as
-`python -m comfyui_xdit bench ...` (comfyui_xdit/cli.py imports this module only then)."""
+`python -m comfyui_xdit bench ...` (comfyui_xdit/cli/commands.py imports this module only then)."""
 from __future__ import annotations
 
 import argparse
@@ -115,7 +115,7 @@ def main(argv=None, prog: str = "python -m benchmarks") -> int:
         return 130
     except Exception as e:  # a pool failure: one line, the details are in the message
         from comfyui_xdit.errors import ConfigError
-        from comfyui_xdit.pool import PoolError
+        from comfyui_xdit.client.pool import PoolError
         if isinstance(e, ConfigError):
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -42,8 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from comfyui_xdit.config import ParallelConfig
-from comfyui_xdit.request import GenerationRequest
+from comfyui_xdit.planning.config import ParallelConfig
+from comfyui_xdit.planning.request import GenerationRequest
 
 BUILDER_VERSION = 1
 
@@ -74,7 +74,7 @@ def ensure_flux_shaped(cache: Path, *, heads: int, head_dim: int, double: int, s
     (a GPU draws 12B numbers in a second); the folder is the same either way."""
     import torch
 
-    from comfyui_xdit.tiny_model import ensure_tiny_model
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
     dims = dict(heads=heads, head_dim=head_dim, double=double, single=single,
                 text_dim=text_dim, pooled_dim=pooled_dim, seed=seed)
@@ -169,7 +169,7 @@ def _meta_transformer(dims: dict):
 
 def build_model(preset: dict, cache: Path, dtype: str, device: str, log) -> Path:
     if preset["builder"] == "tiny":
-        from comfyui_xdit.tiny_model import ensure_tiny_model
+        from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
         return ensure_tiny_model("flux", cache, depth=preset["depth"],
                                  width=preset["heads"] * preset["head_dim"], heads=preset["heads"])
     return ensure_flux_shaped(cache, heads=preset["heads"], head_dim=preset["head_dim"],
@@ -202,7 +202,7 @@ def _summary(name: str, est: list, **extra) -> dict:
 
 def measure_pool(name, model, config: ParallelConfig, p: dict, device: str, dtype: str,
                  compile: bool, log, weights: str = "auto") -> dict:
-    from comfyui_xdit.pool import WorkerPool
+    from comfyui_xdit.client.pool import WorkerPool
 
     threads = 1 if device == "cpu" else None
     with WorkerPool(model, config, device=device, dtype=dtype, threads_per_rank=threads,
@@ -292,7 +292,7 @@ def default_ranks(device: str, heads: int) -> list:
 
 
 def run(args, log) -> dict:
-    from comfyui_xdit.demo import default_cache
+    from comfyui_xdit.cli.demo import default_cache
     from comfyui_xdit.errors import ConfigError
 
     name = args.preset or ("quick" if args.quick else "cpu")

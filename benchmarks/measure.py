@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from comfyui_xdit.config import ParallelConfig
-from comfyui_xdit.request import GenerationRequest
+from comfyui_xdit.planning.config import ParallelConfig
+from comfyui_xdit.planning.request import GenerationRequest
 
 from .comm_meter import SPEC as METER
 

@@ -1,7 +1,7 @@
 """Per-call overhead of the xDiT MODEL (`python -m comfyui_xdit bench --model-call`).
 
 ComfyUI's samplers call the MODEL once per step (twice the rows with CFG); each call is one
-pool request (comfyui_xdit/model_calls.py -> workers/model_call.py). What a call costs beyond
+pool request (comfyui_xdit/nodes/model_calls.py -> workers/model_call.py). What a call costs beyond
 the transformer is the overhead this section measures: the host's conversions, pickling and
 the loopback channel both ways, rank 0's checks, the broadcast of the call to the other
 ranks, the all-gather of their rows and the copies around them.
@@ -33,7 +33,7 @@ def measure(pool, config, arch: str, size: int, calls: int, warmup: int = 2,
     """Time `calls` PoolDenoiser calls (after `warmup`) on `pool`; medians in ms."""
     import torch
 
-    from comfyui_xdit.model_calls import PoolDenoiser
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
 
     cfg = json.loads((Path(pool.model_path) / "transformer" / "config.json").read_text())
     den = PoolDenoiser(pool, config, arch)
@@ -77,10 +77,10 @@ def measure(pool, config, arch: str, size: int, calls: int, warmup: int = 2,
 
 
 def run(args) -> int:
-    from comfyui_xdit.config import ParallelConfig
-    from comfyui_xdit.demo import default_cache
-    from comfyui_xdit.pool import WorkerPool
-    from comfyui_xdit.tiny_model import ensure_tiny_model
+    from comfyui_xdit.planning.config import ParallelConfig
+    from comfyui_xdit.cli.demo import default_cache
+    from comfyui_xdit.client.pool import WorkerPool
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
     from .measure import loadavg, machine_facts
 

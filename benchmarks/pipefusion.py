@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from comfyui_xdit.config import ParallelConfig
-from comfyui_xdit.request import GenerationRequest
+from comfyui_xdit.planning.config import ParallelConfig
+from comfyui_xdit.planning.request import GenerationRequest
 
 from .measure import (METER_HOOKS, Ceiling, Contention, Entry, NoCeiling, measure_interleaved,
                       paired, summarize_entry)
@@ -76,7 +76,7 @@ def flux_model(cache: Path, double: int, single: int, heads: int, head_dim: int)
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from comfyui_xdit.tiny_model import ensure_tiny_model
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
     width = heads * head_dim
     if double == single:
@@ -113,7 +113,7 @@ def flux_model(cache: Path, double: int, single: int, heads: int, head_dim: int)
 
 
 def sd3_model(cache: Path, depth: int, heads: int, head_dim: int) -> Path:
-    from comfyui_xdit.tiny_model import ensure_tiny_model
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model("sd3", cache, depth=depth, width=heads * head_dim, heads=heads)
 
@@ -250,8 +250,8 @@ def _quality_request(q: dict, seed: int = 11) -> GenerationRequest:
 
 def run(args, log, machine: dict) -> dict:
     """The PipeFusion section; returns its report (also used by the tests)."""
-    from comfyui_xdit.demo import default_cache
-    from comfyui_xdit.pool import WorkerPool
+    from comfyui_xdit.cli.demo import default_cache
+    from comfyui_xdit.client.pool import WorkerPool
 
     t_start = time.perf_counter()
     preset = PRESETS["quick" if args.quick else "full"]

@@ -15,8 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
-from comfyui_xdit.config import ParallelConfig
-from comfyui_xdit.request import GenerationRequest
+from comfyui_xdit.planning.config import ParallelConfig
+from comfyui_xdit.planning.request import GenerationRequest
 
 
 def _diffusers_job(pipe, req: GenerationRequest) -> float:
@@ -39,7 +39,7 @@ def warm_pool_vs_diffusers(model: Path, job: dict, repeats: int, log=print) -> d
     import torch
     import diffusers
 
-    from comfyui_xdit.pool import WorkerPool
+    from comfyui_xdit.client.pool import WorkerPool
 
     req = GenerationRequest(prompt=["a photo of a red cat"], seed=1, steps=job["steps"],
                             height=job["height"], width=job["width"], cfg=1.0,
@@ -67,7 +67,7 @@ def warm_pool_vs_diffusers(model: Path, job: dict, repeats: int, log=print) -> d
 
 
 def launch_and_dispatch(model: Path, tiny: Path, job: dict, log=print) -> dict:
-    from comfyui_xdit.pool import WorkerPool
+    from comfyui_xdit.client.pool import WorkerPool
 
     req = GenerationRequest(prompt=["a photo of a red cat"], seed=1, steps=job["steps"],
                             height=job["height"], width=job["width"], cfg=1.0,

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import ConfigError
-from .worker_modules import worker_module
+from comfyui_xdit.planning.config import ConfigError
+from comfyui_xdit.client.worker_modules import worker_module
 
 LATENT_CHANNELS = 16
 # ComfyUI LATENT channels and downscale of the archs that differ from FLUX.1 / SD3's 16 at

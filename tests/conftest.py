@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from comfyui_xdit import GenerationRequest, ParallelConfig  # noqa: E402
-from comfyui_xdit.tiny_model import ensure_tiny_model  # noqa: E402
+from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

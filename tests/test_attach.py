@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig
-from comfyui_xdit.pool import PoolError, WorkerPool
+from comfyui_xdit.client.pool import PoolError, WorkerPool
 
 ROOT = Path(__file__).resolve().parent.parent
 

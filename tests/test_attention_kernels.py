@@ -126,7 +126,7 @@ def test_check_backend_reports_both_methods_and_refuses_at_pool_start(fake_gpu):
 
 
 def test_backend_names_match_the_host_options():
-    from comfyui_xdit.config import ATTENTION_BACKENDS
+    from comfyui_xdit.planning.config import ATTENTION_BACKENDS
     assert tuple(A.BACKENDS) == tuple(ATTENTION_BACKENDS)
 
 

@@ -26,8 +26,8 @@ def _env():
 
 
 def test_product_package_does_not_import_benchmarks():
-    code = ("import sys; import comfyui_xdit, comfyui_xdit.cli, comfyui_xdit.pool, "
-            "comfyui_xdit.demo, workers.serve\n"
+    code = ("import sys; import comfyui_xdit, comfyui_xdit.cli.commands, comfyui_xdit.client.pool, "
+            "comfyui_xdit.cli.demo, workers.serve\n"
             "bad = sorted(m for m in sys.modules if m == 'benchmarks' or "
             "m.startswith('benchmarks.'))\n"
             "assert not bad, bad")
@@ -228,7 +228,7 @@ def test_bench_pipefusion_quick(tmp_path):
 
     # weights: one row per layout; every block on exactly one stage, the rest on every stage
     rows = {(m["degree"], m["split"]): m for m in pf["memory"]}
-    from comfyui_xdit.config import ParallelConfig
+    from comfyui_xdit.planning.config import ParallelConfig
     assert set(rows) >= {(1, "-"), (2, ParallelConfig().pipefusion_split)}
     for m in rows.values():
         n = m["degree"]

@@ -142,7 +142,7 @@ def test_identical_blocks_compile_once():
 def test_pipefusion_with_compile_is_refused_before_launch(model_dir):
     """One ConfigError on the host, nothing launched; the workers' own check (a pool
     started elsewhere, under torchrun) says the same."""
-    from comfyui_xdit.config import ConfigError
+    from comfyui_xdit.planning.config import ConfigError
     from workers.compile import PIPEFUSION_REFUSED, check
 
     with WorkerPool(model_dir("flux"), ParallelConfig(pipefusion=2), device="cpu",
@@ -236,7 +236,7 @@ def test_model_calls_report_compiling_and_match_diffusers(model_dir):
     call again compiles nothing and reports nothing; both equal the diffusers transformer."""
     import diffusers
 
-    from comfyui_xdit.model_calls import PoolDenoiser
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
     from test_model_calls import comfy_call, reference
 
     folder = model_dir("sd3")

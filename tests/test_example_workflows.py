@@ -20,9 +20,9 @@ STOCK = {"EmptySD3LatentImage", "EmptyLatentImage", "SaveImage", "PreviewImage",
 
 
 def our_node_ids() -> set:
-    """node_id="..." of every schema in the node modules (comfyui_xdit/nodes*.py; read as
+    """node_id="..." of every schema in the node modules (comfyui_xdit/nodes/*.py; read as
     text: importing needs ComfyUI)."""
-    return {n for f in (ROOT / "comfyui_xdit").glob("nodes*.py")
+    return {n for f in (ROOT / "comfyui_xdit" / "nodes").glob("*.py")
             for n in re.findall(r'node_id="([^"]+)"', f.read_text())}
 
 
@@ -100,7 +100,7 @@ def test_examples_fit_any_machine_and_say_where_their_model_goes():
     tooltip both place under models/diffusers/."""
     readme = (ROOT / "README.md").read_text()
     # adjacent string literals joined, as Python joins them
-    tooltips = re.sub(r'"\s*\n\s*"', "", (ROOT / "comfyui_xdit" / "nodes.py").read_text())
+    tooltips = re.sub(r'"\s*\n\s*"', "", (ROOT / "comfyui_xdit" / "nodes" / "extension.py").read_text())
     for api_file in API_FILES:
         api = json.loads(api_file.read_text())
         loaders = [n for n in api.values() if n["class_type"] == "xDiT.LoadModel"]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from comfyui_xdit.tiny_model import build_tiny_model, ensure_tiny_model, resolve_config
+from comfyui_xdit.testmodels.tiny_model import build_tiny_model, ensure_tiny_model, resolve_config
 
 from conftest import flux2_comfy_from_raw, flux2_noise
 
@@ -87,7 +87,7 @@ def test_flux2_knobs_validated():
 # ---- detection and the pool (issue #14) ------------------------------------------------
 
 def test_flux2_folder_detected(flux2_folder):
-    from comfyui_xdit.model_info import read_model_info
+    from comfyui_xdit.planning.model_info import read_model_info
 
     info = read_model_info(flux2_folder)
     assert (info.arch, info.heads, info.patch_size, info.blocks) == ("flux2", 4, 1, 4)
@@ -99,7 +99,7 @@ def test_flux2_latent_layout_round_trip():
     unpatchified one, and `pack` of a raw latent is diffusers' patchify + pack."""
     from diffusers import Flux2KleinPipeline
 
-    from comfyui_xdit.worker_modules import worker_module
+    from comfyui_xdit.client.worker_modules import worker_module
 
     ll = worker_module("models.latent_layout")
     raw = torch.randn(2, 32, 16, 12, generator=torch.manual_seed(1))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from comfyui_xdit.tiny_model import (MISTRAL3_LAYERS, add_cli, build_tiny_model, ensure_tiny_model,
+from comfyui_xdit.testmodels.tiny_model import (MISTRAL3_LAYERS, add_cli, build_tiny_model, ensure_tiny_model,
                                      resolve_config)
 
 TOL = 1e-4
@@ -167,7 +167,7 @@ def test_variant_knob_validated(capsys):
 
 
 def test_request_default_guidance_is_flux2_devs(folder):
-    from comfyui_xdit.model_info import read_model_info
+    from comfyui_xdit.planning.model_info import read_model_info
 
     info = read_model_info(folder)
     assert info.arch == "flux2" and info.heads == 4
@@ -175,7 +175,7 @@ def test_request_default_guidance_is_flux2_devs(folder):
     assert resolved.guidance == 4.0 and resolved.cfg == 1.0
     assert request(128, 96, 1, guidance=1.5).resolved(info).guidance == 1.5
     # the Sampler node: its default guidance 0 is the model's default, an explicit value wins
-    from comfyui_xdit.node_logic import SampleInputs, build_job
+    from comfyui_xdit.nodes.logic import SampleInputs, build_job
     empty = {"samples": torch.zeros(1, 128, 8, 6)}
     node = build_job(SampleInputs(latent=empty, prompt="a cat"), "flux2", model=info)[0]
     assert SampleInputs(latent=empty).guidance == 0.0 and node.resolved(info).guidance == 4.0
@@ -203,7 +203,7 @@ def test_pipeline_class_follows_model_index(folder, tmp_path):
         flux2_pipeline_class(str(tmp_path))
     # the host refuses such a folder before any worker starts
     from comfyui_xdit.errors import ConfigError
-    from comfyui_xdit.model_info import read_model_info
+    from comfyui_xdit.planning.model_info import read_model_info
     (tmp_path / "transformer").mkdir()
     (tmp_path / "transformer" / "config.json").write_text(
         (folder / "transformer" / "config.json").read_text())

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
-from comfyui_xdit.tiny_model import build_tiny_model
+from comfyui_xdit.testmodels.tiny_model import build_tiny_model
 
 from conftest import flux2_comfy_from_raw, flux2_noise
 
@@ -234,7 +234,7 @@ def base_folder(folder, tmp_path_factory):
 
 def test_distilled_flag_read_from_model_index(folder, base_folder, tmp_path):
     from comfyui_xdit import ConfigError
-    from comfyui_xdit.model_info import read_model_info
+    from comfyui_xdit.planning.model_info import read_model_info
 
     assert read_model_info(folder).distilled is True
     assert read_model_info(base_folder).distilled is False
@@ -248,8 +248,8 @@ def test_distilled_flag_read_from_model_index(folder, base_folder, tmp_path):
 
 
 def test_cfg_default_follows_the_model(folder, base_folder):
-    from comfyui_xdit.model_info import read_model_info
-    from comfyui_xdit.request import default_cfg
+    from comfyui_xdit.planning.model_info import read_model_info
+    from comfyui_xdit.planning.request import default_cfg
 
     distilled, base = read_model_info(folder), read_model_info(base_folder)
     req = GenerationRequest(prompt=["x"])
@@ -297,7 +297,7 @@ def _stage_block_params(split, stages):
     own step) on a FLUX.2-dev transformer built on the meta device, and all block params."""
     import diffusers
 
-    from comfyui_xdit.worker_modules import worker_module
+    from comfyui_xdit.client.worker_modules import worker_module
 
     ps = worker_module("pipefusion_stages")
     lists = worker_module("models.flux2").Flux2Adapter.block_lists
@@ -355,7 +355,7 @@ def test_decode_loads_the_folders_vae_class(folder, tmp_path):
     an AutoencoderKL reading the same weights); a VAE class it has not proven is refused."""
     import json
 
-    from comfyui_xdit.worker_modules import worker_module
+    from comfyui_xdit.client.worker_modules import worker_module
 
     base = worker_module("models.base")
     LoadedModel = worker_module("models").LoadedModel

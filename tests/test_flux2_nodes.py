@@ -11,7 +11,7 @@ import torch
 from comfyui_xdit import ConfigError, GenerationRequest
 from comfyui_xdit.comfy_convert import (conditioning_to_request, latent_from_comfy,
                                         request_to_conditioning)
-from comfyui_xdit.node_logic import (ModelHandle, PoolRegistry, SampleInputs, build_job,
+from comfyui_xdit.nodes.logic import (ModelHandle, PoolRegistry, SampleInputs, build_job,
                                      decode, model_text_width, sample)
 
 
@@ -207,7 +207,7 @@ def test_flux2_single_file_detected_with_the_folders_config(model_dir, tmp_path,
                                                              naming):
     import json
 
-    from comfyui_xdit.model_info import read_model_info, single_file_config
+    from comfyui_xdit.planning.model_info import read_model_info, single_file_config
     from single_file_util import write_single_file
 
     path = model_dir("flux2")
@@ -288,7 +288,7 @@ def test_pool_denoiser_flux2_layout_timestep_and_references(pools, model_dir):
     layout, equal to the diffusers transformer (<= 1e-4) on 2 Ulysses ranks, with and without
     a reference latent (ReferenceLatent's `ref_latents`)."""
     from comfyui_xdit import ParallelConfig
-    from comfyui_xdit.model_calls import PoolDenoiser
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
 
     path = model_dir("flux2")
     pool = pools("flux2", 2)
@@ -324,7 +324,7 @@ def test_pool_denoiser_flux2_layout_timestep_and_references(pools, model_dir):
 def test_pool_denoiser_refuses_references_for_sd3():
     """Before any pool is asked: a ReferenceLatent on an SD3 MODEL is one clear error."""
     from comfyui_xdit import ParallelConfig
-    from comfyui_xdit.model_calls import PoolDenoiser
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
 
     def no_pool():
         raise AssertionError("the pool must not be reached")
@@ -466,7 +466,7 @@ def test_comfy_unet_config_for_the_xdit_model(model_dir, tmp_path):
 
     import diffusers
 
-    from comfyui_xdit.model_info import FLUX_CONFIG_DEFAULTS, comfy_unet_config
+    from comfyui_xdit.planning.model_info import FLUX_CONFIG_DEFAULTS, comfy_unet_config
     from single_file_util import write_single_file
 
     for arch, cls in (("flux", diffusers.FluxTransformer2DModel),

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
-from comfyui_xdit.model_info import read_model_info
-from comfyui_xdit.tiny_model import write_fp8_file
+from comfyui_xdit.planning.model_info import read_model_info
+from comfyui_xdit.testmodels.tiny_model import write_fp8_file
 from conftest import comfyui_noise, model_to_latent, pack_flux, unpack_flux
 from single_file_util import write_single_file
 

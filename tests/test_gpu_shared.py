@@ -116,7 +116,7 @@ def test_model_call_matches_the_diffusers_transformer(gpu_pools, model_dir, conf
     import diffusers
     from test_model_calls import comfy_call, reference
 
-    from comfyui_xdit.model_calls import PoolDenoiser
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
 
     tr = diffusers.FluxTransformer2DModel.from_pretrained(
         str(model_dir("flux")), subfolder="transformer", torch_dtype=torch.float32).eval()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
-from comfyui_xdit.model_calls import PoolDenoiser
+from comfyui_xdit.nodes.model_calls import PoolDenoiser
 
 HOOK = "xdit_testhooks.host_syncs:install"
 SPY = "xdit_testhooks.probes:attention_calls"

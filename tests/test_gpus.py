@@ -1,4 +1,4 @@
-"""GPU selection (comfyui_xdit/gpus.py): which GPUs are visible, one GPU per rank, and one
+"""GPU selection (comfyui_xdit/planning/gpus.py): which GPUs are visible, one GPU per rank, and one
 clear error for a world size they cannot hold, raised before any worker process starts.
 No GPU needed: the GPU count and CUDA_VISIBLE_DEVICES are faked."""
 from __future__ import annotations
@@ -8,9 +8,10 @@ import subprocess
 import pytest
 import torch
 
-from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig, gpus
-from comfyui_xdit.gpus import describe_visible, gpus_for_ranks, parse_visible, visible_gpus
-from comfyui_xdit.node_logic import ModelHandle, PoolRegistry, SampleInputs, sample
+from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig
+from comfyui_xdit.planning import gpus
+from comfyui_xdit.planning.gpus import describe_visible, gpus_for_ranks, parse_visible, visible_gpus
+from comfyui_xdit.nodes.logic import ModelHandle, PoolRegistry, SampleInputs, sample
 
 ENV = "CUDA_VISIBLE_DEVICES"
 
@@ -207,7 +208,7 @@ def test_the_loader_and_the_sampler_check_first(model_dir, fake_gpus, no_spawn):
 def test_text_encoder_gpu_placement(fake_gpus):
     """text_encoders=cuda:N names the N-th visible GPU: rank 0's own ("gpu"), another rank's,
     or a spare one; rank 0 is then given it as its second GPU (cuda:1)."""
-    from comfyui_xdit.gpus import TextEncoderGPU, text_encoder_gpu
+    from comfyui_xdit.planning.gpus import TextEncoderGPU, text_encoder_gpu
     fake_gpus(0, "2,3,5")
     ranks = ["2", "3"]
     assert text_encoder_gpu("auto", ranks) is None and text_encoder_gpu("cpu", ranks) is None

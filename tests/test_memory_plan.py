@@ -1,4 +1,4 @@
-"""The memory plan (comfyui_xdit/memory_plan.py): weights per rank checked against the real
+"""The memory plan (comfyui_xdit/planning/memory_plan.py): weights per rank checked against the real
 meta-built modules each method leaves on a rank, fp8, monotonicity, the refusal with its
 numbers, the CLI, and the pool / loader refusing before any worker starts."""
 from __future__ import annotations
@@ -10,10 +10,11 @@ import subprocess
 import pytest
 import torch
 
-from comfyui_xdit import ParallelConfig, memory_plan as mp
-from comfyui_xdit.cli import main as cli_main
-from comfyui_xdit.config import ConfigError, EngineOptions
-from comfyui_xdit.worker_modules import worker_module
+from comfyui_xdit import ParallelConfig
+from comfyui_xdit.planning import memory_plan as mp
+from comfyui_xdit.cli.commands import main as cli_main
+from comfyui_xdit.planning.config import ConfigError, EngineOptions
+from comfyui_xdit.client.worker_modules import worker_module
 
 GiB = 2 ** 30
 LISTS = ("transformer_blocks", "single_transformer_blocks")
@@ -240,7 +241,7 @@ def test_pool_refuses_before_any_worker(model_dir, monkeypatch):
 
 
 def test_loader_shows_and_refuses(model_dir, monkeypatch):
-    from comfyui_xdit.node_logic import make_handle
+    from comfyui_xdit.nodes.logic import make_handle
     monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [64 * 2 ** 20] * len(ids))
     h = make_handle(str(model_dir("flux")), "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b",
                     has_cuda=True)
@@ -334,7 +335,7 @@ def test_activation_estimate_bounds_a_real_forward(model_dir, arch):
 def test_text_encoders_on_a_named_gpu(flux2, monkeypatch):
     """text_encoders=cuda:N: counted on the rank whose GPU that is, on none for a spare GPU;
     the launch check then weighs the spare GPU alone and refuses one they cannot fit."""
-    from comfyui_xdit import gpus
+    from comfyui_xdit.planning import gpus
     _, facts = flux2
     te = facts.text_encoder_params * 2
     engine = EngineOptions(device="cuda", dtype="bf16", text_encoders="cuda:1")
@@ -448,7 +449,7 @@ def test_pool_mode_is_checked_and_can_change_before_a_launch(model_dir, monkeypa
 
 
 def test_loader_option_advises(model_dir, monkeypatch):
-    from comfyui_xdit.node_logic import loader_handle, make_handle
+    from comfyui_xdit.nodes.logic import loader_handle, make_handle
     monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
     path = str(model_dir("flux"))
     enforce = make_handle(path, "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b", has_cuda=True)
@@ -469,7 +470,7 @@ def test_loader_option_advises(model_dir, monkeypatch):
 def test_registry_hands_the_mode_to_the_pool(model_dir):
     import dataclasses as dc
 
-    from comfyui_xdit.node_logic import PoolRegistry, make_handle
+    from comfyui_xdit.nodes.logic import PoolRegistry, make_handle
     made = []
 
     class FakePool:

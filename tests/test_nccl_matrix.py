@@ -93,7 +93,7 @@ def test_model_calls_under_nccl_rules(rule_pools):
     import diffusers
     from test_model_calls import comfy_call, reference
 
-    from comfyui_xdit.model_calls import PoolDenoiser
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
 
     pool = rule_pools("flux", ParallelConfig(ulysses=2, ring=2))
     tr = diffusers.FluxTransformer2DModel.from_pretrained(
@@ -110,7 +110,7 @@ def test_model_calls_under_nccl_rules(rule_pools):
 
 
 def test_image_output_decode_and_cancel_under_nccl_rules(rule_pools):
-    from comfyui_xdit.pool import JobCancelled
+    from comfyui_xdit.client.pool import JobCancelled
 
     pool = rule_pools("flux", ParallelConfig(ulysses=2))
     pool.reconfigure(ParallelConfig(ulysses=2))
@@ -175,7 +175,7 @@ NEGATIVE = [
                                                           "old-pipefusion-order"])
 def test_old_schedules_pass_on_gloo_and_deadlock_under_nccl_rules(rule_pools, fault, config,
                                                                   kw):
-    from comfyui_xdit.pool import PoolError
+    from comfyui_xdit.client.pool import PoolError
 
     req = _req("flux", height=96, width=64, **kw)
     forgiving = rule_pools("flux", config, hooks=(fault,))

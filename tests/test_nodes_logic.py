@@ -11,10 +11,10 @@ from comfyui_xdit import ConfigError, GenerationRequest
 from comfyui_xdit.comfy_convert import (comfy_noise, conditioning_to_request, is_empty_latent,
                                         latent_from_comfy, latent_to_comfy, preview_rgb,
                                         request_to_conditioning)
-from comfyui_xdit.node_logic import (ModelHandle, PoolRegistry, SampleInputs, build_job, decode,
+from comfyui_xdit.nodes.logic import (ModelHandle, PoolRegistry, SampleInputs, build_job, decode,
                                      discover_models, discover_single_files, make_handle,
                                      resolve_model, sample)
-from comfyui_xdit.pool import JobCancelled
+from comfyui_xdit.client.pool import JobCancelled
 
 from single_file_util import write_single_file
 from test_conditioning import encode
@@ -331,7 +331,7 @@ def test_decode_on_the_pool_and_with_a_comfyui_vae(registry, model_dir, tmp_path
     # bad samples: refused before the pool (node) and on rank 0 before broadcast (pool)
     with pytest.raises(ConfigError, match=r"FLUX.1 model's Decode takes latents \[batch, 16"):
         decode(h, {"samples": torch.zeros(1, 4, 8, 8)}, registry=registry)
-    from comfyui_xdit.pool import PoolError
+    from comfyui_xdit.client.pool import PoolError
     with pytest.raises(PoolError, match="decode takes LATENT samples \\[batch, 16"):
         pool.decode(torch.zeros(1, 4, 8, 8))
     assert pool.worker_pids() == pids and torch.equal(decode(h, lat, registry=registry), img)
@@ -356,7 +356,7 @@ def test_decode_on_the_pool_and_with_a_comfyui_vae(registry, model_dir, tmp_path
 def test_bad_inputs_give_one_clear_error_and_the_pool_survives(registry, model_dir, tmp_path):
     from safetensors.torch import save_file
 
-    from comfyui_xdit.pool import PoolError
+    from comfyui_xdit.client.pool import PoolError
     h = _handle(model_dir, world_size=2, ulysses=2)
     empty = {"samples": torch.zeros(1, 16, 8, 8)}
     good = sample(h, SampleInputs(latent=empty, prompt="a cat", **COMMON), registry=registry)
@@ -487,11 +487,11 @@ def loader_node(monkeypatch, tmp_path, model_dir):
                       "folder_paths": folder_paths, "comfy_api": types.SimpleNamespace(),
                       "comfy_api.v0_0_2": api}.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes", raising=False)
+    monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.extension", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    import comfyui_xdit.nodes as nodes
+    import comfyui_xdit.nodes.extension as nodes
     yield nodes.LoadModel, mm
-    sys.modules.pop("comfyui_xdit.nodes", None)
+    sys.modules.pop("comfyui_xdit.nodes.extension", None)
 
 
 def test_loader_reports_a_bad_configuration_once(loader_node):
@@ -530,7 +530,7 @@ def test_loader_memory_plan_option(loader_node):
     """An optional enum beside the engine options, passed to the handle as chosen."""
     import sys
     LoadModel, _ = loader_node
-    combo = sys.modules["comfyui_xdit.nodes"].io.Combo.Input
+    combo = sys.modules["comfyui_xdit.nodes.extension"].io.Combo.Input
     LoadModel.define_schema()
     calls = [c for c in combo.call_args_list if c.args and c.args[0] == "memory_plan"]
     assert len(calls) == 1 and calls[0].kwargs["options"] == ["auto", "enforce", "advise"]
@@ -585,7 +585,7 @@ def test_engine_options_reach_the_pool_and_key_it(model_dir):
 
 
 def test_worker_traceback_becomes_one_sentence(tmp_path):
-    from comfyui_xdit import worker_log as W
+    from comfyui_xdit.client import worker_log as W
     log = """2026-01-01 10:00:00 rank2 xdit: weights loaded
 Traceback (most recent call last):
   File "/x/workers/serve.py", line 150, in main
@@ -669,7 +669,7 @@ def test_killed_worker_is_one_sentence_and_the_next_job_clears_it(model_dir):
             seen.append(ev)
             if len(seen) == 1:
                 os.kill(victim, signal.SIGKILL)
-        from comfyui_xdit.pool import PoolError
+        from comfyui_xdit.client.pool import PoolError
         with pytest.raises(PoolError) as info:
             sample(h, SampleInputs(latent=empty, prompt="a cat", **dict(COMMON, steps=200)),
                    on_event=on_event, registry=reg)
@@ -687,14 +687,14 @@ def test_killed_worker_is_one_sentence_and_the_next_job_clears_it(model_dir):
 
 def test_compiling_text_for_both_sampling_paths():
     """Sampler (xDiT) and the xDiT MODEL under KSampler show the same text while compiling."""
-    from comfyui_xdit.node_logic import compiling_text
+    from comfyui_xdit.nodes.logic import compiling_text
     assert compiling_text({"phase": "compiling", "compiles": 3, "compile_s": 12.4}) == \
         "compiling (3 graph(s), 12 s so far)"
     assert compiling_text({"step": 1, "total": 4}) is None
 
 
 def test_text_encoder_choices_list_each_visible_gpu():
-    from comfyui_xdit.node_logic import text_encoder_options
+    from comfyui_xdit.nodes.logic import text_encoder_options
     assert text_encoder_options(0) == ["auto", "cpu", "gpu"]
     assert text_encoder_options(3)[3:] == ["cuda:0", "cuda:1", "cuda:2"]
     assert text_encoder_options()[:3] == ["auto", "cpu", "gpu"]  # counts without a GPU

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from comfyui_xdit.config import ConfigError
-from comfyui_xdit.tiny_model import ensure_tiny_model
+from comfyui_xdit.planning.config import ConfigError
+from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 from workers.schedule import patch_rows
 from workers.pipefusion_stages import parse_split, partition
 
@@ -190,7 +190,7 @@ def test_back_to_back_jobs_with_other_shapes(model_dir, pf_pools):
 
 
 def test_cancel_mid_job_keeps_the_pool(model_dir, pf_pools):
-    from comfyui_xdit.pool import JobCancelled
+    from comfyui_xdit.client.pool import JobCancelled
     pool = pf_pools(model_dir("flux"), ParallelConfig(pipefusion=2, warmup_steps=1))
     pool.generate(request("flux", steps=1))
     pids = pool.worker_pids()
@@ -257,7 +257,7 @@ def test_sd35_blocks_ulysses_and_pipefusion_exact(tmp_path_factory, oracle, pf_p
 
 
 def test_degree_and_split_are_checked_against_the_model(model_dir):
-    from comfyui_xdit.model_info import read_model_info
+    from comfyui_xdit.planning.model_info import read_model_info
     info = read_model_info(model_dir("flux"))
     assert info.blocks == 4  # 2 double + 2 single
     with pytest.raises(ConfigError, match="pipefusion 5 exceeds the model's 4 transformer blocks"):

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig
-from comfyui_xdit.pool import JobCancelled, PoolError, WorkerPool
+from comfyui_xdit.client.pool import JobCancelled, PoolError, WorkerPool
 
 # Three different jobs: batch 1 / batch 2 on a non-square odd token grid (15 tokens over
 # ulysses 2, so padding is used) / FLUX true-CFG with a negative prompt.

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from comfyui_xdit.pool import JobCancelled, PoolError, WorkerPool
+from comfyui_xdit.client.pool import JobCancelled, PoolError, WorkerPool
 
 REQ3 = GenerationRequest(prompt=["a red cat", "a dog", "blue sky"], seed=11, steps=4,
                          height=80, width=64, max_sequence_length=12)

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
-from comfyui_xdit.config import ConfigError
-from comfyui_xdit.pool import PoolError
+from comfyui_xdit.planning.config import ConfigError
+from comfyui_xdit.client.pool import PoolError
 
 from conftest import flux2_comfy_from_raw, pack_flux, unpack_flux
 
@@ -480,8 +480,8 @@ def test_model_call_bad_ref_latents_refused(pools, flux_transformer):
 def test_memory_plan_counts_reference_tokens():
     """The memory plan sees the references' tokens: activations and PipeFusion's K/V grow
     as if the image were that much larger (a 1024x1024 reference doubles the stream)."""
-    from comfyui_xdit import memory_plan as mp
-    from comfyui_xdit.config import EngineOptions
+    from comfyui_xdit.planning import memory_plan as mp
+    from comfyui_xdit.planning.config import EngineOptions
 
     facts = mp.preset_facts("flux2-dev")
     bf16 = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu")

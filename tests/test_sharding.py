@@ -169,7 +169,7 @@ def test_model_call_with_an_empty_replica(shard_pools):
     diffusers transformer's."""
     import diffusers
 
-    from comfyui_xdit.model_calls import PoolDenoiser
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
     from test_model_calls import comfy_call, reference
 
     arch = "flux"
@@ -343,7 +343,7 @@ def test_single_file_loads_shard_only(model_dir, tmp_path):
     a host-sampler call on it equals the diffusers transformer of the same weights."""
     import diffusers
 
-    from comfyui_xdit.model_calls import PoolDenoiser
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
     from single_file_util import write_single_file
     from test_model_calls import comfy_call, reference
 

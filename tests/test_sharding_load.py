@@ -79,7 +79,7 @@ def _file_bytes(path) -> tuple:
 
 
 def _run(path, arch, call, shard, **opts):
-    from comfyui_xdit.model_calls import PoolDenoiser
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
     config = ParallelConfig(ulysses=2) if arch == "flux" else ParallelConfig(ring=2)
     with WorkerPool(str(path), config, device="cpu", threads_per_rank=1,
                     shard_weights=shard, **opts) as pool:
@@ -95,14 +95,14 @@ def test_single_file_sharded_reads_half(model_dir, tmp_path, arch, storage):
     import diffusers
     from safetensors.torch import load_file
 
-    from comfyui_xdit.tiny_model import write_fp8_file
+    from comfyui_xdit.testmodels.tiny_model import write_fp8_file
     from single_file_util import write_single_file
     from test_model_calls import comfy_call, reference
 
     if arch == "flux":
         folder = model_dir(arch)
     else:  # a BFL SD3 file implies 64-wide heads (as released): the folder must have them too
-        from comfyui_xdit.tiny_model import ensure_tiny_model
+        from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
         folder = ensure_tiny_model("sd3", tmp_path / "models", width=256, heads=4)
     state = None
     if storage == "bf16":

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig, WorkerPool
-from comfyui_xdit.model_info import (ARCH_BY_CLASS, read_model_info, read_safetensors_header,
+from comfyui_xdit.planning.model_info import (ARCH_BY_CLASS, read_model_info, read_safetensors_header,
                                      single_file_config)
 from single_file_util import PREFIX, write_single_file
 from test_conditioning import encode
@@ -28,7 +28,7 @@ SD3_WIDE = dict(width=256, heads=4)  # SD3 stores no head dim without qk-norm: 6
 def files(model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("single")
     flux = model_dir("flux")
-    from comfyui_xdit.tiny_model import ensure_tiny_model
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
     sd3 = ensure_tiny_model("sd3", d / "models", **SD3_WIDE)
     fake_vae = {"vae.decoder.conv_in.weight": torch.zeros(4, 16, 3, 3),
                 "text_encoders.clip_l.transformer.text_model.final_layer_norm.weight":

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from comfyui_xdit import tiny_model
-from comfyui_xdit.tiny_model import add_cli, build_tiny_model, ensure_tiny_model, run_cli
+from comfyui_xdit.testmodels import tiny_model
+from comfyui_xdit.testmodels.tiny_model import add_cli, build_tiny_model, ensure_tiny_model, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -309,7 +309,7 @@ def test_unsupported_decoder_refused():
 
 def _print_report(mem_latent: int):
     sys.path.insert(0, str(ROOT))
-    from comfyui_xdit.tiny_model import ensure_tiny_model
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
     with tempfile.TemporaryDirectory() as d:
         dirs = [ensure_tiny_model(arch, Path(d) / "models") for arch in ("flux", "sd3")]
         t = time.perf_counter()

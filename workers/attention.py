@@ -33,7 +33,7 @@ from yunchang.ring.ring_flash_attn import ring_flash_attn_forward  # imported on
 
 from .topology import Topology, all_to_all_single
 
-BACKENDS = ("auto", "cudnn", "flash", "efficient", "torch")  # = comfyui_xdit.config's list
+BACKENDS = ("auto", "cudnn", "flash", "efficient", "torch")  # = comfyui_xdit.planning.config's list
 HALF = (torch.float16, torch.bfloat16)
 
 # kernel name -> calls in this process. Tests read it to see which path ran; one dict

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from .worker_modules import worker_module
+from comfyui_xdit.client.worker_modules import worker_module
 
 REFERENCE_METHODS = worker_module("models.facts").REFERENCE_METHODS
 
@@ -184,7 +184,7 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
     elif arch is None and method is not None and \
             method not in {m for ms in REFERENCE_METHODS.values() for m in ms}:
         out.append(f"reference_method {method!r} is unknown")
-    from .comfy_convert import FLUX2_RAW_LATENT, latent_channels, latent_downscale
+    from comfyui_xdit.comfy_convert import FLUX2_RAW_LATENT, latent_channels, latent_downscale
     channels = None if arch is None else latent_channels(arch)
     down = 8 if arch is None else latent_downscale(arch)
     per_token = 1 if down == 16 else 2

@@ -13,7 +13,8 @@ import os
 import sys
 
 _PACKAGE = "comfyui_xdit_workers"
-_FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers")
+_FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "workers")
 
 
 def worker_module(name: str):

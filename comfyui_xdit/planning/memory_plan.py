@@ -47,9 +47,9 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .config import ConfigError, EngineOptions, ParallelConfig
-from .gpus import text_encoder_gpu
-from .worker_modules import worker_module
+from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig
+from comfyui_xdit.planning.gpus import text_encoder_gpu
+from comfyui_xdit.client.worker_modules import worker_module
 
 _log = logging.getLogger("comfyui_xdit")
 GiB = 2 ** 30
@@ -187,7 +187,7 @@ def preset_facts(name: str) -> ModelFacts:
 
 def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
     """A diffusers folder or single file, through the pack's detection (model_info)."""
-    from .model_info import _describe_model
+    from comfyui_xdit.planning.model_info import _describe_model
 
     d = _describe_model(path)
     arch, cfg = d["arch"], dict(d["config"])
@@ -646,7 +646,7 @@ def _smi_sizes() -> dict:
 
 
 def gpu_memory_bytes(gpu_ids: Sequence[str], environ=None) -> list:
-    """Total memory of each GPU id (an index or a GPU-/MIG- UUID, as comfyui_xdit/gpus.py
+    """Total memory of each GPU id (an index or a GPU-/MIG- UUID, as comfyui_xdit/planning/gpus.py
     hands them to the ranks), from nvidia-smi (NVML: no CUDA initialisation in this
     process), or None where it is not known (a MIG slice, no nvidia-smi). nvidia-smi numbers
     GPUs in PCI bus order, CUDA fastest first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`: on a box
@@ -686,7 +686,7 @@ def resolve_mode(value=None, environ=None) -> str:
 
 
 def _job_size(request, model_path: str) -> JobSize:
-    from .model_info import read_model_info
+    from comfyui_xdit.planning.model_info import read_model_info
 
     return JobSize(height=int(request.height), width=int(request.width),
                    batch=max(1, int(request.batch)),
@@ -754,7 +754,7 @@ def check_pool(pool, request=None, gpus=None) -> Optional[MemoryPlan]:
     if pool.device != "cuda" or getattr(pool, "_attached", None):
         return None
     if gpus is None:
-        from .gpus import gpus_for_ranks
+        from comfyui_xdit.planning.gpus import gpus_for_ranks
         gpus = gpus_for_ranks(pool.config.ranks, pool.gpus)
     mode = getattr(pool, "memory_plan", None)
     p = check_launch(pool.model_path, pool.config, pool.engine, gpus, request, mode)

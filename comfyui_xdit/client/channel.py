@@ -1,5 +1,5 @@
 """The authenticated control channel lives with the workers (both sides use it)."""
-from .worker_modules import worker_module
+from comfyui_xdit.client.worker_modules import worker_module
 
 _channel = worker_module("channel")
 AuthError, Channel = _channel.AuthError, _channel.Channel

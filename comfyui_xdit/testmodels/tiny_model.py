@@ -24,7 +24,7 @@ import sys
 import tempfile
 import uuid
 
-from .worker_modules import worker_module
+from comfyui_xdit.client.worker_modules import worker_module
 
 _facts = worker_module("models.facts")  # VAE factors, scheduler configs, RoPE axes
 ARCHS = _facts.ARCHS

@@ -17,19 +17,19 @@ import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
-from .channel import Channel, connect, parse_address
-from .comfy_convert import (FLUX2_RAW_LATENT, comfy_noise, comfy_to_model, latent_shape,
+from comfyui_xdit.client.channel import Channel, connect, parse_address
+from comfyui_xdit.comfy_convert import (FLUX2_RAW_LATENT, comfy_noise, comfy_to_model, latent_shape,
                             latent_shape_text, model_to_comfy, noise_to_model)
-from . import memory_plan as memory_plan_mod
-from .config import ConfigError, EngineOptions, ParallelConfig
-from .gpus import gpus_for_ranks, text_encoder_gpu
-from .model_info import ModelInfo, read_model_info
-from .worker_modules import worker_module
+from comfyui_xdit.planning import memory_plan as memory_plan_mod
+from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig
+from comfyui_xdit.planning.gpus import gpus_for_ranks, text_encoder_gpu
+from comfyui_xdit.planning.model_info import ModelInfo, read_model_info
+from comfyui_xdit.client.worker_modules import worker_module
 
 P = worker_module("protocol")  # the typed host <-> rank 0 messages
-from .request import GenerationRequest, GenerationResult
+from comfyui_xdit.planning.request import GenerationRequest, GenerationResult
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 _log = logging.getLogger("comfyui_xdit")
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 # log lines of workers/worker.py around each rank's weight load (launch progress)
@@ -230,7 +230,7 @@ class WorkerPool:
         lost peer), where it ran and the exception's own message from its log; None while
         every worker lives. The full log is kept (the pool's temp folder goes with it), its
         path is in the sentence and in `last_death`, and it is printed to the console."""
-        from . import worker_log as W
+        from comfyui_xdit.client import worker_log as W
 
         dead = []
         for rank, p in enumerate(self._procs):
@@ -282,7 +282,7 @@ class WorkerPool:
 
     def _rank_gpus(self) -> Optional[list]:
         """CUDA: one GPU id per rank (the GPU list, else the visible GPUs); a world size they
-        cannot hold raises one ConfigError naming both (comfyui_xdit/gpus.py)."""
+        cannot hold raises one ConfigError naming both (comfyui_xdit/planning/gpus.py)."""
         if self.device != "cuda" or self._attached:
             return None
         gpus = gpus_for_ranks(self.config.ranks, self.gpus)
@@ -594,7 +594,7 @@ class WorkerPool:
         Bad input is refused on rank 0 before anything is broadcast: the pool stays warm."""
         info = self.model_info
         if not info.has_vae:
-            from .model_info import NO_VAE
+            from comfyui_xdit.planning.model_info import NO_VAE
             raise ConfigError(NO_VAE)
         with self._lock:
             if not self.is_running():

@@ -28,7 +28,7 @@ import collections
 import hashlib
 from typing import Callable, Optional
 
-from .config import ConfigError, ParallelConfig
+from comfyui_xdit.planning.config import ConfigError, ParallelConfig
 
 # inputs a FLUX / SD3 diffusion model call may carry that we pass on or check
 _KNOWN = {"y", "guidance", "control", "transformer_options", "attention_mask", "ref_latents",

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
-from .errors import ConfigError
+from comfyui_xdit.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover  (type names only: neither imports this module)
-    from .model_info import ModelInfo
-    from .request import GenerationRequest
+    from comfyui_xdit.planning.model_info import ModelInfo
+    from comfyui_xdit.planning.request import GenerationRequest
 
 __all__ = ["ConfigError", "EngineOptions", "ParallelConfig", "auto_config"]
 

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .comfy_convert import (ARCH_NAMES, FLUX2_RAW_LATENT, check_text_width, comfy_noise,
+from comfyui_xdit.comfy_convert import (ARCH_NAMES, FLUX2_RAW_LATENT, check_text_width, comfy_noise,
                             conditioning_to_request, latent_channels, latent_from_comfy,
                             latent_shape_text, latent_shape, latent_to_comfy)
-from .config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
+from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
     auto_config
-from . import memory_plan
-from .gpus import gpus_for_ranks, visible_gpus
-from .model_info import read_model_info
-from .request import UNDISTILLED_CFG, GenerationRequest, default_cfg
+from comfyui_xdit.planning import memory_plan
+from comfyui_xdit.planning.gpus import gpus_for_ranks, visible_gpus
+from comfyui_xdit.planning.model_info import read_model_info
+from comfyui_xdit.planning.request import UNDISTILLED_CFG, GenerationRequest, default_cfg
 
 WORLD_SIZES = ["auto"] + [str(i) for i in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)]
 DEVICES = ["auto", "cuda", "cpu"]  # auto: cuda when this ComfyUI has CUDA, else cpu
@@ -46,7 +46,7 @@ def text_encoder_options(gpu_count: Optional[int] = None) -> list[str]:
     """The loader's text_encoders choices: the fixed ones, then `cuda:N` for each visible GPU
     (a spare GPU can hold FLUX.2-dev's 44.7 GiB Mistral encoder beside the ranks)."""
     if gpu_count is None:
-        from .gpus import visible_gpus
+        from comfyui_xdit.planning.gpus import visible_gpus
         gpu_count = len(visible_gpus())
     return TEXT_ENCODER_OPTIONS + [f"cuda:{i}" for i in range(gpu_count)]
 
@@ -97,7 +97,7 @@ def _is_dit_file(path: Path) -> bool:
 def _holds_dit(path: str, mtime_ns: int, size: int) -> bool:
     """Whether the file holds a FLUX/SD3 transformer, from its header; keyed on the file's
     (path, mtime, size) so a replaced file is read again."""
-    from .model_info import read_safetensors_header, transformer_keys
+    from comfyui_xdit.planning.model_info import read_safetensors_header, transformer_keys
     try:
         transformer_keys(read_safetensors_header(path))
         return True
@@ -109,7 +109,7 @@ def discover_single_files(roots_by_kind: dict, max_depth: int = 3) -> list[str]:
     """`{"diffusion_models": [dirs], "checkpoints": [dirs]}` -> sorted "<kind>/<rel path>"
     names of .safetensors files (every file of diffusion_models, FLUX/SD3 ones of
     checkpoints)."""
-    from .model_info import SINGLE_FILE_SUFFIXES
+    from comfyui_xdit.planning.model_info import SINGLE_FILE_SUFFIXES
     found = set()
     for kind in FILE_KINDS:
         for root in roots_by_kind.get(kind) or []:
@@ -239,7 +239,7 @@ class ModelHandle:
                 or self.pipefusion > 1)
 
     def default_world(self) -> int:
-        """'auto': every GPU of the list, else every visible GPU (comfyui_xdit/gpus.py; at
+        """'auto': every GPU of the list, else every visible GPU (comfyui_xdit/planning/gpus.py; at
         least 1, so none visible gives the GPU check's error); 2 ranks on CPU."""
         if self.device == "cuda":
             return len(self.gpus) if self.gpus else max(1, len(visible_gpus()))
@@ -412,7 +412,7 @@ class PoolRegistry:
     def get(self, handle: ModelHandle, config: ParallelConfig):
         """The pool for `handle` running `config`: the same one on every call with the same
         arguments (re-executed nodes do not spawn workers); another config replaces it."""
-        from .pool import WorkerPool
+        from comfyui_xdit.client.pool import WorkerPool
 
         key = self._key(handle)
         with self._lock:
@@ -563,7 +563,7 @@ _TEXT_WIDTH_DEFAULT = {"flux": 4096, "sd3": 4096, "flux2": 15360}
 def model_text_width(path: str) -> Optional[int]:
     """The transformer's joint_attention_dim (the width its text states must have), from the
     folder's config or the single file's weight shapes; None when unknown."""
-    from .model_info import _describe_model
+    from comfyui_xdit.planning.model_info import _describe_model
     d = _describe_model(path)
     w = d["config"].get("joint_attention_dim", _TEXT_WIDTH_DEFAULT.get(d["arch"]))
     return None if w is None else int(w)
@@ -724,7 +724,7 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
     the connected ComfyUI VAE decodes (its `decode(samples)`)."""
     import torch
 
-    from .model_info import read_model_info
+    from comfyui_xdit.planning.model_info import read_model_info
     registry = registry or REGISTRY
     registry.job_started()
     if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):

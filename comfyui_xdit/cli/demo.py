@@ -11,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from .config import ParallelConfig
-from .request import GenerationRequest
+from comfyui_xdit.planning.config import ParallelConfig
+from comfyui_xdit.planning.request import GenerationRequest
 
 
 def default_cache() -> Path:
@@ -30,9 +30,9 @@ def add_cli(sub):
 
 
 def run(args) -> int:
-    from .images import save_pngs
-    from .pool import WorkerPool
-    from .tiny_model import ensure_tiny_model
+    from comfyui_xdit.cli.images import save_pngs
+    from comfyui_xdit.client.pool import WorkerPool
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

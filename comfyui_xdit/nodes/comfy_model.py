@@ -4,7 +4,7 @@ Imports ComfyUI, so only the node module imports it (at node execution). ComfyUI
 FLUX / SD3 model classes provide everything around the transformer (model sampling, latent
 format, conditioning handling), so stock KSampler, KSamplerAdvanced, SamplerCustomAdvanced,
 every sampler, scheduler and guider work unchanged; only the diffusion-model call is ours
-(comfyui_xdit/model_calls.py: one pool request per call). The MODEL holds no weights, so
+(comfyui_xdit/nodes/model_calls.py: one pool request per call). The MODEL holds no weights, so
 ComfyUI's memory manager neither loads nor offloads anything for it.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
 
-from .config import ConfigError
-from .model_calls import PoolDenoiser
-from .node_logic import compiling_text
+from comfyui_xdit.planning.config import ConfigError
+from comfyui_xdit.nodes.model_calls import PoolDenoiser
+from comfyui_xdit.nodes.logic import compiling_text
 
 log = logging.getLogger("comfyui_xdit")
 

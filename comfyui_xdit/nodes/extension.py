@@ -10,9 +10,9 @@ import comfy.utils
 import folder_paths
 from comfy_api.v0_0_2 import ComfyExtension, io
 
-from .model_info import read_model_info
-from . import node_logic
-from .node_logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, MEMORY_PLAN_OPTIONS,
+from comfyui_xdit.planning.model_info import read_model_info
+from comfyui_xdit.nodes import logic as node_logic
+from comfyui_xdit.nodes.logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, MEMORY_PLAN_OPTIONS,
                          REGISTRY, SPLITS, WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
                          discover_models, discover_single_files, loader_handle)
 
@@ -278,7 +278,7 @@ class Sampler(io.ComfyNode):
                 max_sequence_length=512, positive=None, negative=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         arch = read_model_info(model.path).arch
-        from .comfy_convert import LATENT_FORMATS
+        from comfyui_xdit.comfy_convert import LATENT_FORMATS
         previews = _previews_enabled() and arch in LATENT_FORMATS  # FLUX.2: no RGB factors
         inp = SampleInputs(latent=latent, seed=seed, steps=steps, cfg=cfg, guidance=guidance,
                            denoise=denoise, prompt=prompt, negative_prompt=negative_prompt,
@@ -299,7 +299,7 @@ class Sampler(io.ComfyNode):
                 try:
                     from PIL import Image
 
-                    from .comfy_convert import preview_rgb
+                    from comfyui_xdit.comfy_convert import preview_rgb
                     img = Image.fromarray(preview_rgb(ev["preview"], arch).numpy())
                     preview = ("JPEG", img, PREVIEW_MAX)
                 except Exception as e:  # a preview must never fail the job
@@ -315,7 +315,7 @@ class Sampler(io.ComfyNode):
                                     is_interrupted=comfy.model_management.processing_interrupted,
                                     on_launch=_launch_progress(node_id))
         except Exception as e:
-            from .pool import JobCancelled
+            from comfyui_xdit.client.pool import JobCancelled
             if isinstance(e, JobCancelled):
                 comfy.model_management.throw_exception_if_processing_interrupted()
             raise
@@ -403,7 +403,7 @@ class XDiTExtension(ComfyExtension):
 
     async def get_node_list(self) -> list:
         _register_routes()  # on_load is not called by every ComfyUI release
-        from .nodes_model import ToModel  # the xDiT MODEL for ComfyUI's own samplers
+        from comfyui_xdit.nodes.model_nodes import ToModel  # the xDiT MODEL for ComfyUI's own samplers
         return [LoadModel, LoRA, Sampler, Decode, UnloadPool, ToModel]
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .errors import ConfigError
-from .worker_modules import worker_module
+from comfyui_xdit.errors import ConfigError
+from comfyui_xdit.client.worker_modules import worker_module
 
 _detect = worker_module("models.detect")
 _facts = worker_module("models.facts")
@@ -136,7 +136,7 @@ FLUX_CONFIG_DEFAULTS = {
 
 def comfy_unet_config(path) -> dict:
     """What ComfyUI's model detection would find in this model's transformer, for the xDiT
-    MODEL's ComfyUI model config (comfyui_xdit/comfy_model.py): FLUX.1 dev vs schnell
+    MODEL's ComfyUI model config (comfyui_xdit/nodes/comfy_model.py): FLUX.1 dev vs schnell
     (`guidance_embed`), and for FLUX.2 the 128-channel patch-1 layout and the hidden size its
     config class needs. From a folder's config.json or a single file's header."""
     d = _describe_model(Path(path))

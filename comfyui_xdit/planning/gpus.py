@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .errors import ConfigError
+from comfyui_xdit.errors import ConfigError
 
 ENV = "CUDA_VISIBLE_DEVICES"
 

@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig
-from .images import save_pngs
-from .request import GenerationRequest
+from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig
+from comfyui_xdit.cli.images import save_pngs
+from comfyui_xdit.planning.request import GenerationRequest
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,7 +111,7 @@ def _add_serve(sub):
 
 
 def run_serve(args) -> int:
-    from .model_info import read_model_info
+    from comfyui_xdit.planning.model_info import read_model_info
 
     read_model_info(args.model)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -126,7 +126,7 @@ def run_serve(args) -> int:
         argv += ["--secret-file", args.secret_file]
     if args.address_file:
         argv += ["--address-file", args.address_file]
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     if repo not in sys.path:
         sys.path.insert(0, repo)
     from workers.serve import main as worker_main
@@ -141,7 +141,7 @@ def _add_status(sub):
 
 
 def run_status(args) -> int:
-    from .pool import WorkerPool
+    from comfyui_xdit.client.pool import WorkerPool
 
     try:
         pool = WorkerPool.attach(args.attach, _read_secret(args))
@@ -184,7 +184,7 @@ def _add_parallel_flags(p):
 
 
 def _add_engine_flags(p):
-    """EngineOptions beyond --device/--dtype (comfyui_xdit/config.py)."""
+    """EngineOptions beyond --device/--dtype (comfyui_xdit/planning/config.py)."""
     p.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default="auto",
                    help="attention kernel, chosen once per pool: auto picks the fastest the "
                         "device has (cuDNN/flash-attn with LSE for Ring, plain SDPA otherwise)")
@@ -217,8 +217,8 @@ def config_from_args(args) -> ParallelConfig:
 
 
 def run_generate(args) -> int:
-    from .model_info import read_model_info
-    from .pool import WorkerPool
+    from comfyui_xdit.planning.model_info import read_model_info
+    from comfyui_xdit.client.pool import WorkerPool
 
     out = Path(args.out)
     if out.suffix.lower() not in (".safetensors", ".png"):
@@ -271,7 +271,7 @@ def _add_bench(sub):
 def run_bench(argv) -> int:
     """`bench ...`: the benchmarks' command line, imported now (they are not part of the
     node pack ComfyUI loads, and may be missing from an install)."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     if (repo / "benchmarks" / "__init__.py").is_file() and str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
     try:
@@ -291,7 +291,9 @@ def main(argv=None) -> int:
     parser = _Parser(prog="python -m comfyui_xdit",
                      description="xDiT-style parallel FLUX.1/FLUX.2/SD3 sampling on a warm worker pool")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    from . import demo, memory_plan, tiny_model
+    from comfyui_xdit.cli import demo
+    from comfyui_xdit.planning import memory_plan
+    from comfyui_xdit.testmodels import tiny_model
     demo.add_cli(sub)
     tiny_model.add_cli(sub)
     memory_plan.add_cli(sub)
@@ -311,7 +313,7 @@ def main(argv=None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a pool failure: one line, the details are in the message
-        from .pool import PoolError
+        from comfyui_xdit.client.pool import PoolError
         if isinstance(e, PoolError):
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from .config import auto_config
-from .model_info import comfy_unet_config, read_model_info
+from comfyui_xdit.planning.config import auto_config
+from comfyui_xdit.planning.model_info import comfy_unet_config, read_model_info
 
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
@@ -40,8 +40,8 @@ class ToModel(io.ComfyNode):
 
     @classmethod
     def execute(cls, model) -> io.NodeOutput:
-        from . import node_logic
-        from .comfy_model import build_model
+        from comfyui_xdit.nodes import logic as node_logic
+        from comfyui_xdit.nodes.comfy_model import build_model
 
         info = read_model_info(model.path)
         model.validate()  # a PipeFusion layout is refused by PoolDenoiser, in build_model

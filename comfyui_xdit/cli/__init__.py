@@ -1,0 +1,1 @@
+"""`python -m comfyui_xdit`: the commands, the demo, writing images."""
