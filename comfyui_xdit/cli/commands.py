@@ -293,9 +293,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     from comfyui_xdit.cli import demo
     from comfyui_xdit.planning import memory_plan
-    from comfyui_xdit.testmodels import tiny_model
+    from comfyui_xdit.testmodels import tiny_model, trained_model
     demo.add_cli(sub)
     tiny_model.add_cli(sub)
+    trained_model.add_cli(sub)
     memory_plan.add_cli(sub)
     _add_generate(sub)
     _add_serve(sub)

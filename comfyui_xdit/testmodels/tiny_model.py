@@ -576,9 +576,10 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def _cache_key(cfg: dict) -> str:
+def cache_name(prefix: str, cfg: dict) -> str:
+    """A cache folder name: the prefix and a hash of everything the build depends on."""
     blob = json.dumps(cfg, sort_keys=True).encode()
-    return f"{cfg['arch']}-{hashlib.sha256(blob).hexdigest()[:12]}"
+    return f"{prefix}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
 @contextlib.contextmanager
@@ -604,17 +605,24 @@ def _is_complete(path: pathlib.Path) -> bool:
 
 
 def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.Path:
-    """Builds into cache_dir/<arch>-<hash of the kwargs> once, then reuses it.
+    """Builds into cache_dir/<arch>-<hash of the kwargs> once, then reuses it."""
+    cfg = resolve_config(arch, **kw)
+    return cached_build(cache_dir, cache_name(cfg["arch"], cfg), lambda tmp: build_tiny_model(
+        arch, tmp, **{k: cfg[k] for k in ("seed", "depth", "width", "heads")},
+        sd35=bool(cfg.get("sd35")), variant=cfg.get("variant")))
+
+
+def cached_build(cache_dir: str | os.PathLike, name: str, build) -> pathlib.Path:
+    """cache_dir/name, made by `build(tmp_folder)` once and then reused.
 
     The build happens in a temporary sibling directory that is renamed into place, so a
     reader never sees a half-written folder, and several processes may call this at once:
     a file lock serialises the builders and a lost rename race just adopts the winner's
     folder.
     """
-    cfg = resolve_config(arch, **kw)
     cache = pathlib.Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    final = cache / _cache_key(cfg)
+    final = cache / name
     if _is_complete(final):
         return final
     with _file_lock(cache / f".{final.name}.lock"):
@@ -622,8 +630,7 @@ def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.
             return final
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
         try:
-            build_tiny_model(arch, tmp, **{k: cfg[k] for k in ("seed", "depth", "width", "heads")},
-                             sd35=bool(cfg.get("sd35")), variant=cfg.get("variant"))
+            build(tmp)
             if final.exists():  # left incomplete by something else: move it aside first
                 trash = cache / f".{final.name}.trash-{uuid.uuid4().hex}"
                 with contextlib.suppress(OSError):
