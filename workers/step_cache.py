@@ -1,0 +1,313 @@
+"""Step cache: a transformer call skips its middle blocks when the output residual of its
+first blocks barely changed since the row's last fully computed call.
+
+The rule is First Block Cache's (ParaAttention), generalised as cache-dit's DBCache: the first
+`head` blocks always run; their residual r (output - input, image stream) is compared with the
+r of the row's last full call, `rel = sum|r - r_prev| / sum|r_prev|`; below `threshold` the
+middle blocks are not run and their cached residual (optionally forecast to first order,
+TaylorSeer-style) is added instead; the last `tail` blocks always run. `warmup` calls always
+compute, and at most `max_skips` calls in a row skip.
+
+What makes it safe across ranks:
+- Decisions are per row (one image's conditional or unconditional branch), so splitting rows
+  over CFG / DP ranks or batching them together gives the same decisions, and so the same
+  latent, at any rank count.
+- Under Ulysses / Ring each rank holds a shard of a row's tokens: the two sums are reduced
+  over the sequence-parallel group on the device (one [rows, 2] all-reduce), and read once per
+  call, so every shard of a row reaches the same decision from the same number. A rank that
+  skipped while its peer computed would deadlock in the next collective.
+- A call skips its middle blocks only when all its rows skip; rows that would skip inside a
+  computed call take their cached residual, so the numbers do not depend on the batching.
+  Where ranks must run the same blocks whatever their rows decide (a group that gathers
+  weights per block), `agree` makes the run/skip choice unanimous over it.
+
+Residuals are cached per segment: a maximal run of middle blocks inside one block list, so
+whatever the transformer does between its lists (FLUX.2 joins its two streams) is done by the
+transformer itself on the cached-and-added states.
+
+The blocks are reached without touching the model's structure for good: for one call,
+`gated(...)` puts a view of each block list in place whose iteration hands the transformer
+gates instead of blocks (the same modules, names and hooks; a skipped block is never called,
+so per-block hooks such as a weight gather do not run for it) and puts the lists back after.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """threshold 0 turns the cache off (every call computes)."""
+    threshold: float = 0.0
+    warmup: int = 2  # calls per row that always compute
+    head: int = 1  # first blocks that always run (their residual is the measure)
+    tail: int = 0  # last blocks that always run
+    max_skips: int = 3  # consecutive skipped calls per row; 0: no limit
+    taylor: bool = False  # first-order forecast of the skipped residual
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold > 0
+
+    def check(self, blocks: int, first_list: int) -> None:
+        """One clear line for settings this transformer cannot take."""
+        if not (isinstance(self.threshold, (int, float)) and 0 <= self.threshold < math.inf):
+            raise ValueError(f"cache threshold must be a number >= 0 (0 = off), got "
+                             f"{self.threshold!r}")
+        for name in ("warmup", "head", "tail", "max_skips"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"cache {name} must be an integer >= 0, got {v!r}")
+        if not 1 <= self.head <= first_list:
+            raise ValueError(f"cache head blocks must be 1..{first_list} (the first block list "
+                             f"of this model), got {self.head}")
+        if self.head + self.tail >= blocks:
+            raise ValueError(f"cache head ({self.head}) + tail ({self.tail}) blocks leave none "
+                             f"of the model's {blocks} blocks to skip; use head + tail <= "
+                             f"{blocks - 1}")
+
+
+@dataclass
+class RowCache:
+    """One row's state across the calls of a sampling run."""
+    calls: int = 0
+    skips: int = 0  # consecutive
+    head: torch.Tensor | None = None  # head residual of the last full call
+    # segment -> [(call index, residual per stream)], the last two full calls
+    history: dict = field(default_factory=dict)
+
+
+class RunCache:
+    """The cache of one sampling run on one rank (a Sampler job, or one ComfyUI sampling
+    run of the MODEL): its rows' states and what was skipped."""
+
+    def __init__(self, settings: CacheSettings):
+        self.settings = settings
+        self.rows: dict = {}
+        self.computed = 0  # row-calls computed in full
+        self.skipped = 0  # row-calls that took the cached residual
+        self.formats: dict = {}  # block position -> output format, learnt on full calls
+
+    def call(self, transformer, block_lists, keys, reduce=None, agree=None) -> "CallCache":
+        """The cache of one transformer call over rows `keys` (hashable, one per row).
+        `reduce(t)`: sums a device tensor over the ranks holding the other token shards of
+        the same rows, in place (None: this rank holds whole rows). `agree(flag) -> bool`:
+        True if any rank of a group that must run the same blocks needs them run."""
+        return CallCache(self, transformer, block_lists, keys, reduce, agree)
+
+    def stats(self) -> dict:
+        return {"computed": self.computed, "skipped": self.skipped}
+
+
+class CallCache:
+    """One transformer call: where each block sits, this call's decisions, the segments'
+    inputs. Created per call, so nothing here outlives it except through `RunCache`."""
+
+    def __init__(self, run: RunCache, transformer, block_lists, keys, reduce, agree):
+        self.run, self.transformer, self.block_lists = run, transformer, tuple(block_lists)
+        self.keys, self.reduce, self.agree = list(keys), reduce, agree
+        s = run.settings
+        sizes = [len(getattr(transformer, name)) for name in self.block_lists]
+        self.n = sum(sizes)
+        s.check(self.n, sizes[0])
+        self.segments = {}  # position -> (segment id, first, last)
+        start = 0
+        for size in sizes:
+            lo, hi = max(start, s.head), min(start + size, self.n - s.tail)
+            for p in range(lo, hi):
+                self.segments[p] = (lo, p == lo, p == hi - 1)
+            start += size
+        self.rows = [run.rows.setdefault(k, RowCache()) for k in self.keys]
+        self.head_in = None
+        self.skip = None  # per row, decided after the head
+        self.skip_all = False
+        self.mask = None  # [B] bool on the device when the rows disagree
+        self.seg_in: dict = {}
+
+    # -- the gates -----------------------------------------------------------------------
+    def run_block(self, p: int, block, args, kwargs):
+        if args:
+            raise TypeError("step cache: transformer blocks are expected to be called with "
+                            "keyword arguments")
+        if p == 0:
+            self.head_in = kwargs["hidden_states"]
+        if p < self.run.settings.head:
+            out = block(**kwargs)
+            self.run.formats[p] = _format(out)
+            if p == self.run.settings.head - 1:
+                self._decide(_hidden(out) - self.head_in)
+            return out
+        seg = self.segments.get(p)
+        if seg is None:  # tail
+            return block(**kwargs)
+        sid, first, last = seg
+        if first:
+            self.seg_in[sid] = _streams(kwargs)
+        if self.skip_all:
+            states = self.seg_in[sid] if last else _streams(kwargs)
+            if last:
+                states = _add(states, self._forecast(sid, range(len(self.rows))))
+            return _pack(self.run.formats[p], states)
+        out = block(**kwargs)
+        self.run.formats[p] = _format(out)
+        if not last:
+            return out
+        states = _streams_out(out)
+        residual = tuple(None if o is None else o - i for o, i in zip(states, self.seg_in[sid]))
+        if self.mask is not None:  # some rows skip: they take their cached residual
+            cached = self._forecast(sid, [i for i, s in enumerate(self.skip) if s], full=True)
+            states = tuple(None if o is None else torch.where(
+                self.mask.view(-1, *[1] * (o.dim() - 1)), i + c, o)
+                for o, i, c in zip(states, self.seg_in[sid], cached))
+        for i, row in enumerate(self.rows):
+            if not self.skip[i]:
+                hist = row.history.setdefault(sid, [])
+                hist.append((row.calls - 1, tuple(None if r is None else r[i] for r in residual)))
+                del hist[:-2]
+        return _pack(self.run.formats[p], states)
+
+    # -- the decision --------------------------------------------------------------------
+    def _decide(self, r: torch.Tensor) -> None:
+        """Per row: rel = sum|r - prev| / sum|prev| (reduced over the token shards), one read."""
+        s = self.run.settings
+        b = r.shape[0]
+        prev = [row.head for row in self.rows]
+        eligible = [row.head is not None and row.calls >= s.warmup
+                    and (s.max_skips == 0 or row.skips < s.max_skips) for row in self.rows]
+        rel = [math.inf] * b
+        if s.enabled and any(eligible):
+            ref = torch.stack([p if p is not None else torch.zeros_like(r[0]) for p in prev])
+            sums = torch.stack([(r - ref).abs().flatten(1).sum(1, dtype=torch.float32),
+                                ref.abs().flatten(1).sum(1, dtype=torch.float32)], 1)
+            if self.reduce is not None:
+                self.reduce(sums)
+            pair = sums.tolist()  # the one read of the call
+            rel = [n / d if d > 0 else math.inf for n, d in pair]
+        self.skip = [e and v < s.threshold for e, v in zip(eligible, rel)]
+        need = not all(self.skip)
+        if self.agree is not None:
+            need = self.agree(need)
+        self.skip_all = not need
+        if need and any(self.skip):
+            self.mask = torch.tensor(self.skip, device=r.device)
+        for i, row in enumerate(self.rows):
+            if self.skip[i]:
+                row.skips += 1
+                self.run.skipped += 1
+            else:
+                row.skips = 0
+                row.head = r[i]
+                self.run.computed += 1
+            row.calls += 1
+
+    def _forecast(self, sid, rows, full: bool = False) -> tuple:
+        """The cached residual of segment `sid` for `rows` (stacked per stream), forecast to
+        this call when `taylor` is on and two full calls are known. `full`: a [B] stack with
+        zeros for the rows not listed (those are replaced by computed values)."""
+        per_row = {}
+        for i in rows:
+            row = self.rows[i]
+            hist = row.history[sid]
+            (c1, r1) = hist[-1]
+            if self.run.settings.taylor and len(hist) == 2:
+                (c0, r0) = hist[0]
+                k = (row.calls - 1 - c1) / (c1 - c0)  # calls already counts this one
+                r1 = tuple(None if a is None else a + (a - z) * k for a, z in zip(r1, r0))
+            per_row[i] = r1
+        if not full and len(per_row) == len(self.rows):
+            return tuple(None if per_row[0][j] is None else
+                         torch.stack([per_row[i][j] for i in range(len(self.rows))])
+                         for j in range(len(per_row[rows[0]])))
+        some = per_row[next(iter(per_row))]
+        out = []
+        for j, ref in enumerate(some):
+            if ref is None:
+                out.append(None)
+                continue
+            out.append(torch.stack([per_row[i][j] if i in per_row else torch.zeros_like(ref)
+                                    for i in range(len(self.rows))]))
+        return tuple(out)
+
+
+# -- block input / output formats ----------------------------------------------------------
+# A block is called with hidden_states and (maybe) encoder_hidden_states and returns either
+# (encoder_hidden_states, hidden_states) (FLUX and SD3 joint blocks; SD3's last joint block
+# gives None for the text) or hidden_states alone (FLUX.2's single blocks). States are kept
+# as (hidden, encoder) tuples here.
+
+def _format(out) -> str:
+    if isinstance(out, tuple):
+        return "tuple" if out[0] is not None else "tuple-no-text"
+    return "tensor"
+
+
+def _hidden(out):
+    return out[1] if isinstance(out, tuple) else out
+
+
+def _streams(kwargs) -> tuple:
+    return (kwargs["hidden_states"], kwargs.get("encoder_hidden_states"))
+
+
+def _streams_out(out) -> tuple:
+    return (out[1], out[0]) if isinstance(out, tuple) else (out, None)
+
+
+def _pack(fmt: str, states: tuple):
+    hidden, text = states
+    if fmt == "tensor":
+        return hidden
+    return (None if fmt == "tuple-no-text" else text, hidden)
+
+
+def _add(states: tuple, residual: tuple) -> tuple:
+    return tuple(s if s is None or r is None else s + r for s, r in zip(states, residual))
+
+
+# -- putting the gates in place for one call ----------------------------------------------
+
+class _GatedList(torch.nn.ModuleList):
+    """A block list's view for one call: the same child modules; iterating it yields gates
+    that route each block's call through the call's cache."""
+
+    def __init__(self, blocks: torch.nn.ModuleList, call: CallCache, offset: int):
+        super().__init__()
+        self._modules = blocks._modules  # shared, not re-registered
+        self._call, self._offset = call, offset
+
+    def __iter__(self):
+        for i, block in enumerate(self._modules.values()):
+            yield _Gate(self._call, self._offset + i, block)
+
+
+class _Gate:
+    __slots__ = ("call", "p", "block")
+
+    def __init__(self, call, p, block):
+        self.call, self.p, self.block = call, p, block
+
+    def __call__(self, *args, **kwargs):
+        return self.call.run_block(self.p, self.block, args, kwargs)
+
+
+@contextlib.contextmanager
+def gated(call: CallCache | None):
+    """Within this block, the transformer's block lists route through `call` (None: nothing
+    changes)."""
+    if call is None:
+        yield
+        return
+    tr = call.transformer
+    saved = {name: tr._modules[name] for name in call.block_lists}
+    offset = 0
+    try:
+        for name in call.block_lists:
+            tr._modules[name] = _GatedList(saved[name], call, offset)
+            offset += len(saved[name])
+        yield
+    finally:
+        tr._modules.update(saved)
