@@ -547,3 +547,21 @@ def test_pool_logs_the_comparison_after_its_first_job(model_dir, monkeypatch, ca
     assert f"predicted {st['predicted_mb_per_rank'][0]}/" in lines[0]
     cpu = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2))
     assert "memory_plan" not in cpu.status()
+
+
+def test_docs_tables_are_what_the_plan_prints(capsys):
+    """Every table docs/memory.md says a `memory-plan` command generated is that command's
+    output to the character: the docs quote the one memory model (and its one set of link
+    rates, LINKS_GBPS), never a copy that can drift."""
+    import pathlib
+    import re
+    import shlex
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    found = re.findall(r"`python -m comfyui_xdit (memory-plan [^`]+)`:\n\n((?:\|.*\n?)+)", text)
+    assert len(found) == 2, "the FLUX.2-dev fit table and the FLUX.1-dev sharding table"
+    for cmd, table in found:
+        assert cli_main(shlex.split(cmd)) == 0, cmd
+        assert capsys.readouterr().out.strip() == table.strip(), cmd
+    for name, rate in mp.LINKS_GBPS:
+        assert f"{name} ~{rate:g} GB/s" in text

@@ -1,4 +1,4 @@
-"""Shard-only loading from single files and fp8 checkpoints (workers/sharding.py `load_direct`
+"""Shard-only loading from single files and fp8 checkpoints (workers/weights_shards.py `load_shards`
 with `single_file.row_map`).
 
 * The row map (diffusers name -> row ranges of the file's tensors) reproduces the whole-load
@@ -30,7 +30,7 @@ def _ck_and_sf(path):
 
 
 def _assemble(ck, shape, segs, r0, r1):
-    from workers.sharding import RowSource
+    from workers.weights_shards import RowSource
     src = RowSource(ck, {"x": (shape, segs, None)})
     return src.read("x", r0, r1)
 
@@ -39,7 +39,7 @@ def _assemble(ck, shape, segs, r0, r1):
 def test_row_map_equals_whole_conversion(model_dir, tmp_path, arch):
     from single_file_util import write_single_file
     from workers.models.single_file import read_transformer_state, row_map, to_diffusers_state
-    from workers.sharding import chunk_rows
+    from workers.weights_shards import chunk_rows
 
     path = write_single_file(model_dir(arch), arch, tmp_path / f"{arch}.safetensors")
     ck, sf = _ck_and_sf(path)

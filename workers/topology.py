@@ -190,6 +190,14 @@ class PlaneError(RuntimeError):
     """A tensor (or object) on the wrong plane: what NCCL rejects or hangs on in production."""
 
 
+def device_group(members: list, like) -> Any:
+    """A new device-plane group of `members` on `like`'s backend (NCCL on GPUs, gloo on CPU
+    and in the shared-GPU test mode): weight sharding's all-gathers get one of their own, so
+    they never interleave with the world group's other traffic. Every rank calls it at the
+    same point (a collective)."""
+    return dist.new_group(members, backend=dist.get_backend(like))
+
+
 def set_plane_check(data_device) -> None:
     """Check every call's tensors against its plane from now on: `data_device` is the
     pool's compute device type ("cuda" | "cpu"), None turns the check off. Set once per

@@ -127,23 +127,43 @@ class Checkpoint:
             self._handles[(path, kind)] = h
         return h
 
-    def read(self, name: str, device="cpu") -> torch.Tensor:
-        """One tensor on `device`, in the file's dtype."""
+    def _span(self, name: str, r0=None, r1=None) -> tuple:
+        """(path, file position, bytes, dtype, shape) of a tensor, or of its rows [r0, r1)
+        (a row-major tensor's rows are one contiguous byte range); counted as one read."""
         path, start, e = self.entries[name]
         dtype = _DTYPES.get(e["dtype"])
         if dtype is None:
             raise ValueError(f"{path}: tensor {name!r} has dtype {e['dtype']}, not supported")
         a, b = (int(v) for v in e["data_offsets"])
         shape = [int(v) for v in e["shape"]]
+        if r0 is not None and shape:
+            row = (b - a) // shape[0] if shape[0] else 0
+            a, b = a + r0 * row, a + r1 * row
+            shape = [r1 - r0] + shape[1:]
         self.reads += 1
         self.bytes_read += b - a
+        return path, start + a, b - a, dtype, shape
+
+    def _pread(self, path, pos, n, dtype, shape, name) -> torch.Tensor:
+        """Bytes into a host buffer that lives until the caller's copy (frombuffer shares
+        it): no mapping, no second copy."""
+        if n == 0:
+            return torch.empty(shape, dtype=dtype)
+        buf = pread_bytes(self._handle(path, "fd"), pos, n, path, name)
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+    def read(self, name: str, device="cpu") -> torch.Tensor:
+        """One tensor on `device`, in the file's dtype."""
+        path, pos, n, dtype, shape = self._span(name)
         if torch.device(device).type == "cpu":
             return self._handle(path, "mmap").get_tensor(name)
-        if b == a:
-            return torch.empty(shape, dtype=dtype, device=device)
-        buf = pread_bytes(self._handle(path, "fd"), start + a, b - a, path, name)
-        # frombuffer shares `buf`; the copy to the device is its only use
-        return torch.frombuffer(buf, dtype=dtype).view(shape).to(device)
+        return self._pread(path, pos, n, dtype, shape, name).to(device)
+
+    def read_rows(self, name: str, r0=None, r1=None) -> torch.Tensor:
+        """Rows [r0, r1) of a tensor (None, or a 0-dim tensor: whole) on the CPU in the
+        file's dtype, by one positioned read of exactly those bytes and no mapping (weight
+        sharding: a rank reads its rows only)."""
+        return self._pread(*self._span(name, r0, r1), name)
 
 
 def checkpoint_files(folder: str) -> dict:
@@ -195,7 +215,7 @@ class FP8Linear(torch.nn.Linear):
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8, device="meta"), requires_grad=False)
         self.bias = None if not bias else torch.nn.Parameter(
-            torch.empty(out_features, device="meta"), requires_grad=False)
+            torch.empty(out_features, device="meta", dtype=compute_dtype), requires_grad=False)
         # not in the state dict: set by the loader (1.0 for unscaled fp8 files)
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device),
                              persistent=False)
@@ -330,12 +350,18 @@ def set_fp8_compute(transformer, choice: str, device, dtype) -> dict:
     return {"fp8_layers": len(layers), "fp8_matmul_layers": n_mm, "text": text}
 
 
-def quantize(w: torch.Tensor) -> tuple:
-    """(fp8 weight, fp32 scale) with the tensor's absolute max mapped to fp8's max (the
-    scaled-fp8 recipe: most of a weight would otherwise fall into fp8's subnormals)."""
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale that maps a weight's absolute max to fp8's max (the scaled-fp8
+    recipe: most of a weight would otherwise fall into fp8's subnormals)."""
+    return (amax.float() / FP8_MAX).clamp(min=1e-12)
+
+
+def quantize(w: torch.Tensor, scale=None) -> tuple:
+    """(fp8 weight, fp32 scale). `scale`: the whole tensor's (`fp8_scale`), for rows of it
+    (the shard loader); None: this tensor's own."""
     w32 = w.float()
-    amax = w32.abs().max()
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    if scale is None:
+        scale = fp8_scale(w32.abs().max())
     return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.reshape(())
 
 
@@ -360,6 +386,19 @@ def _set_module(root, name: str, mod) -> None:
     setattr(root.get_submodule(parent) if parent else root, leaf, mod)
 
 
+def fp8_layers(transformer, lists, names, dtype, device) -> dict:
+    """Swap the block Linears named in `names` (module names) for FP8Linear computing in
+    `dtype`, weight and bias still to be assigned (their scale buffer on `device`);
+    {module name: FP8Linear}. Every loader makes its fp8 layers here."""
+    out = {}
+    for name, lin in block_linears(transformer, lists).items():
+        if name in names:
+            out[name] = FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                  device=device, compute_dtype=dtype)
+            _set_module(transformer, name, out[name])
+    return out
+
+
 # ---- assembling a model --------------------------------------------------------------------
 @dataclass
 class LoadReport:
@@ -375,12 +414,18 @@ class LoadReport:
         return dict(self.__dict__)
 
 
-def prepare(t: torch.Tensor, scale, fp8_ok: bool, mode: str, dtype) -> tuple:
+def unscaled(t: torch.Tensor, scale) -> torch.Tensor:
+    """A checkpoint tensor as `quantize` takes it: an fp8 one dequantized to fp32."""
+    return dequantize(t, scale, torch.float32) if is_fp8(t) else t
+
+
+def prepare(t: torch.Tensor, scale, fp8_ok: bool, mode: str, dtype, fp8_scale_of=None) -> tuple:
     """One checkpoint tensor (on the device) -> (stored tensor, scale or None).
 
     A block Linear's weight (`fp8_ok`) stays fp8 when the checkpoint has it in e4m3fn
-    ("auto", "fp8") and is quantized when "fp8" asks for it; everything else is cast to
-    `dtype`, fp8 tensors dequantized with their scale ("full" dequantizes every one)."""
+    ("auto", "fp8") and is quantized when "fp8" asks for it (with `fp8_scale_of`, the whole
+    tensor's scale, when `t` is only some of its rows); everything else is cast to `dtype`,
+    fp8 tensors dequantized with their scale ("full" dequantizes every one)."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES} (got {mode!r})")
     if scale is not None:
@@ -389,7 +434,7 @@ def prepare(t: torch.Tensor, scale, fp8_ok: bool, mode: str, dtype) -> tuple:
         if t.dtype == FP8:
             return t, scale
         if mode == "fp8":
-            return quantize(dequantize(t, scale, torch.float32) if is_fp8(t) else t)
+            return quantize(unscaled(t, scale), fp8_scale_of)
     if is_fp8(t) or scale is not None:
         return dequantize(t, scale, torch.float32).to(dtype), None
     return (t.to(dtype) if t.is_floating_point() else t), None
@@ -411,13 +456,10 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
         state[name] = w
         if w.dtype == FP8:
             scales[mod] = s
-    for mod, s in scales.items():
-        lin = cands[mod]
-        fp8 = FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                        device=state[mod + ".weight"].device, compute_dtype=dtype)
-        if s is not None:
-            fp8.scale = s
-        _set_module(transformer, mod, fp8)
+    device = next(iter(state.values())).device if state else "meta"
+    for mod, fp8 in fp8_layers(transformer, lists, scales, dtype, device).items():
+        if scales[mod] is not None:
+            fp8.scale = scales[mod]
     transformer.requires_grad_(False)
     dry = bool(state) and all(t.is_meta for t in state.values())  # a dry run onto "meta"
     transformer.load_state_dict(state, strict=True, assign=True)
@@ -434,18 +476,17 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
 def to_fp8(transformer, lists) -> int:
     """Quantize a loaded transformer's block Linears in place (checkpoints that are not
     safetensors, loaded the old way). Returns the number of layers."""
-    n = 0
-    for name, lin in block_linears(transformer, lists).items():
-        w, s = quantize(lin.weight.data)
-        fp8 = FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                        device=w.device, compute_dtype=lin.weight.dtype)
+    linears = block_linears(transformer, lists)
+    if not linears:
+        return 0
+    first = next(iter(linears.values())).weight
+    for name, fp8 in fp8_layers(transformer, lists, linears, first.dtype, first.device).items():
+        lin = linears[name]
+        w, fp8.scale = quantize(lin.weight.data)
         fp8.weight = torch.nn.Parameter(w, requires_grad=False)
         if lin.bias is not None:
             fp8.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
-        fp8.scale = s
-        _set_module(transformer, name, fp8)
-        n += 1
-    return n
+    return len(linears)
 
 
 def load_folder(transformer, lists, folder: str, device, dtype, mode: str,

@@ -51,13 +51,12 @@ class Worker:
         for turn in (range(world) if args.load_in_turn else [rank]):
             if turn == rank:  # the pool counts these two lines for "loading k/N"
                 logging.getLogger("xdit.worker").info("xdit: loading weights")
-                if self.shard_setup is not None and self.shard_setup.direct:
-                    self.model = self.shard_setup.load(self)  # this rank's shards only
-                else:
-                    self.model = self.adapter.load(
-                        args.model, self.device, self.dtype, with_text_encoders=(rank == 0),
-                        stage=stage, weights=getattr(args, "weights", "auto"),
-                        text_encoders=getattr(args, "text_encoders", "auto"))
+                direct = self.shard_setup is not None and self.shard_setup.direct
+                self.model = self.adapter.load(
+                    args.model, self.device, self.dtype, with_text_encoders=(rank == 0),
+                    stage=stage, weights=getattr(args, "weights", "auto"),
+                    text_encoders=getattr(args, "text_encoders", "auto"),
+                    shard=self.shard_setup if direct else None)  # shards only: its rows
                 logging.getLogger("xdit.worker").info("xdit: weights loaded")
             if args.load_in_turn and world > 1:
                 barrier(group=planes.control)

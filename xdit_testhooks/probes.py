@@ -49,9 +49,10 @@ def hold_launch(ctx):
 
 
 def measure_sharding(ctx):
-    """Worker hook: weight sharding records the block weights resident inside and between
-    blocks (`peak_block_params_*` in each job's sharding counts; off in production)."""
-    ctx.options["measure_sharding"] = True
+    """Worker hook: weight sharding's forwards, residency peaks and all-gather bytes in each
+    job's sharding counts (xdit_testhooks/sharding_probe.py; off in production)."""
+    from .sharding_probe import ShardingProbe
+    ctx.options["sharding_probe"] = ShardingProbe
 
 
 def attention_calls(ctx):

@@ -65,9 +65,11 @@ PATCH = 2  # ... and the transformers see 2x2 latent patches: one token per 16x1
 ACT_STREAM = 8
 ACT_SP_BUFFERS = 4
 VAE_LIVE = 4  # live feature maps of the VAE decoder's largest level (in, norm, conv, residual)
-# Typical all-gather bus bandwidths (GB/s per GPU) to turn shard_weights' per-step traffic
-# into time: PCIe 4.0 x16 between consumer cards, NVLink on SXM boards (H100: ~350 GB/s
-# reachable by NCCL all-gather). Rough by design; `memory-plan --link-gbps` takes yours.
+# The one set of link rates every traffic time (CLI, docs) is computed with: all-gather bus
+# bandwidth a rank receives at, GB/s (1e9 B/s). Achievable NCCL rates, not the wire's peak:
+# PCIe 4.0 x16 is 32 GB/s per direction, ~25 in practice; H100 SXM's NVLink 4 is 450 GB/s
+# per direction, ~350 what an NCCL all-gather reaches. Rough by design; `memory-plan
+# --link-gbps` takes yours.
 LINKS_GBPS = (("PCIe 4.0 x16", 25.0), ("NVLink", 350.0))
 MODE_ENV = "XDIT_MEMORY_PLAN"
 MODES = ("enforce", "advise")  # refuse a predicted misfit | warn and launch anyway
@@ -426,6 +428,33 @@ def _bytes(triples, dtype_bytes: int, fp8: bool, shards: int = 1) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class ShardFigures:
+    """shard_weights over `world` ranks, one rank's bytes (FSDP2's dim-0 chunks, rows padded
+    up to a multiple of the world as FSDP2 pads; rank 0 holds the largest chunks)."""
+
+    world: int
+    unsharded: int  # a replica's weights: every parameter and buffer
+    at_rest: int  # its chunk of every parameter, plus the buffers (FSDP leaves them whole)
+    peak: int  # during a forward: + the non-block parameters and two consecutive blocks
+    received_per_forward: int  # the other ranks' chunks of every parameter, once a forward
+
+
+def shard_figures(tr: _Transformer, dtype_bytes: int, fp8: bool, world: int) -> ShardFigures:
+    """What a rank holds and receives under shard_weights. The non-block parameters are
+    gathered for the whole forward; a block's gather is prefetched while the one before it
+    runs, so two consecutive blocks are whole at once (workers/sharding.py)."""
+    blocks = [_bytes(b, dtype_bytes, fp8) for b in tr.blocks]
+    rest = _bytes(tr.rest, dtype_bytes, fp8)
+    buffers = tr.buffers * dtype_bytes
+    chunk = sum(_bytes(b, dtype_bytes, fp8, world) for b in tr.blocks) + \
+        _bytes(tr.rest, dtype_bytes, fp8, world)
+    pair = max(a + b for a, b in zip(blocks, blocks[1:] + [0]))
+    return ShardFigures(world=world, unsharded=sum(blocks) + rest + buffers,
+                        at_rest=chunk + buffers, peak=chunk + buffers + rest + pair,
+                        received_per_forward=(world - 1) * chunk)
+
+
 def activation_bytes(tr: _Transformer, tokens: int, text_tokens: int, full_tokens: int,
                      batch: int, dtype_bytes: int, sp: int) -> int:
     """One transformer forward's live activations on a rank, conservatively.
@@ -528,18 +557,15 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         if config.pipefusion > 1 else [(0, n_blocks)]
     ranks = []
     gather = 0
-    if engine.shard_weights and world > 1:
-        shard = sum(_bytes(b, db, fp8, world) for b in tr.blocks) + _bytes(tr.rest, db, fp8,
-                                                                            world)
+    sharded = engine.shard_weights and world > 1
+    if sharded:
+        shard = shard_figures(tr, db, fp8, world)
         forwards = 2 if (job is not None and job.cfg and config.cfg == 1) else 1
-        gather = (world - 1) * shard * forwards
+        gather = shard.received_per_forward * forwards
     for rank in range(world):
         kv = 0
-        if engine.shard_weights and world > 1:
-            pairs = max((block_bytes[i] + (block_bytes[i + 1] if i + 1 < n_blocks else 0))
-                        for i in range(n_blocks))
-            weights = (sum(_bytes(b, db, fp8, world) for b in tr.blocks) +
-                       _bytes(tr.rest, db, fp8, world) + rest_bytes + pairs)
+        if sharded:
+            weights = shard.peak - buffer_bytes
             role = f"shard {rank + 1}/{world}"
         elif config.pipefusion > 1:
             stage = worker_module("pipefusion_stages").stage_of_rank(rank, config.pipefusion, sp)
@@ -867,6 +893,9 @@ def add_cli(sub) -> None:
                    help="a markdown table of every method (replicated, PipeFusion, "
                         "shard_weights; text encoders on GPU or CPU; bf16 and, where it "
                         "changes a verdict, fp8) on each GPU count x GPU size")
+    p.add_argument("--shard-table", action="store_true",
+                   help="a markdown table of shard_weights' bytes per rank and all-gather "
+                        "traffic per forward on each --gpus count (e.g. 2,4,8)")
     p.set_defaults(func=run_cli)
 
 
@@ -921,10 +950,31 @@ def compare_table(facts: ModelFacts, job: JobSize, dtype: str, counts, sizes_gib
     return "\n".join(lines)
 
 
+def shard_table(facts: ModelFacts, dtype: str, weights: str, counts, links=LINKS_GBPS) -> str:
+    """Markdown: shard_weights' bytes per rank and all-gather traffic per forward on each GPU
+    count (one forward a step; two with CFG in one process), timed on `links`."""
+    tr = _transformer(facts.transformer_class, facts.transformer_config, facts.arch)
+    fp8 = weights == "fp8" or (weights == "auto" and facts.fp8_checkpoint)
+    head = ["ranks", "weights at rest", "peak in a forward", "received per forward"] + \
+        [f"{name} ~{bw:g} GB/s" for name, bw in links]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in counts:
+        f = shard_figures(tr, DTYPE_BYTES[dtype], fp8, n)
+        lines.append("| " + " | ".join(
+            [str(n), gib(f.at_rest), gib(f.peak), gib(f.received_per_forward)] +
+            [f"{f.received_per_forward / (bw * 1e9) * 1e3:.0f} ms" for _, bw in links]) + " |")
+    return "\n".join(lines)
+
+
 def run_cli(args) -> int:
     counts = _numbers(args.gpus, "--gpus", int)
     sizes = _numbers(args.gpu_memory, "--gpu-memory", float)
-    if args.compare:
+    if args.link_gbps is not None and args.link_gbps <= 0:
+        raise ConfigError(f"--link-gbps must be > 0 (got {args.link_gbps})")
+    if args.shard_table:
+        if not counts:
+            raise ConfigError("--shard-table needs --gpus (e.g. 2,4,8)")
+    elif args.compare:
         if not counts or not sizes:
             raise ConfigError("--compare needs --gpus (e.g. 2,4,8) and --gpu-memory in GiB "
                               "(e.g. 24,48,80)")
@@ -934,7 +984,8 @@ def run_cli(args) -> int:
     config = ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel,
                             pipefusion=args.pipefusion, ulysses=args.ulysses, ring=args.ring,
                             pipefusion_split=args.pipefusion_split,
-                            world_size=None if args.compare or not counts else counts[0])
+                            world_size=None if args.compare or args.shard_table or not counts
+                            else counts[0])
     out = config.problems()
     engine = EngineOptions(device="cuda", dtype=args.dtype, weights=args.weights,
                            text_encoders=args.text_encoders, shard_weights=args.shard_weights)
@@ -956,6 +1007,11 @@ def run_cli(args) -> int:
                           f"blocks; use pipefusion <= {blocks}")
     job = JobSize(height=args.height, width=args.width, batch=args.batch,
                   text_tokens=args.max_sequence_length, cfg=args.cfg)
+    if args.shard_table:
+        print(shard_table(facts, args.dtype, args.weights, counts,
+                          LINKS_GBPS if args.link_gbps is None else
+                          (("your link", args.link_gbps),)))
+        return 0
     if args.compare:
         print(compare_table(facts, job, args.dtype, counts, sizes))
         return 0
@@ -964,7 +1020,5 @@ def run_cli(args) -> int:
     print(p.table())
     print(p.message())
     if p.gather_bytes_per_step:
-        if args.link_gbps is not None and args.link_gbps <= 0:
-            raise ConfigError(f"--link-gbps must be > 0 (got {args.link_gbps})")
-        print(p.traffic(((f"your link", args.link_gbps),) if args.link_gbps else LINKS_GBPS))
+        print(p.traffic((("your link", args.link_gbps),) if args.link_gbps else LINKS_GBPS))
     return 0 if p.fits is not False else 1

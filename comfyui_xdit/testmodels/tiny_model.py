@@ -649,7 +649,6 @@ def cached_build(cache_dir: str | os.PathLike, name: str, build) -> pathlib.Path
 # Block prefixes of both namings: the Linears inside them are what fp8 files store in fp8.
 _BLOCK_PREFIXES = ("double_blocks.", "single_blocks.", "joint_blocks.", "transformer_blocks.",
                    "single_transformer_blocks.")
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool) -> pathlib.Path:
@@ -664,6 +663,7 @@ def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool)
     import torch
     from safetensors.torch import load_file, save_file
 
+    weights = worker_module("weights")
     sd = load_file(str(src))
     prefix = "model.diffusion_model." if any(k.startswith("model.diffusion_model.")
                                              for k in sd) else ""
@@ -674,13 +674,10 @@ def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool)
                                 and w.dim() == 2 and w.is_floating_point()):
             out[k] = w
             continue
-        w32 = w.float()
-        if scaled:
-            scale = (w32.abs().max() / FP8_MAX).clamp(min=1e-12)
-            out[k] = (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            out[k[: -len(".weight")] + ".scale_weight"] = scale.reshape(())
+        if scaled:  # the loaders' own quantization (workers/weights.py)
+            out[k], out[k[: -len(".weight")] + ".scale_weight"] = weights.quantize(w)
         else:
-            out[k] = w32.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            out[k] = w.float().clamp(-weights.FP8_MAX, weights.FP8_MAX).to(weights.FP8)
     if scaled:
         out[prefix + "scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     dst = pathlib.Path(dst)

@@ -43,7 +43,7 @@ def prompts() -> list:
     return [f"a {c} {s} {p}" for s in SHAPES for c in COLORS for p in PLACES]
 
 
-def draw(prompt: str, size: int, rng) -> "np.ndarray":
+def draw(prompt: str, size: int, rng):
     """The picture a prompt names, with its size and position jittered by `rng`."""
     import numpy as np
     from PIL import Image, ImageDraw

@@ -18,6 +18,21 @@ def meta_transformer(tcls, folder: str):
         return tcls.from_config(tcls.load_config(folder))
 
 
+def meta_transformer_of(adapter, path: str) -> tuple:
+    """(the transformer of `path` built on the meta device, the single-file config or None):
+    a diffusers folder's from its config, a single file's from its weight shapes."""
+    if os.path.isfile(path):
+        from .detect import single_file_config
+        from .single_file import _skeleton
+        sf = single_file_config(path)
+        if sf["arch"] != adapter.arch:
+            raise ValueError(f"{path} is a {sf['arch']} file, not {adapter.arch}")
+        return _skeleton(sf["arch"], sf["config"]), sf
+    import diffusers
+    return meta_transformer(getattr(diffusers, adapter.transformer_class),
+                            os.path.join(path, "transformer")), None
+
+
 def text_encoder_device_of(model) -> "object":
     """Where the (rank-0) text encoders run: prompts are encoded there; the embeddings are
     moved to the transformer's device by the job broadcast."""
@@ -56,15 +71,23 @@ class DiTAdapter:
     block_lists: tuple = ()  # the transformer's block lists in execution order (PipeFusion)
 
     def load(self, path: str, device, dtype, with_text_encoders: bool,
-             stage=None, weights: str = "auto", text_encoders: str = "auto") -> LoadedModel:
+             stage=None, weights: str = "auto", text_encoders: str = "auto",
+             shard=None) -> LoadedModel:
         """`stage` = (index, count, split): PipeFusion, load only that stage's blocks.
         `weights`: auto | fp8 | full (workers/weights.py); `text_encoders`: where rank 0 runs
         T5/CLIP (auto | cpu | gpu | cuda:N). The transformer goes straight from the file to
-        `device`, tensor by tensor (no host copy), so all ranks may load at once."""
+        `device`, tensor by tensor (no host copy), so all ranks may load at once. `shard`
+        (weight sharding, workers/sharding.py): the transformer is sharded as it is built
+        and only this rank's rows are read (workers/weights_shards.py)."""
         import diffusers
 
         from ..weights import has_safetensors, load_folder, parameter_bytes, to_fp8
 
+        if shard is not None:
+            from ..weights_shards import load_shards
+            transformer, report = load_shards(self, path, device, dtype, weights, shard)
+            return self.assemble(path, transformer, report, device, dtype,
+                                 with_text_encoders, text_encoders)
         if os.path.isfile(path):  # one .safetensors transformer (ComfyUI's model folders)
             from .single_file import load_single_file
             return load_single_file(self, path, device, dtype, stage=stage, weights=weights)
@@ -86,18 +109,36 @@ class DiTAdapter:
             n = to_fp8(transformer, self.block_lists) if weights == "fp8" else 0
             report = LoadReport(weights="fp8" if n else "full", fp8_layers=n,
                                 transformer_bytes=parameter_bytes(transformer))
+        return self.assemble(path, transformer, report.as_dict(), device, dtype,
+                             with_text_encoders, text_encoders, stage_info)
+
+    def assemble(self, path: str, transformer, report: dict, device, dtype,
+                 with_text_encoders: bool, text_encoders: str = "auto",
+                 stage_info=None) -> LoadedModel:
+        """The LoadedModel around a loaded transformer, whichever loader made it: a diffusers
+        folder's scheduler and VAE configs and (rank 0) its text encoders; a single file's
+        released defaults and no text encoders (ComfyUI encodes)."""
+        import diffusers
+
         encoder, te_device = None, None
-        if with_text_encoders:
-            te_device = self._text_encoder_device(path, device, dtype, text_encoders)
-            pcls = getattr(diffusers, self.pipeline_class)
-            encoder = pcls.from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype)
-            encoder.to(te_device)
-        model = LoadedModel(
-            path=path, arch=self.arch, transformer=transformer, encoder=encoder,
-            scheduler_config=_read_json(os.path.join(path, "scheduler", "scheduler_config.json")),
-            vae_config=_read_json(os.path.join(path, "vae", "config.json")),
-            device=device, dtype=dtype, stage=stage_info)
-        model.load_report = dict(report.as_dict(), text_encoders=te_device)  # describe()
+        if os.path.isfile(path):
+            from .detect import single_file_config
+            from .single_file import defaults_for
+            sf = single_file_config(path)
+            sched, vae = defaults_for(sf["arch"], sf["config"])
+        else:
+            sched = _read_json(os.path.join(path, "scheduler", "scheduler_config.json"))
+            vae = _read_json(os.path.join(path, "vae", "config.json"))
+            if with_text_encoders:
+                te_device = self._text_encoder_device(path, device, dtype, text_encoders)
+                pcls = getattr(diffusers, self.pipeline_class)
+                encoder = pcls.from_pretrained(path, transformer=None, vae=None,
+                                               torch_dtype=dtype)
+                encoder.to(te_device)
+        model = LoadedModel(path=path, arch=self.arch, transformer=transformer, encoder=encoder,
+                            scheduler_config=sched, vae_config=vae, device=device, dtype=dtype,
+                            stage=stage_info)
+        model.load_report = dict(report, text_encoders=te_device)  # Worker.describe()
         return model
 
     def _text_encoder_device(self, path, device, dtype, option) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from . import LoadedModel
-from .detect import single_file_config
 from .facts import CLASS_BY_ARCH, SCHEDULER_DEFAULTS, VAE_LATENT
 
 
@@ -331,12 +330,9 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
     `weights`: auto | fp8 | full (workers/weights.py); a scaled-fp8 file's scale_weight
     tensors are applied (kept beside the fp8 weights, or folded in when dequantized)."""
     from ..weights import Checkpoint, device_name, load_tensors
-    sf = single_file_config(path)
-    if sf["arch"] != adapter.arch:
-        raise ValueError(f"{path} is a {sf['arch']} file, not {adapter.arch}")
-    sched, vae = defaults_for(sf["arch"], sf["config"])
+    from .base import meta_transformer_of
+    tr, sf = meta_transformer_of(adapter, path)
     arch, lists = sf["arch"], adapter.block_lists
-    tr = _skeleton(arch, sf["config"])
     info, skip, elsewhere = None, (lambda name: False), (lambda name: False)
     if stage is not None:
         from ..pipefusion_stages import keep_stage_blocks, plan_stages, stage_block_names
@@ -365,8 +361,4 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
     if stage is not None:
         from ..pipefusion_stages import finish_stage
         finish_stage(tr, lists, info)
-    model = LoadedModel(path=path, arch=arch, transformer=tr, encoder=None,
-                        scheduler_config=sched, vae_config=vae, device=device, dtype=dtype,
-                        stage=info)
-    model.load_report = dict(report.as_dict(), text_encoders=None)  # Worker.describe()
-    return model
+    return adapter.assemble(path, tr, report.as_dict(), device, dtype, False, stage_info=info)

@@ -1,0 +1,197 @@
+"""Shard-only loading: each rank reads just its FSDP2 rows of each transformer tensor.
+
+The loader beside workers/weights.py's whole-tensor one, for weight sharding
+(workers/sharding.py). The transformer is built on the meta device (models/base.py, as
+for a whole load), its fp8 layers made (weights.fp8_layers), sharded there and materialised as
+shards only (`to_empty`); then each rank reads its dim-0 chunk of each parameter (rows of a
+row-major tensor are one contiguous byte range: `Checkpoint.read_rows`) and stores it through
+`weights.prepare`, the whole loader's own per-tensor decision. No rank ever holds a whole
+weight; together the ranks read each parameter byte once. Buffers (SD3's positional table)
+are not parameters: FSDP leaves them whole, so every rank reads and holds them.
+
+Single files (ComfyUI/BFL names): `single_file.row_map` runs the whole loader's conversion
+on index tensors, so each diffusers tensor is known as row ranges of file tensors (a fused
+qkv / linear1 part: its row offset in the fused tensor) and a rank reads only the file rows
+its chunk maps to.
+
+fp8: a block Linear stored in float8_e4m3fn stays fp8 (weights auto/fp8), its scale_weight (a
+scalar) read whole; other fp8 tensors are dequantized. `weights=fp8` on weights stored wider
+quantizes each rank's rows with the whole tensor's scale: one pass reads the rows for their
+max, one all-reduce (MAX, gloo control plane) gives every rank the whole tensors' maxima, a
+second pass reads the rows again and stores them in fp8 (so those rows are read twice).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def direct_load_problem(path: str) -> str:
+    """Why the transformer at `path` cannot be read shard by shard ("" when it can): then it
+    is loaded whole (workers/weights.py) and sharded after the load. Diffusers folders with
+    safetensors and single files (any naming, bf16 or fp8, scaled or not) can."""
+    from .weights import has_safetensors
+    if os.path.isfile(path) or has_safetensors(os.path.join(path, "transformer")):
+        return ""
+    return "the transformer has no safetensors weights (.bin: diffusers' own loader)"
+
+
+def chunk_rows(n: int, world: int, rank: int) -> tuple:
+    """FSDP2's dim-0 split (torch.chunk): rows [start, stop) of `rank` out of `n`."""
+    per = -(-n // world)
+    start = min(rank * per, n)
+    return start, min(start + per, n)
+
+
+class RowSource:
+    """Where each diffusers tensor's rows are in a checkpoint: {name: (shape, segments,
+    scale name)}, segments [(checkpoint tensor, first row, stop row)] whose rows, in order,
+    are the tensor's (a folder: the tensor itself; a single file: `single_file.row_map`)."""
+
+    def __init__(self, ck, table: dict):
+        self.ck, self.table = ck, table
+        self.scales = {}
+
+    @classmethod
+    def folder(cls, ck) -> "RowSource":
+        return cls(ck, {k: (ck.shape(k), [(k, 0, ck.shape(k)[0] if ck.shape(k) else 1)], None)
+                        for k in ck.keys()})
+
+    def keys(self):
+        return self.table.keys()
+
+    def shape(self, name: str) -> list:
+        return list(self.table[name][0])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.ck.dtype(self.table[name][1][0][0])
+
+    def scale(self, name: str):
+        """The tensor's scale_weight (fp32 scalar, read whole once) or None."""
+        key = self.table[name][2]
+        if key is None:
+            return None
+        if key not in self.scales:
+            self.scales[key] = self.ck.read_rows(key).float().reshape(())
+        return self.scales[key]
+
+    def read(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) in the checkpoint's dtype (a 0-dim tensor: whole)."""
+        shape, segs, _ = self.table[name]
+        if not shape:
+            return self.ck.read_rows(segs[0][0])
+        parts, pos = [], 0
+        for key, a, b in segs:
+            lo, hi = max(r0, pos), min(r1, pos + b - a)
+            if hi > lo:
+                parts.append(self.ck.read_rows(key, a + lo - pos, a + hi - pos))
+            pos += b - a
+        if not parts:
+            return torch.empty([0] + shape[1:], dtype=self.dtype(name))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def open_source(adapter, path: str):
+    """(Checkpoint, RowSource, meta-built transformer, single-file config or None)."""
+    from .models.base import meta_transformer_of
+    from .weights import Checkpoint
+    transformer, sf = meta_transformer_of(adapter, path)
+    if sf is not None:
+        from .models.single_file import row_map
+        ck = Checkpoint.open([path])
+        return ck, RowSource(ck, row_map(ck, sf)), transformer, sf
+    ck = Checkpoint.folder(os.path.join(path, "transformer"))
+    return ck, RowSource.folder(ck), transformer, None
+
+
+def load_shards(adapter, path: str, device, dtype, mode: str, shard) -> tuple:
+    """(transformer, report dict): the transformer of `path` (a diffusers folder or a single
+    file) holding only this rank's rows of every parameter. `shard`: what shards it
+    (sharding.ShardSetup: `wrap(transformer)`, `rank`, `world`, `control` the gloo group
+    for the fp8 maxima)."""
+    from .weights import FP8, WEIGHT_MODES, block_linears, fp8_layers, fp8_scale, is_fp8, \
+        prepare, unscaled
+
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES} (got {mode!r})")
+    ck, src, transformer, sf = open_source(adapter, path)
+    with ck:
+        transformer.to(dtype).requires_grad_(False).eval()
+        lists = adapter.block_lists
+        cands = {n + ".weight" for n in block_linears(transformer, lists)}
+        # a BFL SD3 file is cast to the pool dtype before diffusers' converter in the whole
+        # loader (single_file.file_tensors): nothing stays fp8 there, so nothing here
+        sd3_bfl = sf is not None and sf["arch"] == "sd3" and sf["naming"] != "diffusers"
+        keep = set() if mode == "full" or sd3_bfl else {
+            n for n in cands if n in src.table and src.dtype(n) == FP8}
+        quant = (cands - keep) if mode == "fp8" else set()
+        fp8 = {m + ".weight": lin for m, lin in fp8_layers(
+            transformer, lists, {n[:-len(".weight")] for n in keep | quant}, dtype,
+            "meta").items()}
+        persistent = set(transformer.state_dict().keys())
+        loose = [n for n, _ in transformer.named_buffers()
+                 if n not in persistent and n[:-len(".scale")] + ".weight" not in fp8]
+        if loose:
+            raise ValueError(f"buffers not stored in the checkpoint: {loose[:3]}")
+        if persistent != set(src.keys()):
+            want, have = persistent, set(src.keys())
+            raise ValueError(f"checkpoint {path} does not match the model: missing "
+                             f"{sorted(want - have)[:3]}, unexpected {sorted(have - want)[:3]}")
+        shard.wrap(transformer)
+        transformer.to_empty(device=device)
+        rank, world = shard.rank, shard.world
+
+        def rows(name, local):
+            full = src.shape(name)
+            r0, r1 = chunk_rows(full[0], world, rank) if full else (0, 0)
+            if full and (local.shape[0] != r1 - r0 or list(local.shape[1:]) != full[1:]):
+                raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not rows "
+                                   f"{r0}:{r1} of {full} (FSDP's dim-0 split changed?)")
+            return r0, r1
+
+        def read(name, r0, r1):  # (rows, scale) as the whole loader's prepare receives them
+            t, s = src.read(name, r0, r1), src.scale(name)
+            if sd3_bfl and t.is_floating_point():  # cast before converting, as there
+                return prepare(t, s, False, "full", dtype)[0], None
+            return t, s
+
+        params = {n: (p.to_local() if hasattr(p, "to_local") else p)
+                  for n, p in transformer.named_parameters()}
+        whole = {}  # quantized weights: the whole tensor's scale, from every rank's rows
+        if quant:
+            names = sorted(quant)
+            amax = torch.zeros(len(names), dtype=torch.float32)
+            for i, name in enumerate(names):
+                r0, r1 = rows(name, params[name])
+                if r1 > r0:
+                    amax[i] = unscaled(*read(name, r0, r1)).float().abs().max()
+            if world > 1:
+                from .topology import all_reduce
+                all_reduce(amax, op="max", group=shard.control)
+            whole = {n: fp8_scale(amax[i]) for i, n in enumerate(names)}
+        dev = torch.device(device)
+        with torch.no_grad():
+            for name, local in params.items():
+                r0, r1 = rows(name, local)
+                if local.numel():
+                    w, _ = prepare(*read(name, r0, r1), name in fp8, mode, dtype,
+                                   whole.get(name))
+                    local.copy_(w.to(dev))
+            for name, mod in fp8.items():  # the whole tensor's scale (1 for unscaled fp8)
+                s = whole[name] if name in whole else src.scale(name)
+                mod.scale.copy_(torch.ones(()) if s is None else s.reshape(()))
+            param_bytes = ck.bytes_read
+            for name, buf in transformer.named_buffers():  # not sharded: read whole
+                if name in persistent:
+                    full = src.shape(name)
+                    w, _ = prepare(*read(name, 0, full[0] if full else 0), False, mode, dtype)
+                    buf.copy_(w.to(dev))
+        report = {"weights": "fp8" if fp8 else "full", "fp8_layers": len(fp8),
+                  "loaded": "shards only", "tensors_read": ck.reads,
+                  "bytes_read": ck.bytes_read, "buffer_bytes_read": ck.bytes_read - param_bytes,
+                  "checkpoint_fp8": any(is_fp8(torch.empty(0, dtype=ck.dtype(k)))
+                                        for k in ck.keys()),
+                  "transformer_bytes": sum(t.numel() * t.element_size()
+                                           for t in params.values())}
+    return transformer, report
