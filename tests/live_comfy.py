@@ -67,8 +67,35 @@ def link_packs(comfy: Path, *helpers: str) -> None:
     pairs += [(name, ROOT / "tests" / "live_helpers" / HELPERS[name]) for name in helpers]
     for name, target in pairs:
         path = comfy / "custom_nodes" / name
+        if path.is_symlink() and path.resolve() != target.resolve():
+            path.unlink()  # another checkout's link: this one is under test
         if not path.is_symlink() and not path.exists():
             path.symlink_to(target, target_is_directory=True)
+
+
+# the settings nodes: loader input, widgets with their defaults
+SETTINGS = {"xDiT.ParallelSettings": ("parallel", dict(ulysses=1, ring=1, cfg_parallel=False,
+                                                       dp=1, gpus="")),
+            "xDiT.PipeFusionSettings": ("pipefusion", dict(pipefusion=2, warmup_steps=1,
+                                                           pipeline_patches=0,
+                                                           pipefusion_split="balanced")),
+            "xDiT.EngineSettings": ("engine", dict(attention="auto", compile=False,
+                                                   weights="auto", text_encoders="auto",
+                                                   shard_weights=False, memory_plan="auto"))}
+
+
+def with_settings(wf: dict, loader: str, **choices) -> dict:
+    """Connect to loader node `loader` the settings nodes that carry `choices` (named as the
+    nodes' widgets, e.g. ulysses=2, compile=True), as nodes "<loader>0<k>"; returns wf."""
+    left = dict(choices)
+    for k, (cls, (inp, defaults)) in enumerate(SETTINGS.items(), 1):
+        mine = {n: left.pop(n) for n in list(left) if n in defaults}
+        if mine:
+            nid = f"{loader}0{k}"
+            wf[nid] = {"class_type": cls, "inputs": dict(defaults, **mine)}
+            wf[loader]["inputs"][inp] = [nid, 0]
+    assert not left, f"no settings node has {sorted(left)}"
+    return wf
 
 
 def place(src: Path, dst: Path) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from live_comfy import (COMFY, ROOT, comfy_vae, http, link_packs, messages, place, run,
-                        running_comfyui, skip_without_comfyui, ws_connect)
+                        running_comfyui, skip_without_comfyui, with_settings, ws_connect)
 
 pytestmark = skip_without_comfyui
 
@@ -36,7 +37,10 @@ FILE_OPTION = f"diffusion_models/{FILE_NAME}"
 VAE_NAME = "xdit-test-vae.safetensors"
 # the folder names the example workflows use (README: where models go)
 EXAMPLE_MODELS = {"xdit_flux_text_to_image_api.json": ("FLUX.1-dev", "flux"),
+                  "xdit_flux_pipefusion_api.json": ("FLUX.1-dev", "flux"),
                   "xdit_sd3_text_to_image_api.json": ("stable-diffusion-3.5-medium", "sd3")}
+# what the Sampler node says when its job is done (logic.job_text)
+DONE = re.compile(r"^\d+ steps?, \d+ ranks?( \([^)]*\))?, [\d.]+ s( \+ [\d.]+ s launch)?$")
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +62,8 @@ def comfy(model_dir, tmp_path_factory):
 
 def _workflow(steps: int, size: int = 64) -> dict:
     wf = json.loads((ROOT / "example_workflows" / "xdit_flux_text_to_image_api.json").read_text())
-    wf["1"]["inputs"].update(model=MODEL_NAME, device="cpu", dtype="fp32", world_size="2",
-                             ulysses=2)
+    wf["1"]["inputs"].update(model=MODEL_NAME, device="cpu", dtype="fp32", world_size="2")
+    with_settings(wf, "1", ulysses=2)
     wf["2"]["inputs"].update(width=size, height=size)
     wf["3"]["inputs"].update(steps=steps, max_sequence_length=16, prompt="a small red cube")
     assert wf["4"]["class_type"] == "xDiT.Decode"  # decoded on the pool, the folder's VAE
@@ -100,17 +104,35 @@ def test_object_info_lists_nodes(comfy):
     assert seed["max"] == 2 ** 64 - 1 and seed.get("control_after_generate")
     js = http(comfy["base"], "/extensions/comfyui-xdit-under-test/xdit.js")
     assert b"xDiT.StatusPanel" in js
-    # a bad combination is refused at validation, with the ConfigError's message
+    # issue 21: four loader widgets; the rest on three settings nodes plugged into it
+    loader = info["xDiT.LoadModel"]["input"]
+    assert list(loader["required"]) == ["model", "device", "dtype", "world_size"]
+    assert {k: v[0] for k, v in loader["optional"].items()} == {
+        "parallel": "XDIT_PARALLEL", "pipefusion": "XDIT_PIPEFUSION", "engine": "XDIT_ENGINE"}
+    for n, out in (("xDiT.ParallelSettings", "XDIT_PARALLEL"),
+                   ("xDiT.PipeFusionSettings", "XDIT_PIPEFUSION"),
+                   ("xDiT.EngineSettings", "XDIT_ENGINE")):
+        assert info[n]["category"] == "xDiT" and info[n]["output"] == [out]
+    # a bad widget is refused at validation, with the ConfigError's message, once
     wf = _workflow(2)
-    wf["1"]["inputs"].update(world_size="4", ulysses=3)
+    wf["1"]["inputs"]["dtype"] = "bf16"
     try:
         http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
         raise AssertionError("invalid configuration accepted")
     except urllib.error.HTTPError as e:
         body = json.loads(e.read())
-        assert "world size 4 != dp 1 x cfg 1" in json.dumps(body["node_errors"])
+        assert "dtype bf16 does not run on cpu" in json.dumps(body["node_errors"])
         # one message, once (not once per loader input)
         assert [len(v["errors"]) for v in body["node_errors"].values()] == [1], body
+    # a bad layout from a settings node: its value exists only at execution, so the
+    # loader's one line comes as the execution error
+    wf = with_settings(_workflow(2), "1", ulysses=3)
+    wf["1"]["inputs"]["world_size"] = "4"
+    _, msgs = run(comfy, wf)
+    assert msgs[-1]["type"] == "execution_error", msgs[-1]
+    err = msgs[-1]["data"]["exception_message"]
+    assert "world size 4 != dp 1 x cfg 1 x pipefusion 1 x ulysses 3" in err, err
+    assert msgs[-1]["data"]["node_type"] == "xDiT.LoadModel"
 
 
 def test_workflow_runs_with_progress_and_saves_an_image(comfy):
@@ -133,8 +155,9 @@ def test_pipefusion_workflow_through_the_api(comfy):
     """The loader's PipeFusion inputs through /prompt: a 2-stage pool (each rank holds half
     the blocks, shown per rank by /xdit/status) produces the image."""
     wf = _workflow(3)
-    wf["1"]["inputs"].update(world_size="2", ulysses=1, pipefusion=2, warmup_steps=1,
-                             pipeline_patches=0, pipefusion_split="balanced")
+    del wf["1"]["inputs"]["parallel"]
+    with_settings(wf, "1", pipefusion=2, warmup_steps=1, pipeline_patches=0,
+                  pipefusion_split="balanced")
     pid, msgs = run(comfy, wf)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
@@ -142,13 +165,14 @@ def test_pipefusion_workflow_through_the_api(comfy):
     assert http(comfy["base"], f"/history/{pid}")[pid]["outputs"]["5"]["images"]
     pool = http(comfy["base"], "/xdit/status")["pools"][0]
     assert [r["stage"]["index"] for r in pool["ranks"]] == [0, 1]
-    # a degree the model cannot take is refused at validation
-    wf["1"]["inputs"].update(world_size="8", pipefusion=8)
-    try:
-        http(comfy["base"], "/prompt", {"prompt": wf, "client_id": "x"})
-        raise AssertionError("invalid configuration accepted")
-    except urllib.error.HTTPError as e:
-        assert "exceeds the model's 4 transformer blocks" in json.dumps(json.loads(e.read()))
+    texts = [m["text"] for m in msgs if m.get("type") == "progress_text" and m["node"] == "3"]
+    assert texts[-1].startswith("3 steps, 2 ranks (PipeFusion 2), "), texts
+    # a degree the model cannot take is refused before anything launches
+    wf["1"]["inputs"]["world_size"] = "8"
+    with_settings(wf, "1", pipefusion=8)
+    _, msgs = run(comfy, wf)
+    assert msgs[-1]["type"] == "execution_error", msgs[-1]
+    assert "exceeds the model's 4 transformer blocks" in msgs[-1]["data"]["exception_message"]
 
 
 def test_single_file_workflow_with_conditioning_and_decode(comfy):
@@ -277,6 +301,12 @@ def test_example_workflow_runs_unmodified_on_cpu(comfy, name):
     assert saved and saved[0]["images"][0]["filename"].endswith(".png")
     texts = [m["text"] for m in msgs if m.get("type") == "progress_text"]
     assert any(t.startswith("runs on cpu, fp32, 2 rank(s)") for t in texts), texts
+    sampler = next(k for k, n in wf.items() if n["class_type"] == "xDiT.Sampler")
+    last = [m["text"] for m in msgs if m.get("type") == "progress_text"
+            and m["node"] == sampler][-1]  # what ran, not the launch's "loading 2/2"
+    steps = wf[sampler]["inputs"]["steps"]
+    assert last.startswith(f"{steps} steps, 2 ranks") and DONE.match(last), last
+    print(f"\n{name}: Sampler text after the run: {last!r}")
     pool = http(comfy["base"], "/xdit/status")["pools"][0]
     assert (pool["device"], pool["dtype"]) == ("cpu", "fp32")
 
@@ -307,6 +337,11 @@ def test_launch_progress_shows_on_the_node_before_step_1(comfy):
     before = msgs[:first_step]
     texts = [m["text"] for m in before if m.get("type") == "progress_text" and m["node"] == "3"]
     assert texts[0] == "starting 2 workers" and "loading 2/2" in texts, texts
+    # issue 21: the launch text is replaced by what ran when the job is done
+    done = [m["text"] for m in msgs if m.get("type") == "progress_text" and m["node"] == "3"]
+    assert done[-1].startswith("3 steps, 2 ranks (Ulysses 2), ") and \
+        done[-1].endswith(" s launch") and DONE.match(done[-1]), done
+    print(f"\nSampler text after a launching run: {done[-1]!r}")
     bars = [(m["data"]["value"], m["data"]["max"]) for m in before
             if m.get("type") == "progress" and m["data"]["node"] == "3"]
     assert bars and bars[0] == (0, 2) and bars[-1] == (2, 2), bars

@@ -10,7 +10,7 @@ models/diffusion_models/ and a random 16-channel VAE into models/vae/, and start
 
 Each comparison is one graph with two branches from the same seed, latent, CONDITIONING and
 VAE: stock KSampler on "MODEL for KSampler (xDiT)" (xDiT.LoadModel of the file on a 2-rank
-CPU fp32 pool) and stock KSampler on ComfyUI's own model (UNETLoader, weight_dtype default),
+CPU fp32 pool, the layout on Parallel / Engine settings (xDiT)) and stock KSampler on ComfyUI's own model (UNETLoader, weight_dtype default),
 each decoded by VAEDecode; the decoded IMAGE tensors must agree to 1e-3.
 * SD3 (cfg 3.5, so every call carries the conditional and unconditional rows) at Ulysses 2
   and at CFG parallel, with euler/simple and dpmpp_2m/beta;
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from live_comfy import (COMFY, ROOT, comfy_vae, http, link_packs, run, running_comfyui,
-                        skip_without_comfyui, tensors)
+                        skip_without_comfyui, tensors, with_settings)
 
 pytestmark = skip_without_comfyui
 
@@ -75,9 +75,8 @@ def _compare_graph(comfy, arch: str, layout: dict, sampler: str, scheduler: str,
     out = {b: str(comfy["tmp"] / f"{tag}-{b}.safetensors") for b in ("x", "n")}
     wf = {
         "1": {"class_type": "xDiT.LoadModel",
-              "inputs": dict({"model": f"diffusion_models/{FILES[arch]}", "device": "cpu",
-                              "dtype": "fp32", "world_size": "2", "ulysses": 1, "ring": 1,
-                              "cfg_parallel": False, "dp": 1, "gpus": ""}, **layout)},
+              "inputs": {"model": f"diffusion_models/{FILES[arch]}", "device": "cpu",
+                         "dtype": "fp32", "world_size": "2"}},
         "2": {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0]}},
         "3": {"class_type": "UNETLoader", "inputs": {"unet_name": FILES[arch],
                                                       "weight_dtype": "default"}},
@@ -91,6 +90,7 @@ def _compare_graph(comfy, arch: str, layout: dict, sampler: str, scheduler: str,
               "inputs": {"width": size, "height": size, "batch_size": 1}},
         "9": {"class_type": "VAELoader", "inputs": {"vae_name": VAE_NAME}},
     }
+    with_settings(wf, "1", **layout)  # Parallel / Engine settings (xDiT)
     positive = ["4", 0]
     if arch == "flux":  # embedded guidance through ComfyUI's own node
         wf["14"] = {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0],

@@ -11,8 +11,10 @@ from comfyui_xdit import ConfigError, GenerationRequest
 from comfyui_xdit.comfy_convert import (comfy_noise, conditioning_to_request, is_empty_latent,
                                         latent_from_comfy, latent_to_comfy, preview_rgb,
                                         request_to_conditioning)
-from comfyui_xdit.nodes.logic import (ModelHandle, PoolRegistry, SampleInputs, build_job, decode,
-                                     discover_models, discover_single_files, make_handle,
+from comfyui_xdit.nodes.logic import (LOADER_DEFAULTS, EngineSettings, ModelHandle,
+                                     ParallelSettings, PipeFusionSettings, PoolRegistry,
+                                     SampleInputs, build_job, decode, discover_models,
+                                     discover_single_files, loader_handle, make_handle,
                                      resolve_model, sample)
 from comfyui_xdit.client.pool import JobCancelled
 
@@ -219,8 +221,11 @@ def test_registry_reuses_reconfigures_and_replaces(registry, model_dir):
     pool = registry.pools()[0]
     pids = pool.worker_pids()
     # ComfyUI re-executing the node: the same pool, the same workers
+    text = registry.last_job["text"]  # the Sampler node's closing line, launch included
+    assert text.startswith("2 steps, 2 ranks (Ulysses 2), ") and text.endswith(" s launch"), text
     b = sample(h, SampleInputs(latent=latent, prompt="a cat", **COMMON), registry=registry)
     assert registry.pools() == [pool] and pool.worker_pids() == pids and pool.launches == 1
+    assert "launch" not in registry.last_job["text"]  # warm: no launch this time
     assert torch.equal(a["samples"], b["samples"])
     # same world size, other degrees: the warm workers are kept
     r = sample(_handle(model_dir, world_size=2, ring=2),
@@ -458,10 +463,8 @@ def comfy_validation_errors(validate, inputs: dict) -> list:
     return [] if r is True else [f"{x} - {r}" for x in inputs]
 
 
-LOADER_INPUTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1, ring=1,
-                     cfg_parallel=False, dp=1, gpus="", pipefusion=1, warmup_steps=1,
-                     pipeline_patches=0, pipefusion_split="balanced", attention="auto",
-                     compile=False, weights="auto", text_encoders="auto")
+# the loader's widgets as ComfyUI passes them with no settings node connected
+LOADER_INPUTS = dict(device="auto", dtype="auto", world_size="auto")
 
 
 @pytest.fixture
@@ -500,15 +503,16 @@ def test_loader_reports_a_bad_configuration_once(loader_node):
     assert comfy_validation_errors(LoadModel.validate_inputs, ok) == []
     h = LoadModel._handle(**ok)  # auto on a CPU-only ComfyUI: what actually runs
     assert (h.device, h.dtype, h.world()) == ("cpu", "fp32", 2)
-    bad = dict(ok, world_size="4", ulysses=3)
-    errors = comfy_validation_errors(LoadModel.validate_inputs, bad)
+    bad = dict(ok, world_size="4", parallel=ParallelSettings(ulysses=3))
+    errors = comfy_validation_errors(LoadModel._handle, bad)  # at execution: values known
     assert len(errors) == 1, errors
     assert "world size 4 != dp 1 x cfg 1 x pipefusion 1 x ulysses 3" in errors[0]
+    # at validation ComfyUI passes a linked input as None: the layout waits for its value
+    assert comfy_validation_errors(LoadModel.validate_inputs, dict(bad, parallel=None)) == []
     # the rule can fail: a returned message would have been shown once per input
-    assert len(comfy_validation_errors(lambda **kw: "invalid", bad)) == len(bad) > 10
+    assert len(comfy_validation_errors(lambda **kw: "invalid", bad)) == len(bad) > 4
     # cuda forced on a CPU-only ComfyUI: one line, with whatever else is wrong in it
-    errors = comfy_validation_errors(LoadModel.validate_inputs, dict(bad, device="cuda",
-                                                                     dtype="bf16"))
+    errors = comfy_validation_errors(LoadModel._handle, dict(bad, device="cuda", dtype="bf16"))
     assert len(errors) == 1 and "\n" not in errors[0], errors
     assert errors[0].startswith("device cuda: this ComfyUI has no CUDA GPU"), errors[0]
     assert "use device auto (runs on cpu here) or cpu" in errors[0]
@@ -520,22 +524,62 @@ def test_loader_reports_a_bad_configuration_once(loader_node):
     # what cannot run is refused rather than silently changed
     errors = comfy_validation_errors(LoadModel.validate_inputs, dict(ok, dtype="bf16"))
     assert len(errors) == 1 and "dtype bf16 does not run on cpu" in errors[0]
-    errors = comfy_validation_errors(LoadModel.validate_inputs, dict(ok, attention="cudnn",
-                                                                     text_encoders="gpu"))
+    errors = comfy_validation_errors(LoadModel._handle, dict(ok, engine=EngineSettings(
+        attention="cudnn", text_encoders="gpu")))
     assert len(errors) == 1 and "attention 'cudnn' is a CUDA kernel" in errors[0] \
         and "text_encoders 'gpu' needs device cuda" in errors[0], errors
 
 
-def test_loader_memory_plan_option(loader_node):
-    """An optional enum beside the engine options, passed to the handle as chosen."""
+def _schema_inputs(nodes, node_cls) -> list:
+    """(kind, name, kwargs) of every input `node_cls.define_schema()` declares, read from
+    the mocked `io` (widgets) and the pack's io.Custom types (sockets)."""
+    io = nodes.io
+    kinds = {"Combo": io.Combo.Input, "Int": io.Int.Input, "Boolean": io.Boolean.Input,
+             "String": io.String.Input, "Float": io.Float.Input}
+    sockets = {"parallel": nodes.XDiTParallel.Input, "pipefusion": nodes.XDiTPipeFusion.Input,
+               "engine": nodes.XDiTEngine.Input}
+    for m in list(kinds.values()) + list(sockets.values()):
+        m.reset_mock()
+    node_cls.define_schema()
+    return [(kind, c.args[0], c.kwargs) for kind, m in {**kinds, **sockets}.items()
+            for c in m.call_args_list]
+
+
+def test_loader_has_four_widgets_and_three_settings_inputs(loader_node):
+    """Issue 21: the loader keeps what every user sets; the rest is on settings nodes,
+    each plugged into an optional input of its own type."""
     import sys
     LoadModel, _ = loader_node
-    combo = sys.modules["comfyui_xdit.nodes.extension"].io.Combo.Input
-    LoadModel.define_schema()
-    calls = [c for c in combo.call_args_list if c.args and c.args[0] == "memory_plan"]
-    assert len(calls) == 1 and calls[0].kwargs["options"] == ["auto", "enforce", "advise"]
-    assert calls[0].kwargs["default"] == "auto" and calls[0].kwargs["optional"] is True
-    h = LoadModel._handle(**dict(LOADER_INPUTS, model="FLUX.1-dev", memory_plan="advise"))
+    nodes = sys.modules["comfyui_xdit.nodes.extension"]
+    got = _schema_inputs(nodes, LoadModel)
+    widgets = [name for kind, name, _ in got if kind in ("Combo", "Int", "Boolean", "String")]
+    assert sorted(widgets) == ["device", "dtype", "model", "world_size"]
+    assert {name: kw.get("optional") for kind, name, kw in got
+            if kind in ("parallel", "pipefusion", "engine")} == \
+        {"parallel": True, "pipefusion": True, "engine": True}
+    # every removed widget is on exactly one settings node, with today's default
+    import dataclasses
+    moved = {}
+    for node in (nodes.ParallelSettings, nodes.PipeFusionSettings, nodes.EngineSettings):
+        for _, name, kw in _schema_inputs(nodes, node):
+            assert name not in moved
+            moved[name] = kw.get("default")
+    assert set(moved) == set(LOADER_DEFAULTS) - set(LOADER_INPUTS)
+    assert {k: v for k, v in moved.items() if k != "pipefusion"} == \
+        {k: LOADER_DEFAULTS[k] for k in moved if k != "pipefusion"}
+    assert moved["pipefusion"] == 2  # connecting PipeFusion settings means PipeFusion
+    for cls in (ParallelSettings, PipeFusionSettings, EngineSettings):  # same names as the
+        assert {f.name for f in dataclasses.fields(cls)} <= set(moved)  # nodes' widgets
+    combo = [kw for kind, name, kw in _schema_inputs(nodes, nodes.EngineSettings)
+             if name == "memory_plan"]
+    assert combo[0]["options"] == ["auto", "enforce", "advise"]
+
+
+def test_loader_memory_plan_option(loader_node):
+    """Engine settings' memory_plan reaches the handle as chosen; none connected: auto."""
+    LoadModel, _ = loader_node
+    h = LoadModel._handle(**dict(LOADER_INPUTS, model="FLUX.1-dev",
+                                 engine=EngineSettings(memory_plan="advise")))
     assert h.memory_plan == "advise"
     assert LoadModel._handle(**dict(LOADER_INPUTS, model="FLUX.1-dev")).memory_plan == "auto"
 
@@ -698,3 +742,101 @@ def test_text_encoder_choices_list_each_visible_gpu():
     assert text_encoder_options(0) == ["auto", "cpu", "gpu"]
     assert text_encoder_options(3)[3:] == ["cuda:0", "cuda:1", "cuda:2"]
     assert text_encoder_options()[:3] == ["auto", "cpu", "gpu"]  # counts without a GPU
+
+
+# ---- the settings nodes: the loader's old widgets, moved -------------------------------------
+# today's loader widgets (before issue 21) -> the settings nodes that now carry them
+OLD_WIDGET_CASES = [
+    dict(world_size="2", ulysses=2),
+    dict(world_size="4", ulysses=2, ring=2, gpus="0,1,2,3"),
+    dict(world_size="auto", cfg_parallel=True, dp=2, attention="torch", weights="full"),
+    dict(world_size="2", pipefusion=2, warmup_steps=3, pipeline_patches=4,
+         pipefusion_split="memory", compile=True, text_encoders="cpu", memory_plan="advise"),
+    dict(world_size="2", ulysses=2, shard_weights=True, weights="fp8"),
+]
+
+
+def _as_settings(old: dict) -> dict:
+    """The same choices made with the settings nodes (a node only where one is non-default)."""
+    import dataclasses
+    inputs = {k: old[k] for k in ("world_size",) if k in old}
+    for name, cls in (("parallel", ParallelSettings), ("pipefusion", PipeFusionSettings),
+                      ("engine", EngineSettings)):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if fields & set(old):
+            mine = {k: v for k, v in old.items() if k in fields}
+            if cls is PipeFusionSettings:
+                mine.setdefault("pipefusion", 1)
+            inputs[name] = cls(**mine)
+    return inputs
+
+
+@pytest.mark.parametrize("old", OLD_WIDGET_CASES, ids=lambda d: ",".join(d))
+def test_settings_nodes_give_what_the_old_widgets_gave(model_dir, old):
+    path = str(model_dir("flux"))
+    want = make_handle(path, "cpu", "fp32", **old)
+    got = loader_handle(dict(_as_settings(old), model=path, device="cpu", dtype="fp32"), [],
+                        has_cuda=False) if not want.problems() else None
+    if got is None:  # e.g. the tiny model's layout limits: the same problems either way
+        with pytest.raises(ConfigError) as e:
+            loader_handle(dict(_as_settings(old), model=path, device="cpu", dtype="fp32"), [],
+                          has_cuda=False)
+        assert str(e.value) == "; ".join(want.problems())
+        return
+    assert got == want
+    assert got.explicit_config() == want.explicit_config()
+    assert got.config_for() == want.config_for() and got.engine() == want.engine()
+
+
+def test_loader_without_settings_is_todays_loader(model_dir):
+    """Nothing connected = today's default widget values; Parallel and Engine settings at
+    their defaults change nothing either (PipeFusion settings' default degree is 2)."""
+    path = str(model_dir("flux"))
+    plain = loader_handle(dict(model=path, device="auto", dtype="auto", world_size="auto"),
+                          [], has_cuda=False)
+    today = make_handle(path, **{k: v for k, v in LOADER_DEFAULTS.items()}, has_cuda=False)
+    assert plain == today and not plain.degrees_given
+    assert (plain.device, plain.dtype, plain.world(), plain.gpus) == ("cpu", "fp32", 2, None)
+    assert plain.config_for().key() == (1, 1, 1, 2, 1)  # the automatic split, as today
+    assert plain.engine() == today.engine() and plain.memory_plan == "auto"
+    defaults = loader_handle(dict(model=path, device="auto", dtype="auto", world_size="auto",
+                                  parallel=ParallelSettings(), engine=EngineSettings()),
+                             [], has_cuda=False)
+    assert defaults == plain
+    pf = loader_handle(dict(model=path, device="auto", dtype="auto", world_size="auto",
+                            pipefusion=PipeFusionSettings()), [], has_cuda=False)
+    assert pf.explicit_config().pipefusion == 2 and pf.world() == 2
+
+
+def test_conflicting_settings_give_one_clear_line(model_dir):
+    path = str(model_dir("flux"))
+    base = dict(model=path, device="cpu", dtype="fp32")
+
+    def error(**inputs) -> str:
+        with pytest.raises(ConfigError) as e:
+            loader_handle(dict(base, **inputs), [], has_cuda=False)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+    # Ulysses on one node, PipeFusion on another: their product is not the world size
+    msg = error(world_size="2", parallel=ParallelSettings(ulysses=2),
+                pipefusion=PipeFusionSettings(pipefusion=2))
+    assert "world size 2 != dp 1 x cfg 1 x pipefusion 2 x ulysses 2 x ring 1" in msg, msg
+    # sharding and compile with PipeFusion: the engine's conflicts, said in the same line
+    msg = error(world_size="2", pipefusion=PipeFusionSettings(pipefusion=2),
+                engine=EngineSettings(shard_weights=True, compile=True))
+    assert "compile is not supported with PipeFusion" in msg and "shard_weights" in msg, msg
+    # a number where a settings node goes (a saved API workflow's old pipefusion widget)
+    # is read as that widget was
+    h = loader_handle(dict(base, world_size="2", pipefusion=2), [], has_cuda=False)
+    assert h.explicit_config().pipefusion == 2
+
+
+def test_sampler_text_after_the_job():
+    from comfyui_xdit.nodes.logic import job_text, layout_text
+    from comfyui_xdit import ParallelConfig
+    assert job_text(12, ParallelConfig(ulysses=2), 3.14) == "12 steps, 2 ranks (Ulysses 2), 3.1 s"
+    assert job_text(1, ParallelConfig(), 0.5) == "1 step, 1 rank, 0.5 s"
+    both = ParallelConfig(dp=2, cfg_parallel=True, pipefusion=2, ulysses=2, ring=2)
+    assert layout_text(both) == "DP 2 x CFG parallel x PipeFusion 2 x Ulysses 2 x Ring 2"
+    assert job_text(28, ParallelConfig(cfg_parallel=True), 9.96, launch_s=12.04) == \
+        "28 steps, 2 ranks (CFG parallel), 10.0 s + 12.0 s launch"

@@ -19,6 +19,9 @@ from comfyui_xdit.nodes.logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MA
 log = logging.getLogger("comfyui_xdit")
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
+XDiTParallel = io.Custom("XDIT_PARALLEL")
+XDiTPipeFusion = io.Custom("XDIT_PIPEFUSION")
+XDiTEngine = io.Custom("XDIT_ENGINE")
 PREVIEW_MAX = 512
 
 
@@ -101,8 +104,8 @@ class LoadModel(io.ComfyNode):
             node_id="xDiT.LoadModel",
             display_name="Load model (xDiT)",
             category=CATEGORY,
-            description="Describes a FLUX.1 / FLUX.2 / SD3 model and how to split it over a "
-                        "worker pool. "
+            description="Describes a FLUX.1 / FLUX.2 / SD3 model and how many ranks run it; "
+                        "the split is chosen for you unless a settings node is connected. "
                         "Nothing starts here: the pool launches at the first sampling and stays warm.",
             inputs=[
                 io.Combo.Input("model", options=models or ["(no FLUX.1/FLUX.2/SD3 model found)"],
@@ -128,72 +131,20 @@ class LoadModel(io.ComfyNode):
                                        "on cuda, fp32 on cpu (the CPU workers run fp32 only; "
                                        "bf16/fp16 there are refused)"),
                 io.Combo.Input("world_size", options=list(WORLD_SIZES), default="auto",
-                               tooltip="Ranks. auto: every visible GPU (2 processes on CPU). With "
-                                       "all degrees at 1 the split is chosen automatically (CFG "
-                                       "parallel first, then Ulysses, then Ring); otherwise it "
-                                       "must equal dp x cfg x ulysses x ring."),
-                io.Int.Input("ulysses", default=1, min=1, max=64,
-                             tooltip="Ulysses degree (splits attention heads; must divide them)"),
-                io.Int.Input("ring", default=1, min=1, max=64,
-                             tooltip="Ring attention degree (K/V passed around a ring)"),
-                io.Boolean.Input("cfg_parallel", default=False,
-                                 tooltip="Positive and negative branch on different ranks "
-                                         "(needs cfg > 1)"),
-                io.Int.Input("dp", default=1, min=1, max=64,
-                             tooltip="Data parallel: the latent batch split over ranks"),
-                io.String.Input("gpus", default="", optional=True,
-                                tooltip="Comma-separated GPU ids for the ranks (empty: all visible)"),
-                io.Int.Input("pipefusion", default=1, min=1, max=64, optional=True,
-                             tooltip="PipeFusion degree: each rank loads only 1/N of the "
-                                     "transformer blocks and the image flows through them "
-                                     "patch by patch (least memory and traffic; not exact "
-                                     "after the warmup steps)"),
-                io.Int.Input("warmup_steps", default=1, min=0, max=1000, optional=True,
-                             tooltip="PipeFusion: full synchronous steps first (exact); "
-                                     ">= steps makes the whole run exact"),
-                io.Int.Input("pipeline_patches", default=0, min=0, max=64, optional=True,
-                             tooltip="PipeFusion: patches per step (0: the PipeFusion degree)"),
-                io.Combo.Input("pipefusion_split", options=list(SPLITS), default="balanced",
-                               optional=True,
-                               tooltip="PipeFusion stages: balanced (least work on the slowest "
-                                       "stage, each <= 1/N + 5% of the weights), compute, or "
-                                       "memory"),
-                io.Combo.Input("attention", options=list(ATTENTION), default="auto",
-                               optional=True,
-                               tooltip="Attention kernel, chosen once per pool. auto: the "
-                                       "fastest this device has; cudnn, flash (flash-attn) "
-                                       "and efficient force one (CUDA only); torch: torch's "
-                                       "own SDPA choice"),
-                io.Boolean.Input("compile", default=False, optional=True,
-                                 tooltip="torch.compile of the transformer blocks during "
-                                         "warm-up: faster steps, a much slower first job"),
-                io.Combo.Input("weights", options=list(WEIGHT_OPTIONS), default="auto",
-                               optional=True,
-                               tooltip="auto: as the checkpoint stores them (an fp8 file "
-                                       "stays fp8 on the GPU, others in dtype); fp8: block "
-                                       "weights stored in fp8 e4m3fn (half of bf16's "
-                                       "memory), computed in dtype; full: every weight in "
-                                       "dtype, fp8 files included"),
-                io.Combo.Input("text_encoders", options=node_logic.text_encoder_options(),
-                               default="auto", optional=True,
-                               tooltip="Where rank 0 runs the text encoders for prompt text: "
-                                       "auto (rank 0's GPU when they fit beside the "
-                                       "transformer, else CPU), cpu, gpu (rank 0's GPU), or "
-                                       "cuda:N (that GPU: a spare one, or another rank's)"),
-                io.Boolean.Input("shard_weights", default=False, optional=True,
-                                 tooltip="Keep 1/N of the transformer's weights on each GPU "
-                                         "(torch FSDP2; each block gathered just before it "
-                                         "runs): exact, for models larger than one GPU; "
-                                         "costs one all-weight gather per step (fast on "
-                                         "NVLink, slow on PCIe). Not with PipeFusion or "
-                                         "compile"),
-                io.Combo.Input("memory_plan", options=list(MEMORY_PLAN_OPTIONS),
-                               default="auto", optional=True,
-                               tooltip="The per-GPU memory plan made before a CUDA pool "
-                                       "launches (an estimate): enforce refuses a layout it "
-                                       "predicts will not fit, advise warns and launches "
-                                       "anyway; auto: the XDIT_MEMORY_PLAN environment "
-                                       "variable, else enforce"),
+                               tooltip="Ranks. auto: every visible GPU (or every GPU of "
+                                       "Parallel settings' list; 2 processes on CPU), split "
+                                       "automatically (CFG parallel first, then Ulysses, then "
+                                       "Ring). With degrees set by the settings nodes, auto "
+                                       "means their product and a number must equal it."),
+                XDiTParallel.Input("parallel", optional=True,
+                                   tooltip="Parallel settings (xDiT): Ulysses, Ring, CFG "
+                                           "parallel, DP degrees and the GPU list"),
+                XDiTPipeFusion.Input("pipefusion", optional=True,
+                                     tooltip="PipeFusion settings (xDiT): degree, warmup "
+                                             "steps, patches, stage split"),
+                XDiTEngine.Input("engine", optional=True,
+                                 tooltip="Engine settings (xDiT): attention kernel, compile, "
+                                         "weights, text encoders, weight sharding, memory plan"),
             ],
             outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
             hidden=[io.Hidden.unique_id],
@@ -208,7 +159,7 @@ class LoadModel(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, **inputs):
         # Raised, not returned: ComfyUI attaches a returned message to every input it
-        # passed (14 copies of one problem); a raised one is reported once for the node.
+        # passed (one copy per input); a raised one is reported once for the node.
         cls._handle(**inputs)
         return True
 
@@ -221,6 +172,136 @@ class LoadModel(io.ComfyNode):
                        + (f"; {handle.memory_summary()}" if handle.memory_summary() else ""),
                        node_id)
         return io.NodeOutput(handle)
+
+
+class ParallelSettings(io.ComfyNode):
+    """Degrees off the loader: most users keep the automatic split, so they live here."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="xDiT.ParallelSettings",
+            display_name="Parallel settings (xDiT)",
+            category=CATEGORY,
+            description="The parallel degrees and GPUs for Load model (xDiT)'s parallel input. "
+                        "All degrees 1: the loader's automatic split; otherwise exactly these, "
+                        "and world size = dp x cfg x pipefusion x ulysses x ring.",
+            inputs=[
+                io.Int.Input("ulysses", default=1, min=1, max=64,
+                             tooltip="Ulysses degree (splits attention heads; must divide them)"),
+                io.Int.Input("ring", default=1, min=1, max=64,
+                             tooltip="Ring attention degree (K/V passed around a ring)"),
+                io.Boolean.Input("cfg_parallel", default=False,
+                                 tooltip="Positive and negative branch on different ranks "
+                                         "(needs cfg > 1)"),
+                io.Int.Input("dp", default=1, min=1, max=64,
+                             tooltip="Data parallel: the latent batch split over ranks"),
+                io.String.Input("gpus", default="",
+                                tooltip="Comma-separated GPU ids for the ranks, as this "
+                                        "ComfyUI numbers them (empty: all visible)"),
+            ],
+            outputs=[XDiTParallel.Output(display_name="parallel")],
+        )
+
+    @classmethod
+    def execute(cls, ulysses, ring, cfg_parallel, dp, gpus="") -> io.NodeOutput:
+        return io.NodeOutput(node_logic.ParallelSettings(
+            ulysses=int(ulysses), ring=int(ring), cfg_parallel=bool(cfg_parallel), dp=int(dp),
+            gpus=str(gpus or "")))
+
+
+class PipeFusionSettings(io.ComfyNode):
+    """PipeFusion is not exact and needs its own knobs: opt-in, on its own node."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="xDiT.PipeFusionSettings",
+            display_name="PipeFusion settings (xDiT)",
+            category=CATEGORY,
+            description="PipeFusion for Load model (xDiT)'s pipefusion input: each rank "
+                        "loads only 1/N of the transformer blocks and the image flows through "
+                        "them patch by patch (least memory and traffic; not exact after the "
+                        "warmup steps).",
+            inputs=[
+                io.Int.Input("pipefusion", default=2, min=1, max=64,
+                             tooltip="PipeFusion degree: pipeline stages (1: off)"),
+                io.Int.Input("warmup_steps", default=1, min=0, max=1000,
+                             tooltip="Full synchronous steps first (exact); >= steps makes "
+                                     "the whole run exact"),
+                io.Int.Input("pipeline_patches", default=0, min=0, max=64,
+                             tooltip="Patches per step (0: the PipeFusion degree)"),
+                io.Combo.Input("pipefusion_split", options=list(SPLITS), default="balanced",
+                               tooltip="Stages: balanced (least work on the slowest stage, "
+                                       "each <= 1/N + 5% of the weights), compute, or memory"),
+            ],
+            outputs=[XDiTPipeFusion.Output(display_name="pipefusion")],
+        )
+
+    @classmethod
+    def execute(cls, pipefusion, warmup_steps, pipeline_patches,
+                pipefusion_split) -> io.NodeOutput:
+        return io.NodeOutput(node_logic.PipeFusionSettings(
+            pipefusion=int(pipefusion), warmup_steps=int(warmup_steps),
+            pipeline_patches=int(pipeline_patches), pipefusion_split=str(pipefusion_split)))
+
+
+class EngineSettings(io.ComfyNode):
+    """How each rank runs the model: options for tuning and for models that do not fit."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="xDiT.EngineSettings",
+            display_name="Engine settings (xDiT)",
+            category=CATEGORY,
+            description="Engine options for Load model (xDiT)'s engine input; fixed for a "
+                        "pool's life (changing one relaunches it).",
+            inputs=[
+                io.Combo.Input("attention", options=list(ATTENTION), default="auto",
+                               tooltip="Attention kernel, chosen once per pool. auto: the "
+                                       "fastest this device has; cudnn, flash (flash-attn) "
+                                       "and efficient force one (CUDA only); torch: torch's "
+                                       "own SDPA choice"),
+                io.Boolean.Input("compile", default=False,
+                                 tooltip="torch.compile of the transformer blocks during "
+                                         "warm-up: faster steps, a much slower first job"),
+                io.Combo.Input("weights", options=list(WEIGHT_OPTIONS), default="auto",
+                               tooltip="auto: as the checkpoint stores them (an fp8 file "
+                                       "stays fp8 on the GPU, others in dtype); fp8: block "
+                                       "weights stored in fp8 e4m3fn (half of bf16's "
+                                       "memory), computed in dtype; full: every weight in "
+                                       "dtype, fp8 files included"),
+                io.Combo.Input("text_encoders", options=node_logic.text_encoder_options(),
+                               default="auto",
+                               tooltip="Where rank 0 runs the text encoders for prompt text: "
+                                       "auto (rank 0's GPU when they fit beside the "
+                                       "transformer, else CPU), cpu, gpu (rank 0's GPU), or "
+                                       "cuda:N (that GPU: a spare one, or another rank's)"),
+                io.Boolean.Input("shard_weights", default=False,
+                                 tooltip="Keep 1/N of the transformer's weights on each GPU "
+                                         "(torch FSDP2; each block gathered just before it "
+                                         "runs): exact, for models larger than one GPU; "
+                                         "costs one all-weight gather per step (fast on "
+                                         "NVLink, slow on PCIe). Not with PipeFusion or "
+                                         "compile"),
+                io.Combo.Input("memory_plan", options=list(MEMORY_PLAN_OPTIONS), default="auto",
+                               tooltip="The per-GPU memory plan made before a CUDA pool "
+                                       "launches (an estimate): enforce refuses a layout it "
+                                       "predicts will not fit, advise warns and launches "
+                                       "anyway; auto: the XDIT_MEMORY_PLAN environment "
+                                       "variable, else enforce"),
+            ],
+            outputs=[XDiTEngine.Output(display_name="engine")],
+        )
+
+    @classmethod
+    def execute(cls, attention, compile, weights, text_encoders, shard_weights,
+                memory_plan) -> io.NodeOutput:
+        return io.NodeOutput(node_logic.EngineSettings(
+            attention=str(attention), compile=bool(compile), weights=str(weights),
+            text_encoders=str(text_encoders), shard_weights=bool(shard_weights),
+            memory_plan=str(memory_plan).strip().lower() or "auto"))
 
 
 class Sampler(io.ComfyNode):
@@ -319,6 +400,8 @@ class Sampler(io.ComfyNode):
             if isinstance(e, JobCancelled):
                 comfy.model_management.throw_exception_if_processing_interrupted()
             raise
+        # the launch's last "loading k/N" is replaced by what ran
+        _progress_text(REGISTRY.last_job.get("text", ""), node_id)
         return io.NodeOutput(out)
 
 
@@ -404,7 +487,8 @@ class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list:
         _register_routes()  # on_load is not called by every ComfyUI release
         from comfyui_xdit.nodes.model_nodes import ToModel  # the xDiT MODEL for ComfyUI's own samplers
-        return [LoadModel, LoRA, Sampler, Decode, UnloadPool, ToModel]
+        return [LoadModel, ParallelSettings, PipeFusionSettings, EngineSettings, LoRA, Sampler,
+                Decode, UnloadPool, ToModel]
 
 
 _ROUTES_DONE = False

@@ -1,6 +1,8 @@
 """What the ComfyUI nodes do, without importing ComfyUI (tested in CI).
 
 - `ModelHandle`: what the loader node outputs (path, degrees, device, dtype); nothing starts.
+  `ParallelSettings` / `PipeFusionSettings` / `EngineSettings`: what the settings nodes
+  output, spread into the handle by `loader_handle`.
 - `PoolRegistry` (one module-level `REGISTRY`): one warm WorkerPool per (model, parallel
   config, device, dtype, gpus). Node re-execution and cache eviction only look the pool up;
   another configuration replaces the pool (the same model/device/world size keeps the warm
@@ -9,7 +11,8 @@
   transformer/config.json) and single .safetensors files (diffusion_models, checkpoints).
 - `decode`: LATENT -> IMAGE, on the pool (diffusers folders: patch-parallel VAE) or with
   ComfyUI's VAE (single files).
-- `sample`: LATENT / CONDITIONING / widgets -> GenerationRequest -> pool -> LATENT.
+- `sample`: LATENT / CONDITIONING / widgets -> GenerationRequest -> pool -> LATENT;
+  `job_text`: the node's closing line ("12 steps, 2 ranks (Ulysses 2), 3.1 s").
 """
 from __future__ import annotations
 
@@ -275,12 +278,19 @@ class ModelHandle:
                              text_encoders=self.text_encoders,
                              shard_weights=self.shard_weights)
 
-    def problems(self) -> list[str]:
-        """Every problem the loader can see before anything runs, each one phrase."""
+    def problems(self, layout: bool = True) -> list[str]:
+        """Every problem the loader can see before anything runs, each one phrase.
+        `layout=False`: only what no settings node can change (dtype, the model itself)."""
         out = []
         if self.device in ("cpu",) and self.dtype in ("bf16", "fp16"):
             out.append(f"dtype {self.dtype} does not run on cpu (the CPU workers compute in "
                        f"fp32); use auto or fp32")
+        if not layout:
+            try:
+                read_model_info(self.path)
+            except ConfigError as e:
+                out.append(str(e))
+            return out
         out += self.engine().problems()
         try:
             mode = memory_plan.resolve_mode(self.memory_plan)
@@ -355,15 +365,85 @@ LOADER_DEFAULTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1
                        shard_weights=False, memory_plan="auto")
 
 
+# ---- the settings nodes: the loader's advanced options, off the loader ------------------
+# Each node outputs one frozen value; its fields are make_handle's keywords, so a settings
+# node at its defaults gives exactly what the loader gives with nothing connected (except
+# PipeFusion settings, whose degree defaults to 2: connecting it means "use PipeFusion").
+@dataclass(frozen=True)
+class ParallelSettings:
+    """Parallel settings (xDiT): the degrees and which GPUs hold the ranks."""
+
+    ulysses: int = 1
+    ring: int = 1
+    cfg_parallel: bool = False
+    dp: int = 1
+    gpus: str = ""
+
+
+@dataclass(frozen=True)
+class PipeFusionSettings:
+    """PipeFusion settings (xDiT): the patch pipeline over blocks split into stages."""
+
+    pipefusion: int = 2
+    warmup_steps: int = 1
+    pipeline_patches: int = 0  # 0: the PipeFusion degree
+    pipefusion_split: str = "balanced"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Engine settings (xDiT): how each rank runs the model (a change relaunches the pool)."""
+
+    attention: str = "auto"
+    compile: bool = False
+    weights: str = "auto"
+    text_encoders: str = "auto"
+    shard_weights: bool = False
+    memory_plan: str = "auto"
+
+
+# the loader's optional inputs: input name -> (the value it takes, the node that makes it)
+SETTINGS_INPUTS = {"parallel": (ParallelSettings, "Parallel settings (xDiT)"),
+                   "pipefusion": (PipeFusionSettings, "PipeFusion settings (xDiT)"),
+                   "engine": (EngineSettings, "Engine settings (xDiT)")}
+
+
+def loader_keywords(inputs: dict) -> dict:
+    """The loader's inputs -> make_handle's keywords. Settings values are spread into their
+    fields; flat keywords (make_handle's names) are taken as they are, for Python callers
+    and for the one removed widget a saved API workflow can still send, `pipefusion`
+    (the PipeFusion input's name): a number there is the old degree."""
+    import dataclasses
+    kw = dict(LOADER_DEFAULTS)
+    for k, v in inputs.items():
+        if v is None:
+            continue
+        if k in SETTINGS_INPUTS and isinstance(v, SETTINGS_INPUTS[k][0]):
+            kw.update(dataclasses.asdict(v))
+        elif k in LOADER_DEFAULTS:
+            kw[k] = v
+    return kw
+
+
+def settings_pending(inputs: dict) -> bool:
+    """Whether a settings node is linked but its value not known yet: ComfyUI validates a
+    node before its linked inputs exist and passes them as None (an unconnected optional
+    input is absent)."""
+    return any(k in inputs and inputs[k] is None for k in SETTINGS_INPUTS)
+
+
 def loader_handle(inputs: dict, folders, roots_by_kind: Optional[dict] = None,
                   has_cuda: Optional[bool] = None,
                   cuda_refusal: str = "") -> ModelHandle:
-    """The loader node: its inputs (as ComfyUI passes them) -> a validated handle. Every
-    problem (model missing, cuda without CUDA, dtype, engine options, degrees, GPUs) is
-    gathered into one ConfigError, shown once. `cuda_refusal`: why CUDA is off here (e.g.
-    ComfyUI's --cpu), said in the cuda message."""
-    kw = dict(LOADER_DEFAULTS)
-    kw.update({k: v for k, v in inputs.items() if k in LOADER_DEFAULTS and v is not None})
+    """The loader node: its inputs (as ComfyUI passes them: widgets and the settings nodes'
+    values) -> a validated handle. Every problem (model missing, cuda without CUDA, dtype,
+    engine options, degrees, GPUs) is gathered into one ConfigError, shown once.
+    `cuda_refusal`: why CUDA is off here (e.g. ComfyUI's --cpu), said in the cuda message.
+    While a linked settings value is pending (ComfyUI's validation) only what the settings
+    cannot change is checked: the layout waits for their values, so a layout that only fits
+    with them (sharded weights, PipeFusion) is never refused early."""
+    pending = settings_pending(inputs)
+    kw = loader_keywords(inputs)
     has_cuda = cuda_available() if has_cuda is None else has_cuda
     problems = []
     device = str(kw["device"]).strip().lower()
@@ -380,7 +460,7 @@ def loader_handle(inputs: dict, folders, roots_by_kind: Optional[dict] = None,
     except ConfigError as e:
         raise ConfigError("; ".join(problems + [str(e)])) from None
     handle = make_handle(path, has_cuda=has_cuda, **kw)
-    problems += handle.problems()
+    problems += handle.problems(layout=not pending)
     if problems:
         raise ConfigError("; ".join(problems))
     return handle
@@ -519,6 +599,26 @@ def compiling_text(event: dict) -> Optional[str]:
         return None
     return (f"compiling ({event.get('compiles', 0)} graph(s), "
             f"{float(event.get('compile_s') or 0):.0f} s so far)")
+
+
+def layout_text(config: ParallelConfig) -> str:
+    """The degrees above 1, in the node's words: "Ulysses 2", "CFG parallel x Ring 2";
+    "" for one rank."""
+    parts = [(config.dp > 1, f"DP {config.dp}"), (config.cfg_parallel, "CFG parallel"),
+             (config.pipefusion > 1, f"PipeFusion {config.pipefusion}"),
+             (config.ulysses > 1, f"Ulysses {config.ulysses}"),
+             (config.ring > 1, f"Ring {config.ring}")]
+    return " x ".join(text for on, text in parts if on)
+
+
+def job_text(steps: int, config: ParallelConfig, job_s: float, launch_s: float = 0.0) -> str:
+    """What the Sampler node says when its job is done, replacing the launch's "loading
+    k/N": "12 steps, 2 ranks (Ulysses 2), 3.1 s", plus the launch when this job paid it."""
+    ranks = config.ranks
+    layout = layout_text(config)
+    text = (f"{steps} step{'s' if steps != 1 else ''}, {ranks} rank{'s' if ranks != 1 else ''}"
+            + (f" ({layout})" if layout else "") + f", {job_s:.1f} s")
+    return text + (f" + {launch_s:.1f} s launch" if launch_s else "")
 
 
 def error_text(e: BaseException) -> str:
@@ -697,6 +797,8 @@ def sample(handle: ModelHandle, inp: SampleInputs,
                          "height": req.height, "width": req.width,
                          "img2img": kw["init_latent"] is not None,
                          "seconds": round(time.perf_counter() - t0, 3),
+                         "text": job_text(req.steps, config, result.timings.get("job_s") or 0.0,
+                                          result.timings.get("launch_s") or 0.0),
                          "timings": {k: (round(v, 3) if isinstance(v, float) else v)
                                      for k, v in result.timings.items()}}
     return latent_to_comfy(result.samples)

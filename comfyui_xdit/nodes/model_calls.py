@@ -46,7 +46,8 @@ class PoolDenoiser:
         if config.pipefusion > 1:
             raise ConfigError("PipeFusion pipelines patches across denoising steps, so it "
                               "cannot serve KSampler & co. one step at a time; use Sampler "
-                              "(xDiT) for PipeFusion, or set pipefusion 1 for the xDiT MODEL")
+                              "(xDiT) for PipeFusion, or disconnect PipeFusion settings (xDiT) "
+                              "from the loader for the xDiT MODEL")
         self._pool = pool
         self.config = config
         self.arch = arch
