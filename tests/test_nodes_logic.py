@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import re
+
 import pytest
 import torch
 
@@ -324,6 +326,8 @@ def test_decode_on_the_pool_and_with_a_comfyui_vae(registry, model_dir, tmp_path
     pids = pool.worker_pids()
     img = decode(h, lat, registry=registry)
     assert img.shape == (2, 64, 96, 3) and 0 <= img.min() and img.max() <= 1
+    # the node's text says what ran (the pool was warm: no launch)
+    assert re.fullmatch(r"decoded 2 images 96x64 on 2 ranks, \d+\.\d s", registry.last_decode_text)
     assert registry.pools() == [pool] and pool.worker_pids() == pids  # the same warm pool
     vae = AutoencoderKL.from_pretrained(str(model_dir("flux")), subfolder="vae")
     with torch.no_grad():
@@ -840,3 +844,8 @@ def test_sampler_text_after_the_job():
     assert layout_text(both) == "DP 2 x CFG parallel x PipeFusion 2 x Ulysses 2 x Ring 2"
     assert job_text(28, ParallelConfig(cfg_parallel=True), 9.96, launch_s=12.04) == \
         "28 steps, 2 ranks (CFG parallel), 10.0 s + 12.0 s launch"
+    from comfyui_xdit.nodes.logic import decode_text
+    assert decode_text(torch.zeros(1, 64, 96, 3), 2, 1.04, True) == \
+        "decoded 1 image 96x64 on 2 ranks, 1.0 s (incl. launch)"
+    assert decode_text(torch.zeros(3, 8, 8, 3), 0, 0.2, False) == \
+        "decoded 3 images 8x8 with the VAE input, 0.2 s"

@@ -186,7 +186,8 @@ def test_bad_settings_are_one_line(model_dir):
     tr = _transformer(model_dir, "flux")
     n = sum(len(getattr(tr, name)) for name in LISTS["flux"])
     for s, msg in [(CacheSettings(threshold=-1), "threshold must be a number >= 0"),
-                   (CacheSettings(threshold=0.1, head=0), "head blocks must be 1.."),
+                   (CacheSettings(threshold=0.1, head=0), "head blocks must be >= 1"),
+                   (CacheSettings(threshold=0.1, head=3), "head blocks must be 1..2"),
                    (CacheSettings(threshold=0.1, head=1, tail=n - 1), "leave none"),
                    (CacheSettings(threshold=0.1, warmup=-1), "warmup must be an integer")]:
         with pytest.raises(ValueError, match=msg) as e:

@@ -64,6 +64,7 @@ def _add_generate(sub):
                    help="PipeFusion stage split: balanced (compute, weights <= 1/N + 5%%) | "
                         "compute | memory | block counts like 10,9")
     p.add_argument("--lora", type=_lora, action="append", default=[])
+    _add_cache_flags(p)
     p.add_argument("--out", required=True, help="x.safetensors (LATENT) or x.png")
     p.add_argument("--attach", default=None, metavar="HOST:PORT",
                    help="use a pool started with `serve` (secret: $XDIT_POOL_SECRET or --secret-file)")
@@ -170,6 +171,31 @@ def format_status(info: dict) -> str:
     return "\n".join(lines)
 
 
+def _add_cache_flags(p) -> None:
+    """The step cache (off unless --cache is given a threshold > 0)."""
+    p.add_argument("--cache", type=float, default=0.0, metavar="THRESHOLD",
+                   help="step cache: skip a step's middle blocks when the first blocks' "
+                        "residual changed less than this (relative L1; e.g. 0.1); 0: off")
+    for name, help_ in (("warmup", "calls per row that always compute (default 2)"),
+                        ("head", "first blocks that always run (default 1)"),
+                        ("tail", "last blocks that always run (default 0)"),
+                        ("max-skips", "most skipped calls in a row, 0 = no limit (default 3)")):
+        p.add_argument(f"--cache-{name}", type=int, default=None, help=f"step cache: {help_}")
+    p.add_argument("--cache-taylor", action="store_true",
+                   help="step cache: forecast the skipped residual to first order (TaylorSeer)")
+
+
+def _cache_from_args(args):
+    if not args.cache:
+        return None
+    out = {"threshold": args.cache, "taylor": args.cache_taylor}
+    for name in ("warmup", "head", "tail", "max_skips"):
+        v = getattr(args, f"cache_{name}")
+        if v is not None:
+            out[name] = v
+    return out
+
+
 def _add_parallel_flags(p):
     p.add_argument("--world-size", type=_positive("--world-size"), default=None)
     p.add_argument("--dp", type=_positive("--dp"), default=1)
@@ -230,7 +256,8 @@ def run_generate(args) -> int:
         prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
         steps=args.steps, height=args.height, width=args.width, guidance=args.guidance,
         cfg=args.cfg, max_sequence_length=args.max_sequence_length, loras=args.lora,
-        output="image" if out.suffix.lower() == ".png" else "latent")
+        output="image" if out.suffix.lower() == ".png" else "latent",
+        cache=_cache_from_args(args))
     if args.attach:
         pool = WorkerPool.attach(args.attach, _read_secret(args), config)
     else:

@@ -451,8 +451,9 @@ class Decode(io.ComfyNode):
             comfy.model_management.unload_all_models()  # room for the pool's decode
             comfy.model_management.soft_empty_cache()
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        return io.NodeOutput(node_logic.decode(model, samples, vae=vae,
-                                               on_launch=_launch_progress(node_id)))
+        images = node_logic.decode(model, samples, vae=vae, on_launch=_launch_progress(node_id))
+        _progress_text(REGISTRY.last_decode_text, node_id)  # replaces a launch's "loading k/N"
+        return io.NodeOutput(images)
 
 
 class UnloadPool(io.ComfyNode):

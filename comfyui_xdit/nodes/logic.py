@@ -481,6 +481,7 @@ class PoolRegistry:
         self.last_error: Optional[str] = None
         self.last_error_log: Optional[str] = None  # a dead worker's kept log
         self.last_job: dict = {}
+        self.last_decode_text = ""  # what the last Decode ran (its node text)
         self.launching: Optional[str] = None  # "starting 2 workers", "loading 1/2", ...
 
     @staticmethod
@@ -619,6 +620,15 @@ def job_text(steps: int, config: ParallelConfig, job_s: float, launch_s: float =
     text = (f"{steps} step{'s' if steps != 1 else ''}, {ranks} rank{'s' if ranks != 1 else ''}"
             + (f" ({layout})" if layout else "") + f", {job_s:.1f} s")
     return text + (f" + {launch_s:.1f} s launch" if launch_s else "")
+
+
+def decode_text(images, ranks: int, seconds: float, launched: bool) -> str:
+    """What the Decode node says when done, replacing the launch's "loading k/N" when the
+    decode started the pool: "decoded 2 images 1024x1024 on 2 ranks, 0.8 s"."""
+    n, h, w = int(images.shape[0]), int(images.shape[1]), int(images.shape[2])
+    where = f" on {ranks} rank{'s' if ranks != 1 else ''}" if ranks else " with the VAE input"
+    return (f"decoded {n} image{'s' if n != 1 else ''} {w}x{h}{where}, {seconds:.1f} s"
+            + (" (incl. launch)" if launched else ""))
 
 
 def error_text(e: BaseException) -> str:
@@ -841,9 +851,11 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
             FLUX2_RAW_LATENT if raw else
             f"this {ARCH_NAMES.get(info.arch, info.arch)} model's Decode takes latents "
             f"{latent_shape_text(info.arch)} (the xDiT sampler's LATENT)"))
+    t0, ranks, launched = time.perf_counter(), 0, False
     try:
         if info.has_vae:
             pool = registry.pool_for_decode(handle)
+            ranks, launched = pool.config.ranks, not pool.is_running()
             try:
                 images = pool.decode(samples.detach().float().cpu(),
                                      on_launch=registry.launch_callback(on_launch))
@@ -862,4 +874,5 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
     except Exception as e:
         registry.job_failed(e)
         raise
+    registry.last_decode_text = decode_text(images, ranks, time.perf_counter() - t0, launched)
     return images

@@ -69,6 +69,9 @@ class GenerationRequest:
     # (REFERENCE_METHODS; None: the architecture's default, "offset" / "index").
     reference_latents: Optional[list] = None
     reference_method: Optional[str] = None
+    # Step cache (workers/step_cache.py CacheSettings, whose defaults these are): threshold
+    # (0 or None: off), warmup, head, tail, max_skips, taylor. Resolved to every field.
+    cache: Optional[dict] = None
 
     def __post_init__(self):
         if isinstance(self.prompt, str):
@@ -101,6 +104,7 @@ class GenerationRequest:
             method = REFERENCE_METHODS.get(arch, (None,))[0]
         return replace(self, cfg=self.resolved_cfg(model), guidance=guidance,
                        prompt=list(self.prompt), loras=list(self.loras),
+                       cache=resolved_cache(self.cache),
                        reference_latents=None if self.reference_latents is None
                        else list(self.reference_latents), reference_method=method)
 
@@ -157,7 +161,31 @@ class GenerationRequest:
             out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
         out.extend(_single_file_problems(self, model))
         out.extend(_reference_problems(self, model))
+        out.extend(cache_problems(self.cache))
         return out
+
+
+def _cache_settings():
+    return worker_module("step_cache").CacheSettings
+
+
+def resolved_cache(cache: Optional[dict]) -> Optional[dict]:
+    """Every field of the step cache's settings, or None when it is off."""
+    if not cache or not cache.get("threshold"):
+        return None
+    from dataclasses import asdict
+    return asdict(_cache_settings().from_dict(cache))
+
+
+def cache_problems(cache) -> list[str]:
+    if cache is None:
+        return []
+    if not isinstance(cache, dict):
+        return [f"cache must be a dict of step-cache settings (got {type(cache).__name__})"]
+    try:
+        return _cache_settings().from_dict(cache).problems()
+    except (TypeError, ValueError) as e:
+        return [str(e)]
 
 
 def _reference_problems(req: "GenerationRequest", model) -> list[str]:
