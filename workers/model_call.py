@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .hooks import no_step_scope
 from .sequence_parallel import even_sizes
 from .sharding import is_sharded
+from .step_cache import call_on_ranks, gated
 from .topology import all_gather, all_reduce
 
 COND_CACHE = 16  # conditionings kept per rank (a sampling run uses 1-3)
@@ -44,6 +45,7 @@ class ModelCall:
     # [rows, C, h, w], model space, unpacked: ComfyUI's `ref_latents`) and "ref_method"
     new_conds: dict = field(default_factory=dict)
     timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
+    cache: Optional[dict] = None  # step cache settings (workers/step_cache.py), all fields
 
 
 class CondCache:
@@ -56,6 +58,20 @@ class CondCache:
         self.puts = 0
         self.calls = 0  # model calls run on this rank
         self.by_size: dict = {}  # per latent size: forward inputs made once on the device
+        # the step cache of host-side sampling runs: one RunCache per settings, its rows
+        # keyed (conditioning key, row): a new sampling run (new keys) starts fresh
+        self.steps = None
+        self._steps_key = None
+
+    def step_cache(self, settings: Optional[dict]):
+        """The RunCache for `settings` (None: the cache is off)."""
+        if not settings:
+            return None
+        key = tuple(sorted(settings.items()))
+        if key != self._steps_key:
+            from .step_cache import CacheSettings, RunCache
+            self.steps, self._steps_key = RunCache(CacheSettings.from_dict(settings)), key
+        return self.steps
 
     def sized(self, key, make) -> dict:
         if key not in self.by_size:
@@ -83,6 +99,8 @@ class CondCache:
                 break
             if k not in keep:
                 del self.items[k]
+        if self.steps is not None:  # rows of evicted conditionings go with them
+            self.steps.rows = {k: v for k, v in self.steps.rows.items() if k[0] in self.items}
 
 
 def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache) -> str:
@@ -229,6 +247,8 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         mine = slice(0, 1)
     pred = None
     scope = step_scope or no_step_scope
+    run = cache.step_cache(call.cache)
+    before = (0, 0) if run is None else (run.computed, run.skipped)
     if sizes[me] or dummy:
         cond = {}
         for k in conds[0]:
@@ -244,7 +264,11 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         extra = dict(cache.sized((h, w, layout), lambda: _extra(model, adapter, h, w, layout)))
         if "ref_tokens" in cond:  # ComfyUI's FLUX: the references join the image stream
             extra["ref_tokens"] = cond.pop("ref_tokens")
-        with scope("call", cache.calls):
+        keys = [None] if dummy else \
+            [(k, j) for k, rows in call.chunks for j in range(rows)][mine]
+        step = call_on_ranks(run, model, adapter, keys, topo, planes.control,
+                             is_sharded(model.transformer))
+        with scope("call", cache.calls), gated(step):
             packed = adapter.pack(x)
             clock.mark("forward")
             pred = adapter.forward(model, packed, t, cond, g, extra)
@@ -252,11 +276,13 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
             pred = None if dummy else adapter.unpack(pred, h * 8, w * 8)
     cache.calls += 1
     leader = all(topo.index(a) == 0 for a in ("pipefusion", "ring", "ulysses"))
+    done = {} if run is None else {  # this rank's rows: computed in full / cached
+        "cache": {"computed": run.computed - before[0], "skipped": run.skipped - before[1]}}
     if len(sizes) == 1 or not leader:
         # one replica: every rank computed the same rows (sequence parallel inside) and rank
         # 0 has the answer; a replica's other ranks hold copies of their leader's rows
         result = pred.float().cpu() if topo.rank == 0 else None
-        return result, clock.read(planes.control)
+        return result, dict(clock.read(planes.control), **done)
     # several replicas: their leaders gather the rows (padded to the longest replica)
     longest = max(sizes)
     out = torch.zeros(longest, c, h, w, device=dev, dtype=torch.float32)
@@ -269,7 +295,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
     result = None
     if topo.rank == 0:
         result = torch.cat([p[:size] for p, size in zip(parts, sizes)]).cpu()
-    return result, clock.read(planes.control)
+    return result, dict(clock.read(planes.control), **done)
 
 
 def _extra(model, adapter, h, w, layout) -> dict:

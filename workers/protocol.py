@@ -73,6 +73,7 @@ class Predict(Message):
     chunks: list = field(default_factory=list)
     conds: dict = field(default_factory=dict)
     timed: bool = False  # benchmarks: report the call's phase timings (CUDA events on GPUs)
+    cache: Optional[dict] = None  # step cache settings, every field (None: off)
 
 
 @_message

@@ -144,7 +144,10 @@ class CallCache:
             for p in range(lo, hi):
                 self.segments[p] = (lo, p == lo, p == hi - 1)
             start += size
-        self.rows = [run.rows.setdefault(k, RowCache()) for k in self.keys]
+        # key None: a follower row (weight sharding's dummy row on a replica with none),
+        # whose output is discarded: it skips whenever the others do and keeps no state
+        self.rows = [None if k is None else run.rows.setdefault(k, RowCache())
+                     for k in self.keys]
         self.head_in = None
         self.skip = None  # per row, decided after the head
         self.skip_all = False
@@ -187,7 +190,7 @@ class CallCache:
                 self.mask.view(-1, *[1] * (o.dim() - 1)), i + c, o)
                 for o, i, c in zip(states, self.seg_in[sid], cached))
         for i, row in enumerate(self.rows):
-            if not self.skip[i]:
+            if row is not None and not self.skip[i]:
                 hist = row.history.setdefault(sid, [])
                 hist.append((row.calls - 1, tuple(None if r is None else r[i] for r in residual)))
                 del hist[:-2]
@@ -198,8 +201,8 @@ class CallCache:
         """Per row: rel = sum|r - prev| / sum|prev| (reduced over the token shards), one read."""
         s = self.run.settings
         b = r.shape[0]
-        prev = [row.head for row in self.rows]
-        eligible = [row.head is not None and row.calls >= s.warmup
+        prev = [None if row is None else row.head for row in self.rows]
+        eligible = [row is not None and row.head is not None and row.calls >= s.warmup
                     and (s.max_skips == 0 or row.skips < s.max_skips) for row in self.rows]
         rel = [math.inf] * b
         if s.enabled and any(eligible):
@@ -210,14 +213,17 @@ class CallCache:
                 self.reduce(sums)
             pair = sums.tolist()  # the one read of the call
             rel = [n / d if d > 0 else math.inf for n, d in pair]
-        self.skip = [e and v < s.threshold for e, v in zip(eligible, rel)]
+        self.skip = [row is None or (e and v < s.threshold)
+                     for row, e, v in zip(self.rows, eligible, rel)]
         need = not all(self.skip)
         if self.agree is not None:
             need = self.agree(need)
         self.skip_all = not need
-        if need and any(self.skip):
+        if need and any(s and row is not None for s, row in zip(self.skip, self.rows)):
             self.mask = torch.tensor(self.skip, device=r.device)
         for i, row in enumerate(self.rows):
+            if row is None:
+                continue
             if self.skip[i]:
                 row.skips += 1
                 self.run.skipped += 1
@@ -232,6 +238,9 @@ class CallCache:
         this call when `taylor` is on and two full calls are known. `full`: a [B] stack with
         zeros for the rows not listed (those are replaced by computed values)."""
         per_row = {}
+        rows = [i for i in rows if self.rows[i] is not None]  # followers add nothing
+        if not rows:
+            return (None, None)
         for i in rows:
             row = self.rows[i]
             hist = row.history[sid]
@@ -334,3 +343,27 @@ def gated(call: CallCache | None):
         yield
     finally:
         tr._modules.update(saved)
+
+
+def call_on_ranks(run: RunCache | None, model, adapter, keys, topo, control, sharded: bool):
+    """The call cache of one transformer call on this rank, wired to the pool's groups: the
+    sums reduced over the sequence-parallel group (the other shards of these rows), and,
+    under weight sharding (every rank gathers every block it runs), the run/skip choice made
+    unanimous over the world's control plane. None when the cache is off."""
+    if run is None:
+        return None
+    from .topology import all_reduce
+
+    reduce = None
+    if topo.sp > 1:
+        group = topo.group("sp")
+
+        def reduce(t):
+            all_reduce(t, group)
+    agree = None
+    if sharded and topo.world_size > 1:
+        def agree(need: bool) -> bool:
+            flag = torch.tensor([int(need)], dtype=torch.int32)
+            all_reduce(flag, control, op="max")
+            return bool(flag.item())
+    return run.call(model.transformer, adapter.block_lists, keys, reduce=reduce, agree=agree)

@@ -281,7 +281,8 @@ class Worker:
                          guidance=None if msg.guidance is None else
                          msg.guidance.detach().float().cpu(),
                          chunks=chunks, new_conds={k: conds[k] for k in dict.fromkeys(
-                             k for k, _ in chunks) if k in conds}, timed=bool(msg.timed))
+                             k for k, _ in chunks) if k in conds}, timed=bool(msg.timed),
+                         cache=msg.cache)
 
     def call(self, call, emit=None):
         """Every rank: one model evaluation (workers/model_call.py): (the prediction on

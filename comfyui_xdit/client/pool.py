@@ -618,7 +618,8 @@ class WorkerPool:
 
     def model_call(self, config: ParallelConfig, x, timestep, guidance, chunks: list,
                    conds: dict, known: set,
-                   on_event: Optional[Callable[[dict], None]] = None, timed: bool = False):
+                   on_event: Optional[Callable[[dict], None]] = None, timed: bool = False,
+                   cache: Optional[dict] = None):
         """One denoiser evaluation (workers/model_call.py) for a host-side sampler: `x`
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
         `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
@@ -634,7 +635,16 @@ class WorkerPool:
         compiling ones of a `compile` pool's first calls (a failing callback is logged, never
         fails the call). `timed` (benchmarks): the stats carry the call's phases
         (`forward_s`, `forward_max_s`: the slowest rank's, `gather_s`, `pre_s`, `post_s`),
-        timed with CUDA events on GPUs; untimed calls measure nothing on the device."""
+        timed with CUDA events on GPUs; untimed calls measure nothing on the device.
+        `cache`: the step cache's settings (GenerationRequest.cache; None: off); the rows'
+        state lives on the workers per conditioning key, so a sampling run with new keys
+        starts fresh, and the stats carry this call's `cache` counts (rank 0's rows)."""
+        from comfyui_xdit.planning.request import cache_problems, resolved_cache
+        problems = cache_problems(cache)
+        if problems:
+            raise ConfigError(problems[0])
+        cache = resolved_cache(cache)
+
         def _np(v):
             return v.detach().cpu().numpy() if hasattr(v, "detach") else v
 
@@ -656,7 +666,7 @@ class WorkerPool:
                 self._send(P.Predict(call_id=call_id, config=config.key(), x=_np(x),
                                      timestep=_np(timestep), guidance=_np(guidance),
                                      chunks=[(k, int(r)) for k, r in chunks], conds=new,
-                                     timed=timed))
+                                     timed=timed, cache=cache))
                 try:
                     while True:
                         msg = self._recv(self.step_timeout, f"model call {call_id}")

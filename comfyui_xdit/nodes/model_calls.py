@@ -59,6 +59,8 @@ class PoolDenoiser:
         self.conds_sent = 0
         self.last_stats: dict = {}
         self.timed = False  # benchmarks: each call's stats carry its phases' timings
+        self.cache: Optional[dict] = None  # step cache settings (GenerationRequest.cache)
+        self.cache_counts = {"computed": 0, "skipped": 0}  # rank 0's rows, every call
 
     @property
     def pool(self):
@@ -94,7 +96,8 @@ class PoolDenoiser:
             self._known.clear()
         out, stats, sent = pool.model_call(
             self.config, self._to_pool_layout(x, patchified), t.contiguous(), g, chunks, conds,
-            known=set(self._known), on_event=self.on_event, timed=self.timed)
+            known=set(self._known), on_event=self.on_event, timed=self.timed,
+            cache=self.cache)
         if patchified:
             out = torch.nn.functional.pixel_unshuffle(out, 2)
         self._launches = (id(pool), pool.launches)
@@ -106,6 +109,8 @@ class PoolDenoiser:
         while len(self._known) > self.cache_size:  # the workers evict in the same order
             self._known.popitem(last=False)
         self.last_stats = stats
+        for k, v in (stats.get("cache") or {}).items():
+            self.cache_counts[k] += v
         return out.to(x.device, x.dtype)
 
     # ---- helpers ------------------------------------------------------------------------

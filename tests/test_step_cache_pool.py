@@ -1,0 +1,175 @@
+"""The step cache on the pool: the same latent and the same skips at any layout, equal to a
+single-process reference written here from diffusers alone (its transformer and its
+published First Block Cache, one cache context per row, the rule applied row by row).
+
+MODEL path (ComfyUI's samplers call the pool once per step with the unconditional and
+conditional rows side by side): an Euler sampler with CFG run here on the host, over Ulysses
+2, Ring 2, CFG parallel, DP 2 and Ulysses x Ring, batch 1 and 2; threshold 0 is the uncached
+result exactly; a new sampling run (new conditioning keys) starts with a fresh cache; a
+two-call sampler step (Heun) counts each call.
+"""
+from __future__ import annotations
+
+import copy
+import uuid
+
+import pytest
+import torch
+
+from comfyui_xdit import ParallelConfig
+from comfyui_xdit.nodes.model_calls import PoolDenoiser
+
+from conftest import pack_flux, unpack_flux
+
+STEPS = 8
+SCALE = 3.0
+
+
+@pytest.fixture(scope="module")
+def flux(model_dir):
+    import diffusers
+    return diffusers.FluxTransformer2DModel.from_pretrained(
+        str(model_dir("flux")), subfolder="transformer", torch_dtype=torch.float32).eval()
+
+
+def _inputs(tr, batch, h=8, w=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = tr.config
+    x = torch.randn(batch, 16, h, w, generator=g)
+    ctx = torch.randn(2, 7, cfg.joint_attention_dim, generator=g)  # uncond, cond
+    pooled = torch.randn(2, cfg.pooled_projection_dim, generator=g)
+    return x, ctx, pooled
+
+
+def _sigmas():
+    return torch.linspace(1.0, 0.0, STEPS + 1)
+
+
+def reference(tr, x, ctx, pooled, threshold, heun=False):
+    """Euler (or Heun) with CFG on the diffusers transformer; with threshold > 0, diffusers'
+    First Block Cache applied per row (each row its own cache context). Returns (latent,
+    row-calls computed in full)."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    ref = copy.deepcopy(tr)
+    computed = []
+    if threshold > 0:
+        apply_first_block_cache(ref, FirstBlockCacheConfig(threshold=threshold))
+        ref.transformer_blocks[1].attn.register_forward_pre_hook(lambda m, a: computed.append(1))
+    b, _, h, w = x.shape
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] += torch.arange(h // 2)[:, None]
+    ids[..., 2] += torch.arange(w // 2)[None, :]
+    ids = ids.reshape(-1, 3)
+
+    def model(x, sigma):
+        rows = []
+        for branch in (0, 1):
+            for i in range(b):
+                with torch.inference_mode(), ref.cache_context(f"{branch}-{i}"):
+                    out = ref(hidden_states=pack_flux(x[i:i + 1]), timestep=sigma.view(1),
+                              guidance=torch.full((1,), 3.5), pooled_projections=pooled[branch:branch + 1],
+                              encoder_hidden_states=ctx[branch:branch + 1],
+                              txt_ids=torch.zeros(ctx.shape[1], 3), img_ids=ids,
+                              return_dict=False)[0]
+                rows.append(unpack_flux(out, h * 8, w * 8))
+        un, co = torch.cat(rows[:b]), torch.cat(rows[b:])
+        return un + SCALE * (co - un)
+
+    x = _sample(model, x, heun)
+    return x, (len(computed) if threshold > 0 else None)
+
+
+def _sample(model, x, heun):
+    s = _sigmas()
+    for i in range(STEPS):
+        d = model(x, s[i])
+        if heun and s[i + 1] > 0:
+            x2 = x + (s[i + 1] - s[i]) * d
+            d = (d + model(x2, s[i + 1])) / 2
+        x = x + (s[i + 1] - s[i]) * d
+    return x
+
+
+def on_pool(den, x, ctx, pooled, heun=False):
+    """The same sampler through the xDiT MODEL: one call per model evaluation, the
+    unconditional and conditional rows side by side (ComfyUI's batched call)."""
+    b = x.shape[0]
+    keys = [uuid.uuid4(), uuid.uuid4()]  # one sampling run
+
+    def model(x, sigma):
+        out = den(torch.cat([x, x]), sigma.expand(2 * b),
+                  context=torch.cat([ctx[0:1].expand(b, -1, -1), ctx[1:2].expand(b, -1, -1)]),
+                  y=torch.cat([pooled[0:1].expand(b, -1), pooled[1:2].expand(b, -1)]),
+                  guidance=torch.full((2 * b,), 3.5),
+                  transformer_options={"uuids": keys, "cond_or_uncond": [1, 0]})
+        un, co = out[:b], out[b:]
+        return un + SCALE * (co - un)
+
+    return _sample(model, x, heun)
+
+
+def _threshold(flux, x, ctx, pooled):
+    """A threshold at which the reference skips some calls but not all."""
+    total = 2 * x.shape[0] * STEPS
+    for t in (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8):
+        _, computed = reference(flux, x, ctx, pooled, t)
+        if total // 4 <= total - computed <= 3 * total // 4:
+            return t, computed
+    pytest.fail("no threshold skips between a quarter and three quarters of the calls")
+
+
+SETTINGS = dict(warmup=0, head=1, tail=0, max_skips=0)  # the published rule's
+CASES = [(2, ParallelConfig(ulysses=2), 1), (2, ParallelConfig(ring=2), 2),
+         (2, ParallelConfig(cfg_parallel=True), 1), (2, ParallelConfig(dp=2), 2),
+         (4, ParallelConfig(ulysses=2, ring=2), 2)]
+
+
+@pytest.mark.parametrize("world,config,batch", CASES,
+                         ids=[f"{c.describe().replace(' ', '')}-b{b}" for _, c, b in CASES])
+def test_model_path_equals_the_per_row_reference(pools, flux, world, config, batch):
+    x, ctx, pooled = _inputs(flux, batch, seed=batch)
+    threshold, computed = _threshold(flux, x, ctx, pooled)
+    want, _ = reference(flux, x, ctx, pooled, threshold)
+    den = PoolDenoiser(pools("flux", world), config.with_world_size(world), "flux")
+    den.cache = dict(threshold=threshold, **SETTINGS)
+    got = on_pool(den, x, ctx, pooled)
+    assert (got - want).abs().max().item() <= 1e-4
+    # rank 0's rows only: the other replica's rows are counted there
+    replicas = config.dp * (2 if config.cfg_parallel else 1)
+    assert sum(den.cache_counts.values()) == 2 * batch * STEPS // replicas
+    if replicas == 1:
+        assert den.cache_counts["computed"] == computed
+    assert den.cache_counts["skipped"] > 0
+    # negative control: the uncached result is another latent
+    plain, _ = reference(flux, x, ctx, pooled, 0)
+    assert (got - plain).abs().max().item() > 1e-3
+
+
+def test_model_path_threshold_zero_and_fresh_runs(pools, flux):
+    x, ctx, pooled = _inputs(flux, 1, seed=11)
+    config = ParallelConfig(ulysses=2).with_world_size(2)
+    den = PoolDenoiser(pools("flux", 2), config, "flux")
+    plain = on_pool(den, x, ctx, pooled)
+    den.cache = dict(threshold=0.0, **SETTINGS)
+    assert torch.equal(on_pool(den, x, ctx, pooled), plain)
+    threshold, _ = _threshold(flux, x, ctx, pooled)
+    den.cache = dict(threshold=threshold, **SETTINGS)
+    first = on_pool(den, x, ctx, pooled)
+    counts = dict(den.cache_counts)
+    # a second run (new keys) starts fresh: the same latent and the same counts again
+    second = on_pool(den, x, ctx, pooled)
+    assert torch.equal(first, second)
+    assert {k: v - counts[k] for k, v in den.cache_counts.items()} == counts
+
+
+def test_model_path_two_call_steps(pools, flux):
+    """Heun calls the model twice per step: each call is one cache call, as in the
+    reference."""
+    x, ctx, pooled = _inputs(flux, 1, seed=13)
+    threshold, _ = _threshold(flux, x, ctx, pooled)
+    want, computed = reference(flux, x, ctx, pooled, threshold, heun=True)
+    den = PoolDenoiser(pools("flux", 2), ParallelConfig(ulysses=2).with_world_size(2), "flux")
+    den.cache = dict(threshold=threshold, **SETTINGS)
+    got = on_pool(den, x, ctx, pooled, heun=True)
+    assert (got - want).abs().max().item() <= 1e-4
+    assert den.cache_counts["computed"] == computed and den.cache_counts["skipped"] > 0
