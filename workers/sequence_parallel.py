@@ -8,8 +8,9 @@ the model code itself is untouched.
 Text and image tokens are both split near-evenly over the sp ranks (the first `n % sp`
 ranks take one more token). The image stream is whatever the adapter passes as the image
 tokens: the latent's, joined by reference images' tokens when a job has them
-(workers/models/flux.py `with_references`), so those split with it. The per-forward `SequencePlan` travels to the attention
-processors explicitly through `joint_attention_kwargs`.
+(workers/models/flux.py `with_references`), so those split with it. The per-forward
+`SequencePlan` travels to the attention processors explicitly through
+`joint_attention_kwargs`.
 
 Uneven shards are padded once per forward: the input hooks pad each stream's local shard to
 that stream's longest (`SequencePlan.padded`), so every layer's q/k/v have the same length
