@@ -49,7 +49,7 @@ def test_sharded_folder_and_pipefusion_stages(model_dir, tmp_path):
     import diffusers
 
     from workers.models import get_adapter
-    from workers.pipefusion_stages import load_stage_transformer
+    from workers.pipefusion.stages import load_stage_transformer
     src = model_dir("flux")
     ref = diffusers.FluxTransformer2DModel.from_pretrained(str(src), subfolder="transformer")
     shard = tmp_path / "sharded"

@@ -46,7 +46,7 @@ def test_pipefusion_stage_weights_are_the_stage_modules(flux2, n):
     """Each rank's weights = the parameters the stage loader keeps (its blocks and the
     modules around them), and no stage holds more than 1/N + 5% of the block weights."""
     tr, facts = flux2
-    ps = worker_module("pipefusion_stages")
+    ps = worker_module("pipefusion.stages")
     plan = mp.plan(facts, ParallelConfig(pipefusion=n), BF16, gpu_memory=80 * GiB)
     blocks_total = sum(p.numel() for _, _, b in ps.model_blocks(tr, LISTS)
                        for p in b.parameters()) * 2

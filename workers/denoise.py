@@ -1,36 +1,33 @@
 """The one denoising loop every rank runs, for every parallel method.
 
-The loop walks the job's tick table (workers/schedule.py). Without PipeFusion a tick is one
-guidance branch of one step on the whole image; with PipeFusion each stage computes one
-patch per tick. Written once here, for every method:
+It is the plain loop: the job's noise (prepared once, `prepare`), then for each step the stop
+decision, the step's work, and rank 0's progress event and preview; at the end data
+parallel's gather of the batch. The step's work is a `StepStrategy`:
 
-* the stop decision: rank 0 asks the host at the start of each step and tells every rank
-  over the control plane (gloo), at the same tick on every rank;
-* the transfers between ticks: one grouped exchange with the neighbour stages (data plane);
-* the guidance combination (CFG in one process, or over the cfg ranks: one all-gather of
-  the two predictions on the data plane);
-* the scheduler's step (flow-matching Euler, on the rows a micro-batch finished);
-* progress events and previews (rank 0), and data parallel's gather of the batch.
+* `WholeImage` (below): each guidance branch of this rank on the whole image, the guidance
+  combination (in one process, or over the cfg ranks) and the scheduler's Euler step. Exact.
+* `PatchPipeline` (workers/pipefusion/): PipeFusion's patch pipeline, which owns its tick
+  table, stages, patch transfers and K/V caches.
 
-Sequence parallelism is invisible here (it lives in the transformer's hooks). Everything
-arrives in the `Job` that rank 0 broadcast; no rank derives anything on its own. The loop
-speaks model space (packed latents, model timesteps); the host converts to ComfyUI's
-conventions.
+The stop decision: rank 0 asks the host at the start of each step and tells every rank over
+the control plane (gloo), at the same point on every rank. Sequence parallelism is invisible
+here (it lives in the transformer's hooks). Everything arrives in the `Job` that rank 0
+broadcast; no rank derives anything on its own. The loop speaks model space (packed latents,
+model timesteps); the host converts to ComfyUI's conventions.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
+from .flow_step import combine, combine_across, euler_step
 from .hooks import no_step_scope
-from .p2p import exchange
-from .schedule import Micro, build_schedule
 from .sequence_parallel import all_gather_tokens, even_sizes
-from .topology import Topology, all_gather, broadcast
+from .topology import Topology, broadcast
 
 
 class Cancelled(Exception):
@@ -132,17 +129,6 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
                     sigmas=sigmas, timesteps=timesteps, extra=extra, guidance=guidance)
 
 
-def euler_step(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int) -> torch.Tensor:
-    """FlowMatchEulerDiscreteScheduler.step without noise: x + (sigma_{i+1} - sigma_i) v,
-    in fp32, back to the prediction's dtype (rows or the whole latent alike)."""
-    return (x.float() + (sigmas[i + 1] - sigmas[i]) * v.float()).to(v.dtype)
-
-
-def combine(neg: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """Classifier-free guidance (SD3's guidance scale, FLUX's true CFG)."""
-    return neg + scale * (pos - neg)
-
-
 def _stop_requested(should_stop: Callable[[], bool], control) -> bool:
     """Rank 0 decides; one tiny broadcast on the control plane keeps every rank on the same
     step."""
@@ -163,126 +149,109 @@ def _branches(prep: Prepared, topo: Topology) -> dict:
     return {0: prep.uncond, 1: prep.cond}
 
 
+class StepStrategy(Protocol):
+    """How a rank computes a job's steps, in place on its latents."""
+
+    def step(self, i: int, latents: torch.Tensor, finished: Callable[[int], None]) -> None:
+        """Do step i's work; call `finished(j)` the moment step j's result is complete in
+        `latents`, on a rank that holds the whole latent (every rank of the exact path,
+        stage 0 of a pipeline)."""
+
+    def close(self) -> None:
+        """Drop the job's state (also after a cancel or a failure)."""
+
+
+class WholeImage:
+    """The exact step: every guidance branch of this rank on the whole image, the guidance
+    combination, the Euler step."""
+
+    def __init__(self, model, adapter, prep: Prepared, branches: dict, topo: Topology,
+                 scale: float):
+        self.model, self.adapter, self.prep, self.scale = model, adapter, prep, scale
+        self.conds = [branches[b] for b in sorted(branches)]  # negative first
+        self.cfg_group = topo.group("cfg") if topo.degree("cfg") == 2 else None
+
+    def step(self, i: int, latents: torch.Tensor, finished: Callable[[int], None]) -> None:
+        p = self.prep
+        preds = [self.adapter.forward(self.model, latents, p.timesteps[i], cond, p.guidance,
+                                      p.extra) for cond in self.conds]
+        if self.cfg_group is not None:
+            pred = combine_across(preds[0], self.cfg_group, self.scale)
+        else:
+            pred = combine(preds[0], preds[1], self.scale) if len(preds) == 2 else preds[0]
+        latents.copy_(euler_step(latents, pred, p.sigmas, i))
+        finished(i)
+
+    def close(self) -> None:
+        pass
+
+
+def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology) -> StepStrategy:
+    branches, scale = _branches(prep, topo), float(job.request["cfg"])
+    if topo.degree("pipefusion") > 1:
+        from .pipefusion.strategy import PatchPipeline
+        return PatchPipeline(job, model, adapter, prep, branches, topo, scale)
+    return WholeImage(model, adapter, prep, branches, topo, scale)
+
+
+class _Progress:
+    """Rank 0's step events, each `preview_every` steps (and the last) with a low-res
+    preview of the first image: flow matching's x0 = x_i - sigma_i * v, v from the step's
+    input and output."""
+
+    def __init__(self, emit, every: int, total: int, sigmas: torch.Tensor, latents):
+        self.emit, self.every, self.total = emit, every, total
+        self.sigmas, self.latents = sigmas, latents
+        self.t0 = time.perf_counter()
+        self.x = latents[:1].clone() if self._wanted(0) else None  # the step's input
+
+    def _wanted(self, i: int) -> bool:
+        return bool(self.emit is not None and self.every
+                    and ((i + 1) % self.every == 0 or i + 1 == self.total))
+
+    def finished(self, i: int) -> None:
+        if self.emit is None:
+            return
+        event = {"step": i + 1, "total": self.total, "elapsed": time.perf_counter() - self.t0}
+        if self._wanted(i):
+            x, s = self.x.float(), self.sigmas
+            v = (self.latents[:1].float() - x) / (s[i + 1] - s[i])
+            event["preview"] = (x - s[i] * v).half().cpu()
+        self.emit(event)
+        self.x = self.latents[:1].clone() if self._wanted(i + 1) else None
+
+
 def run_job(job: Job, model, adapter, topo: Topology, control,
             emit: Optional[Callable[[dict], None]] = None,
             should_stop: Callable[[], bool] = lambda: False,
             step_scope=None) -> Optional[torch.Tensor]:
     """Run one job on this rank (`control`: the world's control-plane group). Returns the
     whole batch's final latent (model space) on rank 0, None elsewhere. `step_scope(kind,
-    step)`: a context entered around each tick's work after the stop flag (test hooks that
+    step)`: a context entered around each step's work after the stop flag (test hooks that
     watch what a step does, xdit_testhooks/host_syncs.py); none in production."""
     scope = step_scope or no_step_scope
-    req = job.request
-    dev, dtype = model.device, model.dtype
     prep = prepare(job, model, adapter, topo)
-    branches = _branches(prep, topo)
-    stages, stage = topo.degree("pipefusion"), topo.index("pipefusion")
-    rows, cols = req["height"] // 16, req["width"] // 16
-    opts = job.options or {}
-    sched = build_schedule(len(prep.timesteps), stages, rows, sorted(branches),
-                           warmup=int(opts.get("warmup_steps", 1)),
-                           patches=int(opts.get("pipeline_patches") or stages))
-    run = None
-    if stages > 1:
-        from .pipefusion import PipelineRun, check_stage
-        check_stage(model, topo)
-        run = PipelineRun(topo=topo, rows=rows, cols=cols, batch=prep.latents.shape[0],
-                          text_len={b: c["encoder_hidden_states"].shape[1]
-                                    for b, c in branches.items()},
-                          hidden=int(model.transformer.config.num_attention_heads)
-                          * int(model.transformer.config.attention_head_dim), device=dev,
-                          ref_tokens=int(prep.extra["ref_tokens"].shape[1])
-                          if "ref_tokens" in prep.extra else 0)
-    pipe = topo.group("pipefusion")
+    steps = _strategy(job, model, adapter, prep, topo)
     latents = prep.latents.clone()
-    sigmas, scale = prep.sigmas, float(req["cfg"])
-    total = sched.steps
-    every = int(req.get("preview_every") or 0)
-    t0 = time.perf_counter()
-    first, last = stage == 0, stage == stages - 1
-    outgoing = None  # activations computed at the previous tick, for the next stage
-    pending = {}  # last stage, CFG in one pipeline: patch -> negative prediction rows
-
-    def want_preview(i):
-        return emit is not None and every and ((i + 1) % every == 0 or i + 1 == total)
-
-    # stage 0: the first image at the start of a step whose preview is wanted
-    x_step = latents[:1].clone() if (first and want_preview(0)) else None
-
-    def rows_of(x, m: Micro):
-        return adapter.latent_rows(x, m.rows[0], m.rows[1], cols)
-
+    total = len(prep.timesteps)
+    progress = _Progress(emit, int(job.request.get("preview_every") or 0), total,
+                         prep.sigmas, latents)
     try:
-        for tick in range(sched.ticks):
-            if tick in sched.stop_ticks and _stop_requested(should_stop, control):
-                raise Cancelled(f"cancelled at step {sched.stop_ticks[tick]}/{total}")
-            micro = sched.compute_at(stage, tick)
-            with scope("job", None if micro is None else micro.step):
-                arrivals = sched.arrivals(tick) if stages > 1 else []
-                # 1. transfers: activations to the next stage, finished rows back to stage 0
-                sends, recvs = [], []
-                if outgoing is not None:
-                    sends.append((outgoing, run.next))
-                    outgoing = None
-                if run is not None and not first and micro is not None:
-                    recvs.append((run.activation_shape(micro), dtype, run.prev))
-                for m in arrivals:
-                    if last:
-                        sends.append((rows_of(latents, m), run.head))
-                    if first:
-                        recvs.append((tuple(rows_of(latents, m).shape), dtype, run.tail))
-                got = exchange(sends, recvs, pipe, dev)
-                if run is not None and not first and micro is not None:
-                    run.incoming = got.pop(0)
-                if first:
-                    for m, piece in zip(arrivals, got):
-                        rows_of(latents, m).copy_(piece)
-                    for i in sched.steps_done(tick):
-                        if emit is None:
-                            continue
-                        event = {"step": i + 1, "total": total,
-                                 "elapsed": time.perf_counter() - t0}
-                        if want_preview(i):  # flow matching: x0 = x_i - sigma_i * v
-                            x = x_step.float()
-                            v = (latents[:1].float() - x) / (sigmas[i + 1] - sigmas[i])
-                            event["preview"] = (x - sigmas[i] * v).half().cpu()
-                        emit(event)
-                        x_step = latents[:1].clone() if want_preview(i + 1) else None
-                if micro is None:
-                    continue
-                # 2. this tick's forward
-                t = prep.timesteps[micro.step]
-                jak = None
-                if run is not None:
-                    jak = {"patch": run.context(micro)}
-                out = adapter.forward(model, latents, t, branches[micro.branch], prep.guidance,
-                                      prep.extra, jak=jak)
-                if run is not None and not last:
-                    outgoing = run.take_outgoing()
-                    continue
-                # 3. last stage: guidance, then the scheduler's step on the micro's rows
-                pred = rows_of(out, micro) if run is not None else out
-                if topo.degree("cfg") == 2:
-                    both = [torch.empty_like(pred) for _ in range(2)]
-                    all_gather(both, pred.contiguous(), group=topo.group("cfg"))
-                    pred = combine(both[0], both[1], scale)
-                elif len(branches) == 2:
-                    if not micro.finishes:
-                        pending[micro.patch] = pred.clone()
-                        continue
-                    pred = combine(pending.pop(micro.patch), pred, scale)
-                x = rows_of(latents, micro)
-                x.copy_(euler_step(x, pred, sigmas, micro.step))
+        for i in range(total):
+            if _stop_requested(should_stop, control):
+                raise Cancelled(f"cancelled at step {i}/{total}")
+            with scope("job", i):
+                steps.step(i, latents, progress.finished)
     finally:
-        if run is not None:
-            run.close()
-    return _gather_batch(latents, prep, topo, emit) if first else None
+        steps.close()
+    return _gather_batch(latents, prep, topo, emit)
 
 
 def _gather_batch(latents, prep: Prepared, topo: Topology, emit) -> Optional[torch.Tensor]:
     """Data parallel: the replicas' latents to rank 0 in one all-gather over the dp leaders
-    (uneven replicas padded; every replica ends at the same tick, so no receive is ever left
-    posted). Rank 0 reports each image, then returns the whole batch."""
+    (uneven replicas padded; every replica ends at the same step, so no receive is ever left
+    posted). Rank 0 reports each image, then returns the whole batch. Only a replica's
+    leader holds its whole latent (a pipeline's stage 0)."""
     leader = all(topo.index(a) == 0 for a in ("cfg", "pipefusion", "ring", "ulysses"))
     if topo.degree("dp") == 1:
         return latents.float().cpu() if topo.rank == 0 else None

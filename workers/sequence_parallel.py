@@ -8,21 +8,25 @@ the model code itself is untouched.
 Text and image tokens are both split near-evenly over the sp ranks (the first `n % sp`
 ranks take one more token). The image stream is whatever the adapter passes as the image
 tokens: the latent's, joined by reference images' tokens when a job has them
-(workers/models/flux.py `with_references`), so those split with it. The per-forward `SequencePlan` travels to the attention
-processors explicitly through `joint_attention_kwargs`.
+(workers/models/flux.py `with_references`), so those split with it. The per-forward
+`SequencePlan` travels to the attention processors explicitly through
+`joint_attention_kwargs`.
 
 Uneven shards are padded once per forward: the input hooks pad each stream's local shard to
 that stream's longest (`SequencePlan.padded`), so every layer's q/k/v have the same length
 on every rank and the collectives need no per-layer padding; the attention drops the padded
 keys (workers/attention.py) and the output gather drops the padded tokens. Padded tokens
 only ever meet per-token layers and the attention, so they change no real token.
-PipeFusion's patch forwards stay unpadded (their activations and K/V cache positions are
-exact token counts); its attention pads inside.
+
+A caller may pass its own plan (`joint_attention_kwargs={"sp_plan": plan}`), a SequencePlan
+subclass whose `selected` covers part of the tokens (PipeFusion's patches,
+workers/pipefusion/plan.py): the forward then computes only those, unpadded, and the output
+gather places them in a full-size output.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -37,22 +41,14 @@ def even_sizes(n: int, parts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class SequencePlan:
-    """Which tokens one forward call computes and which of them this sp rank holds.
-
-    Without PipeFusion a forward covers every text and image token. Under PipeFusion it
-    covers one patch: the image tokens `image_range` and, for a branch's first patch only,
-    the text tokens (`with_text`); `patch` then carries that call's pipeline context (K/V
-    cache, peers). Either way the selected tokens of each stream are split near-evenly over
-    the sp ranks.
-    """
+    """Which tokens one forward call computes (every text and image token; a subclass may
+    select fewer) and which of them this sp rank holds: each stream's selected tokens split
+    near-evenly over the sp ranks."""
 
     sp_rank: int
     sp_size: int
     text_len: int  # tokens of the full sequence, per stream
     image_len: int
-    image_range: Optional[tuple] = None  # (start, stop) of the image tokens computed
-    with_text: bool = True
-    patch: Any = None  # workers.pipefusion.PatchContext for a PipeFusion forward
     padded: bool = False  # local shards padded to each stream's longest (see module doc)
 
     def full_len(self, stream: str) -> int:
@@ -60,11 +56,7 @@ class SequencePlan:
 
     def selected(self, stream: str) -> tuple:
         """(first token, count) of the stream's tokens this forward computes."""
-        if stream == "text":
-            return 0, (self.text_len if self.with_text else 0)
-        if self.image_range is None:
-            return 0, self.image_len
-        return self.image_range[0], self.image_range[1] - self.image_range[0]
+        return 0, self.full_len(stream)
 
     def sizes(self, stream: str) -> list[int]:
         return even_sizes(self.selected(stream)[1], self.sp_size)
@@ -141,9 +133,8 @@ def all_gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> tor
 
 
 class SequenceParallel:
-    """Hooks one transformer for sequence parallelism over `topo`'s sp group, and routes
-    PipeFusion's patches (a forward called with `joint_attention_kwargs={"patch": ...}`
-    computes only that patch's tokens; `attention` is then the K/V-cache attention)."""
+    """Hooks one transformer for sequence parallelism over `topo`'s sp group; a forward
+    called with its own plan computes that plan's tokens (module doc)."""
 
     def __init__(self, transformer: torch.nn.Module, layout: SequenceLayout, topo: Topology,
                  attention):
@@ -179,12 +170,12 @@ class SequenceParallel:
             raise TypeError("call the parallel transformer with keyword arguments only")
         text, image = self.layout.token_counts(module, kwargs)
         jak = dict(kwargs.get("joint_attention_kwargs") or {})
-        patch = jak.pop("patch", None)  # PipeFusion: this call computes one patch
-        plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image, padded=True)
-        if patch is not None:
-            plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image,
-                                image_range=patch.image_range, with_text=patch.with_text,
-                                patch=patch)
+        plan = jak.get("sp_plan")  # the caller's own plan (module doc)
+        if plan is None:
+            plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image, padded=True)
+        elif (plan.text_len, plan.image_len) != (text, image):
+            raise RuntimeError(f"the call's plan is for {plan.text_len} text and "
+                               f"{plan.image_len} image tokens, the call has {text} and {image}")
         self.plan = plan
         kwargs = dict(kwargs)
         for key, (stream, dim) in self.layout.split_inputs.items():
@@ -208,11 +199,12 @@ class SequenceParallel:
             if plan.sp_size > 1:
                 output = all_gather_tokens(output, dim, plan.sizes("image"),
                                            self.topo.group("sp"))
-            if plan.image_range is not None:  # a patch: place it in a full-size output
+            start, count = plan.selected("image")
+            if count != plan.image_len:  # part of the tokens: placed in a full-size output
                 full = list(output.shape)
                 full[dim] = plan.image_len
                 out = output.new_zeros(full)
-                out.narrow(dim, plan.image_range[0], output.shape[dim]).copy_(output)
+                out.narrow(dim, start, count).copy_(output)
                 output = out
             return output
         return hook

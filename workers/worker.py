@@ -43,7 +43,7 @@ class Worker:
         t = time.perf_counter()
         stage = None
         if args.pipefusion > 1:
-            from .pipefusion_stages import stage_of_rank
+            from .pipefusion.stages import stage_of_rank
             stage = (stage_of_rank(rank, args.pipefusion, args.pipefusion_inner),
                      args.pipefusion, args.pipefusion_split)
         from .sharding import begin as begin_sharding
@@ -136,7 +136,7 @@ class Worker:
                 self.parallel[1].remove()
             sp = None
             if topo.degree("pipefusion") > 1:
-                from .pipefusion import PatchAttention
+                from .pipefusion.cache import PatchAttention
                 sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
                                       PatchAttention(topo, self.args.attention,
                                                      self.device.type, self.dtype))

@@ -81,11 +81,11 @@ def cpu_on_data_plane(ctx):
     """CFG parallel's all-gather of the two predictions is handed host copies: the bug class
     NCCL punishes hardest (a CPU tensor in a device collective). With the plane check on
     (the shared-GPU and NCCL-rules modes) it must be reported, by name."""
-    import workers.denoise as denoise
+    import workers.flow_step as flow_step
 
-    real = denoise.all_gather
+    real = flow_step.all_gather
 
     def all_gather(parts, x, group):
         return real([p.cpu() for p in parts], x.cpu(), group=group)
 
-    denoise.all_gather = all_gather
+    flow_step.all_gather = all_gather

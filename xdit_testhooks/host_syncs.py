@@ -7,9 +7,10 @@ over) serialises the CPU's kernel launches with the GPU's work. On CPU pools suc
 nothing, so no timing can see it; the operations themselves are visible to a
 `TorchDispatchMode` on any device, which is what this hook installs around each step's work.
 
-The worker enters `ctx.options["step_scope"](kind, index)` around one tick of the denoising
-loop (kind "job", index = the step) or one model call (kind "call", index = the call's number
-on this rank), after the control plane's stop flag. Each job's (and call's) stats carry
+The worker enters `ctx.options["step_scope"](kind, index)` around one step of the denoising
+loop (kind "job", index = the step; under PipeFusion the ticks from that step's first patch
+on stage 0 to the next step's) or one model call (kind "call", index = the call's number on
+this rank), after the control plane's stop flag. Each job's (and call's) stats carry
 `{"counts": {"job:3": {"aten._local_scalar_dense": 1, ...}}, "where": {op: [frames]}}`.
 """
 from __future__ import annotations

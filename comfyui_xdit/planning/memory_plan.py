@@ -7,7 +7,7 @@ added up part by part:
 - weights: the transformer's parameters as that rank holds them, counted on the real
   module tree built on the meta device from the model's config (no memory, no download):
   every parameter for Ulysses / Ring / CFG / DP (replicated); the rank's PipeFusion stage
-  (the split of workers/pipefusion_stages.py) plus the modules around the blocks; with
+  (the split of workers/pipefusion/stages.py) plus the modules around the blocks; with
   shard_weights, FSDP2's dim-0 shards (padded rows included) of every parameter, plus, during
   a forward, the non-block parameters gathered whole and the two largest consecutive blocks
   gathered (the running block and the prefetched next one: workers/sharding.py). fp8 (or an
@@ -231,7 +231,7 @@ class _Transformer:
     widest: int  # the widest Linear output inside the blocks (features)
     context_dim: int  # the text embeddings' width entering the transformer
     in_channels: int
-    stage_costs: object  # (compute costs, memory costs) for pipefusion_stages.partition
+    stage_costs: object  # (compute costs, memory costs) for pipefusion.stages.partition
     buffers: int = 0  # persistent buffer elements (SD3's positional table): whole on every rank
 
 
@@ -240,7 +240,7 @@ def _transformer(class_name: str, config_json: str, arch: str) -> _Transformer:
     import diffusers
     import torch
 
-    stages = worker_module("pipefusion_stages")
+    stages = worker_module("pipefusion.stages")
     weights = worker_module("weights")
     cls = getattr(diffusers, class_name)
     tr = _meta(lambda: cls.from_config(json.loads(config_json)))
@@ -271,9 +271,9 @@ def _transformer(class_name: str, config_json: str, arch: str) -> _Transformer:
 
 
 def stage_ranges(tr: _Transformer, stages: int, split: str) -> list:
-    """The (start, stop) block range of every PipeFusion stage: workers/pipefusion_stages.py's
+    """The (start, stop) block range of every PipeFusion stage: workers/pipefusion/stages.py's
     split, on the counts of the meta model (the same arithmetic its plan_stages runs)."""
-    ps = worker_module("pipefusion_stages")
+    ps = worker_module("pipefusion.stages")
     compute, memory = tr.stage_costs
     ranges = ps.parse_split(str(split), len(compute), stages)
     if ranges == "balanced":
@@ -568,7 +568,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
             weights = shard.peak - buffer_bytes
             role = f"shard {rank + 1}/{world}"
         elif config.pipefusion > 1:
-            stage = worker_module("pipefusion_stages").stage_of_rank(rank, config.pipefusion, sp)
+            stage = worker_module("pipefusion.stages").stage_of_rank(rank, config.pipefusion, sp)
             lo, hi = ranges[stage]
             weights = sum(block_bytes[lo:hi]) + rest_bytes
             kv = 2 * (hi - lo) * (image + text) * math.ceil(tr.hidden / config.ulysses) * \

@@ -95,7 +95,7 @@ class DiTAdapter:
         folder = os.path.join(path, "transformer")
         stage_info = None
         if stage is not None:
-            from ..pipefusion_stages import load_stage_transformer
+            from ..pipefusion.stages import load_stage_transformer
             transformer, stage_info, report = load_stage_transformer(
                 tcls, folder, self.block_lists, *stage, device=device, dtype=dtype,
                 weights=weights)

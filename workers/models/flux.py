@@ -82,7 +82,7 @@ class FluxAdapter(DiTAdapter):
         b = latents.shape[0]
         g = self.guidance_rows(guidance, b, latents.device) if tr.config.guidance_embeds \
             else None
-        hidden, ids, keep = self.with_references(latents, extra, jak)
+        hidden, ids, keep = self.with_references(latents, extra)
         out = tr(hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,
                  guidance=g, pooled_projections=cond["pooled_projections"],
                  encoder_hidden_states=cond["encoder_hidden_states"],
@@ -95,23 +95,22 @@ class FluxAdapter(DiTAdapter):
     reference_index_step = 1  # FLUX.2: 10 (its time coordinate per reference)
 
     @staticmethod
-    def with_references(latents, extra, jak):
+    def with_references(latents, extra):
         """The image stream the transformer takes: the latent's tokens joined with the
         references' (`extra["ref_tokens"]` [1 or B, M, C], ids `extra["ref_ids"]`), and which
         output tokens are the latent's prediction (None: all of them).
 
-        The references follow the latent, as in the diffusers pipelines and ComfyUI. A
-        PipeFusion patch call (`jak["patch"]`) puts them first instead, so that a step's first
-        patch computes them together with the text as one contiguous token range
-        (workers/pipefusion.py); every per-token layer and the attention are indifferent to
-        token order (positions come from the ids), so both orders compute the same result."""
+        The references follow the latent, as in the diffusers pipelines and ComfyUI, unless
+        the caller puts them first (`extra["references_first"]`): every per-token layer and
+        the attention are indifferent to token order (positions come from the ids), so both
+        orders compute the same result."""
         ids = extra["img_ids"]
         refs = extra.get("ref_tokens")
         if refs is None:
             return latents, ids, None
         refs = refs.expand(latents.shape[0], -1, -1)
         ref_ids, n, m = extra["ref_ids"], latents.shape[1], refs.shape[1]
-        if jak is not None and jak.get("patch") is not None:
+        if extra.get("references_first"):
             return (torch.cat([refs, latents], 1), torch.cat([ref_ids, ids]), slice(m, m + n))
         return torch.cat([latents, refs], 1), torch.cat([ids, ref_ids]), slice(0, n)
 

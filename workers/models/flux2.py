@@ -97,7 +97,7 @@ class Flux2Adapter(FluxAdapter):
         b = latents.shape[0]
         g = self.guidance_rows(guidance, b, latents.device) if tr.config.guidance_embeds \
             else None
-        hidden, ids, keep = self.with_references(latents, extra, jak)
+        hidden, ids, keep = self.with_references(latents, extra)
         out = tr(hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,
                  guidance=g, encoder_hidden_states=cond["encoder_hidden_states"],
                  txt_ids=cond["txt_ids"], img_ids=ids,

@@ -335,7 +335,7 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
     arch, lists = sf["arch"], adapter.block_lists
     info, skip, elsewhere = None, (lambda name: False), (lambda name: False)
     if stage is not None:
-        from ..pipefusion_stages import keep_stage_blocks, plan_stages, stage_block_names
+        from ..pipefusion.stages import keep_stage_blocks, plan_stages, stage_block_names
         info = plan_stages(tr, lists, *stage)
         others = stage_block_names(tr, lists, info)  # "transformer_blocks.3", ...
         raw_others = set()
@@ -359,6 +359,6 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
     report.checkpoint_scaled = sf.get("storage", {}).get("scaled", False)
     report.tensors_read, report.bytes_read = ck.reads, ck.bytes_read
     if stage is not None:
-        from ..pipefusion_stages import finish_stage
+        from ..pipefusion.stages import finish_stage
         finish_stage(tr, lists, info)
     return adapter.assemble(path, tr, report.as_dict(), device, dtype, False, stage_info=info)

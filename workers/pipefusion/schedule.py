@@ -1,11 +1,12 @@
-"""The tick table of one job: which micro-batch each pipeline stage computes when, and
-which transfers happen between ticks. Every rank builds the same table from the job, so
+"""PipeFusion's tick table for one job: which micro-batch each pipeline stage computes when,
+and which transfers happen between ticks. Every rank builds the same table from the job, so
 point-to-point transfers are matched by construction.
 
 A micro-batch is one transformer forward: one guidance branch of one patch (row band) of one
-step. Without PipeFusion there is one stage and one patch per step, and the table is just
-the steps' branches one after another; with PipeFusion stage `s` computes micro `m` at tick
-`start[m] + s`, so the stages work on successive patches at once.
+step. Stage `s` computes micro `m` at tick `start[m] + s`, so the stages work on successive
+patches at once. The denoising loop's step `i` is the ticks from that step's first micro on
+stage 0 up to the next step's (`ticks_of`): its stop decision falls at the same tick on
+every rank.
 
 Between ticks, each rank does one grouped exchange (workers/p2p.py) with its neighbours:
 stage s sends the activations of the micro it computed at the previous tick to stage s+1
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .sequence_parallel import even_sizes
+from ..sequence_parallel import even_sizes
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,12 @@ class Schedule:
         self._step_start = {}
         for m, t in zip(self.micros, self.start):
             self._step_start.setdefault(m.step, t)
-        self.stop_ticks = {t: i for i, t in self._step_start.items()}
+
+    def ticks_of(self, step: int) -> range:
+        """The loop's step `step`: from its first micro on stage 0 to the next step's (the
+        last step runs to the end, draining the pipeline)."""
+        stop = self._step_start.get(step + 1, self.ticks)
+        return range(self._step_start[step], stop)
 
     def compute_at(self, stage: int, tick: int) -> Optional[Micro]:
         return self._compute.get((stage, tick))
@@ -94,13 +100,13 @@ def build_schedule(steps: int, stages: int, rows: int, branches: list, warmup: i
                    patches: int) -> Schedule:
     """`branches`: the guidance branches this pipeline computes, in order ([1] without CFG
     or for the positive cfg rank, [0] for the negative one, [0, 1] for both).
-    Steps before `warmup` (and every step without PipeFusion) run the whole image as one
-    patch; later steps run `patches` row bands."""
+    Steps before `warmup` run the whole image as one patch; later steps run `patches` row
+    bands."""
     micros, start = [], []
     finished_at: list = []  # (rows, tick its rows are back on stage 0) of the previous step
     tick = -1
     for i in range(steps):
-        bands = patch_rows(rows, 1 if (i < warmup or stages == 1) else min(patches, rows))
+        bands = patch_rows(rows, 1 if i < warmup else min(patches, rows))
         now = []
         for p, band in enumerate(bands):
             for j, b in enumerate(branches):

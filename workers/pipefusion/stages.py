@@ -7,12 +7,14 @@ from the checkpoint, so no rank ever holds the whole transformer. The modules ar
 blocks (embedders, final norm and projection: <1% of FLUX's weights) are on every stage.
 
 Two hooks move activations between stages: the first block of a stage replaces its inputs
-by the previous stage's output, the last block of a stage sends its output on. The
-per-call pipeline context arrives with the call (`sp_plan.patch`), never from a global.
+by the previous stage's output, the last block of a stage puts its output in the slot for
+the next one (`Activations`; the strategy, workers/pipefusion/strategy.py, does the
+transfers). The slots arrive with the call (its PatchPlan), never from a global.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -147,12 +149,47 @@ def plan_stages(transformer, lists, stage: int, stages: int, split: str) -> Stag
                      split=str(split))
 
 
+class Activations:
+    """One job's activation slots at this stage's boundaries: what the previous stage sent
+    for this tick's patch, and what the last block produced for the next stage."""
+
+    def __init__(self, sp_rank: int):
+        self.sp_rank = sp_rank
+        self.incoming: Optional[torch.Tensor] = None
+        self.outgoing: Optional[torch.Tensor] = None
+
+    def receive(self, plan, joined: bool = False):
+        """The previous stage's [text, image] activations: split in two, or as one joined
+        tensor for a block that takes the streams joined (FLUX.2's single blocks)."""
+        buf, self.incoming = self.incoming, None
+        t = plan.sizes("text")[self.sp_rank]
+        want = t + plan.sizes("image")[self.sp_rank]
+        if buf is None or buf.shape[1] != want:
+            got = None if buf is None else tuple(buf.shape)
+            raise RuntimeError(f"pipeline activations {got} do not fit the patch ({want} tokens)")
+        return buf if joined else (buf[:, :t], buf[:, t:])
+
+    def send(self, encoder_hidden_states, hidden_states) -> None:
+        parts = [hidden_states] if encoder_hidden_states is None \
+            else [encoder_hidden_states, hidden_states]
+        self.outgoing = torch.cat(parts, dim=1)
+
+    def take(self) -> torch.Tensor:
+        out, self.outgoing = self.outgoing, None
+        if out is None:
+            raise RuntimeError("the stage produced no activations for the next stage")
+        return out
+
+    def clear(self) -> None:
+        self.incoming = self.outgoing = None
+
+
 def load_stage_transformer(transformer_class, folder: str, lists, stage: int, stages: int,
                            split: str, device, dtype, weights: str = "auto"):
     """Build the transformer with only stage `stage`'s blocks, reading only their tensors,
     each straight to `device` (workers/weights.py). -> (transformer, StageInfo, LoadReport)"""
-    from .models.base import meta_transformer
-    from .weights import load_folder
+    from ..models.base import meta_transformer
+    from ..weights import load_folder
 
     tr = meta_transformer(transformer_class, folder)
     info = plan_stages(tr, lists, stage, stages, split)
@@ -188,33 +225,35 @@ def finish_stage(transformer, lists, info: StageInfo) -> None:
     install_stage_hooks(transformer, lists, info)
 
 
-def _pipeline_context(kwargs):
-    plan = (kwargs.get("joint_attention_kwargs") or {}).get("sp_plan")
-    ctx = getattr(plan, "patch", None)
-    if ctx is None:
-        raise RuntimeError("a PipeFusion stage was called without a patch context (this "
-                           "pool holds one stage of the model; run it through PipeFusion)")
-    return plan, ctx
-
-
 def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
+    # here, not at the top: the host's memory plan reads this module's split functions
+    # without the worker's process-group modules
+    from .plan import PatchPlan
+
+    def _patch_plan(kwargs):
+        plan = (kwargs.get("joint_attention_kwargs") or {}).get("sp_plan")
+        if not isinstance(plan, PatchPlan):
+            raise RuntimeError("a PipeFusion stage was called without a patch plan (this "
+                               "pool holds one stage of the model; run it through PipeFusion)")
+        return plan
+
     blocks = model_blocks(transformer, lists)
     lo, hi = info.owned
     if not info.first:
         def receive(module, args, kwargs):
-            plan, ctx = _pipeline_context(kwargs)
+            plan = _patch_plan(kwargs)
             if kwargs.get("encoder_hidden_states") is None:  # one joined stream (FLUX.2)
-                return args, dict(kwargs, hidden_states=ctx.run.receive_activations(plan, True))
-            enc, hid = ctx.run.receive_activations(plan)
+                return args, dict(kwargs, hidden_states=plan.activations.receive(plan, True))
+            enc, hid = plan.activations.receive(plan)
             return args, dict(kwargs, hidden_states=hid, encoder_hidden_states=enc)
         blocks[lo][2].register_forward_pre_hook(receive, with_kwargs=True)
     if not info.last:
         def send(module, args, kwargs, output):
-            plan, ctx = _pipeline_context(kwargs)
+            plan = _patch_plan(kwargs)
             if torch.is_tensor(output):  # one joined [text, image] stream (FLUX.2)
-                ctx.run.send_activations(plan, None, output)
+                plan.activations.send(None, output)
             else:
-                ctx.run.send_activations(plan, output[0], output[1])
+                plan.activations.send(output[0], output[1])
         blocks[hi - 1][2].register_forward_hook(send, with_kwargs=True)
 
 

@@ -1,0 +1,171 @@
+"""PipeFusion's attention: a patch's queries against a K/V cache of the full sequence.
+
+In every attention layer the cache holds one step's keys and values for every token; a
+patch call first writes its own fresh K/V (and the text's and references', carried by each
+step's first patch) into it, then attends over the whole cache, so the rest of the sequence
+is one step stale. With ulysses/ring inside a stage, each stage's sp ranks hold a shard of
+the patch; the attention gathers the patch's keys/values over the sp group (heads by
+all-to-all, tokens by all-gather) before it refreshes the cache, so every rank's cache holds
+the full sequence for its heads. Caches are allocated per job from the job's shapes
+(`KVCache`, held by the job's PatchPlans), so nothing stale survives a job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..attention import KernelChoice, ulysses_out, ulysses_qkv
+from ..topology import all_gather
+from .plan import PatchPlan
+
+
+@dataclass
+class _KV:
+    k: torch.Tensor
+    v: torch.Tensor
+    filled: np.ndarray  # bool [S] on the host: positions written at least once
+    complete: bool = False
+
+
+class PatchAttention:
+    """A patch's queries against the layer's K/V cache, refreshed with the patch's own K/V."""
+
+    def __init__(self, topo, backend: str = "auto", device_type: Optional[str] = None,
+                 dtype=None):
+        """The cache attention needs no log-sum-exp: the pool's plain kernel (ring degree 1
+        in the selection rules), chosen once from the first call's device, dtype, head dim."""
+        self.topo = topo
+        self.backend = backend
+        self._kernels = {}  # device type -> KernelChoice
+        if device_type is not None:
+            self._kernels[device_type] = KernelChoice(backend, device_type, 1, dtype)
+
+    @property
+    def kernel_name(self):
+        return next((c.name for c in self._kernels.values()), None)
+
+    def _kernel(self, q):
+        choice = self._kernels.get(q.device.type)
+        if choice is None:
+            choice = self._kernels[q.device.type] = KernelChoice(self.backend, q.device.type, 1)
+        return choice(q)
+
+    def __call__(self, q, k, v, plan: PatchPlan, streams, module=None):
+        if not isinstance(plan, PatchPlan):
+            raise RuntimeError("PipeFusion attention called without a patch plan")
+        topo, kv = self.topo, plan.cache
+        if topo.sp > 1:
+            q, k, v, back = _gather_patch(q, k, v, plan, streams, topo, kv)
+        # cache positions: host numbers for the bookkeeping, a device index made once per
+        # patch shape and job (copying it in per layer would stall the stream each time)
+        pos, dev_pos = kv.positions(plan, streams, k.device)
+        cache = kv.layer(module, plan.branch, streams, plan, k)
+        cache.k.index_copy_(1, dev_pos, k)
+        cache.v.index_copy_(1, dev_pos, v)
+        kk, vv = cache.k, cache.v
+        if not cache.complete:  # host bookkeeping only (numpy): no device sync
+            cache.filled[pos] = True
+            cache.complete = bool(cache.filled.all())
+            if not cache.complete:  # warmup 0, first step: only the tokens computed so far
+                idx = torch.from_numpy(cache.filled.nonzero()[0]).to(k.device)
+                kk, vv = kk.index_select(1, idx), vv.index_select(1, idx)
+        out = self._kernel(q)(q, kk, vv, q.shape[-1] ** -0.5)
+        if topo.sp > 1:
+            out = back(out)
+        return out
+
+
+def _gather_patch(q, k, v, plan, streams, topo, cache):
+    """sp > 1 inside a stage: Ulysses all-to-all (tokens of the Ulysses group, H/U heads),
+    then an all-gather of K/V over the ring group, so the cache and the keys are complete
+    for this rank's heads. Returns the gathered q/k/v (padding dropped from k/v) and the
+    inverse map for the attention output."""
+    U, R = topo.degree("ulysses"), topo.degree("ring")
+    chunk = max(max(plan.lengths(streams)), 1)
+    n_local = q.shape[1]
+    if n_local < chunk:  # one pad of the packed q/k/v, not three
+        qkv = F.pad(torch.stack((q, k, v)), (0, 0, 0, 0, 0, chunk - n_local))
+        q, k, v = qkv[0], qkv[1], qkv[2]
+    if U > 1:  # q, k and v in one all-to-all
+        q, k, v = ulysses_qkv(q, k, v, topo.group("ulysses"), U)
+    if R > 1:
+        kv = torch.stack([k, v])
+        parts = [torch.empty_like(kv) for _ in range(R)]
+        all_gather(parts, kv.contiguous(), group=topo.group("ring"))
+        kv = torch.cat(parts, dim=2)
+        k, v = kv[0], kv[1]
+    keep = cache.gathered_keep(plan, streams, k.device)
+    k, v = k.index_select(1, keep), v.index_select(1, keep)
+
+    def back(out):
+        if U > 1:
+            out = ulysses_out(out, topo.group("ulysses"), U)
+        return out[:, :n_local]
+
+    return q, k, v, back
+
+
+def _gathered_positions(plan, streams, topo) -> torch.Tensor:
+    """Cache positions of the gathered k/v rows (host), -1 where a shard was padded: the
+    ring group's shards in order, each the Ulysses group's shards padded to one chunk."""
+    U, R = topo.degree("ulysses"), topo.degree("ring")
+    chunk = max(max(plan.lengths(streams)), 1)
+
+    def positions_of(sp_rank):
+        p = plan.positions(streams, sp_rank)
+        return torch.cat([p, p.new_full((chunk - p.numel(),), -1)])
+
+    ranks = range(R * U) if R > 1 else [topo.index("ring") * U + u for u in range(U)]
+    return torch.cat([positions_of(r) for r in ranks])
+
+
+class KVCache:
+    """One job's K/V caches on one rank (per attention module, guidance branch and streams)
+    and the cache index of each patch shape."""
+
+    def __init__(self, topo):
+        self.topo = topo
+        self.caches: dict = {}
+        self.indices: dict = {}  # per patch shape: (host positions, device index)
+
+    def _index(self, key, make, device):
+        if key not in self.indices:
+            host = make()
+            self.indices[key] = (host.numpy(), host.to(device))
+        return self.indices[key]
+
+    def positions(self, plan: PatchPlan, streams, device) -> tuple:
+        """(host positions, device index) in the K/V cache of this call's keys: this rank's
+        tokens, or with sp > 1 the gathered (unpadded) ones."""
+        topo = self.topo
+
+        def make():
+            if topo.sp == 1:
+                return plan.positions(streams)
+            p = _gathered_positions(plan, streams, topo)
+            return p[p >= 0]
+        return self._index(("pos",) + plan.key(streams), make, device)
+
+    def gathered_keep(self, plan: PatchPlan, streams, device) -> torch.Tensor:
+        """Device index of the gathered k/v rows that are real tokens (not padding)."""
+        def make():
+            return (_gathered_positions(plan, streams, self.topo) >= 0).nonzero().squeeze(1)
+        return self._index(("keep",) + plan.key(streams), make, device)[1]
+
+    def layer(self, module, branch: int, streams, plan: PatchPlan, k) -> _KV:
+        key = (id(module), branch, tuple(streams))
+        entry = self.caches.get(key)
+        full = sum(plan.full_len(s) for s in streams)
+        shape = (k.shape[0], full) + tuple(k.shape[2:])
+        if entry is None or tuple(entry.k.shape) != shape or entry.k.dtype != k.dtype:
+            entry = _KV(k.new_zeros(shape), k.new_zeros(shape), np.zeros(full, dtype=bool))
+            self.caches[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        self.caches.clear()
+        self.indices.clear()

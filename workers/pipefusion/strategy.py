@@ -1,0 +1,136 @@
+"""PipeFusion's step strategy: the patch pipeline plugged into the plain loop
+(workers/denoise.py, `StepStrategy`).
+
+The loop's step `i` is the ticks of the job's tick table (schedule.py) from that step's first
+patch on stage 0 to the next step's. At each tick a rank does one grouped exchange with its
+neighbours (the activations it computed at the previous tick go to the next stage, this
+tick's come from the previous one, and the rows a patch finished go from the last stage back
+to stage 0), then computes its micro-batch, if any, as one transformer call with a PatchPlan
+(plan.py). The last stage combines the guidance branches of a patch and takes the Euler step
+on its rows; stage 0 reports a step finished once all its rows are back.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..flow_step import combine, combine_across, euler_step
+from ..p2p import exchange
+from .cache import KVCache
+from .plan import PatchPlan
+from .schedule import Micro, build_schedule
+from .stages import Activations
+
+
+def check_stage(model, topo) -> None:
+    """This rank must hold the stage the job's layout gives it."""
+    info, stages, stage = model.stage, topo.degree("pipefusion"), topo.index("pipefusion")
+    if info is None or info.count != stages or info.index != stage:
+        held = "the whole model" if info is None else f"stage {info.index} of {info.count}"
+        raise RuntimeError(f"this rank holds {held}, the job asks for stage {stage} of "
+                           f"{stages}; relaunch the pool for this pipefusion degree")
+
+
+class PatchPipeline:
+    """One job's PipeFusion on one rank: its tick table, neighbours, activation slots, K/V
+    caches and the last stage's half-guided patches (all per job, so nothing stale
+    survives)."""
+
+    def __init__(self, job, model, adapter, prep, branches: dict, topo, scale: float):
+        check_stage(model, topo)
+        req, opts = job.request, job.options or {}
+        self.model, self.adapter, self.prep, self.topo = model, adapter, prep, topo
+        self.branches, self.scale = branches, scale
+        n, s = topo.degree("pipefusion"), topo.index("pipefusion")
+        self.stage, self.first, self.last = s, s == 0, s == n - 1
+        self.prev = topo.global_rank(pipefusion=s - 1) if s > 0 else None
+        self.next = topo.global_rank(pipefusion=s + 1) if s < n - 1 else None
+        self.head, self.tail = topo.global_rank(pipefusion=0), topo.global_rank(pipefusion=n - 1)
+        self.group = topo.group("pipefusion")
+        self.cfg_group = topo.group("cfg") if topo.degree("cfg") == 2 else None
+        self.rows, self.cols = req["height"] // 16, req["width"] // 16
+        self.sched = build_schedule(len(prep.timesteps), n, self.rows, sorted(branches),
+                                    warmup=int(opts.get("warmup_steps", 1)),
+                                    patches=int(opts.get("pipeline_patches") or n))
+        # reference images are context like the text: put first in the image stream, a
+        # step's first patch computes them with the text as one token range, so the plans,
+        # shards and caches need no second range (with warmup_steps >= steps: exact)
+        refs = prep.extra.get("ref_tokens")
+        self.ref_tokens = 0 if refs is None else int(refs.shape[1])
+        self.extra = prep.extra if refs is None else dict(prep.extra, references_first=True)
+        self.text_len = {b: c["encoder_hidden_states"].shape[1] for b, c in branches.items()}
+        config = model.transformer.config
+        self.hidden = int(config.num_attention_heads) * int(config.attention_head_dim)
+        self.cache = KVCache(topo)
+        self.activations = Activations(topo.sp_rank)
+        self.outgoing = None  # activations computed at the previous tick, for the next stage
+        self.pending = {}  # last stage, CFG in one pipeline: patch -> negative prediction rows
+
+    def plan(self, m: Micro) -> PatchPlan:
+        """A micro's tokens: its rows, after the references, which the branch's first patch
+        of a step (the one with the text) computes too."""
+        lo, hi = (self.ref_tokens + r * self.cols for r in m.rows)
+        return PatchPlan(self.topo.sp_rank, self.topo.sp, self.text_len[m.branch],
+                         self.ref_tokens + self.rows * self.cols,
+                         image_range=(0 if m.with_text else lo, hi), with_text=m.with_text,
+                         branch=m.branch, cache=self.cache, activations=self.activations)
+
+    def _rows(self, x, m: Micro):
+        return self.adapter.latent_rows(x, m.rows[0], m.rows[1], self.cols)
+
+    def step(self, i: int, latents, finished: Callable[[int], None]) -> None:
+        for tick in self.sched.ticks_of(i):
+            self._tick(tick, latents, finished)
+
+    def _tick(self, tick: int, latents, finished) -> None:
+        sched, dtype, dev = self.sched, latents.dtype, self.model.device
+        micro = sched.compute_at(self.stage, tick)
+        plan = None if micro is None else self.plan(micro)
+        arrivals = sched.arrivals(tick)
+        # 1. transfers: activations to the next stage, finished rows back to stage 0
+        sends, recvs = [], []
+        if self.outgoing is not None:
+            sends.append((self.outgoing, self.next))
+            self.outgoing = None
+        if not self.first and plan is not None:
+            r = self.topo.sp_rank
+            tokens = plan.sizes("text")[r] + plan.sizes("image")[r]
+            recvs.append(((latents.shape[0], tokens, self.hidden), dtype, self.prev))
+        for m in arrivals:
+            if self.last:
+                sends.append((self._rows(latents, m), self.head))
+            if self.first:
+                recvs.append((tuple(self._rows(latents, m).shape), dtype, self.tail))
+        got = exchange(sends, recvs, self.group, dev)
+        if not self.first and plan is not None:
+            self.activations.incoming = got.pop(0)
+        if self.first:
+            for m, piece in zip(arrivals, got):
+                self._rows(latents, m).copy_(piece)
+            for j in sched.steps_done(tick):
+                finished(j)
+        if micro is None:
+            return
+        # 2. this tick's forward
+        prep = self.prep
+        out = self.adapter.forward(self.model, latents, prep.timesteps[micro.step],
+                                   self.branches[micro.branch], prep.guidance, self.extra,
+                                   jak={"sp_plan": plan})
+        if not self.last:
+            self.outgoing = self.activations.take()
+            return
+        # 3. last stage: guidance, then the scheduler's step on the micro's rows
+        pred = self._rows(out, micro)
+        if self.cfg_group is not None:
+            pred = combine_across(pred, self.cfg_group, self.scale)
+        elif len(self.branches) == 2:
+            if not micro.finishes:
+                self.pending[micro.patch] = pred.clone()
+                return
+            pred = combine(self.pending.pop(micro.patch), pred, self.scale)
+        x = self._rows(latents, micro)
+        x.copy_(euler_step(x, pred, prep.sigmas, micro.step))
+
+    def close(self) -> None:
+        self.cache.clear()
+        self.activations.clear()
+        self.outgoing, self.pending = None, {}
