@@ -26,7 +26,10 @@ import torch.distributed as dist
 
 from .flow_step import combine, combine_across, euler_step
 from .hooks import no_step_scope
+from .messages import CACHE_WITH_PIPEFUSION
 from .sequence_parallel import all_gather_tokens, even_sizes
+from .sharding import is_sharded
+from .step_cache import CacheSettings, RunCache, call_on_ranks, gated
 from .topology import Topology, broadcast
 
 
@@ -163,18 +166,31 @@ class StepStrategy(Protocol):
 
 class WholeImage:
     """The exact step: every guidance branch of this rank on the whole image, the guidance
-    combination, the Euler step."""
+    combination, the Euler step. With the step cache (workers/step_cache.py), each branch of
+    each image is a row with its own state; a transformer call skips its middle blocks when
+    all its rows do."""
 
     def __init__(self, model, adapter, prep: Prepared, branches: dict, topo: Topology,
-                 scale: float):
+                 scale: float, cache=None, control=None):
         self.model, self.adapter, self.prep, self.scale = model, adapter, prep, scale
-        self.conds = [branches[b] for b in sorted(branches)]  # negative first
+        self.branches = sorted(branches)  # negative (0) first
+        self.conds = [branches[b] for b in self.branches]
         self.cfg_group = topo.group("cfg") if topo.degree("cfg") == 2 else None
+        self.topo, self.control, self.cache = topo, control, cache
+        self.sharded = cache is not None and is_sharded(model.transformer)
+
+    def _forward(self, branch, cond, latents, i):
+        p = self.prep
+        keys = [(branch, j) for j in range(p.mine.start, p.mine.stop)]  # rows: (branch, image)
+        call = call_on_ranks(self.cache, self.model, self.adapter, keys, self.topo,
+                             self.control, self.sharded)
+        with gated(call):
+            return self.adapter.forward(self.model, latents, p.timesteps[i], cond, p.guidance,
+                                        p.extra)
 
     def step(self, i: int, latents: torch.Tensor, finished: Callable[[int], None]) -> None:
         p = self.prep
-        preds = [self.adapter.forward(self.model, latents, p.timesteps[i], cond, p.guidance,
-                                      p.extra) for cond in self.conds]
+        preds = [self._forward(b, cond, latents, i) for b, cond in zip(self.branches, self.conds)]
         if self.cfg_group is not None:
             pred = combine_across(preds[0], self.cfg_group, self.scale)
         else:
@@ -186,12 +202,16 @@ class WholeImage:
         pass
 
 
-def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology) -> StepStrategy:
+def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology,
+              control=None, cache=None) -> StepStrategy:
     branches, scale = _branches(prep, topo), float(job.request["cfg"])
     if topo.degree("pipefusion") > 1:
+        if cache is not None:
+            raise ValueError(CACHE_WITH_PIPEFUSION)
         from .pipefusion.strategy import PatchPipeline
         return PatchPipeline(job, model, adapter, prep, branches, topo, scale)
-    return WholeImage(model, adapter, prep, branches, topo, scale)
+    return WholeImage(model, adapter, prep, branches, topo, scale, cache, control)
+
 
 
 class _Progress:
@@ -199,8 +219,9 @@ class _Progress:
     preview of the first image: flow matching's x0 = x_i - sigma_i * v, v from the step's
     input and output."""
 
-    def __init__(self, emit, every: int, total: int, sigmas: torch.Tensor, latents):
-        self.emit, self.every, self.total = emit, every, total
+    def __init__(self, emit, every: int, total: int, sigmas: torch.Tensor, latents,
+                 cache=None):
+        self.emit, self.every, self.total, self.cache = emit, every, total, cache
         self.sigmas, self.latents = sigmas, latents
         self.t0 = time.perf_counter()
         self.x = latents[:1].clone() if self._wanted(0) else None  # the step's input
@@ -213,6 +234,8 @@ class _Progress:
         if self.emit is None:
             return
         event = {"step": i + 1, "total": self.total, "elapsed": time.perf_counter() - self.t0}
+        if self.cache is not None:  # rank 0's rows: calls computed in full / cached
+            event["cache"] = self.cache.stats()
         if self._wanted(i):
             x, s = self.x.float(), self.sigmas
             v = (self.latents[:1].float() - x) / (s[i + 1] - s[i])
@@ -224,18 +247,22 @@ class _Progress:
 def run_job(job: Job, model, adapter, topo: Topology, control,
             emit: Optional[Callable[[dict], None]] = None,
             should_stop: Callable[[], bool] = lambda: False,
-            step_scope=None) -> Optional[torch.Tensor]:
+            step_scope=None, report: Optional[dict] = None) -> Optional[torch.Tensor]:
     """Run one job on this rank (`control`: the world's control-plane group). Returns the
     whole batch's final latent (model space) on rank 0, None elsewhere. `step_scope(kind,
     step)`: a context entered around each step's work after the stop flag (test hooks that
-    watch what a step does, xdit_testhooks/host_syncs.py); none in production."""
+    watch what a step does, xdit_testhooks/host_syncs.py); none in production. `report`:
+    filled with this rank's step-cache counts when the cache is on."""
     scope = step_scope or no_step_scope
     prep = prepare(job, model, adapter, topo)
-    steps = _strategy(job, model, adapter, prep, topo)
+    cache = None
+    if job.request.get("cache"):
+        cache = RunCache(CacheSettings.from_dict(job.request["cache"]))
+    steps = _strategy(job, model, adapter, prep, topo, control, cache)
     latents = prep.latents.clone()
     total = len(prep.timesteps)
     progress = _Progress(emit, int(job.request.get("preview_every") or 0), total,
-                         prep.sigmas, latents)
+                         prep.sigmas, latents, cache)
     try:
         for i in range(total):
             if _stop_requested(should_stop, control):
@@ -244,6 +271,8 @@ def run_job(job: Job, model, adapter, topo: Topology, control,
                 steps.step(i, latents, progress.finished)
     finally:
         steps.close()
+        if cache is not None and report is not None:
+            report["cache"] = cache.stats()
     return _gather_batch(latents, prep, topo, emit)
 
 

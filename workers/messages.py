@@ -8,6 +8,13 @@ NO_VAE = ("this model is a single .safetensors file, which has no VAE for the po
           "LATENT and decode it with ComfyUI's VAE (VAEDecode, or the xDiT Decode node's vae "
           "input), or use a diffusers model folder")
 
+# PipeFusion already reuses one-step-stale activations for most of each step, and a skip
+# decision would have to be shared by stages computing different patches of different steps
+# at once: refused rather than approximated twice.
+CACHE_WITH_PIPEFUSION = ("the step cache cannot be combined with PipeFusion (PipeFusion "
+                         "already reuses stale activations); set the cache threshold to 0 or "
+                         "pipefusion to 1")
+
 
 def rss_mb(pid="self") -> float:
     """Resident memory of a process in MiB (Linux /proc; 0 where unavailable)."""

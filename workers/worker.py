@@ -223,10 +223,12 @@ class Worker:
         job_started(self.hooks)
         t = time.perf_counter()
         with torch.inference_mode(), self.compiler.job(emit) as compiled:
+            report = {}
             samples = run_job(job, self.model, self.adapter, topo, self.planes.control, emit,
-                              should_stop, step_scope=self.hook_options.get("step_scope"))
+                              should_stop, step_scope=self.hook_options.get("step_scope"),
+                              report=report)
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
-                 "lora_loads": self.loras.loads, "compile": compiled.stats}
+                 "lora_loads": self.loras.loads, "compile": compiled.stats, **report}
         if self.model.stage is None:  # block weights held here (workers/sharding.py)
             from .sharding import job_counts
             stats["sharding"] = job_counts(self)

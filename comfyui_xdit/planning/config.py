@@ -143,6 +143,9 @@ class ParallelConfig:
                 if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
                                f"{self.sp} ranks; use a larger image or fewer ranks")
+            if self.pipefusion > 1 and (request.cache or {}).get("threshold"):
+                from comfyui_xdit.client.worker_modules import worker_module
+                out.append(worker_module("messages").CACHE_WITH_PIPEFUSION)
             if degrees_ok and not req_problems and self.pipefusion > 1:
                 rows, cols = request.height // 16, request.width // 16
                 patches = min(self.pipeline_patches or self.pipefusion, rows)
