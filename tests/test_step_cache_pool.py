@@ -173,3 +173,111 @@ def test_model_path_two_call_steps(pools, flux):
     got = on_pool(den, x, ctx, pooled, heun=True)
     assert (got - want).abs().max().item() <= 1e-4
     assert den.cache_counts["computed"] == computed and den.cache_counts["skipped"] > 0
+
+
+# ---- Sampler (xDiT): the pool's own Euler loop -------------------------------------------
+# (the second half of this module: the same model, pools by layout)
+
+@pytest.fixture(scope="module")
+def layouts():
+    from conftest import LayoutPools
+    cache = LayoutPools(keep=2)
+    yield cache
+    cache.close()
+
+
+def _request(threshold, batch=1, **cache):
+    from comfyui_xdit import GenerationRequest
+    prompts = ["a photo of a red cat", "a dog on the grass", "blue sky"][:batch]
+    settings = None if threshold is None else dict(threshold=threshold, **{**SETTINGS, **cache})
+    return GenerationRequest(prompt=prompts, negative_prompt="blurry", seed=5, steps=STEPS,
+                             height=80, width=48, cfg=SCALE, max_sequence_length=16,
+                             cache=settings)
+
+
+def _pipeline_reference(model_dir, threshold):
+    """FluxPipeline with true CFG and diffusers' First Block Cache: the pipeline runs each
+    branch in its own cache context, so at batch 1 each row has its own state, as ours."""
+    import diffusers
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    from conftest import comfyui_noise, model_to_latent
+    path = str(model_dir("flux"))
+    pipe = diffusers.FluxPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    computed = []
+    if threshold:
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        pipe.transformer.transformer_blocks[1].attn.register_forward_pre_hook(
+            lambda m, a: computed.append(1))
+    req = _request(None)
+    noise = comfyui_noise(req.seed, (1, 16, req.height // 8, req.width // 8))
+    with torch.inference_mode():
+        out = pipe(prompt=req.prompt, negative_prompt=[req.negative_prompt],
+                   true_cfg_scale=SCALE, guidance_scale=3.5, height=req.height,
+                   width=req.width, num_inference_steps=STEPS, latents=pack_flux(noise),
+                   max_sequence_length=req.max_sequence_length, output_type="latent")
+    return model_to_latent(unpack_flux(out.images, req.height, req.width), path), len(computed)
+
+
+def _skips(result):
+    """Per rank: (computed, skipped) row-calls."""
+    return [tuple(st["cache"].values()) for st in result.stats]
+
+
+@pytest.fixture(scope="module")
+def sampler_threshold(model_dir):
+    total = 2 * STEPS
+    for t in (0.05, 0.1, 0.2, 0.35, 0.5, 0.8):
+        _, computed = _pipeline_reference(model_dir, t)
+        if total // 4 <= total - computed <= 3 * total // 4:
+            return t
+    pytest.fail("no threshold skips between a quarter and three quarters of the calls")
+
+
+def test_sampler_one_rank_equals_the_pipeline_with_first_block_cache(model_dir, layouts,
+                                                                     sampler_threshold):
+    want, computed = _pipeline_reference(model_dir, sampler_threshold)
+    pool = layouts.get(model_dir("flux"), ParallelConfig())
+    got = pool.generate(_request(sampler_threshold))
+    assert (got.samples - want).abs().max().item() <= 1e-4
+    assert _skips(got) == [(computed, 2 * STEPS - computed)]
+    # an almost-zero threshold runs the gates but never skips: the uncached latent exactly
+    plain = pool.generate(_request(None))
+    nearly = pool.generate(_request(1e-12))
+    assert torch.equal(nearly.samples, plain.samples)
+    assert _skips(nearly) == [(2 * STEPS, 0)]
+    assert (got.samples - plain.samples).abs().max().item() > 1e-3  # it did skip
+
+
+SAMPLER_CASES = [(ParallelConfig(ulysses=2), 1), (ParallelConfig(ring=2), 3),
+                 (ParallelConfig(cfg_parallel=True), 1), (ParallelConfig(dp=2), 3),
+                 (ParallelConfig(ulysses=2, ring=2), 1)]
+
+
+@pytest.mark.parametrize("config,batch", SAMPLER_CASES,
+                         ids=[f"{c.describe().replace(' ', '')}-b{b}" for c, b in SAMPLER_CASES])
+def test_sampler_layouts_give_one_rank_latent_and_skips(model_dir, layouts, sampler_threshold,
+                                                        config, batch):
+    """Same latent and same decisions as one rank: the sequence-parallel ranks of a row
+    reduce its measure (each shard alone would decide differently), CFG / DP replicas
+    decide their own rows."""
+    one = layouts.get(model_dir("flux"), ParallelConfig()).generate(
+        _request(sampler_threshold, batch, warmup=1, max_skips=2))
+    pool = layouts.get(model_dir("flux"), config.with_world_size(config.ranks))
+    got = pool.generate(_request(sampler_threshold, batch, warmup=1, max_skips=2))
+    assert (got.samples - one.samples).abs().max().item() <= 1e-4
+    sp = config.ulysses * config.ring
+    per_rank = _skips(got)
+    if sp > 1:  # every shard of a row made the one rank's decisions
+        assert all(s == _skips(one)[0] for s in per_rank)
+    else:  # the replicas' rows add up to the one rank's
+        assert tuple(map(sum, zip(*per_rank))) == _skips(one)[0]
+    assert _skips(one)[0][1] > 0
+
+
+def test_sampler_refuses_the_cache_with_pipefusion(model_dir, layouts):
+    from comfyui_xdit import ConfigError
+    pool = layouts.get(model_dir("flux"), ParallelConfig(pipefusion=2).with_world_size(2))
+    with pytest.raises(ConfigError, match="step cache cannot be combined with PipeFusion"):
+        pool.generate(_request(0.1))
