@@ -205,3 +205,28 @@ def test_flux2_with_references_under_nccl_rules(rule_pools):
         plain = rule_pools("flux2", config, hooks=()).generate(req).samples
         assert got.shape == (req.batch, 128, 7, 5)
         assert float((got - plain).abs().max()) <= 1e-6, config.describe()
+
+
+def test_step_cache_under_nccl_rules(rule_pools):
+    """The step cache's skips under NCCL's ordering rules: Ulysses x Ring, CFG x Ring and
+    DP x Ulysses give the one-rank latent with skips on; and the negative control, ranks of
+    one row deciding apart (xdit_testhooks/faults.py:unreduced_cache), is reported instead of
+    hanging, and the pool serves the next job."""
+    from comfyui_xdit.client.pool import PoolError
+
+    cache = {"threshold": 0.5, "warmup": 1, "max_skips": 2}
+    req = _req("flux", steps=6, cfg=2.5, batch=3, cache=cache)
+    one = rule_pools("flux", ParallelConfig(), name="one").generate(req)
+    assert one.stats[0]["cache"]["skipped"] > 0
+    pool = rule_pools("flux", ParallelConfig(ulysses=2, ring=2))
+    for config in (ParallelConfig(ulysses=2, ring=2), ParallelConfig(cfg_parallel=True, ring=2),
+                   ParallelConfig(dp=2, ulysses=2)):
+        pool.reconfigure(config)
+        got = pool.generate(req)
+        diff = float((got.samples - one.samples).abs().max())
+        assert diff <= TOL, f"{config.describe()}: {diff}"
+    bad = rule_pools("flux", ParallelConfig(ulysses=2), name="unreduced",
+                     hooks=(RULES, "xdit_testhooks.faults:unreduced_cache"))
+    with pytest.raises(PoolError):
+        bad.generate(_req("flux", steps=6, cache={"threshold": 1e-9, "warmup": 1}))
+    assert bad.generate(_req("flux", steps=2)).samples.shape == (1, 16, 8, 12)

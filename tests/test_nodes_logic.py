@@ -849,3 +849,24 @@ def test_sampler_text_after_the_job():
         "decoded 1 image 96x64 on 2 ranks, 1.0 s (incl. launch)"
     assert decode_text(torch.zeros(3, 8, 8, 3), 0, 0.2, False) == \
         "decoded 3 images 8x8 with the VAE input, 0.2 s"
+
+
+def test_step_cache_settings_node(registry, model_dir):
+    """Step cache (xDiT): its value becomes the request's cache, a bad value is one line, the
+    Sampler's text counts the calls computed in full, and 0 turns it off."""
+    from comfyui_xdit.nodes.logic import CacheSettings, cache_text
+    assert CacheSettings().as_request() == {"threshold": 0.08, "warmup": 2, "head": 1,
+                                            "tail": 0, "max_skips": 3, "taylor": False}
+    assert CacheSettings(threshold=0.0).as_request() is None
+    with pytest.raises(ConfigError, match="cache head blocks must be >= 1") as e:
+        CacheSettings(head=0).as_request()
+    assert "\n" not in str(e.value)
+    assert cache_text({"computed": 9, "skipped": 7}) == ", 9 of 16 calls computed in full"
+    assert cache_text(None) == ""
+    h = _handle(model_dir, world_size=2, ulysses=2)
+    latent = {"samples": torch.zeros(1, 16, 8, 8)}
+    sample(h, SampleInputs(latent=latent, prompt="a cat", cache=CacheSettings(threshold=5.0,
+                                                                             warmup=1),
+                           **dict(COMMON, steps=4)), registry=registry)
+    text = registry.last_job["text"]
+    assert text.endswith(", 1 of 4 calls computed in full"), text

@@ -89,3 +89,28 @@ def cpu_on_data_plane(ctx):
         return real([p.cpu() for p in parts], x.cpu(), group=group)
 
     flow_step.all_gather = all_gather
+
+
+def unreduced_cache(ctx):
+    """The step cache's decision taken per shard, not over the row: sequence-parallel rank 1
+    sees a zero change (so it skips whenever it may) while rank 0 reduces nothing and keeps
+    its own number. The ranks of one row then disagree, and the one that skipped leaves its
+    peer alone in the next collective: the bug the reduction exists for, which the NCCL-rules
+    emulation must report (a skip that happened to agree would pass unnoticed)."""
+    import workers.step_cache as step_cache
+
+    real = step_cache.call_on_ranks
+
+    def call_on_ranks(run, model, adapter, keys, topo, control, sharded):
+        call = real(run, model, adapter, keys, topo, control, sharded)
+        if call is not None and topo.sp > 1:
+            def own(t):
+                if topo.sp_rank == 1:
+                    t[:, 0] = 0
+            call.reduce = own
+        return call
+
+    step_cache.call_on_ranks = call_on_ranks
+    import workers.denoise as denoise
+    import workers.model_call as model_call
+    denoise.call_on_ranks = model_call.call_on_ranks = call_on_ranks

@@ -98,7 +98,7 @@ def flux2_support() -> tuple:
     return base, conf
 
 
-def build_model(pool, config, arch: str, unet: dict):
+def build_model(pool, config, arch: str, unet: dict, cache=None):
     """A ComfyUI MODEL (ModelPatcher) for `arch` whose diffusion model is `pool`. `unet`:
     what ComfyUI's detection would find in the model (model_info.comfy_unet_config): FLUX.1
     dev vs schnell, the channels, patch size and FLUX.2's hidden size its config classes
@@ -106,6 +106,7 @@ def build_model(pool, config, arch: str, unet: dict):
     if arch == "flux2":
         flux2_support()  # refused before anything is built
     denoiser = PoolDenoiser(pool, config, arch, on_event=_show_compiling)
+    denoiser.cache = cache  # step cache settings (GenerationRequest.cache) or None
     if arch == "flux2":
         base, conf = flux2_support()
         model_config = conf(dict(getattr(conf, "unet_config", {}), **unet,

@@ -22,6 +22,7 @@ XDiTModel = io.Custom("XDIT_MODEL")
 XDiTParallel = io.Custom("XDIT_PARALLEL")
 XDiTPipeFusion = io.Custom("XDIT_PIPEFUSION")
 XDiTEngine = io.Custom("XDIT_ENGINE")
+XDiTCache = io.Custom("XDIT_CACHE")
 PREVIEW_MAX = 512
 
 
@@ -304,6 +305,50 @@ class EngineSettings(io.ComfyNode):
             memory_plan=str(memory_plan).strip().lower() or "auto"))
 
 
+class CacheSettings(io.ComfyNode):
+    """The step cache is a per-sampling choice: its node plugs into Sampler (xDiT) or MODEL
+    for KSampler (xDiT), not into the loader (the pool does not change)."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        d = node_logic.CacheSettings()
+        return io.Schema(
+            node_id="xDiT.CacheSettings",
+            display_name="Step cache (xDiT)",
+            category=CATEGORY,
+            description="Skips most of a step's transformer blocks while their input barely "
+                        "changes (First Block Cache), decided alike on every rank: faster, "
+                        "slightly different from the uncached image. Connect to Sampler "
+                        "(xDiT) or MODEL for KSampler (xDiT). Not with PipeFusion.",
+            inputs=[
+                io.Float.Input("threshold", default=d.threshold, min=0.0, max=10.0, step=0.01,
+                               round=0.001,
+                               tooltip="Skip when the first blocks' output changed less than "
+                                       "this (relative); higher: faster, further from the "
+                                       "uncached image; 0: off"),
+                io.Int.Input("warmup", default=d.warmup, min=0, max=1000,
+                             tooltip="Model calls that always compute first"),
+                io.Int.Input("head_blocks", default=d.head, min=1, max=100,
+                             tooltip="First blocks that always run (their change is measured)"),
+                io.Int.Input("tail_blocks", default=d.tail, min=0, max=100,
+                             tooltip="Last blocks that always run"),
+                io.Int.Input("max_skips", default=d.max_skips, min=0, max=1000,
+                             tooltip="Most skipped calls in a row (0: no limit)"),
+                io.Boolean.Input("taylor", default=d.taylor,
+                                 tooltip="Forecast the skipped blocks' output to first order "
+                                         "(TaylorSeer) instead of reusing it"),
+            ],
+            outputs=[XDiTCache.Output(display_name="cache")],
+        )
+
+    @classmethod
+    def execute(cls, threshold, warmup, head_blocks, tail_blocks, max_skips,
+                taylor) -> io.NodeOutput:
+        return io.NodeOutput(node_logic.CacheSettings(
+            threshold=float(threshold), warmup=int(warmup), head=int(head_blocks),
+            tail=int(tail_blocks), max_skips=int(max_skips), taylor=bool(taylor)))
+
+
 class Sampler(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -349,6 +394,9 @@ class Sampler(io.ComfyNode):
                                               "+ T5; FLUX.2: its Qwen3 / Mistral encoder "
                                               "(no pooled output needed)"),
                 io.Conditioning.Input("negative", optional=True),
+                XDiTCache.Input("cache", optional=True,
+                                tooltip="Step cache (xDiT): skip blocks of steps that barely "
+                                        "change"),
             ],
             outputs=[io.Latent.Output()],
             hidden=[io.Hidden.unique_id],
@@ -356,7 +404,8 @@ class Sampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, latent, prompt, negative_prompt, seed, steps, cfg, guidance, denoise,
-                max_sequence_length=512, positive=None, negative=None) -> io.NodeOutput:
+                max_sequence_length=512, positive=None, negative=None,
+                cache=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         arch = read_model_info(model.path).arch
         from comfyui_xdit.comfy_convert import LATENT_FORMATS
@@ -365,7 +414,7 @@ class Sampler(io.ComfyNode):
                            denoise=denoise, prompt=prompt, negative_prompt=negative_prompt,
                            positive=positive, negative=negative,
                            max_sequence_length=max_sequence_length,
-                           preview_every=1 if previews else 0)
+                           preview_every=1 if previews else 0, cache=cache)
         pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(ev: dict) -> None:
@@ -375,6 +424,9 @@ class Sampler(io.ComfyNode):
                 return
             if "step" not in ev:
                 return
+            if ev.get("cache"):
+                _progress_text(f"step {ev['step']}/{ev['total']}"
+                               + node_logic.cache_text(ev["cache"]), node_id)
             preview = None
             if previews and ev.get("preview") is not None:
                 try:
@@ -488,8 +540,8 @@ class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list:
         _register_routes()  # on_load is not called by every ComfyUI release
         from comfyui_xdit.nodes.model_nodes import ToModel  # the xDiT MODEL for ComfyUI's own samplers
-        return [LoadModel, ParallelSettings, PipeFusionSettings, EngineSettings, LoRA, Sampler,
-                Decode, UnloadPool, ToModel]
+        return [LoadModel, ParallelSettings, PipeFusionSettings, EngineSettings, CacheSettings,
+                LoRA, Sampler, Decode, UnloadPool, ToModel]
 
 
 _ROUTES_DONE = False

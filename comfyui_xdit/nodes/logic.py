@@ -32,7 +32,7 @@ from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigErro
 from comfyui_xdit.planning import memory_plan
 from comfyui_xdit.planning.gpus import gpus_for_ranks, visible_gpus
 from comfyui_xdit.planning.model_info import read_model_info
-from comfyui_xdit.planning.request import UNDISTILLED_CFG, GenerationRequest, default_cfg
+from comfyui_xdit.planning.request import cache_problems, UNDISTILLED_CFG, GenerationRequest, default_cfg
 
 WORLD_SIZES = ["auto"] + [str(i) for i in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)]
 DEVICES = ["auto", "cuda", "cpu"]  # auto: cuda when this ComfyUI has CUDA, else cpu
@@ -402,6 +402,37 @@ class EngineSettings:
     memory_plan: str = "auto"
 
 
+@dataclass(frozen=True)
+class CacheSettings:
+    """Step cache (xDiT): skip a call's middle blocks while the first blocks' output barely
+    changes (workers/step_cache.py). Connecting the node turns it on; 0.08 is First Block
+    Cache's suggestion for FLUX.1 (ParaAttention), not a figure measured here."""
+
+    threshold: float = 0.08
+    warmup: int = 2
+    head: int = 1
+    tail: int = 0
+    max_skips: int = 3
+    taylor: bool = False
+
+    def as_request(self) -> Optional[dict]:
+        """GenerationRequest.cache (None when the threshold is 0: off)."""
+        from dataclasses import asdict
+        d = asdict(self)
+        problems = cache_problems(d)
+        if problems:
+            raise ConfigError(problems[0])
+        return d if self.threshold > 0 else None
+
+
+def cache_text(counts: Optional[dict]) -> str:
+    """", 9 of 16 calls computed in full" for the node texts ("" without the cache)."""
+    if not counts:
+        return ""
+    total = counts["computed"] + counts["skipped"]
+    return f", {counts['computed']} of {total} calls computed in full"
+
+
 # the loader's optional inputs: input name -> (the value it takes, the node that makes it)
 SETTINGS_INPUTS = {"parallel": (ParallelSettings, "Parallel settings (xDiT)"),
                    "pipefusion": (PipeFusionSettings, "PipeFusion settings (xDiT)"),
@@ -664,6 +695,7 @@ class SampleInputs:
     negative: Optional[list] = None
     max_sequence_length: int = 512
     preview_every: int = 0  # k: a low-res preview latent every k steps
+    cache: Optional[CacheSettings] = None  # Step cache (xDiT), when connected
 
 
 # diffusers' class defaults for a folder config that omits joint_attention_dim
@@ -713,7 +745,8 @@ def build_job(inp: SampleInputs, arch: str = "flux", text_width: Optional[int] =
         steps=int(inp.steps), height=lat.height, width=lat.width, guidance=guidance,
         cfg=None if not inp.cfg else float(inp.cfg),
         max_sequence_length=int(inp.max_sequence_length), preview_every=int(inp.preview_every),
-        reference_latents=refs, reference_method=method)
+        reference_latents=refs, reference_method=method,
+        cache=None if inp.cache is None else inp.cache.as_request())
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
         kw["noise"] = comfy_noise(int(inp.seed), latent_shape(arch, lat.batch, lat.height,
@@ -808,7 +841,8 @@ def sample(handle: ModelHandle, inp: SampleInputs,
                          "img2img": kw["init_latent"] is not None,
                          "seconds": round(time.perf_counter() - t0, 3),
                          "text": job_text(req.steps, config, result.timings.get("job_s") or 0.0,
-                                          result.timings.get("launch_s") or 0.0),
+                                          result.timings.get("launch_s") or 0.0)
+                         + cache_text(result.stats[0].get("cache") if result.stats else None),
                          "timings": {k: (round(v, 3) if isinstance(v, float) else v)
                                      for k, v in result.timings.items()}}
     return latent_to_comfy(result.samples)

@@ -9,6 +9,7 @@ from comfyui_xdit.planning.model_info import comfy_unet_config, read_model_info
 
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
+XDiTCache = io.Custom("XDIT_CACHE")
 
 
 def model_config_for(handle, info):
@@ -34,12 +35,15 @@ class ToModel(io.ComfyNode):
                         "cfg ranks, the batch over dp, the tokens over Ulysses/Ring. "
                         "PipeFusion, ControlNet, attention patches and ComfyUI's LoRA "
                         "loaders are refused with a message (use Sampler (xDiT) for those).",
-            inputs=[XDiTModel.Input("model")],
+            inputs=[XDiTModel.Input("model"),
+                    XDiTCache.Input("cache", optional=True,
+                                    tooltip="Step cache (xDiT): each sampling run gets a "
+                                            "fresh cache; every model call counts")],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, model) -> io.NodeOutput:
+    def execute(cls, model, cache=None) -> io.NodeOutput:
         from comfyui_xdit.nodes import logic as node_logic
         from comfyui_xdit.nodes.comfy_model import build_model
 
@@ -51,4 +55,5 @@ class ToModel(io.ComfyNode):
             return node_logic.REGISTRY.get(model, config)
 
         return io.NodeOutput(build_model(current_pool, config, info.arch,
-                                         comfy_unet_config(model.path)))
+                                         comfy_unet_config(model.path),
+                                         cache=None if cache is None else cache.as_request()))
