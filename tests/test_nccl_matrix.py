@@ -207,18 +207,21 @@ def test_flux2_with_references_under_nccl_rules(rule_pools):
         assert float((got - plain).abs().max()) <= 1e-6, config.describe()
 
 
-def test_step_cache_under_nccl_rules(rule_pools):
-    """The step cache's skips under NCCL's ordering rules: Ulysses x Ring, CFG x Ring and
-    DP x Ulysses give the one-rank latent with skips on; and the negative control, ranks of
-    one row deciding apart (xdit_testhooks/faults.py:unreduced_cache), is reported instead of
-    hanging, and the pool serves the next job."""
+def test_step_cache_under_nccl_rules(rule_pools, monkeypatch):
+    """The step cache's skips under NCCL's ordering rules, with the emulation's collective
+    matching on (every rank of a group must issue the same collectives in order: a rank that
+    skipped blocks its peers ran would break it): Ulysses x Ring, CFG x Ring and DP x Ulysses
+    give the one-rank latent with skips on; the negative control, ranks of one row deciding
+    apart (xdit_testhooks/faults.py:unreduced_cache), is reported instead of hanging, and
+    the pool serves the next job."""
     from comfyui_xdit.client.pool import PoolError
+    monkeypatch.setenv("XDIT_NCCL_RULES_COLLECTIVES", "1")  # the pools below start with it
 
     cache = {"threshold": 0.5, "warmup": 1, "max_skips": 2}
     req = _req("flux", steps=6, cfg=2.5, batch=3, cache=cache)
     one = rule_pools("flux", ParallelConfig(), name="one").generate(req)
     assert one.stats[0]["cache"]["skipped"] > 0
-    pool = rule_pools("flux", ParallelConfig(ulysses=2, ring=2))
+    pool = rule_pools("flux", ParallelConfig(ulysses=2, ring=2), name="cache")
     for config in (ParallelConfig(ulysses=2, ring=2), ParallelConfig(cfg_parallel=True, ring=2),
                    ParallelConfig(dp=2, ulysses=2)):
         pool.reconfigure(config)
@@ -227,6 +230,6 @@ def test_step_cache_under_nccl_rules(rule_pools):
         assert diff <= TOL, f"{config.describe()}: {diff}"
     bad = rule_pools("flux", ParallelConfig(ulysses=2), name="unreduced",
                      hooks=(RULES, "xdit_testhooks.faults:unreduced_cache"))
-    with pytest.raises(PoolError):
+    with pytest.raises(PoolError, match="NCCL rules .emulation.: (collective|rank)"):
         bad.generate(_req("flux", steps=6, cache={"threshold": 1e-9, "warmup": 1}))
     assert bad.generate(_req("flux", steps=2)).samples.shape == (1, 16, 8, 12)

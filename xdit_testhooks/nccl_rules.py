@@ -28,6 +28,13 @@ collectives keep gloo's own behaviour):
    and complete together; pairs first met in one call are met together. Across calls the
    pair's order holds.
 
+4. With `XDIT_NCCL_RULES_COLLECTIVES=1`: every collective on a data-plane group must be the
+   same operation, in the same order, on every rank of the group (NCCL hangs, or mixes up
+   buffers, when one rank's n-th collective on a communicator is another kind than its
+   peers'). Each rank publishes its n-th collective's kind and shapes in the store and
+   compares them with its peers' before issuing it; a mismatch, or a peer that never issues
+   its n-th, is reported (opt-in: it costs store round trips on every collective).
+
 Tags are ignored for matching, as NCCL does: the n-th send from A to B matches B's n-th
 receive from A. The hook wraps whatever is installed in `torch.distributed` at install time
 (another hook, such as the byte meter, stays in the chain in either order): user data goes
@@ -56,6 +63,9 @@ from xdit_testhooks.p2p_ops import is_send as p2p_is_send
 
 SPEC = "xdit_testhooks.nccl_rules:install"
 ENV_TIMEOUT = "XDIT_NCCL_RULES_TIMEOUT"
+ENV_COLLECTIVES = "XDIT_NCCL_RULES_COLLECTIVES"
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single",
+               "all_to_all", "broadcast", "reduce_scatter_tensor")
 DEFAULT_TIMEOUT = 10.0  # seconds an operation may wait for its match before it is a deadlock
 
 # gloo matches point-to-point messages on (peer, tag); the emulation's own tags live far
@@ -444,10 +454,66 @@ class NcclRules:
                       rules._group_peer(op)) for op in p2p_op_list]
             return rules._issue(specs, "batch_isend_irecv")
 
+        if os.environ.get(ENV_COLLECTIVES, "").strip() == "1":
+            self._wrap_collectives(dist)
+
         batch_isend_irecv.__wrapped__ = orig["batch_isend_irecv"]
         for name, fn in (("isend", isend), ("irecv", irecv), ("send", send), ("recv", recv),
                          ("batch_isend_irecv", batch_isend_irecv), ("P2POp", P2POp)):
             setattr(dist, name, fn)
+
+    # -- rule 4: collectives match ------------------------------------------------------
+    def _wrap_collectives(self, dist) -> None:
+        rules = self
+        self.coll_seq: dict = {}
+        for name in COLLECTIVES:
+            real = getattr(dist, name)
+
+            def wrapped(*args, _real=real, _name=name, **kwargs):
+                rules._match(_name, kwargs.get("group"), args)
+                return _real(*args, **kwargs)
+            wrapped.__wrapped__ = real
+            wrapped.__name__ = wrapped.__qualname__ = name
+            setattr(dist, name, wrapped)
+
+    def _match(self, name, group, args) -> None:
+        """Publish this rank's n-th collective on `group` and compare it with its peers'."""
+        import torch
+        import torch.distributed as dist
+
+        g = self._data_group(group)
+        if g is None:
+            return
+        gname = _group_name(g)
+        seq = self.coll_seq[gname] = self.coll_seq.get(gname, 0) + 1
+        shapes = []
+        for a in args:
+            for x in (a if isinstance(a, (list, tuple)) else [a]):
+                if torch.is_tensor(x):
+                    shapes.append(_fmt_shape(x))
+        mine = f"{name} {' '.join(shapes)}"
+        me, store = dist.get_rank(), self._store()
+        prefix = f"{_STORE_PREFIX}/{gname}/coll/{seq}"
+        store.set(f"{prefix}/{me}", mine)
+        for peer in dist.get_process_group_ranks(g):
+            if peer == me:
+                continue
+            key = f"{prefix}/{peer}"
+            try:
+                store.wait([key], datetime.timedelta(seconds=self.timeout))
+            except Exception:  # noqa: BLE001 - the store's timeout error
+                msg = (f"NCCL rules (emulation): rank {me} issued collective #{seq} on group "
+                       f"{gname} ({mine}); rank {peer} never issued its #{seq} within "
+                       f"{self.timeout:.0f} s (it is waiting elsewhere: a deadlock on NCCL)")
+                log.error(msg)
+                raise NcclOrderError(msg) from None
+            theirs = store.get(key).decode(errors="replace")
+            if theirs.split(" ")[0] != name:
+                msg = (f"NCCL rules (emulation): collective #{seq} on group {gname}: rank {me} "
+                       f"issues {mine}, rank {peer} issues {theirs} (ranks of a communicator "
+                       f"must issue the same collectives in the same order)")
+                log.error(msg)
+                raise NcclOrderError(msg)
 
     # -- issue ---------------------------------------------------------------------------
     def _data_group(self, group):
