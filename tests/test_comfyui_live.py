@@ -40,7 +40,8 @@ EXAMPLE_MODELS = {"xdit_flux_text_to_image_api.json": ("FLUX.1-dev", "flux"),
                   "xdit_flux_pipefusion_api.json": ("FLUX.1-dev", "flux"),
                   "xdit_sd3_text_to_image_api.json": ("stable-diffusion-3.5-medium", "sd3")}
 # what the Sampler node says when its job is done (logic.job_text)
-DONE = re.compile(r"^\d+ steps?, \d+ ranks?( \([^)]*\))?, [\d.]+ s( \+ [\d.]+ s launch)?$")
+DONE = re.compile(r"^\d+ steps?, \d+ ranks?( \([^)]*\))?, [\d.]+ s( \+ [\d.]+ s launch)?"
+                  r"(, \d+ of \d+ calls computed in full)?$")
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +174,23 @@ def test_pipefusion_workflow_through_the_api(comfy):
     _, msgs = run(comfy, wf)
     assert msgs[-1]["type"] == "execution_error", msgs[-1]
     assert "exceeds the model's 4 transformer blocks" in msgs[-1]["data"]["exception_message"]
+
+
+def test_step_cache_node_with_the_sampler(comfy):
+    """Step cache (xDiT) into Sampler (xDiT): the run skips calls, the node's text says how
+    many were computed in full while it runs and at the end, and the image is saved."""
+    wf = _workflow(6)
+    wf["9"] = {"class_type": "xDiT.CacheSettings",
+               "inputs": {"threshold": 5.0, "warmup": 1, "head_blocks": 1, "tail_blocks": 0,
+                          "max_skips": 3, "taylor": False}}
+    wf["3"]["inputs"]["cache"] = ["9", 0]
+    pid, msgs = run(comfy, wf)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    assert http(comfy["base"], f"/history/{pid}")[pid]["outputs"]["5"]["images"]
+    texts = [m["text"] for m in msgs if m.get("type") == "progress_text" and m["node"] == "3"]
+    assert any(re.fullmatch(r"step \d/6, \d of \d calls computed in full", s) for s in texts), texts
+    # warmup 1, then at most 3 skips in a row: calls 1 and 5 computed, 2-4 and 6 skipped
+    assert DONE.match(texts[-1]) and texts[-1].endswith(", 2 of 6 calls computed in full"), texts
 
 
 def test_single_file_workflow_with_conditioning_and_decode(comfy):

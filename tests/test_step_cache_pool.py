@@ -281,3 +281,18 @@ def test_sampler_refuses_the_cache_with_pipefusion(model_dir, layouts):
     pool = layouts.get(model_dir("flux"), ParallelConfig(pipefusion=2).with_world_size(2))
     with pytest.raises(ConfigError, match="step cache cannot be combined with PipeFusion"):
         pool.generate(_request(0.1))
+
+
+def test_model_path_reports_each_runs_counts(pools, flux):
+    """The MODEL's text under KSampler counts this sampling run's calls (a new run starts
+    from zero)."""
+    x, ctx, pooled = _inputs(flux, 1, seed=17)
+    events = []
+    den = PoolDenoiser(pools("flux", 2), ParallelConfig(ulysses=2).with_world_size(2), "flux",
+                       on_event=events.append)
+    den.cache = dict(threshold=1e9, warmup=1, max_skips=0, head=1, tail=0)
+    on_pool(den, x, ctx, pooled)
+    assert events[-1] == {"cache": {"computed": 2, "skipped": 2 * STEPS - 2}}
+    on_pool(den, x, ctx, pooled)
+    assert events[-1] == {"cache": {"computed": 2, "skipped": 2 * STEPS - 2}}
+    assert den.cache_counts == {"computed": 4, "skipped": 4 * STEPS - 4}

@@ -20,15 +20,18 @@ import comfy.supported_models
 
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.nodes.model_calls import PoolDenoiser
-from comfyui_xdit.nodes.logic import compiling_text
+from comfyui_xdit.nodes.logic import cache_text, compiling_text
 
 log = logging.getLogger("comfyui_xdit")
 
 
 def _show_compiling(event: dict) -> None:
-    """A model call's compiling event as text under the node that samples (KSampler & co.,
-    the executing node of this thread); never fails the call."""
+    """A model call's compiling event, or its sampling run's step-cache counts, as text under
+    the node that samples (KSampler & co., the executing node of this thread); never fails
+    the call."""
     text = compiling_text(event)
+    if text is None and event.get("cache"):
+        text = "xDiT step cache" + cache_text(event["cache"])
     if text is None:
         return
     try:

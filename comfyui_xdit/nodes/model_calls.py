@@ -61,6 +61,8 @@ class PoolDenoiser:
         self.timed = False  # benchmarks: each call's stats carry its phases' timings
         self.cache: Optional[dict] = None  # step cache settings (GenerationRequest.cache)
         self.cache_counts = {"computed": 0, "skipped": 0}  # rank 0's rows, every call
+        self.run_counts = {"computed": 0, "skipped": 0}  # the same, this sampling run
+        self._run_keys: frozenset = frozenset()
 
     @property
     def pool(self):
@@ -109,8 +111,17 @@ class PoolDenoiser:
         while len(self._known) > self.cache_size:  # the workers evict in the same order
             self._known.popitem(last=False)
         self.last_stats = stats
-        for k, v in (stats.get("cache") or {}).items():
-            self.cache_counts[k] += v
+        if stats.get("cache"):
+            keys = frozenset(k for k, _ in chunks)
+            if keys.isdisjoint(self._run_keys):  # ComfyUI's keys are fresh per sampling run
+                self.run_counts = {"computed": 0, "skipped": 0}
+                self._run_keys = frozenset()
+            self._run_keys |= keys
+            for k, v in stats["cache"].items():
+                self.cache_counts[k] += v
+                self.run_counts[k] += v
+            if self.on_event is not None:
+                self.on_event({"cache": dict(self.run_counts)})
         return out.to(x.device, x.dtype)
 
     # ---- helpers ------------------------------------------------------------------------
