@@ -125,7 +125,7 @@ def run(args) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    cache = Path(args.cache) if args.cache else default_cache() / "models"
+    cache = Path(args.model_cache) if args.model_cache else default_cache() / "models"
     t = time.perf_counter()
     model_path = ensure_tiny_model("flux", cache, depth=preset["depth"],
                                    width=preset["heads"] * preset["head_dim"],

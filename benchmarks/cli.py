@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "bench itself in seconds")
     p.add_argument("--steps", type=int, default=None, help="denoising steps per job")
     p.add_argument("--repeats", type=int, default=None, help="timed jobs per configuration")
-    p.add_argument("--cache", default=None,
+    p.add_argument("--model-cache", default=None,
                    help="model cache folder (default: the demo's cache/models)")
     p.add_argument("--max-foreign-load", type=float, default=0.25,
                    help="cores other processes may use during a timed job before it is "
@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default=None,
                    help="--engine: comma-separated pool sizes, e.g. 1,2,4,8 (default: 1 and "
                         "every Ulysses degree the GPUs / cores allow)")
+    p.add_argument("--cache", action="store_true",
+                   help="run the step cache section instead: speed-up and PSNR against the "
+                        "uncached image per threshold, ours (1 rank, Ulysses 2) beside "
+                        "cache-dit, on the trained shapes model (see benchmarks/step_cache.py)")
     p.add_argument("--model-call", action="store_true",
                    help="run the xDiT MODEL section instead: per-call overhead of a "
                         "KSampler-style model call beyond the transformer, 1 and 2 ranks, "
@@ -75,6 +79,8 @@ def parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
 def run(args) -> int:
     if args.pipefusion:
         return run_pipefusion(args)
+    if args.cache:
+        return run_section(args, "step_cache")
     if args.model_call:
         from . import model_call
         return model_call.run(args)
@@ -82,6 +88,30 @@ def run(args) -> int:
         from . import engine
         return engine.main_section(args)
     return bench.run(args)
+
+
+def run_section(args, name: str) -> int:
+    """A section with `run(args, log, machine)` and `markdown(report)`: bench.json / .md."""
+    import importlib
+
+    from .measure import loadavg, machine_facts
+    section = importlib.import_module(f"benchmarks.{name}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    machine = machine_facts()
+    t = time.perf_counter()
+    rep = section.run(args, log, machine)
+    machine["loadavg_end"] = loadavg()
+    report = {"machine": machine, name: rep, "wall_s": time.perf_counter() - t}
+    md = section.markdown(rep)
+    (out / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "bench.md").write_text(md)
+    print(md)
+    return 0
 
 
 def run_pipefusion(args) -> int:

@@ -311,7 +311,7 @@ def run(args, log) -> dict:
             raise ConfigError("--device cuda but torch sees no CUDA device")
     ranks = [int(x) for x in args.ranks.split(",")] if args.ranks else \
         default_ranks(device, p["heads"])
-    cache = Path(args.cache) if args.cache else default_cache() / "models"
+    cache = Path(args.model_cache) if args.model_cache else default_cache() / "models"
     t = time.perf_counter()
     model = build_model(p, cache, dtype, device, log)
     built_s = time.perf_counter() - t

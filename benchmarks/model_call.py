@@ -92,7 +92,7 @@ def run(args) -> int:
     calls = args.repeats or (3 if quick else 20)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cache = Path(args.cache) if args.cache else default_cache() / "models"
+    cache = Path(args.model_cache) if args.model_cache else default_cache() / "models"
     model = ensure_tiny_model("flux", cache)
     layouts = [("1 rank", ParallelConfig()), ("2 ranks, CFG parallel",
                                               ParallelConfig(cfg_parallel=True)),

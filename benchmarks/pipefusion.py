@@ -255,7 +255,7 @@ def run(args, log, machine: dict) -> dict:
 
     t_start = time.perf_counter()
     preset = PRESETS["quick" if args.quick else "full"]
-    cache = Path(args.cache) if args.cache else default_cache() / "models"
+    cache = Path(args.model_cache) if args.model_cache else default_cache() / "models"
     fl = preset["flux"]
     flux = flux_model(cache, fl["double"], fl["single"], fl["heads"], fl["head_dim"])
     facts = {"flux": model_facts(flux)}

@@ -293,7 +293,7 @@ def test_bench_engine_quick_compile(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "comfyui_xdit", "bench", "--engine", "--quick", "--compile",
-         "--ranks", "1", "--out", str(out), "--cache", str(tmp_path / "cache")],
+         "--ranks", "1", "--out", str(out), "--model-cache", str(tmp_path / "cache")],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads((out / "bench.json").read_text())["engine"]
@@ -324,3 +324,20 @@ def test_bench_engine_refuses_flux_dev_on_cpu(tmp_path):
         timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "needs --device cuda" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_bench_cache_quick(tmp_path):
+    """`bench --cache --quick`: the step-cache section end to end on the tiny model (one
+    threshold, 1 rank), its report and table; cache-dit's rows when it is installed."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "comfyui_xdit", "bench", "--cache", "--quick", "--out", str(out),
+         "--model-cache", str(tmp_path / "cache")],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads((out / "bench.json").read_text())["step_cache"]
+    ours = [r for r in rep["rows"] if r["impl"] == "ours"]
+    assert [(r["ranks"], r["threshold"]) for r in ours] == [(1, 0.5)]
+    assert ours[0]["time_s"] > 0 and 0 <= ours[0]["skipped"] <= rep["job"]["steps"]
+    assert ("cache-dit" in {r["impl"] for r in rep["rows"]}) == rep["cache_dit"]
+    assert "| ours | 1 | 0.5 |" in (out / "bench.md").read_text()

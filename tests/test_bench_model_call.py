@@ -21,7 +21,7 @@ def test_model_call_bench_quick_runs(tmp_path):
         "PYTHONPATH", "").split(os.pathsep) if p])
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "comfyui_xdit", "bench", "--model-call",
-                           "--quick", "--out", str(out), "--cache", str(tmp_path / "models")],
+                           "--quick", "--out", str(out), "--model-cache", str(tmp_path / "models")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "model_call.json").read_text())
