@@ -249,8 +249,10 @@ def run_cli(args) -> int:
     if args.steps < 1 or args.vae_steps < 1:
         print("trained-model: error: --steps and --vae-steps must be >= 1", file=sys.stderr)
         return 2
+    t0 = time.perf_counter()
     path = build_trained_model(args.out, {"steps": args.steps, "vae_steps": args.vae_steps},
-                               log=lambda m: print(m, file=sys.stderr, flush=True))
+                               log=lambda m: print(f"[{time.perf_counter() - t0:6.1f} s] {m}",
+                                                   file=sys.stderr, flush=True))
     if args.picture:
         sample_grid(path, args.picture)
     print(path)
