@@ -78,7 +78,7 @@ def parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
 
 def run(args) -> int:
     if args.pipefusion:
-        return run_pipefusion(args)
+        return run_section(args, "pipefusion")
     if args.cache:
         return run_section(args, "step_cache")
     if args.model_call:
@@ -91,7 +91,8 @@ def run(args) -> int:
 
 
 def run_section(args, name: str) -> int:
-    """A section with `run(args, log, machine)` and `markdown(report)`: bench.json / .md."""
+    """A section module with `run(args, log, machine)` -> its part of the report and
+    `markdown(report)`: bench.json and bench.md in --out."""
     import importlib
 
     from .measure import loadavg, machine_facts
@@ -107,30 +108,8 @@ def run_section(args, name: str) -> int:
     rep = section.run(args, log, machine)
     machine["loadavg_end"] = loadavg()
     report = {"machine": machine, name: rep, "wall_s": time.perf_counter() - t}
-    md = section.markdown(rep)
+    md = section.markdown(report)
     (out / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "bench.md").write_text(md)
-    print(md)
-    return 0
-
-
-def run_pipefusion(args) -> int:
-    from . import pipefusion
-    from .measure import loadavg, machine_facts
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
-    machine = machine_facts()
-    t = time.perf_counter()
-    section = pipefusion.run(args, log, machine)
-    machine["loadavg_end"] = loadavg()
-    report = {"machine": machine, "pipefusion": section, "wall_s": time.perf_counter() - t}
-    md = pipefusion.markdown(report)
-    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "bench.md").write_text(md)
     print(md)
     return 0

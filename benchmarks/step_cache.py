@@ -148,7 +148,8 @@ def run(args, log, machine: dict) -> dict:
             "cache_dit": have}
 
 
-def markdown(rep: dict) -> str:
+def markdown(report: dict) -> str:
+    rep = report["step_cache"]
     j = rep["job"]
     out = [f"## Step cache ({'trained shapes model' if 'trained' in rep['model'] else 'tiny random model'})",
            "",

@@ -296,3 +296,21 @@ def test_model_path_reports_each_runs_counts(pools, flux):
     on_pool(den, x, ctx, pooled)
     assert events[-1] == {"cache": {"computed": 2, "skipped": 2 * STEPS - 2}}
     assert den.cache_counts == {"computed": 4, "skipped": 4 * STEPS - 4}
+
+
+def test_sampler_with_weight_sharding(model_dir, layouts, sampler_threshold):
+    """Under weight sharding a skipped block is not called, so not gathered; every rank must
+    then run the same blocks, so the run/skip choice is unanimous while the rows keep their
+    own decisions: DP 2 (rows on different replicas) and Ulysses 2 give the unsharded 1-rank
+    latent, skip, and the pool serves the next job (no gather left pending)."""
+    kw = dict(warmup=1, max_skips=2)
+    one = layouts.get(model_dir("flux"), ParallelConfig()).generate(
+        _request(sampler_threshold, 3, **kw))
+    for config in (ParallelConfig(dp=2), ParallelConfig(ulysses=2)):
+        pool = layouts.get(model_dir("flux"), config.with_world_size(2), tag="sharded",
+                           shard_weights=True)
+        got = pool.generate(_request(sampler_threshold, 3, **kw))
+        assert (got.samples - one.samples).abs().max().item() <= 1e-4, config.describe()
+        assert sum(st["cache"]["skipped"] for st in got.stats) > 0
+        again = pool.generate(_request(None, 3))
+        assert torch.isfinite(again.samples).all()

@@ -82,6 +82,13 @@ def _data(recipe: dict):
     return x, torch.tensor(idx)
 
 
+def _set_lr(opt, base: float, step: int, steps: int, warm: int = 1) -> None:
+    """Linear warm-up over `warm` steps, then cosine decay to 0."""
+    lr = base * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
 def _train_vae(vae, images, recipe, log):
     """Autoencoder on random crops; the latent's batch statistics pulled to FLUX's."""
     import torch
@@ -94,9 +101,7 @@ def _train_vae(vae, images, recipe, log):
     vae.train()
     loss_v = 0.0
     for step in range(steps):
-        lr = recipe["vae_lr"] * 0.5 * (1 + math.cos(math.pi * step / steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        _set_lr(opt, recipe["vae_lr"], step, steps)
         pick = torch.randint(len(images), (b,), generator=g)
         ox, oy = (int(v) for v in torch.randint(0, (s - c) // 8 + 1, (2,), generator=g) * 8)
         x = images[pick, :, oy:oy + c, ox:ox + c]
@@ -134,9 +139,7 @@ def _train_transformer(pipe, latents, idx, recipe, log):
     tr.train()
     loss_v = 0.0
     for step in range(steps):
-        lr = recipe["lr"] * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        _set_lr(opt, recipe["lr"], step, steps, warm)
         pick = torch.randint(len(packed), (b,), generator=g)
         x0 = packed[pick]
         cond = torch.where(torch.rand(b, generator=g) < recipe["drop_prompt"], empty, idx[pick])
