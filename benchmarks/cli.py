@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default=None,
                    help="--engine: comma-separated pool sizes, e.g. 1,2,4,8 (default: 1 and "
                         "every Ulysses degree the GPUs / cores allow)")
+    p.add_argument("--trained", action="store_true",
+                   help="with --pipefusion: only its quality table, on the trained shapes "
+                        "model (benchmarks/pipefusion_trained.py)")
     p.add_argument("--cache", action="store_true",
                    help="run the step cache section instead: speed-up and PSNR against the "
                         "uncached image per threshold, ours (1 rank, Ulysses 2) beside "
@@ -78,7 +81,7 @@ def parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
 
 def run(args) -> int:
     if args.pipefusion:
-        return run_section(args, "pipefusion")
+        return run_section(args, "pipefusion_trained" if args.trained else "pipefusion")
     if args.cache:
         return run_section(args, "step_cache")
     if args.model_call:

@@ -243,7 +243,7 @@ def measure_quality(pool, cfg_kwargs: dict, degree: int, q: dict, reference, log
 
 
 def _quality_request(q: dict, seed: int = 11) -> GenerationRequest:
-    return GenerationRequest(prompt=PROMPT, seed=seed, steps=q["steps"], height=q["height"],
+    return GenerationRequest(prompt=q.get("prompt", PROMPT), seed=seed, steps=q["steps"], height=q["height"],
                              width=q["width"], max_sequence_length=q["max_sequence_length"],
                              cfg=1.0, guidance=3.5, output="image")
 

@@ -65,6 +65,10 @@ def link_packs(comfy: Path, *helpers: str) -> None:
     custom_nodes/, as symlinks (kept between modules)."""
     pairs = [("comfyui-xdit-under-test", ROOT)]
     pairs += [(name, ROOT / "tests" / "live_helpers" / HELPERS[name]) for name in helpers]
+    for name in HELPERS:  # a helper link left dangling (a removed checkout) fails ComfyUI's start
+        path = comfy / "custom_nodes" / name
+        if path.is_symlink() and not path.exists():
+            path.unlink()
     for name, target in pairs:
         path = comfy / "custom_nodes" / name
         if path.is_symlink() and path.resolve() != target.resolve():
