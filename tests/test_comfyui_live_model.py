@@ -166,25 +166,24 @@ def test_step_cache_on_the_model_under_ksampler(comfy):
     """Step cache (xDiT) into MODEL for KSampler (xDiT): stock KSampler (SD3, cfg 3.5: both
     rows in every call) skips calls, the KSampler node's text counts this run's calls computed
     in full, and the result moves away from ComfyUI's own uncached model but stays finite;
-    a second run starts from a fresh cache (the same text and latent)."""
+    the next run (another seed: ComfyUI would reuse an unchanged graph's outputs) counts from
+    zero again."""
     wf, out = _compare_graph(comfy, "sd3", {"ulysses": 2}, "euler", "simple", 3.5,
                              "sd3-cache", steps=6)
     wf["20"] = {"class_type": "xDiT.CacheSettings",
                 "inputs": {"threshold": 5.0, "warmup": 1, "head_blocks": 1, "tail_blocks": 0,
                            "max_skips": 0, "taylor": False}}
     wf["2"]["inputs"]["cache"] = ["20", 0]
-    results = []
-    for _ in range(2):
+    for seed in (7, 8):
+        wf["7"]["inputs"]["seed"] = wf["8"]["inputs"]["seed"] = seed
         _, msgs = run(comfy, wf, timeout=1500)
         assert msgs[-1]["type"] == "execution_success", msgs[-1]
         texts = [m["text"] for m in msgs if m.get("type") == "progress_text" and m["node"] == "7"]
         # per row: call 1 computes, the other 5 skip; 2 rows on rank 0 (one replica)
         assert texts and texts[-1] == "xDiT step cache, 2 of 12 calls computed in full", texts
-        results.append(tensors(Path(out["x"])))
-    n = tensors(Path(out["n"]))
-    assert torch.isfinite(results[0]["latent"]).all()
-    assert float((results[0]["latent"] - n["latent"]).abs().max()) > TOL
-    assert torch.equal(results[0]["latent"], results[1]["latent"])
+        x, n = tensors(Path(out["x"])), tensors(Path(out["n"]))
+        assert torch.isfinite(x["latent"]).all()
+        assert float((x["latent"] - n["latent"]).abs().max()) > TOL
 
 
 def test_flux_kontext_reference_ksampler_matches_comfyui_own_model(comfy):

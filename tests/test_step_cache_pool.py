@@ -247,6 +247,7 @@ def test_sampler_one_rank_equals_the_pipeline_with_first_block_cache(model_dir, 
     nearly = pool.generate(_request(1e-12))
     assert torch.equal(nearly.samples, plain.samples)
     assert _skips(nearly) == [(2 * STEPS, 0)]
+    assert pool.status()["step_cache"] == {"computed": 2 * STEPS, "skipped": 0, "entry": "job"}
     assert (got.samples - plain.samples).abs().max().item() > 1e-3  # it did skip
 
 

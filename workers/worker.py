@@ -72,6 +72,7 @@ class Worker:
         self.compiler.install(self.model.transformer, self.adapter.block_lists)
         from .model_call import CondCache
         self.cond_cache = CondCache()  # conditionings of host-side samplers (model calls)
+        self.last_cache = None  # step-cache counts of the last job or model call using it
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.topologies = {}
         self.groups = {}  # member ranks -> (device group, gloo twin), shared by every layout
@@ -111,6 +112,8 @@ class Worker:
                 "fp8_compute": self.fp8_compute["text"],
                 "compile": self.compiler.describe(),
                 "sharding": self.sharding.counts() if self.sharding else None,
+                # the step cache of the last job / model call that used it (rank 0's rows)
+                "step_cache": self.last_cache,
                 "attention": dict(self.attention, current=getattr(
                     self.parallel and self.parallel[1] and self.parallel[1].attention,
                     "kernel_name", None)),
@@ -229,6 +232,8 @@ class Worker:
                               report=report)
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
                  "lora_loads": self.loras.loads, "compile": compiled.stats, **report}
+        if "cache" in report:
+            self.last_cache = dict(report["cache"], entry="job")
         if self.model.stage is None:  # block weights held here (workers/sharding.py)
             from .sharding import job_counts
             stats["sharding"] = job_counts(self)
@@ -300,6 +305,8 @@ class Worker:
             out, times = run_call(call, self.model, self.adapter, topo, self.cond_cache,
                                   self.planes, step_scope=self.hook_options.get("step_scope"))
         times["compiles"] = compiled.stats["compiles"]
+        if self.cond_cache.steps is not None and call.cache:  # the sampling run so far
+            self.last_cache = dict(self.cond_cache.steps.stats(), entry="model calls")
         if self.hooks:  # test hooks watching calls: every rank's, on rank 0
             from .hooks import job_stats
             times["hooks"] = _gather_stats(self.planes.control, job_stats(self.hooks))
