@@ -83,7 +83,7 @@ def _cache_dit(path, threshold, job, repeats):
     if threshold is not None:
         stats = cache_dit.summary(pipe)
         s = stats[0] if isinstance(stats, list) and stats else stats
-        skipped = len(getattr(s, "cached_steps", []) or []) // (repeats + 1)
+        skipped = len(getattr(s, "cached_steps", []) or [])  # the last run's (reset per run)
         cache_dit.disable_cache(pipe)
     return t, images.permute(0, 2, 3, 1), skipped
 
