@@ -114,6 +114,25 @@ class RunCache:
         self.computed = 0  # row-calls computed in full
         self.skipped = 0  # row-calls that took the cached residual
         self.formats: dict = {}  # block position -> output format, learnt on full calls
+        self.layout = None  # (transformer, block lists) -> (block count, segments), once
+
+    def segments(self, transformer, block_lists) -> tuple:
+        """(block count, {position: (segment id, first, last)}) of the middle blocks: a
+        segment is a run of them inside one block list. Checked and made once per run."""
+        key = (id(transformer), tuple(block_lists))
+        if self.layout is None or self.layout[0] != key:
+            s = self.settings
+            sizes = [len(getattr(transformer, name)) for name in block_lists]
+            n = sum(sizes)
+            s.check(n, sizes[0])
+            segments, start = {}, 0
+            for size in sizes:
+                lo, hi = max(start, s.head), min(start + size, n - s.tail)
+                for p in range(lo, hi):
+                    segments[p] = (lo, p == lo, p == hi - 1)
+                start += size
+            self.layout = (key, (n, segments))
+        return self.layout[1]
 
     def call(self, transformer, block_lists, keys, reduce=None, agree=None) -> "CallCache":
         """The cache of one transformer call over rows `keys` (hashable, one per row).
@@ -133,17 +152,7 @@ class CallCache:
     def __init__(self, run: RunCache, transformer, block_lists, keys, reduce, agree):
         self.run, self.transformer, self.block_lists = run, transformer, tuple(block_lists)
         self.keys, self.reduce, self.agree = list(keys), reduce, agree
-        s = run.settings
-        sizes = [len(getattr(transformer, name)) for name in self.block_lists]
-        self.n = sum(sizes)
-        s.check(self.n, sizes[0])
-        self.segments = {}  # position -> (segment id, first, last)
-        start = 0
-        for size in sizes:
-            lo, hi = max(start, s.head), min(start + size, self.n - s.tail)
-            for p in range(lo, hi):
-                self.segments[p] = (lo, p == lo, p == hi - 1)
-            start += size
+        self.n, self.segments = run.segments(transformer, self.block_lists)
         # key None: a follower row (weight sharding's dummy row on a replica with none),
         # whose output is discarded: it skips whenever the others do and keeps no state
         self.rows = [None if k is None else run.rows.setdefault(k, RowCache())
@@ -151,7 +160,7 @@ class CallCache:
         self.head_in = None
         self.skip = None  # per row, decided after the head
         self.skip_all = False
-        self.mask = None  # [B] bool on the device when the rows disagree
+        self.mixed = False  # the call computes, but some rows take their cached residual
         self.seg_in: dict = {}
 
     # -- the gates -----------------------------------------------------------------------
@@ -174,21 +183,17 @@ class CallCache:
         if first:
             self.seg_in[sid] = _streams(kwargs)
         if self.skip_all:
-            states = self.seg_in[sid] if last else _streams(kwargs)
-            if last:
-                states = _add(states, self._forecast(sid, range(len(self.rows))))
-            return _pack(self.run.formats[p], states)
+            if not last:
+                return _pack(self.run.formats[p], _streams(kwargs))
+            return _pack(self.run.formats[p], self._with_cached(sid, self.seg_in[sid]))
         out = block(**kwargs)
         self.run.formats[p] = _format(out)
         if not last:
             return out
         states = _streams_out(out)
         residual = tuple(None if o is None else o - i for o, i in zip(states, self.seg_in[sid]))
-        if self.mask is not None:  # some rows skip: they take their cached residual
-            cached = self._forecast(sid, [i for i, s in enumerate(self.skip) if s], full=True)
-            states = tuple(None if o is None else torch.where(
-                self.mask.view(-1, *[1] * (o.dim() - 1)), i + c, o)
-                for o, i, c in zip(states, self.seg_in[sid], cached))
+        if self.mixed:  # some rows skip: they take their cached residual
+            states = self._with_cached(sid, self.seg_in[sid], states)
         for i, row in enumerate(self.rows):
             if row is not None and not self.skip[i]:
                 hist = row.history.setdefault(sid, [])
@@ -219,8 +224,7 @@ class CallCache:
         if self.agree is not None:
             need = self.agree(need)
         self.skip_all = not need
-        if need and any(s and row is not None for s, row in zip(self.skip, self.rows)):
-            self.mask = torch.tensor(self.skip, device=r.device)
+        self.mixed = need and any(s and row is not None for s, row in zip(self.skip, self.rows))
         for i, row in enumerate(self.rows):
             if row is None:
                 continue
@@ -233,35 +237,39 @@ class CallCache:
                 self.run.computed += 1
             row.calls += 1
 
-    def _forecast(self, sid, rows, full: bool = False) -> tuple:
-        """The cached residual of segment `sid` for `rows` (stacked per stream), forecast to
-        this call when `taylor` is on and two full calls are known. `full`: a [B] stack with
-        zeros for the rows not listed (those are replaced by computed values)."""
-        per_row = {}
-        rows = [i for i in rows if self.rows[i] is not None]  # followers add nothing
-        if not rows:
-            return (None, None)
-        for i in rows:
-            row = self.rows[i]
-            hist = row.history[sid]
-            (c1, r1) = hist[-1]
-            if self.run.settings.taylor and len(hist) == 2:
-                (c0, r0) = hist[0]
-                k = (row.calls - 1 - c1) / (c1 - c0)  # calls already counts this one
-                r1 = tuple(None if a is None else a + (a - z) * k for a, z in zip(r1, r0))
-            per_row[i] = r1
-        if not full and len(per_row) == len(self.rows):
-            return tuple(None if per_row[0][j] is None else
-                         torch.stack([per_row[i][j] for i in range(len(self.rows))])
-                         for j in range(len(per_row[rows[0]])))
-        some = per_row[next(iter(per_row))]
+    def _cached(self, sid, i) -> tuple:
+        """Row i's cached residual of segment `sid` per stream, forecast to this call when
+        `taylor` is on and two full calls are known."""
+        row = self.rows[i]
+        hist = row.history[sid]
+        c1, r1 = hist[-1]
+        if self.run.settings.taylor and len(hist) == 2:
+            c0, r0 = hist[0]
+            k = (row.calls - 1 - c1) / (c1 - c0)  # calls already counts this one
+            r1 = tuple(None if a is None else a + (a - z) * k for a, z in zip(r1, r0))
+        return r1
+
+    def _with_cached(self, sid, inputs: tuple, computed: tuple | None = None) -> tuple:
+        """The segment's output states, row by row: its input plus the cached residual for
+        a row that skips, the computed output for the others (`computed`; None: every row
+        skips). A follower row passes its input (or output) through. Rows are picked by
+        Python index, so nothing is built from host data on the device."""
+        cached = {i: self._cached(sid, i) for i, row in enumerate(self.rows)
+                  if row is not None and self.skip[i]}
         out = []
-        for j, ref in enumerate(some):
-            if ref is None:
-                out.append(None)
+        for j, x in enumerate(inputs):
+            if x is None or (computed is not None and computed[j] is None):
+                out.append(None)  # a stream the segment does not return (SD3's last block)
                 continue
-            out.append(torch.stack([per_row[i][j] if i in per_row else torch.zeros_like(ref)
-                                    for i in range(len(self.rows))]))
+            rows = []
+            for i in range(len(self.rows)):
+                if i in cached and cached[i][j] is not None:
+                    rows.append(x[i] + cached[i][j])
+                elif i in cached or computed is None:
+                    rows.append(x[i])
+                else:
+                    rows.append(computed[j][i])
+            out.append(torch.stack(rows))
         return tuple(out)
 
 
@@ -294,10 +302,6 @@ def _pack(fmt: str, states: tuple):
     if fmt == "tensor":
         return hidden
     return (None if fmt == "tuple-no-text" else text, hidden)
-
-
-def _add(states: tuple, residual: tuple) -> tuple:
-    return tuple(s if s is None or r is None else s + r for s, r in zip(states, residual))
 
 
 # -- putting the gates in place for one call ----------------------------------------------

@@ -33,7 +33,9 @@ collectives keep gloo's own behaviour):
    buffers, when one rank's n-th collective on a communicator is another kind than its
    peers'). Each rank publishes its n-th collective's kind and shapes in the store and
    compares them with its peers' before issuing it; a mismatch, or a peer that never issues
-   its n-th, is reported (opt-in: it costs store round trips on every collective).
+   its n-th, is reported (opt-in: it costs store round trips on every collective). The
+   group is read from the `group=` keyword, as workers/topology.py passes it; a call giving
+   its group positionally would be counted on the default group.
 
 Tags are ignored for matching, as NCCL does: the n-th send from A to B matches B's n-th
 receive from A. The hook wraps whatever is installed in `torch.distributed` at install time
