@@ -264,10 +264,12 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         extra = dict(cache.sized((h, w, layout), lambda: _extra(model, adapter, h, w, layout)))
         if "ref_tokens" in cond:  # ComfyUI's FLUX: the references join the image stream
             extra["ref_tokens"] = cond.pop("ref_tokens")
-        keys = [None] if dummy else \
-            [(k, j) for k, rows in call.chunks for j in range(rows)][mine]
-        step = call_on_ranks(run, model, adapter, keys, topo, planes.control,
-                             is_sharded(model.transformer))
+        step = None
+        if run is not None:  # rows: (conditioning key, row); a dummy row follows the others
+            keys = [None] if dummy else \
+                [(k, j) for k, rows in call.chunks for j in range(rows)][mine]
+            step = call_on_ranks(run, model, adapter, keys, topo, planes.control,
+                                 is_sharded(model.transformer))
         with scope("call", cache.calls), gated(step):
             packed = adapter.pack(x)
             clock.mark("forward")
