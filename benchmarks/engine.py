@@ -155,7 +155,7 @@ def _meta_transformer(dims: dict):
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from workers.models.facts import flux_rope_axes
+    from workers.families.flux import rope_axes as flux_rope_axes
 
     with torch.device("meta"):
         tr = FluxTransformer2DModel(

@@ -17,77 +17,45 @@ from typing import Any, Optional
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.client.worker_modules import worker_module
 
-LATENT_CHANNELS = 16
-# ComfyUI LATENT channels and downscale of the archs that differ from FLUX.1 / SD3's 16 at
-# 1/8: FLUX.2 is latent_formats.Flux2 (latent_channels 128, spacial_downscale_ratio 16)
-LATENT_CHANNELS_BY_ARCH = {"flux2": 128}
-LATENT_DOWNSCALE_BY_ARCH = {"flux2": 16}
+families = worker_module("families")
 
 
-# how messages name the architectures
-ARCH_NAMES = {"flux": "FLUX.1", "flux2": "FLUX.2", "sd3": "SD3"}
+def _spec(arch: str):
+    return families.family(arch).latent
+
+
+def family_name(arch: str) -> str:
+    """How messages name the family (FLUX.1, SD3/3.5, ...)."""
+    return families.family(arch).name
 
 
 def latent_channels(arch: str) -> int:
-    """Channels of `arch`'s ComfyUI LATENT."""
-    return LATENT_CHANNELS_BY_ARCH.get(arch, LATENT_CHANNELS)
+    """Channels of the family's ComfyUI LATENT."""
+    return _spec(arch).channels
 
 
 def latent_downscale(arch: str) -> int:
-    """Image pixels per LATENT pixel (each side) for `arch`."""
-    return LATENT_DOWNSCALE_BY_ARCH.get(arch, 8)
+    """Image pixels per LATENT pixel (each side) for the family."""
+    return _spec(arch).downscale
 
 
 def latent_shape(arch: str, batch: int, height: int, width: int) -> tuple:
-    """`arch`'s ComfyUI LATENT shape for a batch of height x width images (the noise's)."""
-    d = latent_downscale(arch)
-    return (int(batch), latent_channels(arch), int(height) // d, int(width) // d)
+    """The family's ComfyUI LATENT shape for a batch of height x width images (the noise's)."""
+    return _spec(arch).shape(batch, height, width)
 
 
 def latent_shape_text(arch: str) -> str:
-    """How messages write `arch`'s LATENT shape."""
-    d = latent_downscale(arch)
-    return f"[batch, {latent_channels(arch)}, height/{d}, width/{d}]"
+    """How messages write the family's LATENT shape."""
+    return _spec(arch).shape_text()
 
 
-# what a FLUX.2 pool says about a LATENT of the raw VAE's 32 channels
-FLUX2_RAW_LATENT = ("FLUX.2 LATENTs are ComfyUI's 128-channel [batch, 128, height/16, "
-                    "width/16] (the VAE latent 2x2-patchified and normalised by the VAE's "
-                    "batch-norm statistics, as ComfyUI's FLUX.2 VAEEncode, "
-                    "EmptyFlux2LatentImage and this pack's sampler give it); a raw "
-                    "32-channel [batch, 32, height/8, width/8] latent must be patchified and "
-                    "normalised first")
-
-
-_VAE_LATENT = worker_module("models.facts").VAE_LATENT  # the VAEs' scaling / shift factors
-
-# ComfyUI's comfy/latent_formats.py (SD3 and Flux): scale/shift of the VAE (the released
-# VAEs' own, written once in workers/models/facts.py) and the linear latent->RGB map
-# ComfyUI's latent2rgb previewer applies to model-space latents.
-LATENT_FORMATS = {
-    "sd3": {
-        "scale": _VAE_LATENT["sd3"]["scaling_factor"],
-        "shift": _VAE_LATENT["sd3"]["shift_factor"],
-        "rgb": [[-0.0922, -0.0175, 0.0749], [0.0311, 0.0633, 0.0954], [0.1994, 0.0927, 0.0458],
-                [0.0856, 0.0339, 0.0902], [0.0587, 0.0272, -0.0496], [-0.0006, 0.1104, 0.0309],
-                [0.0978, 0.0306, 0.0427], [-0.0042, 0.1038, 0.1358], [-0.0194, 0.0020, 0.0669],
-                [-0.0488, 0.0130, -0.0268], [0.0922, 0.0988, 0.0951], [-0.0278, 0.0524, -0.0542],
-                [0.0332, 0.0456, 0.0895], [-0.0069, -0.0030, -0.0810], [-0.0596, -0.0465, -0.0293],
-                [-0.1448, -0.1463, -0.1189]],
-        "bias": [0.2394, 0.2135, 0.1925],
-    },
-    "flux": {
-        "scale": _VAE_LATENT["flux"]["scaling_factor"],
-        "shift": _VAE_LATENT["flux"]["shift_factor"],
-        "rgb": [[-0.0346, 0.0244, 0.0681], [0.0034, 0.0210, 0.0687], [0.0275, -0.0668, -0.0433],
-                [-0.0174, 0.0160, 0.0617], [0.0859, 0.0721, 0.0329], [0.0004, 0.0383, 0.0115],
-                [0.0405, 0.0861, 0.0915], [-0.0236, -0.0185, -0.0259], [-0.0245, 0.0250, 0.1180],
-                [0.1008, 0.0755, -0.0421], [-0.0515, 0.0201, 0.0011], [0.0428, -0.0012, -0.0036],
-                [0.0817, 0.0765, 0.0749], [-0.1264, -0.0522, -0.1103], [-0.0280, -0.0881, -0.0499],
-                [-0.1262, -0.0982, -0.0778]],
-        "bias": [-0.0329, -0.0718, -0.0851],
-    },
-}
+def layout_hint(arch: str, t) -> str:
+    """The family's word on a LATENT tensor of the right rank but other channels (FLUX.2's
+    raw 32-channel latent, say); "" otherwise."""
+    import torch
+    spec = _spec(arch)
+    ok_rank = torch.is_tensor(t) and t.dim() == len(spec.shape(1, 16, 16))
+    return spec.wrong_channels if ok_rank and int(t.shape[1]) != spec.channels else ""
 
 
 # ---- CONDITIONING ---------------------------------------------------------------------
@@ -135,7 +103,7 @@ def conditioning_to_request(conditioning, name: str = "positive",
                               f"LATENT tensors (as ComfyUI's ReferenceLatent node sets them)")
         out["reference_latents"] = [r.detach().float().cpu().contiguous() for r in refs]
         out["reference_method"] = extra.get("reference_latents_method")
-    if arch == "flux2":
+    if arch is not None and not families.family(arch).pooled:
         return dict(out, pooled=None), guidance
     if pooled is None:
         raise ConfigError(f"{name} CONDITIONING has no pooled_output; encode it with a "
@@ -152,14 +120,9 @@ def check_text_width(c: dict, width: int, arch: str, name: str = "positive") -> 
     got = int(c["cond"].shape[-1])
     if got == int(width):
         return
-    hint = {"flux2": "encode with this FLUX.2 model's own text encoder (klein 4B: Qwen3-4B, "
-                     "klein 9B: Qwen3-8B, dev: Mistral Small 3.1) or type the prompt into "
-                     "the sampler",
-            "flux": "encode with FLUX.1's CLIP-L + T5-XXL (DualCLIPLoader type flux)",
-            "sd3": "encode with SD3's CLIP-L + CLIP-G + T5-XXL (TripleCLIPLoader)"}.get(
-        arch, "encode with this model's text encoders")
+    hint = families.family(arch).text_hint
     raise ConfigError(f"{name} CONDITIONING has text states of width {got}, but this "
-                      f"{ARCH_NAMES.get(arch, arch)} transformer takes {int(width)} (its "
+                      f"{family_name(arch)} transformer takes {int(width)} (its "
                       f"joint_attention_dim): {hint}")
 
 
@@ -192,37 +155,37 @@ def is_empty_latent(samples) -> bool:
     return int(torch.count_nonzero(samples)) == 0
 
 
-def latent_from_comfy(latent: dict, arch: str = "flux") -> LatentInput:
-    """ComfyUI LATENT -> LatentInput for a model of `arch` (FLUX.1 / SD3: [B,16,H/8,W/8];
-    FLUX.2: [B,128,H/16,W/16]). An all-zero latent of any channel count is text-to-image at
-    its size (as ComfyUI's fix_empty_latent_channels treats it; 1/16 for a 128-channel one,
-    else 1/8); a non-empty one must be in the model's layout (one error otherwise)."""
+def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
+    """ComfyUI LATENT -> LatentInput for a model of family `arch` (its LatentSpec: FLUX.1 /
+    SD3 / Chroma [B,16,H/8,W/8], FLUX.2 [B,128,H/16,W/16], Qwen-Image [B,16,1,H/8,W/8]). An
+    all-zero latent of any channel count or rank is text-to-image at its size (as ComfyUI's
+    fix_empty_latent_channels treats it: 1/16 for a 128-channel one, else 1/8); a non-empty
+    one must be in the model's layout (one error otherwise)."""
     import torch
 
     if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
         raise ConfigError("LATENT input must be a dict with 'samples'; connect "
                           "EmptySD3LatentImage or a VAEEncode")
-    channels = latent_channels(arch)
+    spec = _spec(arch)
     s = latent["samples"]
-    if s.dim() != 4:
+    empty = is_empty_latent(s) if s.dim() in (4, 5) else False
+    if s.dim() not in (4, 5) or (s.dim() == 5 and (s.shape[2] != 1 or not spec.frames)) or \
+            (not empty and s.dim() != len(spec.shape(1, 16, 16))):
         raise ConfigError(f"LATENT samples have shape {tuple(s.shape)}; expected "
-                          f"{latent_shape_text(arch)} (image latents, not video)")
+                          f"{spec.shape_text()} (image latents, not video)")
     if latent.get("noise_mask") is not None:
         raise ConfigError("LATENT has a noise_mask (inpainting), which the xDiT sampler does "
                           "not support; remove SetLatentNoiseMask / use VAEEncode")
-    empty = is_empty_latent(s)
-    b, c, h, w = (int(v) for v in s.shape)
-    d = latent_downscale(arch)
-    if c != channels:
+    b, c, h, w = (int(s.shape[i]) for i in (0, 1, -2, -1))
+    d = spec.downscale
+    if c != spec.channels or s.dim() != len(spec.shape(1, 16, 16)):
         if not empty:
-            if arch == "flux2":
-                raise ConfigError(f"LATENT has {c} channels; {FLUX2_RAW_LATENT}")
-            raise ConfigError(f"LATENT has {c} channels; FLUX and SD3 use 16 (encode with "
-                              f"the model's VAE, or start from EmptySD3LatentImage)")
+            raise ConfigError(f"LATENT has {c} channels; {spec.wrong_channels}")
         # an empty latent of another layout gives only its image size (a size that is no
         # multiple of 16 is then refused by the request, not rounded here)
-        d = 16 if c == LATENT_CHANNELS_BY_ARCH["flux2"] else 8
-        s = torch.zeros(latent_shape(arch, b, h * d, w * d))
+        d = next((f.latent.downscale for f in families.FAMILIES.values()
+                  if f.latent.channels == c), 8)
+        s = torch.zeros(spec.shape(b, h * d, w * d))
     bi = latent.get("batch_index")
     return LatentInput(batch=b, height=h * d, width=w * d, empty=empty,
                        samples=s.detach().float().cpu().contiguous(),
@@ -254,15 +217,16 @@ def comfy_noise(seed: int, shape, batch_index=None):
 def preview_rgb(preview, arch: str):
     """Raw-VAE-space latent [1,16,h,w] -> uint8 RGB [h,w,3] the way ComfyUI's latent2rgb
     previewer shows it (it works on model-space latents, hence process_in first); None for
-    an architecture without latent->RGB factors here (FLUX.2: no preview image)."""
+    a family without latent->RGB factors here (FLUX.2: no preview image)."""
     import torch
 
-    fmt = LATENT_FORMATS.get(arch)
-    if fmt is None:
+    fam = families.family(arch)
+    if fam.latent.rgb is None:
         return None
-    x = (preview[0].float() - fmt["shift"]) * fmt["scale"]
-    rgb = torch.nn.functional.linear(x.movedim(0, -1), torch.tensor(fmt["rgb"]).T,
-                                     bias=torch.tensor(fmt["bias"]))
+    vae = fam.released({})[1]
+    x = (preview[0].float() - vae["shift_factor"]) * vae["scaling_factor"]
+    rgb = torch.nn.functional.linear(x.movedim(0, -1), torch.tensor(fam.latent.rgb).T,
+                                     bias=torch.tensor(fam.latent.rgb_bias))
     return ((rgb + 1.0) / 2.0).clamp(0, 1).mul(255).round().to(torch.uint8)
 
 

@@ -191,7 +191,11 @@ def test_request_default_guidance_is_flux2_devs(folder):
 
 def test_pipeline_class_follows_model_index(folder, tmp_path):
     from workers.models import get_adapter
-    from workers.models.detect import flux2_pipeline_class
+    from workers.families import family
+    from workers.models.detect import pipeline_class
+
+    def flux2_pipeline_class(path):
+        return pipeline_class(family("flux2"), path)
 
     assert get_adapter("flux2", str(folder)).pipeline_class == "Flux2Pipeline"
     for name, want in [("Flux2KleinPipeline", "Flux2KleinPipeline"),

@@ -43,7 +43,7 @@ def test_flux2_latents_are_comfyuis_128_channel_ones():
         latent_from_comfy({"samples": torch.randn(1, 32, 8, 6)}, "flux2")
     with pytest.raises(ConfigError, match="16 channels; FLUX.2 LATENTs are ComfyUI's"):
         latent_from_comfy({"samples": torch.randn(1, 16, 8, 8)}, "flux2")
-    with pytest.raises(ConfigError, match="128 channels; FLUX and SD3 use 16"):
+    with pytest.raises(ConfigError, match="128 channels; FLUX.1 uses 16"):
         latent_from_comfy({"samples": x}, "flux")  # FLUX.1 unchanged
     f1 = latent_from_comfy({"samples": torch.zeros(1, 16, 8, 6)}, "flux")
     assert f1.samples.shape == (1, 16, 8, 6) and (f1.height, f1.width) == (64, 48)
@@ -329,7 +329,7 @@ def test_pool_denoiser_refuses_references_for_sd3():
     def no_pool():
         raise AssertionError("the pool must not be reached")
     den = PoolDenoiser(no_pool, ParallelConfig(), "sd3")
-    with pytest.raises(ConfigError, match="reference latents .* need FLUX.1 Kontext or FLUX.2"):
+    with pytest.raises(ConfigError, match="reference latents .* not supported by SD3"):
         den(torch.randn(1, 16, 8, 8), torch.tensor([500.0]), context=torch.randn(1, 4, 32),
             y=torch.randn(1, 16), ref_latents=[torch.randn(1, 16, 8, 8)])
 
@@ -431,7 +431,7 @@ def test_flux2_single_file_decodes_with_a_flux2_comfyui_vae_only(tmp_path, model
     img = decode(h, {"samples": lat}, vae=vae, registry=PoolRegistry())
     assert torch.equal(vae.got, lat) and img.shape == (1, 64, 48, 3)
     flux1 = VAE(16)
-    with pytest.raises(ConfigError, match="FLUX.2 VAE .* the connected VAE has 16 latent"):
+    with pytest.raises(ConfigError, match="128-channel latents .* the connected VAE has 16 latent"):
         decode(h, {"samples": lat}, vae=flux1, registry=PoolRegistry())
     assert flux1.got is None
 
@@ -466,14 +466,14 @@ def test_comfy_unet_config_for_the_xdit_model(model_dir, tmp_path):
 
     import diffusers
 
-    from comfyui_xdit.planning.model_info import FLUX_CONFIG_DEFAULTS, comfy_unet_config
+    from comfyui_xdit.planning.model_info import comfy_unet_config, families
     from single_file_util import write_single_file
 
     for arch, cls in (("flux", diffusers.FluxTransformer2DModel),
                       ("flux2", diffusers.Flux2Transformer2DModel)):
         params = inspect.signature(cls.__init__).parameters
-        assert {k: params[k].default for k in FLUX_CONFIG_DEFAULTS[arch]} == \
-            FLUX_CONFIG_DEFAULTS[arch]
+        defaults = families.family(arch).config_defaults
+        assert {k: params[k].default for k in defaults} == defaults
     flux2 = model_dir("flux2")
     want = {"image_model": "flux2", "guidance_embed": False, "in_channels": 128,
             "out_channels": 128, "patch_size": 1, "hidden_size": 64, "context_in_dim": 96}
@@ -491,4 +491,4 @@ def test_comfy_unet_config_for_the_xdit_model(model_dir, tmp_path):
         cfg.pop("guidance_embeds", None)
         (copy / "transformer" / "config.json").write_text(json.dumps(cfg))
         assert comfy_unet_config(copy)["guidance_embed"] is default
-    assert comfy_unet_config(model_dir("sd3")) == {"image_model": "sd3"}
+    assert comfy_unet_config(model_dir("sd3")) == {"image_model": "sd3", "out_channels": 16}

@@ -27,18 +27,18 @@ from test_conditioning import encode
 # ---- conversions -------------------------------------------------------------------------
 def test_latent_round_trip_and_empty_detection():
     x = torch.randn(3, 16, 8, 12)
-    lat = latent_from_comfy({"samples": x})
+    lat = latent_from_comfy({"samples": x}, "flux")
     assert (lat.batch, lat.height, lat.width, lat.empty) == (3, 64, 96, False)
     assert torch.equal(latent_to_comfy(lat.samples)["samples"], x)
-    assert torch.equal(latent_from_comfy(latent_to_comfy(x)).samples, x)
+    assert torch.equal(latent_from_comfy(latent_to_comfy(x), "flux").samples, x)
     # EmptySD3LatentImage (16 ch) and EmptyLatentImage (4 ch, expanded like ComfyUI does)
     for c in (16, 4):
-        e = latent_from_comfy({"samples": torch.zeros(2, c, 8, 8)})
+        e = latent_from_comfy({"samples": torch.zeros(2, c, 8, 8)}, "flux")
         assert e.empty and e.samples.shape == (2, 16, 8, 8) and is_empty_latent(e.samples)
-    with pytest.raises(ConfigError, match="4 channels; FLUX and SD3 use 16"):
-        latent_from_comfy({"samples": torch.ones(1, 4, 8, 8)})
+    with pytest.raises(ConfigError, match="4 channels; FLUX.1 uses 16"):
+        latent_from_comfy({"samples": torch.ones(1, 4, 8, 8)}, "flux")
     with pytest.raises(ConfigError, match="noise_mask"):
-        latent_from_comfy({"samples": x, "noise_mask": torch.ones(1, 64, 96)})
+        latent_from_comfy({"samples": x, "noise_mask": torch.ones(1, 64, 96)}, "flux")
 
 
 # ComfyUI's comfy/sample.py `prepare_noise(latent_image, seed, noise_inds=None)` (Comfy-Org/
@@ -81,18 +81,18 @@ def test_conditioning_conversion():
 
 def test_build_job_txt2img_and_img2img():
     req, kw = build_job(SampleInputs(latent={"samples": torch.zeros(2, 16, 8, 10)}, prompt="a",
-                                     seed=3, steps=4, denoise=0.5))
+                                     seed=3, steps=4, denoise=0.5), "flux")
     assert req.batch == 2 and (req.height, req.width) == (64, 80) and req.prompt == ["a"]
     assert kw == {"noise": None, "init_latent": None, "denoise": 1.0} and req.cfg is None
     x = torch.randn(1, 16, 8, 8)
     cond = [[torch.randn(1, 5, 32), {"pooled_output": torch.randn(1, 16), "guidance": 5.0}]]
     req, kw = build_job(SampleInputs(latent={"samples": x, "batch_index": [2]}, positive=cond,
-                                     cfg=2.0, denoise=0.6, guidance=1.0))
+                                     cfg=2.0, denoise=0.6, guidance=1.0), "flux")
     assert req.prompt == [] and req.guidance == 5.0 and req.cfg == 2.0
     assert torch.equal(kw["init_latent"], x) and kw["denoise"] == 0.6
     assert torch.equal(kw["noise"], comfy_noise(0, (1, 16, 8, 8), [2]))
     with pytest.raises(ConfigError, match="no prompt"):
-        build_job(SampleInputs(latent={"samples": x}))
+        build_job(SampleInputs(latent={"samples": x}), "flux")
 
 
 # Constants copied from ComfyUI's comfy/latent_formats.py (Comfy-Org/ComfyUI a125cd84, Oct
@@ -379,13 +379,13 @@ def test_bad_inputs_give_one_clear_error_and_the_pool_survives(registry, model_d
     with pytest.raises(ConfigError, match="'flux1-missing.safetensors' not found in "
                                           "diffusion_models.*pick a file from the list"):
         loader("diffusion_models/flux1-missing.safetensors")
-    with pytest.raises(ConfigError, match="does not exist; give a FLUX.1/FLUX.2/SD3 diffusers folder"):
+    with pytest.raises(ConfigError, match="does not exist; give a diffusers folder"):
         make_handle(str(tmp_path / "nothing-here"), "cpu", "fp32").validate()
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2, 2),
                "first_stage_model.decoder.conv_in.weight": torch.zeros(2)},
               str(tmp_path / "sdxl.safetensors"))
-    with pytest.raises(ConfigError, match="not a FLUX.1, FLUX.2 or SD3/3.5 transformer: it "
-                                          "looks like an SD1.x/SDXL-style UNet.*Give a FLUX.1/FLUX.2/SD3"):
+    with pytest.raises(ConfigError, match="not a transformer of FLUX.1, FLUX.2, SD3/3.5.*: it "
+                                          "looks like an SD1.x/SDXL-style UNet.*Give one of those"):
         loader("checkpoints/sdxl.safetensors")
     f = write_single_file(model_dir("flux"), "flux", tmp_path / "flux1.safetensors")
     raw = f.read_bytes()

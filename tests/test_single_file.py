@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig, WorkerPool
-from comfyui_xdit.planning.model_info import (ARCH_BY_CLASS, read_model_info, read_safetensors_header,
+from comfyui_xdit.planning.model_info import (families, read_model_info, read_safetensors_header,
                                      single_file_config)
 from single_file_util import PREFIX, write_single_file
 from test_conditioning import encode
@@ -59,7 +59,7 @@ def test_detects_arch_and_derives_the_folders_config(files, name, arch):
     assert not info.has_text_encoders and not info.has_vae
     cfg = single_file_config(files[name])["config"]
     folder = json.loads((files[f"{arch}_dir"] / "transformer" / "config.json").read_text())
-    assert ARCH_BY_CLASS[folder["_class_name"]] == arch
+    assert families.BY_CLASS[folder["_class_name"]].id == arch
     for k, v in cfg.items():
         if k == "sample_size":
             continue  # SD3's default grid, cropped per input (not stored in a file)
@@ -77,8 +77,8 @@ def test_bad_files_give_one_clear_error(tmp_path, files):
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4, 4, 3, 3),
                "model.diffusion_model.middle_block.0.in_layers.0.weight": torch.zeros(4)},
               str(unet))
-    with pytest.raises(ConfigError, match=r"not a FLUX.1, FLUX.2 or SD3/3.5 transformer: it "
-                                          r"looks like an SD1.x/SDXL-style UNet.*Give a FLUX.1/FLUX.2/SD3"):
+    with pytest.raises(ConfigError, match=r"not a transformer of FLUX.1, FLUX.2, SD3/3.5.*: it "
+                                          r"looks like an SD1.x/SDXL-style UNet.*Give one of those"):
         read_model_info(unet)
     raw = files["flux"].read_bytes()
     cut = tmp_path / "truncated.safetensors"
@@ -265,7 +265,11 @@ def test_flux_schnell_file_gets_schnell_defaults(tmp_path):
     """No guidance_in: FLUX schnell (scheduler shift 1, no dynamic shift); dev keeps its own."""
     from diffusers import FluxTransformer2DModel
 
-    from workers.models.single_file import SCHEDULER_DEFAULTS, defaults_for
+    from workers.families import family
+    from workers.families.flux import SCHEDULER_SCHNELL
+
+    def defaults_for(arch, cfg):
+        return family(arch).released(cfg)
     torch.manual_seed(0)
     model = FluxTransformer2DModel(in_channels=64, num_layers=1, num_single_layers=2,
                                    attention_head_dim=16, num_attention_heads=2,
@@ -275,7 +279,7 @@ def test_flux_schnell_file_gets_schnell_defaults(tmp_path):
     cfg = single_file_config(f)["config"]
     assert cfg["guidance_embeds"] is False
     sched, vae = defaults_for("flux", cfg)
-    assert sched == SCHEDULER_DEFAULTS["flux-schnell"] and sched["shift"] == 1.0
+    assert sched == SCHEDULER_SCHNELL and sched["shift"] == 1.0
     assert not sched["use_dynamic_shifting"]
     assert defaults_for("flux", dict(cfg, guidance_embeds=True))[0]["use_dynamic_shifting"]
     assert vae == {"scaling_factor": 0.3611, "shift_factor": 0.1159}

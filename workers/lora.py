@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 
 import torch
 
@@ -47,27 +46,9 @@ def _lora_module(key: str):
 
 
 # LoRA file formats diffusers' readers convert, per architecture
-_FORMATS = {"flux": "diffusers/PEFT or kohya/ComfyUI",
-            "flux2": "diffusers/PEFT, kohya (lora_unet_) or BFL/ComfyUI (diffusion_model.)"}
-# The kohya FLUX.2 modules diffusers' converter maps; it drops any other lora_unet_ module
-# with only a log warning (a FLUX.1 LoRA's img_mod / modulation layers, say), which would
-# run part of the LoRA silently, so they are refused here.
-_FLUX2_KOHYA = re.compile(r"lora_unet_(double_blocks_\d+_(img|txt)_(attn_qkv|attn_proj|mlp_0|mlp_2)"
-                          r"|single_blocks_\d+_linear[12]|img_in|txt_in|time_in_in_layer"
-                          r"|time_in_out_layer|final_layer_linear)")
-
-
-def _check_flux2_kohya(path: str, keys) -> None:
-    unknown = sorted({k.split(".")[0] for k in keys if k.startswith("lora_unet_")
-                      and not _FLUX2_KOHYA.fullmatch(k.split(".")[0])})
-    if unknown:
-        raise LoraError(f"LoRA file {path}: {len(unknown)} kohya modules are not FLUX.2 layers, "
-                        f"e.g. {unknown[0]!r}; is it a LoRA for another model (FLUX.1)? Give a "
-                        f"LoRA trained for this flux2 model")
-
-
 class LoraManager:
     def __init__(self, adapter):
+        self.adapter = adapter
         self.arch = adapter.arch
         self.pipeline_class = adapter.pipeline_class
         self.loaded: dict[str, str] = {}  # adapter name -> path
@@ -92,19 +73,18 @@ class LoraManager:
         except Exception as e:
             raise LoraError(f"LoRA file {path} is not a readable safetensors file "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-        if self.arch == "flux2":
-            _check_flux2_kohya(path, file_keys)
+        self.adapter.check_lora_keys(path, file_keys)
         pcls = self._pipeline()
         alphas = None
         try:
-            if self.arch == "flux":
+            if self.adapter.lora_alphas:
                 sd, alphas, metadata = pcls.lora_state_dict(
                     path, return_alphas=True, return_lora_metadata=True, use_safetensors=True)
             else:
                 sd, metadata = pcls.lora_state_dict(path, return_lora_metadata=True,
                                                     use_safetensors=True)
         except Exception as e:
-            kinds = _FORMATS.get(self.arch, "diffusers/PEFT")
+            kinds = self.adapter.family.lora_formats
             raise LoraError(f"LoRA file {path} could not be read as a {self.arch} LoRA "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                             f"is it a LoRA for another model? Give a {kinds} LoRA trained "
@@ -176,7 +156,7 @@ class LoraManager:
         for name, path, strength in resolved:
             if name not in self.loaded:
                 tsd, alphas, metadata = self._pending.pop(name, None) or self.read(path, transformer)
-                kw = {"network_alphas": alphas} if self.arch == "flux" else {}
+                kw = {"network_alphas": alphas} if self.adapter.lora_alphas else {}
                 if tsd:
                     self._pipeline().load_lora_into_transformer(
                         tsd, transformer=transformer, adapter_name=name, metadata=metadata,

@@ -106,8 +106,8 @@ class CondCache:
 def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache) -> str:
     """Rank 0, before anything is broadcast: what is wrong with a call, or ""."""
     cfg = model.transformer.config
-    # FLUX / FLUX.2 pack 2x2 latent pixels per token; the call's x is unpacked
-    channels = int(cfg.in_channels) // (4 if adapter.arch in ("flux", "flux2") else 1)
+    # packing families take 2x2 latent pixels per token; the call's x is unpacked
+    channels = int(cfg.in_channels) // (1 if adapter.family.latent.tokens == "in_model" else 4)
     if not torch.is_tensor(x) or x.dim() != 4 or x.shape[1] != channels:
         got = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
         return f"the model takes latents [batch, {channels}, height/8, width/8] (got {got})"
@@ -137,8 +137,8 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         if ctx.dim() != 3 or ctx.shape[0] != rows or ctx.shape[2] != int(cfg.joint_attention_dim):
             return (f"conditioning {key}: text states must be [{rows}, tokens, "
                     f"{int(cfg.joint_attention_dim)}] (got {tuple(ctx.shape)})")
-        # FLUX.2 has no pooled projection: a pooled output is not needed (nor used)
-        if adapter.arch != "flux2" and (
+        # a family without a pooled projection (FLUX.2) needs no pooled output (nor uses it)
+        if adapter.family.pooled and (
                 pooled is None or pooled.dim() != 2 or pooled.shape[0] != rows
                 or pooled.shape[1] != int(cfg.pooled_projection_dim)):
             return (f"conditioning {key}: pooled output must be [{rows}, "

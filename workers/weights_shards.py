@@ -120,10 +120,11 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard) -> tuple:
         transformer.to(dtype).requires_grad_(False).eval()
         lists = adapter.block_lists
         cands = {n + ".weight" for n in block_linears(transformer, lists)}
-        # a BFL SD3 file is cast to the pool dtype before diffusers' converter in the whole
-        # loader (single_file.file_tensors): nothing stays fp8 there, so nothing here
-        sd3_bfl = sf is not None and sf["arch"] == "sd3" and sf["naming"] != "diffusers"
-        keep = set() if mode == "full" or sd3_bfl else {
+        # a BFL file whose converter needs the whole state (SD3) is cast to the pool dtype
+        # before it in the whole loader (single_file.file_tensors): nothing stays fp8 there,
+        # so nothing here
+        whole = sf is not None and sf["naming"] != "diffusers" and adapter.bfl_blocks is None
+        keep = set() if mode == "full" or whole else {
             n for n in cands if n in src.table and src.dtype(n) == FP8}
         quant = (cands - keep) if mode == "fp8" else set()
         fp8 = {m + ".weight": lin for m, lin in fp8_layers(
@@ -152,7 +153,7 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard) -> tuple:
 
         def read(name, r0, r1):  # (rows, scale) as the whole loader's prepare receives them
             t, s = src.read(name, r0, r1), src.scale(name)
-            if sd3_bfl and t.is_floating_point():  # cast before converting, as there
+            if whole and t.is_floating_point():  # cast before converting, as there
                 return prepare(t, s, False, "full", dtype)[0], None
             return t, s
 

@@ -369,15 +369,15 @@ def _decode_problem(worker, samples):
     from .messages import NO_VAE
     if not os.path.isfile(os.path.join(worker.args.model, "vae", "config.json")):
         return NO_VAE
-    # ComfyUI's LATENT: FLUX.2's is 2x2-patchified and normalised, [B,128,H/16,W/16]
-    flux2 = worker.adapter.arch == "flux2"
-    channels, down = (128, 16) if flux2 else (16, 8)
-    if not torch.is_tensor(samples) or samples.dim() != 4 or samples.shape[1] != channels \
-            or not samples.is_floating_point():
+    # the family's ComfyUI LATENT (FLUX.2's is 2x2-patchified and normalised)
+    spec = worker.adapter.family.latent
+    if not torch.is_tensor(samples) or samples.dim() != len(spec.shape(1, 16, 16)) \
+            or samples.shape[1] != spec.channels or not samples.is_floating_point() \
+            or (spec.frames and samples.shape[2] != 1):
         shape = tuple(samples.shape) if torch.is_tensor(samples) else type(samples).__name__
-        return (f"decode takes LATENT samples [batch, {channels}, height/{down}, width/{down}]"
-                f" (got {shape}); connect the xDiT sampler's LATENT")
-    if min(samples.shape[0], samples.shape[2], samples.shape[3]) < 1:
+        return (f"decode takes LATENT samples {spec.shape_text()} (got {shape}); connect the "
+                f"xDiT sampler's LATENT")
+    if min(samples.shape[0], samples.shape[-2], samples.shape[-1]) < 1:
         return f"decode got empty LATENT samples {tuple(samples.shape)}"
     return None
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from comfyui_xdit.client.channel import Channel, connect, parse_address
-from comfyui_xdit.comfy_convert import (FLUX2_RAW_LATENT, comfy_noise, comfy_to_model, latent_shape,
-                            latent_shape_text, model_to_comfy, noise_to_model)
+from comfyui_xdit.comfy_convert import (comfy_noise, comfy_to_model, latent_shape, latent_shape_text,
+                            layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.planning import memory_plan as memory_plan_mod
 from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig
 from comfyui_xdit.planning.gpus import gpus_for_ranks, text_encoder_gpu
@@ -727,7 +727,7 @@ class WorkerPool:
 
 
 def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
-                      arch: str = "flux") -> None:
+                      arch: str) -> None:
     """The tensors `generate` takes beside the request, checked before anything is sent: a
     wrong one is one clear error and the pool stays as it is."""
     import torch
@@ -738,10 +738,10 @@ def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
     for name, t in (("noise", noise), ("init_latent", init_latent)):
         if t is not None and (not torch.is_tensor(t) or tuple(t.shape) != shape):
             got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
-            raw = arch == "flux2" and torch.is_tensor(t) and t.dim() == 4 and t.shape[1] == 32
+            hint = layout_hint(arch, t)
             raise ConfigError(f"{name} must be a ComfyUI LATENT tensor of shape {list(shape)} "
                               f"{latent_shape_text(arch)} for this request; got {got}"
-                              + (f" ({FLUX2_RAW_LATENT})" if raw else ""))
+                              + (f" ({hint})" if hint else ""))
 
 
 def rss_mb(pid="self") -> float:

@@ -66,14 +66,6 @@ class _Weightless:
         return 1024 * 1024
 
 
-class XditFlux(_Weightless, comfy.model_base.Flux):
-    pass
-
-
-class XditSD3(_Weightless, comfy.model_base.SD3):
-    pass
-
-
 class XditModelPatcher(comfy.model_patcher.ModelPatcher):
     """Weight patches (LoRA loaders, model merging) have no weights to act on here: refused
     with a message instead of ComfyUI's silent "lora key not loaded"."""
@@ -84,52 +76,36 @@ class XditModelPatcher(comfy.model_patcher.ModelPatcher):
                           "with Sampler (xDiT), or ComfyUI's own model for this graph")
 
 
-FLUX2_MISSING = ("FLUX.2 on KSampler needs a ComfyUI with FLUX.2 support (a model_base.Flux2 "
-                 "class, ComfyUI releases from late November 2025 on); this ComfyUI has none. "
-                 "Update ComfyUI, or sample this FLUX.2 model with Sampler (xDiT), which "
-                 "runs it here")
-
-
-def flux2_support() -> tuple:
-    """(model_base class, supported_models config class) of this ComfyUI's FLUX.2, or a
-    ConfigError naming what is missing. The xDiT MODEL is ComfyUI's own model class with the
-    transformer swapped, so without that class there is nothing honest to build."""
-    base = getattr(comfy.model_base, "Flux2", None)
-    conf = getattr(comfy.supported_models, "Flux2", None)
+def comfy_classes(fam, unet: dict) -> tuple:
+    """(model_base class, supported_models config class, ModelType or None) of the family's
+    ComfyUI model (its description's `comfy`), or a ConfigError naming what this ComfyUI
+    lacks. The xDiT MODEL is ComfyUI's own model class with the transformer swapped, so
+    without that class there is nothing honest to build."""
+    base = getattr(comfy.model_base, fam.comfy.base(unet), None)
+    conf = getattr(comfy.supported_models, fam.comfy.config(unet), None)
     if base is None or conf is None:
-        raise ConfigError(FLUX2_MISSING)
-    return base, conf
+        raise ConfigError(f"{fam.name} on KSampler needs a ComfyUI with {fam.name} support "
+                          f"(model_base.{fam.comfy.base(unet)}); this ComfyUI has none. "
+                          f"Update ComfyUI, or sample this model with Sampler (xDiT), which "
+                          f"runs it here")
+    kind = fam.comfy.model_type(unet)
+    return base, conf, None if kind is None else getattr(comfy.model_base.ModelType, kind)
 
 
 def build_model(pool, config, arch: str, unet: dict, cache=None):
-    """A ComfyUI MODEL (ModelPatcher) for `arch` whose diffusion model is `pool`. `unet`:
-    what ComfyUI's detection would find in the model (model_info.comfy_unet_config): FLUX.1
-    dev vs schnell, the channels, patch size and FLUX.2's hidden size its config classes
-    read."""
-    if arch == "flux2":
-        flux2_support()  # refused before anything is built
+    """A ComfyUI MODEL (ModelPatcher) for family `arch` whose diffusion model is `pool`.
+    `unet`: what ComfyUI's detection would find in the model (model_info.comfy_unet_config:
+    FLUX.1 dev vs schnell, channels, patch size, hidden sizes its config classes read)."""
+    from comfyui_xdit.planning.model_info import families
+    fam = families.family(arch)
+    base, conf, model_type = comfy_classes(fam, unet)  # refused before anything is built
     denoiser = PoolDenoiser(pool, config, arch, on_event=_show_compiling)
     denoiser.cache = cache  # step cache settings (GenerationRequest.cache) or None
-    if arch == "flux2":
-        base, conf = flux2_support()
-        model_config = conf(dict(getattr(conf, "unet_config", {}), **unet,
-                                 disable_unet_model_creation=True))
-        cls = type("XditFlux2", (_Weightless, base), {})
-        model = cls(model_config, device=torch.device("cpu"))
-    elif arch == "flux":
-        guidance_embeds = unet["guidance_embed"]
-        cls = comfy.supported_models.Flux if guidance_embeds else comfy.supported_models.FluxSchnell
-        model_config = cls(dict(cls.unet_config, **unet, disable_unet_model_creation=True))
-        model_type = comfy.model_base.ModelType.FLUX if guidance_embeds else \
-            comfy.model_base.ModelType.FLOW
-        model = XditFlux(model_config, model_type=model_type, device=torch.device("cpu"))
-    elif arch == "sd3":
-        model_config = comfy.supported_models.SD3(
-            dict(comfy.supported_models.SD3.unet_config, disable_unet_model_creation=True,
-                 out_channels=16))
-        model = XditSD3(model_config, device=torch.device("cpu"))
-    else:
-        raise ConfigError(f"the xDiT MODEL supports flux, flux2 and sd3, not {arch!r}")
+    model_config = conf(dict(getattr(conf, "unet_config", {}), **unet,
+                             disable_unet_model_creation=True))
+    cls = type(f"Xdit{base.__name__}", (_Weightless, base), {})
+    kw = {} if model_type is None else {"model_type": model_type}
+    model = cls(model_config, device=torch.device("cpu"), **kw)
     model.diffusion_model = _PoolDiffusionModel(denoiser)
     device = comfy.model_management.get_torch_device()
     return XditModelPatcher(model, load_device=device, offload_device=device, size=1)

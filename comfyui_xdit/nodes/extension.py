@@ -408,8 +408,9 @@ class Sampler(io.ComfyNode):
                 cache=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         arch = read_model_info(model.path).arch
-        from comfyui_xdit.comfy_convert import LATENT_FORMATS
-        previews = _previews_enabled() and arch in LATENT_FORMATS  # FLUX.2: no RGB factors
+        from comfyui_xdit.comfy_convert import families
+        # FLUX.2: no RGB factors
+        previews = _previews_enabled() and families.family(arch).latent.rgb is not None
         inp = SampleInputs(latent=latent, seed=seed, steps=steps, cfg=cfg, guidance=guidance,
                            denoise=denoise, prompt=prompt, negative_prompt=negative_prompt,
                            positive=positive, negative=negative,

@@ -24,15 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from comfyui_xdit.comfy_convert import (ARCH_NAMES, FLUX2_RAW_LATENT, check_text_width, comfy_noise,
-                            conditioning_to_request, latent_channels, latent_from_comfy,
-                            latent_shape_text, latent_shape, latent_to_comfy)
+from comfyui_xdit.comfy_convert import (check_text_width, comfy_noise, conditioning_to_request,
+                            family_name, latent_channels, latent_from_comfy, latent_shape,
+                            latent_shape_text, latent_to_comfy, layout_hint)
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
     auto_config
 from comfyui_xdit.planning import memory_plan
 from comfyui_xdit.planning.gpus import gpus_for_ranks, visible_gpus
 from comfyui_xdit.planning.model_info import read_model_info
-from comfyui_xdit.planning.request import cache_problems, UNDISTILLED_CFG, GenerationRequest, default_cfg
+from comfyui_xdit.planning.request import cache_problems, families, GenerationRequest, default_cfg
 
 WORLD_SIZES = ["auto"] + [str(i) for i in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)]
 DEVICES = ["auto", "cuda", "cpu"]  # auto: cuda when this ComfyUI has CUDA, else cpu
@@ -698,20 +698,18 @@ class SampleInputs:
     cache: Optional[CacheSettings] = None  # Step cache (xDiT), when connected
 
 
-# diffusers' class defaults for a folder config that omits joint_attention_dim
-_TEXT_WIDTH_DEFAULT = {"flux": 4096, "sd3": 4096, "flux2": 15360}
-
-
 def model_text_width(path: str) -> Optional[int]:
     """The transformer's joint_attention_dim (the width its text states must have), from the
     folder's config or the single file's weight shapes; None when unknown."""
-    from comfyui_xdit.planning.model_info import _describe_model
+    from comfyui_xdit.planning.model_info import _describe_model, families
     d = _describe_model(path)
-    w = d["config"].get("joint_attention_dim", _TEXT_WIDTH_DEFAULT.get(d["arch"]))
+    # a folder's config omits what equals diffusers' class default
+    w = d["config"].get("joint_attention_dim",
+                        families.family(d["arch"]).config_defaults.get("joint_attention_dim"))
     return None if w is None else int(w)
 
 
-def build_job(inp: SampleInputs, arch: str = "flux", text_width: Optional[int] = None,
+def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
               model=None) -> tuple[GenerationRequest, dict]:
     """-> (request, generate() keyword arguments: noise, init_latent, denoise) for a model
     of `arch`; `text_width`: its joint_attention_dim, checked against CONDITIONING; `model`:
@@ -732,7 +730,7 @@ def build_job(inp: SampleInputs, arch: str = "flux", text_width: Optional[int] =
                 check_text_width(c, text_width, arch, name)
     if inp.cfg:
         cfg = float(inp.cfg)
-    elif model is not None or arch not in UNDISTILLED_CFG:
+    elif model is not None or families.family(arch).undistilled_cfg is None:
         cfg = default_cfg(model if model is not None else arch)
     else:
         cfg = None  # unknown without the model: the references are checked as under CFG
@@ -849,17 +847,17 @@ def sample(handle: ModelHandle, inp: SampleInputs,
 
 
 # ---- decoding ---------------------------------------------------------------------------
-def _check_flux2_vae(vae):
-    """A FLUX.2 LATENT (ComfyUI's 128-channel one) decodes with ComfyUI's FLUX.2 VAE, which
-    applies the batch-norm statistics itself; a VAE of any other width cannot decode it."""
-    lc = getattr(vae, "latent_channels", None)
-    if lc == 128:
+def _check_vae(vae, info) -> None:
+    """A single file's LATENT decodes with the connected ComfyUI VAE only if that VAE's
+    latent width is the family's (a FLUX.2 LATENT needs ComfyUI's 128-channel FLUX.2 VAE,
+    which applies the batch-norm statistics itself)."""
+    want = latent_channels(info.arch)
+    lc = getattr(vae, "latent_channels", None)  # comfy.sd.VAE has it
+    if lc is None or int(lc) == want:
         return
-    raise ConfigError(f"a FLUX.2 single file's LATENT decodes with ComfyUI's FLUX.2 VAE "
-                      f"(128-channel latents; ComfyUI releases with FLUX.2 support); the "
-                      f"connected VAE has {lc if lc is not None else 'unknown'} latent "
-                      f"channels: load the FLUX.2 VAE with VAELoader")
-
+    raise ConfigError(f"a {family_name(info.arch)} single file's LATENT decodes with a VAE "
+                      f"of {want}-channel latents (the model's own VAE, loaded with "
+                      f"VAELoader); the connected VAE has {lc} latent channels")
 
 
 def decode(handle: ModelHandle, latent: dict, vae=None,
@@ -878,13 +876,14 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
                           "sampler's LATENT")
     samples = latent["samples"]
     info = read_model_info(handle.path)
-    channels = latent_channels(info.arch)
-    if samples.dim() != 4 or samples.shape[1] != channels:
-        raw = info.arch == "flux2" and samples.dim() == 4 and samples.shape[1] == 32
-        raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; " + (
-            FLUX2_RAW_LATENT if raw else
-            f"this {ARCH_NAMES.get(info.arch, info.arch)} model's Decode takes latents "
-            f"{latent_shape_text(info.arch)} (the xDiT sampler's LATENT)"))
+    want = latent_shape(info.arch, 1, 16, 16)
+    if samples.dim() != len(want) or samples.shape[1] != want[1] or \
+            (samples.dim() == 5 and samples.shape[2] != 1):
+        hint = layout_hint(info.arch, samples)
+        raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; this "
+                          f"{family_name(info.arch)} model's Decode takes latents "
+                          f"{latent_shape_text(info.arch)} (the xDiT sampler's LATENT)"
+                          + (f". {hint}" if hint else ""))
     t0, ranks, launched = time.perf_counter(), 0, False
     try:
         if info.has_vae:
@@ -896,8 +895,7 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
             finally:
                 registry.launching = None
         elif vae is not None:
-            if info.arch == "flux2":
-                _check_flux2_vae(vae)
+            _check_vae(vae, info)
             images = vae.decode(samples)
             if images.dim() == 5:  # video VAEs: frames into the batch, as VAEDecode does
                 images = images.reshape(-1, *images.shape[-3:])

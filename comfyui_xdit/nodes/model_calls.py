@@ -29,6 +29,9 @@ import hashlib
 from typing import Callable, Optional
 
 from comfyui_xdit.planning.config import ConfigError, ParallelConfig
+from comfyui_xdit.client.worker_modules import worker_module
+
+families = worker_module("families")
 
 # inputs a FLUX / SD3 diffusion model call may carry that we pass on or check
 _KNOWN = {"y", "guidance", "control", "transformer_options", "attention_mask", "ref_latents",
@@ -51,6 +54,7 @@ class PoolDenoiser:
         self._pool = pool
         self.config = config
         self.arch = arch
+        self.family = families.family(arch)
         self.cache_size = cache_size
         self.on_event = on_event
         self._known: "collections.OrderedDict[str, None]" = collections.OrderedDict()
@@ -74,14 +78,15 @@ class PoolDenoiser:
         import torch
 
         self._refuse(control, transformer_options or {}, kwargs)
-        if context is None or (y is None and self.arch != "flux2"):
-            raise ConfigError("the xDiT MODEL needs text conditioning with a pooled output "
-                              "(CONDITIONING from ComfyUI's FLUX / SD3 text encoders)")
+        if context is None or (y is None and self.family.comfy.needs_pooled):
+            raise ConfigError(f"the xDiT MODEL needs text conditioning with a pooled output "
+                              f"(CONDITIONING from ComfyUI's {self.family.name} text "
+                              f"encoders)")
         n = int(x.shape[0])
         t = timestep.reshape(-1).float().cpu().expand(n) if timestep.numel() == 1 else \
             timestep.reshape(-1).float().cpu()
-        if self.arch in ("flux", "flux2"):
-            t = t * 1000.0  # ComfyUI's FLUX takes sigma; the pool sigma * 1000
+        # ComfyUI's FLUX-style models take sigma, SD3 sigma * 1000; the pool sigma * 1000
+        t = t * self.family.comfy.timestep_scale
         g = None
         if guidance is not None:
             g = guidance.reshape(-1).float().cpu()
@@ -139,23 +144,26 @@ class PoolDenoiser:
         if kwargs.get("attention_mask") is not None:
             raise ConfigError("attention masks are not supported on the xDiT MODEL")
         refs = kwargs.get("ref_latents")
-        if refs is not None and self.arch not in ("flux", "flux2"):
-            raise ConfigError(f"reference latents (ReferenceLatent) need FLUX.1 Kontext or "
-                              f"FLUX.2; this is a {self.arch} model: remove the "
-                              f"ReferenceLatent node")
+        if refs is not None and not self.family.reference_methods:
+            raise ConfigError(f"reference latents (ReferenceLatent) are not supported by "
+                              f"{self.family.name} models: remove the ReferenceLatent node")
         if unknown:
             raise ConfigError(f"the xDiT MODEL cannot honour model inputs {unknown}; remove "
                               f"the node that adds them or use ComfyUI's own model")
 
     def _patchified(self, x) -> bool:
-        """FLUX.2 x in the 2x2-patchified layout (128 channels) rather than the pool's 32."""
-        if self.arch != "flux2" or x.dim() != 4:
+        """x in a patchified LATENT layout (FLUX.2's 128 channels) rather than the pool's
+        unpatchified one (32)."""
+        spec = self.family.latent
+        if spec.tokens != "flat" or x.dim() != 4:
             return False
-        if x.shape[1] == 128:
+        if x.shape[1] == spec.channels:
             return True
-        if x.shape[1] != 32:
-            raise ConfigError(f"the FLUX.2 xDiT MODEL takes latents [N, 128, H/16, W/16] or "
-                              f"[N, 32, H/8, W/8] (got {tuple(x.shape)})")
+        if x.shape[1] != spec.channels // 4:
+            raise ConfigError(f"the {self.family.name} xDiT MODEL takes latents "
+                              f"[N, {spec.channels}, H/{spec.downscale}, W/{spec.downscale}] or "
+                              f"[N, {spec.channels // 4}, H/{spec.downscale // 2}, "
+                              f"W/{spec.downscale // 2}] (got {tuple(x.shape)})")
         return False
 
     @staticmethod

@@ -56,9 +56,7 @@ GiB = 2 ** 30
 RESERVE_BYTES = 2 * GiB  # CUDA context + workspaces + NCCL buffers + fragmentation
 TEXT_ENCODER_MARGIN = 2 * GiB  # workers/weights.py: "auto" wants this much spare beside them
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-BLOCK_LISTS = {"flux": ("transformer_blocks", "single_transformer_blocks"),
-               "flux2": ("transformer_blocks", "single_transformer_blocks"),
-               "sd3": ("transformer_blocks",)}
+families = worker_module("families")
 VAE_SCALE = 8  # every supported VAE downsamples by 8 ...
 PATCH = 2  # ... and the transformers see 2x2 latent patches: one token per 16x16 pixels
 # Activation multipliers (per token, in units of the model's hidden size): see activation_bytes
@@ -180,8 +178,8 @@ def preset_facts(name: str) -> ModelFacts:
         raise ConfigError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     p = PRESETS[name]
     te, vae, channels = _preset_counts(name)
-    facts_mod = worker_module("models.facts")
-    return ModelFacts(name=name, arch=p.arch, transformer_class=facts_mod.CLASS_BY_ARCH[p.arch],
+    return ModelFacts(name=name, arch=p.arch,
+                      transformer_class=families.family(p.arch).transformer_class,
                       transformer_config=json.dumps(p.transformer, sort_keys=True),
                       text_encoder_params=te, vae_params=vae, vae_channels=channels,
                       text_tokens=p.text_tokens)
@@ -194,7 +192,7 @@ def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
     d = _describe_model(path)
     arch, cfg = d["arch"], dict(d["config"])
     storage = d.get("storage") or {}
-    tcls = worker_module("models.facts").CLASS_BY_ARCH[arch]
+    tcls = families.family(arch).transformer_class
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
     te_bytes, vae_params, channels = 0, 0, ()
     if d["kind"] == "diffusers":
@@ -244,7 +242,7 @@ def _transformer(class_name: str, config_json: str, arch: str) -> _Transformer:
     weights = worker_module("weights")
     cls = getattr(diffusers, class_name)
     tr = _meta(lambda: cls.from_config(json.loads(config_json)))
-    lists = BLOCK_LISTS[arch]
+    lists = families.family(arch).block_lists
     fp8_able = {id(m.weight) for m in weights.block_linears(tr, lists).values()}
 
     def triples(module):
@@ -540,8 +538,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
     sp = config.sp
     if job is not None:
         text = job.text_tokens if job.text_tokens is not None else facts.text_tokens
-        if facts.arch == "sd3":
-            text += 77  # CLIP's tokens joined to T5's
+        text += families.family(facts.arch).text_extra_tokens  # SD3: CLIP's beside T5's
         image = math.ceil(job.height / (VAE_SCALE * PATCH)) * math.ceil(
             job.width / (VAE_SCALE * PATCH)) + job.reference_tokens
         tokens = math.ceil((image + text) / sp)  # both streams split over the sp ranks

@@ -1,9 +1,9 @@
 """What the host needs to know about a model, read without torch.
 
-The detection itself (diffusers folder or single `.safetensors` transformer file -> FLUX.1 /
-SD3 and the diffusers transformer config) lives with the workers, which build models from
-it: workers/models/detect.py, with the model facts (class <-> architecture, RoPE axes) in
-workers/models/facts.py. This module turns its errors into ConfigError and its result into
+The detection itself (diffusers folder or single `.safetensors` transformer file -> the
+family and the diffusers transformer config) lives with the workers, which build models from
+it: workers/models/detect.py, driven by the family descriptions (workers/families). This
+module turns its errors into ConfigError and its result into
 a `ModelInfo`; the names below are re-exported so host code and tests keep one import.
 """
 from __future__ import annotations
@@ -18,15 +18,10 @@ from comfyui_xdit.errors import ConfigError
 from comfyui_xdit.client.worker_modules import worker_module
 
 _detect = worker_module("models.detect")
-_facts = worker_module("models.facts")
 _messages = worker_module("messages")
+families = worker_module("families")
 
-ARCH_BY_CLASS = _facts.ARCH_BY_CLASS
-CLASS_BY_ARCH = _facts.CLASS_BY_ARCH
-FLUX_ROPE_AXES_128 = _facts.FLUX_ROPE_AXES_128
-flux_rope_axes = _facts.flux_rope_axes
 CHECKPOINT_PREFIX = _detect.CHECKPOINT_PREFIX
-SD3_HEAD_DIM = _detect.SD3_HEAD_DIM
 SINGLE_FILE_SUFFIXES = _detect.SINGLE_FILE_SUFFIXES
 NO_TEXT_ENCODERS = _messages.NO_TEXT_ENCODERS
 NO_VAE = _messages.NO_VAE
@@ -52,7 +47,7 @@ _describe_model = _config_errors(_detect.describe_model)
 @dataclass(frozen=True)
 class ModelInfo:
     path: str
-    arch: str  # "flux" | "sd3" | "flux2"
+    arch: str  # the family id (workers/families)
     heads: int
     patch_size: int
     kind: str = "diffusers"  # "diffusers" (folder) | "file" (single .safetensors)
@@ -67,6 +62,11 @@ class ModelInfo:
     # model with it. None where the model does not say (other pipelines, single files).
     distilled: Optional[bool] = None
 
+    @property
+    def family(self):
+        """The family's description (workers/families)."""
+        return families.family(self.arch)
+
 
 def _storage_name(storage) -> Optional[str]:
     if not storage:
@@ -77,16 +77,13 @@ def _storage_name(storage) -> Optional[str]:
 
 
 def _block_count(arch: str, cfg: dict) -> Optional[int]:
-    try:
-        n = int(cfg["num_layers"])
-        return n + int(cfg.get("num_single_layers", 0)) if arch in ("flux", "flux2") else n
-    except (KeyError, TypeError, ValueError):
-        return None
+    return families.family(arch).block_count(cfg)
 
 
 def _klein_distilled(folder: Path) -> Optional[bool]:
     """`is_distilled` of a Flux2KleinPipeline folder (False when the key is absent, as the
-    pipeline reads it); None for any other pipeline or an unreadable model_index.json."""
+    pipeline reads it); None for any other pipeline (every other family's folders) or an
+    unreadable model_index.json."""
     import json
 
     try:
@@ -107,7 +104,7 @@ def is_single_file(path) -> bool:
 
 
 def read_model_info(path) -> ModelInfo:
-    """Detect FLUX vs SD3 from a diffusers folder or a single .safetensors file; one clear
+    """Detect the family of a diffusers folder or a single .safetensors file; one clear
     ConfigError for anything else (missing, another architecture, corrupt)."""
     path = Path(path)
     d = _describe_model(path)
@@ -119,34 +116,17 @@ def read_model_info(path) -> ModelInfo:
                          blocks=_block_count(arch, cfg),
                          storage=_storage_name(d.get("storage")))
     # a folder's config omits what equals the diffusers class default
+    cfg = {**families.family(arch).config_defaults, **cfg}
     return ModelInfo(path=str(path), arch=arch, heads=int(cfg.get("num_attention_heads", 24)),
-                     patch_size=int(cfg.get("patch_size", 2 if arch == "sd3" else 1)),
+                     patch_size=int(cfg.get("patch_size", 1)),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
-                     distilled=_klein_distilled(path) if arch == "flux2" else None)
-
-
-# diffusers' class defaults for what a folder's config.json may omit (tests check them)
-FLUX_CONFIG_DEFAULTS = {
-    "flux": {"guidance_embeds": False, "num_attention_heads": 24, "attention_head_dim": 128,
-             "joint_attention_dim": 4096},
-    "flux2": {"guidance_embeds": True, "num_attention_heads": 48, "attention_head_dim": 128,
-              "joint_attention_dim": 15360},
-}
+                     distilled=_klein_distilled(path))
 
 
 def comfy_unet_config(path) -> dict:
     """What ComfyUI's model detection would find in this model's transformer, for the xDiT
-    MODEL's ComfyUI model config (comfyui_xdit/nodes/comfy_model.py): FLUX.1 dev vs schnell
-    (`guidance_embed`), and for FLUX.2 the 128-channel patch-1 layout and the hidden size its
-    config class needs. From a folder's config.json or a single file's header."""
+    MODEL's ComfyUI model config (comfyui_xdit/nodes/comfy_model.py; the family's
+    `comfy.unet`), from a folder's config.json or a single file's header."""
     d = _describe_model(Path(path))
-    arch, cfg = d["arch"], dict(d["config"])
-    if arch == "sd3":
-        return {"image_model": "sd3"}
-    cfg = {**FLUX_CONFIG_DEFAULTS[arch], **cfg}
-    out = {"image_model": arch, "guidance_embed": bool(cfg["guidance_embeds"])}
-    if arch == "flux":
-        return dict(out, in_channels=16, out_channels=16, patch_size=2)
-    return dict(out, in_channels=128, out_channels=128, patch_size=1,
-                hidden_size=int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"]),
-                context_in_dim=int(cfg["joint_attention_dim"]))
+    fam = families.family(d["arch"])
+    return fam.comfy.unet({**fam.config_defaults, **dict(d["config"])})

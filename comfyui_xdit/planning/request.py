@@ -6,35 +6,22 @@ from typing import Any, Optional
 
 from comfyui_xdit.client.worker_modules import worker_module
 
-REFERENCE_METHODS = worker_module("models.facts").REFERENCE_METHODS
-
-# Per-architecture defaults, the only place they are written. FLUX dev is guidance-distilled
-# (no CFG by default); SD3 uses classic CFG.
-ARCH_DEFAULTS = {
-    "flux": {"cfg": 1.0, "guidance": 3.5},
-    "sd3": {"cfg": 7.0, "guidance": None},
-    # FLUX.2: [dev] embeds guidance (4.0, as Flux2Pipeline); [klein] has no guidance embedding
-    # and ignores it, as FLUX.1 schnell ignores FLUX's 3.5
-    "flux2": {"cfg": 1.0, "guidance": 4.0},
-}
-# Defaults that depend on the model, not only on its architecture: FLUX.2 [klein] base
-# models (model_index.json is_distilled false) take CFG 4.0 as Flux2KleinPipeline does; its
-# step-distilled models (and FLUX.2-dev, guidance-distilled) keep ARCH_DEFAULTS' 1.0.
-UNDISTILLED_CFG = {"flux2": 4.0}
+families = worker_module("families")
 
 
 def default_cfg(model) -> float:
-    """The cfg a request without one runs at. `model`: a ModelInfo (anything with `.arch`
-    and `.distilled`), or an architecture name where the default does not depend on the
-    model."""
-    arch = _arch(model)
-    if arch in UNDISTILLED_CFG:
+    """The cfg a request without one runs at: the family's (workers/families), or its
+    undistilled variant's where the model says it is one (FLUX.2 [klein] base models take
+    CFG 4.0, as Flux2KleinPipeline does). `model`: a ModelInfo (anything with `.arch` and
+    `.distilled`), or a family id where the default does not depend on the model."""
+    fam = families.family(_arch(model))
+    if fam.undistilled_cfg is not None:
         if isinstance(model, str):
-            raise ValueError(f"the default cfg of a {arch} model depends on whether it is "
-                             f"distilled; pass its ModelInfo (read_model_info), not {arch!r}")
+            raise ValueError(f"the default cfg of a {fam.name} model depends on whether it is "
+                             f"distilled; pass its ModelInfo (read_model_info), not {model!r}")
         if getattr(model, "distilled", None) is False:
-            return UNDISTILLED_CFG[arch]
-    return float(ARCH_DEFAULTS[arch]["cfg"])
+            return float(fam.undistilled_cfg)
+    return float(fam.cfg)
 
 
 def _arch(model) -> str:
@@ -66,7 +53,7 @@ class GenerationRequest:
     # LATENT samples, each [1 or batch, C, h, w] (FLUX.1: raw VAE space, 16 channels at 1/8,
     # h, w even; FLUX.2: patchified and normalised, 128 channels at 1/16), in reference order. Their tokens join the image stream after the
     # latent's; `reference_method` places several of them in RoPE position space
-    # (REFERENCE_METHODS; None: the architecture's default, "offset" / "index").
+    # (the family's reference_methods; None: its default, "offset" / "index").
     reference_latents: Optional[list] = None
     reference_method: Optional[str] = None
     # Step cache (workers/step_cache.py CacheSettings, whose defaults these are): threshold
@@ -97,11 +84,11 @@ class GenerationRequest:
     def resolved(self, model) -> "GenerationRequest":
         """A copy with every default made concrete for `model` (a ModelInfo, or an
         architecture name, see `default_cfg`): what the workers receive."""
-        arch = _arch(model)
-        guidance = self.guidance if self.guidance is not None else ARCH_DEFAULTS[arch]["guidance"]
+        fam = families.family(_arch(model))
+        guidance = self.guidance if self.guidance is not None else fam.guidance
         method = self.reference_method
         if self.reference_latents and method is None:
-            method = REFERENCE_METHODS.get(arch, (None,))[0]
+            method = (fam.reference_methods or (None,))[0]
         return replace(self, cfg=self.resolved_cfg(model), guidance=guidance,
                        prompt=list(self.prompt), loras=list(self.loras),
                        cache=resolved_cache(self.cache),
@@ -126,13 +113,14 @@ class GenerationRequest:
             c = getattr(self, name)
             if c is None:
                 continue
-            # FLUX.2 has no pooled output: "pooled" None (refused for the archs that need it)
-            needs_pooled = getattr(model, "arch", None) not in (None, "flux2")
+            # FLUX.2 has no pooled output: "pooled" None (refused for the families that need it)
+            arch = getattr(model, "arch", None)
+            needs_pooled = arch is not None and families.family(arch).pooled
             if not isinstance(c, dict) or "cond" not in c or "pooled" not in c:
                 out.append(f"{name} conditioning must be {{'cond': [b,T,D], 'pooled': [b,P]}}")
             elif c["pooled"] is None and needs_pooled:
                 out.append(f"{name} conditioning has no pooled output [b,P], which "
-                           f"{model.arch.upper()} needs")
+                           f"{families.family(arch).name} needs")
             elif c["cond"].dim() != 3 or (c["pooled"] is not None and c["pooled"].dim() != 2):
                 pooled = None if c["pooled"] is None else tuple(c["pooled"].shape)
                 out.append(f"{name} conditioning has shapes {tuple(c['cond'].shape)} / "
@@ -202,20 +190,19 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
                 f"height/8, width/8] (got {type(refs).__name__}"
                 f"{' (empty)' if isinstance(refs, (list, tuple)) else ''}); leave it None for "
                 f"no reference"]
-    if arch is not None and arch not in REFERENCE_METHODS:
-        return [f"reference images are not supported by {arch} models; they need FLUX.1 "
-                f"Kontext or FLUX.2 (remove the reference latents)"]
+    fam = None if arch is None else families.family(arch)
+    if fam is not None and not fam.reference_methods:
+        return [f"reference images are not supported by {fam.name} models (remove the "
+                f"reference latents)"]
     out = []
-    if arch is not None and method is not None and method not in REFERENCE_METHODS[arch]:
-        out.append(f"reference_method {method!r} is not one of {list(REFERENCE_METHODS[arch])} "
-                   f"for {arch}")
-    elif arch is None and method is not None and \
-            method not in {m for ms in REFERENCE_METHODS.values() for m in ms}:
+    if fam is not None and method is not None and method not in fam.reference_methods:
+        out.append(f"reference_method {method!r} is not one of {list(fam.reference_methods)} "
+                   f"for {fam.name}")
+    elif fam is None and method is not None and \
+            method not in {m for f in families.FAMILIES.values() for m in f.reference_methods}:
         out.append(f"reference_method {method!r} is unknown")
-    from comfyui_xdit.comfy_convert import FLUX2_RAW_LATENT, latent_channels, latent_downscale
-    channels = None if arch is None else latent_channels(arch)
-    down = 8 if arch is None else latent_downscale(arch)
-    per_token = 1 if down == 16 else 2
+    spec = None if fam is None else fam.latent
+    down = 8 if spec is None else spec.downscale
     for i, r in enumerate(refs):
         name = f"reference latent #{i + 1}"
         if not torch.is_tensor(r) or r.dim() != 4 or not r.is_floating_point():
@@ -224,14 +211,13 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
                        f"width/{down}] (got {got})")
             continue
         b, c, h, w = (int(v) for v in r.shape)
-        if channels is not None and c != channels:
-            out.append(f"{name} has {c} channels; " + (FLUX2_RAW_LATENT if arch == "flux2" else
-                       f"this {arch} model's VAE latents have {channels} (encode the "
-                       f"reference with the model's own VAE)"))
+        if spec is not None and c != spec.channels:
+            out.append(f"{name} has {c} channels; {spec.wrong_channels}")
         if b not in (1, req.batch):
             out.append(f"{name} has batch {b}; give 1 (shared) or the batch {req.batch}")
-        # 2x2 latent pixels make a token at 1/8; a 128-channel FLUX.2 LATENT is 1 a pixel
-        if per_token == 2 and c != 128 and (h < 2 or w < 2 or h % 2 or w % 2):
+        # a token is 2x2 latent pixels unless the LATENT is patchified (FLUX.2)
+        per_token = (1 if c == 128 else 2) if spec is None else spec.per_token
+        if per_token == 2 and (h < 2 or w < 2 or h % 2 or w % 2):
             out.append(f"{name} is {h}x{w} latent pixels; height and width must be even "
                        f"(reference images a multiple of 16 pixels, e.g. "
                        f"{max(2, h // 2 * 2) * 8}x{max(2, w // 2 * 2) * 8})")

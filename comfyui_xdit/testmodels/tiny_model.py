@@ -26,8 +26,10 @@ import uuid
 
 from comfyui_xdit.client.worker_modules import worker_module
 
-_facts = worker_module("models.facts")  # VAE factors, scheduler configs, RoPE axes
-ARCHS = _facts.ARCHS
+families = worker_module("families")  # VAE factors, scheduler configs, RoPE axes
+_flux = worker_module("families.flux")
+_sd3 = worker_module("families.sd3")
+ARCHS = families.IDS
 FLUX2_VARIANTS = ("klein", "dev")  # tiny-model --arch flux2 --variant
 
 # Bump when the folder layout or any config below changes: it is part of the cache key, so
@@ -46,7 +48,7 @@ CLIP_G = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_att
 # T5 d_model (96) > CLIP-L + CLIP-G hidden (80): SD3's zero padding of the CLIP states is real.
 T5 = dict(d_model=96, d_kv=16, d_ff=192, num_layers=2, num_heads=4)
 
-# The VAEs carry the released VAEs' latent statistics (workers/models/facts.py VAE_LATENT),
+# The VAEs carry the released VAEs' latent statistics (their family's `released`),
 # so raw-VAE-space LATENT conversion is meaningful; the schedulers are the released configs.
 
 SD3_SAMPLE_SIZE = 16  # pipeline default 128x128
@@ -204,7 +206,7 @@ def _vae(arch: str, seed: int, salt: int):
         norm_num_groups=8,
         latent_channels=16,
         sample_size=128,
-        **_facts.VAE_LATENT[arch],  # scaling_factor, shift_factor
+        **families.family(arch).released({})[1],  # scaling_factor, shift_factor
         use_quant_conv=False,  # FLUX and SD3 VAEs have no quant convs
         use_post_quant_conv=False,
     )
@@ -277,10 +279,10 @@ def _build_flux(cfg: dict):
         joint_attention_dim=T5["d_model"],
         pooled_projection_dim=CLIP_L["hidden_size"],
         guidance_embeds=True,  # FLUX.1-dev style embedded guidance
-        axes_dims_rope=_facts.flux_rope_axes(head_dim),
+        axes_dims_rope=_flux.rope_axes(head_dim),
     )
     vae = _vae("flux", seed, 4)
-    scheduler = FlowMatchEulerDiscreteScheduler(**_facts.SCHEDULER_DEFAULTS["flux-dev"])
+    scheduler = FlowMatchEulerDiscreteScheduler(**_flux.SCHEDULER_DEV)
     return FluxPipeline(
         scheduler=scheduler,
         vae=vae,
@@ -321,7 +323,7 @@ def _build_sd3(cfg: dict):
            if cfg.get("sd35") else {}),
     )
     vae = _vae("sd3", seed, 4)
-    scheduler = FlowMatchEulerDiscreteScheduler(**_facts.SCHEDULER_DEFAULTS["sd3"])
+    scheduler = FlowMatchEulerDiscreteScheduler(**_sd3.SCHEDULER)
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=scheduler,
@@ -419,7 +421,7 @@ def _flux2_parts(cfg: dict, text_dim: int, guidance_embeds: bool):
         latent_channels=32,
         sample_size=128,
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(**_facts.SCHEDULER_DEFAULTS["flux-dev"])
+    scheduler = FlowMatchEulerDiscreteScheduler(**_flux.SCHEDULER_DEV)
     return transformer, vae, scheduler
 
 

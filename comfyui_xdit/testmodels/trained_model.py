@@ -94,7 +94,7 @@ def _train_vae(vae, images, recipe, log):
     """Autoencoder on random crops; the latent's batch statistics pulled to FLUX's."""
     import torch
 
-    facts = tiny_model._facts.VAE_LATENT["flux"]
+    facts = tiny_model._flux.VAE_LATENT
     shift, scale = facts["shift_factor"], facts["scaling_factor"]
     g = torch.Generator().manual_seed(recipe["seed"] + 1)
     opt = torch.optim.AdamW(vae.parameters(), lr=recipe["vae_lr"], weight_decay=0.0)
@@ -186,7 +186,7 @@ def build_trained_model(out_dir, recipe: dict | None = None, log=print) -> pathl
                 rec = torch.cat([pipe.vae.decode(raw[i:i + 64]).sample
                                  for i in range(0, len(raw), 64)])
             vae_psnr = float(10 * torch.log10(4 / (rec.clamp(-1, 1) - images).pow(2).mean()))
-            facts = tiny_model._facts.VAE_LATENT["flux"]
+            facts = tiny_model._flux.VAE_LATENT
             latents = (raw - facts["shift_factor"]) * facts["scaling_factor"]
             log(f"vae: reconstruction PSNR {vae_psnr:.1f} dB, model-space latent mean "
                 f"{float(latents.mean()):.3f} std {float(latents.std()):.3f}")

@@ -1,4 +1,5 @@
-"""Model adapters: everything model-specific, one small module per architecture.
+"""Model adapters: everything model-specific, one small module per family (its
+description, workers/families/<family>.py, holds the facts the host reads too).
 
 An adapter declares the parallel layout (`layout`) and the few model-specific steps of the
 denoising loop: loading, prompt encoding, latent packing, timesteps and the transformer call.
@@ -25,22 +26,14 @@ class LoadedModel:
 
 
 def get_adapter(arch: str, path=None):
-    """The adapter of `arch`; `path` (the model) where the arch has variants that load
-    differently (FLUX.2 [dev] / [klein] text encoders)."""
-    if arch == "flux":
-        from .flux import FluxAdapter
-        return FluxAdapter()
-    if arch == "sd3":
-        from .sd3 import SD3Adapter
-        return SD3Adapter()
-    if arch == "flux2":
-        from .flux2 import Flux2Adapter
-        return Flux2Adapter(path)
-    raise ValueError(f"unknown architecture {arch!r} (expected flux or sd3)")
+    """The adapter of family `arch`; `path` (the model) where the family has variants that
+    encode differently (FLUX.2 [dev] / [klein] text encoders)."""
+    from .. import families
+    return families.family(arch).adapter_class()(path)
 
 
 def read_arch(path: str) -> str:
-    """flux | sd3 of a diffusers folder or a single .safetensors file (models/detect.py, the
-    detection the host validates models with)."""
+    """The family id of a diffusers folder or a single .safetensors file (models/detect.py,
+    the detection the host validates models with)."""
     from .detect import read_arch as detect_arch
     return detect_arch(path)

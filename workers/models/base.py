@@ -1,4 +1,5 @@
-"""What FLUX and SD3 adapters share: loading a diffusers folder, VAE space, decoding."""
+"""What every family's adapter shares: loading a diffusers folder or a single file, VAE
+space, decoding. Each family's own steps live in its workers/models/<family>.py."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,7 @@ import os
 
 import torch
 
+from .. import families
 from . import LoadedModel, latent_layout
 
 
@@ -65,10 +67,46 @@ def load_vae(model: LoadedModel):
 
 
 class DiTAdapter:
+    """A family's worker steps. A subclass names its `family` (workers/families); the
+    family's id, transformer class, block lists and default pipeline are copied from it."""
+    family = None
     arch = ""
     transformer_class = ""
     pipeline_class = ""
     block_lists: tuple = ()  # the transformer's block lists in execution order (PipeFusion)
+    # single files in BFL/ComfyUI naming: its name of each diffusers block list (the
+    # converter works key by key, so PipeFusion stages skip other stages' blocks unread);
+    # None where the converter needs the whole state (SD3: read whole, then converted)
+    bfl_blocks: dict | None = None
+    lora_alphas = False  # LoRA network alphas go to load_lora_into_transformer (FLUX.1)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        fam = cls.__dict__.get("family")
+        if fam is not None:
+            cls.arch, cls.transformer_class = fam.id, fam.transformer_class
+            cls.block_lists, cls.pipeline_class = fam.block_lists, fam.pipelines[0]
+
+    def __init__(self, path=None):
+        if path is not None:
+            self.pipeline_class = self._pipeline_of(path)
+
+    def _pipeline_of(self, path) -> str:
+        """The pipeline that encodes `path`'s prompts (a folder's model_index.json decides
+        where the family has several); a single file: the family's default."""
+        if not os.path.isdir(str(path)):
+            return self.family.pipelines[0]
+        from .detect import pipeline_class
+        return pipeline_class(self.family, path)
+
+    @staticmethod
+    def bfl_to_diffusers(sd: dict, config: dict) -> dict:
+        """A single file's tensors in BFL/ComfyUI naming -> diffusers names (splitting fused
+        tensors along dim 0 only: workers/models/single_file.row_map relies on it)."""
+        raise NotImplementedError
+
+    def check_lora_keys(self, path: str, keys) -> None:
+        """Refuse, in one line, a LoRA file whose keys diffusers' converter would drop."""
 
     def load(self, path: str, device, dtype, with_text_encoders: bool,
              stage=None, weights: str = "auto", text_encoders: str = "auto",
@@ -83,6 +121,7 @@ class DiTAdapter:
 
         from ..weights import has_safetensors, load_folder, parameter_bytes, to_fp8
 
+        self.pipeline_class = self._pipeline_of(path)  # an adapter made without the path
         if shard is not None:
             from ..weights_shards import load_shards
             transformer, report = load_shards(self, path, device, dtype, weights, shard)
@@ -123,9 +162,8 @@ class DiTAdapter:
         encoder, te_device = None, None
         if os.path.isfile(path):
             from .detect import single_file_config
-            from .single_file import defaults_for
             sf = single_file_config(path)
-            sched, vae = defaults_for(sf["arch"], sf["config"])
+            sched, vae = families.family(sf["arch"]).released(sf["config"])
         else:
             sched = _read_json(os.path.join(path, "scheduler", "scheduler_config.json"))
             vae = _read_json(os.path.join(path, "vae", "config.json"))
@@ -222,9 +260,9 @@ class DiTAdapter:
         raise NotImplementedError
 
     def reference_inputs(self, model, raws, method, height, width) -> dict:
-        """Reference images -> {"tokens", "ids"} (workers/models/flux.py); not for this arch."""
-        raise ValueError(f"reference images are not supported by {self.arch} models; they "
-                         f"need FLUX.1 Kontext or FLUX.2")
+        """Reference images -> {"tokens", "ids"} (workers/models/flux.py); not for this
+        family."""
+        raise ValueError(f"reference images are not supported by {self.family.name} models")
 
     @staticmethod
     def guidance_rows(guidance, rows: int, device):

@@ -1,4 +1,4 @@
-"""Which model a path holds, read without torch: the architecture (FLUX.1, FLUX.2 or SD3/3.5) and the
+"""Which model a path holds, read without torch: its family (workers/families) and the
 diffusers transformer config, for the workers (which build the transformer from it) and the
 host (which validates a model before any worker starts: its model_info module wraps this
 one and turns ModelFileError into its ConfigError).
@@ -7,17 +7,14 @@ Two kinds of model:
 
 - a diffusers folder (model_index.json, transformer/config.json, vae/, text encoders): read
   from its JSON;
-- a single `.safetensors` file holding a FLUX.1 or SD3/3.5 transformer, as ComfyUI users keep
-  them in `models/diffusion_models` (legacy `unet`) or, inside a full checkpoint, in
+- a single `.safetensors` file holding a transformer, as ComfyUI users keep them in
+  `models/diffusion_models` (legacy `unet`) or, inside a full checkpoint, in
   `models/checkpoints`. Only the file's JSON header is read (8-byte little-endian length, then
-  a JSON table of tensor names, dtypes, shapes and byte ranges): the architecture and the
-  diffusers config are derived from the key names and weight shapes (`single_file_config`).
-
-Key namings accepted in a file: BFL / ComfyUI (FLUX `double_blocks.N.*`, `single_blocks.N.*`,
-`img_in`, ...; FLUX.2 the same plus `double_stream_modulation_img`, `single_stream_modulation`;
-SD3 `joint_blocks.N.*`, `x_embedder`, `pos_embed`, ...), optionally under
-`model.diffusion_model.` (full checkpoints add the VAE and text encoders under other
-prefixes, which are ignored), and diffusers naming (`transformer_blocks.N.*`, ...).
+  a JSON table of tensor names, dtypes, shapes and byte ranges): the family comes from its
+  key names (each family's `markers`), the diffusers config from the weight shapes (its
+  `config_from_shapes`), in BFL/ComfyUI or diffusers naming, optionally under
+  `model.diffusion_model.` (full checkpoints add the VAE and text encoders under other
+  prefixes, which are ignored).
 Every error is one user-facing line.
 """
 from __future__ import annotations
@@ -28,76 +25,68 @@ import re
 import struct
 from pathlib import Path
 
-from .facts import ARCH_BY_CLASS, flux_rope_axes
+from .. import families
 
 CHECKPOINT_PREFIX = "model.diffusion_model."
-# SD3 has no stored head dim without qk-norm; every SD3/3.5 release uses 64 (hidden = 64 x depth)
-SD3_HEAD_DIM = 64
 SINGLE_FILE_SUFFIXES = (".safetensors", ".sft")
 
 
 class ModelFileError(ValueError):
-    """A path that is not a usable FLUX / SD3 model; the message is one user-facing line."""
+    """A path that is not a usable model; the message is one user-facing line."""
 
 
 def describe_model(path) -> dict:
-    """{"arch": "flux" | "flux2" | "sd3", "kind": "file" | "diffusers", "config": the diffusers
-    transformer config, "storage": weight_storage} of a diffusers folder or a single
+    """{"arch": the family id, "kind": "file" | "diffusers", "config": the diffusers
+    transformer config, "storage": weight_storage, "pipeline": the diffusers pipeline that
+    encodes a folder's prompts (None for a file)} of a diffusers folder or a single
     .safetensors file."""
     p = Path(path)
     if p.is_file():
         sf = single_file_config(p)
         return {"arch": sf["arch"], "kind": "file", "config": sf["config"],
-                "storage": sf["storage"]}
+                "storage": sf["storage"], "pipeline": None}
     cfg_file = p / "transformer" / "config.json"
     if not p.exists():
-        raise ModelFileError(f"model {str(p)!r} does not exist; give a FLUX.1/FLUX.2/SD3 "
-                             f"diffusers folder or a single .safetensors transformer file")
+        raise ModelFileError(f"model {str(p)!r} does not exist; give a diffusers folder "
+                             f"({families.names()}) or a single .safetensors transformer file")
     if not p.is_dir():
         raise ModelFileError(f"model {str(p)!r} is neither a directory nor a file; give a "
                              f"diffusers model folder or a .safetensors file")
     if not cfg_file.is_file():
         raise ModelFileError(f"model folder {str(p)!r} has no transformer/config.json; "
-                             f"give a FLUX.1, FLUX.2 or SD3 diffusers folder")
+                             f"give a diffusers folder of {families.names()}")
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
         raise ModelFileError(f"cannot read {cfg_file}: {e}") from None
     cls = cfg.get("_class_name") if isinstance(cfg, dict) else None
-    arch = ARCH_BY_CLASS.get(cls)
-    if arch is None:
+    fam = families.BY_CLASS.get(cls)
+    if fam is None:
         raise ModelFileError(f"model {str(p)!r} has a {cls!r} transformer; supported: "
-                             f"{', '.join(sorted(ARCH_BY_CLASS))} (FLUX.1, FLUX.2, SD3/3.5)")
-    if arch == "flux2":  # a wrong pipeline is refused here, not ~16 s later in the workers
-        flux2_pipeline_class(p)
-    return {"arch": arch, "kind": "diffusers", "config": cfg,
-            "storage": folder_storage(p / "transformer")}
+                             f"{', '.join(sorted(families.BY_CLASS))} ({families.names()})")
+    # a wrong pipeline is refused here, not ~16 s later in the workers
+    return {"arch": fam.id, "kind": "diffusers", "config": cfg,
+            "storage": folder_storage(p / "transformer"), "pipeline": pipeline_class(fam, p)}
 
 
-FLUX2_DEFAULT_PIPELINE = "Flux2KleinPipeline"
-
-
-def flux2_pipeline_class(path) -> str:
-    """The diffusers pipeline that encodes a FLUX.2 folder's prompts, from model_index.json:
-    Flux2Pipeline ([dev], Mistral-3) or Flux2KleinPipeline (every [klein] pipeline: Qwen3).
-    A folder without model_index.json (or a single file) keeps the klein default."""
+def pipeline_class(fam, path) -> str:
+    """The diffusers pipeline that encodes a folder's prompts, from its model_index.json
+    (the family decides; a folder without one gets the family's default)."""
     index = Path(path) / "model_index.json"
-    if not index.is_file():
-        return FLUX2_DEFAULT_PIPELINE
+    name = None
+    if index.is_file():
+        try:
+            name = json.loads(index.read_text()).get("_class_name")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ModelFileError(f"cannot read the pipeline class from {index}: {e}") from None
     try:
-        name = json.loads(index.read_text()).get("_class_name")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ModelFileError(f"cannot read the pipeline class from {index}: {e}") from None
-    if name == "Flux2Pipeline":
-        return name
-    if isinstance(name, str) and name.startswith("Flux2Klein"):
-        return FLUX2_DEFAULT_PIPELINE
-    raise ModelFileError(f"{index} names pipeline {name!r}; FLUX.2 folders run with "
-                         f"Flux2Pipeline ([dev]) or a Flux2Klein*Pipeline ([klein])")
+        return fam.pipeline_for(name)
+    except ValueError as e:
+        raise ModelFileError(f"{index} {e}") from None
 
 
 def read_arch(path) -> str:
-    """flux | flux2 | sd3 of a diffusers folder or a single .safetensors file."""
+    """The family id of a diffusers folder or a single .safetensors file."""
     return describe_model(path)["arch"]
 
 
@@ -146,42 +135,21 @@ def read_safetensors_header(path) -> dict:
             raise ModelFileError(f"{bad}: tensor {name!r} ends at byte {end} but the file has "
                                  f"{data} data bytes (truncated download?); re-download it")
     if not header:
-        raise ModelFileError(f"{str(p)!r} holds no tensors; give a FLUX.1/FLUX.2/SD3 "
-                             f"transformer file")
+        raise ModelFileError(f"{str(p)!r} holds no tensors; give a transformer file "
+                             f"({families.names()})")
     return header
 
 
-# ---- single-file architecture and config --------------------------------------------------
-# FLUX.2 first: its BFL files also have FLUX.1's double_blocks keys; its shared
-# modulations (one per stream kind instead of one per block) mark it in both namings
-_FLUX2_BFL = "single_stream_modulation.lin.weight"
-_FLUX2_DIFFUSERS = "single_stream_modulation.linear.weight"
-_FLUX_BFL = "double_blocks.0.img_attn.qkv.weight"
-_SD3_BFL = "joint_blocks.0.x_block.attn.qkv.weight"
-_FLUX_DIFFUSERS = "single_transformer_blocks.0.attn.to_q.weight"
-_SD3_DIFFUSERS = "pos_embed.proj.weight"
-
-
+# ---- single-file family and config ------------------------------------------------------
 def transformer_keys(names) -> tuple[str, str, str]:
-    """(arch, naming "bfl" | "diffusers", prefix) from a file's tensor names; raises the
-    user-facing error for anything that is not a FLUX / SD3 transformer."""
+    """(family id, naming "bfl" | "diffusers", prefix) from a file's tensor names; raises the
+    user-facing error for anything that is not a known transformer."""
     names = list(names)
     for prefix in (CHECKPOINT_PREFIX, ""):
         keys = {k[len(prefix):] for k in names if k.startswith(prefix)}
-        if not keys:
-            continue
-        if _FLUX2_BFL in keys:
-            return "flux2", "bfl", prefix
-        if _FLUX2_DIFFUSERS in keys:
-            return "flux2", "diffusers", prefix
-        if _FLUX_BFL in keys:
-            return "flux", "bfl", prefix
-        if _SD3_BFL in keys:
-            return "sd3", "bfl", prefix
-        if _FLUX_DIFFUSERS in keys:
-            return "flux", "diffusers", prefix
-        if _SD3_DIFFUSERS in keys and "transformer_blocks.0.attn.to_q.weight" in keys:
-            return "sd3", "diffusers", prefix
+        found = families.detect_keys(keys) if keys else None
+        if found is not None:
+            return found[0].id, found[1], prefix
     raise ModelFileError(_not_dit_message(names))
 
 
@@ -198,14 +166,9 @@ def _not_dit_message(names) -> str:
         looks = "a text encoder"
     elif "blocks." in s:
         looks = "another transformer architecture"
-    return (f"this file is not a FLUX.1, FLUX.2 or SD3/3.5 transformer: it looks like {looks}. "
-            f"Give a FLUX.1/FLUX.2/SD3 .safetensors (double_blocks/single_blocks or "
-            f"joint_blocks keys, optionally under {CHECKPOINT_PREFIX!r}) or a diffusers folder")
-
-
-def _indices(keys, prefix: str) -> list[int]:
-    pat = re.compile(re.escape(prefix) + r"(\d+)\.")
-    return sorted({int(m.group(1)) for k in keys for m in [pat.match(k)] if m})
+    return (f"this file is not a transformer of {families.names()}: it looks like {looks}. "
+            f"Give one of those as a .safetensors transformer (ComfyUI's diffusion_models "
+            f"file, optionally under {CHECKPOINT_PREFIX!r}) or a diffusers folder")
 
 
 def single_file_config(path) -> dict:
@@ -215,14 +178,14 @@ def single_file_config(path) -> dict:
     header = read_safetensors_header(p)
     arch, naming, prefix = transformer_keys(header)
     shapes = {k[len(prefix):]: v["shape"] for k, v in header.items() if k.startswith(prefix)}
+    fam = families.family(arch)
     try:
-        cfg = {"flux": _flux_config, "flux2": _flux2_config, "sd3": _sd3_config}[arch](
-            shapes, naming)
+        cfg = fam.config_from_shapes(shapes, naming)
     except (KeyError, IndexError, ValueError) as e:
         detail = f"missing tensor {e}" if isinstance(e, KeyError) else str(e)
-        raise ModelFileError(f"{str(p)!r} looks like a {arch.upper()} transformer but is "
-                             f"incomplete or inconsistent ({detail}); give a complete FLUX/SD3 "
-                             f"transformer file") from None
+        raise ModelFileError(f"{str(p)!r} looks like a {fam.name} transformer but is "
+                             f"incomplete or inconsistent ({detail}); give a complete "
+                             f"{fam.name} transformer file") from None
     return {"arch": arch, "naming": naming, "prefix": prefix, "config": cfg,
             "storage": weight_storage(header, prefix)}
 
@@ -262,107 +225,3 @@ def folder_storage(folder) -> dict:
     for i, f in enumerate(files):
         header.update({f"{i}:{k}": v for k, v in read_safetensors_header(f).items()})
     return weight_storage(header) if header else out
-
-
-def _pick(shapes, bfl: bool, a: str, b: str):
-    return shapes[a if bfl else b]
-
-
-def _flux_config(shapes: dict, naming: str) -> dict:
-    bfl = naming == "bfl"
-    hidden, in_ch = _pick(shapes, bfl, "img_in.weight", "x_embedder.weight")
-    head_dim = _pick(shapes, bfl, "double_blocks.0.img_attn.norm.query_norm.scale",
-                     "transformer_blocks.0.attn.norm_q.weight")[0]
-    if hidden % head_dim:
-        raise ValueError(f"hidden size {hidden} is not a multiple of the head dim {head_dim}")
-    mlp = _pick(shapes, bfl, "double_blocks.0.img_mlp.0.weight",
-                "transformer_blocks.0.ff.net.0.proj.weight")[0]
-    if mlp != 4 * hidden:
-        raise ValueError(f"MLP width {mlp} is not 4 x hidden {hidden} (not FLUX.1)")
-    double = _indices(shapes, "double_blocks." if bfl else "transformer_blocks.")
-    single = _indices(shapes, "single_blocks." if bfl else "single_transformer_blocks.")
-    for name, idx in (("double", double), ("single", single)):
-        if idx != list(range(len(idx))) or not idx:
-            raise ValueError(f"{name} blocks are not numbered 0..n-1 (found {idx[:8]}...)")
-    out = _pick(shapes, bfl, "final_layer.linear.weight", "proj_out.weight")[0]
-    guidance = ("guidance_in.in_layer.weight" if bfl else
-                "time_text_embed.guidance_embedder.linear_1.weight") in shapes
-    return {"patch_size": 1, "in_channels": int(in_ch), "out_channels": int(out),
-            "num_layers": len(double), "num_single_layers": len(single),
-            "attention_head_dim": int(head_dim), "num_attention_heads": int(hidden // head_dim),
-            "joint_attention_dim": int(_pick(shapes, bfl, "txt_in.weight",
-                                             "context_embedder.weight")[1]),
-            "pooled_projection_dim": int(_pick(shapes, bfl, "vector_in.in_layer.weight",
-                                               "time_text_embed.text_embedder.linear_1.weight")[1]),
-            "guidance_embeds": bool(guidance), "axes_dims_rope": list(flux_rope_axes(head_dim))}
-
-
-# FLUX.2's RoPE: 4 axes (time, row, column, text index) splitting the head dim evenly, as
-# the released models' (32, 32, 32, 32) for head dim 128, with theta 2000; neither is
-# stored in a file
-FLUX2_ROPE_AXES = 4
-FLUX2_ROPE_THETA = 2000
-
-
-def _flux2_config(shapes: dict, naming: str) -> dict:
-    bfl = naming == "bfl"
-    hidden, in_ch = _pick(shapes, bfl, "img_in.weight", "x_embedder.weight")
-    head_dim = int(_pick(shapes, bfl, "double_blocks.0.img_attn.norm.query_norm.scale",
-                         "transformer_blocks.0.attn.norm_q.weight")[0])
-    if hidden % head_dim or head_dim % FLUX2_ROPE_AXES:
-        raise ValueError(f"hidden size {hidden} / head dim {head_dim} do not fit FLUX.2's "
-                         f"{FLUX2_ROPE_AXES} RoPE axes")
-    # SwiGLU: the input projection holds gate and value, 2 x mlp_ratio x hidden rows
-    mlp_in = int(_pick(shapes, bfl, "double_blocks.0.img_mlp.0.weight",
-                       "transformer_blocks.0.ff.linear_in.weight")[0])
-    double = _indices(shapes, "double_blocks." if bfl else "transformer_blocks.")
-    single = _indices(shapes, "single_blocks." if bfl else "single_transformer_blocks.")
-    for name, idx in (("double", double), ("single", single)):
-        if idx != list(range(len(idx))) or not idx:
-            raise ValueError(f"{name} blocks are not numbered 0..n-1 (found {idx[:8]}...)")
-    out = int(_pick(shapes, bfl, "final_layer.linear.weight", "proj_out.weight")[0])
-    guidance = ("guidance_in.in_layer.weight" if bfl else
-                "time_guidance_embed.guidance_embedder.linear_1.weight") in shapes
-    return {"patch_size": 1, "in_channels": int(in_ch), "out_channels": out,
-            "num_layers": len(double), "num_single_layers": len(single),
-            "attention_head_dim": head_dim, "num_attention_heads": int(hidden) // head_dim,
-            "joint_attention_dim": int(_pick(shapes, bfl, "txt_in.weight",
-                                             "context_embedder.weight")[1]),
-            "timestep_guidance_channels": int(_pick(
-                shapes, bfl, "time_in.in_layer.weight",
-                "time_guidance_embed.timestep_embedder.linear_1.weight")[1]),
-            "mlp_ratio": mlp_in / 2 / int(hidden), "guidance_embeds": bool(guidance),
-            "axes_dims_rope": [head_dim // FLUX2_ROPE_AXES] * FLUX2_ROPE_AXES,
-            "rope_theta": FLUX2_ROPE_THETA}
-
-
-def _sd3_config(shapes: dict, naming: str) -> dict:
-    bfl = naming == "bfl"
-    proj = _pick(shapes, bfl, "x_embedder.proj.weight", "pos_embed.proj.weight")
-    hidden, in_ch, patch = int(proj[0]), int(proj[1]), int(proj[2])
-    blocks = _indices(shapes, "joint_blocks." if bfl else "transformer_blocks.")
-    if not blocks or blocks != list(range(len(blocks))):
-        raise ValueError(f"joint blocks are not numbered 0..n-1 (found {blocks[:8]}...)")
-    ln_q = ("joint_blocks.0.x_block.attn.ln_q.weight" if bfl
-            else "transformer_blocks.0.attn.norm_q.weight")
-    head_dim = int(shapes[ln_q][0]) if ln_q in shapes else SD3_HEAD_DIM
-    if hidden % head_dim:
-        raise ValueError(f"hidden size {hidden} is not a multiple of SD3's head dim {head_dim}")
-    pos = _pick(shapes, bfl, "pos_embed", "pos_embed.pos_embed")
-    side = math.isqrt(int(pos[-2]))
-    if side * side != int(pos[-2]):
-        raise ValueError(f"positional table of {pos[-2]} entries is not square")
-    ctx = shapes["context_embedder.weight"]
-    attn2 = _indices([k for k in shapes if (".x_block.attn2." if bfl else ".attn2.") in k],
-                     "joint_blocks." if bfl else "transformer_blocks.")
-    out = _pick(shapes, bfl, "final_layer.linear.weight", "proj_out.weight")[0]
-    # sample_size only sets PatchEmbed's default grid (cropped per input): SD3's 128, capped
-    # by the positional table of small test models
-    return {"sample_size": min(128, side * patch), "patch_size": patch, "in_channels": in_ch,
-            "out_channels": int(out) // (patch * patch), "num_layers": len(blocks),
-            "attention_head_dim": head_dim, "num_attention_heads": hidden // head_dim,
-            "joint_attention_dim": int(ctx[1]), "caption_projection_dim": int(ctx[0]),
-            "pooled_projection_dim": int(_pick(shapes, bfl, "y_embedder.mlp.0.weight",
-                                               "time_text_embed.text_embedder.linear_1.weight")[1]),
-            "pos_embed_max_size": side, "dual_attention_layers": attn2,
-            "qk_norm": "rms_norm" if ln_q in shapes else None}

@@ -4,11 +4,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import families
+from ..families.flux import DYNAMIC_SHIFT
 from ..processors import FluxShardedAttnProcessor
 from ..sequence_parallel import SequenceLayout
 from . import latent_layout
 from .base import DiTAdapter, text_encoder_device_of
-from .facts import CLASS_BY_ARCH, dynamic_shift_args
+
+
+def dynamic_shift_args(config, fallback=DYNAMIC_SHIFT) -> tuple:
+    """(base_image_seq_len, max_image_seq_len, base_shift, max_shift) of a scheduler config,
+    with the pipeline's fallbacks: the last four arguments of diffusers' calculate_shift."""
+    return tuple(config.get(k, fallback[k]) for k in ("base_image_seq_len", "max_image_seq_len",
+                                                       "base_shift", "max_shift"))
 
 
 def _token_counts(transformer, kw):
@@ -16,10 +24,10 @@ def _token_counts(transformer, kw):
 
 
 class FluxAdapter(DiTAdapter):
-    arch = "flux"
-    transformer_class = CLASS_BY_ARCH["flux"]
-    block_lists = ("transformer_blocks", "single_transformer_blocks")
-    pipeline_class = "FluxPipeline"
+    family = families.FAMILIES["flux"]
+    bfl_blocks = {"transformer_blocks": "double_blocks",
+                  "single_transformer_blocks": "single_blocks"}
+    lora_alphas = True
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("image", 1), "img_ids": ("image", 0),
                       "encoder_hidden_states": ("text", 1), "txt_ids": ("text", 0)},
@@ -51,7 +59,7 @@ class FluxAdapter(DiTAdapter):
     def schedule_mu(self, scheduler, image_tokens: int, steps: int) -> float:
         """FLUX.1's shift of the schedule: the dynamic shift by the image token count."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-        return calculate_shift(image_tokens, *dynamic_shift_args("flux", scheduler.config))
+        return calculate_shift(image_tokens, *dynamic_shift_args(scheduler.config))
 
     def timesteps(self, scheduler, steps, latents, device):
         # linear sigmas, shifted by `schedule_mu` (the model's rule)
@@ -124,7 +132,7 @@ class FluxAdapter(DiTAdapter):
         method = method or self.reference_methods()[0]
         if method not in self.reference_methods():
             raise ValueError(f"reference method {method!r} is not one of "
-                             f"{list(self.reference_methods())} for {self.arch}")
+                             f"{list(self.reference_methods())} for {self.family.name}")
         rows, cols = height // 16, width // 16
         used_h = used_w = index = 0
         out = []
@@ -146,8 +154,7 @@ class FluxAdapter(DiTAdapter):
         return out
 
     def reference_methods(self) -> tuple:
-        from .facts import REFERENCE_METHODS
-        return REFERENCE_METHODS[self.arch]
+        return self.family.reference_methods
 
     def reference_ids(self, sizes, method, height, width, device, dtype):
         """RoPE ids [M, axes] of the references' tokens (row-major per reference, in order)."""
@@ -181,7 +188,7 @@ class FluxAdapter(DiTAdapter):
         patchified and normalised at 1/16) -> {"tokens": [1 or B, M, C] model space, "ids":
         [M, axes]} (CPU, fp32), exactly as the pipelines encode theirs."""
         # FLUX.2's LATENT holds one token per pixel (in_channels); FLUX.1's 2x2 pixels
-        per_token = 1 if self.arch == "flux2" else 2
+        per_token = self.family.latent.per_token
         channels = int(model.transformer.config.in_channels) // per_token ** 2
         for i, r in enumerate(raws):
             if not torch.is_tensor(r) or r.dim() != 4 or r.shape[1] != channels \
@@ -189,7 +196,7 @@ class FluxAdapter(DiTAdapter):
                 got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
                 even = " with h and w even" if per_token == 2 else ""
                 raise ValueError(f"reference latent #{i + 1} must be [1 or batch, {channels}, "
-                                 f"h, w]{even} for this {self.arch} model (got {got})")
+                                 f"h, w]{even} for this {self.family.name} model (got {got})")
         scale, shift = self.scale_shift(model)
         toks = [latent_layout.to_model(self.arch, r, scale, shift) for r in raws]
         b = max(t.shape[0] for t in toks)
@@ -201,3 +208,8 @@ class FluxAdapter(DiTAdapter):
 
     def forward_extra(self, model, height, width):
         return {"img_ids": self.image_ids(height, width, model.device, model.dtype)}
+
+    @staticmethod
+    def bfl_to_diffusers(sd, config):
+        from .single_file import convert_flux_bfl
+        return convert_flux_bfl(sd, config["num_attention_heads"] * config["attention_head_dim"])

@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import torch
 
+from .. import families
 from ..processors import Flux2ShardedAttnProcessor
 from .base import text_encoder_device_of
-from .detect import FLUX2_DEFAULT_PIPELINE, flux2_pipeline_class
-from .facts import CLASS_BY_ARCH
 from .flux import FluxAdapter
+
+# The kohya FLUX.2 modules diffusers' converter maps; it drops any other lora_unet_ module
+# with only a log warning (a FLUX.1 LoRA's img_mod / modulation layers, say), which would
+# run part of the LoRA silently, so they are refused.
+_KOHYA = re.compile(r"lora_unet_(double_blocks_\d+_(img|txt)_(attn_qkv|attn_proj|mlp_0|mlp_2)"
+                    r"|single_blocks_\d+_linear[12]|img_in|txt_in|time_in_in_layer"
+                    r"|time_in_out_layer|final_layer_linear)")
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
@@ -35,20 +42,25 @@ class Flux2Adapter(FluxAdapter):
     schedule, text encoder, ids and latent space. `path` (a diffusers folder) picks the
     pipeline class whose encode_prompt turns prompts into text states: the text encoders
     of [dev] and [klein] differ, their transformers only in the guidance embedding."""
-    arch = "flux2"
-    transformer_class = CLASS_BY_ARCH["flux2"]
-    pipeline_class = FLUX2_DEFAULT_PIPELINE
+    family = families.FAMILIES["flux2"]
+    lora_alphas = False
     layout = dataclasses.replace(
         FluxAdapter.layout, attention_processor=Flux2ShardedAttnProcessor,
         replaces=("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"))
 
-    def __init__(self, path=None):
-        if path is not None:
-            self.pipeline_class = flux2_pipeline_class(path)
+    def check_lora_keys(self, path, keys):
+        from ..lora import LoraError
+        unknown = sorted({k.split(".")[0] for k in keys if k.startswith("lora_unet_")
+                          and not _KOHYA.fullmatch(k.split(".")[0])})
+        if unknown:
+            raise LoraError(f"LoRA file {path}: {len(unknown)} kohya modules are not FLUX.2 "
+                            f"layers, e.g. {unknown[0]!r}; is it a LoRA for another model "
+                            f"(FLUX.1)? Give a LoRA trained for this FLUX.2 model")
 
-    def load(self, path, *args, **kwargs):
-        self.pipeline_class = flux2_pipeline_class(path)  # an adapter made without the path
-        return super().load(path, *args, **kwargs)
+    @staticmethod
+    def bfl_to_diffusers(sd, config):
+        from .single_file import convert_flux2_bfl
+        return convert_flux2_bfl(sd)
 
     def scale_shift(self, model) -> tuple:
         """Per packed channel: (1 / sqrt(running_var + eps), running_mean) of the VAE's

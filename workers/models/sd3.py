@@ -1,10 +1,12 @@
 """SD3/3.5: unpacked latents patchified inside the model, image tokens first, classic CFG."""
 from __future__ import annotations
 
+from .. import families
+from ..families.sd3 import DYNAMIC_SHIFT_FALLBACK
 from ..processors import SD3ShardedAttnProcessor
 from ..sequence_parallel import SequenceLayout
 from .base import DiTAdapter, text_encoder_device_of
-from .facts import CLASS_BY_ARCH, dynamic_shift_args
+from .flux import dynamic_shift_args
 
 
 def _token_counts(transformer, kw):
@@ -14,10 +16,7 @@ def _token_counts(transformer, kw):
 
 
 class SD3Adapter(DiTAdapter):
-    arch = "sd3"
-    transformer_class = CLASS_BY_ARCH["sd3"]
-    block_lists = ("transformer_blocks",)
-    pipeline_class = "StableDiffusion3Pipeline"
+    family = families.FAMILIES["sd3"]
     # PatchEmbed crops its positional table by the input size, so split after embedding.
     layout = SequenceLayout(
         split_inputs={},
@@ -38,7 +37,7 @@ class SD3Adapter(DiTAdapter):
             from diffusers.pipelines.flux.pipeline_flux import calculate_shift
             p = 2
             h, w = latents.shape[-2:]
-            kwargs["mu"] = calculate_shift((h // p) * (w // p), *dynamic_shift_args("sd3", c))
+            kwargs["mu"] = calculate_shift((h // p) * (w // p), *dynamic_shift_args(c, DYNAMIC_SHIFT_FALLBACK))
         scheduler.set_timesteps(steps, device=device, **kwargs)
         return scheduler.timesteps
 
@@ -63,3 +62,8 @@ class SD3Adapter(DiTAdapter):
 
     def forward_extra(self, model, height, width):
         return {}
+
+    @staticmethod
+    def bfl_to_diffusers(sd, config):
+        from .single_file import convert_sd3_bfl
+        return convert_sd3_bfl(sd)

@@ -1,4 +1,4 @@
-"""Single-file FLUX.1 / FLUX.2 / SD3 transformers: build the diffusers model from one
+"""Single-file transformers (ComfyUI's diffusion_models files): build the diffusers model from one
 .safetensors.
 
 The diffusers config comes from the weight shapes (`detect.single_file_config`, the same code
@@ -8,7 +8,7 @@ built on the meta device (no random init, one copy in memory) in the requested d
 the transformer's tensors are read, so a full checkpoint's VAE and text encoders cost nothing.
 
 A single file has no scheduler, VAE or text encoders: the scheduler config and the VAE's
-latent scale/shift are the released models' (models/facts.py), the text comes in as ComfyUI
+latent scale/shift are the released models' (the family's `released`), the text comes in as ComfyUI
 CONDITIONING, and images are decoded by ComfyUI's VAE.
 """
 from __future__ import annotations
@@ -16,26 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import LoadedModel
-from .facts import CLASS_BY_ARCH, SCHEDULER_DEFAULTS, VAE_LATENT
-
-
-def defaults_for(arch: str, config: dict) -> tuple[dict, dict]:
-    """(scheduler config, VAE latent config) for a single-file model.
-
-    FLUX.2: the released folders' scheduler is FLUX.1-dev's dynamic-shift one (the adapter
-    computes FLUX.2's own mu). Its latent space is normalised by the VAE's batch-norm
-    statistics, which a transformer file does not hold: `latent_bn` is the identity. Its
-    LATENT needs none: ComfyUI's FLUX.2 LATENT is the normalised latent itself (the same as a
-    folder's); only a decode to pixels needs the statistics (a ComfyUI FLUX.2 VAE has them)."""
-    if arch == "flux":
-        sched = SCHEDULER_DEFAULTS["flux-dev" if config.get("guidance_embeds") else "flux-schnell"]
-    elif arch == "flux2":
-        channels = int(config.get("in_channels", 128))
-        return dict(SCHEDULER_DEFAULTS["flux-dev"]), {
-            "latent_bn": ([1.0] * channels, [0.0] * channels)}
-    else:
-        sched = SCHEDULER_DEFAULTS["sd3"]
-    return dict(sched), dict(VAE_LATENT[arch])
+from .. import families
 
 
 # ---- BFL / ComfyUI naming -> diffusers naming --------------------------------------------
@@ -208,13 +189,10 @@ def read_transformer_state(path: str, prefix: str) -> dict:
 
 
 def to_diffusers_state(arch: str, naming: str, sd: dict, config: dict) -> dict:
+    """A file's tensors -> diffusers names, by the family adapter's converter."""
     if naming == "diffusers":
         return sd
-    if arch == "flux":
-        return convert_flux_bfl(sd, config["num_attention_heads"] * config["attention_head_dim"])
-    if arch == "flux2":
-        return convert_flux2_bfl(sd)
-    return convert_sd3_bfl(sd)
+    return families.family(arch).adapter_class().bfl_to_diffusers(sd, config)
 
 
 def row_map(ck, sf: dict) -> dict:
@@ -260,7 +238,7 @@ def _skeleton(arch: str, config: dict):
     """The transformer for `config` on the meta device (no memory, no random init)."""
     import diffusers
 
-    cls = getattr(diffusers, CLASS_BY_ARCH[arch])
+    cls = getattr(diffusers, families.family(arch).transformer_class)
     kw = dict(config)
     for k in ("axes_dims_rope", "dual_attention_layers"):
         if k in kw:
@@ -282,12 +260,6 @@ def build_transformer(arch: str, config: dict, state: dict, dtype):
     return model
 
 
-# the file's block names for diffusers' block lists (BFL/ComfyUI naming)
-_BFL_BLOCKS = {"transformer_blocks": {"flux": "double_blocks", "flux2": "double_blocks",
-                                      "sd3": "joint_blocks"},
-               "single_transformer_blocks": {"flux": "single_blocks", "flux2": "single_blocks"}}
-
-
 def file_tensors(ck, sf: dict, device, dtype, skip=lambda name: False):
     """(diffusers name, tensor on `device` in the file's dtype, scale_weight or None) of a
     single file's transformer, one tensor at a time. FLUX and diffusers-named files convert
@@ -305,10 +277,11 @@ def file_tensors(ck, sf: dict, device, dtype, skip=lambda name: False):
     def scale(n):
         return ck.read(scale_of[n], device) if n in scale_of else None
 
+    keywise = families.family(arch).adapter_class().bfl_blocks is not None
     if naming == "diffusers":
         for n in names:
             yield n, ck.read(prefix + n, device), scale(n)
-    elif arch in ("flux", "flux2"):
+    elif keywise:
         for n in names:
             s = scale(n)
             for out, t in to_diffusers_state(arch, naming, {n: ck.read(prefix + n, device)},
@@ -320,7 +293,7 @@ def file_tensors(ck, sf: dict, device, dtype, skip=lambda name: False):
             t = ck.read(prefix + n, device)
             state[n] = dequantize(t, scale(n), torch.float32).to(dtype) if is_fp8(t) else \
                 (t.to(dtype) if t.is_floating_point() else t)
-        for out, t in convert_sd3_bfl(state).items():
+        for out, t in to_diffusers_state(arch, naming, state, sf["config"]).items():
             yield out, t, None
 
 
@@ -341,8 +314,8 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
         raw_others = set()
         if sf["naming"] == "diffusers":
             raw_others = others
-        elif arch in ("flux", "flux2"):
-            raw_others = {f"{_BFL_BLOCKS[b.split('.')[0]][arch]}.{b.split('.')[1]}"
+        elif adapter.bfl_blocks is not None:
+            raw_others = {f"{adapter.bfl_blocks[b.split('.')[0]]}.{b.split('.')[1]}"
                           for b in others}
 
         def in_block(name, blocks):

@@ -1,0 +1,165 @@
+"""Model families, each described once.
+
+A family is two files: its description here (`workers/families/<id>.py`: plain data and a
+few pure functions, no torch, cheap to import) and its worker adapter
+(`workers/models/<id>.py`: loading, packing, timesteps, encoding, the transformer call).
+The description is what the host asks about a family (ComfyUI's LATENT and CONDITIONING,
+its model class, request defaults, detection, the memory plan's block lists, LoRA formats);
+it lives beside the workers because they read the same detection and defaults, and the
+workers never import the host package (the host loads this package through
+client/worker_modules). Every other module asks these two, never compares family names:
+tests/test_families.py scans the tree for such a comparison.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class LatentSpec:
+    """ComfyUI's LATENT of the family and how it relates to the transformer's input.
+
+    tokens: how LATENT pixels become transformer tokens ("pack2x2": 2x2 latent pixels per
+            token, packed by the host/loop as FLUX does; "in_model": the transformer
+            patchifies an unpacked latent itself, as SD3; "flat": the LATENT is patchified
+            already, one token per pixel, as FLUX.2's).
+    norm:   raw VAE latent <-> model space ("scale_shift": (raw - shift) * scale;
+            "mean_std": (raw - mean) / std per channel; "batchnorm": the LATENT is model
+            space already, normalised by the VAE's batch-norm statistics, as FLUX.2's).
+    frames: the LATENT is 5-D [B, C, T, h, w] (T = 1 for an image).
+    """
+
+    channels: int = 16
+    downscale: int = 8  # image pixels per LATENT pixel, each side
+    tokens: str = "pack2x2"
+    norm: str = "scale_shift"
+    frames: bool = False
+    comfy_format: str = ""  # ComfyUI's comfy/latent_formats.py class
+    # ComfyUI's latent2rgb preview factors for model-space latents (None: no preview)
+    rgb: Optional[tuple] = None
+    rgb_bias: Optional[tuple] = None
+    # what a LATENT of other channels is told (one line)
+    wrong_channels: str = ""
+
+    @property
+    def per_token(self) -> int:
+        """LATENT pixels per token side."""
+        return 2 if self.tokens == "pack2x2" or self.tokens == "in_model" else 1
+
+    @property
+    def pixels_per_token(self) -> int:
+        """Image pixels per token side (16 for every family so far)."""
+        return self.downscale * self.per_token
+
+    def shape(self, batch: int, height: int, width: int, frames: int = 1) -> tuple:
+        d = self.downscale
+        hw = (int(height) // d, int(width) // d)
+        return (int(batch), self.channels, int(frames)) + hw if self.frames \
+            else (int(batch), self.channels) + hw
+
+    def shape_text(self) -> str:
+        d = self.downscale
+        t = "1, " if self.frames else ""
+        return f"[batch, {self.channels}, {t}height/{d}, width/{d}]"
+
+
+@dataclass(frozen=True)
+class ComfySpec:
+    """The ComfyUI model the xDiT MODEL is built as (comfy.model_base / supported_models
+    class names, chosen from `unet`, what comfy_unet(config) gave), and how ComfyUI calls
+    it."""
+
+    base: Callable  # unet -> comfy.model_base class name
+    config: Callable  # unet -> comfy.supported_models class name
+    model_type: Callable = lambda unet: None  # unet -> ModelType name (None: the class's)
+    unet: Callable = lambda cfg: {}  # the diffusers config -> what ComfyUI's detection finds
+    # ComfyUI's timestep -> the transformer's (FLUX-style models take sigma, x 1000 here)
+    timestep_scale: float = 1.0
+    needs_pooled: bool = True  # the model call needs CONDITIONING's pooled output (y)
+
+
+@dataclass(frozen=True)
+class Family:
+    id: str
+    name: str  # how messages name it
+    transformer_class: str  # diffusers
+    pipelines: tuple  # diffusers pipeline classes that encode its prompts; the first default
+    adapter: str  # class name in workers/models/<id>.py
+    block_lists: tuple  # the transformer's block lists in execution order
+    block_counts: tuple  # config keys counting each list's blocks
+    latent: LatentSpec
+    comfy: ComfySpec
+    # single files: ((naming "bfl" | "diffusers", the key or keys only this family's files
+    # have), ...), tried in `detect_order` across families, and the diffusers config from
+    # the weight shapes
+    markers: tuple = ()
+    config_from_shapes: Optional[Callable] = None
+    # diffusers class defaults of what a folder's transformer config may omit
+    config_defaults: dict = field(default_factory=dict)
+    # request defaults: cfg (true CFG / guidance scale), embedded guidance
+    cfg: float = 1.0
+    guidance: Optional[float] = None
+    undistilled_cfg: Optional[float] = None  # the cfg of an undistilled variant (FLUX.2 klein)
+    pooled: bool = True  # the CONDITIONING carries a pooled output the transformer needs
+    text_hint: str = "encode with this model's text encoders"
+    reference_methods: tuple = ()  # reference images (first: default); () = none
+    # single files, which carry neither: (scheduler config, VAE latent config) of the
+    # released model, from the transformer config
+    released: Optional[Callable] = None
+    lora_formats: str = "diffusers/PEFT"
+    text_extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's
+    # the split the MODEL uses when the loader gives no degrees: CFG parallel first when
+    # ComfyUI's samplers batch both branches in one call
+    model_cfg_first: bool = False
+    detect_order: int = 0  # single-file detection order (lower first)
+    # model_index.json's pipeline class (None: no file) -> the pipeline that encodes the
+    # folder's prompts; raises ValueError (one line) for a pipeline of another kind
+    pipeline_of: Optional[Callable] = None
+
+    def pipeline_for(self, index_class: Optional[str]) -> str:
+        if self.pipeline_of is not None:
+            return self.pipeline_of(index_class)
+        return index_class if index_class in self.pipelines else self.pipelines[0]
+
+    def adapter_class(self):
+        mod = importlib.import_module(f"{__name__.rsplit('.', 1)[0]}.models.{self.id}")
+        return getattr(mod, self.adapter)
+
+    def block_count(self, cfg: dict) -> Optional[int]:
+        try:
+            return sum(int(cfg.get(k, 0) if i else cfg[k])
+                       for i, k in enumerate(self.block_counts))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+_IDS = ("flux", "flux2", "sd3")
+FAMILIES: dict = {}
+for _id in _IDS:
+    FAMILIES[_id] = importlib.import_module(f"{__name__}.{_id}").FAMILY
+IDS = tuple(FAMILIES)
+BY_CLASS = {f.transformer_class: f for f in FAMILIES.values()}
+
+
+def family(fid: str) -> Family:
+    try:
+        return FAMILIES[fid]
+    except KeyError:
+        raise ValueError(f"unknown model family {fid!r} (known: {', '.join(IDS)})") from None
+
+
+def names() -> str:
+    """'FLUX.1, FLUX.2, SD3/3.5': every family, for messages."""
+    return ", ".join(f.name for f in FAMILIES.values())
+
+
+def detect_keys(keys) -> Optional[tuple]:
+    """(family, naming) of a single file's tensor names (prefix stripped), or None."""
+    keys = set(keys)
+    for fam in sorted(FAMILIES.values(), key=lambda f: f.detect_order):
+        for naming, marker in fam.markers:
+            if all(k in keys for k in ((marker,) if isinstance(marker, str) else marker)):
+                return fam, naming
+    return None
