@@ -223,8 +223,12 @@ def preview_rgb(preview, arch: str):
     fam = families.family(arch)
     if fam.latent.rgb is None:
         return None
-    vae = fam.released({})[1]
-    x = (preview[0].float() - vae["shift_factor"]) * vae["scaling_factor"]
+    scale, shift = families.latent_norm(fam.released({})[1])
+    x = preview[0].float()
+    if x.dim() == 4:  # a frame axis: the first frame
+        x = x[:, 0]
+    per = (lambda v: torch.as_tensor(v, dtype=torch.float32).reshape(-1, 1, 1))
+    x = (x - per(shift)) * per(scale)
     rgb = torch.nn.functional.linear(x.movedim(0, -1), torch.tensor(fam.latent.rgb).T,
                                      bias=torch.tensor(fam.latent.rgb_bias))
     return ((rgb + 1.0) / 2.0).clamp(0, 1).mul(255).round().to(torch.uint8)

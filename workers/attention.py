@@ -319,23 +319,50 @@ def ulysses_out(out, group, world: int):
 
 
 # -- which keys are real ----------------------------------------------------------------
-def _valid_runs(plan, streams, padded: bool):
+def _valid_runs(plan, streams, padded: bool, text_real: Optional[int] = None):
     """(block length, per sp rank the list of (start, count) runs of real tokens in its
     block). Padded plans pad each stream's shard to that stream's longest; unpadded input
-    (direct callers) is padded here as one tail."""
+    (direct callers) is padded here as one tail. `text_real`: a row whose prompt fills only
+    the first `text_real` text tokens (the rest is padding its text mask drops)."""
+    def real(stream, r, n):  # tokens of rank r's shard of `stream` that are real
+        if stream != "text" or text_real is None:
+            return n
+        start = plan.local_slice(stream, r).start - plan.selected(stream)[0]
+        return max(0, min(n, text_real - start))
+
     if padded:
         per = [plan.sizes(s) for s in streams]
         chunk = sum(max(p) for p in per)
         runs = []
         for r in range(len(per[0])):
             at, mine = 0, []
-            for p in per:
-                mine.append((at, p[r]))
+            for s, p in zip(streams, per):
+                mine.append((at, real(s, r, p[r])))
                 at += max(p)
             runs.append(mine)
         return chunk, runs
     lengths = plan.lengths(streams)
-    return max(lengths), [[(0, n)] for n in lengths]
+    if text_real is None:
+        return max(lengths), [[(0, n)] for n in lengths]
+    runs = []
+    for r in range(len(lengths)):
+        at, mine = 0, []
+        for s in streams:
+            n = plan.sizes(s)[r]
+            mine.append((at, real(s, r, n)))
+            at += n
+        runs.append(mine)
+    return max(lengths), runs
+
+
+def short_rows(plan, text_lengths) -> Optional[list]:
+    """The rows' real text lengths when some row's prompt is shorter than the call's text
+    (padded to a common length), else None (every key is real)."""
+    if text_lengths is None:
+        return None
+    full = plan.full_len("text")
+    rows = [min(int(n), full) for n in text_lengths]
+    return None if all(n == full for n in rows) else rows
 
 
 class _Layout:
@@ -399,8 +426,20 @@ class LocalAttention:
     def kernel_name(self) -> Optional[str]:
         return self.kernels.name
 
-    def __call__(self, q, k, v, plan, streams, module=None) -> torch.Tensor:
-        return self.kernels(q)(q, k, v, q.shape[-1] ** -0.5)
+    def __call__(self, q, k, v, plan, streams, module=None, text_lengths=None) -> torch.Tensor:
+        kernel, scale = self.kernels(q), q.shape[-1] ** -0.5
+        rows = short_rows(plan, text_lengths)
+        if rows is None:
+            return kernel(q, k, v, scale)
+        outs = []
+        for b, n in enumerate(rows):  # each row's own real keys
+            idx = _Layout(*_valid_runs(plan, streams, False, n), 1, 1, q.device).valid[0]
+            kb, vb = k[b:b + 1], v[b:b + 1]
+            if idx is not None:
+                kb, vb = kb.index_select(1, idx), vb.index_select(1, idx)
+            out = kernel(q[b:b + 1], kb, vb, scale)
+            outs.append(out[0] if kernel.lse else out)
+        return torch.cat(outs)
 
 
 class ShardedAttention:
@@ -424,13 +463,14 @@ class ShardedAttention:
     def kernel_name(self) -> Optional[str]:
         return self.kernels.name
 
-    def _layout(self, plan, streams, padded, device) -> _Layout:
+    def _layout(self, plan, streams, padded, device, text_real=None) -> _Layout:
         names = None if streams is None else tuple(streams)  # direct callers may pass None
         key = (padded, names, tuple(plan.lengths(streams)),
-               tuple(tuple(plan.sizes(s)) for s in streams) if padded else None, device)
+               tuple(tuple(plan.sizes(s)) for s in streams) if padded else None, device,
+               text_real)
         lay = self._layouts.get(key)
         if lay is None:
-            chunk, runs = _valid_runs(plan, streams, padded)
+            chunk, runs = _valid_runs(plan, streams, padded, text_real)
             lay = _Layout(chunk, runs, self.ulysses, self.ring, device)
             if len(self._layouts) > 64:  # shapes change with jobs; keep the cache bounded
                 self._layouts.clear()
@@ -438,9 +478,11 @@ class ShardedAttention:
         return lay
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, streams,
-                 module=None) -> torch.Tensor:
+                 module=None, text_lengths=None) -> torch.Tensor:
         """q, k, v: [B, S_local, H, D], the local tokens of `streams` under `plan`: padded
-        to the block length when `plan.padded` (the hooks' layout), else unpadded."""
+        to the block length when `plan.padded` (the hooks' layout), else unpadded.
+        `text_lengths`: the rows' real text lengths where prompts were padded to a common
+        length; such a batch attends row by row, each over its own real keys."""
         topo = self.topo
         padded = bool(getattr(plan, "padded", False))
         lay = self._layout(plan, streams, padded, q.device)
@@ -453,6 +495,21 @@ class ShardedAttention:
             q, k, v = qkv[0], qkv[1], qkv[2]
         if self.ulysses > 1:
             q, k, v = ulysses_qkv(q, k, v, self.uly_group, self.ulysses)
+        rows = short_rows(plan, text_lengths)
+        if rows is None:
+            out = self._attend(q, k, v, lay)
+        else:  # every rank of the group has the same rows: the collectives stay matched
+            out = torch.cat([self._attend(q[b:b + 1], k[b:b + 1], v[b:b + 1],
+                                          self._layout(plan, streams, padded, q.device, n))
+                             for b, n in enumerate(rows)])
+        out = out.to(q.dtype)
+        if self.ulysses > 1:
+            out = ulysses_out(out, self.uly_group, self.ulysses)
+        return out if out.shape[1] == s_local else out[:, :s_local]
+
+    def _attend(self, q, k, v, lay: _Layout) -> torch.Tensor:
+        """Attention of the (Ulysses-gathered) queries over the real keys of every ring
+        block of `lay`."""
         kernel = self.kernels(q)
         scale = q.shape[-1] ** -0.5
         if self.ring == 1:
@@ -467,7 +524,4 @@ class ShardedAttention:
             out, _ = ring_flash_attn_forward(self.ring_group, q, k.contiguous(), v.contiguous(),
                                         softmax_scale=scale, dropout_p=0.0, causal=False,
                                         attn_type=None, attn_processor=self.block)
-        out = out.to(q.dtype)
-        if self.ulysses > 1:
-            out = ulysses_out(out, self.uly_group, self.ulysses)
-        return out if out.shape[1] == s_local else out[:, :s_local]
+        return out

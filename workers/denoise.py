@@ -192,9 +192,10 @@ class WholeImage:
         p = self.prep
         preds = [self._forward(b, cond, latents, i) for b, cond in zip(self.branches, self.conds)]
         if self.cfg_group is not None:
-            pred = combine_across(preds[0], self.cfg_group, self.scale)
+            pred = combine_across(preds[0], self.cfg_group, self.scale, self.adapter.cfg_rescale)
         else:
-            pred = combine(preds[0], preds[1], self.scale) if len(preds) == 2 else preds[0]
+            pred = combine(preds[0], preds[1], self.scale, self.adapter.cfg_rescale) \
+                if len(preds) == 2 else preds[0]
         latents.copy_(euler_step(latents, pred, p.sigmas, i))
         finished(i)
 

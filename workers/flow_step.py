@@ -9,17 +9,24 @@ import torch
 from .topology import all_gather
 
 
-def combine(neg: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """Classifier-free guidance (SD3's guidance scale, FLUX's true CFG)."""
-    return neg + scale * (pos - neg)
+def combine(neg: torch.Tensor, pos: torch.Tensor, scale: float,
+            rescale: bool = False) -> torch.Tensor:
+    """Classifier-free guidance (SD3's guidance scale, FLUX's true CFG). `rescale`
+    (Qwen-Image's true CFG): the result takes the conditional prediction's norm over the
+    channels of each token, a per-token operation that shards of tokens compute alike."""
+    out = neg + scale * (pos - neg)
+    if rescale:
+        out = out * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(out, dim=-1, keepdim=True))
+    return out
 
 
-def combine_across(pred: torch.Tensor, group, scale: float) -> torch.Tensor:
+def combine_across(pred: torch.Tensor, group, scale: float,
+                   rescale: bool = False) -> torch.Tensor:
     """CFG parallel: this rank's branch prediction and the other cfg rank's (one all-gather
     on the data plane; rank 0 of the group holds the negative branch), combined."""
     both = [torch.empty_like(pred) for _ in range(2)]
     all_gather(both, pred.contiguous(), group=group)
-    return combine(both[0], both[1], scale)
+    return combine(both[0], both[1], scale, rescale)
 
 
 def euler_step(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int) -> torch.Tensor:

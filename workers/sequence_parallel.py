@@ -25,7 +25,7 @@ gather places them in a full-size output.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -107,9 +107,14 @@ class SequenceLayout:
     """Declarative split/gather plan of one transformer class (cf. diffusers' `_cp_plan`).
 
     split_inputs:  forward kwarg -> (stream, dim), split before the transformer runs.
-    split_outputs: submodule name -> (stream, dim), its output is split.
+    split_outputs: submodule name -> (stream, dim), its output is split; a tuple output
+                   takes one (stream, dim) per element (None: left whole).
+    split_module_inputs: submodule name -> {kwarg: (stream, dim)}, split as that module is
+                   called (a model that derives lengths from a tensor before its first block,
+                   as Qwen-Image's text RoPE does, is split at the block's input instead).
     gather_output: (submodule name, dim), its image-token output is all-gathered.
     token_counts:  (transformer, forward kwargs) -> (text tokens, image tokens).
+    kwargs_name:   the forward kwarg whose dict reaches the attention processors.
     """
 
     split_inputs: dict
@@ -118,6 +123,8 @@ class SequenceLayout:
     token_counts: Callable
     attention_processor: Callable  # (ShardedAttention) -> processor instance
     replaces: tuple  # class names of the stock processors the sharded one replaces
+    split_module_inputs: dict = field(default_factory=dict)
+    kwargs_name: str = "joint_attention_kwargs"
 
 
 def all_gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
@@ -158,9 +165,13 @@ class SequenceParallel:
             raise RuntimeError("no attention module found to parallelise")
         self.handles.append(transformer.register_forward_pre_hook(self._enter, with_kwargs=True))
         self.handles.append(transformer.register_forward_hook(self._exit, always_call=True))
-        for name, (stream, dim) in layout.split_outputs.items():
+        for name, spec in layout.split_outputs.items():
             mod = transformer.get_submodule(name)
-            self.handles.append(mod.register_forward_hook(self._splitter(stream, dim)))
+            self.handles.append(mod.register_forward_hook(self._splitter(spec)))
+        for name, specs in layout.split_module_inputs.items():
+            mod = transformer.get_submodule(name)
+            self.handles.append(mod.register_forward_pre_hook(self._input_splitter(specs),
+                                                              with_kwargs=True))
         gname, gdim = layout.gather_output
         self.handles.append(transformer.get_submodule(gname).register_forward_hook(
             self._gatherer(gdim)))
@@ -169,7 +180,8 @@ class SequenceParallel:
         if args:
             raise TypeError("call the parallel transformer with keyword arguments only")
         text, image = self.layout.token_counts(module, kwargs)
-        jak = dict(kwargs.get("joint_attention_kwargs") or {})
+        name = self.layout.kwargs_name
+        jak = dict(kwargs.get(name) or {})
         plan = jak.get("sp_plan")  # the caller's own plan (module doc)
         if plan is None:
             plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image, padded=True)
@@ -182,15 +194,27 @@ class SequenceParallel:
             if kwargs.get(key) is not None:
                 kwargs[key] = plan.shard(kwargs[key], dim, stream)
         jak["sp_plan"] = plan
-        kwargs["joint_attention_kwargs"] = jak
+        kwargs[name] = jak
         return args, kwargs
 
     def _exit(self, module, args, output):
         self.plan = None
 
-    def _splitter(self, stream: str, dim: int):
+    def _splitter(self, spec):
         def hook(module, args, output):
-            return self.plan.shard(output, dim, stream)
+            if isinstance(spec[0], str):
+                return self.plan.shard(output, spec[1], spec[0])
+            return type(output)(o if s is None else self.plan.shard(o, s[1], s[0])
+                                for o, s in zip(output, spec))
+        return hook
+
+    def _input_splitter(self, specs: dict):
+        def hook(module, args, kwargs):
+            kwargs = dict(kwargs)
+            for key, (stream, dim) in specs.items():
+                if kwargs.get(key) is not None:
+                    kwargs[key] = self.plan.shard(kwargs[key], dim, stream)
+            return args, kwargs
         return hook
 
     def _gatherer(self, dim: int):

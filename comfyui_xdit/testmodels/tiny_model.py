@@ -239,6 +239,9 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
         )
     if arch == "sd3" and head_dim < 2:
         raise ValueError(f"sd3 needs a head dim >= 2; width {width} / heads {heads} = {head_dim}")
+    if arch == "qwen_image" and (head_dim % 2 or head_dim < 6):
+        raise ValueError(f"qwen_image needs an even head dim >= 6 for its 3 RoPE axes; width "
+                         f"{width} / heads {heads} = {head_dim}")
     if sd35 and arch != "sd3":
         raise ValueError("sd35 (QK RMS norm, dual-attention blocks) applies to --arch sd3 only")
     if variant is not None and arch != "flux2":
@@ -505,6 +508,11 @@ def _build_flux2_dev(cfg: dict):
                          transformer=transformer)
 
 
+def _build_qwen_image(cfg: dict):
+    from comfyui_xdit.testmodels.tiny_qwen_image import build_pipeline
+    return build_pipeline(cfg)
+
+
 def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, depth: int | None = None,
                      width: int | None = None, heads: int = 4, sd35: bool = False,
                      variant: str | None = None) -> pathlib.Path:
@@ -527,7 +535,8 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     out.mkdir(parents=True, exist_ok=True)
     # Build on the default RNG but leave the caller's RNG state as it was.
     with torch.random.fork_rng(devices=[]):
-        pipe = {"flux": _build_flux, "sd3": _build_sd3, "flux2": _build_flux2}[arch](cfg)
+        pipe = {"flux": _build_flux, "sd3": _build_sd3, "flux2": _build_flux2,
+                "qwen_image": _build_qwen_image}[arch](cfg)
     with _quiet_transformers():
         pipe.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -135,7 +135,7 @@ class Family:
             return None
 
 
-_IDS = ("flux", "flux2", "sd3")
+_IDS = ("flux", "flux2", "sd3", "qwen_image")
 FAMILIES: dict = {}
 for _id in _IDS:
     FAMILIES[_id] = importlib.import_module(f"{__name__}.{_id}").FAMILY
@@ -153,6 +153,17 @@ def family(fid: str) -> Family:
 def names() -> str:
     """'FLUX.1, FLUX.2, SD3/3.5': every family, for messages."""
     return ", ".join(f.name for f in FAMILIES.values())
+
+
+def latent_norm(vae_config: dict) -> tuple:
+    """(scale, shift) taking a raw VAE latent to model space, `(raw - shift) * scale`, from a
+    VAE config: scaling_factor / shift_factor, or per-channel latents_mean / latents_std
+    (lists: scale 1 / std, shift mean)."""
+    if vae_config.get("latents_mean") is not None:
+        return ([1.0 / float(s) for s in vae_config["latents_std"]],
+                [float(m) for m in vae_config["latents_mean"]])
+    return (float(vae_config.get("scaling_factor", 1.0)),
+            float(vae_config.get("shift_factor", 0.0) or 0.0))
 
 
 def detect_keys(keys) -> Optional[tuple]:

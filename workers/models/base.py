@@ -49,7 +49,7 @@ def _read_json(path: str) -> dict:
 
 # The VAE classes the pool decodes with: the same Decoder (what vae_parallel rewires);
 # FLUX.2's only adds a batch norm on the patchified latent, applied in model space.
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLFlux2")
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLFlux2", "AutoencoderKLQwenImage")
 
 
 def load_vae(model: LoadedModel):
@@ -79,6 +79,7 @@ class DiTAdapter:
     # None where the converter needs the whole state (SD3: read whole, then converted)
     bfl_blocks: dict | None = None
     lora_alphas = False  # LoRA network alphas go to load_lora_into_transformer (FLUX.1)
+    cfg_rescale = False  # true CFG rescaled to the conditional prediction's norm (Qwen-Image)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -173,11 +174,16 @@ class DiTAdapter:
                 encoder = pcls.from_pretrained(path, transformer=None, vae=None,
                                                torch_dtype=dtype)
                 encoder.to(te_device)
+        self.after_load(transformer)
         model = LoadedModel(path=path, arch=self.arch, transformer=transformer, encoder=encoder,
                             scheduler_config=sched, vae_config=vae, device=device, dtype=dtype,
                             stage=stage_info)
         model.load_report = dict(report, text_encoders=te_device)  # Worker.describe()
         return model
+
+    def after_load(self, transformer) -> None:
+        """Rebuild what a model computes at construction outside its parameters and buffers
+        (built on the meta device, it would hold no data); every loader ends here."""
 
     def _text_encoder_device(self, path, device, dtype, option) -> str:
         """workers/weights.text_encoder_device with this GPU's free memory (after the
@@ -201,9 +207,9 @@ class DiTAdapter:
         return FlowMatchEulerDiscreteScheduler.from_config(model.scheduler_config)
 
     def scale_shift(self, model: LoadedModel) -> tuple:
-        """The VAE's (scaling_factor, shift_factor): model space <-> raw VAE space."""
-        return (float(model.vae_config.get("scaling_factor", 1.0)),
-                float(model.vae_config.get("shift_factor", 0.0) or 0.0))
+        """The VAE's (scale, shift), scalars or per-channel lists: model space <-> raw VAE
+        space (workers/families.latent_norm)."""
+        return families.latent_norm(model.vae_config)
 
     def to_raw(self, model: LoadedModel, latents: torch.Tensor, height: int, width: int):
         """Model-space latents -> raw VAE space [B,C,h,w] (what the VAE decodes)."""

@@ -23,6 +23,18 @@ def _token_counts(transformer, kw):
     return kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
 
 
+def shifted_timesteps(scheduler, steps: int, mu: float, device):
+    """Linear sigmas 1 .. 1/steps shifted by `mu` (the packed-latent pipelines' rule: FLUX,
+    Chroma, Qwen-Image), through the scheduler's own shift and terminal stretch."""
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    if scheduler.config.get("use_flow_sigmas"):
+        scheduler.set_timesteps(steps, device=device, mu=mu)
+    else:
+        scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
+    scheduler.set_begin_index(0)
+    return scheduler.timesteps
+
+
 class FluxAdapter(DiTAdapter):
     family = families.FAMILIES["flux"]
     bfl_blocks = {"transformer_blocks": "double_blocks",
@@ -62,17 +74,8 @@ class FluxAdapter(DiTAdapter):
         return calculate_shift(image_tokens, *dynamic_shift_args(scheduler.config))
 
     def timesteps(self, scheduler, steps, latents, device):
-        # linear sigmas, shifted by `schedule_mu` (the model's rule)
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        if scheduler.config.get("use_flow_sigmas"):
-            sigmas = None
-        mu = self.schedule_mu(scheduler, latents.shape[1], steps)
-        if sigmas is None:
-            scheduler.set_timesteps(steps, device=device, mu=mu)
-        else:
-            scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
-        scheduler.set_begin_index(0)
-        return scheduler.timesteps
+        return shifted_timesteps(scheduler, steps, self.schedule_mu(
+            scheduler, latents.shape[1], steps), device)
 
     def encode(self, model, texts, max_sequence_length):
         pe, pooled, ids = model.encoder.encode_prompt(

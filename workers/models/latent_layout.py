@@ -40,7 +40,7 @@ def pack(arch: str, x):
     if s.tokens == "in_model":
         return x
     import torch.nn.functional as F
-    if s.frames:  # an image family with a frame axis: one frame
+    if s.frames and x.dim() == 5:  # an image family with a frame axis: one frame
         x = x.squeeze(2)
     # token (i, j) holds channels c*4 + 2*dy + dx of latent pixels (2i+dy, 2j+dx):
     # exactly pixel_unshuffle's channel order, in one copy

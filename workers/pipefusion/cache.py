@@ -54,9 +54,12 @@ class PatchAttention:
             choice = self._kernels[q.device.type] = KernelChoice(self.backend, q.device.type, 1)
         return choice(q)
 
-    def __call__(self, q, k, v, plan: PatchPlan, streams, module=None):
+    def __call__(self, q, k, v, plan: PatchPlan, streams, module=None, text_lengths=None):
         if not isinstance(plan, PatchPlan):
             raise RuntimeError("PipeFusion attention called without a patch plan")
+        if text_lengths is not None and any(int(n) < plan.text_len for n in text_lengths):
+            raise ValueError("PipeFusion runs the prompts of one batch at one text length; "
+                             "give prompts of the same token length, or one prompt per job")
         topo, kv = self.topo, plan.cache
         if topo.sp > 1:
             q, k, v, back = _gather_patch(q, k, v, plan, streams, topo, kv)

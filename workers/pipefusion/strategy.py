@@ -121,12 +121,13 @@ class PatchPipeline:
         # 3. last stage: guidance, then the scheduler's step on the micro's rows
         pred = self._rows(out, micro)
         if self.cfg_group is not None:
-            pred = combine_across(pred, self.cfg_group, self.scale)
+            pred = combine_across(pred, self.cfg_group, self.scale, self.adapter.cfg_rescale)
         elif len(self.branches) == 2:
             if not micro.finishes:
                 self.pending[micro.patch] = pred.clone()
                 return
-            pred = combine(self.pending.pop(micro.patch), pred, self.scale)
+            pred = combine(self.pending.pop(micro.patch), pred, self.scale,
+                           self.adapter.cfg_rescale)
         x = self._rows(latents, micro)
         x.copy_(euler_step(x, pred, prep.sigmas, micro.step))
 

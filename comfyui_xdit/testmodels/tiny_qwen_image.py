@@ -1,0 +1,169 @@
+"""The tiny Qwen-Image (and Qwen-Image-Edit) diffusers folder, built offline (the
+`tiny-model --arch qwen_image` recipe of comfyui_xdit/testmodels/tiny_model.py).
+
+- transformer: QwenImageTransformer2DModel, `depth` blocks, `heads` x width/heads, RoPE axes
+  split like the released (16, 56, 56) (workers/families/qwen_image.rope_axes).
+- text_encoder: Qwen2_5_VLForConditionalGeneration, text width 32, 1 layer (the pipelines read
+  the last hidden state), a 1-block vision tower (only Edit runs it).
+- tokenizer: byte-level BPE in Qwen2's layout where every word of both pipelines' system
+  templates is ONE token, so the template prefix is exactly as long as with the real Qwen2.5
+  tokenizer (34 tokens for Qwen-Image, 64 for Edit: the pipelines' hard-coded drops). The
+  first kept token is the user's first word, so different prompts encode differently at any
+  max_sequence_length.
+- processor (Edit only): Qwen2VLProcessor without its video processor (transformers 5 builds
+  that only with torchvision): `patch_processor_without_video()` runs first, in every process
+  that builds or loads an Edit folder.
+- vae: AutoencoderKLQwenImage, base_dim 8, 3 temporal-downsample entries (8x spatial), the
+  released latents_mean / latents_std (diffusers' defaults, ComfyUI's latent_formats.Wan21).
+- scheduler: the released Qwen/Qwen-Image scheduler (workers/families/qwen_image.SCHEDULER).
+
+Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identical.
+"""
+
+from __future__ import annotations
+
+from comfyui_xdit.client.worker_modules import worker_module
+
+_family = worker_module("families.qwen_image")
+
+TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6,
+            # multimodal RoPE: sections (t, h, w) sum to the text head_dim / 2 = 8
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                             "mrope_section": [2, 3, 3]})
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=14,
+              spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+              fullatt_block_indexes=[0])
+VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
+           temperal_downsample=[False, True, True])
+# The Edit processor resizes the prompt image to at most this many pixels (real: 28*28*1280).
+PROCESSOR_MAX_PIXELS = 56 * 56
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>")
+
+# Every word of the two system templates (one token each, like the real vocab) ...
+TEMPLATE_WORDS = """system user assistant Describe the image by detailing color shape size texture
+quantity text spatial relationships of objects and background key features input then explain how
+instruction should alter or modify Generate new that meets requirements while maintaining
+consistency with original where appropriate""".split()
+# ... plus a prompt vocabulary (anything else still tokenizes byte by byte).
+PROMPT_WORDS = """a an in on at with of cat dog bird fish horse fox owl man woman robot house tree
+forest mountain river lake sea sky cloud sun moon star night day city street car boat castle garden
+flower field road red green blue yellow orange purple pink black white gray gold silver big small
+old young happy dark bright photo painting drawing sketch oil watercolor detailed cinematic sunset
+snow rain fog sitting standing running flying hat glasses""".split()
+# (" (" and "'s" are single tokens in Qwen2.5's vocab too)
+EXTRA_PIECES = (" (", "'s", "),", ".<")
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2 byte -> printable-unicode table (what byte-level BPE vocabularies are spelled in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _apply_merges(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Plain BPE: repeatedly merge the adjacent pair with the lowest rank."""
+    symbols = list(symbols)
+    while len(symbols) > 1:
+        rank, i = min((ranks.get(pair, 1 << 60), i) for i, pair in enumerate(zip(symbols, symbols[1:])))
+        if rank == 1 << 60:
+            break
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+    return symbols
+
+
+def _word_bpe():
+    """A `tokenizers.Tokenizer`: 256 byte symbols, then merges that make each word (bare and
+    with a leading space) a single token, then the Qwen special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    byte = _byte_alphabet()
+    vocab = {c: i for i, c in enumerate(byte.values())}
+    ranks: dict[tuple[str, str], int] = {}
+    pieces = [w for word in TEMPLATE_WORDS + PROMPT_WORDS for w in (word, " " + word)]
+    for piece in dict.fromkeys(pieces + list(EXTRA_PIECES)):  # dedupe, keep order
+        # Split with the merges so far, then chain new merges over the parts. New merges rank
+        # after all earlier ones, so they never change how an earlier word is merged.
+        parts = _apply_merges([byte[b] for b in piece.encode()], ranks)
+        cur = parts[0]
+        for part in parts[1:]:
+            ranks.setdefault((cur, part), len(ranks))
+            cur += part
+            vocab.setdefault(cur, len(vocab))
+    merges = sorted(ranks, key=ranks.get)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    return tok
+
+
+def _tokenizer():
+    from transformers import Qwen2TokenizerFast
+
+    return Qwen2TokenizerFast(tokenizer_object=_word_bpe(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                              unk_token=None, model_max_length=TEXT["max_position_embeddings"])
+
+
+def patch_processor_without_video() -> None:
+    """Make Qwen2VLProcessor a (image_processor, tokenizer) processor. transformers 5 lists
+    processor parts from the __init__ signature and would build/load a video processor, which
+    needs torchvision. Idempotent; call it in every process that builds or loads an Edit folder."""
+    from transformers import Qwen2VLProcessor
+
+    Qwen2VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
+
+
+def _seeded(seed: int, salt: int, ctor, *args, **kwargs):
+    """Construct one component right after seeding: weights depend on (seed, component) only."""
+    import torch
+
+    torch.manual_seed(seed * 1000 + salt)
+    return ctor(*args, **kwargs)
+
+
+def build_pipeline(cfg: dict, edit: bool = False):
+    """The tiny pipeline (QwenImagePipeline or QwenImageEditPipeline) in memory, for a
+    tiny_model.resolve_config `cfg` (seed, depth, width, heads)."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
+                           QwenImageEditPipeline, QwenImagePipeline, QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    seed = cfg["seed"]
+    tokenizer = _tokenizer()
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIALS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), bos_token_id=ids["<|endoftext|>"],
+                         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], **TEXT),
+        vision_config=dict(out_hidden_size=TEXT["hidden_size"], **VISION),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    text_encoder = _seeded(seed, 1, Qwen2_5_VLForConditionalGeneration, config).eval()
+    head_dim = cfg["width"] // cfg["heads"]
+    transformer = _seeded(seed, 3, QwenImageTransformer2DModel, patch_size=2, in_channels=64,
+                          out_channels=16, num_layers=cfg["depth"], attention_head_dim=head_dim,
+                          num_attention_heads=cfg["heads"], joint_attention_dim=TEXT["hidden_size"],
+                          axes_dims_rope=tuple(_family.rope_axes(head_dim)))
+    vae = _seeded(seed, 4, AutoencoderKLQwenImage, **VAE)
+    scheduler = FlowMatchEulerDiscreteScheduler(**_family.SCHEDULER)
+    parts = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                 transformer=transformer)
+    if not edit:
+        return QwenImagePipeline(**parts)
+    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    patch_processor_without_video()
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=PROCESSOR_MAX_PIXELS,
+                                               patch_size=14, temporal_patch_size=2, merge_size=2)
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    return QwenImageEditPipeline(processor=processor, **parts)
