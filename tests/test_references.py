@@ -209,7 +209,7 @@ def test_flux2_wrong_references_refused_pool_keeps_working(pools, flux2_oracle):
         ([torch.zeros(1, 32, 8, 6)], None, "a raw 32-channel [batch, 32, height/8, width/8] "
                                            "latent must be patchified and normalised first"),
         ([torch.zeros(2, 128, 4, 3)], None, "give 1 (shared) or the batch 1"),
-        ([torch.zeros(1, 128, 4, 3)], "offset", "'offset' is not one of ['index'] for flux2"),
+        ([torch.zeros(1, 128, 4, 3)], "offset", "'offset' is not one of ['index'] for FLUX.2"),
         ([], None, "non-empty list"),
     ]
     for refs, method, text in bad:
@@ -227,8 +227,8 @@ def test_references_refused_for_sd3():
 
     req = GenerationRequest(prompt=["x"], reference_latents=[torch.zeros(1, 16, 8, 8)])
     problems = req.problems(SimpleNamespace(arch="sd3"))
-    assert problems == ["reference images are not supported by sd3 models; they need FLUX.1 "
-                        "Kontext or FLUX.2 (remove the reference latents)"]
+    assert problems == ["reference images are not supported by SD3/3.5 models (remove the "
+                        "reference latents)"]
 
 
 def test_reference_tokens_count_in_the_split_check():
@@ -326,8 +326,7 @@ def test_kontext_reference_changes_the_result(pools, kontext_oracle):
     req = GenerationRequest(prompt=PROMPTS[:1], seed=5, steps=3, height=h, width=w,
                             max_sequence_length=MSL)
     check(pool.generate(req, noise=x).samples, plain, x)
-    with pytest.raises(ConfigError, match="has 32 channels; this flux model's VAE latents "
-                                          "have 16"):
+    with pytest.raises(ConfigError, match="has 32 channels; FLUX.1 uses 16"):
         pool.generate(GenerationRequest(prompt=PROMPTS[:1], height=h, width=w,
                                         reference_latents=[torch.zeros(1, 32, 8, 6)]))
 

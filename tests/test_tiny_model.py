@@ -189,5 +189,5 @@ def test_cli(tmp_path, capsys):
 
 
 def test_rejects_bad_arch(tmp_path):
-    with pytest.raises(ValueError, match="flux, sd3"):
+    with pytest.raises(ValueError, match="flux, flux2, sd3"):
         build_tiny_model("sdxl", tmp_path)

@@ -225,8 +225,9 @@ class QwenImageShardedAttnProcessor:
             img_freqs, txt_freqs = image_rotary_emb
             iq = apply_rotary_emb_qwen(iq, img_freqs, use_real=False)
             ik = apply_rotary_emb_qwen(ik, img_freqs, use_real=False)
-            tq = apply_rotary_emb_qwen(tq, txt_freqs, use_real=False)
-            tk = apply_rotary_emb_qwen(tk, txt_freqs, use_real=False)
+            if tq.shape[1]:  # PipeFusion's later patches carry no text
+                tq = apply_rotary_emb_qwen(tq, txt_freqs, use_real=False)
+                tk = apply_rotary_emb_qwen(tk, txt_freqs, use_real=False)
         query, key, value = (torch.cat(p, dim=1) for p in ((tq, iq), (tk, ik), (tv, iv)))
         out = self.attention(query, key, value, plan, ("text", "image"), attn,
                              text_lengths=text_lengths)

@@ -1,0 +1,171 @@
+"""Qwen-Image through the pool equals diffusers' QwenImagePipeline (DESIGN.md numerics 4):
+every exact method on 1, 2 and 4 ranks, true CFG with its norm rescale, batches of one prompt
+and of three prompts of different token lengths (the pipeline pads them and masks the
+padding; the pool drops the padded keys row by row), at a size whose token grid is odd (5 x 3:
+every sequence shard uneven) and an even one; PipeFusion with warmup >= steps; the
+single-frame decode; the NCCL-rules emulation.
+
+The noise is ComfyUI's for the LATENT shape [B, 16, 1, H/8, W/8], packed as the pipeline
+packs its latents; the pipeline's result is brought to ComfyUI's LATENT (x * std + mean,
+latent_formats.Wan21) to compare with the pool's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+from conftest import LayoutPools
+
+TOL = 1e-4
+ARCH = "qwen_image"
+SIZES = {"odd": (80, 48), "even": (128, 96)}  # token grids 5 x 3 and 8 x 6
+PROMPTS = ["a red cat", "a big blue dog sitting on a green field", "sky"]  # 3 token lengths
+NEGATIVE = "ugly dark"
+MSL = 64
+
+CONFIGS = {
+    "ulysses2": ParallelConfig(ulysses=2),
+    "ring2": ParallelConfig(ring=2),
+    "cfg2": ParallelConfig(cfg_parallel=True),
+    "dp2": ParallelConfig(dp=2),
+    "ulysses4": ParallelConfig(ulysses=4),
+    "ulysses2xring2": ParallelConfig(ulysses=2, ring=2),
+    "cfg2xring2": ParallelConfig(cfg_parallel=True, ring=2),
+    "dp2xulysses2": ParallelConfig(dp=2, ulysses=2),
+}
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """[B, 16, 1, h, w] -> [B, h/2 * w/2, 64], as QwenImagePipeline._pack_latents."""
+    b, c, _, h, w = x.shape
+    return x[:, :, 0].view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5) \
+        .reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    b, _, c = x.shape
+    h, w = height // 16, width // 16
+    return x.view(b, h, w, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5) \
+        .reshape(b, c // 4, 1, 2 * h, 2 * w)
+
+
+@pytest.fixture(scope="module")
+def pipe(model_dir):
+    from diffusers import QwenImagePipeline
+    return QwenImagePipeline.from_pretrained(str(model_dir(ARCH))).to(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def oracle(pipe):
+    """oracle(request[, mask_padding]) -> the pipeline's latent as a ComfyUI LATENT.
+    `mask_padding=False` runs the pipeline with every padded text token attended (the
+    negative control: what ignoring the padding would give)."""
+    cfg = pipe.vae.config
+    mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
+
+    def run(req: GenerationRequest, mask_padding: bool = True) -> torch.Tensor:
+        b, h, w = len(req.prompt), req.height, req.width
+        noise = torch.randn([b, 16, 1, h // 8, w // 8], generator=torch.manual_seed(req.seed))
+        kw = dict(prompt=req.prompt, max_sequence_length=req.max_sequence_length)
+        if not mask_padding:
+            embeds, _ = pipe.encode_prompt(req.prompt, max_sequence_length=MSL)
+            kw = dict(prompt_embeds=embeds, prompt_embeds_mask=torch.ones(embeds.shape[:2]))
+        if req.cfg and req.cfg > 1:
+            kw.update(negative_prompt=req.negative_prompt, true_cfg_scale=req.cfg)
+        out = pipe(height=h, width=w, num_inference_steps=req.steps, latents=pack(noise),
+                   output_type="latent", **kw).images
+        return unpack(out, h, w) * std + mean
+    return run
+
+
+@pytest.fixture(scope="module")
+def layout_pools():
+    cache = LayoutPools(keep=2)
+    yield cache
+    cache.close()
+
+
+def request(size: str, batch: int, cfg: float = 4.0, seed: int = 11, **kw) -> GenerationRequest:
+    h, w = SIZES[size]
+    return GenerationRequest(prompt=PROMPTS[:batch], seed=seed, steps=3, height=h, width=w,
+                             cfg=cfg, negative_prompt=NEGATIVE, max_sequence_length=MSL, **kw)
+
+
+def check(got, want, what: str):
+    assert got.shape == want.shape, what
+    diff = float((got - want).abs().max())
+    assert diff <= TOL, f"{what}: max abs diff {diff:.3e}"
+
+
+def test_one_rank_equals_the_pipeline(model_dir, layout_pools, oracle):
+    pool = layout_pools.get(model_dir(ARCH), ParallelConfig())
+    for size in SIZES:
+        for batch, cfg in ((1, 4.0), (3, 2.5), (1, 1.0)):
+            req = request(size, batch, cfg)
+            got = pool.generate(req).samples
+            assert got.shape == (batch, 16, 1) + tuple(v // 8 for v in SIZES[size])
+            check(got, oracle(req), f"1 rank {size} batch {batch} cfg {cfg}")
+
+
+def test_padded_prompts_need_their_mask(model_dir, layout_pools, oracle):
+    """Negative control: attending the padded text tokens (no mask) moves the result well
+    beyond the tolerance, so the batch-3 equality above proves the padding is dropped."""
+    req = request("odd", 3, 1.0)
+    got = layout_pools.get(model_dir(ARCH), ParallelConfig()).generate(req).samples
+    unmasked = oracle(req, mask_padding=False)
+    assert float((got - unmasked).abs().max()) > 1e-3
+    assert float((got[0] - unmasked[0]).abs().max()) > 1e-3  # row 0 is the one padded most
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parallel_methods_equal_the_pipeline(model_dir, layout_pools, oracle, name):
+    config = CONFIGS[name]
+    pool = layout_pools.get(model_dir(ARCH), config)
+    for size, batch in (("odd", 3), ("even", 1)):
+        if config.dp > batch:
+            continue
+        req = request(size, batch)
+        check(pool.generate(req).samples, oracle(req), f"{name} {size} batch {batch}")
+
+
+def test_pipefusion_with_full_warmup_is_exact(model_dir, layout_pools, oracle):
+    config = ParallelConfig(pipefusion=2, warmup_steps=3)
+    pool = layout_pools.get(model_dir(ARCH), config)
+    req = request("even", 1)
+    check(pool.generate(req).samples, oracle(req), "pipefusion 2, warmup 3 of 3")
+
+
+def test_pipefusion_refuses_prompts_of_different_lengths(model_dir, layout_pools):
+    from comfyui_xdit.client.pool import PoolError
+    pool = layout_pools.get(model_dir(ARCH), ParallelConfig(pipefusion=2, warmup_steps=1))
+    with pytest.raises((PoolError, ValueError), match="same token length"):
+        pool.generate(request("even", 2, cfg=1.0))
+    pool.generate(request("even", 1, cfg=1.0))  # still serves
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(), ParallelConfig(ulysses=2)],
+                         ids=["1rank", "ulysses2"])
+def test_decoded_image_equals_the_pipeline(model_dir, layout_pools, pipe, config):
+    req = request("even", 1, output="image")
+    noise = torch.randn([1, 16, 1, 16, 12], generator=torch.manual_seed(req.seed))
+    want = pipe(prompt=req.prompt, negative_prompt=NEGATIVE, true_cfg_scale=4.0, height=128,
+                width=96, num_inference_steps=3, latents=pack(noise),
+                max_sequence_length=MSL, output_type="pt").images
+    got = layout_pools.get(model_dir(ARCH), config).generate(req).images
+    assert got.shape == (1, 128, 96, 3) and want.std() > 1e-2
+    torch.testing.assert_close(got, want.permute(0, 2, 3, 1).float(), atol=1e-4, rtol=1e-4)
+
+
+def test_methods_under_the_nccl_rules(model_dir, oracle):
+    cache = LayoutPools()
+    try:
+        for config, batch in ((ParallelConfig(ulysses=2, ring=2), 3),
+                              (ParallelConfig(cfg_parallel=True, ulysses=2), 1)):
+            pool = cache.get(model_dir(ARCH), config,
+                             worker_hooks=["xdit_testhooks.nccl_rules:install"])
+            req = request("odd", batch)
+            check(pool.generate(req).samples, oracle(req), f"nccl rules {config.describe()}")
+    finally:
+        cache.close()
