@@ -169,3 +169,49 @@ def test_methods_under_the_nccl_rules(model_dir, oracle):
             check(pool.generate(req).samples, oracle(req), f"nccl rules {config.describe()}")
     finally:
         cache.close()
+
+
+# ---- the xDiT MODEL (stock KSampler): one pool request per ComfyUI model call -------------
+def comfy_call(tr, batch: int, h: int, w: int, tokens: int = 7, seed: int = 0) -> dict:
+    """ComfyUI's QwenImage diffusion-model call: latents [N, 16, 1, h, w] in model space,
+    sigma as the timestep, text states, no pooled output; the unconditional then the
+    conditional chunk of `batch` rows each (calc_cond_batch)."""
+    import uuid
+    gen = torch.Generator().manual_seed(seed)
+    n = 2 * batch
+    x = torch.randn(n, 16, 1, h, w, generator=gen)
+    ctx = torch.randn(2, tokens, tr.config.joint_attention_dim, generator=gen)
+    context = torch.cat([ctx[i:i + 1].expand(batch, -1, -1) for i in range(2)])
+    options = {"uuids": [uuid.uuid4(), uuid.uuid4()], "cond_or_uncond": [1, 0]}
+    return dict(x=x, timestep=torch.tensor(0.7).expand(n), context=context,
+                transformer_options=options)
+
+
+def model_reference(tr, x, timestep, context) -> torch.Tensor:
+    n, _, _, h, w = x.shape
+    with torch.inference_mode():
+        out = tr(hidden_states=pack(x), timestep=timestep, encoder_hidden_states=context,
+                 img_shapes=[[(1, h // 2, w // 2)]] * n, return_dict=False)[0]
+    return unpack(out, h * 8, w * 8)
+
+
+MODEL_CASES = [(ParallelConfig(cfg_parallel=True), 1, 10, 6),
+               (ParallelConfig(ulysses=2), 3, 10, 6),
+               (ParallelConfig(dp=2), 3, 16, 12),
+               (ParallelConfig(cfg_parallel=True, ulysses=2), 3, 10, 6),
+               (ParallelConfig(dp=2, ring=2), 1, 16, 12)]
+
+
+@pytest.mark.parametrize("config,batch,h,w", MODEL_CASES,
+                         ids=[f"{c.describe().replace(' ', '')}-b{b}-{h}x{w}"
+                              for c, b, h, w in MODEL_CASES])
+def test_model_calls_equal_the_transformer(model_dir, layout_pools, pipe, config, batch, h, w):
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    pool = layout_pools.get(model_dir(ARCH), config)
+    den = PoolDenoiser(pool, config, ARCH)
+    call = comfy_call(pipe.transformer, batch, h, w)
+    want = model_reference(pipe.transformer, call["x"], call["timestep"], call["context"])
+    for _ in range(2):  # the second call reuses the pool's conditioning
+        got = den(**call)
+        assert got.shape == call["x"].shape
+        check(got, want, f"MODEL {config.describe()} batch {batch}")

@@ -276,6 +276,8 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
             pred = adapter.forward(model, packed, t, cond, g, extra)
             clock.mark("post")
             pred = None if dummy else adapter.unpack(pred, h * 8, w * 8)
+            if pred is not None and pred.dim() == 5:  # a one-frame axis: calls speak [N,C,h,w]
+                pred = pred[:, :, 0]
     cache.calls += 1
     leader = all(topo.index(a) == 0 for a in ("pipefusion", "ring", "ulysses"))
     done = {} if run is None else {  # this rank's rows: computed in full / cached

@@ -78,6 +78,12 @@ class PoolDenoiser:
         import torch
 
         self._refuse(control, transformer_options or {}, kwargs)
+        framed = self.family.latent.frames and x.dim() == 5
+        if framed:  # an image family with a frame axis (Qwen-Image): the pool takes [N,C,h,w]
+            if x.shape[2] != 1:
+                raise ConfigError(f"the {self.family.name} xDiT MODEL takes one frame "
+                                  f"(got latents {tuple(x.shape)})")
+            x = x[:, :, 0]
         if context is None or (y is None and self.family.comfy.needs_pooled):
             raise ConfigError(f"the xDiT MODEL needs text conditioning with a pooled output "
                               f"(CONDITIONING from ComfyUI's {self.family.name} text "
@@ -127,6 +133,8 @@ class PoolDenoiser:
                 self.run_counts[k] += v
             if self.on_event is not None:
                 self.on_event({"cache": dict(self.run_counts)})
+        if framed:
+            out = out.unsqueeze(2)
         return out.to(x.device, x.dtype)
 
     # ---- helpers ------------------------------------------------------------------------
