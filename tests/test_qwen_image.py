@@ -215,3 +215,37 @@ def test_model_calls_equal_the_transformer(model_dir, layout_pools, pipe, config
         got = den(**call)
         assert got.shape == call["x"].shape
         check(got, want, f"MODEL {config.describe()} batch {batch}")
+
+
+# ---- ComfyUI's single file (diffusion_models/): diffusers' names, optional prefix ----------
+@pytest.mark.parametrize("prefix,dtype", [("model.diffusion_model.", torch.float32),
+                                          ("", torch.bfloat16)], ids=["checkpoint", "bf16"])
+def test_single_file_equals_its_folder(model_dir, layout_pools, pipe, tmp_path, prefix, dtype):
+    """The transformer as ComfyUI keeps it (split_files/diffusion_models: no prefix; a
+    checkpoint: `model.diffusion_model.`) gives the folder's latent from the same
+    CONDITIONING; a bf16 file is exact against the folder's weights rounded to bf16."""
+    from safetensors.torch import save_file
+
+    from comfyui_xdit.planning.model_info import read_model_info
+
+    sd = {prefix + k: v.to(dtype).contiguous() for k, v in pipe.transformer.state_dict().items()}
+    path = tmp_path / "qwen_image_tiny.safetensors"
+    save_file(sd, str(path))
+    info = read_model_info(path)
+    assert (info.arch, info.kind, info.heads, info.blocks) == (ARCH, "file", 4, 2)
+    with torch.no_grad():
+        pos = pipe.encode_prompt(["a red cat"], max_sequence_length=MSL)[0]
+        neg = pipe.encode_prompt([NEGATIVE], max_sequence_length=MSL)[0]
+    req = GenerationRequest(prompt=[], positive={"cond": pos, "pooled": None},
+                            negative={"cond": neg, "pooled": None}, cfg=4.0, seed=3, steps=3,
+                            height=80, width=48)
+    folder = layout_pools.get(model_dir(ARCH), ParallelConfig()).generate(req).samples
+    config = ParallelConfig(ulysses=2)
+    from comfyui_xdit import WorkerPool
+    with WorkerPool(str(path), config, device="cpu", threads_per_rank=1) as pool:
+        got = pool.generate(req).samples
+    if dtype == torch.float32:
+        check(got, folder, "single file vs folder")
+    else:  # bf16 weights: close to the fp32 folder, not equal (the weights differ)
+        d = float((got - folder).abs().max())
+        assert 0 < d < 0.05 * float(folder.abs().max()), d
