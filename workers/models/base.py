@@ -17,7 +17,17 @@ def meta_transformer(tcls, folder: str):
     import torch
 
     with torch.device("meta"):
-        return tcls.from_config(tcls.load_config(folder))
+        transformer = tcls.from_config(tcls.load_config(folder))
+    return with_computed_buffers(transformer)
+
+
+def with_computed_buffers(transformer):
+    """A meta-built transformer with the buffers its class computes at init (never in a
+    checkpoint) made again by its family's adapter (`computed_buffers`)."""
+    fam = families.BY_CLASS.get(type(transformer).__name__)
+    if fam is not None:
+        fam.adapter_class().computed_buffers(transformer)
+    return transformer
 
 
 def meta_transformer_of(adapter, path: str) -> tuple:
@@ -104,6 +114,12 @@ class DiTAdapter:
         """A single file's tensors in BFL/ComfyUI naming -> diffusers names (splitting fused
         tensors along dim 0 only: workers/models/single_file.row_map relies on it)."""
         raise NotImplementedError
+
+    @staticmethod
+    def computed_buffers(transformer) -> None:
+        """Make again, on the CPU, the non-persistent buffers the transformer's __init__
+        computes (a meta-built transformer has them on the meta device and no checkpoint
+        holds them); the adapter's `assemble` moves them to the device. None by default."""
 
     def check_lora_keys(self, path: str, keys) -> None:
         """Refuse, in one line, a LoRA file whose keys diffusers' converter would drop."""
