@@ -167,7 +167,7 @@ def _reference_problem(adapter, key, rows, channels, c: dict) -> str:
     refs = c.get("ref_latents")
     if refs is None:
         return ""
-    if not hasattr(adapter, "reference_methods"):
+    if not adapter.family.reference_methods:
         return (f"conditioning {key}: reference latents are not supported by {adapter.arch} "
                 f"models (FLUX.1 Kontext or FLUX.2 only); remove the ReferenceLatent node")
     methods = adapter.reference_methods()

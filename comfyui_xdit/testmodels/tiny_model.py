@@ -29,6 +29,7 @@ from comfyui_xdit.client.worker_modules import worker_module
 families = worker_module("families")  # VAE factors, scheduler configs, RoPE axes
 _flux = worker_module("families.flux")
 _sd3 = worker_module("families.sd3")
+_chroma = worker_module("families.chroma")
 ARCHS = families.IDS
 FLUX2_VARIANTS = ("klein", "dev")  # tiny-model --arch flux2 --variant
 
@@ -229,9 +230,9 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
     if not isinstance(width, int) or width < 1 or width % heads:
         raise ValueError(f"width must be a positive multiple of heads ({heads}), got {width!r}")
     head_dim = width // heads
-    if arch == "flux" and (head_dim % 2 or head_dim < 6):
+    if arch in ("flux", "chroma") and (head_dim % 2 or head_dim < 6):
         raise ValueError(
-            f"flux needs an even head dim >= 6 for its 3 RoPE axes; width {width} / heads {heads} = {head_dim}"
+            f"{arch} needs an even head dim >= 6 for its 3 RoPE axes; width {width} / heads {heads} = {head_dim}"
         )
     if arch == "flux2" and (head_dim % 8 or head_dim < 8):
         raise ValueError(
@@ -254,7 +255,7 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
         out["sd35"] = True
     if variant == "dev":  # likewise: klein (the default) keeps its key
         out["variant"] = "dev"
-    if arch == "flux" and head_dim == 128:
+    if arch in ("flux", "chroma") and head_dim == 128:
         # FLUX.1's RoPE axes (16, 56, 56), as a single file of it is read (the old recipe
         # split 128 as (4, 62, 62)): a new key for this recipe, the others' keys unchanged
         out["rope"] = "flux1"
@@ -295,6 +296,41 @@ def _build_flux(cfg: dict):
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
+
+
+# Chroma's approximator (the MLP making every block's modulation from the timestep): its
+# input stays the released 64 channels (16 timestep + 16 guidance + 32 modulation index),
+# the only width ComfyUI's comfy/ldm/chroma accepts; hidden width and depth are small.
+CHROMA_APPROXIMATOR = dict(approximator_num_channels=64, approximator_hidden_dim=32,
+                           approximator_layers=2)
+
+
+def _build_chroma(cfg: dict):
+    """ChromaPipeline: FLUX.1's T5 (same salt, so the same weights as the FLUX test model's
+    T5 of the seed) and VAE, a Chroma transformer of its own salt, the released scheduler."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    seed, heads, head_dim = cfg["seed"], cfg["heads"], cfg["width"] // cfg["heads"]
+    tokenizer = _t5_tokenizer()
+    text_encoder = _t5_model(tokenizer, seed, 2)
+    transformer = _seeded(
+        seed,
+        6,
+        ChromaTransformer2DModel,
+        patch_size=1,
+        in_channels=64,  # 16 latent channels packed 2x2
+        num_layers=cfg["depth"],
+        num_single_layers=cfg["depth"],
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=T5["d_model"],
+        axes_dims_rope=_flux.rope_axes(head_dim),
+        **CHROMA_APPROXIMATOR,
+    )
+    vae = _vae("chroma", seed, 4)
+    scheduler = FlowMatchEulerDiscreteScheduler(**_chroma.SCHEDULER)
+    return ChromaPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                          tokenizer=tokenizer, transformer=transformer)
 
 
 def _build_sd3(cfg: dict):
@@ -536,7 +572,7 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     # Build on the default RNG but leave the caller's RNG state as it was.
     with torch.random.fork_rng(devices=[]):
         pipe = {"flux": _build_flux, "sd3": _build_sd3, "flux2": _build_flux2,
-                "qwen_image": _build_qwen_image}[arch](cfg)
+                "chroma": _build_chroma, "qwen_image": _build_qwen_image}[arch](cfg)
     with _quiet_transformers():
         pipe.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -702,7 +738,8 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "tiny-model",
         help="write a small random-weight diffusers model folder (offline)",
-        description="Write a small random-weight FLUX.1, FLUX.2 or SD3 diffusers folder; nothing "
+        description="Write a small random-weight FLUX.1, FLUX.2, SD3 or Chroma diffusers folder; "
+                    "nothing "
                     "is downloaded.",
     )
     p.add_argument("--arch", required=True, choices=ARCHS, help="model family")

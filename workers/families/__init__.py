@@ -135,7 +135,7 @@ class Family:
             return None
 
 
-_IDS = ("flux", "flux2", "sd3", "qwen_image")
+_IDS = ("flux", "flux2", "sd3", "chroma", "qwen_image")
 FAMILIES: dict = {}
 for _id in _IDS:
     FAMILIES[_id] = importlib.import_module(f"{__name__}.{_id}").FAMILY

@@ -17,7 +17,17 @@ def meta_transformer(tcls, folder: str):
     import torch
 
     with torch.device("meta"):
-        return tcls.from_config(tcls.load_config(folder))
+        transformer = tcls.from_config(tcls.load_config(folder))
+    return with_computed_buffers(transformer)
+
+
+def with_computed_buffers(transformer):
+    """A meta-built transformer with the buffers its class computes at init (never in a
+    checkpoint) made again by its family's adapter (`computed_buffers`)."""
+    fam = families.BY_CLASS.get(type(transformer).__name__)
+    if fam is not None:
+        fam.adapter_class().computed_buffers(transformer)
+    return transformer
 
 
 def meta_transformer_of(adapter, path: str) -> tuple:
@@ -106,6 +116,13 @@ class DiTAdapter:
         tensors along dim 0 only: workers/models/single_file.row_map relies on it)."""
         raise NotImplementedError
 
+    @staticmethod
+    def computed_buffers(transformer) -> None:
+        """Make again, on the CPU, the tables the transformer's __init__ computes outside its
+        checkpoint (non-persistent buffers, plain tensor attributes): a meta-built transformer
+        has them on the meta device, without data. Where the model wants them on the device,
+        the adapter's `assemble` moves them. None by default."""
+
     def check_lora_keys(self, path: str, keys) -> None:
         """Refuse, in one line, a LoRA file whose keys diffusers' converter would drop."""
 
@@ -174,16 +191,11 @@ class DiTAdapter:
                 encoder = pcls.from_pretrained(path, transformer=None, vae=None,
                                                torch_dtype=dtype)
                 encoder.to(te_device)
-        self.after_load(transformer)
         model = LoadedModel(path=path, arch=self.arch, transformer=transformer, encoder=encoder,
                             scheduler_config=sched, vae_config=vae, device=device, dtype=dtype,
                             stage=stage_info)
         model.load_report = dict(report, text_encoders=te_device)  # Worker.describe()
         return model
-
-    def after_load(self, transformer) -> None:
-        """Rebuild what a model computes at construction outside its parameters and buffers
-        (built on the meta device, it would hold no data); every loader ends here."""
 
     def _text_encoder_device(self, path, device, dtype, option) -> str:
         """workers/weights.text_encoder_device with this GPU's free memory (after the

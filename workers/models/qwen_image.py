@@ -88,7 +88,8 @@ class QwenImageAdapter(DiTAdapter):
             img_shapes=[[extra["img_shape"]]] * b, attention_kwargs=kwargs,
             return_dict=False)[0]
 
-    def after_load(self, transformer) -> None:
+    @staticmethod
+    def computed_buffers(transformer) -> None:
         """QwenEmbedRope keeps its frequency tables as plain tensors (complex: diffusers does
         not register them as buffers), so a meta-built model has none: made again here, on
         the CPU as diffusers makes them (each call moves them to the device)."""

@@ -244,7 +244,9 @@ def _skeleton(arch: str, config: dict):
         if k in kw:
             kw[k] = tuple(kw[k])
     with torch.device("meta"):
-        return cls(**kw)
+        model = cls(**kw)
+    from .base import with_computed_buffers
+    return with_computed_buffers(model)
 
 
 def build_transformer(arch: str, config: dict, state: dict, dtype):

@@ -1,0 +1,348 @@
+"""Chroma (workers/families/chroma.py, workers/models/chroma.py) on the xDiT methods: a tiny
+Chroma folder run by the pool equals diffusers' `ChromaPipeline(..., latents=<ComfyUI noise
+packed>, output_type="latent")` to 1e-4 (fp32, final latent, ComfyUI LATENT space) on 1
+rank, Ulysses 2, Ring 2, CFG parallel 2 (true CFG with a negative prompt), DP 2 (batch 3:
+uneven), and on 4 ranks Ulysses 2 x Ring 2, CFG 2 x Ulysses 2 and CFG 2 x Ring 2 (those
+under the emulation of NCCL's point-to-point rules), PipeFusion 2 with warmup >= steps;
+80x48 (5x3 = 15 image tokens: no even split over 2 or 4 ranks, padded), batch 1 and 3.
+
+Why every prompt here has the same token count and max_sequence_length is that count + 1:
+diffusers 0.42.1's ChromaPipeline builds its text mask as a float 0/1 tensor that SDPA adds
+to the logits (issues #11724, #12116, #13619), so the pipeline computes neither the intended
+mask nor no mask. The pool follows the intended mask (it trims the text to the longest real
+length + 1, workers/models/chroma.py). The two agree exactly where the pipeline's mask is
+all ones: every prompt and negative prompt has max_sequence_length - 1 real tokens (prompt
+tokens + EOS), so the one kept pad token is the last position and nothing is masked (the
+float mask then adds the same +1 to every logit, which softmax ignores).
+`test_trimmed_text_equals_the_intended_mask` checks the trimming itself against diffusers'
+transformer given the intended boolean mask, for a padded prompt.
+
+Also: a BFL/ComfyUI-named single file of the tiny transformer (written here by an inverse
+map) gives the folder's latent; a diffusers/PEFT LoRA equals `pipe.load_lora_weights`; the
+default cfg is ChromaPipeline's guidance_scale default. `-s` prints the max differences.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+
+from conftest import comfyui_noise, model_to_latent, pack_flux, unpack_flux
+
+TOL = 1e-4
+MOVED = 1e-2
+STEPS = 3
+CFG = 4.0
+# 3 prompt tokens + EOS each in the tiny T5 vocabulary (checked in `_check_lengths`)
+PROMPTS = ["a red cat", "a blue dog", "a big fox"]
+NEGATIVE = "dark old photo"
+MSL = 5  # = real tokens + 1: diffusers' mask is all ones
+SIZE = (80, 48)  # 5 x 3 image tokens
+RULES = "xdit_testhooks.nccl_rules:install"
+
+
+@pytest.fixture(scope="module")
+def folder(model_dir):
+    return model_dir("chroma")
+
+
+@pytest.fixture(scope="module")
+def chroma_pools():
+    """Warm pools by launch layout (and hooks); two kept alive (a shared 2-core machine)."""
+    from conftest import LayoutPools
+    cache = LayoutPools(keep=2)
+    yield lambda folder, config, **kw: cache.get(folder, config, **kw)
+    cache.close()
+
+
+_PIPES: dict = {}
+_ORACLES: dict = {}
+
+
+def pipeline(folder):
+    from diffusers import ChromaPipeline
+    if str(folder) not in _PIPES:
+        pipe = ChromaPipeline.from_pretrained(str(folder))
+        pipe.set_progress_bar_config(disable=True)
+        _PIPES[str(folder)] = pipe
+    return _PIPES[str(folder)]
+
+
+def _check_lengths(pipe, texts, msl=MSL):
+    ids = pipe.tokenizer(list(texts), padding="max_length", max_length=msl,
+                         return_tensors="pt").attention_mask
+    assert (ids.sum(1) == msl - 1).all(), "prompts must have max_sequence_length - 1 tokens"
+
+
+def oracle(folder, req: GenerationRequest, pipe=None):
+    """ChromaPipeline's final latent for `req` from ComfyUI's noise, as a ComfyUI LATENT."""
+    pipe = pipe or pipeline(folder)
+    key = (str(folder), id(pipe), tuple(req.prompt), req.seed, req.steps, req.height,
+           req.width, req.cfg, req.negative_prompt, req.max_sequence_length)
+    if key not in _ORACLES:
+        b, h, w = len(req.prompt), req.height, req.width
+        _check_lengths(pipe, list(req.prompt) + [req.negative_prompt], req.max_sequence_length)
+        noise = comfyui_noise(req.seed, (b, 16, h // 8, w // 8))
+        out = pipe(prompt=list(req.prompt), negative_prompt=[req.negative_prompt] * b,
+                   guidance_scale=req.cfg, height=h, width=w, num_inference_steps=req.steps,
+                   latents=pack_flux(noise), max_sequence_length=req.max_sequence_length,
+                   output_type="latent").images
+        _ORACLES[key] = model_to_latent(unpack_flux(out, h, w), folder)
+    return _ORACLES[key]
+
+
+def request(batch, cfg=CFG, seed=7, **kw):
+    h, w = SIZE
+    base = dict(prompt=PROMPTS[:batch], seed=seed, steps=STEPS, height=h, width=w,
+                max_sequence_length=MSL, cfg=cfg, negative_prompt=NEGATIVE)
+    base.update(kw)
+    return GenerationRequest(**base)
+
+
+def check_exact(pool, folder, batches=(1, 3), cfg=CFG, label=""):
+    for b in batches:
+        req = request(b, cfg=cfg)
+        want = oracle(folder, req)
+        got = pool.generate(req).samples
+        start = model_to_latent(comfyui_noise(req.seed, got.shape), folder)
+        assert got.shape == want.shape == (b, 16, SIZE[0] // 8, SIZE[1] // 8)
+        assert (want - start).abs().max().item() > MOVED
+        err = (got - want).abs().max().item()
+        print(f"chroma {label or pool.config.describe()} batch {b} cfg {cfg}: "
+              f"max abs diff {err:.2e}")
+        assert err <= TOL, f"{label} batch {b}: max abs diff {err:.2e}"
+
+
+# ---- family facts ------------------------------------------------------------------------
+
+def test_default_cfg_is_the_pipelines():
+    from diffusers import ChromaPipeline
+
+    default = inspect.signature(ChromaPipeline.__call__).parameters["guidance_scale"].default
+    r = GenerationRequest(prompt=["x"]).resolved("chroma")
+    assert (r.cfg, r.guidance) == (float(default), None)
+
+
+def test_folder_is_detected_as_chroma(folder):
+    from comfyui_xdit.client.worker_modules import worker_module
+    detect = worker_module("models.detect")
+    d = detect.describe_model(folder)
+    assert (d["arch"], d["pipeline"]) == ("chroma", "ChromaPipeline")
+
+
+# ---- the text: trimming = the intended mask ---------------------------------------------
+
+def test_trimmed_text_equals_the_intended_mask(folder):
+    """Our text (a padded prompt trimmed to its tokens + EOS + one pad, no mask) through
+    the transformer equals diffusers' transformer given the full padded text and the mask
+    ChromaPipeline means (boolean: text positions <= real length, all image tokens); and
+    both differ from what the buggy float mask computes."""
+    from comfyui_xdit.client.worker_modules import worker_module
+
+    ChromaAdapter = worker_module("models.chroma").ChromaAdapter
+    pipe = pipeline(folder)
+    msl, (h, w) = 16, SIZE
+    text = ["a red cat"]  # 4 real tokens of 16
+
+    class Model:  # what the adapter reads of a LoadedModel
+        encoder, transformer, device, dtype = pipe, pipe.transformer, "cpu", torch.float32
+
+    ad = ChromaAdapter()
+    with torch.no_grad():
+        cond = ad.encode(Model, text, msl)
+        assert cond["encoder_hidden_states"].shape[1] == 5
+        x = pack_flux(comfyui_noise(3, (1, 16, h // 8, w // 8)))
+        t = torch.tensor(700.0)
+        extra = ad.forward_extra(Model, h, w)
+        ours = ad.forward(Model, x, t, cond, None, extra)
+
+        pe, ids, mask = pipe.encode_prompt(text, do_classifier_free_guidance=False,
+                                           max_sequence_length=msl)[:3]
+        full = torch.cat([mask, torch.ones(1, x.shape[1])], dim=1)
+
+        def theirs(m):
+            return pipe.transformer(hidden_states=x, timestep=(t / 1000).expand(1),
+                                    encoder_hidden_states=pe, txt_ids=ids,
+                                    img_ids=extra["img_ids"], attention_mask=m,
+                                    return_dict=False)[0]
+        intended, buggy = theirs(full > 0.5), theirs(full)
+    err = (ours - intended).abs().max().item()
+    print(f"trimmed text vs the intended boolean mask: max abs diff {err:.2e}; "
+          f"vs the float mask {(ours - buggy).abs().max().item():.2e}")
+    assert err <= 1e-5
+    assert (ours - buggy).abs().max().item() > 1e-3
+
+
+# ---- exact methods -----------------------------------------------------------------------
+
+def test_one_rank_matches_the_pipeline(chroma_pools, folder):
+    pool = chroma_pools(folder, ParallelConfig())
+    check_exact(pool, folder, label="1 rank")
+    check_exact(pool, folder, batches=(1,), cfg=1.0, label="1 rank, no CFG")
+
+
+TWO = {
+    "ulysses2": ParallelConfig(ulysses=2),
+    "ring2": ParallelConfig(ring=2),
+    "cfg2": ParallelConfig(cfg_parallel=True),
+    "dp2": ParallelConfig(dp=2),
+}
+
+
+def test_two_ranks_match_the_pipeline(chroma_pools, folder):
+    for name, config in TWO.items():
+        pool = chroma_pools(folder, config)
+        check_exact(pool, folder, batches=(3,) if name == "dp2" else (1, 3), label=name)
+
+
+FOUR = {
+    "ulysses2xring2": ParallelConfig(ulysses=2, ring=2),
+    "cfg2xulysses2": ParallelConfig(cfg_parallel=True, ulysses=2),
+    "cfg2xring2": ParallelConfig(cfg_parallel=True, ring=2),
+}
+
+
+def test_four_ranks_under_nccl_rules_match_the_pipeline(chroma_pools, folder, monkeypatch):
+    """4-rank layouts, every transfer under the NCCL-rules emulation
+    (xdit_testhooks/nccl_rules.py: a schedule NCCL would deadlock on fails in seconds)."""
+    monkeypatch.setenv("XDIT_NCCL_RULES_TIMEOUT", "8")
+    pids = None
+    for name, config in FOUR.items():
+        pool = chroma_pools(folder, config, tag="rules", worker_hooks=[RULES])
+        check_exact(pool, folder, label=f"{name} (NCCL rules)")
+        pids = pids or pool.worker_pids()
+        assert pool.worker_pids() == pids  # one launch served them all
+
+
+def test_pipefusion2_with_full_warmup_matches_the_pipeline(chroma_pools, folder):
+    pool = chroma_pools(folder, ParallelConfig(pipefusion=2, warmup_steps=STEPS))
+    check_exact(pool, folder, label="pipefusion2 warmup 3")
+
+
+# ---- a BFL / ComfyUI single file ---------------------------------------------------------
+
+def chroma_to_bfl(sd: dict) -> dict:
+    """diffusers ChromaTransformer2DModel -> BFL / ComfyUI Chroma names, written per key from
+    the BFL layout (the reverse of the loader's rules, independently)."""
+    out = {}
+    for p in ("weight", "bias"):
+        out[f"img_in.{p}"] = sd[f"x_embedder.{p}"]
+        out[f"txt_in.{p}"] = sd[f"context_embedder.{p}"]
+        out[f"final_layer.linear.{p}"] = sd[f"proj_out.{p}"]
+        for n in ("in_proj", "out_proj"):
+            out[f"distilled_guidance_layer.{n}.{p}"] = sd[f"distilled_guidance_layer.{n}.{p}"]
+    n_approx = len({k.split(".")[2] for k in sd if k.startswith("distilled_guidance_layer.layers.")})
+    for j in range(n_approx):
+        a = f"distilled_guidance_layer.layers.{j}."
+        for p in ("weight", "bias"):
+            out[f"{a}in_layer.{p}"] = sd[f"{a}linear_1.{p}"]
+            out[f"{a}out_layer.{p}"] = sd[f"{a}linear_2.{p}"]
+        out[f"distilled_guidance_layer.norms.{j}.scale"] = \
+            sd[f"distilled_guidance_layer.norms.{j}.weight"]
+    n_double = len({k.split(".")[1] for k in sd if k.startswith("transformer_blocks.")})
+    n_single = len({k.split(".")[1] for k in sd if k.startswith("single_transformer_blocks.")})
+    for i in range(n_double):
+        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for p in ("weight", "bias"):
+            out[f"{b}img_attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.to_{x}.{p}"] for x in "qkv"])
+            out[f"{b}txt_attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.add_{x}_proj.{p}"]
+                                                     for x in "qkv"])
+            out[f"{b}img_attn.proj.{p}"] = sd[f"{d}attn.to_out.0.{p}"]
+            out[f"{b}txt_attn.proj.{p}"] = sd[f"{d}attn.to_add_out.{p}"]
+            out[f"{b}img_mlp.0.{p}"] = sd[f"{d}ff.net.0.proj.{p}"]
+            out[f"{b}img_mlp.2.{p}"] = sd[f"{d}ff.net.2.{p}"]
+            out[f"{b}txt_mlp.0.{p}"] = sd[f"{d}ff_context.net.0.proj.{p}"]
+            out[f"{b}txt_mlp.2.{p}"] = sd[f"{d}ff_context.net.2.{p}"]
+        out[f"{b}img_attn.norm.query_norm.scale"] = sd[f"{d}attn.norm_q.weight"]
+        out[f"{b}img_attn.norm.key_norm.scale"] = sd[f"{d}attn.norm_k.weight"]
+        out[f"{b}txt_attn.norm.query_norm.scale"] = sd[f"{d}attn.norm_added_q.weight"]
+        out[f"{b}txt_attn.norm.key_norm.scale"] = sd[f"{d}attn.norm_added_k.weight"]
+    for i in range(n_single):
+        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        for p in ("weight", "bias"):
+            out[f"{b}linear1.{p}"] = torch.cat([sd[f"{d}attn.to_q.{p}"], sd[f"{d}attn.to_k.{p}"],
+                                                sd[f"{d}attn.to_v.{p}"], sd[f"{d}proj_mlp.{p}"]])
+            out[f"{b}linear2.{p}"] = sd[f"{d}proj_out.{p}"]
+        out[f"{b}norm.query_norm.scale"] = sd[f"{d}attn.norm_q.weight"]
+        out[f"{b}norm.key_norm.scale"] = sd[f"{d}attn.norm_k.weight"]
+    assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in sd.values())
+    return out
+
+
+@pytest.fixture(scope="module")
+def bfl_file(folder, tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+    sd = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    path = tmp_path_factory.mktemp("chroma_file") / "chroma.safetensors"
+    save_file({"model.diffusion_model." + k: v.contiguous()
+               for k, v in chroma_to_bfl(sd).items()}, str(path))
+    return path
+
+
+def test_single_file_is_detected_with_the_folders_config(folder, bfl_file):
+    import json
+
+    from comfyui_xdit.client.worker_modules import worker_module
+    sf = worker_module("models.detect").single_file_config(bfl_file)
+    assert (sf["arch"], sf["naming"]) == ("chroma", "bfl")
+    want = json.loads((folder / "transformer" / "config.json").read_text())
+    want["out_channels"] = want["out_channels"] or want["in_channels"]  # None: in_channels
+    for k, v in sf["config"].items():
+        assert want[k] == (list(v) if isinstance(v, tuple) else v), k
+
+
+def test_single_file_gives_the_folders_latent(chroma_pools, folder, bfl_file):
+    """The file has no text encoders: both runs take the same CONDITIONING (ComfyUI's:
+    unpadded T5 states, no pooled output), encoded here by the folder's pipeline."""
+    pipe = pipeline(folder)
+    with torch.no_grad():
+        pos, neg = (pipe.encode_prompt([t], do_classifier_free_guidance=False,
+                                       max_sequence_length=MSL)[0] for t in (PROMPTS[0],
+                                                                           NEGATIVE))
+    h, w = SIZE
+    req = GenerationRequest(prompt=[], positive={"cond": pos, "pooled": None},
+                            negative={"cond": neg, "pooled": None}, cfg=CFG, seed=7,
+                            steps=STEPS, height=h, width=w)
+    want = oracle(folder, request(1))
+    ref = chroma_pools(folder, ParallelConfig()).generate(req).samples
+    assert (ref - want).abs().max().item() <= TOL  # CONDITIONING = the prompt's encoding
+    got = chroma_pools(bfl_file, ParallelConfig(ulysses=2)).generate(req).samples
+    err = (got - ref).abs().max().item()
+    print(f"chroma BFL single file (ulysses 2) vs folder: max abs diff {err:.2e}")
+    assert err <= TOL
+
+
+# ---- LoRA --------------------------------------------------------------------------------
+
+def test_peft_lora_equals_load_lora_weights(chroma_pools, folder, tmp_path):
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    t = ChromaTransformer2DModel.from_pretrained(str(folder), subfolder="transformer")
+    cfg = LoraConfig(r=4, lora_alpha=8.0, target_modules=["to_q", "to_k", "to_v", "to_out.0",
+                                                           "proj_mlp"])
+    t.add_adapter(cfg, adapter_name="x")
+    g = torch.Generator().manual_seed(3)
+    for n, p in t.named_parameters():
+        if "lora_" in n:
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    ChromaPipeline.save_lora_weights(tmp_path, transformer_lora_layers=get_peft_model_state_dict(
+        t, adapter_name="x"), transformer_lora_adapter_metadata=cfg.to_dict())
+    path = tmp_path / "pytorch_lora_weights.safetensors"
+
+    pipe = ChromaPipeline.from_pretrained(str(folder))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(path), adapter_name="l")
+    pipe.set_adapters(["l"], [0.7])
+    req = request(1)
+    want = oracle(folder, req, pipe=pipe)
+    assert (want - oracle(folder, req)).abs().max().item() > MOVED  # the LoRA matters
+    got = chroma_pools(folder, ParallelConfig(ulysses=2)).generate(
+        request(1, loras=[(str(path), 0.7)])).samples
+    err = (got - want).abs().max().item()
+    print(f"chroma PEFT LoRA (ulysses 2) vs load_lora_weights: max abs diff {err:.2e}")
+    assert err <= TOL

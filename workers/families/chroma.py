@@ -1,0 +1,85 @@
+"""Chroma (lodestones' Chroma1-HD / -Base, diffusers ChromaPipeline): FLUX.1-schnell pruned
+and retrained. FLUX.1's double + single blocks and 2x2-packed 16-channel latents, T5 text only
+(no pooled CLIP), no guidance embedding, no per-block modulation layers: one MLP (the
+"distilled guidance layer", the approximator) makes every block's shift/scale/gate from the
+timestep. Real classifier-free guidance with a negative prompt."""
+from __future__ import annotations
+
+from . import ComfySpec, Family, LatentSpec
+from ._shapes import numbered, pick
+from .flux import LATENT as FLUX_LATENT
+from .flux import SCHEDULER_DEV, VAE_LATENT, rope_axes
+
+# FLUX.1's VAE and ComfyUI's latent_formats.Flux (supported_models.Chroma.latent_format)
+LATENT = LatentSpec(channels=16, downscale=8, tokens="pack2x2", norm="scale_shift",
+                    comfy_format="Flux", rgb=FLUX_LATENT.rgb, rgb_bias=FLUX_LATENT.rgb_bias,
+                    wrong_channels="Chroma uses 16 (encode with the model's VAE, or start "
+                                   "from EmptySD3LatentImage)")
+
+# The released folder's scheduler: FLUX.1-dev's (resolution-dependent "dynamic" shift).
+# Inferred, not read (offline): ChromaPipeline always passes mu = calculate_shift(image
+# tokens, 256, 4096, 0.5, 1.15) (these fallbacks when the config lacks them), which the
+# scheduler uses only with use_dynamic_shifting on.
+SCHEDULER = dict(SCHEDULER_DEV)
+
+# ChromaPipeline.__call__'s guidance_scale default (diffusers 0.42.1)
+CFG = 5.0
+
+
+def config_from_shapes(shapes: dict, naming: str) -> dict:
+    bfl = naming == "bfl"
+    hidden, in_ch = pick(shapes, bfl, "img_in.weight", "x_embedder.weight")
+    head_dim = pick(shapes, bfl, "double_blocks.0.img_attn.norm.query_norm.scale",
+                    "transformer_blocks.0.attn.norm_q.weight")[0]
+    if hidden % head_dim:
+        raise ValueError(f"hidden size {hidden} is not a multiple of the head dim {head_dim}")
+    double = numbered(shapes, "double_blocks." if bfl else "transformer_blocks.", "double")
+    single = numbered(shapes, "single_blocks." if bfl else "single_transformer_blocks.",
+                      "single")
+    approx_hidden, approx_in = shapes["distilled_guidance_layer.in_proj.weight"]
+    approx = numbered(shapes, "distilled_guidance_layer.layers.", "approximator")
+    return {"patch_size": 1, "in_channels": int(in_ch),
+            "out_channels": int(pick(shapes, bfl, "final_layer.linear.weight",
+                                     "proj_out.weight")[0]),
+            "num_layers": len(double), "num_single_layers": len(single),
+            "attention_head_dim": int(head_dim), "num_attention_heads": int(hidden // head_dim),
+            "joint_attention_dim": int(pick(shapes, bfl, "txt_in.weight",
+                                            "context_embedder.weight")[1]),
+            "axes_dims_rope": list(rope_axes(head_dim)),
+            "approximator_num_channels": int(approx_in),
+            "approximator_hidden_dim": int(approx_hidden),
+            "approximator_layers": len(approx)}
+
+
+def released(config: dict) -> tuple:
+    """The released scheduler (above) and FLUX's VAE statistics (0.3611 / 0.1159)."""
+    return dict(SCHEDULER), dict(VAE_LATENT)
+
+
+FAMILY = Family(
+    id="chroma", name="Chroma", transformer_class="ChromaTransformer2DModel",
+    pipelines=("ChromaPipeline",), adapter="ChromaAdapter",
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    block_counts=("num_layers", "num_single_layers"),
+    latent=LATENT,
+    # ComfyUI: model_base.Chroma (a Flux subclass, model type FLUX, timestep = sigma) and
+    # supported_models.Chroma, detected by image_model "chroma"
+    comfy=ComfySpec(base=lambda unet: "Chroma", config=lambda unet: "Chroma",
+                    unet=lambda cfg: {"image_model": "chroma"}, timestep_scale=1000.0,
+                    needs_pooled=False),
+    # ComfyUI's detection (comfy/model_detection.py): FLUX's double blocks plus an
+    # approximator norm, `distilled_guidance_layer.norms.0.scale` (or the `.0.norms.0`
+    # spelling it also accepts). diffusers names the norms' weights `.weight` (in_proj is
+    # named alike in both namings, so it cannot tell them apart).
+    markers=(("bfl", "distilled_guidance_layer.norms.0.scale"),
+             ("bfl", "distilled_guidance_layer.0.norms.0.scale"),
+             ("diffusers", "distilled_guidance_layer.norms.0.weight")),
+    config_from_shapes=config_from_shapes,
+    config_defaults={"num_attention_heads": 24, "attention_head_dim": 128,
+                     "joint_attention_dim": 4096, "patch_size": 1},
+    cfg=CFG, guidance=None, pooled=False,
+    text_hint="encode with Chroma's T5-XXL (CLIPLoader type chroma)",
+    released=released,
+    # before FLUX.1 (20): a Chroma file also has FLUX.1's block keys
+    detect_order=15,
+)
