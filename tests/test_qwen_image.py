@@ -249,3 +249,55 @@ def test_single_file_equals_its_folder(model_dir, layout_pools, pipe, tmp_path, 
     else:  # bf16 weights: close to the fp32 folder, not equal (the weights differ)
         d = float((got - folder).abs().max())
         assert 0 < d < 0.05 * float(folder.abs().max()), d
+
+
+# ---- LoRA: diffusers/PEFT and ComfyUI (diffusion_model. lora_down/up/alpha) files ----------
+def test_lora_files_equal_load_lora_weights(model_dir, layout_pools, tmp_path):
+    """A PEFT LoRA and the same LoRA in ComfyUI's key format (what ComfyUI users download:
+    `diffusion_model.<module>.lora_down / lora_up / alpha`) both equal diffusers'
+    `load_lora_weights` on the pipeline, under Ulysses 2."""
+    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = str(model_dir(ARCH))
+    t = QwenImageTransformer2DModel.from_pretrained(folder, subfolder="transformer")
+    rank, alpha = 4, 8.0
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=["to_q", "to_k", "add_v_proj",
+                                                                "to_out.0", "img_mlp.net.2"])
+    t.add_adapter(cfg, adapter_name="x")
+    g = torch.Generator().manual_seed(3)
+    for n, p in t.named_parameters():
+        if "lora_" in n:
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    peft_sd = get_peft_model_state_dict(t, adapter_name="x")
+    QwenImagePipeline.save_lora_weights(tmp_path, transformer_lora_layers=peft_sd,
+                                        transformer_lora_adapter_metadata=cfg.to_dict())
+    peft_file = tmp_path / "pytorch_lora_weights.safetensors"
+    comfy = {}
+    for k, v in peft_sd.items():  # "transformer_blocks.0.attn.to_q.lora_A.weight"
+        module, part = k.split(".lora_")
+        comfy[f"diffusion_model.{module}.lora_{'down' if part[0] == 'A' else 'up'}.weight"] = v
+        comfy[f"diffusion_model.{module}.alpha"] = torch.tensor(alpha)
+    comfy_file = tmp_path / "comfy_lora.safetensors"
+    save_file({k: v.contiguous() for k, v in comfy.items()}, str(comfy_file))
+
+    pipe = QwenImagePipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    req = request("even", 1)
+    noise = pack(torch.randn([1, 16, 1, 16, 12], generator=torch.manual_seed(req.seed)))
+    kw = dict(prompt=req.prompt, negative_prompt=NEGATIVE, true_cfg_scale=4.0, height=128,
+              width=96, num_inference_steps=3, max_sequence_length=MSL, output_type="latent")
+    plain = pipe(latents=noise, **kw).images
+    pipe.load_lora_weights(str(peft_file), adapter_name="l")
+    pipe.set_adapters(["l"], [0.7])
+    cfgv = pipe.vae.config
+    mean = torch.tensor(cfgv.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(cfgv.latents_std).view(1, -1, 1, 1, 1)
+    want = unpack(pipe(latents=noise, **kw).images, 128, 96) * std + mean
+    assert float((want - (unpack(plain, 128, 96) * std + mean)).abs().max()) > 1e-2
+    pool = layout_pools.get(model_dir(ARCH), ParallelConfig(ulysses=2))
+    for path in (peft_file, comfy_file):
+        got = pool.generate(request("even", 1, loras=[(str(path), 0.7)])).samples
+        check(got, want, f"LoRA {path.name}")
