@@ -161,6 +161,18 @@ def test_flux1_preset(flux2):
     assert 4.8e9 < facts.text_encoder_params < 5.0e9  # T5-XXL encoder + CLIP-L
 
 
+@pytest.mark.parametrize("name,transformer,text", [
+    ("qwen-image", (20.2e9, 20.6e9), (8.2e9, 8.4e9)),  # Qwen-Image 20B, Qwen2.5-VL 7B (8.3B)
+    ("chroma", (8.7e9, 9.0e9), (4.7e9, 4.8e9)),  # Chroma1-HD 8.9B, T5-XXL encoder
+])
+def test_family_presets_have_the_published_sizes(name, transformer, text):
+    facts = mp.preset_facts(name)
+    plan = mp.plan(facts, ParallelConfig(), BF16)
+    assert transformer[0] < plan.ranks[0].weights / 2 < transformer[1]
+    assert text[0] < facts.text_encoder_params < text[1]
+    assert facts.vae_params > 0 and len(facts.vae_channels) == 4
+
+
 def test_model_folder_counts_its_real_modules(model_dir):
     from diffusers import FluxTransformer2DModel
     path = model_dir("flux")
@@ -550,16 +562,18 @@ def test_pool_logs_the_comparison_after_its_first_job(model_dir, monkeypatch, ca
 
 
 def test_docs_tables_are_what_the_plan_prints(capsys):
-    """Every table docs/memory.md says a `memory-plan` command generated is that command's
+    """Every table docs/memory.md or the README says a `memory-plan` command generated is that command's
     output to the character: the docs quote the one memory model (and its one set of link
     rates, LINKS_GBPS), never a copy that can drift."""
     import pathlib
     import re
     import shlex
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "memory.md").read_text() + "\n" + (root / "README.md").read_text()
     found = re.findall(r"`python -m comfyui_xdit (memory-plan [^`]+)`:\n\n((?:\|.*\n?)+)", text)
-    assert len(found) == 2, "the FLUX.2-dev fit table and the FLUX.1-dev sharding table"
+    assert len(found) == 3, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
+                             "(docs), the Qwen-Image fit table (README)")
     for cmd, table in found:
         assert cli_main(shlex.split(cmd)) == 0, cmd
         assert capsys.readouterr().out.strip() == table.strip(), cmd

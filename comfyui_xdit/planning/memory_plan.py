@@ -129,7 +129,55 @@ PRESETS = {
                                "up_block_types": ["UpDecoderBlock2D"] * 4,
                                "latent_channels": 16, "layers_per_block": 2}),
         note="FLUX.1 [dev] 12B + T5-XXL + CLIP-L"),
+    # Qwen-Image (20B): 60 double-stream blocks, 24 heads x 128, text states 3584 wide;
+    # text encoder Qwen2.5-VL-7B-Instruct (Qwen2_5_VLForConditionalGeneration: 28 layers,
+    # hidden 3584, MLP 18944, 28 heads / 4 KV heads, vocabulary 152064, the 32-block vision
+    # tower the pipelines load with it); VAE AutoencoderKLQwenImage at diffusers' defaults
+    # (the release's: base_dim 96, dim_mult 1/2/4/4). Prompts pad only to the longest one:
+    # 512 text tokens is the pipeline's max_sequence_length, an upper bound.
+    "qwen-image": Preset(
+        arch="qwen_image",
+        transformer={"num_layers": 60, "num_attention_heads": 24, "attention_head_dim": 128,
+                     "joint_attention_dim": 3584, "in_channels": 64, "out_channels": 16,
+                     "patch_size": 2, "axes_dims_rope": [16, 56, 56]},
+        text_encoders=(("Qwen2_5_VLForConditionalGeneration", {
+            "text_config": {"hidden_size": 3584, "intermediate_size": 18944,
+                            "num_hidden_layers": 28, "num_attention_heads": 28,
+                            "num_key_value_heads": 4, "vocab_size": 152064,
+                            "tie_word_embeddings": False},
+            "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                              "num_heads": 16, "out_hidden_size": 3584},
+            "tie_word_embeddings": False}),),
+        vae=("AutoencoderKLQwenImage", {}),
+        note="Qwen-Image 20B + Qwen2.5-VL 7B text encoder"),
+    # Chroma1-HD (8.9B): FLUX.1's 19 double + 38 single blocks without the guidance and
+    # pooled embedders, a 5-layer modulation approximator (diffusers'
+    # ChromaTransformer2DModel defaults); T5-XXL only; FLUX's VAE.
+    "chroma": Preset(
+        arch="chroma",
+        transformer={"num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
+                     "attention_head_dim": 128, "joint_attention_dim": 4096, "in_channels": 64},
+        text_encoders=(("T5EncoderModel", {"d_model": 4096, "d_ff": 10240, "d_kv": 64,
+                                           "num_heads": 64, "num_layers": 24,
+                                           "feed_forward_proj": "gated-gelu",
+                                           "vocab_size": 32128, "tie_word_embeddings": False}),),
+        vae=("AutoencoderKL", {"block_out_channels": [128, 256, 512, 512],
+                               "down_block_types": ["DownEncoderBlock2D"] * 4,
+                               "up_block_types": ["UpDecoderBlock2D"] * 4,
+                               "latent_channels": 16, "layers_per_block": 2}),
+        note="Chroma1-HD 8.9B + T5-XXL"),
 }
+
+
+def vae_channels(config) -> tuple:
+    """The VAE decoder's level widths, full resolution first: block_out_channels, or a
+    Wan-style 3-D VAE's base_dim x dim_mult (Qwen-Image's)."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    if get("block_out_channels") is not None:
+        return tuple(get("block_out_channels"))
+    if get("base_dim") is not None:
+        return tuple(int(get("base_dim")) * int(m) for m in get("dim_mult", (1, 2, 4, 4)))
+    return (128, 256, 512, 512)
 
 
 @dataclass(frozen=True)
@@ -170,7 +218,7 @@ def _preset_counts(name: str) -> tuple:
         te += sum(t.numel() for t in model.parameters())  # a tied embedding counts once
     vcls = getattr(diffusers, preset.vae[0])
     vae = _meta(lambda: vcls(**preset.vae[1]))
-    return te, sum(t.numel() for t in vae.parameters()), tuple(vae.config.block_out_channels)
+    return te, sum(t.numel() for t in vae.parameters()), vae_channels(vae.config)
 
 
 def preset_facts(name: str) -> ModelFacts:
@@ -205,7 +253,7 @@ def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
         if os.path.isdir(vae_dir):
             vae_params = weights.folder_tensor_bytes([vae_dir], torch.float32) // 4
             with open(os.path.join(vae_dir, "config.json")) as f:
-                channels = tuple(json.load(f).get("block_out_channels", (128, 256, 512, 512)))
+                channels = vae_channels(json.load(f))
     return ModelFacts(name=str(path), arch=arch, transformer_class=tcls,
                       transformer_config=json.dumps(cfg, sort_keys=True, default=list),
                       text_encoder_params=0, text_encoder_bytes=te_bytes,
