@@ -301,3 +301,38 @@ def test_lora_files_equal_load_lora_weights(model_dir, layout_pools, tmp_path):
     for path in (peft_file, comfy_file):
         got = pool.generate(request("even", 1, loras=[(str(path), 0.7)])).samples
         check(got, want, f"LoRA {path.name}")
+
+
+# ---- weight sharding and the step cache --------------------------------------------------
+@pytest.mark.parametrize("config", [ParallelConfig(ulysses=2), ParallelConfig(dp=2)],
+                         ids=["ulysses2", "dp2"])
+def test_weight_sharding_equals_the_pipeline(model_dir, oracle, config):
+    """FSDP2 over the 2 ranks (each holds half of every weight, gathered per block)."""
+    from comfyui_xdit import WorkerPool
+    with WorkerPool(str(model_dir(ARCH)), config, device="cpu", threads_per_rank=1,
+                    shard_weights=True) as pool:
+        req = request("odd", 3)
+        check(pool.generate(req).samples, oracle(req), f"shard_weights {config.describe()}")
+
+
+def test_step_cache_decides_alike_on_every_layout(model_dir, layout_pools, oracle):
+    """The step cache on Qwen-Image's double-stream blocks: it skips, stays close to the exact
+    run, and gives the 1-rank latent and skip count under Ulysses, Ring, CFG and DP, with
+    uneven (padded) shards: the padding must not weigh in the decision."""
+    cache = {"threshold": 0.5, "warmup": 1, "head": 1, "tail": 0, "max_skips": 3}
+    req = GenerationRequest(prompt=PROMPTS[:2], seed=4, steps=8, height=80, width=48, cfg=3.0,
+                            negative_prompt=NEGATIVE, max_sequence_length=MSL, cache=cache)
+    base = layout_pools.get(model_dir(ARCH), ParallelConfig())
+    res = base.generate(req)
+    counts = res.stats.get("cache") if isinstance(res.stats, dict) else None
+    exact = base.generate(GenerationRequest(
+        prompt=PROMPTS[:2], seed=4, steps=8, height=80, width=48, cfg=3.0,
+        negative_prompt=NEGATIVE, max_sequence_length=MSL)).samples
+    d = float((res.samples - exact).abs().max())
+    assert 0 < d < 0.5 * float(exact.abs().max()), f"cached vs exact {d}"
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(ring=2),
+                   ParallelConfig(cfg_parallel=True), ParallelConfig(dp=2)):
+        other = layout_pools.get(model_dir(ARCH), config).generate(req)
+        check(other.samples, res.samples, f"step cache {config.describe()}")
+        if counts is not None:
+            assert other.stats.get("cache") == counts

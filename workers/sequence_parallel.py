@@ -109,9 +109,10 @@ class SequenceLayout:
     split_inputs:  forward kwarg -> (stream, dim), split before the transformer runs.
     split_outputs: submodule name -> (stream, dim), its output is split; a tuple output
                    takes one (stream, dim) per element (None: left whole).
-    split_module_inputs: submodule name -> {kwarg: (stream, dim)}, split as that module is
-                   called (a model that derives lengths from a tensor before its first block,
-                   as Qwen-Image's text RoPE does, is split at the block's input instead).
+    full_lengths:  submodule name -> {kwarg: stream}: that keyword of the module's call is
+                   set to the stream's full length (a model that derives a length from a
+                   tensor the hooks have split, as Qwen-Image's text RoPE does, is told the
+                   whole sequence's).
     gather_output: (submodule name, dim), its image-token output is all-gathered.
     token_counts:  (transformer, forward kwargs) -> (text tokens, image tokens).
     kwargs_name:   the forward kwarg whose dict reaches the attention processors.
@@ -123,7 +124,7 @@ class SequenceLayout:
     token_counts: Callable
     attention_processor: Callable  # (ShardedAttention) -> processor instance
     replaces: tuple  # class names of the stock processors the sharded one replaces
-    split_module_inputs: dict = field(default_factory=dict)
+    full_lengths: dict = field(default_factory=dict)
     kwargs_name: str = "joint_attention_kwargs"
 
 
@@ -168,9 +169,9 @@ class SequenceParallel:
         for name, spec in layout.split_outputs.items():
             mod = transformer.get_submodule(name)
             self.handles.append(mod.register_forward_hook(self._splitter(spec)))
-        for name, specs in layout.split_module_inputs.items():
+        for name, specs in layout.full_lengths.items():
             mod = transformer.get_submodule(name)
-            self.handles.append(mod.register_forward_pre_hook(self._input_splitter(specs),
+            self.handles.append(mod.register_forward_pre_hook(self._full_length(specs),
                                                               with_kwargs=True))
         gname, gdim = layout.gather_output
         self.handles.append(transformer.get_submodule(gname).register_forward_hook(
@@ -208,13 +209,10 @@ class SequenceParallel:
                                 for o, s in zip(output, spec))
         return hook
 
-    def _input_splitter(self, specs: dict):
+    def _full_length(self, specs: dict):
         def hook(module, args, kwargs):
-            kwargs = dict(kwargs)
-            for key, (stream, dim) in specs.items():
-                if kwargs.get(key) is not None:
-                    kwargs[key] = self.plan.shard(kwargs[key], dim, stream)
-            return args, kwargs
+            return args, dict(kwargs, **{key: self.plan.full_len(stream)
+                                         for key, stream in specs.items()})
         return hook
 
     def _gatherer(self, dim: int):

@@ -174,7 +174,8 @@ class CallCache:
             out = block(**kwargs)
             self.run.formats[p] = _format(out)
             if p == self.run.settings.head - 1:
-                self._decide(_hidden(out) - self.head_in)
+                r = _hidden(out) - self.head_in
+                self._decide(r.narrow(1, 0, _real_image_tokens(kwargs, r.shape[1])))
             return out
         seg = self.segments.get(p)
         if seg is None:  # tail
@@ -287,6 +288,16 @@ def _format(out) -> str:
 
 def _hidden(out):
     return out[1] if isinstance(out, tuple) else out
+
+
+def _real_image_tokens(kwargs, local: int) -> int:
+    """This rank's real image tokens among its `local` ones: a sequence-parallel shard is
+    padded to the longest (workers/sequence_parallel.py), and the padding's residual must not
+    weigh in the decision, or the ranks would decide otherwise than one process."""
+    plan = (kwargs.get("joint_attention_kwargs") or {}).get("sp_plan")
+    if plan is None or not getattr(plan, "padded", False):
+        return local
+    return min(local, plan.sizes("image")[plan.sp_rank])
 
 
 def _streams(kwargs) -> tuple:

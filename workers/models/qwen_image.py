@@ -2,10 +2,9 @@
 computed from the image grid and the text length, no pooled text, no guidance embedding,
 true CFG whose combination keeps the conditional prediction's norm per token.
 
-Sequence parallelism splits both streams at the input of the first block, not at the
-forward's input: the forward derives the text RoPE length from the text states it is given
-(diffusers' own context-parallel plan splits there too). The RoPE frequencies are split with
-their tokens. Rows of one call whose prompts have different lengths are padded to the
+Sequence parallelism splits both streams after their input projections, and the RoPE
+frequencies with their tokens; the forward derives the text RoPE length from the (split)
+text states, so the RoPE module is told the whole text's length. Rows of one call whose prompts have different lengths are padded to the
 longest (as QwenImagePipeline pads them); their real lengths travel to the attention as
 `text_lengths`, which drops the padded keys (workers/attention.py).
 """
@@ -31,9 +30,9 @@ class QwenImageAdapter(DiTAdapter):
     cfg_rescale = True  # QwenImagePipeline's true CFG keeps the conditional norm
     layout = SequenceLayout(
         split_inputs={},
-        split_outputs={"pos_embed": (("image", 0), ("text", 0))},
-        split_module_inputs={"transformer_blocks.0": {"hidden_states": ("image", 1),
-                                                      "encoder_hidden_states": ("text", 1)}},
+        split_outputs={"img_in": ("image", 1), "txt_in": ("text", 1),
+                       "pos_embed": (("image", 0), ("text", 0))},
+        full_lengths={"pos_embed": {"max_txt_seq_len": "text"}},
         gather_output=("proj_out", 1),
         token_counts=_token_counts,
         attention_processor=QwenImageShardedAttnProcessor,
