@@ -307,8 +307,8 @@ def _extra(model, adapter, h, w, layout) -> dict:
     extra = adapter.forward_extra(model, h * 8, w * 8)
     if layout is not None:
         ref_sizes, ref_method = layout
-        extra["ref_ids"] = adapter.reference_ids(ref_sizes, ref_method, h * 8, w * 8,
-                                                 model.device, extra["img_ids"].dtype)
+        extra.update(adapter.reference_extra(extra, ref_sizes, ref_method, h * 8, w * 8,
+                                             model.device))
     return extra
 
 
