@@ -209,3 +209,59 @@ def test_reference_reaches_the_prediction(edit_dir, layout_pools, oracle):
     flat = request("other", o, refs=False)
     flat.reference_latents = [o["raw"][:, :, 0]]
     check(pool.generate(flat).samples, o["want"], "4-D reference")
+
+
+# ---- the xDiT MODEL (stock KSampler): ComfyUI's QwenImage call with ref_latents ------------
+def comfy_edit_call(tr, batch: int, h: int, w: int, ref_sizes, seed: int = 0) -> dict:
+    """ComfyUI's QwenImage diffusion-model call with references: latents [N, 16, 1, h, w]
+    and `ref_latents` [1, 16, 1, hr, wr] in model space (model_base applied process_in),
+    sigma as the timestep, the unconditional then the conditional chunk (calc_cond_batch)."""
+    import uuid
+    gen = torch.Generator().manual_seed(seed)
+    n = 2 * batch
+    x = torch.randn(n, 16, 1, h, w, generator=gen)
+    ctx = torch.randn(2, 9, tr.config.joint_attention_dim, generator=gen)
+    context = torch.cat([ctx[i:i + 1].expand(batch, -1, -1) for i in range(2)])
+    refs = [torch.randn(1, 16, 1, rh, rw, generator=gen) for rh, rw in ref_sizes]
+    options = {"uuids": [uuid.uuid4(), uuid.uuid4()], "cond_or_uncond": [1, 0]}
+    return dict(x=x, timestep=torch.tensor(0.7).expand(n), context=context,
+                transformer_options=options, ref_latents=refs)
+
+
+def edit_model_reference(tr, x, timestep, context, refs) -> torch.Tensor:
+    """diffusers' transformer on the joined stream: the target's tokens, then each
+    reference's, img_shapes with one entry each, the prediction sliced to the target."""
+    n, _, _, h, w = x.shape
+    hidden = torch.cat([pack(x)] + [pack(r).expand(n, -1, -1) for r in refs], 1)
+    shapes = [(1, h // 2, w // 2)] + [(1, r.shape[-2] // 2, r.shape[-1] // 2) for r in refs]
+    with torch.inference_mode():
+        out = tr(hidden_states=hidden, timestep=timestep, encoder_hidden_states=context,
+                 img_shapes=[shapes] * n, return_dict=False)[0]
+    return unpack(out[:, : (h // 2) * (w // 2)], h * 8, w * 8)
+
+
+# references no larger than the target: there ComfyUI's model (text RoPE after the target's
+# grid) and diffusers' (after the largest grid) agree
+MODEL_CASES = [(ParallelConfig(ulysses=2), 1, 10, 6, [(10, 6)]),
+               (ParallelConfig(cfg_parallel=True, ring=2), 1, 12, 10, [(8, 6), (4, 10)])]
+
+
+@pytest.mark.parametrize("config,batch,h,w,ref_sizes", MODEL_CASES,
+                         ids=[f"{c.describe().replace(' ', '')}-refs{len(r)}"
+                              for c, _, _, _, r in MODEL_CASES])
+def test_model_calls_with_references_equal_the_transformer(edit_dir, layout_pools, pipe, config,
+                                                           batch, h, w, ref_sizes):
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    pool = layout_pools.get(edit_dir, config)
+    den = PoolDenoiser(pool, config, "qwen_image")
+    call = comfy_edit_call(pipe.transformer, batch, h, w, ref_sizes)
+    want = edit_model_reference(pipe.transformer, call["x"], call["timestep"],
+                                call["context"], call["ref_latents"])
+    for _ in range(2):  # the second call reuses the pool's conditioning and references
+        got = den(**call)
+        assert got.shape == call["x"].shape
+        check(got, want, f"MODEL {config.describe()} refs {ref_sizes}")
+    import uuid
+    plain = dict(call, ref_latents=None, transformer_options={
+        "uuids": [uuid.uuid4(), uuid.uuid4()], "cond_or_uncond": [1, 0]})
+    assert float((den(**plain) - want).abs().max()) > 1e-3  # the references matter
