@@ -265,3 +265,65 @@ def test_model_calls_with_references_equal_the_transformer(edit_dir, layout_pool
     plain = dict(call, ref_latents=None, transformer_options={
         "uuids": [uuid.uuid4(), uuid.uuid4()], "cond_or_uncond": [1, 0]})
     assert float((den(**plain) - want).abs().max()) > 1e-3  # the references matter
+
+
+# ---- ComfyUI's path: the references in the CONDITIONING, the LATENT with its frame axis -----
+def comfy_inputs(o, case):
+    """What the xDiT sampler node receives from TextEncodeQwenImageEdit (or ReferenceLatent):
+    CONDITIONING whose options carry `reference_latents` (the raw VAE latent, frame axis
+    kept), the same on the negative, and an empty [1, 16, 1, H/8, W/8] LATENT."""
+    from comfyui_xdit.nodes.logic import SampleInputs
+    (h, w), _ = CASES[case]
+    pos = [[o["pos"], {"reference_latents": [o["raw"]]}]]
+    neg = [[o["neg"], {"reference_latents": [o["raw"]]}]]
+    return SampleInputs(latent={"samples": torch.zeros(1, 16, 1, h // 8, w // 8)}, seed=SEED,
+                        steps=STEPS, cfg=CFG, positive=pos, negative=neg)
+
+
+def test_comfy_conditioning_references(edit_dir, layout_pools, oracle):
+    from comfyui_xdit.nodes.logic import build_job
+    from comfyui_xdit.planning.model_info import read_model_info
+    o = oracle("other")
+    info = read_model_info(edit_dir)
+    req, kw = build_job(comfy_inputs(o, "other"), "qwen_image", model=info)
+    assert len(req.reference_latents) == 1 and req.reference_latents[0].dim() == 5
+    assert req.reference_method is None and req.problems(info) == []
+    pool = layout_pools.get(edit_dir, ParallelConfig(ulysses=2))
+    check(pool.generate(req, **kw).samples, o["want"], "ComfyUI CONDITIONING")
+
+
+def test_reference_latents_checked():
+    from types import SimpleNamespace
+    model = SimpleNamespace(arch="qwen_image", has_text_encoders=True, has_vae=True)
+
+    def problems(*refs, method=None):
+        return GenerationRequest(prompt=["x"], reference_latents=list(refs),
+                                 reference_method=method).problems(model)
+    assert problems(torch.zeros(1, 16, 1, 8, 6)) == problems(torch.zeros(1, 16, 8, 6)) == []
+    assert any("[1 or batch, C, 1, height/8, width/8]" in p
+               for p in problems(torch.zeros(1, 16, 2, 8, 6)))
+    assert any("has 32 channels; Qwen-Image uses 16" in p
+               for p in problems(torch.zeros(1, 32, 1, 8, 6)))
+    assert any("must be even" in p for p in problems(torch.zeros(1, 16, 1, 7, 6)))
+    assert any("'offset' is not one of ['index'] for Qwen-Image" in p
+               for p in problems(torch.zeros(1, 16, 1, 8, 6), method="offset"))
+    req = GenerationRequest(prompt=["x"], reference_latents=[torch.zeros(1, 16, 1, 8, 6)])
+    assert req.reference_tokens() == 12
+    # a family whose LATENT has no frame axis keeps refusing 5-D references
+    flux = SimpleNamespace(arch="flux", has_text_encoders=True, has_vae=True)
+    assert any("must be a float LATENT tensor" in p for p in GenerationRequest(
+        prompt=["x"], reference_latents=[torch.zeros(1, 16, 1, 8, 6)]).problems(flux))
+
+
+def test_edit_folder_prompt_text_refused(edit_dir, layout_pools, oracle):
+    """An Edit folder's text encoder reads the prompt with the image, which the pool does not
+    have: prompt text is refused in one line (not encoded without the image) and the pool
+    keeps serving."""
+    from comfyui_xdit.client.pool import PoolError
+    pool = layout_pools.get(edit_dir, ParallelConfig(ulysses=2))
+    o = oracle("same")
+    (h, w), _ = CASES["same"]
+    with pytest.raises((PoolError, ValueError), match="encodes each prompt together with"):
+        pool.generate(GenerationRequest(prompt=[PROMPT], seed=SEED, steps=STEPS, height=h,
+                                        width=w, cfg=1.0, reference_latents=[o["raw"]]))
+    check(pool.generate(request("same", o)).samples, o["want"], "after the refusal")

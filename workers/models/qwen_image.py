@@ -21,6 +21,15 @@ from .base import DiTAdapter, text_encoder_device_of
 from .flux import dynamic_shift_args, shifted_timesteps
 
 
+# QwenImageEditPipeline's text encoder reads the prompt together with the reference image
+# (vision tokens in the text states); the pool receives references as latents only
+EDIT_PROMPTS = ("a Qwen-Image-Edit folder encodes each prompt together with its reference "
+                "image, which the pool does not take as an image: give the prompts as "
+                "CONDITIONING (ComfyUI's TextEncodeQwenImageEdit, or positive / negative from "
+                "QwenImageEditPipeline.encode_prompt(prompt, image=...)) with the reference "
+                "latents")
+
+
 def processor_without_video() -> None:
     """QwenImageEditPipeline's processor (Qwen2VLProcessor) as an image processor and a
     tokenizer: transformers 5 lists a processor's parts from its __init__ signature and would
@@ -75,6 +84,8 @@ class QwenImageAdapter(DiTAdapter):
             scheduler, latents.shape[1], steps), device)
 
     def encode(self, model, texts, max_sequence_length):
+        if type(model.encoder).__name__ == "QwenImageEditPipeline":
+            raise ValueError(EDIT_PROMPTS)
         pe, mask = model.encoder.encode_prompt(
             prompt=list(texts), device=text_encoder_device_of(model), num_images_per_prompt=1,
             max_sequence_length=max_sequence_length)
