@@ -327,3 +327,20 @@ def test_edit_folder_prompt_text_refused(edit_dir, layout_pools, oracle):
         pool.generate(GenerationRequest(prompt=[PROMPT], seed=SEED, steps=STEPS, height=h,
                                         width=w, cfg=1.0, reference_latents=[o["raw"]]))
     check(pool.generate(request("same", o)).samples, o["want"], "after the refusal")
+
+
+def test_pipefusion_with_references_refused():
+    """PipeFusion puts references first in the image stream; Qwen-Image's RoPE follows the
+    token order (img_shapes), so the request is refused before any rank runs it."""
+    from types import SimpleNamespace
+
+    from comfyui_xdit.planning.config import ConfigError
+    model = SimpleNamespace(arch="qwen_image", heads=4, blocks=2, has_text_encoders=True,
+                            has_vae=True)
+    req = GenerationRequest(prompt=["x"], height=96, width=64,
+                            reference_latents=[torch.zeros(1, 16, 1, 12, 8)])
+    with pytest.raises(ConfigError, match="PipeFusion does not run Qwen-Image reference"):
+        ParallelConfig(pipefusion=2).validate(model, req)
+    ParallelConfig(ulysses=2).validate(model, req)
+    req.reference_latents = None
+    ParallelConfig(pipefusion=2).validate(model, req)
