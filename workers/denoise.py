@@ -50,8 +50,9 @@ class Job:
     init_latent: Optional[torch.Tensor] = None  # model space, the whole batch (img2img)
     denoise: float = 1.0
     options: Optional[dict] = None  # PipeFusion: warmup_steps, pipeline_patches
-    # reference images: {"tokens": [1 or B, M, C] model space, "ids": [M, axes]}, shared by
-    # both guidance branches (the adapter joins them to the image stream)
+    # reference images: {"tokens": [1 or B, M, C] model space, plus what the adapter's
+    # forward needs of them (FLUX: "ids" [M, axes]; Qwen-Image: "shapes", the token grids)},
+    # shared by both guidance branches (the adapter joins them to the image stream)
     references: Optional[dict] = None
 
 
@@ -121,9 +122,11 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
         latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(dtype)
     extra = adapter.forward_extra(model, req["height"], req["width"])
     if job.references is not None:  # a batch of references is sliced like the latents
-        tokens = job.references["tokens"]
-        extra["ref_tokens"] = (tokens[mine] if tokens.shape[0] > 1 else tokens).to(dev, dtype)
-        extra["ref_ids"] = job.references["ids"].to(dev, extra["img_ids"].dtype)
+        for key, v in job.references.items():  # the rest: what the adapter's forward needs
+            if key == "tokens":   # of them ("ids": FLUX's RoPE ids; "shapes": Qwen's grids)
+                extra["ref_tokens"] = (v[mine] if v.shape[0] > 1 else v).to(dev, dtype)
+            else:
+                extra["ref_" + key] = v.to(dev, dtype) if torch.is_tensor(v) else v
     # made once here on the device (a fill, not a host copy), so no step waits on the host
     g = req.get("guidance")
     guidance = None if g is None else torch.full((), float(g), device=dev,

@@ -169,7 +169,8 @@ def _reference_problem(adapter, key, rows, channels, c: dict) -> str:
         return ""
     if not adapter.family.reference_methods:
         return (f"conditioning {key}: reference latents are not supported by {adapter.arch} "
-                f"models (FLUX.1 Kontext or FLUX.2 only); remove the ReferenceLatent node")
+                f"models (FLUX.1 Kontext, FLUX.2 or Qwen-Image-Edit only); remove the "
+                f"ReferenceLatent node")
     methods = adapter.reference_methods()
     if c.get("ref_method") is not None and c["ref_method"] not in methods:
         return (f"conditioning {key}: reference method {c['ref_method']!r} is not one of "
@@ -307,8 +308,8 @@ def _extra(model, adapter, h, w, layout) -> dict:
     extra = adapter.forward_extra(model, h * 8, w * 8)
     if layout is not None:
         ref_sizes, ref_method = layout
-        extra["ref_ids"] = adapter.reference_ids(ref_sizes, ref_method, h * 8, w * 8,
-                                                 model.device, extra["img_ids"].dtype)
+        extra.update(adapter.reference_extra(extra, ref_sizes, ref_method, h * 8, w * 8,
+                                             model.device))
     return extra
 
 

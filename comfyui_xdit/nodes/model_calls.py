@@ -13,7 +13,8 @@ side by side in one batch. `PoolDenoiser` turns each such call into one pool req
 * timestep: FLUX / FLUX.2 get sigma, SD3 sigma * 1000 (ComfyUI's model sampling); the pool
   speaks the diffusers pipelines' sigma * 1000 for all;
 * reference latents (`ref_latents`, from ComfyUI's ReferenceLatent node, in x's space) and
-  `ref_latents_method` go to the pool with their conditioning (FLUX.1 Kontext, FLUX.2);
+  `ref_latents_method` go to the pool with their conditioning (FLUX.1 Kontext, FLUX.2,
+  Qwen-Image-Edit: its one-frame references lose the frame axis as x does);
 * the output: the flow (velocity) prediction in x's layout.
 
 A conditioning crosses to the pool once per sampling run: ComfyUI names the conditioning of
@@ -100,6 +101,8 @@ class PoolDenoiser:
         patchified = self._patchified(x)
         refs = kwargs.get("ref_latents")
         if refs is not None:
+            if framed:  # one-frame references [N, C, 1, h, w] (Qwen-Image-Edit) like x
+                refs = [r[:, :, 0] if r.dim() == 5 and r.shape[2] == 1 else r for r in refs]
             refs = [self._to_pool_layout(r, patchified) for r in refs]
         chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n,
                                      refs, kwargs.get("ref_latents_method"))

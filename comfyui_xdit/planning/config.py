@@ -146,6 +146,14 @@ class ParallelConfig:
             if self.pipefusion > 1 and (request.cache or {}).get("threshold"):
                 from comfyui_xdit.client.worker_modules import worker_module
                 out.append(worker_module("messages").CACHE_WITH_PIPEFUSION)
+            arch = getattr(model, "arch", None)
+            if self.pipefusion > 1 and request.reference_latents and arch is not None:
+                from comfyui_xdit.planning.request import families
+                fam = families.family(arch)
+                if fam.reference_methods and not fam.pipefusion_references:
+                    out.append(f"PipeFusion does not run {fam.name} reference images (its "
+                               f"RoPE places them after the image); use ulysses, ring, "
+                               f"cfg-parallel or dp")
             if degrees_ok and not req_problems and self.pipefusion > 1:
                 rows, cols = request.height // 16, request.width // 16
                 patches = min(self.pipeline_patches or self.pipefusion, rows)

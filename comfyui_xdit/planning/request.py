@@ -49,11 +49,13 @@ class GenerationRequest:
     positive: Optional[dict] = None
     negative: Optional[dict] = None
     batch_size: Optional[int] = None  # default: len(prompt), or the conditioning's batch
-    # Reference images (FLUX.1 Kontext, FLUX.2; ComfyUI's ReferenceLatent): a list of ComfyUI
-    # LATENT samples, each [1 or batch, C, h, w] (FLUX.1: raw VAE space, 16 channels at 1/8,
-    # h, w even; FLUX.2: patchified and normalised, 128 channels at 1/16), in reference order. Their tokens join the image stream after the
-    # latent's; `reference_method` places several of them in RoPE position space
-    # (the family's reference_methods; None: its default, "offset" / "index").
+    # Reference images (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit; ComfyUI's ReferenceLatent):
+    # a list of ComfyUI LATENT samples, each [1 or batch, C, h, w] (FLUX.1: raw VAE space, 16
+    # channels at 1/8, h, w even; FLUX.2: patchified and normalised, 128 channels at 1/16;
+    # Qwen-Image: raw VAE space [1 or batch, 16, 1, h, w] or without the frame axis, h, w
+    # even), in reference order. Their tokens join the image stream after the latent's;
+    # `reference_method` places several of them in RoPE position space (the family's
+    # reference_methods; None: its default, "offset" / "index").
     reference_latents: Optional[list] = None
     reference_method: Optional[str] = None
     # Step cache (workers/step_cache.py CacheSettings, whose defaults these are): threshold
@@ -102,7 +104,7 @@ class GenerationRequest:
             per = 1 if int(r.shape[1]) == 128 else 2
             return (int(r.shape[-2]) // per) * (int(r.shape[-1]) // per)
         return sum(tokens(r) for r in (self.reference_latents or [])
-                   if getattr(r, "ndim", 0) == 4)
+                   if getattr(r, "ndim", 0) in (4, 5))
 
     def problems(self, model: Any = None) -> list[str]:
         out = []
@@ -203,14 +205,20 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
         out.append(f"reference_method {method!r} is unknown")
     spec = None if fam is None else fam.latent
     down = 8 if spec is None else spec.downscale
+    # a family whose LATENT has a frame axis takes its one-frame LATENT as well as a 4-D one
+    frames = spec is None or spec.frames
     for i, r in enumerate(refs):
         name = f"reference latent #{i + 1}"
-        if not torch.is_tensor(r) or r.dim() != 4 or not r.is_floating_point():
+        framed = torch.is_tensor(r) and r.dim() == 5 and frames and int(r.shape[2]) == 1
+        if not torch.is_tensor(r) or (r.dim() != 4 and not framed) or \
+                not r.is_floating_point():
             got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
-            out.append(f"{name} must be a float LATENT tensor [1 or batch, C, height/{down}, "
-                       f"width/{down}] (got {got})")
+            shape = f"[1 or batch, C, height/{down}, width/{down}]"
+            if spec is not None and spec.frames:
+                shape += f" or [1 or batch, C, 1, height/{down}, width/{down}]"
+            out.append(f"{name} must be a float LATENT tensor {shape} (got {got})")
             continue
-        b, c, h, w = (int(v) for v in r.shape)
+        b, c, h, w = (int(r.shape[k]) for k in (0, 1, -2, -1))
         if spec is not None and c != spec.channels:
             out.append(f"{name} has {c} channels; {spec.wrong_channels}")
         if b not in (1, req.batch):

@@ -105,6 +105,9 @@ class Family:
     pooled: bool = True  # the CONDITIONING carries a pooled output the transformer needs
     text_hint: str = "encode with this model's text encoders"
     reference_methods: tuple = ()  # reference images (first: default); () = none
+    # PipeFusion runs references first in the image stream (workers/pipefusion/strategy.py):
+    # exact where positions come from ids (FLUX), not where RoPE follows the token order
+    pipefusion_references: bool = True
     # single files, which carry neither: (scheduler config, VAE latent config) of the
     # released model, from the transformer config
     released: Optional[Callable] = None

@@ -104,6 +104,11 @@ FAMILY = Family(
     guidance=None, pooled=False,
     text_hint="encode with Qwen-Image's text encoder (Qwen2.5-VL 7B: CLIPLoader type "
               "qwen_image) or type the prompt into the sampler",
+    # reference images (QwenImageEditPipeline; ComfyUI's ReferenceLatent /
+    # TextEncodeQwenImageEdit): each reference's tokens follow the target's, at frame k of
+    # RoPE's first axis, rows and columns centred on the reference's own size
+    reference_methods=("index",),
+    pipefusion_references=False,  # img_shapes: the target's tokens first, then each reference
     released=released, detect_order=40, pipeline_of=pipeline_of,
     lora_formats="diffusers/PEFT, kohya (lora_unet_) or ComfyUI (diffusion_model.)",
 )

@@ -172,6 +172,12 @@ class FluxAdapter(DiTAdapter):
             parts.append(ids.reshape(th * tw, self.id_axes))
         return torch.cat(parts).to(device=device, dtype=dtype)
 
+    def reference_extra(self, extra, sizes, method, height, width, device) -> dict:
+        """The forward inputs of references of `sizes` (latent pixels) placed by `method`
+        beside a height x width image (the MODEL path's; `extra`: the image's own)."""
+        return {"ref_ids": self.reference_ids(sizes, method, height, width, device,
+                                              extra["img_ids"].dtype)}
+
     def pack_references(self, refs) -> torch.Tensor:
         """Model-space references [b_i, C, h, w] -> tokens [b, M, C * 4] (a batch-1 reference
         shared by the others). Odd sizes are padded circularly to whole 2x2 tokens, as

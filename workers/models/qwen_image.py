@@ -20,6 +20,26 @@ from .base import DiTAdapter, text_encoder_device_of
 from .flux import dynamic_shift_args, shifted_timesteps
 
 
+# QwenImageEditPipeline's text encoder reads the prompt together with the reference image
+# (vision tokens in the text states); the pool receives references as latents only
+EDIT_PROMPTS = ("a Qwen-Image-Edit folder encodes each prompt together with its reference "
+                "image, which the pool does not take as an image: give the prompts as "
+                "CONDITIONING (ComfyUI's TextEncodeQwenImageEdit, or positive / negative from "
+                "QwenImageEditPipeline.encode_prompt(prompt, image=...)) with the reference "
+                "latents")
+
+
+def processor_without_video() -> None:
+    """QwenImageEditPipeline's processor (Qwen2VLProcessor) as an image processor and a
+    tokenizer: transformers 5 lists a processor's parts from its __init__ signature and would
+    build (and load) a video processor too, which needs torchvision (not a dependency of
+    this pack; the Edit pipeline gives the processor images only). Idempotent; a worker is
+    a process of its own (the tiny Edit folder's builder does the same,
+    comfyui_xdit/testmodels/tiny_qwen_image.patch_processor_without_video)."""
+    from transformers import Qwen2VLProcessor
+    Qwen2VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
+
+
 def _token_counts(transformer, kw):
     return kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
 
@@ -40,6 +60,11 @@ class QwenImageAdapter(DiTAdapter):
         kwargs_name="attention_kwargs",
     )
 
+    def assemble(self, path, *args, **kwargs):
+        if self.pipeline_class == "QwenImageEditPipeline":
+            processor_without_video()  # before the Edit pipeline loads its processor
+        return super().assemble(path, *args, **kwargs)
+
     def pack(self, x):
         return latent_layout.pack(self.arch, x)
 
@@ -58,6 +83,8 @@ class QwenImageAdapter(DiTAdapter):
             scheduler, latents.shape[1], steps), device)
 
     def encode(self, model, texts, max_sequence_length):
+        if type(model.encoder).__name__ == "QwenImageEditPipeline":
+            raise ValueError(EDIT_PROMPTS)
         pe, mask = model.encoder.encode_prompt(
             prompt=list(texts), device=text_encoder_device_of(model), num_images_per_prompt=1,
             max_sequence_length=max_sequence_length)
@@ -81,11 +108,90 @@ class QwenImageAdapter(DiTAdapter):
         mask = cond.get("text_mask")
         if mask is not None:  # one host read, only for a batch of different prompt lengths
             kwargs["text_lengths"] = tuple(int(n) for n in mask.sum(1).tolist())
-        return model.transformer(
-            hidden_states=latents, timestep=t.expand(b).to(latents.dtype) / 1000,
+        hidden, shapes, n = self.with_references(latents, extra)
+        out = model.transformer(
+            hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,
             encoder_hidden_states=cond["encoder_hidden_states"],
-            img_shapes=[[extra["img_shape"]]] * b, attention_kwargs=kwargs,
-            return_dict=False)[0]
+            img_shapes=[shapes] * b, attention_kwargs=kwargs, return_dict=False)[0]
+        return out if n is None else out[:, :n]
+
+    # ---- reference images (Qwen-Image-Edit) --------------------------------------------
+    @staticmethod
+    def with_references(latents, extra):
+        """(the image stream, its img_shapes entries, how many output tokens are the
+        latent's prediction (None: all)). As QwenImageEditPipeline and ComfyUI's model do,
+        each reference's tokens (`extra["ref_tokens"]` [1 or B, M, 64]) follow the latent's
+        and its grid (`extra["ref_shapes"]`) follows the latent's in img_shapes: the RoPE
+        image table then covers the target and the references in that order, which is the
+        order the sequence-parallel split shards them in (image stream, pos_embed's first
+        output), so every token keeps its own frequencies on every rank."""
+        shapes = [extra["img_shape"]]
+        refs = extra.get("ref_tokens")
+        if refs is None:
+            return latents, shapes, None
+        if extra.get("references_first"):
+            raise ValueError("PipeFusion does not run Qwen-Image references (its RoPE "
+                             "places them after the image); use USP, CFG or data parallel")
+        shapes += [tuple(s) for s in extra["ref_shapes"]]
+        hidden = torch.cat([latents, refs.expand(latents.shape[0], -1, -1)], 1)
+        return hidden, shapes, latents.shape[1]
+
+    def reference_methods(self) -> tuple:
+        return self.family.reference_methods
+
+    def _check_method(self, method) -> None:
+        if method is not None and method not in self.reference_methods():
+            raise ValueError(f"reference method {method!r} is not one of "
+                             f"{list(self.reference_methods())} for {self.family.name}")
+
+    @staticmethod
+    def reference_shapes(sizes) -> tuple:
+        """img_shapes entries (frame, token rows, token columns) of references of `sizes`
+        (latent pixels; odd sizes round up: the latent is padded to whole tokens)."""
+        return tuple((1, (h + 1) // 2, (w + 1) // 2) for h, w in sizes)
+
+    def reference_extra(self, extra, sizes, method, height, width, device) -> dict:
+        """The MODEL path's forward inputs for references of `sizes` (latent pixels)."""
+        self._check_method(method)
+        return {"ref_shapes": self.reference_shapes(sizes)}
+
+    def pack_references(self, refs) -> torch.Tensor:
+        """Model-space references [b_i, 16, (1,) h, w] -> tokens [b, M, 64] (a batch-1
+        reference shared by the others); odd sizes padded circularly to whole 2x2 tokens, as
+        ComfyUI's model pads them."""
+        import torch.nn.functional as F
+        toks = []
+        for r in refs:
+            if r.dim() == 5:
+                r = r[:, :, 0]
+            ph, pw = r.shape[-2] % 2, r.shape[-1] % 2
+            if ph or pw:
+                r = F.pad(r, (0, pw, 0, ph), mode="circular")
+            toks.append(self.pack(r))
+        b = max(t.shape[0] for t in toks)
+        return torch.cat([t.expand(b, -1, -1) for t in toks], 1)
+
+    def reference_inputs(self, model, raws, method, height, width) -> dict:
+        """References as ComfyUI LATENTs (raw VAE space [1 or B, 16, (1,) h, w], h and w
+        even) -> {"tokens": [1 or B, M, 64] model space ((raw - mean) / std, packed, as
+        QwenImageEditPipeline encodes its image and ComfyUI's process_in does), "shapes":
+        their img_shapes entries} (CPU, fp32)."""
+        self._check_method(method)
+        channels = int(model.transformer.config.in_channels) // 4
+        for i, r in enumerate(raws):
+            framed = torch.is_tensor(r) and r.dim() == 5 and r.shape[2] == 1
+            if not torch.is_tensor(r) or (r.dim() != 4 and not framed) \
+                    or r.shape[1] != channels or r.shape[-2] % 2 or r.shape[-1] % 2:
+                got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
+                raise ValueError(f"reference latent #{i + 1} must be [1 or batch, {channels}, "
+                                 f"(1,) h, w] with h and w even for this {self.family.name} "
+                                 f"model (got {got})")
+        scale, shift = self.scale_shift(model)
+        toks = [latent_layout.to_model(self.arch, r, scale, shift) for r in raws]
+        b = max(t.shape[0] for t in toks)
+        return {"tokens": torch.cat([t.expand(b, -1, -1) for t in toks], 1).contiguous(),
+                "shapes": self.reference_shapes([(int(r.shape[-2]), int(r.shape[-1]))
+                                                 for r in raws])}
 
     @staticmethod
     def computed_buffers(transformer) -> None:
