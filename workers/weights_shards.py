@@ -123,8 +123,8 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard) -> tuple:
         # a BFL file whose converter needs the whole state (SD3) is cast to the pool dtype
         # before it in the whole loader (single_file.file_tensors): nothing stays fp8 there,
         # so nothing here
-        whole = sf is not None and sf["naming"] != "diffusers" and adapter.bfl_blocks is None
-        keep = set() if mode == "full" or whole else {
+        cast_first = sf is not None and sf["naming"] != "diffusers" and adapter.bfl_blocks is None
+        keep = set() if mode == "full" or cast_first else {
             n for n in cands if n in src.table and src.dtype(n) == FP8}
         quant = (cands - keep) if mode == "fp8" else set()
         fp8 = {m + ".weight": lin for m, lin in fp8_layers(
@@ -153,7 +153,7 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard) -> tuple:
 
         def read(name, r0, r1):  # (rows, scale) as the whole loader's prepare receives them
             t, s = src.read(name, r0, r1), src.scale(name)
-            if whole and t.is_floating_point():  # cast before converting, as there
+            if cast_first and t.is_floating_point():  # cast before converting, as there
                 return prepare(t, s, False, "full", dtype)[0], None
             return t, s
 
