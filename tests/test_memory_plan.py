@@ -163,7 +163,7 @@ def test_flux1_preset(flux2):
 
 @pytest.mark.parametrize("name,transformer,text", [
     ("qwen-image", (20.2e9, 20.6e9), (8.2e9, 8.4e9)),  # Qwen-Image 20B, Qwen2.5-VL 7B (8.3B)
-    ("chroma", (8.7e9, 9.0e9), (4.7e9, 4.8e9)),  # Chroma1-HD 8.9B, T5-XXL encoder
+    ("chroma1-hd", (8.7e9, 9.0e9), (4.7e9, 4.8e9)),  # Chroma1-HD 8.9B, T5-XXL encoder
 ])
 def test_family_presets_have_the_published_sizes(name, transformer, text):
     facts = mp.preset_facts(name)

@@ -153,7 +153,7 @@ PRESETS = {
     # Chroma1-HD (8.9B): FLUX.1's 19 double + 38 single blocks without the guidance and
     # pooled embedders, a 5-layer modulation approximator (diffusers'
     # ChromaTransformer2DModel defaults); T5-XXL only; FLUX's VAE.
-    "chroma": Preset(
+    "chroma1-hd": Preset(
         arch="chroma",
         transformer={"num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
                      "attention_head_dim": 128, "joint_attention_dim": 4096, "in_channels": 64},
