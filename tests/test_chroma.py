@@ -346,3 +346,49 @@ def test_peft_lora_equals_load_lora_weights(chroma_pools, folder, tmp_path):
     err = (got - want).abs().max().item()
     print(f"chroma PEFT LoRA (ulysses 2) vs load_lora_weights: max abs diff {err:.2e}")
     assert err <= TOL
+
+
+# ---- the xDiT MODEL (stock KSampler) -----------------------------------------------------
+def _comfy_call(tr, batch: int, h: int, w: int, tokens: int = 6, seed: int = 0) -> dict:
+    """ComfyUI's Chroma call: model-space latents [N, 16, h, w], sigma as the timestep (its
+    FLUX model type), T5 states without a pooled output, guidance 0 (ComfyUI's default);
+    the unconditional then the conditional chunk of `batch` rows (calc_cond_batch)."""
+    import uuid
+    gen = torch.Generator().manual_seed(seed)
+    n = 2 * batch
+    ctx = torch.randn(2, tokens, tr.config.joint_attention_dim, generator=gen)
+    return dict(x=torch.randn(n, 16, h, w, generator=gen),
+                timestep=torch.tensor(0.6).expand(n),
+                context=torch.cat([ctx[i:i + 1].expand(batch, -1, -1) for i in range(2)]),
+                guidance=torch.zeros(n),
+                transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
+                                     "cond_or_uncond": [1, 0]})
+
+
+@pytest.mark.parametrize("config,batch", [(ParallelConfig(cfg_parallel=True), 1),
+                                          (ParallelConfig(ulysses=2), 3),
+                                          (ParallelConfig(dp=2), 3)],
+                         ids=["cfg2-b1", "ulysses2-b3", "dp2-b3"])
+def test_model_calls_equal_the_transformer(chroma_pools, folder, config, batch):
+    from diffusers import ChromaTransformer2DModel
+
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    tr = ChromaTransformer2DModel.from_pretrained(str(folder), subfolder="transformer").eval()
+    call = _comfy_call(tr, batch, 10, 6)
+    x = call["x"]
+    n, _, h, w = x.shape
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] += torch.arange(h // 2)[:, None]
+    ids[..., 2] += torch.arange(w // 2)[None, :]
+    packed = torch.nn.functional.pixel_unshuffle(x, 2).flatten(2).transpose(1, 2)
+    with torch.inference_mode():
+        out = tr(hidden_states=packed, timestep=call["timestep"],
+                 encoder_hidden_states=call["context"],
+                 txt_ids=torch.zeros(call["context"].shape[1], 3), img_ids=ids.reshape(-1, 3),
+                 return_dict=False)[0]
+    want = torch.nn.functional.pixel_shuffle(out.transpose(1, 2).reshape(n, -1, h // 2, w // 2), 2)
+    den = PoolDenoiser(chroma_pools(folder, config), config, "chroma")
+    for _ in range(2):  # the second call reuses the pool's conditioning
+        got = den(**call)
+        d = float((got - want).abs().max())
+        assert d <= TOL, f"MODEL {config.describe()}: {d}"
