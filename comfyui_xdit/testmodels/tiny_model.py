@@ -738,7 +738,7 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "tiny-model",
         help="write a small random-weight diffusers model folder (offline)",
-        description="Write a small random-weight FLUX.1, FLUX.2, SD3 or Chroma diffusers folder; "
+        description="Write a small random-weight FLUX.1, FLUX.2, SD3, Chroma or Qwen-Image diffusers folder; "
                     "nothing "
                     "is downloaded.",
     )
