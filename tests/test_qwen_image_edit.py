@@ -27,6 +27,8 @@ import torch
 from comfyui_xdit import GenerationRequest, ParallelConfig
 from conftest import LayoutPools
 
+from test_qwen_image import pack, unpack  # noqa: E402  the pipeline's packing, once
+
 TOL = 1e-4
 STEPS = 3
 SEED = 5
@@ -43,20 +45,6 @@ CONFIGS = {
     "cfg2": ParallelConfig(cfg_parallel=True),
     "ulysses2xring2": ParallelConfig(ulysses=2, ring=2),
 }
-
-
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """[B, 16, 1, h, w] -> [B, h/2 * w/2, 64], as QwenImagePipeline._pack_latents."""
-    b, c, _, h, w = x.shape
-    return x[:, :, 0].view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5) \
-        .reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    b, _, c = x.shape
-    h, w = height // 16, width // 16
-    return x.view(b, h, w, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5) \
-        .reshape(b, c // 4, 1, 2 * h, 2 * w)
 
 
 def ref_image(size):

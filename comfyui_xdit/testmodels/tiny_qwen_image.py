@@ -23,6 +23,7 @@ Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identic
 from __future__ import annotations
 
 from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.testmodels.tiny_model import _bytes_to_unicode
 
 _family = worker_module("families.qwen_image")
 
@@ -57,19 +58,6 @@ snow rain fog sitting standing running flying hat glasses""".split()
 EXTRA_PIECES = (" (", "'s", "),", ".<")
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2 byte -> printable-unicode table (what byte-level BPE vocabularies are spelled in)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _apply_merges(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     """Plain BPE: repeatedly merge the adjacent pair with the lowest rank."""
     symbols = list(symbols)
@@ -86,7 +74,7 @@ def _word_bpe():
     with a leading space) a single token, then the Qwen special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    byte = _byte_alphabet()
+    byte = _bytes_to_unicode()
     vocab = {c: i for i, c in enumerate(byte.values())}
     ranks: dict[tuple[str, str], int] = {}
     pieces = [w for word in TEMPLATE_WORDS + PROMPT_WORDS for w in (word, " " + word)]
