@@ -246,6 +246,15 @@ def test_single_file_equals_its_folder(model_dir, layout_pools, pipe, tmp_path, 
         got = pool.generate(req).samples
     if dtype == torch.float32:
         check(got, folder, "single file vs folder")
+        # ComfyUI's scaled-fp8 file of it (block weights in fp8 with scale_weight beside):
+        # detected as fp8, loaded, close to the folder (the weights are rounded to fp8)
+        from comfyui_xdit.testmodels.tiny_model import write_fp8_file
+        fp8 = write_fp8_file(path, tmp_path / "qwen_image_tiny_fp8.safetensors", scaled=True)
+        assert read_model_info(fp8).storage == "scaled-fp8"
+        with WorkerPool(str(fp8), ParallelConfig(), device="cpu", threads_per_rank=1) as pool:
+            got8 = pool.generate(req).samples
+        d = float((got8 - folder).abs().max())
+        assert 0 < d < 0.1 * float(folder.abs().max()), f"fp8 file vs folder {d}"
     else:  # bf16 weights: close to the fp32 folder, not equal (the weights differ)
         d = float((got - folder).abs().max())
         assert 0 < d < 0.05 * float(folder.abs().max()), d
