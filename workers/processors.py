@@ -1,4 +1,5 @@
-"""Sharded attention processors for FLUX and SD3.
+"""Sharded attention processors, one per attention kind of the families (FLUX / FLUX.2 /
+Chroma, SD3, Qwen-Image).
 
 Each computes exactly what the stock diffusers processor computes (projections, QK norms,
 RoPE for FLUX, output projections) on the local token shard; only the attention kernel is

@@ -276,7 +276,7 @@ class CallCache:
 
 # -- block input / output formats ----------------------------------------------------------
 # A block is called with hidden_states and (maybe) encoder_hidden_states and returns either
-# (encoder_hidden_states, hidden_states) (FLUX and SD3 joint blocks; SD3's last joint block
+# (encoder_hidden_states, hidden_states) (FLUX, SD3 and Qwen-Image joint blocks; SD3's last joint block
 # gives None for the text) or hidden_states alone (FLUX.2's single blocks). States are kept
 # as (hidden, encoder) tuples here.
 

@@ -1,7 +1,7 @@
 """The xDiT MODEL: a ComfyUI MODEL whose diffusion model is the warm worker pool.
 
 Imports ComfyUI, so only the node module imports it (at node execution). ComfyUI's own
-FLUX / SD3 model classes provide everything around the transformer (model sampling, latent
+model classes (the family's, workers/families) provide everything around the transformer (model sampling, latent
 format, conditioning handling), so stock KSampler, KSamplerAdvanced, SamplerCustomAdvanced,
 every sampler, scheduler and guider work unchanged; only the diffusion-model call is ours
 (comfyui_xdit/nodes/model_calls.py: one pool request per call). The MODEL holds no weights, so

@@ -83,7 +83,7 @@ def discover_models(folders, max_depth: int = 3) -> list[str]:
 
 # Single files: ComfyUI folder kinds, each listed as "<kind>/<file>" so a name says where it
 # is (and never collides with a diffusers folder's name). A checkpoints folder mixes model
-# families, so only files holding a FLUX/SD3 transformer are listed from it.
+# families, so only files holding a transformer of a known family are listed from it.
 FILE_KINDS = ("diffusion_models", "checkpoints")
 HEADER_CACHE_SIZE = 64  # checkpoint files whose verdict is remembered (least recently used go)
 
@@ -98,7 +98,7 @@ def _is_dit_file(path: Path) -> bool:
 
 @functools.lru_cache(maxsize=HEADER_CACHE_SIZE)
 def _holds_dit(path: str, mtime_ns: int, size: int) -> bool:
-    """Whether the file holds a FLUX/SD3 transformer, from its header; keyed on the file's
+    """Whether the file holds a known family's transformer, from its header; keyed on the file's
     (path, mtime, size) so a replaced file is read again."""
     from comfyui_xdit.planning.model_info import read_safetensors_header, transformer_keys
     try:
@@ -110,7 +110,7 @@ def _holds_dit(path: str, mtime_ns: int, size: int) -> bool:
 
 def discover_single_files(roots_by_kind: dict, max_depth: int = 3) -> list[str]:
     """`{"diffusion_models": [dirs], "checkpoints": [dirs]}` -> sorted "<kind>/<rel path>"
-    names of .safetensors files (every file of diffusion_models, FLUX/SD3 ones of
+    names of .safetensors files (every file of diffusion_models, known families' ones of
     checkpoints)."""
     from comfyui_xdit.planning.model_info import SINGLE_FILE_SUFFIXES
     found = set()

@@ -3,7 +3,7 @@
 ComfyUI's samplers call a MODEL's diffusion model as `(x, timestep, context, y, guidance,
 control, transformer_options, ...)`, with the conditional and unconditional rows of a step
 side by side in one batch. `PoolDenoiser` turns each such call into one pool request
-(workers/model_call.py) and returns what ComfyUI's own FLUX / SD3 model would return:
+(workers/model_call.py) and returns what ComfyUI's own model of the family would return:
 
 * x: model-space latents [N, 16, h, w] (ComfyUI has already applied the latent format).
   FLUX.2 (ComfyUI's newer FLUX.2 model): the normalised latent 2x2-patchified, [N, 128,
@@ -34,7 +34,7 @@ from comfyui_xdit.client.worker_modules import worker_module
 
 families = worker_module("families")
 
-# inputs a FLUX / SD3 diffusion model call may carry that we pass on or check
+# inputs a diffusion model call may carry that we pass on or check
 _KNOWN = {"y", "guidance", "control", "transformer_options", "attention_mask", "ref_latents",
           "ref_latents_method"}
 
