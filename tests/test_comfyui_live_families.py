@@ -6,6 +6,7 @@ puts the tiny Qwen-Image and Chroma folders into models/diffusers/ under the exa
 workflows' names (Qwen-Image, Chroma1-HD), a random Qwen-Image single file that ComfyUI's own
 UNETLoader loads (tests/native_models.py: the released widths, 1 block, bf16) into
 models/diffusion_models/, and starts `main.py --cpu --preview-method latent2rgb`. Then:
+* the loader lists both folders and the Qwen-Image single file;
 * the three examples run: xdit_qwen_image_text_to_image and xdit_chroma_text_to_image as
   shipped (device / world size auto, 1024x1024, their steps, the prompts typed into the
   sampler, decoded on the pool), xdit_qwen_image_ksampler with CLIPLoader + CLIPTextEncode
@@ -77,6 +78,13 @@ def _ok(msgs):
 
 def _tiny_config(folder: Path) -> dict:
     return json.loads((folder / "transformer" / "config.json").read_text())
+
+
+def test_loader_lists_the_folders_and_the_single_file(comfy):
+    info = http(comfy["base"], "/object_info/xDiT.LoadModel")["xDiT.LoadModel"]
+    models = json.dumps(info["input"]["required"]["model"])
+    for name in (QWEN_NAME, CHROMA_NAME, f"diffusion_models/{QWEN_FILE}"):
+        assert f'"{name}"' in models, (name, models)
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
