@@ -11,7 +11,8 @@ models/diffusion_models/, and starts `main.py --cpu --preview-method latent2rgb`
   shipped (device / world size auto, 1024x1024, their steps, the prompts typed into the
   sampler, decoded on the pool), xdit_qwen_image_ksampler with CLIPLoader + CLIPTextEncode
   replaced by a random CONDITIONING of the tiny model's text width (ComfyUI's CLIPLoader only
-  loads the real Qwen2.5-VL) and 3 steps;
+  loads the real Qwen2.5-VL) and 3 steps; each sampler's LATENT (saved by an added node) has
+  ComfyUI's shape for the family (Qwen-Image: 5-D, one frame) and latent2rgb previews show;
 * Qwen-Image: stock KSampler on the xDiT MODEL (xDiT.LoadModel of the single file, 2 CPU
   fp32 ranks) equals the same KSampler on ComfyUI's own model from the same file (UNETLoader),
   LATENT max abs difference <= 1e-3 (TOL), at Ulysses 2 and at CFG parallel, euler/simple and
@@ -107,8 +108,16 @@ def test_example_workflow_runs(comfy, name):
         for nid in by_type["CLIPLoader"]:
             del wf[nid]
         wf[ksampler]["inputs"]["steps"] = 3
+    sampler = ksampler or by_type["xDiT.Sampler"][0]
+    latent_file = comfy["tmp"] / f"{name}-latent.safetensors"  # an added saver, at the end
+    wf["99"] = {"class_type": "XDiTTestSaveTensors",
+                "inputs": {"latent": [sampler, 0], "path": str(latent_file)}}
     pid, msgs = run(comfy, wf, timeout=1500)
     _ok(msgs)
+    # ComfyUI's LATENT conventions: Qwen-Image's is 5-D with one frame (latent_formats.Wan21)
+    latent = tensors(latent_file)["latent"]
+    want = (1, 16, 1, 128, 128) if EXAMPLES[name] == QWEN_NAME else (1, 16, 128, 128)
+    assert latent.shape == want and torch.isfinite(latent).all(), latent.shape
     saved = [o for o in http(comfy["base"], f"/history/{pid}")[pid]["outputs"].values()
              if o.get("images")]
     prefix = wf[by_type["SaveImage"][0]]["inputs"]["filename_prefix"]
@@ -119,7 +128,6 @@ def test_example_workflow_runs(comfy, name):
     import io
     assert Image.open(io.BytesIO(img)).size == (1024, 1024)
     texts = [m["text"] for m in msgs if m.get("type") == "progress_text"]
-    sampler = ksampler or by_type["xDiT.Sampler"][0]
     steps = wf[sampler]["inputs"]["steps"]
     progress = [m["data"] for m in msgs if m.get("type") == "progress"
                 and m["data"].get("node") == sampler]
