@@ -127,7 +127,6 @@ def test_example_workflow_runs(comfy, name):
     from PIL import Image
     import io
     assert Image.open(io.BytesIO(img)).size == (1024, 1024)
-    texts = [m["text"] for m in msgs if m.get("type") == "progress_text"]
     steps = wf[sampler]["inputs"]["steps"]
     progress = [m["data"] for m in msgs if m.get("type") == "progress"
                 and m["data"].get("node") == sampler]
