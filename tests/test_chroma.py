@@ -392,3 +392,18 @@ def test_model_calls_equal_the_transformer(chroma_pools, folder, config, batch):
         got = den(**call)
         d = float((got - want).abs().max())
         assert d <= TOL, f"MODEL {config.describe()}: {d}"
+
+
+def test_comfy_unet_config_has_the_channels_comfyui_reads(folder):
+    """The xDiT MODEL's ComfyUI config for Chroma is what ComfyUI 0.3.64's detection sets
+    (image_model chroma, in / out channels 64, patch 2): stock KSampler reads
+    unet_config["in_channels"] and ["out_channels"] (model_base.Flux.concat_cond, since the
+    MODEL's diffusion model has no img_in), which failed with KeyError 'in_channels' when
+    only image_model was given."""
+    from comfyui_xdit.planning.model_info import comfy_unet_config
+
+    unet = comfy_unet_config(folder)
+    assert unet == {"image_model": "chroma", "in_channels": 64, "out_channels": 64,
+                    "patch_size": 2}
+    # Flux.concat_cond's rule: no concat latent when in_channels <= out_channels
+    assert unet["in_channels"] <= unet["out_channels"]

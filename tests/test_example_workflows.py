@@ -16,7 +16,8 @@ API_FILES = sorted(WF.glob("*_api.json"))
 # stock ComfyUI nodes the examples may use (checked against /object_info by the live test)
 STOCK = {"EmptySD3LatentImage", "EmptyLatentImage", "SaveImage", "PreviewImage", "VAELoader",
          "VAEDecode", "CLIPTextEncode", "DualCLIPLoader", "TripleCLIPLoader", "FluxGuidance",
-         "KSampler", "KSamplerAdvanced", "ModelSamplingFlux", "ModelSamplingSD3"}
+         "KSampler", "KSamplerAdvanced", "ModelSamplingFlux", "ModelSamplingSD3",
+         "CLIPLoader"}
 
 
 def our_node_ids() -> set:

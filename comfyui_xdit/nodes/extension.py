@@ -112,8 +112,10 @@ class LoadModel(io.ComfyNode):
                 io.Combo.Input("model", options=models or ["(no FLUX.1/FLUX.2/SD3 model found)"],
                                tooltip="A diffusers folder in ComfyUI/models/diffusers, e.g. "
                                        "models/diffusers/FLUX.1-dev, models/diffusers/"
-                                       "FLUX.2-klein-4B or models/diffusers/"
-                                       "stable-diffusion-3.5-medium (the names the example "
+                                       "FLUX.2-klein-4B, models/diffusers/"
+                                       "stable-diffusion-3.5-medium, models/diffusers/"
+                                       "Qwen-Image or models/diffusers/Chroma1-HD (the "
+                                       "names the example "
                                        "workflows use; a Hugging Face snapshot of the repo, "
                                        "text encoders and VAE included), or a single "
                                        "FLUX.1 / FLUX.2 / SD3 .safetensors from "

@@ -51,6 +51,13 @@ def config_from_shapes(shapes: dict, naming: str) -> dict:
             "approximator_layers": len(approx)}
 
 
+def comfy_unet(cfg: dict) -> dict:
+    """What ComfyUI's detection sets for a Chroma file: FLUX's keys with the release's packed
+    64 in / out channels written over them. KSampler reads in_channels / out_channels
+    (model_base.Flux.concat_cond, when the model has no img_in to look at)."""
+    return {"image_model": "chroma", "in_channels": 64, "out_channels": 64, "patch_size": 2}
+
+
 def released(config: dict) -> tuple:
     """The released scheduler (above) and FLUX's VAE statistics (0.3611 / 0.1159)."""
     return dict(SCHEDULER), dict(VAE_LATENT)
@@ -65,8 +72,7 @@ FAMILY = Family(
     # ComfyUI: model_base.Chroma (a Flux subclass, model type FLUX, timestep = sigma) and
     # supported_models.Chroma, detected by image_model "chroma"
     comfy=ComfySpec(base=lambda unet: "Chroma", config=lambda unet: "Chroma",
-                    unet=lambda cfg: {"image_model": "chroma"}, timestep_scale=1000.0,
-                    needs_pooled=False),
+                    unet=comfy_unet, timestep_scale=1000.0, needs_pooled=False),
     # ComfyUI's detection (comfy/model_detection.py): FLUX's double blocks plus an
     # approximator norm, `distilled_guidance_layer.norms.0.scale` (or the `.0.norms.0`
     # spelling it also accepts). diffusers names the norms' weights `.weight` (in_proj is

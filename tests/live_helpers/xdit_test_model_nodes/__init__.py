@@ -4,8 +4,8 @@ links this folder into custom_nodes/ for its run only).
 * XDiTTestRandomConditioning: a seeded random CONDITIONING of any widths (SD3: context 4096,
   pooled 2048; FLUX: 4096 / 768), since ComfyUI's text-encoder loaders only know the real
   encoders' shapes. Same seed, same tensors, in every process.
-* XDiTTestSaveTensors: writes an IMAGE (and optionally a LATENT) to a .safetensors file at
-  full float precision, so two branches of a graph can be compared beyond 8-bit PNGs.
+* XDiTTestSaveTensors: writes an IMAGE and / or a LATENT to a .safetensors file at full
+  float precision, so two branches of a graph can be compared beyond 8-bit PNGs.
 """
 
 
@@ -37,8 +37,8 @@ class XDiTTestRandomConditioning:
 class XDiTTestSaveTensors:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"images": ("IMAGE",), "path": ("STRING", {"default": ""})},
-                "optional": {"latent": ("LATENT",)}}
+        return {"required": {"path": ("STRING", {"default": ""})},
+                "optional": {"images": ("IMAGE",), "latent": ("LATENT",)}}
 
     RETURN_TYPES = ()
     FUNCTION = "save"
@@ -49,10 +49,12 @@ class XDiTTestSaveTensors:
     def IS_CHANGED(cls, **kwargs):
         return float("nan")  # always run: the test reads the file this run writes
 
-    def save(self, images, path, latent=None):
+    def save(self, path, images=None, latent=None):
         import os
         from safetensors.torch import save_file
-        out = {"image": images.detach().float().cpu().contiguous()}
+        out = {}
+        if images is not None:
+            out["image"] = images.detach().float().cpu().contiguous()
         if latent is not None:
             out["latent"] = latent["samples"].detach().float().cpu().contiguous()
         tmp = path + ".tmp"
