@@ -27,15 +27,36 @@ would:
   `post_quant_conv` and resnet shortcuts, linear projections, residual adds) or per band row
   (nearest-neighbour 2x upsampling doubles every band exactly), so it runs unchanged.
 
+Qwen-Image's VAE (AutoencoderKLQwenImage, a causal 3-D Wan-style VAE) decodes a one-frame
+latent [B, 16, 1, h, w] the same way:
+
+- `QwenImageCausalConv3d` (3x3x3, causal in time): its forward pads the input itself (zeros:
+  two frames before, one row / column each side) and convolves unpadded; here the padded copy
+  is made as the stock forward makes it, then its H padding at inner band edges is
+  overwritten with the neighbours' rows (the same halo exchange), so memory is the stock's.
+  One frame has no feature cache (every conv sees `cache_x=None`; a cached frame is refused),
+  so the time padding stays as it is. The temporal upsampler's (3,1,1) conv has no H padding
+  and, on the first frame, does not run.
+- `QwenImageRMS_norm` normalises each pixel over its channels: per pixel, no reduction.
+- The resample blocks' nearest-exact 2x upsampling doubles band rows exactly (a whole
+  factor: output row r reads row r // 2); their 3x3 `nn.Conv2d` is rewired as above.
+- `QwenImageAttentionBlock` (one head over the frame's pixels, Q/K/V from one 1x1 conv, so
+  there is no `to_k` to hook): its forward is restated with the band's queries attending to
+  K and V all-gathered in band order; its norm, QKV conv and output projection are per pixel.
+  check_decoder refuses a block whose class overrides that forward.
+- `post_quant_conv`, resnet shortcuts (1x1x1), SiLU, the residual adds and the final clamp
+  are per pixel. A latent of more frames is decoded by rank 0 alone (its feature cache
+  would need halos of its own).
+
 Bands decoded by the other ranks are sent to the group's rank 0, which writes them into the
-full image. Nothing of diffusers' forward code is copied: modules are rewired for the
-duration of one call (`forward` overridden on the instance, hooks registered) and restored
-afterwards. Before decoding, the decoder's module tree is checked against the module types
+full image. Modules are rewired for the duration of one call (`forward` overridden on the
+instance, hooks registered) and restored afterwards; of diffusers' forward code only the
+Qwen-Image attention block's dozen lines are restated (with the gather in them). Before decoding, the decoder's module tree is checked against the module types
 and settings this scheme is proven for; anything else (transposed-conv upsamplers, spatial
 norms, fused QKV, strided convs, ...) raises `NotImplementedError` instead of returning a
-silently wrong image. The FLUX and SD3 VAEs (AutoencoderKL) and FLUX.2's
+silently wrong image. The FLUX and SD3 VAEs (AutoencoderKL), FLUX.2's
 (AutoencoderKLFlux2: the same Decoder and post_quant_conv at 32 latent channels; its batch
-norm acts on the patchified latent in model space, before any decode) pass.
+norm acts on the patchified latent in model space, before any decode) and Qwen-Image's pass.
 
 Per-rank activation memory falls roughly as 1/n: the largest tensors are the full-resolution
 band activations; only K/V (latent resolution) and, on rank 0, the 3-channel output image are
