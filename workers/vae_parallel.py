@@ -51,12 +51,13 @@ latent [B, 16, 1, h, w] the same way:
 Bands decoded by the other ranks are sent to the group's rank 0, which writes them into the
 full image. Modules are rewired for the duration of one call (`forward` overridden on the
 instance, hooks registered) and restored afterwards; of diffusers' forward code only the
-Qwen-Image attention block's dozen lines are restated (with the gather in them). Before decoding, the decoder's module tree is checked against the module types
-and settings this scheme is proven for; anything else (transposed-conv upsamplers, spatial
-norms, fused QKV, strided convs, ...) raises `NotImplementedError` instead of returning a
-silently wrong image. The FLUX and SD3 VAEs (AutoencoderKL), FLUX.2's
-(AutoencoderKLFlux2: the same Decoder and post_quant_conv at 32 latent channels; its batch
-norm acts on the patchified latent in model space, before any decode) and Qwen-Image's pass.
+Qwen-Image attention block's dozen lines are restated (with the gather in them). Before
+decoding, the decoder's module tree is checked against the module types and settings this
+scheme is proven for; anything else (transposed-conv upsamplers, spatial norms, fused QKV in
+a 2-D `Attention`, strided convs, ...) raises `NotImplementedError` instead of returning a
+silently wrong image. The FLUX and SD3 VAEs (AutoencoderKL), FLUX.2's (AutoencoderKLFlux2:
+the same Decoder and post_quant_conv at 32 latent channels; its batch norm acts on the
+patchified latent in model space, before any decode) and Qwen-Image's pass.
 
 Per-rank activation memory falls roughly as 1/n: the largest tensors are the full-resolution
 band activations; only K/V (latent resolution) and, on rank 0, the 3-channel output image are
@@ -127,7 +128,8 @@ def _qwen_allowed_types():
         return {}
     return {
         # rewired here
-        q.QwenImageCausalConv3d: _check_causal_conv, q.QwenImageAttentionBlock: _check_qwen_attention,
+        q.QwenImageCausalConv3d: _check_causal_conv,
+        q.QwenImageAttentionBlock: _check_qwen_attention,
         # per pixel: RMS norm over the channels of each pixel
         q.QwenImageRMS_norm: _check_rms_norm,
         # per band row: nearest 2x upsampling (then a rewired Conv2d)
