@@ -27,15 +27,37 @@ would:
   `post_quant_conv` and resnet shortcuts, linear projections, residual adds) or per band row
   (nearest-neighbour 2x upsampling doubles every band exactly), so it runs unchanged.
 
+Qwen-Image's VAE (AutoencoderKLQwenImage, a causal 3-D Wan-style VAE) decodes a one-frame
+latent [B, 16, 1, h, w] the same way:
+
+- `QwenImageCausalConv3d` (3x3x3, causal in time): its forward pads the input itself (zeros:
+  two frames before, one row / column each side) and convolves unpadded; here the padded copy
+  is made as the stock forward makes it, then its H padding at inner band edges is
+  overwritten with the neighbours' rows (the same halo exchange), so memory is the stock's.
+  One frame has no feature cache (every conv sees `cache_x=None`; a cached frame is refused),
+  so the time padding stays as it is. The temporal upsampler's (3,1,1) conv has no H padding
+  and, on the first frame, does not run.
+- `QwenImageRMS_norm` normalises each pixel over its channels: per pixel, no reduction.
+- The resample blocks' nearest-exact 2x upsampling doubles band rows exactly (a whole
+  factor: output row r reads row r // 2); their 3x3 `nn.Conv2d` is rewired as above.
+- `QwenImageAttentionBlock` (one head over the frame's pixels, Q/K/V from one 1x1 conv, so
+  there is no `to_k` to hook): its forward is restated with the band's queries attending to
+  K and V all-gathered in band order; its norm, QKV conv and output projection are per pixel.
+  check_decoder refuses a block whose class overrides that forward.
+- `post_quant_conv`, resnet shortcuts (1x1x1), SiLU, the residual adds and the final clamp
+  are per pixel. A latent of more frames is decoded by rank 0 alone (its feature cache
+  would need halos of its own).
+
 Bands decoded by the other ranks are sent to the group's rank 0, which writes them into the
-full image. Nothing of diffusers' forward code is copied: modules are rewired for the
-duration of one call (`forward` overridden on the instance, hooks registered) and restored
-afterwards. Before decoding, the decoder's module tree is checked against the module types
-and settings this scheme is proven for; anything else (transposed-conv upsamplers, spatial
-norms, fused QKV, strided convs, ...) raises `NotImplementedError` instead of returning a
-silently wrong image. The FLUX and SD3 VAEs (AutoencoderKL) and FLUX.2's
-(AutoencoderKLFlux2: the same Decoder and post_quant_conv at 32 latent channels; its batch
-norm acts on the patchified latent in model space, before any decode) pass.
+full image. Modules are rewired for the duration of one call (`forward` overridden on the
+instance, hooks registered) and restored afterwards; of diffusers' forward code only the
+Qwen-Image attention block's dozen lines are restated (with the gather in them). Before
+decoding, the decoder's module tree is checked against the module types and settings this
+scheme is proven for; anything else (transposed-conv upsamplers, spatial norms, fused QKV in
+a 2-D `Attention`, strided convs, ...) raises `NotImplementedError` instead of returning a
+silently wrong image. The FLUX and SD3 VAEs (AutoencoderKL), FLUX.2's (AutoencoderKLFlux2:
+the same Decoder and post_quant_conv at 32 latent channels; its batch norm acts on the
+patchified latent in model space, before any decode) and Qwen-Image's pass.
 
 Per-rank activation memory falls roughly as 1/n: the largest tensors are the full-resolution
 band activations; only K/V (latent resolution) and, on rank 0, the 3-channel output image are
@@ -87,7 +109,70 @@ def _allowed_types():
         # composites whose own code only adds, scales, activates or upsamples (nearest)
         Decoder: _check_decoder_top, UNetMidBlock2D: None, UpDecoderBlock2D: None,
         ResnetBlock2D: _check_resnet, Upsample2D: _check_upsample,
+        **_qwen_allowed_types(),
     }
+
+
+def _qwen_classes():
+    """diffusers' Qwen-Image VAE module classes, or None where this diffusers lacks them."""
+    try:
+        from diffusers.models.autoencoders import autoencoder_kl_qwenimage as q
+    except ImportError:
+        return None
+    return q
+
+
+def _qwen_allowed_types():
+    q = _qwen_classes()
+    if q is None:
+        return {}
+    return {
+        # rewired here
+        q.QwenImageCausalConv3d: _check_causal_conv,
+        q.QwenImageAttentionBlock: _check_qwen_attention,
+        # per pixel: RMS norm over the channels of each pixel
+        q.QwenImageRMS_norm: _check_rms_norm,
+        # per band row: nearest 2x upsampling (then a rewired Conv2d)
+        q.QwenImageUpsample: _check_qwen_upsample, q.QwenImageResample: _check_qwen_resample,
+        # composites whose own code only adds, activates and threads the frame cache
+        q.QwenImageDecoder3d: None, q.QwenImageMidBlock: None, q.QwenImageUpBlock: None,
+        q.QwenImageResidualBlock: None,
+    }
+
+
+def _check_causal_conv(m):
+    kt, kh, kw = m.kernel_size
+    pw, _, ph, ph2, pt, pt2 = m._padding
+    if m.stride != (1, 1, 1) or m.dilation != (1, 1, 1) or m.padding_mode != "zeros" \
+            or tuple(m.padding) != (0, 0, 0) or ph != ph2 or ph != (kh - 1) // 2 or (kh - 1) % 2 \
+            or pt2 != 0 or pt != kt - 1:
+        return (f"QwenImageCausalConv3d kernel {m.kernel_size} stride {m.stride} padding "
+                f"{m._padding} dilation {m.dilation}: only stride-1, odd-kernel, 'same' "
+                f"zero-padded (causal in time) convs are supported")
+
+
+def _check_qwen_attention(m):
+    if type(m).forward is not _qwen_classes().QwenImageAttentionBlock.forward:
+        return "an attention block with its own forward"
+    if not isinstance(m.to_qkv, nn.Conv2d) or m.to_qkv.kernel_size != (1, 1):
+        return "an attention block whose QKV projection is not a 1x1 conv"
+
+
+def _check_rms_norm(m):
+    if not m.channel_first:
+        return "an RMS norm over the last dimension"
+
+
+def _check_qwen_upsample(m):
+    sf = m.scale_factor if isinstance(m.scale_factor, tuple) else (m.scale_factor,) * 2
+    if m.size is not None or m.mode not in ("nearest", "nearest-exact") \
+            or any(f != int(f) or f < 1 for f in sf):
+        return f"upsampling {m.mode} by {m.scale_factor}: only nearest by whole factors"
+
+
+def _check_qwen_resample(m):
+    if m.mode not in ("none", "upsample2d", "upsample3d"):
+        return f"resample mode {m.mode!r}"
 
 
 def _check_conv(m: nn.Conv2d):
@@ -192,16 +277,17 @@ def _start_halo_exchange(ctx: _Bands, x: torch.Tensor, p: int):
     from .p2p import post
 
     sends, recvs, where = [], [], []
-    shape = (x.shape[0], x.shape[1], p, x.shape[3])
+    hd = x.dim() - 2  # rows: [B, C, H, W] or [B, C, T, H, W]
+    shape = x.shape[:hd] + (p,) + x.shape[hd + 1:]
     if ctx.fault != "no_halo":
         if ctx.rank > 0:
             up = ctx.peer(ctx.rank - 1)
-            sends.append((x[:, :, :p], up))
+            sends.append((x.narrow(hd, 0, p), up))
             recvs.append((shape, x.dtype, up))
             where.append("top")
         if ctx.rank < ctx.size - 1:
             down = ctx.peer(ctx.rank + 1)
-            sends.append((x[:, :, -p:], down))
+            sends.append((x.narrow(hd, x.shape[hd] - p, p), down))
             recvs.append((shape, x.dtype, down))
             where.append("bottom")
     transfer = post(sends, recvs, ctx.group, x.device)
@@ -241,6 +327,51 @@ def _halo_conv_forward(conv: nn.Conv2d, ctx: _Bands, x: torch.Tensor) -> torch.T
     if bottom is not None:
         out[:, :, h - p:] = conv_rows(torch.cat([x[:, :, h - 2 * p:], bottom], dim=2))
     return out
+
+
+def _halo_causal_conv_forward(conv, ctx: _Bands, x: torch.Tensor, cache_x=None) -> torch.Tensor:
+    """QwenImageCausalConv3d on a band [B, C, T, h, W]: the stock padding (causal zeros in
+    time, zeros in W, zeros in H at the image's true edges), with the H padding at inner band
+    edges filled with the neighbours' rows, then the conv itself. The stock forward builds
+    the same padded copy, so memory is the stock's plus the halo."""
+    ctx.fired["conv"] += 1
+    if cache_x is not None:  # a later frame: its cached rows would need their halo too
+        raise RuntimeError("patch-parallel VAE decode: the Qwen-Image VAE is decoded one "
+                           "frame at a time only")
+    pw, _, p, _, pt, _ = conv._padding
+    t, h, w = x.shape[2:]
+    if h < p:
+        raise RuntimeError(f"patch-parallel VAE decode: band of {h} rows is thinner than the "
+                           f"{p}-row halo of a {conv.kernel_size} conv")
+    top, bottom, wait = _start_halo_exchange(ctx, x, p)
+    xp = F.pad(x, conv._padding)
+    top, bottom = wait()
+    if top is not None:
+        xp[:, :, pt:pt + t, :p, pw:pw + w] = top
+    if bottom is not None:
+        xp[:, :, pt:pt + t, p + h:, pw:pw + w] = bottom
+    return nn.Conv3d.forward(conv, xp)  # its own padding is (0, 0, 0)
+
+
+def _qwen_attention_forward(blk, ctx: _Bands, x: torch.Tensor) -> torch.Tensor:
+    """QwenImageAttentionBlock (one head over the pixels of each frame) on a band: the
+    block's steps as diffusers runs them (its norm, 1x1 QKV conv and output projection are
+    per pixel), the band's queries attending to every rank's keys and values, all-gathered
+    in band order (the single-process key order)."""
+    identity = x
+    b, c, t, h, w = x.shape
+    x = blk.norm(x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w))
+    qkv = blk.to_qkv(x).reshape(b * t, 1, c * 3, -1).permute(0, 1, 3, 2).contiguous()
+    q, k, v = qkv.chunk(3, dim=-1)
+    ctx.fired["attn_k"] += 1
+    ctx.fired["attn_v"] += 1
+    if ctx.fault != "local_attention":
+        counts = ctx.scaled(k.shape[2])
+        k = all_gather_tokens(k, 2, counts, ctx.group)
+        v = all_gather_tokens(v, 2, counts, ctx.group)
+    x = F.scaled_dot_product_attention(q, k, v)
+    x = blk.proj(x.squeeze(1).permute(0, 2, 1).reshape(b * t, c, h, w))
+    return x.view(b, t, c, h, w).permute(0, 2, 1, 3, 4) + identity
 
 
 def _group_norm_forward(gn: nn.GroupNorm, ctx: _Bands, x: torch.Tensor) -> torch.Tensor:
@@ -305,6 +436,9 @@ def _rewired(vae, ctx: _Bands):
     """Rewire the decode path's modules for one banded decode; restore everything after."""
     from diffusers.models.attention_processor import Attention
 
+    q = _qwen_classes()
+    causal = (q.QwenImageCausalConv3d,) if q is not None else ()
+    qattn = (q.QwenImageAttentionBlock,) if q is not None else ()
     roots = [vae.decoder]
     if getattr(vae, "post_quant_conv", None) is not None:
         roots.append(vae.post_quant_conv)
@@ -319,6 +453,18 @@ def _rewired(vae, ctx: _Bands):
                     m.forward = types.MethodType(
                         lambda self, x, _c=ctx: _halo_conv_forward(self, _c, x), m)
                     ctx.rewired["conv"] += 1
+                elif isinstance(m, causal) and m._padding[2] > 0:
+                    patched.append((m, m.__dict__.get("forward")))
+                    m.forward = types.MethodType(
+                        lambda self, x, cache_x=None, _c=ctx:
+                            _halo_causal_conv_forward(self, _c, x, cache_x), m)
+                    ctx.rewired["conv"] += 1
+                elif isinstance(m, qattn):
+                    patched.append((m, m.__dict__.get("forward")))
+                    m.forward = types.MethodType(
+                        lambda self, x, _c=ctx: _qwen_attention_forward(self, _c, x), m)
+                    ctx.rewired["attn_k"] += 1
+                    ctx.rewired["attn_v"] += 1
                 elif isinstance(m, nn.GroupNorm):
                     patched.append((m, m.__dict__.get("forward")))
                     m.forward = types.MethodType(
@@ -346,25 +492,40 @@ def _max_halo(vae) -> int:
     least as many rows at the latent resolution (and twice as many after each upsample)."""
     roots = [vae.decoder] + ([vae.post_quant_conv] if getattr(vae, "post_quant_conv", None)
                              is not None else [])
-    return max([m.padding[0] for r in roots for m in r.modules() if isinstance(m, nn.Conv2d)],
-               default=0)
+    return max([_halo_rows(m) for r in roots for m in r.modules()], default=0)
+
+
+def _halo_rows(m) -> int:
+    """Rows of zero padding along H a spatial conv adds at each side (0: none / not a conv)."""
+    if isinstance(m, nn.Conv2d):
+        return m.padding[0]
+    q = _qwen_classes()
+    if q is not None and isinstance(m, q.QwenImageCausalConv3d):
+        return m._padding[2]
+    return 0
 
 
 # ----------------------------------------------------------------------------------------
 # Entry point
 
 
-def _broadcast_latents(latents, group, control, device, dtype):
-    """Group rank 0's latents to every rank of the group (others may pass None): the shape
-    on the control plane (a CPU tensor), the latents on the data plane (device tensor)."""
+def _latent_shape(latents, group, control) -> list[int]:
+    """Group rank 0's latent shape ([B, C, h, w] or [B, C, T, h, w]) on every rank of the
+    group, through the control plane (a CPU tensor)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    me = dist.get_rank(group)
-    meta = torch.zeros(4, dtype=torch.long)
-    if me == 0:
-        meta[:] = torch.tensor(latents.shape, dtype=torch.long)
+    meta = torch.zeros(6, dtype=torch.long)
+    if dist.get_rank(group) == 0:
+        meta[0] = latents.dim()
+        meta[1:1 + latents.dim()] = torch.tensor(latents.shape, dtype=torch.long)
     broadcast(meta, src=src, group=control)
-    shape = [int(s) for s in meta]
-    if me == 0:
+    return [int(s) for s in meta[1:1 + int(meta[0])]]
+
+
+def _broadcast_latents(latents, shape, group, device, dtype):
+    """Group rank 0's latents to every rank of the group (others may pass None), on the
+    data plane (device tensor)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    if dist.get_rank(group) == 0:
         z = latents.to(device, dtype).contiguous()
     else:
         z = torch.empty(shape, device=device, dtype=dtype)
@@ -373,16 +534,18 @@ def _broadcast_latents(latents, group, control, device, dtype):
 
 
 def decode_parallel(vae, latents, group=None, fault: str | None = None, control=None):
-    """Decode raw-VAE-space `latents` [B, C, h, w] with `vae` (diffusers AutoencoderKL, or
-    AutoencoderKLFlux2 at C=32) split into row bands over the ranks of `group` (None: the
-    default group); `control` is its gloo twin (None: `group` itself, for a gloo group).
+    """Decode raw-VAE-space `latents` with `vae` split into row bands over the ranks of
+    `group` (None: the default group): diffusers AutoencoderKL [B, C, h, w] (AutoencoderKLFlux2
+    at C=32), or AutoencoderKLQwenImage [B, 16, 1, h, w] (one frame); `control` is the group's
+    gloo twin (None: `group` itself, for a gloo group).
     Bands travel on `group` (halo exchange grouped per conv, the bands gathered by one
     all-gather), shapes on `control`.
 
     Collective: every rank of the group calls it. Group rank 0 must pass the latents; the
     others may pass None (they receive them by broadcast). Returns `vae.decode(latents).sample`
-    ([B, 3, 8h, 8w], the VAE's dtype) on group rank 0 and None elsewhere. A latent with
-    fewer rows than ranks (times the widest conv halo) is decoded by group rank 0 alone.
+    ([B, 3, 8h, 8w] or [B, 3, 1, 8h, 8w], the VAE's dtype) on group rank 0 and None
+    elsewhere. A latent with fewer rows than ranks (times the widest conv halo), or a
+    Qwen-Image latent of more than one frame, is decoded by group rank 0 alone.
     `fault` (tests only, see FAULTS) disables one part of the exact scheme.
     """
     if fault is not None and fault not in FAULTS:
@@ -393,16 +556,21 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     if n == 1:
         return vae.decode(latents.to(param.device, param.dtype), return_dict=False)[0]
     check_decoder(vae)
-    z = _broadcast_latents(latents, group, control if control is not None else group,
-                           param.device, param.dtype)
-    h = z.shape[2]
-    if h < n * max(1, _max_halo(vae)):  # too few rows for a band (and its halo) each
-        return vae.decode(z, return_dict=False)[0] if me == 0 else None
+    shape = _latent_shape(latents, group, control if control is not None else group)
+    hd = len(shape) - 2  # the rows dim
+    h = shape[hd]
+    frames = shape[2] if len(shape) == 5 else 1
+    if h < n * max(1, _max_halo(vae)) or frames != 1:
+        # too few rows for a band (and its halo) each, or frames (whose feature cache would
+        # need halos of its own): group rank 0 decodes alone
+        if me != 0:
+            return None
+        return vae.decode(latents.to(param.device, param.dtype), return_dict=False)[0]
+    z = _broadcast_latents(latents, shape, group, param.device, param.dtype)
 
     bands = band_rows(h, n)
     ctx = _Bands(group=group, rank=me, size=n, bands=bands, fault=fault)
-    start = sum(bands[:me])
-    band = z[:, :, start:start + bands[me]]
+    band = z.narrow(hd, sum(bands[:me]), bands[me])
     with _rewired(vae, ctx):
         out = vae.decode(band, return_dict=False)[0]
     # every rewired module runs at least once per decode; if one did not go through its
@@ -412,17 +580,17 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
                            f"(ran {ctx.fired}, rewired {ctx.rewired})")
     del z, band
 
-    out_rows = ctx.scaled(out.shape[2])
+    out_rows = ctx.scaled(out.shape[hd])
     # one all-gather of the (padded) bands: no receive is posted ahead of the peers, whatever
     # the rank count (NCCL-safe)
-    full = all_gather_tokens(out, 2, out_rows, group)
+    full = all_gather_tokens(out, hd, out_rows, group)
     del out
     return full if me == 0 else None
 
 
 def decode_on_first(vae, latents, group=None):
-    """A VAE the bands cannot split (the causal 3-D video VAE of Qwen-Image / Wan): group
-    rank 0 decodes its latents whole; every other rank returns None at once."""
+    """Group rank 0 decodes its latents whole; every other rank returns None at once (for a
+    VAE the bands cannot split)."""
     if dist.get_rank(group) != 0:
         return None
     param = next(vae.parameters())

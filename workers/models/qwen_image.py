@@ -208,14 +208,17 @@ class QwenImageAdapter(DiTAdapter):
         return {"img_shape": (1, height // 16, width // 16)}
 
     def decode(self, model, raw, group=None, control=None):
-        """The causal 3-D VAE decodes the single frame; under a group its rank 0 decodes the
-        whole latent (the row bands of workers/vae_parallel split 2-D decoders only)."""
+        """The causal 3-D VAE decodes the single frame [B, 16, 1, h, w]; under a group in row
+        bands over its ranks (workers/vae_parallel.py, collective; the latents are needed on
+        group rank 0 only, the image comes back there and None elsewhere; too few latent rows:
+        rank 0 decodes alone)."""
         from .base import load_vae
         if model.vae is None:
             model.vae = load_vae(model)
         if group is not None:
-            from ..vae_parallel import decode_on_first
-            img = decode_on_first(model.vae, raw, group)
+            from ..vae_parallel import decode_parallel
+            x = None if raw is None else raw.to(model.device, model.vae.dtype)
+            img = decode_parallel(model.vae, x, group, control=control)
             if img is None:
                 return None
         else:
