@@ -586,12 +586,3 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     full = all_gather_tokens(out, hd, out_rows, group)
     del out
     return full if me == 0 else None
-
-
-def decode_on_first(vae, latents, group=None):
-    """Group rank 0 decodes its latents whole; every other rank returns None at once (for a
-    VAE the bands cannot split)."""
-    if dist.get_rank(group) != 0:
-        return None
-    param = next(vae.parameters())
-    return vae.decode(latents.to(param.device, param.dtype), return_dict=False)[0]
