@@ -147,7 +147,8 @@ class ParallelConfig:
                 from comfyui_xdit.client.worker_modules import worker_module
                 out.append(worker_module("messages").CACHE_WITH_PIPEFUSION)
             arch = getattr(model, "arch", None)
-            if self.pipefusion > 1 and request.reference_latents and arch is not None:
+            if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
+                    and arch is not None:
                 from comfyui_xdit.planning.request import families
                 fam = families.family(arch)
                 if fam.reference_methods and not fam.pipefusion_references:
