@@ -149,3 +149,103 @@ def test_qwen_edit_image_equals_the_pipeline(edit_dir, layout_pools, edit_oracle
     req = GenerationRequest(prompt=[PROMPT], negative_prompt=NEGATIVE, cfg=CFG, seed=5,
                             steps=2, height=h, width=w, reference_images=[EDIT_IMAGE])
     check(pool.generate(req, noise=x).samples, want, x, f"Qwen-Image-Edit {name}")
+
+
+def test_qwen_edit_refusals_keep_the_pool(edit_dir, layout_pools, edit_oracle):  # noqa: F811
+    """An Edit folder: two images (the pipeline's text encoder reads one) and a typed prompt
+    with a reference latent but no image are refused in one line; the pool keeps serving."""
+    from comfyui_xdit.client.pool import PoolError
+    h, w = 80, 48
+    pool = layout_pools.get(edit_dir, ParallelConfig(ulysses=2))
+    base = dict(prompt=[PROMPT], negative_prompt=NEGATIVE, cfg=CFG, seed=5, steps=2,
+                height=h, width=w)
+    with pytest.raises((PoolError, ValueError), match="with one reference image; got 2"):
+        pool.generate(GenerationRequest(**base, reference_images=[EDIT_IMAGE, EDIT_IMAGE]))
+    with pytest.raises((PoolError, ValueError), match="give the image"):
+        pool.generate(GenerationRequest(**base,
+                                        reference_latents=[torch.zeros(1, 16, 1, 8, 8)]))
+    want, x = edit_oracle(h, w)
+    check(pool.generate(GenerationRequest(**base, reference_images=[EDIT_IMAGE]),
+                        noise=x).samples, want, x, "Qwen-Image-Edit after refusals")
+
+
+# ---- refusals ------------------------------------------------------------------------------
+
+def test_request_refusals():
+    from types import SimpleNamespace
+
+    from workers.messages import REFERENCE_IMAGES_NEED_VAE
+
+    def problems(arch, images, has_vae=True):
+        m = SimpleNamespace(arch=arch, has_text_encoders=True, has_vae=has_vae)
+        return GenerationRequest(prompt=["x"], reference_images=images).problems(m)
+
+    img = image((64, 64))
+    assert problems("sd3", [img]) == ["reference images are not supported by SD3/3.5 models "
+                                      "(remove the reference image)"]
+    assert problems("flux", [img], has_vae=False) == \
+        [REFERENCE_IMAGES_NEED_VAE]
+    assert "give the reference as a LATENT instead" in REFERENCE_IMAGES_NEED_VAE
+    for arch in ("flux", "flux2", "qwen_image"):
+        assert problems(arch, [img, torch.rand(32, 48, 3)]) == []
+    assert any("non-empty list" in p for p in problems("flux", []))
+    assert any("float tensor [H, W, 3]" in p for p in problems("flux", [torch.rand(3, 32, 32)]))
+    assert any("outside 0..1" in p for p in problems("flux", [torch.rand(32, 32, 3) * 2]))
+    assert any("must be a float tensor [H, W, 3] in 0..1 or a PIL image" in p
+               for p in problems("flux", ["x.png"]))
+    both = GenerationRequest(prompt=["x"], reference_images=[img],
+                             reference_latents=[torch.zeros(1, 16, 8, 8)])
+    assert "give reference_latents or reference_images, not both" in both.problems(
+        SimpleNamespace(arch="flux", has_text_encoders=True, has_vae=True))
+    # PipeFusion refuses Qwen-Image references given as images too
+    model = SimpleNamespace(arch="qwen_image", heads=4, blocks=2, has_text_encoders=True,
+                            has_vae=True)
+    with pytest.raises(ConfigError, match="PipeFusion does not run Qwen-Image reference"):
+        ParallelConfig(pipefusion=2).validate(model, GenerationRequest(
+            prompt=["x"], height=96, width=64, reference_images=[img]))
+
+
+def _cli_line(r):
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_cli_refusals_exit_2(model_dir, tmp_path):
+    from single_file_util import write_single_file
+
+    png = tmp_path / "ref.png"
+    image((64, 64)).save(png)
+    args = ["--prompt", "a cat", "--seed", "1", "--steps", "1", "--height", "64", "--width",
+            "64", "--out", tmp_path / "o.safetensors"]
+    line = _cli_line(cli("generate", "--model", model_dir("sd3"), "--image", png, *args))
+    assert "reference images are not supported by SD3/3.5 models" in line
+    single = write_single_file(model_dir("flux"), "flux", tmp_path / "flux.safetensors")
+    line = _cli_line(cli("generate", "--model", single, "--image", png, *args))
+    assert "give the reference as a LATENT instead" in line
+    line = _cli_line(cli("generate", "--model", model_dir("flux"), "--image",
+                         tmp_path / "missing.png", *args))
+    assert "--image" in line and "no such file" in line
+    (tmp_path / "bad.png").write_text("not an image")
+    line = _cli_line(cli("generate", "--model", model_dir("flux"), "--image",
+                         tmp_path / "bad.png", *args))
+    assert "is not an image" in line
+
+
+def test_cli_image_equals_the_pipeline(model_dir, kontext, tmp_path):
+    """`generate --image FILE` at Ulysses 2 (a pool of its own) writes the Kontext
+    pipeline's final latent (ComfyUI's noise for the seed, as the oracle's)."""
+    from safetensors.torch import load_file
+
+    png = tmp_path / "ref.png"
+    KONTEXT_IMAGE.save(png)
+    want, x = kontext("a red cat", KONTEXT_IMAGE, "B")
+    h, w = SIZES["B"]
+    out = tmp_path / "o.safetensors"
+    r = cli("generate", "--model", model_dir("flux"), "--prompt", "a red cat", "--seed", "5",
+            "--steps", "2", "--height", h, "--width", w, "--max-sequence-length", MSL,
+            "--image", png, "--world-size", "2", "--ulysses", "2", "--threads-per-rank", "1",
+            "--out", out, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check(load_file(str(out))["samples"], want, x, "CLI --image ulysses2")
