@@ -249,3 +249,36 @@ def test_cli_image_equals_the_pipeline(model_dir, kontext, tmp_path):
             "--out", out, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     check(load_file(str(out))["samples"], want, x, "CLI --image ulysses2")
+
+
+def test_reference_image_sizes_follow_the_pipelines():
+    """The host's count of a reference image's tokens (split check, memory plan) uses each
+    family's resize rule, which follows its diffusers pipeline's."""
+    from types import SimpleNamespace
+
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    from workers import families
+    from workers.families.flux import KONTEXT_RESOLUTIONS
+    assert [tuple(r) for r in PREFERRED_KONTEXT_RESOLUTIONS] == list(KONTEXT_RESOLUTIONS)
+    sizes = [(64, 80), (80, 64), (1000, 333), (333, 1000), (2048, 1536), (517, 519)]
+    for w, h in sizes:
+        cw, ch, _ = calculate_dimensions(1024 * 1024, w / h)
+        assert families.family("qwen_image").reference_image_size(w, h) == (cw, ch)
+        img = image((h, w))
+        if w * h > 1024 * 1024:
+            img = Flux2ImageProcessor._resize_to_target_area(img, 1024 * 1024)
+        assert families.family("flux2").reference_image_size(w, h) == \
+            (img.size[0] // 16 * 16, img.size[1] // 16 * 16)
+    assert families.family("flux").reference_image_size(80, 64) == (1104, 944)
+    assert families.family("sd3").reference_image_size is None
+    req = GenerationRequest(prompt=["x"], reference_images=[image((64, 80)),
+                                                            torch.rand(96, 64, 3)])
+    assert req.reference_tokens() == 0  # the size rule needs the family
+    model = SimpleNamespace(arch="flux2")
+    assert req.reference_tokens(model) == 4 * 5 + 6 * 4
+    assert req.reference_tokens("qwen_image") == sum(
+        (h // 16) * (w // 16) for w, h in (calculate_dimensions(1024 ** 2, 80 / 64)[:2],
+                                           calculate_dimensions(1024 ** 2, 64 / 96)[:2]))

@@ -139,7 +139,7 @@ class ParallelConfig:
             if degrees_ok and not req_problems and self.sp > 1:
                 # the image stream holds the latent's tokens and the references'
                 tokens = (request.height // 16) * (request.width // 16) \
-                    + request.reference_tokens()
+                    + request.reference_tokens(model)
                 if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
                                f"{self.sp} ranks; use a larger image or fewer ranks")

@@ -106,14 +106,24 @@ class GenerationRequest:
                        reference_images=None if self.reference_images is None
                        else image_tensors(self.reference_images))
 
-    def reference_tokens(self) -> int:
+    def reference_tokens(self, model=None) -> int:
         """Tokens the references add to the image stream (2x2 latent pixels per token at 1/8;
-        one per pixel of a 128-channel FLUX.2 LATENT at 1/16)."""
+        one per pixel of a 128-channel FLUX.2 LATENT at 1/16; a reference image: 16 x 16
+        pixels a token at the size the family's pipeline resizes it to, known with `model`
+        (a ModelInfo or a family id))."""
         def tokens(r):
             per = 1 if int(r.shape[1]) == 128 else 2
             return (int(r.shape[-2]) // per) * (int(r.shape[-1]) // per)
-        return sum(tokens(r) for r in (self.reference_latents or [])
-                   if getattr(r, "ndim", 0) in (4, 5))
+        n = sum(tokens(r) for r in (self.reference_latents or [])
+                if getattr(r, "ndim", 0) in (4, 5))
+        arch = model if isinstance(model, str) else getattr(model, "arch", None)
+        resize = None if arch is None else families.family(arch).reference_image_size
+        for im in (self.reference_images or []) if resize is not None else []:
+            size = _image_size(im)
+            if size is not None:
+                w, h = resize(*size)
+                n += (h // 16) * (w // 16)
+        return n
 
     def problems(self, model: Any = None) -> list[str]:
         out = []
@@ -240,6 +250,16 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
                        f"(reference images a multiple of 16 pixels, e.g. "
                        f"{max(2, h // 2 * 2) * 8}x{max(2, w // 2 * 2) * 8})")
     return out
+
+
+def _image_size(im):
+    """(width, height) of a PIL image or an [(1,) H, W, 3] tensor; None for anything else."""
+    if hasattr(im, "size") and not callable(im.size):
+        return tuple(im.size)
+    shape = getattr(im, "shape", None)
+    if shape is not None and len(shape) in (3, 4) and shape[-1] == 3 and min(shape[-3:-1]) > 0:
+        return int(shape[-2]), int(shape[-3])
+    return None
 
 
 def image_tensors(images) -> list:
