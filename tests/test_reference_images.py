@@ -53,10 +53,10 @@ def kontext(model_dir):
     import diffusers
 
     path = str(model_dir("flux"))
-    pipe = diffusers.FluxKontextPipeline(**diffusers.FluxPipeline.from_pretrained(path)
+    kpipe = diffusers.FluxKontextPipeline(**diffusers.FluxPipeline.from_pretrained(path)
                                          .components)
-    pipe.set_progress_bar_config(disable=True)
-    scale, shift = pipe.vae.config.scaling_factor, pipe.vae.config.shift_factor
+    kpipe.set_progress_bar_config(disable=True)
+    scale, shift = kpipe.vae.config.scaling_factor, kpipe.vae.config.shift_factor
     cache = {}
 
     def run(prompt, img, size, seed=5, steps=2):
@@ -64,7 +64,7 @@ def kontext(model_dir):
         if key not in cache:
             h, w = SIZES[size]
             x = noise(16, 1, h, w, seed)
-            out = pipe(prompt=[prompt], image=img, height=h, width=w, num_inference_steps=steps,
+            out = kpipe(prompt=[prompt], image=img, height=h, width=w, num_inference_steps=steps,
                        guidance_scale=3.5, latents=pack_flux(x), max_sequence_length=MSL,
                        max_area=h * w, output_type="latent").images
             cache[key] = (unpack_flux(out, h, w) / scale + shift, x)

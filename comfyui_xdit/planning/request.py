@@ -286,8 +286,8 @@ def _reference_image_problems(req: "GenerationRequest", model) -> list[str]:
     if images is None:
         return []
     if not isinstance(images, (list, tuple)) or not images:
-        return [f"reference_images must be a non-empty list of images (float [H, W, 3] in "
-                f"0..1, or PIL); leave it None for no reference"]
+        return ["reference_images must be a non-empty list of images (float [H, W, 3] in "
+                "0..1, or PIL); leave it None for no reference"]
     arch = getattr(model, "arch", None)
     fam = None if arch is None else families.family(arch)
     if fam is not None and not fam.reference_methods:
