@@ -7,6 +7,11 @@ NO_TEXT_ENCODERS = ("this model is a single .safetensors file, which has no text
 NO_VAE = ("this model is a single .safetensors file, which has no VAE for the pool: take the "
           "LATENT and decode it with ComfyUI's VAE (VAEDecode, or the xDiT Decode node's vae "
           "input), or use a diffusers model folder")
+REFERENCE_IMAGES_NEED_VAE = ("reference images are encoded with the model folder's own VAE, "
+                             "and this single .safetensors file has none: give the reference "
+                             "as a LATENT instead (ComfyUI's VAEEncode + ReferenceLatent, or "
+                             "GenerationRequest.reference_latents), or use a diffusers model "
+                             "folder")
 
 # PipeFusion already reuses one-step-stale activations for most of each step, and a skip
 # decision would have to be shared by stages computing different patches of different steps

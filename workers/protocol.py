@@ -46,6 +46,9 @@ class Job(Message):
     # reference images: raw-VAE-space [1 or B, C, h, w] each, in order (the workers turn
     # them into model-space tokens); their layout method is request["reference_method"]
     references: Optional[list] = None
+    # reference images [H, W, 3] float 0..1 each, in order (rank 0 encodes them with the
+    # folder's VAE as the family's pipeline does; its text encoder may read them too)
+    reference_images: Optional[list] = None
 
 
 @_message

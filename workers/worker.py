@@ -15,6 +15,15 @@ import time
 from .messages import rss_mb
 
 
+def pil_image(image):
+    """[H, W, 3] floats in 0..1 -> an RGB PIL image (8 bits a channel, rounded: an image
+    read from an 8-bit file comes back exactly)."""
+    import torch
+    from PIL import Image
+    x = (torch.as_tensor(image).float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return Image.fromarray(x.cpu().numpy())
+
+
 class Worker:
     def __init__(self, args, rank, world, import_s=0.0, planes=None, hooks=None,
                  hook_options=None):
@@ -170,6 +179,13 @@ class Worker:
         b = int(noise.shape[0])
         use_cfg = float(req["cfg"]) > 1.0
 
+        references, prompt_images = msg.references, None
+        if msg.reference_images:  # images -> LATENTs (and what the text encoder reads)
+            with torch.inference_mode():
+                encoded = self._encode_reference_images(msg.reference_images, req)
+            references, prompt_images = encoded["latents"], encoded.get("prompt_images")
+        text_kw = {"images": prompt_images} if prompt_images else {}
+
         def branch(given, texts):
             if given is not None:
                 d = self.adapter.conditioning(given["cond"], given["pooled"])
@@ -178,7 +194,8 @@ class Worker:
                 raise ValueError(NO_TEXT_ENCODERS)
             else:
                 texts = list(texts) if len(texts) in (1, b) else texts[:1]
-                d = self.adapter.encode(self.model, texts, req["max_sequence_length"])
+                d = self.adapter.encode(self.model, texts, req["max_sequence_length"],
+                                        **text_kw)
             return {k: (v.expand(b, *v.shape[1:]).contiguous()
                         if k in ("encoder_hidden_states", "pooled_projections") and v.shape[0] == 1
                         else v).detach().cpu() for k, v in d.items()}
@@ -189,10 +206,10 @@ class Worker:
         # LoRA files are read and checked here, before anything is broadcast
         req["lora_adapters"] = self.loras.resolve(self.model.transformer, req.get("loras"))
         refs = None
-        if msg.references:  # raw VAE space -> model-space tokens and ids, once, on rank 0
+        if references:  # ComfyUI LATENTs -> model-space tokens and ids, once, on rank 0
             with torch.inference_mode():
                 refs = self.adapter.reference_inputs(
-                    self.model, [torch.as_tensor(r) for r in msg.references],
+                    self.model, [torch.as_tensor(r) for r in references],
                     req.get("reference_method"), req["height"], req["width"])
             if refs["tokens"].shape[0] not in (1, b):
                 raise ValueError(f"reference latents have batch {refs['tokens'].shape[0]}; "
@@ -201,6 +218,16 @@ class Worker:
                    cond=cond, uncond=uncond, init_latent=msg.init_latent,
                    denoise=float(msg.denoise), options=dict(msg.options or {}),
                    references=refs)
+
+    def _encode_reference_images(self, images, req) -> dict:
+        """Reference images ([H, W, 3] 0..1, from the host) -> the adapter's
+        `encode_reference_images` of them as 8-bit RGB PIL images (what the diffusers
+        pipelines preprocess), with this folder's own VAE; a single file has none."""
+        from .messages import REFERENCE_IMAGES_NEED_VAE
+        if os.path.isfile(self.model.path):
+            raise ValueError(REFERENCE_IMAGES_NEED_VAE)
+        return self.adapter.encode_reference_images(
+            self.model, [pil_image(im) for im in images], req["height"], req["width"])
 
     def _check_stages(self, key) -> None:
         """A PipeFusion pool holds one stage per rank: it runs only its launch's layout."""

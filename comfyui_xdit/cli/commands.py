@@ -64,6 +64,9 @@ def _add_generate(sub):
                    help="PipeFusion stage split: balanced (compute, weights <= 1/N + 5%%) | "
                         "compute | memory | block counts like 10,9")
     p.add_argument("--lora", type=_lora, action="append", default=[])
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="reference / edit image (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit; a "
+                        "diffusers folder): repeat for several references")
     _add_cache_flags(p)
     p.add_argument("--out", required=True, help="x.safetensors (LATENT) or x.png")
     p.add_argument("--attach", default=None, metavar="HOST:PORT",
@@ -252,12 +255,13 @@ def run_generate(args) -> int:
     if not out.parent.exists():
         raise ConfigError(f"--out directory {str(out.parent)!r} does not exist")
     config = config_from_args(args)
+    images = [read_image(f) for f in args.image]
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
         steps=args.steps, height=args.height, width=args.width, guidance=args.guidance,
         cfg=args.cfg, max_sequence_length=args.max_sequence_length, loras=args.lora,
         output="image" if out.suffix.lower() == ".png" else "latent",
-        cache=_cache_from_args(args))
+        cache=_cache_from_args(args), reference_images=images or None)
     if args.attach:
         pool = WorkerPool.attach(args.attach, _read_secret(args), config)
     else:
@@ -278,6 +282,18 @@ def run_generate(args) -> int:
     print(json.dumps({"out": [str(p) for p in written], "config": config.describe(),
                       "timings": result.timings}))
     return 0
+
+
+def read_image(path: str):
+    """--image FILE -> an RGB PIL image (loaded now: a bad file is refused in one line)."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except FileNotFoundError:
+        raise ConfigError(f"--image {path!r}: no such file") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise ConfigError(f"--image {path!r} is not an image PIL can read ({e})") from None
 
 
 def write_output(result, out: Path) -> list:

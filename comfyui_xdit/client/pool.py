@@ -517,14 +517,16 @@ class WorkerPool:
                 noise = comfy_noise(req.seed, latent_shape(info.arch, req.batch, req.height,
                                                            req.width))
             refs = req.reference_latents  # ComfyUI LATENTs; the workers convert them
-            req = dataclasses.replace(req, reference_latents=None)
+            images = req.reference_images  # [H, W, 3] tensors (resolved); rank 0 encodes
+            req = dataclasses.replace(req, reference_latents=None, reference_images=None)
             job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.key(),
                         noise=noise_to_model(info.arch, noise),
                         init_latent=None if init_latent is None else
                         comfy_to_model(info.arch, init_latent, fmt),
                         denoise=denoise, options=self.config.options(),
                         references=None if refs is None else
-                        [r.detach().float().cpu().contiguous() for r in refs])
+                        [r.detach().float().cpu().contiguous() for r in refs],
+                        reference_images=images)
 
             def to_comfy(latents):
                 return model_to_comfy(info.arch, latents, fmt, req.height, req.width)

@@ -139,7 +139,7 @@ class ParallelConfig:
             if degrees_ok and not req_problems and self.sp > 1:
                 # the image stream holds the latent's tokens and the references'
                 tokens = (request.height // 16) * (request.width // 16) \
-                    + request.reference_tokens()
+                    + request.reference_tokens(model)
                 if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
                                f"{self.sp} ranks; use a larger image or fewer ranks")
@@ -147,7 +147,8 @@ class ParallelConfig:
                 from comfyui_xdit.client.worker_modules import worker_module
                 out.append(worker_module("messages").CACHE_WITH_PIPEFUSION)
             arch = getattr(model, "arch", None)
-            if self.pipefusion > 1 and request.reference_latents and arch is not None:
+            if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
+                    and arch is not None:
                 from comfyui_xdit.planning.request import families
                 fam = families.family(arch)
                 if fam.reference_methods and not fam.pipefusion_references:

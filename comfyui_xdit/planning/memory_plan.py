@@ -759,12 +759,13 @@ def resolve_mode(value=None, environ=None) -> str:
 def _job_size(request, model_path: str) -> JobSize:
     from comfyui_xdit.planning.model_info import read_model_info
 
+    info = read_model_info(model_path)
     return JobSize(height=int(request.height), width=int(request.width),
                    batch=max(1, int(request.batch)),
                    text_tokens=int(request.max_sequence_length),
-                   reference_tokens=int(request.reference_tokens()),
+                   reference_tokens=int(request.reference_tokens(info)),
                    # the default cfg may depend on the model (FLUX.2 base vs distilled)
-                   cfg=bool(request.uses_cfg(read_model_info(model_path))))
+                   cfg=bool(request.uses_cfg(info)))
 
 
 def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,

@@ -58,6 +58,13 @@ class GenerationRequest:
     # reference_methods; None: its default, "offset" / "index").
     reference_latents: Optional[list] = None
     reference_method: Optional[str] = None
+    # Reference images instead of their latents (the CLI's --image): each a float tensor
+    # [H, W, 3] in 0..1 (or [1, H, W, 3], ComfyUI's IMAGE) or a PIL image, in reference order.
+    # Rank 0 resizes and VAE-encodes them with the folder's own VAE exactly as the family's
+    # diffusers pipeline prepares its references (FluxKontextPipeline, Flux2KleinPipeline,
+    # QwenImageEditPipeline, whose text encoder also reads the image with the prompt); a
+    # diffusers folder is needed. They go through 8-bit RGB, as the pipelines take PIL images.
+    reference_images: Optional[list] = None
     # Step cache (workers/step_cache.py CacheSettings, whose defaults these are): threshold
     # (0 or None: off), warmup, head, tail, max_skips, taylor. Resolved to every field.
     cache: Optional[dict] = None
@@ -89,22 +96,34 @@ class GenerationRequest:
         fam = families.family(_arch(model))
         guidance = self.guidance if self.guidance is not None else fam.guidance
         method = self.reference_method
-        if self.reference_latents and method is None:
+        if (self.reference_latents or self.reference_images) and method is None:
             method = (fam.reference_methods or (None,))[0]
         return replace(self, cfg=self.resolved_cfg(model), guidance=guidance,
                        prompt=list(self.prompt), loras=list(self.loras),
                        cache=resolved_cache(self.cache),
                        reference_latents=None if self.reference_latents is None
-                       else list(self.reference_latents), reference_method=method)
+                       else list(self.reference_latents), reference_method=method,
+                       reference_images=None if self.reference_images is None
+                       else image_tensors(self.reference_images))
 
-    def reference_tokens(self) -> int:
+    def reference_tokens(self, model=None) -> int:
         """Tokens the references add to the image stream (2x2 latent pixels per token at 1/8;
-        one per pixel of a 128-channel FLUX.2 LATENT at 1/16)."""
+        one per pixel of a 128-channel FLUX.2 LATENT at 1/16; a reference image: 16 x 16
+        pixels a token at the size the family's pipeline resizes it to, known with `model`
+        (a ModelInfo or a family id))."""
         def tokens(r):
             per = 1 if int(r.shape[1]) == 128 else 2
             return (int(r.shape[-2]) // per) * (int(r.shape[-1]) // per)
-        return sum(tokens(r) for r in (self.reference_latents or [])
-                   if getattr(r, "ndim", 0) in (4, 5))
+        n = sum(tokens(r) for r in (self.reference_latents or [])
+                if getattr(r, "ndim", 0) in (4, 5))
+        arch = model if isinstance(model, str) else getattr(model, "arch", None)
+        resize = None if arch is None else families.family(arch).reference_image_size
+        for im in (self.reference_images or []) if resize is not None else []:
+            size = _image_size(im)
+            if size is not None:
+                w, h = resize(*size)
+                n += (h // 16) * (w // 16)
+        return n
 
     def problems(self, model: Any = None) -> list[str]:
         out = []
@@ -151,6 +170,7 @@ class GenerationRequest:
             out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
         out.extend(_single_file_problems(self, model))
         out.extend(_reference_problems(self, model))
+        out.extend(_reference_image_problems(self, model))
         out.extend(cache_problems(self.cache))
         return out
 
@@ -229,6 +249,73 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
             out.append(f"{name} is {h}x{w} latent pixels; height and width must be even "
                        f"(reference images a multiple of 16 pixels, e.g. "
                        f"{max(2, h // 2 * 2) * 8}x{max(2, w // 2 * 2) * 8})")
+    return out
+
+
+def _image_size(im):
+    """(width, height) of a PIL image or an [(1,) H, W, 3] tensor; None for anything else."""
+    if hasattr(im, "size") and not callable(im.size):
+        return tuple(im.size)
+    shape = getattr(im, "shape", None)
+    if shape is not None and len(shape) in (3, 4) and shape[-1] == 3 and min(shape[-3:-1]) > 0:
+        return int(shape[-2]), int(shape[-3])
+    return None
+
+
+def image_tensors(images) -> list:
+    """Reference images (PIL, or float [H, W, 3] / [1, H, W, 3] in 0..1) -> float32 CPU
+    tensors [H, W, 3] (what travels to the workers)."""
+    import numpy as np
+    import torch
+
+    out = []
+    for im in images:
+        if torch.is_tensor(im):
+            t = im.detach().float().cpu()
+            out.append((t[0] if t.dim() == 4 else t).contiguous())
+        else:
+            arr = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
+            out.append(torch.from_numpy(arr))
+    return out
+
+
+def _reference_image_problems(req: "GenerationRequest", model) -> list[str]:
+    import torch
+
+    images = req.reference_images
+    if images is None:
+        return []
+    if not isinstance(images, (list, tuple)) or not images:
+        return ["reference_images must be a non-empty list of images (float [H, W, 3] in "
+                "0..1, or PIL); leave it None for no reference"]
+    arch = getattr(model, "arch", None)
+    fam = None if arch is None else families.family(arch)
+    if fam is not None and not fam.reference_methods:
+        return [f"reference images are not supported by {fam.name} models (remove the "
+                f"reference image)"]
+    if model is not None and not getattr(model, "has_vae", True):
+        return [worker_module("messages").REFERENCE_IMAGES_NEED_VAE]
+    out = []
+    if req.reference_latents:
+        out.append("give reference_latents or reference_images, not both")
+    for i, im in enumerate(images):
+        name = f"reference image #{i + 1}"
+        if torch.is_tensor(im):
+            shape = tuple(im.shape)
+            ok = (im.dim() == 3 or (im.dim() == 4 and shape[0] == 1)) and shape[-1] == 3 \
+                and im.is_floating_point()
+            if not ok:
+                out.append(f"{name} must be a float tensor [H, W, 3] in 0..1 (got "
+                           f"{shape} {str(im.dtype).replace('torch.', '')})")
+            elif shape[-3] < 16 or shape[-2] < 16:
+                out.append(f"{name} is {shape[-3]}x{shape[-2]} pixels; give at least 16x16")
+            elif float(im.min()) < 0 or float(im.max()) > 1:
+                out.append(f"{name} has values outside 0..1")
+        elif not (hasattr(im, "convert") and hasattr(im, "size")):
+            out.append(f"{name} must be a float tensor [H, W, 3] in 0..1 or a PIL image "
+                       f"(got {type(im).__name__})")
+        elif min(im.size) < 16:
+            out.append(f"{name} is {im.size[1]}x{im.size[0]} pixels; give at least 16x16")
     return out
 
 

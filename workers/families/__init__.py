@@ -105,6 +105,10 @@ class Family:
     pooled: bool = True  # the CONDITIONING carries a pooled output the transformer needs
     text_hint: str = "encode with this model's text encoders"
     reference_methods: tuple = ()  # reference images (first: default); () = none
+    # (width, height) of a reference image in pixels -> its size once the family's pipeline
+    # has resized it (what the adapter's encode_reference_images makes; the host counts its
+    # tokens for the split check and the memory plan)
+    reference_image_size: Optional[Callable] = None
     # PipeFusion runs references first in the image stream (workers/pipefusion/strategy.py):
     # exact where positions come from ids (FLUX), not where RoPE follows the token order
     pipefusion_references: bool = True

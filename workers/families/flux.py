@@ -76,6 +76,20 @@ def released(config: dict) -> tuple:
             dict(VAE_LATENT))
 
 
+# diffusers' PREFERRED_KONTEXT_RESOLUTIONS (pipeline_flux_kontext.py), (width, height)
+KONTEXT_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328),
+                       (832, 1248), (880, 1184), (944, 1104), (1024, 1024), (1104, 944),
+                       (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720),
+                       (1504, 688), (1568, 672))
+
+
+def kontext_size(width: int, height: int) -> tuple:
+    """FluxKontextPipeline's reference resize: the preferred resolution nearest the image's
+    aspect ratio, in whole tokens (16 px)."""
+    _, w, h = min((abs(width / height - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
+    return w // 16 * 16, h // 16 * 16
+
+
 def comfy_unet(cfg: dict) -> dict:
     return {"image_model": "flux", "guidance_embed": bool(cfg.get("guidance_embeds", False)),
             "in_channels": 16, "out_channels": 16, "patch_size": 2}
@@ -102,7 +116,7 @@ FAMILY = Family(
     # ComfyUI's methods (comfy/ldm/flux/model.py): "offset" (index 1, later references
     # beside the earlier ones; one reference = diffusers' FluxKontextPipeline), "index"
     # (index 1, 2, ...), "uxo" (index 0, diagonally past the image)
-    reference_methods=("offset", "index", "uxo"),
+    reference_methods=("offset", "index", "uxo"), reference_image_size=kontext_size,
     released=released, lora_formats="diffusers/PEFT or kohya/ComfyUI",
     detect_order=20,
 )

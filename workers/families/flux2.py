@@ -35,6 +35,16 @@ def pipeline_of(index_class) -> str:
                      f"Flux2Pipeline ([dev]) or a Flux2Klein*Pipeline ([klein])")
 
 
+def reference_size(width: int, height: int) -> tuple:
+    """Flux2KleinPipeline's reference resize: shrunk to a 1024^2 area when larger, then
+    cropped to whole tokens (16 px)."""
+    if width * height > 1024 * 1024:
+        import math
+        scale = math.sqrt(1024 * 1024 / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    return width // 16 * 16, height // 16 * 16
+
+
 def config_from_shapes(shapes: dict, naming: str) -> dict:
     bfl = naming == "bfl"
     hidden, in_ch = pick(shapes, bfl, "img_in.weight", "x_embedder.weight")
@@ -103,6 +113,7 @@ FAMILY = Family(
     cfg=1.0, guidance=4.0, undistilled_cfg=4.0, pooled=False,
     text_hint="encode with this FLUX.2 model's own text encoder (klein 4B: Qwen3-4B, klein "
               "9B: Qwen3-8B, dev: Mistral Small 3.1) or type the prompt into the sampler",
+    reference_image_size=reference_size,
     reference_methods=("index",),  # diffusers' Flux2 layout: time coordinate 10, 20, ...
     released=released,
     lora_formats="diffusers/PEFT, kohya (lora_unet_) or BFL/ComfyUI (diffusion_model.)",

@@ -77,6 +77,15 @@ def comfy_unet(cfg: dict) -> dict:
             "num_layers": int(cfg.get("num_layers", 60))}
 
 
+def edit_size(width: int, height: int) -> tuple:
+    """QwenImageEditPipeline's reference resize (`calculate_dimensions`): a 1024^2 area of
+    the image's aspect ratio, each side rounded to a multiple of 32."""
+    import math
+    ratio = width / height
+    w = math.sqrt(1024 * 1024 * ratio)
+    return round(w / 32) * 32, round(w / ratio / 32) * 32
+
+
 def pipeline_of(index_class) -> str:
     """Qwen-Image folders encode with QwenImagePipeline, Edit folders with
     QwenImageEditPipeline (its text encoder also sees the reference image)."""
@@ -107,7 +116,7 @@ FAMILY = Family(
     # reference images (QwenImageEditPipeline; ComfyUI's ReferenceLatent /
     # TextEncodeQwenImageEdit): each reference's tokens follow the target's, at frame k of
     # RoPE's first axis, rows and columns centred on the reference's own size
-    reference_methods=("index",),
+    reference_methods=("index",), reference_image_size=edit_size,
     pipefusion_references=False,  # img_shapes: the target's tokens first, then each reference
     released=released, detect_order=40, pipeline_of=pipeline_of,
     lora_formats="diffusers/PEFT, kohya (lora_unet_) or ComfyUI (diffusion_model.)",

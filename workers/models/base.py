@@ -76,6 +76,24 @@ def load_vae(model: LoadedModel):
     return vae.to(model.device).eval().requires_grad_(False)
 
 
+def vae_mode(model: LoadedModel, pixels) -> torch.Tensor:
+    """A preprocessed image [1, 3, (1,) H, W] in -1..1 -> the raw VAE latent the diffusers
+    pipelines take (the distribution's mode: their sample_mode "argmax"), fp32 on the CPU."""
+    if model.vae is None:
+        model.vae = load_vae(model)
+    x = pixels.to(model.device, model.vae.dtype)
+    return model.vae.encode(x).latent_dist.mode().float().cpu()
+
+
+def vae_scale_factor(model: LoadedModel) -> int:
+    """Image pixels per VAE latent pixel, as the pipelines compute it from the VAE config
+    (2D VAEs: its block list; Qwen-Image's 3-D VAE: its temporal-downsample entries)."""
+    cfg = model.vae_config
+    if cfg.get("temperal_downsample") is not None:
+        return 2 ** len(cfg["temperal_downsample"])
+    return 2 ** (len(cfg.get("block_out_channels", (0, 0, 0, 0))) - 1)
+
+
 class DiTAdapter:
     """A family's worker steps. A subclass names its `family` (workers/families); the
     family's id, transformer class, block lists and default pipeline are copied from it."""
@@ -280,6 +298,14 @@ class DiTAdapter:
     def reference_inputs(self, model, raws, method, height, width) -> dict:
         """Reference images -> {"tokens", "ids"} (workers/models/flux.py); not for this
         family."""
+        raise ValueError(f"reference images are not supported by {self.family.name} models")
+
+    def encode_reference_images(self, model, images, height, width) -> dict:
+        """Reference images (PIL, RGB; rank 0) -> {"latents": one ComfyUI LATENT per image,
+        what `reference_inputs` takes, "prompt_images": the images the text encoder reads
+        with the prompt, or None}: resized, preprocessed and encoded with the folder's own
+        VAE exactly as the family's diffusers pipeline prepares its references; not for
+        this family."""
         raise ValueError(f"reference images are not supported by {self.family.name} models")
 
     @staticmethod

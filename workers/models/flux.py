@@ -215,6 +215,27 @@ class FluxAdapter(DiTAdapter):
         return {"tokens": torch.cat([t.expand(b, -1, -1) for t in toks], 1).contiguous(),
                 "ids": self.reference_ids(sizes, method, height, width, "cpu", torch.float32)}
 
+    def encode_reference_images(self, model, images, height, width) -> dict:
+        """FLUX.1 Kontext: as FluxKontextPipeline prepares its image (its default
+        `_auto_resize`): resized to the preferred Kontext resolution nearest its aspect ratio,
+        to whole tokens, preprocessed to -1..1, and its raw VAE latent (the LATENT a
+        ComfyUI reference carries, [1, 16, h/8, w/8]). Several images: each so, each its own
+        reference (ComfyUI's FluxKontextImageScale + ReferenceLatent per image)."""
+        from diffusers.image_processor import VaeImageProcessor
+        from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+        from .base import vae_mode, vae_scale_factor
+        multiple_of = vae_scale_factor(model) * 2
+        proc = VaeImageProcessor(vae_scale_factor=multiple_of)
+        out = []
+        for img in images:
+            ih, iw = proc.get_default_height_width(img)
+            _, iw, ih = min((abs(iw / ih - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+            iw, ih = iw // multiple_of * multiple_of, ih // multiple_of * multiple_of
+            pixels = proc.preprocess(proc.resize(img, ih, iw), ih, iw)
+            out.append(vae_mode(model, pixels))
+        return {"latents": out, "prompt_images": None}
+
     def forward_extra(self, model, height, width):
         return {"img_ids": self.image_ids(height, width, model.device, model.dtype)}
 

@@ -116,5 +116,36 @@ class Flux2Adapter(FluxAdapter):
                  joint_attention_kwargs=jak, return_dict=False)[0]
         return out if keep is None else out[:, keep]
 
+    def encode_reference_images(self, model, images, height, width) -> dict:
+        """As Flux2KleinPipeline prepares each of its images: checked (>= 64 px a side,
+        aspect <= 8), shrunk to a 1024^2 area when larger, cropped to whole tokens,
+        preprocessed to -1..1, VAE-encoded, patchified and normalised by the VAE's batch
+        norm: ComfyUI's 128-channel FLUX.2 LATENT [1, 128, h/16, w/16]."""
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+        from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
+
+        from .base import vae_mode, vae_scale_factor
+        multiple_of = vae_scale_factor(model) * 2
+        proc = Flux2ImageProcessor(vae_scale_factor=multiple_of)
+        out = []
+        for i, img in enumerate(images):
+            try:
+                proc.check_image_input(img)
+            except ValueError as e:
+                raise ValueError(f"reference image #{i + 1}: {e}") from None
+            iw, ih = img.size
+            if iw * ih > 1024 * 1024:
+                img = proc._resize_to_target_area(img, 1024 * 1024)
+                iw, ih = img.size
+            iw, ih = iw // multiple_of * multiple_of, ih // multiple_of * multiple_of
+            pixels = proc.preprocess(img, height=ih, width=iw, resize_mode="crop")
+            lat = Flux2KleinPipeline._patchify_latents(vae_mode(model, pixels))
+            bn = model.vae.bn
+            mean = bn.running_mean.view(1, -1, 1, 1).float().cpu()
+            std = torch.sqrt(bn.running_var.view(1, -1, 1, 1)
+                             + model.vae.config.batch_norm_eps).float().cpu()
+            out.append((lat - mean) / std)
+        return {"latents": out, "prompt_images": None}
+
     def forward_extra(self, model, height, width):
         return {"img_ids": self.image_ids(height, width, model.device, model.dtype)}

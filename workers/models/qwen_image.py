@@ -21,12 +21,14 @@ from .flux import dynamic_shift_args, shifted_timesteps
 
 
 # QwenImageEditPipeline's text encoder reads the prompt together with the reference image
-# (vision tokens in the text states); the pool receives references as latents only
+# (vision tokens in the text states): typed prompts need the image itself, not its latent
 EDIT_PROMPTS = ("a Qwen-Image-Edit folder encodes each prompt together with its reference "
-                "image, which the pool does not take as an image: give the prompts as "
-                "CONDITIONING (ComfyUI's TextEncodeQwenImageEdit, or positive / negative from "
-                "QwenImageEditPipeline.encode_prompt(prompt, image=...)) with the reference "
-                "latents")
+                "image: give the image (--image FILE, GenerationRequest.reference_images) "
+                "rather than a reference latent, or the prompts as CONDITIONING (ComfyUI's "
+                "TextEncodeQwenImageEdit, or positive / negative from "
+                "QwenImageEditPipeline.encode_prompt(prompt, image=...))")
+EDIT_ONE_IMAGE = ("QwenImageEditPipeline encodes the prompt with one reference image; got "
+                  "{n}: give one image")
 
 
 def processor_without_video() -> None:
@@ -82,12 +84,22 @@ class QwenImageAdapter(DiTAdapter):
         return shifted_timesteps(scheduler, steps, self.schedule_mu(
             scheduler, latents.shape[1], steps), device)
 
-    def encode(self, model, texts, max_sequence_length):
-        if type(model.encoder).__name__ == "QwenImageEditPipeline":
-            raise ValueError(EDIT_PROMPTS)
+    @staticmethod
+    def _edit(model) -> bool:
+        return type(model.encoder).__name__ == "QwenImageEditPipeline"
+
+    def encode(self, model, texts, max_sequence_length, images=None):
+        """`images`: the reference images an Edit folder's text encoder reads with the
+        prompt (`encode_reference_images`' prompt_images), as QwenImageEditPipeline passes
+        its resized image to encode_prompt for the prompt and the negative prompt alike."""
+        kw = {}
+        if self._edit(model):
+            if not images:
+                raise ValueError(EDIT_PROMPTS)
+            kw["image"] = images[0]
         pe, mask = model.encoder.encode_prompt(
             prompt=list(texts), device=text_encoder_device_of(model), num_images_per_prompt=1,
-            max_sequence_length=max_sequence_length)
+            max_sequence_length=max_sequence_length, **kw)
         out = {"encoder_hidden_states": pe}
         if mask is not None and not bool(mask.all()):  # prompts of different lengths
             out["text_mask"] = mask.bool()
@@ -192,6 +204,29 @@ class QwenImageAdapter(DiTAdapter):
         return {"tokens": torch.cat([t.expand(b, -1, -1) for t in toks], 1).contiguous(),
                 "shapes": self.reference_shapes([(int(r.shape[-2]), int(r.shape[-1]))
                                                  for r in raws])}
+
+    def encode_reference_images(self, model, images, height, width) -> dict:
+        """As QwenImageEditPipeline prepares its image: resized to a ~1024^2 area of its
+        aspect ratio, each side a multiple of 32 (`calculate_dimensions`), preprocessed to
+        -1..1, and the one frame VAE-encoded: the raw latent [1, 16, 1, h/8, w/8] (the
+        LATENT ComfyUI's reference carries; `reference_inputs` normalises it, (z - mean) /
+        std, as the pipeline does). An Edit folder's text encoder reads the resized image
+        with the prompt (one image); a plain Qwen-Image folder encodes its text alone."""
+        from diffusers.image_processor import VaeImageProcessor
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        from .base import vae_mode, vae_scale_factor
+        edit = self._edit(model)
+        if edit and len(images) != 1:
+            raise ValueError(EDIT_ONE_IMAGE.format(n=len(images)))
+        proc = VaeImageProcessor(vae_scale_factor=vae_scale_factor(model) * 2)
+        latents, resized = [], []
+        for img in images:
+            cw, ch, _ = calculate_dimensions(1024 * 1024, img.size[0] / img.size[1])
+            img = proc.resize(img, ch, cw)
+            resized.append(img)
+            latents.append(vae_mode(model, proc.preprocess(img, ch, cw).unsqueeze(2)))
+        return {"latents": latents, "prompt_images": resized if edit else None}
 
     @staticmethod
     def computed_buffers(transformer) -> None:
