@@ -260,7 +260,7 @@ def test_cfg_default_follows_the_model(folder, base_folder):
     assert GenerationRequest(prompt=["x"], cfg=2.5).resolved(distilled).cfg == 2.5
     assert GenerationRequest(prompt=["x"], cfg=1.0).resolved(base).cfg == 1.0
     assert (default_cfg("flux"), default_cfg("sd3")) == (1.0, 7.0)
-    with pytest.raises(ValueError, match="flux2 model depends on whether it is distilled"):
+    with pytest.raises(ValueError, match="FLUX.2 model depends on whether it is distilled"):
         req.resolved("flux2")
     # cfg-parallel needs CFG: the base model's default gives it, the distilled one's does not
     ParallelConfig(cfg_parallel=True).validate(base, req)
@@ -373,7 +373,8 @@ def test_decode_loads_the_folders_vae_class(folder, tmp_path):
     cfg = json.loads((folder / "vae" / "config.json").read_text())
     (other / "vae" / "config.json").write_text(json.dumps(dict(cfg, _class_name="AutoencoderDC")))
     with pytest.raises(ValueError, match="holds a AutoencoderDC; the pool decodes with "
-                                         "AutoencoderKL or AutoencoderKLFlux2 only"):
+                                         "AutoencoderKL, AutoencoderKLFlux2 or "
+                                         "AutoencoderKLQwenImage only"):
         base.load_vae(model(other))
 
 

@@ -69,7 +69,7 @@ def load_vae(model: LoadedModel):
     name = model.vae_config.get("_class_name") or "AutoencoderKL"
     if name not in VAE_CLASSES:
         raise ValueError(f"{os.path.join(model.path, 'vae')} holds a {name}; the pool decodes "
-                         f"with {' or '.join(VAE_CLASSES)} only (decode the LATENT with "
+                         f"with {', '.join(VAE_CLASSES[:-1])} or {VAE_CLASSES[-1]} only (decode the LATENT with "
                          f"ComfyUI's VAEDecode instead)")
     vae = getattr(diffusers, name).from_pretrained(model.path, subfolder="vae",
                                                    torch_dtype=model.dtype)
@@ -307,6 +307,23 @@ class DiTAdapter:
         VAE exactly as the family's diffusers pipeline prepares its references; not for
         this family."""
         raise ValueError(f"reference images are not supported by {self.family.name} models")
+
+    def pack_references(self, refs) -> torch.Tensor:
+        """Model-space references [b_i, C, (1,) h, w] (a call's, from ComfyUI) -> tokens
+        [b, M, C * 4] (a batch-1 reference shared by the others) for the families that pack
+        2x2 latent pixels a token. Odd sizes are padded circularly to whole tokens, as
+        ComfyUI's models pad them."""
+        import torch.nn.functional as F
+        toks = []
+        for r in refs:
+            if r.dim() == 5:  # a one-frame axis
+                r = r[:, :, 0]
+            ph, pw = r.shape[-2] % 2, r.shape[-1] % 2
+            if ph or pw:
+                r = F.pad(r, (0, pw, 0, ph), mode="circular")
+            toks.append(self.pack(r))
+        b = max(t.shape[0] for t in toks)
+        return torch.cat([t.expand(b, -1, -1) for t in toks], 1)
 
     @staticmethod
     def guidance_rows(guidance, rows: int, device):

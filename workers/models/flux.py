@@ -178,20 +178,6 @@ class FluxAdapter(DiTAdapter):
         return {"ref_ids": self.reference_ids(sizes, method, height, width, device,
                                               extra["img_ids"].dtype)}
 
-    def pack_references(self, refs) -> torch.Tensor:
-        """Model-space references [b_i, C, h, w] -> tokens [b, M, C * 4] (a batch-1 reference
-        shared by the others). Odd sizes are padded circularly to whole 2x2 tokens, as
-        ComfyUI's FLUX does."""
-        import torch.nn.functional as F
-        toks = []
-        for r in refs:
-            ph, pw = r.shape[-2] % 2, r.shape[-1] % 2
-            if ph or pw:
-                r = F.pad(r, (0, pw, 0, ph), mode="circular")
-            toks.append(self.pack(r))
-        b = max(t.shape[0] for t in toks)
-        return torch.cat([t.expand(b, -1, -1) for t in toks], 1)
-
     def reference_inputs(self, model, raws, method, height, width) -> dict:
         """References as ComfyUI LATENTs (a job's; FLUX.1: raw VAE space at 1/8, FLUX.2:
         patchified and normalised at 1/16) -> {"tokens": [1 or B, M, C] model space, "ids":

@@ -167,22 +167,6 @@ class QwenImageAdapter(DiTAdapter):
         self._check_method(method)
         return {"ref_shapes": self.reference_shapes(sizes)}
 
-    def pack_references(self, refs) -> torch.Tensor:
-        """Model-space references [b_i, 16, (1,) h, w] -> tokens [b, M, 64] (a batch-1
-        reference shared by the others); odd sizes padded circularly to whole 2x2 tokens, as
-        ComfyUI's model pads them."""
-        import torch.nn.functional as F
-        toks = []
-        for r in refs:
-            if r.dim() == 5:
-                r = r[:, :, 0]
-            ph, pw = r.shape[-2] % 2, r.shape[-1] % 2
-            if ph or pw:
-                r = F.pad(r, (0, pw, 0, ph), mode="circular")
-            toks.append(self.pack(r))
-        b = max(t.shape[0] for t in toks)
-        return torch.cat([t.expand(b, -1, -1) for t in toks], 1)
-
     def reference_inputs(self, model, raws, method, height, width) -> dict:
         """References as ComfyUI LATENTs (raw VAE space [1 or B, 16, (1,) h, w], h and w
         even) -> {"tokens": [1 or B, M, 64] model space ((raw - mean) / std, packed, as
