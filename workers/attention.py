@@ -421,10 +421,22 @@ class LocalAttention:
         self.kernels = KernelChoice(backend, device_type, 1, dtype)
         if dtype is not None and head_dim is not None:
             self.kernels.resolve(dtype, int(head_dim))
+        self._rows: dict = {}  # a row's real-key index on the device, per shape
 
     @property
     def kernel_name(self) -> Optional[str]:
         return self.kernels.name
+
+    def _row_keys(self, plan, streams, n: int, device):
+        """The real keys of a row whose prompt fills `n` text tokens: made once per shape
+        and kept on the device (made per layer and step, each would be a host copy)."""
+        key = (tuple(streams), plan.text_len, plan.image_len, n, device)
+        if key not in self._rows:
+            if len(self._rows) > 64:  # shapes change with jobs; keep the cache bounded
+                self._rows.clear()
+            self._rows[key] = _Layout(*_valid_runs(plan, streams, False, n), 1, 1,
+                                      device).valid[0]
+        return self._rows[key]
 
     def __call__(self, q, k, v, plan, streams, module=None, text_lengths=None) -> torch.Tensor:
         kernel, scale = self.kernels(q), q.shape[-1] ** -0.5
@@ -433,7 +445,7 @@ class LocalAttention:
             return kernel(q, k, v, scale)
         outs = []
         for b, n in enumerate(rows):  # each row's own real keys
-            idx = _Layout(*_valid_runs(plan, streams, False, n), 1, 1, q.device).valid[0]
+            idx = self._row_keys(plan, streams, n, q.device)
             kb, vb = k[b:b + 1], v[b:b + 1]
             if idx is not None:
                 kb, vb = kb.index_select(1, idx), vb.index_select(1, idx)
