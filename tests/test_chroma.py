@@ -407,3 +407,13 @@ def test_comfy_unet_config_has_the_channels_comfyui_reads(folder):
                     "patch_size": 2}
     # Flux.concat_cond's rule: no concat latent when in_channels <= out_channels
     assert unet["in_channels"] <= unet["out_channels"]
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(ulysses=2), ParallelConfig(dp=2)],
+                         ids=["ulysses2", "dp2"])
+def test_weight_sharding_matches_the_pipeline(folder, config):
+    """FSDP2 over the 2 ranks (each holds half of every weight, gathered per block)."""
+    from comfyui_xdit import WorkerPool
+    with WorkerPool(str(folder), config, device="cpu", threads_per_rank=1,
+                    shard_weights=True) as pool:
+        check_exact(pool, folder, batches=(3,), label=f"shard_weights {config.describe()}")

@@ -131,8 +131,11 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard) -> tuple:
             transformer, lists, {n[:-len(".weight")] for n in keep | quant}, dtype,
             "meta").items()}
         persistent = set(transformer.state_dict().keys())
-        loose = [n for n, _ in transformer.named_buffers()
-                 if n not in persistent and n[:-len(".scale")] + ".weight" not in fp8]
+        # a non-persistent buffer the model computes at construction (the adapter's
+        # computed_buffers made it on the CPU, not on the meta device) needs no checkpoint
+        loose = [n for n, b in transformer.named_buffers()
+                 if n not in persistent and n[:-len(".scale")] + ".weight" not in fp8
+                 and b.is_meta]
         if loose:
             raise ValueError(f"buffers not stored in the checkpoint: {loose[:3]}")
         if persistent != set(src.keys()):
@@ -141,6 +144,7 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard) -> tuple:
                              f"{sorted(want - have)[:3]}, unexpected {sorted(have - want)[:3]}")
         shard.wrap(transformer)
         transformer.to_empty(device=device)
+        adapter.computed_buffers(transformer)  # to_empty left them uninitialised
         rank, world = shard.rank, shard.world
 
         def rows(name, local):
