@@ -43,23 +43,10 @@ _TOP = {
     "distilled_guidance_layer.in_proj": "distilled_guidance_layer.in_proj",
     "distilled_guidance_layer.out_proj": "distilled_guidance_layer.out_proj",
 }
-_DOUBLE = {
-    "img_attn.norm.query_norm.scale": "attn.norm_q.weight",
-    "img_attn.norm.key_norm.scale": "attn.norm_k.weight",
-    "txt_attn.norm.query_norm.scale": "attn.norm_added_q.weight",
-    "txt_attn.norm.key_norm.scale": "attn.norm_added_k.weight",
-    "img_attn.proj": "attn.to_out.0",
-    "txt_attn.proj": "attn.to_add_out",
-    "img_mlp.0": "ff.net.0.proj",
-    "img_mlp.2": "ff.net.2",
-    "txt_mlp.0": "ff_context.net.0.proj",
-    "txt_mlp.2": "ff_context.net.2",
-}
-_SINGLE = {
-    "norm.query_norm.scale": "attn.norm_q.weight",
-    "norm.key_norm.scale": "attn.norm_k.weight",
-    "linear2": "proj_out",
-}
+def _without_modulation(rules: dict) -> dict:
+    """FLUX.1's per-block rename rules less its per-block modulations, which Chroma replaces
+    by the one approximator (workers/models/single_file.py holds FLUX's rules)."""
+    return {k: v for k, v in rules.items() if not k.endswith(("_mod.lin", "modulation.lin"))}
 
 
 def _approximator_names(layers: int) -> dict:
@@ -76,10 +63,11 @@ def _approximator_names(layers: int) -> dict:
 def convert_chroma_bfl(sd: dict, config: dict) -> dict:
     """Chroma BFL/ComfyUI keys -> diffusers keys, key by key (a PipeFusion stage reads only
     its blocks); a key without a rule raises."""
-    from .single_file import _convert_bfl
+    from .single_file import _FLUX_DOUBLE, _FLUX_SINGLE, _convert_bfl
     top = dict(_TOP, **_approximator_names(int(config["approximator_layers"])))
     hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
-    return _convert_bfl(sd, top, _DOUBLE, _SINGLE, "Chroma", hidden)
+    return _convert_bfl(sd, top, _without_modulation(_FLUX_DOUBLE),
+                        _without_modulation(_FLUX_SINGLE), "Chroma", hidden)
 
 
 def longest_text(mask: torch.Tensor) -> int:
