@@ -39,9 +39,10 @@ def latent_downscale(arch: str) -> int:
     return _spec(arch).downscale
 
 
-def latent_shape(arch: str, batch: int, height: int, width: int) -> tuple:
-    """The family's ComfyUI LATENT shape for a batch of height x width images (the noise's)."""
-    return _spec(arch).shape(batch, height, width)
+def latent_shape(arch: str, batch: int, height: int, width: int, frames: int = 1) -> tuple:
+    """The family's ComfyUI LATENT shape for a batch of height x width images, or of videos
+    of `frames` frames (the noise's)."""
+    return _spec(arch).shape(batch, height, width, frames)
 
 
 def latent_shape_text(arch: str) -> str:

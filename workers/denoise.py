@@ -24,7 +24,7 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from .flow_step import combine, combine_across, euler_step
+from .flow_step import combine, combine_across, make_steps
 from .hooks import no_step_scope
 from .messages import CACHE_WITH_PIPEFUSION
 from .sequence_parallel import all_gather_tokens, even_sizes
@@ -78,15 +78,33 @@ class Prepared:
     timesteps: torch.Tensor
     extra: dict  # per-size forward inputs (FLUX image ids, this replica's references)
     guidance: Optional[torch.Tensor] = None  # embedded guidance, a device scalar (or None)
+    steps: object = None  # the scheduler's step (workers/flow_step.py EulerSteps / UniPCSteps)
+    # per step (host values): the guidance scale, and the forward inputs (`extra`, joined by
+    # "expert": k for a model of several experts, Wan 2.2's high- / low-noise transformers)
+    scales: Optional[list] = None
+    extras: Optional[list] = None
 
 
 def check_scheduler(scheduler) -> None:
-    """The loop's step is flow-matching Euler on the scheduler's sigmas: refuse a scheduler
-    configuration it would not reproduce, rather than run it wrong."""
+    """The loop's step is flow-matching Euler or UniPC with flow prediction on the
+    scheduler's sigmas (workers/flow_step.py): refuse a scheduler configuration it would not
+    reproduce, rather than run it wrong."""
     c = scheduler.config
-    if type(scheduler).__name__ != "FlowMatchEulerDiscreteScheduler":
-        raise ValueError(f"scheduler {type(scheduler).__name__} is not supported; the pool "
-                         f"runs FlowMatchEulerDiscreteScheduler (FLUX, SD3)")
+    name = type(scheduler).__name__
+    if name == "UniPCMultistepScheduler":
+        want = {"prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                "predict_x0": True, "thresholding": False, "solver_p": None,
+                "final_sigmas_type": "zero"}
+        for key, value in want.items():
+            if c.get(key, value) != value:
+                raise ValueError(f"UniPCMultistepScheduler with {key}={c.get(key)!r} is not "
+                                 f"supported; the pool runs it with {key}={value!r} (Wan)")
+        if c.get("solver_type", "bh2") not in ("bh1", "bh2"):
+            raise ValueError(f"UniPC solver_type {c.get('solver_type')!r}: bh1 or bh2")
+    elif name != "FlowMatchEulerDiscreteScheduler":
+        raise ValueError(f"scheduler {name} is not supported; the pool runs "
+                         f"FlowMatchEulerDiscreteScheduler (FLUX, SD3, Qwen-Image, Chroma) "
+                         f"and flow UniPCMultistepScheduler (Wan)")
     for key in ("stochastic_sampling", "use_karras_sigmas", "use_exponential_sigmas",
                 "use_beta_sigmas"):
         if c.get(key):
@@ -109,7 +127,9 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
     cond, uncond = to_dev(job.cond), to_dev(job.uncond)
     if topo.degree("cfg") == 2 and uncond is None:
         raise RuntimeError("cfg-parallel job without a negative branch")
-    noise = job.noise[mine].to(dev, dtype)
+    # the loop's latents: the model's dtype, or fp32 where the family's pipeline keeps them
+    # so (Wan: its multistep history); the adapter's forward casts what the model takes
+    noise = job.noise[mine].to(dev, torch.float32 if adapter.latents_fp32 else dtype)
     scheduler = adapter.make_scheduler(model)
     check_scheduler(scheduler)
     img2img = job.init_latent is not None and job.denoise < 1.0
@@ -118,8 +138,8 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
     sigmas = scheduler.sigmas[begin:].to(dev, torch.float32)
     latents = noise
     if img2img:  # start part-way down the schedule from the noised input latent
-        x0 = job.init_latent[mine].to(dev, dtype)
-        latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(dtype)
+        x0 = job.init_latent[mine].to(dev, noise.dtype)
+        latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(noise.dtype)
     extra = adapter.forward_extra(model, req["height"], req["width"])
     if job.references is not None:  # a batch of references is sliced like the latents
         for key, v in job.references.items():  # the rest: what the adapter's forward needs
@@ -131,8 +151,15 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
     g = req.get("guidance")
     guidance = None if g is None else torch.full((), float(g), device=dev,
                                                   dtype=torch.float32)
+    # per step, decided here from host values: which expert, at which guidance scale
+    experts = adapter.experts_per_step(model, scheduler, total)[begin:]
+    scales = [float(req["cfg"]) if e == 0 else float(req.get("cfg_2") or req["cfg"])
+              for e in experts]
+    by_expert = {e: (extra if e == 0 else dict(extra, expert=e)) for e in set(experts)}
+    steps = make_steps(scheduler, sigmas, scheduler.sigmas[begin:], begin)
     return Prepared(sizes=sizes, mine=mine, cond=cond, uncond=uncond, latents=latents,
-                    sigmas=sigmas, timesteps=timesteps, extra=extra, guidance=guidance)
+                    sigmas=sigmas, timesteps=timesteps, extra=extra, guidance=guidance,
+                    steps=steps, scales=scales, extras=[by_expert[e] for e in experts])
 
 
 def _stop_requested(should_stop: Callable[[], bool], control) -> bool:
@@ -189,17 +216,18 @@ class WholeImage:
                              self.control, self.sharded)
         with gated(call):
             return self.adapter.forward(self.model, latents, p.timesteps[i], cond, p.guidance,
-                                        p.extra)
+                                        p.extras[i])
 
     def step(self, i: int, latents: torch.Tensor, finished: Callable[[int], None]) -> None:
         p = self.prep
         preds = [self._forward(b, cond, latents, i) for b, cond in zip(self.branches, self.conds)]
+        scale = p.scales[i]
         if self.cfg_group is not None:
-            pred = combine_across(preds[0], self.cfg_group, self.scale, self.adapter.cfg_rescale)
+            pred = combine_across(preds[0], self.cfg_group, scale, self.adapter.cfg_rescale)
         else:
-            pred = combine(preds[0], preds[1], self.scale, self.adapter.cfg_rescale) \
+            pred = combine(preds[0], preds[1], scale, self.adapter.cfg_rescale) \
                 if len(preds) == 2 else preds[0]
-        latents.copy_(euler_step(latents, pred, p.sigmas, i))
+        latents.copy_(p.steps.step(latents, pred, i))
         finished(i)
 
     def close(self) -> None:

@@ -33,3 +33,124 @@ def euler_step(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int) -
     """FlowMatchEulerDiscreteScheduler.step without noise: x + (sigma_{i+1} - sigma_i) v,
     in fp32, back to the prediction's dtype (rows or the whole latent alike)."""
     return (x.float() + (sigmas[i + 1] - sigmas[i]) * v.float()).to(v.dtype)
+
+
+# ---- the scheduler's step ----------------------------------------------------------------
+# The loop asks `Steps.step(x, v, i, key)` for step i's update of the rows `key` (None: the
+# whole latent; PipeFusion: a patch, whose multistep history is its own). Everything a step
+# multiplies by is computed once from the run's sigmas on the host, so a step is device
+# arithmetic only (nothing waits on the host).
+
+class EulerSteps:
+    """FlowMatchEulerDiscreteScheduler: x + (sigma_{i+1} - sigma_i) v. Stateless."""
+
+    def __init__(self, sigmas: torch.Tensor):
+        self.sigmas = sigmas  # device, fp32
+
+    def step(self, x: torch.Tensor, v: torch.Tensor, i: int, key=None) -> torch.Tensor:
+        return euler_step(x, v, self.sigmas, i)
+
+
+def _lambda(sigma: torch.Tensor) -> torch.Tensor:
+    """log(alpha / sigma) of flow sigmas (alpha = 1 - sigma), in fp32 as the scheduler."""
+    return torch.log(1 - sigma) - torch.log(sigma)
+
+
+def _unipc_coefficients(sigmas: torch.Tensor, i: int, later: int, order: int,
+                        bh2: bool) -> tuple:
+    """UniPC's B(h) update from sigma index `i` to `later` (predictor: i -> i + 1; corrector:
+    i - 1 -> i) of `order` with history at indices i - 1, i - 2, ...: (a, b, c, rks, rhos)
+    such that the update is a * x - b * m0 - c * sum_k rhos[k] * (m_k - m0) / rks[k], k over
+    the history and, for the corrector, finally the new x0 (rk 1). Scalar fp32 arithmetic
+    as UniPCMultistepScheduler does it (predict_x0, flow sigmas)."""
+    s_t, s_0 = sigmas[later], sigmas[i]
+    alpha_t = 1 - s_t
+    lam_0 = _lambda(s_0)
+    h = _lambda(s_t) - lam_0
+    rks = [(_lambda(sigmas[i - k]) - lam_0) / h for k in range(1, order)]
+    rks.append(torch.ones(()))
+    hh = -h
+    h_phi_1 = torch.expm1(hh)
+    b_h = torch.expm1(hh) if bh2 else hh
+    h_phi_k, fact, rows, b = h_phi_1 / hh - 1, 1, [], []
+    for j in range(1, order + 1):
+        rows.append(torch.pow(torch.stack(rks), j - 1))
+        b.append(h_phi_k * fact / b_h)
+        fact *= j + 1
+        h_phi_k = h_phi_k / hh - 1 / fact
+    R, b = torch.stack(rows), torch.stack(b)
+    return (float(s_t / s_0), float(alpha_t * h_phi_1), float(alpha_t * b_h),
+            [float(r) for r in rks], R, b)
+
+
+class UniPCSteps:
+    """UniPCMultistepScheduler with flow prediction (Wan): the multistep predictor (UniP) on
+    the x0 predictions of the last `solver_order` steps, and from the second step the
+    corrector (UniC) of the previous step's predictor with this step's x0, B(h) bh1 / bh2,
+    lower orders at the start and (lower_order_final) the end, as the scheduler's `step`
+    runs them one after another; the final sigma 0 gives x0 itself. Per-step scalars come
+    from the sigmas (`_unipc_coefficients`); each rows `key` keeps its own history."""
+
+    def __init__(self, sigmas_cpu: torch.Tensor, config, first: int = 0):
+        """`sigmas_cpu`: the run's sigmas (fp32, CPU), `first`: their index in the
+        scheduler's full schedule (the corrector-disabled steps are counted in it)."""
+        sig = sigmas_cpu.float().cpu()
+        n, order_max = len(sig) - 1, int(config.get("solver_order", 2))
+        bh2 = config.get("solver_type", "bh2") == "bh2"
+        off = set(int(k) for k in (config.get("disable_corrector") or []))
+        lof = config.get("lower_order_final", True)
+        self.sigma = [float(s) for s in sig]
+        self.orders, self.pred, self.corr = [], [], []
+        for i in range(n):
+            order = min(order_max, n - i) if lof else order_max
+            order = min(order, i + 1)  # warm-up: lower orders while history is short
+            self.orders.append(order)
+            a, b, c, rks, R, bv = _unipc_coefficients(sig, i, i + 1, order, bh2)
+            if order == 1:
+                rhos = []
+            elif order == 2:
+                rhos = [0.5]
+            else:
+                rhos = [float(r) for r in torch.linalg.solve(R[:-1, :-1], bv[:-1])]
+            self.pred.append((a, b, c, rks[:-1], rhos))
+            corr = None
+            if i > 0 and (first + i - 1) not in off:
+                p = self.orders[i - 1]  # the corrector's order: the previous predictor's
+                a, b, c, rks, R, bv = _unipc_coefficients(sig, i - 1, i, p, bh2)
+                rhos = [0.5] if p == 1 else [float(r) for r in torch.linalg.solve(R, bv)]
+                corr = (a, b, c, rks[:-1], rhos)
+            self.corr.append(corr)
+        self.keep = max(order_max, 1)  # x0 history each rows key keeps
+        self.state = {}
+
+    @staticmethod
+    def _update(x, m, coef, new=None):
+        """a x - b m0 - c (sum_k rho_k (m_k - m0) / rk_k [+ rho_last (new - m0)])."""
+        a, b, c, rks, rhos = coef
+        m0 = m[-1]
+        res = None
+        for k, rk in enumerate(rks):  # m_k: the x0 k + 1 steps before m0
+            d = rhos[k] * ((m[-(k + 2)] - m0) / rk)
+            res = d if res is None else res + d
+        if new is not None:
+            d = rhos[-1] * (new - m0)
+            res = d if res is None else res + d
+        out = a * x - b * m0
+        return out if res is None else out - c * res
+
+    def step(self, x: torch.Tensor, v: torch.Tensor, i: int, key=None) -> torch.Tensor:
+        st = self.state.setdefault(key, {"m": [], "last": None})
+        xs = x.to(torch.float32, copy=True)  # kept as history: the caller writes x over
+        x0 = xs - self.sigma[i] * v.float()
+        if self.corr[i] is not None and st["last"] is not None:
+            xs = self._update(st["last"], st["m"], self.corr[i], new=x0)
+        st["m"] = (st["m"] + [x0])[-self.keep:]
+        st["last"] = xs
+        return self._update(xs, st["m"], self.pred[i]).to(x.dtype)
+
+
+def make_steps(scheduler, sigmas: torch.Tensor, sigmas_cpu: torch.Tensor, first: int = 0):
+    """The step of the job's scheduler (`check_scheduler` has accepted it)."""
+    if type(scheduler).__name__ == "UniPCMultistepScheduler":
+        return UniPCSteps(sigmas_cpu, scheduler.config, first)
+    return EulerSteps(sigmas)

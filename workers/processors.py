@@ -239,3 +239,48 @@ class QwenImageShardedAttnProcessor:
         if len(attn.to_out) > 1:
             img = attn.to_out[1](img)
         return img, attn.to_add_out(txt.contiguous())
+
+
+def _wan_rotary(x, freqs_cos, freqs_sin):
+    """Wan's RoPE on interleaved pairs (as WanAttnProcessor applies it), [B, S, H, D]."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class WanShardedAttnProcessor:
+    """Wan: the self-attention (`attn1`, over the video tokens, with RoPE) on the local token
+    shard through the method's attention; the cross-attention (`attn2`, to the text and, for
+    2.1 I2V, the CLIP image tokens) is the stock processor's: this rank's queries against
+    every key, which no rank splits, so it needs no collective."""
+
+    def __init__(self, attention):
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+        self.attention = attention
+        self.cross = WanAttnProcessor()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None, sp_plan=None):
+        if encoder_hidden_states is not None:
+            return self.cross(attn, hidden_states, encoder_hidden_states, attention_mask,
+                              rotary_emb)
+        plan = _need_plan(sp_plan)
+        if attention_mask is not None:
+            raise ValueError("attention masks are not supported under sequence parallelism")
+        if attn.fused_projections:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query = attn.to_q(hidden_states)
+            key, value = attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)  # RMS norm across the heads
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query, key = _wan_rotary(query, *rotary_emb), _wan_rotary(key, *rotary_emb)
+        out = self.attention(query, key, value, plan, ("image",), attn)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))

@@ -108,7 +108,10 @@ class SequenceLayout:
 
     split_inputs:  forward kwarg -> (stream, dim), split before the transformer runs.
     split_outputs: submodule name -> (stream, dim), its output is split; a tuple output
-                   takes one (stream, dim) per element (None: left whole).
+                   takes one (stream, dim) per element (None: left whole). (stream, dim,
+                   "flatten"): the output's dims from `dim` on are the tokens, flattened
+                   before the split (Wan's 3-D patch convolution: [B, C, F, H, W] ->
+                   [B, C, local tokens], which the model's own flatten leaves as it is).
     full_lengths:  submodule name -> {kwarg: stream}: that keyword of the module's call is
                    set to the stream's full length (a model that derives a length from a
                    tensor the hooks have split, as Qwen-Image's text RoPE does, is told the
@@ -116,6 +119,8 @@ class SequenceLayout:
     gather_output: (submodule name, dim), its image-token output is all-gathered.
     token_counts:  (transformer, forward kwargs) -> (text tokens, image tokens).
     kwargs_name:   the forward kwarg whose dict reaches the attention processors.
+    plan_by_hook:  the model calls its attention modules without that dict (Wan): a hook
+                   on each of them passes the forward's plan as their `sp_plan` keyword.
     """
 
     split_inputs: dict
@@ -126,6 +131,7 @@ class SequenceLayout:
     replaces: tuple  # class names of the stock processors the sharded one replaces
     full_lengths: dict = field(default_factory=dict)
     kwargs_name: str = "joint_attention_kwargs"
+    plan_by_hook: bool = False
 
 
 def all_gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
@@ -144,8 +150,9 @@ class SequenceParallel:
     """Hooks one transformer for sequence parallelism over `topo`'s sp group; a forward
     called with its own plan computes that plan's tokens (module doc)."""
 
-    def __init__(self, transformer: torch.nn.Module, layout: SequenceLayout, topo: Topology,
-                 attention):
+    def __init__(self, transformer, layout: SequenceLayout, topo: Topology, attention):
+        """`transformer`: one, or a tuple of transformers of one class (a model's experts,
+        one forward at a time)."""
         self.layout = layout
         self.topo = topo
         self.plan: Optional[SequencePlan] = None  # set for the duration of one forward
@@ -153,6 +160,11 @@ class SequenceParallel:
         self.handles = []
         processor = layout.attention_processor(attention)
         self.originals = {}  # module -> stock processor, restored by remove()
+        for tr in (transformer if isinstance(transformer, (tuple, list)) else (transformer,)):
+            self._install(tr, processor)
+
+    def _install(self, transformer, processor):
+        layout = self.layout
         for name, module in transformer.named_modules():
             proc = getattr(module, "processor", None)
             if proc is None:
@@ -162,7 +174,10 @@ class SequenceParallel:
                                    f"which sequence parallelism does not support")
             self.originals[module] = proc
             module.set_processor(processor)
-        if not self.originals:
+            if layout.plan_by_hook:
+                self.handles.append(module.register_forward_pre_hook(self._give_plan,
+                                                                     with_kwargs=True))
+        if not any(m in self.originals for m in transformer.modules()):
             raise RuntimeError("no attention module found to parallelise")
         self.handles.append(transformer.register_forward_pre_hook(self._enter, with_kwargs=True))
         self.handles.append(transformer.register_forward_hook(self._exit, always_call=True))
@@ -201,9 +216,14 @@ class SequenceParallel:
     def _exit(self, module, args, output):
         self.plan = None
 
+    def _give_plan(self, module, args, kwargs):
+        return args, dict(kwargs, sp_plan=self.plan)
+
     def _splitter(self, spec):
         def hook(module, args, output):
             if isinstance(spec[0], str):
+                if len(spec) > 2 and spec[2] == "flatten":
+                    output = output.flatten(spec[1])
                 return self.plan.shard(output, spec[1], spec[0])
             return type(output)(o if s is None else self.plan.shard(o, s[1], s[0])
                                 for o, s in zip(output, spec))

@@ -73,12 +73,13 @@ class Worker:
         from .sharding import shard_after_load
         self.sharding = shard_after_load(self)  # --shard-weights: FSDP2 (workers/sharding.py)
         from .weights import set_fp8_compute  # how the fp8 layers multiply, fixed here
-        self.fp8_compute = set_fp8_compute(self.model.transformer,
-                                           getattr(args, "fp8_compute", "auto"), self.device,
-                                           self.dtype)
+        for tr in self.model.transformers():
+            self.fp8_compute = set_fp8_compute(tr, getattr(args, "fp8_compute", "auto"),
+                                               self.device, self.dtype)
         self.loras = LoraManager(self.adapter)
         self.compiler = Compiler(getattr(args, "compile", False))  # workers/compile.py
-        self.compiler.install(self.model.transformer, self.adapter.block_lists)
+        for tr in self.model.transformers():
+            self.compiler.install(tr, self.adapter.block_lists)
         from .model_call import CondCache
         self.cond_cache = CondCache()  # conditionings of host-side samplers (model calls)
         self.last_cache = None  # step-cache counts of the last job or model call using it
@@ -90,7 +91,8 @@ class Worker:
         self.ranks = _gather_all(planes.control, {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
                                   "device": str(self.device), "rss_mb": rss_mb(),
                                   "transformer_params": sum(
-                                      p.numel() for p in self.model.transformer.parameters()),
+                                      p.numel() for tr in self.model.transformers()
+                                      for p in tr.parameters()),
                                   "stage": None if st is None else
                                   {"index": st.index, "of": st.count, "blocks": list(st.owned),
                                    "n_blocks": st.n_blocks},
@@ -109,7 +111,7 @@ class Worker:
         t = self.model.transformer.config
         return {"model": self.args.model, "arch": self.model.arch,
                 "kind": "file" if os.path.isfile(self.args.model) else "diffusers",
-                "heads": int(t.num_attention_heads), "patch_size": int(t.get("patch_size", 1) or 1),
+                "heads": int(t.num_attention_heads), "patch_size": _spatial_patch(t.get("patch_size", 1) or 1),
                 "blocks": sum(len(getattr(self.model.transformer, n))
                               for n in self.adapter.block_lists),
                 "world_size": self.world, "load_seconds": self.load_seconds,
@@ -149,17 +151,17 @@ class Worker:
             sp = None
             if topo.degree("pipefusion") > 1:
                 from .pipefusion.cache import PatchAttention
-                sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
+                sp = SequenceParallel(self.model.transformers(), self.adapter.layout, topo,
                                       PatchAttention(topo, self.args.attention,
                                                      self.device.type, self.dtype))
             elif topo.sp > 1:
-                sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
+                sp = SequenceParallel(self.model.transformers(), self.adapter.layout, topo,
                                       self.compiler.outside(ShardedAttention(
                                           topo, self.device.type,
                                           fault=self.hook_options.get("attention_fault", ""),
                                           backend=self.args.attention, dtype=self.dtype)))
             else:
-                sp = SequenceParallel(self.model.transformer, self.adapter.layout, topo,
+                sp = SequenceParallel(self.model.transformers(), self.adapter.layout, topo,
                                       LocalAttention(self.args.attention, self.device.type,
                                                      self.dtype, self.model.transformer.config
                                                      .get("attention_head_dim")))
@@ -370,6 +372,11 @@ class Worker:
             except Exception:  # noqa: BLE001
                 pass
             raise LoraError("; ".join(errors))
+
+
+def _spatial_patch(v) -> int:
+    """Latent pixels per token side of a config's patch_size (Wan's (1, 2, 2): 2)."""
+    return int(v[-1]) if isinstance(v, (list, tuple)) else int(v)
 
 
 def _warm_pairs(topo):

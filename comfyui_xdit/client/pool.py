@@ -515,7 +515,7 @@ class WorkerPool:
             fmt = self._remote["latent"]
             if noise is None:  # ComfyUI's prepare_noise on the LATENT's shape, drawn once
                 noise = comfy_noise(req.seed, latent_shape(info.arch, req.batch, req.height,
-                                                           req.width))
+                                                           req.width, req.frames))
             refs = req.reference_latents  # ComfyUI LATENTs; the workers convert them
             images = req.reference_images  # [H, W, 3] tensors (resolved); rank 0 encodes
             req = dataclasses.replace(req, reference_latents=None, reference_images=None)
@@ -736,7 +736,7 @@ def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
 
     if not isinstance(denoise, (int, float)) or not 0.0 < float(denoise) <= 1.0:
         raise ConfigError(f"denoise must be in (0, 1] (got {denoise!r})")
-    shape = latent_shape(arch, request.batch, request.height, request.width)
+    shape = latent_shape(arch, request.batch, request.height, request.width, request.frames)
     for name, t in (("noise", noise), ("init_latent", init_latent)):
         if t is not None and (not torch.is_tensor(t) or tuple(t.shape) != shape):
             got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__

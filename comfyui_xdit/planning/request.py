@@ -41,6 +41,11 @@ class GenerationRequest:
     guidance: Optional[float] = None
     cfg: Optional[float] = None
     max_sequence_length: int = 512
+    # video families (Wan): frames of each video, 4k + 1 (ComfyUI's LATENT has (frames - 1)
+    # / 4 + 1 of them); images: 1
+    frames: int = 1
+    # the second expert's guidance scale (Wan 2.2 A14B's low-noise transformer; None: cfg)
+    cfg_2: Optional[float] = None
     loras: list = field(default_factory=list)
     output: str = "latent"  # "latent" or "image" (decoded by rank 0 with the model's VAE)
     preview_every: int = 0  # 0: no previews; k: a low-res x0 preview every k steps
@@ -165,6 +170,10 @@ class GenerationRequest:
             out.append(f"max_sequence_length must be in 1..512 (got {self.max_sequence_length!r})")
         if self.cfg is not None and self.cfg < 1.0:
             out.append(f"cfg must be >= 1 (got {self.cfg}); 1 disables classifier-free guidance")
+        if self.cfg_2 is not None and (not isinstance(self.cfg_2, (int, float))
+                                       or self.cfg_2 < 1.0):
+            out.append(f"cfg_2 must be >= 1 (got {self.cfg_2!r})")
+        out.extend(frames_problems(self.frames, model))
         out.extend(_lora_problems(self.loras))
         if self.output not in ("latent", "image"):
             out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
@@ -173,6 +182,24 @@ class GenerationRequest:
         out.extend(_reference_image_problems(self, model))
         out.extend(cache_problems(self.cache))
         return out
+
+
+def frames_problems(frames, model) -> list[str]:
+    """`frames` for the model's family: 4k + 1 for a video family, 1 for an image one."""
+    arch = model if isinstance(model, str) else getattr(model, "arch", None)
+    spec = None if arch is None else families.family(arch).latent
+    if not isinstance(frames, int) or frames < 1:
+        return [f"frames must be an integer >= 1 (got {frames!r})"]
+    if spec is not None and spec.video:
+        k = spec.time_downscale
+        if (frames - 1) % k:
+            lo = (frames - 1) // k * k + 1
+            return [f"frames {frames} is not of the form {k}k + 1 ({families.family(arch).name} "
+                    f"video: try {lo} or {lo + k})"]
+    elif spec is not None and frames != 1:
+        return [f"frames {frames}: {families.family(arch).name} makes images (frames 1); "
+                f"video needs a video model (Wan)"]
+    return []
 
 
 def _cache_settings():

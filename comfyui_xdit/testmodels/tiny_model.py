@@ -32,6 +32,8 @@ _sd3 = worker_module("families.sd3")
 _chroma = worker_module("families.chroma")
 ARCHS = families.IDS
 FLUX2_VARIANTS = ("klein", "dev")  # tiny-model --arch flux2 --variant
+# tiny-model --variant per arch (the first: the default, kept out of the cache key)
+VARIANTS = {"flux2": FLUX2_VARIANTS, "wan": ("t2v", "a14b")}
 
 # Bump when the folder layout or any config below changes: it is part of the cache key, so
 # ensure_tiny_model never serves a folder built by an older recipe.
@@ -245,16 +247,21 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
                          f"{width} / heads {heads} = {head_dim}")
     if sd35 and arch != "sd3":
         raise ValueError("sd35 (QK RMS norm, dual-attention blocks) applies to --arch sd3 only")
-    if variant is not None and arch != "flux2":
-        raise ValueError(f"variant applies to --arch flux2 only (got arch {arch!r})")
-    if variant is not None and variant not in FLUX2_VARIANTS:
-        raise ValueError(f"unknown flux2 variant {variant!r}: expected one of {', '.join(FLUX2_VARIANTS)}")
+    if arch == "wan" and (head_dim % 2 or head_dim < 6):
+        raise ValueError(f"wan needs an even head dim >= 6 for its 3 RoPE axes; width "
+                         f"{width} / heads {heads} = {head_dim}")
+    if variant is not None and arch not in VARIANTS:
+        raise ValueError(f"variant applies to --arch {' or '.join(VARIANTS)} only (got arch "
+                         f"{arch!r})")
+    if variant is not None and variant not in VARIANTS[arch]:
+        raise ValueError(f"unknown {arch} variant {variant!r}: expected one of "
+                         f"{', '.join(VARIANTS[arch])}")
     out = {"arch": arch, "seed": seed, "depth": depth, "width": width, "heads": heads,
            "builder_version": BUILDER_VERSION}
     if sd35:  # only when set, so the cache keys of the other models stay as they were
         out["sd35"] = True
-    if variant == "dev":  # likewise: klein (the default) keeps its key
-        out["variant"] = "dev"
+    if variant is not None and variant != VARIANTS[arch][0]:  # the default keeps its key
+        out["variant"] = variant
     if arch in ("flux", "chroma") and head_dim == 128:
         # FLUX.1's RoPE axes (16, 56, 56), as a single file of it is read (the old recipe
         # split 128 as (4, 62, 62)): a new key for this recipe, the others' keys unchanged
@@ -549,6 +556,11 @@ def _build_qwen_image(cfg: dict):
     return build_pipeline(cfg)
 
 
+def _build_wan(cfg: dict):
+    from comfyui_xdit.testmodels.tiny_wan import build_pipeline
+    return build_pipeline(cfg)
+
+
 def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, depth: int | None = None,
                      width: int | None = None, heads: int = 4, sd35: bool = False,
                      variant: str | None = None) -> pathlib.Path:
@@ -559,8 +571,9 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     width: transformer hidden size = heads * head_dim (default heads * 16).
     heads: attention heads (default 4, so Ulysses degrees 2 and 4 divide it).
     sd35: SD3.5-style blocks (QK RMS norm, dual attention); arch sd3 only.
-    variant: flux2 only: "klein" (default; Flux2KleinPipeline, Qwen3, no guidance embedding)
-    or "dev" (Flux2Pipeline, Mistral-3 text encoder, embedded guidance).
+    variant: flux2: "klein" (default; Flux2KleinPipeline, Qwen3, no guidance embedding)
+    or "dev" (Flux2Pipeline, Mistral-3 text encoder, embedded guidance); wan: "t2v" (default,
+    Wan 2.1) or "a14b" (Wan 2.2's two experts), comfyui_xdit/testmodels/tiny_wan.py.
     Same arguments -> byte-identical safetensors.
     """
     cfg = resolve_config(arch, seed=seed, depth=depth, width=width, heads=heads, sd35=sd35,
@@ -572,7 +585,8 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     # Build on the default RNG but leave the caller's RNG state as it was.
     with torch.random.fork_rng(devices=[]):
         pipe = {"flux": _build_flux, "sd3": _build_sd3, "flux2": _build_flux2,
-                "chroma": _build_chroma, "qwen_image": _build_qwen_image}[arch](cfg)
+                "chroma": _build_chroma, "qwen_image": _build_qwen_image,
+                "wan": _build_wan}[arch](cfg)
     with _quiet_transformers():
         pipe.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -738,7 +752,7 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "tiny-model",
         help="write a small random-weight diffusers model folder (offline)",
-        description="Write a small random-weight FLUX.1, FLUX.2, SD3, Chroma or Qwen-Image diffusers folder; "
+        description="Write a small random-weight FLUX.1, FLUX.2, SD3, Chroma, Qwen-Image or Wan diffusers folder; "
                     "nothing "
                     "is downloaded.",
     )
@@ -751,9 +765,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--sd35", action="store_true",
                    help="SD3.5-style blocks: QK RMS norm and dual attention (arch sd3)")
-    p.add_argument("--variant", choices=FLUX2_VARIANTS, default=None,
-                   help="FLUX.2 variant (arch flux2): klein (default; Qwen3, no guidance "
-                        "embedding) or dev (Mistral-3 text encoder, embedded guidance)")
+    p.add_argument("--variant", choices=sorted({v for vs in VARIANTS.values() for v in vs}),
+                   default=None,
+                   help="FLUX.2: klein (default; Qwen3, no guidance embedding) or dev "
+                        "(Mistral-3 text encoder, embedded guidance); Wan: t2v (default, 2.1) "
+                        "or a14b (2.2's two experts)")
     p.set_defaults(func=run_cli)
 
 

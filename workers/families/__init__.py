@@ -29,6 +29,7 @@ class LatentSpec:
             "mean_std": (raw - mean) / std per channel; "batchnorm": the LATENT is model
             space already, normalised by the VAE's batch-norm statistics, as FLUX.2's).
     frames: the LATENT is 5-D [B, C, T, h, w] (T = 1 for an image).
+    video:  T counts video frames: (frames - 1) / time_downscale + 1 of them (Wan); else 1.
     """
 
     channels: int = 16
@@ -36,6 +37,8 @@ class LatentSpec:
     tokens: str = "pack2x2"
     norm: str = "scale_shift"
     frames: bool = False
+    video: bool = False
+    time_downscale: int = 1  # video frames per latent frame after the first
     comfy_format: str = ""  # ComfyUI's comfy/latent_formats.py class
     # ComfyUI's latent2rgb preview factors for model-space latents (None: no preview)
     rgb: Optional[tuple] = None
@@ -53,15 +56,21 @@ class LatentSpec:
         """Image pixels per token side (16 for every family so far)."""
         return self.downscale * self.per_token
 
+    def latent_frames(self, frames: int = 1) -> int:
+        """LATENT frames of a video of `frames` frames (4k + 1 for Wan); 1 for an image."""
+        return (int(frames) - 1) // self.time_downscale + 1 if self.video else 1
+
     def shape(self, batch: int, height: int, width: int, frames: int = 1) -> tuple:
+        """The LATENT of a batch of `frames`-frame videos (images: frames 1)."""
         d = self.downscale
         hw = (int(height) // d, int(width) // d)
-        return (int(batch), self.channels, int(frames)) + hw if self.frames \
+        return (int(batch), self.channels, self.latent_frames(frames)) + hw if self.frames \
             else (int(batch), self.channels) + hw
 
     def shape_text(self) -> str:
         d = self.downscale
-        t = "1, " if self.frames else ""
+        t = ((f"(frames - 1)/{self.time_downscale} + 1, " if self.video else "1, ")
+             if self.frames else "")
         return f"[batch, {self.channels}, {t}height/{d}, width/{d}]"
 
 
@@ -142,7 +151,7 @@ class Family:
             return None
 
 
-_IDS = ("flux", "flux2", "sd3", "chroma", "qwen_image")
+_IDS = ("flux", "flux2", "sd3", "chroma", "qwen_image", "wan")
 FAMILIES: dict = {}
 for _id in _IDS:
     FAMILIES[_id] = importlib.import_module(f"{__name__}.{_id}").FAMILY

@@ -23,6 +23,14 @@ class LoadedModel:
     dtype: Any
     vae: Any = None  # loaded on first decode (rank 0)
     stage: Any = None  # PipeFusion StageInfo when this rank holds one stage of the blocks
+    # a second expert (Wan 2.2 A14B's low-noise transformer; `transformer` is the high-noise
+    # one) and the folder's model_index.json settings the adapter reads (boundary_ratio)
+    transformer_2: Any = None
+    index: Any = None
+
+    def transformers(self) -> tuple:
+        """Every transformer of the model (hooks, LoRA, compile go on each)."""
+        return tuple(t for t in (self.transformer, self.transformer_2) if t is not None)
 
 
 def get_adapter(arch: str, path=None):

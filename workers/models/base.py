@@ -59,7 +59,8 @@ def _read_json(path: str) -> dict:
 
 # The VAE classes the pool decodes with: the same Decoder (what vae_parallel rewires);
 # FLUX.2's only adds a batch norm on the patchified latent, applied in model space.
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLFlux2", "AutoencoderKLQwenImage")
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLFlux2", "AutoencoderKLQwenImage",
+               "AutoencoderKLWan")
 
 
 def load_vae(model: LoadedModel):
@@ -108,6 +109,7 @@ class DiTAdapter:
     bfl_blocks: dict | None = None
     lora_alphas = False  # LoRA network alphas go to load_lora_into_transformer (FLUX.1)
     cfg_rescale = False  # true CFG rescaled to the conditional prediction's norm (Qwen-Image)
+    latents_fp32 = False  # the loop keeps fp32 latents whatever the model's dtype (Wan)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -233,8 +235,14 @@ class DiTAdapter:
         return out
 
     def make_scheduler(self, model: LoadedModel):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        return FlowMatchEulerDiscreteScheduler.from_config(model.scheduler_config)
+        """The folder's scheduler class (scheduler_config.json `_class_name`; the loop's
+        `check_scheduler` refuses one it does not run), FlowMatch Euler where unnamed."""
+        import diffusers
+        name = model.scheduler_config.get("_class_name") or "FlowMatchEulerDiscreteScheduler"
+        cls = getattr(diffusers, name, None)
+        if cls is None:
+            raise ValueError(f"scheduler {name!r} is not a diffusers scheduler")
+        return cls.from_config(model.scheduler_config)
 
     def scale_shift(self, model: LoadedModel) -> tuple:
         """The VAE's (scale, shift), scalars or per-channel lists: model space <-> raw VAE
@@ -282,6 +290,11 @@ class DiTAdapter:
 
     def timesteps(self, scheduler, steps: int, latents, device):
         raise NotImplementedError
+
+    def experts_per_step(self, model, scheduler, steps: int) -> list:
+        """Which of the model's transformers runs each step of a `steps`-step schedule
+        (after `timesteps`): 0 for every step but where a family has experts (Wan 2.2)."""
+        return [0] * steps
 
     def encode(self, model, texts, max_sequence_length) -> dict:
         """Prompt texts -> the transformer's text inputs (rank 0 only)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..flow_step import combine, combine_across, euler_step
+from ..flow_step import combine, combine_across
 from ..p2p import exchange
 from .cache import KVCache
 from .plan import PatchPlan
@@ -56,7 +56,8 @@ class PatchPipeline:
         # shards and caches need no second range (with warmup_steps >= steps: exact)
         refs = prep.extra.get("ref_tokens")
         self.ref_tokens = 0 if refs is None else int(refs.shape[1])
-        self.extra = prep.extra if refs is None else dict(prep.extra, references_first=True)
+        self.extras = prep.extras if refs is None else [dict(e, references_first=True)
+                                                        for e in prep.extras]
         self.text_len = {b: c["encoder_hidden_states"].shape[1] for b, c in branches.items()}
         config = model.transformer.config
         self.hidden = int(config.num_attention_heads) * int(config.attention_head_dim)
@@ -113,7 +114,8 @@ class PatchPipeline:
         # 2. this tick's forward
         prep = self.prep
         out = self.adapter.forward(self.model, latents, prep.timesteps[micro.step],
-                                   self.branches[micro.branch], prep.guidance, self.extra,
+                                   self.branches[micro.branch], prep.guidance,
+                                   self.extras[micro.step],
                                    jak={"sp_plan": plan})
         if not self.last:
             self.outgoing = self.activations.take()
@@ -121,15 +123,16 @@ class PatchPipeline:
         # 3. last stage: guidance, then the scheduler's step on the micro's rows
         pred = self._rows(out, micro)
         if self.cfg_group is not None:
-            pred = combine_across(pred, self.cfg_group, self.scale, self.adapter.cfg_rescale)
+            pred = combine_across(pred, self.cfg_group, prep.scales[micro.step],
+                                  self.adapter.cfg_rescale)
         elif len(self.branches) == 2:
             if not micro.finishes:
                 self.pending[micro.patch] = pred.clone()
                 return
-            pred = combine(self.pending.pop(micro.patch), pred, self.scale,
+            pred = combine(self.pending.pop(micro.patch), pred, prep.scales[micro.step],
                            self.adapter.cfg_rescale)
         x = self._rows(latents, micro)
-        x.copy_(euler_step(x, pred, prep.sigmas, micro.step))
+        x.copy_(prep.steps.step(x, pred, micro.step, key=micro.patch))
 
     def close(self) -> None:
         self.cache.clear()

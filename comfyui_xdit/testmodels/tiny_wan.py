@@ -1,0 +1,65 @@
+"""The tiny Wan diffusers folders, built offline (`tiny-model --arch wan [--variant V]`):
+
+- "t2v" (default): WanPipeline, Wan 2.1 text-to-video: one transformer.
+- "a14b": WanPipeline, Wan 2.2 A14B's layout: a high-noise `transformer` and a low-noise
+  `transformer_2` (seeded apart), `boundary_ratio` 0.875 in model_index.json.
+
+Parts: WanTransformer3DModel (`depth` blocks, `heads` x width/heads, patch (1, 2, 2), ffn
+2 x width), UMT5EncoderModel over the shared T5-style unigram tokenizer (tiny_model), an
+AutoencoderKLWan with base_dim 8 and the released latent statistics (4x in time, 8x in space,
+as the real one), the released UniPC flow scheduler (workers/families/wan.SCHEDULER).
+Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identical.
+"""
+from __future__ import annotations
+
+from comfyui_xdit.client.worker_modules import worker_module
+
+_family = worker_module("families.wan")
+
+VARIANTS = ("t2v", "a14b")
+TEXT = dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
+           temperal_downsample=[False, True, True])
+
+
+def _transformer(cfg: dict, seed: int, salt: int, in_channels: int = 16, **extra):
+    from diffusers import WanTransformer3DModel
+
+    from comfyui_xdit.testmodels.tiny_model import _seeded
+    head_dim = cfg["width"] // cfg["heads"]
+    return _seeded(seed, salt, WanTransformer3DModel, patch_size=(1, 2, 2),
+                   num_attention_heads=cfg["heads"], attention_head_dim=head_dim,
+                   in_channels=in_channels, out_channels=16, text_dim=TEXT["d_model"],
+                   freq_dim=256, ffn_dim=2 * cfg["width"], num_layers=cfg["depth"],
+                   rope_max_seq_len=1024, **extra)
+
+
+def _text(seed: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from comfyui_xdit.testmodels.tiny_model import _seeded, _t5_tokenizer
+    tok = _t5_tokenizer()
+    config = UMT5Config(vocab_size=len(tok), feed_forward_proj="gated-gelu",
+                        tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                        eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id,
+                        **TEXT)
+    return tok, _seeded(seed, 1, UMT5EncoderModel, config).eval()
+
+
+def build_pipeline(cfg: dict):
+    """The tiny Wan pipeline in memory for a tiny_model.resolve_config `cfg`."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    from comfyui_xdit.testmodels.tiny_model import _seeded
+    seed, variant = cfg["seed"], cfg.get("variant") or "t2v"
+    tokenizer, text_encoder = _text(seed)
+    vae = _seeded(seed, 4, AutoencoderKLWan, latents_mean=list(_family.LATENTS_MEAN),
+                  latents_std=list(_family.LATENTS_STD), **VAE)
+    sched = {k: v for k, v in _family.SCHEDULER.items() if k != "_class_name"}
+    scheduler = UniPCMultistepScheduler(**sched)
+    parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                 transformer=_transformer(cfg, seed, 3))
+    if variant == "a14b":
+        parts.update(transformer_2=_transformer(cfg, seed, 5),
+                     boundary_ratio=_family.BOUNDARY_RATIO)
+    return WanPipeline(**parts)

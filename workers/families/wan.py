@@ -1,0 +1,122 @@
+"""Wan 2.1 / 2.2 video (diffusers WanPipeline, WanImageToVideoPipeline): a DiT over a frame x
+row x column token sequence (3-D patches (1, 2, 2), 3-axis RoPE), self-attention over the
+video tokens, cross-attention to UMT5 text states (no pooled output), 16-channel latents of
+the causal 3-D VAE, 4x in time and 8x in space, normalised per channel by its mean and std.
+Wan 2.2 A14B is two such transformers, a high-noise expert for the first steps and a
+low-noise one for the rest (the folder's `boundary_ratio`); each its own guidance scale."""
+from __future__ import annotations
+
+from . import ComfySpec, Family, LatentSpec
+from ._shapes import numbered
+from .qwen_image import LATENTS_MEAN, LATENTS_STD, RGB, RGB_BIAS
+
+# ComfyUI's latent_formats.Wan21: the raw VAE latent [B, 16, T, H/8, W/8], T = (frames - 1)
+# / 4 + 1; its statistics are the VAE's (the same as Qwen-Image's VAE)
+LATENT = LatentSpec(channels=16, downscale=8, tokens="in_model", norm="mean_std", frames=True,
+                    video=True, time_downscale=4, comfy_format="Wan21", rgb=RGB,
+                    rgb_bias=RGB_BIAS,
+                    wrong_channels="Wan 2.1 / 2.2 A14B use 16, as [batch, 16, (frames - 1) / 4 "
+                                   "+ 1, height/8, width/8] (EmptyHunyuanLatentVideo or "
+                                   "WanImageToVideo)")
+
+# Wan-AI/Wan2.1-T2V-*-Diffusers' scheduler_config.json (the published values; a folder brings
+# its own, which the pool follows): UniPC, flow prediction on shifted flow sigmas
+SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "num_train_timesteps": 1000,
+             "prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0,
+             "solver_order": 2, "solver_type": "bh2", "predict_x0": True,
+             "lower_order_final": True, "final_sigmas_type": "zero", "disable_corrector": [],
+             "timestep_spacing": "linspace", "thresholding": False}
+
+# WanPipeline.__call__'s guidance_scale default (diffusers 0.42.1)
+CFG = 5.0
+# The released 2.2 A14B switch (model_index.json boundary_ratio): t >= 875 -> high-noise expert
+BOUNDARY_RATIO = 0.875
+
+
+def config_from_shapes(shapes: dict, naming: str) -> dict:
+    """The diffusers config of a Wan transformer file (ComfyUI / original naming, "bfl" here,
+    or diffusers'), from its weight shapes. Head dim 128 as ComfyUI assumes (num_heads = dim /
+    128); the text width from the text embedding."""
+    bfl = naming == "bfl"
+    pe = shapes["patch_embedding.weight"]  # [inner, in_channels, 1, 2, 2]
+    inner, in_ch = int(pe[0]), int(pe[1])
+    if tuple(int(s) for s in pe[2:]) != (1, 2, 2):
+        raise ValueError(f"patch embedding kernel {tuple(pe[2:])}; Wan's is (1, 2, 2)")
+    blocks = numbered(shapes, "blocks.", "transformer")
+    if bfl:
+        out = int(shapes["head.head.weight"][0]) // 4
+        text = int(shapes["text_embedding.0.weight"][1])
+        ffn = int(shapes["blocks.0.ffn.0.weight"][0])
+        image = shapes.get("img_emb.proj.1.weight")
+        added = "blocks.0.cross_attn.k_img.weight" in shapes
+        pos = shapes.get("img_emb.emb_pos")
+    else:
+        out = int(shapes["proj_out.weight"][0]) // 4
+        text = int(shapes["condition_embedder.text_embedder.linear_1.weight"][1])
+        ffn = int(shapes["blocks.0.ffn.net.0.proj.weight"][0])
+        image = shapes.get("condition_embedder.image_embedder.ff.net.0.proj.weight")
+        added = "blocks.0.attn2.add_k_proj.weight" in shapes
+        pos = shapes.get("condition_embedder.image_embedder.pos_embed")
+    head_dim = 128 if inner % 128 == 0 else inner
+    cfg = {"patch_size": [1, 2, 2], "in_channels": in_ch, "out_channels": out,
+           "num_layers": len(blocks), "attention_head_dim": head_dim,
+           "num_attention_heads": inner // head_dim, "text_dim": text, "ffn_dim": ffn,
+           "freq_dim": 256, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads",
+           "eps": 1e-6, "rope_max_seq_len": 1024}
+    if image is not None:  # Wan 2.1 I2V: CLIP image tokens through their own K/V
+        cfg["image_dim"] = int(image[1])
+    if added:
+        cfg["added_kv_proj_dim"] = inner
+    if pos is not None:
+        cfg["pos_embed_seq_len"] = int(pos[1])
+    return cfg
+
+
+def released(config: dict) -> tuple:
+    return dict(SCHEDULER), {"latents_mean": list(LATENTS_MEAN), "latents_std": list(LATENTS_STD),
+                             "z_dim": 16}
+
+
+def comfy_unet(cfg: dict) -> dict:
+    """What ComfyUI's detection finds in a Wan file (comfy/model_detection.py)."""
+    inner = int(cfg.get("num_attention_heads", 40)) * int(cfg.get("attention_head_dim", 128))
+    in_ch = int(cfg.get("in_channels", 16))
+    return {"image_model": "wan2.1", "model_type": "i2v" if cfg.get("image_dim") or in_ch == 36
+            else "t2v", "dim": inner, "in_dim": in_ch,
+            "out_dim": int(cfg.get("out_channels", 16)),
+            "num_layers": int(cfg.get("num_layers", 40))}
+
+
+def pipeline_of(index_class) -> str:
+    if index_class in (None, "WanPipeline"):
+        return "WanPipeline"
+    if index_class == "WanImageToVideoPipeline":
+        return index_class
+    raise ValueError(f"names pipeline {index_class!r}; Wan folders run with WanPipeline or "
+                     f"WanImageToVideoPipeline")
+
+
+FAMILY = Family(
+    id="wan", name="Wan", transformer_class="WanTransformer3DModel",
+    pipelines=("WanPipeline", "WanImageToVideoPipeline"), adapter="WanAdapter",
+    block_lists=("blocks",), block_counts=("num_layers",),
+    latent=LATENT,
+    # ComfyUI: model_base.WAN21 (flow, timestep = sigma x 1000 inside the model) and
+    # supported_models.WAN21_T2V / WAN21_I2V
+    comfy=ComfySpec(base=lambda unet: "WAN21",
+                    config=lambda unet: "WAN21_I2V" if unet.get("model_type") == "i2v"
+                    else "WAN21_T2V",
+                    unet=comfy_unet, timestep_scale=1000.0, needs_pooled=False),
+    # ComfyUI's detection key (original naming); diffusers' scale_shift_table + patch conv
+    markers=(("bfl", ("head.modulation", "patch_embedding.weight")),
+             ("diffusers", ("scale_shift_table", "patch_embedding.weight",
+                            "condition_embedder.time_proj.weight"))),
+    config_from_shapes=config_from_shapes,
+    config_defaults={"patch_size": [1, 2, 2], "num_attention_heads": 40,
+                     "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
+                     "text_dim": 4096, "num_layers": 40},
+    cfg=CFG, guidance=None, pooled=False,
+    text_hint="encode with Wan's text encoder (umt5-xxl: CLIPLoader type wan) or type the "
+              "prompt into the sampler",
+    released=released, detect_order=50, pipeline_of=pipeline_of,
+)
