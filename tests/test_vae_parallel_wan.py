@@ -49,7 +49,8 @@ CASES = [
     ("wan64", 3, 5, 3, 1),
     ("wan22", 2, 5, 4, 1),
 ]
-RULES_CASES = [("wan", 3, 7, 6, 1), ("wan", 3, 5, 4, 2), ("wan22", 2, 5, 4, 1)]
+RULES_CASES = [("wan", 1, 7, 6, 1), ("wan", 2, 9, 5, 2), ("wan", 3, 7, 6, 1), ("wan", 3, 5, 4, 2),
+               ("wan22", 2, 5, 4, 1)]
 NEGATIVE = [("wan", 3, 7, 6, 1, "no_cache_halo"), ("wan", 3, 7, 6, 1, "no_halo")]
 
 # Latent rows each rank's decoder gets, written out: balanced bands (the first h % n one
