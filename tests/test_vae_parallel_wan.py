@@ -21,6 +21,10 @@ Wan 2.2 TI2V-5B's structure (is_residual: up blocks with a channel-repeating Dup
 48 latent channels, patch_size 2 unpatchified after the decoder: 16x in space).
 Latent heights split unevenly, one-row bands, fewer rows than ranks (rank 0 decodes alone),
 batch 1 and 2.
+
+`python tests/test_vae_parallel_wan.py` prints every case's figures; `... memory [T h w world]`
+measures peak RSS and seconds of one decode with the released Wan 2.1 structure (random
+weights) on every rank vs rank 0 alone (not a test: figures, on a quiet machine).
 """
 from __future__ import annotations
 
@@ -277,8 +281,75 @@ def _print_report():
                   f"(single {c['seconds_single']} s); rows {c['decoder_rows']}")
 
 
+# ---------------------------------------------------------------------------------------
+# `python tests/test_vae_parallel_wan.py memory [T h w world]`: peak RSS and seconds of one
+# decode with the released Wan 2.1 VAE structure (base_dim 96, dim_mult [1, 2, 4, 4], two
+# resnets per block; random weights), every rank of a patch-parallel decode vs rank 0 alone.
+
+def _memory_rank(rank, world, store, shape, out):
+    import torch
+    import torch.distributed as dist
+    from diffusers import AutoencoderKLWan
+
+    from test_vae_parallel import _measure
+    from workers.vae_parallel import decode_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world)
+    torch.manual_seed(96)
+    vae = AutoencoderKLWan().eval().requires_grad_(False)  # the released config's structure
+    t, h, w = shape
+    z = torch.randn(1, 16, t, h, w, generator=torch.Generator().manual_seed(0)) \
+        if rank == 0 else None
+    with torch.inference_mode():
+        decode_parallel(vae, torch.randn(1, 16, 1, 4, 4) if rank == 0 else None)  # warm-up
+        dist.barrier()
+        par, peak, secs = _measure(lambda: decode_parallel(vae, z))
+        peaks = [None] * world
+        dist.all_gather_object(peaks, {"rank": rank, "peak_mb": round(peak, 1),
+                                       "seconds": round(secs, 2)})
+        if rank == 0:
+            single, peak1, secs1 = _measure(lambda: vae.decode(z).sample)
+            Path(out).write_text(json.dumps({
+                "latent": list(z.shape), "video": list(single.shape),
+                "max_abs_diff": (par - single).abs().max().item(),
+                "video_mb": single.numel() * 4 / 2**20, "parallel": peaks,
+                "single": {"peak_mb": round(peak1, 1), "seconds": round(secs1, 2)}}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _memory(shape, world):
+    import multiprocessing as mp
+    import tempfile
+
+    import torch  # noqa: F401
+    from diffusers import AutoencoderKLWan  # noqa: F401
+
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_vae_parallel  # noqa: F401
+    from workers import vae_parallel
+    vae_parallel._allowed_types()
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "memory.json")
+        ctx = mp.get_context("fork")
+        procs = [ctx.Process(target=_memory_rank,
+                             args=(r, world, os.path.join(d, "store"), shape, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        print(Path(out).read_text())
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "launch":
         _launch(sys.argv[2], sys.argv[3:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "memory":
+        args = [int(a) for a in sys.argv[2:]] or [2, 16, 16, 2]
+        _memory(tuple(args[:3]), args[3])
     else:
         _print_report()
