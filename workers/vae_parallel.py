@@ -591,7 +591,8 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
 
     Collective: every rank of the group calls it. Group rank 0 must pass the latents; the
     others may pass None (they receive them by broadcast). Returns `vae.decode(latents).sample`
-    ([B, 3, 8h, 8w]; [B, 3, 1 + 4(T-1), 8h, 8w] for Wan 2.1 / Qwen-Image; the VAE's dtype)
+    ([B, 3, 8h, 8w]; [B, 3, 1 + 4(T-1), 8h, 8w] for Wan 2.1 / 2.2 A14B and Qwen-Image, 16h x
+    16w for Wan 2.2 TI2V-5B; the VAE's dtype)
     on group rank 0 and None elsewhere. A latent with fewer rows than ranks (times the widest
     conv halo) is decoded by group rank 0 alone.
     `fault` (tests only, see FAULTS) disables one part of the exact scheme.
