@@ -1,7 +1,8 @@
 """Patch-parallel decode of Qwen-Image's causal 3-D VAE (workers/vae_parallel.py,
-AutoencoderKLQwenImage) equals the single-process `vae.decode(latents).sample` of a one-frame
-latent [B, 16, 1, h, w] within 1e-5 (fp32) / 1e-10 (fp64) at 2 and 4 gloo ranks, and each
-rank's decoder is given only its own band of latent rows.
+AutoencoderKLQwenImage) equals the single-process `vae.decode(latents).sample` of a latent
+[B, 16, T, h, w] (one frame, as Qwen-Image decodes, and two or three frames: the Wan-style
+feature cache, see tests/test_vae_parallel_wan.py) within 1e-5 (fp32) / 1e-10 (fp64) at 2 and
+4 gloo ranks, and each rank's decoder is given only its own band of latent rows, per frame.
 
 One launcher process imports torch and diffusers once and forks the ranks of each launch
 (gloo over a FileStore on loopback, one thread per rank), as tests/test_vae_parallel.py does:
@@ -13,9 +14,9 @@ VAEs: the tiny Qwen-Image folder's VAE (base_dim 8, dim_mult [1, 2, 2, 2], one r
 block), a wider random one with the released block structure (dim_mult [1, 2, 4, 4], two
 resnets per block, temporal upsampling in the last two up blocks, base_dim 16 instead of 96),
 and a float64 copy of each. Odd and even latent heights, batch 1 and 2, one-row bands at 4
-ranks (the halo is the whole band), fewer rows than ranks and a two-frame latent (both: rank 0
-decodes alone). Negative controls switch off the halo exchange or the K/V gather and must be
-far off.
+ranks (the halo is the whole band), fewer rows than ranks (rank 0 decodes alone), two- and
+three-frame latents. Negative controls switch off the halo exchange or the K/V gather and must
+be far off.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ CASES = [
     ("tiny", 1, 8, 10, 2),
     ("tiny", 1, 5, 7, 1),    # 4 ranks: bands 2,1,1,1
     ("tiny", 1, 3, 5, 1),    # 4 ranks: fewer rows than ranks -> rank 0 alone
-    ("tiny", 2, 6, 4, 1),    # two frames -> rank 0 alone
+    ("tiny", 2, 6, 4, 1),    # two frames (the feature cache)
+    ("wide", 3, 7, 5, 1),    # three frames, temporal upsampling
     ("wide", 1, 11, 7, 1),
     ("wide", 1, 8, 6, 2),
     ("tiny64", 1, 7, 5, 2),
@@ -51,13 +53,14 @@ NEGATIVE = [("tiny", 1, 9, 6, 1, "no_halo"), ("tiny", 1, 9, 6, 1, "local_attenti
             ("wide", 1, 11, 7, 1, "no_halo"), ("wide", 1, 11, 7, 1, "local_attention")]
 
 # Latent rows each rank's decoder gets, written out: balanced bands (the first h % n one
-# row taller); rank 0 alone (the others nothing) below n rows or for more than one frame.
+# row taller); rank 0 alone (the others nothing) below n rows.
 BANDS = {
     (1, 9, 2): [5, 4], (1, 9, 4): [3, 2, 2, 2],
     (1, 8, 2): [4, 4], (1, 8, 4): [2, 2, 2, 2],
     (1, 5, 2): [3, 2], (1, 5, 4): [2, 1, 1, 1],
     (1, 3, 2): [2, 1], (1, 3, 4): [3, 0, 0, 0],
-    (2, 6, 2): [6, 0], (2, 6, 4): [6, 0, 0, 0],
+    (2, 6, 2): [3, 3], (2, 6, 4): [2, 2, 1, 1],
+    (3, 7, 2): [4, 3], (3, 7, 4): [2, 2, 2, 1],
     (1, 11, 2): [6, 5], (1, 11, 4): [3, 3, 3, 2],
     (1, 7, 2): [4, 3], (1, 7, 4): [2, 2, 2, 1],
 }

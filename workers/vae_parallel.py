@@ -27,37 +27,41 @@ would:
   `post_quant_conv` and resnet shortcuts, linear projections, residual adds) or per band row
   (nearest-neighbour 2x upsampling doubles every band exactly), so it runs unchanged.
 
-Qwen-Image's VAE (AutoencoderKLQwenImage, a causal 3-D Wan-style VAE) decodes a one-frame
-latent [B, 16, 1, h, w] the same way:
+The causal 3-D video VAEs of the Wan design, Wan 2.1's (AutoencoderKLWan, also Wan 2.2 A14B)
+and Qwen-Image's (AutoencoderKLQwenImage, a fine-tuned copy: the same module code under other
+class names, handled by one code path), decode a latent [B, C, T, h, w] of any number of
+frames the same way. The stock decode runs the decoder one latent frame per call, keeping a
+feature cache (the last frames of each causal conv's input, here of the rank's own band; the
+split is spatial, so time never crosses ranks):
 
-- `QwenImageCausalConv3d` (3x3x3, causal in time): its forward pads the input itself (zeros:
-  two frames before, one row / column each side) and convolves unpadded; here the padded copy
-  is made as the stock forward makes it, then its H padding at inner band edges is
-  overwritten with the neighbours' rows (the same halo exchange), so memory is the stock's.
-  One frame has no feature cache (every conv sees `cache_x=None`; a cached frame is refused),
-  so the time padding stays as it is. The temporal upsampler's (3,1,1) conv has no H padding
-  and, on the first frame, does not run.
-- `QwenImageRMS_norm` normalises each pixel over its channels: per pixel, no reduction.
+- `WanCausalConv3d` (3x3x3, causal in time): its forward puts the cached frames before its
+  input, pads the rest of the causal time window with zeros, W and H with one zero row /
+  column each side, and convolves unpadded. Here the same padded stack is built (one copy),
+  and the H padding at inner band edges, on every frame of the stack (cached frames
+  included), is filled with the neighbours' rows (the same halo exchange). The temporal
+  upsampler's (3,1,1) `time_conv` has no H padding (per pixel); 1x1x1 convs are per pixel.
+- The RMS norm normalises each pixel over its channels: per pixel, no reduction.
 - The resample blocks' nearest-exact 2x upsampling doubles band rows exactly (a whole
-  factor: output row r reads row r // 2); their 3x3 `nn.Conv2d` is rewired as above.
-- `QwenImageAttentionBlock` (one head over the frame's pixels, Q/K/V from one 1x1 conv, so
-  there is no `to_k` to hook): its forward is restated with the band's queries attending to
-  K and V all-gathered in band order; its norm, QKV conv and output projection are per pixel.
-  check_decoder refuses a block whose class overrides that forward.
-- `post_quant_conv`, resnet shortcuts (1x1x1), SiLU, the residual adds and the final clamp
-  are per pixel. A latent of more frames is decoded by rank 0 alone (its feature cache
-  would need halos of its own).
+  factor: output row r reads row r // 2); their 3x3 `nn.Conv2d` is rewired as above. Wan 2.2
+  TI2V-5B's residual up blocks add a `DupUp3D` shortcut (channels repeated into 2x2 pixel
+  blocks and frames: per band row too), and its decode unpatchifies 2x2 after the decoder.
+- The attention block (one head over each frame's pixels, Q/K/V from one 1x1 conv, so there
+  is no `to_k` to hook): its forward is restated with the band's queries attending to K and
+  V all-gathered in band order; its norm, QKV conv and output projection are per pixel.
+  check_decoder refuses a block whose forward is not the class's stock one.
+- `post_quant_conv`, resnet shortcuts (1x1x1), SiLU, the residual adds, the cache
+  bookkeeping and the final clamp are per pixel or per frame.
 
 Bands decoded by the other ranks are sent to the group's rank 0, which writes them into the
 full image. Modules are rewired for the duration of one call (`forward` overridden on the
 instance, hooks registered) and restored afterwards; of diffusers' forward code only the
-Qwen-Image attention block's dozen lines are restated (with the gather in them). Before
+Wan attention block's dozen lines are restated (with the gather in them). Before
 decoding, the decoder's module tree is checked against the module types and settings this
 scheme is proven for; anything else (transposed-conv upsamplers, spatial norms, fused QKV in
 a 2-D `Attention`, strided convs, ...) raises `NotImplementedError` instead of returning a
 silently wrong image. The FLUX and SD3 VAEs (AutoencoderKL), FLUX.2's (AutoencoderKLFlux2:
 the same Decoder and post_quant_conv at 32 latent channels; its batch norm acts on the
-patchified latent in model space, before any decode) and Qwen-Image's pass.
+patchified latent in model space, before any decode), Qwen-Image's and Wan's (2.1, 2.2) pass.
 
 Per-rank activation memory falls roughly as 1/n: the largest tensors are the full-resolution
 band activations; only K/V (latent resolution) and, on rank 0, the 3-channel output image are
@@ -66,6 +70,8 @@ full size.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import types
 from dataclasses import dataclass, field
 
@@ -80,7 +86,7 @@ from .topology import all_gather, all_reduce, broadcast
 __all__ = ["band_rows", "decode_parallel", "check_decoder", "FAULTS"]
 
 # Test-only switches that break one part of the scheme (negative controls).
-FAULTS = ("no_halo", "local_groupnorm", "local_attention")
+FAULTS = ("no_halo", "local_groupnorm", "local_attention", "no_cache_halo")
 
 
 def band_rows(height: int, n: int) -> list[int]:
@@ -109,35 +115,56 @@ def _allowed_types():
         # composites whose own code only adds, scales, activates or upsamples (nearest)
         Decoder: _check_decoder_top, UNetMidBlock2D: None, UpDecoderBlock2D: None,
         ResnetBlock2D: _check_resnet, Upsample2D: _check_upsample,
-        **_qwen_allowed_types(),
+        **_causal_allowed_types(),
     }
 
 
-def _qwen_classes():
-    """diffusers' Qwen-Image VAE module classes, or None where this diffusers lacks them."""
-    try:
-        from diffusers.models.autoencoders import autoencoder_kl_qwenimage as q
-    except ImportError:
-        return None
-    return q
+# diffusers' causal 3-D VAEs of the Wan design: (module, class-name prefix). Qwen-Image's is a
+# fine-tuned Wan 2.1 VAE; the classes this scheme touches are the same code in both.
+_CAUSAL_VAES = (("autoencoder_kl_qwenimage", "QwenImage"), ("autoencoder_kl_wan", "Wan"))
 
 
-def _qwen_allowed_types():
-    q = _qwen_classes()
-    if q is None:
-        return {}
-    return {
-        # rewired here
-        q.QwenImageCausalConv3d: _check_causal_conv,
-        q.QwenImageAttentionBlock: _check_qwen_attention,
-        # per pixel: RMS norm over the channels of each pixel
-        q.QwenImageRMS_norm: _check_rms_norm,
-        # per band row: nearest 2x upsampling (then a rewired Conv2d)
-        q.QwenImageUpsample: _check_qwen_upsample, q.QwenImageResample: _check_qwen_resample,
-        # composites whose own code only adds, activates and threads the frame cache
-        q.QwenImageDecoder3d: None, q.QwenImageMidBlock: None, q.QwenImageUpBlock: None,
-        q.QwenImageResidualBlock: None,
-    }
+@functools.lru_cache(maxsize=None)
+def _causal_families() -> tuple:
+    """((module, prefix), ...) of the causal 3-D VAE modules this diffusers has."""
+    found = []
+    for modname, prefix in _CAUSAL_VAES:
+        try:
+            mod = importlib.import_module(f"diffusers.models.autoencoders.{modname}")
+        except ImportError:
+            continue
+        found.append((mod, prefix))
+    return tuple(found)
+
+
+def _causal_classes(name: str) -> tuple:
+    """Every family's `<prefix><name>` class (e.g. "CausalConv3d"), for isinstance."""
+    return tuple(getattr(mod, prefix + name) for mod, prefix in _causal_families()
+                 if hasattr(mod, prefix + name))
+
+
+def _causal_allowed_types():
+    allowed = {}
+    for mod, p in _causal_families():
+        c = lambda name, _m=mod, _p=p: getattr(_m, _p + name)
+        allowed.update({
+            # rewired here
+            c("CausalConv3d"): _check_causal_conv,
+            c("AttentionBlock"): _attention_block_check(c("AttentionBlock")),
+            # per pixel: RMS norm over the channels of each pixel
+            c("RMS_norm"): _check_rms_norm,
+            # per band row: nearest 2x upsampling (then a rewired Conv2d)
+            c("Upsample"): _check_nearest_upsample, c("Resample"): _check_resample,
+            # composites whose own code only adds, activates and threads the frame cache
+            c("Decoder3d"): None, c("MidBlock"): None, c("UpBlock"): None,
+            c("ResidualBlock"): None,
+        })
+    wan = dict((p, m) for m, p in _causal_families()).get("Wan")
+    if wan is not None:
+        # Wan 2.2 TI2V-5B's decoder (is_residual): up blocks whose shortcut repeats channels
+        # into 2x2 pixel blocks (and frames), per band row like nearest upsampling
+        allowed.update({wan.WanResidualUpBlock: None, wan.DupUp3D: _check_dup_up})
+    return allowed
 
 
 def _check_causal_conv(m):
@@ -146,16 +173,20 @@ def _check_causal_conv(m):
     if m.stride != (1, 1, 1) or m.dilation != (1, 1, 1) or m.padding_mode != "zeros" \
             or tuple(m.padding) != (0, 0, 0) or ph != ph2 or ph != (kh - 1) // 2 or (kh - 1) % 2 \
             or pt2 != 0 or pt != kt - 1:
-        return (f"QwenImageCausalConv3d kernel {m.kernel_size} stride {m.stride} padding "
+        return (f"{type(m).__name__} kernel {m.kernel_size} stride {m.stride} padding "
                 f"{m._padding} dilation {m.dilation}: only stride-1, odd-kernel, 'same' "
                 f"zero-padded (causal in time) convs are supported")
 
 
-def _check_qwen_attention(m):
-    if type(m).forward is not _qwen_classes().QwenImageAttentionBlock.forward:
-        return "an attention block with its own forward"
-    if not isinstance(m.to_qkv, nn.Conv2d) or m.to_qkv.kernel_size != (1, 1):
-        return "an attention block whose QKV projection is not a 1x1 conv"
+def _attention_block_check(cls):
+    stock = cls.forward
+
+    def check(m):
+        if type(m).forward is not stock or "forward" in m.__dict__:
+            return "an attention block with its own forward"
+        if not isinstance(m.to_qkv, nn.Conv2d) or m.to_qkv.kernel_size != (1, 1):
+            return "an attention block whose QKV projection is not a 1x1 conv"
+    return check
 
 
 def _check_rms_norm(m):
@@ -163,16 +194,21 @@ def _check_rms_norm(m):
         return "an RMS norm over the last dimension"
 
 
-def _check_qwen_upsample(m):
+def _check_nearest_upsample(m):
     sf = m.scale_factor if isinstance(m.scale_factor, tuple) else (m.scale_factor,) * 2
     if m.size is not None or m.mode not in ("nearest", "nearest-exact") \
             or any(f != int(f) or f < 1 for f in sf):
         return f"upsampling {m.mode} by {m.scale_factor}: only nearest by whole factors"
 
 
-def _check_qwen_resample(m):
+def _check_resample(m):
     if m.mode not in ("none", "upsample2d", "upsample3d"):
         return f"resample mode {m.mode!r}"
+
+
+def _check_dup_up(m):
+    if m.factor_s < 1 or m.factor_t < 1 or int(m.factor_s) != m.factor_s:
+        return f"DupUp3D by {m.factor_s} in space, {m.factor_t} in time"
 
 
 def _check_conv(m: nn.Conv2d):
@@ -330,31 +366,44 @@ def _halo_conv_forward(conv: nn.Conv2d, ctx: _Bands, x: torch.Tensor) -> torch.T
 
 
 def _halo_causal_conv_forward(conv, ctx: _Bands, x: torch.Tensor, cache_x=None) -> torch.Tensor:
-    """QwenImageCausalConv3d on a band [B, C, T, h, W]: the stock padding (causal zeros in
-    time, zeros in W, zeros in H at the image's true edges), with the H padding at inner band
-    edges filled with the neighbours' rows, then the conv itself. The stock forward builds
-    the same padded copy, so memory is the stock's plus the halo."""
+    """A Wan-style causal conv (3x3x3) on a band [B, C, t, h, W], `cache_x` the band's own
+    cached last frames of this conv's input from the previous decoder call (or None). As the
+    stock forward does, the cached frames go before the input and only the rest of the causal
+    time padding stays zeros; W is zero padded, H too at the image's true edges. At inner band
+    edges the H padding of every frame of that stack, cached ones included, is filled with the
+    neighbours' rows (the neighbours hold the same frames of their bands), then the conv runs
+    unpadded. One padded copy is built (the stock forward builds a concatenation and a padded
+    copy of it)."""
     ctx.fired["conv"] += 1
-    if cache_x is not None:  # a later frame: its cached rows would need their halo too
-        raise RuntimeError("patch-parallel VAE decode: the Qwen-Image VAE is decoded one "
-                           "frame at a time only")
     pw, _, p, _, pt, _ = conv._padding
     t, h, w = x.shape[2:]
     if h < p:
         raise RuntimeError(f"patch-parallel VAE decode: band of {h} rows is thinner than the "
                            f"{p}-row halo of a {conv.kernel_size} conv")
-    top, bottom, wait = _start_halo_exchange(ctx, x, p)
-    xp = F.pad(x, conv._padding)
+    parts = [x]
+    if cache_x is not None and pt > 0:
+        parts = [cache_x.to(x.device), x]
+        pt -= cache_x.shape[2]
+    frames = sum(q.shape[2] for q in parts)
+    xp = x.new_zeros(x.shape[:2] + (pt + frames, h + 2 * p, w + 2 * pw))
+    f0 = pt
+    for q in parts:
+        xp[:, :, f0:f0 + q.shape[2], p:p + h, pw:pw + w] = q
+        f0 += q.shape[2]
+    # the frames whose H halo is exchanged: the whole stack the conv convolves (the negative
+    # control "no_cache_halo" leaves the cached frames' halo rows zero)
+    f0 = pt + (frames - t if ctx.fault == "no_cache_halo" else 0)
+    top, bottom, wait = _start_halo_exchange(ctx, xp[:, :, f0:, p:p + h, pw:pw + w], p)
     top, bottom = wait()
     if top is not None:
-        xp[:, :, pt:pt + t, :p, pw:pw + w] = top
+        xp[:, :, f0:, :p, pw:pw + w] = top
     if bottom is not None:
-        xp[:, :, pt:pt + t, p + h:, pw:pw + w] = bottom
+        xp[:, :, f0:, p + h:, pw:pw + w] = bottom
     return nn.Conv3d.forward(conv, xp)  # its own padding is (0, 0, 0)
 
 
-def _qwen_attention_forward(blk, ctx: _Bands, x: torch.Tensor) -> torch.Tensor:
-    """QwenImageAttentionBlock (one head over the pixels of each frame) on a band: the
+def _attention_block_forward(blk, ctx: _Bands, x: torch.Tensor) -> torch.Tensor:
+    """A Wan-style attention block (one head over the pixels of each frame) on a band: the
     block's steps as diffusers runs them (its norm, 1x1 QKV conv and output projection are
     per pixel), the band's queries attending to every rank's keys and values, all-gathered
     in band order (the single-process key order)."""
@@ -436,9 +485,8 @@ def _rewired(vae, ctx: _Bands):
     """Rewire the decode path's modules for one banded decode; restore everything after."""
     from diffusers.models.attention_processor import Attention
 
-    q = _qwen_classes()
-    causal = (q.QwenImageCausalConv3d,) if q is not None else ()
-    qattn = (q.QwenImageAttentionBlock,) if q is not None else ()
+    causal = _causal_classes("CausalConv3d")
+    attn_block = _causal_classes("AttentionBlock")
     roots = [vae.decoder]
     if getattr(vae, "post_quant_conv", None) is not None:
         roots.append(vae.post_quant_conv)
@@ -459,10 +507,10 @@ def _rewired(vae, ctx: _Bands):
                         lambda self, x, cache_x=None, _c=ctx:
                             _halo_causal_conv_forward(self, _c, x, cache_x), m)
                     ctx.rewired["conv"] += 1
-                elif isinstance(m, qattn):
+                elif isinstance(m, attn_block):
                     patched.append((m, m.__dict__.get("forward")))
                     m.forward = types.MethodType(
-                        lambda self, x, _c=ctx: _qwen_attention_forward(self, _c, x), m)
+                        lambda self, x, _c=ctx: _attention_block_forward(self, _c, x), m)
                     ctx.rewired["attn_k"] += 1
                     ctx.rewired["attn_v"] += 1
                 elif isinstance(m, nn.GroupNorm):
@@ -499,8 +547,7 @@ def _halo_rows(m) -> int:
     """Rows of zero padding along H a spatial conv adds at each side (0: none / not a conv)."""
     if isinstance(m, nn.Conv2d):
         return m.padding[0]
-    q = _qwen_classes()
-    if q is not None and isinstance(m, q.QwenImageCausalConv3d):
+    if isinstance(m, _causal_classes("CausalConv3d")):
         return m._padding[2]
     return 0
 
@@ -536,16 +583,18 @@ def _broadcast_latents(latents, shape, group, device, dtype):
 def decode_parallel(vae, latents, group=None, fault: str | None = None, control=None):
     """Decode raw-VAE-space `latents` with `vae` split into row bands over the ranks of
     `group` (None: the default group): diffusers AutoencoderKL [B, C, h, w] (AutoencoderKLFlux2
-    at C=32), or AutoencoderKLQwenImage [B, 16, 1, h, w] (one frame); `control` is the group's
-    gloo twin (None: `group` itself, for a gloo group).
+    at C=32), or a causal 3-D VAE, AutoencoderKLQwenImage or AutoencoderKLWan, [B, C, T, h, w]
+    (any number of latent frames); `control` is the group's gloo twin (None: `group` itself,
+    for a gloo group).
     Bands travel on `group` (halo exchange grouped per conv, the bands gathered by one
     all-gather), shapes on `control`.
 
     Collective: every rank of the group calls it. Group rank 0 must pass the latents; the
     others may pass None (they receive them by broadcast). Returns `vae.decode(latents).sample`
-    ([B, 3, 8h, 8w] or [B, 3, 1, 8h, 8w], the VAE's dtype) on group rank 0 and None
-    elsewhere. A latent with fewer rows than ranks (times the widest conv halo), or a
-    Qwen-Image latent of more than one frame, is decoded by group rank 0 alone.
+    ([B, 3, 8h, 8w]; [B, 3, 1 + 4(T-1), 8h, 8w] for Wan 2.1 / 2.2 A14B and Qwen-Image, 16h x
+    16w for Wan 2.2 TI2V-5B; the VAE's dtype)
+    on group rank 0 and None elsewhere. A latent with fewer rows than ranks (times the widest
+    conv halo) is decoded by group rank 0 alone.
     `fault` (tests only, see FAULTS) disables one part of the exact scheme.
     """
     if fault is not None and fault not in FAULTS:
@@ -559,10 +608,8 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     shape = _latent_shape(latents, group, control if control is not None else group)
     hd = len(shape) - 2  # the rows dim
     h = shape[hd]
-    frames = shape[2] if len(shape) == 5 else 1
-    if h < n * max(1, _max_halo(vae)) or frames != 1:
-        # too few rows for a band (and its halo) each, or frames (whose feature cache would
-        # need halos of its own): group rank 0 decodes alone
+    if h < n * max(1, _max_halo(vae)):
+        # too few rows for a band (and its halo) each: group rank 0 decodes alone
         if me != 0:
             return None
         return vae.decode(latents.to(param.device, param.dtype), return_dict=False)[0]

@@ -1,17 +1,89 @@
 """Writing IMAGE tensors to files (the CLI and the demo)."""
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
+
+
+def _to_uint8(images):
+    """IMAGE [N,H,W,3] float 0..1 (torch or numpy) -> numpy uint8 [N,H,W,3]."""
+    import numpy as np
+
+    arr = images.detach().cpu().float().numpy() if hasattr(images, "detach") \
+        else np.asarray(images, dtype=np.float32)
+    if arr.ndim != 4 or arr.shape[-1] != 3:
+        raise ValueError(f"expected IMAGE frames [N, H, W, 3], got shape {tuple(arr.shape)}")
+    return (arr * 255).round().clip(0, 255).astype(np.uint8)
 
 
 def save_pngs(images, out: Path) -> list:
     """IMAGE [B,H,W,3] -> out.png, out-1.png, ..."""
-    import numpy as np
     from PIL import Image
 
     paths = []
-    for i, img in enumerate(images):
+    for i, img in enumerate(_to_uint8(images)):
         p = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")
-        Image.fromarray((img.numpy() * 255).round().clip(0, 255).astype(np.uint8)).save(p)
+        Image.fromarray(img).save(p)
         paths.append(p)
     return paths
+
+
+def save_frames(frames, out: Path) -> list:
+    """IMAGE [F,H,W,3] (one video) -> one PNG per frame. `out` is a printf-style pattern
+    (`frames/%04d.png`: frame i is `out % i`) or a directory (made if missing; frames
+    `0000.png`, `0001.png`, ...). Returns the paths written."""
+    from PIL import Image
+
+    pattern = str(out) if "%" in str(out) else str(Path(out) / "%04d.png")
+    paths = []
+    for i, img in enumerate(_to_uint8(frames)):
+        p = Path(pattern % i)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img).save(p)
+        paths.append(p)
+    return paths
+
+
+def video_codec() -> str:
+    """H.264 (`libx264`) where this PyAV build can encode it, else MPEG-4 part 2."""
+    import av
+
+    return "libx264" if "libx264" in av.codecs_available else "mpeg4"
+
+
+def save_video(frames, out: Path, fps: float = 16, codec: str | None = None) -> list:
+    """IMAGE [F,H,W,3] float 0..1 (one video, Wan's decode: 16 fps) -> `out`.
+
+    `out` ending in a video suffix (`.mp4`, `.mkv`, `.mov`, `.avi`, `.webm`) is encoded with
+    PyAV (`codec`, default `video_codec()`: H.264 `libx264`, crf 18, else `mpeg4`) in yuv420p,
+    which needs an even width and height: an odd one is padded by repeating the last row /
+    column (the video is then one pixel taller / wider than the frames). Any other `out` (a
+    `%04d.png` pattern, a directory, a path with no suffix) gets a PNG per frame
+    (`save_frames`). Returns the paths written ([out] for a video)."""
+    import numpy as np
+
+    out = Path(out)
+    if "%" in str(out) or out.suffix.lower() not in (".mp4", ".mkv", ".mov", ".avi", ".webm"):
+        return save_frames(frames, out)
+    import av
+
+    arr = _to_uint8(frames)
+    n, h, w, _ = arr.shape
+    if n == 0:
+        raise ValueError("save_video: no frames")
+    if h % 2 or w % 2:  # yuv420p subsamples chroma 2x2
+        arr = np.pad(arr, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    codec = codec or video_codec()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(out), mode="w") as container:
+        stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height = arr.shape[2], arr.shape[1]
+        stream.pix_fmt = "yuv420p"
+        if codec == "libx264":
+            stream.options = {"crf": "18"}
+        else:
+            stream.bit_rate = max(2_000_000, stream.width * stream.height * int(fps) // 4)
+        for img in arr:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        container.mux(stream.encode())  # flush the encoder
+    return [out]
