@@ -407,7 +407,7 @@ def _decode_problem(worker, samples):
     spec = worker.adapter.family.latent
     if not torch.is_tensor(samples) or samples.dim() != len(spec.shape(1, 16, 16)) \
             or samples.shape[1] != spec.channels or not samples.is_floating_point() \
-            or (spec.frames and samples.shape[2] != 1):
+            or (spec.frames and not spec.video and samples.shape[2] != 1):
         shape = tuple(samples.shape) if torch.is_tensor(samples) else type(samples).__name__
         return (f"decode takes LATENT samples {spec.shape_text()} (got {shape}); connect the "
                 f"xDiT sampler's LATENT")
