@@ -152,8 +152,8 @@ def layout_pools():
 def request(size: str, batch: int, cfg: float = 4.0, seed: int = 5, **kw) -> GenerationRequest:
     h, w, f = SIZES[size]
     kw.setdefault("frames", f)
-    return GenerationRequest(prompt=PROMPTS[:batch], seed=seed, steps=STEPS, height=h, width=w,
-                             cfg=cfg, negative_prompt=NEGATIVE,
+    kw.setdefault("steps", STEPS)
+    return GenerationRequest(prompt=PROMPTS[:batch], seed=seed, height=h, width=w, cfg=cfg, negative_prompt=NEGATIVE,
                              max_sequence_length=MSL, **kw)
 
 
@@ -236,3 +236,40 @@ def test_methods_under_the_nccl_rules(wan_dirs, oracle):
                   f"nccl rules {variant} {config.describe()}")
     finally:
         cache.close()
+
+
+def test_step_cache_decides_alike_on_every_layout(wan_dirs, layout_pools, oracle):
+    """The step cache on Wan's blocks (called positionally) and 2.2's two experts (each its
+    own residuals): it skips, stays near the exact run, and gives the 1-rank latent and
+    counts under Ulysses / Ring with uneven (padded) token shards, CFG and DP."""
+    cache = {"threshold": 0.5, "warmup": 1, "head": 1, "tail": 0, "max_skips": 3}
+    req = request("odd", 2, cfg=3.0, cfg_2=2.0, steps=8, cache=cache)
+    base = layout_pools.get(wan_dirs["a14b"], ParallelConfig())
+    res = base.generate(req)
+    counts = res.stats[0]["cache"]
+    assert counts["skipped"] > 0 and counts["computed"] > 0, counts
+    exact = base.generate(request("odd", 2, cfg=3.0, cfg_2=2.0, steps=8)).samples
+    d = float((res.samples - exact).abs().max())
+    assert 0 < d < 0.5 * float(exact.abs().max()), f"cached vs exact {d}"
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(ring=2),
+                   ParallelConfig(cfg_parallel=True), ParallelConfig(dp=2)):
+        other = layout_pools.get(wan_dirs["a14b"], config).generate(req)
+        check(other.samples, res.samples, f"step cache {config.describe()}")
+        per_rank = [r["cache"] for r in other.stats]
+        if config.sp > 1:
+            assert all(c == counts for c in per_rank), (config.describe(), per_rank)
+        else:
+            assert {k: sum(c[k] for c in per_rank) for k in counts} == counts, per_rank
+
+
+def test_cache_reads_the_plan_of_blocks_not_given_it():
+    """Wan's blocks get no sequence plan in their keywords: the cache's decision reads it
+    from the installed SequenceParallel, so a padded shard's extra token is left out."""
+    from workers.sequence_parallel import SequencePlan
+    from workers.step_cache import _parameter_names, _real_image_tokens
+    plan = SequencePlan(sp_rank=1, sp_size=2, text_len=0, image_len=45, padded=True)
+    assert _real_image_tokens({}, 23) == 23  # without the plan: padding counted
+    assert _real_image_tokens({}, 23, lambda: plan) == 22
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+    block = WanTransformerBlock(8, 16, 2, cross_attn_norm=True)
+    assert _parameter_names(block)[:2] == ("hidden_states", "encoder_hidden_states")
