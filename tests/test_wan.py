@@ -273,3 +273,27 @@ def test_cache_reads_the_plan_of_blocks_not_given_it():
     from diffusers.models.transformers.transformer_wan import WanTransformerBlock
     block = WanTransformerBlock(8, 16, 2, cross_attn_norm=True)
     assert _parameter_names(block)[:2] == ("hidden_states", "encoder_hidden_states")
+
+
+def test_no_host_waits_in_the_steps(wan_dirs):
+    """Wan's steps wait on nothing host-side (xdit_testhooks/host_syncs.py, as
+    tests/test_gpu_step.py for the image families): the UniPC step's scalars, the expert and
+    guidance scale of each step are host values decided in `prepare`, under Ulysses x Ring
+    with uneven shards and under CFG x DP, across the expert switch."""
+    hook = "xdit_testhooks.host_syncs:install"
+    cache = LayoutPools()
+    try:
+        for config in (ParallelConfig(ulysses=2, ring=2), ParallelConfig(cfg_parallel=True, dp=2)):
+            pool = cache.get(wan_dirs["a14b"], config, worker_hooks=[hook])
+            res = pool.generate(request("odd", 2, cfg_2=2.0))
+            for st in res.stats:
+                counts = st["hooks"][hook]["counts"]
+                steps = sorted(int(k.split(":")[1]) for k in counts
+                               if k.startswith("job:") and k.split(":")[1] != "None")
+                assert steps == list(range(STEPS)), list(counts)
+                late = {k: v for k, v in counts.items()
+                        if k.startswith("job:") and k.split(":")[1] not in ("None", "0")}
+                assert all(not v for v in late.values()), (config.describe(), late,
+                                                          st["hooks"][hook]["where"])
+    finally:
+        cache.close()
