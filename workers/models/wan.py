@@ -168,4 +168,70 @@ class WanAdapter(DiTAdapter):
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
-        raise NotImplementedError("Wan single files in ComfyUI naming: not yet")
+        """ComfyUI's / the original Wan names -> WanTransformer3DModel's, key by key (so a
+        PipeFusion stage reads only its blocks). Pure renames: the per-block `modulation`
+        [1, 6, dim] and the head's [1, 2, dim] are diffusers' scale_shift_tables in the same
+        order (shift, scale, gate, ...; the head's shift, scale); ComfyUI's `norm3` (the
+        cross-attention norm, with weights) is diffusers' `norm2`. A key without a rule
+        raises (a silently dropped tensor would load as garbage)."""
+        return convert_wan_original(sd)
+
+
+# ---- ComfyUI's / the original Wan naming -> diffusers' --------------------------------------
+_WAN_TOP = {
+    "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "head.head": "proj_out",
+    "head.modulation": "scale_shift_table",
+    # Wan 2.1 I2V / FLF2V: the CLIP image tokens' projection
+    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
+    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
+    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
+    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
+    "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",
+}
+_WAN_BLOCK = {
+    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
+    "self_attn.o": "attn1.to_out.0", "self_attn.norm_q": "attn1.norm_q",
+    "self_attn.norm_k": "attn1.norm_k",
+    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v",
+    "cross_attn.o": "attn2.to_out.0", "cross_attn.norm_q": "attn2.norm_q",
+    "cross_attn.norm_k": "attn2.norm_k",
+    "cross_attn.k_img": "attn2.add_k_proj", "cross_attn.v_img": "attn2.add_v_proj",
+    "cross_attn.norm_k_img": "attn2.norm_added_k",
+    "norm3": "norm2",  # the cross-attention's (affine) norm
+    "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
+    "modulation": "scale_shift_table",
+}
+
+
+def _wan_rename(name: str, table: dict):
+    for src, dst in table.items():
+        if name == src:
+            return dst
+        if name.startswith(src + ".") and name[len(src) + 1:] in ("weight", "bias"):
+            return dst + name[len(src):]
+    return None
+
+
+def convert_wan_original(sd: dict) -> dict:
+    """A Wan transformer's tensors in ComfyUI / original naming -> diffusers names."""
+    out, unknown = {}, []
+    for name, w in sd.items():
+        parts = name.split(".", 2)
+        if parts[0] == "blocks" and len(parts) == 3:
+            new = _wan_rename(parts[2], _WAN_BLOCK)
+            new = None if new is None else f"blocks.{parts[1]}.{new}"
+        else:
+            new = _wan_rename(name, _WAN_TOP)
+        if new is None:
+            unknown.append(name)
+        else:
+            out[new] = w
+    if unknown:
+        raise ValueError(f"{len(unknown)} tensor(s) with no Wan rule, e.g. {unknown[:3]}")
+    return out
