@@ -125,6 +125,24 @@ class WanAdapter(DiTAdapter):
     def unpack(self, x, height, width):
         return x
 
+    def joint_text_tokens(self, cond):
+        return 0  # the text is reached by cross-attention only
+
+    def token_grid(self, height, width, frames=1):
+        """Tokens run frame by frame, each frame height/16 rows of width/16: the token rows
+        of the whole video are its frames' rows one after the other."""
+        return self.family.latent.latent_frames(frames) * (height // 16), width // 16
+
+    def latent_rows(self, x, r0, r1, cols):
+        """Token rows r0..r1 of a latent [B, C, T, h, w] (PipeFusion's patches): with frame
+        and latent row merged ([B, C, T * h, w], a view of the contiguous latent) token row
+        r is merged rows 2r, 2r + 1 whatever its frame, so a band crossing a frame boundary
+        is still one view. A tensor of merged rows already ([B, C, rows, w], such a band)
+        is narrowed as it is (rows relative to it)."""
+        if x.dim() == 5:
+            x = x.flatten(2, 3)
+        return x.narrow(2, 2 * r0, 2 * (r1 - r0))
+
     def timesteps(self, scheduler, steps, latents, device):
         # set on the CPU (its timesteps stay there: the expert choice reads them, no device
         # read), then the copy the loop uses goes to the device
