@@ -134,3 +134,55 @@ def test_pipefusion_with_two_experts_is_refused(folders):
             pool.generate(request(batch=1))
     msg = str(e.value)
     assert "PipeFusion does not run Wan 2.2's two experts" in msg and "\n" not in msg, msg
+
+
+# ---- LoRA ----------------------------------------------------------------------------------
+def _peft_lora(folder, path_dir):
+    """A random PEFT LoRA (r 4) on the tiny transformer's attention and FFN Linears, saved
+    in diffusers' format (`transformer.` keys)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    t = WanTransformer3DModel.from_pretrained(str(folder), subfolder="transformer")
+    cfg = LoraConfig(r=4, lora_alpha=8.0, target_modules=["to_q", "to_k", "to_v", "to_out.0",
+                                                           "ffn.net.0.proj", "ffn.net.2"])
+    t.add_adapter(cfg, adapter_name="x")
+    g = torch.Generator().manual_seed(3)
+    for n, p in t.named_parameters():
+        if "lora_" in n:
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    WanPipeline.save_lora_weights(path_dir, transformer_lora_layers=get_peft_model_state_dict(
+        t, adapter_name="x"), transformer_lora_adapter_metadata=cfg.to_dict())
+    return path_dir / "pytorch_lora_weights.safetensors"
+
+
+@pytest.mark.parametrize("variant", ["t2v", "a14b"])
+def test_peft_lora_equals_load_lora_weights(folders, layout_pools, tmp_path, variant):
+    """The pool's LoRA equals WanPipeline's `load_lora_weights` at strength 0.7; on A14B the
+    entry goes into both experts (the pipeline: loaded into transformer and, with
+    load_into_transformer_2, into transformer_2)."""
+    from diffusers import WanPipeline
+    folder = folders[variant]
+    path = _peft_lora(folder, tmp_path)
+    pipe = WanPipeline.from_pretrained(str(folder)).to(torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    req = request(batch=1, cfg_2=3.0 if variant == "a14b" else None)
+    base = oracle(pipe, req)
+    pipe.load_lora_weights(str(path), adapter_name="l")
+    names = ["l"]
+    if variant == "a14b":
+        pipe.load_lora_weights(str(path), adapter_name="l2", load_into_transformer_2=True)
+        pipe.transformer_2.set_adapters(["l2"], [0.7])
+        pipe.transformer.set_adapters(["l"], [0.7])
+    else:
+        pipe.set_adapters(names, [0.7])
+    want = oracle(pipe, req)
+    assert float((want - base).abs().max()) > 1e-2  # the LoRA matters
+    pool = layout_pools.get(folder, ParallelConfig(ulysses=2))
+    got = pool.generate(dataclasses.replace(req, loras=[(str(path), 0.7)])).samples
+    err = diff(got, want)
+    off = diff(pool.generate(req).samples, base)  # no LoRA: the base model again
+    print(f"wan {variant} PEFT LoRA (ulysses 2) vs load_lora_weights: max abs diff {err:.2e}, "
+          f"then without: {off:.2e}")
+    assert err <= TOL and off <= TOL
