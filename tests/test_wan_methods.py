@@ -6,8 +6,9 @@
 * PipeFusion 2: with warmup >= steps it equals WanPipeline (the patches are contiguous token
   ranges that run across frames: a 5-D latent is worked on token-major); pipelined (warmup 1)
   it runs and stays close; A14B's two experts with PipeFusion are refused in one line.
-* LoRA: a diffusers/PEFT LoRA on the transformer equals WanPipeline with `load_lora_weights`;
-  on A14B a LoRA entry applies to both experts unless it names one (see workers/lora.py).
+* LoRA (on the sharded pools, one launch per variant): a diffusers/PEFT LoRA equals
+  WanPipeline with `load_lora_weights`; on A14B a LoRA entry goes into both experts
+  (workers/lora.py), as the pipeline loading it into transformer and transformer_2.
 
 The oracle is WanPipeline on the same folder and ComfyUI's noise for the LATENT shape
 [B, 16, T, H/8, W/8]; its result is brought to ComfyUI's LATENT (x * std + mean).
@@ -82,7 +83,9 @@ def diff(a, b) -> float:
 
 # ---- weight sharding ------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", ["t2v", "a14b"])
-def test_sharded_equals_the_pipeline(folders, pipes, layout_pools, variant):
+def test_sharded_equals_the_pipeline_and_lora(folders, pipes, layout_pools, tmp_path, variant):
+    """Sharded at Ulysses 2 and DP 2: WanPipeline; then, on the same pool, a PEFT LoRA (see
+    check_lora)."""
     req = request(cfg_2=3.0 if variant == "a14b" else None)
     want = oracle(pipes(variant), req)
     diffs = {}
@@ -101,6 +104,7 @@ def test_sharded_equals_the_pipeline(folders, pipes, layout_pools, variant):
         one = pipes(variant).transformer
         blocks = sum(p.numel() for p in one.blocks.parameters())
         assert counts[0]["block_params"] == 2 * blocks
+    check_lora(folders, pool, tmp_path, variant)
 
 
 # ---- PipeFusion ----------------------------------------------------------------------------
@@ -157,8 +161,7 @@ def _peft_lora(folder, path_dir):
     return path_dir / "pytorch_lora_weights.safetensors"
 
 
-@pytest.mark.parametrize("variant", ["t2v", "a14b"])
-def test_peft_lora_equals_load_lora_weights(folders, layout_pools, tmp_path, variant):
+def check_lora(folders, pool, tmp_path, variant):
     """The pool's LoRA equals WanPipeline's `load_lora_weights` at strength 0.7; on A14B the
     entry goes into both experts (the pipeline: loaded into transformer and, with
     load_into_transformer_2, into transformer_2)."""
@@ -179,10 +182,10 @@ def test_peft_lora_equals_load_lora_weights(folders, layout_pools, tmp_path, var
         pipe.set_adapters(names, [0.7])
     want = oracle(pipe, req)
     assert float((want - base).abs().max()) > 1e-2  # the LoRA matters
-    pool = layout_pools.get(folder, ParallelConfig(ulysses=2))
+    pool.reconfigure(ParallelConfig(ulysses=2))
     got = pool.generate(dataclasses.replace(req, loras=[(str(path), 0.7)])).samples
     err = diff(got, want)
     off = diff(pool.generate(req).samples, base)  # no LoRA: the base model again
-    print(f"wan {variant} PEFT LoRA (ulysses 2) vs load_lora_weights: max abs diff {err:.2e}, "
+    print(f"wan {variant} PEFT LoRA (sharded, ulysses 2) vs load_lora_weights: max abs diff {err:.2e}, "
           f"then without: {off:.2e}")
     assert err <= TOL and off <= TOL
