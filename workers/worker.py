@@ -356,7 +356,7 @@ class Worker:
         err = None
         loads = self.loras.loads
         try:
-            self.loras.apply(self.model.transformer, resolved)
+            self.loras.apply(self.model.transformers(), resolved)
             if self.loras.loads != loads and self.parallel and self.parallel[1] is not None:
                 # peft wrapped layers the sequence-parallel hooks sit on (proj_out's gather,
                 # ...): the hooks would see the base output only, so hook the wrappers
@@ -368,7 +368,7 @@ class Worker:
         errors = [x for x in (_gather_all(self.planes.control, err) if self.world > 1 else [err]) if x]
         if errors:
             try:  # leave the model in a known state: no adapter active
-                self.loras.apply(self.model.transformer, [])
+                self.loras.apply(self.model.transformers(), [])
             except Exception:  # noqa: BLE001
                 pass
             raise LoraError("; ".join(errors))

@@ -709,7 +709,7 @@ def cached_build(cache_dir: str | os.PathLike, name: str, build) -> pathlib.Path
 
 # Block prefixes of both namings: the Linears inside them are what fp8 files store in fp8.
 _BLOCK_PREFIXES = ("double_blocks.", "single_blocks.", "joint_blocks.", "transformer_blocks.",
-                   "single_transformer_blocks.")
+                   "single_transformer_blocks.", "blocks.")  # blocks.: Wan
 
 
 def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool) -> pathlib.Path:

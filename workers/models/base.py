@@ -283,6 +283,17 @@ class DiTAdapter:
     def unpack(self, x, height, width):
         return x
 
+    def joint_text_tokens(self, cond: dict) -> int:
+        """Text tokens in the attention's joint sequence (beside the image tokens): the
+        whole text for the joint-attention families; 0 where text is reached by
+        cross-attention only (Wan)."""
+        return int(cond["encoder_hidden_states"].shape[1])
+
+    def token_grid(self, height: int, width: int, frames: int = 1) -> tuple:
+        """(token rows, tokens per row) of a `frames`-frame image: the tokens in order are
+        `rows` runs of `cols` (PipeFusion's patches are bands of whole rows)."""
+        return height // 16, width // 16
+
     def latent_rows(self, x, r0: int, r1: int, cols: int):
         """View of token rows r0..r1 (16 pixels each) of a model-space latent as the
         transformer takes it (PipeFusion's patches)."""

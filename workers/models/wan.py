@@ -39,6 +39,10 @@ def read_index(path: str) -> dict:
         return json.load(f)
 
 
+EXPERTS_PIPEFUSION = ("PipeFusion does not run Wan 2.2's two experts yet (each stage would hold "
+                      "its blocks of both); use Ulysses, Ring, CFG, data parallel or weight "
+                      "sharding")
+
 EXPAND_TIMESTEPS = ("this Wan folder sets expand_timesteps (Wan 2.2 TI2V-5B: per-token "
                     "timesteps and the 48-channel Wan 2.2 VAE), which the pool does not run; "
                     "Wan 2.1 and 2.2 A14B folders run")
@@ -69,10 +73,17 @@ class WanAdapter(DiTAdapter):
                              weights=weights, text_encoders=text_encoders, shard=shard)
         model.index = index
         if index.get("transformer_2") and index["transformer_2"][0] is not None:
-            if stage is not None or shard is not None:
-                raise ValueError("PipeFusion and weight sharding do not run Wan 2.2's two "
-                                 "experts yet; use Ulysses, Ring, CFG or data parallel")
-            model.transformer_2 = self.load_expert(path, "transformer_2", device, dtype, weights)
+            if stage is not None:
+                raise ValueError(EXPERTS_PIPEFUSION)
+            if shard is not None:  # sharded as the first expert, shard-only reads
+                from ..weights_shards import load_shards
+                tr, _ = load_shards(self, path, device, dtype, weights, shard,
+                                    subfolder="transformer_2")
+                tr.rope.to(device)
+                model.transformer_2 = tr
+            else:
+                model.transformer_2 = self.load_expert(path, "transformer_2", device, dtype,
+                                                       weights)
         return model
 
     def load_expert(self, path, subfolder, device, dtype, weights):
@@ -98,10 +109,11 @@ class WanAdapter(DiTAdapter):
         a meta-built model's rope module made again on the CPU as __init__ makes it (fp32;
         `assemble` moves it to the device)."""
         rope = transformer.rope
-        if rope.freqs_cos.device.type == "meta":
-            with torch.device("cpu"):
-                transformer.rope = type(rope)(rope.attention_head_dim, rope.patch_size,
-                                              rope.max_seq_len)
+        # always made again: also called after FSDP's `to_empty` (workers/weights_shards.py),
+        # which leaves these buffers allocated but uninitialised (not on the meta device)
+        with torch.device("cpu"):
+            transformer.rope = type(rope)(rope.attention_head_dim, rope.patch_size,
+                                          rope.max_seq_len)
 
     def assemble(self, path, transformer, report, device, dtype, *args, **kw):
         transformer.rope.to(device)  # once, not per forward
@@ -112,6 +124,24 @@ class WanAdapter(DiTAdapter):
 
     def unpack(self, x, height, width):
         return x
+
+    def joint_text_tokens(self, cond):
+        return 0  # the text is reached by cross-attention only
+
+    def token_grid(self, height, width, frames=1):
+        """Tokens run frame by frame, each frame height/16 rows of width/16: the token rows
+        of the whole video are its frames' rows one after the other."""
+        return self.family.latent.latent_frames(frames) * (height // 16), width // 16
+
+    def latent_rows(self, x, r0, r1, cols):
+        """Token rows r0..r1 of a latent [B, C, T, h, w] (PipeFusion's patches): with frame
+        and latent row merged ([B, C, T * h, w], a view of the contiguous latent) token row
+        r is merged rows 2r, 2r + 1 whatever its frame, so a band crossing a frame boundary
+        is still one view. A tensor of merged rows already ([B, C, rows, w], such a band)
+        is narrowed as it is (rows relative to it)."""
+        if x.dim() == 5:
+            x = x.flatten(2, 3)
+        return x.narrow(2, 2 * r0, 2 * (r1 - r0))
 
     def timesteps(self, scheduler, steps, latents, device):
         # set on the CPU (its timesteps stay there: the expert choice reads them, no device
@@ -171,4 +201,70 @@ class WanAdapter(DiTAdapter):
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
-        raise NotImplementedError("Wan single files in ComfyUI naming: not yet")
+        """ComfyUI's / the original Wan names -> WanTransformer3DModel's, key by key (so a
+        PipeFusion stage reads only its blocks). Pure renames: the per-block `modulation`
+        [1, 6, dim] and the head's [1, 2, dim] are diffusers' scale_shift_tables in the same
+        order (shift, scale, gate, ...; the head's shift, scale); ComfyUI's `norm3` (the
+        cross-attention norm, with weights) is diffusers' `norm2`. A key without a rule
+        raises (a silently dropped tensor would load as garbage)."""
+        return convert_wan_original(sd)
+
+
+# ---- ComfyUI's / the original Wan naming -> diffusers' --------------------------------------
+_WAN_TOP = {
+    "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "head.head": "proj_out",
+    "head.modulation": "scale_shift_table",
+    # Wan 2.1 I2V / FLF2V: the CLIP image tokens' projection
+    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
+    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
+    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
+    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
+    "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",
+}
+_WAN_BLOCK = {
+    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
+    "self_attn.o": "attn1.to_out.0", "self_attn.norm_q": "attn1.norm_q",
+    "self_attn.norm_k": "attn1.norm_k",
+    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v",
+    "cross_attn.o": "attn2.to_out.0", "cross_attn.norm_q": "attn2.norm_q",
+    "cross_attn.norm_k": "attn2.norm_k",
+    "cross_attn.k_img": "attn2.add_k_proj", "cross_attn.v_img": "attn2.add_v_proj",
+    "cross_attn.norm_k_img": "attn2.norm_added_k",
+    "norm3": "norm2",  # the cross-attention's (affine) norm
+    "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
+    "modulation": "scale_shift_table",
+}
+
+
+def _wan_rename(name: str, table: dict):
+    for src, dst in table.items():
+        if name == src:
+            return dst
+        if name.startswith(src + ".") and name[len(src) + 1:] in ("weight", "bias"):
+            return dst + name[len(src):]
+    return None
+
+
+def convert_wan_original(sd: dict) -> dict:
+    """A Wan transformer's tensors in ComfyUI / original naming -> diffusers names."""
+    out, unknown = {}, []
+    for name, w in sd.items():
+        parts = name.split(".", 2)
+        if parts[0] == "blocks" and len(parts) == 3:
+            new = _wan_rename(parts[2], _WAN_BLOCK)
+            new = None if new is None else f"blocks.{parts[1]}.{new}"
+        else:
+            new = _wan_rename(name, _WAN_TOP)
+        if new is None:
+            unknown.append(name)
+        else:
+            out[new] = w
+    if unknown:
+        raise ValueError(f"{len(unknown)} tensor(s) with no Wan rule, e.g. {unknown[:3]}")
+    return out
