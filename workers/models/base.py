@@ -321,6 +321,18 @@ class DiTAdapter:
         this family."""
         raise ValueError(f"reference images are not supported by {self.family.name} models")
 
+    def start_condition(self, model, req: dict, images, batch: int):
+        """Image-to-video (rank 0): the request's start frame (`images`: the reference
+        images as PIL, or req's concat_latent / concat_mask / image_embeds) -> {"references":
+        the job's references ({"tokens": the condition, [1 or B, ...] model space, which
+        every step joins to the latents}), "cond": what both guidance branches add to their
+        conditioning}; None where the job has no start frame (then `images`, if any, are
+        references). Not for this family."""
+        if req.get("concat_latent") is not None:
+            raise ValueError(f"image-to-video inputs (concat_latent) are not supported by "
+                             f"{self.family.name} models")
+        return None
+
     def pack_references(self, refs) -> torch.Tensor:
         """Model-space references [b_i, C, (1,) h, w] (a call's, from ComfyUI) -> tokens
         [b, M, C * 4] (a batch-1 reference shared by the others) for the families that pack
