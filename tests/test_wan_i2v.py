@@ -49,7 +49,7 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipes(folders):
     from diffusers import WanImageToVideoPipeline
-    return {v: WanImageToVideoPipeline.from_pretrained(str(p), torch_dtype=torch.float32)
+    return {v: WanImageToVideoPipeline.from_pretrained(str(p), dtype=torch.float32)
             for v, p in folders.items()}
 
 
@@ -108,26 +108,6 @@ def test_one_rank_equals_the_pipeline(folders, layout_pools, oracle, variant):
     got = pool.generate(req).samples
     assert got.shape == (1, 16, T, H // 8, W // 8)
     check(got, oracle(variant, req), f"{variant} 1 rank")
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_parallel_methods_equal_the_pipeline(folders, layout_pools, oracle, variant, name):
-    pool = layout_pools.get(folders[variant], CONFIGS[name])
-    req = request(batch=2)
-    check(pool.generate(req).samples, oracle(variant, req), f"{variant} {name} batch 2")
-
-
-def test_four_ranks_under_the_nccl_rules(folders, oracle):
-    cache = LayoutPools()
-    try:
-        config = ParallelConfig(ulysses=2, ring=2)
-        pool = cache.get(folders["i2v"], config,
-                         worker_hooks=["xdit_testhooks.nccl_rules:install"])
-        req = request()
-        check(pool.generate(req).samples, oracle("i2v", req), "nccl rules ulysses 2 x ring 2")
-    finally:
-        cache.close()
 
 
 # ---- ComfyUI's WanImageToVideo values, at the request level --------------------------------
@@ -197,6 +177,27 @@ def test_comfy_conversion_refusals(pipes):
         start_image_fields(pos, neg)
     assert set(start_image_fields(pos, None)) == {"concat_latent", "concat_mask",
                                                   "image_embeds"}
+
+
+# ---- parallel methods (after the ComfyUI test, which reuses the 1-rank pool) ------------
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parallel_methods_equal_the_pipeline(folders, layout_pools, oracle, variant, name):
+    pool = layout_pools.get(folders[variant], CONFIGS[name])
+    req = request(batch=2)
+    check(pool.generate(req).samples, oracle(variant, req), f"{variant} {name} batch 2")
+
+
+def test_four_ranks_under_the_nccl_rules(folders, oracle):
+    cache = LayoutPools()
+    try:
+        config = ParallelConfig(ulysses=2, ring=2)
+        pool = cache.get(folders["i2v"], config,
+                         worker_hooks=["xdit_testhooks.nccl_rules:install"])
+        req = request()
+        check(pool.generate(req).samples, oracle("i2v", req), "nccl rules ulysses 2 x ring 2")
+    finally:
+        cache.close()
 
 
 # ---- refusals (one line each) -------------------------------------------------------------

@@ -51,6 +51,7 @@ class WanAdapter(DiTAdapter):
     family = families.FAMILIES["wan"]
     bfl_blocks = {"blocks": "blocks"}
     latents_fp32 = True
+    encoder_skips = ("transformer_2",)  # rank 0's prompt (and image) encoder holds no expert
     layout = SequenceLayout(
         split_inputs={},
         split_outputs={"patch_embedding": ("image", 2, "flatten"),
