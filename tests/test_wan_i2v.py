@@ -162,11 +162,13 @@ def test_comfy_values_equal_the_pipeline(folders, pipes, layout_pools, oracle):
     # negative control: the mask inverted (the image given on every frame but the first)
     inverted = comfy_request(pipe, dict(values, concat_mask=1.0 - values["concat_mask"]))
     moved = float((pool.generate(inverted).samples - want).abs().max())
+    print(f"mask inverted: moved by {moved:.2e}")
     assert moved > 1e-3, f"an inverted mask moved the result by only {moved:.2e}"
     # and the start latent dropped (all zeros, as ComfyUI's node without a start_image)
     dropped = comfy_request(pipe, dict(values, concat_latent_image=torch.zeros_like(
         values["concat_latent_image"])))
     moved = float((pool.generate(dropped).samples - want).abs().max())
+    print(f"start latent dropped: moved by {moved:.2e}")
     assert moved > 1e-3, f"a dropped start latent moved the result by only {moved:.2e}"
 
 
