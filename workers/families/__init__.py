@@ -121,6 +121,10 @@ class Family:
     # PipeFusion runs references first in the image stream (workers/pipefusion/strategy.py):
     # exact where positions come from ids (FLUX), not where RoPE follows the token order
     pipefusion_references: bool = True
+    # video from a start image (Wan I2V): the transformer config (class defaults filled in)
+    # -> (takes a start image's condition, concatenated to the noise along channels; also
+    # takes the image's CLIP vision states). None: the family has no image-to-video models
+    image_to_video: Optional[Callable] = None
     # single files, which carry neither: (scheduler config, VAE latent config) of the
     # released model, from the transformer config
     released: Optional[Callable] = None

@@ -94,6 +94,14 @@ def comfy_unet(cfg: dict) -> dict:
             "num_layers": int(cfg.get("num_layers", 40))}
 
 
+def image_to_video(cfg: dict) -> tuple:
+    """(a start image's condition: the 36-channel I2V transformers take the noise, the
+    4-channel first-frame mask and the 16-channel image video; its CLIP image states: Wan
+    2.1 I2V's `image_dim`, reached through their own cross-attention K/V)."""
+    start = int(cfg.get("in_channels", 16)) > int(cfg.get("out_channels", 16))
+    return start, start and cfg.get("image_dim") is not None
+
+
 def pipeline_of(index_class) -> str:
     if index_class in (None, "WanPipeline"):
         return "WanPipeline"
@@ -126,4 +134,5 @@ FAMILY = Family(
     text_hint="encode with Wan's text encoder (umt5-xxl: CLIPLoader type wan) or type the "
               "prompt into the sampler",
     released=released, detect_order=50, pipeline_of=pipeline_of,
+    image_to_video=image_to_video,
 )

@@ -110,6 +110,9 @@ class DiTAdapter:
     lora_alphas = False  # LoRA network alphas go to load_lora_into_transformer (FLUX.1)
     cfg_rescale = False  # true CFG rescaled to the conditional prediction's norm (Qwen-Image)
     latents_fp32 = False  # the loop keeps fp32 latents whatever the model's dtype (Wan)
+    # more of the folder's components the text-encoding pipeline leaves unloaded (beside
+    # the transformer and the VAE): Wan 2.2's second expert
+    encoder_skips: tuple = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -208,8 +211,8 @@ class DiTAdapter:
             if with_text_encoders:
                 te_device = self._text_encoder_device(path, device, dtype, text_encoders)
                 pcls = getattr(diffusers, self.pipeline_class)
-                encoder = pcls.from_pretrained(path, transformer=None, vae=None,
-                                               torch_dtype=dtype)
+                skip = dict.fromkeys(("transformer", "vae") + self.encoder_skips, None)
+                encoder = pcls.from_pretrained(path, torch_dtype=dtype, **skip)
                 encoder.to(te_device)
         model = LoadedModel(path=path, arch=self.arch, transformer=transformer, encoder=encoder,
                             scheduler_config=sched, vae_config=vae, device=device, dtype=dtype,
@@ -335,6 +338,18 @@ class DiTAdapter:
         VAE exactly as the family's diffusers pipeline prepares its references; not for
         this family."""
         raise ValueError(f"reference images are not supported by {self.family.name} models")
+
+    def start_condition(self, model, req: dict, images, batch: int):
+        """Image-to-video (rank 0): the request's start frame (`images`: the reference
+        images as PIL, or req's concat_latent / concat_mask / image_embeds) -> {"references":
+        the job's references ({"tokens": the condition, [1 or B, ...] model space, which
+        every step joins to the latents}), "cond": what both guidance branches add to their
+        conditioning}; None where the job has no start frame (then `images`, if any, are
+        references). Not for this family."""
+        if req.get("concat_latent") is not None:
+            raise ValueError(f"image-to-video inputs (concat_latent) are not supported by "
+                             f"{self.family.name} models")
+        return None
 
     def pack_references(self, refs) -> torch.Tensor:
         """Model-space references [b_i, C, (1,) h, w] (a call's, from ComfyUI) -> tokens
