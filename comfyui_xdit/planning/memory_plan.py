@@ -444,7 +444,9 @@ class MemoryPlan:
                 f"{' + shard_weights' if self.engine.shard_weights else ''}, "
                 f"{self.engine.dtype}, weights={self.engine.weights}, text encoders "
                 f"{self.text_encoders_on}, "
-                + (f"{self.job.height}x{self.job.width} batch {self.job.batch}"
+                + (f"{self.job.height}x{self.job.width}"
+                   + (f" x {self.job.frames} frames" if self.job.frames > 1 else "")
+                   + f" batch {self.job.batch}"
                    if self.job is not None else "before any job's activations")
                 + f": rank {w.rank} ({w.role}) needs {gib(w.total)}")
         if w.gpu_memory is not None:
@@ -648,7 +650,8 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         chunk = fam.latent.time_downscale if fam.latent.video else 1
         act = max(act, vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
                                         job.height, job.width, job.batch, db, world,
-                                        frames=job.frames, frames_per_chunk=chunk))
+                                        frames=job.frames,
+                                        frames_per_chunk=min(chunk, job.frames)))
     vae = facts.vae_params * db
     te = text_encoder_bytes(facts, engine.dtype)
 
