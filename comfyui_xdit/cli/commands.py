@@ -46,8 +46,7 @@ def _lora(text):
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate latents or PNGs on a local pool")
     p.add_argument("--model", required=True,
-                   help="diffusers folder (FLUX.1, FLUX.2, SD3, Qwen-Image, Chroma, Wan) or a "
-                        "single .safetensors transformer")
+                   help="diffusers folder: FLUX.1, FLUX.2, SD3, Qwen-Image, Chroma, Wan")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--seed", type=int, required=True)
