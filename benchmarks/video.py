@@ -129,15 +129,22 @@ def markdown(report: dict) -> str:
          f"rank); {j['steps']} steps, fp32, CPU, 1 thread per rank; {j['warmup_jobs']} warm-up "
          f"job then {j['timed_jobs']} timed job(s) per configuration, round-robin", "",
          "| run | ranks | workload | time/step median (s) | speed-up vs 1 rank | "
-         "jobs used |", "|---|---|---|---|---|---|"]
+         "timed jobs used | other processes (cores, max) |", "|---|---|---|---|---|---|---|"]
     for name, r in rep["runs"].items():
         sp = r.get("speedup_vs_1x1")
+        f = r.get("foreign_cores_max")
+        foreign = "?" if f is None else f"{f:.2f}"
         L.append(f"| {name} | {r['ranks']} | {'true CFG 2.0' if r['workload'] == 'cfg' else 'no CFG'}"
                  f" | {r['step_s_median']:.3f} | {'baseline' if sp is None else f'{sp:.2f}x'} | "
-                 f"{r['timed_jobs_used']}/{len(r['jobs'])} |")
+                 f"{r['timed_jobs_used']}/{len(r['jobs'])}"
+                 f"{' (all contended)' if r['contended'] else ''} | "
+                 f"{foreign} |")
     c = rep.get("two_core_ceiling")
     if c:
-        L += ["", f"Two-core ceiling (two 1-thread matmul processes at once vs one): {c:.2f}x."]
+        L += ["", f"Two-core ceiling (two 1-thread matmul processes at once vs one): {c:.2f}x. "
+              "Other processes = cores used outside this bench during a timed job; jobs above "
+              "the --max-foreign-load threshold are re-run until --max-wait is spent, then "
+              "kept and flagged (all contended): their times measure the neighbours too."]
     L += ["", "Bytes a rank sends per step, against the memory plan's `step_traffic`:", "",
           "| run | collective | theory | measured rank 0 | measured rank 1 | measured / theory "
           "| other data-plane bytes (max rank) |", "|---|---|---|---|---|---|---|"]
