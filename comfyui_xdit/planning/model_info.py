@@ -9,6 +9,7 @@ a `ModelInfo`; the names below are re-exported so host code and tests keep one i
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,3 +149,17 @@ def comfy_unet_config(path) -> dict:
     d = _describe_model(Path(path))
     fam = families.family(d["arch"])
     return fam.comfy.unet({**fam.config_defaults, **dict(d["config"])})
+
+
+def expert_count(path) -> int:
+    """Transformers a diffusers folder denoises with: 2 where model_index.json names a
+    `transformer_2` (Wan 2.2 A14B's high- and low-noise experts), else 1 (a single file: 1)."""
+    index = os.path.join(str(path), "model_index.json")
+    if not os.path.isfile(index):
+        return 1
+    try:
+        with open(index) as f:
+            second = json.load(f).get("transformer_2")
+    except (OSError, ValueError):
+        return 1
+    return 2 if isinstance(second, list) and second and second[0] is not None else 1

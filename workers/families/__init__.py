@@ -130,6 +130,10 @@ class Family:
     released: Optional[Callable] = None
     lora_formats: str = "diffusers/PEFT"
     text_extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's
+    # the text tokens join the image tokens in one attention sequence (joint attention:
+    # FLUX, SD3, Qwen-Image, Chroma); False: the text is reached by cross-attention only
+    # (Wan), so sequence parallelism splits and exchanges the image / video tokens alone
+    text_in_sequence: bool = True
     # the split the MODEL uses when the loader gives no degrees: CFG parallel first when
     # ComfyUI's samplers batch both branches in one call
     model_cfg_first: bool = False

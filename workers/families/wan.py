@@ -133,6 +133,6 @@ FAMILY = Family(
     cfg=CFG, guidance=None, pooled=False,
     text_hint="encode with Wan's text encoder (umt5-xxl: CLIPLoader type wan) or type the "
               "prompt into the sampler",
-    released=released, detect_order=50, pipeline_of=pipeline_of,
+    released=released, detect_order=50, pipeline_of=pipeline_of, text_in_sequence=False,
     image_to_video=image_to_video,
 )
