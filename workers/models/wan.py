@@ -39,10 +39,6 @@ def read_index(path: str) -> dict:
         return json.load(f)
 
 
-EXPERTS_PIPEFUSION = ("PipeFusion does not run Wan 2.2's two experts yet (each stage would hold "
-                      "its blocks of both); use Ulysses, Ring, CFG, data parallel or weight "
-                      "sharding")
-
 # diffusers' WanAttnProcessor: the text tokens of a cross-attention with image K/V (Wan 2.1 I2V)
 I2V_TEXT_TOKENS = 512
 
@@ -77,9 +73,17 @@ class WanAdapter(DiTAdapter):
                              weights=weights, text_encoders=text_encoders, shard=shard)
         model.index = index
         if index.get("transformer_2") and index["transformer_2"][0] is not None:
-            if stage is not None:
-                raise ValueError(EXPERTS_PIPEFUSION)
-            if shard is not None:  # sharded as the first expert, shard-only reads
+            if stage is not None:  # PipeFusion: this stage's blocks of the second expert
+                import diffusers
+
+                from ..pipefusion.stages import load_stage_transformer
+                tr, _, _ = load_stage_transformer(
+                    getattr(diffusers, self.transformer_class),
+                    os.path.join(path, "transformer_2"), self.block_lists, *stage,
+                    device=device, dtype=dtype, weights=weights)
+                tr.rope.to(device)
+                model.transformer_2 = tr
+            elif shard is not None:  # sharded as the first expert, shard-only reads
                 from ..weights_shards import load_shards
                 tr, _ = load_shards(self, path, device, dtype, weights, shard,
                                     subfolder="transformer_2")
