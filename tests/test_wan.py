@@ -227,13 +227,18 @@ def test_video_decode_equals_the_vae(wan_dirs, layout_pools, pipes):
 def test_methods_under_the_nccl_rules(wan_dirs, oracle):
     cache = LayoutPools()
     try:
-        for variant, config, batch in (("t2v", ParallelConfig(ulysses=2, ring=2), 2),
-                                       ("a14b", ParallelConfig(cfg_parallel=True, ulysses=2), 1)):
+        for variant, config, batch, opts in (
+                ("t2v", ParallelConfig(ulysses=2, ring=2), 2, {}),
+                ("a14b", ParallelConfig(cfg_parallel=True, ulysses=2), 1, {}),
+                # both experts sharded over 4 ranks; each stage of a pipeline holding both
+                ("a14b", ParallelConfig(dp=2, ulysses=2), 2, {"shard_weights": True}),
+                ("a14b", ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=STEPS), 1, {})):
             pool = cache.get(wan_dirs[variant], config,
-                             worker_hooks=["xdit_testhooks.nccl_rules:install"])
+                             worker_hooks=["xdit_testhooks.nccl_rules:install"], **opts)
             req = request("odd", batch, cfg_2=3.0 if variant == "a14b" else None)
             check(pool.generate(req).samples, oracle(req, variant),
-                  f"nccl rules {variant} {config.describe()}")
+                  f"nccl rules {variant} {config.describe()} {opts}")
+            cache.close()  # one 4-rank pool at a time
     finally:
         cache.close()
 
