@@ -258,8 +258,10 @@ def preset_facts(name: str) -> ModelFacts:
                       text_tokens=p.text_tokens, experts=p.experts)
 
 
-def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
-    """A diffusers folder or single file, through the pack's detection (model_info)."""
+def model_facts(path: str, dtype: str = "bf16", path_2=None) -> ModelFacts:
+    """A diffusers folder or single file, through the pack's detection (model_info);
+    `path_2`: the low-noise expert's file of a Wan 2.2 A14B pair (the same config: two
+    experts)."""
     from comfyui_xdit.planning.model_info import _describe_model, expert_count
 
     d = _describe_model(path)
@@ -283,7 +285,7 @@ def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
                       transformer_config=json.dumps(cfg, sort_keys=True, default=list),
                       text_encoder_params=0, text_encoder_bytes=te_bytes,
                       vae_params=vae_params, vae_channels=channels,
-                      fp8_checkpoint=bool(storage.get("fp8")), experts=expert_count(path))
+                      fp8_checkpoint=bool(storage.get("fp8")), experts=2 if path_2 else expert_count(path))
 
 
 def _torch_dtype(name: str):
@@ -828,7 +830,7 @@ def _job_size(request, model_path: str) -> JobSize:
 
 
 def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,
-                request=None) -> Optional[MemoryPlan]:
+                request=None, model_path_2=None) -> Optional[MemoryPlan]:
     """The plan of a CUDA launch against the GPUs' total memory, with `misfits` filled, and
     no verdict acted on (check_launch does; the pool also re-plans quietly to compare with
     a measured peak). `gpus`: the ranks' GPU ids (gpus.gpus_for_ranks). Without a request (a
@@ -843,7 +845,7 @@ def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, 
     share = {g: list(gpus).count(g) for g in gpus}
     caps = [None if c is None else c // share[g] for c, g in zip(caps, gpus)]
     try:
-        facts = model_facts(model_path, engine.dtype)
+        facts = model_facts(model_path, engine.dtype, model_path_2)
         job = None if request is None else _job_size(request, model_path)
         te_gpu = text_encoder_gpu(engine.text_encoders, list(gpus))
         p = plan(facts, config.with_world_size(None), engine, job, caps,
@@ -866,13 +868,14 @@ def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, 
 
 
 def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,
-                 request=None, mode: Optional[str] = None) -> Optional[MemoryPlan]:
+                 request=None, mode: Optional[str] = None,
+                 model_path_2=None) -> Optional[MemoryPlan]:
     """Before a CUDA pool launches: `plan_launch`, and under mode "enforce" (`resolve_mode`;
     None: the environment's) one ConfigError with the numbers and how to overrule it when a
     rank cannot fit. Under "advise" the plan comes back with its `misfits`, for the caller
     to warn."""
     mode = resolve_mode(mode)
-    p = plan_launch(model_path, config, engine, gpus, request)
+    p = plan_launch(model_path, config, engine, gpus, request, model_path_2)
     if p is not None and p.misfits and mode == "enforce":
         raise ConfigError(" ".join(p.misfits + (OVERRIDE_HINT,)))
     return p
@@ -888,7 +891,8 @@ def check_pool(pool, request=None, gpus=None) -> Optional[MemoryPlan]:
         from comfyui_xdit.planning.gpus import gpus_for_ranks
         gpus = gpus_for_ranks(pool.config.ranks, pool.gpus)
     mode = getattr(pool, "memory_plan", None)
-    p = check_launch(pool.model_path, pool.config, pool.engine, gpus, request, mode)
+    p = check_launch(pool.model_path, pool.config, pool.engine, gpus, request, mode,
+                     getattr(pool, "model_path_2", None))
     if p is not None and p.misfits:
         _log.warning("xDiT: memory_plan=advise, launching although the memory plan predicts "
                      "it will not fit: %s", " ".join(p.misfits))
