@@ -258,10 +258,8 @@ def preset_facts(name: str) -> ModelFacts:
                       text_tokens=p.text_tokens, experts=p.experts)
 
 
-def model_facts(path: str, dtype: str = "bf16", path_2=None) -> ModelFacts:
-    """A diffusers folder or single file, through the pack's detection (model_info);
-    `path_2`: the low-noise expert's file of a Wan 2.2 A14B pair (the same config: two
-    experts)."""
+def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
+    """A diffusers folder or single file, through the pack's detection (model_info)."""
     from comfyui_xdit.planning.model_info import _describe_model, expert_count
 
     d = _describe_model(path)
@@ -285,7 +283,7 @@ def model_facts(path: str, dtype: str = "bf16", path_2=None) -> ModelFacts:
                       transformer_config=json.dumps(cfg, sort_keys=True, default=list),
                       text_encoder_params=0, text_encoder_bytes=te_bytes,
                       vae_params=vae_params, vae_channels=channels,
-                      fp8_checkpoint=bool(storage.get("fp8")), experts=2 if path_2 else expert_count(path))
+                      fp8_checkpoint=bool(storage.get("fp8")), experts=expert_count(path))
 
 
 def _torch_dtype(name: str):
@@ -845,7 +843,9 @@ def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, 
     share = {g: list(gpus).count(g) for g in gpus}
     caps = [None if c is None else c // share[g] for c, g in zip(caps, gpus)]
     try:
-        facts = model_facts(model_path, engine.dtype, model_path_2)
+        facts = model_facts(model_path, engine.dtype)
+        if model_path_2:  # a Wan 2.2 A14B pair of files: two experts of the first's config
+            facts = dataclasses.replace(facts, experts=2)
         job = None if request is None else _job_size(request, model_path)
         te_gpu = text_encoder_gpu(engine.text_encoders, list(gpus))
         p = plan(facts, config.with_world_size(None), engine, job, caps,
