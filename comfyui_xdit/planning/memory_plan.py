@@ -715,12 +715,14 @@ def _alternatives(facts, config, engine, job, gpu_memory):
     world = config.ranks
     base = _plan(facts, config, engine, job, gpu_memory)
     layouts = [("", config, engine.shard_weights)]
-    if world > 1 and facts.experts == 1:  # two experts: replicated only, so far
+    if world > 1:  # two experts (Wan 2.2 A14B): PipeFusion is refused, sharding runs
         for name, cfg, shard in ((f"pipefusion {world}", ParallelConfig(pipefusion=world),
                                   False),
                                  ("shard_weights", config, True),
                                  (f"ulysses {world} + shard_weights",
                                   ParallelConfig(ulysses=world), True)):
+            if facts.experts > 1 and cfg.pipefusion > 1:
+                continue
             if (cfg.key(), shard) not in [(c.key(), sh) for _, c, sh in layouts] and \
                     not (shard and cfg.pipefusion > 1):
                 layouts.append((name, cfg, shard))
@@ -1033,11 +1035,11 @@ def compare_table(facts: ModelFacts, job: JobSize, dtype: str, counts, sizes_gib
 
     def seq(n):  # Ulysses where the heads split evenly, else Ring: the same memory
         return ParallelConfig(ulysses=n) if tr.heads % n == 0 else ParallelConfig(ring=n)
-    # the pool runs two experts (Wan 2.2 A14B) replicated only so far: the others are planned
-    mark = " (planned, not run with 2 experts)" if facts.experts > 1 else ""
+    # the pool refuses PipeFusion with two experts (Wan 2.2 A14B): planned, not runnable
+    mark = " (planned; refused with 2 experts)" if facts.experts > 1 else ""
     methods = [("Ulysses/Ring {n} (replicated)", seq, False),
                ("PipeFusion {n}" + mark, lambda n: ParallelConfig(pipefusion=n), False),
-               ("shard_weights, Ulysses/Ring {n}" + mark, seq, True)]
+               ("shard_weights, Ulysses/Ring {n}", seq, True)]
     cols = [(n, g) for g in sizes_gib for n in counts]
     head = ["method", "text enc.", "weights"] + [f"{n}x{g:g} GB" for n, g in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
