@@ -94,7 +94,7 @@ def test_pair_equals_the_folder(folder, files, conds):
     t0 = time.perf_counter()
     with WorkerPool(str(folder), ParallelConfig(), device="cpu", threads_per_rank=1) as pool:
         want = pool.generate(req).samples
-    got, launches = {}, {}
+    got = {}
     for name, config, shard in (("1 rank", ParallelConfig(), False),
                                 ("ulysses 2, sharded", ParallelConfig(ulysses=2), True)):
         with WorkerPool(str(files["high"]), config, device="cpu", threads_per_rank=1,

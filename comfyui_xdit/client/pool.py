@@ -73,7 +73,8 @@ class WorkerPool:
                  model_path_2=None):
         """`model_path_2`: Wan 2.2 A14B from two single files, `model_path` the high-noise
         expert's file and this the low-noise one's (checked here, headers only:
-        model_info.read_pair). `attention`, `compile`, `weights`, `text_encoders`: see `EngineOptions`.
+        model_info.read_pair). `attention`, `compile`, `weights`, `text_encoders`: see
+        `EngineOptions`.
         `memory_plan`: "enforce" refuses a CUDA launch the memory plan predicts will not fit,
         "advise" warns and launches (the plan is an estimate); None: $XDIT_MEMORY_PLAN, else
         enforce. It acts at the next launch (the attribute may be changed before one).
