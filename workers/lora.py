@@ -46,6 +46,10 @@ def _lora_module(key: str):
 
 
 # LoRA file formats diffusers' readers convert, per architecture
+# a LoRA entry's expert (Wan 2.2 A14B) -> the index of its transformer in model.transformers()
+EXPERTS = {None: None, "high": 0, "low": 1}
+
+
 class LoraManager:
     def __init__(self, adapter):
         self.adapter = adapter
@@ -56,6 +60,7 @@ class LoraManager:
         self.used = False  # a job has asked for LoRA (then every job re-applies the list)
         self.absent: set = set()  # PipeFusion: adapters with no layer on this rank's stage
         self._pending: dict[str, tuple] = {}  # read and checked by resolve, not yet loaded
+        self.into: dict[str, set] = {}  # several transformers: adapter -> those holding it
 
     def _pipeline(self):
         import diffusers
@@ -134,17 +139,22 @@ class LoraManager:
         return tsd, alphas, metadata
 
     def resolve(self, transformer, loras) -> list:
-        """Rank 0, before broadcast: [(path, strength)] -> [(adapter name, path, strength)];
-        reads and checks every file not loaded yet (the model is not touched)."""
+        """Rank 0, before broadcast: [(path, strength[, expert])] -> [(adapter name, path,
+        strength, expert or None)]; reads and checks every file not loaded yet (the model is
+        not touched). `expert`: "high" | "low", Wan 2.2 A14B's transformer it goes into."""
         out = []
-        for path, strength in loras or []:
+        for entry in loras or []:
+            path, strength = entry[0], entry[1]
+            expert = entry[2] if len(entry) > 2 else None
+            if expert not in EXPERTS:
+                raise LoraError(f"LoRA {path}: expert must be 'high' or 'low' (got {expert!r})")
             path = os.path.abspath(os.path.expanduser(str(path)))
             if not os.path.isfile(path):
                 raise LoraError(f"LoRA file not found: {path}")
             name = adapter_name(path)
             if name not in self.loaded and name not in self._pending:
                 self._pending[name] = self.read(path, transformer)
-            out.append((name, path, float(strength)))
+            out.append((name, path, float(strength), expert))
         return out
 
     def apply(self, transformer, resolved) -> None:
@@ -161,7 +171,10 @@ class LoraManager:
         if resolved:
             self.used = True
         weights: dict[str, float] = {}
-        for name, path, strength in resolved:
+        for name, path, strength, expert in resolved:
+            if expert is not None:
+                raise LoraError(f"LoRA {path}: expert {expert!r} names one of Wan 2.2 A14B's "
+                                f"two transformers; this model has one")
             if name not in self.loaded:
                 tsd, alphas, metadata = self._pending.pop(name, None) or self.read(path, transformer)
                 kw = {"network_alphas": alphas} if self.adapter.lora_alphas else {}
@@ -184,30 +197,40 @@ class LoraManager:
             transformer.disable_lora()
 
     def _apply_many(self, transformers, resolved) -> None:
-        """`apply` over several transformers of one class (a model's experts): a new file is
-        loaded into each, then each switches to the same adapters and strengths."""
+        """`apply` over several transformers of one class (a model's experts): an entry
+        naming its expert ("high": the first, "low": the second) goes into that transformer
+        only, one without into each; a file is loaded into a transformer the first time an
+        entry needs it there (one adapter name per file), then each transformer switches to
+        its own adapters and strengths."""
         if resolved:
             self.used = True
-        weights: dict[str, float] = {}
-        for name, path, strength in resolved:
-            if name not in self.loaded:
+        weights = [dict() for _ in transformers]  # per transformer: adapter -> strength
+        for name, path, strength, expert in resolved:
+            at = range(len(transformers)) if expert is None else [EXPERTS[expert]]
+            held = self.into.setdefault(name, set())
+            new = [i for i in at if i not in held]
+            if new and name not in self.absent:
                 tsd, _, metadata = self._pending.pop(name, None) or \
                     self.read(path, transformers[0])
                 if tsd:
-                    for tr in transformers:
+                    for i in new:
                         self._pipeline().load_lora_into_transformer(
-                            dict(tsd), transformer=tr, adapter_name=name, metadata=metadata)
-                else:
+                            dict(tsd), transformer=transformers[i], adapter_name=name,
+                            metadata=metadata)
+                        held.add(i)
+                    self.loads += 1
+                elif name not in self.loaded:
                     self.absent.add(name)
+                    self.loads += 1
                 self.loaded[name] = path
-                self.loads += 1
             if name not in self.absent:
-                weights[name] = weights.get(name, 0.0) + strength
-        if not set(self.loaded) - self.absent:
-            return
-        for tr in transformers:
-            if weights:
+                for i in at:
+                    weights[i][name] = weights[i].get(name, 0.0) + strength
+        for i, tr in enumerate(transformers):
+            if not any(i in held for held in self.into.values()):
+                continue  # no adapter was ever loaded into it
+            if weights[i]:
                 tr.enable_lora()
-                tr.set_adapters(list(weights), list(weights.values()))
+                tr.set_adapters(list(weights[i]), list(weights[i].values()))
             else:
                 tr.disable_lora()

@@ -37,6 +37,9 @@ def _die_with_parent() -> None:
 def _parse(argv):
     p = argparse.ArgumentParser(prog="xdit-worker")
     p.add_argument("--model", required=True)
+    p.add_argument("--model-2", default=None, dest="model_2",
+                   help="Wan 2.2 A14B from two single files: the low-noise expert's file "
+                        "(--model: the high-noise one's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--threads", type=int, default=0)

@@ -65,7 +65,8 @@ class Worker:
                     args.model, self.device, self.dtype, with_text_encoders=(rank == 0),
                     stage=stage, weights=getattr(args, "weights", "auto"),
                     text_encoders=getattr(args, "text_encoders", "auto"),
-                    shard=self.shard_setup if direct else None)  # shards only: its rows
+                    shard=self.shard_setup if direct else None,  # shards only: its rows
+                    **({"path_2": args.model_2} if getattr(args, "model_2", None) else {}))
                 logging.getLogger("xdit.worker").info("xdit: weights loaded")
             if args.load_in_turn and world > 1:
                 barrier(group=planes.control)
@@ -109,7 +110,8 @@ class Worker:
     def describe(self) -> dict:
         """What `status` shows: the model, the ranks, and what rank 0 is doing."""
         t = self.model.transformer.config
-        return {"model": self.args.model, "arch": self.model.arch,
+        return {"model": self.args.model, "model_2": getattr(self.args, "model_2", None),
+                "arch": self.model.arch,
                 "kind": "file" if os.path.isfile(self.args.model) else "diffusers",
                 "heads": int(t.num_attention_heads), "patch_size": _spatial_patch(t.get("patch_size", 1) or 1),
                 "blocks": sum(len(getattr(self.model.transformer, n))

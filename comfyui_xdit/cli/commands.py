@@ -36,17 +36,27 @@ def _positive(name):
 
 
 def _lora(text):
+    """FILE, FILE:STRENGTH or FILE:STRENGTH:high|low (Wan 2.2 A14B: that expert only)."""
+    expert = None
+    head, sep, last = text.rpartition(":")
+    if sep and last in ("high", "low"):
+        text, expert = head, last
     path, sep, strength = text.rpartition(":")
     try:
-        return (path, float(strength)) if sep else (text, 1.0)
+        entry = (path, float(strength)) if sep else (text, 1.0)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--lora wants FILE:STRENGTH (got {text!r})")
+        raise argparse.ArgumentTypeError(f"--lora wants FILE:STRENGTH or FILE:STRENGTH:high|low "
+                                         f"(got {text!r})")
+    return entry if expert is None else entry + (expert,)
 
 
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate latents or PNGs on a local pool")
     p.add_argument("--model", required=True,
                    help="diffusers folder: FLUX.1, FLUX.2, SD3, Qwen-Image, Chroma, Wan")
+    p.add_argument("--model-2", default=None, dest="model_2",
+                   help="Wan 2.2 A14B from two single files: the low-noise expert's file "
+                        "(--model the high-noise one's)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--seed", type=int, required=True)
@@ -71,7 +81,10 @@ def _add_generate(sub):
     p.add_argument("--pipefusion-split", default="balanced",
                    help="PipeFusion stage split: balanced (compute, weights <= 1/N + 5%%) | "
                         "compute | memory | block counts like 10,9")
-    p.add_argument("--lora", type=_lora, action="append", default=[])
+    p.add_argument("--lora", type=_lora, action="append", default=[],
+                   metavar="FILE[:STRENGTH[:high|low]]",
+                   help="repeat for several; Wan 2.2 A14B: :high or :low puts it into that "
+                        "expert only (default: both)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="reference / edit image (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit; a "
                         "diffusers folder): repeat for several references; for a Wan "
@@ -299,7 +312,7 @@ def check_output(kind: str, out: str, info, frames: int) -> None:
 
 
 def run_generate(args) -> int:
-    from comfyui_xdit.planning.model_info import expert_count, read_model_info
+    from comfyui_xdit.planning.model_info import read_model_info
     from comfyui_xdit.client.pool import WorkerPool
 
     out = Path(args.out)
@@ -320,17 +333,17 @@ def run_generate(args) -> int:
     if args.attach:
         pool = WorkerPool.attach(args.attach, _read_secret(args), config)
     else:
-        info = read_model_info(args.model)
+        info = read_model_info(args.model, args.model_2)
         config.validate(info, request)  # before anything launches
         check_output(kind, args.out, info, request.frames)
-        if args.cfg_2 is not None and expert_count(args.model) < 2:
+        if args.cfg_2 is not None and info.experts < 2:
             raise ConfigError(f"--cfg-2 is the second expert's guidance scale (Wan 2.2 A14B); "
                               f"{args.model} has one transformer: use --cfg")
         e = engine_from_args(args)
         pool = WorkerPool(args.model, config, device=e.device, dtype=e.dtype,
                           threads_per_rank=args.threads_per_rank, attention=e.attention,
                           compile=e.compile, weights=e.weights, text_encoders=e.text_encoders,
-                          shard_weights=e.shard_weights)
+                          shard_weights=e.shard_weights, model_path_2=args.model_2)
     with pool:
         if args.attach:
             served = pool.model_info.path

@@ -69,8 +69,12 @@ class WorkerPool:
                  step_timeout: float = 600.0, load_in_turn: Optional[bool] = None,
                  attention: str = "auto", worker_hooks=(), compile: bool = False,
                  weights: str = "auto", text_encoders: str = "auto",
-                 shard_weights: bool = False, memory_plan: Optional[str] = None):
-        """`attention`, `compile`, `weights`, `text_encoders`: see `EngineOptions`.
+                 shard_weights: bool = False, memory_plan: Optional[str] = None,
+                 model_path_2=None):
+        """`model_path_2`: Wan 2.2 A14B from two single files, `model_path` the high-noise
+        expert's file and this the low-noise one's (checked here, headers only:
+        model_info.read_pair). `attention`, `compile`, `weights`, `text_encoders`: see
+        `EngineOptions`.
         `memory_plan`: "enforce" refuses a CUDA launch the memory plan predicts will not fit,
         "advise" warns and launches (the plan is an estimate); None: $XDIT_MEMORY_PLAN, else
         enforce. It acts at the next launch (the attribute may be changed before one).
@@ -86,6 +90,10 @@ class WorkerPool:
         self.attention = attention
         self.worker_hooks = tuple(worker_hooks or ())
         self.model_path = str(Path(model_path).resolve())
+        self.model_path_2 = None if model_path_2 is None else str(Path(model_path_2).resolve())
+        self._info: Optional[ModelInfo] = None
+        if self.model_path_2 is not None:  # refused before anything starts
+            self._info = read_model_info(self.model_path, self.model_path_2)
         self.config = config or ParallelConfig()
         self.device = device
         self.dtype = dtype
@@ -97,7 +105,6 @@ class WorkerPool:
         # ranks load at once; load_in_turn=True serialises them (e.g. for .bin folders)
         self.load_in_turn = bool(load_in_turn)
         self._phase = "stopped"
-        self._info: Optional[ModelInfo] = None
         self._procs: list = []
         self._chan: Optional[Channel] = None
         self._tmp: Optional[str] = None
@@ -119,7 +126,7 @@ class WorkerPool:
         leaves the external pool running."""
         pool = cls.__new__(cls)
         WorkerPool.__init__(pool, ".", config, step_timeout=step_timeout)
-        pool.model_path = None
+        pool.model_path = pool.model_path_2 = None
         if isinstance(address, str):
             address = parse_address(address)
         if isinstance(secret, str):
@@ -152,7 +159,7 @@ class WorkerPool:
                                        has_text_encoders=not single, has_vae=not single,
                                        blocks=r.get("blocks"))
             else:
-                self._info = read_model_info(self.model_path)
+                self._info = read_model_info(self.model_path, self.model_path_2)
         return self._info
 
     def worker_pids(self) -> list:
@@ -170,7 +177,9 @@ class WorkerPool:
         Asks rank 0 when idle; while a job runs, answers from the job's own event stream."""
         if not self.is_running() and self._phase != "loading":
             return self._with_memory({"state": "stopped", "world_size": self.config.ranks,
-                                      "ranks": [], "model": self.model_path})
+                                      "ranks": [], "model": self.model_path,
+                                      **({"model_2": self.model_path_2}
+                                         if self.model_path_2 else {})})
         if self._lock.acquire(blocking=False):
             try:
                 self._send(P.StatusQuery())
@@ -363,6 +372,7 @@ class WorkerPool:
                     env["CUDA_VISIBLE_DEVICES"] = te_gpu.rank0_visible
                     engine = dataclasses.replace(engine, text_encoders=te_gpu.worker_option)
             cmd = [sys.executable, "-m", "workers.serve", "--model", self.model_path,
+                   *(["--model-2", self.model_path_2] if self.model_path_2 else []),
                    "--rank", str(rank), "--world-size", str(world),
                    "--store", os.path.join(self._tmp, "store"), "--threads", str(threads),
                    *engine.worker_argv()]
@@ -581,7 +591,7 @@ class WorkerPool:
             if self._memory.get("predicted_mb_per_rank") and self._memory.get("job") is None:
                 plan = memory_plan_mod.plan_launch(
                     self.model_path, self.config, self.engine,
-                    getattr(self, "_launched_gpus", None), request)
+                    getattr(self, "_launched_gpus", None), request, self.model_path_2)
                 self._memory = memory_plan_mod.plan_status(plan, self.memory_plan)
             line = memory_plan_mod.record_measured(self._memory, stats, self.config.ranks)
         except Exception as e:  # noqa: BLE001  calibration must never fail a finished job

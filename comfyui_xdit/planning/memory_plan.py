@@ -828,7 +828,7 @@ def _job_size(request, model_path: str) -> JobSize:
 
 
 def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,
-                request=None) -> Optional[MemoryPlan]:
+                request=None, model_path_2=None) -> Optional[MemoryPlan]:
     """The plan of a CUDA launch against the GPUs' total memory, with `misfits` filled, and
     no verdict acted on (check_launch does; the pool also re-plans quietly to compare with
     a measured peak). `gpus`: the ranks' GPU ids (gpus.gpus_for_ranks). Without a request (a
@@ -844,6 +844,8 @@ def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, 
     caps = [None if c is None else c // share[g] for c, g in zip(caps, gpus)]
     try:
         facts = model_facts(model_path, engine.dtype)
+        if model_path_2:  # a Wan 2.2 A14B pair of files: two experts of the first's config
+            facts = dataclasses.replace(facts, experts=2)
         job = None if request is None else _job_size(request, model_path)
         te_gpu = text_encoder_gpu(engine.text_encoders, list(gpus))
         p = plan(facts, config.with_world_size(None), engine, job, caps,
@@ -866,13 +868,14 @@ def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, 
 
 
 def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,
-                 request=None, mode: Optional[str] = None) -> Optional[MemoryPlan]:
+                 request=None, mode: Optional[str] = None,
+                 model_path_2=None) -> Optional[MemoryPlan]:
     """Before a CUDA pool launches: `plan_launch`, and under mode "enforce" (`resolve_mode`;
     None: the environment's) one ConfigError with the numbers and how to overrule it when a
     rank cannot fit. Under "advise" the plan comes back with its `misfits`, for the caller
     to warn."""
     mode = resolve_mode(mode)
-    p = plan_launch(model_path, config, engine, gpus, request)
+    p = plan_launch(model_path, config, engine, gpus, request, model_path_2)
     if p is not None and p.misfits and mode == "enforce":
         raise ConfigError(" ".join(p.misfits + (OVERRIDE_HINT,)))
     return p
@@ -888,7 +891,8 @@ def check_pool(pool, request=None, gpus=None) -> Optional[MemoryPlan]:
         from comfyui_xdit.planning.gpus import gpus_for_ranks
         gpus = gpus_for_ranks(pool.config.ranks, pool.gpus)
     mode = getattr(pool, "memory_plan", None)
-    p = check_launch(pool.model_path, pool.config, pool.engine, gpus, request, mode)
+    p = check_launch(pool.model_path, pool.config, pool.engine, gpus, request, mode,
+                     getattr(pool, "model_path_2", None))
     if p is not None and p.misfits:
         _log.warning("xDiT: memory_plan=advise, launching although the memory plan predicts "
                      "it will not fit: %s", " ".join(p.misfits))

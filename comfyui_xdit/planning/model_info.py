@@ -8,6 +8,7 @@ a `ModelInfo`; the names below are re-exported so host code and tests keep one i
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -66,6 +67,10 @@ class ModelInfo:
     # and its CLIP vision states (Wan 2.1 I2V)
     start_image: bool = False
     image_states: bool = False
+    # a model of two single files (Wan 2.2 A14B): the low-noise expert's file (`path` is the
+    # high-noise one); experts: the transformers it denoises with
+    path_2: Optional[str] = None
+    experts: int = 1
 
     @property
     def family(self):
@@ -113,9 +118,12 @@ def is_single_file(path) -> bool:
     return os.path.isfile(str(path))
 
 
-def read_model_info(path) -> ModelInfo:
+def read_model_info(path, path_2=None) -> ModelInfo:
     """Detect the family of a diffusers folder or a single .safetensors file; one clear
-    ConfigError for anything else (missing, another architecture, corrupt)."""
+    ConfigError for anything else (missing, another architecture, corrupt). `path_2`: the
+    low-noise expert's file of a two-file model (`path` the high-noise one; `read_pair`)."""
+    if path_2 is not None:
+        return read_pair(path, path_2)
     path = Path(path)
     d = _describe_model(path)
     arch, cfg = d["arch"], d["config"]
@@ -130,7 +138,41 @@ def read_model_info(path) -> ModelInfo:
     return ModelInfo(path=str(path), arch=arch, heads=int(cfg.get("num_attention_heads", 24)),
                      patch_size=spatial_patch(cfg.get("patch_size", 1)),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
-                     distilled=_klein_distilled(path), **_i2v(arch, cfg))
+                     distilled=_klein_distilled(path), experts=expert_count(path),
+                     **_i2v(arch, cfg))
+
+
+def read_pair(path, path_2) -> ModelInfo:
+    """A model of two single files, Wan 2.2 A14B's high-noise (`path`) and low-noise
+    (`path_2`) expert files: both of a family with experts (`Family.expert_boundary`), the
+    same transformer config from their shapes, and a config such a pair was released with.
+    Anything else: one ConfigError line."""
+    for p, which in ((path, "model_path"), (path_2, "model_path_2")):
+        if os.path.isdir(str(p)):
+            raise ConfigError(f"{which} {str(p)!r} is a folder; a second model path pairs two "
+                              f"single files (Wan 2.2 A14B's high- and low-noise expert files: "
+                              f"a diffusers folder holds both experts, give it alone)")
+    first = read_model_info(path)
+    fam = first.family
+    if fam.expert_boundary is None:
+        raise ConfigError(f"{path} is a {fam.name} model, which has no second expert: "
+                          f"model_path_2 is Wan 2.2 A14B's low-noise expert file")
+    second = read_model_info(path_2)
+    if second.arch != first.arch:
+        raise ConfigError(f"model_path_2 {str(path_2)!r} is a {second.family.name} model, "
+                          f"not {fam.name}: give the low-noise expert file of the same model")
+    a = dict(single_file_config(path)["config"])
+    b = dict(single_file_config(path_2)["config"])
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            raise ConfigError(f"the two expert files differ in {k} ({a.get(k)!r} in {path}, "
+                              f"{b.get(k)!r} in {path_2}): give the high- and low-noise files "
+                              f"of one Wan 2.2 A14B model")
+    if fam.expert_boundary({**fam.config_defaults, **a}) is None:
+        raise ConfigError(f"{path} and {path_2}: no two-expert {fam.name} model was released "
+                          f"with this transformer (Wan 2.1 image-to-video: CLIP image K/V); "
+                          f"run one file alone")
+    return dataclasses.replace(first, path_2=str(path_2), experts=2)
 
 
 def _i2v(arch: str, cfg: dict) -> dict:

@@ -127,7 +127,7 @@ class GenerationRequest:
         if (self.reference_latents or self.reference_images) and method is None:
             method = (fam.reference_methods or (None,))[0]
         return replace(self, cfg=self.resolved_cfg(model), guidance=guidance,
-                       prompt=list(self.prompt), loras=list(self.loras),
+                       prompt=list(self.prompt), loras=lora_entries(self.loras),
                        cache=resolved_cache(self.cache),
                        reference_latents=None if self.reference_latents is None
                        else list(self.reference_latents), reference_method=method,
@@ -197,7 +197,7 @@ class GenerationRequest:
                                        or self.cfg_2 < 1.0):
             out.append(f"cfg_2 must be >= 1 (got {self.cfg_2!r})")
         out.extend(frames_problems(self.frames, model))
-        out.extend(_lora_problems(self.loras))
+        out.extend(_lora_problems(self.loras, getattr(model, "experts", None)))
         if self.output not in ("latent", "image"):
             out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
         out.extend(_single_file_problems(self, model))
@@ -451,9 +451,45 @@ def _single_file_problems(req: "GenerationRequest", model) -> list[str]:
     return out
 
 
-def _lora_problems(loras) -> list[str]:
-    """`loras` is a list of (file, strength); the files must exist (the workers read them
-    again, by the same path, and check their keys against the model)."""
+LORA_EXPERTS = ("high", "low")  # Wan 2.2 A14B: the high-noise / low-noise transformer
+
+
+def _lora_entry(item):
+    """One LoRA entry -> (path, strength, expert or None), or a str saying what is wrong:
+    (path, strength), (path, strength, "high" | "low") or {"path", "strength", "expert"}
+    (strength defaults to 1, expert to both)."""
+    if isinstance(item, dict):
+        unknown = set(item) - {"path", "strength", "expert"}
+        if "path" not in item or unknown:
+            return (f"must be a dict of path, strength and expert (got keys "
+                    f"{sorted(item)})")
+        return item["path"], item.get("strength", 1.0), item.get("expert")
+    if not isinstance(item, (list, tuple)) or len(item) not in (2, 3):
+        return f"must be a (file, strength) pair or (file, strength, expert) (got {item!r})"
+    return item[0], item[1], (item[2] if len(item) == 3 else None)
+
+
+def lora_entries(loras) -> list:
+    """The entries as the workers take them: (path, strength), or (path, strength, expert)
+    for one naming its expert (call after `_lora_problems` found none)."""
+    if not isinstance(loras, (list, tuple)):
+        return loras
+    out = []
+    for item in loras:
+        entry = _lora_entry(item)
+        if isinstance(entry, str):  # left as it is, for `_lora_problems` to name
+            out.append(item)
+            continue
+        path, strength, expert = entry
+        out.append((path, strength) if expert is None else (path, strength, expert))
+    return out
+
+
+def _lora_problems(loras, experts=None) -> list[str]:
+    """`loras` is a list of (file, strength) or (file, strength, expert): the files must
+    exist (the workers read them again, by the same path, and check their keys against the
+    model); an expert ("high" | "low", Wan 2.2 A14B's transformers; none: both) only on a
+    model of two (`experts`: the model's count, None where unknown)."""
     import math
     import os
 
@@ -461,10 +497,11 @@ def _lora_problems(loras) -> list[str]:
         return [f"loras must be a list of (file, strength) pairs (got {type(loras).__name__})"]
     out = []
     for i, item in enumerate(loras):
-        if not isinstance(item, (list, tuple)) or len(item) != 2:
-            out.append(f"LoRA #{i + 1} must be a (file, strength) pair (got {item!r})")
+        entry = _lora_entry(item)
+        if isinstance(entry, str):
+            out.append(f"LoRA #{i + 1} {entry}")
             continue
-        path, strength = item
+        path, strength, expert = entry
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             out.append(f"LoRA #{i + 1}: the file must be a path (got {path!r})")
         elif not os.path.isfile(os.path.expanduser(str(path))):
@@ -472,6 +509,12 @@ def _lora_problems(loras) -> list[str]:
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) \
                 or not math.isfinite(strength):
             out.append(f"LoRA {path}: strength must be a finite number (got {strength!r})")
+        if expert is not None and expert not in LORA_EXPERTS:
+            out.append(f"LoRA {path}: expert must be 'high' or 'low' (Wan 2.2 A14B's "
+                       f"high- / low-noise transformer; leave it out for both), got {expert!r}")
+        elif expert is not None and experts is not None and experts < 2:
+            out.append(f"LoRA {path}: expert {expert!r} names one of Wan 2.2 A14B's two "
+                       f"transformers; this model has one (leave the expert out)")
     return out
 
 

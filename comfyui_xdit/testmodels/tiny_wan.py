@@ -24,8 +24,6 @@ from comfyui_xdit.client.worker_modules import worker_module
 _family = worker_module("families.wan")
 
 VARIANTS = ("t2v", "a14b", "i2v", "i2v-a14b")
-# Wan-AI/Wan2.2-I2V-A14B-Diffusers' model_index.json boundary_ratio
-I2V_BOUNDARY_RATIO = 0.9
 # the CLIP vision tower: (32 / 8)^2 patches + the class token = 17 image tokens
 CLIP_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
@@ -90,7 +88,7 @@ def build_pipeline(cfg: dict):
     if variant == "i2v-a14b":  # Wan 2.2 I2V A14B: two 36-channel experts, no image encoder
         return WanImageToVideoPipeline(**parts, transformer=_transformer(cfg, seed, 3, 36),
                                        transformer_2=_transformer(cfg, seed, 5, 36),
-                                       boundary_ratio=I2V_BOUNDARY_RATIO)
+                                       boundary_ratio=_family.I2V_BOUNDARY_RATIO)
     parts["transformer"] = _transformer(cfg, seed, 3)
     if variant == "a14b":
         parts.update(transformer_2=_transformer(cfg, seed, 5),

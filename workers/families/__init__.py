@@ -128,6 +128,11 @@ class Family:
     # single files, which carry neither: (scheduler config, VAE latent config) of the
     # released model, from the transformer config
     released: Optional[Callable] = None
+    # a model of two single files (Wan 2.2 A14B's high- and low-noise expert files): the
+    # transformer config -> the released boundary ratio (the switch at ratio x 1000 timesteps,
+    # model_index.json's `boundary_ratio`, which a file lacks), None where no such pair was
+    # released for that config. None: the family has no two-expert models
+    expert_boundary: Optional[Callable] = None
     lora_formats: str = "diffusers/PEFT"
     text_extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's
     # the text tokens join the image tokens in one attention sequence (joint attention:

@@ -31,6 +31,8 @@ SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "num_train_timesteps": 10
 CFG = 5.0
 # The released 2.2 A14B switch (model_index.json boundary_ratio): t >= 875 -> high-noise expert
 BOUNDARY_RATIO = 0.875
+# Wan-AI/Wan2.2-I2V-A14B-Diffusers' model_index.json boundary_ratio (t >= 900: high-noise)
+I2V_BOUNDARY_RATIO = 0.9
 
 
 def config_from_shapes(shapes: dict, naming: str) -> dict:
@@ -84,6 +86,15 @@ def released(config: dict) -> tuple:
                              "z_dim": 16}
 
 
+def expert_boundary(cfg: dict):
+    """The released boundary ratio of a Wan 2.2 A14B pair of files with this transformer
+    config: T2V's (16 input channels) 0.875, I2V's (36: the noise, the first-frame mask and
+    the image video) 0.9; None for Wan 2.1 I2V's config (CLIP image K/V: one transformer)."""
+    if cfg.get("image_dim") is not None:
+        return None
+    return I2V_BOUNDARY_RATIO if int(cfg.get("in_channels", 16)) == 36 else BOUNDARY_RATIO
+
+
 def comfy_unet(cfg: dict) -> dict:
     """What ComfyUI's detection finds in a Wan file (comfy/model_detection.py)."""
     inner = int(cfg.get("num_attention_heads", 40)) * int(cfg.get("attention_head_dim", 128))
@@ -134,5 +145,5 @@ FAMILY = Family(
     text_hint="encode with Wan's text encoder (umt5-xxl: CLIPLoader type wan) or type the "
               "prompt into the sampler",
     released=released, detect_order=50, pipeline_of=pipeline_of, text_in_sequence=False,
-    image_to_video=image_to_video,
+    image_to_video=image_to_video, expert_boundary=expert_boundary,
 )

@@ -65,13 +65,19 @@ class WanAdapter(DiTAdapter):
     )
 
     def load(self, path, device, dtype, with_text_encoders, stage=None, weights="auto",
-             text_encoders="auto", shard=None):
+             text_encoders="auto", shard=None, path_2=None):
+        """`path_2`: Wan 2.2 A14B from two single files, `path` the high-noise expert's file
+        and this the low-noise one's (the host checked them: model_info.read_pair)."""
         index = read_index(path) if os.path.isdir(path) else {}
         if index.get("expand_timesteps"):
             raise ValueError(EXPAND_TIMESTEPS)
         model = super().load(path, device, dtype, with_text_encoders, stage=stage,
                              weights=weights, text_encoders=text_encoders, shard=shard)
         model.index = index
+        if path_2 is not None:
+            model.transformer_2 = self.load_expert_file(model, path_2, device, dtype,
+                                                        weights, shard, stage)
+            return model
         if index.get("transformer_2") and index["transformer_2"][0] is not None:
             if stage is not None:  # PipeFusion: this stage's blocks of the second expert
                 import diffusers
@@ -93,6 +99,29 @@ class WanAdapter(DiTAdapter):
                 model.transformer_2 = self.load_expert(path, "transformer_2", device, dtype,
                                                        weights)
         return model
+
+    def load_expert_file(self, model, path_2, device, dtype, weights, shard, stage=None):
+        """The low-noise expert from its single file (whole, or this rank's rows under weight
+        sharding); a file carries no boundary, so the released one for this transformer
+        config is set as the folder's model_index.json would (`experts_per_step` reads it)."""
+        ratio = self.family.expert_boundary(dict(model.transformer.config))
+        if ratio is None:
+            raise ValueError("no two-expert Wan model was released with this transformer "
+                             "(Wan 2.1 image-to-video); run one file alone")
+        if shard is not None:
+            from ..weights_shards import load_shards
+            tr, _ = load_shards(self, path_2, device, dtype, weights, shard)
+        else:
+            from .single_file import load_single_file
+            tr = load_single_file(self, path_2, device, dtype, stage=stage,
+                                  weights=weights).transformer  # PipeFusion: its stage
+        mine = {k: v for k, v in tr.config.items() if not k.startswith("_")}
+        if mine != {k: v for k, v in model.transformer.config.items() if not k.startswith("_")}:
+            raise ValueError(f"{path_2}: its transformer config differs from {model.path}'s; "
+                             f"give the two expert files of one Wan 2.2 A14B model")
+        tr.rope.to(device)
+        model.index = {"boundary_ratio": ratio}
+        return tr
 
     def load_expert(self, path, subfolder, device, dtype, weights):
         """Another transformer of the folder (Wan 2.2's low-noise expert), loaded as the
