@@ -309,6 +309,16 @@ class Worker:
             return missing
         problem = call_problem(self.model, self.adapter, msg.x, msg.timestep, msg.guidance,
                                chunks, conds, self.cond_cache)
+        expert = int(getattr(msg, "expert", 0) or 0)
+        if not problem and expert:
+            experts = len(self.model.transformers())
+            if not 0 <= expert < experts:
+                problem = (f"expert {expert + 1} asked for, but this model has {experts} "
+                           f"transformer(s) (two: a folder with a transformer_2, as Wan 2.2 "
+                           f"A14B's low-noise expert)")
+            elif msg.cache:
+                problem = ("the step cache follows the first expert's blocks; disconnect Step "
+                           "cache (xDiT) from the low-noise expert's MODEL")
         if problem:
             raise ValueError(problem)
         x = msg.x.detach().to("cpu", torch.float32).contiguous()
@@ -318,7 +328,7 @@ class Worker:
                          msg.guidance.detach().float().cpu(),
                          chunks=chunks, new_conds={k: conds[k] for k in dict.fromkeys(
                              k for k, _ in chunks) if k in conds}, timed=bool(msg.timed),
-                         cache=msg.cache)
+                         cache=msg.cache, expert=expert)
 
     def call(self, call, emit=None):
         """Every rank: one model evaluation (workers/model_call.py): (the prediction on

@@ -1,0 +1,94 @@
+"""The xDiT MODEL's calls for Wan (comfyui_xdit/nodes/model_calls.py, workers/model_call.py):
+ComfyUI's WAN21 model calls its diffusion model with video latents [N, 16, T, h, w] (T > 1
+frames), sigma x 1000 as the timestep (its flow model sampling's multiplier) and the UMT5
+states as context, the conditional and unconditional rows side by side. Each call must
+return what diffusers' WanTransformer3DModel returns for the same inputs, with the rows over
+the CFG ranks and the video tokens over Ulysses; for a Wan 2.2 A14B folder a call names its
+expert (the high-noise `transformer` or the low-noise `transformer_2`), both kept loaded by
+one pool.
+
+One tiny A14B folder and one 2-rank pool serve every case (the first expert is a Wan 2.1
+transformer like any other).
+"""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from comfyui_xdit import ParallelConfig
+from comfyui_xdit.client.pool import PoolError
+from comfyui_xdit.nodes.model_calls import PoolDenoiser
+from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory):
+    return ensure_tiny_model("wan", tmp_path_factory.mktemp("wan-calls"), variant="a14b")
+
+
+@pytest.fixture(scope="module")
+def pool(a14b):
+    from comfyui_xdit import WorkerPool
+    p = WorkerPool(str(a14b), ParallelConfig(ulysses=2), device="cpu", threads_per_rank=1)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def experts(a14b):
+    from diffusers import WanTransformer3DModel
+    return [WanTransformer3DModel.from_pretrained(str(a14b), subfolder=sub,
+                                                  torch_dtype=torch.float32).eval()
+            for sub in ("transformer", "transformer_2")]
+
+
+def comfy_call(tr, frames=2, h=6, w=4, tokens=5, seed=0):
+    """One batched call as ComfyUI's WAN21 makes it: uncond then cond row, 5-D latents."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 16, frames, h, w, generator=gen)
+    context = torch.randn(2, tokens, tr.config.text_dim, generator=gen)
+    timestep = torch.tensor(0.7 * 1000).expand(2)  # ModelSamplingDiscreteFlow: sigma x 1000
+    return dict(x=x, timestep=timestep, context=context,
+                transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
+                                     "cond_or_uncond": [1, 0]})
+
+
+def reference(tr, call):
+    with torch.inference_mode():
+        return tr(hidden_states=call["x"], timestep=call["timestep"],
+                  encoder_hidden_states=call["context"], return_dict=False)[0]
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(ulysses=2), ParallelConfig(cfg_parallel=True)],
+                         ids=["ulysses2", "cfg_parallel"])
+def test_video_call_equals_the_transformer_per_expert(pool, experts, config):
+    got = {}
+    for expert, tr in enumerate(experts):
+        den = PoolDenoiser(pool, config.with_world_size(2), "wan")
+        den.expert = expert
+        call = comfy_call(tr, seed=3)
+        want = reference(tr, call)
+        out = den(**call)
+        assert out.shape == call["x"].shape == (2, 16, 2, 6, 4) and out.dtype == torch.float32
+        diff = float((out - want).abs().max())
+        assert diff <= TOL, f"{config.describe()} expert {expert}: max abs diff {diff:.3e}"
+        got[expert] = out
+    # the two experts differ: the call really ran the one it named
+    assert float((got[0] - got[1]).abs().max()) > 1e-3
+
+
+def test_unknown_expert_and_image_latents_are_refused_pool_stays_warm(pool, experts):
+    den = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "wan")
+    call = comfy_call(experts[0], seed=4)
+    den.expert = 2
+    with pytest.raises(PoolError, match="expert 3 asked for, but this model has 2"):
+        den(**call)
+    den.expert = 0
+    with pytest.raises(PoolError, match=r"frames, height/8"):  # 4-D: no frame axis
+        den(**dict(call, x=call["x"][:, :, 0]))
+    out = den(**call)  # still warm and right
+    assert float((out - reference(experts[0], call)).abs().max()) <= TOL
