@@ -696,6 +696,14 @@ class SampleInputs:
     max_sequence_length: int = 512
     preview_every: int = 0  # k: a low-res preview latent every k steps
     cache: Optional[CacheSettings] = None  # Step cache (xDiT), when connected
+    cfg_2: float = 0.0  # a second expert's guidance scale (Wan 2.2 A14B); 0: cfg
+
+
+@dataclass(frozen=True)
+class SamplerOptions:
+    """Sampler options (xDiT): what few models use, kept off the sampler's own widgets."""
+
+    cfg_2: float = 0.0  # Wan 2.2 A14B's low-noise expert's guidance scale; 0: the cfg
 
 
 def model_text_width(path: str) -> Optional[int]:
@@ -704,8 +712,10 @@ def model_text_width(path: str) -> Optional[int]:
     from comfyui_xdit.planning.model_info import _describe_model, families
     d = _describe_model(path)
     # a folder's config omits what equals diffusers' class default
-    w = d["config"].get("joint_attention_dim",
-                        families.family(d["arch"]).config_defaults.get("joint_attention_dim"))
+    defaults = families.family(d["arch"]).config_defaults
+    w = d["config"].get("joint_attention_dim", defaults.get("joint_attention_dim"))
+    if w is None:  # Wan's name for it
+        w = d["config"].get("text_dim", defaults.get("text_dim"))
     return None if w is None else int(w)
 
 
@@ -743,12 +753,14 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
         steps=int(inp.steps), height=lat.height, width=lat.width, guidance=guidance,
         cfg=None if not inp.cfg else float(inp.cfg),
         max_sequence_length=int(inp.max_sequence_length), preview_every=int(inp.preview_every),
+        frames=lat.frames, cfg_2=None if not inp.cfg_2 else float(inp.cfg_2),
         reference_latents=refs, reference_method=method,
         cache=None if inp.cache is None else inp.cache.as_request())
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
         kw["noise"] = comfy_noise(int(inp.seed), latent_shape(arch, lat.batch, lat.height,
-                                                              lat.width), lat.batch_index)
+                                                              lat.width, lat.frames),
+                                  lat.batch_index)
     if not lat.empty:
         if not 0.0 < float(inp.denoise) <= 1.0:
             raise ConfigError(f"denoise must be in (0, 1] (got {inp.denoise})")
@@ -877,8 +889,9 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
     samples = latent["samples"]
     info = read_model_info(handle.path)
     want = latent_shape(info.arch, 1, 16, 16)
+    video = info.family.latent.video  # a video LATENT: its frames as an IMAGE batch
     if samples.dim() != len(want) or samples.shape[1] != want[1] or \
-            (samples.dim() == 5 and samples.shape[2] != 1):
+            (samples.dim() == 5 and samples.shape[2] != 1 and not video):
         hint = layout_hint(info.arch, samples)
         raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; this "
                           f"{family_name(info.arch)} model's Decode takes latents "
