@@ -242,6 +242,10 @@ def test_wan_ksampler_on_the_pool_matches_comfyui_own_model(comfy, layout, world
         got[sampler] = _compare(comfy, wf, out, tag)
     a, b = (got[s] for s, _ in SAMPLERS)  # the agreement above is not vacuous
     assert float((a - b).abs().max()) > 1e-2
+    pool = next(p for p in http(comfy["base"], "/xdit/status")["pools"]
+                if p["model"].endswith(NATIVE))
+    want = "ulysses 2" if layout.get("ulysses") else "cfg 2" if layout else "cfg 1"
+    assert pool["world_size"] == int(world) and want in pool["config"], pool
 
 
 def test_wan22_two_expert_graph_matches_comfyui_own_models(comfy):
