@@ -201,8 +201,11 @@ class WholeImage:
     all its rows do."""
 
     def __init__(self, model, adapter, prep: Prepared, branches: dict, topo: Topology,
-                 scale: float, cache=None, control=None):
+                 scale: float, cache=None, control=None, sequence=None):
         self.model, self.adapter, self.prep, self.scale = model, adapter, prep, scale
+        # the forward's sequence plan, for the cache's decision (`sequence`: the installed
+        # SequenceParallel, whose plan holds for the duration of one forward)
+        self.plan = None if sequence is None else (lambda: sequence.plan)
         self.branches = sorted(branches)  # negative (0) first
         self.conds = [branches[b] for b in self.branches]
         self.cfg_group = topo.group("cfg") if topo.degree("cfg") == 2 else None
@@ -211,12 +214,18 @@ class WholeImage:
 
     def _forward(self, branch, cond, latents, i):
         p = self.prep
-        keys = [(branch, j) for j in range(p.mine.start, p.mine.stop)]  # rows: (branch, image)
+        extra = p.extras[i]
+        # rows: (branch, image), and the expert where a model has several (each its own
+        # residuals: the first step of the next expert computes)
+        expert = extra.get("expert")
+        keys = [(branch, j) if expert is None else (branch, j, expert)
+                for j in range(p.mine.start, p.mine.stop)]
         call = call_on_ranks(self.cache, self.model, self.adapter, keys, self.topo,
-                             self.control, self.sharded)
+                             self.control, self.sharded,
+                             self.adapter.transformer_for(self.model, extra), self.plan)
         with gated(call):
             return self.adapter.forward(self.model, latents, p.timesteps[i], cond, p.guidance,
-                                        p.extras[i])
+                                        extra)
 
     def step(self, i: int, latents: torch.Tensor, finished: Callable[[int], None]) -> None:
         p = self.prep
@@ -235,14 +244,14 @@ class WholeImage:
 
 
 def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology,
-              control=None, cache=None) -> StepStrategy:
+              control=None, cache=None, sequence=None) -> StepStrategy:
     branches, scale = _branches(prep, topo), float(job.request["cfg"])
     if topo.degree("pipefusion") > 1:
         if cache is not None:
             raise ValueError(CACHE_WITH_PIPEFUSION)
         from .pipefusion.strategy import PatchPipeline
         return PatchPipeline(job, model, adapter, prep, branches, topo, scale)
-    return WholeImage(model, adapter, prep, branches, topo, scale, cache, control)
+    return WholeImage(model, adapter, prep, branches, topo, scale, cache, control, sequence)
 
 
 
@@ -279,18 +288,20 @@ class _Progress:
 def run_job(job: Job, model, adapter, topo: Topology, control,
             emit: Optional[Callable[[dict], None]] = None,
             should_stop: Callable[[], bool] = lambda: False,
-            step_scope=None, report: Optional[dict] = None) -> Optional[torch.Tensor]:
+            step_scope=None, report: Optional[dict] = None,
+            sequence=None) -> Optional[torch.Tensor]:
     """Run one job on this rank (`control`: the world's control-plane group). Returns the
     whole batch's final latent (model space) on rank 0, None elsewhere. `step_scope(kind,
     step)`: a context entered around each step's work after the stop flag (test hooks that
     watch what a step does, xdit_testhooks/host_syncs.py); none in production. `report`:
-    filled with this rank's step-cache counts when the cache is on."""
+    filled with this rank's step-cache counts when the cache is on. `sequence`: the
+    SequenceParallel the worker installed (the step cache reads its per-forward plan)."""
     scope = step_scope or no_step_scope
     prep = prepare(job, model, adapter, topo)
     cache = None
     if job.request.get("cache"):
         cache = RunCache(CacheSettings.from_dict(job.request["cache"]))
-    steps = _strategy(job, model, adapter, prep, topo, control, cache)
+    steps = _strategy(job, model, adapter, prep, topo, control, cache, sequence)
     latents = prep.latents.clone()
     total = len(prep.timesteps)
     progress = _Progress(emit, int(job.request.get("preview_every") or 0), total,

@@ -33,6 +33,7 @@ so per-block hooks such as a weight gather do not run for it) and puts the lists
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -134,12 +135,13 @@ class RunCache:
             self.layout = (key, (n, segments))
         return self.layout[1]
 
-    def call(self, transformer, block_lists, keys, reduce=None, agree=None) -> "CallCache":
+    def call(self, transformer, block_lists, keys, reduce=None, agree=None,
+             plan=None) -> "CallCache":
         """The cache of one transformer call over rows `keys` (hashable, one per row).
         `reduce(t)`: sums a device tensor over the ranks holding the other token shards of
         the same rows, in place (None: this rank holds whole rows). `agree(flag) -> bool`:
         True if any rank of a group that must run the same blocks needs them run."""
-        return CallCache(self, transformer, block_lists, keys, reduce, agree)
+        return CallCache(self, transformer, block_lists, keys, reduce, agree, plan)
 
     def stats(self) -> dict:
         return {"computed": self.computed, "skipped": self.skipped}
@@ -149,9 +151,11 @@ class CallCache:
     """One transformer call: where each block sits, this call's decisions, the segments'
     inputs. Created per call, so nothing here outlives it except through `RunCache`."""
 
-    def __init__(self, run: RunCache, transformer, block_lists, keys, reduce, agree):
+    def __init__(self, run: RunCache, transformer, block_lists, keys, reduce, agree,
+                 plan=None):
         self.run, self.transformer, self.block_lists = run, transformer, tuple(block_lists)
         self.keys, self.reduce, self.agree = list(keys), reduce, agree
+        self.plan = plan  # () -> the forward's SequencePlan, for blocks not given it
         self.n, self.segments = run.segments(transformer, self.block_lists)
         # key None: a follower row (weight sharding's dummy row on a replica with none),
         # whose output is discarded: it skips whenever the others do and keeps no state
@@ -165,9 +169,8 @@ class CallCache:
 
     # -- the gates -----------------------------------------------------------------------
     def run_block(self, p: int, block, args, kwargs):
-        if args:
-            raise TypeError("step cache: transformer blocks are expected to be called with "
-                            "keyword arguments")
+        if args:  # positional arguments (Wan's blocks) by their names
+            kwargs = dict(zip(_parameter_names(block), args), **kwargs)
         if p == 0:
             self.head_in = kwargs["hidden_states"]
         if p < self.run.settings.head:
@@ -175,7 +178,8 @@ class CallCache:
             self.run.formats[p] = _format(out)
             if p == self.run.settings.head - 1:
                 r = _hidden(out) - self.head_in
-                self._decide(r.narrow(1, 0, _real_image_tokens(kwargs, r.shape[1])))
+                self._decide(r.narrow(1, 0, _real_image_tokens(kwargs, r.shape[1],
+                                                               self.plan)))
             return out
         seg = self.segments.get(p)
         if seg is None:  # tail
@@ -290,11 +294,26 @@ def _hidden(out):
     return out[1] if isinstance(out, tuple) else out
 
 
-def _real_image_tokens(kwargs, local: int) -> int:
+def _parameter_names(block) -> tuple:
+    """The names of a block's forward parameters, in order (once per class)."""
+    cls = type(block)
+    names = _PARAMS.get(cls)
+    if names is None:
+        names = _PARAMS[cls] = tuple(inspect.signature(block.forward).parameters)
+    return names
+
+
+_PARAMS: dict = {}
+
+
+def _real_image_tokens(kwargs, local: int, plan_of=None) -> int:
     """This rank's real image tokens among its `local` ones: a sequence-parallel shard is
     padded to the longest (workers/sequence_parallel.py), and the padding's residual must not
-    weigh in the decision, or the ranks would decide otherwise than one process."""
+    weigh in the decision, or the ranks would decide otherwise than one process. The plan
+    comes with the block's keywords, or (blocks not given it: Wan) from `plan_of()`."""
     plan = (kwargs.get("joint_attention_kwargs") or {}).get("sp_plan")
+    if plan is None and plan_of is not None:
+        plan = plan_of()
     if plan is None or not getattr(plan, "padded", False):
         return local
     return min(local, plan.sizes("image")[plan.sp_rank])
@@ -360,7 +379,8 @@ def gated(call: CallCache | None):
         tr._modules.update(saved)
 
 
-def call_on_ranks(run: RunCache | None, model, adapter, keys, topo, control, sharded: bool):
+def call_on_ranks(run: RunCache | None, model, adapter, keys, topo, control, sharded: bool,
+                  transformer=None, plan=None):
     """The call cache of one transformer call on this rank, wired to the pool's groups: the
     sums reduced over the sequence-parallel group (the other shards of these rows), and,
     under weight sharding (every rank gathers every block it runs), the run/skip choice made
@@ -381,4 +401,5 @@ def call_on_ranks(run: RunCache | None, model, adapter, keys, topo, control, sha
             flag = torch.tensor([int(need)], dtype=torch.int32)
             all_reduce(flag, control, op="max")
             return bool(flag.item())
-    return run.call(model.transformer, adapter.block_lists, keys, reduce=reduce, agree=agree)
+    return run.call(transformer if transformer is not None else model.transformer,
+                    adapter.block_lists, keys, reduce=reduce, agree=agree, plan=plan)

@@ -258,7 +258,7 @@ class Worker:
             report = {}
             samples = run_job(job, self.model, self.adapter, topo, self.planes.control, emit,
                               should_stop, step_scope=self.hook_options.get("step_scope"),
-                              report=report)
+                              report=report, sequence=self.parallel and self.parallel[1])
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
                  "lora_loads": self.loras.loads, "compile": compiled.stats, **report}
         if "cache" in report:

@@ -137,8 +137,13 @@ class ParallelConfig:
                            f"{request.resolved_cfg(model)} for {model.arch}; "
                            f"set cfg > 1 or drop cfg-parallel")
             if degrees_ok and not req_problems and self.sp > 1:
-                # the image stream holds the latent's tokens and the references'
-                tokens = (request.height // 16) * (request.width // 16) \
+                # the image stream holds the latent's tokens (every frame's) and the
+                # references'
+                from comfyui_xdit.planning.request import families
+                arch = getattr(model, "arch", None)
+                frames = 1 if arch is None else \
+                    families.family(arch).latent.latent_frames(request.frames)
+                tokens = frames * (request.height // 16) * (request.width // 16) \
                     + request.reference_tokens(model)
                 if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "

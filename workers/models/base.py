@@ -291,6 +291,10 @@ class DiTAdapter:
     def timesteps(self, scheduler, steps: int, latents, device):
         raise NotImplementedError
 
+    def transformer_for(self, model, extra) -> "object":
+        """The transformer a forward with `extra` runs (the step's expert)."""
+        return model.transformer
+
     def experts_per_step(self, model, scheduler, steps: int) -> list:
         """Which of the model's transformers runs each step of a `steps`-step schedule
         (after `timesteps`): 0 for every step but where a family has experts (Wan 2.2)."""

@@ -141,8 +141,11 @@ class WanAdapter(DiTAdapter):
     def forward_extra(self, model, height, width):
         return {}
 
+    def transformer_for(self, model, extra):
+        return model.transformer_2 if (extra or {}).get("expert") == 1 else model.transformer
+
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
-        tr = model.transformer_2 if (extra or {}).get("expert") == 1 else model.transformer
+        tr = self.transformer_for(model, extra)
         b = latents.shape[0]
         return tr(hidden_states=latents.to(model.dtype), timestep=t.expand(b),
                   encoder_hidden_states=cond["encoder_hidden_states"],
