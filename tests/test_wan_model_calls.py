@@ -92,3 +92,22 @@ def test_unknown_expert_and_image_latents_are_refused_pool_stays_warm(pool, expe
         den(**dict(call, x=call["x"][:, :, 0]))
     out = den(**call)  # still warm and right
     assert float((out - reference(experts[0], call)).abs().max()) <= TOL
+
+
+def test_step_cache_gates_the_expert_a_call_runs(pool, experts):
+    """Step cache (xDiT) on the low-noise expert's MODEL: its first call is computed in full
+    (equals transformer_2), the next, with a threshold every change stays under, skips
+    its middle blocks: the cache gated the transformer the call ran."""
+    from comfyui_xdit.nodes.logic import CacheSettings
+    den = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "wan")
+    den.expert = 1
+    den.cache = CacheSettings(threshold=100.0, warmup=1, head=1, tail=0,
+                              max_skips=3).as_request()
+    call = comfy_call(experts[1], seed=5)
+    first = den(**call)
+    assert float((first - reference(experts[1], call)).abs().max()) <= TOL
+    assert den.last_stats["cache"] == {"computed": 2, "skipped": 0}  # rows
+    later = dict(call, timestep=torch.tensor(650.0).expand(2))  # the same sampling run
+    out = den(**later)
+    assert den.last_stats["cache"] == {"computed": 0, "skipped": 2}, den.last_stats
+    assert torch.isfinite(out).all()

@@ -235,7 +235,7 @@ def for_wire(call: ModelCall) -> ModelCall:
 
 
 def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
-             step_scope=None):
+             step_scope=None, sequence=None):
     """Every rank: this rank's replica's rows, then (with several replicas) one all-gather
     among the replicas' leaders. Returns (the prediction [N, C, h, w] fp32 CPU on rank 0,
     None elsewhere; this rank's timings, when `call.timed`).
@@ -286,8 +286,14 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         if run is not None:  # rows: (conditioning key, row); a dummy row follows the others
             keys = [None] if dummy else \
                 [(k, j) for k, rows in call.chunks for j in range(rows)][mine]
+            if call.expert:  # each expert its own residuals
+                keys = [k if k is None else k + (call.expert,) for k in keys]
+            # the transformer this call runs (its expert), and the installed sequence plan
+            # for blocks not given it (`sequence`: the worker's SequenceParallel or None)
             step = call_on_ranks(run, model, adapter, keys, topo, planes.control,
-                                 is_sharded(model.transformer))
+                                 is_sharded(model.transformer),
+                                 adapter.transformer_for(model, extra),
+                                 None if sequence is None else (lambda: sequence.plan))
         with scope("call", cache.calls), gated(step):
             packed = adapter.pack(x)
             clock.mark("forward")

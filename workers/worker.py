@@ -316,9 +316,6 @@ class Worker:
                 problem = (f"expert {expert + 1} asked for, but this model has {experts} "
                            f"transformer(s) (two: a folder with a transformer_2, as Wan 2.2 "
                            f"A14B's low-noise expert)")
-            elif msg.cache:
-                problem = ("the step cache follows the first expert's blocks; disconnect Step "
-                           "cache (xDiT) from the low-noise expert's MODEL")
         if problem:
             raise ValueError(problem)
         x = msg.x.detach().to("cpu", torch.float32).contiguous()
@@ -342,7 +339,8 @@ class Worker:
         self._switch_loras([])  # a host sampler's MODEL carries no pool LoRA
         with torch.inference_mode(), self.compiler.job(emit) as compiled:
             out, times = run_call(call, self.model, self.adapter, topo, self.cond_cache,
-                                  self.planes, step_scope=self.hook_options.get("step_scope"))
+                                  self.planes, step_scope=self.hook_options.get("step_scope"),
+                                  sequence=self.parallel and self.parallel[1])
         times["compiles"] = compiled.stats["compiles"]
         if self.cond_cache.steps is not None and call.cache:  # the sampling run so far
             self.last_cache = dict(self.cond_cache.steps.stats(), entry="model calls")
