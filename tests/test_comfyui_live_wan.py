@@ -168,6 +168,33 @@ def test_ksampler_example_runs_with_both_experts_on_one_pool(comfy):
     assert len(pools) == 1, pools  # both experts' MODELs call one pool
 
 
+def test_sampler_options_cfg_2_reaches_the_low_noise_expert(comfy):
+    """Sampler (xDiT) on the A14B folder: Sampler options (xDiT)'s cfg_2 changes the result
+    (the low-noise expert's steps), a cfg_2 equal to cfg does not."""
+    out = {}
+    for tag, cfg_2 in (("none", None), ("same", 4.0), ("other", 1.5)):
+        path = comfy["tmp"] / f"cfg2-{tag}.safetensors"
+        wf = {"1": {"class_type": "xDiT.LoadModel",
+                    "inputs": {"model": A14B_NAME, "device": "cpu", "dtype": "fp32",
+                               "world_size": "2"}},
+              "2": {"class_type": "EmptyHunyuanLatentVideo", "inputs": dict(SIZE, batch_size=1)},
+              "3": {"class_type": "xDiT.Sampler",
+                    "inputs": {"model": ["1", 0], "latent": ["2", 0], "prompt": "a fox",
+                               "negative_prompt": "blurry", "seed": 3, "steps": 3, "cfg": 4.0,
+                               "guidance": 0.0, "denoise": 1.0, "max_sequence_length": 16}},
+              "4": {"class_type": "XDiTTestSaveTensors",
+                    "inputs": {"latent": ["3", 0], "path": str(path)}}}
+        if cfg_2 is not None:
+            wf["5"] = {"class_type": "xDiT.SamplerOptions", "inputs": {"cfg_2": cfg_2}}
+            wf["3"]["inputs"]["options"] = ["5", 0]
+        _, msgs = run(comfy, wf, timeout=1500)
+        _ok(msgs)
+        out[tag] = tensors(path)["latent"]
+        assert out[tag].shape == LATENT and torch.isfinite(out[tag]).all()
+    assert float((out["none"] - out["same"]).abs().max()) <= 1e-5
+    assert float((out["none"] - out["other"]).abs().max()) > 1e-3
+
+
 def _compare_graph(comfy, layout: dict, world: str, tag: str, sampler="euler",
                    scheduler="simple", split=None, cfg=3.5, steps=3, seed=7):
     """KSampler on the xDiT MODEL ("x") and on ComfyUI's own WAN21 ("n"); with `split` the

@@ -45,3 +45,15 @@ def test_video_latent_checks():
     # image families: still no video
     with pytest.raises(ConfigError, match="image latents, not video"):
         latent_from_comfy({"samples": torch.zeros(1, 16, 3, 8, 6)}, "qwen_image")
+
+
+def test_model_experts_reads_the_folders_transformer_2(tmp_path):
+    import json
+    from comfyui_xdit.nodes.logic import EXPERTS, model_experts
+    for name, index, want in (("a14b", {"transformer_2": ["diffusers", "WanTransformer3DModel"]}, 2),
+                              ("t2v", {"transformer_2": [None, None]}, 1), ("flux", {}, 1)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model_index.json").write_text(json.dumps(index))
+        assert model_experts(tmp_path / name) == want, name
+    assert model_experts(tmp_path / "x.safetensors") == 1  # a single file: one transformer
+    assert EXPERTS == ("high_noise", "low_noise")

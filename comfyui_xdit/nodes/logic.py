@@ -706,6 +706,25 @@ class SamplerOptions:
     cfg_2: float = 0.0  # Wan 2.2 A14B's low-noise expert's guidance scale; 0: the cfg
 
 
+EXPERTS = ("high_noise", "low_noise")  # a model's transformer, then its transformer_2
+
+
+def model_experts(path) -> int:
+    """Transformers of a model: 2 for a diffusers folder whose model_index.json names a
+    transformer_2 (Wan 2.2 A14B's high- and low-noise experts), else 1."""
+    import json
+    import os
+    index = os.path.join(str(path), "model_index.json")
+    if not os.path.isfile(index):
+        return 1
+    try:
+        with open(index) as f:
+            second = json.load(f).get("transformer_2")
+    except (OSError, ValueError):
+        return 1
+    return 2 if isinstance(second, (list, tuple)) and second and second[0] is not None else 1
+
+
 def model_text_width(path: str) -> Optional[int]:
     """The transformer's joint_attention_dim (the width its text states must have), from the
     folder's config or the single file's weight shapes; None when unknown."""

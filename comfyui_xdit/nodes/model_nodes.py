@@ -6,27 +6,11 @@ from comfy_api.v0_0_2 import io
 
 from comfyui_xdit.planning.config import ConfigError, auto_config
 from comfyui_xdit.planning.model_info import comfy_unet_config, read_model_info
+from comfyui_xdit.nodes.logic import EXPERTS, model_experts
 
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
 XDiTCache = io.Custom("XDIT_CACHE")
-EXPERTS = ("high_noise", "low_noise")  # a model's transformer, then its transformer_2
-
-
-def model_experts(path) -> int:
-    """Transformers of a model: 2 for a diffusers folder whose model_index.json names a
-    transformer_2 (Wan 2.2 A14B's high- and low-noise experts), else 1."""
-    import json
-    import os
-    index = os.path.join(str(path), "model_index.json")
-    if not os.path.isfile(index):
-        return 1
-    try:
-        with open(index) as f:
-            second = json.load(f).get("transformer_2")
-    except (OSError, ValueError):
-        return 1
-    return 2 if isinstance(second, (list, tuple)) and second and second[0] is not None else 1
 
 
 def model_config_for(handle, info):
