@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pipefusion 1/2/4 (compute and memory splits), time/step and bytes "
                         "at pipefusion 1 vs 2, PSNR vs the exact run per warmup_steps "
                         "(see benchmarks/pipefusion.py)")
+    p.add_argument("--video", action="store_true",
+                   help="run the video section instead: a Wan-shaped job (256x256 x 33 "
+                        "frames = 2,304 video tokens) at 1 rank vs Ulysses 2 / Ring 2 / CFG "
+                        "parallel, time/step and bytes/step against the memory plan's "
+                        "per-step traffic (see benchmarks/video.py)")
     p.add_argument("--engine", action="store_true",
                    help="run the engine section instead: time/step of in-process diffusers vs "
                         "a 1-rank pool, eager vs compiled, and 1 vs N ranks, on --device "
@@ -84,6 +89,8 @@ def run(args) -> int:
         return run_section(args, "pipefusion_trained" if args.trained else "pipefusion")
     if args.cache:
         return run_section(args, "step_cache")
+    if args.video:
+        return run_section(args, "video")
     if args.model_call:
         from . import model_call
         return model_call.run(args)

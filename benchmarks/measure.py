@@ -78,7 +78,8 @@ def loadavg():
 # ---- measuring ------------------------------------------------------------------------------
 def request(workload: str, job: dict) -> GenerationRequest:
     return GenerationRequest(seed=7, steps=job["steps"], height=job["height"], width=job["width"],
-                             max_sequence_length=job["max_sequence_length"], guidance=3.5,
+                             max_sequence_length=job["max_sequence_length"],
+                             guidance=job.get("guidance", 3.5), frames=job.get("frames", 1),
                              **WORKLOADS[workload])
 
 

@@ -3,6 +3,8 @@
 - CONDITIONING `[[cond, {"pooled_output": p, "guidance": g, ...}]]` -> the request's
   `{"cond": [b,T,D], "pooled": [b,P]}` plus FluxGuidance's value. FLUX.2 has no pooled
   output (its Qwen3 / Mistral text encoder gives hidden states only): `"pooled": None`.
+  WanImageToVideo's start frame (concat_latent_image, concat_mask, clip_vision_output) ->
+  the request's concat_latent / concat_mask / image_embeds (`start_image_fields`).
 - LATENT `{"samples": [B,C,h,w], "batch_index"?: [...]}` -> batch, size, noise and, when
   not all zeros, the img2img input; and the pool's samples -> LATENT. FLUX.1 / SD3: the raw
   VAE latent [B,16,H/8,W/8]. FLUX.2: ComfyUI's latent_formats.Flux2, the 2x2-patchified,
@@ -104,6 +106,7 @@ def conditioning_to_request(conditioning, name: str = "positive",
                               f"LATENT tensors (as ComfyUI's ReferenceLatent node sets them)")
         out["reference_latents"] = [r.detach().float().cpu().contiguous() for r in refs]
         out["reference_method"] = extra.get("reference_latents_method")
+    out.update(_start_image_values(extra, name, arch))
     if arch is not None and not families.family(arch).pooled:
         return dict(out, pooled=None), guidance
     if pooled is None:
@@ -112,6 +115,61 @@ def conditioning_to_request(conditioning, name: str = "positive",
     if pooled.dim() == 1:
         pooled = pooled.unsqueeze(0)
     return dict(out, pooled=pooled.detach().float().cpu().contiguous()), guidance
+
+
+# ComfyUI's WanImageToVideo CONDITIONING keys -> the request's image-to-video fields
+START_IMAGE_KEYS = (("concat_latent_image", "concat_latent"), ("concat_mask", "concat_mask"),
+                    ("clip_vision_output", "image_embeds"))
+
+
+def _start_image_values(extra: dict, name: str, arch: Optional[str]) -> dict:
+    """WanImageToVideo's values in a CONDITIONING entry -> {"concat_latent": the raw VAE
+    latent, "concat_mask": ComfyUI's mask, "image_embeds": the CLIP vision output's
+    penultimate hidden states} (fp32 CPU, as given: no layout change here; the workers
+    build the transformer's inputs from them as ComfyUI's WAN21 does). Refused for a
+    family without image-to-video models."""
+    import torch
+
+    present = [k for k, _ in START_IMAGE_KEYS if extra.get(k) is not None]
+    if not present:
+        return {}
+    if arch is not None and families.family(arch).image_to_video is None:
+        raise ConfigError(f"{name} CONDITIONING carries {', '.join(present)} (an image-to-"
+                          f"video start frame), which {family_name(arch)} models do not take")
+    out = {}
+    for key, field in START_IMAGE_KEYS:
+        v = extra.get(key)
+        if v is None:
+            continue
+        if key == "clip_vision_output":  # comfy.clip_vision.Output (attribute or item)
+            v = getattr(v, "penultimate_hidden_states", None) if not isinstance(v, dict) \
+                else v.get("penultimate_hidden_states")
+        if not torch.is_tensor(v):
+            raise ConfigError(f"{name} CONDITIONING's {key} must hold a tensor (as ComfyUI's "
+                              f"WanImageToVideo / CLIPVisionEncode set it)")
+        out[field] = v.detach().float().cpu().contiguous()
+    return out
+
+
+def start_image_fields(positive: dict, negative: Optional[dict] = None) -> dict:
+    """The request's image-to-video fields (GenerationRequest.concat_latent, concat_mask,
+    image_embeds) from `conditioning_to_request`'s positive and negative results: the pool
+    gives both guidance branches one start frame, so a negative CONDITIONING must carry the
+    same values (route both through WanImageToVideo) or, with cfg 1, be None."""
+    import torch
+
+    fields = [f for _, f in START_IMAGE_KEYS]
+    pos = {f: positive.get(f) for f in fields}
+    if negative is not None:
+        for f in fields:
+            a, b = pos[f], negative.get(f)
+            same = (a is None and b is None) or (a is not None and b is not None and
+                                                 a.shape == b.shape and torch.equal(a, b))
+            if not same:
+                raise ConfigError(f"positive and negative CONDITIONING differ in {f}: the "
+                                  f"xDiT sampler gives both guidance branches one start frame "
+                                  f"(connect both through the same WanImageToVideo)")
+    return {f: v for f, v in pos.items() if v is not None}
 
 
 def check_text_width(c: dict, width: int, arch: str, name: str = "positive") -> None:
@@ -134,6 +192,10 @@ def request_to_conditioning(c: dict, guidance: Optional[float] = None) -> list:
         extra["reference_latents"] = list(c["reference_latents"])
         if c.get("reference_method") is not None:
             extra["reference_latents_method"] = c["reference_method"]
+    for key, field in START_IMAGE_KEYS:
+        if c.get(field) is not None:
+            extra[key] = c[field] if key != "clip_vision_output" else \
+                {"penultimate_hidden_states": c[field]}
     if guidance is not None:
         extra["guidance"] = guidance
     return [[c["cond"], extra]]

@@ -157,6 +157,53 @@ def sd3_to_bfl(sd: dict) -> dict:
     return out
 
 
+def wan_to_comfy(sd: dict) -> dict:
+    """diffusers WanTransformer3DModel -> ComfyUI's / the original Wan names (what
+    comfy/ldm/wan/model.py's WanModel holds), written per key from that layout."""
+    out = {}
+    top = {"patch_embedding": "patch_embedding",
+           "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+           "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+           "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+           "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+           "condition_embedder.time_proj": "time_projection.1",
+           "proj_out": "head.head",
+           "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+           "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+           "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+           "condition_embedder.image_embedder.norm2": "img_emb.proj.4"}
+    for d, c in top.items():
+        for p in ("weight", "bias"):
+            if f"{d}.{p}" in sd:
+                out[f"{c}.{p}"] = sd[f"{d}.{p}"]
+    out["head.modulation"] = sd["scale_shift_table"]  # [1, 2, dim]: shift, scale both
+    if "condition_embedder.image_embedder.pos_embed" in sd:
+        out["img_emb.emb_pos"] = sd["condition_embedder.image_embedder.pos_embed"]
+    n = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
+    for i in range(n):
+        d, c = f"blocks.{i}.", f"blocks.{i}."
+        for attn, src in (("self_attn", "attn1"), ("cross_attn", "attn2")):
+            for x in "qkv":
+                for p in ("weight", "bias"):
+                    out[f"{c}{attn}.{x}.{p}"] = sd[f"{d}{src}.to_{x}.{p}"]
+            for p in ("weight", "bias"):
+                out[f"{c}{attn}.o.{p}"] = sd[f"{d}{src}.to_out.0.{p}"]
+            for x in "qk":
+                out[f"{c}{attn}.norm_{x}.weight"] = sd[f"{d}{src}.norm_{x}.weight"]
+        if f"{d}attn2.add_k_proj.weight" in sd:  # I2V's image K / V
+            for p in ("weight", "bias"):
+                out[f"{c}cross_attn.k_img.{p}"] = sd[f"{d}attn2.add_k_proj.{p}"]
+                out[f"{c}cross_attn.v_img.{p}"] = sd[f"{d}attn2.add_v_proj.{p}"]
+            out[f"{c}cross_attn.norm_k_img.weight"] = sd[f"{d}attn2.norm_added_k.weight"]
+        for p in ("weight", "bias"):
+            out[f"{c}norm3.{p}"] = sd[f"{d}norm2.{p}"]
+            out[f"{c}ffn.0.{p}"] = sd[f"{d}ffn.net.0.proj.{p}"]
+            out[f"{c}ffn.2.{p}"] = sd[f"{d}ffn.net.2.{p}"]
+        out[f"{c}modulation"] = sd[f"{d}scale_shift_table"]
+    assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in sd.values())
+    return out
+
+
 def write_single_file(model_dir, arch: str, out: Path, prefix: bool = False,
                       naming: str = "bfl", extra: dict | None = None,
                       perturb_block: int | None = None, state: dict | None = None) -> Path:
@@ -172,7 +219,8 @@ def write_single_file(model_dir, arch: str, out: Path, prefix: bool = False,
         sd = {k: (v + 0.05 * torch.randn(v.shape, generator=g) if k.startswith(key) else v)
               for k, v in sd.items()}
     if naming == "bfl":
-        sd = {"flux": flux_to_bfl, "flux2": flux2_to_bfl, "sd3": sd3_to_bfl}[arch](sd)
+        sd = {"flux": flux_to_bfl, "flux2": flux2_to_bfl, "sd3": sd3_to_bfl,
+              "wan": wan_to_comfy}[arch](sd)
     if prefix:
         sd = {PREFIX + k: v for k, v in sd.items()}
     sd.update(extra or {})

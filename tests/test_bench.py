@@ -341,3 +341,21 @@ def test_bench_cache_quick(tmp_path):
     assert ours[0]["time_s"] > 0 and 0 <= ours[0]["skipped"] <= rep["job"]["steps"]
     assert ("cache-dit" in {r["impl"] for r in rep["rows"]}) == rep["cache_dit"]
     assert "| ours | 1 | 0.5 |" in (out / "bench.md").read_text()
+
+
+def test_bench_video_quick(tmp_path):
+    """`bench --video --quick`: the video section end to end on the default tiny Wan (64x64
+    x 5 frames = 32 video tokens); the bytes each rank sends per step equal the memory plan's
+    step_traffic for Ulysses 2, Ring 2 and CFG parallel (deterministic; timing never asserted)."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "comfyui_xdit", "bench", "--video", "--quick", "--out", str(out),
+         "--model-cache", str(tmp_path / "models")],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads((out / "bench.json").read_text())["video"]
+    assert rep["job"]["video_tokens"] == 2 * 4 * 4  # (5 - 1) / 4 + 1 latent frames x 4 x 4
+    assert {c["run"] for c in rep["checks"]} == {"ulysses2", "ring2", "cfg_parallel"}
+    for c in rep["checks"]:
+        assert all(abs(x - 1.0) < 1e-9 for x in c["ratio"]), c  # exact: no tolerance needed
+    assert "Within 10% of theory: yes" in (out / "bench.md").read_text()

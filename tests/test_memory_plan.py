@@ -570,12 +570,104 @@ def test_docs_tables_are_what_the_plan_prints(capsys):
     import shlex
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    text = (root / "docs" / "memory.md").read_text() + "\n" + (root / "README.md").read_text()
+    text = "\n".join((root / f).read_text() for f in ("docs/memory.md", "docs/methods.md",
+                                                       "README.md"))
     found = re.findall(r"`python -m comfyui_xdit (memory-plan [^`]+)`:\n\n((?:\|.*\n?)+)", text)
-    assert len(found) == 3, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
-                             "(docs), the Qwen-Image fit table (README)")
+    assert len(found) == 5, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
+                             "(docs/memory.md), Wan's per-step traffic (docs/methods.md), the "
+                             "Qwen-Image and Wan 2.2 A14B fit tables (README)")
     for cmd, table in found:
         assert cli_main(shlex.split(cmd)) == 0, cmd
         assert capsys.readouterr().out.strip() == table.strip(), cmd
     for name, rate in mp.LINKS_GBPS:
         assert f"{name} ~{rate:g} GB/s" in text
+
+
+# ---- video (Wan) -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name,transformer,experts", [
+    ("wan2.1-t2v-14b", (14.2e9, 14.4e9), 1),  # Wan 2.1 14B: 14.3B parameters
+    ("wan2.1-t2v-1.3b", (1.40e9, 1.45e9), 1),  # Wan 2.1 1.3B: 1.42B
+    ("wan2.2-t2v-a14b", (28.4e9, 28.8e9), 2),  # two 14B experts, both resident
+])
+def test_wan_presets_have_the_published_sizes(name, transformer, experts):
+    facts = mp.preset_facts(name)
+    plan = mp.plan(facts, ParallelConfig(), BF16)
+    assert facts.experts == experts
+    assert transformer[0] < plan.ranks[0].weights / 2 < transformer[1]
+    assert 5.6e9 < facts.text_encoder_params < 5.8e9  # UMT5-XXL's encoder: 5.7B
+    assert 120e6 < facts.vae_params < 135e6  # Wan 2.1 VAE: 127M
+    assert facts.vae_channels == (96, 192, 384, 384)
+
+
+def test_wan_tokens_are_frames_times_the_grid_and_text_stays_out():
+    """720p x 81 frames: 21 latent frames x 45 x 80 = 75,600 tokens; Wan's UMT5 text is
+    cross-attended, so it neither joins the sequence nor its all-to-alls; FLUX's does."""
+    wan = mp.preset_facts("wan2.1-t2v-14b")
+    job = mp.JobSize(720, 1280, frames=81, text_tokens=512)
+    assert mp.job_tokens(wan, job) == 21 * 45 * 80 == 75_600
+    assert mp.job_tokens(wan, mp.JobSize(720, 1280, frames=1)) == 45 * 80
+    flux = mp.preset_facts("flux1-dev")
+    assert mp.job_tokens(flux, mp.JobSize(1024, 1024, text_tokens=512)) == 4096 + 512
+    # activations grow with the frames; Ulysses 8 holds 1/8 of the tokens
+    one = mp.plan(wan, ParallelConfig(), BF16, mp.JobSize(720, 1280, frames=1)).ranks[0]
+    vid = mp.plan(wan, ParallelConfig(), BF16, job).ranks[0]
+    u8 = mp.plan(wan, ParallelConfig(ulysses=8), BF16, job).ranks[0]
+    assert vid.activations > 5 * one.activations  # one frame: the VAE decode's is larger
+    assert 5 * u8.activations < vid.activations < 8 * u8.activations
+
+
+def test_two_experts_double_the_resident_weights():
+    one = mp.preset_facts("wan2.1-t2v-14b")
+    two = mp.preset_facts("wan2.2-t2v-a14b")
+    shard = dataclasses.replace(BF16, shard_weights=True)
+    for config, engine in ((ParallelConfig(ulysses=2), BF16),
+                           (ParallelConfig(pipefusion=2), BF16)):
+        a, b = mp.plan(one, config, engine).ranks[0], mp.plan(two, config, engine).ranks[0]
+        assert b.weights == 2 * a.weights and b.activations == a.activations
+    tr = mp._transformer(one.transformer_class, one.transformer_config, one.arch)
+    f = mp.shard_figures(tr, 2, False, 4)
+    a = mp.plan(one, ParallelConfig(ulysses=4), shard).ranks[0].weights
+    b = mp.plan(two, ParallelConfig(ulysses=4), shard).ranks[0].weights
+    assert b - a == f.at_rest  # the idle expert's chunks; one expert gathered at a time
+    # a misfit of two experts is offered no PipeFusion / sharding (the pool runs neither)
+    p = mp.plan(two, ParallelConfig(ulysses=2), BF16, mp.JobSize(720, 1280, frames=81),
+                gpu_memory=48 * GiB)
+    assert p.fits is False
+    assert all("pipefusion" not in d and "shard" not in d for d, _ in p.alternatives)
+
+
+def test_folder_experts_from_model_index(tmp_path):
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+    one = mp.model_facts(str(ensure_tiny_model("wan", tmp_path)), "bf16")
+    two = mp.model_facts(str(ensure_tiny_model("wan", tmp_path, variant="a14b")), "bf16")
+    assert (one.experts, two.experts) == (1, 2)
+    assert mp.plan(two, ParallelConfig(), BF16).ranks[0].weights == \
+        2 * mp.plan(one, ParallelConfig(), BF16).ranks[0].weights
+
+
+def test_step_traffic_formulas():
+    """Per rank per step at 720p x 81 frames, CFG in one process (2 branches): A = 2 x 75,600
+    tokens x 5120 x 2 B, 40 attention layers."""
+    wan = mp.preset_facts("wan2.2-t2v-a14b")
+    job = mp.JobSize(720, 1280, frames=81, cfg=True)
+    a = 2 * 75_600 * 5120 * 2
+    t = mp.step_traffic(wan, job, "bf16", 4)
+    assert t["Ulysses"] == 4 * 3 / 16 * a * 40
+    assert t["Ring"] == 2 * 3 / 4 * a * 40
+    assert t["PipeFusion"] == a
+    assert t["CFG parallel"] == 16 * 21 * 90 * 160 * 2  # one prediction, the LATENT's size
+    assert mp.step_traffic(wan, dataclasses.replace(job, cfg=False), "bf16", 4)["Ulysses"] \
+        == t["Ulysses"] / 2
+
+
+def test_memory_plan_cli_frames(capsys):
+    rc = cli_main(["memory-plan", "--preset", "wan2.1-t2v-1.3b", "--height", "480",
+                   "--width", "832", "--frames", "80"])
+    assert rc == 2 and "frames 80 is not of the form 4k + 1" in capsys.readouterr().err
+    rc = cli_main(["memory-plan", "--preset", "flux1-dev", "--height", "512", "--width", "512",
+                   "--frames", "5"])
+    assert rc == 2 and "makes images" in capsys.readouterr().err
+    rc = cli_main(["memory-plan", "--preset", "wan2.1-t2v-1.3b", "--height", "480",
+                   "--width", "832", "--frames", "81", "--traffic-table", "--gpus", "2,4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "| Ulysses | 2 |" in out and "| Ring | 4 |" in out

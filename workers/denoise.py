@@ -52,7 +52,9 @@ class Job:
     options: Optional[dict] = None  # PipeFusion: warmup_steps, pipeline_patches
     # reference images: {"tokens": [1 or B, M, C] model space, plus what the adapter's
     # forward needs of them (FLUX: "ids" [M, axes]; Qwen-Image: "shapes", the token grids)},
-    # shared by both guidance branches (the adapter joins them to the image stream)
+    # shared by both guidance branches (the adapter joins them to the image stream); Wan
+    # image-to-video: {"tokens": the start frame's condition [1 or B, 20, T, h, w]}, which
+    # the adapter joins to the latents along channels
     references: Optional[dict] = None
 
 

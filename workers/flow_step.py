@@ -138,6 +138,14 @@ class UniPCSteps:
         out = a * x - b * m0
         return out if res is None else out - c * res
 
+    def derive(self, key, parent, take) -> None:
+        """Start `key`'s history as a part of `parent`'s (PipeFusion: after the whole-image
+        warmup steps a row band continues from its rows of the whole image's history);
+        `take`: a tensor of `parent`'s -> its part (a view, copied here)."""
+        st = self.state[parent]
+        self.state[key] = {"m": [take(t).clone() for t in st["m"]],
+                           "last": None if st["last"] is None else take(st["last"]).clone()}
+
     def step(self, x: torch.Tensor, v: torch.Tensor, i: int, key=None) -> torch.Tensor:
         st = self.state.setdefault(key, {"m": [], "last": None})
         xs = x.to(torch.float32, copy=True)  # kept as history: the caller writes x over

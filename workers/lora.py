@@ -149,7 +149,15 @@ class LoraManager:
 
     def apply(self, transformer, resolved) -> None:
         """Every rank: load what is new (once), then activate exactly `resolved` with its
-        strengths; [] disables every adapter (the base weights were never changed)."""
+        strengths; [] disables every adapter (the base weights were never changed).
+        `transformer`: one, or a model's transformers (Wan 2.2 A14B's two experts): each
+        LoRA then goes into every one of them, the same adapter at the same strength (a LoRA
+        for one expert only: apply it to a pool of that expert's file)."""
+        if isinstance(transformer, (tuple, list)):
+            many = tuple(transformer)
+            if len(many) > 1:
+                return self._apply_many(many, resolved)
+            transformer = many[0]
         if resolved:
             self.used = True
         weights: dict[str, float] = {}
@@ -174,3 +182,32 @@ class LoraManager:
             transformer.set_adapters(list(weights), list(weights.values()))
         else:
             transformer.disable_lora()
+
+    def _apply_many(self, transformers, resolved) -> None:
+        """`apply` over several transformers of one class (a model's experts): a new file is
+        loaded into each, then each switches to the same adapters and strengths."""
+        if resolved:
+            self.used = True
+        weights: dict[str, float] = {}
+        for name, path, strength in resolved:
+            if name not in self.loaded:
+                tsd, _, metadata = self._pending.pop(name, None) or \
+                    self.read(path, transformers[0])
+                if tsd:
+                    for tr in transformers:
+                        self._pipeline().load_lora_into_transformer(
+                            dict(tsd), transformer=tr, adapter_name=name, metadata=metadata)
+                else:
+                    self.absent.add(name)
+                self.loaded[name] = path
+                self.loads += 1
+            if name not in self.absent:
+                weights[name] = weights.get(name, 0.0) + strength
+        if not set(self.loaded) - self.absent:
+            return
+        for tr in transformers:
+            if weights:
+                tr.enable_lora()
+                tr.set_adapters(list(weights), list(weights.values()))
+            else:
+                tr.disable_lora()

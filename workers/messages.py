@@ -13,6 +13,20 @@ REFERENCE_IMAGES_NEED_VAE = ("reference images are encoded with the model folder
                              "GenerationRequest.reference_latents), or use a diffusers model "
                              "folder")
 
+# image-to-video (Wan I2V), {name}: the family's name
+NEEDS_START_IMAGE = ("this {name} model is image-to-video and needs a start image: give one "
+                     "image (--image FILE, GenerationRequest.reference_images) or ComfyUI's "
+                     "WanImageToVideo conditioning with a start_image (concat_latent)")
+NO_START_IMAGE = ("this {name} model is text-to-video and takes no start image (--image, "
+                  "reference_images, concat_latent): remove it, or use an image-to-video "
+                  "(I2V) model")
+START_IMAGE_TWICE = ("give the start image once: as reference_images (the image) or as "
+                     "ComfyUI's concat_latent (its latent), not both")
+NEEDS_IMAGE_EMBEDS = ("this {name} model also reads the start image's CLIP vision states: "
+                      "connect clip_vision_output (CLIPVisionEncode of the start image, "
+                      "crop none) to WanImageToVideo, or give the image itself "
+                      "(reference_images)")
+
 # PipeFusion already reuses one-step-stale activations for most of each step, and a skip
 # decision would have to be shared by stages computing different patches of different steps
 # at once: refused rather than approximated twice.

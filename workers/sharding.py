@@ -139,6 +139,9 @@ class WeightSharding:
             a.set_modules_to_forward_prefetch([b])
         self.load_mode = None  # "shards only" | "whole, then sharded" (ShardSetup.finish)
         self.probe = None  # test instrumentation (the `sharding_probe` hook option)
+        # the model's other transformers, each sharded as this one (Wan 2.2's second
+        # expert): counted with it
+        self.others: list = []
 
     def block_resident(self) -> int:
         """Block parameter elements allocated on this rank now (shards + any gathered)."""
@@ -158,6 +161,15 @@ class WeightSharding:
             "nonblock_params_local": sum(group_elems(g)[0]
                                          for g in param_groups(self.transformer)),
         }
+        for o in self.others:
+            c = o.counts()
+            for k in ("block_params", "block_params_local", "block_params_resident_now",
+                      "nonblock_params", "nonblock_params_local"):
+                out[k] += c[k]
+            out["largest_block_params"] = max(out["largest_block_params"],
+                                              c["largest_block_params"])
+        if self.others:
+            out["transformers"] = 1 + len(self.others)
         if self.probe is not None:
             out.update(self.probe.counts())
         return out
@@ -210,20 +222,30 @@ class ShardSetup:
         return not self.fallback
 
     def wrap(self, transformer) -> WeightSharding:
-        """Shard `transformer` (on the meta device while loading shard-only)."""
-        self.sharding = WeightSharding(transformer, self.block_lists, self.group, self.device)
-        return self.sharding
+        """Shard `transformer` (on the meta device while loading shard-only). A model's
+        second transformer (Wan 2.2's low-noise expert) is sharded the same way and counted
+        with the first (`WeightSharding.others`): every rank runs the same expert each step,
+        so its all-gathers line up as the first one's do."""
+        made = WeightSharding(transformer, self.block_lists, self.group, self.device)
+        if self.sharding is None:
+            self.sharding = made
+        else:
+            self.sharding.others.append(made)
+        return made
 
     def finish(self, worker) -> WeightSharding:
         """After the load: the sharding (a whole-loaded transformer is sharded now)."""
         if self.sharding is None:
-            self.wrap(worker.model.transformer)
+            for tr in worker.model.transformers():
+                self.wrap(tr)
             report = getattr(worker.model, "load_report", None)
             if isinstance(report, dict):
                 report["loaded"] = f"whole, then sharded ({self.fallback})"
             self.sharding.load_mode = "whole, then sharded"
         else:
             self.sharding.load_mode = "shards only"
+        for o in self.sharding.others:
+            o.load_mode = self.sharding.load_mode
         probe = worker.hook_options.get("sharding_probe")  # xdit_testhooks.probes
         if probe is not None:
             self.sharding.probe = probe(self.sharding)

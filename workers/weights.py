@@ -462,6 +462,15 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
             fp8.scale = scales[mod]
     transformer.requires_grad_(False)
     dry = bool(state) and all(t.is_meta for t in state.values())  # a dry run onto "meta"
+    want = set(transformer.state_dict())
+    missing, extra = sorted(want - set(state)), sorted(set(state) - want)
+    if missing or extra:  # one line (load_state_dict's own error spans several)
+        what = [f"lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}"] \
+            if missing else []
+        what += [f"has {len(extra)} tensor(s) it has no place for, e.g. {extra[:3]}"] \
+            if extra else []
+        raise ValueError(f"the checkpoint {' and '.join(what)}: an incomplete or other "
+                         f"model's file; give a complete {type(transformer).__name__}")
     transformer.load_state_dict(state, strict=True, assign=True)
     del state
     left = [n for n, t in list(transformer.named_parameters()) +

@@ -92,10 +92,17 @@ class RowSource:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def open_source(adapter, path: str):
-    """(Checkpoint, RowSource, meta-built transformer, single-file config or None)."""
-    from .models.base import meta_transformer_of
+def open_source(adapter, path: str, subfolder: str = "transformer"):
+    """(Checkpoint, RowSource, meta-built transformer, single-file config or None);
+    `subfolder`: a folder's other transformer (Wan 2.2's `transformer_2`)."""
+    from .models.base import meta_transformer, meta_transformer_of
     from .weights import Checkpoint
+    if subfolder != "transformer" and not os.path.isfile(path):
+        import diffusers
+        folder = os.path.join(path, subfolder)
+        transformer = meta_transformer(getattr(diffusers, adapter.transformer_class), folder)
+        ck = Checkpoint.folder(folder)
+        return ck, RowSource.folder(ck), transformer, None
     transformer, sf = meta_transformer_of(adapter, path)
     if sf is not None:
         from .models.single_file import row_map
@@ -105,17 +112,18 @@ def open_source(adapter, path: str):
     return ck, RowSource.folder(ck), transformer, None
 
 
-def load_shards(adapter, path: str, device, dtype, mode: str, shard) -> tuple:
+def load_shards(adapter, path: str, device, dtype, mode: str, shard,
+                subfolder: str = "transformer") -> tuple:
     """(transformer, report dict): the transformer of `path` (a diffusers folder or a single
-    file) holding only this rank's rows of every parameter. `shard`: what shards it
-    (sharding.ShardSetup: `wrap(transformer)`, `rank`, `world`, `control` the gloo group
-    for the fp8 maxima)."""
+    file; `subfolder`: another transformer of the folder) holding only this rank's rows of
+    every parameter. `shard`: what shards it (sharding.ShardSetup: `wrap(transformer)`,
+    `rank`, `world`, `control` the gloo group for the fp8 maxima)."""
     from .weights import FP8, WEIGHT_MODES, block_linears, fp8_layers, fp8_scale, is_fp8, \
         prepare, unscaled
 
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES} (got {mode!r})")
-    ck, src, transformer, sf = open_source(adapter, path)
+    ck, src, transformer, sf = open_source(adapter, path, subfolder)
     with ck:
         transformer.to(dtype).requires_grad_(False).eval()
         lists = adapter.block_lists

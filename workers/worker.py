@@ -181,8 +181,21 @@ class Worker:
         b = int(noise.shape[0])
         use_cfg = float(req["cfg"]) > 1.0
 
+        # image-to-video (Wan I2V): the start frame (an image, or ComfyUI's latent and mask)
+        # -> the condition every step joins to the latents, made once here; the request's
+        # copies are dropped so the broadcast carries it once
+        start_images = None
+        if msg.reference_images:
+            from .messages import REFERENCE_IMAGES_NEED_VAE
+            if os.path.isfile(self.model.path):
+                raise ValueError(REFERENCE_IMAGES_NEED_VAE)
+            start_images = [pil_image(im) for im in msg.reference_images]
+        with torch.inference_mode():
+            start = self.adapter.start_condition(self.model, req, start_images, b)
+        for key in ("concat_latent", "concat_mask", "image_embeds"):
+            req[key] = None
         references, prompt_images = msg.references, None
-        if msg.reference_images:  # images -> LATENTs (and what the text encoder reads)
+        if msg.reference_images and start is None:  # images -> LATENTs (and what the text encoder reads)
             with torch.inference_mode():
                 encoded = self._encode_reference_images(msg.reference_images, req)
             references, prompt_images = encoded["latents"], encoded.get("prompt_images")
@@ -198,6 +211,8 @@ class Worker:
                 texts = list(texts) if len(texts) in (1, b) else texts[:1]
                 d = self.adapter.encode(self.model, texts, req["max_sequence_length"],
                                         **text_kw)
+            if start is not None:  # both branches read the start image alike (Wan 2.1's
+                d = dict(d, **start.get("cond", {}))  # CLIP image states)
             return {k: (v.expand(b, *v.shape[1:]).contiguous()
                         if k in ("encoder_hidden_states", "pooled_projections") and v.shape[0] == 1
                         else v).detach().cpu() for k, v in d.items()}
@@ -207,7 +222,7 @@ class Worker:
             uncond = branch(req["negative"], [req["negative_prompt"]]) if use_cfg else None
         # LoRA files are read and checked here, before anything is broadcast
         req["lora_adapters"] = self.loras.resolve(self.model.transformer, req.get("loras"))
-        refs = None
+        refs = None if start is None else start["references"]
         if references:  # ComfyUI LATENTs -> model-space tokens and ids, once, on rank 0
             with torch.inference_mode():
                 refs = self.adapter.reference_inputs(
@@ -364,7 +379,7 @@ class Worker:
         err = None
         loads = self.loras.loads
         try:
-            self.loras.apply(self.model.transformer, resolved)
+            self.loras.apply(self.model.transformers(), resolved)
             if self.loras.loads != loads and self.parallel and self.parallel[1] is not None:
                 # peft wrapped layers the sequence-parallel hooks sit on (proj_out's gather,
                 # ...): the hooks would see the base output only, so hook the wrappers
@@ -376,7 +391,7 @@ class Worker:
         errors = [x for x in (_gather_all(self.planes.control, err) if self.world > 1 else [err]) if x]
         if errors:
             try:  # leave the model in a known state: no adapter active
-                self.loras.apply(self.model.transformer, [])
+                self.loras.apply(self.model.transformers(), [])
             except Exception:  # noqa: BLE001
                 pass
             raise LoraError("; ".join(errors))

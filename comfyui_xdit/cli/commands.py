@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig
-from comfyui_xdit.cli.images import save_pngs
+from comfyui_xdit.cli.images import VIDEO_SUFFIXES, save_pngs, save_video
 from comfyui_xdit.planning.request import GenerationRequest
 
 
@@ -45,7 +45,8 @@ def _lora(text):
 
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate latents or PNGs on a local pool")
-    p.add_argument("--model", required=True, help="FLUX.1 / FLUX.2 / SD3 diffusers folder")
+    p.add_argument("--model", required=True,
+                   help="diffusers folder: FLUX.1, FLUX.2, SD3, Qwen-Image, Chroma, Wan")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--seed", type=int, required=True)
@@ -54,6 +55,13 @@ def _add_generate(sub):
     p.add_argument("--width", type=int, required=True)
     p.add_argument("--guidance", type=float, default=None, help="FLUX embedded guidance")
     p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale")
+    p.add_argument("--cfg-2", type=float, default=None, dest="cfg_2",
+                   help="Wan 2.2 A14B: the low-noise expert's guidance scale (default: --cfg)")
+    p.add_argument("--frames", type=_positive("--frames"), default=None,
+                   help="video models (Wan): frames per video, 4k + 1 (e.g. 81); image "
+                        "models make 1")
+    p.add_argument("--fps", type=float, default=16.0,
+                   help="frame rate of a video --out (default 16, Wan's)")
     p.add_argument("--max-sequence-length", type=int, default=GenerationRequest.max_sequence_length)
     _add_parallel_flags(p)
     p.add_argument("--warmup-steps", type=int, default=1,
@@ -66,9 +74,13 @@ def _add_generate(sub):
     p.add_argument("--lora", type=_lora, action="append", default=[])
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="reference / edit image (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit; a "
-                        "diffusers folder): repeat for several references")
+                        "diffusers folder): repeat for several references; for a Wan "
+                        "image-to-video folder, the start frame")
     _add_cache_flags(p)
-    p.add_argument("--out", required=True, help="x.safetensors (LATENT) or x.png")
+    p.add_argument("--out", required=True,
+                   help="x.safetensors (the LATENT; 5-D for video), x.png (images), or for "
+                        "video x.mp4 / x.webm / x.mkv, frames_%%04d.png or a directory (one "
+                        "PNG per frame); decoded with the folder's VAE, patch-parallel")
     p.add_argument("--attach", default=None, metavar="HOST:PORT",
                    help="use a pool started with `serve` (secret: $XDIT_POOL_SECRET or --secret-file)")
     p.add_argument("--secret-file", default=None)
@@ -245,27 +257,75 @@ def config_from_args(args) -> ParallelConfig:
                           world_size=args.world_size)
 
 
+def output_kind(out: str) -> str:
+    """What `--out` asks for: "latent" (.safetensors), "png" (one PNG per image), "video"
+    (.mp4 / .webm / .mkv / ...), "frames" (a `%04d.png`-style pattern, or a directory: one PNG
+    per frame). Anything else is refused in one line."""
+    path = Path(out)
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        return "latent"
+    if suffix in VIDEO_SUFFIXES:
+        return "video"
+    if "%" in path.name:
+        if suffix != ".png":
+            raise ConfigError(f"--out {out!r}: a frame pattern must end in .png "
+                              f"(e.g. frames_%04d.png)")
+        try:
+            path.name % 0
+        except (TypeError, ValueError):
+            raise ConfigError(f"--out {out!r}: a frame pattern holds one integer field such "
+                              f"as %04d (e.g. frames_%04d.png)") from None
+        return "frames"
+    if suffix == ".png":
+        return "png"
+    if str(out).endswith(("/", os.sep)) or path.is_dir() or not suffix:
+        return "frames"
+    raise ConfigError(f"--out {out!r} must end in .safetensors (LATENT) or .png; for video "
+                      f"{', '.join(VIDEO_SUFFIXES)}, frames_%04d.png or a directory")
+
+
+def check_output(kind: str, out: str, info, frames: int) -> None:
+    """Refuse, in one line, an --out the model cannot make: a video or frame sequence from an
+    image model, one PNG for a video of several frames."""
+    fam = info.family
+    video = fam.latent.video
+    if kind in ("video", "frames") and not video:
+        raise ConfigError(f"--out {out!r} is a video, but {fam.name} makes images: write "
+                          f".png or .safetensors (video needs a video model, Wan)")
+    if kind == "png" and video and frames > 1:
+        raise ConfigError(f"--out {out!r} is one PNG, but {fam.name} makes {frames} frames: "
+                          f"write x.mp4, frames_%04d.png, a directory or x.safetensors")
+
+
 def run_generate(args) -> int:
-    from comfyui_xdit.planning.model_info import read_model_info
+    from comfyui_xdit.planning.model_info import expert_count, read_model_info
     from comfyui_xdit.client.pool import WorkerPool
 
     out = Path(args.out)
-    if out.suffix.lower() not in (".safetensors", ".png"):
-        raise ConfigError(f"--out {args.out!r} must end in .safetensors (LATENT) or .png")
+    kind = output_kind(args.out)
     if not out.parent.exists():
         raise ConfigError(f"--out directory {str(out.parent)!r} does not exist")
+    if args.fps <= 0:
+        raise ConfigError(f"--fps must be > 0 (got {args.fps:g})")
     config = config_from_args(args)
     images = [read_image(f) for f in args.image]
+    extra = {} if args.frames is None else {"frames": args.frames}
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
         steps=args.steps, height=args.height, width=args.width, guidance=args.guidance,
-        cfg=args.cfg, max_sequence_length=args.max_sequence_length, loras=args.lora,
-        output="image" if out.suffix.lower() == ".png" else "latent",
-        cache=_cache_from_args(args), reference_images=images or None)
+        cfg=args.cfg, cfg_2=args.cfg_2, max_sequence_length=args.max_sequence_length,
+        loras=args.lora, output="latent" if kind == "latent" else "image",
+        cache=_cache_from_args(args), reference_images=images or None, **extra)
     if args.attach:
         pool = WorkerPool.attach(args.attach, _read_secret(args), config)
     else:
-        config.validate(read_model_info(args.model), request)  # before anything launches
+        info = read_model_info(args.model)
+        config.validate(info, request)  # before anything launches
+        check_output(kind, args.out, info, request.frames)
+        if args.cfg_2 is not None and expert_count(args.model) < 2:
+            raise ConfigError(f"--cfg-2 is the second expert's guidance scale (Wan 2.2 A14B); "
+                              f"{args.model} has one transformer: use --cfg")
         e = engine_from_args(args)
         pool = WorkerPool(args.model, config, device=e.device, dtype=e.dtype,
                           threads_per_rank=args.threads_per_rank, attention=e.attention,
@@ -277,8 +337,9 @@ def run_generate(args) -> int:
             if Path(served).name != Path(args.model).name:
                 raise ConfigError(f"the pool at {args.attach} serves {served!r}, not "
                                   f"{args.model!r}; attach to a pool serving that model")
+            check_output(kind, args.out, pool.model_info, request.frames)
         result = pool.generate(request)
-    written = write_output(result, out)
+    written = write_output(result, out, kind, request.batch, args.fps)
     print(json.dumps({"out": [str(p) for p in written], "config": config.describe(),
                       "timings": result.timings}))
     return 0
@@ -296,12 +357,24 @@ def read_image(path: str):
         raise ConfigError(f"--image {path!r} is not an image PIL can read ({e})") from None
 
 
-def write_output(result, out: Path) -> list:
-    if out.suffix.lower() == ".safetensors":
+def write_output(result, out: Path, kind: str = "png", batch: int = 1, fps: float = 16) -> list:
+    """The result as --out asks: the LATENT (4-D, or 5-D [B, 16, T, h, w] for video), PNGs,
+    or each video of the batch (the IMAGE batch holds batch x frames frames, video by video)
+    as a video file or a PNG per frame. The b-th video of a batch > 1 goes to `out` with
+    `-b` after its stem (x-1.mp4, frames_%04d-1.png, DIR-1/), the first to `out` itself."""
+    if kind == "latent":
         from safetensors.torch import save_file
         save_file({"samples": result.samples.float().contiguous()}, str(out))
         return [out]
-    return save_pngs(result.images, out)
+    if kind == "png":
+        return save_pngs(result.images, out)
+    frames = result.images
+    per = int(frames.shape[0]) // max(1, batch)
+    written = []
+    for b in range(batch):
+        target = out if b == 0 else out.with_name(f"{out.stem}-{b}{out.suffix}")
+        written += save_video(frames[b * per:(b + 1) * per], target, fps=fps)
+    return written
 
 
 def _add_bench(sub):
@@ -332,7 +405,8 @@ def run_bench(argv) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _Parser(prog="python -m comfyui_xdit",
-                     description="xDiT-style parallel FLUX.1/FLUX.2/SD3 sampling on a warm worker pool")
+                     description="xDiT-style parallel FLUX.1/FLUX.2/SD3/Qwen-Image/Chroma/Wan sampling on a "
+                                 "warm worker pool")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     from comfyui_xdit.cli import demo
     from comfyui_xdit.planning import memory_plan

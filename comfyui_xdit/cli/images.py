@@ -44,18 +44,27 @@ def save_frames(frames, out: Path) -> list:
     return paths
 
 
-def video_codec() -> str:
-    """H.264 (`libx264`) where this PyAV build can encode it, else MPEG-4 part 2."""
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".avi", ".webm")
+
+
+def video_codec(suffix: str = ".mp4") -> str:
+    """The encoder for a container: WebM takes VP9 (`libvpx-vp9`, else VP8 `libvpx`); the
+    others H.264 (`libx264`) where this PyAV build can encode it, else MPEG-4 part 2."""
     import av
 
+    if suffix.lower() == ".webm":
+        for name in ("libvpx-vp9", "libvpx"):
+            if name in av.codecs_available:
+                return name
+        raise ValueError("this PyAV build has no VP8/VP9 encoder for .webm; write .mp4 or .mkv")
     return "libx264" if "libx264" in av.codecs_available else "mpeg4"
 
 
 def save_video(frames, out: Path, fps: float = 16, codec: str | None = None) -> list:
     """IMAGE [F,H,W,3] float 0..1 (one video, Wan's decode: 16 fps) -> `out`.
 
-    `out` ending in a video suffix (`.mp4`, `.mkv`, `.mov`, `.avi`, `.webm`) is encoded with
-    PyAV (`codec`, default `video_codec()`: H.264 `libx264`, crf 18, else `mpeg4`) in yuv420p,
+    `out` ending in a video suffix (VIDEO_SUFFIXES) is encoded with PyAV (`codec`, default
+    `video_codec(suffix)`: H.264 `libx264`, crf 18, else `mpeg4`; VP9 crf 18 in .webm) in yuv420p,
     which needs an even width and height: an odd one is padded by repeating the last row /
     column (the video is then one pixel taller / wider than the frames). Any other `out` (a
     `%04d.png` pattern, a directory, a path with no suffix) gets a PNG per frame
@@ -63,7 +72,7 @@ def save_video(frames, out: Path, fps: float = 16, codec: str | None = None) -> 
     import numpy as np
 
     out = Path(out)
-    if "%" in str(out) or out.suffix.lower() not in (".mp4", ".mkv", ".mov", ".avi", ".webm"):
+    if "%" in str(out) or out.suffix.lower() not in VIDEO_SUFFIXES:
         return save_frames(frames, out)
     import av
 
@@ -73,7 +82,7 @@ def save_video(frames, out: Path, fps: float = 16, codec: str | None = None) -> 
         raise ValueError("save_video: no frames")
     if h % 2 or w % 2:  # yuv420p subsamples chroma 2x2
         arr = np.pad(arr, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
-    codec = codec or video_codec()
+    codec = codec or video_codec(out.suffix)
     out.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(out), mode="w") as container:
         stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
@@ -81,6 +90,8 @@ def save_video(frames, out: Path, fps: float = 16, codec: str | None = None) -> 
         stream.pix_fmt = "yuv420p"
         if codec == "libx264":
             stream.options = {"crf": "18"}
+        elif codec.startswith("libvpx"):  # constant quality (b:v 0), as crf 18 for H.264
+            stream.options = {"crf": "18", "b": "0"}
         else:
             stream.bit_rate = max(2_000_000, stream.width * stream.height * int(fps) // 4)
         for img in arr:

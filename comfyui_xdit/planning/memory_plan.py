@@ -89,7 +89,12 @@ class Preset:
     vae: tuple
     text_tokens: int = 512  # the pipeline's default max_sequence_length
     note: str = ""
+    experts: int = 1  # transformers of this config the model holds (Wan 2.2 A14B: 2)
 
+
+_UMT5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
+             "feed_forward_proj": "gated-gelu", "vocab_size": 256384,
+             "tie_word_embeddings": False}
 
 PRESETS = {
     # FLUX.2 [dev]: diffusers' Flux2Transformer2DModel defaults are the dev model (8 double +
@@ -166,6 +171,25 @@ PRESETS = {
                                "up_block_types": ["UpDecoderBlock2D"] * 4,
                                "latent_channels": 16, "layers_per_block": 2}),
         note="Chroma1-HD 8.9B + T5-XXL"),
+    # Wan 2.1 T2V 14B (Wan-AI/Wan2.1-T2V-14B-Diffusers): 40 blocks, 40 heads x 128 (5120
+    # wide), FFN 13824, text_dim 4096 (diffusers' WanTransformer3DModel defaults); text
+    # encoder UMT5-XXL's encoder (UMT5EncoderModel: 24 layers, d_model 4096, d_ff 10240, 64
+    # heads x 64, gated GELU, vocabulary 256384); VAE AutoencoderKLWan at diffusers' defaults
+    # (base_dim 96, dim_mult 1/2/4/4, the release's). Text: 512 UMT5 tokens, reached by
+    # cross-attention only (never in the attention sequence).
+    "wan2.1-t2v-14b": Preset(
+        arch="wan", transformer={}, text_encoders=(("UMT5EncoderModel", _UMT5_XXL),),
+        vae=("AutoencoderKLWan", {}), note="Wan 2.1 T2V 14B + UMT5-XXL"),
+    # Wan 2.1 T2V 1.3B: 30 blocks, 12 heads x 128 (1536 wide), FFN 8960
+    "wan2.1-t2v-1.3b": Preset(
+        arch="wan", transformer={"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
+        text_encoders=(("UMT5EncoderModel", _UMT5_XXL),), vae=("AutoencoderKLWan", {}),
+        note="Wan 2.1 T2V 1.3B + UMT5-XXL"),
+    # Wan 2.2 T2V A14B: two experts of Wan 2.1 14B's dimensions (the high-noise `transformer`
+    # and the low-noise `transformer_2`), both resident; one runs at a time
+    "wan2.2-t2v-a14b": Preset(
+        arch="wan", transformer={}, text_encoders=(("UMT5EncoderModel", _UMT5_XXL),),
+        vae=("AutoencoderKLWan", {}), experts=2, note="Wan 2.2 T2V A14B (2 x 14B) + UMT5-XXL"),
 }
 
 
@@ -194,6 +218,7 @@ class ModelFacts:
     fp8_checkpoint: bool = False  # an fp8 file stays fp8 under weights="auto"
     text_tokens: int = 512
     text_encoder_bytes: Optional[int] = None  # measured from a folder's headers in the dtype
+    experts: int = 1  # transformers of the same config held at once (Wan 2.2 A14B: 2)
 
 
 def _meta(build):
@@ -230,12 +255,12 @@ def preset_facts(name: str) -> ModelFacts:
                       transformer_class=families.family(p.arch).transformer_class,
                       transformer_config=json.dumps(p.transformer, sort_keys=True),
                       text_encoder_params=te, vae_params=vae, vae_channels=channels,
-                      text_tokens=p.text_tokens)
+                      text_tokens=p.text_tokens, experts=p.experts)
 
 
 def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
     """A diffusers folder or single file, through the pack's detection (model_info)."""
-    from comfyui_xdit.planning.model_info import _describe_model
+    from comfyui_xdit.planning.model_info import _describe_model, expert_count
 
     d = _describe_model(path)
     arch, cfg = d["arch"], dict(d["config"])
@@ -258,7 +283,7 @@ def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
                       transformer_config=json.dumps(cfg, sort_keys=True, default=list),
                       text_encoder_params=0, text_encoder_bytes=te_bytes,
                       vae_params=vae_params, vae_channels=channels,
-                      fp8_checkpoint=bool(storage.get("fp8")))
+                      fp8_checkpoint=bool(storage.get("fp8")), experts=expert_count(path))
 
 
 def _torch_dtype(name: str):
@@ -306,7 +331,8 @@ def _transformer(class_name: str, config_json: str, arch: str) -> _Transformer:
     c = tr.config
     heads = int(c.num_attention_heads)
     hidden = heads * int(c.attention_head_dim)
-    ctx = int(c.get("joint_attention_dim", 0) or c.get("caption_projection_dim", 0) or hidden)
+    ctx = int(c.get("joint_attention_dim", 0) or c.get("caption_projection_dim", 0)
+              or c.get("text_dim", 0) or hidden)
     costs = ([stages.block_cost(b, "compute") for b in blocks],
              [stages.block_cost(b, "memory") for b in blocks])
     state = set(tr.state_dict())
@@ -343,6 +369,7 @@ class JobSize:
     text_tokens: Optional[int] = None  # None: the model's default (512)
     cfg: bool = False  # classifier-free guidance in use (two branches)
     reference_tokens: int = 0  # reference images' tokens, joined to the image stream
+    frames: int = 1  # video frames (4k + 1 for Wan): latent frames x the image's tokens
 
 
 @dataclass(frozen=True)
@@ -417,7 +444,9 @@ class MemoryPlan:
                 f"{' + shard_weights' if self.engine.shard_weights else ''}, "
                 f"{self.engine.dtype}, weights={self.engine.weights}, text encoders "
                 f"{self.text_encoders_on}, "
-                + (f"{self.job.height}x{self.job.width} batch {self.job.batch}"
+                + (f"{self.job.height}x{self.job.width}"
+                   + (f" x {self.job.frames} frames" if self.job.frames > 1 else "")
+                   + f" batch {self.job.batch}"
                    if self.job is not None else "before any job's activations")
                 + f": rank {w.rank} ({w.role}) needs {gib(w.total)}")
         if w.gpu_memory is not None:
@@ -502,7 +531,7 @@ def shard_figures(tr: _Transformer, dtype_bytes: int, fp8: bool, world: int) -> 
 
 
 def activation_bytes(tr: _Transformer, tokens: int, text_tokens: int, full_tokens: int,
-                     batch: int, dtype_bytes: int, sp: int) -> int:
+                     batch: int, dtype_bytes: int, sp: int, cross_text: bool = False) -> int:
     """One transformer forward's live activations on a rank, conservatively.
 
     Per token the rank holds (x hidden size h, and W = the widest Linear output inside the
@@ -511,13 +540,18 @@ def activation_bytes(tr: _Transformer, tokens: int, text_tokens: int, full_token
     computed from it), ACT_STREAM x h for the residual stream, the modulated norm output,
     Q, K, V, the attention output, the block output and a concatenation copy, and with
     Ulysses/Ring ACT_SP_BUFFERS x h more for the all-to-all / ring send and receive buffers.
-    Plus the text embeddings entering the model (text tokens x context width) and the RoPE
-    tables (cos and sin, fp32, full sequence x head dim)."""
+    Plus the text embeddings entering the model (text tokens x context width), with
+    `cross_text` (text reached by cross-attention, Wan) the whole text's K and V (2 x hidden
+    per text token, on every rank), and the RoPE tables (cos and sin, fp32, full sequence x
+    head dim). Attention scores are not counted: the kernels the pool uses (flash, cuDNN,
+    efficient attention on GPUs; the CPU flash kernel) never materialise them. A kernel that
+    did would need heads/ulysses x (sequence / ring)^2 elements per layer: 457 GB in bf16 for
+    Wan 14B's 40 heads at 720p x 81 frames (75,600 tokens), on one rank."""
     per_token = 2 * tr.widest + ACT_STREAM * tr.hidden + (ACT_SP_BUFFERS * tr.hidden
                                                          if sp > 1 else 0)
     head_dim = tr.hidden // tr.heads
-    return batch * dtype_bytes * (tokens * per_token + text_tokens * tr.context_dim) + \
-        2 * full_tokens * head_dim * 4
+    text = text_tokens * (tr.context_dim + (2 * tr.hidden if cross_text else 0))
+    return batch * dtype_bytes * (tokens * per_token + text) + 2 * full_tokens * head_dim * 4
 
 
 def vae_largest_map(channels: tuple, height: int, width: int) -> int:
@@ -528,16 +562,35 @@ def vae_largest_map(channels: tuple, height: int, width: int) -> int:
 
 
 def vae_decode_bytes(channels: tuple, height: int, width: int, batch: int, dtype_bytes: int,
-                     ranks: int) -> int:
+                     ranks: int, frames: int = 1, frames_per_chunk: int = 1) -> int:
     """The patch-parallel VAE decode's live activations on one rank: VAE_LIVE copies of the
     decoder's largest feature map, split over the ranks, plus the fp32 RGB image assembled
     on rank 0. At 1/2^i of the image side the decoder holds block_out_channels[i + 1]
     channels (the deeper level's upsampled output, before its first resnet narrows it; the
-    deepest level its own), so FLUX's largest map is 256 channels at full resolution."""
+    deepest level its own), so FLUX's largest map is 256 channels at full resolution. A
+    video's causal 3-D VAE (Wan) decodes one latent frame at a time into `frames_per_chunk`
+    frames (its time upsampling, 4): the largest map holds that many frames; the assembled
+    output holds all `frames`."""
     if not channels:
         return 0
-    largest = vae_largest_map(channels, height, width)
-    return batch * (VAE_LIVE * dtype_bytes * math.ceil(largest / ranks) + 3 * height * width * 4)
+    largest = vae_largest_map(channels, height, width) * frames_per_chunk
+    return batch * (VAE_LIVE * dtype_bytes * math.ceil(largest / ranks) +
+                    3 * height * width * 4 * frames)
+
+
+def job_tokens(facts: ModelFacts, job: JobSize) -> int:
+    """Tokens of one attention sequence: the image's (16 x 16 pixels a token) times the
+    latent frames of a video ((frames - 1) / 4 + 1 for Wan: 720p x 81 frames is 21 x 45 x
+    80 = 75,600), the references', and the text's where the family joins it to the image
+    (joint attention; Wan's text is reached by cross-attention, outside the sequence)."""
+    fam = families.family(facts.arch)
+    image = fam.latent.latent_frames(job.frames) * math.ceil(
+        job.height / (VAE_SCALE * PATCH)) * math.ceil(job.width / (VAE_SCALE * PATCH))
+    text = 0
+    if fam.text_in_sequence:
+        text = (job.text_tokens if job.text_tokens is not None else facts.text_tokens) + \
+            fam.text_extra_tokens
+    return image + job.reference_tokens + text
 
 
 _BY_OPTION = -1  # text_encoder_rank: from the option (cuda:N: rank N's GPU, N < world)
@@ -582,19 +635,23 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
 
     # tokens a rank holds in one forward (PipeFusion's warmup steps run the whole image);
     # no job (a launch for decoding or host-sampler calls): the fixed parts only
-    image = text = batch = act = 0
+    seq = batch = act = 0
     sp = config.sp
     if job is not None:
+        fam = families.family(facts.arch)
+        seq = job_tokens(facts, job)
         text = job.text_tokens if job.text_tokens is not None else facts.text_tokens
-        text += families.family(facts.arch).text_extra_tokens  # SD3: CLIP's beside T5's
-        image = math.ceil(job.height / (VAE_SCALE * PATCH)) * math.ceil(
-            job.width / (VAE_SCALE * PATCH)) + job.reference_tokens
-        tokens = math.ceil((image + text) / sp)  # both streams split over the sp ranks
+        text += fam.text_extra_tokens  # SD3: CLIP's beside T5's
+        tokens = math.ceil(seq / sp)  # the sequence (both streams if joint) over sp ranks
         branches = 2 if job.cfg else 1
         batch = math.ceil(job.batch / config.dp) * max(1, branches // config.cfg)
-        act = activation_bytes(tr, tokens, text, image + text, batch, db, sp)
+        act = activation_bytes(tr, tokens, text, seq, batch, db, sp,
+                               cross_text=not fam.text_in_sequence)
+        chunk = fam.latent.time_downscale if fam.latent.video else 1
         act = max(act, vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
-                                        job.height, job.width, job.batch, db, world))
+                                        job.height, job.width, job.batch, db, world,
+                                        frames=job.frames,
+                                        frames_per_chunk=min(chunk, job.frames)))
     vae = facts.vae_params * db
     te = text_encoder_bytes(facts, engine.dtype)
 
@@ -602,6 +659,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         if config.pipefusion > 1 else [(0, n_blocks)]
     ranks = []
     gather = 0
+    experts = max(1, facts.experts)  # every expert resident; one runs at a time
     sharded = engine.shard_weights and world > 1
     if sharded:
         shard = shard_figures(tr, db, fp8, world)
@@ -609,20 +667,20 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         gather = shard.received_per_forward * forwards
     for rank in range(world):
         kv = 0
-        if sharded:
-            weights = shard.peak - buffer_bytes
+        if sharded:  # the running expert's blocks gathered; the others' chunks at rest
+            weights = shard.peak - buffer_bytes + (experts - 1) * (shard.at_rest - buffer_bytes)
             role = f"shard {rank + 1}/{world}"
         elif config.pipefusion > 1:
             stage = worker_module("pipefusion.stages").stage_of_rank(rank, config.pipefusion, sp)
             lo, hi = ranges[stage]
-            weights = sum(block_bytes[lo:hi]) + rest_bytes
-            kv = 2 * (hi - lo) * (image + text) * math.ceil(tr.hidden / config.ulysses) * \
-                batch * db
+            weights = (sum(block_bytes[lo:hi]) + rest_bytes) * experts
+            # the running expert's layers (a switch of expert refills the cache)
+            kv = 2 * (hi - lo) * seq * math.ceil(tr.hidden / config.ulysses) * batch * db
             role = f"stage {stage + 1}/{config.pipefusion} (blocks {lo}-{hi - 1})"
         else:
-            weights = sum(block_bytes) + rest_bytes
+            weights = (sum(block_bytes) + rest_bytes) * experts
             role = "replica"
-        ranks.append(RankPlan(rank=rank, role=role, weights=weights + buffer_bytes,
+        ranks.append(RankPlan(rank=rank, role=role, weights=weights + buffer_bytes * experts,
                               activations=act,
                               kv_cache=kv, text_encoders=0, vae=vae, reserve=RESERVE_BYTES,
                               gpu_memory=caps[rank]))
@@ -657,12 +715,14 @@ def _alternatives(facts, config, engine, job, gpu_memory):
     world = config.ranks
     base = _plan(facts, config, engine, job, gpu_memory)
     layouts = [("", config, engine.shard_weights)]
-    if world > 1:
+    if world > 1:  # two experts (Wan 2.2 A14B): PipeFusion is refused, sharding runs
         for name, cfg, shard in ((f"pipefusion {world}", ParallelConfig(pipefusion=world),
                                   False),
                                  ("shard_weights", config, True),
                                  (f"ulysses {world} + shard_weights",
                                   ParallelConfig(ulysses=world), True)):
+            if facts.experts > 1 and cfg.pipefusion > 1:
+                continue
             if (cfg.key(), shard) not in [(c.key(), sh) for _, c, sh in layouts] and \
                     not (shard and cfg.pipefusion > 1):
                 layouts.append((name, cfg, shard))
@@ -764,6 +824,7 @@ def _job_size(request, model_path: str) -> JobSize:
                    batch=max(1, int(request.batch)),
                    text_tokens=int(request.max_sequence_length),
                    reference_tokens=int(request.reference_tokens(info)),
+                   frames=int(getattr(request, "frames", 1) or 1),
                    # the default cfg may depend on the model (FLUX.2 base vs distilled)
                    cfg=bool(request.uses_cfg(info)))
 
@@ -926,6 +987,8 @@ def add_cli(sub) -> None:
     p.add_argument("--height", type=int, required=True)
     p.add_argument("--width", type=int, required=True)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--frames", type=int, default=1,
+                   help="video models (Wan): frames, 4k + 1 (720p x 81 frames: 75,600 tokens)")
     p.add_argument("--max-sequence-length", type=int, default=None)
     p.add_argument("--gpu-memory", default=None,
                    help="GiB per GPU (with --compare: a comma list, e.g. 24,48,80)")
@@ -939,6 +1002,10 @@ def add_cli(sub) -> None:
                    help="a markdown table of every method (replicated, PipeFusion, "
                         "shard_weights; text encoders on GPU or CPU; bf16 and, where it "
                         "changes a verdict, fp8) on each GPU count x GPU size")
+    p.add_argument("--traffic-table", action="store_true",
+                   help="a markdown table of the bytes a rank sends per denoising step under "
+                        "each method (Ulysses, Ring, PipeFusion, shard_weights, CFG parallel "
+                        "with --cfg) on each --gpus count, timed on the links")
     p.add_argument("--shard-table", action="store_true",
                    help="a markdown table of shard_weights' bytes per rank and all-gather "
                         "traffic per forward on each --gpus count (e.g. 2,4,8)")
@@ -964,8 +1031,10 @@ def compare_table(facts: ModelFacts, job: JobSize, dtype: str, counts, sizes_gib
 
     def seq(n):  # Ulysses where the heads split evenly, else Ring: the same memory
         return ParallelConfig(ulysses=n) if tr.heads % n == 0 else ParallelConfig(ring=n)
+    # the pool refuses PipeFusion with two experts (Wan 2.2 A14B): planned, not runnable
+    mark = " (planned; refused with 2 experts)" if facts.experts > 1 else ""
     methods = [("Ulysses/Ring {n} (replicated)", seq, False),
-               ("PipeFusion {n}", lambda n: ParallelConfig(pipefusion=n), False),
+               ("PipeFusion {n}" + mark, lambda n: ParallelConfig(pipefusion=n), False),
                ("shard_weights, Ulysses/Ring {n}", seq, True)]
     cols = [(n, g) for g in sizes_gib for n in counts]
     head = ["method", "text enc.", "weights"] + [f"{n}x{g:g} GB" for n, g in cols]
@@ -1012,14 +1081,72 @@ def shard_table(facts: ModelFacts, dtype: str, weights: str, counts, links=LINKS
     return "\n".join(lines)
 
 
+def step_traffic(facts: ModelFacts, job: JobSize, dtype: str, n: int) -> dict:
+    """Bytes one rank sends per denoising step under each method at degree `n` (2 for CFG
+    parallel), the pool's schedules in theory (benchmarks/bench.py measures them):
+    A = one attention layer's full activation (batch x branches run in one process x
+    job_tokens x hidden x dtype); L = attention layers (the blocks).
+
+    - Ulysses n: 4 all-to-alls a layer (Q, K, V in, the output back), each sending (n-1)/n
+      of the rank's 1/n: 4(n-1)/n^2 x A x L;
+    - Ring n: K and V passed n-1 times around the ring: 2(n-1)/n x A x L;
+    - CFG parallel: the other branch's prediction gathered once a step (the latent's size);
+    - PipeFusion n: each stage passes its patches' activations on once a step: A (one branch
+      batch, warm-up steps alike; the stale K/V stay local);
+    - shard_weights n: the other ranks' chunks of every parameter, once a forward (one
+      expert's: the one running).
+    The text reached by cross-attention (Wan) is on every rank and never sent."""
+    fam = families.family(facts.arch)
+    tr = _transformer(facts.transformer_class, facts.transformer_config, facts.arch)
+    db = DTYPE_BYTES[dtype]
+    branches = 2 if job.cfg else 1
+    act = job.batch * job_tokens(facts, job) * tr.hidden * db
+    layers = len(tr.blocks)
+    latent = math.prod(fam.latent.shape(job.batch, job.height, job.width, job.frames)) * db
+    out = {"Ulysses": 4 * (n - 1) / n ** 2 * act * branches * layers,
+           "Ring": 2 * (n - 1) / n * act * branches * layers,
+           "PipeFusion": act * branches if n > 1 else 0,
+           "CFG parallel": latent if job.cfg else 0,
+           "shard_weights": shard_figures(tr, db, False, n).received_per_forward * branches}
+    return out
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:,.0f} ms" if ms >= 10 else f"{ms:.2g} ms"
+
+
+def traffic_table(facts: ModelFacts, job: JobSize, dtype: str, counts,
+                  links=LINKS_GBPS) -> str:
+    """Markdown: step_traffic per method and degree, GB (1e9 B) a rank sends per step, and
+    that volume's time on `links` (a floor: the schedules overlap some of it with compute)."""
+    tr = _transformer(facts.transformer_class, facts.transformer_config, facts.arch)
+    head = ["method", "ranks", "sent per rank per step"] + \
+        [f"{name} ~{bw:g} GB/s" for name, bw in links]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
+    for name in ("Ulysses", "Ring", "PipeFusion", "shard_weights"):
+        for n in counts:
+            if n < 2 or (name == "Ulysses" and tr.heads % n) or \
+                    (name == "PipeFusion" and n > len(tr.blocks)):
+                continue
+            rows.append((name, n, step_traffic(facts, job, dtype, n)[name]))
+    if job.cfg:
+        rows.append(("CFG parallel", 2, step_traffic(facts, job, dtype, 2)["CFG parallel"]))
+    for name, n, b in rows:
+        lines.append("| " + " | ".join([name, str(n), f"{b / 1e9:.3g} GB"] + [
+            _ms(b / (bw * 1e9) * 1e3) for _, bw in links]) + " |")
+    return "\n".join(lines)
+
+
 def run_cli(args) -> int:
     counts = _numbers(args.gpus, "--gpus", int)
     sizes = _numbers(args.gpu_memory, "--gpu-memory", float)
     if args.link_gbps is not None and args.link_gbps <= 0:
         raise ConfigError(f"--link-gbps must be > 0 (got {args.link_gbps})")
-    if args.shard_table:
+    if args.shard_table or args.traffic_table:
         if not counts:
-            raise ConfigError("--shard-table needs --gpus (e.g. 2,4,8)")
+            raise ConfigError(f"--{'shard' if args.shard_table else 'traffic'}-table needs "
+                              f"--gpus (e.g. 2,4,8)")
     elif args.compare:
         if not counts or not sizes:
             raise ConfigError("--compare needs --gpus (e.g. 2,4,8) and --gpu-memory in GiB "
@@ -1030,8 +1157,8 @@ def run_cli(args) -> int:
     config = ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel,
                             pipefusion=args.pipefusion, ulysses=args.ulysses, ring=args.ring,
                             pipefusion_split=args.pipefusion_split,
-                            world_size=None if args.compare or args.shard_table or not counts
-                            else counts[0])
+                            world_size=None if args.compare or args.shard_table or
+                            args.traffic_table or not counts else counts[0])
     out = config.problems()
     engine = EngineOptions(device="cuda", dtype=args.dtype, weights=args.weights,
                            text_encoders=args.text_encoders, shard_weights=args.shard_weights)
@@ -1046,13 +1173,22 @@ def run_cli(args) -> int:
     if out:
         raise ConfigError("; ".join(out))
     facts = preset_facts(args.preset) if args.preset else model_facts(args.model, args.dtype)
+    from comfyui_xdit.planning.request import frames_problems
+    bad = frames_problems(args.frames, facts.arch)
+    if bad:
+        raise ConfigError("; ".join(bad))
     blocks = len(_transformer(facts.transformer_class, facts.transformer_config,
                               facts.arch).blocks)
     if config.pipefusion > blocks:
         raise ConfigError(f"pipefusion {config.pipefusion} exceeds the model's {blocks} "
                           f"blocks; use pipefusion <= {blocks}")
     job = JobSize(height=args.height, width=args.width, batch=args.batch,
-                  text_tokens=args.max_sequence_length, cfg=args.cfg)
+                  text_tokens=args.max_sequence_length, cfg=args.cfg, frames=args.frames)
+    if args.traffic_table:
+        print(traffic_table(facts, job, args.dtype, counts,
+                            LINKS_GBPS if args.link_gbps is None else
+                            (("your link", args.link_gbps),)))
+        return 0
     if args.shard_table:
         print(shard_table(facts, args.dtype, args.weights, counts,
                           LINKS_GBPS if args.link_gbps is None else

@@ -9,6 +9,7 @@ a `ModelInfo`; the names below are re-exported so host code and tests keep one i
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,10 @@ class ModelInfo:
     # pipeline's own default). A step-distilled model runs without CFG by default, a base
     # model with it. None where the model does not say (other pipelines, single files).
     distilled: Optional[bool] = None
+    # image-to-video (the family's `image_to_video`, Wan I2V): the model needs a start image;
+    # and its CLIP vision states (Wan 2.1 I2V)
+    start_image: bool = False
+    image_states: bool = False
 
     @property
     def family(self):
@@ -119,13 +124,22 @@ def read_model_info(path) -> ModelInfo:
                          patch_size=spatial_patch(cfg["patch_size"]), kind="file",
                          has_text_encoders=False, has_vae=False,
                          blocks=_block_count(arch, cfg),
-                         storage=_storage_name(d.get("storage")))
+                         storage=_storage_name(d.get("storage")), **_i2v(arch, cfg))
     # a folder's config omits what equals the diffusers class default
     cfg = {**families.family(arch).config_defaults, **cfg}
     return ModelInfo(path=str(path), arch=arch, heads=int(cfg.get("num_attention_heads", 24)),
                      patch_size=spatial_patch(cfg.get("patch_size", 1)),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
-                     distilled=_klein_distilled(path))
+                     distilled=_klein_distilled(path), **_i2v(arch, cfg))
+
+
+def _i2v(arch: str, cfg: dict) -> dict:
+    """ModelInfo's start_image / image_states from the transformer config."""
+    fam = families.family(arch)
+    if fam.image_to_video is None:
+        return {}
+    start, states = fam.image_to_video({**fam.config_defaults, **dict(cfg)})
+    return {"start_image": bool(start), "image_states": bool(states)}
 
 
 def comfy_unet_config(path) -> dict:
@@ -135,3 +149,17 @@ def comfy_unet_config(path) -> dict:
     d = _describe_model(Path(path))
     fam = families.family(d["arch"])
     return fam.comfy.unet({**fam.config_defaults, **dict(d["config"])})
+
+
+def expert_count(path) -> int:
+    """Transformers a diffusers folder denoises with: 2 where model_index.json names a
+    `transformer_2` (Wan 2.2 A14B's high- and low-noise experts), else 1 (a single file: 1)."""
+    index = os.path.join(str(path), "model_index.json")
+    if not os.path.isfile(index):
+        return 1
+    try:
+        with open(index) as f:
+            second = json.load(f).get("transformer_2")
+    except (OSError, ValueError):
+        return 1
+    return 2 if isinstance(second, list) and second and second[0] is not None else 1

@@ -70,6 +70,29 @@ class GenerationRequest:
     # QwenImageEditPipeline, whose text encoder also reads the image with the prompt); a
     # diffusers folder is needed. They go through 8-bit RGB, as the pipelines take PIL images.
     reference_images: Optional[list] = None
+    # Image-to-video (Wan I2V folders, WanImageToVideoPipeline): the start frame, shared by
+    # every guidance branch (and both experts of Wan 2.2). Either one `reference_images`
+    # entry (the CLI's --image: rank 0 resizes it to height x width, VAE-encodes it followed
+    # by black frames, and, for Wan 2.1, reads it with the folder's CLIP image encoder, all
+    # as the pipeline does), or ComfyUI's WanImageToVideo values, which
+    # comfy_convert.conditioning_to_request carries out of the CONDITIONING and
+    # comfy_convert.start_image_fields lifts here (positive and negative must agree):
+    #   concat_latent: its "concat_latent_image", the RAW VAE latent (ComfyUI's LATENT space,
+    #     not normalised) of the start video (the image, then mid-grey frames)
+    #     [1 or batch, 16, T, height/8, width/8], T = (frames - 1) / 4 + 1, the LATENT's own
+    #     size (sizes are not rescaled: a mismatch is refused);
+    #   concat_mask: its "concat_mask" as the node sets it, [1 or batch, 1 or 4, T' <= T,
+    #     height/8, width/8], 0 on the latent frames the image gives (WanImageToVideo: the
+    #     first (images - 1) // 4 + 1), 1 elsewhere; None as in ComfyUI's WAN21.concat_cond
+    #     (the transformer's mask channels all 0). The pool builds the transformer's 20
+    #     extra input channels as WAN21.concat_cond does: cat([1 - mask (channel mean,
+    #     frames padded with 0, repeated to 4 channels), (concat_latent - mean) / std]);
+    #   image_embeds: "clip_vision_output".penultimate_hidden_states [1 or batch, N, D], the
+    #     CLIP image tokens Wan 2.1 I2V attends to (a model without image K/V ignores them,
+    #     as ComfyUI does).
+    concat_latent: Any = None
+    concat_mask: Any = None
+    image_embeds: Any = None
     # Step cache (workers/step_cache.py CacheSettings, whose defaults these are): threshold
     # (0 or None: off), warmup, head, tail, max_skips, taylor. Resolved to every field.
     cache: Optional[dict] = None
@@ -180,6 +203,7 @@ class GenerationRequest:
         out.extend(_single_file_problems(self, model))
         out.extend(_reference_problems(self, model))
         out.extend(_reference_image_problems(self, model))
+        out.extend(start_image_problems(self, model))
         out.extend(cache_problems(self.cache))
         return out
 
@@ -317,7 +341,7 @@ def _reference_image_problems(req: "GenerationRequest", model) -> list[str]:
                 "0..1, or PIL); leave it None for no reference"]
     arch = getattr(model, "arch", None)
     fam = None if arch is None else families.family(arch)
-    if fam is not None and not fam.reference_methods:
+    if fam is not None and not fam.reference_methods and fam.image_to_video is None:
         return [f"reference images are not supported by {fam.name} models (remove the "
                 f"reference image)"]
     if model is not None and not getattr(model, "has_vae", True):
@@ -343,6 +367,68 @@ def _reference_image_problems(req: "GenerationRequest", model) -> list[str]:
                        f"(got {type(im).__name__})")
         elif min(im.size) < 16:
             out.append(f"{name} is {im.size[1]}x{im.size[0]} pixels; give at least 16x16")
+    return out
+
+
+def start_image_problems(req: "GenerationRequest", model) -> list[str]:
+    """Image-to-video: an I2V model needs exactly one start image (reference_images or
+    ComfyUI's concat_latent), a text-to-video one takes none; shapes as the request's
+    comment gives them. `model`: a ModelInfo (its start_image / image_states), or None."""
+    import torch
+
+    messages = worker_module("messages")
+    arch = getattr(model, "arch", None)
+    fam = None if arch is None else families.family(arch)
+    given = {k: getattr(req, k) for k in ("concat_latent", "concat_mask", "image_embeds")
+             if getattr(req, k) is not None}
+    images = req.reference_images
+    if fam is not None and fam.image_to_video is None:
+        return [f"{', '.join(given)}: image-to-video inputs, which {fam.name} models do not "
+                f"take"] if given else []
+    if "concat_latent" not in given and given:
+        return [f"{', '.join(given)} without concat_latent: ComfyUI's WanImageToVideo sets "
+                f"them with the start image's latent (concat_latent_image)"]
+    if fam is None:
+        return []
+    name = fam.name
+    start = bool(getattr(model, "start_image", False))
+    if not start:
+        return [messages.NO_START_IMAGE.format(name=name)] if given or images else []
+    if given and images:
+        return [messages.START_IMAGE_TWICE]
+    if not given and not images:
+        return [messages.NEEDS_START_IMAGE.format(name=name)]
+    if images:
+        return [] if len(images) == 1 else [f"{name} image-to-video takes one start image "
+                                            f"(got {len(images)})"]
+    out = []
+    lat, mask, emb = req.concat_latent, req.concat_mask, req.image_embeds
+    spec = fam.latent
+    t = (req.frames - 1) // spec.time_downscale + 1 if isinstance(req.frames, int) else None
+    h, w = (v // spec.downscale if isinstance(v, int) else None
+            for v in (req.height, req.width))
+    want = f"[1 or {req.batch}, {spec.channels}, {t}, {h}, {w}]"
+    if not torch.is_tensor(lat) or lat.dim() != 5 or not lat.is_floating_point() \
+            or int(lat.shape[0]) not in (1, req.batch) \
+            or tuple(int(v) for v in lat.shape[1:]) != (spec.channels, t, h, w):
+        got = tuple(lat.shape) if torch.is_tensor(lat) else type(lat).__name__
+        out.append(f"concat_latent must be the start video's raw VAE latent {want} for "
+                   f"{req.frames} frames of {req.width}x{req.height} (got {got}); encode it "
+                   f"at the LATENT's size (WanImageToVideo does)")
+    if mask is not None and (
+            not torch.is_tensor(mask) or mask.dim() != 5 or int(mask.shape[0]) not in
+            (1, req.batch) or int(mask.shape[1]) not in (1, 4) or
+            int(mask.shape[2]) > (t or 0) or tuple(int(v) for v in mask.shape[3:]) != (h, w)):
+        got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        out.append(f"concat_mask must be [1 or {req.batch}, 1 or 4, <= {t}, {h}, {w}] "
+                   f"(WanImageToVideo's; got {got})")
+    if emb is not None and (not torch.is_tensor(emb) or emb.dim() != 3
+                            or int(emb.shape[0]) not in (1, req.batch)):
+        got = tuple(emb.shape) if torch.is_tensor(emb) else type(emb).__name__
+        out.append(f"image_embeds must be CLIP vision states [1 or {req.batch}, tokens, dim] "
+                   f"(clip_vision_output.penultimate_hidden_states; got {got})")
+    if emb is None and getattr(model, "image_states", False):
+        out.append(messages.NEEDS_IMAGE_EMBEDS.format(name=name))
     return out
 
 

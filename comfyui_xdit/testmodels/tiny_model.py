@@ -33,7 +33,7 @@ _chroma = worker_module("families.chroma")
 ARCHS = families.IDS
 FLUX2_VARIANTS = ("klein", "dev")  # tiny-model --arch flux2 --variant
 # tiny-model --variant per arch (the first: the default, kept out of the cache key)
-VARIANTS = {"flux2": FLUX2_VARIANTS, "wan": ("t2v", "a14b")}
+VARIANTS = {"flux2": FLUX2_VARIANTS, "wan": ("t2v", "a14b", "i2v", "i2v-a14b")}
 
 # Bump when the folder layout or any config below changes: it is part of the cache key, so
 # ensure_tiny_model never serves a folder built by an older recipe.
@@ -573,7 +573,8 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     sd35: SD3.5-style blocks (QK RMS norm, dual attention); arch sd3 only.
     variant: flux2: "klein" (default; Flux2KleinPipeline, Qwen3, no guidance embedding)
     or "dev" (Flux2Pipeline, Mistral-3 text encoder, embedded guidance); wan: "t2v" (default,
-    Wan 2.1) or "a14b" (Wan 2.2's two experts), comfyui_xdit/testmodels/tiny_wan.py.
+    Wan 2.1), "a14b" (Wan 2.2's two experts), "i2v" (Wan 2.1 image-to-video, CLIP image
+    encoder) or "i2v-a14b" (Wan 2.2 I2V A14B), comfyui_xdit/testmodels/tiny_wan.py.
     Same arguments -> byte-identical safetensors.
     """
     cfg = resolve_config(arch, seed=seed, depth=depth, width=width, heads=heads, sd35=sd35,
@@ -709,7 +710,7 @@ def cached_build(cache_dir: str | os.PathLike, name: str, build) -> pathlib.Path
 
 # Block prefixes of both namings: the Linears inside them are what fp8 files store in fp8.
 _BLOCK_PREFIXES = ("double_blocks.", "single_blocks.", "joint_blocks.", "transformer_blocks.",
-                   "single_transformer_blocks.")
+                   "single_transformer_blocks.", "blocks.")  # blocks.: Wan
 
 
 def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool) -> pathlib.Path:

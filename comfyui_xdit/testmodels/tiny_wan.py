@@ -3,6 +3,13 @@
 - "t2v" (default): WanPipeline, Wan 2.1 text-to-video: one transformer.
 - "a14b": WanPipeline, Wan 2.2 A14B's layout: a high-noise `transformer` and a low-noise
   `transformer_2` (seeded apart), `boundary_ratio` 0.875 in model_index.json.
+- "i2v": WanImageToVideoPipeline, Wan 2.1 I2V: in_channels 36 (the noise, the 4-channel
+  first-frame mask, the 16-channel image video), the CLIP image states reached through their
+  own cross-attention K/V (`image_dim`, `added_kv_proj_dim`), a tiny CLIPVisionModel (2
+  layers: the pipeline reads hidden_states[-2]) and its CLIPImageProcessorPil (no
+  torchvision).
+- "i2v-a14b": WanImageToVideoPipeline, Wan 2.2 I2V A14B: two 36-channel experts, no image
+  encoder, `boundary_ratio` 0.9 as the release.
 
 Parts: WanTransformer3DModel (`depth` blocks, `heads` x width/heads, patch (1, 2, 2), ffn
 2 x width), UMT5EncoderModel over the shared T5-style unigram tokenizer (tiny_model), an
@@ -16,7 +23,12 @@ from comfyui_xdit.client.worker_modules import worker_module
 
 _family = worker_module("families.wan")
 
-VARIANTS = ("t2v", "a14b")
+VARIANTS = ("t2v", "a14b", "i2v", "i2v-a14b")
+# Wan-AI/Wan2.2-I2V-A14B-Diffusers' model_index.json boundary_ratio
+I2V_BOUNDARY_RATIO = 0.9
+# the CLIP vision tower: (32 / 8)^2 patches + the class token = 17 image tokens
+CLIP_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
 TEXT = dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
 VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
            temperal_downsample=[False, True, True])
@@ -46,9 +58,21 @@ def _text(seed: int):
     return tok, _seeded(seed, 1, UMT5EncoderModel, config).eval()
 
 
+def _image_encoder(seed: int):
+    """A tiny CLIPVisionModel and its image processor (PIL backend: torchvision is absent)."""
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+
+    from comfyui_xdit.testmodels.tiny_model import _seeded
+    size = CLIP_VISION["image_size"]
+    processor = CLIPImageProcessorPil(size={"shortest_edge": size},
+                                      crop_size={"height": size, "width": size})
+    return _seeded(seed, 6, CLIPVisionModel, CLIPVisionConfig(**CLIP_VISION)).eval(), processor
+
+
 def build_pipeline(cfg: dict):
     """The tiny Wan pipeline in memory for a tiny_model.resolve_config `cfg`."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline,
+                           WanPipeline)
 
     from comfyui_xdit.testmodels.tiny_model import _seeded
     seed, variant = cfg["seed"], cfg.get("variant") or "t2v"
@@ -57,8 +81,17 @@ def build_pipeline(cfg: dict):
                   latents_std=list(_family.LATENTS_STD), **VAE)
     sched = {k: v for k, v in _family.SCHEDULER.items() if k != "_class_name"}
     scheduler = UniPCMultistepScheduler(**sched)
-    parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                 transformer=_transformer(cfg, seed, 3))
+    parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler)
+    if variant == "i2v":  # Wan 2.1 I2V: CLIP image tokens through their own K/V
+        encoder, processor = _image_encoder(seed)
+        extra = dict(image_dim=CLIP_VISION["hidden_size"], added_kv_proj_dim=cfg["width"])
+        return WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor,
+                                       transformer=_transformer(cfg, seed, 3, 36, **extra))
+    if variant == "i2v-a14b":  # Wan 2.2 I2V A14B: two 36-channel experts, no image encoder
+        return WanImageToVideoPipeline(**parts, transformer=_transformer(cfg, seed, 3, 36),
+                                       transformer_2=_transformer(cfg, seed, 5, 36),
+                                       boundary_ratio=I2V_BOUNDARY_RATIO)
+    parts["transformer"] = _transformer(cfg, seed, 3)
     if variant == "a14b":
         parts.update(transformer_2=_transformer(cfg, seed, 5),
                      boundary_ratio=_family.BOUNDARY_RATIO)

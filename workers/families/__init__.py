@@ -125,11 +125,19 @@ class Family:
     # PipeFusion runs references first in the image stream (workers/pipefusion/strategy.py):
     # exact where positions come from ids (FLUX), not where RoPE follows the token order
     pipefusion_references: bool = True
+    # video from a start image (Wan I2V): the transformer config (class defaults filled in)
+    # -> (takes a start image's condition, concatenated to the noise along channels; also
+    # takes the image's CLIP vision states). None: the family has no image-to-video models
+    image_to_video: Optional[Callable] = None
     # single files, which carry neither: (scheduler config, VAE latent config) of the
     # released model, from the transformer config
     released: Optional[Callable] = None
     lora_formats: str = "diffusers/PEFT"
     text_extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's
+    # the text tokens join the image tokens in one attention sequence (joint attention:
+    # FLUX, SD3, Qwen-Image, Chroma); False: the text is reached by cross-attention only
+    # (Wan), so sequence parallelism splits and exchanges the image / video tokens alone
+    text_in_sequence: bool = True
     # the split the MODEL uses when the loader gives no degrees: CFG parallel first when
     # ComfyUI's samplers batch both branches in one call
     model_cfg_first: bool = False

@@ -7,7 +7,7 @@ low-noise one for the rest (the folder's `boundary_ratio`); each its own guidanc
 from __future__ import annotations
 
 from . import ComfySpec, Family, LatentSpec
-from ._shapes import numbered
+from ._shapes import numbered, pick
 from .qwen_image import LATENTS_MEAN, LATENTS_STD, RGB, RGB_BIAS
 
 # ComfyUI's latent_formats.Wan21: the raw VAE latent [B, 16, T, H/8, W/8], T = (frames - 1)
@@ -50,6 +50,8 @@ def config_from_shapes(shapes: dict, naming: str) -> dict:
         image = shapes.get("img_emb.proj.1.weight")
         added = "blocks.0.cross_attn.k_img.weight" in shapes
         pos = shapes.get("img_emb.emb_pos")
+        cross_norm = "blocks.0.norm3.weight" in shapes  # ComfyUI's norm3: diffusers' norm2
+        qk_norm = "blocks.0.self_attn.norm_q.weight" in shapes
     else:
         out = int(shapes["proj_out.weight"][0]) // 4
         text = int(shapes["condition_embedder.text_embedder.linear_1.weight"][1])
@@ -57,11 +59,16 @@ def config_from_shapes(shapes: dict, naming: str) -> dict:
         image = shapes.get("condition_embedder.image_embedder.ff.net.0.proj.weight")
         added = "blocks.0.attn2.add_k_proj.weight" in shapes
         pos = shapes.get("condition_embedder.image_embedder.pos_embed")
+        cross_norm = "blocks.0.norm2.weight" in shapes
+        qk_norm = "blocks.0.attn1.norm_q.weight" in shapes
     head_dim = 128 if inner % 128 == 0 else inner
     cfg = {"patch_size": [1, 2, 2], "in_channels": in_ch, "out_channels": out,
            "num_layers": len(blocks), "attention_head_dim": head_dim,
            "num_attention_heads": inner // head_dim, "text_dim": text, "ffn_dim": ffn,
-           "freq_dim": 256, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads",
+           "freq_dim": int(pick(shapes, bfl, "time_embedding.0.weight",
+                                "condition_embedder.time_embedder.linear_1.weight")[1]),
+           "cross_attn_norm": cross_norm,
+           "qk_norm": "rms_norm_across_heads" if qk_norm else None,
            "eps": 1e-6, "rope_max_seq_len": 1024}
     if image is not None:  # Wan 2.1 I2V: CLIP image tokens through their own K/V
         cfg["image_dim"] = int(image[1])
@@ -85,6 +92,14 @@ def comfy_unet(cfg: dict) -> dict:
             else "t2v", "dim": inner, "in_dim": in_ch,
             "out_dim": int(cfg.get("out_channels", 16)),
             "num_layers": int(cfg.get("num_layers", 40))}
+
+
+def image_to_video(cfg: dict) -> tuple:
+    """(a start image's condition: the 36-channel I2V transformers take the noise, the
+    4-channel first-frame mask and the 16-channel image video; its CLIP image states: Wan
+    2.1 I2V's `image_dim`, reached through their own cross-attention K/V)."""
+    start = int(cfg.get("in_channels", 16)) > int(cfg.get("out_channels", 16))
+    return start, start and cfg.get("image_dim") is not None
 
 
 def pipeline_of(index_class) -> str:
@@ -121,5 +136,6 @@ FAMILY = Family(
     cfg=CFG, guidance=None, pooled=False,
     text_hint="encode with Wan's text encoder (umt5-xxl: CLIPLoader type wan) or type the "
               "prompt into the sampler",
-    released=released, detect_order=50, pipeline_of=pipeline_of,
+    released=released, detect_order=50, pipeline_of=pipeline_of, text_in_sequence=False,
+    image_to_video=image_to_video,
 )

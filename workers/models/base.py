@@ -110,6 +110,9 @@ class DiTAdapter:
     lora_alphas = False  # LoRA network alphas go to load_lora_into_transformer (FLUX.1)
     cfg_rescale = False  # true CFG rescaled to the conditional prediction's norm (Qwen-Image)
     latents_fp32 = False  # the loop keeps fp32 latents whatever the model's dtype (Wan)
+    # more of the folder's components the text-encoding pipeline leaves unloaded (beside
+    # the transformer and the VAE): Wan 2.2's second expert
+    encoder_skips: tuple = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -208,8 +211,8 @@ class DiTAdapter:
             if with_text_encoders:
                 te_device = self._text_encoder_device(path, device, dtype, text_encoders)
                 pcls = getattr(diffusers, self.pipeline_class)
-                encoder = pcls.from_pretrained(path, transformer=None, vae=None,
-                                               torch_dtype=dtype)
+                skip = dict.fromkeys(("transformer", "vae") + self.encoder_skips, None)
+                encoder = pcls.from_pretrained(path, torch_dtype=dtype, **skip)
                 encoder.to(te_device)
         model = LoadedModel(path=path, arch=self.arch, transformer=transformer, encoder=encoder,
                             scheduler_config=sched, vae_config=vae, device=device, dtype=dtype,
@@ -283,6 +286,17 @@ class DiTAdapter:
     def unpack(self, x, height, width):
         return x
 
+    def joint_text_tokens(self, cond: dict) -> int:
+        """Text tokens in the attention's joint sequence (beside the image tokens): the
+        whole text for the joint-attention families; 0 where text is reached by
+        cross-attention only (Wan)."""
+        return int(cond["encoder_hidden_states"].shape[1])
+
+    def token_grid(self, height: int, width: int, frames: int = 1) -> tuple:
+        """(token rows, tokens per row) of a `frames`-frame image: the tokens in order are
+        `rows` runs of `cols` (PipeFusion's patches are bands of whole rows)."""
+        return height // 16, width // 16
+
     def latent_rows(self, x, r0: int, r1: int, cols: int):
         """View of token rows r0..r1 (16 pixels each) of a model-space latent as the
         transformer takes it (PipeFusion's patches)."""
@@ -324,6 +338,18 @@ class DiTAdapter:
         VAE exactly as the family's diffusers pipeline prepares its references; not for
         this family."""
         raise ValueError(f"reference images are not supported by {self.family.name} models")
+
+    def start_condition(self, model, req: dict, images, batch: int):
+        """Image-to-video (rank 0): the request's start frame (`images`: the reference
+        images as PIL, or req's concat_latent / concat_mask / image_embeds) -> {"references":
+        the job's references ({"tokens": the condition, [1 or B, ...] model space, which
+        every step joins to the latents}), "cond": what both guidance branches add to their
+        conditioning}; None where the job has no start frame (then `images`, if any, are
+        references). Not for this family."""
+        if req.get("concat_latent") is not None:
+            raise ValueError(f"image-to-video inputs (concat_latent) are not supported by "
+                             f"{self.family.name} models")
+        return None
 
     def pack_references(self, refs) -> torch.Tensor:
         """Model-space references [b_i, C, (1,) h, w] (a call's, from ComfyUI) -> tokens

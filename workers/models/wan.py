@@ -39,6 +39,13 @@ def read_index(path: str) -> dict:
         return json.load(f)
 
 
+EXPERTS_PIPEFUSION = ("PipeFusion does not run Wan 2.2's two experts yet (each stage would hold "
+                      "its blocks of both); use Ulysses, Ring, CFG, data parallel or weight "
+                      "sharding")
+
+# diffusers' WanAttnProcessor: the text tokens of a cross-attention with image K/V (Wan 2.1 I2V)
+I2V_TEXT_TOKENS = 512
+
 EXPAND_TIMESTEPS = ("this Wan folder sets expand_timesteps (Wan 2.2 TI2V-5B: per-token "
                     "timesteps and the 48-channel Wan 2.2 VAE), which the pool does not run; "
                     "Wan 2.1 and 2.2 A14B folders run")
@@ -48,6 +55,7 @@ class WanAdapter(DiTAdapter):
     family = families.FAMILIES["wan"]
     bfl_blocks = {"blocks": "blocks"}
     latents_fp32 = True
+    encoder_skips = ("transformer_2",)  # rank 0's prompt (and image) encoder holds no expert
     layout = SequenceLayout(
         split_inputs={},
         split_outputs={"patch_embedding": ("image", 2, "flatten"),
@@ -69,10 +77,17 @@ class WanAdapter(DiTAdapter):
                              weights=weights, text_encoders=text_encoders, shard=shard)
         model.index = index
         if index.get("transformer_2") and index["transformer_2"][0] is not None:
-            if stage is not None or shard is not None:
-                raise ValueError("PipeFusion and weight sharding do not run Wan 2.2's two "
-                                 "experts yet; use Ulysses, Ring, CFG or data parallel")
-            model.transformer_2 = self.load_expert(path, "transformer_2", device, dtype, weights)
+            if stage is not None:
+                raise ValueError(EXPERTS_PIPEFUSION)
+            if shard is not None:  # sharded as the first expert, shard-only reads
+                from ..weights_shards import load_shards
+                tr, _ = load_shards(self, path, device, dtype, weights, shard,
+                                    subfolder="transformer_2")
+                tr.rope.to(device)
+                model.transformer_2 = tr
+            else:
+                model.transformer_2 = self.load_expert(path, "transformer_2", device, dtype,
+                                                       weights)
         return model
 
     def load_expert(self, path, subfolder, device, dtype, weights):
@@ -98,10 +113,11 @@ class WanAdapter(DiTAdapter):
         a meta-built model's rope module made again on the CPU as __init__ makes it (fp32;
         `assemble` moves it to the device)."""
         rope = transformer.rope
-        if rope.freqs_cos.device.type == "meta":
-            with torch.device("cpu"):
-                transformer.rope = type(rope)(rope.attention_head_dim, rope.patch_size,
-                                              rope.max_seq_len)
+        # always made again: also called after FSDP's `to_empty` (workers/weights_shards.py),
+        # which leaves these buffers allocated but uninitialised (not on the meta device)
+        with torch.device("cpu"):
+            transformer.rope = type(rope)(rope.attention_head_dim, rope.patch_size,
+                                          rope.max_seq_len)
 
     def assemble(self, path, transformer, report, device, dtype, *args, **kw):
         transformer.rope.to(device)  # once, not per forward
@@ -112,6 +128,24 @@ class WanAdapter(DiTAdapter):
 
     def unpack(self, x, height, width):
         return x
+
+    def joint_text_tokens(self, cond):
+        return 0  # the text is reached by cross-attention only
+
+    def token_grid(self, height, width, frames=1):
+        """Tokens run frame by frame, each frame height/16 rows of width/16: the token rows
+        of the whole video are its frames' rows one after the other."""
+        return self.family.latent.latent_frames(frames) * (height // 16), width // 16
+
+    def latent_rows(self, x, r0, r1, cols):
+        """Token rows r0..r1 of a latent [B, C, T, h, w] (PipeFusion's patches): with frame
+        and latent row merged ([B, C, T * h, w], a view of the contiguous latent) token row
+        r is merged rows 2r, 2r + 1 whatever its frame, so a band crossing a frame boundary
+        is still one view. A tensor of merged rows already ([B, C, rows, w], such a band)
+        is narrowed as it is (rows relative to it)."""
+        if x.dim() == 5:
+            x = x.flatten(2, 3)
+        return x.narrow(2, 2 * r0, 2 * (r1 - r0))
 
     def timesteps(self, scheduler, steps, latents, device):
         # set on the CPU (its timesteps stay there: the expert choice reads them, no device
@@ -147,10 +181,136 @@ class WanAdapter(DiTAdapter):
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         tr = self.transformer_for(model, extra)
         b = latents.shape[0]
-        return tr(hidden_states=latents.to(model.dtype), timestep=t.expand(b),
-                  encoder_hidden_states=cond["encoder_hidden_states"],
-                  encoder_hidden_states_image=cond.get("image_embeds"),
+        x = latents.to(model.dtype)
+        video = (extra or {}).get("ref_tokens")  # image-to-video: the start frame's condition
+        if video is not None:  # [1 or B, 20, T, h, w], joined along channels before the patch
+            x = torch.cat([x, video.expand(b, -1, -1, -1, -1)], 1)  # embedding (so a
+        text, image = cond["encoder_hidden_states"], cond.get("image_embeds")  # sequence
+        if image is not None:  # split splits it with the tokens)
+            image = image.expand(b, -1, -1)
+            text = self.text_for_image_kv(text)
+        return tr(hidden_states=x, timestep=t.expand(b), encoder_hidden_states=text,
+                  encoder_hidden_states_image=image,
                   attention_kwargs=dict(jak or {}), return_dict=False)[0]
+
+    # ---- image-to-video (WanImageToVideoPipeline; ComfyUI's WanImageToVideo) -----------
+    @staticmethod
+    def slice_cond(cond: dict, sl: slice) -> dict:
+        out = DiTAdapter.slice_cond(cond, sl)
+        image = cond.get("image_embeds")  # one per video, or one shared [1, N, D]
+        if image is not None and image.shape[0] > 1:
+            out["image_embeds"] = image[sl]
+        return out
+
+    @staticmethod
+    def text_for_image_kv(text):
+        """Wan 2.1 I2V's cross-attention (diffusers' WanAttnProcessor) takes the text as the
+        last 512 context tokens and the image tokens as the rest: the text padded with zeros
+        to 512 tokens, as the pipeline pads its prompts to max_sequence_length 512."""
+        n = text.shape[1]
+        if n > I2V_TEXT_TOKENS:
+            raise ValueError(f"Wan image-to-video reads {I2V_TEXT_TOKENS} text tokens; the "
+                             f"text states have {n}")
+        if n == I2V_TEXT_TOKENS:
+            return text
+        return torch.cat([text, text.new_zeros(text.shape[0], I2V_TEXT_TOKENS - n,
+                                               text.shape[2])], 1)
+
+    def start_condition(self, model, req: dict, images, batch: int):
+        """The start frame -> {"references": {"tokens": the condition [1 or B, 20, T, h, w]},
+        "cond": {"image_embeds": CLIP states} (Wan 2.1)}: from one image as
+        WanImageToVideoPipeline prepares it, or from ComfyUI's concat_latent / concat_mask /
+        image_embeds as its WAN21 model builds its inputs (`start_video`)."""
+        from .. import messages
+        start, states = self.family.image_to_video(dict(model.transformer.config))
+        given = req.get("concat_latent") is not None
+        name = self.family.name
+        if not start:
+            if given or images:
+                raise ValueError(messages.NO_START_IMAGE.format(name=name))
+            return None
+        if given and images:
+            raise ValueError(messages.START_IMAGE_TWICE)
+        if not given and not images:
+            raise ValueError(messages.NEEDS_START_IMAGE.format(name=name))
+        h, w, frames = int(req["height"]), int(req["width"]), int(req["frames"])
+        if images:
+            if len(images) != 1:
+                raise ValueError(f"{name} image-to-video takes one start image (got "
+                                 f"{len(images)})")
+            raw, mask, image = self.encode_start_image(model, images[0], h, w, frames, states)
+        else:
+            raw, mask, image = req["concat_latent"], req.get("concat_mask"), \
+                req.get("image_embeds")
+            if states and image is None:
+                raise ValueError(messages.NEEDS_IMAGE_EMBEDS.format(name=name))
+        out = {"references": {"tokens": self.start_video(model, raw, mask, h, w, frames)},
+               "cond": {}}
+        if states:
+            out["cond"]["image_embeds"] = torch.as_tensor(image).detach().float().cpu()
+        return out
+
+    def encode_start_image(self, model, image, height, width, frames, states) -> tuple:
+        """One start image (PIL) -> (the raw VAE latent [1, 16, T, h, w] of the video the
+        pipeline encodes: the image resized to height x width by its VideoProcessor, then
+        frames - 1 black frames (0 in -1..1); the mask in ComfyUI's convention, 0 on the first
+        latent frame; the CLIP image states (the pipeline's encode_image: the image
+        encoder's penultimate hidden states) or None)."""
+        from diffusers.video_processor import VideoProcessor
+
+        from .base import vae_mode
+        spatial = int(model.vae_config.get("scale_factor_spatial", 8))
+        temporal = int(model.vae_config.get("scale_factor_temporal", 4))
+        pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(
+            image, height=height, width=width).float()  # [1, 3, H, W]
+        video = torch.cat([pixels.unsqueeze(2),
+                           pixels.new_zeros(1, 3, frames - 1, height, width)], 2)
+        raw = vae_mode(model, video)
+        mask = torch.ones(1, 1, (frames - 1) // temporal + 1, height // spatial,
+                          width // spatial)
+        mask[:, :, 0] = 0.0
+        image_states = None
+        if states:
+            if model.encoder is None or getattr(model.encoder, "image_encoder", None) is None:
+                raise ValueError("this Wan 2.1 image-to-video folder has no image_encoder to "
+                                 "read the start image with")
+            image_states = model.encoder.encode_image(
+                image, text_encoder_device_of(model)).float().cpu()
+        return raw, mask, image_states
+
+    def start_video(self, model, raw, mask, height, width, frames):
+        """ComfyUI's start-frame values -> the 20 channels the I2V transformer takes after the
+        noise's, as ComfyUI's WAN21.concat_cond builds them (and WanImageToVideoPipeline's
+        prepare_latents for one start image): cat([mask, image], channels), image = the raw
+        latent normalised per channel ((raw - mean) / std), mask = 1 - concat_mask (its mean
+        over channels unless it has 4; frames after its own padded with 0; 1 channel repeated
+        to 4; none: all 0). fp32 CPU, batch 1 or B."""
+        t = (frames - 1) // int(model.vae_config.get("scale_factor_temporal", 4)) + 1
+        spatial = int(model.vae_config.get("scale_factor_spatial", 8))
+        h, w = height // spatial, width // spatial
+        raw = torch.as_tensor(raw).detach().float().cpu()
+        channels = int(model.transformer.config.in_channels) - \
+            int(model.transformer.config.out_channels) - 4
+        if raw.dim() != 5 or tuple(raw.shape[1:]) != (channels, t, h, w):
+            raise ValueError(f"concat_latent must be [1 or batch, {channels}, {t}, {h}, {w}] "
+                             f"(got {tuple(raw.shape)})")
+        scale, shift = self.scale_shift(model)
+        per = (lambda v: torch.as_tensor(v, dtype=torch.float32).view(1, -1, 1, 1, 1))
+        image = (raw - per(shift)) * per(scale)
+        if mask is None:
+            m = torch.zeros(1, 4, t, h, w)
+        else:
+            m = torch.as_tensor(mask).detach().float().cpu()
+            if m.dim() != 5 or m.shape[1] not in (1, 4) or m.shape[2] > t \
+                    or tuple(m.shape[3:]) != (h, w):
+                raise ValueError(f"concat_mask must be [1 or batch, 1 or 4, <= {t}, {h}, {w}] "
+                                 f"(got {tuple(m.shape)})")
+            m = 1.0 - m
+            m = torch.nn.functional.pad(m, (0, 0, 0, 0, 0, t - m.shape[2]))
+            m = m.expand(-1, 4, -1, -1, -1)
+        b = max(image.shape[0], m.shape[0])
+        return torch.cat([m.expand(b, -1, -1, -1, -1), image.expand(b, -1, -1, -1, -1)],
+                         1).contiguous()
 
     def decode(self, model, raw, group=None, control=None):
         """Raw latents [B, 16, T, h, w] -> the frames as an IMAGE batch [B * F, H, W, 3]
@@ -171,4 +331,70 @@ class WanAdapter(DiTAdapter):
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
-        raise NotImplementedError("Wan single files in ComfyUI naming: not yet")
+        """ComfyUI's / the original Wan names -> WanTransformer3DModel's, key by key (so a
+        PipeFusion stage reads only its blocks). Pure renames: the per-block `modulation`
+        [1, 6, dim] and the head's [1, 2, dim] are diffusers' scale_shift_tables in the same
+        order (shift, scale, gate, ...; the head's shift, scale); ComfyUI's `norm3` (the
+        cross-attention norm, with weights) is diffusers' `norm2`. A key without a rule
+        raises (a silently dropped tensor would load as garbage)."""
+        return convert_wan_original(sd)
+
+
+# ---- ComfyUI's / the original Wan naming -> diffusers' --------------------------------------
+_WAN_TOP = {
+    "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "head.head": "proj_out",
+    "head.modulation": "scale_shift_table",
+    # Wan 2.1 I2V / FLF2V: the CLIP image tokens' projection
+    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
+    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
+    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
+    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
+    "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",
+}
+_WAN_BLOCK = {
+    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
+    "self_attn.o": "attn1.to_out.0", "self_attn.norm_q": "attn1.norm_q",
+    "self_attn.norm_k": "attn1.norm_k",
+    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v",
+    "cross_attn.o": "attn2.to_out.0", "cross_attn.norm_q": "attn2.norm_q",
+    "cross_attn.norm_k": "attn2.norm_k",
+    "cross_attn.k_img": "attn2.add_k_proj", "cross_attn.v_img": "attn2.add_v_proj",
+    "cross_attn.norm_k_img": "attn2.norm_added_k",
+    "norm3": "norm2",  # the cross-attention's (affine) norm
+    "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
+    "modulation": "scale_shift_table",
+}
+
+
+def _wan_rename(name: str, table: dict):
+    for src, dst in table.items():
+        if name == src:
+            return dst
+        if name.startswith(src + ".") and name[len(src) + 1:] in ("weight", "bias"):
+            return dst + name[len(src):]
+    return None
+
+
+def convert_wan_original(sd: dict) -> dict:
+    """A Wan transformer's tensors in ComfyUI / original naming -> diffusers names."""
+    out, unknown = {}, []
+    for name, w in sd.items():
+        parts = name.split(".", 2)
+        if parts[0] == "blocks" and len(parts) == 3:
+            new = _wan_rename(parts[2], _WAN_BLOCK)
+            new = None if new is None else f"blocks.{parts[1]}.{new}"
+        else:
+            new = _wan_rename(name, _WAN_TOP)
+        if new is None:
+            unknown.append(name)
+        else:
+            out[new] = w
+    if unknown:
+        raise ValueError(f"{len(unknown)} tensor(s) with no Wan rule, e.g. {unknown[:3]}")
+    return out

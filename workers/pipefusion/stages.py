@@ -30,13 +30,25 @@ class RemoteBlock(torch.nn.Module):
     def __init__(self, index: int):
         super().__init__()
         self.index = index
+        self.current = None  # the stage's _CurrentPlan (install_stage_hooks)
 
-    def forward(self, hidden_states, encoder_hidden_states=None, **_):
+    def forward(self, hidden_states, encoder_hidden_states=None, *_, **__):
         # FLUX.2's single blocks take and return one joined [text, image] stream
-        # (encoder_hidden_states=None); the two-stream blocks return (text, image)
-        if encoder_hidden_states is None:
+        # (encoder_hidden_states=None); the two-stream blocks return (text, image); blocks
+        # whose text is reached by cross-attention only (no text in the joint sequence,
+        # Wan: called positionally) return the image stream alone
+        plan = None if self.current is None else self.current.plan
+        if encoder_hidden_states is None or (plan is not None and plan.text_len == 0):
             return hidden_states
         return encoder_hidden_states, hidden_states
+
+
+class _CurrentPlan:
+    """The PatchPlan of the stage's forward in progress, for block hooks of models whose
+    blocks are called without the attention kwargs (Wan: positional arguments)."""
+
+    def __init__(self):
+        self.plan = None
 
 
 def model_blocks(transformer, lists) -> list:
@@ -230,19 +242,39 @@ def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
     # without the worker's process-group modules
     from .plan import PatchPlan
 
+    current = _CurrentPlan()
+
+    def _plan_of(kwargs):
+        return ((kwargs.get("joint_attention_kwargs") or kwargs.get("attention_kwargs")
+                 or {}).get("sp_plan"))
+
+    def enter(module, args, kwargs):  # before the sequence-parallel hooks: the caller's plan
+        current.plan = _plan_of(kwargs)
+
+    def leave(module, args, output):
+        current.plan = None
+    transformer.register_forward_pre_hook(enter, with_kwargs=True)
+    transformer.register_forward_hook(leave, always_call=True)
+
     def _patch_plan(kwargs):
-        plan = (kwargs.get("joint_attention_kwargs") or {}).get("sp_plan")
+        plan = _plan_of(kwargs) or current.plan
         if not isinstance(plan, PatchPlan):
             raise RuntimeError("a PipeFusion stage was called without a patch plan (this "
                                "pool holds one stage of the model; run it through PipeFusion)")
         return plan
 
     blocks = model_blocks(transformer, lists)
+    for _, _, b in blocks:
+        if isinstance(b, RemoteBlock):
+            b.current = current
     lo, hi = info.owned
     if not info.first:
         def receive(module, args, kwargs):
             plan = _patch_plan(kwargs)
-            if kwargs.get("encoder_hidden_states") is None:  # one joined stream (FLUX.2)
+            if "hidden_states" not in kwargs:  # called positionally (Wan): the image alone
+                return (plan.activations.receive(plan, True),) + tuple(args[1:]), kwargs
+            if kwargs.get("encoder_hidden_states") is None or plan.text_len == 0:
+                # one joined stream (FLUX.2), or no text in the joint sequence
                 return args, dict(kwargs, hidden_states=plan.activations.receive(plan, True))
             enc, hid = plan.activations.receive(plan)
             return args, dict(kwargs, hidden_states=hid, encoder_hidden_states=enc)

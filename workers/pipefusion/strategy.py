@@ -47,7 +47,9 @@ class PatchPipeline:
         self.head, self.tail = topo.global_rank(pipefusion=0), topo.global_rank(pipefusion=n - 1)
         self.group = topo.group("pipefusion")
         self.cfg_group = topo.group("cfg") if topo.degree("cfg") == 2 else None
-        self.rows, self.cols = req["height"] // 16, req["width"] // 16
+        # token rows of the whole sequence (a video's run across its frames, frame by frame)
+        self.rows, self.cols = adapter.token_grid(req["height"], req["width"],
+                                                  int(req.get("frames") or 1))
         self.sched = build_schedule(len(prep.timesteps), n, self.rows, sorted(branches),
                                     warmup=int(opts.get("warmup_steps", 1)),
                                     patches=int(opts.get("pipeline_patches") or n))
@@ -58,7 +60,7 @@ class PatchPipeline:
         self.ref_tokens = 0 if refs is None else int(refs.shape[1])
         self.extras = prep.extras if refs is None else [dict(e, references_first=True)
                                                         for e in prep.extras]
-        self.text_len = {b: c["encoder_hidden_states"].shape[1] for b, c in branches.items()}
+        self.text_len = {b: adapter.joint_text_tokens(c) for b, c in branches.items()}
         config = model.transformer.config
         self.hidden = int(config.num_attention_heads) * int(config.attention_head_dim)
         self.cache = KVCache(topo)
@@ -132,7 +134,22 @@ class PatchPipeline:
             pred = combine(self.pending.pop(micro.patch), pred, prep.scales[micro.step],
                            self.adapter.cfg_rescale)
         x = self._rows(latents, micro)
-        x.copy_(prep.steps.step(x, pred, micro.step, key=micro.patch))
+        x.copy_(prep.steps.step(x, pred, micro.step, key=self._history_key(micro)))
+
+    def _history_key(self, m: Micro):
+        """The scheduler's history key of a micro's rows: its row range. A multistep
+        scheduler (UniPC) keeps a history per key; a band's first step after the
+        whole-image warmup continues from its rows of the history of a range covering it."""
+        key, steps = tuple(m.rows), self.prep.steps
+        state = getattr(steps, "state", None)
+        if state is not None and key not in state:
+            for k in list(state):
+                if isinstance(k, tuple) and k[0] <= key[0] and key[1] <= k[1]:
+                    off = k[0]
+                    steps.derive(key, k, lambda t: self.adapter.latent_rows(
+                        t, key[0] - off, key[1] - off, self.cols))
+                    break
+        return key
 
     def close(self) -> None:
         self.cache.clear()

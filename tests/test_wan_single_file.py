@@ -1,0 +1,176 @@
+"""Wan single files (ComfyUI's models/diffusion_models): the original / ComfyUI naming
+(`patch_embedding`, `blocks.N.self_attn.q`, `head.modulation`, ...; often under
+`model.diffusion_model.`) and diffusers' naming, in fp32, bf16 and scaled fp8.
+
+The tiny Wan folder's transformer (head dim 128, as ComfyUI's detection assumes: the file
+stores no head count) is written out by an independent reverse mapping
+(tests/single_file_util.wan_to_comfy). Through a pool fed ComfyUI CONDITIONING (the UMT5
+states, no pooled output) the file must give WanPipeline's latent from the same noise and
+text states; bf16 and fp8 files are close; a file missing a tensor is refused in one line.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+from single_file_util import write_single_file
+
+TOL = 1e-5
+ARCH = "wan"
+WIDE = dict(width=256, heads=2)  # head dim 128: what a file's shapes give (dim / 128 heads)
+H, W, FRAMES, STEPS, CFG, MSL = 32, 48, 5, 2, 4.0, 16
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+    return ensure_tiny_model(ARCH, tmp_path_factory.mktemp("wan_models"), **WIDE)
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    from diffusers import WanPipeline
+    return WanPipeline.from_pretrained(str(folder)).to(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def files(folder, tmp_path_factory):
+    from comfyui_xdit.testmodels.tiny_model import write_fp8_file
+    d = tmp_path_factory.mktemp("wan_files")
+    fake_vae = {"vae.decoder.conv1.weight": torch.zeros(4, 16, 3, 3, 3)}
+    out = {"comfy_ckpt": write_single_file(folder, ARCH, d / "wan-ckpt.safetensors",
+                                           prefix=True, extra=fake_vae),
+           "comfy": write_single_file(folder, ARCH, d / "wan.safetensors"),
+           "diffusers": write_single_file(folder, ARCH, d / "wan-diffusers.safetensors",
+                                          naming="diffusers")}
+    from safetensors.torch import load_file, save_file
+    sd = load_file(str(out["comfy"]))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()},
+              str(d / "wan-bf16.safetensors"))
+    out["bf16"] = d / "wan-bf16.safetensors"
+    out["fp8"] = write_fp8_file(out["comfy"], d / "wan-fp8-scaled.safetensors", scaled=True)
+    sd.pop("blocks.1.cross_attn.o.weight")
+    save_file(sd, str(d / "wan-missing.safetensors"))
+    out["missing"] = d / "wan-missing.safetensors"
+    return out
+
+
+def _embeds(pipe, text):
+    with torch.no_grad():
+        return pipe.encode_prompt([text], do_classifier_free_guidance=False,
+                                  max_sequence_length=MSL)[0]
+
+
+def _oracle(pipe, pos, neg, seed):
+    """WanPipeline on the same text states and ComfyUI's noise, as a ComfyUI LATENT."""
+    cfg = pipe.vae.config
+    mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
+    noise = torch.randn([1, 16, (FRAMES - 1) // 4 + 1, H // 8, W // 8],
+                        generator=torch.manual_seed(seed))
+    out = pipe(prompt_embeds=pos, negative_prompt_embeds=neg, guidance_scale=CFG, height=H,
+               width=W, num_frames=FRAMES, num_inference_steps=STEPS, latents=noise,
+               output_type="latent").frames
+    return out * std + mean
+
+
+def _request(pos, neg, seed=3):
+    return GenerationRequest(prompt=[], positive={"cond": pos, "pooled": None},
+                             negative={"cond": neg, "pooled": None}, cfg=CFG, seed=seed,
+                             steps=STEPS, height=H, width=W, frames=FRAMES)
+
+
+@pytest.mark.parametrize("name,naming", [("comfy_ckpt", "bfl"), ("comfy", "bfl"),
+                                         ("diffusers", "diffusers"), ("fp8", "bfl")])
+def test_detected_with_the_folders_config(folder, files, name, naming):
+    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.planning.model_info import read_model_info
+    sf = worker_module("models.detect").single_file_config(files[name])
+    assert (sf["arch"], sf["naming"]) == (ARCH, naming)
+    want = json.loads((folder / "transformer" / "config.json").read_text())
+    for k, v in sf["config"].items():
+        assert want[k] == (list(v) if isinstance(v, tuple) else v), k
+    info = read_model_info(files[name])
+    assert (info.arch, info.kind, info.heads, info.blocks) == (ARCH, "file", 2, 2)
+    if name == "fp8":
+        assert info.storage == "scaled-fp8"
+    sched, vae = worker_module("families").family(ARCH).released(sf["config"])
+    folder_sched = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    assert all(sched[k] == v for k, v in folder_sched.items() if k in sched)
+    assert sched["_class_name"] == "UniPCMultistepScheduler" and sched["flow_shift"] == 3.0
+    fv = json.loads((folder / "vae" / "config.json").read_text())
+    assert vae["latents_mean"] == fv["latents_mean"] and vae["latents_std"] == fv["latents_std"]
+
+
+def test_converter_round_trips_every_variant(tmp_path):
+    """In process: T2V and I2V-shaped (image K/V, CLIP projection, FLF position table)
+    transformers through the ComfyUI file and back hold the same tensors and config."""
+    from diffusers import WanTransformer3DModel
+
+    from workers.models import get_adapter
+    from workers.models.detect import single_file_config
+    from workers.models.single_file import load_single_file
+    torch.manual_seed(0)
+    for extra in ({}, dict(image_dim=24, added_kv_proj_dim=256, pos_embed_seq_len=6,
+                           in_channels=36)):
+        m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2,
+                                  attention_head_dim=128, out_channels=16, text_dim=32,
+                                  ffn_dim=96, num_layers=2, **{"in_channels": 16, **extra})
+        f = write_single_file(None, ARCH, tmp_path / "rt.safetensors", state=m.state_dict(),
+                              prefix=True)
+        cfg = single_file_config(f)["config"]
+        for k, v in cfg.items():
+            want = m.config[k]
+            assert (list(v) if isinstance(v, (list, tuple)) else v) == \
+                (list(want) if isinstance(want, (list, tuple)) else want), k
+        got = load_single_file(get_adapter(ARCH), str(f), torch.device("cpu"),
+                               torch.float32).transformer.state_dict()
+        ref = m.state_dict()
+        assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_file_through_the_pool_equals_the_pipeline(pipe, files):
+    """ComfyUI's checkpoint layout at Ulysses 2: WanPipeline's latent (<= 1e-5)."""
+    pos, neg = _embeds(pipe, "a red cat walking"), _embeds(pipe, "blurry")
+    want = _oracle(pipe, pos, neg, 3)
+    with WorkerPool(str(files["comfy_ckpt"]), ParallelConfig(ulysses=2), device="cpu",
+                    threads_per_rank=1) as pool:
+        got = pool.generate(_request(pos, neg)).samples
+    err = float((got - want).abs().max())
+    print(f"wan ComfyUI single file (ulysses 2) vs WanPipeline: max abs diff {err:.2e}")
+    assert got.shape == want.shape and err <= TOL
+
+
+def _forward(tr, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 16, 2, 4, 6, generator=g)
+    ctx = torch.randn(1, 7, 32, generator=g)
+    with torch.no_grad():
+        return tr(hidden_states=x, timestep=torch.tensor([700.0]), encoder_hidden_states=ctx,
+                  return_dict=False)[0].float()
+
+
+def test_bf16_and_fp8_files_are_close(pipe, files):
+    """In process, the loaders the workers run: the diffusers-named file is exact, the bf16
+    and scaled-fp8 files close (their weights are rounded), the missing tensor refused."""
+    from workers.models import get_adapter
+    from workers.models.single_file import load_single_file
+    ref = _forward(pipe.transformer)
+    scale = float(ref.abs().max())
+    diffs = {}
+    for name, dtype in (("diffusers", torch.float32), ("bf16", torch.float32),
+                        ("fp8", torch.float32)):
+        tr = load_single_file(get_adapter(ARCH), str(files[name]), torch.device("cpu"),
+                              dtype).transformer
+        diffs[name] = float((_forward(tr) - ref).abs().max())
+    print("wan single files vs folder transformer, max abs diff:", diffs)
+    assert diffs["diffusers"] <= 1e-6
+    assert 0 < diffs["bf16"] < 0.05 * scale and 0 < diffs["fp8"] < 0.1 * scale
+    with pytest.raises(ValueError) as e:
+        load_single_file(get_adapter(ARCH), str(files["missing"]), torch.device("cpu"),
+                         torch.float32)
+    msg = str(e.value)
+    assert "\n" not in msg and "lacks 1 tensor(s)" in msg and "blocks.1.attn2.to_out.0" in msg
