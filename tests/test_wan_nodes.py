@@ -57,3 +57,32 @@ def test_model_experts_reads_the_folders_transformer_2(tmp_path):
         assert model_experts(tmp_path / name) == want, name
     assert model_experts(tmp_path / "x.safetensors") == 1  # a single file: one transformer
     assert EXPERTS == ("high_noise", "low_noise")
+
+
+def test_wan_image_to_video_values_reach_the_request():
+    """WanImageToVideo's CONDITIONING values (start latent, mask) -> the request's
+    concat_latent / concat_mask, off the text conditionings; the negative must agree under
+    CFG and is not read without it."""
+    lat = torch.randn(1, 16, 3, 8, 6)
+    mask = torch.ones(1, 1, 3, 8, 6)
+    mask[:, :, :1] = 0
+    vals = {"concat_latent_image": lat, "concat_mask": mask}
+
+    def cond(**extra):
+        return [[torch.randn(1, 5, 32), dict(extra)]]
+    inp = SampleInputs(latent={"samples": torch.zeros(1, 16, 3, 8, 6)}, cfg=4.0,
+                       positive=cond(**vals), negative=cond(**vals))
+    req, _ = build_job(inp, "wan", text_width=32)
+    assert torch.equal(req.concat_latent, lat) and torch.equal(req.concat_mask, mask)
+    assert req.image_embeds is None and req.frames == 9
+    assert set(req.positive) == {"cond", "pooled"} and set(req.negative) == {"cond", "pooled"}
+    with pytest.raises(ConfigError, match="differ in concat_latent"):
+        build_job(SampleInputs(latent=inp.latent, cfg=4.0, positive=cond(**vals),
+                               negative=cond()), "wan", text_width=32)
+    req1, _ = build_job(SampleInputs(latent=inp.latent, cfg=1.0, positive=cond(**vals),
+                                     negative=cond()), "wan", text_width=32)
+    assert torch.equal(req1.concat_latent, lat)
+    with pytest.raises(ConfigError, match="do not take"):  # an image family
+        build_job(SampleInputs(latent={"samples": torch.zeros(1, 16, 8, 6)},
+                               positive=[[torch.randn(1, 5, 32), dict(vals, pooled_output=torch.randn(1, 8))]]),
+                  "sd3")

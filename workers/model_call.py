@@ -313,7 +313,11 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         return result, dict(clock.read(planes.control), **done)
     # several replicas: their leaders gather the rows (padded to the longest replica)
     longest = max(sizes)
-    out = torch.zeros(longest, *x_all.shape[1:], device=dev, dtype=torch.float32)
+    # the prediction's channels: the transformer's output (an image-to-video model takes
+    # its start frame's channels beside the latent: in 36, out 16)
+    out_c = int(getattr(model.transformer.config, "out_channels", None) or c) \
+        if adapter.family.latent.tokens == "in_model" else c
+    out = torch.zeros(longest, out_c, *x_all.shape[2:], device=dev, dtype=torch.float32)
     if pred is not None:
         out[: sizes[me]].copy_(pred)
     clock.mark("gather")

@@ -26,7 +26,8 @@ from typing import Callable, Optional
 
 from comfyui_xdit.comfy_convert import (check_text_width, comfy_noise, conditioning_to_request,
                             family_name, latent_channels, latent_from_comfy, latent_shape,
-                            latent_shape_text, latent_to_comfy, layout_hint)
+                            latent_shape_text, latent_to_comfy, layout_hint,
+                            start_image_fields)
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
     auto_config
 from comfyui_xdit.planning import memory_plan
@@ -764,6 +765,7 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
     else:
         cfg = None  # unknown without the model: the references are checked as under CFG
     refs, method = _references(positive, negative, cfg)
+    start = _start_image(positive, negative, cfg)
     if positive is None and not (inp.prompt or "").strip():
         raise ConfigError("no prompt: connect positive CONDITIONING or type a prompt")
     req = GenerationRequest(
@@ -774,7 +776,7 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
         max_sequence_length=int(inp.max_sequence_length), preview_every=int(inp.preview_every),
         frames=lat.frames, cfg_2=None if not inp.cfg_2 else float(inp.cfg_2),
         reference_latents=refs, reference_method=method,
-        cache=None if inp.cache is None else inp.cache.as_request())
+        cache=None if inp.cache is None else inp.cache.as_request(), **start)
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
         kw["noise"] = comfy_noise(int(inp.seed), latent_shape(arch, lat.batch, lat.height,
@@ -786,6 +788,24 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
         kw["init_latent"] = lat.samples
         kw["denoise"] = float(inp.denoise)
     return req, kw
+
+
+def _start_image(positive: Optional[dict], negative: Optional[dict],
+                 cfg: Optional[float]) -> dict:
+    """WanImageToVideo's start frame on the CONDITIONING -> the request's concat_latent /
+    concat_mask / image_embeds (taken off the conditionings, which the request carries as
+    text only). With CFG the negative must carry the same values (both branches get one
+    start frame); without it, the negative is not used."""
+    from comfyui_xdit.comfy_convert import START_IMAGE_KEYS
+    if positive is None:
+        return {}
+    use_negative = negative is not None and (cfg is None or float(cfg) > 1.0)
+    fields = start_image_fields(positive, negative if use_negative else None)
+    for c in (positive, negative):
+        if c is not None:
+            for _, f in START_IMAGE_KEYS:
+                c.pop(f, None)
+    return fields
 
 
 def _references(positive: Optional[dict], negative: Optional[dict], cfg: Optional[float]):
