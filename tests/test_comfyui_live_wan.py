@@ -14,6 +14,9 @@ models/diffusion_models/, and starts `main.py --cpu --preview-method latent2rgb`
   KSamplerAdvanced split at a step; Decode (xDiT)) runs with CLIPLoader + CLIPTextEncode
   replaced by a random CONDITIONING of the tiny folder's text width, shrunk likewise, and
   one pool serves both experts;
+* xdit_wan_image_to_video (WanImageToVideo's values into Sampler (xDiT), on the tiny Wan
+  2.2 I2V A14B folder) runs with WanImageToVideo stood in for (no tiny Wan VAE loads into
+  ComfyUI), and its start latent changes the video;
 * stock KSampler on the xDiT MODEL of the native folder equals KSampler on ComfyUI's own
   WAN21 model loaded from the converted file (UNETLoader), LATENT max abs difference
   <= 1e-3, at 1 rank, Ulysses 2 and CFG parallel, euler/simple and uni_pc/simple (cfg 3.5,
@@ -36,6 +39,7 @@ from live_comfy import (COMFY, ROOT, http, link_packs, place, run, running_comfy
 pytestmark = skip_without_comfyui
 
 T2V_NAME, A14B_NAME = "Wan2.1-T2V-1.3B-Diffusers", "Wan2.2-T2V-A14B-Diffusers"
+I2V_NAME = "Wan2.2-I2V-A14B-Diffusers"
 NATIVE = "xdit-test-wan-native"
 FILES = {"high_noise": "xdit-native-wan-high.safetensors",
          "low_noise": "xdit-native-wan-low.safetensors"}
@@ -58,6 +62,7 @@ def comfy(tmp_path_factory):
     diffusers_dir = comfy / "models" / "diffusers"
     place(t2v, diffusers_dir / T2V_NAME)
     place(a14b, diffusers_dir / A14B_NAME)
+    place(ensure_tiny_model("wan", cache, variant="i2v-a14b"), diffusers_dir / I2V_NAME)
     native = native_wan_folder(a14b, cache / NATIVE)
     place(native, diffusers_dir / NATIVE)
     files = comfy / "models" / "diffusion_models"
@@ -66,7 +71,7 @@ def comfy(tmp_path_factory):
     log = tmp_path_factory.mktemp("comfy-wan") / "comfyui.log"
     with running_comfyui(comfy, log, "--preview-method", "latent2rgb") as server:
         yield dict(server, tmp=log.parent, t2v=diffusers_dir / T2V_NAME,
-                   a14b=diffusers_dir / A14B_NAME)
+                   a14b=diffusers_dir / A14B_NAME, i2v=diffusers_dir / I2V_NAME)
 
 
 def _ok(msgs):
@@ -166,6 +171,52 @@ def test_ksampler_example_runs_with_both_experts_on_one_pool(comfy):
     pools = [p for p in http(comfy["base"], "/xdit/status")["pools"]
              if p["model"].endswith(A14B_NAME)]
     assert len(pools) == 1, pools  # both experts' MODELs call one pool
+
+
+def test_image_to_video_example_runs(comfy):
+    """xdit_wan_image_to_video: WanImageToVideo's CONDITIONING and LATENT into Sampler
+    (xDiT). ComfyUI's VAELoader takes no tiny Wan VAE, so VAELoader + LoadImage +
+    WanImageToVideo are replaced by XDiTTestWanStartFrame (tests/live_helpers), which sets
+    the same values (a random start latent, the first latent frame masked in); a second
+    start latent must change the video (the start frame reaches the model)."""
+    name = "xdit_wan_image_to_video_api.json"
+    base = json.loads((ROOT / "example_workflows" / name).read_text())
+    by_type = _by_type(base)
+    assert base[by_type["xDiT.LoadModel"][0]]["inputs"]["model"] == I2V_NAME
+    width = json.loads((comfy["i2v"] / "transformer" / "config.json").read_text())["text_dim"]
+    got = {}
+    for seed in (1, 2):
+        wf = json.loads(json.dumps(base))
+        for nid in by_type["CLIPTextEncode"]:
+            wf[nid] = {"class_type": "XDiTTestRandomConditioning",
+                       "inputs": {"seed": int(nid), "tokens": 6, "context_dim": width,
+                                  "pooled_dim": 1, "guidance": -1.0}}
+        for nid in by_type["CLIPLoader"] + by_type["VAELoader"] + by_type["LoadImage"]:
+            del wf[nid]
+        (i2v,) = by_type["WanImageToVideo"]  # same id: the sampler's links stay
+        node = wf[i2v]["inputs"]
+        wf[i2v] = {"class_type": "XDiTTestWanStartFrame",
+                   "inputs": {"positive": node["positive"], "negative": node["negative"],
+                              "width": SIZE["width"], "height": SIZE["height"],
+                              "length": SIZE["length"], "seed": seed}}
+        sampler, decode = by_type["xDiT.Sampler"][0], by_type["xDiT.Decode"][0]
+        wf[sampler]["inputs"]["steps"] = 3
+        out = comfy["tmp"] / f"i2v-{seed}.safetensors"
+        wf["99"] = {"class_type": "XDiTTestSaveTensors",
+                    "inputs": {"latent": [sampler, 0], "images": [decode, 0],
+                               "path": str(out)}}
+        pid, msgs = run(comfy, wf, timeout=1500)
+        _ok(msgs)
+        got[seed] = tensors(out)
+        assert got[seed]["latent"].shape == LATENT
+        assert got[seed]["image"].shape == (9, 48, 64, 3)
+        progress = [m["data"] for m in msgs if m.get("type") == "progress"
+                    and m["data"].get("node") == sampler]
+        assert progress and progress[-1]["value"] == 3
+        _saved_video(comfy, pid, wf, by_type)
+    moved = float((got[1]["latent"] - got[2]["latent"]).abs().max())
+    print(f"\n{name}: another start latent moved the LATENT by {moved:.3e}")
+    assert moved > 1e-3
 
 
 def test_sampler_options_cfg_2_reaches_the_low_noise_expert(comfy):

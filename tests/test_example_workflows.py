@@ -18,7 +18,7 @@ STOCK = {"EmptySD3LatentImage", "EmptyLatentImage", "SaveImage", "PreviewImage",
          "VAEDecode", "CLIPTextEncode", "DualCLIPLoader", "TripleCLIPLoader", "FluxGuidance",
          "KSampler", "KSamplerAdvanced", "ModelSamplingFlux", "ModelSamplingSD3",
          "CLIPLoader", "EmptyHunyuanLatentVideo", "CreateVideo", "SaveVideo",
-         "SaveAnimatedWEBP"}
+         "SaveAnimatedWEBP", "LoadImage", "WanImageToVideo"}
 
 
 def our_node_ids() -> set:
