@@ -21,6 +21,9 @@ models/diffusion_models/, and starts `main.py --cpu --preview-method latent2rgb`
   WAN21 model loaded from the converted file (UNETLoader), LATENT max abs difference
   <= 1e-3, at 1 rank, Ulysses 2 and CFG parallel, euler/simple and uni_pc/simple (cfg 3.5,
   both CFG rows in every call, 9 frames at 64x48);
+* image-to-video on KSampler: WanImageToVideo's values (stood in for) on the xDiT MODEL of
+  a 36-channel Wan 2.2 I2V expert (ComfyUI concatenates the start frame's channels to the
+  latent) equal ComfyUI's own model from the converted file, CFG parallel;
 * ComfyUI's Wan 2.2 graph (two KSamplerAdvanced, the high-noise expert for the first steps,
   the low-noise one for the rest) on the two xDiT MODELs equals the same graph on ComfyUI's
   own two models from the two files.
@@ -40,6 +43,7 @@ pytestmark = skip_without_comfyui
 
 T2V_NAME, A14B_NAME = "Wan2.1-T2V-1.3B-Diffusers", "Wan2.2-T2V-A14B-Diffusers"
 I2V_NAME = "Wan2.2-I2V-A14B-Diffusers"
+I2V_NATIVE, I2V_FILE = "xdit-test-wan-i2v-native", "xdit-native-wan-i2v-high.safetensors"
 NATIVE = "xdit-test-wan-native"
 FILES = {"high_noise": "xdit-native-wan-high.safetensors",
          "low_noise": "xdit-native-wan-low.safetensors"}
@@ -62,7 +66,11 @@ def comfy(tmp_path_factory):
     diffusers_dir = comfy / "models" / "diffusers"
     place(t2v, diffusers_dir / T2V_NAME)
     place(a14b, diffusers_dir / A14B_NAME)
-    place(ensure_tiny_model("wan", cache, variant="i2v-a14b"), diffusers_dir / I2V_NAME)
+    i2v = ensure_tiny_model("wan", cache, variant="i2v-a14b")
+    place(i2v, diffusers_dir / I2V_NAME)
+    i2v_native = native_wan_folder(i2v, cache / I2V_NATIVE)
+    place(i2v_native, diffusers_dir / I2V_NATIVE)
+    comfy_wan_file(i2v_native / "transformer", comfy / "models" / "diffusion_models" / I2V_FILE)
     native = native_wan_folder(a14b, cache / NATIVE)
     place(native, diffusers_dir / NATIVE)
     files = comfy / "models" / "diffusion_models"
@@ -339,3 +347,35 @@ def test_wan22_two_expert_graph_matches_comfyui_own_models(comfy):
     assert len(pools) == 1, pools
     http(comfy["base"], "/xdit/unload", {})
     http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+
+
+def test_wan_i2v_ksampler_on_the_pool_matches_comfyui_own_model(comfy):
+    out = {b: str(comfy["tmp"] / f"i2v-ks-{b}.safetensors") for b in ("x", "n")}
+    wf = {
+        "1": {"class_type": "xDiT.LoadModel",
+              "inputs": {"model": I2V_NATIVE, "device": "cpu", "dtype": "fp32",
+                         "world_size": "2"}},
+        "2": {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0],
+                                                       "expert": "high_noise"}},
+        "3": {"class_type": "UNETLoader", "inputs": {"unet_name": I2V_FILE,
+                                                      "weight_dtype": "default"}},
+        "4": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 1, "tokens": 8, "context_dim": 4096, "pooled_dim": 1,
+                         "guidance": -1.0}},
+        "5": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 2, "tokens": 6, "context_dim": 4096, "pooled_dim": 1,
+                         "guidance": -1.0}},
+        "6": {"class_type": "XDiTTestWanStartFrame",
+              "inputs": {"positive": ["4", 0], "negative": ["5", 0], "width": SIZE["width"],
+                         "height": SIZE["height"], "length": SIZE["length"], "seed": 3}},
+    }
+    with_settings(wf, "1", cfg_parallel=True)
+    for b, model in (("x", ["2", 0]), ("n", ["3", 0])):
+        wf[f"7{b}"] = {"class_type": "KSampler",
+                       "inputs": {"model": model, "seed": 7, "steps": 3, "cfg": 3.5,
+                                  "sampler_name": "euler", "scheduler": "simple",
+                                  "positive": ["6", 0], "negative": ["6", 1],
+                                  "latent_image": ["6", 2], "denoise": 1.0}}
+        wf[f"9{b}"] = {"class_type": "XDiTTestSaveTensors",
+                       "inputs": {"latent": [f"7{b}", 0], "path": out[b]}}
+    _compare(comfy, wf, out, "wan22-i2v cfg_parallel euler")

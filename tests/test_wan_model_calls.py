@@ -111,3 +111,32 @@ def test_step_cache_gates_the_expert_a_call_runs(pool, experts):
     out = den(**later)
     assert den.last_stats["cache"] == {"computed": 0, "skipped": 2}, den.last_stats
     assert torch.isfinite(out).all()
+
+
+def test_image_to_video_call_takes_comfyui_concat_channels(tmp_path_factory):
+    """Wan 2.2 I2V A14B on the MODEL path: ComfyUI's WAN21 concatenates the start frame's
+    channels (mask 4 + latent 16) to x, so a call brings 36 channels and gets the 16-channel
+    prediction back, also across CFG ranks (the gather at the output's width)."""
+    from diffusers import WanTransformer3DModel
+
+    from comfyui_xdit import WorkerPool
+    folder = ensure_tiny_model("wan", tmp_path_factory.mktemp("wan-i2v-calls"),
+                               variant="i2v-a14b")
+    trs = [WanTransformer3DModel.from_pretrained(str(folder), subfolder=sub,
+                                                 torch_dtype=torch.float32).eval()
+           for sub in ("transformer", "transformer_2")]
+    pool = WorkerPool(str(folder), ParallelConfig(cfg_parallel=True), device="cpu",
+                      threads_per_rank=1)
+    try:
+        den = PoolDenoiser(pool, ParallelConfig(cfg_parallel=True).with_world_size(2), "wan")
+        for expert, tr in enumerate(trs):
+            den.expert = expert
+            call = comfy_call(tr, seed=6 + expert)
+            gen = torch.Generator().manual_seed(9)
+            call["x"] = torch.cat([call["x"], torch.randn(2, 20, 2, 6, 4, generator=gen)], 1)
+            out = den(**call)
+            assert out.shape == (2, 16, 2, 6, 4)
+            diff = float((out - reference(tr, call)).abs().max())
+            assert diff <= TOL, f"expert {expert}: {diff:.3e}"
+    finally:
+        pool.close()

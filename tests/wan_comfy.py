@@ -75,7 +75,7 @@ def comfy_wan_file(transformer_folder: Path, out: Path) -> Path:
 
 
 def native_wan_folder(tiny: Path, out: Path, seed: int = 0, depth: int = 1) -> Path:
-    """A copy of the tiny Wan folder `tiny` (t2v or a14b) whose transformer(s) have ComfyUI's
+    """A copy of the tiny Wan folder `tiny` (t2v, a14b or i2v-a14b) whose transformer(s) have ComfyUI's
     fixed widths: heads of 128 (2 heads, width 256) and text_dim 4096 (random, seeded; the
     folder's own text encoder no longer fits them: give CONDITIONING)."""
     import torch
@@ -91,8 +91,11 @@ def native_wan_folder(tiny: Path, out: Path, seed: int = 0, depth: int = 1) -> P
         if not (index.get(sub) and index[sub][0] is not None):
             continue
         torch.manual_seed(seed * 100 + k)
+        # the tiny folder's input channels (Wan 2.2 I2V: 36, the start frame's 20 beside)
+        in_channels = json.loads((tmp / sub / "config.json").read_text())["in_channels"]
         tr = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2,
-                                   attention_head_dim=128, in_channels=16, out_channels=16,
+                                   attention_head_dim=128, in_channels=in_channels,
+                                   out_channels=16,
                                    text_dim=4096, freq_dim=256, ffn_dim=512, num_layers=depth,
                                    cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                                    eps=1e-6, rope_max_seq_len=1024)
