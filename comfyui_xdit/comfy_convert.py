@@ -210,6 +210,7 @@ class LatentInput:
     empty: bool  # all zeros: text-to-image
     samples: Any  # [B,C,h,w] fp32 CPU (zeros of the model's C channels when empty)
     batch_index: Optional[list] = None
+    frames: int = 1  # video families (Wan): frames of each video, (T - 1) x 4 + 1
 
 
 def is_empty_latent(samples) -> bool:
@@ -220,7 +221,8 @@ def is_empty_latent(samples) -> bool:
 
 def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
     """ComfyUI LATENT -> LatentInput for a model of family `arch` (its LatentSpec: FLUX.1 /
-    SD3 / Chroma [B,16,H/8,W/8], FLUX.2 [B,128,H/16,W/16], Qwen-Image [B,16,1,H/8,W/8]). An
+    SD3 / Chroma [B,16,H/8,W/8], FLUX.2 [B,128,H/16,W/16], Qwen-Image [B,16,1,H/8,W/8], Wan
+    [B,16,T,H/8,W/8] of (T - 1) x 4 + 1 video frames: EmptyHunyuanLatentVideo's). An
     all-zero latent of any channel count or rank is text-to-image at its size (as ComfyUI's
     fix_empty_latent_channels treats it: 1/16 for a 128-channel one, else 1/8); a non-empty
     one must be in the model's layout (one error otherwise)."""
@@ -232,14 +234,18 @@ def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
     spec = _spec(arch)
     s = latent["samples"]
     empty = is_empty_latent(s) if s.dim() in (4, 5) else False
-    if s.dim() not in (4, 5) or (s.dim() == 5 and (s.shape[2] != 1 or not spec.frames)) or \
+    if s.dim() not in (4, 5) or (s.dim() == 5 and (not spec.frames or (
+            s.shape[2] != 1 and not spec.video))) or \
             (not empty and s.dim() != len(spec.shape(1, 16, 16))):
         raise ConfigError(f"LATENT samples have shape {tuple(s.shape)}; expected "
-                          f"{spec.shape_text()} (image latents, not video)")
+                          f"{spec.shape_text()}"
+                          + ("" if spec.video else " (image latents, not video)"))
     if latent.get("noise_mask") is not None:
         raise ConfigError("LATENT has a noise_mask (inpainting), which the xDiT sampler does "
                           "not support; remove SetLatentNoiseMask / use VAEEncode")
     b, c, h, w = (int(s.shape[i]) for i in (0, 1, -2, -1))
+    frames = (int(s.shape[2]) - 1) * spec.time_downscale + 1 if spec.video and s.dim() == 5 \
+        else 1
     d = spec.downscale
     if c != spec.channels or s.dim() != len(spec.shape(1, 16, 16)):
         if not empty:
@@ -248,11 +254,11 @@ def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
         # multiple of 16 is then refused by the request, not rounded here)
         d = next((f.latent.downscale for f in families.FAMILIES.values()
                   if f.latent.channels == c), 8)
-        s = torch.zeros(spec.shape(b, h * d, w * d))
+        s = torch.zeros(spec.shape(b, h * d, w * d, frames))
     bi = latent.get("batch_index")
     return LatentInput(batch=b, height=h * d, width=w * d, empty=empty,
                        samples=s.detach().float().cpu().contiguous(),
-                       batch_index=list(bi) if bi is not None else None)
+                       batch_index=list(bi) if bi is not None else None, frames=frames)
 
 
 def latent_to_comfy(samples) -> dict:

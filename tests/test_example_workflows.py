@@ -17,7 +17,8 @@ API_FILES = sorted(WF.glob("*_api.json"))
 STOCK = {"EmptySD3LatentImage", "EmptyLatentImage", "SaveImage", "PreviewImage", "VAELoader",
          "VAEDecode", "CLIPTextEncode", "DualCLIPLoader", "TripleCLIPLoader", "FluxGuidance",
          "KSampler", "KSamplerAdvanced", "ModelSamplingFlux", "ModelSamplingSD3",
-         "CLIPLoader"}
+         "CLIPLoader", "EmptyHunyuanLatentVideo", "CreateVideo", "SaveVideo",
+         "SaveAnimatedWEBP", "LoadImage", "WanImageToVideo"}
 
 
 def our_node_ids() -> set:

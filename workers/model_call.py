@@ -37,7 +37,7 @@ class ModelCall:
 
     call_id: int
     config: tuple  # ParallelConfig.key()
-    x: torch.Tensor  # [N, C, h, w] model space, fp32, CPU
+    x: torch.Tensor  # [N, C, h, w] model space, fp32, CPU ([N, C, T, h, w]: video families)
     timestep: torch.Tensor  # [N], sigma * 1000
     guidance: Optional[torch.Tensor]  # [N] FLUX embedded guidance, else None
     chunks: list  # [(key, rows)], rows summing to N, in row order
@@ -46,6 +46,7 @@ class ModelCall:
     new_conds: dict = field(default_factory=dict)
     timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
     cache: Optional[dict] = None  # step cache settings (workers/step_cache.py), all fields
+    expert: int = 0  # which transformer runs (a model of several experts: Wan 2.2 A14B)
 
 
 class CondCache:
@@ -108,11 +109,16 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
     cfg = model.transformer.config
     # packing families take 2x2 latent pixels per token; the call's x is unpacked
     channels = int(cfg.in_channels) // (1 if adapter.family.latent.tokens == "in_model" else 4)
-    if not torch.is_tensor(x) or x.dim() != 4 or x.shape[1] != channels:
+    # a video family's calls keep the frame axis: [N, C, T, h, w] (an image family's one frame
+    # is dropped by the host)
+    video = adapter.family.latent.video
+    if not torch.is_tensor(x) or x.dim() != (5 if video else 4) or x.shape[1] != channels:
         got = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
-        return f"the model takes latents [batch, {channels}, height/8, width/8] (got {got})"
-    n, _, h, w = x.shape
-    if h % 2 or w % 2 or min(n, h, w) < 1:
+        frames = "frames, " if video else ""
+        return (f"the model takes latents [batch, {channels}, {frames}height/8, width/8] "
+                f"(got {got})")
+    n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
+    if h % 2 or w % 2 or min(n, h, w, *x.shape[2:]) < 1:
         return f"latent height and width must be even and non-zero (got {h}x{w})"
     if not torch.is_tensor(timestep) or tuple(timestep.shape) != (n,):
         return f"one timestep per latent row expected ({n})"
@@ -134,9 +140,10 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
             return problem
         references.add(reference_layout(adapter, c))
         ctx, pooled = c["context"], c["pooled"]
-        if ctx.dim() != 3 or ctx.shape[0] != rows or ctx.shape[2] != int(cfg.joint_attention_dim):
+        width = int(text_width(cfg))
+        if ctx.dim() != 3 or ctx.shape[0] != rows or ctx.shape[2] != width:
             return (f"conditioning {key}: text states must be [{rows}, tokens, "
-                    f"{int(cfg.joint_attention_dim)}] (got {tuple(ctx.shape)})")
+                    f"{width}] (got {tuple(ctx.shape)})")
         # a family without a pooled projection (FLUX.2) needs no pooled output (nor uses it)
         if adapter.family.pooled and (
                 pooled is None or pooled.dim() != 2 or pooled.shape[0] != rows
@@ -151,6 +158,13 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         return ("the conditionings of one call have different reference latents (sizes or "
                 "method); one call runs one image stream layout")
     return ""
+
+
+def text_width(cfg) -> int:
+    """The width of the text states the transformer takes (its config's joint_attention_dim;
+    Wan's names it text_dim)."""
+    w = cfg.get("joint_attention_dim")
+    return int(w if w is not None else cfg["text_dim"])
 
 
 def reference_layout(adapter, c: dict):
@@ -221,7 +235,7 @@ def for_wire(call: ModelCall) -> ModelCall:
 
 
 def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
-             step_scope=None):
+             step_scope=None, sequence=None):
     """Every rank: this rank's replica's rows, then (with several replicas) one all-gather
     among the replicas' leaders. Returns (the prediction [N, C, h, w] fp32 CPU on rank 0,
     None elsewhere; this rank's timings, when `call.timed`).
@@ -237,7 +251,8 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
     conds = [cache.get(k) for k, _ in call.chunks]
     cache.trim(keep=[k for k, _ in call.chunks])
     x_all, t_all, g_all = as_tensor(call.x), as_tensor(call.timestep), as_tensor(call.guidance)
-    n, c, h, w = x_all.shape
+    n, c, h, w = x_all.shape[0], x_all.shape[1], x_all.shape[-2], x_all.shape[-1]
+    framed = x_all.dim() == 5  # a video family's frame axis stays (Wan)
     sizes, me = replica_rows(n, topo)
     start = sum(sizes[:me])
     mine = slice(start, start + sizes[me])
@@ -263,21 +278,29 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         g = None if g_all is None else g_all[mine].to(dev, torch.float32)
         layout = conds[0].get("ref_layout")
         extra = dict(cache.sized((h, w, layout), lambda: _extra(model, adapter, h, w, layout)))
+        if call.expert:  # the model's other transformer (Wan 2.2 A14B's low-noise expert)
+            extra["expert"] = int(call.expert)
         if "ref_tokens" in cond:  # ComfyUI's FLUX: the references join the image stream
             extra["ref_tokens"] = cond.pop("ref_tokens")
         step = None
         if run is not None:  # rows: (conditioning key, row); a dummy row follows the others
             keys = [None] if dummy else \
                 [(k, j) for k, rows in call.chunks for j in range(rows)][mine]
+            if call.expert:  # each expert its own residuals
+                keys = [k if k is None else k + (call.expert,) for k in keys]
+            # the transformer this call runs (its expert), and the installed sequence plan
+            # for blocks not given it (`sequence`: the worker's SequenceParallel or None)
             step = call_on_ranks(run, model, adapter, keys, topo, planes.control,
-                                 is_sharded(model.transformer))
+                                 is_sharded(model.transformer),
+                                 adapter.transformer_for(model, extra),
+                                 None if sequence is None else (lambda: sequence.plan))
         with scope("call", cache.calls), gated(step):
             packed = adapter.pack(x)
             clock.mark("forward")
             pred = adapter.forward(model, packed, t, cond, g, extra)
             clock.mark("post")
             pred = None if dummy else adapter.unpack(pred, h * 8, w * 8)
-            if pred is not None and pred.dim() == 5:  # a one-frame axis: calls speak [N,C,h,w]
+            if pred is not None and pred.dim() == 5 and not framed:  # one frame: [N,C,h,w]
                 pred = pred[:, :, 0]
     cache.calls += 1
     leader = all(topo.index(a) == 0 for a in ("pipefusion", "ring", "ulysses"))
@@ -290,7 +313,11 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         return result, dict(clock.read(planes.control), **done)
     # several replicas: their leaders gather the rows (padded to the longest replica)
     longest = max(sizes)
-    out = torch.zeros(longest, c, h, w, device=dev, dtype=torch.float32)
+    # the prediction's channels: the transformer's output (an image-to-video model takes
+    # its start frame's channels beside the latent: in 36, out 16)
+    out_c = int(getattr(model.transformer.config, "out_channels", None) or c) \
+        if adapter.family.latent.tokens == "in_model" else c
+    out = torch.zeros(longest, out_c, *x_all.shape[2:], device=dev, dtype=torch.float32)
     if pred is not None:
         out[: sizes[me]].copy_(pred)
     clock.mark("gather")

@@ -77,6 +77,7 @@ class Predict(Message):
     conds: dict = field(default_factory=dict)
     timed: bool = False  # benchmarks: report the call's phase timings (CUDA events on GPUs)
     cache: Optional[dict] = None  # step cache settings, every field (None: off)
+    expert: int = 0  # a model of several experts (Wan 2.2 A14B): 0 the first, 1 the second
 
 
 @_message

@@ -326,6 +326,13 @@ class Worker:
             return missing
         problem = call_problem(self.model, self.adapter, msg.x, msg.timestep, msg.guidance,
                                chunks, conds, self.cond_cache)
+        expert = int(getattr(msg, "expert", 0) or 0)
+        if not problem and expert:
+            experts = len(self.model.transformers())
+            if not 0 <= expert < experts:
+                problem = (f"expert {expert + 1} asked for, but this model has {experts} "
+                           f"transformer(s) (two: a folder with a transformer_2, as Wan 2.2 "
+                           f"A14B's low-noise expert)")
         if problem:
             raise ValueError(problem)
         x = msg.x.detach().to("cpu", torch.float32).contiguous()
@@ -335,7 +342,7 @@ class Worker:
                          msg.guidance.detach().float().cpu(),
                          chunks=chunks, new_conds={k: conds[k] for k in dict.fromkeys(
                              k for k, _ in chunks) if k in conds}, timed=bool(msg.timed),
-                         cache=msg.cache)
+                         cache=msg.cache, expert=expert)
 
     def call(self, call, emit=None):
         """Every rank: one model evaluation (workers/model_call.py): (the prediction on
@@ -349,7 +356,8 @@ class Worker:
         self._switch_loras([])  # a host sampler's MODEL carries no pool LoRA
         with torch.inference_mode(), self.compiler.job(emit) as compiled:
             out, times = run_call(call, self.model, self.adapter, topo, self.cond_cache,
-                                  self.planes, step_scope=self.hook_options.get("step_scope"))
+                                  self.planes, step_scope=self.hook_options.get("step_scope"),
+                                  sequence=self.parallel and self.parallel[1])
         times["compiles"] = compiled.stats["compiles"]
         if self.cond_cache.steps is not None and call.cache:  # the sampling run so far
             self.last_cache = dict(self.cond_cache.steps.stats(), entry="model calls")

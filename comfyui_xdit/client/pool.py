@@ -631,7 +631,7 @@ class WorkerPool:
     def model_call(self, config: ParallelConfig, x, timestep, guidance, chunks: list,
                    conds: dict, known: set,
                    on_event: Optional[Callable[[dict], None]] = None, timed: bool = False,
-                   cache: Optional[dict] = None):
+                   cache: Optional[dict] = None, expert: int = 0):
         """One denoiser evaluation (workers/model_call.py) for a host-side sampler: `x`
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
         `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
@@ -650,7 +650,10 @@ class WorkerPool:
         timed with CUDA events on GPUs; untimed calls measure nothing on the device.
         `cache`: the step cache's settings (GenerationRequest.cache; None: off); the rows'
         state lives on the workers per conditioning key, so a sampling run with new keys
-        starts fresh, and the stats carry this call's `cache` counts (rank 0's rows)."""
+        starts fresh, and the stats carry this call's `cache` counts (rank 0's rows).
+        Video families (Wan) take `x` [N, C, T, h, w]. `expert`: which transformer of a
+        model of several runs the call (Wan 2.2 A14B: 0 the high-noise one, 1 the
+        low-noise `transformer_2`); the pool keeps both loaded."""
         from comfyui_xdit.planning.request import cache_problems, resolved_cache
         problems = cache_problems(cache)
         if problems:
@@ -678,7 +681,7 @@ class WorkerPool:
                 self._send(P.Predict(call_id=call_id, config=config.key(), x=_np(x),
                                      timestep=_np(timestep), guidance=_np(guidance),
                                      chunks=[(k, int(r)) for k, r in chunks], conds=new,
-                                     timed=timed, cache=cache))
+                                     timed=timed, cache=cache, expert=int(expert)))
                 try:
                     while True:
                         msg = self._recv(self.step_timeout, f"model call {call_id}")

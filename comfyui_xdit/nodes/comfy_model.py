@@ -92,20 +92,38 @@ def comfy_classes(fam, unet: dict) -> tuple:
     return base, conf, None if kind is None else getattr(comfy.model_base.ModelType, kind)
 
 
-def build_model(pool, config, arch: str, unet: dict, cache=None):
+def _stand_in(module: torch.nn.Module, shapes: dict) -> None:
+    """Weightless stand-ins (meta tensors, plain attributes: no parameters, nothing to load)
+    for what ComfyUI's model class reads of its diffusion model's weights (their shapes)."""
+    import types
+    for dotted, shape in shapes.items():
+        *path, leaf = dotted.split(".")
+        obj = module
+        for name in path:
+            if not hasattr(obj, name):
+                object.__setattr__(obj, name, types.SimpleNamespace())
+            obj = getattr(obj, name)
+        setattr(obj, leaf, torch.empty(tuple(shape), device="meta"))
+
+
+def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0):
     """A ComfyUI MODEL (ModelPatcher) for family `arch` whose diffusion model is `pool`.
     `unet`: what ComfyUI's detection would find in the model (model_info.comfy_unet_config:
-    FLUX.1 dev vs schnell, channels, patch size, hidden sizes its config classes read)."""
+    FLUX.1 dev vs schnell, channels, patch size, hidden sizes its config classes read).
+    `expert`: which transformer of a model of several runs its calls (Wan 2.2 A14B: 0 the
+    high-noise one, 1 the low-noise one)."""
     from comfyui_xdit.planning.model_info import families
     fam = families.family(arch)
     base, conf, model_type = comfy_classes(fam, unet)  # refused before anything is built
     denoiser = PoolDenoiser(pool, config, arch, on_event=_show_compiling)
     denoiser.cache = cache  # step cache settings (GenerationRequest.cache) or None
+    denoiser.expert = int(expert)
     model_config = conf(dict(getattr(conf, "unet_config", {}), **unet,
                              disable_unet_model_creation=True))
     cls = type(f"Xdit{base.__name__}", (_Weightless, base), {})
     kw = {} if model_type is None else {"model_type": model_type}
     model = cls(model_config, device=torch.device("cpu"), **kw)
     model.diffusion_model = _PoolDiffusionModel(denoiser)
+    _stand_in(model.diffusion_model, fam.comfy.shapes(unet))
     device = comfy.model_management.get_torch_device()
     return XditModelPatcher(model, load_device=device, offload_device=device, size=1)

@@ -23,6 +23,7 @@ XDiTParallel = io.Custom("XDIT_PARALLEL")
 XDiTPipeFusion = io.Custom("XDIT_PIPEFUSION")
 XDiTEngine = io.Custom("XDIT_ENGINE")
 XDiTCache = io.Custom("XDIT_CACHE")
+XDiTSamplerOptions = io.Custom("XDIT_SAMPLER_OPTIONS")
 PREVIEW_MAX = 512
 
 
@@ -114,7 +115,10 @@ class LoadModel(io.ComfyNode):
                                        "models/diffusers/FLUX.1-dev, models/diffusers/"
                                        "FLUX.2-klein-4B, models/diffusers/"
                                        "stable-diffusion-3.5-medium, models/diffusers/"
-                                       "Qwen-Image or models/diffusers/Chroma1-HD (the "
+                                       "Qwen-Image, models/diffusers/Chroma1-HD, "
+                                       "models/diffusers/Wan2.1-T2V-1.3B-Diffusers, "
+                                       "models/diffusers/Wan2.2-T2V-A14B-Diffusers or "
+                                       "models/diffusers/Wan2.2-I2V-A14B-Diffusers (the "
                                        "names the example "
                                        "workflows use; a Hugging Face snapshot of the repo, "
                                        "text encoders and VAE included), or a single "
@@ -351,6 +355,27 @@ class CacheSettings(io.ComfyNode):
             tail=int(tail_blocks), max_skips=int(max_skips), taylor=bool(taylor)))
 
 
+class SamplerOptions(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="xDiT.SamplerOptions",
+            display_name="Sampler options (xDiT)",
+            category=CATEGORY,
+            description="Options of Sampler (xDiT) that few models use.",
+            inputs=[io.Float.Input("cfg_2", default=0.0, min=0.0, max=100.0, step=0.1,
+                                   round=0.01,
+                                   tooltip="Wan 2.2 A14B: the low-noise expert's guidance "
+                                           "scale (the released pipeline's guidance_scale_2). "
+                                           "0: the sampler's cfg for both experts")],
+            outputs=[XDiTSamplerOptions.Output(display_name="options")],
+        )
+
+    @classmethod
+    def execute(cls, cfg_2) -> io.NodeOutput:
+        return io.NodeOutput(node_logic.SamplerOptions(cfg_2=float(cfg_2)))
+
+
 class Sampler(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -361,13 +386,18 @@ class Sampler(io.ComfyNode):
             description="Samples FLUX.1 / FLUX.2 / SD3 on the xDiT worker pool. LATENT out is "
                         "ComfyUI's (FLUX.1 / SD3: raw VAE space; FLUX.2: ComfyUI's 128-channel "
                         "patchified, normalised latent at 1/16): decode it with Decode (xDiT) "
-                        "or the stock VAEDecode (FLUX.2: a ComfyUI with FLUX.2 support).",
+                        "or the stock VAEDecode (FLUX.2: a ComfyUI with FLUX.2 support). "
+                        "Wan: a video LATENT [B, 16, T, H/8, W/8] of (T - 1) x 4 + 1 frames; "
+                        "Decode (xDiT) gives its frames as an IMAGE batch for the video save "
+                        "nodes; previews show the first frame.",
             inputs=[
                 XDiTModel.Input("model"),
                 io.Latent.Input("latent", tooltip="EmptySD3LatentImage (text-to-image; any "
                                                   "empty latent gives the size) or a VAEEncode "
                                                   "latent (image-to-image with denoise; FLUX.2: "
-                                                  "ComfyUI's 128-channel FLUX.2 latent)"),
+                                                  "ComfyUI's 128-channel FLUX.2 latent). Wan: "
+                                                  "EmptyHunyuanLatentVideo (its length in "
+                                                  "frames, 4k + 1)"),
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="Used when no positive CONDITIONING is connected "
                                         "(encoded by the pool's own text encoders: diffusers "
@@ -399,6 +429,9 @@ class Sampler(io.ComfyNode):
                 XDiTCache.Input("cache", optional=True,
                                 tooltip="Step cache (xDiT): skip blocks of steps that barely "
                                         "change"),
+                XDiTSamplerOptions.Input("options", optional=True,
+                                         tooltip="Sampler options (xDiT): Wan 2.2 A14B's "
+                                                 "second guidance scale"),
             ],
             outputs=[io.Latent.Output()],
             hidden=[io.Hidden.unique_id],
@@ -407,7 +440,7 @@ class Sampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, latent, prompt, negative_prompt, seed, steps, cfg, guidance, denoise,
                 max_sequence_length=512, positive=None, negative=None,
-                cache=None) -> io.NodeOutput:
+                cache=None, options=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         arch = read_model_info(model.path).arch
         from comfyui_xdit.comfy_convert import families
@@ -417,7 +450,8 @@ class Sampler(io.ComfyNode):
                            denoise=denoise, prompt=prompt, negative_prompt=negative_prompt,
                            positive=positive, negative=negative,
                            max_sequence_length=max_sequence_length,
-                           preview_every=1 if previews else 0, cache=cache)
+                           preview_every=1 if previews else 0, cache=cache,
+                           cfg_2=0.0 if options is None else options.cfg_2)
         pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(ev: dict) -> None:
@@ -544,7 +578,7 @@ class XDiTExtension(ComfyExtension):
         _register_routes()  # on_load is not called by every ComfyUI release
         from comfyui_xdit.nodes.model_nodes import ToModel  # the xDiT MODEL for ComfyUI's own samplers
         return [LoadModel, ParallelSettings, PipeFusionSettings, EngineSettings, CacheSettings,
-                LoRA, Sampler, Decode, UnloadPool, ToModel]
+                SamplerOptions, LoRA, Sampler, Decode, UnloadPool, ToModel]
 
 
 _ROUTES_DONE = False

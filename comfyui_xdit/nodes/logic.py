@@ -26,7 +26,8 @@ from typing import Callable, Optional
 
 from comfyui_xdit.comfy_convert import (check_text_width, comfy_noise, conditioning_to_request,
                             family_name, latent_channels, latent_from_comfy, latent_shape,
-                            latent_shape_text, latent_to_comfy, layout_hint)
+                            latent_shape_text, latent_to_comfy, layout_hint,
+                            start_image_fields)
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
     auto_config
 from comfyui_xdit.planning import memory_plan
@@ -696,6 +697,33 @@ class SampleInputs:
     max_sequence_length: int = 512
     preview_every: int = 0  # k: a low-res preview latent every k steps
     cache: Optional[CacheSettings] = None  # Step cache (xDiT), when connected
+    cfg_2: float = 0.0  # a second expert's guidance scale (Wan 2.2 A14B); 0: cfg
+
+
+@dataclass(frozen=True)
+class SamplerOptions:
+    """Sampler options (xDiT): what few models use, kept off the sampler's own widgets."""
+
+    cfg_2: float = 0.0  # Wan 2.2 A14B's low-noise expert's guidance scale; 0: the cfg
+
+
+EXPERTS = ("high_noise", "low_noise")  # a model's transformer, then its transformer_2
+
+
+def model_experts(path) -> int:
+    """Transformers of a model: 2 for a diffusers folder whose model_index.json names a
+    transformer_2 (Wan 2.2 A14B's high- and low-noise experts), else 1."""
+    import json
+    import os
+    index = os.path.join(str(path), "model_index.json")
+    if not os.path.isfile(index):
+        return 1
+    try:
+        with open(index) as f:
+            second = json.load(f).get("transformer_2")
+    except (OSError, ValueError):
+        return 1
+    return 2 if isinstance(second, (list, tuple)) and second and second[0] is not None else 1
 
 
 def model_text_width(path: str) -> Optional[int]:
@@ -704,8 +732,10 @@ def model_text_width(path: str) -> Optional[int]:
     from comfyui_xdit.planning.model_info import _describe_model, families
     d = _describe_model(path)
     # a folder's config omits what equals diffusers' class default
-    w = d["config"].get("joint_attention_dim",
-                        families.family(d["arch"]).config_defaults.get("joint_attention_dim"))
+    defaults = families.family(d["arch"]).config_defaults
+    w = d["config"].get("joint_attention_dim", defaults.get("joint_attention_dim"))
+    if w is None:  # Wan's name for it
+        w = d["config"].get("text_dim", defaults.get("text_dim"))
     return None if w is None else int(w)
 
 
@@ -735,6 +765,7 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
     else:
         cfg = None  # unknown without the model: the references are checked as under CFG
     refs, method = _references(positive, negative, cfg)
+    start = _start_image(positive, negative, cfg)
     if positive is None and not (inp.prompt or "").strip():
         raise ConfigError("no prompt: connect positive CONDITIONING or type a prompt")
     req = GenerationRequest(
@@ -743,18 +774,38 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
         steps=int(inp.steps), height=lat.height, width=lat.width, guidance=guidance,
         cfg=None if not inp.cfg else float(inp.cfg),
         max_sequence_length=int(inp.max_sequence_length), preview_every=int(inp.preview_every),
+        frames=lat.frames, cfg_2=None if not inp.cfg_2 else float(inp.cfg_2),
         reference_latents=refs, reference_method=method,
-        cache=None if inp.cache is None else inp.cache.as_request())
+        cache=None if inp.cache is None else inp.cache.as_request(), **start)
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
         kw["noise"] = comfy_noise(int(inp.seed), latent_shape(arch, lat.batch, lat.height,
-                                                              lat.width), lat.batch_index)
+                                                              lat.width, lat.frames),
+                                  lat.batch_index)
     if not lat.empty:
         if not 0.0 < float(inp.denoise) <= 1.0:
             raise ConfigError(f"denoise must be in (0, 1] (got {inp.denoise})")
         kw["init_latent"] = lat.samples
         kw["denoise"] = float(inp.denoise)
     return req, kw
+
+
+def _start_image(positive: Optional[dict], negative: Optional[dict],
+                 cfg: Optional[float]) -> dict:
+    """WanImageToVideo's start frame on the CONDITIONING -> the request's concat_latent /
+    concat_mask / image_embeds (taken off the conditionings, which the request carries as
+    text only). With CFG the negative must carry the same values (both branches get one
+    start frame); without it, the negative is not used."""
+    from comfyui_xdit.comfy_convert import START_IMAGE_KEYS
+    if positive is None:
+        return {}
+    use_negative = negative is not None and (cfg is None or float(cfg) > 1.0)
+    fields = start_image_fields(positive, negative if use_negative else None)
+    for c in (positive, negative):
+        if c is not None:
+            for _, f in START_IMAGE_KEYS:
+                c.pop(f, None)
+    return fields
 
 
 def _references(positive: Optional[dict], negative: Optional[dict], cfg: Optional[float]):
@@ -877,8 +928,9 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
     samples = latent["samples"]
     info = read_model_info(handle.path)
     want = latent_shape(info.arch, 1, 16, 16)
+    video = info.family.latent.video  # a video LATENT: its frames as an IMAGE batch
     if samples.dim() != len(want) or samples.shape[1] != want[1] or \
-            (samples.dim() == 5 and samples.shape[2] != 1):
+            (samples.dim() == 5 and samples.shape[2] != 1 and not video):
         hint = layout_hint(info.arch, samples)
         raise ConfigError(f"LATENT samples have shape {tuple(samples.shape)}; this "
                           f"{family_name(info.arch)} model's Decode takes latents "

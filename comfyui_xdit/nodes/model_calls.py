@@ -5,7 +5,10 @@ control, transformer_options, ...)`, with the conditional and unconditional rows
 side by side in one batch. `PoolDenoiser` turns each such call into one pool request
 (workers/model_call.py) and returns what ComfyUI's own model of the family would return:
 
-* x: model-space latents [N, 16, h, w] (ComfyUI has already applied the latent format).
+* x: model-space latents [N, 16, h, w] (ComfyUI has already applied the latent format);
+  families with a frame axis get [N, 16, T, h, w]: an image family's one frame (Qwen-Image)
+  is dropped for the pool and put back on the prediction, a video family's frames (Wan) go
+  to the pool as they are;
   FLUX.2 (ComfyUI's newer FLUX.2 model): the normalised latent 2x2-patchified, [N, 128,
   H/16, W/16], or unpatchified [N, 32, H/8, W/8]; the pool takes the unpatchified one
   (its packing is the same pixel-unshuffle order), so a patchified x is reshaped there and
@@ -68,6 +71,7 @@ class PoolDenoiser:
         self.cache_counts = {"computed": 0, "skipped": 0}  # rank 0's rows, every call
         self.run_counts = {"computed": 0, "skipped": 0}  # the same, this sampling run
         self._run_keys: frozenset = frozenset()
+        self.expert = 0  # which transformer of a model of several (Wan 2.2 A14B) runs
 
     @property
     def pool(self):
@@ -79,8 +83,10 @@ class PoolDenoiser:
         import torch
 
         self._refuse(control, transformer_options or {}, kwargs)
-        framed = self.family.latent.frames and x.dim() == 5
-        if framed:  # an image family with a frame axis (Qwen-Image): the pool takes [N,C,h,w]
+        # an image family with a frame axis (Qwen-Image): the pool takes [N,C,h,w]; a video
+        # family's (Wan) frames stay
+        framed = self.family.latent.frames and x.dim() == 5 and not self.family.latent.video
+        if framed:
             if x.shape[2] != 1:
                 raise ConfigError(f"the {self.family.name} xDiT MODEL takes one frame "
                                   f"(got latents {tuple(x.shape)})")
@@ -113,7 +119,7 @@ class PoolDenoiser:
         out, stats, sent = pool.model_call(
             self.config, self._to_pool_layout(x, patchified), t.contiguous(), g, chunks, conds,
             known=set(self._known), on_event=self.on_event, timed=self.timed,
-            cache=self.cache)
+            cache=self.cache, **({"expert": self.expert} if self.expert else {}))
         if patchified:
             out = torch.nn.functional.pixel_unshuffle(out, 2)
         self._launches = (id(pool), pool.launches)

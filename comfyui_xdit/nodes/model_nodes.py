@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from comfyui_xdit.planning.config import auto_config
+from comfyui_xdit.planning.config import ConfigError, auto_config
 from comfyui_xdit.planning.model_info import comfy_unet_config, read_model_info
+from comfyui_xdit.nodes.logic import EXPERTS, model_experts
 
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
@@ -36,6 +37,14 @@ class ToModel(io.ComfyNode):
                         "PipeFusion, ControlNet, attention patches and ComfyUI's LoRA "
                         "loaders are refused with a message (use Sampler (xDiT) for those).",
             inputs=[XDiTModel.Input("model"),
+                    io.Combo.Input("expert", options=list(EXPERTS), default=EXPERTS[0],
+                                   optional=True,
+                                   tooltip="Models of two experts (Wan 2.2 A14B folders): "
+                                           "which one this MODEL runs, high_noise (the "
+                                           "folder's transformer) or low_noise "
+                                           "(transformer_2). Two of these nodes, one per "
+                                           "expert, feed ComfyUI's two KSamplerAdvanced "
+                                           "graph; the pool keeps both experts loaded"),
                     XDiTCache.Input("cache", optional=True,
                                     tooltip="Step cache (xDiT): each sampling run gets a "
                                             "fresh cache; every model call counts")],
@@ -43,11 +52,16 @@ class ToModel(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, cache=None) -> io.NodeOutput:
+    def execute(cls, model, expert=None, cache=None) -> io.NodeOutput:
         from comfyui_xdit.nodes import logic as node_logic
         from comfyui_xdit.nodes.comfy_model import build_model
 
         info = read_model_info(model.path)
+        index = EXPERTS.index(expert or EXPERTS[0])
+        if index >= model_experts(model.path):
+            raise ConfigError(f"expert {expert}: {model.path!r} has one transformer; the "
+                              f"low-noise expert is the transformer_2 of a folder of two "
+                              f"(Wan 2.2 A14B). Choose {EXPERTS[0]}")
         model.validate()  # a PipeFusion layout is refused by PoolDenoiser, in build_model
         config = model_config_for(model, info).validate(info)
 
@@ -56,4 +70,5 @@ class ToModel(io.ComfyNode):
 
         return io.NodeOutput(build_model(current_pool, config, info.arch,
                                          comfy_unet_config(model.path),
-                                         cache=None if cache is None else cache.as_request()))
+                                         cache=None if cache is None else cache.as_request(),
+                                         expert=index))

@@ -50,7 +50,10 @@ FIT_VIEW = """() => {
 }"""
 
 
-def export(base: str, names=None, out_dir: Path = ROOT / "example_workflows") -> list:
+def export(base: str, names=None, out_dir: Path = ROOT / "example_workflows",
+           viewport=(1280, 720)) -> list:
+    """`viewport`: a wider one keeps a wide graph's thumbnail above the frontend's
+    low-quality zoom (where it draws no text)."""
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -62,7 +65,7 @@ def export(base: str, names=None, out_dir: Path = ROOT / "example_workflows") ->
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
         for api_file in apis:
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
             page.goto(base + "/", wait_until="networkidle", timeout=120_000)
             page.wait_for_function("window.app && window.app.graph", timeout=60_000)
             api = json.loads(api_file.read_text())

@@ -87,6 +87,10 @@ class ComfySpec:
     # ComfyUI's timestep -> the transformer's (FLUX-style models take sigma, x 1000 here)
     timestep_scale: float = 1.0
     needs_pooled: bool = True  # the model call needs CONDITIONING's pooled output (y)
+    # unet -> {dotted attribute of ComfyUI's diffusion model: shape} that the model class
+    # reads beside the call (Wan's concat_cond: patch_embedding.weight's input channels);
+    # the xDiT MODEL gives weightless stand-ins of these shapes
+    shapes: Callable = lambda unet: {}
 
 
 @dataclass(frozen=True)

@@ -127,12 +127,15 @@ FAMILY = Family(
     pipelines=("WanPipeline", "WanImageToVideoPipeline"), adapter="WanAdapter",
     block_lists=("blocks",), block_counts=("num_layers",),
     latent=LATENT,
-    # ComfyUI: model_base.WAN21 (flow, timestep = sigma x 1000 inside the model) and
-    # supported_models.WAN21_T2V / WAN21_I2V
+    # ComfyUI: model_base.WAN21 and supported_models.WAN21_T2V / WAN21_I2V; its flow model
+    # sampling's multiplier is 1000, so the model is called with sigma x 1000 already;
+    # concat_cond reads patch_embedding.weight's input channels
     comfy=ComfySpec(base=lambda unet: "WAN21",
                     config=lambda unet: "WAN21_I2V" if unet.get("model_type") == "i2v"
                     else "WAN21_T2V",
-                    unet=comfy_unet, timestep_scale=1000.0, needs_pooled=False),
+                    unet=comfy_unet, timestep_scale=1.0, needs_pooled=False,
+                    shapes=lambda unet: {"patch_embedding.weight": (
+                        int(unet["dim"]), int(unet["in_dim"]), 1, 2, 2)}),
     # ComfyUI's detection key (original naming); diffusers' scale_shift_table + patch conv
     markers=(("bfl", ("head.modulation", "patch_embedding.weight")),
              ("diffusers", ("scale_shift_table", "patch_embedding.weight",

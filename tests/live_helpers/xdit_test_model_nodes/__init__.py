@@ -4,6 +4,9 @@ links this folder into custom_nodes/ for its run only).
 * XDiTTestRandomConditioning: a seeded random CONDITIONING of any widths (SD3: context 4096,
   pooled 2048; FLUX: 4096 / 768), since ComfyUI's text-encoder loaders only know the real
   encoders' shapes. Same seed, same tensors, in every process.
+* XDiTTestWanStartFrame: stands in for WanImageToVideo where no ComfyUI-loadable Wan VAE
+  exists (a tiny one is not): the same CONDITIONING values (a seeded random raw start latent
+  as concat_latent_image, concat_mask 0 on the first latent frame) and the empty video LATENT.
 * XDiTTestSaveTensors: writes an IMAGE and / or a LATENT to a .safetensors file at full
   float precision, so two branches of a graph can be compared beyond 8-bit PNGs.
 """
@@ -32,6 +35,33 @@ class XDiTTestRandomConditioning:
         if guidance >= 0:  # FLUX embedded guidance (what FluxGuidance sets)
             extra["guidance"] = float(guidance)
         return ([[ctx, extra]],)
+
+
+class XDiTTestWanStartFrame:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"positive": ("CONDITIONING",), "negative": ("CONDITIONING",),
+                             "width": ("INT", {"default": 64, "min": 16, "max": 4096}),
+                             "height": ("INT", {"default": 48, "min": 16, "max": 4096}),
+                             "length": ("INT", {"default": 9, "min": 1, "max": 1024}),
+                             "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})}}
+
+    RETURN_TYPES = ("CONDITIONING", "CONDITIONING", "LATENT")
+    FUNCTION = "make"
+    CATEGORY = "xDiT tests"
+
+    def make(self, positive, negative, width, height, length, seed):
+        import torch
+        t = (length - 1) // 4 + 1
+        g = torch.Generator().manual_seed(int(seed))
+        start = torch.randn(1, 16, t, height // 8, width // 8, generator=g)
+        mask = torch.ones(1, 1, t, height // 8, width // 8)
+        mask[:, :, :1] = 0.0
+
+        def put(c):
+            return [[e[0], dict(e[1], concat_latent_image=start, concat_mask=mask)] for e in c]
+        return (put(positive), put(negative),
+                {"samples": torch.zeros(1, 16, t, height // 8, width // 8)})
 
 
 class XDiTTestSaveTensors:
@@ -64,4 +94,5 @@ class XDiTTestSaveTensors:
 
 
 NODE_CLASS_MAPPINGS = {"XDiTTestRandomConditioning": XDiTTestRandomConditioning,
-                       "XDiTTestSaveTensors": XDiTTestSaveTensors}
+                       "XDiTTestSaveTensors": XDiTTestSaveTensors,
+                       "XDiTTestWanStartFrame": XDiTTestWanStartFrame}

@@ -1,0 +1,381 @@
+"""Wan in a real ComfyUI (skipped unless COMFYUI_PATH is set; COMFYUI_PYTHON: its venv).
+
+The fixture links this pack and the test-only helper packs into custom_nodes/, puts the tiny
+Wan 2.1 T2V and Wan 2.2 A14B folders into models/diffusers/ under the example workflows'
+names, a ComfyUI-loadable tiny A14B folder (tests/wan_comfy.py: heads of 128, text_dim 4096)
+and its two transformers as ComfyUI-named single files (high and low noise) into
+models/diffusion_models/, and starts `main.py --cpu --preview-method latent2rgb`. Then:
+
+* xdit_wan_text_to_video (Sampler (xDiT) on EmptyHunyuanLatentVideo, Decode (xDiT),
+  CreateVideo + SaveVideo) runs with its latent shrunk to 64x48 pixels, 9 frames, 3 steps:
+  the sampler's LATENT is [1, 16, 3, 6, 8], progress reaches the steps and latent2rgb previews
+  show, Decode gives 9 frames in order as an IMAGE batch and SaveVideo writes the video;
+* xdit_wan_ksampler (two xDiT.ToModel, high_noise and low_noise, of one A14B loader; two
+  KSamplerAdvanced split at a step; Decode (xDiT)) runs with CLIPLoader + CLIPTextEncode
+  replaced by a random CONDITIONING of the tiny folder's text width, shrunk likewise, and
+  one pool serves both experts;
+* xdit_wan_image_to_video (WanImageToVideo's values into Sampler (xDiT), on the tiny Wan
+  2.2 I2V A14B folder) runs with WanImageToVideo stood in for (no tiny Wan VAE loads into
+  ComfyUI), and its start latent changes the video;
+* stock KSampler on the xDiT MODEL of the native folder equals KSampler on ComfyUI's own
+  WAN21 model loaded from the converted file (UNETLoader), LATENT max abs difference
+  <= 1e-3, at 1 rank, Ulysses 2 and CFG parallel, euler/simple and uni_pc/simple (cfg 3.5,
+  both CFG rows in every call, 9 frames at 64x48);
+* image-to-video on KSampler: WanImageToVideo's values (stood in for) on the xDiT MODEL of
+  a 36-channel Wan 2.2 I2V expert (ComfyUI concatenates the start frame's channels to the
+  latent) equal ComfyUI's own model from the converted file, CFG parallel;
+* ComfyUI's Wan 2.2 graph (two KSamplerAdvanced, the high-noise expert for the first steps,
+  the low-noise one for the rest) on the two xDiT MODELs equals the same graph on ComfyUI's
+  own two models from the two files.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from live_comfy import (COMFY, ROOT, http, link_packs, place, run, running_comfyui,
+                        skip_without_comfyui, tensors, with_settings)
+
+pytestmark = skip_without_comfyui
+
+T2V_NAME, A14B_NAME = "Wan2.1-T2V-1.3B-Diffusers", "Wan2.2-T2V-A14B-Diffusers"
+I2V_NAME = "Wan2.2-I2V-A14B-Diffusers"
+I2V_NATIVE, I2V_FILE = "xdit-test-wan-i2v-native", "xdit-native-wan-i2v-high.safetensors"
+NATIVE = "xdit-test-wan-native"
+FILES = {"high_noise": "xdit-native-wan-high.safetensors",
+         "low_noise": "xdit-native-wan-low.safetensors"}
+TOL = 1e-3
+SAMPLERS = [("euler", "simple"), ("uni_pc", "simple")]
+SIZE = dict(width=64, height=48, length=9)  # latent [1, 16, 3, 6, 8]: 36 video tokens
+LATENT = (1, 16, 3, 6, 8)
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+    from wan_comfy import comfy_wan_file, native_wan_folder
+
+    comfy = Path(COMFY)
+    link_packs(comfy, "xdit-live-test-helpers", "xdit-live-test-model-nodes")
+    cache = tmp_path_factory.mktemp("wan-models")
+    t2v = ensure_tiny_model("wan", cache)
+    a14b = ensure_tiny_model("wan", cache, variant="a14b")
+    diffusers_dir = comfy / "models" / "diffusers"
+    place(t2v, diffusers_dir / T2V_NAME)
+    place(a14b, diffusers_dir / A14B_NAME)
+    i2v = ensure_tiny_model("wan", cache, variant="i2v-a14b")
+    place(i2v, diffusers_dir / I2V_NAME)
+    i2v_native = native_wan_folder(i2v, cache / I2V_NATIVE)
+    place(i2v_native, diffusers_dir / I2V_NATIVE)
+    comfy_wan_file(i2v_native / "transformer", comfy / "models" / "diffusion_models" / I2V_FILE)
+    native = native_wan_folder(a14b, cache / NATIVE)
+    place(native, diffusers_dir / NATIVE)
+    files = comfy / "models" / "diffusion_models"
+    for sub, expert in (("transformer", "high_noise"), ("transformer_2", "low_noise")):
+        comfy_wan_file(native / sub, files / FILES[expert])
+    log = tmp_path_factory.mktemp("comfy-wan") / "comfyui.log"
+    with running_comfyui(comfy, log, "--preview-method", "latent2rgb") as server:
+        yield dict(server, tmp=log.parent, t2v=diffusers_dir / T2V_NAME,
+                   a14b=diffusers_dir / A14B_NAME, i2v=diffusers_dir / I2V_NAME)
+
+
+def _ok(msgs):
+    last = msgs[-1]
+    assert last["type"] == "execution_success", \
+        (last["data"].get("node_type"), last["data"].get("exception_message"),
+         "".join(last["data"].get("traceback") or [])[-3000:])
+
+
+def _by_type(wf: dict) -> dict:
+    out = {}
+    for nid, node in wf.items():
+        out.setdefault(node["class_type"], []).append(nid)
+    return out
+
+
+def _shrink(wf: dict, by_type: dict, steps: int) -> None:
+    for nid in by_type["EmptyHunyuanLatentVideo"]:
+        wf[nid]["inputs"].update(SIZE)
+    for nid in by_type.get("xDiT.Sampler", []):
+        wf[nid]["inputs"]["steps"] = steps
+    for nid in by_type.get("KSamplerAdvanced", []):
+        i = wf[nid]["inputs"]
+        i["steps"] = steps
+        if i["start_at_step"] > 0:
+            i["start_at_step"] = steps // 2
+        else:
+            i["end_at_step"] = steps // 2
+
+
+def _saved_video(comfy, pid, wf, by_type):
+    outs = http(comfy["base"], f"/history/{pid}")[pid]["outputs"]
+    saver = by_type["SaveVideo"][0]
+    files = outs[saver].get("images") or []
+    assert files, outs[saver]
+    prefix = wf[saver]["inputs"]["filename_prefix"].split("/")[-1]
+    assert files[0]["filename"].startswith(prefix), files
+    data = http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
+                .format(**files[0]))
+    assert len(data) > 1000
+    return files[0]
+
+
+def test_text_to_video_example_runs(comfy):
+    name = "xdit_wan_text_to_video_api.json"
+    wf = json.loads((ROOT / "example_workflows" / name).read_text())
+    by_type = _by_type(wf)
+    loader = wf[by_type["xDiT.LoadModel"][0]]["inputs"]
+    assert (loader["model"], loader["device"], loader["world_size"]) == (T2V_NAME, "auto", "auto")
+    steps = 3
+    _shrink(wf, by_type, steps)
+    sampler, decode = by_type["xDiT.Sampler"][0], by_type["xDiT.Decode"][0]
+    out = comfy["tmp"] / "t2v.safetensors"
+    wf["99"] = {"class_type": "XDiTTestSaveTensors",
+                "inputs": {"latent": [sampler, 0], "images": [decode, 0], "path": str(out)}}
+    pid, msgs = run(comfy, wf, timeout=1500)
+    _ok(msgs)
+    saved = tensors(out)
+    latent, images = saved["latent"], saved["image"]
+    assert latent.shape == LATENT and torch.isfinite(latent).all(), latent.shape
+    assert images.shape == (9, 48, 64, 3) and images.min() >= 0 and images.max() <= 1
+    assert float(images.std()) > 1e-3
+    progress = [m["data"] for m in msgs if m.get("type") == "progress"
+                and m["data"].get("node") == sampler]
+    assert progress and progress[-1]["value"] == steps, progress[-3:]
+    assert any(m.get("type") == "binary_preview" for m in msgs)  # the first frame's
+    video = _saved_video(comfy, pid, wf, by_type)
+    print(f"\n{name}: LATENT {tuple(latent.shape)}, IMAGE {tuple(images.shape)}, "
+          f"video {video['filename']}")
+
+
+def test_ksampler_example_runs_with_both_experts_on_one_pool(comfy):
+    name = "xdit_wan_ksampler_api.json"
+    wf = json.loads((ROOT / "example_workflows" / name).read_text())
+    by_type = _by_type(wf)
+    loader = wf[by_type["xDiT.LoadModel"][0]]["inputs"]
+    assert loader["model"] == A14B_NAME
+    assert sorted(wf[n]["inputs"]["expert"] for n in by_type["xDiT.ToModel"]) == \
+        ["high_noise", "low_noise"]
+    width = json.loads((comfy["a14b"] / "transformer" / "config.json").read_text())["text_dim"]
+    for nid in by_type["CLIPTextEncode"]:
+        wf[nid] = {"class_type": "XDiTTestRandomConditioning",
+                   "inputs": {"seed": int(nid), "tokens": 6, "context_dim": width,
+                              "pooled_dim": 1, "guidance": -1.0}}
+    for nid in by_type["CLIPLoader"]:
+        del wf[nid]
+    _shrink(wf, by_type, 4)
+    low = next(n for n in by_type["KSamplerAdvanced"] if wf[n]["inputs"]["start_at_step"])
+    out = comfy["tmp"] / "ksampler.safetensors"
+    wf["99"] = {"class_type": "XDiTTestSaveTensors",
+                "inputs": {"latent": [low, 0], "path": str(out)}}
+    pid, msgs = run(comfy, wf, timeout=1500)
+    _ok(msgs)
+    latent = tensors(out)["latent"]
+    assert latent.shape == LATENT and torch.isfinite(latent).all()
+    _saved_video(comfy, pid, wf, by_type)
+    pools = [p for p in http(comfy["base"], "/xdit/status")["pools"]
+             if p["model"].endswith(A14B_NAME)]
+    assert len(pools) == 1, pools  # both experts' MODELs call one pool
+
+
+def test_image_to_video_example_runs(comfy):
+    """xdit_wan_image_to_video: WanImageToVideo's CONDITIONING and LATENT into Sampler
+    (xDiT). ComfyUI's VAELoader takes no tiny Wan VAE, so VAELoader + LoadImage +
+    WanImageToVideo are replaced by XDiTTestWanStartFrame (tests/live_helpers), which sets
+    the same values (a random start latent, the first latent frame masked in); a second
+    start latent must change the video (the start frame reaches the model)."""
+    name = "xdit_wan_image_to_video_api.json"
+    base = json.loads((ROOT / "example_workflows" / name).read_text())
+    by_type = _by_type(base)
+    assert base[by_type["xDiT.LoadModel"][0]]["inputs"]["model"] == I2V_NAME
+    width = json.loads((comfy["i2v"] / "transformer" / "config.json").read_text())["text_dim"]
+    got = {}
+    for seed in (1, 2):
+        wf = json.loads(json.dumps(base))
+        for nid in by_type["CLIPTextEncode"]:
+            wf[nid] = {"class_type": "XDiTTestRandomConditioning",
+                       "inputs": {"seed": int(nid), "tokens": 6, "context_dim": width,
+                                  "pooled_dim": 1, "guidance": -1.0}}
+        for nid in by_type["CLIPLoader"] + by_type["VAELoader"] + by_type["LoadImage"]:
+            del wf[nid]
+        (i2v,) = by_type["WanImageToVideo"]  # same id: the sampler's links stay
+        node = wf[i2v]["inputs"]
+        wf[i2v] = {"class_type": "XDiTTestWanStartFrame",
+                   "inputs": {"positive": node["positive"], "negative": node["negative"],
+                              "width": SIZE["width"], "height": SIZE["height"],
+                              "length": SIZE["length"], "seed": seed}}
+        sampler, decode = by_type["xDiT.Sampler"][0], by_type["xDiT.Decode"][0]
+        wf[sampler]["inputs"]["steps"] = 3
+        out = comfy["tmp"] / f"i2v-{seed}.safetensors"
+        wf["99"] = {"class_type": "XDiTTestSaveTensors",
+                    "inputs": {"latent": [sampler, 0], "images": [decode, 0],
+                               "path": str(out)}}
+        pid, msgs = run(comfy, wf, timeout=1500)
+        _ok(msgs)
+        got[seed] = tensors(out)
+        assert got[seed]["latent"].shape == LATENT
+        assert got[seed]["image"].shape == (9, 48, 64, 3)
+        progress = [m["data"] for m in msgs if m.get("type") == "progress"
+                    and m["data"].get("node") == sampler]
+        assert progress and progress[-1]["value"] == 3
+        _saved_video(comfy, pid, wf, by_type)
+    moved = float((got[1]["latent"] - got[2]["latent"]).abs().max())
+    print(f"\n{name}: another start latent moved the LATENT by {moved:.3e}")
+    assert moved > 1e-3
+
+
+def test_sampler_options_cfg_2_reaches_the_low_noise_expert(comfy):
+    """Sampler (xDiT) on the A14B folder: Sampler options (xDiT)'s cfg_2 changes the result
+    (the low-noise expert's steps), a cfg_2 equal to cfg does not."""
+    out = {}
+    for tag, cfg_2 in (("none", None), ("same", 4.0), ("other", 1.5)):
+        path = comfy["tmp"] / f"cfg2-{tag}.safetensors"
+        wf = {"1": {"class_type": "xDiT.LoadModel",
+                    "inputs": {"model": A14B_NAME, "device": "cpu", "dtype": "fp32",
+                               "world_size": "2"}},
+              "2": {"class_type": "EmptyHunyuanLatentVideo", "inputs": dict(SIZE, batch_size=1)},
+              "3": {"class_type": "xDiT.Sampler",
+                    "inputs": {"model": ["1", 0], "latent": ["2", 0], "prompt": "a fox",
+                               "negative_prompt": "blurry", "seed": 3, "steps": 3, "cfg": 4.0,
+                               "guidance": 0.0, "denoise": 1.0, "max_sequence_length": 16}},
+              "4": {"class_type": "XDiTTestSaveTensors",
+                    "inputs": {"latent": ["3", 0], "path": str(path)}}}
+        if cfg_2 is not None:
+            wf["5"] = {"class_type": "xDiT.SamplerOptions", "inputs": {"cfg_2": cfg_2}}
+            wf["3"]["inputs"]["options"] = ["5", 0]
+        _, msgs = run(comfy, wf, timeout=1500)
+        _ok(msgs)
+        out[tag] = tensors(path)["latent"]
+        assert out[tag].shape == LATENT and torch.isfinite(out[tag]).all()
+    assert float((out["none"] - out["same"]).abs().max()) <= 1e-5
+    assert float((out["none"] - out["other"]).abs().max()) > 1e-3
+
+
+def _compare_graph(comfy, layout: dict, world: str, tag: str, sampler="euler",
+                   scheduler="simple", split=None, cfg=3.5, steps=3, seed=7):
+    """KSampler on the xDiT MODEL ("x") and on ComfyUI's own WAN21 ("n"); with `split` the
+    Wan 2.2 graph: KSamplerAdvanced on the high-noise expert for steps [0, split), then on
+    the low-noise one to the end."""
+    out = {b: str(comfy["tmp"] / f"{tag}-{b}.safetensors") for b in ("x", "n")}
+    wf = {
+        "1": {"class_type": "xDiT.LoadModel",
+              "inputs": {"model": NATIVE, "device": "cpu", "dtype": "fp32",
+                         "world_size": world}},
+        "4": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 1, "tokens": 8, "context_dim": 4096, "pooled_dim": 1,
+                         "guidance": -1.0}},
+        "5": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 2, "tokens": 6, "context_dim": 4096, "pooled_dim": 1,
+                         "guidance": -1.0}},
+        "6": {"class_type": "EmptyHunyuanLatentVideo", "inputs": dict(SIZE, batch_size=1)},
+    }
+    with_settings(wf, "1", **layout)
+    experts = ["high_noise"] + (["low_noise"] if split else [])
+    for k, expert in enumerate(experts):
+        wf[f"2{k}"] = {"class_type": "xDiT.ToModel",
+                       "inputs": {"model": ["1", 0], "expert": expert}}
+        wf[f"3{k}"] = {"class_type": "UNETLoader",
+                       "inputs": {"unet_name": FILES[expert], "weight_dtype": "default"}}
+    common = {"cfg": cfg, "sampler_name": sampler, "scheduler": scheduler,
+              "positive": ["4", 0], "negative": ["5", 0]}
+    for b, models in (("x", "2"), ("n", "3")):
+        if split is None:
+            wf[f"7{b}"] = {"class_type": "KSampler",
+                           "inputs": dict(common, model=[f"{models}0", 0], seed=seed,
+                                          steps=steps, latent_image=["6", 0], denoise=1.0)}
+            last = f"7{b}"
+        else:
+            wf[f"7{b}"] = {"class_type": "KSamplerAdvanced",
+                           "inputs": dict(common, model=[f"{models}0", 0], add_noise="enable",
+                                          noise_seed=seed, steps=steps, start_at_step=0,
+                                          end_at_step=split, latent_image=["6", 0],
+                                          return_with_leftover_noise="enable")}
+            wf[f"8{b}"] = {"class_type": "KSamplerAdvanced",
+                           "inputs": dict(common, model=[f"{models}1", 0], add_noise="disable",
+                                          noise_seed=0, steps=steps, start_at_step=split,
+                                          end_at_step=10000, latent_image=[f"7{b}", 0],
+                                          return_with_leftover_noise="disable")}
+            last = f"8{b}"
+        wf[f"9{b}"] = {"class_type": "XDiTTestSaveTensors",
+                       "inputs": {"latent": [last, 0], "path": out[b]}}
+    return wf, out
+
+
+def _compare(comfy, wf, out, tag):
+    _, msgs = run(comfy, wf, timeout=1500)
+    _ok(msgs)
+    x, n = tensors(Path(out["x"]))["latent"], tensors(Path(out["n"]))["latent"]
+    assert x.shape == n.shape == LATENT, (x.shape, n.shape)
+    fig = {"latent_max_abs": float((x - n).abs().max()), "latent_max": float(n.abs().max())}
+    print(f"\n{tag}: {json.dumps(fig)}")
+    assert torch.isfinite(x).all() and fig["latent_max"] > 0.05, fig
+    assert fig["latent_max_abs"] <= TOL, fig
+    return n
+
+
+LAYOUTS = [({}, "1"), ({"ulysses": 2}, "2"), ({"cfg_parallel": True}, "2")]
+
+
+@pytest.mark.parametrize("layout,world", LAYOUTS, ids=["1rank", "ulysses2", "cfg_parallel"])
+def test_wan_ksampler_on_the_pool_matches_comfyui_own_model(comfy, layout, world):
+    got = {}
+    for sampler, scheduler in SAMPLERS:
+        tag = f"wan-{'-'.join(map(str, layout)) or 'one'}-{sampler}"
+        wf, out = _compare_graph(comfy, layout, world, tag, sampler, scheduler)
+        got[sampler] = _compare(comfy, wf, out, tag)
+    a, b = (got[s] for s, _ in SAMPLERS)  # the agreement above is not vacuous
+    assert float((a - b).abs().max()) > 1e-2
+    pool = next(p for p in http(comfy["base"], "/xdit/status")["pools"]
+                if p["model"].endswith(NATIVE))
+    want = "ulysses 2" if layout.get("ulysses") else "cfg 2" if layout else "cfg 1"
+    assert pool["world_size"] == int(world) and want in pool["config"], pool
+
+
+def test_wan22_two_expert_graph_matches_comfyui_own_models(comfy):
+    wf, out = _compare_graph(comfy, {"cfg_parallel": True}, "2", "wan22-experts", split=2,
+                             steps=4)
+    both = _compare(comfy, wf, out, "wan22-experts cfg_parallel euler")
+    # the low-noise expert mattered: the high-noise one alone for every step differs
+    wf, out = _compare_graph(comfy, {"cfg_parallel": True}, "2", "wan22-high-only", steps=4)
+    high_only = _compare(comfy, wf, out, "wan22-high-only")
+    assert float((both - high_only).abs().max()) > 1e-2
+    pools = [p for p in http(comfy["base"], "/xdit/status")["pools"]
+             if p["model"].endswith(NATIVE)]
+    assert len(pools) == 1, pools
+    http(comfy["base"], "/xdit/unload", {})
+    http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+
+
+def test_wan_i2v_ksampler_on_the_pool_matches_comfyui_own_model(comfy):
+    out = {b: str(comfy["tmp"] / f"i2v-ks-{b}.safetensors") for b in ("x", "n")}
+    wf = {
+        "1": {"class_type": "xDiT.LoadModel",
+              "inputs": {"model": I2V_NATIVE, "device": "cpu", "dtype": "fp32",
+                         "world_size": "2"}},
+        "2": {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0],
+                                                       "expert": "high_noise"}},
+        "3": {"class_type": "UNETLoader", "inputs": {"unet_name": I2V_FILE,
+                                                      "weight_dtype": "default"}},
+        "4": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 1, "tokens": 8, "context_dim": 4096, "pooled_dim": 1,
+                         "guidance": -1.0}},
+        "5": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 2, "tokens": 6, "context_dim": 4096, "pooled_dim": 1,
+                         "guidance": -1.0}},
+        "6": {"class_type": "XDiTTestWanStartFrame",
+              "inputs": {"positive": ["4", 0], "negative": ["5", 0], "width": SIZE["width"],
+                         "height": SIZE["height"], "length": SIZE["length"], "seed": 3}},
+    }
+    with_settings(wf, "1", cfg_parallel=True)
+    for b, model in (("x", ["2", 0]), ("n", ["3", 0])):
+        wf[f"7{b}"] = {"class_type": "KSampler",
+                       "inputs": {"model": model, "seed": 7, "steps": 3, "cfg": 3.5,
+                                  "sampler_name": "euler", "scheduler": "simple",
+                                  "positive": ["6", 0], "negative": ["6", 1],
+                                  "latent_image": ["6", 2], "denoise": 1.0}}
+        wf[f"9{b}"] = {"class_type": "XDiTTestSaveTensors",
+                       "inputs": {"latent": [f"7{b}", 0], "path": out[b]}}
+    _compare(comfy, wf, out, "wan22-i2v cfg_parallel euler")
