@@ -13,7 +13,8 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 from comfyui_xdit.planning.model_info import read_model_info
 from comfyui_xdit.nodes import logic as node_logic
 from comfyui_xdit.nodes.logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, MEMORY_PLAN_OPTIONS,
-                         REGISTRY, SPLITS, WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
+                         LORA_EXPERT_OPTIONS, NO_MODEL_2, REGISTRY, SPLITS,
+                         WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
                          discover_models, discover_single_files, loader_handle)
 
 log = logging.getLogger("comfyui_xdit")
@@ -44,6 +45,11 @@ def _file_roots() -> dict:
 
 def _model_options() -> list:
     return discover_models(_model_folders()) + discover_single_files(_file_roots())
+
+
+def _second_file_options() -> list:
+    """The loader's low_noise_model choices: none, then the single files."""
+    return [NO_MODEL_2] + discover_single_files(_file_roots())
 
 
 def _cuda_here() -> tuple:
@@ -143,6 +149,16 @@ class LoadModel(io.ComfyNode):
                                        "automatically (CFG parallel first, then Ulysses, then "
                                        "Ring). With degrees set by the settings nodes, auto "
                                        "means their product and a number must equal it."),
+                io.Combo.Input("low_noise_model", options=_second_file_options(),
+                               default=NO_MODEL_2, optional=True,
+                               tooltip="Wan 2.2 A14B from its two single files: the "
+                                       "low-noise expert's file here, the high-noise one's "
+                                       "in model (e.g. diffusion_models/"
+                                       "wan2.2_t2v_low_noise_14B_fp16.safetensors beside "
+                                       "..._high_noise_...). Sampler (xDiT) and "
+                                       "MODEL for KSampler (xDiT)'s expert input then work "
+                                       "as on an A14B folder. none: one model (any other "
+                                       "model refuses a second file)"),
                 XDiTParallel.Input("parallel", optional=True,
                                    tooltip="Parallel settings (xDiT): Ulysses, Ring, CFG "
                                            "parallel, DP degrees and the GPU list"),
@@ -442,7 +458,7 @@ class Sampler(io.ComfyNode):
                 max_sequence_length=512, positive=None, negative=None,
                 cache=None, options=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        arch = read_model_info(model.path).arch
+        arch = model.info().arch
         from comfyui_xdit.comfy_convert import families
         # FLUX.2: no RGB factors
         previews = _previews_enabled() and families.family(arch).latent.rgb is not None
@@ -505,14 +521,21 @@ class LoRA(io.ComfyNode):
                         "Changing the list or strengths never reloads the base model.",
             inputs=[XDiTModel.Input("model"),
                     io.Combo.Input("lora_name", options=folder_paths.get_filename_list("loras")),
-                    io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01)],
+                    io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01),
+                    io.Combo.Input("expert", options=list(LORA_EXPERT_OPTIONS), default="both",
+                                   optional=True,
+                                   tooltip="Wan 2.2 A14B (a folder or its two expert "
+                                           "files): both transformers, or only the "
+                                           "high-noise (high) or low-noise (low) expert, as "
+                                           "its LoRAs ship one file per expert. Other "
+                                           "models: both")],
             outputs=[XDiTModel.Output()],
         )
 
     @classmethod
-    def execute(cls, model, lora_name, strength) -> io.NodeOutput:
+    def execute(cls, model, lora_name, strength, expert="both") -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("loras", lora_name)
-        return io.NodeOutput(model.with_lora(path, strength))
+        return io.NodeOutput(model.with_lora(path, strength, expert))
 
 
 class Decode(io.ComfyNode):
@@ -536,7 +559,7 @@ class Decode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, samples, vae=None) -> io.NodeOutput:
-        if model.device == "cuda" and read_model_info(model.path).has_vae:
+        if model.device == "cuda" and model.info().has_vae:
             comfy.model_management.unload_all_models()  # room for the pool's decode
             comfy.model_management.soft_empty_cache()
         node_id = cls.hidden.unique_id if cls.hidden is not None else None

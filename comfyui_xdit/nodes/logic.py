@@ -41,6 +41,8 @@ DTYPES = ["auto", "bf16", "fp16", "fp32"]  # auto: bf16 on cuda, fp32 on cpu
 ATTENTION = list(ATTENTION_BACKENDS)
 WEIGHT_OPTIONS = list(WEIGHTS)
 TEXT_ENCODER_OPTIONS = ["auto", "cpu", "gpu"]
+LORA_EXPERT_OPTIONS = ["both", "high", "low"]  # the LoRA node: Wan 2.2 A14B's experts
+NO_MODEL_2 = "none"  # the loader's low_noise_model default: one model
 SPLITS = ["balanced", "compute", "memory"]
 MEMORY_PLAN_OPTIONS = ["auto"] + list(memory_plan.MODES)  # auto: $XDIT_MEMORY_PLAN
 MAX_SEED = 2 ** 64 - 1
@@ -217,7 +219,7 @@ class ModelHandle:
     dp: int = 1
     gpus: Optional[tuple] = None
     threads_per_rank: Optional[int] = None
-    loras: tuple = ()  # ((path, strength), ...) added by the LoRA node; never a new pool
+    loras: tuple = ()  # ((path, strength[, "high" | "low"]), ...): the LoRA node; never a new pool
     pipefusion: int = 1
     warmup_steps: int = 1  # PipeFusion: full synchronous steps before the patch pipeline
     pipeline_patches: Optional[int] = None  # PipeFusion patches per step (None: the degree)
@@ -228,14 +230,31 @@ class ModelHandle:
     text_encoders: str = "auto"  # EngineOptions: auto | cpu | gpu | cuda:N
     shard_weights: bool = False  # EngineOptions: FSDP2 block weights over every rank
     memory_plan: str = "auto"  # enforce | advise | auto ($XDIT_MEMORY_PLAN): a misfit refused?
+    # Wan 2.2 A14B from two single files: the low-noise expert's file (`path`: the high-noise
+    # one); the pool's model_path_2
+    path_2: Optional[str] = None
 
-    def with_lora(self, path: str, strength: float) -> "ModelHandle":
+    def info(self):
+        """The model's ModelInfo (a pair of expert files read as one model)."""
+        return read_model_info(self.path, self.path_2)
+
+    def with_lora(self, path: str, strength: float, expert: str = "both") -> "ModelHandle":
         """The LoRA node: chain one more adapter (the workers cache adapters, so changing
-        this list between jobs never reloads the base model)."""
+        this list between jobs never reloads the base model). `expert`: "both", or "high" /
+        "low" (Wan 2.2 A14B: one of its two transformers only)."""
         import dataclasses
         if not os.path.isfile(path):
             raise ConfigError(f"LoRA file not found: {path}")
-        return dataclasses.replace(self, loras=self.loras + ((str(path), float(strength)),))
+        expert = str(expert or "both").strip().lower()
+        if expert not in LORA_EXPERT_OPTIONS:
+            raise ConfigError(f"LoRA expert must be one of {', '.join(LORA_EXPERT_OPTIONS)} "
+                              f"(got {expert!r})")
+        if expert != "both" and self.info().experts < 2:
+            raise ConfigError(f"LoRA expert {expert}: {os.path.basename(self.path)!r} has one "
+                              f"transformer; high / low name Wan 2.2 A14B's high- and low-noise "
+                              f"experts. Choose both")
+        entry = (str(path), float(strength)) + (() if expert == "both" else (expert,))
+        return dataclasses.replace(self, loras=self.loras + (entry,))
 
     @property
     def degrees_given(self) -> bool:
@@ -268,7 +287,7 @@ class ModelHandle:
         if self.degrees_given:
             return self.explicit_config()
         world = self.world_size or self.default_world()
-        info = read_model_info(self.path)
+        info = self.info()
         uses_cfg = request.uses_cfg(info) if request is not None else False
         batch = request.batch if request is not None else 1
         return auto_config(world, info.heads, uses_cfg, batch).with_world_size(world)
@@ -288,7 +307,7 @@ class ModelHandle:
                        f"fp32); use auto or fp32")
         if not layout:
             try:
-                read_model_info(self.path)
+                self.info()
             except ConfigError as e:
                 out.append(str(e))
             return out
@@ -299,7 +318,7 @@ class ModelHandle:
             out.append(str(e))
             mode = "advise"
         try:
-            info = read_model_info(self.path)
+            info = self.info()
         except ConfigError as e:
             return out + [str(e)]
         try:
@@ -311,7 +330,8 @@ class ModelHandle:
             if self.device == "cuda":  # the GPUs must hold the world, before anything starts
                 gpus = gpus_for_ranks(self.world(), self.gpus)
                 plan = memory_plan.check_launch(  # and its weights: refused with the numbers
-                    self.path, self.config_for(), self.engine(), gpus, mode=mode)
+                    self.path, self.config_for(), self.engine(), gpus, mode=mode,
+                    model_path_2=self.path_2)
                 object.__setattr__(self, "_memory_plan", plan)  # for memory_summary()
         except ConfigError as e:
             out.append(str(e))
@@ -339,7 +359,7 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                 pipefusion_split: str = "balanced", attention: str = "auto",
                 compile: bool = False, weights: str = "auto", text_encoders: str = "auto",
                 shard_weights: bool = False, memory_plan: str = "auto",
-                has_cuda: Optional[bool] = None) -> ModelHandle:
+                has_cuda: Optional[bool] = None, model_path_2: Optional[str] = None) -> ModelHandle:
     """The loader's widgets -> a handle. `pipeline_patches` 0 means "the PipeFusion degree";
     device/dtype 'auto' are resolved here (`has_cuda`: whether this ComfyUI has CUDA)."""
     ws = None if str(world_size).strip().lower() in ("auto", "", "0") else int(world_size)
@@ -356,7 +376,8 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                        attention=str(attention), compile=bool(compile),
                        weights=str(weights), text_encoders=str(text_encoders),
                        shard_weights=bool(shard_weights),
-                       memory_plan=str(memory_plan).strip().lower() or "auto")
+                       memory_plan=str(memory_plan).strip().lower() or "auto",
+                       path_2=None if not model_path_2 else str(Path(model_path_2).resolve()))
 
 
 LOADER_DEFAULTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1, ring=1,
@@ -487,20 +508,48 @@ def loader_handle(inputs: dict, folders, roots_by_kind: Optional[dict] = None,
         if str(kw["dtype"]).lower() in ("bf16", "fp16"):
             kw["dtype"] = "auto"
     name = str(inputs.get("model") or "")
+    name_2 = str(inputs.get("low_noise_model") or NO_MODEL_2)
     try:
         path = resolve_model(name, folders, roots_by_kind)
+        path_2 = None if name_2 == NO_MODEL_2 else second_expert_file(
+            name, path, name_2, roots_by_kind)
     except ConfigError as e:
         raise ConfigError("; ".join(problems + [str(e)])) from None
-    handle = make_handle(path, has_cuda=has_cuda, **kw)
+    handle = make_handle(path, has_cuda=has_cuda, model_path_2=path_2, **kw)
     problems += handle.problems(layout=not pending)
     if problems:
         raise ConfigError("; ".join(problems))
     return handle
 
 
+def second_expert_file(name: str, path: str, name_2: str,
+                       roots_by_kind: Optional[dict] = None) -> str:
+    """The loader's low_noise_model (Wan 2.2 A14B's low-noise expert file, `name` / `path`
+    being the high-noise one) -> its path; one line when the model has no second expert.
+    The pair itself (same family, same config) is checked by model_info.read_pair."""
+    kind = name_2.partition("/")[0]
+    if kind not in FILE_KINDS and not os.path.isabs(name_2):
+        raise ConfigError(f"low_noise_model {name_2!r} is not a single file: pick Wan 2.2 "
+                          f"A14B's low-noise expert file from models/diffusion_models, or none")
+    if not os.path.isfile(path):
+        raise ConfigError(f"low_noise_model pairs two Wan 2.2 A14B expert files; model "
+                          f"{name!r} is a diffusers folder, which holds its experts itself: "
+                          f"set low_noise_model to none")
+    info = read_model_info(path)
+    if info.family.expert_boundary is None:
+        raise ConfigError(f"low_noise_model: model {name!r} is a {info.family.name} model, "
+                          f"which has no experts (only Wan 2.2 A14B's high-noise file takes a "
+                          f"low-noise one): set low_noise_model to none")
+    path_2 = resolve_model(name_2, [], roots_by_kind)
+    from comfyui_xdit.planning.model_info import read_pair
+    read_pair(path, path_2, names=("model", "low_noise_model"))  # the pair, in the node's words
+    return path_2
+
+
 # ---- the registry -----------------------------------------------------------------------
 class PoolRegistry:
-    """Warm pools by (path, device, dtype, gpus); each pool's config follows the last job.
+    """Warm pools by (path, device, dtype, gpus, ..., path_2); each pool's config follows the
+    last job.
 
     At most `max_pools` pools live at once (default 1: a second model replaces the first,
     so two copies of a large model never sit in memory)."""
@@ -520,7 +569,7 @@ class PoolRegistry:
     def _key(handle: ModelHandle) -> tuple:
         return (handle.path, handle.device, handle.dtype, handle.gpus, handle.threads_per_rank,
                 handle.attention, handle.compile, handle.weights, handle.text_encoders,
-                handle.shard_weights)
+                handle.shard_weights, handle.path_2)
 
     def get(self, handle: ModelHandle, config: ParallelConfig):
         """The pool for `handle` running `config`: the same one on every call with the same
@@ -547,6 +596,8 @@ class PoolRegistry:
                       if getattr(handle, k) != default}
                 if handle.memory_plan != "auto":
                     kw["memory_plan"] = handle.memory_plan
+                if handle.path_2 is not None:  # Wan 2.2 A14B from its two expert files
+                    kw["model_path_2"] = handle.path_2
                 pool = factory(handle.path, config, device=handle.device, dtype=handle.dtype,
                                gpus=list(handle.gpus) if handle.gpus else None,
                                threads_per_rank=handle.threads_per_rank, **kw)
@@ -849,7 +900,7 @@ def sample(handle: ModelHandle, inp: SampleInputs,
     t0 = time.perf_counter()
     registry.job_started()
     try:
-        info = read_model_info(handle.path)
+        info = handle.info()
         req, kw = build_job(inp, info.arch, model_text_width(handle.path), info)
         req.loras = list(handle.loras)
         config = handle.config_for(req)
@@ -926,7 +977,7 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
         raise ConfigError("LATENT input must be a dict with 'samples'; connect the xDiT "
                           "sampler's LATENT")
     samples = latent["samples"]
-    info = read_model_info(handle.path)
+    info = handle.info()
     want = latent_shape(info.arch, 1, 16, 16)
     video = info.family.latent.video  # a video LATENT: its frames as an IMAGE batch
     if samples.dim() != len(want) or samples.shape[1] != want[1] or \

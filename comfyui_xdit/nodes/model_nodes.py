@@ -5,8 +5,8 @@ from __future__ import annotations
 from comfy_api.v0_0_2 import io
 
 from comfyui_xdit.planning.config import ConfigError, auto_config
-from comfyui_xdit.planning.model_info import comfy_unet_config, read_model_info
-from comfyui_xdit.nodes.logic import EXPERTS, model_experts
+from comfyui_xdit.planning.model_info import comfy_unet_config
+from comfyui_xdit.nodes.logic import EXPERTS
 
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
@@ -39,10 +39,11 @@ class ToModel(io.ComfyNode):
             inputs=[XDiTModel.Input("model"),
                     io.Combo.Input("expert", options=list(EXPERTS), default=EXPERTS[0],
                                    optional=True,
-                                   tooltip="Models of two experts (Wan 2.2 A14B folders): "
-                                           "which one this MODEL runs, high_noise (the "
-                                           "folder's transformer) or low_noise "
-                                           "(transformer_2). Two of these nodes, one per "
+                                   tooltip="Models of two experts (Wan 2.2 A14B: a folder "
+                                           "or the loader's two files): which one this "
+                                           "MODEL runs, high_noise (the folder's "
+                                           "transformer, the model file) or low_noise "
+                                           "(transformer_2, the low_noise_model file). Two of these nodes, one per "
                                            "expert, feed ComfyUI's two KSamplerAdvanced "
                                            "graph; the pool keeps both experts loaded"),
                     XDiTCache.Input("cache", optional=True,
@@ -56,12 +57,13 @@ class ToModel(io.ComfyNode):
         from comfyui_xdit.nodes import logic as node_logic
         from comfyui_xdit.nodes.comfy_model import build_model
 
-        info = read_model_info(model.path)
+        info = model.info()
         index = EXPERTS.index(expert or EXPERTS[0])
-        if index >= model_experts(model.path):
+        if index >= info.experts:
             raise ConfigError(f"expert {expert}: {model.path!r} has one transformer; the "
                               f"low-noise expert is the transformer_2 of a folder of two "
-                              f"(Wan 2.2 A14B). Choose {EXPERTS[0]}")
+                              f"or the loader's low_noise_model file (Wan 2.2 A14B). "
+                              f"Choose {EXPERTS[0]}")
         model.validate()  # a PipeFusion layout is refused by PoolDenoiser, in build_model
         config = model_config_for(model, info).validate(info)
 

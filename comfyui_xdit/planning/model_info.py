@@ -142,12 +142,13 @@ def read_model_info(path, path_2=None) -> ModelInfo:
                      **_i2v(arch, cfg))
 
 
-def read_pair(path, path_2) -> ModelInfo:
+def read_pair(path, path_2, names=("model_path", "model_path_2")) -> ModelInfo:
     """A model of two single files, Wan 2.2 A14B's high-noise (`path`) and low-noise
     (`path_2`) expert files: both of a family with experts (`Family.expert_boundary`), the
     same transformer config from their shapes, and a config such a pair was released with.
-    Anything else: one ConfigError line."""
-    for p, which in ((path, "model_path"), (path_2, "model_path_2")):
+    Anything else: one ConfigError line. `names`: the two inputs' names, as the messages say
+    them (the loader node's model / low_noise_model)."""
+    for p, which in ((path, names[0]), (path_2, names[1])):
         if os.path.isdir(str(p)):
             raise ConfigError(f"{which} {str(p)!r} is a folder; a second model path pairs two "
                               f"single files (Wan 2.2 A14B's high- and low-noise expert files: "
@@ -156,10 +157,10 @@ def read_pair(path, path_2) -> ModelInfo:
     fam = first.family
     if fam.expert_boundary is None:
         raise ConfigError(f"{path} is a {fam.name} model, which has no second expert: "
-                          f"model_path_2 is Wan 2.2 A14B's low-noise expert file")
+                          f"{names[1]} is Wan 2.2 A14B's low-noise expert file")
     second = read_model_info(path_2)
     if second.arch != first.arch:
-        raise ConfigError(f"model_path_2 {str(path_2)!r} is a {second.family.name} model, "
+        raise ConfigError(f"{names[1]} {str(path_2)!r} is a {second.family.name} model, "
                           f"not {fam.name}: give the low-noise expert file of the same model")
     a = dict(single_file_config(path)["config"])
     b = dict(single_file_config(path_2)["config"])
