@@ -541,7 +541,8 @@ def _schema_inputs(nodes, node_cls) -> list:
     kinds = {"Combo": io.Combo.Input, "Int": io.Int.Input, "Boolean": io.Boolean.Input,
              "String": io.String.Input, "Float": io.Float.Input}
     sockets = {"parallel": nodes.XDiTParallel.Input, "pipefusion": nodes.XDiTPipeFusion.Input,
-               "engine": nodes.XDiTEngine.Input}
+               "engine": nodes.XDiTEngine.Input,
+               "low_noise_model": nodes.XDiTExpertFile.Input}
     for m in list(kinds.values()) + list(sockets.values()):
         m.reset_mock()
     node_cls.define_schema()
@@ -559,8 +560,8 @@ def test_loader_has_four_widgets_and_three_settings_inputs(loader_node):
     widgets = [name for kind, name, _ in got if kind in ("Combo", "Int", "Boolean", "String")]
     assert sorted(widgets) == ["device", "dtype", "model", "world_size"]
     assert {name: kw.get("optional") for kind, name, kw in got
-            if kind in ("parallel", "pipefusion", "engine")} == \
-        {"parallel": True, "pipefusion": True, "engine": True}
+            if kind in ("parallel", "pipefusion", "engine", "low_noise_model")} == \
+        {"parallel": True, "pipefusion": True, "engine": True, "low_noise_model": True}
     # every removed widget is on exactly one settings node, with today's default
     import dataclasses
     moved = {}

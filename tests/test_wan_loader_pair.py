@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from comfyui_xdit.nodes.logic import (NO_MODEL_2, PoolRegistry, SampleInputs, loader_handle,
-                                      sample)
+from comfyui_xdit.nodes.logic import (NO_MODEL_2, ExpertFile, PoolRegistry, SampleInputs,
+                                      loader_handle, sample)
 from comfyui_xdit.planning.config import ConfigError
 from single_file_util import write_single_file
 
@@ -45,7 +45,8 @@ def roots(tmp_path_factory):
 
 
 def _handle(roots, model, low=NO_MODEL_2, **kw):
-    return loader_handle(dict(model=model, low_noise_model=low, device="cpu", **kw),
+    """The loader with Low-noise expert (xDiT)'s value connected (`low`: its file)."""
+    return loader_handle(dict(model=model, low_noise_model=ExpertFile(low), device="cpu", **kw),
                          roots["folders"], roots["kinds"], has_cuda=False)
 
 
@@ -79,6 +80,13 @@ def test_two_expert_files_make_one_two_expert_model_and_pool(roots):
     assert (info.arch, info.experts, info.path_2) == ("wan", 2, h.path_2)
     one = _handle(roots, "diffusion_models/high.safetensors")
     assert one.path_2 is None and one.info().experts == 1
+    # a Python caller's plain name; ComfyUI's validation (a linked value still None): the
+    # high file is checked alone, the pair at execution
+    assert loader_handle(dict(model="diffusion_models/high.safetensors",
+                              low_noise_model="diffusion_models/low.safetensors"),
+                         roots["folders"], roots["kinds"], has_cuda=False) == h
+    assert loader_handle(dict(model="diffusion_models/high.safetensors", low_noise_model=None),
+                         roots["folders"], roots["kinds"], has_cuda=False).path_2 is None
     reg = PoolRegistry(pool_factory=FakePool)
     cfg = h.config_for()
     p = reg.get(h, cfg)

@@ -13,7 +13,7 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 from comfyui_xdit.planning.model_info import read_model_info
 from comfyui_xdit.nodes import logic as node_logic
 from comfyui_xdit.nodes.logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, MEMORY_PLAN_OPTIONS,
-                         LORA_EXPERT_OPTIONS, NO_MODEL_2, REGISTRY, SPLITS,
+                         LORA_EXPERT_OPTIONS, REGISTRY, SPLITS,
                          WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
                          discover_models, discover_single_files, loader_handle)
 
@@ -25,6 +25,7 @@ XDiTPipeFusion = io.Custom("XDIT_PIPEFUSION")
 XDiTEngine = io.Custom("XDIT_ENGINE")
 XDiTCache = io.Custom("XDIT_CACHE")
 XDiTSamplerOptions = io.Custom("XDIT_SAMPLER_OPTIONS")
+XDiTExpertFile = io.Custom("XDIT_EXPERT_FILE")
 PREVIEW_MAX = 512
 
 
@@ -47,9 +48,8 @@ def _model_options() -> list:
     return discover_models(_model_folders()) + discover_single_files(_file_roots())
 
 
-def _second_file_options() -> list:
-    """The loader's low_noise_model choices: none, then the single files."""
-    return [NO_MODEL_2] + discover_single_files(_file_roots())
+def _single_file_options() -> list:
+    return discover_single_files(_file_roots())
 
 
 def _cuda_here() -> tuple:
@@ -149,16 +149,10 @@ class LoadModel(io.ComfyNode):
                                        "automatically (CFG parallel first, then Ulysses, then "
                                        "Ring). With degrees set by the settings nodes, auto "
                                        "means their product and a number must equal it."),
-                io.Combo.Input("low_noise_model", options=_second_file_options(),
-                               default=NO_MODEL_2, optional=True,
-                               tooltip="Wan 2.2 A14B from its two single files: the "
-                                       "low-noise expert's file here, the high-noise one's "
-                                       "in model (e.g. diffusion_models/"
-                                       "wan2.2_t2v_low_noise_14B_fp16.safetensors beside "
-                                       "..._high_noise_...). Sampler (xDiT) and "
-                                       "MODEL for KSampler (xDiT)'s expert input then work "
-                                       "as on an A14B folder. none: one model (any other "
-                                       "model refuses a second file)"),
+                XDiTExpertFile.Input("low_noise_model", optional=True,
+                                     tooltip="Low-noise expert (xDiT): Wan 2.2 A14B from "
+                                             "its two single files, the high-noise one "
+                                             "in model"),
                 XDiTParallel.Input("parallel", optional=True,
                                    tooltip="Parallel settings (xDiT): Ulysses, Ring, CFG "
                                            "parallel, DP degrees and the GPU list"),
@@ -195,6 +189,34 @@ class LoadModel(io.ComfyNode):
                        + (f"; {handle.memory_summary()}" if handle.memory_summary() else ""),
                        node_id)
         return io.NodeOutput(handle)
+
+
+class LowNoiseExpert(io.ComfyNode):
+    """Wan 2.2 A14B's second file, off the loader (it keeps four widgets)."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        files = _single_file_options()
+        return io.Schema(
+            node_id="xDiT.LowNoiseExpert",
+            display_name="Low-noise expert (xDiT)",
+            category=CATEGORY,
+            description="Wan 2.2 A14B from its two single files: pick the low-noise expert's "
+                        "file here and the high-noise one's in Load model (xDiT)'s model, "
+                        "then connect this to the loader's low_noise_model. Sampler (xDiT) "
+                        "and MODEL for KSampler (xDiT)'s expert input work on the pair as on "
+                        "an A14B folder; any other model refuses a second file.",
+            inputs=[io.Combo.Input("low_noise_model",
+                                   options=files or ["(no single file found)"],
+                                   tooltip="e.g. diffusion_models/wan2.2_t2v_low_noise_14B_"
+                                           "fp16.safetensors (beside ..._high_noise_... in "
+                                           "the loader). Refresh (R) after adding a file.")],
+            outputs=[XDiTExpertFile.Output(display_name="low_noise_model")],
+        )
+
+    @classmethod
+    def execute(cls, low_noise_model) -> io.NodeOutput:
+        return io.NodeOutput(node_logic.ExpertFile(name=str(low_noise_model)))
 
 
 class ParallelSettings(io.ComfyNode):
@@ -600,7 +622,7 @@ class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list:
         _register_routes()  # on_load is not called by every ComfyUI release
         from comfyui_xdit.nodes.model_nodes import ToModel  # the xDiT MODEL for ComfyUI's own samplers
-        return [LoadModel, ParallelSettings, PipeFusionSettings, EngineSettings, CacheSettings,
+        return [LoadModel, LowNoiseExpert, ParallelSettings, PipeFusionSettings, EngineSettings, CacheSettings,
                 SamplerOptions, LoRA, Sampler, Decode, UnloadPool, ToModel]
 
 

@@ -455,6 +455,14 @@ def cache_text(counts: Optional[dict]) -> str:
     return f", {counts['computed']} of {total} calls computed in full"
 
 
+@dataclass(frozen=True)
+class ExpertFile:
+    """Low-noise expert (xDiT): Wan 2.2 A14B's low-noise expert file, for the loader whose
+    model is the high-noise one (a name from `discover_single_files`)."""
+
+    name: str = NO_MODEL_2
+
+
 # the loader's optional inputs: input name -> (the value it takes, the node that makes it)
 SETTINGS_INPUTS = {"parallel": (ParallelSettings, "Parallel settings (xDiT)"),
                    "pipefusion": (PipeFusionSettings, "PipeFusion settings (xDiT)"),
@@ -482,7 +490,7 @@ def settings_pending(inputs: dict) -> bool:
     """Whether a settings node is linked but its value not known yet: ComfyUI validates a
     node before its linked inputs exist and passes them as None (an unconnected optional
     input is absent)."""
-    return any(k in inputs and inputs[k] is None for k in SETTINGS_INPUTS)
+    return any(k in inputs and inputs[k] is None for k in (*SETTINGS_INPUTS, "low_noise_model"))
 
 
 def loader_handle(inputs: dict, folders, roots_by_kind: Optional[dict] = None,
@@ -508,7 +516,8 @@ def loader_handle(inputs: dict, folders, roots_by_kind: Optional[dict] = None,
         if str(kw["dtype"]).lower() in ("bf16", "fp16"):
             kw["dtype"] = "auto"
     name = str(inputs.get("model") or "")
-    name_2 = str(inputs.get("low_noise_model") or NO_MODEL_2)
+    name_2 = inputs.get("low_noise_model") or NO_MODEL_2  # Low-noise expert (xDiT), or a name
+    name_2 = str(name_2.name if isinstance(name_2, ExpertFile) else name_2)
     try:
         path = resolve_model(name, folders, roots_by_kind)
         path_2 = None if name_2 == NO_MODEL_2 else second_expert_file(
