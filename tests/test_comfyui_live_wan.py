@@ -255,14 +255,16 @@ def test_sampler_options_cfg_2_reaches_the_low_noise_expert(comfy):
 
 
 def _compare_graph(comfy, layout: dict, world: str, tag: str, sampler="euler",
-                   scheduler="simple", split=None, cfg=3.5, steps=3, seed=7):
+                   scheduler="simple", split=None, cfg=3.5, steps=3, seed=7, files=False):
     """KSampler on the xDiT MODEL ("x") and on ComfyUI's own WAN21 ("n"); with `split` the
     Wan 2.2 graph: KSamplerAdvanced on the high-noise expert for steps [0, split), then on
-    the low-noise one to the end."""
+    the low-noise one to the end. `files`: the xDiT loader loads the two ComfyUI files
+    (Low-noise expert (xDiT) giving the second) instead of the native folder."""
     out = {b: str(comfy["tmp"] / f"{tag}-{b}.safetensors") for b in ("x", "n")}
     wf = {
         "1": {"class_type": "xDiT.LoadModel",
-              "inputs": {"model": NATIVE, "device": "cpu", "dtype": "fp32",
+              "inputs": {"model": f"diffusion_models/{FILES['high_noise']}" if files
+                         else NATIVE, "device": "cpu", "dtype": "fp32",
                          "world_size": world}},
         "4": {"class_type": "XDiTTestRandomConditioning",
               "inputs": {"seed": 1, "tokens": 8, "context_dim": 4096, "pooled_dim": 1,
@@ -273,6 +275,10 @@ def _compare_graph(comfy, layout: dict, world: str, tag: str, sampler="euler",
         "6": {"class_type": "EmptyHunyuanLatentVideo", "inputs": dict(SIZE, batch_size=1)},
     }
     with_settings(wf, "1", **layout)
+    if files:
+        wf["10"] = {"class_type": "xDiT.LowNoiseExpert",
+                    "inputs": {"low_noise_model": f"diffusion_models/{FILES['low_noise']}"}}
+        wf["1"]["inputs"]["low_noise_model"] = ["10", 0]
     experts = ["high_noise"] + (["low_noise"] if split else [])
     for k, expert in enumerate(experts):
         wf[f"2{k}"] = {"class_type": "xDiT.ToModel",
@@ -345,6 +351,19 @@ def test_wan22_two_expert_graph_matches_comfyui_own_models(comfy):
     pools = [p for p in http(comfy["base"], "/xdit/status")["pools"]
              if p["model"].endswith(NATIVE)]
     assert len(pools) == 1, pools
+    http(comfy["base"], "/xdit/unload", {})
+    http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+
+
+def test_wan22_two_files_graph_matches_comfyui_own_models(comfy):
+    """The same Wan 2.2 graph with the xDiT loader on the two expert files (Low-noise expert
+    (xDiT)) instead of the folder: one pool serves both files' experts."""
+    wf, out = _compare_graph(comfy, {"cfg_parallel": True}, "2", "wan22-files", split=2,
+                             steps=4, files=True)
+    _compare(comfy, wf, out, "wan22-two-files cfg_parallel euler")
+    pools = [p for p in http(comfy["base"], "/xdit/status")["pools"]
+             if p["model"].endswith(FILES["high_noise"])]
+    assert len(pools) == 1 and pools[0]["model_2"].endswith(FILES["low_noise"]), pools
     http(comfy["base"], "/xdit/unload", {})
     http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
 
