@@ -26,7 +26,8 @@ models/diffusion_models/, and starts `main.py --cpu --preview-method latent2rgb`
   latent) equal ComfyUI's own model from the converted file, CFG parallel;
 * ComfyUI's Wan 2.2 graph (two KSamplerAdvanced, the high-noise expert for the first steps,
   the low-noise one for the rest) on the two xDiT MODELs equals the same graph on ComfyUI's
-  own two models from the two files.
+  own two models from the two files, with the xDiT loader on the A14B folder and on the same
+  two files (Low-noise expert (xDiT) giving the loader its low_noise_model).
 """
 from __future__ import annotations
 
