@@ -19,6 +19,7 @@ import torch
 
 from comfyui_xdit import ParallelConfig
 from comfyui_xdit.client.pool import PoolError
+from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.nodes.model_calls import PoolDenoiser
 from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
@@ -140,3 +141,66 @@ def test_image_to_video_call_takes_comfyui_concat_channels(tmp_path_factory):
             assert diff <= TOL, f"expert {expert}: {diff:.3e}"
     finally:
         pool.close()
+
+
+def test_wan21_i2v_call_takes_comfyui_clip_fea(tmp_path_factory):
+    """Wan 2.1 I2V on the MODEL path: ComfyUI's WAN21 brings the start frame's 20 channels
+    beside x and the CLIP vision states as `clip_fea`; the pool gives them to the transformer
+    as encoder_hidden_states_image, the text padded with zeros to the 512 tokens diffusers'
+    Wan image cross-attention reads (ComfyUI's UMT5 encoder gives 512, zeros after the
+    prompt). Equal to the transformer at 1 rank's layout over Ulysses 2 and CFG parallel; the
+    image states matter; a negative without them, wrong widths and a transformer without
+    image K/V are refused and the pool stays warm."""
+    from diffusers import WanTransformer3DModel
+
+    from comfyui_xdit import WorkerPool
+    folder = ensure_tiny_model("wan", tmp_path_factory.mktemp("wan21-i2v-calls"), variant="i2v")
+    tr = WanTransformer3DModel.from_pretrained(str(folder), subfolder="transformer",
+                                               torch_dtype=torch.float32).eval()
+    pool = WorkerPool(str(folder), ParallelConfig(ulysses=2), device="cpu", threads_per_rank=1)
+    try:
+        call = comfy_call(tr, seed=11)
+        gen = torch.Generator().manual_seed(12)
+        call["x"] = torch.cat([call["x"], torch.randn(2, 20, 2, 6, 4, generator=gen)], 1)
+        clip = torch.randn(1, 7, tr.config.image_dim, generator=gen).expand(2, -1, -1)
+        text = torch.cat([call["context"], call["context"].new_zeros(2, 512 - 5,
+                                                                     tr.config.text_dim)], 1)
+        with torch.inference_mode():
+            want = tr(hidden_states=call["x"], timestep=call["timestep"],
+                      encoder_hidden_states=text, encoder_hidden_states_image=clip,
+                      return_dict=False)[0]
+        for config in (ParallelConfig(ulysses=2), ParallelConfig(cfg_parallel=True)):
+            den = PoolDenoiser(pool, config.with_world_size(2), "wan")
+            out = den(**call, clip_fea=clip)
+            assert out.shape == (2, 16, 2, 6, 4)
+            diff = float((out - want).abs().max())
+            assert diff <= TOL, f"{config.describe()}: {diff:.3e}"
+        # the 512-token padded text alone (ComfyUI's own encoder's length) gives the same
+        out = den(**dict(call, context=text), clip_fea=clip)
+        assert float((out - want).abs().max()) <= TOL
+        # a conditioning's clip_fea is fixed for its sampling run (ComfyUI's uuids): another
+        # run (fresh uuids) with other image states gets another prediction
+        def run(c):
+            return dict(call, transformer_options=dict(call["transformer_options"],
+                                                       uuids=[uuid.uuid4(), uuid.uuid4()]))
+        other = den(**run(call), clip_fea=torch.randn(clip.shape, generator=gen))
+        assert float((other - want).abs().max()) > 1e-3
+        with pytest.raises(ConfigError, match=r"clip_fea\) have shape"):
+            den(**run(call), clip_fea=clip[0])
+        with pytest.raises(PoolError, match=r"CLIP vision states must be \[1, tokens, 32\]"):
+            den(**run(call), clip_fea=clip[:, :, :3])
+        out = den(**call, clip_fea=clip)  # still warm and right
+        assert float((out - want).abs().max()) <= TOL
+    finally:
+        pool.close()
+
+
+def test_clip_fea_refused_without_image_cross_attention(pool, experts):
+    den = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "wan")
+    call = comfy_call(experts[0], seed=13)
+    with pytest.raises(PoolError, match="has no image cross-attention"):
+        den(**call, clip_fea=torch.randn(2, 7, 32))
+    with pytest.raises(ConfigError, match="not taken by FLUX.1 models"):
+        PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "flux")(
+            **call, clip_fea=torch.randn(2, 7, 32))
+    assert float((den(**call) - reference(experts[0], call)).abs().max()) <= TOL

@@ -42,7 +42,8 @@ class ModelCall:
     guidance: Optional[torch.Tensor]  # [N] FLUX embedded guidance, else None
     chunks: list  # [(key, rows)], rows summing to N, in row order
     # key -> {"context", "pooled"} (CPU), optionally with "ref_latents" (list of
-    # [rows, C, h, w], model space, unpacked: ComfyUI's `ref_latents`) and "ref_method"
+    # [rows, C, h, w], model space, unpacked: ComfyUI's `ref_latents`) and "ref_method",
+    # and "image_embeds" ([rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, `clip_fea`)
     new_conds: dict = field(default_factory=dict)
     timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
     cache: Optional[dict] = None  # step cache settings (workers/step_cache.py), all fields
@@ -126,7 +127,7 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         return f"one guidance value per latent row expected ({n})"
     if sum(int(r) for _, r in chunks) != n or any(int(r) < 1 for _, r in chunks):
         return f"conditioning chunks cover {[r for _, r in chunks]} rows, the batch has {n}"
-    lengths, references = set(), set()
+    lengths, references, images = set(), set(), set()
     for key, rows in chunks:
         c = new_conds.get(key)
         if c is None:  # cached: checked when it arrived
@@ -134,7 +135,14 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
             if cached is not None:
                 lengths.add(int(cached["encoder_hidden_states"].shape[1]))
                 references.add(cached.get("ref_layout"))
+                image = cached.get("image_embeds")
+                images.add(None if image is None else tuple(image.shape[1:]))
             continue
+        problem = _image_states_problem(cfg, key, rows, c.get("image_embeds"))
+        if problem:
+            return problem
+        image = c.get("image_embeds")
+        images.add(None if image is None else tuple(image.shape[1:]))
         problem = _reference_problem(adapter, key, rows, int(x.shape[1]), c)
         if problem:
             return problem
@@ -157,6 +165,27 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
     if len(references) > 1:
         return ("the conditionings of one call have different reference latents (sizes or "
                 "method); one call runs one image stream layout")
+    if len(images) > 1:
+        return ("the conditionings of one call differ in their CLIP vision states (clip_fea: "
+                "present in some, or of other sizes); give the positive and the negative the "
+                "same clip_vision_output (WanImageToVideo does)")
+    return ""
+
+
+def _image_states_problem(cfg, key: str, rows: int, image) -> str:
+    """Wan 2.1 I2V's CLIP vision states (`image_embeds` of a conditioning): only for a
+    transformer with image K/V (`image_dim`), [rows, tokens, image_dim]."""
+    if image is None:
+        return ""
+    width = cfg.get("image_dim")
+    if width is None:
+        return (f"conditioning {key}: CLIP vision states (clip_fea) given, but this "
+                f"transformer has no image cross-attention (Wan 2.1 I2V has): remove the "
+                f"clip_vision_output from WanImageToVideo")
+    image = as_tensor(image)
+    if image.dim() != 3 or image.shape[0] != rows or image.shape[2] != int(width):
+        return (f"conditioning {key}: CLIP vision states must be [{rows}, tokens, "
+                f"{int(width)}] (got {tuple(image.shape)})")
     return ""
 
 
@@ -206,6 +235,8 @@ def _cached(cache: CondCache, key: str, value: dict, model, adapter) -> None:
     dev, dtype = model.device, model.dtype
     d = adapter.conditioning(value["context"], value["pooled"])
     d = {k: v.to(dev, dtype if v.is_floating_point() else None) for k, v in d.items()}
+    if value.get("image_embeds") is not None:  # Wan 2.1 I2V: the CLIP vision states
+        d["image_embeds"] = as_tensor(value["image_embeds"]).to(dev, dtype)
     if value.get("ref_latents"):  # packed once per sampling run, like the text
         refs = [as_tensor(r).to(dev, dtype) for r in value["ref_latents"]]
         d["ref_tokens"] = adapter.pack_references(refs)
@@ -268,7 +299,8 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
     if sizes[me] or dummy:
         cond = {}
         for k in conds[0]:
-            if k in ("encoder_hidden_states", "pooled_projections", "ref_tokens"):
+            if k in ("encoder_hidden_states", "pooled_projections", "ref_tokens",
+                     "image_embeds"):
                 cond[k] = conds[0][k] if len(conds) == 1 else torch.cat([cd[k] for cd in conds])
                 cond[k] = cond[k][mine]
             elif k != "ref_layout":

@@ -66,7 +66,8 @@ class Predict(Message):
     `chunks` [(conditioning key, rows)] in row order; `conds` carries the conditionings rank 0
     has not seen ({key: {"context", "pooled"}}, ComfyUI's CONDITIONING tensors, plus
     optionally "ref_latents" [[rows, C, h, w] model space, ...] and "ref_method": the
-    reference latents ComfyUI's FLUX model receives, cached with their conditioning)."""
+    reference latents ComfyUI's FLUX model receives, cached with their conditioning; and
+    "image_embeds" [rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, ComfyUI's clip_fea)."""
     KIND: ClassVar[str] = "predict"
     call_id: int
     config: tuple  # ParallelConfig.key()

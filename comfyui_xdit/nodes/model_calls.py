@@ -18,6 +18,10 @@ side by side in one batch. `PoolDenoiser` turns each such call into one pool req
 * reference latents (`ref_latents`, from ComfyUI's ReferenceLatent node, in x's space) and
   `ref_latents_method` go to the pool with their conditioning (FLUX.1 Kontext, FLUX.2,
   Qwen-Image-Edit: its one-frame references lose the frame axis as x does);
+* Wan 2.1 I2V's CLIP vision states (`clip_fea` [N, tokens, 1280], WanImageToVideo's
+  clip_vision_output) go with their conditioning as the transformer's
+  `encoder_hidden_states_image` (the workers pad the text to the 512 tokens diffusers' Wan
+  image cross-attention reads, as ComfyUI's UMT5 encoder pads it);
 * the output: the flow (velocity) prediction in x's layout.
 
 A conditioning crosses to the pool once per sampling run: ComfyUI names the conditioning of
@@ -39,7 +43,7 @@ families = worker_module("families")
 
 # inputs a diffusion model call may carry that we pass on or check
 _KNOWN = {"y", "guidance", "control", "transformer_options", "attention_mask", "ref_latents",
-          "ref_latents_method"}
+          "ref_latents_method", "clip_fea"}
 
 
 class PoolDenoiser:
@@ -105,13 +109,14 @@ class PoolDenoiser:
             g = guidance.reshape(-1).float().cpu()
             g = g.expand(n) if g.numel() == 1 else g
         patchified = self._patchified(x)
+        clip = kwargs.get("clip_fea")
         refs = kwargs.get("ref_latents")
         if refs is not None:
             if framed:  # one-frame references [N, C, 1, h, w] (Qwen-Image-Edit) like x
                 refs = [r[:, :, 0] if r.dim() == 5 and r.shape[2] == 1 else r for r in refs]
             refs = [self._to_pool_layout(r, patchified) for r in refs]
         chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n,
-                                     refs, kwargs.get("ref_latents_method"))
+                                     refs, kwargs.get("ref_latents_method"), clip)
         pool = self.pool
         state = (id(pool), pool.launches)
         if self._launches != state:  # another or a relaunched pool holds no conditioning
@@ -160,6 +165,10 @@ class PoolDenoiser:
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN)
         if kwargs.get("attention_mask") is not None:
             raise ConfigError("attention masks are not supported on the xDiT MODEL")
+        if kwargs.get("clip_fea") is not None and self.family.image_to_video is None:
+            raise ConfigError(f"CLIP vision states (clip_fea) are not taken by "
+                              f"{self.family.name} models: remove the CLIP vision output from "
+                              f"the conditioning")
         refs = kwargs.get("ref_latents")
         if refs is not None and not self.family.reference_methods:
             raise ConfigError(f"reference latents (ReferenceLatent) are not supported by "
@@ -189,16 +198,19 @@ class PoolDenoiser:
         x = x.detach().float().cpu()
         return torch.nn.functional.pixel_shuffle(x, 2) if patchified else x
 
-    def _chunks(self, context, y, uuids, n: int, refs=None, method=None):
-        """[(key, rows)] and {key: {"context", "pooled"[, "ref_latents", "ref_method"]}} for
-        the rows of one call (each reference sliced to the chunk's rows, a batch-1 one
-        shared)."""
+    def _chunks(self, context, y, uuids, n: int, refs=None, method=None, clip=None):
+        """[(key, rows)] and {key: {"context", "pooled"[, "ref_latents", "ref_method",
+        "image_embeds"]}} for the rows of one call (each reference and the CLIP vision states
+        sliced to the chunk's rows, a batch-1 one shared)."""
         parts = len(uuids) if uuids else 1
         if n % parts:
             raise ConfigError(f"{n} latent rows cannot be split into {parts} conditionings")
         rows = n // parts
         if context.shape[0] != n or (y is not None and y.shape[0] != n):
             raise ConfigError(f"conditioning has {context.shape[0]} rows for {n} latents")
+        if clip is not None and (clip.dim() != 3 or int(clip.shape[0]) not in (1, n)):
+            raise ConfigError(f"CLIP vision states (clip_fea) have shape {tuple(clip.shape)}; "
+                              f"the xDiT MODEL takes [1 or {n}, tokens, width]")
         for r in refs or []:
             if r.dim() != 4 or int(r.shape[0]) not in (1, n):
                 raise ConfigError(f"a reference latent has shape {tuple(r.shape)}; the xDiT "
@@ -211,15 +223,20 @@ class PoolDenoiser:
             mine = None if refs is None else \
                 [(r if r.shape[0] == 1 else r[sl]).expand(rows, *r.shape[1:]).contiguous()
                  for r in refs]
+            image = None if clip is None else \
+                (clip if clip.shape[0] == 1 else clip[sl]).expand(rows, *clip.shape[1:])
             if uuids:  # a conditioning's references are fixed for its sampling run
                 key = f"{uuids[i]}:{rows}:{ctx.shape[1]}"
             else:
                 key = "h:" + _digest(ctx, *([] if pooled is None else [pooled]),
-                                     *(mine or []), str(method))
+                                     *(mine or []), str(method),
+                                     *([] if image is None else ["clip", image]))
             chunks.append((key, rows))
             conds[key] = {"context": ctx.detach().float().cpu().contiguous(),
                           "pooled": None if pooled is None else
                           pooled.detach().float().cpu().contiguous()}
+            if image is not None:
+                conds[key]["image_embeds"] = image.detach().float().cpu().contiguous()
             if mine is not None:
                 conds[key]["ref_latents"] = mine
                 if method is not None:
