@@ -10,7 +10,6 @@ import comfy.utils
 import folder_paths
 from comfy_api.v0_0_2 import ComfyExtension, io
 
-from comfyui_xdit.planning.model_info import read_model_info
 from comfyui_xdit.nodes import logic as node_logic
 from comfyui_xdit.nodes.logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, MEMORY_PLAN_OPTIONS,
                          LORA_EXPERT_OPTIONS, REGISTRY, SPLITS,
@@ -622,7 +621,8 @@ class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list:
         _register_routes()  # on_load is not called by every ComfyUI release
         from comfyui_xdit.nodes.model_nodes import ToModel  # the xDiT MODEL for ComfyUI's own samplers
-        return [LoadModel, LowNoiseExpert, ParallelSettings, PipeFusionSettings, EngineSettings, CacheSettings,
+        return [LoadModel, LowNoiseExpert, ParallelSettings, PipeFusionSettings,
+                EngineSettings, CacheSettings,
                 SamplerOptions, LoRA, Sampler, Decode, UnloadPool, ToModel]
 
 

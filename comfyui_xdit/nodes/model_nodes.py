@@ -43,7 +43,8 @@ class ToModel(io.ComfyNode):
                                            "or the loader's two files): which one this "
                                            "MODEL runs, high_noise (the folder's "
                                            "transformer, the model file) or low_noise "
-                                           "(transformer_2, the low_noise_model file). Two of these nodes, one per "
+                                           "(transformer_2, the low_noise_model file). "
+                                           "Two of these nodes, one per "
                                            "expert, feed ComfyUI's two KSamplerAdvanced "
                                            "graph; the pool keeps both experts loaded"),
                     XDiTCache.Input("cache", optional=True,
