@@ -771,19 +771,10 @@ EXPERTS = ("high_noise", "low_noise")  # a model's transformer, then its transfo
 
 
 def model_experts(path) -> int:
-    """Transformers of a model: 2 for a diffusers folder whose model_index.json names a
-    transformer_2 (Wan 2.2 A14B's high- and low-noise experts), else 1."""
-    import json
-    import os
-    index = os.path.join(str(path), "model_index.json")
-    if not os.path.isfile(index):
-        return 1
-    try:
-        with open(index) as f:
-            second = json.load(f).get("transformer_2")
-    except (OSError, ValueError):
-        return 1
-    return 2 if isinstance(second, (list, tuple)) and second and second[0] is not None else 1
+    """Transformers of a model (planning/model_info.expert_count): 2 for a Wan 2.2 A14B
+    folder (high- and low-noise experts), else 1."""
+    from comfyui_xdit.planning.model_info import expert_count
+    return expert_count(path)
 
 
 def model_text_width(path: str) -> Optional[int]:

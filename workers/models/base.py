@@ -262,6 +262,19 @@ class DiTAdapter:
         scale, shift = self.scale_shift(model)
         return latent_layout.comfy_to_raw(self.arch, samples, scale, shift)
 
+    def decode_video(self, model: LoadedModel, raw, group=None, control=None):
+        """A causal 3-D VAE's decode of raw latents [B, C, T, h, w] -> [B, 3, frames, H, W]
+        in -1..1 (the VAE's dtype); under a group in row bands over its ranks
+        (workers/vae_parallel.py, collective: the latents are needed on group rank 0 only,
+        the frames come back there and None elsewhere)."""
+        if model.vae is None:
+            model.vae = load_vae(model)
+        if group is not None:
+            from ..vae_parallel import decode_parallel
+            x = None if raw is None else raw.to(model.device, model.vae.dtype)
+            return decode_parallel(model.vae, x, group, control=control)
+        return model.vae.decode(raw.to(model.device, model.vae.dtype), return_dict=False)[0]
+
     def decode(self, model: LoadedModel, raw, group=None, control=None):
         """Raw-VAE-space latents -> IMAGE [B,H,W,3] in 0..1 (float32, CPU).
         With `group` (and its control-plane twin `control`): patch-parallel decode

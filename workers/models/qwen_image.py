@@ -231,17 +231,9 @@ class QwenImageAdapter(DiTAdapter):
         bands over its ranks (workers/vae_parallel.py, collective; the latents are needed on
         group rank 0 only, the image comes back there and None elsewhere; too few latent rows:
         rank 0 decodes alone)."""
-        from .base import load_vae
-        if model.vae is None:
-            model.vae = load_vae(model)
-        if group is not None:
-            from ..vae_parallel import decode_parallel
-            x = None if raw is None else raw.to(model.device, model.vae.dtype)
-            img = decode_parallel(model.vae, x, group, control=control)
-            if img is None:
-                return None
-        else:
-            img = model.vae.decode(raw.to(model.device, model.vae.dtype), return_dict=False)[0]
+        img = self.decode_video(model, raw, group, control)
+        if img is None:
+            return None
         img = img[:, :, 0]  # [B, 3, frames, H, W]: the one frame
         return (img.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
 

@@ -348,17 +348,9 @@ class WanAdapter(DiTAdapter):
     def decode(self, model, raw, group=None, control=None):
         """Raw latents [B, 16, T, h, w] -> the frames as an IMAGE batch [B * F, H, W, 3]
         (each video's frames in order, as ComfyUI's VAEDecode gives a video)."""
-        from .base import load_vae
-        if model.vae is None:
-            model.vae = load_vae(model)
-        if group is not None:
-            from ..vae_parallel import decode_parallel
-            x = None if raw is None else raw.to(model.device, model.vae.dtype)
-            vid = decode_parallel(model.vae, x, group, control=control)
-            if vid is None:
-                return None
-        else:
-            vid = model.vae.decode(raw.to(model.device, model.vae.dtype), return_dict=False)[0]
+        vid = self.decode_video(model, raw, group, control)
+        if vid is None:
+            return None
         vid = (vid.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
         return vid.permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
 
