@@ -47,9 +47,11 @@ def test_video_latent_checks():
         latent_from_comfy({"samples": torch.zeros(1, 16, 3, 8, 6)}, "qwen_image")
 
 
-def test_model_experts_reads_the_folders_transformer_2(tmp_path):
+def test_expert_count_reads_the_folders_transformer_2(tmp_path):
     import json
-    from comfyui_xdit.nodes.logic import EXPERTS, model_experts
+
+    from comfyui_xdit.nodes.logic import EXPERTS
+    from comfyui_xdit.planning.model_info import expert_count as model_experts
     for name, index, want in (("a14b", {"transformer_2": ["diffusers", "WanTransformer3DModel"]}, 2),
                               ("t2v", {"transformer_2": [None, None]}, 1), ("flux", {}, 1)):
         (tmp_path / name).mkdir()

@@ -770,11 +770,6 @@ class SamplerOptions:
 EXPERTS = ("high_noise", "low_noise")  # a model's transformer, then its transformer_2
 
 
-def model_experts(path) -> int:
-    """Transformers of a model (planning/model_info.expert_count): 2 for a Wan 2.2 A14B
-    folder (high- and low-noise experts), else 1."""
-    from comfyui_xdit.planning.model_info import expert_count
-    return expert_count(path)
 
 
 def model_text_width(path: str) -> Optional[int]:
