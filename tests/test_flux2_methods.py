@@ -373,8 +373,8 @@ def test_decode_loads_the_folders_vae_class(folder, tmp_path):
     cfg = json.loads((folder / "vae" / "config.json").read_text())
     (other / "vae" / "config.json").write_text(json.dumps(dict(cfg, _class_name="AutoencoderDC")))
     with pytest.raises(ValueError, match="holds a AutoencoderDC; the pool decodes with "
-                                         "AutoencoderKL, AutoencoderKLFlux2 or "
-                                         "AutoencoderKLQwenImage only"):
+                                         "AutoencoderKL, AutoencoderKLFlux2, "
+                                         "AutoencoderKLQwenImage or AutoencoderKLWan only"):
         base.load_vae(model(other))
 
 

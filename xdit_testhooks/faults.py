@@ -101,8 +101,8 @@ def unreduced_cache(ctx):
 
     real = step_cache.call_on_ranks
 
-    def call_on_ranks(run, model, adapter, keys, topo, control, sharded):
-        call = real(run, model, adapter, keys, topo, control, sharded)
+    def call_on_ranks(run, model, adapter, keys, topo, control, sharded, *args, **kw):
+        call = real(run, model, adapter, keys, topo, control, sharded, *args, **kw)
         if call is not None and topo.sp > 1:
             def own(t):
                 if topo.sp_rank == 1:
