@@ -109,7 +109,8 @@ def test_object_info_lists_nodes(comfy):
     loader = info["xDiT.LoadModel"]["input"]
     assert list(loader["required"]) == ["model", "device", "dtype", "world_size"]
     assert {k: v[0] for k, v in loader["optional"].items()} == {
-        "parallel": "XDIT_PARALLEL", "pipefusion": "XDIT_PIPEFUSION", "engine": "XDIT_ENGINE"}
+        "parallel": "XDIT_PARALLEL", "pipefusion": "XDIT_PIPEFUSION", "engine": "XDIT_ENGINE",
+        "low_noise_model": "XDIT_EXPERT_FILE"}  # Wan 2.2 A14B's second file
     for n, out in (("xDiT.ParallelSettings", "XDIT_PARALLEL"),
                    ("xDiT.PipeFusionSettings", "XDIT_PIPEFUSION"),
                    ("xDiT.EngineSettings", "XDIT_ENGINE")):
