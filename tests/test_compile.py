@@ -256,3 +256,30 @@ def test_model_calls_report_compiling_and_match_diffusers(model_dir):
     assert all(e["phase"] == "compiling" for e in events[:n_first]), events
     assert den.last_stats["compiles"] == 0 and len(events) == n_first, events
     assert maxdiff(first, want) <= TOL and maxdiff(again, first) <= 1e-6
+
+
+def test_two_transformers_register_the_compile_callbacks_once():
+    """A model of two transformers (Wan 2.2's experts) installs both; dynamo's compile
+    callbacks are registered once per worker, or every compile would count twice."""
+    import torch
+    from torch._dynamo.callback import callback_handler
+
+    from workers.compile import Compiler
+
+    class T(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    c = Compiler(True)
+    starts = len(callback_handler.start_callbacks)
+    ends = len(callback_handler.end_callbacks)
+    for t in (T(), T()):
+        c.install(t, ("blocks",), backend="eager")
+    try:
+        assert c.blocks == 2
+        assert len(callback_handler.start_callbacks) - starts == 1
+        assert len(callback_handler.end_callbacks) - ends == 1
+    finally:
+        callback_handler.remove_start_callback(c._started)
+        callback_handler.remove_end_callback(c._ended)

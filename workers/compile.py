@@ -131,6 +131,7 @@ class Compiler:
         self._emit: Optional[Callable[[dict], None]] = None
         self._lock = threading.Lock()
         self._t0 = None
+        self._hooked = False  # dynamo's compile callbacks registered
 
     # -- setup ---------------------------------------------------------------------------------
     def install(self, transformer, block_lists, backend: str = "inductor") -> None:
@@ -161,8 +162,10 @@ class Compiler:
             for block in getattr(transformer, lname, None) or []:
                 block.compile(backend=backend, mode=mode)
                 self.blocks += 1
-        on_compile_start(self._started)
-        on_compile_end(self._ended)
+        if not self._hooked:  # once per worker, however many transformers (Wan's experts)
+            self._hooked = True
+            on_compile_start(self._started)
+            on_compile_end(self._ended)
 
     def outside(self, attention):
         """The attention object a parallel processor calls, kept out of compiled graphs."""
