@@ -215,11 +215,14 @@ class WanAdapter(DiTAdapter):
         tr = self.transformer_for(model, extra)
         b = latents.shape[0]
         x = latents.to(model.dtype)
-        video = (extra or {}).get("ref_tokens")  # image-to-video: the start frame's condition
-        if video is not None:  # [1 or B, 20, T, h, w], joined along channels before the patch
-            x = torch.cat([x, video.expand(b, -1, -1, -1, -1)], 1)  # embedding (so a
-        text, image = cond["encoder_hidden_states"], cond.get("image_embeds")  # sequence
-        if image is not None:  # split splits it with the tokens)
+        # image-to-video: the start frame's condition [1 or B, 20, T, h, w] joins the noise
+        # along channels before the patch embedding, so the sequence split splits it with
+        # the tokens
+        video = (extra or {}).get("ref_tokens")
+        if video is not None:
+            x = torch.cat([x, video.expand(b, -1, -1, -1, -1)], 1)
+        text, image = cond["encoder_hidden_states"], cond.get("image_embeds")
+        if image is not None:  # Wan 2.1 I2V: CLIP image states for the image K/V
             image = image.expand(b, -1, -1)
             text = self.text_for_image_kv(text)
         return tr(hidden_states=x, timestep=t.expand(b), encoder_hidden_states=text,
