@@ -203,8 +203,8 @@ class WholeImage:
     all its rows do."""
 
     def __init__(self, model, adapter, prep: Prepared, branches: dict, topo: Topology,
-                 scale: float, cache=None, control=None, sequence=None):
-        self.model, self.adapter, self.prep, self.scale = model, adapter, prep, scale
+                 cache=None, control=None, sequence=None):
+        self.model, self.adapter, self.prep = model, adapter, prep
         # the forward's sequence plan, for the cache's decision (`sequence`: the installed
         # SequenceParallel, whose plan holds for the duration of one forward)
         self.plan = None if sequence is None else (lambda: sequence.plan)
@@ -247,13 +247,13 @@ class WholeImage:
 
 def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology,
               control=None, cache=None, sequence=None) -> StepStrategy:
-    branches, scale = _branches(prep, topo), float(job.request["cfg"])
+    branches = _branches(prep, topo)  # each step's guidance scale: prep.scales
     if topo.degree("pipefusion") > 1:
         if cache is not None:
             raise ValueError(CACHE_WITH_PIPEFUSION)
         from .pipefusion.strategy import PatchPipeline
-        return PatchPipeline(job, model, adapter, prep, branches, topo, scale)
-    return WholeImage(model, adapter, prep, branches, topo, scale, cache, control, sequence)
+        return PatchPipeline(job, model, adapter, prep, branches, topo)
+    return WholeImage(model, adapter, prep, branches, topo, cache, control, sequence)
 
 
 

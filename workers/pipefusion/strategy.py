@@ -35,11 +35,11 @@ class PatchPipeline:
     caches and the last stage's half-guided patches (all per job, so nothing stale
     survives)."""
 
-    def __init__(self, job, model, adapter, prep, branches: dict, topo, scale: float):
+    def __init__(self, job, model, adapter, prep, branches: dict, topo):
         check_stage(model, topo)
         req, opts = job.request, job.options or {}
         self.model, self.adapter, self.prep, self.topo = model, adapter, prep, topo
-        self.branches, self.scale = branches, scale
+        self.branches = branches
         n, s = topo.degree("pipefusion"), topo.index("pipefusion")
         self.stage, self.first, self.last = s, s == 0, s == n - 1
         self.prev = topo.global_rank(pipefusion=s - 1) if s > 0 else None
