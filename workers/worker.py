@@ -12,6 +12,7 @@ import os
 import socket
 import time
 
+from .families import spatial_patch
 from .messages import rss_mb
 
 
@@ -113,7 +114,7 @@ class Worker:
         return {"model": self.args.model, "model_2": getattr(self.args, "model_2", None),
                 "arch": self.model.arch,
                 "kind": "file" if os.path.isfile(self.args.model) else "diffusers",
-                "heads": int(t.num_attention_heads), "patch_size": _spatial_patch(t.get("patch_size", 1) or 1),
+                "heads": int(t.num_attention_heads), "patch_size": spatial_patch(t.get("patch_size", 1) or 1),
                 "blocks": sum(len(getattr(self.model.transformer, n))
                               for n in self.adapter.block_lists),
                 "world_size": self.world, "load_seconds": self.load_seconds,
@@ -398,11 +399,6 @@ class Worker:
             except Exception:  # noqa: BLE001
                 pass
             raise LoraError("; ".join(errors))
-
-
-def _spatial_patch(v) -> int:
-    """Latent pixels per token side of a config's patch_size (Wan's (1, 2, 2): 2)."""
-    return int(v[-1]) if isinstance(v, (list, tuple)) else int(v)
 
 
 def _warm_pairs(topo):

@@ -86,11 +86,6 @@ def _storage_name(storage) -> Optional[str]:
     return storage.get("dtype")
 
 
-def spatial_patch(v) -> int:
-    """A config's patch_size as latent pixels per token side (Wan's 3-D (1, 2, 2): 2)."""
-    return int(v[-1]) if isinstance(v, (list, tuple)) else int(v)
-
-
 def _block_count(arch: str, cfg: dict) -> Optional[int]:
     return families.family(arch).block_count(cfg)
 
@@ -129,14 +124,14 @@ def read_model_info(path, path_2=None) -> ModelInfo:
     arch, cfg = d["arch"], d["config"]
     if d["kind"] == "file":
         return ModelInfo(path=str(path), arch=arch, heads=int(cfg["num_attention_heads"]),
-                         patch_size=spatial_patch(cfg["patch_size"]), kind="file",
+                         patch_size=families.spatial_patch(cfg["patch_size"]), kind="file",
                          has_text_encoders=False, has_vae=False,
                          blocks=_block_count(arch, cfg),
                          storage=_storage_name(d.get("storage")), **_i2v(arch, cfg))
     # a folder's config omits what equals the diffusers class default
     cfg = {**families.family(arch).config_defaults, **cfg}
     return ModelInfo(path=str(path), arch=arch, heads=int(cfg.get("num_attention_heads", 24)),
-                     patch_size=spatial_patch(cfg.get("patch_size", 1)),
+                     patch_size=families.spatial_patch(cfg.get("patch_size", 1)),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
                      distilled=_klein_distilled(path), experts=expert_count(path),
                      **_i2v(arch, cfg))

@@ -188,6 +188,12 @@ def names() -> str:
     return ", ".join(f.name for f in FAMILIES.values())
 
 
+def spatial_patch(v) -> int:
+    """A transformer config's patch_size as latent pixels per token side (Wan's 3-D
+    (1, 2, 2): 2)."""
+    return int(v[-1]) if isinstance(v, (list, tuple)) else int(v)
+
+
 def latent_norm(vae_config: dict) -> tuple:
     """(scale, shift) taking a raw VAE latent to model space, `(raw - shift) * scale`, from a
     VAE config: scaling_factor / shift_factor, or per-channel latents_mean / latents_std
