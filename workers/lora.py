@@ -160,9 +160,8 @@ class LoraManager:
     def apply(self, transformer, resolved) -> None:
         """Every rank: load what is new (once), then activate exactly `resolved` with its
         strengths; [] disables every adapter (the base weights were never changed).
-        `transformer`: one, or a model's transformers (Wan 2.2 A14B's two experts): each
-        LoRA then goes into every one of them, the same adapter at the same strength (a LoRA
-        for one expert only: apply it to a pool of that expert's file)."""
+        `transformer`: one, or a model's transformers (Wan 2.2 A14B's two experts): an entry
+        naming its expert goes into that one, any other into each (`_apply_many`)."""
         if isinstance(transformer, (tuple, list)):
             many = tuple(transformer)
             if len(many) > 1:

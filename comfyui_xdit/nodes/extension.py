@@ -111,7 +111,8 @@ class LoadModel(io.ComfyNode):
             node_id="xDiT.LoadModel",
             display_name="Load model (xDiT)",
             category=CATEGORY,
-            description="Describes a FLUX.1 / FLUX.2 / SD3 model and how many ranks run it; "
+            description="Describes a model (FLUX.1, FLUX.2, SD3, Qwen-Image, Chroma, Wan) and "
+                        "how many ranks run it; "
                         "the split is chosen for you unless a settings node is connected. "
                         "Nothing starts here: the pool launches at the first sampling and stays warm.",
             inputs=[
