@@ -15,7 +15,7 @@ import torch
 from comfyui_xdit import GenerationRequest, ParallelConfig
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
-from workers.pipefusion.schedule import patch_rows
+from workers.pipefusion.schedule import build_schedule, patch_rows, whole_steps
 from workers.pipefusion.stages import parse_split, partition
 
 TOL = 1e-4
@@ -113,6 +113,31 @@ def test_patch_rows_cover_the_image_once():
         bands = patch_rows(rows, n)
         assert bands[0][0] == 0 and bands[-1][1] == rows and len(bands) == n
         assert all(a[1] == b[0] for a, b in zip(bands, bands[1:]))
+
+
+def test_warmup_restarts_where_another_expert_takes_over():
+    """Wan 2.2: the low-noise expert's K/V caches are empty at the switch, so its first
+    warmup steps run the whole image again; every micro still starts only once the rows it
+    needs from the previous step are back on stage 0."""
+    assert whole_steps(6, 1) == {0}
+    assert whole_steps(6, 1, [3]) == {0, 3}
+    assert whole_steps(6, 2, [3]) == {0, 1, 3, 4}
+    assert whole_steps(6, 2, [5]) == {0, 1, 5}
+    assert whole_steps(6, 0, [3]) == set()
+    sched = build_schedule(6, 2, 6, [0, 1], warmup=1, patches=3, restarts=[3])
+    per_step = {}
+    for m in sched.micros:
+        per_step.setdefault(m.step, set()).add(m.rows)
+    assert per_step[0] == per_step[3] == {(0, 6)}
+    assert per_step[1] == per_step[2] == per_step[4] == {(0, 2), (2, 4), (4, 6)}
+    back = {}
+    for m, t in zip(sched.micros, sched.start):
+        if m.step > 0:
+            prev = [back[k] for k in back if k[0] == m.step - 1
+                    and k[1][0] < m.rows[1] and m.rows[0] < k[1][1]]
+            assert t >= max(prev), m
+        if m.finishes:
+            back[(m.step, m.rows)] = t + sched.stages
 
 
 def test_config_validation_names_the_problem():

@@ -90,6 +90,42 @@ def test_unipc_history_per_key():
     assert float((x - y).abs().max()) <= 1e-6
 
 
+@pytest.mark.parametrize("kind", ["unipc", "euler"])
+def test_step_rows_follows_pipefusions_bands(kind):
+    """PipeFusion's last stage steps row ranges: the whole image (warmup), then bands that
+    continue from their rows of its history, then the whole again (warmup restarted at an
+    expert switch: each band steps with its own history), then bands. The rows end where
+    stepping the whole latent every step ends (the whole image's own history, last written
+    at the first warmup, could not continue: it lacks the steps between)."""
+    from diffusers import UniPCMultistepScheduler
+
+    from workers.flow_step import EulerSteps, UniPCSteps, step_rows
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                    flow_shift=3.0)
+    sched.set_timesteps(6)
+
+    def steps():
+        return UniPCSteps(sched.sigmas, sched.config) if kind == "unipc" \
+            else EulerSteps(sched.sigmas.float())
+
+    def take(t, a, b):  # rows are dim 2 of [B, C, rows, cols]
+        return t[:, :, a:b]
+
+    x0 = torch.randn(1, 2, 5, 3)
+    whole, banded = steps(), steps()
+    x, y = x0.clone(), x0.clone()
+    bands = [(0, 3), (3, 5)]
+    for i, plan in enumerate(["whole", "bands", "bands", "whole", "bands", "bands"]):
+        x = whole.step(x, torch.sin(3 * x), i)
+        rows = [(0, 5)] if plan == "whole" else bands
+        v = torch.sin(3 * y)
+        for a, b in rows:
+            step_rows(banded, y[:, :, a:b], v[:, :, a:b], i, (a, b), take)
+    assert float((x - y).abs().max()) <= 1e-6
+    if kind == "unipc":  # the whole image's own history stopped at the first warmup step
+        assert len(banded.state[(0, 5)]["m"]) == 1
+
+
 def test_unsupported_scheduler_options_are_refused():
     from diffusers import UniPCMultistepScheduler
 

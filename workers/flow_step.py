@@ -50,6 +50,10 @@ class EulerSteps:
     def step(self, x: torch.Tensor, v: torch.Tensor, i: int, key=None) -> torch.Tensor:
         return euler_step(x, v, self.sigmas, i)
 
+    def tracked(self) -> tuple:
+        """Rows keys with a history: none (the step reads only this step's prediction)."""
+        return ()
+
 
 def _lambda(sigma: torch.Tensor) -> torch.Tensor:
     """log(alpha / sigma) of flow sigmas (alpha = 1 - sigma), in fp32 as the scheduler."""
@@ -138,6 +142,10 @@ class UniPCSteps:
         out = a * x - b * m0
         return out if res is None else out - c * res
 
+    def tracked(self) -> tuple:
+        """Rows keys with a history."""
+        return tuple(self.state)
+
     def derive(self, key, parent, take) -> None:
         """Start `key`'s history as a part of `parent`'s (PipeFusion: after the whole-image
         warmup steps a row band continues from its rows of the whole image's history);
@@ -155,6 +163,33 @@ class UniPCSteps:
         st["m"] = (st["m"] + [x0])[-self.keep:]
         st["last"] = xs
         return self._update(xs, st["m"], self.pred[i]).to(x.dtype)
+
+
+def step_rows(steps, x: torch.Tensor, v: torch.Tensor, i: int, rows: tuple, take) -> None:
+    """Step `x`, the latent rows `rows` = (r0, r1), in place (PipeFusion's last stage), under
+    a history kept per row band. `take(t, a, b)`: rows a..b of a tensor of rows relative to
+    its first. Rows with their own history continue it; rows inside a tracked band start from
+    its part of that history (a patch's first step after the whole-image warmup); rows
+    covering tracked bands (a whole-image step after banded ones, PipeFusion's warmup again
+    at an expert switch) step each band with its own history, which is the whole step for a
+    per-element update."""
+    key, tracked = tuple(rows), steps.tracked()
+    parts = sorted(k for k in tracked if isinstance(k, tuple) and k != key
+                   and key[0] <= k[0] and k[1] <= key[1])
+    if parts:
+        if [k[0] for k in parts[1:]] != [k[1] for k in parts[:-1]] \
+                or (parts[0][0], parts[-1][1]) != key:
+            raise RuntimeError(f"rows {key}: tracked bands {parts} do not tile them")
+        for a, b in parts:
+            xr = take(x, a - key[0], b - key[0])
+            xr.copy_(steps.step(xr, take(v, a - key[0], b - key[0]), i, key=(a, b)))
+        return
+    if tracked and key not in tracked:
+        parent = next((k for k in tracked if isinstance(k, tuple)
+                       and k[0] <= key[0] and key[1] <= k[1]), None)
+        if parent is not None:
+            steps.derive(key, parent, lambda t: take(t, key[0] - parent[0], key[1] - parent[0]))
+    x.copy_(steps.step(x, v, i, key=key))
 
 
 def make_steps(scheduler, sigmas: torch.Tensor, sigmas_cpu: torch.Tensor, first: int = 0):

@@ -96,17 +96,25 @@ class Schedule:
         return self._step_done.get(tick, [])
 
 
+def whole_steps(steps: int, warmup: int, restarts=()) -> set:
+    """Steps that run the whole image as one patch: the first `warmup`, and `warmup` from
+    each step in `restarts` (where another expert takes over: its K/V caches hold nothing
+    yet, so it warms up as the first one did)."""
+    return {i for s in (0, *restarts) for i in range(s, min(s + warmup, steps))}
+
+
 def build_schedule(steps: int, stages: int, rows: int, branches: list, warmup: int,
-                   patches: int) -> Schedule:
+                   patches: int, restarts=()) -> Schedule:
     """`branches`: the guidance branches this pipeline computes, in order ([1] without CFG
     or for the positive cfg rank, [0] for the negative one, [0, 1] for both).
-    Steps before `warmup` run the whole image as one patch; later steps run `patches` row
-    bands."""
+    Warmup steps (`whole_steps`) run the whole image as one patch; the others run `patches`
+    row bands."""
+    whole = whole_steps(steps, warmup, restarts)
     micros, start = [], []
     finished_at: list = []  # (rows, tick its rows are back on stage 0) of the previous step
     tick = -1
     for i in range(steps):
-        bands = patch_rows(rows, 1 if i < warmup else min(patches, rows))
+        bands = patch_rows(rows, 1 if i in whole else min(patches, rows))
         now = []
         for p, band in enumerate(bands):
             for j, b in enumerate(branches):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..flow_step import combine, combine_across
+from ..flow_step import combine, combine_across, step_rows
 from ..p2p import exchange
 from .cache import KVCache
 from .plan import PatchPlan
@@ -50,9 +50,12 @@ class PatchPipeline:
         # token rows of the whole sequence (a video's run across its frames, frame by frame)
         self.rows, self.cols = adapter.token_grid(req["height"], req["width"],
                                                   int(req.get("frames") or 1))
+        experts = [e.get("expert") for e in prep.extras]  # Wan 2.2: warm up again at the switch
         self.sched = build_schedule(len(prep.timesteps), n, self.rows, sorted(branches),
                                     warmup=int(opts.get("warmup_steps", 1)),
-                                    patches=int(opts.get("pipeline_patches") or n))
+                                    patches=int(opts.get("pipeline_patches") or n),
+                                    restarts=[i for i in range(1, len(experts))
+                                              if experts[i] != experts[i - 1]])
         # reference images are context like the text: put first in the image stream, a
         # step's first patch computes them with the text as one token range, so the plans,
         # shards and caches need no second range (with warmup_steps >= steps: exact)
@@ -133,23 +136,9 @@ class PatchPipeline:
                 return
             pred = combine(self.pending.pop(micro.patch), pred, prep.scales[micro.step],
                            self.adapter.cfg_rescale)
-        x = self._rows(latents, micro)
-        x.copy_(prep.steps.step(x, pred, micro.step, key=self._history_key(micro)))
-
-    def _history_key(self, m: Micro):
-        """The scheduler's history key of a micro's rows: its row range. A multistep
-        scheduler (UniPC) keeps a history per key; a band's first step after the
-        whole-image warmup continues from its rows of the history of a range covering it."""
-        key, steps = tuple(m.rows), self.prep.steps
-        state = getattr(steps, "state", None)
-        if state is not None and key not in state:
-            for k in list(state):
-                if isinstance(k, tuple) and k[0] <= key[0] and key[1] <= k[1]:
-                    off = k[0]
-                    steps.derive(key, k, lambda t: self.adapter.latent_rows(
-                        t, key[0] - off, key[1] - off, self.cols))
-                    break
-        return key
+        # a multistep scheduler (UniPC) keeps its history per row band (step_rows)
+        step_rows(prep.steps, self._rows(latents, micro), pred, micro.step, micro.rows,
+                  lambda t, a, b: self.adapter.latent_rows(t, a, b, self.cols))
 
     def close(self) -> None:
         self.cache.clear()
