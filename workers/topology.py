@@ -26,7 +26,7 @@ from __future__ import annotations
 import datetime
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -242,6 +242,14 @@ def all_gather(parts: list, x: torch.Tensor, group) -> None:
     if _DATA_DEVICE is not None:
         check_plane("all_gather", group, [x, *parts])
     dist.all_gather(parts, x, group=group)
+
+
+def gather(x: torch.Tensor, parts: Optional[list], dst: int, group) -> None:
+    """`dist.gather`: every rank's `x` into `parts` (rank order) on global rank `dst`; the
+    others pass None."""
+    if _DATA_DEVICE is not None:
+        check_plane("gather", group, [x, *(parts or [])])
+    dist.gather(x, parts, dst=dst, group=group)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:

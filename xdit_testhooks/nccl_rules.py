@@ -67,7 +67,7 @@ SPEC = "xdit_testhooks.nccl_rules:install"
 ENV_TIMEOUT = "XDIT_NCCL_RULES_TIMEOUT"
 ENV_COLLECTIVES = "XDIT_NCCL_RULES_COLLECTIVES"
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single",
-               "all_to_all", "broadcast", "reduce_scatter_tensor")
+               "all_to_all", "broadcast", "reduce_scatter_tensor", "gather")
 DEFAULT_TIMEOUT = 10.0  # seconds an operation may wait for its match before it is a deadlock
 
 # gloo matches point-to-point messages on (peer, tag); the emulation's own tags live far
