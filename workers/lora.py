@@ -60,7 +60,7 @@ class LoraManager:
         self.used = False  # a job has asked for LoRA (then every job re-applies the list)
         self.absent: set = set()  # PipeFusion: adapters with no layer on this rank's stage
         self._pending: dict[str, tuple] = {}  # read and checked by resolve, not yet loaded
-        self.into: dict[str, set] = {}  # several transformers: adapter -> those holding it
+        self.into: dict[str, set] = {}  # adapter -> the indices of the transformers holding it
 
     def _pipeline(self):
         import diffusers
@@ -158,74 +158,42 @@ class LoraManager:
         return out
 
     def apply(self, transformer, resolved) -> None:
-        """Every rank: load what is new (once), then activate exactly `resolved` with its
-        strengths; [] disables every adapter (the base weights were never changed).
-        `transformer`: one, or a model's transformers (Wan 2.2 A14B's two experts): an entry
-        naming its expert goes into that one, any other into each (`_apply_many`)."""
-        if isinstance(transformer, (tuple, list)):
-            many = tuple(transformer)
-            if len(many) > 1:
-                return self._apply_many(many, resolved)
-            transformer = many[0]
+        """Every rank: load what is new (once per transformer), then activate exactly
+        `resolved` with its strengths; [] disables every adapter (the base weights were never
+        changed). `transformer`: one, or a model's transformers of one class (Wan 2.2 A14B's
+        two experts): an entry naming its expert ("high": the first, "low": the second) goes
+        into that one only, any other into each; a file is loaded into a transformer the
+        first time an entry needs it there (one adapter name per file)."""
+        many = tuple(transformer) if isinstance(transformer, (tuple, list)) else (transformer,)
         if resolved:
             self.used = True
-        weights: dict[str, float] = {}
+        weights = [dict() for _ in many]  # per transformer: adapter -> strength
         for name, path, strength, expert in resolved:
-            if expert is not None:
+            if expert is not None and len(many) == 1:
                 raise LoraError(f"LoRA {path}: expert {expert!r} names one of Wan 2.2 A14B's "
                                 f"two transformers; this model has one")
-            if name not in self.loaded:
-                tsd, alphas, metadata = self._pending.pop(name, None) or self.read(path, transformer)
-                kw = {"network_alphas": alphas} if self.adapter.lora_alphas else {}
-                if tsd:
-                    self._pipeline().load_lora_into_transformer(
-                        tsd, transformer=transformer, adapter_name=name, metadata=metadata,
-                        **kw)
-                else:
-                    self.absent.add(name)
-                self.loaded[name] = path
-                self.loads += 1
-            if name not in self.absent:
-                weights[name] = weights.get(name, 0.0) + strength  # listed twice adds up
-        if not set(self.loaded) - self.absent:
-            return
-        if weights:
-            transformer.enable_lora()
-            transformer.set_adapters(list(weights), list(weights.values()))
-        else:
-            transformer.disable_lora()
-
-    def _apply_many(self, transformers, resolved) -> None:
-        """`apply` over several transformers of one class (a model's experts): an entry
-        naming its expert ("high": the first, "low": the second) goes into that transformer
-        only, one without into each; a file is loaded into a transformer the first time an
-        entry needs it there (one adapter name per file), then each transformer switches to
-        its own adapters and strengths."""
-        if resolved:
-            self.used = True
-        weights = [dict() for _ in transformers]  # per transformer: adapter -> strength
-        for name, path, strength, expert in resolved:
-            at = range(len(transformers)) if expert is None else [EXPERTS[expert]]
+            at = range(len(many)) if expert is None else [EXPERTS[expert]]
             held = self.into.setdefault(name, set())
             new = [i for i in at if i not in held]
             if new and name not in self.absent:
-                tsd, _, metadata = self._pending.pop(name, None) or \
-                    self.read(path, transformers[0])
+                tsd, alphas, metadata = self._pending.pop(name, None) or \
+                    self.read(path, many[0])
+                kw = {"network_alphas": alphas} if self.adapter.lora_alphas else {}
                 if tsd:
-                    for i in new:
+                    for i in new:  # (the loader consumes the dict it is given)
                         self._pipeline().load_lora_into_transformer(
-                            dict(tsd), transformer=transformers[i], adapter_name=name,
-                            metadata=metadata)
+                            dict(tsd), transformer=many[i], adapter_name=name,
+                            metadata=metadata, **kw)
                         held.add(i)
                     self.loads += 1
-                elif name not in self.loaded:
+                elif name not in self.loaded:  # PipeFusion: no layer on this stage
                     self.absent.add(name)
                     self.loads += 1
                 self.loaded[name] = path
             if name not in self.absent:
-                for i in at:
+                for i in at:  # listed twice adds up
                     weights[i][name] = weights[i].get(name, 0.0) + strength
-        for i, tr in enumerate(transformers):
+        for i, tr in enumerate(many):
             if not any(i in held for held in self.into.values()):
                 continue  # no adapter was ever loaded into it
             if weights[i]:
