@@ -34,6 +34,7 @@ def a14b(tmp_path_factory):
     ("wan", ["--frames", "5"], "x.gif", "must end in .safetensors (LATENT) or .png; for video"),
     ("wan", ["--frames", "5"], "f_%04d.jpg", "a frame pattern must end in .png"),
     ("wan", ["--frames", "5", "--fps", "0"], "x.mp4", "--fps must be > 0"),
+    ("wan", ["--frames", "5", "--shift", "0"], "x.mp4", "shift must be a number > 0"),
 ])
 def test_video_bad_input_exits_2_with_one_line(model_dir, tmp_path, arch, extra, out, expect):
     procs = tmp_path / "procs"
@@ -48,13 +49,13 @@ def test_video_bad_input_exits_2_with_one_line(model_dir, tmp_path, arch, extra,
 
 
 def test_wan_latent_equals_the_pool_and_video_reads_back(a14b, tmp_path):
-    """Wan 2.2 A14B, Ulysses 2, both experts with their own guidance: the CLI's 5-D LATENT is
-    the warm pool's; --out x.mp4 decodes it to a 5-frame video per prompt."""
+    """Wan 2.2 A14B, Ulysses 2, both experts with their own guidance, flow shift 2: the CLI's
+    5-D LATENT is the warm pool's; --out x.mp4 decodes it to a 5-frame video per prompt."""
     av = pytest.importorskip("av")
     from safetensors.torch import load_file
 
     args = ["generate", "--model", a14b, *JOB, "--frames", "5", "--cfg", "2", "--cfg-2", "1.5",
-            "--ulysses", "2", "--threads-per-rank", "1"]
+            "--shift", "2", "--ulysses", "2", "--threads-per-rank", "1"]
     r = cli(*args, "--out", tmp_path / "x.safetensors")
     assert r.returncode == 0, r.stderr
     got = load_file(str(tmp_path / "x.safetensors"))["samples"]
@@ -63,10 +64,10 @@ def test_wan_latent_equals_the_pool_and_video_reads_back(a14b, tmp_path):
     with WorkerPool(a14b, ParallelConfig(ulysses=2), device="cpu", threads_per_rank=1) as pool:
         want = pool.generate(GenerationRequest(
             prompt=["a cat"], seed=3, steps=2, height=32, width=48, max_sequence_length=8,
-            frames=5, cfg=2.0, cfg_2=1.5)).samples
+            frames=5, cfg=2.0, cfg_2=1.5, shift=2.0)).samples
         other = pool.generate(GenerationRequest(
             prompt=["a cat"], seed=3, steps=2, height=32, width=48, max_sequence_length=8,
-            frames=5, cfg=2.0, cfg_2=4.0)).samples
+            frames=5, cfg=2.0, cfg_2=4.0, shift=2.0)).samples
     assert torch.equal(got, want)
     assert not torch.equal(other, want)  # --cfg-2 reached the low-noise expert
 

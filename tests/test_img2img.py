@@ -20,6 +20,8 @@ diffusers' own FLUX packing.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -139,3 +141,43 @@ def test_img2img_runs_comfyui_schedule(pools, model_dir, oracle, arch, steps, de
         assert (got - txt2img).abs().max().item() > 1e-2
     else:
         assert (got - txt2img).abs().max().item() <= TOL
+
+
+def test_shift_is_the_schedulers_static_shift(pools, model_dir, oracle):
+    """A request's `shift` (ComfyUI's ModelSamplingSD3 shift) replaces SD3's FlowMatch Euler
+    `shift` (3.0 in the tiny folder, as released): the pool at Ulysses 2 equals
+    StableDiffusion3Pipeline with its scheduler made at that shift, and differs from the
+    folder's own. FLUX's schedule shifts by the image size: its pool refuses a shift in one
+    line, naming what would work, and runs the next job."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    path = model_dir("sd3")
+    pool = pools("sd3", 2)
+    pool.reconfigure(ParallelConfig(ulysses=2))
+    req = GenerationRequest(prompt=["a house by the lake"], seed=21, steps=4, height=64,
+                            width=80, max_sequence_length=8, cfg=2.0, negative_prompt="",
+                            shift=6.0)
+    got = pool.generate(req).samples
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(path)
+    assert pipe.scheduler.config.shift == 3.0
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config,
+                                                                 shift=6.0)
+    s = oracle_settings("sd3", req)
+    noise = comfyui_noise(req.seed, (1, 16, 8, 10))
+    want = model_to_latent(pipe(prompt=list(req.prompt), negative_prompt=[""],
+                                guidance_scale=2.0, height=64, width=80, num_inference_steps=4,
+                                latents=noise, max_sequence_length=s["max_sequence_length"],
+                                output_type="latent").images, path)
+    diff = (got - want).abs().max().item()
+    print(f"sd3 shift 6 Ulysses 2: |pool - diffusers| = {diff:.2e}")
+    assert diff <= TOL
+    assert (got - oracle("sd3", dataclasses.replace(req, shift=None))).abs().max().item() > 1e-2
+
+    flux = pools("flux", 2)
+    flux.reconfigure(ParallelConfig(ulysses=2))
+    bad = dataclasses.replace(req, cfg=1.0, guidance=3.0)
+    with pytest.raises(Exception, match=r"shift 6: .*shifts its schedule by the image size.*"
+                                        r"leave shift unset"):
+        flux.generate(bad)
+    assert flux.generate(dataclasses.replace(bad, shift=None)).samples.shape == (1, 16, 8, 10)

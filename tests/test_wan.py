@@ -10,6 +10,8 @@ WanPipeline takes as its latents unchanged; its result is brought to ComfyUI's L
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -164,9 +166,11 @@ def oracle(pipes):
         kw = {}
         if req.cfg_2 is not None:
             kw["guidance_scale_2"] = req.cfg_2
-        saved = pipe.config.boundary_ratio
+        saved, sched = pipe.config.boundary_ratio, pipe.scheduler
         if boundary is not None:
             pipe.register_to_config(boundary_ratio=boundary)
+        if req.shift is not None:  # the scheduler made at the request's flow shift
+            pipe.scheduler = type(sched).from_config(sched.config, flow_shift=req.shift)
         try:
             out = pipe(prompt=req.prompt, negative_prompt=req.negative_prompt, height=h,
                        width=w, num_frames=f, num_inference_steps=req.steps,
@@ -174,6 +178,7 @@ def oracle(pipes):
                        output_type="latent", **kw).frames
         finally:
             pipe.register_to_config(boundary_ratio=saved)
+            pipe.scheduler = sched
         return out * std + mean
     return run
 
@@ -237,6 +242,31 @@ def test_two_experts_equal_the_pipeline(wan_dirs, layout_pools, oracle, config):
         assert float((got - oracle(req, "a14b", boundary=0.0)).abs().max()) > 1e-3
         same = request("odd", 2, cfg=4.0, cfg_2=None)
         assert float((got - oracle(same, "a14b")).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(), ParallelConfig(ulysses=2)],
+                         ids=["1rank", "ulysses2"])
+def test_shift_equals_the_pipeline_at_that_flow_shift(wan_dirs, layout_pools, oracle, config):
+    """A request's `shift` replaces the folder's UniPC flow_shift (3): Wan 2.2 A14B equals
+    WanPipeline with its scheduler made at flow_shift 12 (the original code's T2V A14B
+    value), the expert switch following the shifted timesteps (experts 0, 0, 0, 1 instead
+    of 0, 0, 1, 1); the folder's own shift is far from it."""
+    pool = layout_pools.get(wan_dirs["a14b"], config)
+    req = request("odd", 1, cfg=4.0, cfg_2=2.0, steps=4, shift=12.0)
+    got = pool.generate(req).samples
+    check(got, oracle(req, "a14b"), f"a14b shift 12 {config.describe()}")
+    if config.world_size == 1:
+        plain = dataclasses.replace(req, shift=None)
+        assert float((got - oracle(plain, "a14b")).abs().max()) > 1e-3
+        from diffusers import UniPCMultistepScheduler
+        sched = UniPCMultistepScheduler.from_pretrained(str(wan_dirs["a14b"]),
+                                                        subfolder="scheduler")
+        bound = 0.875 * 1000
+        for shift, want in ((None, [0, 0, 1, 1]), (12.0, [0, 0, 0, 1])):
+            s = sched if shift is None else UniPCMultistepScheduler.from_config(
+                sched.config, flow_shift=shift)
+            s.set_timesteps(4)
+            assert [0 if float(t) >= bound else 1 for t in s.timesteps] == want, shift
 
 
 def test_bad_frame_counts_are_refused(wan_dirs, layout_pools):

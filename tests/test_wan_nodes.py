@@ -22,15 +22,17 @@ def test_video_latent_gives_frames_and_5d_noise():
     assert (lat.batch, lat.frames, lat.height, lat.width, lat.empty) == (2, 9, 64, 48, True)
     inp = SampleInputs(latent={"samples": torch.zeros(1, 16, 5, 8, 6), "batch_index": [3]},
                        seed=11, steps=4, cfg=5.0, positive=_cond(), negative=_cond(),
-                       cfg_2=3.0)
+                       cfg_2=3.0, shift=12.0)
     req, kw = build_job(inp, "wan", text_width=32)
-    assert (req.frames, req.height, req.width, req.cfg, req.cfg_2) == (17, 64, 48, 5.0, 3.0)
+    assert (req.frames, req.height, req.width, req.cfg, req.cfg_2, req.shift) == \
+        (17, 64, 48, 5.0, 3.0, 12.0)
     # KSampler's prepare_noise on the LATENT's own 5-D shape, batch_index honoured
     assert torch.equal(kw["noise"], comfy_noise(11, (1, 16, 5, 8, 6), [3]))
     assert kw["init_latent"] is None
     req2, _ = build_job(SampleInputs(latent={"samples": torch.zeros(1, 16, 1, 8, 6)},
                                      positive=_cond()), "wan", text_width=32)
-    assert (req2.frames, req2.cfg_2) == (1, None)  # one latent frame: one video frame
+    # one latent frame: one video frame; Sampler options' 0s: the model's own values
+    assert (req2.frames, req2.cfg_2, req2.shift) == (1, None, None)
 
 
 def test_video_latent_checks():

@@ -132,7 +132,7 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
     # the loop's latents: the model's dtype, or fp32 where the family's pipeline keeps them
     # so (Wan: its multistep history); the adapter's forward casts what the model takes
     noise = job.noise[mine].to(dev, torch.float32 if adapter.latents_fp32 else dtype)
-    scheduler = adapter.make_scheduler(model)
+    scheduler = adapter.make_scheduler(model, shift=req.get("shift"))
     check_scheduler(scheduler)
     img2img = job.init_latent is not None and job.denoise < 1.0
     total, begin = schedule_window(req["steps"], job.denoise if img2img else 1.0)

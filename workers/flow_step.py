@@ -192,6 +192,21 @@ def step_rows(steps, x: torch.Tensor, v: torch.Tensor, i: int, rows: tuple, take
     x.copy_(steps.step(x, v, i, key=key))
 
 
+def with_shift(name: str, config: dict, shift: float) -> dict:
+    """A scheduler config with its flow shift set: sigma -> shift sigma / (1 + (shift - 1)
+    sigma), ComfyUI's ModelSamplingSD3 `shift`. UniPC with flow sigmas (Wan) takes it as
+    `flow_shift`, FlowMatch Euler (SD3) as `shift`; a schedule shifted by the image size
+    (`use_dynamic_shifting`: FLUX, Qwen-Image, Chroma) has no one shift to set."""
+    if name == "UniPCMultistepScheduler" and config.get("use_flow_sigmas"):
+        return dict(config, flow_shift=shift)
+    if name == "FlowMatchEulerDiscreteScheduler" and not config.get("use_dynamic_shifting"):
+        return dict(config, shift=shift)
+    how = "shifts its schedule by the image size" if config.get("use_dynamic_shifting") \
+        else f"runs {name}"
+    raise ValueError(f"shift {shift:g}: this model's scheduler {how}, so there is no one flow "
+                     f"shift to set; leave shift unset (Wan and SD3 models take it)")
+
+
 def make_steps(scheduler, sigmas: torch.Tensor, sigmas_cpu: torch.Tensor, first: int = 0):
     """The step of the job's scheduler (`check_scheduler` has accepted it)."""
     if type(scheduler).__name__ == "UniPCMultistepScheduler":

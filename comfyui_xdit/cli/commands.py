@@ -67,6 +67,10 @@ def _add_generate(sub):
     p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale")
     p.add_argument("--cfg-2", type=float, default=None, dest="cfg_2",
                    help="Wan 2.2 A14B: the low-noise expert's guidance scale (default: --cfg)")
+    p.add_argument("--shift", type=float, default=None,
+                   help="the scheduler's flow shift in place of the model's (ComfyUI's "
+                        "ModelSamplingSD3 shift; Wan, SD3), e.g. 12 for Wan 2.2 T2V A14B as "
+                        "its original code samples")
     p.add_argument("--frames", type=_positive("--frames"), default=None,
                    help="video models (Wan): frames per video, 4k + 1 (e.g. 81); image "
                         "models make 1")
@@ -327,7 +331,8 @@ def run_generate(args) -> int:
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
         steps=args.steps, height=args.height, width=args.width, guidance=args.guidance,
-        cfg=args.cfg, cfg_2=args.cfg_2, max_sequence_length=args.max_sequence_length,
+        cfg=args.cfg, cfg_2=args.cfg_2, shift=args.shift,
+        max_sequence_length=args.max_sequence_length,
         loras=args.lora, output="latent" if kind == "latent" else "image",
         cache=_cache_from_args(args), reference_images=images or None, **extra)
     if args.attach:

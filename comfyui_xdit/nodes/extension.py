@@ -400,18 +400,25 @@ class SamplerOptions(io.ComfyNode):
             node_id="xDiT.SamplerOptions",
             display_name="Sampler options (xDiT)",
             category=CATEGORY,
-            description="Options of Sampler (xDiT) that few models use.",
+            description="Options of Sampler (xDiT) that few models use: Wan 2.2's second "
+                        "guidance scale, the flow shift.",
             inputs=[io.Float.Input("cfg_2", default=0.0, min=0.0, max=100.0, step=0.1,
                                    round=0.01,
                                    tooltip="Wan 2.2 A14B: the low-noise expert's guidance "
                                            "scale (the released pipeline's guidance_scale_2). "
-                                           "0: the sampler's cfg for both experts")],
+                                           "0: the sampler's cfg for both experts"),
+                    io.Float.Input("shift", default=0.0, min=0.0, max=100.0, step=0.01,
+                                   round=0.01, optional=True,
+                                   tooltip="The scheduler's flow shift, as ModelSamplingSD3's "
+                                           "shift on a MODEL (Wan, SD3; e.g. 12 for Wan 2.2 "
+                                           "T2V A14B as its original code samples). 0: the "
+                                           "model's own")],
             outputs=[XDiTSamplerOptions.Output(display_name="options")],
         )
 
     @classmethod
-    def execute(cls, cfg_2) -> io.NodeOutput:
-        return io.NodeOutput(node_logic.SamplerOptions(cfg_2=float(cfg_2)))
+    def execute(cls, cfg_2, shift=0.0) -> io.NodeOutput:
+        return io.NodeOutput(node_logic.SamplerOptions(cfg_2=float(cfg_2), shift=float(shift)))
 
 
 class Sampler(io.ComfyNode):
@@ -489,7 +496,8 @@ class Sampler(io.ComfyNode):
                            positive=positive, negative=negative,
                            max_sequence_length=max_sequence_length,
                            preview_every=1 if previews else 0, cache=cache,
-                           cfg_2=0.0 if options is None else options.cfg_2)
+                           cfg_2=0.0 if options is None else options.cfg_2,
+                           shift=0.0 if options is None else options.shift)
         pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(ev: dict) -> None:

@@ -758,6 +758,7 @@ class SampleInputs:
     preview_every: int = 0  # k: a low-res preview latent every k steps
     cache: Optional[CacheSettings] = None  # Step cache (xDiT), when connected
     cfg_2: float = 0.0  # a second expert's guidance scale (Wan 2.2 A14B); 0: cfg
+    shift: float = 0.0  # the scheduler's flow shift (Wan, SD3); 0: the model's
 
 
 @dataclass(frozen=True)
@@ -765,6 +766,7 @@ class SamplerOptions:
     """Sampler options (xDiT): what few models use, kept off the sampler's own widgets."""
 
     cfg_2: float = 0.0  # Wan 2.2 A14B's low-noise expert's guidance scale; 0: the cfg
+    shift: float = 0.0  # the scheduler's flow shift (ModelSamplingSD3's); 0: the model's
 
 
 EXPERTS = ("high_noise", "low_noise")  # a model's transformer, then its transformer_2
@@ -821,6 +823,7 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
         cfg=None if not inp.cfg else float(inp.cfg),
         max_sequence_length=int(inp.max_sequence_length), preview_every=int(inp.preview_every),
         frames=lat.frames, cfg_2=None if not inp.cfg_2 else float(inp.cfg_2),
+        shift=None if not inp.shift else float(inp.shift),
         reference_latents=refs, reference_method=method,
         cache=None if inp.cache is None else inp.cache.as_request(), **start)
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}

@@ -46,6 +46,9 @@ class GenerationRequest:
     frames: int = 1
     # the second expert's guidance scale (Wan 2.2 A14B's low-noise transformer; None: cfg)
     cfg_2: Optional[float] = None
+    # the scheduler's flow shift in place of the model's (ComfyUI's ModelSamplingSD3 shift;
+    # Wan, SD3; a model whose schedule shifts by image size refuses it); None: the model's
+    shift: Optional[float] = None
     loras: list = field(default_factory=list)
     output: str = "latent"  # "latent" or "image" (decoded by rank 0 with the model's VAE)
     preview_every: int = 0  # 0: no previews; k: a low-res x0 preview every k steps
@@ -196,6 +199,9 @@ class GenerationRequest:
         if self.cfg_2 is not None and (not isinstance(self.cfg_2, (int, float))
                                        or self.cfg_2 < 1.0):
             out.append(f"cfg_2 must be >= 1 (got {self.cfg_2!r})")
+        if self.shift is not None and (not isinstance(self.shift, (int, float))
+                                       or isinstance(self.shift, bool) or self.shift <= 0):
+            out.append(f"shift must be a number > 0 (got {self.shift!r}); unset: the model's")
         out.extend(frames_problems(self.frames, model))
         out.extend(_lora_problems(self.loras, getattr(model, "experts", None)))
         if self.output not in ("latent", "image"):

@@ -237,15 +237,21 @@ class DiTAdapter:
                              f"{torch.cuda.device_count()} GPU(s); use gpu, auto or cpu")
         return out
 
-    def make_scheduler(self, model: LoadedModel):
+    def make_scheduler(self, model: LoadedModel, shift=None):
         """The folder's scheduler class (scheduler_config.json `_class_name`; the loop's
-        `check_scheduler` refuses one it does not run), FlowMatch Euler where unnamed."""
+        `check_scheduler` refuses one it does not run), FlowMatch Euler where unnamed;
+        `shift`: the request's flow shift in place of the folder's (`with_shift`)."""
         import diffusers
+
+        from ..flow_step import with_shift
         name = model.scheduler_config.get("_class_name") or "FlowMatchEulerDiscreteScheduler"
         cls = getattr(diffusers, name, None)
         if cls is None:
             raise ValueError(f"scheduler {name!r} is not a diffusers scheduler")
-        return cls.from_config(model.scheduler_config)
+        config = dict(model.scheduler_config)
+        if shift is not None:
+            config = with_shift(name, config, float(shift))
+        return cls.from_config(config)
 
     def scale_shift(self, model: LoadedModel) -> tuple:
         """The VAE's (scale, shift), scalars or per-channel lists: model space <-> raw VAE
