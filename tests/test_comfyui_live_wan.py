@@ -24,6 +24,11 @@ models/diffusion_models/, and starts `main.py --cpu --preview-method latent2rgb`
 * image-to-video on KSampler: WanImageToVideo's values (stood in for) on the xDiT MODEL of
   a 36-channel Wan 2.2 I2V expert (ComfyUI concatenates the start frame's channels to the
   latent) equal ComfyUI's own model from the converted file, CFG parallel;
+* Wan 2.1 image-to-video on KSampler: the start frame and a CLIP vision output (stood in
+  for) in the conditioning, as WanImageToVideo puts them; ComfyUI gives the vision states
+  to the model as clip_fea, the xDiT MODEL of the Wan 2.1 I2V folder (image K/V) equals
+  ComfyUI's own model from the converted file at Ulysses 2, and another image embedding
+  moves the result (the image tokens reach the pool);
 * ComfyUI's Wan 2.2 graph (two KSamplerAdvanced, the high-noise expert for the first steps,
   the low-noise one for the rest) on the two xDiT MODELs equals the same graph on ComfyUI's
   own two models from the two files, with the xDiT loader on the A14B folder and on the same
@@ -45,6 +50,7 @@ pytestmark = skip_without_comfyui
 T2V_NAME, A14B_NAME = "Wan2.1-T2V-1.3B-Diffusers", "Wan2.2-T2V-A14B-Diffusers"
 I2V_NAME = "Wan2.2-I2V-A14B-Diffusers"
 I2V_NATIVE, I2V_FILE = "xdit-test-wan-i2v-native", "xdit-native-wan-i2v-high.safetensors"
+I2V21_NATIVE, I2V21_FILE = "xdit-test-wan21-i2v-native", "xdit-native-wan21-i2v.safetensors"
 NATIVE = "xdit-test-wan-native"
 FILES = {"high_noise": "xdit-native-wan-high.safetensors",
          "low_noise": "xdit-native-wan-low.safetensors"}
@@ -72,6 +78,10 @@ def comfy(tmp_path_factory):
     i2v_native = native_wan_folder(i2v, cache / I2V_NATIVE)
     place(i2v_native, diffusers_dir / I2V_NATIVE)
     comfy_wan_file(i2v_native / "transformer", comfy / "models" / "diffusion_models" / I2V_FILE)
+    i2v21 = native_wan_folder(ensure_tiny_model("wan", cache, variant="i2v"),
+                              cache / I2V21_NATIVE)
+    place(i2v21, diffusers_dir / I2V21_NATIVE)
+    comfy_wan_file(i2v21 / "transformer", comfy / "models" / "diffusion_models" / I2V21_FILE)
     native = native_wan_folder(a14b, cache / NATIVE)
     place(native, diffusers_dir / NATIVE)
     files = comfy / "models" / "diffusion_models"
@@ -399,3 +409,55 @@ def test_wan_i2v_ksampler_on_the_pool_matches_comfyui_own_model(comfy):
         wf[f"9{b}"] = {"class_type": "XDiTTestSaveTensors",
                        "inputs": {"latent": [f"7{b}", 0], "path": out[b]}}
     _compare(comfy, wf, out, "wan22-i2v cfg_parallel euler")
+
+
+def test_wan21_i2v_clip_fea_on_the_pool_matches_comfyui_own_model(comfy):
+    """Wan 2.1 I2V's CLIP image conditioning on the MODEL path: WanImageToVideo's values
+    with a clip_vision_output (XDiTTestWanStartFrame + XDiTTestClipVisionOutput stand in: no
+    tiny Wan VAE or CLIP vision model loads into ComfyUI) reach ComfyUI's WAN21 as clip_fea;
+    KSampler on the xDiT MODEL (Ulysses 2) equals KSampler on ComfyUI's own i2v model from
+    the same weights. The text is 512 tokens, the length ComfyUI's UMT5 encoder gives (and
+    the one diffusers' image cross-attention reads). A second image embedding on the pool
+    must move the LATENT, so the agreement cannot come from the image tokens being dropped."""
+    out = {b: str(comfy["tmp"] / f"i2v21-ks-{b}.safetensors") for b in ("x", "n", "xb")}
+    wf = {
+        "1": {"class_type": "xDiT.LoadModel",
+              "inputs": {"model": I2V21_NATIVE, "device": "cpu", "dtype": "fp32",
+                         "world_size": "2"}},
+        "2": {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0],
+                                                       "expert": "high_noise"}},
+        "3": {"class_type": "UNETLoader", "inputs": {"unet_name": I2V21_FILE,
+                                                      "weight_dtype": "default"}},
+        "4": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 1, "tokens": 512, "context_dim": 4096, "pooled_dim": 1,
+                         "guidance": -1.0}},
+        "5": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 2, "tokens": 512, "context_dim": 4096, "pooled_dim": 1,
+                         "guidance": -1.0}},
+    }
+    with_settings(wf, "1", ulysses=2)
+    for b, model, image in (("x", "2", 3), ("n", "3", 3), ("xb", "2", 4)):
+        wf[f"c{b}"] = {"class_type": "XDiTTestClipVisionOutput",
+                       "inputs": {"seed": image, "tokens": 257, "width": 1280}}
+        wf[f"6{b}"] = {"class_type": "XDiTTestWanStartFrame",
+                       "inputs": {"positive": ["4", 0], "negative": ["5", 0],
+                                  "width": SIZE["width"], "height": SIZE["height"],
+                                  "length": SIZE["length"], "seed": 3,
+                                  "clip_vision_output": [f"c{b}", 0]}}
+        wf[f"7{b}"] = {"class_type": "KSampler",
+                       "inputs": {"model": [model, 0], "seed": 7, "steps": 3, "cfg": 3.5,
+                                  "sampler_name": "euler", "scheduler": "simple",
+                                  "positive": [f"6{b}", 0], "negative": [f"6{b}", 1],
+                                  "latent_image": [f"6{b}", 2], "denoise": 1.0}}
+        wf[f"9{b}"] = {"class_type": "XDiTTestSaveTensors",
+                       "inputs": {"latent": [f"7{b}", 0], "path": out[b]}}
+    n = _compare(comfy, wf, out, "wan21-i2v clip_fea ulysses2 euler")
+    other = tensors(Path(out["xb"]))["latent"]
+    moved = float((other - n).abs().max())
+    print(f"another image embedding moved the LATENT by {moved:.3e}")
+    assert moved > TOL
+    pool = next(p for p in http(comfy["base"], "/xdit/status")["pools"]
+                if p["model"].endswith(I2V21_NATIVE))
+    assert pool["world_size"] == 2 and "ulysses 2" in pool["config"], pool
+    http(comfy["base"], "/xdit/unload", {})
+    http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})

@@ -6,7 +6,11 @@ links this folder into custom_nodes/ for its run only).
   encoders' shapes. Same seed, same tensors, in every process.
 * XDiTTestWanStartFrame: stands in for WanImageToVideo where no ComfyUI-loadable Wan VAE
   exists (a tiny one is not): the same CONDITIONING values (a seeded random raw start latent
-  as concat_latent_image, concat_mask 0 on the first latent frame) and the empty video LATENT.
+  as concat_latent_image, concat_mask 0 on the first latent frame) and the empty video LATENT;
+  given a CLIP_VISION_OUTPUT, it goes into both conditionings as WanImageToVideo puts it.
+* XDiTTestClipVisionOutput: a seeded random CLIP_VISION_OUTPUT (ComfyUI's clip_vision.Output,
+  penultimate_hidden_states [1, tokens, width]) for Wan 2.1 I2V's clip_fea, since no tiny
+  CLIP vision model loads into ComfyUI's CLIPVisionLoader.
 * XDiTTestSaveTensors: writes an IMAGE and / or a LATENT to a .safetensors file at full
   float precision, so two branches of a graph can be compared beyond 8-bit PNGs.
 """
@@ -44,13 +48,14 @@ class XDiTTestWanStartFrame:
                              "width": ("INT", {"default": 64, "min": 16, "max": 4096}),
                              "height": ("INT", {"default": 48, "min": 16, "max": 4096}),
                              "length": ("INT", {"default": 9, "min": 1, "max": 1024}),
-                             "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})}}
+                             "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})},
+                "optional": {"clip_vision_output": ("CLIP_VISION_OUTPUT",)}}
 
     RETURN_TYPES = ("CONDITIONING", "CONDITIONING", "LATENT")
     FUNCTION = "make"
     CATEGORY = "xDiT tests"
 
-    def make(self, positive, negative, width, height, length, seed):
+    def make(self, positive, negative, width, height, length, seed, clip_vision_output=None):
         import torch
         t = (length - 1) // 4 + 1
         g = torch.Generator().manual_seed(int(seed))
@@ -58,10 +63,36 @@ class XDiTTestWanStartFrame:
         mask = torch.ones(1, 1, t, height // 8, width // 8)
         mask[:, :, :1] = 0.0
 
+        values = dict(concat_latent_image=start, concat_mask=mask)
+        if clip_vision_output is not None:
+            values["clip_vision_output"] = clip_vision_output
+
         def put(c):
-            return [[e[0], dict(e[1], concat_latent_image=start, concat_mask=mask)] for e in c]
+            return [[e[0], dict(e[1], **values)] for e in c]
         return (put(positive), put(negative),
                 {"samples": torch.zeros(1, 16, t, height // 8, width // 8)})
+
+
+class XDiTTestClipVisionOutput:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31}),
+                             "tokens": ("INT", {"default": 257, "min": 1, "max": 1024}),
+                             "width": ("INT", {"default": 1280, "min": 1, "max": 8192})}}
+
+    RETURN_TYPES = ("CLIP_VISION_OUTPUT",)
+    FUNCTION = "make"
+    CATEGORY = "xDiT tests"
+
+    def make(self, seed, tokens, width):
+        import torch
+        from comfy.clip_vision import Output
+        g = torch.Generator().manual_seed(int(seed))
+        out = Output()
+        out["penultimate_hidden_states"] = torch.randn(1, tokens, width, generator=g)
+        out["last_hidden_state"] = torch.randn(1, tokens, width, generator=g)
+        out["image_embeds"] = torch.randn(1, width, generator=g)
+        return (out,)
 
 
 class XDiTTestSaveTensors:
@@ -95,4 +126,5 @@ class XDiTTestSaveTensors:
 
 NODE_CLASS_MAPPINGS = {"XDiTTestRandomConditioning": XDiTTestRandomConditioning,
                        "XDiTTestSaveTensors": XDiTTestSaveTensors,
-                       "XDiTTestWanStartFrame": XDiTTestWanStartFrame}
+                       "XDiTTestWanStartFrame": XDiTTestWanStartFrame,
+                       "XDiTTestClipVisionOutput": XDiTTestClipVisionOutput}
