@@ -399,3 +399,59 @@ def test_wan_i2v_ksampler_on_the_pool_matches_comfyui_own_model(comfy):
         wf[f"9{b}"] = {"class_type": "XDiTTestSaveTensors",
                        "inputs": {"latent": [f"7{b}", 0], "path": out[b]}}
     _compare(comfy, wf, out, "wan22-i2v cfg_parallel euler")
+
+
+# --- the image-to-video example as shipped: ComfyUI's VAELoader + WanImageToVideo on a Wan
+# 2.1 VAE of the released structure (tests/wan_comfy_vae.py), the pool decoding with the same
+# weights in its folder.
+VAE_FILE = "wan_2.1_vae.safetensors"  # the example's VAELoader name
+I2V_SIZE = dict(width=32, height=32, length=5)  # latent [1, 16, 2, 4, 4]: the VAE is ~127M
+I2V_LATENT = (1, 16, 2, 4, 4)
+
+
+@pytest.fixture(scope="module")
+def wan_vae(tmp_path_factory):
+    """The tiny I2V A14B folder with the released-structure VAE, and that VAE as a ComfyUI
+    file in the original Wan names."""
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+    from wan_comfy_vae import comfy_vae_file, wan_vae_folder
+    cache = tmp_path_factory.mktemp("wan-vae")
+    folder = wan_vae_folder(ensure_tiny_model("wan", cache, variant="i2v-a14b"),
+                            cache / "i2v-real-vae")
+    return {"folder": folder, "file": comfy_vae_file(folder / "vae", cache / VAE_FILE)}
+
+
+def test_wan_vae_file_is_the_folder_vae_in_comfyui(wan_vae, tmp_path):
+    """ComfyUI's own WanVAE (built as comfy/sd.py builds it for a Wan 2.1 file, loaded
+    strictly from the file) decodes a latent and encodes a video as diffusers'
+    AutoencoderKLWan does from the folder: the name rules put every tensor in its place."""
+    import os
+    import subprocess
+    import sys
+
+    from diffusers import AutoencoderKLWan
+    from safetensors.torch import save_file
+    from wan_comfy_vae import COMFY_SIDE
+    g = torch.Generator().manual_seed(11)
+    x = {"latent": torch.randn(1, 16, 2, 4, 4, generator=g),
+         "video": torch.rand(1, 3, 5, 32, 32, generator=g) * 2 - 1}
+    save_file(x, str(tmp_path / "in.safetensors"))
+    py = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    r = subprocess.run([py, "-c", COMFY_SIDE, str(wan_vae["file"]),
+                        str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")],
+                       cwd=COMFY, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    comfy_side = tensors(tmp_path / "out.safetensors")
+    vae = AutoencoderKLWan.from_pretrained(str(wan_vae["folder"] / "vae")).eval()
+    with torch.no_grad():
+        decoded = vae.decode(x["latent"]).sample  # diffusers clamps to [-1, 1]
+        encoded = vae.encode(x["video"]).latent_dist.mode()
+    dec = float((comfy_side["decoded"].clamp(-1, 1) - decoded).abs().max())
+    enc = float((comfy_side["encoded"] - encoded).abs().max())
+    print(f"\nWan 2.1 VAE file in ComfyUI vs diffusers folder: decode {dec:.2e} "
+          f"(frames std {float(decoded.std()):.3f}), encode {enc:.2e} "
+          f"(latent std {float(encoded.std()):.3f})")
+    assert decoded.shape == (1, 3, 5, 32, 32) and encoded.shape == (1, 16, 2, 4, 4)
+    assert float(decoded.std()) > 0.05 and float(encoded.std()) > 0.01  # not vacuous
+    assert dec <= 1e-4 and enc <= 1e-4, (dec, enc)
+
