@@ -455,3 +455,101 @@ def test_wan_vae_file_is_the_folder_vae_in_comfyui(wan_vae, tmp_path):
     assert float(decoded.std()) > 0.05 and float(encoded.std()) > 0.01  # not vacuous
     assert dec <= 1e-4 and enc <= 1e-4, (dec, enc)
 
+
+def _start_images(comfy_path: Path) -> list:
+    """The example's start image (ComfyUI's input/example.png, written if a checkout lacks
+    it) and a second one, its mirror image, to show the start frame reaches the video."""
+    from PIL import Image
+    inputs = comfy_path / "input"
+    inputs.mkdir(exist_ok=True)
+    first = inputs / "example.png"
+    if not first.is_file():
+        g = torch.Generator().manual_seed(0)
+        pixels = (torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(first)
+    Image.open(first).convert("RGB").transpose(Image.FLIP_LEFT_RIGHT).save(
+        inputs / "xdit-test-start-mirrored.png")
+    return ["example.png", "xdit-test-start-mirrored.png"]
+
+
+def test_image_to_video_example_runs_as_shipped(comfy, wan_vae):
+    """xdit_wan_image_to_video with ComfyUI's own VAELoader, LoadImage and WanImageToVideo
+    (the start frame encoded by ComfyUI's WanVAE), only the text encoder replaced by random
+    CONDITIONING and the sizes / steps shrunk; the pool's folder carries the same VAE. Decode
+    (xDiT) on the pool and ComfyUI's VAEDecode of the same LATENT give the same frames; of
+    another LATENT (WanImageToVideo's empty one) they do not; a mirrored start image moves
+    the LATENT (the start frame reaches the model)."""
+    import shutil
+    name = "xdit_wan_image_to_video_api.json"
+    base = json.loads((ROOT / "example_workflows" / name).read_text())
+    by_type = _by_type(base)
+    assert base[by_type["xDiT.LoadModel"][0]]["inputs"]["model"] == I2V_NAME
+    (vae_loader,) = by_type["VAELoader"]
+    assert base[vae_loader]["inputs"]["vae_name"] == VAE_FILE
+    comfy_path = Path(COMFY)
+    shipped = comfy_path / "models" / "diffusers" / I2V_NAME
+    aside = comfy["tmp"] / "i2v-tiny-vae"
+    http(comfy["base"], "/xdit/unload", {})
+    shutil.move(str(shipped), str(aside))
+    place(wan_vae["folder"], shipped)
+    vae_path = comfy_path / "models" / "vae" / VAE_FILE
+    vae_path.parent.mkdir(parents=True, exist_ok=True)
+    vae_path.unlink(missing_ok=True)
+    vae_path.symlink_to(wan_vae["file"])
+    width = json.loads((shipped / "transformer" / "config.json").read_text())["text_dim"]
+    sampler, decode = by_type["xDiT.Sampler"][0], by_type["xDiT.Decode"][0]
+    (i2v,) = by_type["WanImageToVideo"]
+    got = {}
+    try:
+        for image in _start_images(comfy_path):
+            wf = json.loads(json.dumps(base))
+            for nid in by_type["CLIPTextEncode"]:
+                wf[nid] = {"class_type": "XDiTTestRandomConditioning",
+                           "inputs": {"seed": int(nid), "tokens": 6, "context_dim": width,
+                                      "pooled_dim": 1, "guidance": -1.0}}
+            for nid in by_type["CLIPLoader"]:
+                del wf[nid]
+            wf[by_type["LoadImage"][0]]["inputs"]["image"] = image
+            wf[i2v]["inputs"].update(I2V_SIZE)
+            wf[sampler]["inputs"]["steps"] = 3
+            out = {k: comfy["tmp"] / f"i2v-shipped-{k}-{image}.safetensors"
+                   for k in ("xdit", "comfy", "empty")}
+            wf["97"] = {"class_type": "VAEDecode",
+                        "inputs": {"samples": [sampler, 0], "vae": [vae_loader, 0]}}
+            wf["96"] = {"class_type": "VAEDecode",  # WanImageToVideo's empty LATENT
+                        "inputs": {"samples": [i2v, 2], "vae": [vae_loader, 0]}}
+            wf["98"] = {"class_type": "XDiTTestSaveTensors",
+                        "inputs": {"images": ["97", 0], "path": str(out["comfy"])}}
+            wf["95"] = {"class_type": "XDiTTestSaveTensors",
+                        "inputs": {"images": ["96", 0], "path": str(out["empty"])}}
+            wf["99"] = {"class_type": "XDiTTestSaveTensors",
+                        "inputs": {"latent": [sampler, 0], "images": [decode, 0],
+                                   "path": str(out["xdit"])}}
+            pid, msgs = run(comfy, wf, timeout=1500)
+            _ok(msgs)
+            xdit, native = tensors(out["xdit"]), tensors(out["comfy"])
+            assert xdit["latent"].shape == I2V_LATENT and torch.isfinite(xdit["latent"]).all()
+            frames = (I2V_SIZE["length"], I2V_SIZE["height"], I2V_SIZE["width"], 3)
+            assert xdit["image"].shape == native["image"].shape == frames
+            progress = [m["data"] for m in msgs if m.get("type") == "progress"
+                        and m["data"].get("node") == sampler]
+            assert progress and progress[-1]["value"] == 3
+            _saved_video(comfy, pid, wf, by_type)
+            got[image] = dict(latent=xdit["latent"], xdit=xdit["image"], comfy=native["image"],
+                              empty=tensors(out["empty"])["image"])
+    finally:
+        http(comfy["base"], "/xdit/unload", {})
+        shutil.rmtree(shipped)
+        shutil.move(str(aside), str(shipped))
+    a, b = got.values()
+    fig = {"decode_max_abs": float((a["xdit"] - a["comfy"]).abs().max()),
+           "empty_latent_max_abs": float((a["xdit"] - a["empty"]).abs().max()),
+           "other_start_max_abs": float((a["xdit"] - b["comfy"]).abs().max()),
+           "start_image_moved_latent": float((a["latent"] - b["latent"]).abs().max()),
+           "frames_std": float(a["xdit"].std())}
+    print(f"\n{name} as shipped: {json.dumps(fig)}")
+    assert fig["frames_std"] > 0.02, fig
+    assert fig["decode_max_abs"] <= 1e-4, fig
+    assert fig["empty_latent_max_abs"] > 0.05, fig  # a different LATENT decodes far away
+    assert float((b["xdit"] - b["comfy"]).abs().max()) <= 1e-4
+    assert fig["start_image_moved_latent"] > 1e-3, fig
