@@ -14,9 +14,11 @@ models/diffusion_models/, and starts `main.py --cpu --preview-method latent2rgb`
   KSamplerAdvanced split at a step; Decode (xDiT)) runs with CLIPLoader + CLIPTextEncode
   replaced by a random CONDITIONING of the tiny folder's text width, shrunk likewise, and
   one pool serves both experts;
-* xdit_wan_image_to_video (WanImageToVideo's values into Sampler (xDiT), on the tiny Wan
-  2.2 I2V A14B folder) runs with WanImageToVideo stood in for (no tiny Wan VAE loads into
-  ComfyUI), and its start latent changes the video;
+* xdit_wan_image_to_video runs as shipped (VAELoader, LoadImage, WanImageToVideo: only the
+  text encoder replaced and the sizes shrunk) on the tiny Wan 2.2 I2V A14B transformers with
+  a VAE of the released Wan 2.1 structure (tests/wan_comfy_vae.py, the same weights in the
+  folder and as a ComfyUI file); Decode (xDiT) equals ComfyUI's VAEDecode, and a mirrored
+  start image changes the video;
 * stock KSampler on the xDiT MODEL of the native folder equals KSampler on ComfyUI's own
   WAN21 model loaded from the converted file (UNETLoader), LATENT max abs difference
   <= 1e-3, at 1 rank, Ulysses 2 and CFG parallel, euler/simple and uni_pc/simple (cfg 3.5,
@@ -190,52 +192,6 @@ def test_ksampler_example_runs_with_both_experts_on_one_pool(comfy):
     pools = [p for p in http(comfy["base"], "/xdit/status")["pools"]
              if p["model"].endswith(A14B_NAME)]
     assert len(pools) == 1, pools  # both experts' MODELs call one pool
-
-
-def test_image_to_video_example_runs(comfy):
-    """xdit_wan_image_to_video: WanImageToVideo's CONDITIONING and LATENT into Sampler
-    (xDiT). ComfyUI's VAELoader takes no tiny Wan VAE, so VAELoader + LoadImage +
-    WanImageToVideo are replaced by XDiTTestWanStartFrame (tests/live_helpers), which sets
-    the same values (a random start latent, the first latent frame masked in); a second
-    start latent must change the video (the start frame reaches the model)."""
-    name = "xdit_wan_image_to_video_api.json"
-    base = json.loads((ROOT / "example_workflows" / name).read_text())
-    by_type = _by_type(base)
-    assert base[by_type["xDiT.LoadModel"][0]]["inputs"]["model"] == I2V_NAME
-    width = json.loads((comfy["i2v"] / "transformer" / "config.json").read_text())["text_dim"]
-    got = {}
-    for seed in (1, 2):
-        wf = json.loads(json.dumps(base))
-        for nid in by_type["CLIPTextEncode"]:
-            wf[nid] = {"class_type": "XDiTTestRandomConditioning",
-                       "inputs": {"seed": int(nid), "tokens": 6, "context_dim": width,
-                                  "pooled_dim": 1, "guidance": -1.0}}
-        for nid in by_type["CLIPLoader"] + by_type["VAELoader"] + by_type["LoadImage"]:
-            del wf[nid]
-        (i2v,) = by_type["WanImageToVideo"]  # same id: the sampler's links stay
-        node = wf[i2v]["inputs"]
-        wf[i2v] = {"class_type": "XDiTTestWanStartFrame",
-                   "inputs": {"positive": node["positive"], "negative": node["negative"],
-                              "width": SIZE["width"], "height": SIZE["height"],
-                              "length": SIZE["length"], "seed": seed}}
-        sampler, decode = by_type["xDiT.Sampler"][0], by_type["xDiT.Decode"][0]
-        wf[sampler]["inputs"]["steps"] = 3
-        out = comfy["tmp"] / f"i2v-{seed}.safetensors"
-        wf["99"] = {"class_type": "XDiTTestSaveTensors",
-                    "inputs": {"latent": [sampler, 0], "images": [decode, 0],
-                               "path": str(out)}}
-        pid, msgs = run(comfy, wf, timeout=1500)
-        _ok(msgs)
-        got[seed] = tensors(out)
-        assert got[seed]["latent"].shape == LATENT
-        assert got[seed]["image"].shape == (9, 48, 64, 3)
-        progress = [m["data"] for m in msgs if m.get("type") == "progress"
-                    and m["data"].get("node") == sampler]
-        assert progress and progress[-1]["value"] == 3
-        _saved_video(comfy, pid, wf, by_type)
-    moved = float((got[1]["latent"] - got[2]["latent"]).abs().max())
-    print(f"\n{name}: another start latent moved the LATENT by {moved:.3e}")
-    assert moved > 1e-3
 
 
 def test_sampler_options_cfg_2_reaches_the_low_noise_expert(comfy):
@@ -461,3 +417,157 @@ def test_wan21_i2v_clip_fea_on_the_pool_matches_comfyui_own_model(comfy):
     assert pool["world_size"] == 2 and "ulysses 2" in pool["config"], pool
     http(comfy["base"], "/xdit/unload", {})
     http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+
+
+# --- the image-to-video example as shipped: ComfyUI's VAELoader + WanImageToVideo on a Wan
+# 2.1 VAE of the released structure (tests/wan_comfy_vae.py), the pool decoding with the same
+# weights in its folder.
+VAE_FILE = "wan_2.1_vae.safetensors"  # the example's VAELoader name
+I2V_SIZE = dict(width=32, height=32, length=5)  # latent [1, 16, 2, 4, 4]: the VAE is ~127M
+I2V_LATENT = (1, 16, 2, 4, 4)
+
+
+@pytest.fixture(scope="module")
+def wan_vae(tmp_path_factory):
+    """The tiny I2V A14B folder with the released-structure VAE, and that VAE as a ComfyUI
+    file in the original Wan names."""
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+    from wan_comfy_vae import comfy_vae_file, wan_vae_folder
+    cache = tmp_path_factory.mktemp("wan-vae")
+    folder = wan_vae_folder(ensure_tiny_model("wan", cache, variant="i2v-a14b"),
+                            cache / "i2v-real-vae")
+    return {"folder": folder, "file": comfy_vae_file(folder / "vae", cache / VAE_FILE)}
+
+
+def test_wan_vae_file_is_the_folder_vae_in_comfyui(wan_vae, tmp_path):
+    """ComfyUI's own WanVAE (built as comfy/sd.py builds it for a Wan 2.1 file, loaded
+    strictly from the file) decodes a latent and encodes a video as diffusers'
+    AutoencoderKLWan does from the folder: the name rules put every tensor in its place."""
+    import os
+    import subprocess
+    import sys
+
+    from diffusers import AutoencoderKLWan
+    from safetensors.torch import save_file
+    from wan_comfy_vae import COMFY_SIDE
+    g = torch.Generator().manual_seed(11)
+    x = {"latent": torch.randn(1, 16, 2, 4, 4, generator=g),
+         "video": torch.rand(1, 3, 5, 32, 32, generator=g) * 2 - 1}
+    save_file(x, str(tmp_path / "in.safetensors"))
+    py = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    r = subprocess.run([py, "-c", COMFY_SIDE, str(wan_vae["file"]),
+                        str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")],
+                       cwd=COMFY, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    comfy_side = tensors(tmp_path / "out.safetensors")
+    vae = AutoencoderKLWan.from_pretrained(str(wan_vae["folder"] / "vae")).eval()
+    with torch.no_grad():
+        decoded = vae.decode(x["latent"]).sample  # diffusers clamps to [-1, 1]
+        encoded = vae.encode(x["video"]).latent_dist.mode()
+    dec = float((comfy_side["decoded"].clamp(-1, 1) - decoded).abs().max())
+    enc = float((comfy_side["encoded"] - encoded).abs().max())
+    print(f"\nWan 2.1 VAE file in ComfyUI vs diffusers folder: decode {dec:.2e} "
+          f"(frames std {float(decoded.std()):.3f}), encode {enc:.2e} "
+          f"(latent std {float(encoded.std()):.3f})")
+    assert decoded.shape == (1, 3, 5, 32, 32) and encoded.shape == (1, 16, 2, 4, 4)
+    assert float(decoded.std()) > 0.05 and float(encoded.std()) > 0.01  # not vacuous
+    assert dec <= 1e-4 and enc <= 1e-4, (dec, enc)
+
+
+def _start_images(comfy_path: Path) -> list:
+    """The example's start image (ComfyUI's input/example.png, written if a checkout lacks
+    it) and a second one, its mirror image, to show the start frame reaches the video."""
+    from PIL import Image
+    inputs = comfy_path / "input"
+    inputs.mkdir(exist_ok=True)
+    first = inputs / "example.png"
+    if not first.is_file():
+        g = torch.Generator().manual_seed(0)
+        pixels = (torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(first)
+    Image.open(first).convert("RGB").transpose(Image.FLIP_LEFT_RIGHT).save(
+        inputs / "xdit-test-start-mirrored.png")
+    return ["example.png", "xdit-test-start-mirrored.png"]
+
+
+def test_image_to_video_example_runs_as_shipped(comfy, wan_vae):
+    """xdit_wan_image_to_video with ComfyUI's own VAELoader, LoadImage and WanImageToVideo
+    (the start frame encoded by ComfyUI's WanVAE), only the text encoder replaced by random
+    CONDITIONING and the sizes / steps shrunk; the pool's folder carries the same VAE. Decode
+    (xDiT) on the pool and ComfyUI's VAEDecode of the same LATENT give the same frames; of
+    another LATENT (WanImageToVideo's empty one) they do not; a mirrored start image moves
+    the LATENT (the start frame reaches the model)."""
+    import shutil
+    name = "xdit_wan_image_to_video_api.json"
+    base = json.loads((ROOT / "example_workflows" / name).read_text())
+    by_type = _by_type(base)
+    assert base[by_type["xDiT.LoadModel"][0]]["inputs"]["model"] == I2V_NAME
+    (vae_loader,) = by_type["VAELoader"]
+    assert base[vae_loader]["inputs"]["vae_name"] == VAE_FILE
+    comfy_path = Path(COMFY)
+    shipped = comfy_path / "models" / "diffusers" / I2V_NAME
+    aside = comfy["tmp"] / "i2v-tiny-vae"
+    http(comfy["base"], "/xdit/unload", {})
+    shutil.move(str(shipped), str(aside))
+    place(wan_vae["folder"], shipped)
+    vae_path = comfy_path / "models" / "vae" / VAE_FILE
+    vae_path.parent.mkdir(parents=True, exist_ok=True)
+    vae_path.unlink(missing_ok=True)
+    vae_path.symlink_to(wan_vae["file"])
+    width = json.loads((shipped / "transformer" / "config.json").read_text())["text_dim"]
+    sampler, decode = by_type["xDiT.Sampler"][0], by_type["xDiT.Decode"][0]
+    (i2v,) = by_type["WanImageToVideo"]
+    got = {}
+    try:
+        for image in _start_images(comfy_path):
+            wf = json.loads(json.dumps(base))
+            for nid in by_type["CLIPTextEncode"]:
+                wf[nid] = {"class_type": "XDiTTestRandomConditioning",
+                           "inputs": {"seed": int(nid), "tokens": 6, "context_dim": width,
+                                      "pooled_dim": 1, "guidance": -1.0}}
+            for nid in by_type["CLIPLoader"]:
+                del wf[nid]
+            wf[by_type["LoadImage"][0]]["inputs"]["image"] = image
+            wf[i2v]["inputs"].update(I2V_SIZE)
+            wf[sampler]["inputs"]["steps"] = 3
+            out = {k: comfy["tmp"] / f"i2v-shipped-{k}-{image}.safetensors"
+                   for k in ("xdit", "comfy", "empty")}
+            wf["97"] = {"class_type": "VAEDecode",
+                        "inputs": {"samples": [sampler, 0], "vae": [vae_loader, 0]}}
+            wf["96"] = {"class_type": "VAEDecode",  # WanImageToVideo's empty LATENT
+                        "inputs": {"samples": [i2v, 2], "vae": [vae_loader, 0]}}
+            wf["98"] = {"class_type": "XDiTTestSaveTensors",
+                        "inputs": {"images": ["97", 0], "path": str(out["comfy"])}}
+            wf["95"] = {"class_type": "XDiTTestSaveTensors",
+                        "inputs": {"images": ["96", 0], "path": str(out["empty"])}}
+            wf["99"] = {"class_type": "XDiTTestSaveTensors",
+                        "inputs": {"latent": [sampler, 0], "images": [decode, 0],
+                                   "path": str(out["xdit"])}}
+            pid, msgs = run(comfy, wf, timeout=1500)
+            _ok(msgs)
+            xdit, native = tensors(out["xdit"]), tensors(out["comfy"])
+            assert xdit["latent"].shape == I2V_LATENT and torch.isfinite(xdit["latent"]).all()
+            frames = (I2V_SIZE["length"], I2V_SIZE["height"], I2V_SIZE["width"], 3)
+            assert xdit["image"].shape == native["image"].shape == frames
+            progress = [m["data"] for m in msgs if m.get("type") == "progress"
+                        and m["data"].get("node") == sampler]
+            assert progress and progress[-1]["value"] == 3
+            _saved_video(comfy, pid, wf, by_type)
+            got[image] = dict(latent=xdit["latent"], xdit=xdit["image"], comfy=native["image"],
+                              empty=tensors(out["empty"])["image"])
+    finally:
+        http(comfy["base"], "/xdit/unload", {})
+        shutil.rmtree(shipped)
+        shutil.move(str(aside), str(shipped))
+    a, b = got.values()
+    fig = {"decode_max_abs": float((a["xdit"] - a["comfy"]).abs().max()),
+           "empty_latent_max_abs": float((a["xdit"] - a["empty"]).abs().max()),
+           "other_start_max_abs": float((a["xdit"] - b["comfy"]).abs().max()),
+           "start_image_moved_latent": float((a["latent"] - b["latent"]).abs().max()),
+           "frames_std": float(a["xdit"].std())}
+    print(f"\n{name} as shipped: {json.dumps(fig)}")
+    assert fig["frames_std"] > 0.02, fig
+    assert fig["decode_max_abs"] <= 1e-4, fig
+    assert fig["empty_latent_max_abs"] > 0.05, fig  # a different LATENT decodes far away
+    assert float((b["xdit"] - b["comfy"]).abs().max()) <= 1e-4
+    assert fig["start_image_moved_latent"] > 1e-3, fig
