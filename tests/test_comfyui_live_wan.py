@@ -196,9 +196,12 @@ def test_ksampler_example_runs_with_both_experts_on_one_pool(comfy):
 
 def test_sampler_options_cfg_2_reaches_the_low_noise_expert(comfy):
     """Sampler (xDiT) on the A14B folder: Sampler options (xDiT)'s cfg_2 changes the result
-    (the low-noise expert's steps), a cfg_2 equal to cfg does not."""
+    (the low-noise expert's steps), a cfg_2 equal to cfg does not; its shift likewise (the
+    folder's flow_shift is 3)."""
     out = {}
-    for tag, cfg_2 in (("none", None), ("same", 4.0), ("other", 1.5)):
+    for tag, options in (("none", None), ("same", {"cfg_2": 4.0}), ("other", {"cfg_2": 1.5}),
+                         ("shift3", {"cfg_2": 0.0, "shift": 3.0}),
+                         ("shift12", {"cfg_2": 0.0, "shift": 12.0})):
         path = comfy["tmp"] / f"cfg2-{tag}.safetensors"
         wf = {"1": {"class_type": "xDiT.LoadModel",
                     "inputs": {"model": A14B_NAME, "device": "cpu", "dtype": "fp32",
@@ -210,8 +213,8 @@ def test_sampler_options_cfg_2_reaches_the_low_noise_expert(comfy):
                                "guidance": 0.0, "denoise": 1.0, "max_sequence_length": 16}},
               "4": {"class_type": "XDiTTestSaveTensors",
                     "inputs": {"latent": ["3", 0], "path": str(path)}}}
-        if cfg_2 is not None:
-            wf["5"] = {"class_type": "xDiT.SamplerOptions", "inputs": {"cfg_2": cfg_2}}
+        if options is not None:
+            wf["5"] = {"class_type": "xDiT.SamplerOptions", "inputs": options}
             wf["3"]["inputs"]["options"] = ["5", 0]
         _, msgs = run(comfy, wf, timeout=1500)
         _ok(msgs)
@@ -219,6 +222,8 @@ def test_sampler_options_cfg_2_reaches_the_low_noise_expert(comfy):
         assert out[tag].shape == LATENT and torch.isfinite(out[tag]).all()
     assert float((out["none"] - out["same"]).abs().max()) <= 1e-5
     assert float((out["none"] - out["other"]).abs().max()) > 1e-3
+    assert float((out["none"] - out["shift3"]).abs().max()) <= 1e-5
+    assert float((out["none"] - out["shift12"]).abs().max()) > 1e-3
 
 
 def _compare_graph(comfy, layout: dict, world: str, tag: str, sampler="euler",
