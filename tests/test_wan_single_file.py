@@ -174,3 +174,42 @@ def test_bf16_and_fp8_files_are_close(pipe, files):
                          torch.float32)
     msg = str(e.value)
     assert "\n" not in msg and "lacks 1 tensor(s)" in msg and "blocks.1.attn2.to_out.0" in msg
+
+
+def test_ti2v_5b_is_refused_in_one_line(tmp_path):
+    """A Wan 2.2 TI2V-5B transformer (48 latent channels, per-token timesteps) is recognised
+    as Wan and refused before anything launches, as a file (ComfyUI and diffusers naming)
+    and as a folder, saying what runs instead; a 16-channel transformer of the same shapes
+    otherwise is accepted."""
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from comfyui_xdit.errors import ConfigError
+    from comfyui_xdit.planning.model_info import read_model_info
+    from single_file_util import wan_to_comfy
+
+    def tiny(channels):
+        torch.manual_seed(0)
+        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2,
+                                     attention_head_dim=128, in_channels=channels,
+                                     out_channels=channels, text_dim=32, freq_dim=32,
+                                     ffn_dim=64, num_layers=1, cross_attn_norm=True,
+                                     qk_norm="rms_norm_across_heads", eps=1e-6)
+
+    want = r"TI2V-5B transformer \(48 latent channels.*does not run; Wan 2.1 and Wan 2.2 A14B"
+    for channels in (48, 16):
+        tr = tiny(channels)
+        sd = {k: v.contiguous() for k, v in tr.state_dict().items()}
+        paths = {"diffusers file": tmp_path / f"d{channels}.safetensors",
+                 "comfy file": tmp_path / f"c{channels}.safetensors",
+                 "folder": tmp_path / f"folder{channels}"}
+        save_file(sd, str(paths["diffusers file"]))
+        save_file(wan_to_comfy(sd), str(paths["comfy file"]))
+        tr.save_pretrained(str(paths["folder"] / "transformer"))
+        for kind, p in paths.items():
+            if channels == 48:
+                with pytest.raises(ConfigError, match=want) as e:
+                    read_model_info(p)
+                assert "\n" not in str(e.value) and str(p) in str(e.value), kind
+            elif kind != "folder":  # (a folder without model_index.json: not a model)
+                assert read_model_info(p).arch == ARCH, kind

@@ -122,6 +122,12 @@ def read_model_info(path, path_2=None) -> ModelInfo:
     path = Path(path)
     d = _describe_model(path)
     arch, cfg = d["arch"], d["config"]
+    fam = families.family(arch)
+    if fam.check_config is not None:
+        try:
+            fam.check_config({**fam.config_defaults, **dict(cfg)})
+        except families.NotRun as e:
+            raise ConfigError(f"{path}: {e}") from None
     if d["kind"] == "file":
         return ModelInfo(path=str(path), arch=arch, heads=int(cfg["num_attention_heads"]),
                          patch_size=families.spatial_patch(cfg["patch_size"]), kind="file",

@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 
+class NotRun(ValueError):
+    """A model of a family, recognised (a file's shapes, a folder's config) but of a variant
+    the pool does not run; the message says which and what runs."""
+
+
 @dataclass(frozen=True)
 class LatentSpec:
     """ComfyUI's LATENT of the family and how it relates to the transformer's input.
@@ -150,6 +155,9 @@ class Family:
     # model_index.json's pipeline class (None: no file) -> the pipeline that encodes the
     # folder's prompts; raises ValueError (one line) for a pipeline of another kind
     pipeline_of: Optional[Callable] = None
+    # the transformer config (class defaults filled in) -> None, or raises NotRun for a
+    # variant of the family the pool does not run (Wan 2.2 TI2V-5B)
+    check_config: Optional[Callable] = None
 
     def pipeline_for(self, index_class: Optional[str]) -> str:
         if self.pipeline_of is not None:

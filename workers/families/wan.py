@@ -6,7 +6,7 @@ Wan 2.2 A14B is two such transformers, a high-noise expert for the first steps a
 low-noise one for the rest (the folder's `boundary_ratio`); each its own guidance scale."""
 from __future__ import annotations
 
-from . import ComfySpec, Family, LatentSpec
+from . import ComfySpec, Family, LatentSpec, NotRun
 from ._shapes import numbered, pick
 from .qwen_image import LATENTS_MEAN, LATENTS_STD, RGB, RGB_BIAS
 
@@ -26,6 +26,13 @@ SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "num_train_timesteps": 10
              "solver_order": 2, "solver_type": "bh2", "predict_x0": True,
              "lower_order_final": True, "final_sigmas_type": "zero", "disable_corrector": [],
              "timestep_spacing": "linspace", "thresholding": False}
+
+# Wan 2.2 TI2V-5B: 48 latent channels (latent_formats.Wan22, 16x in space), per-token
+# timesteps (a folder's expand_timesteps)
+TI2V_CHANNELS = 48
+TI2V_NOT_RUN = ("a Wan 2.2 TI2V-5B transformer (48 latent channels of the Wan 2.2 VAE, "
+                "per-token timesteps), which the pool does not run; Wan 2.1 and Wan 2.2 A14B "
+                "(16 channels) run")
 
 # WanPipeline.__call__'s guidance_scale default (diffusers 0.42.1)
 CFG = 5.0
@@ -79,6 +86,12 @@ def config_from_shapes(shapes: dict, naming: str) -> dict:
     if pos is not None:
         cfg["pos_embed_seq_len"] = int(pos[1])
     return cfg
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse the Wan transformers the pool does not run (TI2V-5B), in one line."""
+    if int(cfg.get("out_channels", 16)) == TI2V_CHANNELS:
+        raise NotRun(TI2V_NOT_RUN)
 
 
 def released(config: dict) -> tuple:
@@ -148,5 +161,5 @@ FAMILY = Family(
     text_hint="encode with Wan's text encoder (umt5-xxl: CLIPLoader type wan) or type the "
               "prompt into the sampler",
     released=released, detect_order=50, pipeline_of=pipeline_of, text_in_sequence=False,
-    image_to_video=image_to_video, expert_boundary=expert_boundary,
+    image_to_video=image_to_video, expert_boundary=expert_boundary, check_config=check_config,
 )

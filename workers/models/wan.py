@@ -42,9 +42,7 @@ def read_index(path: str) -> dict:
 # diffusers' WanAttnProcessor: the text tokens of a cross-attention with image K/V (Wan 2.1 I2V)
 I2V_TEXT_TOKENS = 512
 
-EXPAND_TIMESTEPS = ("this Wan folder sets expand_timesteps (Wan 2.2 TI2V-5B: per-token "
-                    "timesteps and the 48-channel Wan 2.2 VAE), which the pool does not run; "
-                    "Wan 2.1 and 2.2 A14B folders run")
+EXPAND_TIMESTEPS = "this Wan folder sets expand_timesteps: " + families.wan.TI2V_NOT_RUN
 
 
 class WanAdapter(DiTAdapter):
