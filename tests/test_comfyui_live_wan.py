@@ -377,9 +377,10 @@ def test_wan21_i2v_clip_fea_on_the_pool_matches_comfyui_own_model(comfy):
     with a clip_vision_output (XDiTTestWanStartFrame + XDiTTestClipVisionOutput stand in: no
     tiny Wan VAE or CLIP vision model loads into ComfyUI) reach ComfyUI's WAN21 as clip_fea;
     KSampler on the xDiT MODEL (Ulysses 2) equals KSampler on ComfyUI's own i2v model from
-    the same weights. The text is 512 tokens, the length ComfyUI's UMT5 encoder gives (and
-    the one diffusers' image cross-attention reads). A second image embedding on the pool
-    must move the LATENT, so the agreement cannot come from the image tokens being dropped."""
+    the same weights. The text is 24 tokens, not the 512 diffusers' image cross-attention
+    assumes (ComfyUI's model takes the clip_fea-many first context tokens as the image's,
+    the rest as text; so does the pool). A second image embedding on the pool must move the
+    LATENT, so the agreement cannot come from the image tokens being dropped."""
     out = {b: str(comfy["tmp"] / f"i2v21-ks-{b}.safetensors") for b in ("x", "n", "xb")}
     wf = {
         "1": {"class_type": "xDiT.LoadModel",
@@ -390,10 +391,10 @@ def test_wan21_i2v_clip_fea_on_the_pool_matches_comfyui_own_model(comfy):
         "3": {"class_type": "UNETLoader", "inputs": {"unet_name": I2V21_FILE,
                                                       "weight_dtype": "default"}},
         "4": {"class_type": "XDiTTestRandomConditioning",
-              "inputs": {"seed": 1, "tokens": 512, "context_dim": 4096, "pooled_dim": 1,
+              "inputs": {"seed": 1, "tokens": 24, "context_dim": 4096, "pooled_dim": 1,
                          "guidance": -1.0}},
         "5": {"class_type": "XDiTTestRandomConditioning",
-              "inputs": {"seed": 2, "tokens": 512, "context_dim": 4096, "pooled_dim": 1,
+              "inputs": {"seed": 2, "tokens": 24, "context_dim": 4096, "pooled_dim": 1,
                          "guidance": -1.0}},
     }
     with_settings(wf, "1", ulysses=2)

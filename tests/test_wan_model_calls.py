@@ -143,14 +143,39 @@ def test_image_to_video_call_takes_comfyui_concat_channels(tmp_path_factory):
         pool.close()
 
 
+class _ImageFirst:
+    """A Wan 2.1 I2V cross-attention written out: the first `n` context tokens are the
+    image's (their own K/V projections and K norm), the rest the text's; plain softmax
+    attention over each, summed (ComfyUI's rule for the image tokens' count)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, attn, x, context=None, attention_mask=None, rotary_emb=None):
+        def heads(t):
+            return t.unflatten(2, (attn.heads, -1))
+
+        def attend(q, k, v):
+            w = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+            return torch.einsum("bhqk,bkhd->bqhd", w.softmax(-1), v)
+        q = heads(attn.norm_q(attn.to_q(x)))
+        image, text = context[:, :self.n], context[:, self.n:]
+        out = attend(q, heads(attn.norm_k(attn.to_k(text))), heads(attn.to_v(text)))
+        out = out + attend(q, heads(attn.norm_added_k(attn.add_k_proj(image))),
+                           heads(attn.add_v_proj(image)))
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
+
+
 def test_wan21_i2v_call_takes_comfyui_clip_fea(tmp_path_factory):
     """Wan 2.1 I2V on the MODEL path: ComfyUI's WAN21 brings the start frame's 20 channels
     beside x and the CLIP vision states as `clip_fea`; the pool gives them to the transformer
-    as encoder_hidden_states_image, the text padded with zeros to the 512 tokens diffusers'
-    Wan image cross-attention reads (ComfyUI's UMT5 encoder gives 512, zeros after the
-    prompt). Equal to the transformer at 1 rank's layout over Ulysses 2 and CFG parallel; the
-    image states matter; a negative without them, wrong widths and a transformer without
-    image K/V are refused and the pool stays warm."""
+    as encoder_hidden_states_image, and the text as it comes: the cross-attention takes the
+    first clip_fea-many context tokens as the image's and the rest as the text, as ComfyUI's
+    own model does (diffusers' processor assumes 512 text tokens; equal where the text has
+    512, ComfyUI's UMT5 length). Equal to the transformer (for 5 text tokens with its
+    cross-attentions replaced by that rule written out here) over Ulysses 2 and CFG
+    parallel; the image states and the text length matter; a negative without them, wrong
+    widths and a transformer without image K/V are refused and the pool stays warm."""
     from diffusers import WanTransformer3DModel
 
     from comfyui_xdit import WorkerPool
@@ -165,19 +190,32 @@ def test_wan21_i2v_call_takes_comfyui_clip_fea(tmp_path_factory):
         clip = torch.randn(1, 7, tr.config.image_dim, generator=gen).expand(2, -1, -1)
         text = torch.cat([call["context"], call["context"].new_zeros(2, 512 - 5,
                                                                      tr.config.text_dim)], 1)
-        with torch.inference_mode():
-            want = tr(hidden_states=call["x"], timestep=call["timestep"],
-                      encoder_hidden_states=text, encoder_hidden_states_image=clip,
-                      return_dict=False)[0]
+
+        def reference(context):
+            with torch.inference_mode():
+                return tr(hidden_states=call["x"], timestep=call["timestep"],
+                          encoder_hidden_states=context, encoder_hidden_states_image=clip,
+                          return_dict=False)[0]
+        want512 = reference(text)  # diffusers' own processor: 512 text tokens
+        stock = {b: b.attn2.processor for b in tr.blocks}
+        for b in tr.blocks:
+            b.attn2.set_processor(_ImageFirst(clip.shape[1]))
+        try:
+            want = reference(call["context"])  # the 5 tokens as given
+            assert float((reference(text) - want512).abs().max()) <= TOL  # the rule is right
+        finally:
+            for b, proc in stock.items():
+                b.attn2.set_processor(proc)
+        assert float((want - want512).abs().max()) > 1e-3  # the text's length matters
         for config in (ParallelConfig(ulysses=2), ParallelConfig(cfg_parallel=True)):
             den = PoolDenoiser(pool, config.with_world_size(2), "wan")
             out = den(**call, clip_fea=clip)
             assert out.shape == (2, 16, 2, 6, 4)
             diff = float((out - want).abs().max())
             assert diff <= TOL, f"{config.describe()}: {diff:.3e}"
-        # the 512-token padded text alone (ComfyUI's own encoder's length) gives the same
+        # the 512-token padded text (ComfyUI's own encoder's length): diffusers' processor
         out = den(**dict(call, context=text), clip_fea=clip)
-        assert float((out - want).abs().max()) <= TOL
+        assert float((out - want512).abs().max()) <= TOL
         # a conditioning's clip_fea is fixed for its sampling run (ComfyUI's uuids): another
         # run (fresh uuids) with other image states gets another prediction
         def run(c):

@@ -241,6 +241,25 @@ class QwenImageShardedAttnProcessor:
         return img, attn.to_add_out(txt.contiguous())
 
 
+def _wan_cross_with_image(attn, x, context, n_image: int):
+    """Wan 2.1 I2V's cross-attention: the queries attend to the text (context after the
+    first `n_image` tokens) and, through their own K/V projections, to the image tokens (the
+    first `n_image`); the two results are summed before the output projection."""
+    import torch.nn.functional as F
+
+    def heads(t):  # [B, S, H*D] -> [B, H, S, D]
+        return t.unflatten(2, (attn.heads, -1)).transpose(1, 2)
+
+    image, text = context[:, :n_image], context[:, n_image:]
+    q = heads(attn.norm_q(attn.to_q(x)))
+    out = F.scaled_dot_product_attention(q, heads(attn.norm_k(attn.to_k(text))),
+                                         heads(attn.to_v(text)))
+    out = out + F.scaled_dot_product_attention(
+        q, heads(attn.norm_added_k(attn.add_k_proj(image))), heads(attn.add_v_proj(image)))
+    out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+    return attn.to_out[1](attn.to_out[0](out))
+
+
 def _wan_rotary(x, freqs_cos, freqs_sin):
     """Wan's RoPE on interleaved pairs (as WanAttnProcessor applies it), [B, S, H, D]."""
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
@@ -254,8 +273,11 @@ def _wan_rotary(x, freqs_cos, freqs_sin):
 class WanShardedAttnProcessor:
     """Wan: the self-attention (`attn1`, over the video tokens, with RoPE) on the local token
     shard through the method's attention; the cross-attention (`attn2`, to the text and, for
-    2.1 I2V, the CLIP image tokens) is the stock processor's: this rank's queries against
-    every key, which no rank splits, so it needs no collective."""
+    2.1 I2V, the CLIP image tokens) is this rank's queries against every key, which no rank
+    splits, so it needs no collective: the stock processor's, except with image tokens,
+    whose count comes from the call (`context_image`, SequenceLayout.context_tokens) where
+    the stock one assumes 512 text tokens after them (ComfyUI's model reads any text
+    length; for 512 the two are the same)."""
 
     def __init__(self, attention):
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor
@@ -263,8 +285,11 @@ class WanShardedAttnProcessor:
         self.cross = WanAttnProcessor()
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 rotary_emb=None, sp_plan=None):
+                 rotary_emb=None, sp_plan=None, context_image=None):
         if encoder_hidden_states is not None:
+            if attn.add_k_proj is not None and context_image is not None:
+                return _wan_cross_with_image(attn, hidden_states, encoder_hidden_states,
+                                             context_image)
             return self.cross(attn, hidden_states, encoder_hidden_states, attention_mask,
                               rotary_emb)
         plan = _need_plan(sp_plan)

@@ -121,6 +121,10 @@ class SequenceLayout:
     kwargs_name:   the forward kwarg whose dict reaches the attention processors.
     plan_by_hook:  the model calls its attention modules without that dict (Wan): a hook
                    on each of them passes the forward's plan as their `sp_plan` keyword.
+    context_tokens: forward kwarg -> processor keyword: that input's token count reaches
+                   the processors (with plan_by_hook) under that keyword, None when the call
+                   has no such input (Wan 2.1 I2V: the CLIP image tokens that come first in
+                   the cross-attention context, whatever the text's length).
     """
 
     split_inputs: dict
@@ -132,6 +136,7 @@ class SequenceLayout:
     full_lengths: dict = field(default_factory=dict)
     kwargs_name: str = "joint_attention_kwargs"
     plan_by_hook: bool = False
+    context_tokens: dict = field(default_factory=dict)
 
 
 def all_gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
@@ -156,6 +161,7 @@ class SequenceParallel:
         self.layout = layout
         self.topo = topo
         self.plan: Optional[SequencePlan] = None  # set for the duration of one forward
+        self.context: dict = {}  # likewise: the layout's context_tokens of the forward
         self.attention = attention  # its `kernel_name` is what `status` shows
         self.handles = []
         processor = layout.attention_processor(attention)
@@ -205,6 +211,8 @@ class SequenceParallel:
             raise RuntimeError(f"the call's plan is for {plan.text_len} text and "
                                f"{plan.image_len} image tokens, the call has {text} and {image}")
         self.plan = plan
+        self.context = {kw: (None if kwargs.get(arg) is None else int(kwargs[arg].shape[1]))
+                        for arg, kw in self.layout.context_tokens.items()}
         kwargs = dict(kwargs)
         for key, (stream, dim) in self.layout.split_inputs.items():
             if kwargs.get(key) is not None:
@@ -214,10 +222,10 @@ class SequenceParallel:
         return args, kwargs
 
     def _exit(self, module, args, output):
-        self.plan = None
+        self.plan, self.context = None, {}
 
     def _give_plan(self, module, args, kwargs):
-        return args, dict(kwargs, sp_plan=self.plan)
+        return args, dict(kwargs, sp_plan=self.plan, **self.context)
 
     def _splitter(self, spec):
         def hook(module, args, output):

@@ -216,6 +216,7 @@ class Worker:
                                         **text_kw)
             if start is not None:  # both branches read the start image alike (Wan 2.1's
                 d = dict(d, **start.get("cond", {}))  # CLIP image states)
+            d = self.adapter.job_cond(d)
             return {k: (v.expand(b, *v.shape[1:]).contiguous()
                         if k in ("encoder_hidden_states", "pooled_projections") and v.shape[0] == 1
                         else v).detach().cpu() for k, v in d.items()}

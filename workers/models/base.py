@@ -337,6 +337,12 @@ class DiTAdapter:
         """Prompt texts -> the transformer's text inputs (rank 0 only)."""
         raise NotImplementedError
 
+    def job_cond(self, cond: dict) -> dict:
+        """A Sampler job's branch once made (text and start-image states), before the job
+        is broadcast: what the family's pipeline does to it once (Wan 2.1 I2V pads the
+        text). Not used on the MODEL path, which takes ComfyUI's conditioning as it is."""
+        return cond
+
     def conditioning(self, cond, pooled) -> dict:
         """ComfyUI CONDITIONING tensors -> the transformer's text inputs."""
         raise NotImplementedError

@@ -60,6 +60,7 @@ class WanAdapter(DiTAdapter):
         replaces=("WanAttnProcessor",),
         kwargs_name="attention_kwargs",
         plan_by_hook=True,
+        context_tokens={"encoder_hidden_states_image": "context_image"},
     )
 
     def load(self, path, device, dtype, with_text_encoders, stage=None, weights="auto",
@@ -222,7 +223,6 @@ class WanAdapter(DiTAdapter):
         text, image = cond["encoder_hidden_states"], cond.get("image_embeds")
         if image is not None:  # Wan 2.1 I2V: CLIP image states for the image K/V
             image = image.expand(b, -1, -1)
-            text = self.text_for_image_kv(text)
         return tr(hidden_states=x, timestep=t.expand(b), encoder_hidden_states=text,
                   encoder_hidden_states_image=image,
                   attention_kwargs=dict(jak or {}), return_dict=False)[0]
@@ -236,19 +236,16 @@ class WanAdapter(DiTAdapter):
             out["image_embeds"] = image[sl]
         return out
 
-    @staticmethod
-    def text_for_image_kv(text):
-        """Wan 2.1 I2V's cross-attention (diffusers' WanAttnProcessor) takes the text as the
-        last 512 context tokens and the image tokens as the rest: the text padded with zeros
-        to 512 tokens, as the pipeline pads its prompts to max_sequence_length 512."""
-        n = text.shape[1]
-        if n > I2V_TEXT_TOKENS:
-            raise ValueError(f"Wan image-to-video reads {I2V_TEXT_TOKENS} text tokens; the "
-                             f"text states have {n}")
-        if n == I2V_TEXT_TOKENS:
-            return text
-        return torch.cat([text, text.new_zeros(text.shape[0], I2V_TEXT_TOKENS - n,
-                                               text.shape[2])], 1)
+    def job_cond(self, cond: dict) -> dict:
+        """A Sampler job's branch: Wan 2.1 I2V's text padded with zeros to the 512 tokens
+        WanImageToVideoPipeline always gives (its prompts padded to max_sequence_length 512),
+        once per job. The MODEL path takes ComfyUI's text as it comes (the cross-attention
+        reads any length after the image tokens)."""
+        text = cond.get("encoder_hidden_states")
+        if cond.get("image_embeds") is None or text is None or text.shape[1] >= I2V_TEXT_TOKENS:
+            return cond
+        pad = text.new_zeros(text.shape[0], I2V_TEXT_TOKENS - text.shape[1], text.shape[2])
+        return dict(cond, encoder_hidden_states=torch.cat([text, pad], 1))
 
     def start_condition(self, model, req: dict, images, batch: int):
         """The start frame -> {"references": {"tokens": the condition [1 or B, 20, T, h, w]},
