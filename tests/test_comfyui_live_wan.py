@@ -109,6 +109,17 @@ def _by_type(wf: dict) -> dict:
     return out
 
 
+def _random_text(wf: dict, by_type: dict, width: int) -> None:
+    """The example's CLIPLoader + CLIPTextEncode replaced by random CONDITIONING of 6 tokens
+    at `width` (the ids kept, so the samplers' links stay)."""
+    for nid in by_type["CLIPTextEncode"]:
+        wf[nid] = {"class_type": "XDiTTestRandomConditioning",
+                   "inputs": {"seed": int(nid), "tokens": 6, "context_dim": width,
+                              "pooled_dim": 1, "guidance": -1.0}}
+    for nid in by_type["CLIPLoader"]:
+        del wf[nid]
+
+
 def _shrink(wf: dict, by_type: dict, steps: int) -> None:
     for nid in by_type["EmptyHunyuanLatentVideo"]:
         wf[nid]["inputs"].update(SIZE)
@@ -173,12 +184,7 @@ def test_ksampler_example_runs_with_both_experts_on_one_pool(comfy):
     assert sorted(wf[n]["inputs"]["expert"] for n in by_type["xDiT.ToModel"]) == \
         ["high_noise", "low_noise"]
     width = json.loads((comfy["a14b"] / "transformer" / "config.json").read_text())["text_dim"]
-    for nid in by_type["CLIPTextEncode"]:
-        wf[nid] = {"class_type": "XDiTTestRandomConditioning",
-                   "inputs": {"seed": int(nid), "tokens": 6, "context_dim": width,
-                              "pooled_dim": 1, "guidance": -1.0}}
-    for nid in by_type["CLIPLoader"]:
-        del wf[nid]
+    _random_text(wf, by_type, width)
     _shrink(wf, by_type, 4)
     low = next(n for n in by_type["KSamplerAdvanced"] if wf[n]["inputs"]["start_at_step"])
     out = comfy["tmp"] / "ksampler.safetensors"
@@ -340,26 +346,30 @@ def test_wan22_two_files_graph_matches_comfyui_own_models(comfy):
     http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
 
 
+def _pool_and_native(folder: str, file: str, tokens: tuple) -> dict:
+    """Nodes 1-5 of a pool-vs-ComfyUI graph: the xDiT MODEL of `folder` (2 ranks), ComfyUI's
+    own model of `file` (UNETLoader), and random positive / negative CONDITIONING of
+    `tokens` tokens at UMT5's width."""
+    wf = {"1": {"class_type": "xDiT.LoadModel",
+                "inputs": {"model": folder, "device": "cpu", "dtype": "fp32",
+                           "world_size": "2"}},
+          "2": {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0],
+                                                         "expert": "high_noise"}},
+          "3": {"class_type": "UNETLoader", "inputs": {"unet_name": file,
+                                                        "weight_dtype": "default"}}}
+    for nid, seed, n in (("4", 1, tokens[0]), ("5", 2, tokens[1])):
+        wf[nid] = {"class_type": "XDiTTestRandomConditioning",
+                   "inputs": {"seed": seed, "tokens": n, "context_dim": 4096,
+                              "pooled_dim": 1, "guidance": -1.0}}
+    return wf
+
+
 def test_wan_i2v_ksampler_on_the_pool_matches_comfyui_own_model(comfy):
     out = {b: str(comfy["tmp"] / f"i2v-ks-{b}.safetensors") for b in ("x", "n")}
-    wf = {
-        "1": {"class_type": "xDiT.LoadModel",
-              "inputs": {"model": I2V_NATIVE, "device": "cpu", "dtype": "fp32",
-                         "world_size": "2"}},
-        "2": {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0],
-                                                       "expert": "high_noise"}},
-        "3": {"class_type": "UNETLoader", "inputs": {"unet_name": I2V_FILE,
-                                                      "weight_dtype": "default"}},
-        "4": {"class_type": "XDiTTestRandomConditioning",
-              "inputs": {"seed": 1, "tokens": 8, "context_dim": 4096, "pooled_dim": 1,
-                         "guidance": -1.0}},
-        "5": {"class_type": "XDiTTestRandomConditioning",
-              "inputs": {"seed": 2, "tokens": 6, "context_dim": 4096, "pooled_dim": 1,
-                         "guidance": -1.0}},
-        "6": {"class_type": "XDiTTestWanStartFrame",
-              "inputs": {"positive": ["4", 0], "negative": ["5", 0], "width": SIZE["width"],
-                         "height": SIZE["height"], "length": SIZE["length"], "seed": 3}},
-    }
+    wf = _pool_and_native(I2V_NATIVE, I2V_FILE, tokens=(8, 6))
+    wf["6"] = {"class_type": "XDiTTestWanStartFrame",
+               "inputs": {"positive": ["4", 0], "negative": ["5", 0], "width": SIZE["width"],
+                          "height": SIZE["height"], "length": SIZE["length"], "seed": 3}}
     with_settings(wf, "1", cfg_parallel=True)
     for b, model in (("x", ["2", 0]), ("n", ["3", 0])):
         wf[f"7{b}"] = {"class_type": "KSampler",
@@ -382,21 +392,7 @@ def test_wan21_i2v_clip_fea_on_the_pool_matches_comfyui_own_model(comfy):
     the rest as text; so does the pool). A second image embedding on the pool must move the
     LATENT, so the agreement cannot come from the image tokens being dropped."""
     out = {b: str(comfy["tmp"] / f"i2v21-ks-{b}.safetensors") for b in ("x", "n", "xb")}
-    wf = {
-        "1": {"class_type": "xDiT.LoadModel",
-              "inputs": {"model": I2V21_NATIVE, "device": "cpu", "dtype": "fp32",
-                         "world_size": "2"}},
-        "2": {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0],
-                                                       "expert": "high_noise"}},
-        "3": {"class_type": "UNETLoader", "inputs": {"unet_name": I2V21_FILE,
-                                                      "weight_dtype": "default"}},
-        "4": {"class_type": "XDiTTestRandomConditioning",
-              "inputs": {"seed": 1, "tokens": 24, "context_dim": 4096, "pooled_dim": 1,
-                         "guidance": -1.0}},
-        "5": {"class_type": "XDiTTestRandomConditioning",
-              "inputs": {"seed": 2, "tokens": 24, "context_dim": 4096, "pooled_dim": 1,
-                         "guidance": -1.0}},
-    }
+    wf = _pool_and_native(I2V21_NATIVE, I2V21_FILE, tokens=(24, 24))
     with_settings(wf, "1", ulysses=2)
     for b, model, image in (("x", "2", 3), ("n", "3", 3), ("xb", "2", 4)):
         wf[f"c{b}"] = {"class_type": "XDiTTestClipVisionOutput",
@@ -527,12 +523,7 @@ def test_image_to_video_example_runs_as_shipped(comfy, wan_vae):
     try:
         for image in _start_images(comfy_path):
             wf = json.loads(json.dumps(base))
-            for nid in by_type["CLIPTextEncode"]:
-                wf[nid] = {"class_type": "XDiTTestRandomConditioning",
-                           "inputs": {"seed": int(nid), "tokens": 6, "context_dim": width,
-                                      "pooled_dim": 1, "guidance": -1.0}}
-            for nid in by_type["CLIPLoader"]:
-                del wf[nid]
+            _random_text(wf, by_type, width)
             wf[by_type["LoadImage"][0]]["inputs"]["image"] = image
             wf[i2v]["inputs"].update(I2V_SIZE)
             wf[sampler]["inputs"]["steps"] = 3

@@ -73,18 +73,23 @@ def to_comfy(state_dict: dict) -> dict:
     return out
 
 
-def comfy_wan_file(transformer_folder: Path, out: Path) -> Path:
-    """The diffusers transformer in `transformer_folder` as a ComfyUI single file at `out`
-    (the folder's dtype kept)."""
+def renamed_file(folder: Path, out: Path, rename) -> Path:
+    """The safetensors weights of a diffusers model `folder` as one file at `out`, its
+    state dict passed through `rename` (the folder's dtype kept; written whole, then moved)."""
     from safetensors.torch import load_file, save_file
     sd = {}
-    for f in sorted(Path(transformer_folder).glob("*.safetensors")):
+    for f in sorted(Path(folder).glob("*.safetensors")):
         sd.update(load_file(str(f)))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    save_file(to_comfy(sd), str(tmp))
+    save_file(rename(sd), str(tmp))
     tmp.replace(out)
     return out
+
+
+def comfy_wan_file(transformer_folder: Path, out: Path) -> Path:
+    """The diffusers transformer in `transformer_folder` as a ComfyUI single file at `out`."""
+    return renamed_file(transformer_folder, out, to_comfy)
 
 
 def native_wan_folder(tiny: Path, out: Path, seed: int = 0, depth: int = 1) -> Path:

@@ -115,15 +115,8 @@ def wan_vae_folder(tiny: Path, out: Path, seed: int = 0) -> Path:
 def comfy_vae_file(vae_folder: Path, out: Path) -> Path:
     """The diffusers VAE in `vae_folder` as one file in the original Wan names at `out`,
     which ComfyUI's VAELoader loads as its Wan 2.1 VAE."""
-    from safetensors.torch import load_file, save_file
-    sd = {}
-    for f in sorted(Path(vae_folder).glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    save_file(to_original(sd), str(tmp))
-    tmp.replace(out)
-    return out
+    from wan_comfy import renamed_file
+    return renamed_file(vae_folder, out, to_original)
 
 
 # Run in ComfyUI's venv (COMFYUI_PYTHON) from its checkout: builds ComfyUI's own WanVAE the
