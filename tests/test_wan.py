@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from comfyui_xdit import GenerationRequest, ParallelConfig
+from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
 from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 from conftest import LayoutPools
 
@@ -304,9 +304,19 @@ def test_methods_under_the_nccl_rules(wan_dirs, oracle):
             req = request("odd", batch, cfg_2=3.0 if variant == "a14b" else None)
             check(pool.generate(req).samples, oracle(req, variant),
                   f"nccl rules {variant} {config.describe()} {opts}")
+            if config.pipefusion > 1:  # pipelined, the warmup restarting at the switch
+                pool.reconfigure(dataclasses.replace(config, warmup_steps=1))
+                req = request("odd", batch, cfg_2=3.0, steps=4)  # experts 0, 0, 1, 1
+                piped = pool.generate(req).samples
             cache.close()  # one 4-rank pool at a time
     finally:
         cache.close()
+    # the same pipelined run on plain PipeFusion 2 without the rules (Ulysses inside the
+    # stages changes nothing)
+    with WorkerPool(wan_dirs["a14b"], ParallelConfig(pipefusion=2, warmup_steps=1),
+                    device="cpu", threads_per_rank=1) as plain:
+        check(piped, plain.generate(req).samples, "nccl rules: PipeFusion 2 x Ulysses 2, "
+                                                  "warmup 1 over the expert switch")
 
 
 def test_step_cache_decides_alike_on_every_layout(wan_dirs, layout_pools, oracle):
