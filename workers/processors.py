@@ -10,6 +10,7 @@ rank's keys) or PipeFusion's `PatchAttention` (a patch's queries against the K/V
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb  # once, not per attention call
 
 from .sequence_parallel import SequencePlan
@@ -245,8 +246,6 @@ def _wan_cross_with_image(attn, x, context, n_image: int):
     """Wan 2.1 I2V's cross-attention: the queries attend to the text (context after the
     first `n_image` tokens) and, through their own K/V projections, to the image tokens (the
     first `n_image`); the two results are summed before the output projection."""
-    import torch.nn.functional as F
-
     def heads(t):  # [B, S, H*D] -> [B, H, S, D]
         return t.unflatten(2, (attn.heads, -1)).transpose(1, 2)
 

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from .topology import Topology, all_gather
+from .topology import Topology, all_gather, gather
 
 STREAMS = ("text", "image")
 
@@ -94,12 +95,8 @@ class SequencePlan:
                                f"plan says {full}")
         sl = self.local_slice(stream)
         x = x.narrow(dim, sl.start, sl.stop - sl.start)
-        extra = self.local_len(stream) - x.shape[dim]
-        if extra:  # padded plan, shorter shard: zero tokens at the end of this stream
-            pad = list(x.shape)
-            pad[dim] = extra
-            x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-        return x
+        # padded plan, shorter shard: zero tokens at the end of this stream
+        return pad_tokens(x, dim, self.local_len(stream))
 
 
 @dataclass(frozen=True)
@@ -139,15 +136,33 @@ class SequenceLayout:
     context_tokens: dict = field(default_factory=dict)
 
 
+def pad_tokens(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`x` with zero tokens appended along `dim` up to `length` (as it is if that long)."""
+    if x.shape[dim] >= length:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+
+
 def all_gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
     """Gather shards of uneven length along `dim` (padded to the longest for the collective)."""
-    longest = max(sizes)
-    if x.shape[dim] < longest:
-        pad_shape = list(x.shape)
-        pad_shape[dim] = longest - x.shape[dim]
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    x = pad_tokens(x, dim, max(sizes))
     parts = [torch.empty_like(x) for _ in sizes]
     all_gather(parts, x.contiguous(), group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+
+def gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> Optional[torch.Tensor]:
+    """`all_gather_tokens` to group rank 0 only (`group` None: the default group): the
+    joined tensor there, None on the other ranks, which hold no copy."""
+    x = pad_tokens(x, dim, max(sizes))
+    first = dist.get_rank(group) == 0
+    parts = [torch.empty_like(x) for _ in sizes] if first else None
+    gather(x.contiguous(), parts, 0 if group is None else dist.get_global_rank(group, 0),
+           group)
+    if not first:
+        return None
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
 

@@ -80,8 +80,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .sequence_parallel import all_gather_tokens
-from .topology import all_gather, all_reduce, broadcast, gather
+from .sequence_parallel import all_gather_tokens, gather_tokens
+from .topology import all_gather, all_reduce, broadcast
 
 __all__ = ["band_rows", "decode_parallel", "check_decoder", "FAULTS"]
 
@@ -631,13 +631,4 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     # one gather of the (padded) bands to group rank 0, the only rank that uses the image (a
     # video is hundreds of MB: no copy on the others); a collective, so no receive is posted
     # ahead of the peers, whatever the rank count (NCCL-safe)
-    longest = max(out_rows)
-    if out.shape[hd] < longest:
-        out = F.pad(out, [0, 0] * (out.dim() - 1 - hd) + [0, longest - out.shape[hd]])
-    parts = [torch.empty_like(out) for _ in out_rows] if me == 0 else None
-    gather(out.contiguous(), parts, dist.get_global_rank(group, 0) if group is not None
-           else 0, group)
-    del out
-    if me != 0:
-        return None
-    return torch.cat([p.narrow(hd, 0, r) for p, r in zip(parts, out_rows)], dim=hd)
+    return gather_tokens(out, hd, out_rows, group)

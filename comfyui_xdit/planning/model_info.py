@@ -123,7 +123,7 @@ def read_model_info(path, path_2=None) -> ModelInfo:
     d = _describe_model(path)
     arch, cfg = d["arch"], d["config"]
     fam = families.family(arch)
-    if fam.check_config is not None:
+    if fam.check_config is not None:  # a variant of the family the pool does not run
         try:
             fam.check_config({**fam.config_defaults, **dict(cfg)})
         except families.NotRun as e:
@@ -135,7 +135,7 @@ def read_model_info(path, path_2=None) -> ModelInfo:
                          blocks=_block_count(arch, cfg),
                          storage=_storage_name(d.get("storage")), **_i2v(arch, cfg))
     # a folder's config omits what equals the diffusers class default
-    cfg = {**families.family(arch).config_defaults, **cfg}
+    cfg = {**fam.config_defaults, **cfg}
     return ModelInfo(path=str(path), arch=arch, heads=int(cfg.get("num_attention_heads", 24)),
                      patch_size=families.spatial_patch(cfg.get("patch_size", 1)),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),

@@ -39,7 +39,8 @@ def read_index(path: str) -> dict:
         return json.load(f)
 
 
-# diffusers' WanAttnProcessor: the text tokens of a cross-attention with image K/V (Wan 2.1 I2V)
+# WanImageToVideoPipeline's text length (max_sequence_length 512), which diffusers'
+# WanAttnProcessor assumes after the image tokens (Wan 2.1 I2V; the Sampler pads to it)
 I2V_TEXT_TOKENS = 512
 
 EXPAND_TIMESTEPS = "this Wan folder sets expand_timesteps: " + families.wan.TI2V_NOT_RUN
