@@ -222,6 +222,59 @@ def test_pipefusion2_with_full_warmup_matches_the_pipeline(chroma_pools, folder)
     check_exact(pool, folder, label="pipefusion2 warmup 3")
 
 
+# ---- prompts of different lengths: the intended oracle ----------------------------------
+MIXED = ["a red cat", "a big blue dog sitting on the green grass"]
+MIXED_NEGATIVE = "dark old photo of a fox"
+MIXED_MSL = 16
+
+
+def intended_oracle(folder, req: GenerationRequest):
+    """The intended Chroma result (DESIGN.md "Model families"): each prompt alone with its
+    own noise row, its text and the negative's each cut to their own tokens + EOS + one pad,
+    so ChromaPipeline's mask is all ones and adds nothing."""
+    pipe = pipeline(folder)
+    b, h, w = len(req.prompt), req.height, req.width
+    noise = comfyui_noise(req.seed, (b, 16, h // 8, w // 8))
+
+    def own(text):
+        pe, _, mask = pipe.encode_prompt([text], do_classifier_free_guidance=False,
+                                         max_sequence_length=req.max_sequence_length)[:3]
+        n = int(mask.sum())
+        assert n < req.max_sequence_length, "the text must be padded for the test to bite"
+        return pe[:, :n], torch.ones(1, n), n
+
+    neg, neg_mask, n_neg = own(req.negative_prompt)
+    rows, lengths = [], {n_neg}
+    for i, text in enumerate(req.prompt):
+        pe, mask, n = own(text)
+        lengths.add(n)
+        out = pipe(prompt_embeds=pe, prompt_attention_mask=mask, negative_prompt_embeds=neg,
+                   negative_prompt_attention_mask=neg_mask, guidance_scale=req.cfg, height=h,
+                   width=w, num_inference_steps=req.steps, latents=pack_flux(noise[i:i + 1]),
+                   output_type="latent").images
+        rows.append(model_to_latent(unpack_flux(out, h, w), folder))
+    assert len(lengths) == len(req.prompt) + 1, f"text lengths {lengths} must all differ"
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("name", ["1 rank", "ulysses2", "ring2", "cfg2"])
+def test_prompts_of_different_lengths_equal_the_intended_oracle(chroma_pools, folder, name):
+    """A batch of prompts of different lengths and a negative of a third: every row equals
+    its prompt alone with its own text (it used to keep the longest prompt's pad tokens:
+    2.7 away)."""
+    config = ParallelConfig() if name == "1 rank" else TWO[name]
+    h, w = SIZE
+    req = GenerationRequest(prompt=MIXED, negative_prompt=MIXED_NEGATIVE, seed=5,
+                            steps=STEPS, height=h, width=w, cfg=CFG,
+                            max_sequence_length=MIXED_MSL)
+    with torch.no_grad():
+        want = intended_oracle(folder, req)
+    got = chroma_pools(folder, config).generate(req).samples
+    err = float((got - want).abs().max())
+    print(f"chroma {name}, prompts of different lengths vs the intended oracle: {err:.2e}")
+    assert err <= TOL
+
+
 # ---- a BFL / ComfyUI single file ---------------------------------------------------------
 
 def chroma_to_bfl(sd: dict) -> dict:

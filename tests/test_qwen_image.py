@@ -137,12 +137,19 @@ def test_pipefusion_with_full_warmup_is_exact(model_dir, layout_pools, oracle):
     check(pool.generate(req).samples, oracle(req), "pipefusion 2, warmup 3 of 3")
 
 
-def test_pipefusion_refuses_prompts_of_different_lengths(model_dir, layout_pools):
-    from comfyui_xdit.client.pool import PoolError
-    pool = layout_pools.get(model_dir(ARCH), ParallelConfig(pipefusion=2, warmup_steps=1))
-    with pytest.raises((PoolError, ValueError), match="same token length"):
-        pool.generate(request("even", 2, cfg=1.0))
-    pool.generate(request("even", 1, cfg=1.0))  # still serves
+def test_pipefusion_runs_prompts_of_different_lengths(model_dir, layout_pools):
+    """Each row keeps its own text length in PipeFusion's patch attention too (it used to
+    refuse such a batch): with warmup >= steps PipeFusion 2 on prompts of two lengths
+    equals the exact run; with warmup 0 (the first step attends to a half-filled cache)
+    row 0 still equals its prompt alone."""
+    req = request("even", 2, cfg=1.0)
+    want = layout_pools.get(model_dir(ARCH), ParallelConfig()).generate(req).samples
+    pool = layout_pools.get(model_dir(ARCH), ParallelConfig(pipefusion=2, warmup_steps=3))
+    check(pool.generate(req).samples, want, "pipefusion 2, warmup 3, two prompt lengths")
+    pool = layout_pools.get(model_dir(ARCH), ParallelConfig(pipefusion=2, warmup_steps=0))
+    both = pool.generate(req).samples
+    alone = pool.generate(request("even", 1, cfg=1.0)).samples
+    check(both[:1], alone, "pipefusion 2, warmup 0: row 0 of two prompt lengths vs alone")
 
 
 @pytest.mark.parametrize("config", [ParallelConfig(), ParallelConfig(ulysses=2)],

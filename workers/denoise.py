@@ -122,9 +122,12 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
     start = sum(sizes[: topo.index("dp")])
     mine = slice(start, start + sizes[topo.index("dp")])
 
-    def to_dev(cond):
-        return None if cond is None else {k: v.to(dev, dtype if v.is_floating_point() else None)
-                                          for k, v in adapter.slice_cond(cond, mine).items()}
+    def to_dev(cond):  # host values (a slice's text lengths) stay on the host
+        if cond is None:
+            return None
+        return {k: (v.to(dev, dtype if v.is_floating_point() else None)
+                    if torch.is_tensor(v) else v)
+                for k, v in adapter.slice_cond(cond, mine).items()}
 
     cond, uncond = to_dev(job.cond), to_dev(job.uncond)
     if topo.degree("cfg") == 2 and uncond is None:

@@ -51,13 +51,15 @@ def _flux_joint_qkv(attn, query, key, value, encoder_hidden_states, rotary):
 
 class FluxShardedAttnProcessor:
     """FLUX double blocks (text + image streams, text first) and single blocks (one
-    concatenated stream); both attend over all text and image tokens."""
+    concatenated stream); both attend over all text and image tokens. Rows padded to a
+    common text length (Chroma's prompts of one batch) carry `text_lengths`, as
+    Qwen-Image's do: each row's padded text keys are dropped."""
 
     def __init__(self, attention):
         self.attention = attention
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None, sp_plan=None):
+                 image_rotary_emb=None, sp_plan=None, text_lengths=None):
         plan = _need_plan(sp_plan)
         if attention_mask is not None:
             raise ValueError("attention masks are not supported under sequence parallelism")
@@ -69,7 +71,8 @@ class FluxShardedAttnProcessor:
         query, key, value = _flux_joint_qkv(attn, query, key, value, encoder_hidden_states,
                                             image_rotary_emb)
 
-        out = self.attention(query, key, value, plan, ("text", "image"), attn)
+        out = self.attention(query, key, value, plan, ("text", "image"), attn,
+                             text_lengths=text_lengths)
         out = out.flatten(2, 3).to(query.dtype)
 
         if encoder_hidden_states is not None:

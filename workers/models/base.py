@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import torch
 
 from .. import families
 from . import LoadedModel, latent_layout
+
+# per-row text, for families whose prompts of one batch pad to the longest: the job's mask
+# ([B, L] bool, made by `encode`) and, once sliced for a replica, its host row lengths
+TEXT_MASK = "text_mask"
+TEXT_LENGTHS = "text_lengths"
 
 
 def meta_transformer(tcls, folder: str):
@@ -407,6 +413,37 @@ class DiTAdapter:
 
     @staticmethod
     def slice_cond(cond: dict, sl: slice) -> dict:
-        """The conditioning of a batch slice; per-token ids (2-D) are shared by the batch."""
-        return {k: (v[sl] if v.dim() >= 2 and k in ("encoder_hidden_states", "pooled_projections")
-                    else v) for k, v in cond.items()}
+        """The conditioning of a batch slice; per-token ids (2-D) are shared by the batch.
+
+        A `text_mask` (rows padded to a common text length, `row_text_mask`) becomes the
+        slice's `text_lengths`: its rows' real token counts as host numbers, read here once
+        per job (on the CPU, before the job reaches the device), which `attention_kwargs`
+        hands to the attention of every forward (no step reads the mask)."""
+        out = {}
+        for k, v in cond.items():
+            if k == TEXT_MASK:
+                out[TEXT_LENGTHS] = tuple(int(n) for n in v[sl].sum(1).tolist())
+            elif v.dim() >= 2 and k in ("encoder_hidden_states", "pooled_projections"):
+                out[k] = v[sl]
+            else:
+                out[k] = v
+        return out
+
+    @staticmethod
+    def row_text_mask(keep: torch.Tensor) -> dict:
+        """What `encode` adds for rows of different prompt lengths padded to the longest:
+        `keep` [B, L] (True for the tokens a row attends to when alone) as the cond's
+        `text_mask`; nothing when every row keeps every token. DESIGN.md numerics 6: a row
+        must not see its batch mates' padding."""
+        keep = keep.bool()
+        return {} if bool(keep.all()) else {TEXT_MASK: keep.cpu()}
+
+    @staticmethod
+    def attention_kwargs(cond: dict, jak: Optional[dict]) -> Optional[dict]:
+        """The attention kwargs of a forward: `jak` plus the rows' real text lengths where
+        the rows were padded to a common length (the sharded attention then drops each
+        row's padded text keys, workers/attention.py)."""
+        lengths = cond.get(TEXT_LENGTHS)
+        if lengths is None:
+            return jak
+        return dict(jak or {}, text_lengths=lengths)

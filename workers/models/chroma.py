@@ -10,9 +10,10 @@ mask is a float 0/1 tensor which the blocks turn into a [B,1,S,S] float tensor a
 none): we follow the intended mask by dropping the masked tokens. `encode` keeps the first
 `longest real length + 1` text tokens of a branch's prompts (prompt tokens + EOS + one pad,
 for the longest prompt of the job; T5's states of the kept tokens do not depend on how far
-the input was padded, since T5 ran masked). For batch 1 (and for prompts of one length) that
-is exactly the intended mask; a shorter prompt in a batch keeps a few more pad tokens (a
-sample cannot have its own text length in one batched call). ComfyUI's Chroma CONDITIONING
+the input was padded, since T5 ran masked), and a shorter prompt's row carries its own
+length (`row_text_mask`, the mechanism Qwen-Image's padded prompts use): the attention drops
+that row's further text keys, so each row attends to its own tokens + EOS + one pad, as it
+would alone (DESIGN.md numerics 6). ComfyUI's Chroma CONDITIONING
 is unpadded already (prompt tokens + EOS, T5 run unmasked) and is used as it comes. Where
 the buggy mask is all ones (every prompt and negative prompt of the job has
 max_sequence_length - 1 real tokens) the pipeline and the pool compute the same thing
@@ -94,7 +95,8 @@ class ChromaAdapter(FluxAdapter):
             num_images_per_prompt=1, do_classifier_free_guidance=False,
             max_sequence_length=max_sequence_length)[:3]
         keep = longest_text(mask)
-        return {"encoder_hidden_states": pe[:, :keep], "txt_ids": ids[:keep]}
+        return {"encoder_hidden_states": pe[:, :keep], "txt_ids": ids[:keep],
+                **self.row_text_mask(mask[:, :keep])}
 
     def conditioning(self, cond, pooled):
         # ComfyUI's Chroma CONDITIONING: unpadded T5 states, no pooled output; text ids zero
@@ -107,7 +109,8 @@ class ChromaAdapter(FluxAdapter):
         out = model.transformer(
             hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,
             encoder_hidden_states=cond["encoder_hidden_states"], txt_ids=cond["txt_ids"],
-            img_ids=ids, joint_attention_kwargs=jak, return_dict=False)[0]
+            img_ids=ids, joint_attention_kwargs=self.attention_kwargs(cond, jak),
+            return_dict=False)[0]
         return out if keep is None else out[:, keep]
 
     reference_inputs = DiTAdapter.reference_inputs  # no reference images

@@ -101,25 +101,17 @@ class QwenImageAdapter(DiTAdapter):
             prompt=list(texts), device=text_encoder_device_of(model), num_images_per_prompt=1,
             max_sequence_length=max_sequence_length, **kw)
         out = {"encoder_hidden_states": pe}
-        if mask is not None and not bool(mask.all()):  # prompts of different lengths
-            out["text_mask"] = mask.bool()
+        if mask is not None:  # prompts of different lengths, padded to the longest
+            out.update(self.row_text_mask(mask))
         return out
 
     def conditioning(self, cond, pooled):
         # ComfyUI's Qwen-Image CONDITIONING: the text states, unpadded (one prompt)
         return {"encoder_hidden_states": cond}
 
-    @staticmethod
-    def slice_cond(cond: dict, sl: slice) -> dict:
-        return {k: (v[sl] if k in ("encoder_hidden_states", "text_mask") else v)
-                for k, v in cond.items()}
-
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         b = latents.shape[0]
-        kwargs = dict(jak or {})
-        mask = cond.get("text_mask")
-        if mask is not None:  # one host read, only for a batch of different prompt lengths
-            kwargs["text_lengths"] = tuple(int(n) for n in mask.sum(1).tolist())
+        kwargs = dict(self.attention_kwargs(cond, jak) or {})
         hidden, shapes, n = self.with_references(latents, extra)
         out = model.transformer(
             hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,

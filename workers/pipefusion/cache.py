@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..attention import KernelChoice, ulysses_out, ulysses_qkv
+from ..attention import KernelChoice, short_rows, ulysses_out, ulysses_qkv
 from ..topology import all_gather
 from .plan import PatchPlan
 
@@ -57,10 +57,8 @@ class PatchAttention:
     def __call__(self, q, k, v, plan: PatchPlan, streams, module=None, text_lengths=None):
         if not isinstance(plan, PatchPlan):
             raise RuntimeError("PipeFusion attention called without a patch plan")
-        if text_lengths is not None and any(int(n) < plan.text_len for n in text_lengths):
-            raise ValueError("PipeFusion runs the prompts of one batch at one text length; "
-                             "give prompts of the same token length, or one prompt per job")
         topo, kv = self.topo, plan.cache
+        rows = short_rows(plan, text_lengths)
         if topo.sp > 1:
             q, k, v, back = _gather_patch(q, k, v, plan, streams, topo, kv)
         # cache positions: host numbers for the bookkeeping, a device index made once per
@@ -73,10 +71,20 @@ class PatchAttention:
         if not cache.complete:  # host bookkeeping only (numpy): no device sync
             cache.filled[pos] = True
             cache.complete = bool(cache.filled.all())
+        kernel, scale = self._kernel(q), q.shape[-1] ** -0.5
+        if rows is None:
             if not cache.complete:  # warmup 0, first step: only the tokens computed so far
                 idx = torch.from_numpy(cache.filled.nonzero()[0]).to(k.device)
                 kk, vv = kk.index_select(1, idx), vv.index_select(1, idx)
-        out = self._kernel(q)(q, kk, vv, q.shape[-1] ** -0.5)
+            out = kernel(q, kk, vv, scale)
+        else:  # rows padded to a common text length: each over its own real keys
+            outs = []
+            for b, n in enumerate(rows):
+                idx = kv.row_keys(plan, streams, n, cache, k.device)
+                out = kernel(q[b:b + 1], kk[b:b + 1].index_select(1, idx),
+                             vv[b:b + 1].index_select(1, idx), scale)
+                outs.append(out[0] if kernel.lse else out)
+            out = torch.cat(outs)
         if topo.sp > 1:
             out = back(out)
         return out
@@ -158,6 +166,24 @@ class KVCache:
         def make():
             return (_gathered_positions(plan, streams, self.topo) >= 0).nonzero().squeeze(1)
         return self._index(("keep",) + plan.key(streams), make, device)[1]
+
+    def row_keys(self, plan: PatchPlan, streams, n: int, cache: _KV, device) -> torch.Tensor:
+        """Device index of the cache positions a row whose prompt fills `n` text tokens
+        attends to: every filled position but the text after its first `n` (the cache holds
+        the streams in order). Made once per shape and length once the cache is complete;
+        before that (warmup 0, first step) from the positions filled so far."""
+        def make():
+            keep = cache.filled.copy()
+            at = 0
+            for s in streams:
+                full = plan.full_len(s)
+                if s == "text":
+                    keep[at + n: at + full] = False
+                at += full
+            return torch.from_numpy(keep.nonzero()[0])
+        if not cache.complete:
+            return make().to(device)
+        return self._index(("row", n) + plan.key(streams), make, device)[1]
 
     def layer(self, module, branch: int, streams, plan: PatchPlan, k) -> _KV:
         key = (id(module), branch, tuple(streams))

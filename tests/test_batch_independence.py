@@ -1,0 +1,118 @@
+"""DESIGN.md numerics 6: a prompt's result never depends on its batch mates.
+
+For every family and every exact method (1 rank, Ulysses 2, Ring 2, CFG parallel, and
+PipeFusion 2, whose algorithm is the same for a row alone or batched): row 0 of the batch
+[A, B] equals [A] alone (fp32, <= 1e-4 on the final LATENT), where A, B and the negative
+prompt have three different token lengths. ComfyUI's noise makes row 0 of a batch the
+batch-1 noise, so the same seed gives both runs the same starting row. Families whose
+prompts of one batch are padded to the longest (Chroma, Qwen-Image) depend on each row
+carrying its own text length to the attention; the others pad every prompt to
+max_sequence_length and must stay independent too.
+
+Negative control: with the sharded attention keeping padded keys (the `keep_padding`
+fault), a Chroma row sees its batch mate's padding and the check fails.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+
+TOL = 1e-4
+A = "a cat"
+B = "a big blue dog sitting on a green field under the sky"
+NEGATIVE = "ugly dark old photo"
+
+# per family: the tiny model, an image size whose tokens split unevenly, the text length
+FAMILIES = {
+    "flux": dict(size=(80, 48), msl=24),
+    "flux2": dict(size=(80, 48), msl=24),
+    "sd3": dict(size=(80, 48), msl=24),
+    "qwen_image": dict(size=(80, 48), msl=64),
+    "chroma": dict(size=(80, 48), msl=24),
+    "wan": dict(size=(48, 80), msl=24, frames=5),
+}
+CONFIGS = {
+    "1 rank": ParallelConfig(),
+    "ulysses2": ParallelConfig(ulysses=2),
+    "ring2": ParallelConfig(ring=2),
+    "cfg2": ParallelConfig(cfg_parallel=True),
+    "pipefusion2": ParallelConfig(pipefusion=2, warmup_steps=1),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_pools():
+    from conftest import LayoutPools
+    cache = LayoutPools(keep=2)
+    yield cache
+    cache.close()
+
+
+def request(arch: str, prompts, **kw) -> GenerationRequest:
+    f = FAMILIES[arch]
+    h, w = f["size"]
+    extra = {"frames": f["frames"]} if "frames" in f else {}
+    base = dict(prompt=list(prompts), negative_prompt=NEGATIVE, seed=11, steps=3, height=h,
+                width=w, cfg=3.0, max_sequence_length=f["msl"], **extra)
+    return GenerationRequest(**dict(base, **kw))
+
+
+def _token_counts(folder) -> list:
+    """Token counts of A, B and the negative prompt under each tokenizer of the folder."""
+    from transformers import AutoTokenizer
+    index = json.loads((folder / "model_index.json").read_text())
+    out = []
+    for name in sorted(k for k in index if k.startswith("tokenizer")):
+        tok = AutoTokenizer.from_pretrained(str(folder / name))
+        out.append([len(tok(t).input_ids) for t in (A, B, NEGATIVE)])
+    return out
+
+
+def row0_distance(pool, arch: str) -> tuple:
+    """(max |row 0 of [A, B] - [A] alone|, max |row 1 - row 0|) on `pool`."""
+    alone = pool.generate(request(arch, [A])).samples
+    both = pool.generate(request(arch, [A, B])).samples
+    assert both.shape[0] == 2 and both.shape[1:] == alone.shape[1:]
+    return (float((both[:1] - alone).abs().max()), float((both[1] - both[0]).abs().max()))
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_row_equals_the_prompt_alone(arch, model_dir, layout_pools):
+    folder = model_dir(arch)
+    counts = _token_counts(folder)
+    assert any(len(set(c)) == 3 for c in counts), f"A, B, negative token counts {counts}"
+    for name, config in CONFIGS.items():
+        err, apart = row0_distance(layout_pools.get(folder, config), arch)
+        print(f"{arch} {name}: row 0 of [A, B] vs [A] alone {err:.2e} "
+              f"(row 1 vs row 0 {apart:.2e})")
+        assert apart > 1e-3, f"{arch} {name}: B's row equals A's; the test proves nothing"
+        assert err <= TOL, f"{arch} {name}: row 0 depends on its batch mate ({err:.2e})"
+
+
+@pytest.mark.parametrize("arch", ["chroma", "qwen_image"])
+def test_row_equals_the_prompt_alone_with_the_step_cache(arch, model_dir, layout_pools):
+    """The step cache decides per row, and a row's decision reads its own tokens only:
+    with the cache skipping, row 0 of [A, B] still equals [A] alone (Ulysses 2)."""
+    cache = {"threshold": 0.5, "warmup": 1, "head": 1, "tail": 0, "max_skips": 3}
+    pool = layout_pools.get(model_dir(arch), ParallelConfig(ulysses=2))
+    alone = pool.generate(request(arch, [A], cache=cache, steps=6))
+    both = pool.generate(request(arch, [A, B], cache=cache, steps=6))
+    assert alone.stats[0]["cache"]["skipped"] > 0, alone.stats[0]["cache"]
+    err = float((both.samples[:1] - alone.samples).abs().max())
+    print(f"{arch} ulysses2 + step cache: row 0 of [A, B] vs [A] alone {err:.2e}")
+    assert err <= TOL
+
+
+def test_negative_control_a_row_that_sees_its_mates_padding(model_dir):
+    """Chroma pads the batch's prompts to the longest: with padded keys kept in the
+    attention, row 0 attends to the pad tokens B's length gave it, and moves."""
+    from comfyui_xdit import WorkerPool
+    with WorkerPool(str(model_dir("chroma")), ParallelConfig(ulysses=2), device="cpu",
+                    threads_per_rank=1,
+                    worker_hooks=["xdit_testhooks.faults:keep_padding"]) as pool:
+        err, _ = row0_distance(pool, "chroma")
+    print(f"chroma ulysses2, padded keys kept: row 0 vs alone {err:.2e}")
+    assert err > 10 * TOL
