@@ -670,3 +670,57 @@ def test_memory_plan_cli_frames(capsys):
                    "--width", "832", "--frames", "81", "--traffic-table", "--gpus", "2,4"])
     out = capsys.readouterr().out
     assert rc == 0 and "| Ulysses | 2 |" in out and "| Ring | 4 |" in out
+
+
+# ---- a plan that cannot be made --------------------------------------------------------------
+def _planner_raises(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("config.json unreadable")
+    monkeypatch.setattr(mp, "model_facts", broken)
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * 2 ** 30] * len(ids))
+
+
+def test_enforce_refuses_a_launch_it_cannot_plan(model_dir, monkeypatch):
+    """It used to fail open: any error while planning let the launch go ahead (a log line
+    only), even under enforce."""
+    from comfyui_xdit import GenerationRequest, WorkerPool
+    _launch_stops_at_popen(monkeypatch)
+    _planner_raises(monkeypatch)
+    pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
+                      dtype="bf16", gpus=["GPU-a", "GPU-b"], memory_plan="enforce")
+    with pytest.raises(ConfigError) as e:
+        pool.generate(GenerationRequest(prompt=["x"], steps=1, height=64, width=64))
+    msg = str(e.value)
+    assert "could not be made (RuntimeError: config.json unreadable)" in msg
+    assert "memory_plan to advise" in msg and "\n" not in msg
+    assert pool.worker_pids() == []  # nothing started, nothing left behind
+    pool.close()
+
+
+def test_advise_says_the_plan_could_not_be_made(model_dir, monkeypatch, caplog):
+    from comfyui_xdit import GenerationRequest, WorkerPool
+    from comfyui_xdit.nodes.logic import ModelHandle
+    _launch_stops_at_popen(monkeypatch)
+    _planner_raises(monkeypatch)
+    pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
+                      dtype="bf16", gpus=["GPU-a", "GPU-b"], memory_plan="advise")
+    with caplog.at_level("WARNING", logger="comfyui_xdit"), pytest.raises(Launched):
+        pool.generate(GenerationRequest(prompt=["x"], steps=1, height=64, width=64))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("launching without a memory plan" in w and "config.json unreadable" in w
+               for w in warnings), warnings
+    st = pool.status()["memory_plan"]
+    assert st["mode"] == "advise" and "could not be made" in st["error"]
+    pool.close()
+    # the loader node's text (node logic, as the loader shows it); under enforce, its error
+    handle = ModelHandle(path=str(model_dir("flux")), device="cuda", dtype="bf16",
+                         world_size=2, memory_plan="advise")
+    monkeypatch.setattr("comfyui_xdit.nodes.logic.gpus_for_ranks", lambda n, g: ["0"] * n)
+    assert handle.problems() == []
+    assert handle.memory_summary() == ("memory plan could not be made (RuntimeError: "
+                                       "config.json unreadable); memory_plan=advise: the "
+                                       "pool launches anyway")
+    enforced = ModelHandle(path=handle.path, device="cuda", dtype="bf16", world_size=2,
+                           memory_plan="enforce")
+    problems = enforced.problems()
+    assert len(problems) == 1 and "could not be made" in problems[0], problems

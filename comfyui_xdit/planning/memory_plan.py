@@ -852,9 +852,8 @@ def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, 
                  _BY_OPTION if te_gpu is None else te_gpu.rank)
     except ConfigError:
         raise
-    except Exception as e:  # noqa: BLE001  a plan it cannot make never stops a launch
-        _log.warning("xDiT: no memory plan for %s: %s: %s", model_path, type(e).__name__, e)
-        return None
+    except Exception as e:  # noqa: BLE001  check_launch decides by the mode
+        raise PlanUnavailable(f"{type(e).__name__}: {e}") from e
     misfits = [p.message()] if p.fits is False else []
     if te_gpu is not None and te_gpu.rank is None:  # a GPU of their own: they alone on it
         need = text_encoder_bytes(facts, engine.dtype) + TEXT_ENCODER_MARGIN
@@ -867,15 +866,46 @@ def plan_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, 
     return dataclasses.replace(p, misfits=tuple(misfits))
 
 
+class PlanUnavailable(Exception):
+    """The memory plan could not be made (an error while planning, not a misfit)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UnplannedLaunch:
+    """What check_launch returns under "advise" when no plan could be made: the launch goes
+    ahead and every place that shows the plan says why there is none."""
+
+    error: str
+    ranks: tuple = ()
+    job: Optional[JobSize] = None
+
+    @property
+    def misfits(self) -> tuple:
+        return (f"The memory plan could not be made ({self.error}).",)
+
+    fits = None
+
+    def summary(self) -> str:
+        return f"memory plan could not be made ({self.error})"
+
+
 def check_launch(model_path: str, config: ParallelConfig, engine: EngineOptions, gpus,
                  request=None, mode: Optional[str] = None,
-                 model_path_2=None) -> Optional[MemoryPlan]:
+                 model_path_2=None):
     """Before a CUDA pool launches: `plan_launch`, and under mode "enforce" (`resolve_mode`;
     None: the environment's) one ConfigError with the numbers and how to overrule it when a
-    rank cannot fit. Under "advise" the plan comes back with its `misfits`, for the caller
-    to warn."""
+    rank cannot fit, or when no plan could be made (a launch is never made blind). Under
+    "advise" the plan comes back with its `misfits` for the caller to warn, or an
+    `UnplannedLaunch` saying why there is no plan."""
     mode = resolve_mode(mode)
-    p = plan_launch(model_path, config, engine, gpus, request, model_path_2)
+    try:
+        p = plan_launch(model_path, config, engine, gpus, request, model_path_2)
+    except PlanUnavailable as e:
+        if mode == "enforce":
+            raise ConfigError(f"The memory plan for {model_path} could not be made ({e}), so "
+                              f"the launch is refused rather than made unchecked. "
+                              f"{OVERRIDE_HINT}") from e
+        return UnplannedLaunch(str(e))
     if p is not None and p.misfits and mode == "enforce":
         raise ConfigError(" ".join(p.misfits + (OVERRIDE_HINT,)))
     return p
@@ -893,7 +923,10 @@ def check_pool(pool, request=None, gpus=None) -> Optional[MemoryPlan]:
     mode = getattr(pool, "memory_plan", None)
     p = check_launch(pool.model_path, pool.config, pool.engine, gpus, request, mode,
                      getattr(pool, "model_path_2", None))
-    if p is not None and p.misfits:
+    if isinstance(p, UnplannedLaunch):
+        _log.warning("xDiT: memory_plan=advise, launching without a memory plan: %s",
+                     p.summary())
+    elif p is not None and p.misfits:
         _log.warning("xDiT: memory_plan=advise, launching although the memory plan predicts "
                      "it will not fit: %s", " ".join(p.misfits))
     return p
@@ -909,6 +942,8 @@ def plan_status(plan: Optional[MemoryPlan], mode: str) -> dict:
     out = {"mode": mode, "predicted_mb_per_rank": None, "measured_peak_mb": None}
     if plan is None:
         return out
+    if isinstance(plan, UnplannedLaunch):
+        return dict(out, error=plan.summary(), fits=None)
     out.update(predicted_mb_per_rank=[round(r.total / MiB) for r in plan.ranks],
                gpu_mb_per_rank=[None if r.gpu_memory is None else round(r.gpu_memory / MiB)
                                 for r in plan.ranks],
