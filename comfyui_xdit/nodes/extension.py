@@ -51,6 +51,13 @@ def _single_file_options() -> list:
     return discover_single_files(_file_roots())
 
 
+def _free_memory(need: int, index: int) -> None:
+    """ComfyUI's memory manager asked for `need` bytes on its cuda:`index` (the pool's GPU):
+    it unloads ComfyUI's own models there only while that GPU has less free (planning/room.py)."""
+    import torch
+    comfy.model_management.free_memory(need, torch.device("cuda", index))
+
+
 def _cuda_here() -> tuple:
     """(usable, why not): CUDA counts only when torch has it and ComfyUI was not started
     with --cpu (the user's word that this ComfyUI runs on the CPU)."""
@@ -523,13 +530,11 @@ class Sampler(io.ComfyNode):
             # raises InterruptProcessingException on ComfyUI's cancel: the pool cancels the job
             pbar.update_absolute(ev["step"], ev["total"], preview)
 
-        if model.device == "cuda":  # room for the pool next to ComfyUI's own models
-            comfy.model_management.unload_all_models()
-            comfy.model_management.soft_empty_cache()
         try:
             out = node_logic.sample(model, inp, on_event=on_event,
                                     is_interrupted=comfy.model_management.processing_interrupted,
-                                    on_launch=_launch_progress(node_id))
+                                    on_launch=_launch_progress(node_id),
+                                    free_memory=_free_memory if model.device == "cuda" else None)
         except Exception as e:
             from comfyui_xdit.client.pool import JobCancelled
             if isinstance(e, JobCancelled):
@@ -589,11 +594,9 @@ class Decode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, samples, vae=None) -> io.NodeOutput:
-        if model.device == "cuda" and model.info().has_vae:
-            comfy.model_management.unload_all_models()  # room for the pool's decode
-            comfy.model_management.soft_empty_cache()
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        images = node_logic.decode(model, samples, vae=vae, on_launch=_launch_progress(node_id))
+        images = node_logic.decode(model, samples, vae=vae, on_launch=_launch_progress(node_id),
+                                   free_memory=_free_memory if model.device == "cuda" else None)
         _progress_text(REGISTRY.last_decode_text, node_id)  # replaces a launch's "loading k/N"
         return io.NodeOutput(images)
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from comfyui_xdit.comfy_convert import (check_text_width, comfy_noise, conditioning_to_request,
-                            family_name, latent_channels, latent_from_comfy, latent_shape,
+                            family_name, latent_channels, latent_downscale,
+                            latent_from_comfy, latent_shape,
                             latent_shape_text, latent_to_comfy, layout_hint,
                             start_image_fields)
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig, \
@@ -33,6 +34,7 @@ from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigErro
 from comfyui_xdit.planning import memory_plan
 from comfyui_xdit.planning.gpus import gpus_for_ranks, visible_gpus
 from comfyui_xdit.planning.model_info import read_model_info
+from comfyui_xdit.planning.room import make_room
 from comfyui_xdit.planning.request import cache_problems, families, GenerationRequest, default_cfg
 
 WORLD_SIZES = ["auto"] + [str(i) for i in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)]
@@ -890,10 +892,13 @@ def sample(handle: ModelHandle, inp: SampleInputs,
            on_event: Optional[Callable[[dict], None]] = None,
            is_interrupted: Optional[Callable[[], bool]] = None,
            registry: Optional[PoolRegistry] = None,
-           on_launch: Optional[Callable[[str, int, int], None]] = None) -> dict:
+           on_launch: Optional[Callable[[str, int, int], None]] = None,
+           free_memory: Optional[Callable[[int, int], None]] = None) -> dict:
     """Run one sampler node: returns the ComfyUI LATENT. `is_interrupted` is polled from a
     watcher thread, so a cancel lands within one step even between progress events.
-    `on_launch(text, done, total)`: progress while the pool starts."""
+    `on_launch(text, done, total)`: progress while the pool starts. `free_memory(bytes,
+    cuda_index)`: ComfyUI's memory manager, asked for the room the job needs on each of
+    the pool's GPUs (planning/room.py)."""
     registry = registry or REGISTRY
     t0 = time.perf_counter()
     registry.job_started()
@@ -911,6 +916,8 @@ def sample(handle: ModelHandle, inp: SampleInputs,
         if handle.device == "cuda":
             gpus_for_ranks(config.ranks, handle.gpus)
         pool = registry.get(handle, config)
+        if free_memory is not None:
+            make_room(pool, req, free_memory)
         stop = threading.Event()
         watcher = None
         if is_interrupted is not None:
@@ -947,6 +954,20 @@ def sample(handle: ModelHandle, inp: SampleInputs,
 
 
 # ---- decoding ---------------------------------------------------------------------------
+def _decode_size(info, samples):
+    """A request of the LATENT's size (pixels, batch, frames): what the memory plan sizes a
+    decode's room by."""
+    d = latent_downscale(info.arch)
+    spec = info.family.latent
+    frames = 1
+    if spec.video and samples.dim() == 5:
+        frames = (int(samples.shape[2]) - 1) * spec.time_downscale + 1
+    kw = {"frames": frames} if spec.video else {}
+    return GenerationRequest(prompt=[""] * int(samples.shape[0]),
+                             height=int(samples.shape[-2]) * d,
+                             width=int(samples.shape[-1]) * d, **kw)
+
+
 def _check_vae(vae, info) -> None:
     """A single file's LATENT decodes with the connected ComfyUI VAE only if that VAE's
     latent width is the family's (a FLUX.2 LATENT needs ComfyUI's 128-channel FLUX.2 VAE,
@@ -962,10 +983,12 @@ def _check_vae(vae, info) -> None:
 
 def decode(handle: ModelHandle, latent: dict, vae=None,
            registry: Optional[PoolRegistry] = None,
-           on_launch: Optional[Callable[[str, int, int], None]] = None):
+           on_launch: Optional[Callable[[str, int, int], None]] = None,
+           free_memory: Optional[Callable[[int, int], None]] = None):
     """The Decode node: LATENT -> IMAGE [B,H,W,3] in 0..1. A diffusers folder decodes on
     the model's pool (its VAE, patch-parallel over the ranks); a single file has no VAE, so
-    the connected ComfyUI VAE decodes (its `decode(samples)`)."""
+    the connected ComfyUI VAE decodes (its `decode(samples)`). `free_memory`: as for
+    `sample`, asked for the room a job of the latent's size needs."""
     import torch
 
     from comfyui_xdit.planning.model_info import read_model_info
@@ -990,6 +1013,8 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
         if info.has_vae:
             pool = registry.pool_for_decode(handle)
             ranks, launched = pool.config.ranks, not pool.is_running()
+            if free_memory is not None:
+                make_room(pool, _decode_size(info, samples), free_memory)
             try:
                 images = pool.decode(samples.detach().float().cpu(),
                                      on_launch=registry.launch_callback(on_launch))
