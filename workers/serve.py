@@ -27,9 +27,9 @@ def _die_with_parent() -> None:
     def watch():
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent:
-                log.error("parent process %d is gone; exiting", parent)
-                os._exit(1)
+            if os.getppid() != parent:  # said once, quietly: nothing here went wrong
+                log.info("host process %d is gone; exiting", parent)
+                os._exit(0)
 
     threading.Thread(target=watch, daemon=True, name="xdit-parent-watch").start()
 
@@ -148,7 +148,13 @@ def main(argv=None) -> int:
             with open(tmp, "w") as f:
                 f.write(f"{addr[0]}:{addr[1]}")
             os.replace(tmp, args.address_file)
-        _leader_loop(worker, acceptor)
+        try:
+            _leader_loop(worker, acceptor)
+        except (BrokenPipeError, ConnectionResetError):
+            # the host went away mid-reply (stopped or killed): no traceback, no error; the
+            # other ranks leave with their parent watch
+            log.info("the host closed the control connection; exiting")
+            os._exit(0)
         listener.close()
     import torch.distributed as dist
     dist.destroy_process_group()

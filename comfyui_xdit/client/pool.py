@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from comfyui_xdit.client.channel import Channel, connect, parse_address
+from comfyui_xdit.client.exit_cleanup import install_sigterm
 from comfyui_xdit.comfy_convert import (comfy_noise, comfy_to_model, latent_shape, latent_shape_text,
                             layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.planning import memory_plan as memory_plan_mod
@@ -348,6 +349,7 @@ class WorkerPool:
             plan = memory_plan_mod.check_pool(self, None, gpus)
         self._memory = memory_plan_mod.plan_status(plan, self.memory_plan) \
             if self.device == "cuda" else {}
+        install_sigterm()  # a pool launched from the main thread (CLI, Python API)
         self._tmp = tempfile.mkdtemp(prefix="xdit-pool-")
         secret = os.urandom(32)
         secret_file = os.path.join(self._tmp, "secret")
@@ -479,6 +481,22 @@ class WorkerPool:
     def close(self) -> None:
         with self._lock:
             self._shutdown()
+
+    def _stop_for_exit(self) -> None:
+        """The host is stopping (SIGTERM): terminate the workers (they exit quietly) and
+        remove the pool's folder; no message, no lock, a few seconds at most."""
+        procs, tmp = list(self._procs), self._tmp
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 3.0
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def __enter__(self):
         return self
@@ -768,6 +786,16 @@ def _close_all() -> None:
     for pool in list(_LIVE_POOLS):
         try:
             pool.close()
+        except Exception:
+            pass
+
+
+def stop_all_for_exit() -> None:
+    """SIGTERM (client/exit_cleanup.py): every pool's workers stopped and folders removed
+    at once, without the pools' locks (the signal may land while a job thread holds one)."""
+    for pool in list(_LIVE_POOLS):
+        try:
+            pool._stop_for_exit()
         except Exception:
             pass
 

@@ -10,6 +10,7 @@ import comfy.utils
 import folder_paths
 from comfy_api.v0_0_2 import ComfyExtension, io
 
+from comfyui_xdit.client.exit_cleanup import install_sigterm
 from comfyui_xdit.nodes import logic as node_logic
 from comfyui_xdit.nodes.logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, MEMORY_PLAN_OPTIONS,
                          LORA_EXPERT_OPTIONS, REGISTRY, SPLITS,
@@ -17,6 +18,7 @@ from comfyui_xdit.nodes.logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MA
                          discover_models, discover_single_files, loader_handle)
 
 log = logging.getLogger("comfyui_xdit")
+install_sigterm()  # ComfyUI imports the pack at startup, in its main thread
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
 XDiTParallel = io.Custom("XDIT_PARALLEL")

@@ -1,0 +1,86 @@
+"""A host stopped with SIGTERM (how services and containers stop ComfyUI) or ending normally
+leaves nothing behind: no `xdit-pool-*` folder with its secret, no worker process, no
+traceback. It used to leave the folder (SIGTERM skips atexit) and a BrokenPipe traceback
+in rank 0's log.
+
+The host is a fresh Python process with its own TMPDIR, so its pool folder is visible here;
+it keeps its pool's rank logs there too, which the test reads when the folder survives."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+HOST = textwrap.dedent("""
+    import os, sys, time
+    from comfyui_xdit import WorkerPool, ParallelConfig, GenerationRequest
+    pool = WorkerPool(sys.argv[1], ParallelConfig(ulysses=2), device="cpu",
+                      threads_per_rank=1)
+    pool.generate(GenerationRequest(prompt=["a cat"], steps=1, height=64, width=64,
+                                    max_sequence_length=8, cfg=1.0))
+    print("PIDS", *pool.worker_pids(), flush=True)
+    if sys.argv[2] == "wait":
+        time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _run_host(model_dir, tmp_path, how: str):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", HOST, str(model_dir("flux")),
+                             "wait" if how == "sigterm" else "exit"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            text=True, cwd=str(tmp_path))
+    pids = []
+    for line in proc.stdout:
+        if line.startswith("PIDS"):
+            pids = [int(p) for p in line.split()[1:]]
+            break
+    assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "no pids"
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the host did not exit within 60 s of SIGTERM")
+    return proc.returncode, err, pids, tmp
+
+
+@pytest.mark.parametrize("how", ["sigterm", "exit"])
+def test_host_leaves_no_folder_process_or_traceback(model_dir, tmp_path, how):
+    code, err, pids, tmp = _run_host(model_dir, tmp_path, how)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = sorted(p.name for p in tmp.iterdir() if p.name.startswith("xdit-pool-"))
+    logs = "".join(f.read_text(errors="replace") for d in tmp.glob("xdit-pool-*")
+                   for f in d.glob("rank*.log"))
+    assert not [p for p in pids if _alive(p)], "workers outlived their host"
+    assert left == [], f"pool folders left behind: {left}\n{logs[-2000:]}"
+    assert "Traceback" not in err, err
+    if how == "sigterm":  # the signal still ends the host as it did (killed by SIGTERM)
+        assert code == -signal.SIGTERM, (code, err)
+    else:
+        assert code == 0, err
