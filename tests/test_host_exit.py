@@ -84,3 +84,28 @@ def test_host_leaves_no_folder_process_or_traceback(model_dir, tmp_path, how):
         assert code == -signal.SIGTERM, (code, err)
     else:
         assert code == 0, err
+
+
+BALLAST_HOST = textwrap.dedent("""
+    import sys, torch
+    from comfyui_xdit import WorkerPool, ParallelConfig, GenerationRequest
+    ballast = torch.ones(2 ** 29)  # 2 GiB, every page touched: the host's peak
+    pool = WorkerPool(sys.argv[1], ParallelConfig(), device="cpu", threads_per_rank=1)
+    pool.generate(GenerationRequest(prompt=["a cat"], steps=1, height=64, width=64,
+                                    max_sequence_length=8, cfg=1.0))
+    print("PEAK", pool.last_launch["ranks"][0]["load_peak_rss_mb"], flush=True)
+    pool.close()
+""")
+
+
+def test_worker_peak_is_its_own_not_the_hosts(model_dir, tmp_path):
+    """A worker's load_peak_rss_mb is its own (VmHWM after exec): it was getrusage's
+    ru_maxrss, which Linux carries across fork and exec, so a tiny pool launched by a host
+    that once held 10 GB reported 10.5 GB."""
+    out = subprocess.run([sys.executable, "-c", BALLAST_HOST, str(model_dir("flux"))],
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    peak = float(next(line.split()[1] for line in out.stdout.splitlines()
+                      if line.startswith("PEAK")))
+    assert 50 < peak < 1500, peak  # a tiny model's worker, not the 2 GiB host

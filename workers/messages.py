@@ -35,13 +35,24 @@ CACHE_WITH_PIPEFUSION = ("the step cache cannot be combined with PipeFusion (Pip
                          "pipefusion to 1")
 
 
-def rss_mb(pid="self") -> float:
-    """Resident memory of a process in MiB (Linux /proc; 0 where unavailable)."""
+def _status_mb(pid, field: str) -> float:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
     return 0.0
+
+
+def rss_mb(pid="self") -> float:
+    """Resident memory of a process in MiB (Linux /proc; 0 where unavailable)."""
+    return _status_mb(pid, "VmRSS")
+
+
+def peak_rss_mb(pid="self") -> float:
+    """This process image's peak resident memory in MiB (VmHWM, which exec starts afresh;
+    getrusage's ru_maxrss keeps the launching process's peak across fork and exec, so a
+    worker started by a host that once held 10 GB would report 10 GB)."""
+    return _status_mb(pid, "VmHWM")

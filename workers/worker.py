@@ -13,7 +13,7 @@ import socket
 import time
 
 from .families import spatial_patch
-from .messages import rss_mb
+from .messages import peak_rss_mb, rss_mb
 
 
 def pil_image(image):
@@ -28,7 +28,6 @@ def pil_image(image):
 class Worker:
     def __init__(self, args, rank, world, import_s=0.0, planes=None, hooks=None,
                  hook_options=None):
-        import resource
 
         import torch
 
@@ -85,7 +84,7 @@ class Worker:
         from .model_call import CondCache
         self.cond_cache = CondCache()  # conditionings of host-side samplers (model calls)
         self.last_cache = None  # step-cache counts of the last job or model call using it
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = peak_rss_mb()  # this worker's own (not ru_maxrss: inherited from the host)
         self.topologies = {}
         self.groups = {}  # member ranks -> (device group, gloo twin), shared by every layout
         self.parallel = None  # (config key, SequenceParallel or None)
