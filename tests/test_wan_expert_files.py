@@ -72,7 +72,8 @@ def _request(conds, **kw):
     pos, neg = conds
     return GenerationRequest(prompt=[], positive={"cond": pos, "pooled": None},
                              negative={"cond": neg, "pooled": None}, cfg=CFG, cfg_2=CFG_2,
-                             seed=3, steps=STEPS, height=H, width=W, frames=FRAMES, **kw)
+                             seed=3, steps=STEPS, height=H, width=W, frames=FRAMES,
+                             **dict({"shift": 3.0}, **kw))  # the folder's (a file's: 8)
 
 
 def _diff(a, b) -> float:

@@ -77,10 +77,12 @@ def _oracle(pipe, pos, neg, seed):
     return out * std + mean
 
 
-def _request(pos, neg, seed=3):
+def _request(pos, neg, seed=3, shift=3.0):
+    """`shift`: the tiny folder's flow_shift (the pipeline's); a file's own default is
+    ComfyUI's 8 (test_file_default_shift_is_comfyuis)."""
     return GenerationRequest(prompt=[], positive={"cond": pos, "pooled": None},
                              negative={"cond": neg, "pooled": None}, cfg=CFG, seed=seed,
-                             steps=STEPS, height=H, width=W, frames=FRAMES)
+                             steps=STEPS, height=H, width=W, frames=FRAMES, shift=shift)
 
 
 @pytest.mark.parametrize("name,naming", [("comfy_ckpt", "bfl"), ("comfy", "bfl"),
@@ -99,8 +101,12 @@ def test_detected_with_the_folders_config(folder, files, name, naming):
         assert info.storage == "scaled-fp8"
     sched, vae = worker_module("families").family(ARCH).released(sf["config"])
     folder_sched = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-    assert all(sched[k] == v for k, v in folder_sched.items() if k in sched)
-    assert sched["_class_name"] == "UniPCMultistepScheduler" and sched["flow_shift"] == 3.0
+    assert all(sched[k] == v for k, v in folder_sched.items() if k in sched and
+               k != "flow_shift")
+    # ComfyUI's shift for its Wan models (supported_models.WAN21_T2V.sampling_settings);
+    # the folder keeps its own
+    assert sched["_class_name"] == "UniPCMultistepScheduler" and sched["flow_shift"] == 8.0
+    assert folder_sched["flow_shift"] == 3.0
     fv = json.loads((folder / "vae" / "config.json").read_text())
     assert vae["latents_mean"] == fv["latents_mean"] and vae["latents_std"] == fv["latents_std"]
 
@@ -142,6 +148,20 @@ def test_file_through_the_pool_equals_the_pipeline(pipe, files):
     err = float((got - want).abs().max())
     print(f"wan ComfyUI single file (ulysses 2) vs WanPipeline: max abs diff {err:.2e}")
     assert got.shape == want.shape and err <= TOL
+
+
+def test_file_default_shift_is_comfyuis(pipe, files):
+    """A Wan file samples at ComfyUI's shift 8 unless a request says otherwise (it used to
+    sample at the diffusers folder's 3, so Sampler (xDiT) and KSampler on ComfyUI's model
+    disagreed on the same file); the request's shift still overrides."""
+    pos, neg = _embeds(pipe, "a red cat walking"), _embeds(pipe, "blurry")
+    with WorkerPool(str(files["comfy"]), ParallelConfig(), device="cpu",
+                    threads_per_rank=1) as pool:
+        default = pool.generate(_request(pos, neg, shift=None)).samples
+        eight = pool.generate(_request(pos, neg, shift=8.0)).samples
+        three = pool.generate(_request(pos, neg, shift=3.0)).samples
+    assert float((default - eight).abs().max()) == 0.0
+    assert float((default - three).abs().max()) > 1e-3
 
 
 def _forward(tr, seed=0):

@@ -94,8 +94,16 @@ def check_config(cfg: dict) -> None:
         raise NotRun(TI2V_NOT_RUN)
 
 
+# ComfyUI's own model for a Wan file samples at shift 8 (supported_models.WAN21_T2V's
+# sampling_settings, inherited by its I2V and Wan 2.2 A14B classes; 0.3.64 and 0.8.0): a
+# single file's default is ComfyUI's, so Sampler (xDiT) and KSampler on ComfyUI's model agree
+# on a file. A folder keeps its own scheduler's flow_shift; a request's shift overrides both.
+COMFY_SHIFT = 8.0
+
+
 def released(config: dict) -> tuple:
-    return dict(SCHEDULER), {"latents_mean": list(LATENTS_MEAN), "latents_std": list(LATENTS_STD),
+    """A single file's scheduler (SCHEDULER at ComfyUI's shift) and VAE statistics."""
+    return dict(SCHEDULER, flow_shift=COMFY_SHIFT), {"latents_mean": list(LATENTS_MEAN), "latents_std": list(LATENTS_STD),
                              "z_dim": 16}
 
 
