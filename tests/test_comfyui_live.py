@@ -114,7 +114,7 @@ def test_object_info_lists_nodes(comfy):
     for n, out in (("xDiT.ParallelSettings", "XDIT_PARALLEL"),
                    ("xDiT.PipeFusionSettings", "XDIT_PIPEFUSION"),
                    ("xDiT.EngineSettings", "XDIT_ENGINE")):
-        assert info[n]["category"] == "xDiT" and info[n]["output"] == [out]
+        assert info[n]["category"] == "xDiT/settings" and info[n]["output"] == [out]
     # a bad widget is refused at validation, with the ConfigError's message, once
     wf = _workflow(2)
     wf["1"]["inputs"]["dtype"] = "bf16"

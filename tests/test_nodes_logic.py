@@ -3,6 +3,7 @@ pool registry (reuse, reconfigure, replace), sampling through it, img2img and in
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import re
 
@@ -22,6 +23,8 @@ from comfyui_xdit.client.pool import JobCancelled
 
 from single_file_util import write_single_file
 from test_conditioning import encode
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- conversions -------------------------------------------------------------------------
@@ -871,3 +874,46 @@ def test_step_cache_settings_node(registry, model_dir):
                            **dict(COMMON, steps=4)), registry=registry)
     text = registry.last_job["text"]
     assert text.endswith(", 1 of 4 calls computed in full"), text
+
+
+# ---- what the nodes say (issue 30: the Sampler said "FLUX.1 / FLUX.2 / SD3") -----------------
+SETTINGS_NODES = {"xDiT.LowNoiseExpert", "xDiT.ParallelSettings", "xDiT.PipeFusionSettings",
+                  "xDiT.EngineSettings", "xDiT.CacheSettings", "xDiT.SamplerOptions"}
+
+
+def test_node_texts_name_every_family():
+    from comfyui_xdit.nodes import logic
+    from comfyui_xdit.planning.request import families
+    names, cfgs = logic.family_list(), logic.cfg_defaults_text()
+    for f in families.FAMILIES.values():
+        assert f.name in names and f"{f.name}: " in logic.conditioning_hint_text()
+        assert f"{f.name} {f.cfg:g}" in cfgs, (f.name, cfgs)
+    assert "FLUX.2 1 (off), base models 4" in cfgs and "Wan 5" in cfgs
+    assert logic.guidance_defaults_text() == "FLUX.1 3.5, FLUX.2 4"
+
+
+def _schemas() -> dict:
+    """node_id -> the keyword source of its io.Schema(...) in the node module (read, not
+    imported: it imports ComfyUI)."""
+    import ast
+    src = (ROOT / "comfyui_xdit" / "nodes" / "extension.py").read_text()
+    src += (ROOT / "comfyui_xdit" / "nodes" / "model_nodes.py").read_text()
+    out = {}
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "Schema":
+            kw = {k.arg: ast.unparse(k.value) for k in node.keywords}
+            out[ast.literal_eval(kw["node_id"])] = kw
+    return out
+
+
+def test_option_nodes_sit_in_a_settings_subcategory_and_texts_come_from_the_families():
+    schemas = _schemas()
+    assert SETTINGS_NODES <= set(schemas)
+    for nid, kw in schemas.items():
+        want = "node_logic.SETTINGS_CATEGORY" if nid in SETTINGS_NODES else "CATEGORY"
+        assert kw["category"] == want, (nid, kw["category"])
+        assert "FLUX.1 / FLUX.2 / SD3" not in kw.get("description", ""), nid
+    assert "family_list()" in schemas["xDiT.Sampler"]["description"]
+    assert "family_list()" in schemas["xDiT.LoadModel"]["description"]
+    from comfyui_xdit.nodes.logic import SETTINGS_CATEGORY
+    assert SETTINGS_CATEGORY == "xDiT/settings"

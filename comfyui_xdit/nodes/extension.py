@@ -120,12 +120,12 @@ class LoadModel(io.ComfyNode):
             node_id="xDiT.LoadModel",
             display_name="Load model (xDiT)",
             category=CATEGORY,
-            description="Describes a model (FLUX.1, FLUX.2, SD3, Qwen-Image, Chroma, Wan) and "
+            description=f"Describes a model ({node_logic.family_list()}) and "
                         "how many ranks run it; "
                         "the split is chosen for you unless a settings node is connected. "
                         "Nothing starts here: the pool launches at the first sampling and stays warm.",
             inputs=[
-                io.Combo.Input("model", options=models or ["(no FLUX.1/FLUX.2/SD3 model found)"],
+                io.Combo.Input("model", options=models or ["(no model found)"],
                                tooltip="A diffusers folder in ComfyUI/models/diffusers, e.g. "
                                        "models/diffusers/FLUX.1-dev, models/diffusers/"
                                        "FLUX.2-klein-4B, models/diffusers/"
@@ -137,7 +137,8 @@ class LoadModel(io.ComfyNode):
                                        "names the example "
                                        "workflows use; a Hugging Face snapshot of the repo, "
                                        "text encoders and VAE included), or a single "
-                                       "FLUX.1 / FLUX.2 / SD3 .safetensors from "
+                                       "transformer .safetensors ("
+                                       + node_logic.family_list() + ") from "
                                        "models/diffusion_models (or unet) "
                                        "or models/checkpoints (listed as diffusion_models/... "
                                        "and checkpoints/...): transformer only, so connect "
@@ -209,7 +210,7 @@ class LowNoiseExpert(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.LowNoiseExpert",
             display_name="Low-noise expert (xDiT)",
-            category=CATEGORY,
+            category=node_logic.SETTINGS_CATEGORY,
             description="Wan 2.2 A14B from its two single files: pick the low-noise expert's "
                         "file here and the high-noise one's in Load model (xDiT)'s model, "
                         "then connect this to the loader's low_noise_model. Sampler (xDiT) "
@@ -236,7 +237,7 @@ class ParallelSettings(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.ParallelSettings",
             display_name="Parallel settings (xDiT)",
-            category=CATEGORY,
+            category=node_logic.SETTINGS_CATEGORY,
             description="The parallel degrees and GPUs for Load model (xDiT)'s parallel input. "
                         "All degrees 1: the loader's automatic split; otherwise exactly these, "
                         "and world size = dp x cfg x pipefusion x ulysses x ring.",
@@ -272,7 +273,7 @@ class PipeFusionSettings(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.PipeFusionSettings",
             display_name="PipeFusion settings (xDiT)",
-            category=CATEGORY,
+            category=node_logic.SETTINGS_CATEGORY,
             description="PipeFusion for Load model (xDiT)'s pipefusion input: each rank "
                         "loads only 1/N of the transformer blocks and the image flows through "
                         "them patch by patch (least memory and traffic; not exact after the "
@@ -308,7 +309,7 @@ class EngineSettings(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.EngineSettings",
             display_name="Engine settings (xDiT)",
-            category=CATEGORY,
+            category=node_logic.SETTINGS_CATEGORY,
             description="Engine options for Load model (xDiT)'s engine input; fixed for a "
                         "pool's life (changing one relaunches it).",
             inputs=[
@@ -368,7 +369,7 @@ class CacheSettings(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.CacheSettings",
             display_name="Step cache (xDiT)",
-            category=CATEGORY,
+            category=node_logic.SETTINGS_CATEGORY,
             description="Skips most of a step's transformer blocks while their input barely "
                         "changes (First Block Cache), decided alike on every rank: faster, "
                         "slightly different from the uncached image. Connect to Sampler "
@@ -408,7 +409,7 @@ class SamplerOptions(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.SamplerOptions",
             display_name="Sampler options (xDiT)",
-            category=CATEGORY,
+            category=node_logic.SETTINGS_CATEGORY,
             description="Options of Sampler (xDiT) that few models use: Wan 2.2's second "
                         "guidance scale, the flow shift.",
             inputs=[io.Float.Input("cfg_2", default=0.0, min=0.0, max=100.0, step=0.1,
@@ -437,8 +438,9 @@ class Sampler(io.ComfyNode):
             node_id="xDiT.Sampler",
             display_name="Sampler (xDiT)",
             category=CATEGORY,
-            description="Samples FLUX.1 / FLUX.2 / SD3 on the xDiT worker pool. LATENT out is "
-                        "ComfyUI's (FLUX.1 / SD3: raw VAE space; FLUX.2: ComfyUI's 128-channel "
+            description=f"Samples {node_logic.family_list()} on the xDiT worker pool. "
+                        "LATENT out is ComfyUI's own for the model (raw VAE space; FLUX.2: "
+                        "ComfyUI's 128-channel "
                         "patchified, normalised latent at 1/16): decode it with Decode (xDiT) "
                         "or the stock VAEDecode (FLUX.2: a ComfyUI with FLUX.2 support). "
                         "Wan: a video LATENT [B, 16, T, H/8, W/8] of (T - 1) x 4 + 1 frames; "
@@ -462,23 +464,23 @@ class Sampler(io.ComfyNode):
                              tooltip="Same noise as KSampler for the same seed and latent"),
                 io.Int.Input("steps", default=20, min=1, max=10000),
                 io.Float.Input("cfg", default=0.0, min=0.0, max=100.0, step=0.1, round=0.01,
-                               tooltip="Classifier-free guidance. 0: the model's default "
-                                       "(FLUX.1, FLUX.2 [dev] / distilled [klein]: 1 = off; "
-                                       "FLUX.2 base [klein]: 4; SD3: 7); > 1 enables it"),
+                               tooltip="Classifier-free guidance (true CFG with the "
+                                       "negative prompt). 0: the model's default ("
+                                       + node_logic.cfg_defaults_text() + "); > 1 enables "
+                                       "it"),
                 io.Float.Input("guidance", default=0.0, min=0.0, max=100.0, step=0.1, round=0.01,
-                               tooltip="FLUX embedded guidance. 0: the model's default "
-                                       "(FLUX.1 3.5, FLUX.2 [dev] 4); ignored by SD3 and "
-                                       "FLUX.2 [klein], which have none; a FluxGuidance value "
-                                       "on the positive CONDITIONING takes precedence"),
+                               tooltip="Embedded guidance. 0: the model's default ("
+                                       + node_logic.guidance_defaults_text() + "); ignored "
+                                       "by models without it (FLUX.2 [klein] and the other "
+                                       "families); a FluxGuidance value on the positive "
+                                       "CONDITIONING takes precedence"),
                 io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
                                tooltip="For a non-empty input latent (image-to-image); an empty "
                                        "latent is always sampled from pure noise"),
                 io.Int.Input("max_sequence_length", default=512, min=1, max=512, optional=True,
                              tooltip="T5 tokens for the prompt text path"),
                 io.Conditioning.Input("positive", optional=True,
-                                      tooltip="FLUX: CLIP-L + T5 encode; SD3: CLIP-L + CLIP-G "
-                                              "+ T5; FLUX.2: its Qwen3 / Mistral encoder "
-                                              "(no pooled output needed)"),
+                                      tooltip=node_logic.conditioning_hint_text()),
                 io.Conditioning.Input("negative", optional=True),
                 XDiTCache.Input("cache", optional=True,
                                 tooltip="Step cache (xDiT): skip blocks of steps that barely "

@@ -687,6 +687,37 @@ class PoolRegistry:
         return cb
 
 
+SETTINGS_CATEGORY = "xDiT/settings"  # the option nodes, beside the main nodes under "xDiT"
+
+
+def family_list() -> str:
+    """Every family the pack runs, for node descriptions (from the family registry, so a
+    new family appears without editing a node)."""
+    return families.names()
+
+
+def cfg_defaults_text() -> str:
+    """Each family's default classifier-free guidance scale, for the cfg tooltip."""
+    parts = []
+    for f in families.FAMILIES.values():
+        text = f"{f.name} {f.cfg:g}" + (" (off)" if f.cfg <= 1 else "")
+        if f.undistilled_cfg is not None:
+            text += f", base models {f.undistilled_cfg:g}"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def guidance_defaults_text() -> str:
+    """The families with embedded guidance and their defaults, for the guidance tooltip."""
+    return ", ".join(f"{f.name} {f.guidance:g}" for f in families.FAMILIES.values()
+                     if f.guidance is not None)
+
+
+def conditioning_hint_text() -> str:
+    """How each family's CONDITIONING is made, for the positive input's tooltip."""
+    return "; ".join(f"{f.name}: {f.text_hint}" for f in families.FAMILIES.values())
+
+
 def compiling_text(event: dict) -> Optional[str]:
     """The text under a node for a compiling event (workers/compile.py: `compile` pools, while
     dynamo compiles during the first steps or calls); None for any other event."""
