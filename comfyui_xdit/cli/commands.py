@@ -1,4 +1,5 @@
-"""`python -m comfyui_xdit ...`: demo, tiny-model, generate, bench (DESIGN.md fixes the flags).
+"""`python -m comfyui_xdit ...` (or `comfyui-xdit ...` once installed): demo, tiny-model,
+generate, bench, ... (DESIGN.md fixes the flags).
 
 `bench` runs the benchmarks, which live outside this package (`benchmarks/` at the repository
 root, `python -m benchmarks`): they are imported only when `bench` runs.
@@ -51,18 +52,25 @@ def _lora(text):
 
 
 def _add_generate(sub):
-    p = sub.add_parser("generate", help="generate latents or PNGs on a local pool")
+    p = sub.add_parser("generate", help="generate images (.png), videos (.mp4 for Wan) or "
+                                        "LATENTs (.safetensors) on a local or attached pool")
     p.add_argument("--model", required=True,
                    help="diffusers folder: FLUX.1, FLUX.2, SD3, Qwen-Image, Chroma, Wan")
     p.add_argument("--model-2", default=None, dest="model_2",
                    help="Wan 2.2 A14B from two single files: the low-noise expert's file "
                         "(--model the high-noise one's)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    p.add_argument("--negative-prompt", default="")
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--steps", type=_positive("--steps"), required=True)
-    p.add_argument("--height", type=int, required=True)
-    p.add_argument("--width", type=int, required=True)
+    p.add_argument("--negative-prompt", default="",
+                   help="what to steer away from (used where CFG runs: --cfg > 1, SD3, Wan)")
+    p.add_argument("--seed", type=int, required=True,
+                   help="noise seed: the same initial noise as ComfyUI's KSampler with this "
+                        "seed, whatever the parallel degrees")
+    p.add_argument("--steps", type=_positive("--steps"), required=True,
+                   help="denoising steps")
+    p.add_argument("--height", type=int, required=True,
+                   help="image height in pixels, a multiple of 16")
+    p.add_argument("--width", type=int, required=True,
+                   help="image width in pixels, a multiple of 16")
     p.add_argument("--guidance", type=float, default=None, help="FLUX embedded guidance")
     p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale")
     p.add_argument("--cfg-2", type=float, default=None, dest="cfg_2",
@@ -76,7 +84,9 @@ def _add_generate(sub):
                         "models make 1")
     p.add_argument("--fps", type=float, default=16.0,
                    help="frame rate of a video --out (default 16, Wan's)")
-    p.add_argument("--max-sequence-length", type=int, default=GenerationRequest.max_sequence_length)
+    p.add_argument("--max-sequence-length", type=int, default=GenerationRequest.max_sequence_length,
+                   help=f"text tokens per prompt (default "
+                        f"{GenerationRequest.max_sequence_length})")
     _add_parallel_flags(p)
     p.add_argument("--warmup-steps", type=int, default=1,
                    help="PipeFusion: full synchronous steps before the patch pipeline")
@@ -100,7 +110,9 @@ def _add_generate(sub):
                         "PNG per frame); decoded with the folder's VAE, patch-parallel")
     p.add_argument("--attach", default=None, metavar="HOST:PORT",
                    help="use a pool started with `serve` (secret: $XDIT_POOL_SECRET or --secret-file)")
-    p.add_argument("--secret-file", default=None)
+    p.add_argument("--secret-file", default=None,
+                   help="with --attach: a file holding the pool's secret (hex), else "
+                        "$XDIT_POOL_SECRET")
     p.set_defaults(func=run_generate)
 
 
@@ -126,19 +138,24 @@ def _read_secret(args) -> bytes:
 
 def _add_serve(sub):
     p = sub.add_parser("serve", help="worker entry point, e.g. under torchrun on several nodes")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="diffusers folder every rank loads")
     p.add_argument("--listen", default="127.0.0.1:0",
                    help="rank 0's control address; 0.0.0.0:PORT to accept other machines")
     p.add_argument("--secret-file", default=None, help="else $XDIT_POOL_SECRET (hex)")
     p.add_argument("--address-file", default=None, help="rank 0 writes HOST:PORT here")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
-    p.add_argument("--threads-per-rank", type=_positive("--threads-per-rank"), default=None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda",
+                   help="where the ranks run (default cuda: one GPU per rank)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16",
+                   help="weights and compute dtype (default bf16)")
+    p.add_argument("--threads-per-rank", type=_positive("--threads-per-rank"), default=None,
+                   help="CPU only: torch threads per rank (default: cores / ranks)")
     p.add_argument("--pipefusion", type=_positive("--pipefusion"), default=1,
                    help="PipeFusion degree the pool is launched for (each rank loads one stage)")
     p.add_argument("--pipefusion-inner", type=_positive("--pipefusion-inner"), default=1,
                    help="ulysses x ring per PipeFusion stage")
-    p.add_argument("--pipefusion-split", default="balanced")
+    p.add_argument("--pipefusion-split", default="balanced",
+                   help="PipeFusion stage split: balanced | compute | memory | block counts "
+                        "like 10,9")
     _add_engine_flags(p)
     p.set_defaults(func=run_serve)
 
@@ -168,8 +185,10 @@ def run_serve(args) -> int:
 
 def _add_status(sub):
     p = sub.add_parser("status", help="show an attached pool's ranks, memory and state")
-    p.add_argument("--attach", required=True, metavar="HOST:PORT")
-    p.add_argument("--secret-file", default=None)
+    p.add_argument("--attach", required=True, metavar="HOST:PORT",
+                   help="rank 0's address, as given to `serve --listen`")
+    p.add_argument("--secret-file", default=None,
+                   help="a file holding the pool's secret (hex), else $XDIT_POOL_SECRET")
     p.set_defaults(func=run_status)
 
 
@@ -229,15 +248,30 @@ def _cache_from_args(args):
 
 
 def _add_parallel_flags(p):
-    p.add_argument("--world-size", type=_positive("--world-size"), default=None)
-    p.add_argument("--dp", type=_positive("--dp"), default=1)
-    p.add_argument("--cfg-parallel", action="store_true")
-    p.add_argument("--ulysses", type=_positive("--ulysses"), default=1)
-    p.add_argument("--ring", type=_positive("--ring"), default=1)
-    p.add_argument("--pipefusion", type=_positive("--pipefusion"), default=1)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    p.add_argument("--threads-per-rank", type=_positive("--threads-per-rank"), default=None)
+    """The degrees (world size = dp x cfg x pipefusion x ulysses x ring) and where ranks run."""
+    p.add_argument("--world-size", type=_positive("--world-size"), default=None,
+                   help="ranks; must equal dp x cfg x pipefusion x ulysses x ring (default: "
+                        "that product)")
+    p.add_argument("--dp", type=_positive("--dp"), default=1,
+                   help="data parallel degree: the batch of prompts split over replicas")
+    p.add_argument("--cfg-parallel", action="store_true",
+                   help="the conditional and unconditional branches on different ranks "
+                        "(degree 2; for runs with classifier-free guidance)")
+    p.add_argument("--ulysses", type=_positive("--ulysses"), default=1,
+                   help="Ulysses sequence-parallel degree (attention heads split; divides "
+                        "the head count)")
+    p.add_argument("--ring", type=_positive("--ring"), default=1,
+                   help="Ring sequence-parallel degree (keys and values passed around a "
+                        "ring)")
+    p.add_argument("--pipefusion", type=_positive("--pipefusion"), default=1,
+                   help="PipeFusion degree: each rank holds 1/N of the blocks (close to "
+                        "exact, not exact)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the ranks run (default cpu; cuda: one GPU per rank)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="weights and compute dtype (default fp32; CPU ranks run fp32 only)")
+    p.add_argument("--threads-per-rank", type=_positive("--threads-per-rank"), default=None,
+                   help="CPU only: torch threads per rank (default: cores / ranks)")
     _add_engine_flags(p)
 
 
@@ -420,11 +454,18 @@ def run_bench(argv) -> int:
     return bench_main(argv, prog="python -m comfyui_xdit bench")
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = _Parser(prog="python -m comfyui_xdit",
-                     description="xDiT-style parallel FLUX.1/FLUX.2/SD3/Qwen-Image/Chroma/Wan sampling on a "
-                                 "warm worker pool")
+def _prog() -> str:
+    """The name the user typed: the console script's, else the module form."""
+    return "comfyui-xdit" if Path(sys.argv[0]).name == "comfyui-xdit" else "python -m comfyui_xdit"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's parser (tests walk it: each option says what it does)."""
+    parser = _Parser(prog=_prog(),
+                     description="xDiT-style parallel FLUX.1/FLUX.2/SD3/Qwen-Image/Chroma/Wan "
+                                 "sampling on a warm worker pool. `generate` writes images "
+                                 "(.png), Wan videos (.mp4, .webm, .mkv, or one PNG per frame) "
+                                 "or ComfyUI LATENTs (.safetensors).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     from comfyui_xdit.cli import demo
     from comfyui_xdit.planning import memory_plan
@@ -437,6 +478,12 @@ def main(argv=None) -> int:
     _add_serve(sub)
     _add_status(sub)
     _add_bench(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
     try:
         if argv[:1] == ["bench"]:
             return run_bench(argv[1:])

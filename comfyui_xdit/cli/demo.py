@@ -22,10 +22,13 @@ def default_cache() -> Path:
 
 
 def add_cli(sub):
-    p = sub.add_parser("demo", help="generate with a tiny FLUX model on a 2-worker CPU pool")
+    p = sub.add_parser("demo", help="generate with a tiny random-weight FLUX model on a "
+                                    "2-worker CPU pool (the picture is noise; the report "
+                                    "times the pool and checks it against 1 rank)")
     p.add_argument("--out", default="xdit-demo", help="folder for the PNG and report")
-    p.add_argument("--prompt", default="a photo of a red cat")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--prompt", default="a photo of a red cat",
+                   help="the prompt (random weights: it does not shape the picture)")
+    p.add_argument("--seed", type=int, default=42, help="noise seed (default 42)")
     p.set_defaults(func=run)
 
 

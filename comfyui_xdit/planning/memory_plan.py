@@ -1012,21 +1012,35 @@ def add_cli(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="diffusers folder or single .safetensors transformer")
     src.add_argument("--preset", choices=sorted(PRESETS), help="published model dimensions")
-    for name in ("ulysses", "ring", "pipefusion", "dp"):
-        p.add_argument(f"--{name}", type=int, default=1)
-    p.add_argument("--cfg-parallel", action="store_true")
+    for name, what in (("ulysses", "Ulysses sequence-parallel degree (heads split)"),
+                       ("ring", "Ring sequence-parallel degree (keys and values passed round)"),
+                       ("pipefusion", "PipeFusion degree (each rank holds 1/N of the blocks)"),
+                       ("dp", "data parallel degree (the batch split over replicas)")):
+        p.add_argument(f"--{name}", type=int, default=1, help=f"{what}; default 1")
+    p.add_argument("--cfg-parallel", action="store_true",
+                   help="CFG's two branches on different ranks (degree 2)")
     p.add_argument("--cfg", action="store_true", help="the job uses classifier-free guidance")
-    p.add_argument("--pipefusion-split", default="balanced")
-    p.add_argument("--shard-weights", action="store_true")
-    p.add_argument("--weights", choices=["auto", "fp8", "full"], default="auto")
-    p.add_argument("--text-encoders", default="auto")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
-    p.add_argument("--height", type=int, required=True)
-    p.add_argument("--width", type=int, required=True)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--pipefusion-split", default="balanced",
+                   help="PipeFusion stage split: balanced | compute | memory | block counts "
+                        "like 10,9")
+    p.add_argument("--shard-weights", action="store_true",
+                   help="FSDP2-shard the block weights over every rank")
+    p.add_argument("--weights", choices=["auto", "fp8", "full"], default="auto",
+                   help="auto: as the checkpoint stores them; fp8: block weights in fp8; "
+                        "full: every weight in --dtype")
+    p.add_argument("--text-encoders", default="auto",
+                   help="where the text encoders sit: auto | cpu | gpu | cuda:N")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+                   help="weights and compute dtype (default bf16)")
+    p.add_argument("--height", type=int, required=True,
+                   help="image height in pixels, a multiple of 16")
+    p.add_argument("--width", type=int, required=True,
+                   help="image width in pixels, a multiple of 16")
+    p.add_argument("--batch", type=int, default=1, help="images per job (default 1)")
     p.add_argument("--frames", type=int, default=1,
                    help="video models (Wan): frames, 4k + 1 (720p x 81 frames: 75,600 tokens)")
-    p.add_argument("--max-sequence-length", type=int, default=None)
+    p.add_argument("--max-sequence-length", type=int, default=None,
+                   help="text tokens per prompt (default: the model's, 512)")
     p.add_argument("--gpu-memory", default=None,
                    help="GiB per GPU (with --compare: a comma list, e.g. 24,48,80)")
     p.add_argument("--gpus", default=None,

@@ -768,9 +768,11 @@ def add_cli(subparsers) -> None:
                    help="SD3.5-style blocks: QK RMS norm and dual attention (arch sd3)")
     p.add_argument("--variant", choices=sorted({v for vs in VARIANTS.values() for v in vs}),
                    default=None,
-                   help="FLUX.2: klein (default; Qwen3, no guidance embedding) or dev "
-                        "(Mistral-3 text encoder, embedded guidance); Wan: t2v (default, 2.1) "
-                        "or a14b (2.2's two experts)")
+                   help="FLUX.2: klein (default; Qwen3 text encoder, no guidance embedding) "
+                        "or dev (Mistral-3 text encoder, embedded guidance); Wan: t2v "
+                        "(default; 2.1 text-to-video), a14b (2.2 text-to-video, two experts), "
+                        "i2v (2.1 image-to-video, with a CLIP image encoder) or i2v-a14b (2.2 "
+                        "image-to-video, two experts)")
     p.set_defaults(func=run_cli)
 
 

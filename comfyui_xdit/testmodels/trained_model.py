@@ -237,7 +237,8 @@ def sample_grid(model_dir, out_png, *, steps: int = 20, seed: int = 0, cfg: floa
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "trained-model",
-        help="train the small shapes model (FLUX-shaped, ~10 min on 2 CPU cores, offline)",
+        help="train the small FLUX-shaped model on drawn shapes, for quality measurements "
+             "(CPU, offline; the README's For developers gives its recipe and time)",
         description="Train a small FLUX-shaped model on drawn coloured shapes ('a red circle on "
                     "the left'), for quality measurements; nothing is downloaded.")
     p.add_argument("--out", required=True, help="output folder (created if missing)")
