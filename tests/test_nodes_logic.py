@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from comfyui_xdit import ConfigError, GenerationRequest
+from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig
 from comfyui_xdit.comfy_convert import (comfy_noise, conditioning_to_request, is_empty_latent,
                                         latent_from_comfy, latent_to_comfy, preview_rgb,
                                         request_to_conditioning)
@@ -245,13 +245,17 @@ def test_registry_reuses_reconfigures_and_replaces(registry, model_dir):
     assert len(registry.pools()) == 1 and len(registry.pools()[0].worker_pids()) == 1
     assert (one["samples"] - a["samples"]).abs().max() <= 1e-4
     assert registry.status()["pools"][0]["world_size"] == 1
-    # a second model replaces the first (max_pools=1): never two models in memory
+    # a second model beside the first: two tiny pools fit in memory together, both stay warm
     sd3 = ModelHandle(path=str(model_dir("sd3")), device="cpu", dtype="fp32", world_size=1,
                       threads_per_rank=1)
     first = registry.pools()[0]
     sample(sd3, SampleInputs(latent=latent, prompt="a cat", cfg=1.0, **COMMON), registry=registry)
-    assert len(registry.pools()) == 1 and not first.is_running()
-    assert registry.unload_all() == 1 and registry.pools() == []
+    assert len(registry.pools()) == 2 and first.is_running()
+    assert len(registry.status()["pools"]) == 2  # the sidebar shows each
+    again = sample(_handle(model_dir, world_size=1),
+                   SampleInputs(latent=latent, prompt="a cat", **COMMON), registry=registry)
+    assert first.launches == 1 and torch.equal(again["samples"], one["samples"])  # no relaunch
+    assert registry.unload_all() == 2 and registry.pools() == []
 
 
 def test_conditioning_path_equals_prompt_path(registry, model_dir):
@@ -917,3 +921,61 @@ def test_option_nodes_sit_in_a_settings_subcategory_and_texts_come_from_the_fami
     assert "family_list()" in schemas["xDiT.LoadModel"]["description"]
     from comfyui_xdit.nodes.logic import SETTINGS_CATEGORY
     assert SETTINGS_CATEGORY == "xDiT/settings"
+
+
+# ---- several pools: as many as fit together (planning/pool_fit.py) -------------------------
+def test_pools_fit_together_by_memory_and_close_oldest_first():
+    from comfyui_xdit.planning import pool_fit
+    GiB = 2 ** 30
+    caps = {"gpu:0": 80 * GiB, "gpu:1": 80 * GiB, "host": 100 * GiB}.get
+    a, b, c = {"gpu:0": 50 * GiB}, {"gpu:1": 50 * GiB}, {"gpu:0": 40 * GiB, "gpu:1": 20 * GiB}
+    assert pool_fit.fits([a, b], caps)  # different GPUs
+    assert not pool_fit.fits([a, c], caps)  # 90 GiB on GPU 0
+    assert pool_fit.fits([b, c], caps)  # 70 on GPU 1, 40 on GPU 0
+    assert not pool_fit.fits([a, None], caps)  # unknown: not beside others
+    assert pool_fit.fits([None], caps)  # one pool always "fits" (the launch's own check)
+    assert not pool_fit.fits([{"gpu:7": GiB}, {"gpu:7": GiB}], caps)  # capacity unknown
+    prints = {"A": a, "B": b, "C": c}
+    closing = pool_fit.to_close(["A", "B"], "C", footprint_of=prints.get, capacity_of=caps)
+    assert closing == ["A"]  # the least recently used, and only it
+    assert pool_fit.to_close(["B"], "A", footprint_of=prints.get, capacity_of=caps) == []
+
+
+def test_footprints_of_real_pools(model_dir, monkeypatch):
+    from comfyui_xdit import WorkerPool
+    from comfyui_xdit.planning import memory_plan as mp
+    from comfyui_xdit.planning import pool_fit
+    cpu = WorkerPool(str(model_dir("flux")), ParallelConfig(ulysses=2), device="cpu")
+    f = pool_fit.footprint(cpu)
+    assert list(f) == ["host"] and 0 < f["host"] < 2 ** 30  # two ranks of a tiny model
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * 2 ** 30] * len(ids))
+    gpu = WorkerPool(str(model_dir("flux")), ParallelConfig(ulysses=2), device="cuda",
+                     dtype="bf16")
+    g = pool_fit.footprint(gpu)
+    assert sorted(g) == ["gpu:0", "gpu:1"] and all(n > 2 * 2 ** 30 for n in g.values())
+    assert pool_fit.to_close([cpu], gpu) == []  # host memory and GPUs: no overlap
+    assert pool_fit.footprint(object()) is None
+
+
+def test_registry_keeps_what_fits_and_closes_the_least_recently_used(model_dir):
+    closed = []
+
+    class FakePool:
+        def __init__(self, path, config, **kw):
+            self.model_path, self.config = path, config
+
+        def close(self):
+            closed.append(self.model_path)
+
+    def two_fit(kept, new):  # a stand-in plan: any two pools fit together, three do not
+        return kept[: max(0, len(kept) - 1)]
+    reg = PoolRegistry(pool_factory=FakePool, fit=two_fit)
+    handles = {n: ModelHandle(path=str(model_dir(n)), device="cpu", dtype="fp32", world_size=1)
+               for n in ("flux", "sd3", "chroma")}
+    cfg = handles["flux"].config_for()
+    a = reg.get(handles["flux"], cfg)
+    b = reg.get(handles["sd3"], cfg)
+    assert reg.get(handles["flux"], cfg) is a  # used again: now the most recent
+    reg.get(handles["chroma"], cfg)
+    assert closed == [b.model_path] and a in reg.pools() and len(reg.pools()) == 2

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -34,9 +35,11 @@ from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigErro
 from comfyui_xdit.planning import memory_plan
 from comfyui_xdit.planning.gpus import gpus_for_ranks, visible_gpus
 from comfyui_xdit.planning.model_info import read_model_info
+from comfyui_xdit.planning.pool_fit import to_close
 from comfyui_xdit.planning.room import make_room
 from comfyui_xdit.planning.request import cache_problems, families, GenerationRequest, default_cfg
 
+log = logging.getLogger("comfyui_xdit")
 WORLD_SIZES = ["auto"] + [str(i) for i in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)]
 DEVICES = ["auto", "cuda", "cpu"]  # auto: cuda when this ComfyUI has CUDA, else cpu
 DTYPES = ["auto", "bf16", "fp16", "fp32"]  # auto: bf16 on cuda, fp32 on cpu
@@ -562,14 +565,19 @@ class PoolRegistry:
     """Warm pools by (path, device, dtype, gpus, ..., path_2); each pool's config follows the
     last job.
 
-    At most `max_pools` pools live at once (default 1: a second model replaces the first,
-    so two copies of a large model never sit in memory)."""
+    Pools of different models stay warm side by side while the memory plan says they fit
+    together on their GPUs (or in host memory), the least recently used closing first when a
+    new one would not fit (planning/pool_fit.py); `max_pools` caps their number. So a graph
+    with two xDiT models (a Qwen-Image still and a Wan video) keeps both pools warm."""
 
-    def __init__(self, max_pools: int = 1, pool_factory=None):
+    def __init__(self, max_pools: int = 4, pool_factory=None, fit=None):
+        """`fit(kept, new) -> pools to close` (default pool_fit.to_close); tests give
+        their own."""
         self._pools: dict = {}  # (path, device, dtype, gpus) -> WorkerPool
         self._lock = threading.RLock()
         self.max_pools = max_pools
         self._factory = pool_factory
+        self._fit = fit or to_close
         self.last_error: Optional[str] = None
         self.last_error_log: Optional[str] = None  # a dead worker's kept log
         self.last_job: dict = {}
@@ -589,7 +597,9 @@ class PoolRegistry:
 
         key = self._key(handle)
         with self._lock:
-            pool = self._pools.get(key)
+            pool = self._pools.pop(key, None)
+            if pool is not None:
+                self._pools[key] = pool  # most recently used last
             if pool is not None and pool.config != config:
                 if pool.config.ranks == config.ranks:
                     pool.reconfigure(config)  # same ranks: warm workers, new process groups
@@ -612,6 +622,11 @@ class PoolRegistry:
                 pool = factory(handle.path, config, device=handle.device, dtype=handle.dtype,
                                gpus=list(handle.gpus) if handle.gpus else None,
                                threads_per_rank=handle.threads_per_rank, **kw)
+                by_id = {id(p): k for k, p in self._pools.items()}
+                for other in self._fit(list(self._pools.values()), pool):
+                    log.info("xDiT: closing the pool of %s: it and %s do not fit in "
+                             "memory together", by_id[id(other)][0], handle.path)
+                    self._close(by_id[id(other)])
                 self._pools[key] = pool
             else:  # not in the key: the mode only acts at the pool's next launch
                 pool.memory_plan = handle.memory_plan
