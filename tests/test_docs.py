@@ -1,0 +1,402 @@
+"""The README and docs/ as a user's first hour meets them: every link and #anchor lands inside
+the repository, every `hf download` command is one the installed hub client accepts, every
+documented `python -m comfyui_xdit` command parses (the cheap ones run), every CLI option
+says what it does, the package installs a working `comfyui-xdit` command, and the table of
+files the example workflows load is the script's current output. Nothing is downloaded."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+CODE_SPAN = re.compile(r"`([^`]+)`")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+# ---- links and anchors ---------------------------------------------------------------------
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: link text kept, markup and punctuation dropped, lower
+    case, spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors_of(text: str) -> set:
+    """The anchors of a Markdown text's headings (a repeated heading gets -1, -2, ...)."""
+    out, seen = set(), {}
+    for line in FENCE.sub("", text).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(text: str) -> list:
+    """Link targets in the prose (code blocks and code spans hold no links)."""
+    return LINK.findall(CODE_SPAN.sub("", FENCE.sub("", text)))
+
+
+def broken_links(doc: Path, text: str) -> list:
+    """What is wrong with each relative link of `doc` (whose text is `text`)."""
+    bad = []
+    for target in links(text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ... leave the repo by design
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (doc.parent / file).resolve() if file else doc
+        try:
+            dest.relative_to(ROOT)
+        except ValueError:
+            bad.append(f"{target}: outside the repository")
+            continue
+        if file and not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor:
+            heads = anchors_of(text) if not file else anchors_of(dest.read_text()) \
+                if dest.suffix == ".md" else set()
+            if anchor not in heads:
+                bad.append(f"{target}: no heading #{anchor} in {_rel(dest)}")
+    return bad
+
+
+def test_slugs_follow_github():
+    assert slug("Example workflows: the files they need") == "example-workflows-the-files-they-need"
+    assert slug("Models: where they go") == "models-where-they-go"
+    assert slug("Wan (video)") == "wan-video"
+    assert slug("`python -m comfyui_xdit` commands") == "python--m-comfyui_xdit-commands"
+    assert anchors_of("# A b\n## A b\n```\n# not a heading\n```\n") == {"a-b", "a-b-1"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+def test_links_and_anchors_resolve_inside_the_repository(doc):
+    bad = broken_links(doc, doc.read_text())
+    assert not bad, f"{_rel(doc)}: " + "; ".join(bad)
+
+
+def test_the_link_check_can_fail():
+    doc = ROOT / "docs" / "negative-control.md"
+    text = ("# Top\n[a](../README.md#no-such-heading) [b](../../elsewhere.md) [c](#top) "
+            "[d](#nowhere) [e](missing.md) [f](../README.md#for-developers) `[g](#code)`\n")
+    assert broken_links(doc, text) == [
+        "../README.md#no-such-heading: no heading #no-such-heading in README.md",
+        "../../elsewhere.md: outside the repository",
+        "#nowhere: no heading #nowhere in docs/negative-control.md",
+        "missing.md: no such file"]
+
+
+def test_no_pointer_leaves_the_repository():
+    """Not even as text: a reader of the repository has nothing beside it."""
+    for doc in DOCS:
+        text = doc.read_text()
+        for pattern in (r"\.\./shared", r"/work/", r"\bDESIGN\.md\b", r"steering repository",
+                        r"the issue's"):
+            assert not re.search(pattern, text), f"{_rel(doc)} mentions {pattern!r}"
+
+
+# ---- commands in the docs ------------------------------------------------------------------
+
+def shell_commands() -> list:
+    """(doc, command) for every shell command in a code block or code span, continuation
+    lines joined, comments dropped, `&&` chains split."""
+    out = []
+    for doc in DOCS:
+        text = doc.read_text()
+        chunks = FENCE.findall(text)
+        chunks += [m.replace("\n", " ") for m in re.findall(r"`([^`]+)`", FENCE.sub("", text))]
+        for chunk in chunks:
+            chunk = re.sub(r"\\\n\s*", " ", chunk)
+            for line in chunk.splitlines():
+                line = re.sub(r"\s+#\s.*$", "", line).strip()
+                for part in line.split("&&"):
+                    out.append((doc, part.strip()))
+    return out
+
+
+def _commands(prefixes) -> list:
+    return [(d, c) for d, c in shell_commands() if c.startswith(prefixes)]
+
+
+def _hf() -> str:
+    """The hub client's `hf` next to this Python (the venv's), else on PATH."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return shutil.which("hf", path=path)
+
+
+def test_no_retired_hub_command():
+    for doc in DOCS:
+        assert "huggingface-cli" not in doc.read_text(), (
+            f"{_rel(doc)}: huggingface_hub >= 1.0 has no huggingface-cli; use `hf download`")
+
+
+def test_hf_download_commands_fit_the_installed_client():
+    """Each `hf download REPO [FILE] --opt ...` uses only options `hf download --help` lists
+    (parsed from the help text; nothing is fetched), and names a repository owner/name."""
+    found = _commands(("hf download",))
+    assert len(found) >= 3, "the README, comfyui.md and workflow-files.md show hf download"
+    hf = _hf()
+    if hf is None:
+        pytest.skip("no `hf` command here (huggingface_hub's CLI, installed with diffusers)")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", NO_COLOR="1", HF_HUB_DISABLE_TELEMETRY="1")
+    help_text = subprocess.run([hf, "download", "--help"], capture_output=True, text=True,
+                               env=env, timeout=120).stdout
+    options = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", help_text))
+    assert "--local-dir" in options, help_text
+    for doc, cmd in found:
+        words = shlex.split(cmd)[2:]
+        assert words and re.fullmatch(r"[\w.-]+/[\w.-]+", words[0]), f"{_rel(doc)}: {cmd}"
+        used = {w.split("=")[0] for w in words if w.startswith("-")}
+        assert used <= options, f"{_rel(doc)}: {cmd}: {sorted(used - options)} not in hf download"
+
+
+def _parser():
+    from comfyui_xdit.cli.commands import build_parser
+    return build_parser()
+
+
+def _subparsers(parser) -> dict:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _bench_parser():
+    from benchmarks.cli import add_arguments
+    p = argparse.ArgumentParser(prog="bench")
+    add_arguments(p)
+    return p
+
+
+# Documented commands that are not run here, and why (each parses all the same).
+NOT_RUN = {
+    "demo": "starts 2 CPU workers and runs 3 jobs (about a minute): tests/test_cli.py runs it",
+    "generate": "needs a model folder (a download, or tiny-model first): tests/test_cli.py",
+    "trained-model": "trains for minutes (tests/test_trained_model.py runs a short recipe)",
+    "bench": "times jobs for minutes (tests/test_bench.py)",
+    "serve": "a worker entry point under torchrun, for GPUs (tests/test_attach.py)",
+    "status": "needs a running pool (tests/test_attach.py)",
+    "tiny-model": "writes a model folder to disk: tests/test_tiny_model.py builds each arch",
+}
+
+
+def _synopsis(cmd: str) -> bool:
+    """A usage line ([optional], a|b, ...) rather than a command to paste."""
+    return bool(re.search(r"\[|\||\.\.\.|\(", cmd))
+
+
+def documented_cli() -> list:
+    found = []
+    for doc, cmd in _commands(("python -m comfyui_xdit", "comfyui-xdit")):
+        argv = shlex.split(cmd)
+        argv = argv[3:] if argv[0] == "python" else argv[1:]
+        found.append((doc, cmd, argv))
+    return found
+
+
+def test_documented_commands_parse():
+    """Every command the docs show (not the usage synopses) is one the CLI accepts."""
+    parser, checked = _parser(), 0
+    for doc, cmd, argv in documented_cli():
+        if _synopsis(cmd) or not argv or "--help" in argv:  # --help: test_help_... runs it
+            continue
+        try:
+            if argv[0] == "bench":
+                _bench_parser().parse_args(argv[1:])
+            else:
+                parser.parse_args(argv)
+        except (SystemExit, Exception) as e:  # the CLI's parser raises ConfigError
+            pytest.fail(f"{_rel(doc)}: `{cmd}` does not parse: {e}")
+        checked += 1
+    assert checked >= 8
+
+
+def test_cheap_documented_commands_run(capsys):
+    """memory-plan is arithmetic: run each documented one (0: fits or a table). The others
+    are skipped for the reasons in NOT_RUN."""
+    from comfyui_xdit.cli.commands import main
+    ran, skipped = 0, set()
+    for doc, cmd, argv in documented_cli():
+        if not argv or _synopsis(cmd) or "--help" in argv:
+            continue
+        if argv[0] != "memory-plan":
+            assert argv[0] in NOT_RUN, f"{_rel(doc)}: `{cmd}`: run it here or say why not"
+            skipped.add(argv[0])
+            continue
+        assert main(argv) == 0, f"{_rel(doc)}: `{cmd}`"
+        capsys.readouterr()
+        ran += 1
+    assert ran >= 5, "the README's and docs' memory-plan tables"
+    print("not run:", {k: NOT_RUN[k] for k in sorted(skipped)})
+
+
+def _run(argv, cwd, env=None):
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_help_of_every_command_runs():
+    """`python -m comfyui_xdit [COMMAND] --help` from the repository root: exit 0, usage out,
+    the top level naming the outputs a user gets (PNG, Wan's .mp4)."""
+    top = _run([sys.executable, "-m", "comfyui_xdit", "--help"], ROOT)
+    assert top.returncode == 0 and "usage:" in top.stdout, top.stderr
+    assert ".png" in top.stdout and ".mp4" in top.stdout and "Wan" in top.stdout
+    for name in _subparsers(_parser()):
+        r = _run([sys.executable, "-m", "comfyui_xdit", name, "--help"], ROOT)
+        assert r.returncode == 0 and "usage:" in r.stdout, (name, r.stderr[-2000:])
+
+
+# ---- every option says what it does ---------------------------------------------------------
+
+def _undocumented(parser, where: str) -> list:
+    return [f"{where} {'/'.join(a.option_strings)}" for a in parser._actions
+            if a.option_strings and not (a.help or "").strip()
+            and a.help is not argparse.SUPPRESS]
+
+
+def test_every_cli_option_has_help():
+    parser = _parser()
+    missing = _undocumented(parser, "(top)")
+    for name, sub in _subparsers(parser).items():
+        missing += _undocumented(sub, name)
+    missing += _undocumented(_bench_parser(), "bench")
+    assert not missing, f"options without help: {missing}"
+    # the negative control: an option without help is found
+    p = argparse.ArgumentParser()
+    p.add_argument("--x")
+    assert _undocumented(p, "t") == ["t --x"]
+
+
+def test_choices_are_explained():
+    """tiny-model --variant names each of its choices in its help."""
+    variant = next(a for a in _subparsers(_parser())["tiny-model"]._actions
+                   if "--variant" in a.option_strings)
+    for choice in variant.choices:
+        assert re.search(rf"(?<![\w-]){re.escape(choice)}(?![\w-])", variant.help), choice
+
+
+# ---- the installed package --------------------------------------------------------------------
+
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_console_script_resolves():
+    target = _pyproject()["project"]["scripts"]["comfyui-xdit"]
+    module, _, func = target.partition(":")
+    main = getattr(importlib.import_module(module), func)  # importing must not run it
+    assert callable(main)
+    from comfyui_xdit.cli.commands import main as cli_main
+    assert main is cli_main
+
+
+def test_packaging_ships_host_and_workers():
+    """The pool launches `python -m workers.serve`: an install carries `workers` beside
+    `comfyui_xdit`, every subpackage of both, and none of the test or benchmark code."""
+    from setuptools import find_packages
+    include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = set(find_packages(str(ROOT), include=include))
+    want = {p.parent.relative_to(ROOT).as_posix().replace("/", ".")
+            for top in ("comfyui_xdit", "workers") for p in (ROOT / top).rglob("__init__.py")}
+    assert want <= found, sorted(want - found)
+    assert not {p for p in found if p.split(".")[0] in ("tests", "benchmarks", "xdit_testhooks")}
+    deps = {re.split(r"[<>=!~;\[ ]", d)[0].lower() for d in _pyproject()["project"]["dependencies"]}
+    assert "torch" not in deps, "pip install -e . must never replace the machine's torch"
+
+
+def test_installed_cli_runs_from_anywhere(tmp_path):
+    """After `pip install -e .` (or a wheel), `python -m comfyui_xdit --help` and
+    `comfyui-xdit --help` work outside the checkout; skipped where the package is not
+    installed (CI runs from the checkout)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = _run([sys.executable, "-c", "import comfyui_xdit, workers"], tmp_path, env)
+    if probe.returncode != 0:
+        pytest.skip("comfyui_xdit is not installed in this Python (pip install -e .)")
+    r = _run([sys.executable, "-m", "comfyui_xdit", "--help"], tmp_path, env)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
+    script = shutil.which("comfyui-xdit", path=os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if script is None:
+        pytest.skip("the package imports but its comfyui-xdit script is not installed")
+    r = _run([script, "--help"], tmp_path, env)
+    assert r.returncode == 0 and "usage: comfyui-xdit" in r.stdout, r.stderr
+    # the workers the pool starts resolve from here too (client/pool.py sets PYTHONPATH)
+    code = ("import sys; from comfyui_xdit.client import pool; sys.path.insert(0, "
+            "str(pool.REPO_ROOT)); import workers.serve; print('ok')")
+    r = _run([sys.executable, "-c", code], tmp_path, env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+# ---- the example workflows' files -----------------------------------------------------------
+
+def _workflow_files():
+    spec = importlib.util.spec_from_file_location("workflow_files",
+                                                  ROOT / "scripts" / "workflow_files.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_workflow_files_table_is_current():
+    wf = _workflow_files()
+    assert wf.page_block() == wf.table(), (
+        "docs/workflow-files.md is out of date: python scripts/workflow_files.py --write")
+
+
+def test_workflow_files_cover_every_loader():
+    """Every example's loaders are read (both formats), every file has a source, and the
+    README names each diffusers folder with the repository the sources give."""
+    wf = _workflow_files()
+    found = wf.needs()
+    names = {p.name.replace("_api.json", "").replace(".json", "")
+             for p in (ROOT / "example_workflows").glob("*.json")}
+    assert set(found) == names
+    files = {f for rows in found.values() for _, _, f in rows}
+    assert {"clip_l.safetensors", "t5xxl_fp16.safetensors", "ae.safetensors",
+            "clip_g.safetensors", "qwen_2.5_vl_7b_fp8_scaled.safetensors",
+            "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan_2.1_vae.safetensors",
+            "example.png"} <= files
+    sources = json.loads((ROOT / "scripts" / "workflow_sources.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    for rows in found.values():
+        for node, folder, file in rows:
+            if folder == "models/diffusers":
+                assert f"models/diffusers/{file}" in readme and sources[file]["repo"] in readme, file
+
+
+def test_workflow_files_fail_on_an_unknown_file(tmp_path):
+    (tmp_path / "x_api.json").write_text(json.dumps(
+        {"1": {"class_type": "VAELoader", "inputs": {"vae_name": "mystery.safetensors"}}}))
+    (tmp_path / "x.json").write_text(json.dumps(
+        {"nodes": [{"id": 1, "type": "VAELoader", "widgets_values": ["mystery.safetensors"]}]}))
+    wf = _workflow_files()
+    assert wf.needs(tmp_path) == {"x": [("VAELoader", "models/vae", "mystery.safetensors")]}
+    with pytest.raises(KeyError, match="mystery.safetensors"):
+        wf.table(tmp_path)
+    (tmp_path / "x.json").write_text(json.dumps(
+        {"nodes": [{"id": 1, "type": "VAELoader", "widgets_values": ["other.safetensors"]}]}))
+    with pytest.raises(ValueError, match="load different files"):
+        wf.needs(tmp_path)
+    assert wf.place("models/diffusers", "diffusion_models/wan.safetensors") == \
+        ("models/diffusion_models", "wan.safetensors")
