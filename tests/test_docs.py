@@ -6,6 +6,7 @@ files the example workflows load is the script's current output. Nothing is down
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import importlib
 import importlib.util
 import json
@@ -314,9 +315,11 @@ def test_console_script_resolves():
 def test_packaging_ships_host_and_workers():
     """The pool launches `python -m workers.serve`: an install carries `workers` beside
     `comfyui_xdit`, every subpackage of both, and none of the test or benchmark code."""
-    from setuptools import find_packages
     include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
-    found = set(find_packages(str(ROOT), include=include))
+    packages = {p.parent.relative_to(ROOT).as_posix().replace("/", ".")
+                for p in ROOT.rglob("__init__.py") if p.parent != ROOT
+                and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)}
+    found = {p for p in packages if any(fnmatch.fnmatchcase(p, pat) for pat in include)}
     want = {p.parent.relative_to(ROOT).as_posix().replace("/", ".")
             for top in ("comfyui_xdit", "workers") for p in (ROOT / top).rglob("__init__.py")}
     assert want <= found, sorted(want - found)
