@@ -164,6 +164,29 @@ def test_file_default_shift_is_comfyuis(pipe, files):
     assert float((default - three).abs().max()) > 1e-3
 
 
+def test_file_schedule_is_comfyuis_simple_schedule_at_shift_8():
+    """The sigmas a Wan file samples with equal ComfyUI's for its own Wan model (model
+    sampling shift 8, ModelSamplingDiscreteFlow over 1000 steps, the "simple" scheduler;
+    written out here from ComfyUI's definitions) to 5e-3 (diffusers' flow sigmas start
+    from linspace(1, 1/1000) where ComfyUI's start from i/1000), and not shift 3's."""
+    from diffusers import UniPCMultistepScheduler
+
+    from comfyui_xdit.client.worker_modules import worker_module
+    sched = worker_module("families").family(ARCH).released({})[0]
+
+    def comfy_simple(shift: float, steps: int):
+        t = torch.arange(1, 1001, dtype=torch.float64) / 1000
+        ms = shift * t / (1 + (shift - 1) * t)
+        return torch.tensor([float(ms[-(1 + int(x * 1000 / steps))]) for x in range(steps)]
+                            + [0.0])
+    for steps in (4, 6, 20):
+        s = UniPCMultistepScheduler.from_config(sched)
+        s.set_timesteps(steps)
+        ours = s.sigmas.double()
+        assert float((ours - comfy_simple(8.0, steps)).abs().max()) <= 5e-3, steps
+        assert float((ours - comfy_simple(3.0, steps)).abs().max()) > 0.05, steps
+
+
 def _forward(tr, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, 16, 2, 4, 6, generator=g)
