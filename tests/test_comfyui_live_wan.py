@@ -232,6 +232,15 @@ def test_sampler_options_cfg_2_reaches_the_low_noise_expert(comfy):
     assert float((out["none"] - out["shift12"]).abs().max()) > 1e-3
 
 
+def _random_conds() -> dict:
+    """Nodes "4" (positive, 8 tokens) and "5" (negative, 6 tokens): random CONDITIONING at
+    the ComfyUI-loadable Wan's text width."""
+    return {k: {"class_type": "XDiTTestRandomConditioning",
+                "inputs": {"seed": seed, "tokens": tokens, "context_dim": 4096,
+                           "pooled_dim": 1, "guidance": -1.0}}
+            for k, seed, tokens in (("4", 1, 8), ("5", 2, 6))}
+
+
 def _compare_graph(comfy, layout: dict, world: str, tag: str, sampler="euler",
                    scheduler="simple", split=None, cfg=3.5, steps=3, seed=7, files=False):
     """KSampler on the xDiT MODEL ("x") and on ComfyUI's own WAN21 ("n"); with `split` the
@@ -244,12 +253,7 @@ def _compare_graph(comfy, layout: dict, world: str, tag: str, sampler="euler",
               "inputs": {"model": f"diffusion_models/{FILES['high_noise']}" if files
                          else NATIVE, "device": "cpu", "dtype": "fp32",
                          "world_size": world}},
-        "4": {"class_type": "XDiTTestRandomConditioning",
-              "inputs": {"seed": 1, "tokens": 8, "context_dim": 4096, "pooled_dim": 1,
-                         "guidance": -1.0}},
-        "5": {"class_type": "XDiTTestRandomConditioning",
-              "inputs": {"seed": 2, "tokens": 6, "context_dim": 4096, "pooled_dim": 1,
-                         "guidance": -1.0}},
+        **_random_conds(),
         "6": {"class_type": "EmptyHunyuanLatentVideo", "inputs": dict(SIZE, batch_size=1)},
     }
     with_settings(wf, "1", **layout)
@@ -584,12 +588,7 @@ def test_sampler_on_a_wan_file_schedules_as_comfyuis_own_model(comfy):
         wf = {"1": {"class_type": "xDiT.LoadModel",
                     "inputs": {"model": f"diffusion_models/{FILES['high_noise']}",
                                "device": "cpu", "dtype": "fp32", "world_size": "1"}},
-              "4": {"class_type": "XDiTTestRandomConditioning",
-                    "inputs": {"seed": 1, "tokens": 8, "context_dim": 4096, "pooled_dim": 1,
-                               "guidance": -1.0}},
-              "5": {"class_type": "XDiTTestRandomConditioning",
-                    "inputs": {"seed": 2, "tokens": 6, "context_dim": 4096, "pooled_dim": 1,
-                               "guidance": -1.0}},
+              **_random_conds(),
               "6": {"class_type": "EmptyHunyuanLatentVideo", "inputs": dict(SIZE, batch_size=1)},
               "3": {"class_type": "xDiT.Sampler",
                     "inputs": {"model": ["1", 0], "latent": ["6", 0], "prompt": "",
