@@ -363,21 +363,24 @@ def test_events_stream_in_order_before_return(warm_pool):
     assert all(x < y for x, y in zip(elapsed, elapsed[1:])), elapsed
     assert not any(late for late, _ in events), "an event arrived after generate returned"
     assert threads == {threading.get_ident()}, "events must be delivered in the caller's thread"
-    for _, e in events:
+    # a preview is copied without waiting and travels with the next step's event (the last
+    # step's with its own): step k's event shows step k - 1, the last shows the last
+    assert [e.get("preview_step") for _, e in events] == [None, 1, 2, 3, 5]
+    for _, e in events[1:]:
         p = e["preview"]
         assert isinstance(p, torch.Tensor) and tuple(p.shape) == (1, 16, 8, 12)
         assert torch.isfinite(p.float()).all()
-    previews = [e["preview"].float() for _, e in events]
+    previews = [e["preview"].float() for _, e in events[1:]]
     # the last x0 estimate is the final latent of the first image; earlier ones are not
     assert torch.allclose(previews[-1], res.samples[:1], atol=2e-2, rtol=1e-2)
     assert (previews[0] - res.samples[:1]).abs().max() > 0.1
 
-    # previews only when asked for, and only every k steps
+    # previews only when asked for, and only every k steps (steps 2, 4 and the last)
     every2 = []
     pool.generate(dataclasses.replace(req, preview_every=2), on_event=every2.append)
-    with_preview = [e["step"] for e in every2 if e.get("preview") is not None]
+    shown = [(e["step"], e.get("preview_step")) for e in every2 if e.get("preview") is not None]
     assert [e["step"] for e in every2] == [1, 2, 3, 4, 5]
-    assert {2, 4} <= set(with_preview) and not {1, 3} & set(with_preview)
+    assert shown == [(3, 2), (5, 5)]  # step 4's, not yet sent at step 5, gives way to the last
     none = []
     pool.generate(dataclasses.replace(req, preview_every=0, steps=2), on_event=none.append)
     assert [e["step"] for e in none] == [1, 2] and all(e["total"] == 2 for e in none)

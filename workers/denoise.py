@@ -263,7 +263,12 @@ def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology,
 class _Progress:
     """Rank 0's step events, each `preview_every` steps (and the last) with a low-res
     preview of the first image: flow matching's x0 = x_i - sigma_i * v, v from the step's
-    input and output."""
+    input and output.
+
+    A preview never stalls a step: it is copied to the host without waiting (into pinned
+    memory on a GPU) and travels with the next step's event, by when the copy is long done
+    (`preview_step` says which step it shows); the last step's preview is read at once (the
+    job's result is read there anyway)."""
 
     def __init__(self, emit, every: int, total: int, sigmas: torch.Tensor, latents,
                  cache=None):
@@ -271,10 +276,31 @@ class _Progress:
         self.sigmas, self.latents = sigmas, latents
         self.t0 = time.perf_counter()
         self.x = latents[:1].clone() if self._wanted(0) else None  # the step's input
+        self.pending = None  # (step, host tensor, copy-done event or None)
 
     def _wanted(self, i: int) -> bool:
         return bool(self.emit is not None and self.every
                     and ((i + 1) % self.every == 0 or i + 1 == self.total))
+
+    def _start_copy(self, i: int) -> None:
+        x, s = self.x.float(), self.sigmas
+        v = (self.latents[:1].float() - x) / (s[i + 1] - s[i])
+        preview = (x - s[i] * v).half()
+        cuda = preview.is_cuda
+        host = torch.empty(preview.shape, dtype=preview.dtype, pin_memory=cuda)
+        host.copy_(preview, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        self.pending = (i, host, done)
+
+    def _take(self, event: dict) -> None:
+        step, host, done = self.pending
+        self.pending = None
+        if done is not None:
+            done.synchronize()  # recorded a step ago: complete, no stall
+        event["preview"], event["preview_step"] = host, step + 1
 
     def finished(self, i: int) -> None:
         if self.emit is None:
@@ -282,10 +308,12 @@ class _Progress:
         event = {"step": i + 1, "total": self.total, "elapsed": time.perf_counter() - self.t0}
         if self.cache is not None:  # rank 0's rows: calls computed in full / cached
             event["cache"] = self.cache.stats()
+        if self.pending is not None:  # an earlier step's preview, copied meanwhile
+            self._take(event)
         if self._wanted(i):
-            x, s = self.x.float(), self.sigmas
-            v = (self.latents[:1].float() - x) / (s[i + 1] - s[i])
-            event["preview"] = (x - s[i] * v).half().cpu()
+            self._start_copy(i)
+            if i + 1 == self.total:  # the last step's own, in place of an older one
+                self._take(event)
         self.emit(event)
         self.x = self.latents[:1].clone() if self._wanted(i + 1) else None
 

@@ -33,6 +33,9 @@ def _flagged(func, args, kwargs) -> str:
     if name in SYNCING or name in FROM_HOST:
         return f"aten.{name}"
     if name in ("_to_copy", "copy_"):  # across devices: a transfer the stream waits for
+        if name == "copy_" and (args[2] if len(args) > 2 else kwargs.get("non_blocking")) \
+                and args[0].device.type == "cpu" and args[0].is_pinned():
+            return ""  # into pinned memory without waiting (a preview, read a step later)
         src = args[1] if name == "copy_" else args[0]
         dst = args[0].device if name == "copy_" else kwargs.get("device", src.device)
         if torch.is_tensor(src) and dst is not None and torch.device(dst).type != src.device.type:
