@@ -437,7 +437,7 @@ def _same_layout(seen: set, memory: list, arch: str, model: Path, degree: int,
 
 def _ranges(model: Path, degree: int, split: str) -> tuple:
     """The stage layout a split gives (computed on the meta device, no weights)."""
-    from workers.pipefusion.stages import plan_stages
+    from workers.loading.stages import plan_stages
 
     tr, lists = _meta_transformer(model)
     return plan_stages(tr, lists, 0, degree, split).ranges

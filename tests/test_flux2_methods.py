@@ -299,7 +299,7 @@ def _stage_block_params(split, stages):
 
     from comfyui_xdit.client.worker_modules import worker_module
 
-    ps = worker_module("pipefusion.stages")
+    ps = worker_module("loading.stages")
     lists = worker_module("models.flux2").Flux2Adapter.block_lists
     held = []
     for stage in range(stages):

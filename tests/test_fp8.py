@@ -113,7 +113,7 @@ def psnr(x, ref):
 
 # ---- arithmetic and storage (in process) -----------------------------------------------------
 def test_fp8_linear_is_upcast_times_scale():
-    from workers.weights import FP8Linear, quantize
+    from workers.loading.weights import FP8Linear, quantize
     torch.manual_seed(0)
     w, b, x = torch.randn(24, 16) * 0.02, torch.randn(24), torch.randn(5, 16)
     w8, s = quantize(w)
@@ -135,7 +135,7 @@ def test_fp8_halves_the_block_weights(model_dir):
     import diffusers
 
     from workers.models import get_adapter
-    from workers.weights import FP8Linear, load_tensors, parameter_bytes
+    from workers.loading.weights import FP8Linear, load_tensors, parameter_bytes
     ad = get_adapter("flux")
     full = ad.load(str(model_dir("flux")), torch.device("cpu"), torch.bfloat16, False,
                    weights="full").transformer
@@ -197,7 +197,7 @@ def test_fp8_files_load_with_their_scales(model_dir, fp8_files):
     import diffusers
 
     from workers.models import get_adapter
-    from workers.weights import FP8Linear
+    from workers.loading.weights import FP8Linear
     folder = model_dir("flux")
     assert read_model_info(fp8_files["plain"]).storage == "fp8"
     assert read_model_info(fp8_files["scaled"]).storage == "scaled-fp8"
@@ -328,7 +328,7 @@ def ref_fp8_matmul(x, w, b):
 
 
 def fp8_layer(w, b, dtype, matmul):
-    from workers.weights import FP8Linear, quantize, set_fp8_compute
+    from workers.loading.weights import FP8Linear, quantize, set_fp8_compute
     w8, s = quantize(w)
     lin = FP8Linear(w.shape[1], w.shape[0], compute_dtype=dtype)
     lin.weight = torch.nn.Parameter(w8, requires_grad=False)
@@ -371,7 +371,7 @@ def test_fp8_matmul_is_the_per_row_quantisation(k, n):
 
 
 def test_fp8_matmul_choice():
-    from workers.weights import FP8Linear, fp8_matmul_choice, set_fp8_compute
+    from workers.loading.weights import FP8Linear, fp8_matmul_choice, set_fp8_compute
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     assert fp8_matmul_choice("auto", "cpu", None, fp32)[0] is False
     assert fp8_matmul_choice("on", "cpu", None, fp32)[0] is True
@@ -484,8 +484,8 @@ def test_fp8_compute_pool_stays_close_to_full_precision(arch, model_dir, oracle,
 
 # ---- text encoders -------------------------------------------------------------------------
 def test_text_encoder_placement_decision():
-    from workers.weights import TEXT_ENCODER_MARGIN as M
-    from workers.weights import text_encoder_device as place
+    from workers.loading.weights import TEXT_ENCODER_MARGIN as M
+    from workers.loading.weights import text_encoder_device as place
     gib = 2 ** 30
     cuda = torch.device("cuda", 0)
     assert place("auto", cuda, free_bytes=20 * gib, encoder_bytes=10 * gib) == "cuda:0"

@@ -54,3 +54,91 @@ def test_what_comfyui_runs_needs_no_test_builders():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- no circle of imports in the product ---------------------------------------------------
+PRODUCT = ("comfyui_xdit", "workers", "xdit_testhooks")
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _edges(path: Path, modules: set) -> set:
+    """Product modules `path` imports, at module level or inside a function (a lazy import
+    is an edge too): `from .x import y` resolves to package.x, or to package.x.y where y is
+    a module."""
+    me = _module_of(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != me:
+                out.add(t)
+                break
+    return out
+
+
+def _circles(graph: dict) -> list:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    sys.setrecursionlimit(10000)
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _graph() -> dict:
+    files = [p for pkg in PRODUCT for p in (ROOT / pkg).rglob("*.py")]
+    modules = {_module_of(p) for p in files}
+    # a package's __init__ is imported with any of its modules: not an edge back to it
+    return {_module_of(p): {t for t in _edges(p, modules)
+                            if not _module_of(p).startswith(t + ".")} for p in files}
+
+
+def test_no_import_circle_in_the_product():
+    circles = _circles(_graph())
+    assert not circles, f"import circles (lazy imports count): {circles}"
+
+
+def test_the_circle_check_finds_a_circle():
+    """Negative control: a loading module importing the adapters' base back is a circle."""
+    g = _graph()
+    g["workers.loading.meta"] = set(g["workers.loading.meta"]) | {"workers.models.base"}
+    assert any("workers.loading.meta" in c for c in _circles(g))

@@ -49,7 +49,7 @@ def test_sharded_folder_and_pipefusion_stages(model_dir, tmp_path):
     import diffusers
 
     from workers.models import get_adapter
-    from workers.pipefusion.stages import load_stage_transformer
+    from workers.loading.stages import load_stage_transformer
     src = model_dir("flux")
     ref = diffusers.FluxTransformer2DModel.from_pretrained(str(src), subfolder="transformer")
     shard = tmp_path / "sharded"
@@ -85,8 +85,8 @@ import os, sys, json
 sys.path.insert(0, sys.argv[1])
 import torch, diffusers
 torch.set_num_threads(1)
-from workers.models.base import meta_transformer
-from workers.weights import load_folder
+from workers.loading.meta import meta_transformer
+from workers.loading.weights import load_folder
 folder, how = sys.argv[2], sys.argv[3]
 def status(key):
     with open("/proc/self/status") as f:

@@ -46,7 +46,7 @@ def test_pipefusion_stage_weights_are_the_stage_modules(flux2, n):
     """Each rank's weights = the parameters the stage loader keeps (its blocks and the
     modules around them), and no stage holds more than 1/N + 5% of the block weights."""
     tr, facts = flux2
-    ps = worker_module("pipefusion.stages")
+    ps = worker_module("loading.stages")
     plan = mp.plan(facts, ParallelConfig(pipefusion=n), BF16, gpu_memory=80 * GiB)
     blocks_total = sum(p.numel() for _, _, b in ps.model_blocks(tr, LISTS)
                        for p in b.parameters()) * 2
@@ -103,7 +103,7 @@ def test_shard_weights_traffic_per_step(flux2):
 
 def test_fp8_halves_the_block_linear_weights(flux2):
     tr, facts = flux2
-    linears = worker_module("weights").block_linears(tr, LISTS)
+    linears = worker_module("loading.weights").block_linears(tr, LISTS)
     lin_bytes = sum(m.weight.numel() * 2 for m in linears.values())
     full = mp.plan(facts, ParallelConfig(), BF16).ranks[0].weights
     fp8 = mp.plan(facts, ParallelConfig(), EngineOptions(

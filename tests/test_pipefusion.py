@@ -16,7 +16,7 @@ from comfyui_xdit import GenerationRequest, ParallelConfig
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 from workers.pipefusion.schedule import build_schedule, patch_rows, whole_steps
-from workers.pipefusion.stages import parse_split, partition
+from workers.loading.stages import parse_split, partition
 
 TOL = 1e-4
 PROMPTS = ["a photo of a red cat", "a dog on the grass", "blue sky"]
@@ -78,7 +78,7 @@ def test_real_flux_split_meets_the_memory_bound(stages):
     balances the work but overloads stage 0 (double blocks weigh ~2.4x a single block)."""
     import diffusers
 
-    from workers.pipefusion.stages import block_cost, model_blocks, plan_stages
+    from workers.loading.stages import block_cost, model_blocks, plan_stages
     with torch.device("meta"):
         tr = diffusers.FluxTransformer2DModel(**REAL_FLUX)
     lists = ("transformer_blocks", "single_transformer_blocks")

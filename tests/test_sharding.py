@@ -240,7 +240,7 @@ def test_pipefusion_is_refused_with_shard_weights(model_dir):
 
 def _transformer_bytes(folder) -> int:
     """Bytes of every tensor in the transformer's safetensors (what a whole load reads)."""
-    from workers.weights import Checkpoint
+    from workers.loading.weights import Checkpoint
     with Checkpoint.folder(str(folder / "transformer")) as ck:
         return sum(int(e["data_offsets"][1]) - int(e["data_offsets"][0])
                    for _, _, e in ck.entries.values())

@@ -1,4 +1,4 @@
-"""Shard-only loading from single files and fp8 checkpoints (workers/weights_shards.py `load_shards`
+"""Shard-only loading from single files and fp8 checkpoints (workers/loading/shards.py `load_shards`
 with `single_file.row_map`).
 
 * The row map (diffusers name -> row ranges of the file's tensors) reproduces the whole-load
@@ -25,12 +25,12 @@ TOL = 1e-4
 
 def _ck_and_sf(path):
     from workers.models.detect import single_file_config
-    from workers.weights import Checkpoint
+    from workers.loading.weights import Checkpoint
     return Checkpoint.open([str(path)]), single_file_config(str(path))
 
 
 def _assemble(ck, shape, segs, r0, r1):
-    from workers.weights_shards import RowSource
+    from workers.loading.shards import RowSource
     src = RowSource(ck, {"x": (shape, segs, None)})
     return src.read("x", r0, r1)
 
@@ -38,8 +38,8 @@ def _assemble(ck, shape, segs, r0, r1):
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
 def test_row_map_equals_whole_conversion(model_dir, tmp_path, arch):
     from single_file_util import write_single_file
-    from workers.models.single_file import read_transformer_state, row_map, to_diffusers_state
-    from workers.weights_shards import chunk_rows
+    from workers.loading.single_file import read_transformer_state, row_map, to_diffusers_state
+    from workers.loading.shards import chunk_rows
 
     path = write_single_file(model_dir(arch), arch, tmp_path / f"{arch}.safetensors")
     ck, sf = _ck_and_sf(path)
@@ -71,7 +71,7 @@ def test_row_map_equals_whole_conversion(model_dir, tmp_path, arch):
 
 def _file_bytes(path) -> tuple:
     """(bytes of the transformer's tensors, bytes of scale_weight tensors) in the file."""
-    from workers.weights import Checkpoint
+    from workers.loading.weights import Checkpoint
     with Checkpoint.open([str(path)]) as ck:
         size = {k: int(e["data_offsets"][1]) - int(e["data_offsets"][0])
                 for k, (_, _, e) in ck.entries.items()}

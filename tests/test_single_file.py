@@ -99,7 +99,7 @@ def test_bad_files_give_one_clear_error(tmp_path, files):
     sd = load_file(str(files["flux"]))
     sd["double_blocks.0.img_attn.qkv.scale_weight"] = torch.ones(1)
     save_file(sd, str(tmp_path / "fp8_scaled.safetensors"))
-    # scaled-fp8 files are supported now (workers/weights.py): detected, not refused
+    # scaled-fp8 files are supported now (workers/loading/weights.py): detected, not refused
     assert read_model_info(tmp_path / "fp8_scaled.safetensors").arch == "flux"
 
 
@@ -108,7 +108,7 @@ def test_flux_conversion_matches_diffusers_converter():
     FLUX.1's row counts and a thin second dimension: every key, split and swap must agree."""
     from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
 
-    from workers.models.single_file import convert_flux_bfl
+    from workers.loading.single_file import convert_flux_bfl
     h, g = 3072, torch.Generator().manual_seed(0)
 
     def t(*shape):
@@ -223,7 +223,7 @@ def test_sd3_single_file_pool_equals_folder(files):
 def _round_trip(arch, model, tmp_path, **kw):
     """diffusers model -> BFL file -> our loader: the same config, tensors and outputs."""
     from workers.models import get_adapter
-    from workers.models.single_file import load_single_file
+    from workers.loading.single_file import load_single_file
     f = write_single_file(None, arch, tmp_path / f"{arch}.safetensors",
                           state=model.state_dict(), **kw)
     loaded = load_single_file(get_adapter(arch), str(f), torch.device("cpu"),

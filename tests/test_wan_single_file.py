@@ -118,7 +118,7 @@ def test_converter_round_trips_every_variant(tmp_path):
 
     from workers.models import get_adapter
     from workers.models.detect import single_file_config
-    from workers.models.single_file import load_single_file
+    from workers.loading.single_file import load_single_file
     torch.manual_seed(0)
     for extra in ({}, dict(image_dim=24, added_kv_proj_dim=256, pos_embed_seq_len=6,
                            in_channels=36)):
@@ -200,7 +200,7 @@ def test_bf16_and_fp8_files_are_close(pipe, files):
     """In process, the loaders the workers run: the diffusers-named file is exact, the bf16
     and scaled-fp8 files close (their weights are rounded), the missing tensor refused."""
     from workers.models import get_adapter
-    from workers.models.single_file import load_single_file
+    from workers.loading.single_file import load_single_file
     ref = _forward(pipe.transformer)
     scale = float(ref.abs().max())
     diffs = {}

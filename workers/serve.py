@@ -62,7 +62,7 @@ def _parse(argv):
     p.add_argument("--fp8-compute", default=os.environ.get("XDIT_FP8_COMPUTE", "auto"),
                    help="how fp8 weights multiply: auto (fp8 matmul on GPUs with fp8 tensor "
                         "cores, else upcast) | on | off; default $XDIT_FP8_COMPUTE, read once "
-                        "here (workers/weights.py)")
+                        "here (workers/loading/weights.py)")
     p.add_argument("--shard-weights", action="store_true",
                    help="FSDP2-shard the transformer's block weights over every rank")
     p.add_argument("--text-encoders", default="auto",

@@ -33,9 +33,9 @@ gathered as before, and the small LoRA A/B matrices are ordinary, replicated par
 beside it. The result equals the unsharded model with the same adapters.
 
 Loading fits the sharding (`ShardSetup`, made before the load): a diffusers folder with
-safetensors or a single file is read shard-only (workers/weights_shards.py: the transformer is
+safetensors or a single file is read shard-only (workers/loading/shards.py: the transformer is
 sharded while still on the meta device, each rank reads its rows); .bin weights load whole
-(workers/weights.py), then shard. `counts()["load"]` says which happened.
+(workers/loading/weights.py), then shard. `counts()["load"]` says which happened.
 
 What a rank holds (`counts()`, in `status` and every job's stats) is read from FSDP's
 buffers once per call. Per-forward counting and residency peaks are test instrumentation
@@ -199,7 +199,7 @@ class ShardSetup:
 
     def __init__(self, worker):
         from .topology import device_group
-        from .weights_shards import direct_load_problem
+        from .loading.shards import direct_load_problem
 
         args = worker.args
         check(True, args.pipefusion, getattr(args, "compile", False))

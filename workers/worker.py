@@ -52,7 +52,7 @@ class Worker:
         t = time.perf_counter()
         stage = None
         if args.pipefusion > 1:
-            from .pipefusion.stages import stage_of_rank
+            from .loading.stages import stage_of_rank
             stage = (stage_of_rank(rank, args.pipefusion, args.pipefusion_inner),
                      args.pipefusion, args.pipefusion_split)
         from .sharding import begin as begin_sharding
@@ -73,7 +73,7 @@ class Worker:
         self.load_seconds = time.perf_counter() - t
         from .sharding import shard_after_load
         self.sharding = shard_after_load(self)  # --shard-weights: FSDP2 (workers/sharding.py)
-        from .weights import set_fp8_compute  # how the fp8 layers multiply, fixed here
+        from .loading.weights import set_fp8_compute  # how the fp8 layers multiply, fixed here
         for tr in self.model.transformers():
             self.fp8_compute = set_fp8_compute(tr, getattr(args, "fp8_compute", "auto"),
                                                self.device, self.dtype)

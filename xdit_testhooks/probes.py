@@ -77,7 +77,7 @@ def attention_calls(ctx):
 
 def count_scaled_mm(ctx):
     """Worker hook: count this rank's `torch._scaled_mm` calls (the fp8 matmul path of
-    workers/weights.py looks it up on torch at call time), so a test sees which path really
+    workers/loading/weights.py looks it up on torch at call time), so a test sees which path really
     ran rather than reading a setting; each job's stats carry that job's count (the load's
     one probe call is not counted)."""
     import torch

@@ -7,12 +7,12 @@ added up part by part:
 - weights: the transformer's parameters as that rank holds them, counted on the real
   module tree built on the meta device from the model's config (no memory, no download):
   every parameter for Ulysses / Ring / CFG / DP (replicated); the rank's PipeFusion stage
-  (the split of workers/pipefusion/stages.py) plus the modules around the blocks; with
+  (the split of workers/loading/stages.py) plus the modules around the blocks; with
   shard_weights, FSDP2's dim-0 shards (padded rows included) of every parameter, plus, during
   a forward, the non-block parameters gathered whole and the two largest consecutive blocks
   gathered (the running block and the prefetched next one: workers/sharding.py). fp8 (or an
   fp8 checkpoint under weights=auto) stores the Linears inside the blocks in 1 byte
-  (workers/weights.py); everything else is in the pool dtype. Persistent buffers (SD3's
+  (workers/loading/weights.py); everything else is in the pool dtype. Persistent buffers (SD3's
   positional table) are whole on every rank.
 - activations: one forward's live tensors, a conservative estimate (see `activation_bytes`),
   or the patch-parallel VAE decode's if larger (it runs after the transformer has freed
@@ -54,7 +54,7 @@ from comfyui_xdit.client.worker_modules import worker_module
 _log = logging.getLogger("comfyui_xdit")
 GiB = 2 ** 30
 RESERVE_BYTES = 2 * GiB  # CUDA context + workspaces + NCCL buffers + fragmentation
-TEXT_ENCODER_MARGIN = 2 * GiB  # workers/weights.py: "auto" wants this much spare beside them
+TEXT_ENCODER_MARGIN = 2 * GiB  # workers/loading/weights.py: "auto" wants this much spare beside them
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 families = worker_module("families")
 VAE_SCALE = 8  # every supported VAE downsamples by 8 ...
@@ -270,7 +270,7 @@ def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
     te_bytes, vae_params, channels = 0, 0, ()
     if d["kind"] == "diffusers":
         import torch
-        weights = worker_module("weights")
+        weights = worker_module("loading.weights")
         folders = [os.path.join(path, n) for n in sorted(os.listdir(path))
                    if n.startswith("text_encoder")]
         te_bytes = weights.folder_tensor_bytes(folders, _torch_dtype(dtype))
@@ -302,7 +302,7 @@ class _Transformer:
     widest: int  # the widest Linear output inside the blocks (features)
     context_dim: int  # the text embeddings' width entering the transformer
     in_channels: int
-    stage_costs: object  # (compute costs, memory costs) for pipefusion.stages.partition
+    stage_costs: object  # (compute costs, memory costs) for loading.stages.partition
     buffers: int = 0  # persistent buffer elements (SD3's positional table): whole on every rank
 
 
@@ -311,8 +311,8 @@ def _transformer(class_name: str, config_json: str, arch: str) -> _Transformer:
     import diffusers
     import torch
 
-    stages = worker_module("pipefusion.stages")
-    weights = worker_module("weights")
+    stages = worker_module("loading.stages")
+    weights = worker_module("loading.weights")
     cls = getattr(diffusers, class_name)
     tr = _meta(lambda: cls.from_config(json.loads(config_json)))
     lists = families.family(arch).block_lists
@@ -343,9 +343,9 @@ def _transformer(class_name: str, config_json: str, arch: str) -> _Transformer:
 
 
 def stage_ranges(tr: _Transformer, stages: int, split: str) -> list:
-    """The (start, stop) block range of every PipeFusion stage: workers/pipefusion/stages.py's
+    """The (start, stop) block range of every PipeFusion stage: workers/loading/stages.py's
     split, on the counts of the meta model (the same arithmetic its plan_stages runs)."""
-    ps = worker_module("pipefusion.stages")
+    ps = worker_module("loading.stages")
     compute, memory = tr.stage_costs
     ranges = ps.parse_split(str(split), len(compute), stages)
     if ranges == "balanced":
@@ -671,7 +671,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
             weights = shard.peak - buffer_bytes + (experts - 1) * (shard.at_rest - buffer_bytes)
             role = f"shard {rank + 1}/{world}"
         elif config.pipefusion > 1:
-            stage = worker_module("pipefusion.stages").stage_of_rank(rank, config.pipefusion, sp)
+            stage = worker_module("loading.stages").stage_of_rank(rank, config.pipefusion, sp)
             lo, hi = ranges[stage]
             weights = (sum(block_bytes[lo:hi]) + rest_bytes) * experts
             # the running expert's layers (a switch of expert refills the cache)

@@ -25,6 +25,8 @@ import tempfile
 import uuid
 
 from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.testmodels.text import (CLIP_MAX_LENGTH, _WORDS, _bytes_to_unicode, _bpe,
+                                          _clip_tokenizer, _seeded, _t5_tokenizer)
 
 families = worker_module("families")  # VAE factors, scheduler configs, RoPE axes
 _flux = worker_module("families.flux")
@@ -43,8 +45,6 @@ DEFAULT_DEPTH = 2  # FLUX: 2 double + 2 single blocks; SD3: 2 joint blocks
 DEFAULT_HEAD_DIM = 16  # width defaults to heads * 16
 
 # Text encoders are shared by both archs (sizes only; weights are seeded per component).
-CLIP_MAX_LENGTH = 77
-T5_MAX_LENGTH = 512
 CLIP_L = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, projection_dim=32)
 # CLIP-G differs from CLIP-L in width so mix-ups of the two change shapes, like the real pair.
 CLIP_G = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, projection_dim=48)
@@ -56,113 +56,6 @@ T5 = dict(d_model=96, d_kv=16, d_ff=192, num_layers=2, num_heads=4)
 
 SD3_SAMPLE_SIZE = 16  # pipeline default 128x128
 SD3_POS_EMBED_MAX = 64  # latent grid up to 128 -> images up to 1024x1024
-
-_WORDS = """
-a an the of and with in on at to by for from under over near behind inside
-cat cats dog dogs bird fish horse cow fox bear lion tiger rabbit mouse owl frog
-man woman person people child girl boy face portrait robot astronaut wizard knight
-house tree trees forest mountain mountains river lake sea ocean beach sky cloud clouds
-sun moon star stars night day city street car bike boat train castle garden flower flowers
-field road bridge window door table chair book cup apple food cake
-red green blue yellow orange purple pink black white gray brown gold silver
-big small tall old young happy sad cute beautiful dark bright colorful
-photo picture painting drawing sketch render image art style oil watercolor digital
-realistic detailed high quality cinematic lighting sunset sunrise snow rain fog
-sitting standing running flying walking sleeping wearing holding
-hat glasses shirt dress
-""".split()
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2/CLIP byte-level alphabet: every byte maps to a printable character, so any
-    prompt tokenizes without unknown tokens."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _bpe(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Plain rank-ordered BPE, the algorithm the CLIP tokenizer runs."""
-    symbols = list(symbols)
-    while len(symbols) > 1:
-        pairs = [(ranks.get(p, 1 << 60), i) for i, p in enumerate(zip(symbols, symbols[1:]))]
-        rank, i = min(pairs)
-        if rank == 1 << 60:
-            break
-        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
-    return symbols
-
-
-def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A CLIP BPE vocabulary: the 512 byte symbols (plain and word-final), merges that make
-    each of a few hundred common words one token, then the two special tokens last (as in
-    real CLIP, so the legacy argmax-EOS pooling also finds them)."""
-    alphabet = list(_bytes_to_unicode().values())
-    tokens = alphabet + [c + "</w>" for c in alphabet]
-    seen = set(tokens)
-    ranks: dict[tuple[str, str], int] = {}
-    for word in _WORDS:
-        # Merges appended after all earlier ones cannot change how the earlier merges split
-        # this word, so chaining the current pieces left to right makes it a single token.
-        pieces = _bpe(list(word[:-1]) + [word[-1] + "</w>"], ranks)
-        cur = pieces[0]
-        for piece in pieces[1:]:
-            ranks.setdefault((cur, piece), len(ranks))
-            cur += piece
-            if cur not in seen:
-                seen.add(cur)
-                tokens.append(cur)
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return {t: i for i, t in enumerate(tokens)}, sorted(ranks, key=ranks.get)
-
-
-def _t5_vocab() -> list[tuple[str, float]]:
-    """A Unigram vocabulary in T5's layout (<pad>=0, </s>=1, <unk>=2). Whole words score far
-    above single characters, so known words become one token and anything else still
-    tokenizes character by character."""
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -6.0)]
-    seen = {p for p, _ in pieces}
-    for word in _WORDS:
-        for piece in ("▁" + word, "▁" + word.capitalize()):
-            if piece not in seen:
-                seen.add(piece)
-                pieces.append((piece, -3.0))
-    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()/&+"
-    for ch in chars:
-        for piece in (ch, "▁" + ch):
-            if piece not in seen:
-                seen.add(piece)
-                pieces.append((piece, -9.0 if len(piece) == 1 else -8.5))
-    return pieces
-
-
-def _clip_tokenizer():
-    from transformers import CLIPTokenizer
-
-    vocab, merges = _clip_vocab()
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
-
-
-def _t5_tokenizer():
-    from transformers import T5Tokenizer
-
-    return T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=T5_MAX_LENGTH)
-
-
-def _seeded(seed: int, salt: int, ctor, *args, **kwargs):
-    """Construct one component right after torch.manual_seed(seed, salt): each component's
-    weights depend only on (seed, component), not on the order or size of the others."""
-    import torch
-
-    torch.manual_seed(seed * 1000 + salt)
-    return ctor(*args, **kwargs)
-
 
 def _clip_text_model(cls, cfg: dict, tokenizer, seed: int, salt: int):
     from transformers import CLIPTextConfig
@@ -725,7 +618,7 @@ def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool)
     import torch
     from safetensors.torch import load_file, save_file
 
-    weights = worker_module("weights")
+    weights = worker_module("loading.weights")
     sd = load_file(str(src))
     prefix = "model.diffusion_model." if any(k.startswith("model.diffusion_model.")
                                              for k in sd) else ""
@@ -736,7 +629,7 @@ def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool)
                                 and w.dim() == 2 and w.is_floating_point()):
             out[k] = w
             continue
-        if scaled:  # the loaders' own quantization (workers/weights.py)
+        if scaled:  # the loaders' own quantization (workers/loading/weights.py)
             out[k], out[k[: -len(".weight")] + ".scale_weight"] = weights.quantize(w)
         else:
             out[k] = w.float().clamp(-weights.FP8_MAX, weights.FP8_MAX).to(weights.FP8)

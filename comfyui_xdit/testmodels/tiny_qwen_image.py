@@ -23,7 +23,7 @@ Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identic
 from __future__ import annotations
 
 from comfyui_xdit.client.worker_modules import worker_module
-from comfyui_xdit.testmodels.tiny_model import _bytes_to_unicode
+from comfyui_xdit.testmodels.text import _bytes_to_unicode
 
 _family = worker_module("families.qwen_image")
 

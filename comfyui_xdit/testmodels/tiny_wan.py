@@ -35,7 +35,7 @@ VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_s
 def _transformer(cfg: dict, seed: int, salt: int, in_channels: int = 16, **extra):
     from diffusers import WanTransformer3DModel
 
-    from comfyui_xdit.testmodels.tiny_model import _seeded
+    from comfyui_xdit.testmodels.text import _seeded
     head_dim = cfg["width"] // cfg["heads"]
     return _seeded(seed, salt, WanTransformer3DModel, patch_size=(1, 2, 2),
                    num_attention_heads=cfg["heads"], attention_head_dim=head_dim,
@@ -47,7 +47,7 @@ def _transformer(cfg: dict, seed: int, salt: int, in_channels: int = 16, **extra
 def _text(seed: int):
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from comfyui_xdit.testmodels.tiny_model import _seeded, _t5_tokenizer
+    from comfyui_xdit.testmodels.text import _seeded, _t5_tokenizer
     tok = _t5_tokenizer()
     config = UMT5Config(vocab_size=len(tok), feed_forward_proj="gated-gelu",
                         tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
@@ -60,7 +60,7 @@ def _image_encoder(seed: int):
     """A tiny CLIPVisionModel and its image processor (PIL backend: torchvision is absent)."""
     from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
 
-    from comfyui_xdit.testmodels.tiny_model import _seeded
+    from comfyui_xdit.testmodels.text import _seeded
     size = CLIP_VISION["image_size"]
     processor = CLIPImageProcessorPil(size={"shortest_edge": size},
                                       crop_size={"height": size, "width": size})
@@ -72,7 +72,7 @@ def build_pipeline(cfg: dict):
     from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline,
                            WanPipeline)
 
-    from comfyui_xdit.testmodels.tiny_model import _seeded
+    from comfyui_xdit.testmodels.text import _seeded
     seed, variant = cfg["seed"], cfg.get("variant") or "t2v"
     tokenizer, text_encoder = _text(seed)
     vae = _seeded(seed, 4, AutoencoderKLWan, latents_mean=list(_family.LATENTS_MEAN),

@@ -17,40 +17,6 @@ TEXT_MASK = "text_mask"
 TEXT_LENGTHS = "text_lengths"
 
 
-def meta_transformer(tcls, folder: str):
-    """The transformer of a diffusers folder, built from its config on the meta device (no
-    memory, no random init), its weights to be assigned."""
-    import torch
-
-    with torch.device("meta"):
-        transformer = tcls.from_config(tcls.load_config(folder))
-    return with_computed_buffers(transformer)
-
-
-def with_computed_buffers(transformer):
-    """A meta-built transformer with the buffers its class computes at init (never in a
-    checkpoint) made again by its family's adapter (`computed_buffers`)."""
-    fam = families.BY_CLASS.get(type(transformer).__name__)
-    if fam is not None:
-        fam.adapter_class().computed_buffers(transformer)
-    return transformer
-
-
-def meta_transformer_of(adapter, path: str) -> tuple:
-    """(the transformer of `path` built on the meta device, the single-file config or None):
-    a diffusers folder's from its config, a single file's from its weight shapes."""
-    if os.path.isfile(path):
-        from .detect import single_file_config
-        from .single_file import _skeleton
-        sf = single_file_config(path)
-        if sf["arch"] != adapter.arch:
-            raise ValueError(f"{path} is a {sf['arch']} file, not {adapter.arch}")
-        return _skeleton(sf["arch"], sf["config"]), sf
-    import diffusers
-    return meta_transformer(getattr(diffusers, adapter.transformer_class),
-                            os.path.join(path, "transformer")), None
-
-
 def text_encoder_device_of(model) -> "object":
     """Where the (rank-0) text encoders run: prompts are encoded there; the embeddings are
     moved to the transformer's device by the job broadcast."""
@@ -142,7 +108,7 @@ class DiTAdapter:
     @staticmethod
     def bfl_to_diffusers(sd: dict, config: dict) -> dict:
         """A single file's tensors in BFL/ComfyUI naming -> diffusers names (splitting fused
-        tensors along dim 0 only: workers/models/single_file.row_map relies on it)."""
+        tensors along dim 0 only: workers/loading/single_file.row_map relies on it)."""
         raise NotImplementedError
 
     @staticmethod
@@ -159,29 +125,30 @@ class DiTAdapter:
              stage=None, weights: str = "auto", text_encoders: str = "auto",
              shard=None) -> LoadedModel:
         """`stage` = (index, count, split): PipeFusion, load only that stage's blocks.
-        `weights`: auto | fp8 | full (workers/weights.py); `text_encoders`: where rank 0 runs
+        `weights`: auto | fp8 | full (workers/loading/weights.py); `text_encoders`: where rank 0 runs
         T5/CLIP (auto | cpu | gpu | cuda:N). The transformer goes straight from the file to
         `device`, tensor by tensor (no host copy), so all ranks may load at once. `shard`
         (weight sharding, workers/sharding.py): the transformer is sharded as it is built
-        and only this rank's rows are read (workers/weights_shards.py)."""
+        and only this rank's rows are read (workers/loading/shards.py)."""
         import diffusers
 
-        from ..weights import has_safetensors, load_folder, parameter_bytes, to_fp8
+        from ..loading.meta import meta_transformer
+        from ..loading.weights import has_safetensors, load_folder, parameter_bytes, to_fp8
 
         self.pipeline_class = self._pipeline_of(path)  # an adapter made without the path
         if shard is not None:
-            from ..weights_shards import load_shards
+            from ..loading.shards import load_shards
             transformer, report = load_shards(self, path, device, dtype, weights, shard)
             return self.assemble(path, transformer, report, device, dtype,
                                  with_text_encoders, text_encoders)
         if os.path.isfile(path):  # one .safetensors transformer (ComfyUI's model folders)
-            from .single_file import load_single_file
+            from ..loading.single_file import load_single_file
             return load_single_file(self, path, device, dtype, stage=stage, weights=weights)
         tcls = getattr(diffusers, self.transformer_class)
         folder = os.path.join(path, "transformer")
         stage_info = None
         if stage is not None:
-            from ..pipefusion.stages import load_stage_transformer
+            from ..loading.stages import load_stage_transformer
             transformer, stage_info, report = load_stage_transformer(
                 tcls, folder, self.block_lists, *stage, device=device, dtype=dtype,
                 weights=weights)
@@ -191,7 +158,7 @@ class DiTAdapter:
         else:  # .bin weights: diffusers' own loader (through host memory)
             transformer = tcls.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
             transformer.to(device).eval().requires_grad_(False)
-            from ..weights import LoadReport
+            from ..loading.weights import LoadReport
             n = to_fp8(transformer, self.block_lists) if weights == "fp8" else 0
             report = LoadReport(weights="fp8" if n else "full", fp8_layers=n,
                                 transformer_bytes=parameter_bytes(transformer))
@@ -227,11 +194,11 @@ class DiTAdapter:
         return model
 
     def _text_encoder_device(self, path, device, dtype, option) -> str:
-        """workers/weights.text_encoder_device with this GPU's free memory (after the
+        """workers/loading/weights.text_encoder_device with this GPU's free memory (after the
         transformer load) and the encoders' size in `dtype` (from their headers)."""
         import torch
 
-        from ..weights import device_name, folder_tensor_bytes, text_encoder_device
+        from ..loading.weights import device_name, folder_tensor_bytes, text_encoder_device
         free, need = None, 0
         if torch.device(device).type == "cuda" and str(option) == "auto":
             free = torch.cuda.mem_get_info(device_name(device))[0]

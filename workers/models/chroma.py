@@ -46,7 +46,7 @@ _TOP = {
 }
 def _without_modulation(rules: dict) -> dict:
     """FLUX.1's per-block rename rules less its per-block modulations, which Chroma replaces
-    by the one approximator (workers/models/single_file.py holds FLUX's rules)."""
+    by the one approximator (workers/loading/single_file.py holds FLUX's rules)."""
     return {k: v for k, v in rules.items() if not k.endswith(("_mod.lin", "modulation.lin"))}
 
 
@@ -64,7 +64,7 @@ def _approximator_names(layers: int) -> dict:
 def convert_chroma_bfl(sd: dict, config: dict) -> dict:
     """Chroma BFL/ComfyUI keys -> diffusers keys, key by key (a PipeFusion stage reads only
     its blocks); a key without a rule raises."""
-    from .single_file import _FLUX_DOUBLE, _FLUX_SINGLE, _convert_bfl
+    from ..loading.single_file import _FLUX_DOUBLE, _FLUX_SINGLE, _convert_bfl
     top = dict(_TOP, **_approximator_names(int(config["approximator_layers"])))
     hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
     return _convert_bfl(sd, top, _without_modulation(_FLUX_DOUBLE),

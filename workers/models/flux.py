@@ -227,5 +227,5 @@ class FluxAdapter(DiTAdapter):
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
-        from .single_file import convert_flux_bfl
+        from ..loading.single_file import convert_flux_bfl
         return convert_flux_bfl(sd, config["num_attention_heads"] * config["attention_head_dim"])

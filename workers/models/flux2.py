@@ -59,7 +59,7 @@ class Flux2Adapter(FluxAdapter):
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
-        from .single_file import convert_flux2_bfl
+        from ..loading.single_file import convert_flux2_bfl
         return convert_flux2_bfl(sd)
 
     def scale_shift(self, model) -> tuple:

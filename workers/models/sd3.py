@@ -65,5 +65,5 @@ class SD3Adapter(DiTAdapter):
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
-        from .single_file import convert_sd3_bfl
+        from ..loading.single_file import convert_sd3_bfl
         return convert_sd3_bfl(sd)

@@ -82,7 +82,7 @@ class WanAdapter(DiTAdapter):
             if stage is not None:  # PipeFusion: this stage's blocks of the second expert
                 import diffusers
 
-                from ..pipefusion.stages import load_stage_transformer
+                from ..loading.stages import load_stage_transformer
                 tr, _, _ = load_stage_transformer(
                     getattr(diffusers, self.transformer_class),
                     os.path.join(path, "transformer_2"), self.block_lists, *stage,
@@ -90,7 +90,7 @@ class WanAdapter(DiTAdapter):
                 tr.rope.to(device)
                 model.transformer_2 = tr
             elif shard is not None:  # sharded as the first expert, shard-only reads
-                from ..weights_shards import load_shards
+                from ..loading.shards import load_shards
                 tr, _ = load_shards(self, path, device, dtype, weights, shard,
                                     subfolder="transformer_2")
                 tr.rope.to(device)
@@ -109,10 +109,10 @@ class WanAdapter(DiTAdapter):
             raise ValueError("no two-expert Wan model was released with this transformer "
                              "(Wan 2.1 image-to-video); run one file alone")
         if shard is not None:
-            from ..weights_shards import load_shards
+            from ..loading.shards import load_shards
             tr, _ = load_shards(self, path_2, device, dtype, weights, shard)
         else:
-            from .single_file import load_single_file
+            from ..loading.single_file import load_single_file
             tr = load_single_file(self, path_2, device, dtype, stage=stage,
                                   weights=weights).transformer  # PipeFusion: its stage
         mine = {k: v for k, v in tr.config.items() if not k.startswith("_")}
@@ -128,8 +128,8 @@ class WanAdapter(DiTAdapter):
         first one is: from its config on the meta device, tensor by tensor to `device`."""
         import diffusers
 
-        from ..weights import has_safetensors, load_folder
-        from .base import meta_transformer
+        from ..loading.weights import has_safetensors, load_folder
+        from ..loading.meta import meta_transformer
         tcls = getattr(diffusers, self.transformer_class)
         folder = os.path.join(path, subfolder)
         if not has_safetensors(folder):
@@ -146,7 +146,7 @@ class WanAdapter(DiTAdapter):
         a meta-built model's rope module made again on the CPU as __init__ makes it (fp32;
         `assemble` moves it to the device)."""
         rope = transformer.rope
-        # always made again: also called after FSDP's `to_empty` (workers/weights_shards.py),
+        # always made again: also called after FSDP's `to_empty` (workers/loading/shards.py),
         # which leaves these buffers allocated but uninitialised (not on the meta device)
         with torch.device("cpu"):
             transformer.rope = type(rope)(rope.attention_head_dim, rope.patch_size,

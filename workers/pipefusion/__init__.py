@@ -19,7 +19,8 @@ It plugs into the plain denoising loop (workers/denoise.py) as one `StepStrategy
 * schedule.py — the tick table: which micro-batch each stage computes when, NCCL-safe;
 * plan.py — `PatchPlan`: the tokens one patch call computes (a SequencePlan);
 * cache.py — `PatchAttention` and the job's K/V caches;
-* stages.py — which blocks a rank holds, loading only those, the boundary hooks.
+* activations.py — a job's activation slots at a stage's boundaries (which blocks a
+  rank holds, loading only those and the boundary hooks: workers/loading/stages.py).
 
-Nothing here is imported at package import: the host's memory plan reads stages.py alone.
+Nothing here is imported at package import.
 """

@@ -18,7 +18,7 @@ from ..p2p import exchange
 from .cache import KVCache
 from .plan import PatchPlan
 from .schedule import Micro, build_schedule
-from .stages import Activations
+from .activations import Activations
 
 
 def check_stage(model, topo) -> None:

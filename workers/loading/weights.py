@@ -80,7 +80,7 @@ class Checkpoint:
 
     @classmethod
     def open(cls, paths) -> "Checkpoint":
-        from .models.detect import read_safetensors_header
+        from .header import read_safetensors_header
         ck = cls()
         for path in paths:
             with open(path, "rb") as f:
@@ -178,7 +178,7 @@ def checkpoint_files(folder: str) -> dict:
     if len(files) != 1:
         raise FileNotFoundError(f"{folder} has no safetensors weights (or several without an "
                                 f"index)")
-    from .models.detect import read_safetensors_header
+    from .header import read_safetensors_header
     path = os.path.join(folder, files[0])
     return {k: path for k in read_safetensors_header(path)}
 
@@ -554,7 +554,7 @@ def folder_tensor_bytes(folders, dtype) -> int:
     (from the safetensors headers; nothing is read)."""
     import math
 
-    from .models.detect import read_safetensors_header
+    from .header import read_safetensors_header
     size = torch.empty((), dtype=dtype).element_size()
     total = 0
     for folder in folders:

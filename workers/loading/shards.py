@@ -1,6 +1,6 @@
 """Shard-only loading: each rank reads just its FSDP2 rows of each transformer tensor.
 
-The loader beside workers/weights.py's whole-tensor one, for weight sharding
+The loader beside workers/loading/weights.py's whole-tensor one, for weight sharding
 (workers/sharding.py). The transformer is built on the meta device (models/base.py, as
 for a whole load), its fp8 layers made (weights.fp8_layers), sharded there and materialised as
 shards only (`to_empty`); then each rank reads its dim-0 chunk of each parameter (rows of a
@@ -29,7 +29,7 @@ import torch
 
 def direct_load_problem(path: str) -> str:
     """Why the transformer at `path` cannot be read shard by shard ("" when it can): then it
-    is loaded whole (workers/weights.py) and sharded after the load. Diffusers folders with
+    is loaded whole (workers/loading/weights.py) and sharded after the load. Diffusers folders with
     safetensors and single files (any naming, bf16 or fp8, scaled or not) can."""
     from .weights import has_safetensors
     if os.path.isfile(path) or has_safetensors(os.path.join(path, "transformer")):
@@ -95,7 +95,7 @@ class RowSource:
 def open_source(adapter, path: str, subfolder: str = "transformer"):
     """(Checkpoint, RowSource, meta-built transformer, single-file config or None);
     `subfolder`: a folder's other transformer (Wan 2.2's `transformer_2`)."""
-    from .models.base import meta_transformer, meta_transformer_of
+    from .meta import meta_transformer, meta_transformer_of
     from .weights import Checkpoint
     if subfolder != "transformer" and not os.path.isfile(path):
         import diffusers
@@ -105,7 +105,7 @@ def open_source(adapter, path: str, subfolder: str = "transformer"):
         return ck, RowSource.folder(ck), transformer, None
     transformer, sf = meta_transformer_of(adapter, path)
     if sf is not None:
-        from .models.single_file import row_map
+        from .single_file import row_map
         ck = Checkpoint.open([path])
         return ck, RowSource(ck, row_map(ck, sf)), transformer, sf
     ck = Checkpoint.folder(os.path.join(path, "transformer"))
@@ -180,7 +180,7 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
                 if r1 > r0:
                     amax[i] = unscaled(*read(name, r0, r1)).float().abs().max()
             if world > 1:
-                from .topology import all_reduce
+                from ..topology import all_reduce
                 all_reduce(amax, op="max", group=shard.control)
             whole = {n: fp8_scale(amax[i]) for i, n in enumerate(names)}
         dev = torch.device(device)

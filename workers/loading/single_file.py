@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import LoadedModel
+from ..models import LoadedModel
 from .. import families
 
 
@@ -183,7 +183,7 @@ IGNORED_SUFFIXES = (".scale_input",)
 def read_transformer_state(path: str, prefix: str) -> dict:
     """The transformer's tensors of a file (prefix stripped), on the CPU; other parts are
     not read. (Tests and tools; the loader streams instead.)"""
-    from ..weights import Checkpoint
+    from .weights import Checkpoint
     with Checkpoint.open([path]) as ck:
         return {k[len(prefix):]: ck.read(k) for k in ck.keys() if k.startswith(prefix)}
 
@@ -234,25 +234,11 @@ def row_map(ck, sf: dict) -> dict:
     return out
 
 
-def _skeleton(arch: str, config: dict):
-    """The transformer for `config` on the meta device (no memory, no random init)."""
-    import diffusers
-
-    cls = getattr(diffusers, families.family(arch).transformer_class)
-    kw = dict(config)
-    for k in ("axes_dims_rope", "dual_attention_layers"):
-        if k in kw:
-            kw[k] = tuple(kw[k])
-    with torch.device("meta"):
-        model = cls(**kw)
-    from .base import with_computed_buffers
-    return with_computed_buffers(model)
-
-
 def build_transformer(arch: str, config: dict, state: dict, dtype):
     """A diffusers transformer for `config` holding exactly `state` (strict: a missing or an
     extra tensor, or a shape that does not fit, raises)."""
-    model = _skeleton(arch, config)
+    from .meta import skeleton
+    model = skeleton(arch, config)
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
@@ -268,7 +254,7 @@ def file_tensors(ck, sf: dict, device, dtype, skip=lambda name: False):
     key by key (so `skip`ped blocks, in the file's naming, are never read); diffusers' SD3
     converter needs every block, so a BFL-named SD3 file is read whole (each tensor cast to
     `dtype` as it arrives, fp8 ones dequantized) and then converted."""
-    from ..weights import dequantize, is_fp8
+    from .weights import dequantize, is_fp8
     arch, naming, prefix = sf["arch"], sf["naming"], sf["prefix"]
     names = [k[len(prefix):] for k in ck.keys() if k.startswith(prefix)]
     scale_of = {n[: -len(SCALE_SUFFIX)] + ".weight": prefix + n for n in names
@@ -302,15 +288,15 @@ def file_tensors(ck, sf: dict, device, dtype, skip=lambda name: False):
 def load_single_file(adapter, path: str, device, dtype, stage=None,
                      weights: str = "auto") -> LoadedModel:
     """`stage` = (index, count, split): PipeFusion, keep only that stage's blocks.
-    `weights`: auto | fp8 | full (workers/weights.py); a scaled-fp8 file's scale_weight
+    `weights`: auto | fp8 | full (workers/loading/weights.py); a scaled-fp8 file's scale_weight
     tensors are applied (kept beside the fp8 weights, or folded in when dequantized)."""
-    from ..weights import Checkpoint, device_name, load_tensors
-    from .base import meta_transformer_of
+    from .weights import Checkpoint, device_name, load_tensors
+    from .meta import meta_transformer_of
     tr, sf = meta_transformer_of(adapter, path)
     arch, lists = sf["arch"], adapter.block_lists
     info, skip, elsewhere = None, (lambda name: False), (lambda name: False)
     if stage is not None:
-        from ..pipefusion.stages import keep_stage_blocks, plan_stages, stage_block_names
+        from .stages import keep_stage_blocks, plan_stages, stage_block_names
         info = plan_stages(tr, lists, *stage)
         others = stage_block_names(tr, lists, info)  # "transformer_blocks.3", ...
         raw_others = set()
@@ -334,6 +320,6 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
     report.checkpoint_scaled = sf.get("storage", {}).get("scaled", False)
     report.tensors_read, report.bytes_read = ck.reads, ck.bytes_read
     if stage is not None:
-        from ..pipefusion.stages import finish_stage
+        from .stages import finish_stage
         finish_stage(tr, lists, info)
     return adapter.assemble(path, tr, report.as_dict(), device, dtype, False, stage_info=info)

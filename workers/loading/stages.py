@@ -14,7 +14,6 @@ transfers). The slots arrive with the call (its PatchPlan), never from a global.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -161,47 +160,12 @@ def plan_stages(transformer, lists, stage: int, stages: int, split: str) -> Stag
                      split=str(split))
 
 
-class Activations:
-    """One job's activation slots at this stage's boundaries: what the previous stage sent
-    for this tick's patch, and what the last block produced for the next stage."""
-
-    def __init__(self, sp_rank: int):
-        self.sp_rank = sp_rank
-        self.incoming: Optional[torch.Tensor] = None
-        self.outgoing: Optional[torch.Tensor] = None
-
-    def receive(self, plan, joined: bool = False):
-        """The previous stage's [text, image] activations: split in two, or as one joined
-        tensor for a block that takes the streams joined (FLUX.2's single blocks)."""
-        buf, self.incoming = self.incoming, None
-        t = plan.sizes("text")[self.sp_rank]
-        want = t + plan.sizes("image")[self.sp_rank]
-        if buf is None or buf.shape[1] != want:
-            got = None if buf is None else tuple(buf.shape)
-            raise RuntimeError(f"pipeline activations {got} do not fit the patch ({want} tokens)")
-        return buf if joined else (buf[:, :t], buf[:, t:])
-
-    def send(self, encoder_hidden_states, hidden_states) -> None:
-        parts = [hidden_states] if encoder_hidden_states is None \
-            else [encoder_hidden_states, hidden_states]
-        self.outgoing = torch.cat(parts, dim=1)
-
-    def take(self) -> torch.Tensor:
-        out, self.outgoing = self.outgoing, None
-        if out is None:
-            raise RuntimeError("the stage produced no activations for the next stage")
-        return out
-
-    def clear(self) -> None:
-        self.incoming = self.outgoing = None
-
-
 def load_stage_transformer(transformer_class, folder: str, lists, stage: int, stages: int,
                            split: str, device, dtype, weights: str = "auto"):
     """Build the transformer with only stage `stage`'s blocks, reading only their tensors,
-    each straight to `device` (workers/weights.py). -> (transformer, StageInfo, LoadReport)"""
-    from ..models.base import meta_transformer
-    from ..weights import load_folder
+    each straight to `device` (workers/loading/weights.py). -> (transformer, StageInfo, LoadReport)"""
+    from .meta import meta_transformer
+    from .weights import load_folder
 
     tr = meta_transformer(transformer_class, folder)
     info = plan_stages(tr, lists, stage, stages, split)
@@ -227,7 +191,7 @@ def stage_block_names(transformer, lists, info: StageInfo) -> set:
 
 
 def finish_stage(transformer, lists, info: StageInfo) -> None:
-    """After the stage's tensors are assigned (workers/weights.load_tensors, strict): check
+    """After the stage's tensors are assigned (workers/loading/weights.load_tensors, strict): check
     nothing is left on the meta device, then hook the stage boundaries."""
     leftover = [n for n, b in transformer.named_buffers() if b.is_meta]
     if leftover:
@@ -240,7 +204,7 @@ def finish_stage(transformer, lists, info: StageInfo) -> None:
 def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
     # here, not at the top: the host's memory plan reads this module's split functions
     # without the worker's process-group modules
-    from .plan import PatchPlan
+    from ..pipefusion.plan import PatchPlan
 
     current = _CurrentPlan()
 

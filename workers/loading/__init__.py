@@ -1,0 +1,14 @@
+"""Loading a transformer onto a rank, in one place:
+
+* header.py — the safetensors header reader (names, dtypes, shapes, byte ranges).
+* meta.py — the transformer built on the meta device from a folder's config or a single
+  file's weight shapes, its weights to be assigned.
+* weights.py — tensor-by-tensor loading straight to the device, and fp8 storage.
+* single_file.py — ComfyUI / BFL single files: their names converted to diffusers'.
+* shards.py — shard-only loading for weight sharding: each rank reads its rows.
+* stages.py — PipeFusion's stages: which blocks a rank holds, loading only those, and the
+  hooks at a stage's boundaries.
+
+Nothing here imports the adapters (workers/models/) at module level but the one place that
+needs a family's conversion rules; the adapters call in.
+"""

@@ -1,0 +1,43 @@
+"""A PipeFusion job's activation slots at a stage's boundaries (the strategy fills and empties
+them; the stage's boundary hooks, workers/loading/stages.py, read and write them through the
+call's PatchPlan)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class Activations:
+    """One job's activation slots at this stage's boundaries: what the previous stage sent
+    for this tick's patch, and what the last block produced for the next stage."""
+
+    def __init__(self, sp_rank: int):
+        self.sp_rank = sp_rank
+        self.incoming: Optional[torch.Tensor] = None
+        self.outgoing: Optional[torch.Tensor] = None
+
+    def receive(self, plan, joined: bool = False):
+        """The previous stage's [text, image] activations: split in two, or as one joined
+        tensor for a block that takes the streams joined (FLUX.2's single blocks)."""
+        buf, self.incoming = self.incoming, None
+        t = plan.sizes("text")[self.sp_rank]
+        want = t + plan.sizes("image")[self.sp_rank]
+        if buf is None or buf.shape[1] != want:
+            got = None if buf is None else tuple(buf.shape)
+            raise RuntimeError(f"pipeline activations {got} do not fit the patch ({want} tokens)")
+        return buf if joined else (buf[:, :t], buf[:, t:])
+
+    def send(self, encoder_hidden_states, hidden_states) -> None:
+        parts = [hidden_states] if encoder_hidden_states is None \
+            else [encoder_hidden_states, hidden_states]
+        self.outgoing = torch.cat(parts, dim=1)
+
+    def take(self) -> torch.Tensor:
+        out, self.outgoing = self.outgoing, None
+        if out is None:
+            raise RuntimeError("the stage produced no activations for the next stage")
+        return out
+
+    def clear(self) -> None:
+        self.incoming = self.outgoing = None
