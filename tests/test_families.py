@@ -88,3 +88,14 @@ def test_each_family_is_two_files_and_complete(fid):
     assert families.BY_CLASS[fam.transformer_class] is fam
     for naming, _ in fam.markers:
         assert naming in ("bfl", "diffusers")
+
+
+def test_families_are_discovered_from_their_modules():
+    """The registry is filled by the family modules themselves (a new family is its module,
+    not an entry in a list elsewhere), in their declared order."""
+    modules = {p.stem for p in (ROOT / "workers" / "families").glob("*.py")
+               if not p.stem.startswith("_")}
+    assert set(families.IDS) == modules
+    orders = [families.FAMILIES[i].order for i in families.IDS]
+    assert orders == sorted(orders)
+    assert "_IDS" not in (ROOT / "workers" / "families" / "__init__.py").read_text()

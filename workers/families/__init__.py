@@ -152,6 +152,7 @@ class Family:
     # ComfyUI's samplers batch both branches in one call
     model_cfg_first: bool = False
     detect_order: int = 0  # single-file detection order (lower first)
+    order: int = 100  # place in lists and messages (lower first; ties by id)
     # model_index.json's pipeline class (None: no file) -> the pipeline that encodes the
     # folder's prompts; raises ValueError (one line) for a pipeline of another kind
     pipeline_of: Optional[Callable] = None
@@ -176,10 +177,16 @@ class Family:
             return None
 
 
-_IDS = ("flux", "flux2", "sd3", "chroma", "qwen_image", "wan")
-FAMILIES: dict = {}
-for _id in _IDS:
-    FAMILIES[_id] = importlib.import_module(f"{__name__}.{_id}").FAMILY
+def _discover() -> dict:
+    """Every family module of this package (each defines FAMILY; modules starting with "_"
+    are shared helpers), in their declared `order`: adding a family is adding its module."""
+    import pkgutil
+    found = [importlib.import_module(f"{__name__}.{m.name}").FAMILY
+             for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    return {f.id: f for f in sorted(found, key=lambda f: (f.order, f.id))}
+
+
+FAMILIES: dict = _discover()
 IDS = tuple(FAMILIES)
 BY_CLASS = {f.transformer_class: f for f in FAMILIES.values()}
 

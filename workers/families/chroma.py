@@ -64,7 +64,7 @@ def released(config: dict) -> tuple:
 
 
 FAMILY = Family(
-    id="chroma", name="Chroma", transformer_class="ChromaTransformer2DModel",
+    id="chroma", order=40, name="Chroma", transformer_class="ChromaTransformer2DModel",
     pipelines=("ChromaPipeline",), adapter="ChromaAdapter",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     block_counts=("num_layers", "num_single_layers"),

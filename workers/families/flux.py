@@ -96,7 +96,7 @@ def comfy_unet(cfg: dict) -> dict:
 
 
 FAMILY = Family(
-    id="flux", name="FLUX.1", transformer_class="FluxTransformer2DModel",
+    id="flux", order=10, name="FLUX.1", transformer_class="FluxTransformer2DModel",
     pipelines=("FluxPipeline",), adapter="FluxAdapter",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     block_counts=("num_layers", "num_single_layers"),

@@ -93,7 +93,7 @@ def comfy_unet(cfg: dict) -> dict:
 
 
 FAMILY = Family(
-    id="flux2", name="FLUX.2", transformer_class="Flux2Transformer2DModel",
+    id="flux2", order=20, name="FLUX.2", transformer_class="Flux2Transformer2DModel",
     pipelines=(DEFAULT_PIPELINE, "Flux2Pipeline"), adapter="Flux2Adapter",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     block_counts=("num_layers", "num_single_layers"),

@@ -98,7 +98,7 @@ def pipeline_of(index_class) -> str:
 
 
 FAMILY = Family(
-    id="qwen_image", name="Qwen-Image", transformer_class="QwenImageTransformer2DModel",
+    id="qwen_image", order=50, name="Qwen-Image", transformer_class="QwenImageTransformer2DModel",
     pipelines=("QwenImagePipeline", "QwenImageEditPipeline"), adapter="QwenImageAdapter",
     block_lists=("transformer_blocks",), block_counts=("num_layers",),
     latent=LATENT,

@@ -65,7 +65,7 @@ def released(config: dict) -> tuple:
 
 
 FAMILY = Family(
-    id="sd3", name="SD3/3.5", transformer_class="SD3Transformer2DModel",
+    id="sd3", order=30, name="SD3/3.5", transformer_class="SD3Transformer2DModel",
     pipelines=("StableDiffusion3Pipeline",), adapter="SD3Adapter",
     block_lists=("transformer_blocks",), block_counts=("num_layers",),
     latent=LATENT,

@@ -103,8 +103,8 @@ COMFY_SHIFT = 8.0
 
 def released(config: dict) -> tuple:
     """A single file's scheduler (SCHEDULER at ComfyUI's shift) and VAE statistics."""
-    return dict(SCHEDULER, flow_shift=COMFY_SHIFT), {"latents_mean": list(LATENTS_MEAN), "latents_std": list(LATENTS_STD),
-                             "z_dim": 16}
+    vae = {"latents_mean": list(LATENTS_MEAN), "latents_std": list(LATENTS_STD), "z_dim": 16}
+    return dict(SCHEDULER, flow_shift=COMFY_SHIFT), vae
 
 
 def expert_boundary(cfg: dict):
@@ -144,7 +144,7 @@ def pipeline_of(index_class) -> str:
 
 
 FAMILY = Family(
-    id="wan", name="Wan", transformer_class="WanTransformer3DModel",
+    id="wan", order=60, name="Wan", transformer_class="WanTransformer3DModel",
     pipelines=("WanPipeline", "WanImageToVideoPipeline"), adapter="WanAdapter",
     block_lists=("blocks",), block_counts=("num_layers",),
     latent=LATENT,

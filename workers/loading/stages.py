@@ -163,7 +163,7 @@ def plan_stages(transformer, lists, stage: int, stages: int, split: str) -> Stag
 def load_stage_transformer(transformer_class, folder: str, lists, stage: int, stages: int,
                            split: str, device, dtype, weights: str = "auto"):
     """Build the transformer with only stage `stage`'s blocks, reading only their tensors,
-    each straight to `device` (workers/loading/weights.py). -> (transformer, StageInfo, LoadReport)"""
+    each straight to `device` (weights.py). -> (transformer, StageInfo, LoadReport)"""
     from .meta import meta_transformer
     from .weights import load_folder
 
