@@ -142,3 +142,20 @@ def test_the_circle_check_finds_a_circle():
     g = _graph()
     g["workers.loading.meta"] = set(g["workers.loading.meta"]) | {"workers.models.base"}
     assert any("workers.loading.meta" in c for c in _circles(g))
+
+
+def test_the_host_loads_only_the_listed_worker_modules():
+    """The host reaches workers/ through one loader (client/worker_modules.py) whose targets
+    are listed there with their reason: every `worker_module("...")` of the host package names
+    a listed target, every target is used and loads."""
+    from comfyui_xdit.client.worker_modules import TARGETS, worker_module
+    used = set()
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "worker_module":
+                arg = node.args[0]
+                assert isinstance(arg, ast.Constant), f"{path}: worker_module of a non-literal"
+                used.add(arg.value)
+    assert used == set(TARGETS), (sorted(used - set(TARGETS)), sorted(set(TARGETS) - used))
+    for name in TARGETS:
+        assert worker_module(name).__name__.endswith(name)

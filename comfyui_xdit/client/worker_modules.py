@@ -12,6 +12,22 @@ import importlib.util
 import os
 import sys
 
+# Every worker module the host package loads, and why: the edges from comfyui_xdit/ to
+# workers/ in one place (tests/test_layout.py checks that the host names no other and that
+# each loads). The test-model builders read their own family's description.
+TARGETS = {
+    "families": "the family registry and descriptions (shapes, defaults, formats)",
+    "families.chroma": "testmodels: Chroma's builder", "families.flux": "testmodels: FLUX.1's",
+    "families.qwen_image": "testmodels: Qwen-Image's", "families.sd3": "testmodels: SD3's",
+    "families.wan": "testmodels: Wan's",
+    "models.detect": "model detection: a folder's or file's family and config",
+    "models.latent_layout": "packing latents between ComfyUI's and the model's layout",
+    "loading.stages": "PipeFusion's stage split, for the memory plan",
+    "loading.weights": "fp8 storage and block Linears, for the memory plan and fp8 files",
+    "channel": "the host end of the control channel", "protocol": "the typed messages",
+    "messages": "shared message texts and process facts",
+    "step_cache": "the step cache's settings, validated on the host",
+}
 _PACKAGE = "comfyui_xdit_workers"
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "workers")
