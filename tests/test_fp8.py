@@ -520,3 +520,50 @@ def test_pipefusion_stages_of_a_scaled_fp8_file(fp8_files):
                 assert torch.equal(mod.scale, ref[n].scale), n
                 held.add(n)
     assert held == {n for n, mod in ref.items() if type(mod).__name__ == "FP8Linear"}
+
+
+def test_an_activation_is_quantised_once_for_every_matmul_that_reads_it(model_dir,
+                                                                        monkeypatch):
+    """fp8 matmul layers of one block that read the same input (q, k, v; a single block's
+    attention and MLP input) share its per-row quantisation: one quantize_rows per distinct
+    input tensor, fewer than the fp8 matmuls, and the output equals the unshared layers'
+    exactly (the same quantisation)."""
+    import diffusers
+
+    from workers.loading import weights as W
+    tr = diffusers.FluxTransformer2DModel.from_pretrained(
+        str(model_dir("flux")), subfolder="transformer").eval()
+    lists = ("transformer_blocks", "single_transformer_blocks")
+    W.to_fp8(tr, lists)
+    info = W.set_fp8_compute(tr, "on", "cpu", torch.float32)
+    assert info["fp8_matmul_layers"] == info["fp8_layers"] > 0
+    calls, inputs, quantised = [], {}, []
+    for name, m in tr.named_modules():
+        if isinstance(m, W.FP8Linear):
+            block = ".".join(name.split(".")[:2])
+            def seen(mod, args, b=block):  # returns None: the call's inputs unchanged
+                calls.append(b)
+                inputs.setdefault(b, []).append(args[0])
+            m.register_forward_pre_hook(seen)
+    real = W.quantize_rows
+    monkeypatch.setattr(W, "quantize_rows", lambda x2: quantised.append(1) or real(x2))
+    g = torch.Generator().manual_seed(0)
+    kw = dict(hidden_states=torch.randn(1, 24, 64, generator=g),
+              encoder_hidden_states=torch.randn(1, 7, tr.config.joint_attention_dim, generator=g),
+              pooled_projections=torch.randn(1, tr.config.pooled_projection_dim, generator=g),
+              timestep=torch.tensor([0.7]), guidance=torch.tensor([3.5]),
+              txt_ids=torch.zeros(7, 3), img_ids=torch.zeros(24, 3), return_dict=False)
+    if not tr.config.guidance_embeds:
+        kw.pop("guidance")
+    with torch.no_grad():
+        shared = tr(**kw)[0]
+        distinct = sum(len({id(t) for t in ts}) for ts in inputs.values())
+        n_calls, n_quantised = len(calls), len(quantised)
+        for m in tr.modules():
+            if isinstance(m, W.FP8Linear):
+                m.shared = None
+        unshared = tr(**kw)[0]
+    print(f"fp8 matmuls {n_calls}, distinct inputs {distinct}, quantisations {n_quantised}")
+    assert n_quantised == distinct < n_calls
+    assert len(quantised) - n_quantised == n_calls  # unshared: one per matmul
+    assert torch.equal(shared, unshared)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -223,6 +224,7 @@ class FP8Linear(torch.nn.Linear):
         # decision on tensor values, no process-wide switch
         self.fp8_matmul = False
         self.register_buffer("scale_row", None, persistent=False)
+        self.shared = None  # the block's SharedQuant (set_fp8_compute), or None
 
     def use_fp8_matmul(self, on: bool = True) -> None:
         """Multiply in fp8 from now on (or not). The weight scale is expanded here, once, to
@@ -238,7 +240,10 @@ class FP8Linear(torch.nn.Linear):
 
     def forward(self, x):
         if self.fp8_matmul and x.dtype == self.compute_dtype:
-            return fp8_linear(x, self.weight, self.scale_row, self.bias)
+            q = None
+            if self.shared is not None and not torch.compiler.is_compiling():
+                q = self.shared.get(x)  # compiled: inductor merges the identical passes
+            return fp8_linear(x, self.weight, self.scale_row, self.bias, q)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self):
@@ -259,13 +264,37 @@ def quantize_rows(x2: torch.Tensor) -> tuple:
     return (x2 / s).to(FP8), s.float()
 
 
-def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale_row: torch.Tensor, bias=None):
+class SharedQuant:
+    """One block's quantised activations, shared by its fp8 Linears: the Linears that read
+    the same input tensor (q, k and v; a single block's attention and MLP input) quantise it
+    once. Entries name their input by a weak reference (never keeping it alive) and are
+    dropped when the block's forward ends (`set_fp8_compute` hooks it), so at most one
+    block's quantised inputs are held at a time."""
+
+    def __init__(self):
+        self.entries: list = []  # (weakref to the input, its data pointer, (x8, scale))
+
+    def get(self, x: torch.Tensor) -> tuple:
+        for ref, ptr, q in self.entries:
+            if ref() is x and x.data_ptr() == ptr:
+                return q
+        q = quantize_rows(x.reshape(-1, x.shape[-1]))
+        self.entries.append((weakref.ref(x), x.data_ptr(), q))
+        return q
+
+    def clear(self, *_) -> None:
+        self.entries.clear()
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale_row: torch.Tensor, bias=None,
+               quantized=None):
     """x @ (w8 * scale).T + bias multiplied in fp8 by `torch._scaled_mm`: activations
-    quantized per row (`quantize_rows`, scale_a [M, 1]), the weight's per-tensor scale as
-    scale_b [1, N] (row-wise mode takes both or neither as vectors); out in x's dtype, which
-    the CUDA kernels also want for the bias."""
+    quantized per row (`quantize_rows`, scale_a [M, 1]; `quantized`: x's, already made for
+    another Linear reading the same x), the weight's per-tensor scale as scale_b [1, N]
+    (row-wise mode takes both or neither as vectors); out in x's dtype, which the CUDA
+    kernels also want for the bias."""
     shape = x.shape
-    x8, sa = quantize_rows(x.reshape(-1, shape[-1]))
+    x8, sa = quantized if quantized is not None else quantize_rows(x.reshape(-1, shape[-1]))
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     out = torch._scaled_mm(x8, w8.t(), scale_a=sa, scale_b=w_scale_row, bias=bias,
@@ -336,6 +365,8 @@ def set_fp8_compute(transformer, choice: str, device, dtype) -> dict:
     for lin in layers:
         lin.use_fp8_matmul(on and fp8_matmul_shape_ok(lin))
         n_mm += lin.fp8_matmul
+    if n_mm:
+        share_quantization(transformer)
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
         dtype, str(dtype))
     if not layers:
@@ -348,6 +379,23 @@ def set_fp8_compute(transformer, choice: str, device, dtype) -> dict:
     else:
         text = f"fp8 weights, upcast to {name} per call ({why})"
     return {"fp8_layers": len(layers), "fp8_matmul_layers": n_mm, "text": text}
+
+
+def share_quantization(transformer) -> int:
+    """One SharedQuant per block (the modules "<list>.<index>" holding fp8-matmul Linears),
+    emptied by a hook when the block's forward ends; returns the number of blocks."""
+    groups: dict = {}
+    for name, m in transformer.named_modules():
+        if isinstance(m, FP8Linear) and m.fp8_matmul:
+            parts = name.split(".")
+            block = ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else name
+            groups.setdefault(block, []).append(m)
+    for block, lins in groups.items():
+        shared = SharedQuant()
+        for lin in lins:
+            lin.shared = shared
+        transformer.get_submodule(block).register_forward_hook(shared.clear)
+    return len(groups)
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
