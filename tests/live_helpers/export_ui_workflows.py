@@ -33,6 +33,15 @@ TIDY = """async () => {
     }
   }
   app.graph.arrange(60);
+  // room for the text ComfyUI adds under an xDiT node when it runs (a 58 px widget; the
+  // loader also grows to its computed size): what lies below such a node moves down 70 px
+  const texts = new Set(["xDiT.LoadModel", "xDiT.Sampler", "xDiT.Decode"]);
+  for (const n of app.graph._nodes.filter((n) => texts.has(n.type))) {
+    for (const m of app.graph._nodes) {
+      if (m !== n && m.pos[1] > n.pos[1] && m.pos[0] < n.pos[0] + n.size[0] &&
+          m.pos[0] + m.size[0] > n.pos[0]) m.pos[1] += 70;
+    }
+  }
 }"""
 FIT_VIEW = """() => {
   const app = window.app, c = app.canvas;
