@@ -54,8 +54,13 @@ async function post(path, el) {
   }
 }
 
-app.registerExtension({
-  name: "xDiT.StatusPanel",
+const EXTENSION = "xDiT.StatusPanel";
+
+// The pack installed twice (two folders in custom_nodes/) loads this script twice; the
+// frontend refuses a second extension of the same name with a console error, so the second
+// copy registers nothing and the one panel stays.
+if (!(app.extensions || []).some((e) => e.name === EXTENSION)) app.registerExtension({
+  name: EXTENSION,
   async setup() {
     const tab = {
       id: "xdit-status",
