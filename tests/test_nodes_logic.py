@@ -334,7 +334,7 @@ def test_decode_on_the_pool_and_with_a_comfyui_vae(registry, model_dir, tmp_path
     img = decode(h, lat, registry=registry)
     assert img.shape == (2, 64, 96, 3) and 0 <= img.min() and img.max() <= 1
     # the node's text says what ran (the pool was warm: no launch)
-    assert re.fullmatch(r"decoded 2 images 96x64 on 2 ranks, \d+\.\d s", registry.last_decode_text)
+    assert re.fullmatch(r"2 ranks, \d+(\.\d)? s", registry.last_decode_text)
     assert registry.pools() == [pool] and pool.worker_pids() == pids  # the same warm pool
     vae = AutoencoderKL.from_pretrained(str(model_dir("flux")), subfolder="vae")
     with torch.no_grad():
@@ -745,7 +745,9 @@ def test_compiling_text_for_both_sampling_paths():
     """Sampler (xDiT) and the xDiT MODEL under KSampler show the same text while compiling."""
     from comfyui_xdit.nodes.logic import compiling_text
     assert compiling_text({"phase": "compiling", "compiles": 3, "compile_s": 12.4}) == \
-        "compiling (3 graph(s), 12 s so far)"
+        "compiling: 3 graphs, 12 s"
+    assert compiling_text({"phase": "compiling", "compiles": 1, "compile_s": 0.5}) == \
+        "compiling: 1 graph, 0.5 s"
     assert compiling_text({"step": 1, "total": 4}) is None
 
 
@@ -851,12 +853,154 @@ def test_sampler_text_after_the_job():
     both = ParallelConfig(dp=2, cfg_parallel=True, pipefusion=2, ulysses=2, ring=2)
     assert layout_text(both) == "DP 2 x CFG parallel x PipeFusion 2 x Ulysses 2 x Ring 2"
     assert job_text(28, ParallelConfig(cfg_parallel=True), 9.96, launch_s=12.04) == \
-        "28 steps, 2 ranks (CFG parallel), 10.0 s + 12.0 s launch"
+        "28 steps, 2 ranks (CFG parallel), 10 s + 12 s launch"
+    # too long for the node: shorter cache counts, then no layout, then no launch
+    cache = {"computed": 9, "skipped": 19}
+    assert job_text(28, ParallelConfig(ulysses=2), 3.14, 17.4, cache) == \
+        "28 steps, 2 ranks, 3.1 s + 17 s launch, 9/28 calls in full"
+    assert job_text(28, ParallelConfig(ulysses=2), 3.14, 0, cache) == \
+        "28 steps, 2 ranks (Ulysses 2), 3.1 s, 9/28 calls in full"
+    assert job_text(1000, ParallelConfig(cfg_parallel=True, ulysses=2, ring=2), 1234, 999,
+                    cache) == "1000 steps, 8 ranks, 1234 s, 9/28 calls in full"
+    assert job_text(28, both, 3.14, 17.4, cache, node=None) == \
+        ("28 steps, 32 ranks (DP 2 x CFG parallel x PipeFusion 2 x Ulysses 2 x Ring 2), "
+         "3.1 s + 17 s launch, 9 of 28 calls computed in full")  # the log's sentence
     from comfyui_xdit.nodes.logic import decode_text
-    assert decode_text(torch.zeros(1, 64, 96, 3), 2, 1.04, True) == \
+    assert decode_text(torch.zeros(1, 64, 96, 3), 2, 1.04, True) == "2 ranks, 1.0 s"
+    assert decode_text(torch.zeros(1, 64, 96, 3), 2, 1.04, True, node=None) == \
         "decoded 1 image 96x64 on 2 ranks, 1.0 s (incl. launch)"
-    assert decode_text(torch.zeros(3, 8, 8, 3), 0, 0.2, False) == \
+    assert decode_text(torch.zeros(3, 8, 8, 3), 0, 0.2, False) == "VAE, 0.2 s"
+    assert decode_text(torch.zeros(3, 8, 8, 3), 0, 0.2, False, node=None) == \
         "decoded 3 images 8x8 with the VAE input, 0.2 s"
+    assert decode_text(torch.zeros(1, 8, 8, 3), 16, 1234.0, False) == "1234 s"  # too long
+
+
+# ---- the node texts fit their nodes (issue "The ComfyUI users run in 2026": Decode's text
+# was cut to "decoded 1 imag", the loader's ran into the node below) ----------------------------
+# Widths in px measured in headless Chromium (canvas measureText in the text widget's font),
+# the larger of ComfyUI 0.8.0's frontend 1.35.9 (Inter 12 px) and 0.3.64's 1.27.10 (Arial 12 px)
+MEASURED_PX = {"decoded 1 image 64x64 on 2 ranks, 0.2 s": 235.5,  # the old Decode text
+               "runs on cpu, fp32, 2 rank(s)": 158.3,  # the old loader text
+               "2 steps, 2 ranks (Ulysses 2), 0.4 s + 17.4 s launch": 279.7,
+               "xDiT step cache, 2 of 12 calls computed in full": 260.4,
+               "runs on cpu, fp32, 2 ranks": 149.5, "2 ranks, 0.2 s": 76.5,
+               "16 ranks, 999 s": 85.8, "starting 0/16": 70.6, "loading 16/16": 74.0,
+               "cuda, bf16, 16 ranks, 130.1 of 141.0 GiB": 215.5,
+               "step 999/1000, 1000/1000 calls in full": 211.5,
+               "compiling: 12 graphs, 123 s so far": 188.8, "0123456789": 71.0}
+
+
+def test_text_width_estimate_is_from_above():
+    from comfyui_xdit.nodes.logic import text_px
+    for text, px in MEASURED_PX.items():
+        assert px <= text_px(text) <= px * 1.12, (text, text_px(text), px)
+    # the old texts did not fit: Decode (fresh, 140 px wide) and the loader (270 px)
+    from comfyui_xdit.nodes.logic import NODE_TEXT_PX
+    assert MEASURED_PX["decoded 1 image 64x64 on 2 ranks, 0.2 s"] > NODE_TEXT_PX["decode"]
+    assert NODE_TEXT_PX == {"loader": 270 - 52, "sampler": 400 - 52, "decode": 140 - 52,
+                            "comfy_sampler": 202 - 52}
+
+
+def _plan(peak, cap, fits):
+    from types import SimpleNamespace
+    gib = 2 ** 30
+    worst = SimpleNamespace(total=int(peak * gib),
+                            gpu_memory=None if cap is None else int(cap * gib))
+    return SimpleNamespace(worst=worst, fits=fits)
+
+
+def node_texts():
+    """(node, text): every text the nodes send, typical and worst cases (16 ranks, every
+    layout, long runs, launches, step-cache counts, memory plans, long model names)."""
+    from types import SimpleNamespace
+    from comfyui_xdit.nodes import logic
+    out = []
+    ranks = [int(w) for w in logic.WORLD_SIZES if w != "auto"]
+    plans = [None, _plan(30.1, 79.1, True), _plan(999.9, 141.0, True), _plan(1234.5, 79.1, False),
+             _plan(999.9, None, None), SimpleNamespace(error="RuntimeError: no", fits=None)]
+    for device, dtype in (("cpu", "fp32"), ("cuda", "bf16"), ("cuda", "fp16")):
+        for n in ranks:
+            for plan in plans:
+                out.append(("loader", logic.loader_text(device, dtype, n, plan)))
+    long_name = make_handle("/models/diffusers/" + "FLUX.1-dev-with-a-very-long-name" * 8,
+                            "cpu", "fp32", world_size="16")
+    out.append(("loader", long_name.node_text()))
+    layouts = [ParallelConfig(), ParallelConfig(ulysses=2), ParallelConfig(cfg_parallel=True),
+               ParallelConfig(cfg_parallel=True, ulysses=2, ring=2),
+               ParallelConfig(dp=2, pipefusion=2, ulysses=2, ring=2),
+               ParallelConfig(dp=2, cfg_parallel=True, pipefusion=2, ulysses=2),
+               ParallelConfig(cfg_parallel=True, pipefusion=2, ulysses=2, ring=2)]
+    caches = [None, {"computed": 2, "skipped": 1}, {"computed": 9999, "skipped": 10001}]
+    for steps in (1, 28, 10000):
+        for config in layouts:
+            for job_s in (0.04, 9.96, 99999.0):
+                for launch_s in (0.0, 17.4, 9999.0):
+                    for cache in caches:
+                        out.append(("sampler", logic.job_text(steps, config, job_s, launch_s,
+                                                              cache)))
+    for step, total in ((3, 28), (10000, 10000)):
+        for cache in caches[1:]:
+            out.append(("sampler", logic.step_text(step, total, cache)))
+    for node in ("sampler", "decode"):
+        for n in ranks:
+            for k in (0, n):
+                out.append((node, logic.launch_text(f"starting {n} workers", k, n, node)))
+                out.append((node, logic.launch_text(f"loading {k}/{n}", k, n, node)))
+    for compiles in (1, 3, 120, 10000):
+        for compile_s in (0.4, 59.0, 3600.0, 99999.0):
+            out.append(("comfy_sampler", logic.compiling_text(
+                {"phase": "compiling", "compiles": compiles, "compile_s": compile_s})))
+    for cache in caches[1:]:
+        out.append(("comfy_sampler", logic.model_cache_text(cache)))
+    for n in [0] + ranks:
+        for seconds in (0.04, 9.96, 99.4, 999.0, 99999.0):
+            for images in (torch.zeros(1, 64, 64, 3), SimpleNamespace(shape=(81, 1280, 720, 3))):
+                for launched in (False, True):
+                    out.append(("decode", logic.decode_text(images, n, seconds, launched)))
+    return out
+
+
+def test_every_node_text_is_one_line_that_fits_its_node():
+    """ComfyUI shows a node's progress text in a widget one line tall: each text is one line
+    no wider than its node's text area (the example layout's width, or the fresh node's where
+    narrower, less the widget's margins and padding), estimated from above by text_px."""
+    from comfyui_xdit.nodes.logic import NODE_TEXT_PX, text_px
+    texts = node_texts()
+    assert len(texts) > 1000
+    for node, text in texts:
+        assert text and "\n" not in text, (node, text)
+        assert text_px(text) <= NODE_TEXT_PX[node], (node, text, text_px(text))
+    widest = {}
+    for node, text in texts:
+        widest[node] = max(widest.get(node, 0.0), text_px(text))
+    print("\nwidest text per node (px, estimated):",
+          {k: f"{v:.1f} of {NODE_TEXT_PX[k]}" for k, v in widest.items()})
+
+
+def test_node_texts_keep_the_detail_where_it_fits():
+    from comfyui_xdit.nodes import logic
+    # the typical texts stay whole
+    assert logic.loader_text("cpu", "fp32", 2) == "runs on cpu, fp32, 2 ranks"
+    assert logic.loader_text("cuda", "bf16", 1) == "runs on cuda, bf16, 1 rank"
+    assert logic.loader_text("cuda", "bf16", 8, _plan(30.1, 79.1, True)) == \
+        "cuda, bf16, 8 ranks, 30.1 of 79.1 GiB"
+    assert logic.loader_text("cuda", "bf16", 16, _plan(130.1, 141.0, False)) == \
+        "16 ranks, 130.1 of 141.0 GiB: too big"
+    assert logic.loader_text("cuda", "bf16", 2, _plan(30.1, None, None)) == \
+        "cuda, bf16, 2 ranks, 30.1 GiB peak"
+    assert logic.step_text(3, 28, {"computed": 2, "skipped": 1}) == \
+        "step 3/28, 2 of 3 calls computed in full"
+    assert logic.model_cache_text({"computed": 2, "skipped": 10}) == "xDiT: 2/12 calls in full"
+    assert logic.model_cache_text({"computed": 2, "skipped": 10}, node=None) == \
+        "xDiT step cache, 2 of 12 calls computed in full"
+    assert logic.model_cache_text(None) == ""
+    assert logic.launch_text("starting 2 workers", 0, 2) == "starting 2 workers"
+    assert logic.launch_text("starting 2 workers", 0, 2, "decode") == "starting 0/2"
+    assert logic.launch_text("loading 1/2", 1, 2, "decode") == "loading 1/2"
+    assert logic.duration_text(0.04) == "0.0 s" and logic.duration_text(9.96) == "10 s"
+    h = make_handle("/m/x", "cuda", "bf16", world_size="2", has_cuda=True)
+    object.__setattr__(h, "_memory_plan", _plan(30.1, 79.1, True))
+    assert h.node_text() == "cuda, bf16, 2 ranks, 30.1 of 79.1 GiB"
 
 
 def test_step_cache_settings_node(registry, model_dir):
@@ -869,7 +1013,8 @@ def test_step_cache_settings_node(registry, model_dir):
     with pytest.raises(ConfigError, match="cache head blocks must be >= 1") as e:
         CacheSettings(head=0).as_request()
     assert "\n" not in str(e.value)
-    assert cache_text({"computed": 9, "skipped": 7}) == ", 9 of 16 calls computed in full"
+    assert cache_text({"computed": 9, "skipped": 7}) == "9 of 16 calls computed in full"
+    assert cache_text({"computed": 9, "skipped": 7}, short=True) == "9/16 calls in full"
     assert cache_text(None) == ""
     h = _handle(model_dir, world_size=2, ulysses=2)
     latent = {"samples": torch.zeros(1, 16, 8, 8)}
@@ -877,7 +1022,8 @@ def test_step_cache_settings_node(registry, model_dir):
                                                                              warmup=1),
                            **dict(COMMON, steps=4)), registry=registry)
     text = registry.last_job["text"]
-    assert text.endswith(", 1 of 4 calls computed in full"), text
+    # shortened to fit the node when the job also launched the pool
+    assert re.search(r", (1 of 4 calls computed|1/4 calls) in full$", text), text
 
 
 # ---- what the nodes say (issue 30: the Sampler said "FLUX.1 / FLUX.2 / SD3") -----------------

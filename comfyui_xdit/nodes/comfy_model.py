@@ -20,7 +20,7 @@ import comfy.supported_models
 
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.nodes.model_calls import PoolDenoiser
-from comfyui_xdit.nodes.logic import cache_text, compiling_text
+from comfyui_xdit.nodes.logic import compiling_text, model_cache_text
 
 log = logging.getLogger("comfyui_xdit")
 
@@ -31,7 +31,7 @@ def _show_compiling(event: dict) -> None:
     the call."""
     text = compiling_text(event)
     if text is None and event.get("cache"):
-        text = "xDiT step cache" + cache_text(event["cache"])
+        text = model_cache_text(event["cache"])
     if text is None:
         return
     try:

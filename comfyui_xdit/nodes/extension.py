@@ -88,9 +88,10 @@ def _progress_text(text: str, node_id) -> None:
         log.debug("xDiT: no progress text: %s", e)
 
 
-def _launch_progress(node_id):
+def _launch_progress(node_id, node: str = "sampler"):
     """Launch progress on the node: the bar (ranks loaded of ranks) and a text ("starting 4
-    workers", "loading 3/4"); ComfyUI's cancel raises from the bar's hook and stops the
+    workers", "loading 3/4"; "starting 0/4" on the narrow Decode: `node`, a
+    logic.NODE_TEXT_PX key); ComfyUI's cancel raises from the bar's hook and stops the
     launch."""
     pbar = comfy.utils.ProgressBar(1, node_id=node_id)
     shown = []
@@ -99,7 +100,7 @@ def _launch_progress(node_id):
         if not shown or shown[-1] != text:  # repeated every second: said once
             shown.append(text)
             log.info("xDiT: %s", text)
-            _progress_text(text, node_id)
+            _progress_text(node_logic.launch_text(text, done, total, node), node_id)
         pbar.update_absolute(done, max(1, total))  # its hook raises on ComfyUI's cancel
     return on_launch
 
@@ -194,10 +195,10 @@ class LoadModel(io.ComfyNode):
     def execute(cls, **inputs) -> io.NodeOutput:
         handle = cls._handle(**inputs)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        # what will run, on the node (auto resolved): "cuda bf16" / "cpu fp32"
-        _progress_text(f"runs on {handle.device}, {handle.dtype}, {handle.world()} rank(s)"
-                       + (f"; {handle.memory_summary()}" if handle.memory_summary() else ""),
-                       node_id)
+        # what will run, on the node (auto resolved): "runs on cpu, fp32, 2 ranks", on CUDA
+        # with the memory plan's peak; the plan's summary in the log
+        log.info("xDiT: Load model: %s", handle.node_text(node=None))
+        _progress_text(handle.node_text(), node_id)
         return io.NodeOutput(handle)
 
 
@@ -519,8 +520,8 @@ class Sampler(io.ComfyNode):
             if "step" not in ev:
                 return
             if ev.get("cache"):
-                _progress_text(f"step {ev['step']}/{ev['total']}"
-                               + node_logic.cache_text(ev["cache"]), node_id)
+                _progress_text(node_logic.step_text(ev["step"], ev["total"], ev["cache"]),
+                               node_id)
             preview = None
             if previews and ev.get("preview") is not None:
                 try:
@@ -599,7 +600,8 @@ class Decode(io.ComfyNode):
     @classmethod
     def execute(cls, model, samples, vae=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        images = node_logic.decode(model, samples, vae=vae, on_launch=_launch_progress(node_id),
+        images = node_logic.decode(model, samples, vae=vae,
+                                   on_launch=_launch_progress(node_id, "decode"),
                                    free_memory=_free_memory if model.device == "cuda" else None)
         _progress_text(REGISTRY.last_decode_text, node_id)  # replaces a launch's "loading k/N"
         return io.NodeOutput(images)

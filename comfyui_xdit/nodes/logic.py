@@ -12,7 +12,8 @@
 - `decode`: LATENT -> IMAGE, on the pool (diffusers folders: patch-parallel VAE) or with
   ComfyUI's VAE (single files).
 - `sample`: LATENT / CONDITIONING / widgets -> GenerationRequest -> pool -> LATENT;
-  `job_text`: the node's closing line ("12 steps, 2 ranks (Ulysses 2), 3.1 s").
+  `job_text`: the node's closing line ("12 steps, 2 ranks (Ulysses 2), 3.1 s"); every node
+  text is one line that fits its node (`NODE_TEXT_PX`, `fit_text`).
 """
 from __future__ import annotations
 
@@ -337,7 +338,7 @@ class ModelHandle:
                 plan = memory_plan.check_launch(  # and its weights: refused with the numbers
                     self.path, self.config_for(), self.engine(), gpus, mode=mode,
                     model_path_2=self.path_2)
-                object.__setattr__(self, "_memory_plan", plan)  # for memory_summary()
+                object.__setattr__(self, "_memory_plan", plan)  # memory_summary, node_text
         except ConfigError as e:
             out.append(str(e))
         return out
@@ -349,6 +350,15 @@ class ModelHandle:
             return ""
         return p.summary() + ("; memory_plan=advise: the pool launches anyway" if p.misfits
                               else "")
+
+    def node_text(self, node: Optional[str] = "loader") -> str:
+        """The loader's one line: what runs (auto resolved) and, on CUDA, the memory plan's
+        peak (`loader_text`); node None: with the plan's summary, for the log."""
+        if node is None:
+            text = loader_text(self.device, self.dtype, self.world(), node=None)
+            return text + (f"; {self.memory_summary()}" if self.memory_summary() else "")
+        return loader_text(self.device, self.dtype, self.world(),
+                           self.__dict__.get("_memory_plan"), node=node)
 
     def validate(self) -> None:
         """Raise one ConfigError holding every problem (the loader shows it once)."""
@@ -452,12 +462,15 @@ class CacheSettings:
         return d if self.threshold > 0 else None
 
 
-def cache_text(counts: Optional[dict]) -> str:
-    """", 9 of 16 calls computed in full" for the node texts ("" without the cache)."""
+def cache_text(counts: Optional[dict], short: bool = False) -> str:
+    """The step cache's counts for the node texts: "9 of 16 calls computed in full", short
+    "9/16 calls in full" ("" without the cache)."""
     if not counts:
         return ""
     total = counts["computed"] + counts["skipped"]
-    return f", {counts['computed']} of {total} calls computed in full"
+    if short:
+        return f"{counts['computed']}/{total} calls in full"
+    return f"{counts['computed']} of {total} calls computed in full"
 
 
 @dataclass(frozen=True)
@@ -733,13 +746,110 @@ def conditioning_hint_text() -> str:
     return "; ".join(f"{f.name}: {f.text_hint}" for f in families.FAMILIES.values())
 
 
+# ---- the node texts: ComfyUI's progress text under a node ---------------------------------
+# ComfyUI's frontends (1.27, 1.35) show it in a text widget added below the node's widgets,
+# 58 px tall: one 16 px line of 12 px text (a second line is cut; a long line wraps and is
+# cut). So each text is one line that fits the node as the example workflows lay it out and
+# as a freshly added node is sized: the node's width less the widget's margins (2 x 10 px)
+# and the text's padding (2 x 16 px). The full sentence goes to ComfyUI's log.
+NODE_TEXT_PX = {
+    "loader": 218,  # Load model (xDiT): 270 wide in the examples, 274-278 fresh
+    "sampler": 348,  # Sampler (xDiT): 400
+    "decode": 88,  # Decode (xDiT): 140 fresh, 220 in the examples
+    "comfy_sampler": 150,  # ComfyUI's samplers on the xDiT MODEL: SamplerCustomAdvanced 202
+}                          # fresh (KSampler 270)
+# Glyph widths in px, rounded up to 0.5: the larger of the two frontends' text fonts (Inter
+# 12 px on 1.35, Arial 12 px on 1.27), measured in headless Chromium; others count 12.5.
+_GLYPH_PX = {3.0: "ijl", 3.5: " !,.:I", 4.0: "';`t|", 4.5: "()/[\\]fr", 5.5: "-{}",
+             6.0: '"*^', 6.5: "s", 7.0: "17?JL_acekvxyz", 7.5: "235689FZbdghnopqu",
+             8.0: "#$&+04<=>BEPST~", 8.5: "AKVXY", 9.0: "CDHNRU", 9.5: "GOQ", 10.0: "w",
+             10.5: "m", 11.0: "M", 12.0: "%W"}
+_PX = {c: w for w, chars in _GLYPH_PX.items() for c in chars}
+
+
+def text_px(text: str) -> float:
+    """The width of `text` in a node's text widget, estimated from above (px)."""
+    return sum(_PX.get(c, 12.5) for c in text)
+
+
+def fit_text(candidates, node: Optional[str]) -> str:
+    """The first of `candidates` (most detailed first) whose one line fits `node`'s text
+    widget (NODE_TEXT_PX), else the last; node None: the first (the log's sentence)."""
+    candidates = [c for c in candidates if c]
+    if node is None:
+        return candidates[0]
+    return next((c for c in candidates if text_px(c) <= NODE_TEXT_PX[node]), candidates[-1])
+
+
+def duration_text(seconds: float) -> str:
+    """"0.4 s", "9.9 s", then whole seconds: "12 s", "1234 s"."""
+    s = max(0.0, float(seconds or 0.0))
+    return f"{s:.1f} s" if s < 9.95 else f"{s:.0f} s"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
 def compiling_text(event: dict) -> Optional[str]:
     """The text under a node for a compiling event (workers/compile.py: `compile` pools, while
-    dynamo compiles during the first steps or calls); None for any other event."""
+    dynamo compiles during the first steps or calls); None for any other event. The same on
+    Sampler (xDiT) and on ComfyUI's samplers (the narrower), so it fits both."""
     if event.get("phase") != "compiling":
         return None
-    return (f"compiling ({event.get('compiles', 0)} graph(s), "
-            f"{float(event.get('compile_s') or 0):.0f} s so far)")
+    t = duration_text(event.get("compile_s"))
+    return fit_text([f"compiling: {_count(int(event.get('compiles', 0)), 'graph')}, {t}",
+                     f"compiling, {t}"], "comfy_sampler")
+
+
+def model_cache_text(counts: Optional[dict], node: Optional[str] = "comfy_sampler") -> str:
+    """A sampling run's step-cache counts under ComfyUI's sampler node running the xDiT MODEL
+    ("xDiT: 9/16 calls in full"; node None: "xDiT step cache, 9 of 16 calls computed in
+    full", for the log); "" without the cache."""
+    if not counts:
+        return ""
+    return fit_text([f"xDiT step cache, {cache_text(counts)}",
+                     f"xDiT: {cache_text(counts, short=True)}",
+                     cache_text(counts, short=True)], node)
+
+
+def step_text(step: int, total: int, counts: Optional[dict]) -> str:
+    """Sampler (xDiT) while a cached job runs: "step 3/28, 2 of 3 calls computed in full"."""
+    return fit_text([f"step {step}/{total}, {cache_text(counts)}",
+                     f"step {step}/{total}, {cache_text(counts, short=True)}",
+                     f"step {step}/{total}"], "sampler")
+
+
+def launch_text(text: str, done: int, total: int, node: Optional[str] = "sampler") -> str:
+    """The pool's launch progress ("starting 4 workers", "loading 3/4") as a node's text:
+    "starting 0/4" where the node is narrow (Decode)."""
+    short = f"loading {done}/{total}" if text.startswith("loading") else \
+        f"starting {done}/{total}"
+    return fit_text([text, short], node)
+
+
+def memory_text(plan) -> str:
+    """The loader's memory-plan clause: "30.1 of 79.1 GiB" (the peak rank against its GPU),
+    "90.2 of 79.1 GiB: too big", "30.1 GiB peak" (GPU size unknown), "no memory plan"."""
+    worst = getattr(plan, "worst", None)
+    if worst is None:  # memory_plan.UnplannedLaunch
+        return "no memory plan"
+    peak = memory_plan.gib(worst.total, unit=False)
+    if worst.gpu_memory is None:
+        return f"{peak} GiB peak"
+    text = f"{peak} of {memory_plan.gib(worst.gpu_memory)}"
+    return text + (": too big" if plan.fits is False else "")
+
+
+def loader_text(device: str, dtype: str, ranks: int, plan=None,
+                node: Optional[str] = "loader") -> str:
+    """What Load model (xDiT) says runs (auto resolved): "runs on cpu, fp32, 2 ranks", with
+    the memory plan on CUDA: "cuda, bf16, 8 ranks, 30.1 of 79.1 GiB"."""
+    head = f"{device}, {dtype}, {_count(ranks, 'rank')}"
+    if plan is None:
+        return fit_text([f"runs on {head}", head], node)
+    mem = memory_text(plan)
+    return fit_text([f"{head}, {mem}", f"{_count(ranks, 'rank')}, {mem}", mem], node)
 
 
 def layout_text(config: ParallelConfig) -> str:
@@ -752,23 +862,38 @@ def layout_text(config: ParallelConfig) -> str:
     return " x ".join(text for on, text in parts if on)
 
 
-def job_text(steps: int, config: ParallelConfig, job_s: float, launch_s: float = 0.0) -> str:
+def job_text(steps: int, config: ParallelConfig, job_s: float, launch_s: float = 0.0,
+             cache: Optional[dict] = None, node: Optional[str] = "sampler") -> str:
     """What the Sampler node says when its job is done, replacing the launch's "loading
-    k/N": "12 steps, 2 ranks (Ulysses 2), 3.1 s", plus the launch when this job paid it."""
-    ranks = config.ranks
+    k/N": "12 steps, 2 ranks (Ulysses 2), 3.1 s", plus the launch when this job paid it and
+    the step cache's counts; where that is too long for the node, the counts get shorter,
+    then the layout goes, then the launch (node None: everything, for the log)."""
+    ranks = f"{_count(steps, 'step')}, {_count(config.ranks, 'rank')}"
     layout = layout_text(config)
-    text = (f"{steps} step{'s' if steps != 1 else ''}, {ranks} rank{'s' if ranks != 1 else ''}"
-            + (f" ({layout})" if layout else "") + f", {job_s:.1f} s")
-    return text + (f" + {launch_s:.1f} s launch" if launch_s else "")
+    head = ranks + (f" ({layout})" if layout else "")
+    t = f", {duration_text(job_s)}"
+    launch = f" + {duration_text(launch_s)} launch" if launch_s else ""
+    full, short = (f", {cache_text(cache)}", f", {cache_text(cache, short=True)}") if cache \
+        else ("", "")
+    return fit_text([head + t + launch + full, head + t + launch + short,
+                     ranks + t + launch + short, ranks + t + short,
+                     f"{_count(steps, 'step')}{t}"], node)
 
 
-def decode_text(images, ranks: int, seconds: float, launched: bool) -> str:
+def decode_text(images, ranks: int, seconds: float, launched: bool,
+                node: Optional[str] = "decode") -> str:
     """What the Decode node says when done, replacing the launch's "loading k/N" when the
-    decode started the pool: "decoded 2 images 1024x1024 on 2 ranks, 0.8 s"."""
+    decode started the pool: "2 ranks, 0.8 s" (on the pool) or "VAE, 0.8 s" (the VAE
+    input); node None: "decoded 2 images 1024x1024 on 2 ranks, 0.8 s (incl. launch)", for
+    the log."""
     n, h, w = int(images.shape[0]), int(images.shape[1]), int(images.shape[2])
-    where = f" on {ranks} rank{'s' if ranks != 1 else ''}" if ranks else " with the VAE input"
-    return (f"decoded {n} image{'s' if n != 1 else ''} {w}x{h}{where}, {seconds:.1f} s"
+    t = duration_text(seconds)
+    where = f"on {_count(ranks, 'rank')}" if ranks else "with the VAE input"
+    full = (f"decoded {_count(n, 'image')} {w}x{h} {where}, {t}"
             + (" (incl. launch)" if launched else ""))
+    if node is None:
+        return full
+    return fit_text([f"{_count(ranks, 'rank')}, {t}" if ranks else f"VAE, {t}", t], node)
 
 
 def error_text(e: BaseException) -> str:
@@ -987,13 +1112,15 @@ def sample(handle: ModelHandle, inp: SampleInputs,
     except Exception as e:
         registry.job_failed(e)
         raise
+    job_args = (req.steps, config, result.timings.get("job_s") or 0.0,
+                result.timings.get("launch_s") or 0.0,
+                result.stats[0].get("cache") if result.stats else None)
+    log.info("xDiT: sampled %s", job_text(*job_args, node=None))
     registry.last_job = {"config": config.describe(), "batch": req.batch, "steps": req.steps,
                          "height": req.height, "width": req.width,
                          "img2img": kw["init_latent"] is not None,
                          "seconds": round(time.perf_counter() - t0, 3),
-                         "text": job_text(req.steps, config, result.timings.get("job_s") or 0.0,
-                                          result.timings.get("launch_s") or 0.0)
-                         + cache_text(result.stats[0].get("cache") if result.stats else None),
+                         "text": job_text(*job_args),
                          "timings": {k: (round(v, 3) if isinstance(v, float) else v)
                                      for k, v in result.timings.items()}}
     return latent_to_comfy(result.samples)
@@ -1078,5 +1205,7 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
     except Exception as e:
         registry.job_failed(e)
         raise
-    registry.last_decode_text = decode_text(images, ranks, time.perf_counter() - t0, launched)
+    seconds = time.perf_counter() - t0
+    registry.last_decode_text = decode_text(images, ranks, seconds, launched)
+    log.info("xDiT: %s", decode_text(images, ranks, seconds, launched, node=None))
     return images
