@@ -2,7 +2,8 @@
 random FLUX model. ComfyUI's own CLIP loaders only know the real text encoders' shapes, so the
 live single-file workflow gets its conditioning from the tiny diffusers folder's encoders (the
 same tensors ComfyUI's CLIPTextEncode produces for FLUX: T5 states + CLIP-L pooled).
-XDiTTestFlux2Conditioning does the same for the tiny FLUX.2 folder (Qwen3 states, no pooled).
+XDiTTestFlux2Conditioning does the same for the tiny FLUX.2 folder (Qwen3 states;
+pooled_output None, as CLIPTextEncode sets it for FLUX.2).
 Never shipped: the live test links this folder into custom_nodes/ for its run only."""
 
 
@@ -31,16 +32,18 @@ class XDiTTestConditioning(_TextConditioning):
 
 
 class XDiTTestFlux2Conditioning(_TextConditioning):
-    """FLUX.2's CONDITIONING as newer ComfyUI's FLUX.2 text encoders give it: the Qwen3
-    hidden states [B, T, D] and no pooled output (this ComfyUI predates FLUX.2, so the tiny
-    folder's own encoder stands in)."""
+    """FLUX.2's CONDITIONING as ComfyUI's FLUX.2 text encoders give it through CLIPTextEncode
+    (ComfyUI 0.8.0): the text states [B, T, D] and a `pooled_output` key holding None (FLUX.2
+    has no pooled text; CLIPTextEncode always sets the key, and ComfyUI's FLUX model reads it:
+    `Flux.encode_adm` is `kwargs["pooled_output"]`). The tiny folder's own encoder stands in
+    for ComfyUI's, which only loads the real encoders."""
 
     def encode(self, text, model_folder, max_sequence_length):
         import diffusers
         pipe = diffusers.Flux2KleinPipeline.from_pretrained(model_folder, transformer=None,
                                                             vae=None)
         pe, _ = pipe.encode_prompt(prompt=[text], max_sequence_length=max_sequence_length)
-        return ([[pe.detach().float(), {}]],)
+        return ([[pe.detach().float(), {"pooled_output": None}]],)
 
 
 NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning,

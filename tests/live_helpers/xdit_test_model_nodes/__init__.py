@@ -2,8 +2,9 @@
 links this folder into custom_nodes/ for its run only).
 
 * XDiTTestRandomConditioning: a seeded random CONDITIONING of any widths (SD3: context 4096,
-  pooled 2048; FLUX: 4096 / 768), since ComfyUI's text-encoder loaders only know the real
-  encoders' shapes. Same seed, same tensors, in every process.
+  pooled 2048; FLUX: 4096 / 768; FLUX.2: its text width and pooled_dim 0, i.e.
+  `pooled_output` None as CLIPTextEncode gives it), since ComfyUI's text-encoder loaders only
+  know the real encoders' shapes. Same seed, same tensors, in every process.
 * XDiTTestWanStartFrame: stands in for WanImageToVideo where no ComfyUI-loadable Wan VAE
   exists (a tiny one is not): the same CONDITIONING values (a seeded random raw start latent
   as concat_latent_image, concat_mask 0 on the first latent frame) and the empty video LATENT;
@@ -21,8 +22,8 @@ class XDiTTestRandomConditioning:
     def INPUT_TYPES(cls):
         return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31}),
                              "tokens": ("INT", {"default": 8, "min": 1, "max": 512}),
-                             "context_dim": ("INT", {"default": 4096, "min": 1, "max": 8192}),
-                             "pooled_dim": ("INT", {"default": 2048, "min": 1, "max": 8192}),
+                             "context_dim": ("INT", {"default": 4096, "min": 1, "max": 65536}),
+                             "pooled_dim": ("INT", {"default": 2048, "min": 0, "max": 8192}),
                              "guidance": ("FLOAT", {"default": -1.0, "min": -1.0,
                                                     "max": 100.0})}}
 
@@ -34,7 +35,9 @@ class XDiTTestRandomConditioning:
         import torch
         g = torch.Generator().manual_seed(int(seed))
         ctx = torch.randn(1, tokens, context_dim, generator=g)
-        pooled = torch.randn(1, pooled_dim, generator=g)
+        # pooled_dim 0: a family without pooled text (FLUX.2); the key is still there,
+        # holding None, as ComfyUI's CLIPTextEncode always sets it
+        pooled = torch.randn(1, pooled_dim, generator=g) if pooled_dim else None
         extra = {"pooled_output": pooled}
         if guidance >= 0:  # FLUX embedded guidance (what FluxGuidance sets)
             extra["guidance"] = float(guidance)
