@@ -60,6 +60,11 @@ def comfy(model_dir, tmp_path_factory):
     with running_comfyui(comfy, log, "--preview-method", "latent2rgb") as server:
         yield dict(server, model=model)
 
+# headless Debian chromium with nothing reaching out of the machine
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+
 
 def _history(comfy, pid: str) -> dict:
     """A finished prompt's /history entry: ComfyUI may send execution_success a moment before
@@ -269,9 +274,8 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
     http(comfy["base"], "/prompt", {"prompt": _workflow(steps=2), "client_id": "panel"})
     errors = []
     with pw.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = p.chromium.launch(executable_path=chromium, headless=True,
+                                    args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
@@ -390,9 +394,8 @@ def test_node_texts_fit_their_nodes_in_the_real_frontend(comfy, tmp_path):
     http(comfy["base"], "/xdit/unload", {})
     console = []
     with pw.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = p.chromium.launch(executable_path=chromium, headless=True,
+                                    args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1600, "height": 1050})
         page.on("console", lambda m: console.append(
             (m.type, m.text, (m.location or {}).get("url", ""))))
