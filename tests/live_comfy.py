@@ -60,6 +60,29 @@ def comfy_vae(path: Path) -> None:
     tmp.rename(path)
 
 
+def comfy_flux2_vae(path: Path) -> None:
+    """A random FLUX.2 VAE (diffusers AutoencoderKLFlux2 at its default widths: 32 latent
+    channels, ch 128, ch_mult 1,2,4,4, 2 res blocks, which ComfyUI fixes) with random
+    batch-norm statistics, saved in diffusers key format: ComfyUI 0.8.0's VAELoader
+    converts it and, seeing `bn.running_mean`, builds its FLUX.2 VAE (128-channel LATENTs,
+    16x). ~84 M parameters, fp32."""
+    if path.exists():
+        return
+    from diffusers import AutoencoderKLFlux2
+    from safetensors.torch import save_file
+    import torch
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2()
+    sd = {k: v.contiguous() for k, v in vae.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    sd["bn.running_mean"] = 0.2 * torch.randn(sd["bn.running_mean"].shape, generator=g)
+    sd["bn.running_var"] = 0.5 + torch.rand(sd["bn.running_var"].shape, generator=g)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(sd, str(tmp))
+    tmp.rename(path)
+
+
 def link_packs(comfy: Path, *helpers: str) -> None:
     """This pack and the named test-only helper packs (tests/live_helpers) into
     custom_nodes/, as symlinks (kept between modules)."""

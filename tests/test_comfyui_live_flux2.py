@@ -8,11 +8,21 @@ puts the tiny FLUX.2 folder into models/diffusers/ under the example's name
 `main.py --cpu`. Then:
 * the FLUX.2 example workflow runs as shipped (text -> Sampler (xDiT) -> Decode (xDiT) ->
   SaveImage);
-* FLUX.2 CONDITIONING (hidden states, no pooled output) gives the prompt path's LATENT, and a
-  LATENT in with denoise < 1 is image-to-image;
-* xDiT.ToModel refuses FLUX.2 on a ComfyUI without a FLUX.2 model class, in one message;
+* FLUX.2 CONDITIONING (hidden states, `pooled_output` None as CLIPTextEncode sets it) gives
+  the prompt path's LATENT, and a LATENT in with denoise < 1 is image-to-image;
+* stock KSampler on xDiT.ToModel's MODEL: on a ComfyUI without FLUX.2 (0.3.64) refused in
+  one message; on one with FLUX.2 (0.8.0) it samples on the pool;
+* (ComfyUI with FLUX.2 only) KSampler on the xDiT MODEL of a FLUX.2 single file equals
+  KSampler on ComfyUI's own FLUX.2 model loaded from the same file (UNETLoader), LATENT and
+  VAEDecode'd image, for a [dev]- and a [klein]-shaped file at Ulysses 2 and CFG parallel;
 * FLUX.1 Kontext the ComfyUI way: EmptyImage -> VAEEncode -> ReferenceLatent on the
   positive CONDITIONING -> Sampler (xDiT), and the reference changes the image.
+
+Whether the ComfyUI under test has FLUX.2 is asked of the running server (`/object_info`
+lists ComfyUI 0.8.0's EmptyFlux2LatentImage node, which came with its FLUX.2 model classes;
+0.3.64 has neither), not read from comfyui_version.py: the server is what runs the graphs,
+and a version number would need a table of which release brought FLUX.2 (and says nothing
+of a checkout between releases).
 """
 from __future__ import annotations
 
@@ -20,9 +30,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from live_comfy import (COMFY, ROOT, comfy_vae, http, link_packs, place, run,
-                        running_comfyui, skip_without_comfyui, tensors)
+from live_comfy import (COMFY, ROOT, comfy_flux2_vae, comfy_vae, http, link_packs, place,
+                        run, running_comfyui, skip_without_comfyui, tensors, with_settings)
 
 pytestmark = skip_without_comfyui
 
@@ -30,6 +41,12 @@ EXAMPLE = "xdit_flux2_text_to_image_api.json"
 FLUX2_NAME = "FLUX.2-klein-4B"  # the example's folder name; the tiny model stands in
 KONTEXT_NAME = "xdit-test-flux-kontext"
 VAE_NAME = "xdit-test-vae.safetensors"
+# ComfyUI-loadable FLUX.2 files (tests/native_models.py: 0.8.0's widths, 1 + 1 blocks, fp8
+# storage, ~2.2 GB each) and VAE, built once into the ComfyUI's model folders
+NATIVE_FLUX2 = {"flux2-dev": "xdit-native-flux2-dev.safetensors",
+                "flux2-klein": "xdit-native-flux2-klein.safetensors"}
+FLUX2_VAE_NAME = "xdit-test-flux2-vae.safetensors"
+REL_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +60,15 @@ def comfy(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("comfy-flux2") / "comfyui.log"
     with running_comfyui(comfy, log) as server:
         yield dict(server, tmp=log.parent, flux2=diffusers_dir / FLUX2_NAME,
-                   kontext=diffusers_dir / KONTEXT_NAME)
+                   kontext=diffusers_dir / KONTEXT_NAME,
+                   has_flux2=comfyui_has_flux2(server["base"]))
+
+
+def comfyui_has_flux2(base: str) -> bool:
+    """Whether the running ComfyUI has FLUX.2 (comfy.model_base.Flux2 and co.): its
+    /object_info lists EmptyFlux2LatentImage (comfy_extras/nodes_flux.py), the FLUX.2 latent
+    node that ComfyUI ships with its FLUX.2 model (0.8.0 has both, 0.3.64 neither)."""
+    return "EmptyFlux2LatentImage" in http(base, "/object_info")
 
 
 def _ok(msgs):
@@ -125,9 +150,13 @@ def test_flux2_conditioning_equals_prompt_and_img2img(comfy):
     assert float((tensors(f"{out2}-b.safetensors")["latent"] - b["latent"]).abs().max()) > 1e-4
 
 
-def test_flux2_ksampler_model_refused_on_this_comfyui(comfy):
-    """ComfyUI 0.3.64 has no FLUX.2 model class: xDiT.ToModel says so in one message, the
-    next job runs on the warm pool."""
+def test_flux2_ksampler_on_the_xdit_model_refused_or_runs(comfy):
+    """Stock KSampler on xDiT.ToModel's MODEL of the FLUX.2 folder. A ComfyUI without a FLUX.2
+    model class (0.3.64): xDiT.ToModel says so in one message. A ComfyUI with one (0.8.0):
+    the MODEL is built on ComfyUI's FLUX.2 class and KSampler samples on the pool (FLUX.2's
+    128-channel LATENT, decoded by xDiT.Decode). Either way the next job runs on the warm
+    pool."""
+    image = str(comfy["tmp"] / "flux2-ksampler.safetensors")
     wf = {
         "1": {"class_type": "xDiT.LoadModel",
               "inputs": {"model": FLUX2_NAME, "device": "cpu", "dtype": "fp32",
@@ -145,17 +174,150 @@ def test_flux2_ksampler_model_refused_on_this_comfyui(comfy):
                          "sampler_name": "euler", "scheduler": "simple", "positive": ["3", 0],
                          "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}},
         "6": {"class_type": "XDiTTestSaveTensors",
-              "inputs": {"images": ["7", 0], "path": str(comfy["tmp"] / "never.safetensors")}},
+              "inputs": {"images": ["7", 0], "latent": ["5", 0], "path": image}},
         "7": {"class_type": "xDiT.Decode", "inputs": {"model": ["1", 0], "samples": ["5", 0]}},
     }
     _, msgs = run(comfy, wf)
-    assert msgs[-1]["type"] == "execution_error", msgs[-1]
-    err = msgs[-1]["data"]["exception_message"]
-    assert "ComfyUI with FLUX.2 support" in err and "Sampler (xDiT)" in err, err
-    assert msgs[-1]["data"]["node_type"] == "xDiT.ToModel"
+    if comfy["has_flux2"]:
+        _ok(msgs)
+        got = tensors(image)
+        # EmptySD3LatentImage's zeros become FLUX.2's 128 channels at their size (ComfyUI's
+        # fix_empty_latent_channels): [1, 128, 8, 8] is a 128 x 128 image
+        assert got["latent"].shape == (1, 128, 8, 8), got["latent"].shape
+        assert got["image"].shape == (1, 128, 128, 3), got["image"].shape
+        assert torch.isfinite(got["latent"]).all() and float(got["latent"].std()) > 1e-2
+        steps = [m["data"]["value"] for m in msgs
+                 if m.get("type") == "progress" and m["data"].get("node") == "5"]
+        assert steps and steps[-1] == 2  # KSampler's own progress, 2 steps
+    else:
+        assert msgs[-1]["type"] == "execution_error", msgs[-1]
+        err = msgs[-1]["data"]["exception_message"]
+        assert "ComfyUI with FLUX.2 support" in err and "Sampler (xDiT)" in err, err
+        assert msgs[-1]["data"]["node_type"] == "xDiT.ToModel"
     out = str(comfy["tmp"] / "flux2-after")
     _, msgs = run(comfy, _flux2_graph(comfy, out))
     _ok(msgs)
+
+
+def _room(gib: float, what: str, wait_s: float = 900) -> None:
+    """Wait (up to `wait_s`) until the machine has `gib` GiB available for `what`, else skip
+    saying so: the FLUX.2-wide branches are large, and a shared machine's other work comes
+    and goes (an OOM kill would take someone else's process)."""
+    import time
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) for line in f
+                         if line.startswith("MemAvailable:")) / 2 ** 20
+        if avail >= gib:
+            return
+        if time.monotonic() > deadline:
+            pytest.skip(f"{what} needs ~{gib:.0f} GiB of memory; {avail:.1f} GiB available")
+        time.sleep(10)
+
+
+def _rel_l2(a, b) -> float:
+    return float((a - b).double().norm() / b.double().norm())
+
+
+def _file_graph(branch: str, variant: str, layout: dict, out: str, cfg: float) -> dict:
+    """KSampler (euler / simple, 2 steps, cfg `cfg`) on one FLUX.2 single file, then
+    VAEDecode with the FLUX.2 test VAE; latent and image saved. branch "n": ComfyUI's own
+    model (UNETLoader, weight_dtype fp8_e4m3fn: the file's fp8 weights kept, computed in
+    fp32); branch "x": the xDiT MODEL (xDiT.LoadModel of the same file, 2 CPU ranks, fp32,
+    the layout on Parallel settings (xDiT))."""
+    from native_models import COND_DIMS
+    ctx, _ = COND_DIMS[variant]  # FLUX.2: no pooled text
+    wf = {
+        "4": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 1, "tokens": 8, "context_dim": ctx, "pooled_dim": 0,
+                         "guidance": -1.0}},
+        "5": {"class_type": "XDiTTestRandomConditioning",
+              "inputs": {"seed": 2, "tokens": 8, "context_dim": ctx, "pooled_dim": 0,
+                         "guidance": -1.0}},
+        "6": {"class_type": "EmptyFlux2LatentImage",
+              "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "9": {"class_type": "VAELoader", "inputs": {"vae_name": FLUX2_VAE_NAME}},
+        # [dev] embeds guidance (FluxGuidance, as its ComfyUI graphs set it); [klein] has no
+        # guidance embedding: ComfyUI's model and the pool's both ignore the value
+        "14": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0],
+                                                        "guidance": 4.0}},
+        "7": {"class_type": "KSampler",
+              "inputs": {"model": ["2", 0], "seed": 7, "steps": 2, "cfg": cfg,
+                         "sampler_name": "euler", "scheduler": "simple",
+                         "positive": ["14", 0], "negative": ["5", 0],
+                         "latent_image": ["6", 0], "denoise": 1.0}},
+        "10": {"class_type": "VAEDecode", "inputs": {"samples": ["7", 0], "vae": ["9", 0]}},
+        "12": {"class_type": "XDiTTestSaveTensors",
+               "inputs": {"images": ["10", 0], "latent": ["7", 0], "path": out}},
+    }
+    if branch == "n":
+        wf["2"] = {"class_type": "UNETLoader", "inputs": {"unet_name": NATIVE_FLUX2[variant],
+                                                           "weight_dtype": "fp8_e4m3fn"}}
+    else:
+        wf["1"] = {"class_type": "xDiT.LoadModel",
+                   "inputs": {"model": f"diffusion_models/{NATIVE_FLUX2[variant]}",
+                              "device": "cpu", "dtype": "fp32", "world_size": "2"}}
+        wf["2"] = {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0]}}
+        with_settings(wf, "1", **layout)
+    return wf
+
+
+LAYOUTS = {"ulysses2": {"ulysses": 2}, "cfg_parallel": {"cfg_parallel": True}}
+
+
+@pytest.mark.parametrize("variant", sorted(NATIVE_FLUX2))
+def test_flux2_ksampler_on_the_pool_matches_comfyui_own_flux2(comfy, variant):
+    """KSampler on the xDiT MODEL of a FLUX.2 single file == KSampler on ComfyUI's own FLUX.2
+    model from the same file (<= 1e-3 relative L2, LATENT and decoded image), at Ulysses 2
+    and at CFG parallel (cfg 2: every call carries the conditional and unconditional rows).
+    The file is FLUX.2-wide (ComfyUI fixes the widths) with 1 double + 1 single block and
+    fp8 weights (tests/native_models.py says why); [dev]-shaped (guidance embedding,
+    Mistral-3 text width) and [klein]-shaped (neither; Qwen3 text width). The branches run
+    one after the other, never side by side: ComfyUI's once (its process peaks at ~5.2 GB),
+    then the pool's per layout (~9-10 GB for both ranks: 4.7 GB of weights each, one layer's
+    fp32 copy while it runs, torch). ~6-7 minutes per variant on 2 CPU cores."""
+    if not comfy["has_flux2"]:
+        pytest.skip("this ComfyUI has no FLUX.2 model (EmptyFlux2LatentImage is not in its "
+                    "/object_info): nothing native to compare with")
+    from native_models import native_single_file
+    models = Path(COMFY) / "models"
+    native_single_file(variant, models / "diffusion_models" / NATIVE_FLUX2[variant])
+    comfy_flux2_vae(models / "vae" / FLUX2_VAE_NAME)
+    http(comfy["base"], "/xdit/unload", {})
+    cfg = 2.0
+    paths = {b: str(comfy["tmp"] / f"{variant}-{b}.safetensors")
+             for b in ("n", *LAYOUTS)}
+    _room(6, "ComfyUI's own FLUX.2 model (fp8, ~2.3 GB, plus its load)")
+    _, msgs = run(comfy, _file_graph("n", variant, {}, paths["n"], cfg), timeout=1800)
+    _ok(msgs)
+    # ComfyUI's queue wakes on /free and drops its model (and cached outputs) at once
+    http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+    native = tensors(paths["n"])
+    assert native["latent"].shape == (1, 128, 4, 4) and native["image"].shape == (1, 64, 64, 3)
+    # a non-trivial result: the comparison can see a difference. FLUX.2's latent format is
+    # the identity, so a model whose predictions did not matter would give back the seed's
+    # noise (ComfyUI's prepare_noise)
+    noise = torch.randn(native["latent"].shape, generator=torch.manual_seed(7))
+    moved = _rel_l2(native["latent"], noise)
+    assert moved > 0.1 and float(native["image"].std()) > 1e-3, moved
+    figs = {}
+    for name, layout in LAYOUTS.items():
+        # 2 ranks x (fp8 blocks 1.5 GB + the fp32 rest 2.9-3.3 GB + a layer's fp32 copy +
+        # torch): MemAvailable fell by ~9-10 GB while they ran
+        _room(11, "a 2-rank FLUX.2-wide pool")
+        _, msgs = run(comfy, _file_graph("x", variant, layout, paths[name], cfg),
+                      timeout=1800)
+        _ok(msgs)
+        http(comfy["base"], "/xdit/unload", {})  # the next layout's ranks load afresh
+        got = tensors(paths[name])
+        figs[name] = {"latent_rel_l2": _rel_l2(got["latent"], native["latent"]),
+                      "image_rel_l2": _rel_l2(got["image"], native["image"]),
+                      "latent_max_abs": float((got["latent"] - native["latent"]).abs().max())}
+        print(f"\n{variant} {name}: {json.dumps(figs[name])} (native latent vs noise "
+              f"{moved:.3f})")
+    for name, fig in figs.items():
+        assert fig["latent_rel_l2"] <= REL_TOL and fig["image_rel_l2"] <= REL_TOL, (name, fig)
 
 
 def _kontext_graph(comfy, out: str, reference: bool, method: str = "") -> dict:
