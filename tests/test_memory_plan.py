@@ -562,7 +562,7 @@ def test_pool_logs_the_comparison_after_its_first_job(model_dir, monkeypatch, ca
 
 
 def test_docs_tables_are_what_the_plan_prints(capsys):
-    """Every table docs/memory.md or the README says a `memory-plan` command generated is that command's
+    """Every table docs/memory.md says a `memory-plan` command generated is that command's
     output to the character: the docs quote the one memory model (and its one set of link
     rates, LINKS_GBPS), never a copy that can drift."""
     import pathlib
@@ -575,7 +575,7 @@ def test_docs_tables_are_what_the_plan_prints(capsys):
     found = re.findall(r"`python -m comfyui_xdit (memory-plan [^`]+)`:\n\n((?:\|.*\n?)+)", text)
     assert len(found) == 5, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
                              "(docs/memory.md), Wan's per-step traffic (docs/methods.md), the "
-                             "Qwen-Image and Wan 2.2 A14B fit tables (README)")
+                             "Qwen-Image and Wan 2.2 A14B fit tables (docs/memory.md)")
     for cmd, table in found:
         assert cli_main(shlex.split(cmd)) == 0, cmd
         assert capsys.readouterr().out.strip() == table.strip(), cmd
