@@ -213,6 +213,10 @@ def test_four_ranks_under_nccl_rules_match_the_pipeline(chroma_pools, folder, mo
     for name, config in FOUR.items():
         pool = chroma_pools(folder, config, tag="rules", worker_hooks=[RULES])
         check_exact(pool, folder, label=f"{name} (NCCL rules)")
+        # prompts of different lengths: each row's own text, per-row ring / all-to-all calls
+        err = float((pool.generate(mixed_request()).samples
+                     - intended_oracle(folder, mixed_request())).abs().max())
+        assert err <= TOL, f"{name} (NCCL rules), prompts of different lengths: {err:.2e}"
         pids = pids or pool.worker_pids()
         assert pool.worker_pids() == pids  # one launch served them all
 
@@ -257,16 +261,19 @@ def intended_oracle(folder, req: GenerationRequest):
     return torch.cat(rows)
 
 
+def mixed_request() -> GenerationRequest:
+    h, w = SIZE
+    return GenerationRequest(prompt=MIXED, negative_prompt=MIXED_NEGATIVE, seed=5, steps=STEPS,
+                             height=h, width=w, cfg=CFG, max_sequence_length=MIXED_MSL)
+
+
 @pytest.mark.parametrize("name", ["1 rank", "ulysses2", "ring2", "cfg2"])
 def test_prompts_of_different_lengths_equal_the_intended_oracle(chroma_pools, folder, name):
     """A batch of prompts of different lengths and a negative of a third: every row equals
     its prompt alone with its own text (it used to keep the longest prompt's pad tokens:
     2.7 away)."""
     config = ParallelConfig() if name == "1 rank" else TWO[name]
-    h, w = SIZE
-    req = GenerationRequest(prompt=MIXED, negative_prompt=MIXED_NEGATIVE, seed=5,
-                            steps=STEPS, height=h, width=w, cfg=CFG,
-                            max_sequence_length=MIXED_MSL)
+    req = mixed_request()
     with torch.no_grad():
         want = intended_oracle(folder, req)
     got = chroma_pools(folder, config).generate(req).samples
