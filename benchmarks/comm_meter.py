@@ -1,5 +1,5 @@
 """Counts the bytes each rank sends through torch.distributed on the data plane: a worker
-hook for the benchmarks (workers/hooks.py).
+hook for the benchmarks (workers/runtime/hooks.py).
 
     WorkerPool(..., worker_hooks=["benchmarks.comm_meter:install"])
 
@@ -16,7 +16,7 @@ broadcast counts on its source, a point-to-point message on its sender. Kinds:
 activations and latent rows, Ring attention, the VAE's halo exchange), "send" (plain
 isend/send), "all_gather", "broadcast". Receives are not counted (the sender counts them).
 Only the data plane is counted: an operation on a control-plane group (a gloo twin,
-`workers.topology.is_control`: job broadcasts, stop flags, stats) is skipped.
+`workers.parallel.topology.is_control`: job broadcasts, stop flags, stats) is skipped.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class CommMeter:
         return {"bytes": dict(self.bytes), "calls": dict(self.calls),
                 "total_bytes": sum(self.bytes.values())}
 
-    # the hook protocol (workers/hooks.py)
+    # the hook protocol (workers/runtime/hooks.py)
     def job_started(self) -> None:
         self.reset()
 
@@ -78,7 +78,7 @@ class CommMeter:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        from workers.topology import is_control
+        from workers.parallel.topology import is_control
 
         # what is installed now: torch's functions, or another hook's wrappers of them
         orig = {name: getattr(dist, name) for name in

@@ -1,7 +1,7 @@
 """Per-call overhead of the xDiT MODEL (`python -m comfyui_xdit bench --model-call`).
 
 ComfyUI's samplers call the MODEL once per step (twice the rows with CFG); each call is one
-pool request (comfyui_xdit/nodes/model_calls.py -> workers/model_call.py). What a call costs beyond
+pool request (comfyui_xdit/nodes/model_calls.py -> workers/sampling/model_call.py). What a call costs beyond
 the transformer is the overhead this section measures: the host's conversions, pickling and
 the loopback channel both ways, rank 0's checks, the broadcast of the call to the other
 ranks, the all-gather of their rows and the copies around them.

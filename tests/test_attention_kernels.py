@@ -1,4 +1,4 @@
-"""Attention kernels and sequence-parallel attention (workers/attention.py).
+"""Attention kernels and sequence-parallel attention (workers/parallel/attention.py).
 
 * Selection rules per (device, dtype, backend, ring degree), with CUDA capabilities, the
   flash-attn package and the probes faked, so every rule is checked without a GPU; an
@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from workers import attention as A  # noqa: E402
-from workers.sequence_parallel import SequencePlan  # noqa: E402
+from workers.parallel import attention as A  # noqa: E402
+from workers.parallel.sequence_parallel import SequencePlan  # noqa: E402
 
 
 # -- selection rules with a faked GPU ------------------------------------------------------
@@ -220,8 +220,8 @@ def _real_rows(plan, streams):
 def _attention_cases(rank, world, ulysses, ring, report):
     import torch.distributed as dist
 
-    from workers.attention import CALLS, ShardedAttention, ulysses_out, ulysses_qkv
-    from workers.topology import build_topology
+    from workers.parallel.attention import CALLS, ShardedAttention, ulysses_out, ulysses_qkv
+    from workers.parallel.topology import build_topology
 
     topo = build_topology(rank, world, 1, 1, 1, ulysses, ring)
     name = f"u{ulysses}r{ring}"
@@ -287,8 +287,8 @@ def _launch(workdir):
     import multiprocessing as mp
 
     import yunchang  # noqa: F401
-    import workers.attention  # noqa: F401
-    import workers.topology  # noqa: F401
+    import workers.parallel.attention  # noqa: F401
+    import workers.parallel.topology  # noqa: F401
 
     ctx = mp.get_context("fork")
     deadline = time.monotonic() + 240

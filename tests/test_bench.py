@@ -27,7 +27,7 @@ def _env():
 
 def test_product_package_does_not_import_benchmarks():
     code = ("import sys; import comfyui_xdit, comfyui_xdit.cli.commands, comfyui_xdit.client.pool, "
-            "comfyui_xdit.cli.demo, workers.serve\n"
+            "comfyui_xdit.cli.demo, workers.runtime.serve\n"
             "bad = sorted(m for m in sys.modules if m == 'benchmarks' or "
             "m.startswith('benchmarks.'))\n"
             "assert not bad, bad")
@@ -71,9 +71,9 @@ _METER_SCRIPT = textwrap.dedent("""
         import __main__
         __main__.other_hook = other_hook
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        from workers.hooks import HookContext, install, job_started, job_stats
-        from workers.p2p import exchange
-        from workers.topology import init_world
+        from workers.runtime.hooks import HookContext, install, job_started, job_stats
+        from workers.parallel.p2p import exchange
+        from workers.parallel.topology import init_world
         hooks = install(specs, HookContext(rank=rank, world=2, device="cpu"))
         w = init_world(rank, 2, torch.device("cpu"))
         cpu, peer = torch.device("cpu"), 1 - rank

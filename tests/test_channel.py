@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from workers import channel
-from workers.channel import AuthError, connect, server_handshake
+from workers.runtime import channel
+from workers.runtime.channel import AuthError, connect, server_handshake
 
 HELLO = len(channel.MAGIC) + channel.NONCE
 

@@ -1,4 +1,4 @@
-"""`compile=True` (workers/compile.py): regional torch.compile of the transformer blocks.
+"""`compile=True` (workers/runtime/compile.py): regional torch.compile of the transformer blocks.
 
 A compiled pool gives the diffusers oracle's latents (fp32 on CPU, <= 1e-4) for FLUX on 2
 Ulysses ranks (the sharded attention and its all-to-all run between compiled regions) and SD3
@@ -35,7 +35,7 @@ def compile_stats(result):
 def test_outside_runs_eagerly_between_compiled_regions():
     """What `outside` wraps is never traced: it runs eagerly on every call of the compiled
     function (traced, it would see `is_compiling()` True)."""
-    from workers.compile import Compiler
+    from workers.runtime.compile import Compiler
 
     calls = []
 
@@ -58,7 +58,7 @@ def test_outside_runs_eagerly_between_compiled_regions():
 
 
 def test_compile_ids_count_recompiles():
-    from workers.compile import Compiler, _compile_id
+    from workers.runtime.compile import Compiler, _compile_id
 
     class Args:
         def __init__(self, cid):
@@ -85,7 +85,7 @@ def test_compile_ids_count_recompiles():
 def test_cuda_graphs_only_on_cuda_and_switchable(monkeypatch):
     """`compile` captures CUDA graphs on CUDA (reduce-overhead regions) unless
     XDIT_CUDA_GRAPHS=0; a CPU pool compiles without them and adds no per-forward hook."""
-    from workers.compile import Compiler, cuda_graphs_wanted
+    from workers.runtime.compile import Compiler, cuda_graphs_wanted
 
     assert cuda_graphs_wanted(True) and not cuda_graphs_wanted(False)
     monkeypatch.setenv("XDIT_CUDA_GRAPHS", "0")
@@ -116,7 +116,7 @@ def test_identical_blocks_compile_once():
     import diffusers
     import torch._dynamo
 
-    from workers.compile import Compiler
+    from workers.runtime.compile import Compiler
 
     def compiles(depth):
         torch._dynamo.reset()
@@ -143,7 +143,7 @@ def test_pipefusion_with_compile_is_refused_before_launch(model_dir):
     """One ConfigError on the host, nothing launched; the workers' own check (a pool
     started elsewhere, under torchrun) says the same."""
     from comfyui_xdit.planning.config import ConfigError
-    from workers.compile import PIPEFUSION_REFUSED, check
+    from workers.runtime.compile import PIPEFUSION_REFUSED, check
 
     with WorkerPool(model_dir("flux"), ParallelConfig(pipefusion=2), device="cpu",
                     threads_per_rank=1, compile=True) as pool:
@@ -264,7 +264,7 @@ def test_two_transformers_register_the_compile_callbacks_once():
     import torch
     from torch._dynamo.callback import callback_handler
 
-    from workers.compile import Compiler
+    from workers.runtime.compile import Compiler
 
     class T(torch.nn.Module):
         def __init__(self):

@@ -313,7 +313,7 @@ def test_console_script_resolves():
 
 
 def test_packaging_ships_host_and_workers():
-    """The pool launches `python -m workers.serve`: an install carries `workers` beside
+    """The pool launches `python -m workers.runtime.serve`: an install carries `workers` beside
     `comfyui_xdit`, every subpackage of both, and none of the test or benchmark code."""
     include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = {p.parent.relative_to(ROOT).as_posix().replace("/", ".")
@@ -346,7 +346,7 @@ def test_installed_cli_runs_from_anywhere(tmp_path):
     assert r.returncode == 0 and "usage: comfyui-xdit" in r.stdout, r.stderr
     # the workers the pool starts resolve from here too (client/pool.py sets PYTHONPATH)
     code = ("import sys; from comfyui_xdit.client import pool; sys.path.insert(0, "
-            "str(pool.REPO_ROOT)); import workers.serve; print('ok')")
+            "str(pool.REPO_ROOT)); import workers.runtime.serve; print('ok')")
     r = _run([sys.executable, "-c", code], tmp_path, env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 

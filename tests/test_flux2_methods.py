@@ -168,7 +168,7 @@ def test_pipefusion_stale_kv_is_close_not_exact(pools, folder):
 
 def test_sharded_weights_exact(pools, folder):
     """FSDP2 over FLUX.2's blocks: exact, and each rank really holds only its half of the
-    block weights at rest (the job stats' counts, workers/sharding.py)."""
+    block weights at rest (the job stats' counts, workers/parallel/sharding.py)."""
     check_exact(pools, folder, ParallelConfig(ulysses=2), shard=True)
     res = check_exact(pools, folder, ParallelConfig(ring=2), shapes=SHAPES[1:], shard=True)
     counts = [st["sharding"] for st in res.stats]
@@ -580,7 +580,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers import AutoencoderKLFlux2
 sys.path.insert(0, sys.argv[1])
-from workers.vae_parallel import decode_parallel
+from workers.parallel.vae_parallel import decode_parallel
 
 CASES = [(14, 10, 1), (16, 12, 2), (5, 6, 1)]  # uneven bands; 5 rows on 4: a one-row band
 FAULTS = (None, "no_halo", "local_groupnorm", "local_attention")
@@ -621,7 +621,7 @@ if __name__ == "__main__":
 
 
 def test_patch_parallel_decode_of_the_flux2_vae(folder, tmp_path):
-    """workers/vae_parallel.decode_parallel on AutoencoderKLFlux2 (32 latent channels)
+    """workers/parallel/vae_parallel.decode_parallel on AutoencoderKLFlux2 (32 latent channels)
     directly, 2 and 4 ranks: equal to its single decode, every rank decoding only its band;
     switching off the halo, the GroupNorm all-reduce or the attention K/V gather (negative
     controls) is far off."""

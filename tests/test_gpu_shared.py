@@ -7,7 +7,7 @@ benchmarks/gpu_suite.sh`, docs/testing.md). Parallel pools run in fp32 with TF32
 sizes that need padding (80x48: 15 image tokens, 7 text tokens, batch 3 on dp 2): Ulysses,
 Ring, CFG, DP, weight sharding, the xDiT MODEL's call, pipelined PipeFusion (against its
 single-process K/V-cache oracle). The shared-GPU hook turns the plane check on
-(workers/topology.py), so a CPU tensor on the data plane fails here as NCCL would fail it;
+(workers/parallel/topology.py), so a CPU tensor on the data plane fails here as NCCL would fail it;
 the negative control puts one there on purpose. On one rank, bf16: fp8 compute
 (`_scaled_mm`, counted) close to bf16, and `compile`'s CUDA graphs captured once and
 replayed. Figures are printed for the record: `pytest -s tests/test_gpu_shared.py`.
@@ -199,7 +199,7 @@ def test_cuda_graphs_on_one_rank(gpu_pools):
     assert float((again.samples - eager).norm() / eager.norm()) < 2e-2
 
 
-# -- attention kernels (workers/attention.py) on this GPU --------------------------------------
+# -- attention kernels (workers/parallel/attention.py) on this GPU --------------------------------------
 def _kernel_inputs(heads=4, seq=1031, head_dim=128, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(3)
     return [torch.randn(1, seq, heads, head_dim, generator=gen).to("cuda", dtype)
@@ -209,7 +209,7 @@ def _kernel_inputs(heads=4, seq=1031, head_dim=128, dtype=torch.bfloat16):
 def _lse_kernels(dtype):
     """Every LSE kernel this GPU runs for `dtype` (by its explicit backend), plus the one
     `auto` picks for Ring."""
-    from workers import attention as A
+    from workers.parallel import attention as A
     got = {}
     for backend in ("cudnn", "flash", "efficient"):
         try:
@@ -256,7 +256,7 @@ def test_chosen_kernel_matches_diffusers_attention(ring, head_dim):
     own attention dispatch computes, in bf16."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    from workers import attention as A
+    from workers.parallel import attention as A
     kernel = A.select_kernel("auto", "cuda", torch.bfloat16, ring, head_dim)
     q, k, v = _kernel_inputs(heads=6, head_dim=head_dim)
     out = kernel(q, k, v, head_dim ** -0.5)

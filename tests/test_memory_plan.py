@@ -521,7 +521,7 @@ def test_first_job_peaks_recorded_once(flux2):
     status = mp.plan_status(plan, "advise")
     assert status["predicted_mb_per_rank"] == [round(r.total / 2 ** 20) for r in plan.ranks]
     assert status["job"] == "1024x1024 batch 1" and status["reserve_mb"] == 2048
-    # stats as workers/worker.py gathers them (rank order not relied on), CPU: none
+    # stats as workers/runtime/worker.py gathers them (rank order not relied on), CPU: none
     assert mp.record_measured(status, [{"rank": 0, "rss_mb": 1.0}], 2) is None
     stats = [{"rank": 1, "cuda_peak_mb": 15000.0, "cuda_reserved_peak_mb": 15500.0},
              {"rank": 0, "cuda_peak_mb": 16000.0, "cuda_reserved_peak_mb": 16600.0}]

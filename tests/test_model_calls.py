@@ -1,4 +1,4 @@
-"""The xDiT MODEL's per-call protocol (comfyui_xdit/nodes/model_calls.py, workers/model_call.py):
+"""The xDiT MODEL's per-call protocol (comfyui_xdit/nodes/model_calls.py, workers/sampling/model_call.py):
 each call ComfyUI's samplers would make returns exactly what the single-process diffusers
 transformer returns for the same inputs under ComfyUI's model conventions, with the
 conditional/unconditional rows and the batch split over 2 and 4 ranks, and each

@@ -226,12 +226,12 @@ def _rank_main(launch, rank, world, store_path, out_dir, hook) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from workers.attention import ShardedAttention  # imported before anyone waits on us
-    from workers.topology import build_topology
+    from workers.parallel.attention import ShardedAttention  # imported before anyone waits on us
+    from workers.parallel.topology import build_topology
 
     rules = None
     if hook:
-        from workers.hooks import HookContext
+        from workers.runtime.hooks import HookContext
         from xdit_testhooks import nccl_rules
         rules = nccl_rules.install(HookContext(rank=rank, world=world, device="cpu"))
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,

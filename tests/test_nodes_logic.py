@@ -644,10 +644,10 @@ def test_worker_traceback_becomes_one_sentence(tmp_path):
     from comfyui_xdit.client import worker_log as W
     log = """2026-01-01 10:00:00 rank2 xdit: weights loaded
 Traceback (most recent call last):
-  File "/x/workers/serve.py", line 150, in main
+  File "/x/workers/runtime/serve.py", line 150, in main
     _follower_loop(worker)
     ~~~~~~~~~~~~~~^^^^^^^^
-  File "/x/workers/denoise.py", line 80, in step
+  File "/x/workers/sampling/denoise.py", line 80, in step
     out = block(x)
           ^^^^^^^^
 RuntimeError: first failure

@@ -1,4 +1,4 @@
-"""One door to both planes: only workers/topology.py and workers/p2p.py call torch.distributed's
+"""One door to both planes: only workers/parallel/topology.py and workers/parallel/p2p.py call torch.distributed's
 communication functions, so the plane check there sees every call; and the check itself.
 
 The door test parses every module of workers/ (ast, not regex: aliases, `from` imports and
@@ -12,10 +12,10 @@ import pathlib
 import pytest
 import torch
 
-from workers import topology
+from workers.parallel import topology
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOORS = {"workers/topology.py", "workers/p2p.py"}
+DOORS = {"workers/parallel/topology.py", "workers/parallel/p2p.py"}
 COMM = {"all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_coalesced",
         "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "broadcast",
         "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list",
@@ -110,7 +110,7 @@ def test_finder_passes(src):
 
 
 def test_one_door():
-    """Every communication call in workers/ goes through workers/topology.py or p2p.py."""
+    """Every communication call in workers/ goes through workers/parallel/topology.py or p2p.py."""
     files = sorted((ROOT / "workers").rglob("*.py"))
     assert len(files) > 10
     bad = []
@@ -119,8 +119,8 @@ def test_one_door():
         if rel in DOORS:
             continue
         bad += [f"{rel}:{line}: {what}" for line, what in comm_calls(path.read_text())]
-    assert not bad, ("torch.distributed communication outside workers/topology.py and "
-                     "workers/p2p.py (call the wrappers there):\n" + "\n".join(bad))
+    assert not bad, ("torch.distributed communication outside workers/parallel/topology.py and "
+                     "workers/parallel/p2p.py (call the wrappers there):\n" + "\n".join(bad))
 
 
 def test_doors_do_communicate():
@@ -218,7 +218,7 @@ def world(tmp_path):
 def test_wrappers_check_real_groups(world):
     """The wrappers and p2p.post run the check on real groups (data: the world group;
     control: its gloo twin), then communicate as torch would."""
-    from workers import p2p
+    from workers.parallel import p2p
 
     assert topology.plane_check() == "cpu"
     parts = [torch.empty(2)]

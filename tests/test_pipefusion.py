@@ -1,4 +1,4 @@
-"""PipeFusion (workers/pipefusion/).
+"""PipeFusion (workers/parallel/pipefusion/).
 
 With `warmup_steps >= steps` every step is a full synchronous pass through the stages, so the
 result must equal the single-process diffusers pipeline (DESIGN.md numerics 4). With fewer
@@ -15,7 +15,7 @@ import torch
 from comfyui_xdit import GenerationRequest, ParallelConfig
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
-from workers.pipefusion.schedule import build_schedule, patch_rows, whole_steps
+from workers.parallel.pipefusion.schedule import build_schedule, patch_rows, whole_steps
 from workers.loading.stages import parse_split, partition
 
 TOL = 1e-4

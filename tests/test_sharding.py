@@ -1,4 +1,4 @@
-"""Weight sharding (`shard_weights=True`, workers/sharding.py): FSDP2 over the transformer's
+"""Weight sharding (`shard_weights=True`, workers/parallel/sharding.py): FSDP2 over the transformer's
 blocks on CPU/gloo.
 
 * With sharding on, the exact configurations on 2 and 4 ranks (Ulysses, Ring, hybrid, CFG
@@ -213,7 +213,7 @@ def test_lora_on_sharded_model_equals_merged_weights(shard_pools, oracle, model_
 
 
 def test_pipefusion_is_refused_with_shard_weights(model_dir):
-    from workers.sharding import PIPEFUSION_REFUSED, check
+    from workers.parallel.sharding import PIPEFUSION_REFUSED, check
 
     pool = WorkerPool(model_dir("flux"), ParallelConfig(pipefusion=2), device="cpu",
                       shard_weights=True)

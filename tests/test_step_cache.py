@@ -1,4 +1,4 @@
-"""The step cache's rule on one process (workers/step_cache.py), against diffusers' own First
+"""The step cache's rule on one process (workers/sampling/step_cache.py), against diffusers' own First
 Block Cache (the published rule, not this project's code), on the tiny FLUX, SD3 and FLUX.2
 transformers, in a plain Euler loop:
 
@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from workers.step_cache import CacheSettings, RunCache, gated
+from workers.sampling.step_cache import CacheSettings, RunCache, gated
 
 LISTS = {"flux": ("transformer_blocks", "single_transformer_blocks"),
          "sd3": ("transformer_blocks",),

@@ -1,4 +1,4 @@
-"""Patch-parallel VAE decode (workers/vae_parallel.py) equals the single-process
+"""Patch-parallel VAE decode (workers/parallel/vae_parallel.py) equals the single-process
 `vae.decode(latents).sample` within 1e-4 at 2 and 4 ranks, and each rank decodes only its
 own band of latent rows (counted at the decoder's input, which is where the per-rank memory
 saving comes from).
@@ -119,7 +119,7 @@ def _rank_main(rank, world, store, flux_dir, sd3_dir, mem_latent, out):
     import torch.distributed as dist
     from diffusers import AutoencoderKL
 
-    from workers.vae_parallel import decode_parallel
+    from workers.parallel.vae_parallel import decode_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
@@ -207,7 +207,7 @@ def _launch(workdir, flux_dir, sd3_dir, mem_latent, worlds):
     from diffusers import AutoencoderKL  # noqa: F401  (diffusers imports lazily: force it)
 
     sys.path.insert(0, str(ROOT))
-    from workers import vae_parallel
+    from workers.parallel import vae_parallel
     vae_parallel._allowed_types()  # imports the diffusers block modules it checks against
 
     ctx = mp.get_context("fork")
@@ -284,7 +284,7 @@ def test_each_rank_decodes_only_its_band(reports, world):
 
 
 def test_band_rows():
-    from workers.vae_parallel import band_rows
+    from workers.parallel.vae_parallel import band_rows
     assert band_rows(13, 4) == [4, 3, 3, 3]
     assert band_rows(16, 2) == [8, 8]
     assert band_rows(5, 4) == [2, 1, 1, 1]
@@ -294,7 +294,7 @@ def test_unsupported_decoder_refused():
     import torch
     from diffusers import AutoencoderKL
 
-    from workers.vae_parallel import check_decoder
+    from workers.parallel.vae_parallel import check_decoder
     vae = AutoencoderKL(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
                         up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4,
                         latent_channels=4)

@@ -1,4 +1,4 @@
-"""Patch-parallel decode of Qwen-Image's causal 3-D VAE (workers/vae_parallel.py,
+"""Patch-parallel decode of Qwen-Image's causal 3-D VAE (workers/parallel/vae_parallel.py,
 AutoencoderKLQwenImage) equals the single-process `vae.decode(latents).sample` of a latent
 [B, 16, T, h, w] (one frame, as Qwen-Image decodes, and two or three frames: the Wan-style
 feature cache, see tests/test_vae_parallel_wan.py) within 1e-5 (fp32) / 1e-10 (fp64) at 2 and
@@ -85,7 +85,7 @@ def _rank_main(rank, world, rules, store, tiny_dir, out):
     import torch.distributed as dist
     from diffusers import AutoencoderKLQwenImage
 
-    from workers.vae_parallel import decode_parallel
+    from workers.parallel.vae_parallel import decode_parallel
 
     torch.set_num_threads(1)
     emulation = None
@@ -148,7 +148,7 @@ def _launch(workdir, tiny_dir, names):
     from diffusers import AutoencoderKLQwenImage  # noqa: F401  (diffusers imports lazily)
 
     sys.path.insert(0, str(ROOT))
-    from workers import vae_parallel
+    from workers.parallel import vae_parallel
     vae_parallel._allowed_types()  # imports the diffusers block modules it checks against
 
     ctx = mp.get_context("fork")
@@ -228,7 +228,7 @@ def test_unsupported_qwen_decoder_refused():
     from diffusers import AutoencoderKLQwenImage
     from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
 
-    from workers.vae_parallel import check_decoder
+    from workers.parallel.vae_parallel import check_decoder
     vae = AutoencoderKLQwenImage(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
     check_decoder(vae)
     res = vae.decoder.up_blocks[0].resnets[0]

@@ -1,4 +1,4 @@
-"""Patch-parallel decode of Wan's causal 3-D video VAE (workers/vae_parallel.py,
+"""Patch-parallel decode of Wan's causal 3-D video VAE (workers/parallel/vae_parallel.py,
 AutoencoderKLWan) equals the single-process `vae.decode(latents).sample` of multi-frame latents
 [B, 16, T, h, w] (T = 1, 2, 3: 1, 5, 9 frames) within 1e-5 (fp32) / 1e-10 (fp64) at 2, 3 and 4
 gloo ranks, and each rank's decoder is given only its own band of latent rows, once per frame.
@@ -99,7 +99,7 @@ def _rank_main(rank, world, rules, store, out):
     import torch
     import torch.distributed as dist
 
-    from workers.vae_parallel import decode_parallel
+    from workers.parallel.vae_parallel import decode_parallel
 
     torch.set_num_threads(1)
     emulation = None
@@ -167,7 +167,7 @@ def _launch(workdir, names):
     from diffusers import AutoencoderKLWan  # noqa: F401  (diffusers imports lazily)
 
     sys.path.insert(0, str(ROOT))
-    from workers import vae_parallel
+    from workers.parallel import vae_parallel
     vae_parallel._allowed_types()  # imports the diffusers block modules it checks against
 
     ctx = mp.get_context("fork")
@@ -250,7 +250,7 @@ def test_under_nccl_rules(reports):
 def test_wan_decoders_accepted_and_unsupported_refused():
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
-    from workers.vae_parallel import check_decoder
+    from workers.parallel.vae_parallel import check_decoder
     vaes = make_vaes()
     for v in vaes.values():
         check_decoder(v)
@@ -292,7 +292,7 @@ def _memory_rank(rank, world, store, shape, out):
     from diffusers import AutoencoderKLWan
 
     from test_vae_parallel import _measure
-    from workers.vae_parallel import decode_parallel
+    from workers.parallel.vae_parallel import decode_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
@@ -330,7 +330,7 @@ def _memory(shape, world):
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
     import test_vae_parallel  # noqa: F401
-    from workers import vae_parallel
+    from workers.parallel import vae_parallel
     vae_parallel._allowed_types()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "memory.json")

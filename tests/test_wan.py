@@ -47,7 +47,7 @@ def test_unipc_steps_equal_the_scheduler(steps, order, solver):
     over its input in place as the loop does (the history must not alias it)."""
     from diffusers import UniPCMultistepScheduler
 
-    from workers.flow_step import UniPCSteps
+    from workers.sampling.flow_step import UniPCSteps
     sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                     flow_shift=3.0, solver_order=order, solver_type=solver)
     sched.set_timesteps(steps)
@@ -76,7 +76,7 @@ def test_unipc_history_per_key():
     halves under two keys equals stepping the whole."""
     from diffusers import UniPCMultistepScheduler
 
-    from workers.flow_step import UniPCSteps
+    from workers.sampling.flow_step import UniPCSteps
     sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                     flow_shift=3.0)
     sched.set_timesteps(5)
@@ -101,7 +101,7 @@ def test_step_rows_follows_pipefusions_bands(kind):
     at the first warmup, could not continue: it lacks the steps between)."""
     from diffusers import UniPCMultistepScheduler
 
-    from workers.flow_step import EulerSteps, UniPCSteps, step_rows
+    from workers.sampling.flow_step import EulerSteps, UniPCSteps, step_rows
     sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                     flow_shift=3.0)
     sched.set_timesteps(6)
@@ -131,7 +131,7 @@ def test_step_rows_follows_pipefusions_bands(kind):
 def test_unsupported_scheduler_options_are_refused():
     from diffusers import UniPCMultistepScheduler
 
-    from workers.denoise import check_scheduler
+    from workers.sampling.denoise import check_scheduler
     with pytest.raises(ValueError, match="prediction_type"):
         check_scheduler(UniPCMultistepScheduler(prediction_type="epsilon"))
     check_scheduler(UniPCMultistepScheduler(prediction_type="flow_prediction",
@@ -346,8 +346,8 @@ def test_step_cache_decides_alike_on_every_layout(wan_dirs, layout_pools, oracle
 def test_cache_reads_the_plan_of_blocks_not_given_it():
     """Wan's blocks get no sequence plan in their keywords: the cache's decision reads it
     from the installed SequenceParallel, so a padded shard's extra token is left out."""
-    from workers.sequence_parallel import SequencePlan
-    from workers.step_cache import _parameter_names, _real_image_tokens
+    from workers.parallel.sequence_parallel import SequencePlan
+    from workers.sampling.step_cache import _parameter_names, _real_image_tokens
     plan = SequencePlan(sp_rank=1, sp_size=2, text_len=0, image_len=45, padded=True)
     assert _real_image_tokens({}, 23) == 23  # without the plan: padding counted
     assert _real_image_tokens({}, 23, lambda: plan) == 22

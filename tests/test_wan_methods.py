@@ -9,7 +9,7 @@
   warmup starts again at the expert switch.
 * LoRA (on the sharded pools, one launch per variant): a diffusers/PEFT LoRA equals
   WanPipeline with `load_lora_weights`; on A14B a LoRA entry goes into both experts
-  (workers/lora.py), as the pipeline loading it into transformer and transformer_2.
+  (workers/loading/lora.py), as the pipeline loading it into transformer and transformer_2.
 
 The oracle is WanPipeline on the same folder and ComfyUI's noise for the LATENT shape
 [B, 16, T, H/8, W/8]; its result is brought to ComfyUI's LATENT (x * std + mean).

@@ -1,4 +1,4 @@
-"""The xDiT MODEL's calls for Wan (comfyui_xdit/nodes/model_calls.py, workers/model_call.py):
+"""The xDiT MODEL's calls for Wan (comfyui_xdit/nodes/model_calls.py, workers/sampling/model_call.py):
 ComfyUI's WAN21 model calls its diffusion model with video latents [N, 16, T, h, w] (T > 1
 frames), sigma x 1000 as the timestep (its flow model sampling's multiplier) and the UMT5
 states as context, the conditional and unconditional rows side by side. Each call must

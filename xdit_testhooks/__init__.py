@@ -1,3 +1,3 @@
 """Code that tests and benchmarks run inside the workers through `WorkerPool(worker_hooks=...)`
-(workers/hooks.py): fault injection and the NCCL-rules emulation. Not part of the product:
+(workers/runtime/hooks.py): fault injection and the NCCL-rules emulation. Not part of the product:
 ComfyUI never loads it."""

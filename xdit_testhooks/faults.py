@@ -19,8 +19,8 @@ def early_dp_receive(ctx):
     import torch
     import torch.distributed as dist
 
-    import workers.denoise as denoise
-    import workers.p2p as p2p
+    import workers.sampling.denoise as denoise
+    import workers.parallel.p2p as p2p
 
     p2p.warm_pairs = lambda *a, **k: None  # the old code created pair links lazily
     original = denoise.run_job
@@ -53,7 +53,7 @@ def ungrouped_exchange(ctx):
     directions of a pair share one ordered stream and the two sends wait for each other."""
     import torch.distributed as dist
 
-    import workers.p2p as p2p
+    import workers.parallel.p2p as p2p
 
     class _Done:
         def __init__(self, bufs, works):
@@ -81,7 +81,7 @@ def cpu_on_data_plane(ctx):
     """CFG parallel's all-gather of the two predictions is handed host copies: the bug class
     NCCL punishes hardest (a CPU tensor in a device collective). With the plane check on
     (the shared-GPU and NCCL-rules modes) it must be reported, by name."""
-    import workers.flow_step as flow_step
+    import workers.sampling.flow_step as flow_step
 
     real = flow_step.all_gather
 
@@ -97,7 +97,7 @@ def unreduced_cache(ctx):
     its own number. The ranks of one row then disagree, and the one that skipped leaves its
     peer alone in the next collective: the bug the reduction exists for, which the NCCL-rules
     emulation must report (a skip that happened to agree would pass unnoticed)."""
-    import workers.step_cache as step_cache
+    import workers.sampling.step_cache as step_cache
 
     real = step_cache.call_on_ranks
 
@@ -111,6 +111,6 @@ def unreduced_cache(ctx):
         return call
 
     step_cache.call_on_ranks = call_on_ranks
-    import workers.denoise as denoise
-    import workers.model_call as model_call
+    import workers.sampling.denoise as denoise
+    import workers.sampling.model_call as model_call
     denoise.call_on_ranks = model_call.call_on_ranks = call_on_ranks

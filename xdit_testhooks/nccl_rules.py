@@ -1,9 +1,9 @@
-"""NCCL's point-to-point rules, emulated on gloo: a worker hook (workers/hooks.py).
+"""NCCL's point-to-point rules, emulated on gloo: a worker hook (workers/runtime/hooks.py).
 
     WorkerPool(..., worker_hooks=["xdit_testhooks.nccl_rules:install"])
 
 installs it in every rank before `init_process_group`, and turns on the plane check
-(workers/topology.py: every collective and point-to-point call's tensors must suit its
+(workers/parallel/topology.py: every collective and point-to-point call's tensors must suit its
 group's plane). gloo forgives schedules that NCCL deadlocks on (DESIGN.md, "Communication:
 two planes, NCCL's rules"); under this hook they deadlock on CPU too, and the rank that
 waits raises `NcclOrderError` within the timeout (`XDIT_NCCL_RULES_TIMEOUT` seconds,
@@ -12,7 +12,7 @@ and what heads the pair's queue; the message also goes to stderr (logger
 "xdit.nccl_rules"), so a pool's rank log shows it.
 
 What is emulated, for `torch.distributed.isend / irecv / send / recv / batch_isend_irecv`
-on every data-plane group (control-plane gloo twins, `workers.topology.is_control`, and
+on every data-plane group (control-plane gloo twins, `workers.parallel.topology.is_control`, and
 collectives keep gloo's own behaviour):
 
 1. One communicator per (group, pair of ranks): every send and receive between two ranks on
@@ -34,7 +34,7 @@ collectives keep gloo's own behaviour):
    peers'). Each rank publishes its n-th collective's kind and shapes in the store and
    compares them with its peers' before issuing it; a mismatch, or a peer that never issues
    its n-th, is reported (opt-in: it costs store round trips on every collective). The
-   group is read from the `group=` keyword, as workers/topology.py passes it; a call giving
+   group is read from the `group=` keyword, as workers/parallel/topology.py passes it; a call giving
    its group positionally would be counted on the default group.
 
 Tags are ignored for matching, as NCCL does: the n-th send from A to B matches B's n-th
@@ -340,7 +340,7 @@ class NcclRules:
         self.stats = {"ops": 0, "batches": 0}
         self._install()
 
-    # -- the hook protocol (workers/hooks.py) ----------------------------------------------
+    # -- the hook protocol (workers/runtime/hooks.py) ----------------------------------------------
     def job_started(self) -> None:
         self.stats = {"ops": 0, "batches": 0}
 
@@ -355,7 +355,7 @@ class NcclRules:
         import torch.distributed.distributed_c10d as c10d
 
         try:
-            from workers.topology import is_control, plane_check
+            from workers.parallel.topology import is_control, plane_check
         except ImportError:  # outside the repository: every group is a data group
             def is_control(group):
                 return False
@@ -605,7 +605,7 @@ class NcclRules:
                        f"{p.peer} is likely blocked elsewhere, e.g. in a collective that waits "
                        f"for rank {p.me}, whose host never gets there: a deadlock on NCCL. "
                        f"Create pair links up front in one global order "
-                       f"(workers/p2p.warm_pairs) or make the first operation at the same "
+                       f"(workers/parallel/p2p.warm_pairs) or make the first operation at the same "
                        f"point on both ranks.")
                 err = NcclOrderError(msg)
                 err.__cause__ = exc

@@ -57,9 +57,9 @@ def measure_sharding(ctx):
 
 def attention_calls(ctx):
     """Worker hook: each job's stats carry the attention kernels this rank ran during it
-    ({kernel name: calls}, from workers/attention.py's per-kernel counter): a spy on what
+    ({kernel name: calls}, from workers/parallel/attention.py's per-kernel counter): a spy on what
     actually runs, not on what was configured."""
-    from workers import attention
+    from workers.parallel import attention
 
     class Calls:
         def __init__(self):

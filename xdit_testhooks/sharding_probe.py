@@ -1,13 +1,13 @@
 """Weight sharding, observed from inside a worker (tests): forwards counted per rank, the
 block weights resident inside and between blocks, and the bytes each forward's all-gathers
 bring in, read from FSDP's own buffers. Attached by `probes.measure_sharding`; the product
-keeps only the hook point (workers/sharding.py `WeightSharding.probe`).
+keeps only the hook point (workers/parallel/sharding.py `WeightSharding.probe`).
 
 Each residency reading walks every block's FSDP groups, so it never runs in production,
 where it would put O(blocks^2) Python into every forward and hold up FSDP2's prefetch."""
 from __future__ import annotations
 
-from workers.sharding import group_elems, param_groups
+from workers.parallel.sharding import group_elems, param_groups
 
 
 class ShardingProbe:

@@ -3,7 +3,7 @@ one device). gloo takes CUDA tensors in broadcast / all_reduce / all_gather /
 all_to_all_single but not in send/recv (nor batch_isend_irecv), so this hook stages every
 point-to-point CUDA tensor through host memory, for the project's transfers and yunchang's
 Ring alike. gloo would carry a CPU tensor on the data plane where NCCL refuses it, so the
-hook turns on the plane check (workers/topology.py): such a tensor, in a collective or a
+hook turns on the plane check (workers/parallel/topology.py): such a tensor, in a collective or a
 point-to-point call, fails here as it would on NCCL instead of passing through."""
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ class _Staged:
 
 
 def _plane_check():
-    """workers.topology.check_plane (a no-op outside the repository): what the one door
+    """workers.parallel.topology.check_plane (a no-op outside the repository): what the one door
     checks, applied here to point-to-point calls that bypass it (yunchang's Ring)."""
     try:
-        from workers.topology import check_plane
+        from workers.parallel.topology import check_plane
     except ImportError:
         def check_plane(op, group, tensors=(), objects=False):
             pass

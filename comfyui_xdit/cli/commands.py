@@ -179,7 +179,7 @@ def run_serve(args) -> int:
     repo = str(Path(__file__).resolve().parents[2])
     if repo not in sys.path:
         sys.path.insert(0, repo)
-    from workers.serve import main as worker_main
+    from workers.runtime.serve import main as worker_main
     return worker_main(argv)
 
 

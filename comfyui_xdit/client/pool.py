@@ -27,13 +27,13 @@ from comfyui_xdit.planning.gpus import gpus_for_ranks, text_encoder_gpu
 from comfyui_xdit.planning.model_info import ModelInfo, read_model_info
 from comfyui_xdit.client.worker_modules import worker_module
 
-P = worker_module("protocol")  # the typed host <-> rank 0 messages
+P = worker_module("runtime.protocol")  # the typed host <-> rank 0 messages
 from comfyui_xdit.planning.request import GenerationRequest, GenerationResult
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _log = logging.getLogger("comfyui_xdit")
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
-# log lines of workers/worker.py around each rank's weight load (launch progress)
+# log lines of workers/runtime/worker.py around each rank's weight load (launch progress)
 LOAD_STARTED = "xdit: loading weights"
 LOAD_DONE = "xdit: weights loaded"
 
@@ -81,7 +81,7 @@ class WorkerPool:
         enforce. It acts at the next launch (the attribute may be changed before one).
         `worker_hooks`: "module:function" specs every worker runs at start (tests and
         benchmarks: NCCL-rules emulation, communication meter, fault injection; see
-        workers/hooks.py). Not for production use."""
+        workers/runtime/hooks.py). Not for production use."""
         self.engine = EngineOptions(device=device, dtype=dtype, attention=attention,
                                     compile=compile, weights=weights,
                                     text_encoders=text_encoders,
@@ -316,7 +316,7 @@ class WorkerPool:
             self._phase = "ready" if self._chan is not None else "stopped"
 
     def _launch_progress(self, on_launch, seen: dict, world: int) -> None:
-        """Ranks log LOAD_STARTED / LOAD_DONE (workers/worker.py) around their weight load:
+        """Ranks log LOAD_STARTED / LOAD_DONE (workers/runtime/worker.py) around their weight load:
         counted here from their logs, since the control channel opens only once all are
         loaded."""
         if on_launch is None:
@@ -373,7 +373,7 @@ class WorkerPool:
                 if rank == 0 and te_gpu is not None:  # and rank 0 its text encoders' GPU
                     env["CUDA_VISIBLE_DEVICES"] = te_gpu.rank0_visible
                     engine = dataclasses.replace(engine, text_encoders=te_gpu.worker_option)
-            cmd = [sys.executable, "-m", "workers.serve", "--model", self.model_path,
+            cmd = [sys.executable, "-m", "workers.runtime.serve", "--model", self.model_path,
                    *(["--model-2", self.model_path_2] if self.model_path_2 else []),
                    "--rank", str(rank), "--world-size", str(world),
                    "--store", os.path.join(self._tmp, "store"), "--threads", str(threads),
@@ -650,7 +650,7 @@ class WorkerPool:
                    conds: dict, known: set,
                    on_event: Optional[Callable[[dict], None]] = None, timed: bool = False,
                    cache: Optional[dict] = None, expert: int = 0):
-        """One denoiser evaluation (workers/model_call.py) for a host-side sampler: `x`
+        """One denoiser evaluation (workers/sampling/model_call.py) for a host-side sampler: `x`
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
         `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
         of which those in `known` are not sent (rank 0 has them). Returns (prediction,
@@ -779,7 +779,7 @@ def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
 
 def rss_mb(pid="self") -> float:
     """Resident memory of a process in MiB (Linux /proc; 0 where unavailable)."""
-    return worker_module("messages").rss_mb(pid)
+    return worker_module("runtime.messages").rss_mb(pid)
 
 
 def _close_all() -> None:

@@ -24,9 +24,9 @@ TARGETS = {
     "models.latent_layout": "packing latents between ComfyUI's and the model's layout",
     "loading.stages": "PipeFusion's stage split, for the memory plan",
     "loading.weights": "fp8 storage and block Linears, for the memory plan and fp8 files",
-    "channel": "the host end of the control channel", "protocol": "the typed messages",
-    "messages": "shared message texts and process facts",
-    "step_cache": "the step cache's settings, validated on the host",
+    "runtime.channel": "the host end of the control channel", "runtime.protocol": "the typed messages",
+    "runtime.messages": "shared message texts and process facts",
+    "sampling.step_cache": "the step cache's settings, validated on the host",
 }
 _PACKAGE = "comfyui_xdit_workers"
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

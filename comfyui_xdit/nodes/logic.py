@@ -442,7 +442,7 @@ class EngineSettings:
 @dataclass(frozen=True)
 class CacheSettings:
     """Step cache (xDiT): skip a call's middle blocks while the first blocks' output barely
-    changes (workers/step_cache.py). Connecting the node turns it on; 0.08 is First Block
+    changes (workers/sampling/step_cache.py). Connecting the node turns it on; 0.08 is First Block
     Cache's suggestion for FLUX.1 (ParaAttention), not a figure measured here."""
 
     threshold: float = 0.08
@@ -792,7 +792,7 @@ def _count(n: int, word: str) -> str:
 
 
 def compiling_text(event: dict) -> Optional[str]:
-    """The text under a node for a compiling event (workers/compile.py: `compile` pools, while
+    """The text under a node for a compiling event (workers/runtime/compile.py: `compile` pools, while
     dynamo compiles during the first steps or calls); None for any other event. The same on
     Sampler (xDiT) and on ComfyUI's samplers (the narrower), so it fits both."""
     if event.get("phase") != "compiling":

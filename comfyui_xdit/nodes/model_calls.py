@@ -3,7 +3,7 @@
 ComfyUI's samplers call a MODEL's diffusion model as `(x, timestep, context, y, guidance,
 control, transformer_options, ...)`, with the conditional and unconditional rows of a step
 side by side in one batch. `PoolDenoiser` turns each such call into one pool request
-(workers/model_call.py) and returns what ComfyUI's own model of the family would return:
+(workers/sampling/model_call.py) and returns what ComfyUI's own model of the family would return:
 
 * x: model-space latents [N, 16, h, w] (ComfyUI has already applied the latent format);
   families with a frame axis get [N, 16, T, h, w]: an image family's one frame (Qwen-Image)

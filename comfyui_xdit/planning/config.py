@@ -150,7 +150,7 @@ class ParallelConfig:
                                f"{self.sp} ranks; use a larger image or fewer ranks")
             if self.pipefusion > 1 and (request.cache or {}).get("threshold"):
                 from comfyui_xdit.client.worker_modules import worker_module
-                out.append(worker_module("messages").CACHE_WITH_PIPEFUSION)
+                out.append(worker_module("runtime.messages").CACHE_WITH_PIPEFUSION)
             arch = getattr(model, "arch", None)
             if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
                     and arch is not None:
@@ -195,7 +195,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 class EngineOptions:
     """How each rank runs the model, fixed for the life of a pool (a change relaunches it).
 
-    attention:     the attention kernel, chosen once per pool (workers/attention.py): "auto"
+    attention:     the attention kernel, chosen once per pool (workers/parallel/attention.py): "auto"
                    picks the fastest this device has; "cudnn", "flash" (flash-attn) and
                    "efficient" force one on CUDA; "torch" means torch's SDPA choice.
     compile:       torch.compile of the transformer blocks (regional), during warm-up.
@@ -267,7 +267,7 @@ class EngineOptions:
         return self
 
     def worker_argv(self) -> list[str]:
-        """The matching `workers.serve` flags."""
+        """The matching `workers.runtime.serve` flags."""
         argv = ["--device", self.device, "--dtype", self.dtype, "--attention", self.attention,
                 "--weights", self.weights, "--text-encoders", str(self.text_encoders)]
         if self.compile:

@@ -10,7 +10,7 @@ added up part by part:
   (the split of workers/loading/stages.py) plus the modules around the blocks; with
   shard_weights, FSDP2's dim-0 shards (padded rows included) of every parameter, plus, during
   a forward, the non-block parameters gathered whole and the two largest consecutive blocks
-  gathered (the running block and the prefetched next one: workers/sharding.py). fp8 (or an
+  gathered (the running block and the prefetched next one: workers/parallel/sharding.py). fp8 (or an
   fp8 checkpoint under weights=auto) stores the Linears inside the blocks in 1 byte
   (workers/loading/weights.py); everything else is in the pool dtype. Persistent buffers (SD3's
   positional table) are whole on every rank.
@@ -518,7 +518,7 @@ class ShardFigures:
 def shard_figures(tr: _Transformer, dtype_bytes: int, fp8: bool, world: int) -> ShardFigures:
     """What a rank holds and receives under shard_weights. The non-block parameters are
     gathered for the whole forward; a block's gather is prefetched while the one before it
-    runs, so two consecutive blocks are whole at once (workers/sharding.py)."""
+    runs, so two consecutive blocks are whole at once (workers/parallel/sharding.py)."""
     blocks = [_bytes(b, dtype_bytes, fp8) for b in tr.blocks]
     rest = _bytes(tr.rest, dtype_bytes, fp8)
     buffers = tr.buffers * dtype_bytes
@@ -954,7 +954,7 @@ def plan_status(plan: Optional[MemoryPlan], mode: str) -> dict:
 
 
 def measured_peaks(stats, world: int) -> Optional[tuple]:
-    """A job's per-rank stats (workers/worker.py: `cuda_peak_mb`, `cuda_reserved_peak_mb`)
+    """A job's per-rank stats (workers/runtime/worker.py: `cuda_peak_mb`, `cuda_reserved_peak_mb`)
     -> (allocated MiB per rank, reserved MiB per rank), None where a rank did not say; None
     when no rank reported a CUDA peak (a CPU pool)."""
     alloc, reserved = [None] * world, [None] * world

@@ -127,7 +127,7 @@ class Family:
     # has resized it (what the adapter's encode_reference_images makes; the host counts its
     # tokens for the split check and the memory plan)
     reference_image_size: Optional[Callable] = None
-    # PipeFusion runs references first in the image stream (workers/pipefusion/strategy.py):
+    # PipeFusion runs references first in the image stream (workers/parallel/pipefusion/strategy.py):
     # exact where positions come from ids (FLUX), not where RoPE follows the token order
     pipefusion_references: bool = True
     # video from a start image (Wan I2V): the transformer config (class defaults filled in)

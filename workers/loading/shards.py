@@ -1,7 +1,7 @@
 """Shard-only loading: each rank reads just its FSDP2 rows of each transformer tensor.
 
 The loader beside workers/loading/weights.py's whole-tensor one, for weight sharding
-(workers/sharding.py). The transformer is built on the meta device (models/base.py, as
+(workers/parallel/sharding.py). The transformer is built on the meta device (models/base.py, as
 for a whole load), its fp8 layers made (weights.fp8_layers), sharded there and materialised as
 shards only (`to_empty`); then each rank reads its dim-0 chunk of each parameter (rows of a
 row-major tensor are one contiguous byte range: `Checkpoint.read_rows`) and stores it through
@@ -180,7 +180,7 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
                 if r1 > r0:
                     amax[i] = unscaled(*read(name, r0, r1)).float().abs().max()
             if world > 1:
-                from ..topology import all_reduce
+                from ..parallel.topology import all_reduce
                 all_reduce(amax, op="max", group=shard.control)
             whole = {n: fp8_scale(amax[i]) for i, n in enumerate(names)}
         dev = torch.device(device)

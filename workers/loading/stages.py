@@ -8,7 +8,7 @@ blocks (embedders, final norm and projection: <1% of FLUX's weights) are on ever
 
 Two hooks move activations between stages: the first block of a stage replaces its inputs
 by the previous stage's output, the last block of a stage puts its output in the slot for
-the next one (`Activations`; the strategy, workers/pipefusion/strategy.py, does the
+the next one (`Activations`; the strategy, workers/parallel/pipefusion/strategy.py, does the
 transfers). The slots arrive with the call (its PatchPlan), never from a global.
 """
 from __future__ import annotations
@@ -204,7 +204,7 @@ def finish_stage(transformer, lists, info: StageInfo) -> None:
 def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
     # here, not at the top: the host's memory plan reads this module's split functions
     # without the worker's process-group modules
-    from ..pipefusion.plan import PatchPlan
+    from ..parallel.pipefusion.plan import PatchPlan
 
     current = _CurrentPlan()
 
@@ -255,5 +255,5 @@ def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
 
 def stage_of_rank(rank: int, pipefusion: int, inner: int) -> int:
     """Pipeline stage of a global rank (axes dp, cfg, pipefusion, ring, ulysses; `inner` =
-    ring x ulysses), matching workers/topology.py."""
+    ring x ulysses), matching workers/parallel/topology.py."""
     return (rank // inner) % pipefusion

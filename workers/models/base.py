@@ -128,7 +128,7 @@ class DiTAdapter:
         `weights`: auto | fp8 | full (workers/loading/weights.py); `text_encoders`: where rank 0 runs
         T5/CLIP (auto | cpu | gpu | cuda:N). The transformer goes straight from the file to
         `device`, tensor by tensor (no host copy), so all ranks may load at once. `shard`
-        (weight sharding, workers/sharding.py): the transformer is sharded as it is built
+        (weight sharding, workers/parallel/sharding.py): the transformer is sharded as it is built
         and only this rank's rows are read (workers/loading/shards.py)."""
         import diffusers
 
@@ -216,7 +216,7 @@ class DiTAdapter:
         `shift`: the request's flow shift in place of the folder's (`with_shift`)."""
         import diffusers
 
-        from ..flow_step import with_shift
+        from ..sampling.flow_step import with_shift
         name = model.scheduler_config.get("_class_name") or "FlowMatchEulerDiscreteScheduler"
         cls = getattr(diffusers, name, None)
         if cls is None:
@@ -244,12 +244,12 @@ class DiTAdapter:
     def decode_video(self, model: LoadedModel, raw, group=None, control=None):
         """A causal 3-D VAE's decode of raw latents [B, C, T, h, w] -> [B, 3, frames, H, W]
         in -1..1 (the VAE's dtype); under a group in row bands over its ranks
-        (workers/vae_parallel.py, collective: the latents are needed on group rank 0 only,
+        (workers/parallel/vae_parallel.py, collective: the latents are needed on group rank 0 only,
         the frames come back there and None elsewhere)."""
         if model.vae is None:
             model.vae = load_vae(model)
         if group is not None:
-            from ..vae_parallel import decode_parallel
+            from ..parallel.vae_parallel import decode_parallel
             x = None if raw is None else raw.to(model.device, model.vae.dtype)
             return decode_parallel(model.vae, x, group, control=control)
         return model.vae.decode(raw.to(model.device, model.vae.dtype), return_dict=False)[0]
@@ -257,13 +257,13 @@ class DiTAdapter:
     def decode(self, model: LoadedModel, raw, group=None, control=None):
         """Raw-VAE-space latents -> IMAGE [B,H,W,3] in 0..1 (float32, CPU).
         With `group` (and its control-plane twin `control`): patch-parallel decode
-        (workers/vae_parallel.py), collective over the group; the latents are needed on group
+        (workers/parallel/vae_parallel.py), collective over the group; the latents are needed on group
         rank 0 only, the image is returned there and None elsewhere."""
         if model.vae is None:
             model.vae = load_vae(model)
         x = None if raw is None else raw.to(model.device, model.vae.dtype)
         if group is not None:
-            from ..vae_parallel import decode_parallel
+            from ..parallel.vae_parallel import decode_parallel
             img = decode_parallel(model.vae, x, group, control=control)
             if img is None:
                 return None
@@ -369,7 +369,7 @@ class DiTAdapter:
     @staticmethod
     def guidance_rows(guidance, rows: int, device):
         """Embedded guidance as the transformer takes it, fp32 [rows] on the device (None
-        stays None). A job passes a device scalar made once (workers/denoise.py), a model call
+        stays None). A job passes a device scalar made once (workers/sampling/denoise.py), a model call
         one value per row; a plain number is filled on the device, never built on the host
         and copied in per forward (that copy would stall the stream every call)."""
         if guidance is None:
@@ -409,7 +409,7 @@ class DiTAdapter:
     def attention_kwargs(cond: dict, jak: Optional[dict]) -> Optional[dict]:
         """The attention kwargs of a forward: `jak` plus the rows' real text lengths where
         the rows were padded to a common length (the sharded attention then drops each
-        row's padded text keys, workers/attention.py)."""
+        row's padded text keys, workers/parallel/attention.py)."""
         lengths = cond.get(TEXT_LENGTHS)
         if lengths is None:
             return jak

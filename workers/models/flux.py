@@ -6,8 +6,8 @@ import torch
 
 from .. import families
 from ..families.flux import DYNAMIC_SHIFT
-from ..processors import FluxShardedAttnProcessor
-from ..sequence_parallel import SequenceLayout
+from ..parallel.processors import FluxShardedAttnProcessor
+from ..parallel.sequence_parallel import SequenceLayout
 from . import latent_layout
 from .base import DiTAdapter, text_encoder_device_of
 

@@ -12,7 +12,7 @@ import re
 import torch
 
 from .. import families
-from ..processors import Flux2ShardedAttnProcessor
+from ..parallel.processors import Flux2ShardedAttnProcessor
 from .base import text_encoder_device_of
 from .flux import FluxAdapter
 
@@ -49,7 +49,7 @@ class Flux2Adapter(FluxAdapter):
         replaces=("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"))
 
     def check_lora_keys(self, path, keys):
-        from ..lora import LoraError
+        from ..loading.lora import LoraError
         unknown = sorted({k.split(".")[0] for k in keys if k.startswith("lora_unet_")
                           and not _KOHYA.fullmatch(k.split(".")[0])})
         if unknown:

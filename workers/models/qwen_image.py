@@ -6,15 +6,15 @@ Sequence parallelism splits both streams after their input projections, and the 
 frequencies with their tokens; the forward derives the text RoPE length from the (split)
 text states, so the RoPE module is told the whole text's length. Rows of one call whose prompts have different lengths are padded to the
 longest (as QwenImagePipeline pads them); their real lengths travel to the attention as
-`text_lengths`, which drops the padded keys (workers/attention.py).
+`text_lengths`, which drops the padded keys (workers/parallel/attention.py).
 """
 from __future__ import annotations
 
 import torch
 
 from .. import families
-from ..processors import QwenImageShardedAttnProcessor
-from ..sequence_parallel import SequenceLayout
+from ..parallel.processors import QwenImageShardedAttnProcessor
+from ..parallel.sequence_parallel import SequenceLayout
 from . import latent_layout
 from .base import DiTAdapter, text_encoder_device_of
 from .flux import dynamic_shift_args, shifted_timesteps
@@ -220,7 +220,7 @@ class QwenImageAdapter(DiTAdapter):
 
     def decode(self, model, raw, group=None, control=None):
         """The causal 3-D VAE decodes the single frame [B, 16, 1, h, w]; under a group in row
-        bands over its ranks (workers/vae_parallel.py, collective; the latents are needed on
+        bands over its ranks (workers/parallel/vae_parallel.py, collective; the latents are needed on
         group rank 0 only, the image comes back there and None elsewhere; too few latent rows:
         rank 0 decodes alone)."""
         img = self.decode_video(model, raw, group, control)

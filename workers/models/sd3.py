@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from .. import families
 from ..families.sd3 import DYNAMIC_SHIFT_FALLBACK
-from ..processors import SD3ShardedAttnProcessor
-from ..sequence_parallel import SequenceLayout
+from ..parallel.processors import SD3ShardedAttnProcessor
+from ..parallel.sequence_parallel import SequenceLayout
 from .base import DiTAdapter, text_encoder_device_of
 from .flux import dynamic_shift_args
 

@@ -19,8 +19,8 @@ import os
 import torch
 
 from .. import families
-from ..processors import WanShardedAttnProcessor
-from ..sequence_parallel import SequenceLayout
+from ..parallel.processors import WanShardedAttnProcessor
+from ..parallel.sequence_parallel import SequenceLayout
 from .base import DiTAdapter, text_encoder_device_of
 
 
@@ -253,7 +253,7 @@ class WanAdapter(DiTAdapter):
         "cond": {"image_embeds": CLIP states} (Wan 2.1)}: from one image as
         WanImageToVideoPipeline prepares it, or from ComfyUI's concat_latent / concat_mask /
         image_embeds as its WAN21 model builds its inputs (`start_video`)."""
-        from .. import messages
+        from ..runtime import messages
         start, states = self.family.image_to_video(dict(model.transformer.config))
         given = req.get("concat_latent") is not None
         name = self.family.name

@@ -53,7 +53,7 @@ def _parse(argv):
                    help="ranks load one after another (bounds host memory at one copy)")
     p.add_argument("--attention", default="auto",
                    choices=["auto", "cudnn", "flash", "efficient", "torch"],
-                   help="attention kernel, chosen once per pool (workers/attention.py)")
+                   help="attention kernel, chosen once per pool (workers/parallel/attention.py)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks during warm-up")
     p.add_argument("--weights", default="auto", choices=["auto", "fp8", "full"],
@@ -73,18 +73,18 @@ def _parse(argv):
                    help="ulysses x ring inside each stage (places ranks on stages)")
     p.add_argument("--hook", action="append", default=[],
                    help="module:function run in this worker before the process group "
-                        "exists (tests and benchmarks only; see workers/hooks.py)")
+                        "exists (tests and benchmarks only; see workers/runtime/hooks.py)")
     p.add_argument("--pipefusion-split", default="balanced",
                    help="balanced | compute | memory | block counts per stage, e.g. 3,2")
     return p.parse_args(argv)
 
 
 def _init_distributed(args, rank, world, backend="", check_planes=False):
-    """Both planes (workers/topology.py): set the GPU first, then the process group."""
+    """Both planes (workers/parallel/topology.py): set the GPU first, then the process group."""
     import torch
     import torch.distributed as dist
 
-    from .topology import init_world
+    from ..parallel.topology import init_world
 
     if args.device == "cuda":
         # the pool gives each rank one visible GPU; under torchrun LOCAL_RANK picks it

@@ -12,7 +12,7 @@ no bubble between steps, only the fill at the start. Ulysses/Ring run inside a s
 cfg-parallel pipelines exchange the last stage's predictions per patch, dp replicas are
 independent pipelines.
 
-It plugs into the plain denoising loop (workers/denoise.py) as one `StepStrategy`:
+It plugs into the plain denoising loop (workers/sampling/denoise.py) as one `StepStrategy`:
 
 * strategy.py — `PatchPipeline`: walks the tick table, does the transfers, the patch calls
   and the last stage's guidance and Euler step on a patch's rows;

@@ -3,14 +3,14 @@
 * A transfer is one `exchange`: every send and receive a rank has at that moment, with any
   peers, goes out in one `batch_isend_irecv`, which NCCL keeps in flight together. Callers
   build their schedules so that both sides of a pair call `exchange` at the same point
-  (workers/pipefusion/schedule.py: the same tick), so per-pair issue order always matches.
+  (workers/parallel/pipefusion/schedule.py: the same tick), so per-pair issue order always matches.
 * Pair communicators are created eagerly (`warm_pairs`), in one global order, when a
   topology that uses point-to-point is built: NCCL's first send/recv between two ranks
   blocks both hosts until each has made it, so letting a job create them mid-schedule
   invites a deadlock.
 * Device tensors only (the shared-GPU test mode, gloo on CUDA tensors, stages them through
   the host in its hook, xdit_testhooks/shared_gpu.py); in the test modes `post` checks
-  this (workers/topology.check_plane).
+  this (workers/parallel/topology.check_plane).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ parallel's gather of the batch. The step's work is a `StepStrategy`:
 
 * `WholeImage` (below): each guidance branch of this rank on the whole image, the guidance
   combination (in one process, or over the cfg ranks) and the scheduler's Euler step. Exact.
-* `PatchPipeline` (workers/pipefusion/): PipeFusion's patch pipeline, which owns its tick
+* `PatchPipeline` (workers/parallel/pipefusion/): PipeFusion's patch pipeline, which owns its tick
   table, stages, patch transfers and K/V caches.
 
 The stop decision: rank 0 asks the host at the start of each step and tells every rank over
@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from .flow_step import combine, combine_across, make_steps
-from .hooks import no_step_scope
-from .messages import CACHE_WITH_PIPEFUSION
-from .sequence_parallel import all_gather_tokens, even_sizes
-from .sharding import is_sharded
+from ..runtime.hooks import no_step_scope
+from ..runtime.messages import CACHE_WITH_PIPEFUSION
+from ..parallel.sequence_parallel import all_gather_tokens, even_sizes
+from ..parallel.sharding import is_sharded
 from .step_cache import CacheSettings, RunCache, call_on_ranks, gated
-from .topology import Topology, broadcast
+from ..parallel.topology import Topology, broadcast
 
 
 class Cancelled(Exception):
@@ -80,7 +80,7 @@ class Prepared:
     timesteps: torch.Tensor
     extra: dict  # per-size forward inputs (FLUX image ids, this replica's references)
     guidance: Optional[torch.Tensor] = None  # embedded guidance, a device scalar (or None)
-    steps: object = None  # the scheduler's step (workers/flow_step.py EulerSteps / UniPCSteps)
+    steps: object = None  # the scheduler's step (workers/sampling/flow_step.py EulerSteps / UniPCSteps)
     # per step (host values): the guidance scale, and the forward inputs (`extra`, joined by
     # "expert": k for a model of several experts, Wan 2.2's high- / low-noise transformers)
     scales: Optional[list] = None
@@ -89,7 +89,7 @@ class Prepared:
 
 def check_scheduler(scheduler) -> None:
     """The loop's step is flow-matching Euler or UniPC with flow prediction on the
-    scheduler's sigmas (workers/flow_step.py): refuse a scheduler configuration it would not
+    scheduler's sigmas (workers/sampling/flow_step.py): refuse a scheduler configuration it would not
     reproduce, rather than run it wrong."""
     c = scheduler.config
     name = type(scheduler).__name__
@@ -201,7 +201,7 @@ class StepStrategy(Protocol):
 
 class WholeImage:
     """The exact step: every guidance branch of this rank on the whole image, the guidance
-    combination, the Euler step. With the step cache (workers/step_cache.py), each branch of
+    combination, the Euler step. With the step cache (workers/sampling/step_cache.py), each branch of
     each image is a row with its own state; a transformer call skips its middle blocks when
     all its rows do."""
 
@@ -254,7 +254,7 @@ def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology,
     if topo.degree("pipefusion") > 1:
         if cache is not None:
             raise ValueError(CACHE_WITH_PIPEFUSION)
-        from .pipefusion.strategy import PatchPipeline
+        from ..parallel.pipefusion.strategy import PatchPipeline
         return PatchPipeline(job, model, adapter, prep, branches, topo)
     return WholeImage(model, adapter, prep, branches, topo, cache, control, sequence)
 

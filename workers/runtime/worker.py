@@ -1,6 +1,6 @@
 """A worker's job execution: the loaded model, its topologies and hooks, and what every rank
 does for a job (LoRA switch, the denoising loop, the image decode, stats). The control
-channel to the host is workers/control.py; the process entry point workers/serve.py.
+channel to the host is workers/runtime/control.py; the process entry point workers/runtime/serve.py.
 
 Control-plane helpers (`_broadcast`, `_gather_all`, `_gather_stats`) take the world's gloo
 group: objects never travel on the data plane.
@@ -12,7 +12,7 @@ import os
 import socket
 import time
 
-from .families import spatial_patch
+from ..families import spatial_patch
 from .messages import peak_rss_mb, rss_mb
 
 
@@ -31,19 +31,19 @@ class Worker:
 
         import torch
 
-        from .lora import LoraManager
-        from .models import get_adapter, read_arch
-        from .topology import barrier
+        from ..loading.lora import LoraManager
+        from ..models import get_adapter, read_arch
+        from ..parallel.topology import barrier
 
         self.args = args
         self.rank = rank
         self.world = world
-        self.planes = planes  # workers.topology.World
+        self.planes = planes  # workers.parallel.topology.World
         self.hooks = hooks or {}
         self.hook_options = hook_options or {}
         self.device = planes.device
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-        from .attention import check_backend
+        from ..parallel.attention import check_backend
         self.attention = check_backend(args.attention, self.device.type, self.dtype)
         from .compile import Compiler, check as check_compile
         check_compile(getattr(args, "compile", False), args.pipefusion)
@@ -52,11 +52,11 @@ class Worker:
         t = time.perf_counter()
         stage = None
         if args.pipefusion > 1:
-            from .loading.stages import stage_of_rank
+            from ..loading.stages import stage_of_rank
             stage = (stage_of_rank(rank, args.pipefusion, args.pipefusion_inner),
                      args.pipefusion, args.pipefusion_split)
-        from .sharding import begin as begin_sharding
-        self.shard_setup = begin_sharding(self)  # --shard-weights (workers/sharding.py)
+        from ..parallel.sharding import begin as begin_sharding
+        self.shard_setup = begin_sharding(self)  # --shard-weights (workers/parallel/sharding.py)
         for turn in (range(world) if args.load_in_turn else [rank]):
             if turn == rank:  # the pool counts these two lines for "loading k/N"
                 logging.getLogger("xdit.worker").info("xdit: loading weights")
@@ -71,17 +71,17 @@ class Worker:
             if args.load_in_turn and world > 1:
                 barrier(group=planes.control)
         self.load_seconds = time.perf_counter() - t
-        from .sharding import shard_after_load
-        self.sharding = shard_after_load(self)  # --shard-weights: FSDP2 (workers/sharding.py)
-        from .loading.weights import set_fp8_compute  # how the fp8 layers multiply, fixed here
+        from ..parallel.sharding import shard_after_load
+        self.sharding = shard_after_load(self)  # --shard-weights: FSDP2 (workers/parallel/sharding.py)
+        from ..loading.weights import set_fp8_compute  # how the fp8 layers multiply, fixed here
         for tr in self.model.transformers():
             self.fp8_compute = set_fp8_compute(tr, getattr(args, "fp8_compute", "auto"),
                                                self.device, self.dtype)
         self.loras = LoraManager(self.adapter)
-        self.compiler = Compiler(getattr(args, "compile", False))  # workers/compile.py
+        self.compiler = Compiler(getattr(args, "compile", False))  # workers/runtime/compile.py
         for tr in self.model.transformers():
             self.compiler.install(tr, self.adapter.block_lists)
-        from .model_call import CondCache
+        from ..sampling.model_call import CondCache
         self.cond_cache = CondCache()  # conditionings of host-side samplers (model calls)
         self.last_cache = None  # step-cache counts of the last job or model call using it
         peak = peak_rss_mb()  # this worker's own (not ru_maxrss: inherited from the host)
@@ -104,7 +104,7 @@ class Worker:
                                   "fp8_compute": self.fp8_compute["text"]})
         self.state = {"state": "idle", "job_id": None, "step": 0, "total": 0}
         if world > 1:  # the patch-parallel VAE's halo links (neighbour ranks, world group)
-            from .p2p import warm_pairs
+            from ..parallel.p2p import warm_pairs
             warm_pairs([(r, r + 1) for r in range(world - 1)], rank, planes.data, self.device)
 
     def describe(self) -> dict:
@@ -136,9 +136,9 @@ class Worker:
         """Process groups and model hooks for a configuration, built once per key. The
         project's attention processors run at every degree (at sp 1 with the plain
         `LocalAttention`), so the pool's `attention` choice is the kernel that runs."""
-        from .attention import LocalAttention, ShardedAttention
-        from .sequence_parallel import SequenceParallel
-        from .topology import build_topology
+        from ..parallel.attention import LocalAttention, ShardedAttention
+        from ..parallel.sequence_parallel import SequenceParallel
+        from ..parallel.topology import build_topology
 
         if key not in self.topologies:
             dp, cfg, pf, uly, ring = key
@@ -152,7 +152,7 @@ class Worker:
                 self.parallel[1].remove()
             sp = None
             if topo.degree("pipefusion") > 1:
-                from .pipefusion.cache import PatchAttention
+                from ..parallel.pipefusion.cache import PatchAttention
                 sp = SequenceParallel(self.model.transformers(), self.adapter.layout, topo,
                                       PatchAttention(topo, self.args.attention,
                                                      self.device.type, self.dtype))
@@ -175,7 +175,7 @@ class Worker:
         encoded once, LoRA files checked) before anything is broadcast."""
         import torch
 
-        from .denoise import Job
+        from ..sampling.denoise import Job
 
         req = dict(msg.request)
         self._check_stages(tuple(msg.config))
@@ -264,7 +264,7 @@ class Worker:
     def run(self, job, emit=None, should_stop=lambda: False):
         import torch
 
-        from .denoise import run_job
+        from ..sampling.denoise import run_job
 
         from .hooks import job_started
 
@@ -281,8 +281,8 @@ class Worker:
                  "lora_loads": self.loras.loads, "compile": compiled.stats, **report}
         if "cache" in report:
             self.last_cache = dict(report["cache"], entry="job")
-        if self.model.stage is None:  # block weights held here (workers/sharding.py)
-            from .sharding import job_counts
+        if self.model.stage is None:  # block weights held here (workers/parallel/sharding.py)
+            from ..parallel.sharding import job_counts
             stats["sharding"] = job_counts(self)
         images = None
         if job.request.get("output") == "image":  # the same decision on every rank
@@ -309,7 +309,7 @@ class Worker:
         before anything is broadcast, so the pool stays consistent."""
         import torch
 
-        from .model_call import ModelCall, call_problem
+        from ..sampling.model_call import ModelCall, call_problem
 
         key = tuple(msg.config)
         if key[2] > 1:
@@ -347,12 +347,12 @@ class Worker:
                          cache=msg.cache, expert=expert)
 
     def call(self, call, emit=None):
-        """Every rank: one model evaluation (workers/model_call.py): (the prediction on
+        """Every rank: one model evaluation (workers/sampling/model_call.py): (the prediction on
         rank 0, None elsewhere; this rank's timings, with the graphs compiled during it).
         `emit` (rank 0) receives the compiling events, as a job's do."""
         import torch
 
-        from .model_call import run_call
+        from ..sampling.model_call import run_call
 
         topo = self.topology(call.config)
         self._switch_loras([])  # a host sampler's MODEL carries no pool LoRA
@@ -375,7 +375,7 @@ class Worker:
         """Every rank switches to the job's LoRA list; the ranks then agree on success
         (one small collective, only once LoRA has been used), so a file that fails on any
         rank fails the job on all of them without breaking the pool."""
-        from .lora import LoraError
+        from ..loading.lora import LoraError
 
         if not resolved and not self.loras.used:
             return
@@ -403,8 +403,8 @@ class Worker:
 
 def _warm_pairs(topo):
     """Create every pair communicator a job of this topology will use, now, in one order
-    (workers/p2p.py): PipeFusion's stage links and Ring attention's neighbours."""
-    from .p2p import warm_pairs
+    (workers/parallel/p2p.py): PipeFusion's stage links and Ring attention's neighbours."""
+    from ..parallel.p2p import warm_pairs
 
     for axis in ("pipefusion", "ring"):
         if topo.degree(axis) > 1:
@@ -454,7 +454,7 @@ def _gather_all(control, obj):
     """Every rank's object on every rank, over the control plane."""
     import torch.distributed as dist
 
-    from .topology import all_gather_object
+    from ..parallel.topology import all_gather_object
     out = [None] * dist.get_world_size(control)
     all_gather_object(out, obj, group=control)
     return out
@@ -464,7 +464,7 @@ def _gather_stats(control, stats):
     """Every rank's job statistics, on rank 0 (one small collective per job)."""
     import torch.distributed as dist
 
-    from .topology import gather_object
+    from ..parallel.topology import gather_object
     if dist.get_world_size() == 1:
         return [stats]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -476,7 +476,7 @@ def _broadcast(control, obj):
     """Rank 0's object to every rank, over the control plane (where idle ranks wait)."""
     import torch.distributed as dist
 
-    from .topology import broadcast_object_list
+    from ..parallel.topology import broadcast_object_list
     box = [obj]
     if dist.get_world_size() > 1:
         broadcast_object_list(box, src=0, group=control)

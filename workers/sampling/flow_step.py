@@ -1,12 +1,12 @@
-"""The arithmetic of one denoising step, shared by the plain loop (workers/denoise.py) and
-PipeFusion's last stage (workers/pipefusion/strategy.py), which applies it to a patch's rows:
+"""The arithmetic of one denoising step, shared by the plain loop (workers/sampling/denoise.py) and
+PipeFusion's last stage (workers/parallel/pipefusion/strategy.py), which applies it to a patch's rows:
 classifier-free guidance, in one process or across the two cfg ranks, and the flow-matching
 Euler update."""
 from __future__ import annotations
 
 import torch
 
-from .topology import all_gather
+from ..parallel.topology import all_gather
 
 
 def combine(neg: torch.Tensor, pos: torch.Tensor, scale: float,

@@ -1,8 +1,8 @@
 """Rank 0's control channel to the host, and the other ranks' wait for work.
 
-Rank 0 accepts one authenticated host connection at a time (workers/channel.py), speaks the
-typed protocol (workers/protocol.py), prepares each job once and broadcasts it over the
-control plane; every rank then runs it (workers/worker.py). The other ranks only ever wait
+Rank 0 accepts one authenticated host connection at a time (workers/runtime/channel.py), speaks the
+typed protocol (workers/runtime/protocol.py), prepares each job once and broadcasts it over the
+control plane; every rank then runs it (workers/runtime/worker.py). The other ranks only ever wait
 in that broadcast.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import threading
 import time
 
 from . import protocol as P
-from .model_call import ModelCall
+from ..sampling.model_call import ModelCall
 from .worker import DecodeJob, _broadcast, _decode, _decode_problem
 
 log = logging.getLogger("xdit.worker")
@@ -62,7 +62,7 @@ def _leader_predict(worker, link, msg: P.Predict):
     """One denoiser evaluation for a host-side sampler: checked, broadcast, run, answered.
     Latents travel as numpy arrays on the channel and in the broadcast (a tensor pickles
     through torch.save, ~30x slower: milliseconds per call at 1024x1024)."""
-    from .model_call import as_tensor, for_wire
+    from ..sampling.model_call import as_tensor, for_wire
 
     t = time.perf_counter()
     try:
@@ -93,8 +93,8 @@ def _leader_predict(worker, link, msg: P.Predict):
 
 
 def _follower_loop(worker):
-    from .denoise import Cancelled
-    from .lora import LoraError
+    from ..sampling.denoise import Cancelled
+    from ..loading.lora import LoraError
     while True:
         job = _broadcast(worker.planes.control, None)
         if job == "shutdown":
@@ -158,8 +158,8 @@ class _Acceptor(threading.Thread):
 
 
 def _leader_loop(worker, acceptor):
-    from .denoise import Cancelled
-    from .lora import LoraError
+    from ..sampling.denoise import Cancelled
+    from ..loading.lora import LoraError
 
     link = None
     later = collections.deque()  # messages that arrived during a job, handled after it

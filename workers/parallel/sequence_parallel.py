@@ -15,12 +15,12 @@ tokens: the latent's, joined by reference images' tokens when a job has them
 Uneven shards are padded once per forward: the input hooks pad each stream's local shard to
 that stream's longest (`SequencePlan.padded`), so every layer's q/k/v have the same length
 on every rank and the collectives need no per-layer padding; the attention drops the padded
-keys (workers/attention.py) and the output gather drops the padded tokens. Padded tokens
+keys (workers/parallel/attention.py) and the output gather drops the padded tokens. Padded tokens
 only ever meet per-token layers and the attention, so they change no real token.
 
 A caller may pass its own plan (`joint_attention_kwargs={"sp_plan": plan}`), a SequencePlan
 subclass whose `selected` covers part of the tokens (PipeFusion's patches,
-workers/pipefusion/plan.py): the forward then computes only those, unpadded, and the output
+workers/parallel/pipefusion/plan.py): the forward then computes only those, unpadded, and the output
 gather places them in a full-size output.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """PipeFusion's step strategy: the patch pipeline plugged into the plain loop
-(workers/denoise.py, `StepStrategy`).
+(workers/sampling/denoise.py, `StepStrategy`).
 
 The loop's step `i` is the ticks of the job's tick table (schedule.py) from that step's first
 patch on stage 0 to the next step's. At each tick a rank does one grouped exchange with its
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..flow_step import combine, combine_across, step_rows
+from ...sampling.flow_step import combine, combine_across, step_rows
 from ..p2p import exchange
 from .cache import KVCache
 from .plan import PatchPlan

@@ -16,7 +16,7 @@ A Topology is immutable and passed explicitly; workers cache one per configurati
 rank receives the same jobs in the same order, so `new_group` calls line up).
 
 One door: every `torch.distributed` communication in workers/ goes through the functions at
-the end of this module (collectives) or workers/p2p.py (point-to-point), never straight to
+the end of this module (collectives) or workers/parallel/p2p.py (point-to-point), never straight to
 torch (tests/test_one_door.py). That is where the plane check lives: in the test modes
 (NCCL-rules emulation, shared GPU) each call checks that its tensors suit its group's plane,
 so a CPU tensor on a CUDA data plane fails on the first job instead of on a real NCCL box.

@@ -1,7 +1,7 @@
 """Every message between the host and rank 0, typed.
 
 On the wire a message is `(kind, {field: value})` of plain values and tensors, pickled by the
-authenticated channel (workers/channel.py): no class of this module crosses the wire, so the
+authenticated channel (workers/runtime/channel.py): no class of this module crosses the wire, so the
 host (which loads this module under a private package name inside ComfyUI) and the workers
 need not agree on import paths, and nothing but builtins and tensors is ever unpickled.
 `to_wire` / `from_wire` convert; an unknown kind or field is a `ProtocolError`.
@@ -61,7 +61,7 @@ class Decode(Message):
 
 @_message
 class Predict(Message):
-    """One denoiser evaluation for a host-side sampler (workers/model_call.py): latents
+    """One denoiser evaluation for a host-side sampler (workers/sampling/model_call.py): latents
     [N, C, h, w] model space, one timestep (sigma * 1000) and FLUX guidance per row,
     `chunks` [(conditioning key, rows)] in row order; `conds` carries the conditionings rank 0
     has not seen ({key: {"context", "pooled"}}, ComfyUI's CONDITIONING tensors, plus

@@ -22,11 +22,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .hooks import no_step_scope
-from .sequence_parallel import even_sizes
-from .sharding import is_sharded
+from ..runtime.hooks import no_step_scope
+from ..parallel.sequence_parallel import even_sizes
+from ..parallel.sharding import is_sharded
 from .step_cache import call_on_ranks, gated
-from .topology import all_gather, all_reduce
+from ..parallel.topology import all_gather, all_reduce
 
 COND_CACHE = 16  # conditionings kept per rank (a sampling run uses 1-3)
 
@@ -46,7 +46,7 @@ class ModelCall:
     # and "image_embeds" ([rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, `clip_fea`)
     new_conds: dict = field(default_factory=dict)
     timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
-    cache: Optional[dict] = None  # step cache settings (workers/step_cache.py), all fields
+    cache: Optional[dict] = None  # step cache settings (workers/sampling/step_cache.py), all fields
     expert: int = 0  # which transformer runs (a model of several experts: Wan 2.2 A14B)
 
 
@@ -287,7 +287,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
     sizes, me = replica_rows(n, topo)
     start = sum(sizes[:me])
     mine = slice(start, start + sizes[me])
-    # weight sharding (workers/sharding.py): every rank must run every block's forward, so a
+    # weight sharding (workers/parallel/sharding.py): every rank must run every block's forward, so a
     # replica with no rows runs one dummy row (the first) and discards it
     dummy = not sizes[me] and is_sharded(model.transformer)
     if dummy:

@@ -3,7 +3,7 @@
 A patch covers the image tokens `image_range` and, for a guidance branch's first patch of a
 step only, the text tokens (`with_text`); the sp ranks split those near-evenly, as for a
 whole forward. The plan reaches every hook and attention call of the forward (through
-`joint_attention_kwargs["sp_plan"]`, workers/sequence_parallel.py), so it also carries the
+`joint_attention_kwargs["sp_plan"]`, workers/parallel/sequence_parallel.py), so it also carries the
 job's per-call state: the K/V cache the attention reads and refreshes, and the activation
 slots the stage boundary hooks read and fill. Nothing comes from a global.
 """

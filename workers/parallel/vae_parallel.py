@@ -307,7 +307,7 @@ class _Bands:
 
 def _start_halo_exchange(ctx: _Bands, x: torch.Tensor, p: int):
     """Post sends of our top/bottom p rows and receives of the neighbours' rows, grouped
-    (workers/p2p.py: NCCL-safe).
+    (workers/parallel/p2p.py: NCCL-safe).
     Returns (top, bottom, wait): top/bottom are None at the image's true edges; they hold
     the neighbours' rows once `wait()` has run (it returns them)."""
     from .p2p import post

@@ -4,7 +4,7 @@ A hook is `"module:function"`, importable in the worker (the repository root is 
 path), called once per rank before the process group exists, so it can wrap
 `torch.distributed` (the NCCL-rules emulation, the communication meter) or set per-pool
 test switches in `ctx.options` (fault injection; `check_planes`, the plane check of
-workers/topology.py, which the NCCL-rules and shared-GPU modes turn on). The product never
+workers/parallel/topology.py, which the NCCL-rules and shared-GPU modes turn on). The product never
 installs one itself: `WorkerPool(..., worker_hooks=[...])` passes them as `--hook`
 arguments.
 

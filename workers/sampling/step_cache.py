@@ -308,7 +308,7 @@ _PARAMS: dict = {}
 
 def _real_image_tokens(kwargs, local: int, plan_of=None) -> int:
     """This rank's real image tokens among its `local` ones: a sequence-parallel shard is
-    padded to the longest (workers/sequence_parallel.py), and the padding's residual must not
+    padded to the longest (workers/parallel/sequence_parallel.py), and the padding's residual must not
     weigh in the decision, or the ranks would decide otherwise than one process. The plan
     comes with the block's keywords, or (blocks not given it: Wan) from `plan_of()`."""
     plan = (kwargs.get("joint_attention_kwargs") or {}).get("sp_plan")
@@ -387,7 +387,7 @@ def call_on_ranks(run: RunCache | None, model, adapter, keys, topo, control, sha
     unanimous over the world's control plane. None when the cache is off."""
     if run is None:
         return None
-    from .topology import all_reduce
+    from ..parallel.topology import all_reduce
 
     reduce = None
     if topo.sp > 1:

@@ -23,7 +23,7 @@ unsharded model; nothing in the arithmetic changes.
 The rule that keeps it from deadlocking: FSDP's all-gathers are collectives over the whole
 world, so every rank must run every block's forward the same number of times, in the same
 order. The denoising loop does (CFG parallel: one branch per rank per step; DP with uneven
-batches: every replica steps every tick); host-sampler calls (workers/model_call.py) run a
+batches: every replica steps every tick); host-sampler calls (workers/sampling/model_call.py) run a
 dummy one-row forward on a replica that got no rows. PipeFusion (each rank runs only its
 stage's blocks) is refused, and so is `compile` (not validated with FSDP's hooks).
 
@@ -199,7 +199,7 @@ class ShardSetup:
 
     def __init__(self, worker):
         from .topology import device_group
-        from .loading.shards import direct_load_problem
+        from ..loading.shards import direct_load_problem
 
         args = worker.args
         check(True, args.pipefusion, getattr(args, "compile", False))

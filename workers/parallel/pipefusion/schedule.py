@@ -8,7 +8,7 @@ patches at once. The denoising loop's step `i` is the ticks from that step's fir
 stage 0 up to the next step's (`ticks_of`): its stop decision falls at the same tick on
 every rank.
 
-Between ticks, each rank does one grouped exchange (workers/p2p.py) with its neighbours:
+Between ticks, each rank does one grouped exchange (workers/parallel/p2p.py) with its neighbours:
 stage s sends the activations of the micro it computed at the previous tick to stage s+1
 (which computes that micro now), and the last stage sends the latent rows a micro finished
 (its guidance is complete and its Euler step taken) back to stage 0, which needs them for the
