@@ -6,10 +6,45 @@ import torch
 
 from .. import families
 from ..families.flux import DYNAMIC_SHIFT
-from ..parallel.processors import FluxShardedAttnProcessor
+from ..parallel.processors import joint_text_image_qkv, need_plan
 from ..parallel.sequence_parallel import SequenceLayout
 from . import latent_layout
 from .base import DiTAdapter, text_encoder_device_of
+
+
+class FluxShardedAttnProcessor:
+    """FLUX double blocks (text + image streams, text first) and single blocks (one
+    concatenated stream); both attend over all text and image tokens. Rows padded to a
+    common text length (Chroma's prompts of one batch) carry `text_lengths`, as
+    Qwen-Image's do: each row's padded text keys are dropped."""
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None, sp_plan=None, text_lengths=None):
+        plan = need_plan(sp_plan)
+        if attention_mask is not None:
+            raise ValueError("attention masks are not supported under sequence parallelism")
+
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key, value = joint_text_image_qkv(attn, query, key, value, encoder_hidden_states,
+                                            image_rotary_emb)
+
+        out = self.attention(query, key, value, plan, ("text", "image"), attn,
+                             text_lengths=text_lengths)
+        out = out.flatten(2, 3).to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            text = encoder_hidden_states.shape[1]
+            encoder_out, out = out[:, :text], out[:, text:]
+            out = attn.to_out[1](attn.to_out[0](out.contiguous()))
+            encoder_out = attn.to_add_out(encoder_out.contiguous())
+            return out, encoder_out
+        return out
 
 
 def dynamic_shift_args(config, fallback=DYNAMIC_SHIFT) -> tuple:

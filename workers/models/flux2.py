@@ -12,13 +12,67 @@ import re
 import torch
 
 from .. import families
-from ..parallel.processors import Flux2ShardedAttnProcessor
+from ..parallel.processors import joint_text_image_qkv, need_plan
 from .base import text_encoder_device_of
 from .flux import FluxAdapter
 
 # The kohya FLUX.2 modules diffusers' converter maps; it drops any other lora_unet_ module
 # with only a log warning (a FLUX.1 LoRA's img_mod / modulation layers, say), which would
 # run part of the LoRA silently, so they are refused.
+class Flux2ShardedAttnProcessor:
+    """FLUX.2 attention on the local token shard, for both of its attention modules (one
+    processor instance serves every module, so it tells them apart by their layers):
+
+    - `Flux2Attention` (double blocks): separate image and text projections, text first;
+      called as (attn, hidden_states, encoder_hidden_states, attention_mask, rotary).
+    - `Flux2ParallelSelfAttention` (single blocks): one fused projection producing q, k, v
+      and the SwiGLU MLP input, one fused output projection over [attention, MLP];
+      called as (attn, hidden_states, attention_mask, rotary).
+    """
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    def __call__(self, attn, hidden_states, *args, sp_plan=None, **kwargs):
+        plan = need_plan(sp_plan)
+        single = hasattr(attn, "to_qkv_mlp_proj")
+        args = args + (None,) * (3 - len(args))
+        if single:
+            encoder_hidden_states, (attention_mask, rotary) = None, args[:2]
+        else:
+            encoder_hidden_states, attention_mask, rotary = args[:3]
+        attention_mask = kwargs.get("attention_mask", attention_mask)
+        rotary = kwargs.get("image_rotary_emb", rotary)
+        encoder_hidden_states = kwargs.get("encoder_hidden_states", encoder_hidden_states)
+        if attention_mask is not None:
+            raise ValueError("attention masks are not supported under sequence parallelism")
+
+        mlp = None
+        if single:
+            fused = attn.to_qkv_mlp_proj(hidden_states)
+            qkv_width = 3 * attn.inner_dim
+            qkv, mlp = fused[..., :qkv_width], fused[..., qkv_width:]
+            query, key, value = qkv.chunk(3, dim=-1)
+        elif getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key, value = joint_text_image_qkv(attn, query, key, value, encoder_hidden_states, rotary)
+
+        out = self.attention(query, key, value, plan, ("text", "image"), attn)
+        out = out.flatten(2, 3).to(query.dtype)
+
+        if single:
+            return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+        if encoder_hidden_states is not None:
+            text = encoder_hidden_states.shape[1]
+            encoder_out, out = out[:, :text], out[:, text:]
+            out = attn.to_out[1](attn.to_out[0](out.contiguous()))
+            encoder_out = attn.to_add_out(encoder_out.contiguous())
+            return out, encoder_out
+        return attn.to_out[1](attn.to_out[0](out))
+
+
 _KOHYA = re.compile(r"lora_unet_(double_blocks_\d+_(img|txt)_(attn_qkv|attn_proj|mlp_0|mlp_2)"
                     r"|single_blocks_\d+_linear[12]|img_in|txt_in|time_in_in_layer"
                     r"|time_in_out_layer|final_layer_linear)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import families
-from ..parallel.processors import QwenImageShardedAttnProcessor
+from ..parallel.processors import need_plan
 from ..parallel.sequence_parallel import SequenceLayout
 from . import latent_layout
 from .base import DiTAdapter, text_encoder_device_of
@@ -22,6 +22,59 @@ from .flux import dynamic_shift_args, shifted_timesteps
 
 # QwenImageEditPipeline's text encoder reads the prompt together with the reference image
 # (vision tokens in the text states): typed prompts need the image itself, not its latent
+class QwenImageShardedAttnProcessor:
+    """Qwen-Image's double-stream attention on the local token shard: separate image and
+    text projections, per-head QK RMSNorm, RoPE applied per stream (the image and text
+    frequency shards arrive split with their tokens), text first, outputs projected per
+    stream. Returns (image, text) as the stock processor does.
+
+    Rows of one call whose prompts were padded to a common length carry `text_lengths`
+    (their real token counts, through the attention kwargs): their padded text keys are
+    dropped as diffusers' text mask drops them. The mask itself is not taken (a per-call
+    host read); the model's own `encoder_hidden_states_mask` must be None."""
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None,
+                 encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None,
+                 sp_plan=None, text_lengths=None):
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+        plan = need_plan(sp_plan)
+        if attention_mask is not None or encoder_hidden_states_mask is not None:
+            raise ValueError("Qwen-Image text masks reach the parallel attention as "
+                             "text_lengths, not as a mask")
+
+        def heads(x):
+            return x.unflatten(-1, (-1, attn.inner_dim // attn.heads))
+
+        iq, ik, iv = (heads(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))
+        tq, tk, tv = (heads(f(encoder_hidden_states))
+                      for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        if attn.norm_q is not None:
+            iq, ik = attn.norm_q(iq), attn.norm_k(ik)
+        if attn.norm_added_q is not None:
+            tq, tk = attn.norm_added_q(tq), attn.norm_added_k(tk)
+        if image_rotary_emb is not None:
+            img_freqs, txt_freqs = image_rotary_emb
+            iq = apply_rotary_emb_qwen(iq, img_freqs, use_real=False)
+            ik = apply_rotary_emb_qwen(ik, img_freqs, use_real=False)
+            if tq.shape[1]:  # PipeFusion's later patches carry no text
+                tq = apply_rotary_emb_qwen(tq, txt_freqs, use_real=False)
+                tk = apply_rotary_emb_qwen(tk, txt_freqs, use_real=False)
+        query, key, value = (torch.cat(p, dim=1) for p in ((tq, iq), (tk, ik), (tv, iv)))
+        out = self.attention(query, key, value, plan, ("text", "image"), attn,
+                             text_lengths=text_lengths)
+        out = out.flatten(2, 3).to(query.dtype)
+        text = encoder_hidden_states.shape[1]
+        txt, img = out[:, :text], out[:, text:]
+        img = attn.to_out[0](img.contiguous())
+        if len(attn.to_out) > 1:
+            img = attn.to_out[1](img)
+        return img, attn.to_add_out(txt.contiguous())
+
+
 EDIT_PROMPTS = ("a Qwen-Image-Edit folder encodes each prompt together with its reference "
                 "image: give the image (--image FILE, GenerationRequest.reference_images) "
                 "rather than a reference latent, or the prompts as CONDITIONING (ComfyUI's "
@@ -37,7 +90,7 @@ def processor_without_video() -> None:
     build (and load) a video processor too, which needs torchvision (not a dependency of
     this pack; the Edit pipeline gives the processor images only). Idempotent; a worker is
     a process of its own (the tiny Edit folder's builder does the same,
-    comfyui_xdit/testmodels/tiny_qwen_image.patch_processor_without_video)."""
+    comfyui_xdit/testmodels/qwen_image.patch_processor_without_video)."""
     from transformers import Qwen2VLProcessor
     Qwen2VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
 

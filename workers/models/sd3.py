@@ -1,12 +1,68 @@
 """SD3/3.5: unpacked latents patchified inside the model, image tokens first, classic CFG."""
 from __future__ import annotations
 
+import torch
+
 from .. import families
 from ..families.sd3 import DYNAMIC_SHIFT_FALLBACK
-from ..parallel.processors import SD3ShardedAttnProcessor
+from ..parallel.processors import need_plan
 from ..parallel.sequence_parallel import SequenceLayout
 from .base import DiTAdapter, text_encoder_device_of
 from .flux import dynamic_shift_args
+
+
+class SD3ShardedAttnProcessor:
+    """SD3/3.5 joint attention (image tokens first, then text) and SD3.5's image-only
+    second attention (`attn2`, called without encoder states)."""
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 sp_plan=None, **kwargs):
+        plan = need_plan(sp_plan)
+        if attention_mask is not None:
+            raise ValueError("attention masks are not supported under sequence parallelism")
+        b = hidden_states.shape[0]
+        image_tokens = hidden_states.shape[1]
+        head_dim = attn.to_k.out_features // attn.heads
+
+        def heads(x):
+            return x.view(b, -1, attn.heads, head_dim)
+
+        query = heads(attn.to_q(hidden_states))
+        key = heads(attn.to_k(hidden_states))
+        value = heads(attn.to_v(hidden_states))
+        # diffusers' norms act on the last dim, so the [B,S,H,D] layout gives the same result
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        streams = ("image",)
+        if encoder_hidden_states is not None:
+            eq = heads(attn.add_q_proj(encoder_hidden_states))
+            ek = heads(attn.add_k_proj(encoder_hidden_states))
+            ev = heads(attn.add_v_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                eq = attn.norm_added_q(eq)
+            if attn.norm_added_k is not None:
+                ek = attn.norm_added_k(ek)
+            query = torch.cat([query, eq], dim=1)
+            key = torch.cat([key, ek], dim=1)
+            value = torch.cat([value, ev], dim=1)
+            streams = ("image", "text")
+
+        out = self.attention(query, key, value, plan, streams, attn)
+        out = out.reshape(b, -1, attn.heads * head_dim).to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            out, encoder_out = out[:, :image_tokens], out[:, image_tokens:]
+            if not attn.context_pre_only:
+                encoder_out = attn.to_add_out(encoder_out)
+        out = attn.to_out[1](attn.to_out[0](out))
+        if encoder_hidden_states is not None:
+            return out, encoder_out
+        return out
 
 
 def _token_counts(transformer, kw):

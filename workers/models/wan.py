@@ -17,11 +17,80 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 
 from .. import families
-from ..parallel.processors import WanShardedAttnProcessor
+from ..parallel.processors import need_plan
 from ..parallel.sequence_parallel import SequenceLayout
 from .base import DiTAdapter, text_encoder_device_of
+
+
+def _wan_cross_with_image(attn, x, context, n_image: int):
+    """Wan 2.1 I2V's cross-attention: the queries attend to the text (context after the
+    first `n_image` tokens) and, through their own K/V projections, to the image tokens (the
+    first `n_image`); the two results are summed before the output projection."""
+    def heads(t):  # [B, S, H*D] -> [B, H, S, D]
+        return t.unflatten(2, (attn.heads, -1)).transpose(1, 2)
+
+    image, text = context[:, :n_image], context[:, n_image:]
+    q = heads(attn.norm_q(attn.to_q(x)))
+    out = F.scaled_dot_product_attention(q, heads(attn.norm_k(attn.to_k(text))),
+                                         heads(attn.to_v(text)))
+    out = out + F.scaled_dot_product_attention(
+        q, heads(attn.norm_added_k(attn.add_k_proj(image))), heads(attn.add_v_proj(image)))
+    out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+    return attn.to_out[1](attn.to_out[0](out))
+
+
+def _wan_rotary(x, freqs_cos, freqs_sin):
+    """Wan's RoPE on interleaved pairs (as WanAttnProcessor applies it), [B, S, H, D]."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class WanShardedAttnProcessor:
+    """Wan: the self-attention (`attn1`, over the video tokens, with RoPE) on the local token
+    shard through the method's attention; the cross-attention (`attn2`, to the text and, for
+    2.1 I2V, the CLIP image tokens) is this rank's queries against every key, which no rank
+    splits, so it needs no collective: the stock processor's, except with image tokens,
+    whose count comes from the call (`context_image`, SequenceLayout.context_tokens) where
+    the stock one assumes 512 text tokens after them (ComfyUI's model reads any text
+    length; for 512 the two are the same)."""
+
+    def __init__(self, attention):
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+        self.attention = attention
+        self.cross = WanAttnProcessor()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None, sp_plan=None, context_image=None):
+        if encoder_hidden_states is not None:
+            if attn.add_k_proj is not None and context_image is not None:
+                return _wan_cross_with_image(attn, hidden_states, encoder_hidden_states,
+                                             context_image)
+            return self.cross(attn, hidden_states, encoder_hidden_states, attention_mask,
+                              rotary_emb)
+        plan = need_plan(sp_plan)
+        if attention_mask is not None:
+            raise ValueError("attention masks are not supported under sequence parallelism")
+        if attn.fused_projections:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query = attn.to_q(hidden_states)
+            key, value = attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)  # RMS norm across the heads
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query, key = _wan_rotary(query, *rotary_emb), _wan_rotary(key, *rotary_emb)
+        out = self.attention(query, key, value, plan, ("image",), attn)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
 
 
 def _token_counts(transformer, kw):
