@@ -143,6 +143,11 @@ class Family:
     # released for that config. None: the family has no two-expert models
     expert_boundary: Optional[Callable] = None
     lora_formats: str = "diffusers/PEFT"
+    # the diffusers VAE classes the pool decodes (and encodes references) with
+    vae_classes: tuple = ("AutoencoderKL",)
+    # a causal 3-D VAE of the Wan design, which patch-parallel decode rewires
+    # (workers/parallel/vae_parallel.py): (diffusers.models.autoencoders module, class prefix)
+    causal_vae: Optional[tuple] = None
     text_extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's
     # the text tokens join the image tokens in one attention sequence (joint attention:
     # FLUX, SD3, Qwen-Image, Chroma); False: the text is reached by cross-attention only
@@ -189,6 +194,11 @@ def _discover() -> dict:
 FAMILIES: dict = _discover()
 IDS = tuple(FAMILIES)
 BY_CLASS = {f.transformer_class: f for f in FAMILIES.values()}
+
+
+def vae_classes() -> tuple:
+    """Every VAE class some family decodes with, in family order."""
+    return tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.vae_classes))
 
 
 def family(fid: str) -> Family:

@@ -93,6 +93,7 @@ def comfy_unet(cfg: dict) -> dict:
 
 
 FAMILY = Family(
+    vae_classes=("AutoencoderKLFlux2",),
     id="flux2", order=20, name="FLUX.2", transformer_class="Flux2Transformer2DModel",
     pipelines=(DEFAULT_PIPELINE, "Flux2Pipeline"), adapter="Flux2Adapter",
     block_lists=("transformer_blocks", "single_transformer_blocks"),

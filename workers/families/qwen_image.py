@@ -98,6 +98,8 @@ def pipeline_of(index_class) -> str:
 
 
 FAMILY = Family(
+    vae_classes=("AutoencoderKLQwenImage",),
+    causal_vae=("autoencoder_kl_qwenimage", "QwenImage"),  # a fine-tuned Wan 2.1 VAE
     id="qwen_image", order=50, name="Qwen-Image", transformer_class="QwenImageTransformer2DModel",
     pipelines=("QwenImagePipeline", "QwenImageEditPipeline"), adapter="QwenImageAdapter",
     block_lists=("transformer_blocks",), block_counts=("num_layers",),

@@ -144,6 +144,7 @@ def pipeline_of(index_class) -> str:
 
 
 FAMILY = Family(
+    vae_classes=("AutoencoderKLWan",), causal_vae=("autoencoder_kl_wan", "Wan"),
     id="wan", order=60, name="Wan", transformer_class="WanTransformer3DModel",
     pipelines=("WanPipeline", "WanImageToVideoPipeline"), adapter="WanAdapter",
     block_lists=("blocks",), block_counts=("num_layers",),

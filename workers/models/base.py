@@ -29,10 +29,6 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-# The VAE classes the pool decodes with: the same Decoder (what vae_parallel rewires);
-# FLUX.2's only adds a batch norm on the patchified latent, applied in model space.
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLFlux2", "AutoencoderKLQwenImage",
-               "AutoencoderKLWan")
 
 
 def load_vae(model: LoadedModel):
@@ -40,9 +36,10 @@ def load_vae(model: LoadedModel):
     import diffusers
 
     name = model.vae_config.get("_class_name") or "AutoencoderKL"
-    if name not in VAE_CLASSES:
+    known = families.vae_classes()  # what some family declares (its `vae_classes`)
+    if name not in known:
         raise ValueError(f"{os.path.join(model.path, 'vae')} holds a {name}; the pool decodes "
-                         f"with {', '.join(VAE_CLASSES[:-1])} or {VAE_CLASSES[-1]} only (decode the LATENT with "
+                         f"with {', '.join(known[:-1])} or {known[-1]} only (decode the LATENT with "
                          f"ComfyUI's VAEDecode instead)")
     vae = getattr(diffusers, name).from_pretrained(model.path, subfolder="vae",
                                                    torch_dtype=model.dtype)

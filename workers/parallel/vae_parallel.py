@@ -119,16 +119,16 @@ def _allowed_types():
     }
 
 
-# diffusers' causal 3-D VAEs of the Wan design: (module, class-name prefix). Qwen-Image's is a
-# fine-tuned Wan 2.1 VAE; the classes this scheme touches are the same code in both.
-_CAUSAL_VAES = (("autoencoder_kl_qwenimage", "QwenImage"), ("autoencoder_kl_wan", "Wan"))
-
-
 @functools.lru_cache(maxsize=None)
 def _causal_families() -> tuple:
-    """((module, prefix), ...) of the causal 3-D VAE modules this diffusers has."""
+    """((module, prefix), ...) of the causal 3-D VAE modules of the Wan design that some
+    family declares (`Family.causal_vae`) and this diffusers has; the classes this scheme
+    touches are the same code in each (Qwen-Image's is a fine-tuned Wan 2.1 VAE)."""
+    from .. import families
+
     found = []
-    for modname, prefix in _CAUSAL_VAES:
+    for modname, prefix in dict.fromkeys(f.causal_vae for f in families.FAMILIES.values()
+                                         if f.causal_vae):
         try:
             mod = importlib.import_module(f"diffusers.models.autoencoders.{modname}")
         except ImportError:
