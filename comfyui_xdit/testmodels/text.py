@@ -1,6 +1,6 @@
 """What every tiny test model shares, without a model of its own: the offline tokenizers'
-vocabularies (CLIP BPE, T5 unigram, the byte alphabet the byte-level BPEs build on) and the
-seeded construction of a component (each component's weights from its own seed and salt)."""
+vocabularies (CLIP BPE, T5 unigram, the byte alphabet and a word-merging byte-level BPE) and
+the seeded construction of a component (each component's weights from its own seed and salt)."""
 from __future__ import annotations
 
 CLIP_MAX_LENGTH = 77
@@ -89,6 +89,33 @@ def _t5_vocab() -> list[tuple[str, float]]:
                 seen.add(piece)
                 pieces.append((piece, -9.0 if len(piece) == 1 else -8.5))
     return pieces
+
+
+def _byte_level_bpe(words, specials):
+    """A byte-level BPE `tokenizers.Tokenizer` (GPT-2 / Qwen / Tekken style): the 256 byte
+    symbols, merges that make each of `words` (with its leading-space marker) one token, then
+    `specials`. Any text tokenizes; the listed words cost one token each."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = list(_bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    space = _bytes_to_unicode()[ord(" ")]
+    for word in words:
+        pieces = _bpe(list(space + word), ranks)
+        cur = pieces[0]
+        for piece in pieces[1:]:
+            if (cur, piece) not in ranks:
+                ranks[(cur, piece)] = len(merges)
+                merges.append((cur, piece))
+            cur += piece
+            vocab.setdefault(cur, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(specials))
+    return tok
 
 
 def _clip_tokenizer():

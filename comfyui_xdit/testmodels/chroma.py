@@ -1,0 +1,46 @@
+"""The tiny Chroma diffusers folder (`tiny-model --arch chroma`): ChromaPipeline with FLUX.1's
+T5 (same salt, so the same weights as the FLUX test model's T5 of the seed) and VAE, a Chroma
+transformer of its own salt, the released scheduler. Its knobs and RoPE are FLUX.1's."""
+from __future__ import annotations
+
+from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.testmodels import parts
+from comfyui_xdit.testmodels.flux import check, key_extras  # noqa: F401 - FLUX.1's RoPE axes
+from comfyui_xdit.testmodels.text import _seeded, _t5_tokenizer
+
+_flux = worker_module("families.flux")  # RoPE axes
+_chroma = worker_module("families.chroma")  # scheduler
+
+VARIANTS: tuple[str, ...] = ()
+
+# Chroma's approximator (the MLP making every block's modulation from the timestep): its
+# input stays the released 64 channels (16 timestep + 16 guidance + 32 modulation index),
+# the only width ComfyUI's comfy/ldm/chroma accepts; hidden width and depth are small.
+CHROMA_APPROXIMATOR = dict(approximator_num_channels=64, approximator_hidden_dim=32,
+                           approximator_layers=2)
+
+
+def build_pipeline(cfg: dict):
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    seed, heads, head_dim = cfg["seed"], cfg["heads"], parts.head_dim(cfg)
+    tokenizer = _t5_tokenizer()
+    text_encoder = parts.t5_model(tokenizer, seed, 2)
+    transformer = _seeded(
+        seed,
+        6,
+        ChromaTransformer2DModel,
+        patch_size=1,
+        in_channels=64,  # 16 latent channels packed 2x2
+        num_layers=cfg["depth"],
+        num_single_layers=cfg["depth"],
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=parts.T5["d_model"],
+        axes_dims_rope=_flux.rope_axes(head_dim),
+        **CHROMA_APPROXIMATOR,
+    )
+    vae = parts.kl_vae(cfg["arch"], seed, 4)
+    scheduler = FlowMatchEulerDiscreteScheduler(**_chroma.SCHEDULER)
+    return ChromaPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                          tokenizer=tokenizer, transformer=transformer)

@@ -1,0 +1,62 @@
+"""The tiny FLUX.1 diffusers folder (`tiny-model --arch flux`): FluxPipeline with a CLIP-L and
+a T5 text encoder (parts.py), a FluxTransformer2DModel with embedded guidance (FLUX.1 [dev]
+style) and FLUX.1's RoPE axes, the 16-channel VAE and the released [dev] scheduler."""
+from __future__ import annotations
+
+from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.testmodels import parts
+from comfyui_xdit.testmodels.text import _clip_tokenizer, _seeded, _t5_tokenizer
+
+_flux = worker_module("families.flux")  # RoPE axes, scheduler
+
+VARIANTS: tuple[str, ...] = ()
+
+
+def check(cfg: dict) -> None:
+    hd = parts.head_dim(cfg)
+    parts.require_head_dim(cfg, hd % 2 == 0 and hd >= 6, "an even head dim >= 6 for its 3 RoPE axes")
+    parts.refuse_knobs(cfg)
+
+
+def key_extras(cfg: dict) -> dict:
+    if parts.head_dim(cfg) == 128:
+        # FLUX.1's RoPE axes (16, 56, 56), as a single file of it is read (the old recipe
+        # split 128 as (4, 62, 62)): a new key for this recipe, the others' keys unchanged
+        return {"rope": "flux1"}
+    return {}
+
+
+def build_pipeline(cfg: dict):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    seed, heads, head_dim = cfg["seed"], cfg["heads"], parts.head_dim(cfg)
+    tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
+    text_encoder = parts.clip_text_model(CLIPTextModel, parts.CLIP_L, tokenizer, seed, 1)
+    text_encoder_2 = parts.t5_model(tokenizer_2, seed, 2)
+    transformer = _seeded(
+        seed,
+        3,
+        FluxTransformer2DModel,
+        patch_size=1,
+        in_channels=64,  # 16 latent channels packed 2x2
+        num_layers=cfg["depth"],
+        num_single_layers=cfg["depth"],
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=parts.T5["d_model"],
+        pooled_projection_dim=parts.CLIP_L["hidden_size"],
+        guidance_embeds=True,  # FLUX.1-dev style embedded guidance
+        axes_dims_rope=_flux.rope_axes(head_dim),
+    )
+    vae = parts.kl_vae(cfg["arch"], seed, 4)
+    scheduler = FlowMatchEulerDiscreteScheduler(**_flux.SCHEDULER_DEV)
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
