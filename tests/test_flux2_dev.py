@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from comfyui_xdit.testmodels.tiny_model import (MISTRAL3_LAYERS, add_cli, build_tiny_model, ensure_tiny_model,
-                                     resolve_config)
+from comfyui_xdit.testmodels.flux2 import MISTRAL3_LAYERS
+from comfyui_xdit.testmodels.tiny_model import add_cli, build_tiny_model, ensure_tiny_model, resolve_config
 
 TOL = 1e-4
 MOVED = 1e-2  # the model moved the latent at least this far from the noise

@@ -58,11 +58,11 @@ def ref_image(size):
 def edit_dir(tmp_path_factory):
     """The tiny Qwen-Image-Edit folder (QwenImageEditPipeline: the processor gives the text
     encoder the image), built offline."""
-    from comfyui_xdit.testmodels import tiny_qwen_image
+    from comfyui_xdit.testmodels import qwen_image
     from comfyui_xdit.testmodels.tiny_model import resolve_config
 
     out = tmp_path_factory.mktemp("models") / "qwen_image_edit"
-    tiny_qwen_image.build_pipeline(resolve_config("qwen_image"), edit=True) \
+    qwen_image.build_pipeline(resolve_config("qwen_image"), edit=True) \
         .save_pretrained(str(out), safe_serialization=True)
     return out
 
@@ -71,7 +71,7 @@ def edit_dir(tmp_path_factory):
 def pipe(edit_dir):
     from diffusers import QwenImageEditPipeline
 
-    from comfyui_xdit.testmodels.tiny_qwen_image import patch_processor_without_video
+    from comfyui_xdit.testmodels.qwen_image import patch_processor_without_video
     patch_processor_without_video()
     p = QwenImageEditPipeline.from_pretrained(str(edit_dir)).to(torch.float32)
     p.set_progress_bar_config(disable=True)

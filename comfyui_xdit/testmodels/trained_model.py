@@ -2,7 +2,7 @@
 
 Random weights say nothing about a step cache or about PipeFusion's stale K/V: a trained
 velocity field changes smoothly along the sampling trajectory, a random one does not. This
-builds the tiny FLUX folder of `tiny_model` (same text encoders, tokenizers, scheduler) and
+builds the tiny FLUX folder of `flux.py` (same text encoders, tokenizers, scheduler) and
 trains two of its parts on pictures it draws itself, so nothing is downloaded:
 
 1. the VAE as an autoencoder of its posterior means (on 32x32 crops: it is convolutional, and
@@ -23,7 +23,10 @@ import pathlib
 import sys
 import time
 
-from comfyui_xdit.testmodels import tiny_model
+from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.testmodels import flux, parts, tiny_model
+
+_flux = worker_module("families.flux")  # the released VAE's latent statistics
 
 RECIPE = {
     "kind": "trained-shapes", "version": 2, "seed": 0, "image": 64, "width": 128, "heads": 4,
@@ -94,7 +97,7 @@ def _train_vae(vae, images, recipe, log):
     """Autoencoder on random crops; the latent's batch statistics pulled to FLUX's."""
     import torch
 
-    facts = tiny_model._flux.VAE_LATENT
+    facts = _flux.VAE_LATENT
     shift, scale = facts["shift_factor"], facts["scaling_factor"]
     g = torch.Generator().manual_seed(recipe["seed"] + 1)
     opt = torch.optim.AdamW(vae.parameters(), lr=recipe["vae_lr"], weight_decay=0.0)
@@ -177,7 +180,7 @@ def build_trained_model(out_dir, recipe: dict | None = None, log=print) -> pathl
     t0 = time.perf_counter()
     try:
         with torch.random.fork_rng(devices=[]):
-            pipe = tiny_model._build_flux(cfg)
+            pipe = flux.build_pipeline(cfg)
             images, idx = _data(recipe)
             vae_loss = _train_vae(pipe.vae, images, recipe, log)
             with torch.no_grad():
@@ -186,20 +189,20 @@ def build_trained_model(out_dir, recipe: dict | None = None, log=print) -> pathl
                 rec = torch.cat([pipe.vae.decode(raw[i:i + 64]).sample
                                  for i in range(0, len(raw), 64)])
             vae_psnr = float(10 * torch.log10(4 / (rec.clamp(-1, 1) - images).pow(2).mean()))
-            facts = tiny_model._flux.VAE_LATENT
+            facts = _flux.VAE_LATENT
             latents = (raw - facts["shift_factor"]) * facts["scaling_factor"]
             log(f"vae: reconstruction PSNR {vae_psnr:.1f} dB, model-space latent mean "
                 f"{float(latents.mean()):.3f} std {float(latents.std()):.3f}")
             tr_loss = _train_transformer(pipe, latents, idx, recipe, log)
     finally:
         torch.set_num_threads(threads)
-    with tiny_model._quiet_transformers():
+    with parts.quiet_transformers():
         pipe.save_pretrained(out, safe_serialization=True)
     report = dict(cfg, recipe=recipe, trained={
         "vae_loss": round(vae_loss, 5), "vae_psnr_db": round(vae_psnr, 2),
         "transformer_loss": round(tr_loss, 5), "train_s": round(time.perf_counter() - t0, 1)})
     (out / "tiny_model.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    tiny_model._normalize_modes(out)
+    parts.normalize_modes(out)
     return out
 
 

@@ -12,7 +12,7 @@
   encoder, `boundary_ratio` 0.9 as the release.
 
 Parts: WanTransformer3DModel (`depth` blocks, `heads` x width/heads, patch (1, 2, 2), ffn
-2 x width), UMT5EncoderModel over the shared T5-style unigram tokenizer (tiny_model), an
+2 x width), UMT5EncoderModel over the shared T5-style unigram tokenizer (text.py), an
 AutoencoderKLWan with base_dim 8 and the released latent statistics (4x in time, 8x in space,
 as the real one), the released UniPC flow scheduler (workers/families/wan.SCHEDULER).
 Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identical.
@@ -20,10 +20,15 @@ Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identic
 from __future__ import annotations
 
 from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.testmodels import parts
+from comfyui_xdit.testmodels.text import _seeded, _t5_tokenizer
 
 _family = worker_module("families.wan")
 
-VARIANTS = ("t2v", "a14b", "i2v", "i2v-a14b")
+VARIANTS: tuple[str, ...] = ("t2v", "a14b", "i2v", "i2v-a14b")
+VARIANT_HELP = ("Wan: t2v (default; 2.1 text-to-video), a14b (2.2 text-to-video, two experts), "
+                "i2v (2.1 image-to-video, with a CLIP image encoder) or i2v-a14b (2.2 "
+                "image-to-video, two experts)")
 # the CLIP vision tower: (32 / 8)^2 patches + the class token = 17 image tokens
 CLIP_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
@@ -32,10 +37,15 @@ VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_s
            temperal_downsample=[False, True, True])
 
 
+def check(cfg: dict) -> None:
+    hd = parts.head_dim(cfg)
+    parts.require_head_dim(cfg, hd % 2 == 0 and hd >= 6, "an even head dim >= 6 for its 3 RoPE axes")
+    parts.refuse_knobs(cfg)
+
+
 def _transformer(cfg: dict, seed: int, salt: int, in_channels: int = 16, **extra):
     from diffusers import WanTransformer3DModel
 
-    from comfyui_xdit.testmodels.text import _seeded
     head_dim = cfg["width"] // cfg["heads"]
     return _seeded(seed, salt, WanTransformer3DModel, patch_size=(1, 2, 2),
                    num_attention_heads=cfg["heads"], attention_head_dim=head_dim,
@@ -47,7 +57,6 @@ def _transformer(cfg: dict, seed: int, salt: int, in_channels: int = 16, **extra
 def _text(seed: int):
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from comfyui_xdit.testmodels.text import _seeded, _t5_tokenizer
     tok = _t5_tokenizer()
     config = UMT5Config(vocab_size=len(tok), feed_forward_proj="gated-gelu",
                         tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
@@ -60,7 +69,6 @@ def _image_encoder(seed: int):
     """A tiny CLIPVisionModel and its image processor (PIL backend: torchvision is absent)."""
     from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
 
-    from comfyui_xdit.testmodels.text import _seeded
     size = CLIP_VISION["image_size"]
     processor = CLIPImageProcessorPil(size={"shortest_edge": size},
                                       crop_size={"height": size, "width": size})
@@ -72,25 +80,24 @@ def build_pipeline(cfg: dict):
     from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline,
                            WanPipeline)
 
-    from comfyui_xdit.testmodels.text import _seeded
-    seed, variant = cfg["seed"], cfg.get("variant") or "t2v"
+    seed, variant = cfg["seed"], cfg.get("variant") or VARIANTS[0]
     tokenizer, text_encoder = _text(seed)
     vae = _seeded(seed, 4, AutoencoderKLWan, latents_mean=list(_family.LATENTS_MEAN),
                   latents_std=list(_family.LATENTS_STD), **VAE)
     sched = {k: v for k, v in _family.SCHEDULER.items() if k != "_class_name"}
     scheduler = UniPCMultistepScheduler(**sched)
-    parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler)
+    components = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler)
     if variant == "i2v":  # Wan 2.1 I2V: CLIP image tokens through their own K/V
         encoder, processor = _image_encoder(seed)
         extra = dict(image_dim=CLIP_VISION["hidden_size"], added_kv_proj_dim=cfg["width"])
-        return WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor,
+        return WanImageToVideoPipeline(**components, image_encoder=encoder, image_processor=processor,
                                        transformer=_transformer(cfg, seed, 3, 36, **extra))
     if variant == "i2v-a14b":  # Wan 2.2 I2V A14B: two 36-channel experts, no image encoder
-        return WanImageToVideoPipeline(**parts, transformer=_transformer(cfg, seed, 3, 36),
+        return WanImageToVideoPipeline(**components, transformer=_transformer(cfg, seed, 3, 36),
                                        transformer_2=_transformer(cfg, seed, 5, 36),
                                        boundary_ratio=_family.I2V_BOUNDARY_RATIO)
-    parts["transformer"] = _transformer(cfg, seed, 3)
+    components["transformer"] = _transformer(cfg, seed, 3)
     if variant == "a14b":
-        parts.update(transformer_2=_transformer(cfg, seed, 5),
-                     boundary_ratio=_family.BOUNDARY_RATIO)
-    return WanPipeline(**parts)
+        components.update(transformer_2=_transformer(cfg, seed, 5),
+                          boundary_ratio=_family.BOUNDARY_RATIO)
+    return WanPipeline(**components)

@@ -1,5 +1,5 @@
-"""The tiny Qwen-Image (and Qwen-Image-Edit) diffusers folder, built offline (the
-`tiny-model --arch qwen_image` recipe of comfyui_xdit/testmodels/tiny_model.py).
+"""The tiny Qwen-Image (and Qwen-Image-Edit) diffusers folder, built offline
+(`tiny-model --arch qwen_image`; Edit: `build_pipeline(cfg, edit=True)`).
 
 - transformer: QwenImageTransformer2DModel, `depth` blocks, `heads` x width/heads, RoPE axes
   split like the released (16, 56, 56) (workers/families/qwen_image.rope_axes).
@@ -23,9 +23,12 @@ Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identic
 from __future__ import annotations
 
 from comfyui_xdit.client.worker_modules import worker_module
-from comfyui_xdit.testmodels.text import _bytes_to_unicode
+from comfyui_xdit.testmodels import parts
+from comfyui_xdit.testmodels.text import _bpe, _bytes_to_unicode, _seeded
 
 _family = worker_module("families.qwen_image")
+
+VARIANTS: tuple[str, ...] = ()
 
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6,
@@ -58,15 +61,10 @@ snow rain fog sitting standing running flying hat glasses""".split()
 EXTRA_PIECES = (" (", "'s", "),", ".<")
 
 
-def _apply_merges(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Plain BPE: repeatedly merge the adjacent pair with the lowest rank."""
-    symbols = list(symbols)
-    while len(symbols) > 1:
-        rank, i = min((ranks.get(pair, 1 << 60), i) for i, pair in enumerate(zip(symbols, symbols[1:])))
-        if rank == 1 << 60:
-            break
-        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
-    return symbols
+def check(cfg: dict) -> None:
+    hd = parts.head_dim(cfg)
+    parts.require_head_dim(cfg, hd % 2 == 0 and hd >= 6, "an even head dim >= 6 for its 3 RoPE axes")
+    parts.refuse_knobs(cfg)
 
 
 def _word_bpe():
@@ -79,11 +77,11 @@ def _word_bpe():
     ranks: dict[tuple[str, str], int] = {}
     pieces = [w for word in TEMPLATE_WORDS + PROMPT_WORDS for w in (word, " " + word)]
     for piece in dict.fromkeys(pieces + list(EXTRA_PIECES)):  # dedupe, keep order
-        # Split with the merges so far, then chain new merges over the parts. New merges rank
+        # Split with the merges so far, then chain new merges over the pieces. New merges rank
         # after all earlier ones, so they never change how an earlier word is merged.
-        parts = _apply_merges([byte[b] for b in piece.encode()], ranks)
-        cur = parts[0]
-        for part in parts[1:]:
+        split = _bpe([byte[b] for b in piece.encode()], ranks)
+        cur = split[0]
+        for part in split[1:]:
             ranks.setdefault((cur, part), len(ranks))
             cur += part
             vocab.setdefault(cur, len(vocab))
@@ -111,17 +109,9 @@ def patch_processor_without_video() -> None:
     Qwen2VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
 
 
-def _seeded(seed: int, salt: int, ctor, *args, **kwargs):
-    """Construct one component right after seeding: weights depend on (seed, component) only."""
-    import torch
-
-    torch.manual_seed(seed * 1000 + salt)
-    return ctor(*args, **kwargs)
-
-
 def build_pipeline(cfg: dict, edit: bool = False):
     """The tiny pipeline (QwenImagePipeline or QwenImageEditPipeline) in memory, for a
-    tiny_model.resolve_config `cfg` (seed, depth, width, heads)."""
+    tiny_model.resolve_config `cfg` (seed, depth, width, heads); Edit adds the processor."""
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
                            QwenImageEditPipeline, QwenImagePipeline, QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -144,14 +134,14 @@ def build_pipeline(cfg: dict, edit: bool = False):
                           axes_dims_rope=tuple(_family.rope_axes(head_dim)))
     vae = _seeded(seed, 4, AutoencoderKLQwenImage, **VAE)
     scheduler = FlowMatchEulerDiscreteScheduler(**_family.SCHEDULER)
-    parts = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                 transformer=transformer)
+    components = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                      transformer=transformer)
     if not edit:
-        return QwenImagePipeline(**parts)
+        return QwenImagePipeline(**components)
     from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
     patch_processor_without_video()
     image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=PROCESSOR_MAX_PIXELS,
                                                patch_size=14, temporal_patch_size=2, merge_size=2)
     processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    return QwenImageEditPipeline(processor=processor, **parts)
+    return QwenImageEditPipeline(processor=processor, **components)
