@@ -1,9 +1,10 @@
 """A model family is two files: its description (workers/families/<id>.py) and its worker
-adapter (workers/models/<id>.py). This test keeps it so: no other module of the product
+adapter (workers/models/<id>.py), plus its tiny test model's builder
+(comfyui_xdit/testmodels/<id>.py). This test keeps it so: no other module of the product
 (comfyui_xdit/, workers/) or of the test hooks names a family to branch on it (a
 comparison, a membership test, a dict keyed by family, a subscript or a default argument).
-The test-model builders (comfyui_xdit/testmodels, one builder per family), the benchmarks
-(which build and name their own FLUX- and SD3-shaped models) and the tests may."""
+The benchmarks (which build and name their own FLUX- and SD3-shaped models) and the tests
+may."""
 from __future__ import annotations
 
 import ast
@@ -17,11 +18,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 families = worker_module("families")
 IDS = set(families.IDS)
 SCANNED = ("comfyui_xdit", "workers", "xdit_testhooks")
-ALLOWED = {f"workers/families/{i}.py" for i in IDS} | {f"workers/models/{i}.py" for i in IDS}
+ALLOWED = ({f"workers/families/{i}.py" for i in IDS} | {f"workers/models/{i}.py" for i in IDS}
+           | {f"comfyui_xdit/testmodels/{i}.py" for i in IDS})
 
 
 def _allowed(rel: str) -> bool:
-    return rel in ALLOWED or rel.startswith(("comfyui_xdit/testmodels/", "workers/families/_"))
+    return rel in ALLOWED or rel.startswith("workers/families/_")
 
 
 def _is_id(node) -> bool:
@@ -77,10 +79,11 @@ def test_no_module_outside_the_families_branches_on_a_family_name():
 
 
 @pytest.mark.parametrize("fid", sorted(IDS))
-def test_each_family_is_two_files_and_complete(fid):
+def test_each_family_is_its_files_and_complete(fid):
     fam = families.family(fid)
     assert (ROOT / "workers" / "families" / f"{fid}.py").is_file()
     assert (ROOT / "workers" / "models" / f"{fid}.py").is_file()
+    assert (ROOT / "comfyui_xdit" / "testmodels" / f"{fid}.py").is_file()  # tiny_model's builder
     assert fam.id == fid and fam.name and fam.block_lists and fam.pipelines
     assert fam.latent.channels > 0 and fam.latent.pixels_per_token == 16
     assert fam.markers and fam.config_from_shapes is not None and fam.released is not None

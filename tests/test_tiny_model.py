@@ -3,6 +3,7 @@ stock diffusers pipelines, run at odd sizes, be reproducible, and be cached safe
 
 import argparse
 import json
+import sys
 import threading
 
 import pytest
@@ -191,3 +192,46 @@ def test_cli(tmp_path, capsys):
 def test_rejects_bad_arch(tmp_path):
     with pytest.raises(ValueError, match="flux, flux2, sd3"):
         build_tiny_model("sdxl", tmp_path)
+
+
+# ---- one builder module per family ----------------------------------------------------------
+
+@pytest.mark.parametrize("arch", tiny_model.ARCHS)
+def test_each_family_has_a_builder_module(arch):
+    """comfyui_xdit/testmodels/<arch>.py, found by the arch's name, with the builder interface;
+    its check sees the generic knobs and refuses another family's (sd35 belongs to one)."""
+    mod = tiny_model.builder(arch)
+    assert mod.__name__ == f"comfyui_xdit.testmodels.{arch}"
+    assert isinstance(mod.VARIANTS, tuple) and callable(mod.check) and callable(mod.build_pipeline)
+    cfg = tiny_model.resolve_config(arch)
+    assert {k: cfg[k] for k in ("arch", "depth", "width", "heads")} == {
+        "arch": arch, "depth": tiny_model.DEFAULT_DEPTH, "width": 4 * tiny_model.DEFAULT_HEAD_DIM, "heads": 4}
+
+
+def test_sd35_is_one_familys_knob():
+    takers = []
+    for arch in tiny_model.ARCHS:
+        try:
+            takers.append(tiny_model.resolve_config(arch, sd35=True)["arch"])
+        except ValueError as exc:
+            assert "sd35" in str(exc)
+    assert takers == ["sd3"]
+
+
+def test_an_arch_without_a_builder_fails_only_when_built(monkeypatch, tmp_path, capsys):
+    """A family registered before its builder is written: importing tiny_model, the CLI and
+    the other families work; building it is one clear error."""
+    monkeypatch.setitem(sys.modules, "comfyui_xdit.testmodels.qwen_image", None)  # unimportable
+    with pytest.raises(ValueError, match=r"no tiny-model builder for arch 'qwen_image' yet: "
+                                         r"comfyui_xdit/testmodels/qwen_image.py is missing"):
+        build_tiny_model("qwen_image", tmp_path)
+    assert tiny_model.resolve_config("flux2", variant="dev")["variant"] == "dev"
+    assert _cli(["tiny-model", "--arch", "sd3", "--variant", "dev", "--out", "unused"]) == 2
+    assert "flux2 or wan only" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_key_extras_add_to_the_cache_key():
+    """flux's key_extras: FLUX.1's RoPE split at head dim 128 is a key of its own."""
+    assert tiny_model.resolve_config("flux", width=256, heads=2)["rope"] == "flux1"
+    assert "rope" not in tiny_model.resolve_config("flux")
