@@ -39,7 +39,7 @@ VAE_NAME = "xdit-test-vae.safetensors"
 EXAMPLE_MODELS = {"xdit_flux_text_to_image_api.json": ("FLUX.1-dev", "flux"),
                   "xdit_flux_pipefusion_api.json": ("FLUX.1-dev", "flux"),
                   "xdit_sd3_text_to_image_api.json": ("stable-diffusion-3.5-medium", "sd3")}
-# what the Sampler node says when its job is done (logic.job_text)
+# what the Sampler node says when its job is done (nodes/node_text.py's job_text)
 DONE = re.compile(r"^\d+ steps?, \d+ ranks?( \([^)]*\))?, [\d.]+ s( \+ [\d.]+ s launch)?"
                   r"(, (\d+ of \d+ calls computed|\d+/\d+ calls) in full)?$")
 

@@ -175,7 +175,7 @@ def test_request_default_guidance_is_flux2_devs(folder):
     assert resolved.guidance == 4.0 and resolved.cfg == 1.0
     assert request(128, 96, 1, guidance=1.5).resolved(info).guidance == 1.5
     # the Sampler node: its default guidance 0 is the model's default, an explicit value wins
-    from comfyui_xdit.nodes.logic import SampleInputs, build_job
+    from comfyui_xdit.nodes.operations import SampleInputs, build_job
     empty = {"samples": torch.zeros(1, 128, 8, 6)}
     node = build_job(SampleInputs(latent=empty, prompt="a cat"), "flux2", model=info)[0]
     assert SampleInputs(latent=empty).guidance == 0.0 and node.resolved(info).guidance == 4.0

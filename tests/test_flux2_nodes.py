@@ -11,8 +11,9 @@ import torch
 from comfyui_xdit import ConfigError, GenerationRequest
 from comfyui_xdit.comfy_convert import (conditioning_to_request, latent_from_comfy,
                                         request_to_conditioning)
-from comfyui_xdit.nodes.logic import (ModelHandle, PoolRegistry, SampleInputs, build_job,
-                                     decode, model_text_width, sample)
+from comfyui_xdit.nodes.handles import ModelHandle
+from comfyui_xdit.nodes.operations import SampleInputs, build_job, decode, model_text_width, sample
+from comfyui_xdit.nodes.pool_registry import PoolRegistry
 
 
 def encode_flux2(path, texts, msl):

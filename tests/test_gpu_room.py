@@ -107,9 +107,11 @@ def test_no_plan_asks_nothing(pool, monkeypatch, caplog):
 
 
 def test_the_sampler_node_asks_before_its_job(model_dir, monkeypatch):
-    """node logic's sample asks `free_memory` with the job's room once the registry has the
-    pool, before the job runs."""
-    from comfyui_xdit.nodes.logic import ModelHandle, PoolRegistry, SampleInputs, sample
+    """nodes/operations.py's sample asks `free_memory` with the job's room once the
+    registry has the pool, before the job runs."""
+    from comfyui_xdit.nodes.handles import ModelHandle
+    from comfyui_xdit.nodes.operations import SampleInputs, sample
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
 
     order = []
 
@@ -124,9 +126,9 @@ def test_the_sampler_node_asks_before_its_job(model_dir, monkeypatch):
             order.append("generate")
             raise Stop()
 
-    monkeypatch.setattr("comfyui_xdit.nodes.logic.make_room",
+    monkeypatch.setattr("comfyui_xdit.nodes.operations.make_room",
                         lambda pool, req, free: order.append(("room", req.height)) or {})
-    monkeypatch.setattr("comfyui_xdit.nodes.logic.gpus_for_ranks", lambda n, g: ["0"] * n)
+    monkeypatch.setattr("comfyui_xdit.nodes.operations.gpus_for_ranks", lambda n, g: ["0"] * n)
     handle = ModelHandle(path=str(model_dir("flux")), device="cuda", dtype="bf16",
                          world_size=1)
     import torch

@@ -11,7 +11,9 @@ import torch
 from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig
 from comfyui_xdit.planning import gpus
 from comfyui_xdit.planning.gpus import describe_visible, gpus_for_ranks, parse_visible, visible_gpus
-from comfyui_xdit.nodes.logic import ModelHandle, PoolRegistry, SampleInputs, sample
+from comfyui_xdit.nodes.handles import ModelHandle
+from comfyui_xdit.nodes.operations import SampleInputs, sample
+from comfyui_xdit.nodes.pool_registry import PoolRegistry
 
 ENV = "CUDA_VISIBLE_DEVICES"
 

@@ -41,7 +41,10 @@ def test_only_the_node_modules_import_comfyui():
 
 def test_what_comfyui_runs_needs_no_test_builders():
     code = ("import sys\n"
-            "import comfyui_xdit, comfyui_xdit.nodes.logic, comfyui_xdit.nodes.model_calls\n"
+            "import comfyui_xdit, comfyui_xdit.nodes.discovery, comfyui_xdit.nodes.settings\n"
+            "import comfyui_xdit.nodes.handles, comfyui_xdit.nodes.pool_registry\n"
+            "import comfyui_xdit.nodes.operations, comfyui_xdit.nodes.node_text\n"
+            "import comfyui_xdit.nodes.model_calls\n"
             "import comfyui_xdit.client.pool, comfyui_xdit.planning.memory_plan\n"
             "from comfyui_xdit import WorkerPool\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "

@@ -245,7 +245,9 @@ def test_bad_lora_files_fail_one_job_and_leave_the_pool_usable(pools, loras, tmp
 def test_lora_node_chain_matches_pool(pools, model_dir, loras, tmp_path):
     """The LoRA node's chained handle gives exactly the pool job with the same LoRA list."""
     from comfyui_xdit.planning.config import ConfigError
-    from comfyui_xdit.nodes.logic import ModelHandle, PoolRegistry, SampleInputs, sample
+    from comfyui_xdit.nodes.handles import ModelHandle
+    from comfyui_xdit.nodes.operations import SampleInputs, sample
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
 
     path = str(loras["flux1"][0])
     handle = ModelHandle(path=str(model_dir("flux")), device="cpu", dtype="fp32",

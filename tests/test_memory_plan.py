@@ -253,7 +253,7 @@ def test_pool_refuses_before_any_worker(model_dir, monkeypatch):
 
 
 def test_loader_shows_and_refuses(model_dir, monkeypatch):
-    from comfyui_xdit.nodes.logic import make_handle
+    from comfyui_xdit.nodes.handles import make_handle
     monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [64 * 2 ** 20] * len(ids))
     h = make_handle(str(model_dir("flux")), "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b",
                     has_cuda=True)
@@ -461,7 +461,7 @@ def test_pool_mode_is_checked_and_can_change_before_a_launch(model_dir, monkeypa
 
 
 def test_loader_option_advises(model_dir, monkeypatch):
-    from comfyui_xdit.nodes.logic import loader_handle, make_handle
+    from comfyui_xdit.nodes.handles import loader_handle, make_handle
     monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
     path = str(model_dir("flux"))
     enforce = make_handle(path, "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b", has_cuda=True)
@@ -482,7 +482,8 @@ def test_loader_option_advises(model_dir, monkeypatch):
 def test_registry_hands_the_mode_to_the_pool(model_dir):
     import dataclasses as dc
 
-    from comfyui_xdit.nodes.logic import PoolRegistry, make_handle
+    from comfyui_xdit.nodes.handles import make_handle
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
     made = []
 
     class FakePool:
@@ -699,7 +700,7 @@ def test_enforce_refuses_a_launch_it_cannot_plan(model_dir, monkeypatch):
 
 def test_advise_says_the_plan_could_not_be_made(model_dir, monkeypatch, caplog):
     from comfyui_xdit import GenerationRequest, WorkerPool
-    from comfyui_xdit.nodes.logic import ModelHandle
+    from comfyui_xdit.nodes.handles import ModelHandle
     _launch_stops_at_popen(monkeypatch)
     _planner_raises(monkeypatch)
     pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
@@ -715,7 +716,7 @@ def test_advise_says_the_plan_could_not_be_made(model_dir, monkeypatch, caplog):
     # the loader node's text (node logic, as the loader shows it); under enforce, its error
     handle = ModelHandle(path=str(model_dir("flux")), device="cuda", dtype="bf16",
                          world_size=2, memory_plan="advise")
-    monkeypatch.setattr("comfyui_xdit.nodes.logic.gpus_for_ranks", lambda n, g: ["0"] * n)
+    monkeypatch.setattr("comfyui_xdit.nodes.handles.gpus_for_ranks", lambda n, g: ["0"] * n)
     assert handle.problems() == []
     assert handle.memory_summary() == ("memory plan could not be made (RuntimeError: "
                                        "config.json unreadable); memory_plan=advise: the "

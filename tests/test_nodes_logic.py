@@ -14,11 +14,11 @@ from comfyui_xdit import ConfigError, GenerationRequest, ParallelConfig
 from comfyui_xdit.comfy_convert import (comfy_noise, conditioning_to_request, is_empty_latent,
                                         latent_from_comfy, latent_to_comfy, preview_rgb,
                                         request_to_conditioning)
-from comfyui_xdit.nodes.logic import (LOADER_DEFAULTS, EngineSettings, ModelHandle,
-                                     ParallelSettings, PipeFusionSettings, PoolRegistry,
-                                     SampleInputs, build_job, decode, discover_models,
-                                     discover_single_files, loader_handle, make_handle,
-                                     resolve_model, sample)
+from comfyui_xdit.nodes.discovery import discover_models, discover_single_files, resolve_model
+from comfyui_xdit.nodes.handles import LOADER_DEFAULTS, ModelHandle, loader_handle, make_handle
+from comfyui_xdit.nodes.operations import SampleInputs, build_job, decode, sample
+from comfyui_xdit.nodes.pool_registry import PoolRegistry
+from comfyui_xdit.nodes.settings import EngineSettings, ParallelSettings, PipeFusionSettings
 from comfyui_xdit.client.pool import JobCancelled
 
 from single_file_util import write_single_file
@@ -743,7 +743,7 @@ def test_killed_worker_is_one_sentence_and_the_next_job_clears_it(model_dir):
 
 def test_compiling_text_for_both_sampling_paths():
     """Sampler (xDiT) and the xDiT MODEL under KSampler show the same text while compiling."""
-    from comfyui_xdit.nodes.logic import compiling_text
+    from comfyui_xdit.nodes.node_text import compiling_text
     assert compiling_text({"phase": "compiling", "compiles": 3, "compile_s": 12.4}) == \
         "compiling: 3 graphs, 12 s"
     assert compiling_text({"phase": "compiling", "compiles": 1, "compile_s": 0.5}) == \
@@ -752,7 +752,7 @@ def test_compiling_text_for_both_sampling_paths():
 
 
 def test_text_encoder_choices_list_each_visible_gpu():
-    from comfyui_xdit.nodes.logic import text_encoder_options
+    from comfyui_xdit.nodes.settings import text_encoder_options
     assert text_encoder_options(0) == ["auto", "cpu", "gpu"]
     assert text_encoder_options(3)[3:] == ["cuda:0", "cuda:1", "cuda:2"]
     assert text_encoder_options()[:3] == ["auto", "cpu", "gpu"]  # counts without a GPU
@@ -846,7 +846,7 @@ def test_conflicting_settings_give_one_clear_line(model_dir):
 
 
 def test_sampler_text_after_the_job():
-    from comfyui_xdit.nodes.logic import job_text, layout_text
+    from comfyui_xdit.nodes.node_text import job_text, layout_text
     from comfyui_xdit import ParallelConfig
     assert job_text(12, ParallelConfig(ulysses=2), 3.14) == "12 steps, 2 ranks (Ulysses 2), 3.1 s"
     assert job_text(1, ParallelConfig(), 0.5) == "1 step, 1 rank, 0.5 s"
@@ -865,7 +865,7 @@ def test_sampler_text_after_the_job():
     assert job_text(28, both, 3.14, 17.4, cache, node=None) == \
         ("28 steps, 32 ranks (DP 2 x CFG parallel x PipeFusion 2 x Ulysses 2 x Ring 2), "
          "3.1 s + 17 s launch, 9 of 28 calls computed in full")  # the log's sentence
-    from comfyui_xdit.nodes.logic import decode_text
+    from comfyui_xdit.nodes.node_text import decode_text
     assert decode_text(torch.zeros(1, 64, 96, 3), 2, 1.04, True) == "2 ranks, 1.0 s"
     assert decode_text(torch.zeros(1, 64, 96, 3), 2, 1.04, True, node=None) == \
         "decoded 1 image 96x64 on 2 ranks, 1.0 s (incl. launch)"
@@ -891,11 +891,11 @@ MEASURED_PX = {"decoded 1 image 64x64 on 2 ranks, 0.2 s": 235.5,  # the old Deco
 
 
 def test_text_width_estimate_is_from_above():
-    from comfyui_xdit.nodes.logic import text_px
+    from comfyui_xdit.nodes.node_text import text_px
     for text, px in MEASURED_PX.items():
         assert px <= text_px(text) <= px * 1.12, (text, text_px(text), px)
     # the old texts did not fit: Decode (fresh, 140 px wide) and the loader (270 px)
-    from comfyui_xdit.nodes.logic import NODE_TEXT_PX
+    from comfyui_xdit.nodes.node_text import NODE_TEXT_PX
     assert MEASURED_PX["decoded 1 image 64x64 on 2 ranks, 0.2 s"] > NODE_TEXT_PX["decode"]
     assert NODE_TEXT_PX == {"loader": 270 - 52, "sampler": 400 - 52, "decode": 140 - 52,
                             "comfy_sampler": 202 - 52}
@@ -913,15 +913,16 @@ def node_texts():
     """(node, text): every text the nodes send, typical and worst cases (16 ranks, every
     layout, long runs, launches, step-cache counts, memory plans, long model names)."""
     from types import SimpleNamespace
-    from comfyui_xdit.nodes import logic
+    from comfyui_xdit.nodes import node_text
+    from comfyui_xdit.nodes.settings import WORLD_SIZES
     out = []
-    ranks = [int(w) for w in logic.WORLD_SIZES if w != "auto"]
+    ranks = [int(w) for w in WORLD_SIZES if w != "auto"]
     plans = [None, _plan(30.1, 79.1, True), _plan(999.9, 141.0, True), _plan(1234.5, 79.1, False),
              _plan(999.9, None, None), SimpleNamespace(error="RuntimeError: no", fits=None)]
     for device, dtype in (("cpu", "fp32"), ("cuda", "bf16"), ("cuda", "fp16")):
         for n in ranks:
             for plan in plans:
-                out.append(("loader", logic.loader_text(device, dtype, n, plan)))
+                out.append(("loader", node_text.loader_text(device, dtype, n, plan)))
     long_name = make_handle("/models/diffusers/" + "FLUX.1-dev-with-a-very-long-name" * 8,
                             "cpu", "fp32", world_size="16")
     out.append(("loader", long_name.node_text()))
@@ -936,27 +937,27 @@ def node_texts():
             for job_s in (0.04, 9.96, 99999.0):
                 for launch_s in (0.0, 17.4, 9999.0):
                     for cache in caches:
-                        out.append(("sampler", logic.job_text(steps, config, job_s, launch_s,
-                                                              cache)))
+                        out.append(("sampler", node_text.job_text(steps, config, job_s,
+                                                                  launch_s, cache)))
     for step, total in ((3, 28), (10000, 10000)):
         for cache in caches[1:]:
-            out.append(("sampler", logic.step_text(step, total, cache)))
+            out.append(("sampler", node_text.step_text(step, total, cache)))
     for node in ("sampler", "decode"):
         for n in ranks:
             for k in (0, n):
-                out.append((node, logic.launch_text(f"starting {n} workers", k, n, node)))
-                out.append((node, logic.launch_text(f"loading {k}/{n}", k, n, node)))
+                out.append((node, node_text.launch_text(f"starting {n} workers", k, n, node)))
+                out.append((node, node_text.launch_text(f"loading {k}/{n}", k, n, node)))
     for compiles in (1, 3, 120, 10000):
         for compile_s in (0.4, 59.0, 3600.0, 99999.0):
-            out.append(("comfy_sampler", logic.compiling_text(
+            out.append(("comfy_sampler", node_text.compiling_text(
                 {"phase": "compiling", "compiles": compiles, "compile_s": compile_s})))
     for cache in caches[1:]:
-        out.append(("comfy_sampler", logic.model_cache_text(cache)))
+        out.append(("comfy_sampler", node_text.model_cache_text(cache)))
     for n in [0] + ranks:
         for seconds in (0.04, 9.96, 99.4, 999.0, 99999.0):
             for images in (torch.zeros(1, 64, 64, 3), SimpleNamespace(shape=(81, 1280, 720, 3))):
                 for launched in (False, True):
-                    out.append(("decode", logic.decode_text(images, n, seconds, launched)))
+                    out.append(("decode", node_text.decode_text(images, n, seconds, launched)))
     return out
 
 
@@ -964,7 +965,7 @@ def test_every_node_text_is_one_line_that_fits_its_node():
     """ComfyUI shows a node's progress text in a widget one line tall: each text is one line
     no wider than its node's text area (the example layout's width, or the fresh node's where
     narrower, less the widget's margins and padding), estimated from above by text_px."""
-    from comfyui_xdit.nodes.logic import NODE_TEXT_PX, text_px
+    from comfyui_xdit.nodes.node_text import NODE_TEXT_PX, text_px
     texts = node_texts()
     assert len(texts) > 1000
     for node, text in texts:
@@ -978,26 +979,26 @@ def test_every_node_text_is_one_line_that_fits_its_node():
 
 
 def test_node_texts_keep_the_detail_where_it_fits():
-    from comfyui_xdit.nodes import logic
+    from comfyui_xdit.nodes import node_text
     # the typical texts stay whole
-    assert logic.loader_text("cpu", "fp32", 2) == "runs on cpu, fp32, 2 ranks"
-    assert logic.loader_text("cuda", "bf16", 1) == "runs on cuda, bf16, 1 rank"
-    assert logic.loader_text("cuda", "bf16", 8, _plan(30.1, 79.1, True)) == \
+    assert node_text.loader_text("cpu", "fp32", 2) == "runs on cpu, fp32, 2 ranks"
+    assert node_text.loader_text("cuda", "bf16", 1) == "runs on cuda, bf16, 1 rank"
+    assert node_text.loader_text("cuda", "bf16", 8, _plan(30.1, 79.1, True)) == \
         "cuda, bf16, 8 ranks, 30.1 of 79.1 GiB"
-    assert logic.loader_text("cuda", "bf16", 16, _plan(130.1, 141.0, False)) == \
+    assert node_text.loader_text("cuda", "bf16", 16, _plan(130.1, 141.0, False)) == \
         "16 ranks, 130.1 of 141.0 GiB: too big"
-    assert logic.loader_text("cuda", "bf16", 2, _plan(30.1, None, None)) == \
+    assert node_text.loader_text("cuda", "bf16", 2, _plan(30.1, None, None)) == \
         "cuda, bf16, 2 ranks, 30.1 GiB peak"
-    assert logic.step_text(3, 28, {"computed": 2, "skipped": 1}) == \
+    assert node_text.step_text(3, 28, {"computed": 2, "skipped": 1}) == \
         "step 3/28, 2 of 3 calls computed in full"
-    assert logic.model_cache_text({"computed": 2, "skipped": 10}) == "xDiT: 2/12 calls in full"
-    assert logic.model_cache_text({"computed": 2, "skipped": 10}, node=None) == \
+    assert node_text.model_cache_text({"computed": 2, "skipped": 10}) == "xDiT: 2/12 calls in full"
+    assert node_text.model_cache_text({"computed": 2, "skipped": 10}, node=None) == \
         "xDiT step cache, 2 of 12 calls computed in full"
-    assert logic.model_cache_text(None) == ""
-    assert logic.launch_text("starting 2 workers", 0, 2) == "starting 2 workers"
-    assert logic.launch_text("starting 2 workers", 0, 2, "decode") == "starting 0/2"
-    assert logic.launch_text("loading 1/2", 1, 2, "decode") == "loading 1/2"
-    assert logic.duration_text(0.04) == "0.0 s" and logic.duration_text(9.96) == "10 s"
+    assert node_text.model_cache_text(None) == ""
+    assert node_text.launch_text("starting 2 workers", 0, 2) == "starting 2 workers"
+    assert node_text.launch_text("starting 2 workers", 0, 2, "decode") == "starting 0/2"
+    assert node_text.launch_text("loading 1/2", 1, 2, "decode") == "loading 1/2"
+    assert node_text.duration_text(0.04) == "0.0 s" and node_text.duration_text(9.96) == "10 s"
     h = make_handle("/m/x", "cuda", "bf16", world_size="2", has_cuda=True)
     object.__setattr__(h, "_memory_plan", _plan(30.1, 79.1, True))
     assert h.node_text() == "cuda, bf16, 2 ranks, 30.1 of 79.1 GiB"
@@ -1006,7 +1007,8 @@ def test_node_texts_keep_the_detail_where_it_fits():
 def test_step_cache_settings_node(registry, model_dir):
     """Step cache (xDiT): its value becomes the request's cache, a bad value is one line, the
     Sampler's text counts the calls computed in full, and 0 turns it off."""
-    from comfyui_xdit.nodes.logic import CacheSettings, cache_text
+    from comfyui_xdit.nodes.node_text import cache_text
+    from comfyui_xdit.nodes.settings import CacheSettings
     assert CacheSettings().as_request() == {"threshold": 0.08, "warmup": 2, "head": 1,
                                             "tail": 0, "max_skips": 3, "taylor": False}
     assert CacheSettings(threshold=0.0).as_request() is None
@@ -1032,14 +1034,14 @@ SETTINGS_NODES = {"xDiT.LowNoiseExpert", "xDiT.ParallelSettings", "xDiT.PipeFusi
 
 
 def test_node_texts_name_every_family():
-    from comfyui_xdit.nodes import logic
+    from comfyui_xdit.nodes import node_text
     from comfyui_xdit.planning.request import families
-    names, cfgs = logic.family_list(), logic.cfg_defaults_text()
+    names, cfgs = node_text.family_list(), node_text.cfg_defaults_text()
     for f in families.FAMILIES.values():
-        assert f.name in names and f"{f.name}: " in logic.conditioning_hint_text()
+        assert f.name in names and f"{f.name}: " in node_text.conditioning_hint_text()
         assert f"{f.name} {f.cfg:g}" in cfgs, (f.name, cfgs)
     assert "FLUX.2 1 (off), base models 4" in cfgs and "Wan 5" in cfgs
-    assert logic.guidance_defaults_text() == "FLUX.1 3.5, FLUX.2 4"
+    assert node_text.guidance_defaults_text() == "FLUX.1 3.5, FLUX.2 4"
 
 
 def _schemas() -> dict:
@@ -1060,12 +1062,12 @@ def test_option_nodes_sit_in_a_settings_subcategory_and_texts_come_from_the_fami
     schemas = _schemas()
     assert SETTINGS_NODES <= set(schemas)
     for nid, kw in schemas.items():
-        want = "node_logic.SETTINGS_CATEGORY" if nid in SETTINGS_NODES else "CATEGORY"
+        want = "SETTINGS_CATEGORY" if nid in SETTINGS_NODES else "CATEGORY"
         assert kw["category"] == want, (nid, kw["category"])
         assert "FLUX.1 / FLUX.2 / SD3" not in kw.get("description", ""), nid
     assert "family_list()" in schemas["xDiT.Sampler"]["description"]
     assert "family_list()" in schemas["xDiT.LoadModel"]["description"]
-    from comfyui_xdit.nodes.logic import SETTINGS_CATEGORY
+    from comfyui_xdit.nodes.settings import SETTINGS_CATEGORY
     assert SETTINGS_CATEGORY == "xDiT/settings"
 
 

@@ -260,7 +260,7 @@ def comfy_inputs(o, case):
     """What the xDiT sampler node receives from TextEncodeQwenImageEdit (or ReferenceLatent):
     CONDITIONING whose options carry `reference_latents` (the raw VAE latent, frame axis
     kept), the same on the negative, and an empty [1, 16, 1, H/8, W/8] LATENT."""
-    from comfyui_xdit.nodes.logic import SampleInputs
+    from comfyui_xdit.nodes.operations import SampleInputs
     (h, w), _ = CASES[case]
     pos = [[o["pos"], {"reference_latents": [o["raw"]]}]]
     neg = [[o["neg"], {"reference_latents": [o["raw"]]}]]
@@ -269,7 +269,7 @@ def comfy_inputs(o, case):
 
 
 def test_comfy_conditioning_references(edit_dir, layout_pools, oracle):
-    from comfyui_xdit.nodes.logic import build_job
+    from comfyui_xdit.nodes.operations import build_job
     from comfyui_xdit.planning.model_info import read_model_info
     o = oracle("other")
     info = read_model_info(edit_dir)

@@ -1,5 +1,5 @@
 """The loader node's low_noise_model (Wan 2.2 A14B from its two expert files) and the LoRA
-node's expert choice, at the logic level (comfyui_xdit/nodes/logic.py), without ComfyUI or
+node's expert choice (comfyui_xdit/nodes/handles.py, pool_registry.py), without ComfyUI or
 workers: the pair becomes the handle's path_2, the pool's model_path_2 and part of the pool
 cache key; the handle reads as a model of two experts (ToModel's expert input and Sampler
 (xDiT) take it as an A14B folder); a second file beside a model without experts is refused
@@ -12,8 +12,10 @@ import re
 import pytest
 import torch
 
-from comfyui_xdit.nodes.logic import (NO_MODEL_2, ExpertFile, PoolRegistry, SampleInputs,
-                                      loader_handle, sample)
+from comfyui_xdit.nodes.handles import loader_handle
+from comfyui_xdit.nodes.operations import SampleInputs, sample
+from comfyui_xdit.nodes.pool_registry import PoolRegistry
+from comfyui_xdit.nodes.settings import NO_MODEL_2, ExpertFile
 from comfyui_xdit.planning.config import ConfigError
 from single_file_util import write_single_file
 

@@ -1,5 +1,5 @@
 """Sampler (xDiT) and Decode (xDiT) with Wan's video LATENT (comfyui_xdit/comfy_convert.py,
-comfyui_xdit/nodes/logic.py), without ComfyUI or a pool: EmptyHunyuanLatentVideo's
+comfyui_xdit/nodes/operations.py), without ComfyUI or a pool: EmptyHunyuanLatentVideo's
 [B, 16, T, H/8, W/8] becomes a request of (T - 1) x 4 + 1 frames with KSampler's noise
 drawn in the LATENT's 5-D shape, Sampler options' cfg_2 reaches the request, and image
 families still refuse video latents."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from comfyui_xdit.comfy_convert import comfy_noise, latent_from_comfy
-from comfyui_xdit.nodes.logic import SampleInputs, build_job
+from comfyui_xdit.nodes.operations import SampleInputs, build_job
 from comfyui_xdit.planning.config import ConfigError
 
 
@@ -52,7 +52,7 @@ def test_video_latent_checks():
 def test_expert_count_reads_the_folders_transformer_2(tmp_path):
     import json
 
-    from comfyui_xdit.nodes.logic import EXPERTS
+    from comfyui_xdit.nodes.settings import EXPERTS
     from comfyui_xdit.planning.model_info import expert_count as model_experts
     for name, index, want in (("a14b", {"transformer_2": ["diffusers", "WanTransformer3DModel"]}, 2),
                               ("t2v", {"transformer_2": [None, None]}, 1), ("flux", {}, 1)):

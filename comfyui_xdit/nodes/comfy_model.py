@@ -20,7 +20,7 @@ import comfy.supported_models
 
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.nodes.model_calls import PoolDenoiser
-from comfyui_xdit.nodes.logic import compiling_text, model_cache_text
+from comfyui_xdit.nodes.node_text import compiling_text, model_cache_text
 
 log = logging.getLogger("comfyui_xdit")
 

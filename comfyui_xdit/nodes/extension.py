@@ -1,5 +1,6 @@
 """The ComfyUI nodes (V3 schema). The only module that imports ComfyUI; kept thin: every
-decision lives in `node_logic` / `comfy_convert`, which CI tests without ComfyUI."""
+decision lives in the ComfyUI-free node modules (`handles`, `operations`, `node_text`, ...) and
+`comfy_convert`, which CI tests without ComfyUI."""
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +12,15 @@ import folder_paths
 from comfy_api.v0_0_2 import ComfyExtension, io
 
 from comfyui_xdit.client.exit_cleanup import install_sigterm
-from comfyui_xdit.nodes import logic as node_logic
-from comfyui_xdit.nodes.logic import (ATTENTION, DEVICES, DTYPES, FILE_KINDS, MAX_SEED, MEMORY_PLAN_OPTIONS,
-                         LORA_EXPERT_OPTIONS, REGISTRY, SPLITS,
-                         WEIGHT_OPTIONS, WORLD_SIZES, SampleInputs,
-                         discover_models, discover_single_files, loader_handle)
+from comfyui_xdit.nodes import node_text, operations
+from comfyui_xdit.nodes import settings as node_settings
+from comfyui_xdit.nodes.discovery import FILE_KINDS, discover_models, discover_single_files
+from comfyui_xdit.nodes.handles import loader_handle
+from comfyui_xdit.nodes.operations import SampleInputs
+from comfyui_xdit.nodes.pool_registry import REGISTRY
+from comfyui_xdit.nodes.settings import (ATTENTION, DEVICES, DTYPES, LORA_EXPERT_OPTIONS, MAX_SEED,
+                                         MEMORY_PLAN_OPTIONS, SETTINGS_CATEGORY, SPLITS,
+                                         WEIGHT_OPTIONS, WORLD_SIZES)
 
 log = logging.getLogger("comfyui_xdit")
 install_sigterm()  # ComfyUI imports the pack at startup, in its main thread
@@ -91,7 +96,7 @@ def _progress_text(text: str, node_id) -> None:
 def _launch_progress(node_id, node: str = "sampler"):
     """Launch progress on the node: the bar (ranks loaded of ranks) and a text ("starting 4
     workers", "loading 3/4"; "starting 0/4" on the narrow Decode: `node`, a
-    logic.NODE_TEXT_PX key); ComfyUI's cancel raises from the bar's hook and stops the
+    node_text.NODE_TEXT_PX key); ComfyUI's cancel raises from the bar's hook and stops the
     launch."""
     pbar = comfy.utils.ProgressBar(1, node_id=node_id)
     shown = []
@@ -100,7 +105,7 @@ def _launch_progress(node_id, node: str = "sampler"):
         if not shown or shown[-1] != text:  # repeated every second: said once
             shown.append(text)
             log.info("xDiT: %s", text)
-            _progress_text(node_logic.launch_text(text, done, total, node), node_id)
+            _progress_text(node_text.launch_text(text, done, total, node), node_id)
         pbar.update_absolute(done, max(1, total))  # its hook raises on ComfyUI's cancel
     return on_launch
 
@@ -121,7 +126,7 @@ class LoadModel(io.ComfyNode):
             node_id="xDiT.LoadModel",
             display_name="Load model (xDiT)",
             category=CATEGORY,
-            description=f"Describes a model ({node_logic.family_list()}) and "
+            description=f"Describes a model ({node_text.family_list()}) and "
                         "how many ranks run it; "
                         "the split is chosen for you unless a settings node is connected. "
                         "Nothing starts here: the pool launches at the first sampling and stays warm.",
@@ -139,7 +144,7 @@ class LoadModel(io.ComfyNode):
                                        "workflows use; a Hugging Face snapshot of the repo, "
                                        "text encoders and VAE included), or a single "
                                        "transformer .safetensors ("
-                                       + node_logic.family_list() + ") from "
+                                       + node_text.family_list() + ") from "
                                        "models/diffusion_models (or unet) "
                                        "or models/checkpoints (listed as diffusion_models/... "
                                        "and checkpoints/...): transformer only, so connect "
@@ -211,7 +216,7 @@ class LowNoiseExpert(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.LowNoiseExpert",
             display_name="Low-noise expert (xDiT)",
-            category=node_logic.SETTINGS_CATEGORY,
+            category=SETTINGS_CATEGORY,
             description="Wan 2.2 A14B from its two single files: pick the low-noise expert's "
                         "file here and the high-noise one's in Load model (xDiT)'s model, "
                         "then connect this to the loader's low_noise_model. Sampler (xDiT) "
@@ -227,7 +232,7 @@ class LowNoiseExpert(io.ComfyNode):
 
     @classmethod
     def execute(cls, low_noise_model) -> io.NodeOutput:
-        return io.NodeOutput(node_logic.ExpertFile(name=str(low_noise_model)))
+        return io.NodeOutput(node_settings.ExpertFile(name=str(low_noise_model)))
 
 
 class ParallelSettings(io.ComfyNode):
@@ -238,7 +243,7 @@ class ParallelSettings(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.ParallelSettings",
             display_name="Parallel settings (xDiT)",
-            category=node_logic.SETTINGS_CATEGORY,
+            category=SETTINGS_CATEGORY,
             description="The parallel degrees and GPUs for Load model (xDiT)'s parallel input. "
                         "All degrees 1: the loader's automatic split; otherwise exactly these, "
                         "and world size = dp x cfg x pipefusion x ulysses x ring.",
@@ -261,7 +266,7 @@ class ParallelSettings(io.ComfyNode):
 
     @classmethod
     def execute(cls, ulysses, ring, cfg_parallel, dp, gpus="") -> io.NodeOutput:
-        return io.NodeOutput(node_logic.ParallelSettings(
+        return io.NodeOutput(node_settings.ParallelSettings(
             ulysses=int(ulysses), ring=int(ring), cfg_parallel=bool(cfg_parallel), dp=int(dp),
             gpus=str(gpus or "")))
 
@@ -274,7 +279,7 @@ class PipeFusionSettings(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.PipeFusionSettings",
             display_name="PipeFusion settings (xDiT)",
-            category=node_logic.SETTINGS_CATEGORY,
+            category=SETTINGS_CATEGORY,
             description="PipeFusion for Load model (xDiT)'s pipefusion input: each rank "
                         "loads only 1/N of the transformer blocks and the image flows through "
                         "them patch by patch (least memory and traffic; not exact after the "
@@ -297,7 +302,7 @@ class PipeFusionSettings(io.ComfyNode):
     @classmethod
     def execute(cls, pipefusion, warmup_steps, pipeline_patches,
                 pipefusion_split) -> io.NodeOutput:
-        return io.NodeOutput(node_logic.PipeFusionSettings(
+        return io.NodeOutput(node_settings.PipeFusionSettings(
             pipefusion=int(pipefusion), warmup_steps=int(warmup_steps),
             pipeline_patches=int(pipeline_patches), pipefusion_split=str(pipefusion_split)))
 
@@ -310,7 +315,7 @@ class EngineSettings(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.EngineSettings",
             display_name="Engine settings (xDiT)",
-            category=node_logic.SETTINGS_CATEGORY,
+            category=SETTINGS_CATEGORY,
             description="Engine options for Load model (xDiT)'s engine input; fixed for a "
                         "pool's life (changing one relaunches it).",
             inputs=[
@@ -328,7 +333,7 @@ class EngineSettings(io.ComfyNode):
                                        "weights stored in fp8 e4m3fn (half of bf16's "
                                        "memory), computed in dtype; full: every weight in "
                                        "dtype, fp8 files included"),
-                io.Combo.Input("text_encoders", options=node_logic.text_encoder_options(),
+                io.Combo.Input("text_encoders", options=node_settings.text_encoder_options(),
                                default="auto",
                                tooltip="Where rank 0 runs the text encoders for prompt text: "
                                        "auto (rank 0's GPU when they fit beside the "
@@ -354,7 +359,7 @@ class EngineSettings(io.ComfyNode):
     @classmethod
     def execute(cls, attention, compile, weights, text_encoders, shard_weights,
                 memory_plan) -> io.NodeOutput:
-        return io.NodeOutput(node_logic.EngineSettings(
+        return io.NodeOutput(node_settings.EngineSettings(
             attention=str(attention), compile=bool(compile), weights=str(weights),
             text_encoders=str(text_encoders), shard_weights=bool(shard_weights),
             memory_plan=str(memory_plan).strip().lower() or "auto"))
@@ -366,11 +371,11 @@ class CacheSettings(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        d = node_logic.CacheSettings()
+        d = node_settings.CacheSettings()
         return io.Schema(
             node_id="xDiT.CacheSettings",
             display_name="Step cache (xDiT)",
-            category=node_logic.SETTINGS_CATEGORY,
+            category=SETTINGS_CATEGORY,
             description="Skips most of a step's transformer blocks while their input barely "
                         "changes (First Block Cache), decided alike on every rank: faster, "
                         "slightly different from the uncached image. Connect to Sampler "
@@ -399,7 +404,7 @@ class CacheSettings(io.ComfyNode):
     @classmethod
     def execute(cls, threshold, warmup, head_blocks, tail_blocks, max_skips,
                 taylor) -> io.NodeOutput:
-        return io.NodeOutput(node_logic.CacheSettings(
+        return io.NodeOutput(node_settings.CacheSettings(
             threshold=float(threshold), warmup=int(warmup), head=int(head_blocks),
             tail=int(tail_blocks), max_skips=int(max_skips), taylor=bool(taylor)))
 
@@ -410,7 +415,7 @@ class SamplerOptions(io.ComfyNode):
         return io.Schema(
             node_id="xDiT.SamplerOptions",
             display_name="Sampler options (xDiT)",
-            category=node_logic.SETTINGS_CATEGORY,
+            category=SETTINGS_CATEGORY,
             description="Options of Sampler (xDiT) that few models use: Wan 2.2's second "
                         "guidance scale, the flow shift.",
             inputs=[io.Float.Input("cfg_2", default=0.0, min=0.0, max=100.0, step=0.1,
@@ -429,7 +434,7 @@ class SamplerOptions(io.ComfyNode):
 
     @classmethod
     def execute(cls, cfg_2, shift=0.0) -> io.NodeOutput:
-        return io.NodeOutput(node_logic.SamplerOptions(cfg_2=float(cfg_2), shift=float(shift)))
+        return io.NodeOutput(node_settings.SamplerOptions(cfg_2=float(cfg_2), shift=float(shift)))
 
 
 class Sampler(io.ComfyNode):
@@ -439,7 +444,7 @@ class Sampler(io.ComfyNode):
             node_id="xDiT.Sampler",
             display_name="Sampler (xDiT)",
             category=CATEGORY,
-            description=f"Samples {node_logic.family_list()} on the xDiT worker pool. "
+            description=f"Samples {node_text.family_list()} on the xDiT worker pool. "
                         "LATENT out is ComfyUI's own for the model (raw VAE space; FLUX.2: "
                         "ComfyUI's 128-channel "
                         "patchified, normalised latent at 1/16): decode it with Decode (xDiT) "
@@ -467,11 +472,11 @@ class Sampler(io.ComfyNode):
                 io.Float.Input("cfg", default=0.0, min=0.0, max=100.0, step=0.1, round=0.01,
                                tooltip="Classifier-free guidance (true CFG with the "
                                        "negative prompt). 0: the model's default ("
-                                       + node_logic.cfg_defaults_text() + "); > 1 enables "
+                                       + node_text.cfg_defaults_text() + "); > 1 enables "
                                        "it"),
                 io.Float.Input("guidance", default=0.0, min=0.0, max=100.0, step=0.1, round=0.01,
                                tooltip="Embedded guidance. 0: the model's default ("
-                                       + node_logic.guidance_defaults_text() + "); ignored "
+                                       + node_text.guidance_defaults_text() + "); ignored "
                                        "by models without it (FLUX.2 [klein] and the other "
                                        "families); a FluxGuidance value on the positive "
                                        "CONDITIONING takes precedence"),
@@ -481,7 +486,7 @@ class Sampler(io.ComfyNode):
                 io.Int.Input("max_sequence_length", default=512, min=1, max=512, optional=True,
                              tooltip="T5 tokens for the prompt text path"),
                 io.Conditioning.Input("positive", optional=True,
-                                      tooltip=node_logic.conditioning_hint_text()),
+                                      tooltip=node_text.conditioning_hint_text()),
                 io.Conditioning.Input("negative", optional=True),
                 XDiTCache.Input("cache", optional=True,
                                 tooltip="Step cache (xDiT): skip blocks of steps that barely "
@@ -513,14 +518,14 @@ class Sampler(io.ComfyNode):
         pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(ev: dict) -> None:
-            text = node_logic.compiling_text(ev)
+            text = node_text.compiling_text(ev)
             if text is not None:
                 _progress_text(text, node_id)
                 return
             if "step" not in ev:
                 return
             if ev.get("cache"):
-                _progress_text(node_logic.step_text(ev["step"], ev["total"], ev["cache"]),
+                _progress_text(node_text.step_text(ev["step"], ev["total"], ev["cache"]),
                                node_id)
             preview = None
             if previews and ev.get("preview") is not None:
@@ -536,7 +541,7 @@ class Sampler(io.ComfyNode):
             pbar.update_absolute(ev["step"], ev["total"], preview)
 
         try:
-            out = node_logic.sample(model, inp, on_event=on_event,
+            out = operations.sample(model, inp, on_event=on_event,
                                     is_interrupted=comfy.model_management.processing_interrupted,
                                     on_launch=_launch_progress(node_id),
                                     free_memory=_free_memory if model.device == "cuda" else None)
@@ -600,7 +605,7 @@ class Decode(io.ComfyNode):
     @classmethod
     def execute(cls, model, samples, vae=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        images = node_logic.decode(model, samples, vae=vae,
+        images = operations.decode(model, samples, vae=vae,
                                    on_launch=_launch_progress(node_id, "decode"),
                                    free_memory=_free_memory if model.device == "cuda" else None)
         _progress_text(REGISTRY.last_decode_text, node_id)  # replaces a launch's "loading k/N"

@@ -6,7 +6,7 @@ from comfy_api.v0_0_2 import io
 
 from comfyui_xdit.planning.config import ConfigError, auto_config
 from comfyui_xdit.planning.model_info import comfy_unet_config
-from comfyui_xdit.nodes.logic import EXPERTS
+from comfyui_xdit.nodes.settings import EXPERTS
 
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
@@ -55,7 +55,7 @@ class ToModel(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, expert=None, cache=None) -> io.NodeOutput:
-        from comfyui_xdit.nodes import logic as node_logic
+        from comfyui_xdit.nodes.pool_registry import REGISTRY
         from comfyui_xdit.nodes.comfy_model import build_model
 
         info = model.info()
@@ -69,7 +69,7 @@ class ToModel(io.ComfyNode):
         config = model_config_for(model, info).validate(info)
 
         def current_pool():  # the registry may have replaced the pool since
-            return node_logic.REGISTRY.get(model, config)
+            return REGISTRY.get(model, config)
 
         return io.NodeOutput(build_model(current_pool, config, info.arch,
                                          comfy_unet_config(model.path),
