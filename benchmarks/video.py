@@ -8,7 +8,7 @@ after the other, warm pools timed round-robin (benchmarks/measure.py, as the ima
 
 * time per denoising step, 1 rank x 1 thread against 2 ranks x 1 thread;
 * bytes each rank sends per step on the data plane (benchmarks/comm_meter.py) against the
-  memory plan's per-step traffic (comfyui_xdit/planning/memory_plan.py `step_traffic`, the
+  memory plan's per-step traffic (comfyui_xdit/planning/memory_arithmetic.py `step_traffic`, the
   one formula the docs' 720p x 81 frames table is printed with): Ulysses 4(N-1)/N^2 x A x L,
   Ring 2(N-1)/N x A x L, CFG parallel one prediction (the LATENT's size), where A = the
   video tokens x width x 4 B (fp32) and L = the blocks.
@@ -37,7 +37,8 @@ RUNS = [("ulysses2", "base", dict(ulysses=2), "all_to_all", "Ulysses"),
 def run(args, log, machine) -> dict:
     from comfyui_xdit.cli.demo import default_cache
     from comfyui_xdit.client.pool import WorkerPool
-    from comfyui_xdit.planning import memory_plan as mp
+    from comfyui_xdit.planning import memory_arithmetic as arith
+    from comfyui_xdit.planning.model_facts import model_facts, transformer_facts
     from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
     from .measure import (METER_HOOKS, Ceiling, Contention, Entry, measure_interleaved,
@@ -52,18 +53,18 @@ def run(args, log, machine) -> dict:
     cache = Path(args.model_cache) if args.model_cache else default_cache() / "models"
     kw = {} if args.quick else dict(depth=p["depth"], width=p["width"], heads=p["heads"])
     model_path = ensure_tiny_model("wan", cache, **kw)
-    facts = mp.model_facts(str(model_path), "fp32")
-    tr = mp._transformer(facts.transformer_class, facts.transformer_config, facts.arch)
+    facts = model_facts(str(model_path), "fp32")
+    tr = transformer_facts(facts.transformer_class, facts.transformer_config, facts.arch)
     job = {"height": p["height"], "width": p["width_px"], "frames": p["frames"],
            "steps": p["steps"], "max_sequence_length": p["max_sequence_length"],
            "guidance": None, "dtype": "fp32", "warmup_jobs": p["warmup"],
            "timed_jobs": p["repeats"], "preset": "quick" if args.quick else "full"}
-    size = mp.JobSize(height=job["height"], width=job["width"], frames=job["frames"],
-                      text_tokens=job["max_sequence_length"])
-    job["video_tokens"] = mp.job_tokens(facts, size)
-    theory = {"base": mp.step_traffic(facts, size, "fp32", 2),
-              "cfg": mp.step_traffic(facts, mp.JobSize(**{**size.__dict__, "cfg": True}),
-                                     "fp32", 2)}
+    size = arith.JobSize(height=job["height"], width=job["width"], frames=job["frames"],
+                         text_tokens=job["max_sequence_length"])
+    job["video_tokens"] = arith.job_tokens(facts, size)
+    theory = {"base": arith.step_traffic(facts, size, "fp32", 2),
+              "cfg": arith.step_traffic(facts, arith.JobSize(**{**size.__dict__, "cfg": True}),
+                                        "fp32", 2)}
     model = {"path": str(model_path), "heads": tr.heads, "width": tr.hidden,
              "blocks": len(tr.blocks),
              "transformer_params": sum(n for b in tr.blocks for n, _, _ in b) +

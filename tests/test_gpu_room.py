@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from comfyui_xdit.planning import memory_plan as mp
-from comfyui_xdit.planning import room
+from comfyui_xdit.planning import gpus, launch_policy, room
 
 GiB = 2 ** 30
 
@@ -39,7 +38,7 @@ def pool(model_dir, monkeypatch):
     """An unlaunched CUDA pool on GPUs 1 and 2 of four 80 GB GPUs."""
     from comfyui_xdit import WorkerPool
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
     p = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda", dtype="bf16",
                    gpus=["1", "2"])
     yield p
@@ -83,7 +82,7 @@ def test_a_running_pool_asks_only_for_what_the_job_adds(pool, monkeypatch):
 def test_ranks_sharing_a_gpu_add_up_and_cpu_asks_nothing(model_dir, monkeypatch):
     from comfyui_xdit import WorkerPool
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
     shared = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
                         dtype="bf16", gpus=["1", "1"])
     alone = WorkerPool(model_dir("flux"), ParallelConfig(), device="cuda", dtype="bf16",
@@ -99,7 +98,7 @@ def test_ranks_sharing_a_gpu_add_up_and_cpu_asks_nothing(model_dir, monkeypatch)
 def test_no_plan_asks_nothing(pool, monkeypatch, caplog):
     def broken(*a, **k):
         raise RuntimeError("unreadable")
-    monkeypatch.setattr(mp, "model_facts", broken)
+    monkeypatch.setattr(launch_policy, "model_facts", broken)
     mm = FakeModelManager({1: 0, 2: 0}, LOADED)
     with caplog.at_level("WARNING", logger="comfyui_xdit"):
         assert room.make_room(pool, REQ, mm.free_memory) == {}

@@ -1,6 +1,7 @@
-"""The memory plan (comfyui_xdit/planning/memory_plan.py): weights per rank checked against the real
-meta-built modules each method leaves on a rank, fp8, monotonicity, the refusal with its
-numbers, the CLI, and the pool / loader refusing before any worker starts."""
+"""The memory plan (comfyui_xdit/planning/: model_facts, memory_arithmetic, launch_policy,
+calibration; the memory-plan command): weights per rank checked against the real meta-built
+modules each method leaves on a rank, fp8, monotonicity, the refusal with its numbers, the
+CLI, and the pool / loader refusing before any worker starts."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from comfyui_xdit import ParallelConfig
-from comfyui_xdit.planning import memory_plan as mp
+from comfyui_xdit.planning import calibration, gpus, launch_policy
+from comfyui_xdit.planning import memory_arithmetic as arith
+from comfyui_xdit.planning.model_facts import model_facts, preset_facts, transformer_facts
 from comfyui_xdit.cli.commands import main as cli_main
 from comfyui_xdit.planning.config import ConfigError, EngineOptions
 from comfyui_xdit.client.worker_modules import worker_module
@@ -27,7 +30,7 @@ def flux2():
     from diffusers import Flux2Transformer2DModel
     with torch.device("meta"):
         tr = Flux2Transformer2DModel()
-    return tr, mp.preset_facts("flux2-dev")
+    return tr, preset_facts("flux2-dev")
 
 
 def nbytes(params, fp8_ids=frozenset()) -> int:
@@ -36,7 +39,7 @@ def nbytes(params, fp8_ids=frozenset()) -> int:
 
 def test_replicated_weights_are_every_parameter(flux2):
     tr, facts = flux2
-    plan = mp.plan(facts, ParallelConfig(ulysses=2), BF16)
+    plan = arith.plan(facts, ParallelConfig(ulysses=2), BF16)
     assert [r.weights for r in plan.ranks] == [nbytes(tr.parameters())] * 2
     assert plan.ranks[0].kv_cache == 0 and plan.ranks[0].text_encoders == 0
 
@@ -47,7 +50,7 @@ def test_pipefusion_stage_weights_are_the_stage_modules(flux2, n):
     modules around them), and no stage holds more than 1/N + 5% of the block weights."""
     tr, facts = flux2
     ps = worker_module("loading.stages")
-    plan = mp.plan(facts, ParallelConfig(pipefusion=n), BF16, gpu_memory=80 * GiB)
+    plan = arith.plan(facts, ParallelConfig(pipefusion=n), BF16, gpu_memory=80 * GiB)
     blocks_total = sum(p.numel() for _, _, b in ps.model_blocks(tr, LISTS)
                        for p in b.parameters()) * 2
     for rank in range(n):
@@ -67,7 +70,7 @@ def test_pipefusion_stage_weights_are_the_stage_modules(flux2, n):
 def test_shard_weights_are_fsdp_chunks_plus_gathered(flux2):
     tr, facts = flux2
     n = 4
-    plan = mp.plan(facts, ParallelConfig(ulysses=n), EngineOptions(
+    plan = arith.plan(facts, ParallelConfig(ulysses=n), EngineOptions(
         device="cuda", dtype="bf16", weights="full", text_encoders="cpu", shard_weights=True))
     chunks = sum(math.ceil(p.shape[0] / n) * (p.numel() // p.shape[0]) * 2
                  for p in tr.parameters())
@@ -88,15 +91,15 @@ def test_shard_weights_traffic_per_step(flux2):
                            shard_weights=True)
     chunks = sum(math.ceil(p.shape[0] / n) * (p.numel() // p.shape[0]) * 2
                  for p in tr.parameters())
-    one = mp.plan(facts, ParallelConfig(ulysses=n), engine)
+    one = arith.plan(facts, ParallelConfig(ulysses=n), engine)
     assert one.gather_bytes_per_step == (n - 1) * chunks
-    cfg = mp.plan(facts, ParallelConfig(ulysses=n), engine, mp.JobSize(cfg=True))
+    cfg = arith.plan(facts, ParallelConfig(ulysses=n), engine, arith.JobSize(cfg=True))
     assert cfg.gather_bytes_per_step == 2 * one.gather_bytes_per_step
-    split = mp.plan(facts, ParallelConfig(ulysses=2, cfg_parallel=True), engine,
-                    mp.JobSize(cfg=True))
+    split = arith.plan(facts, ParallelConfig(ulysses=2, cfg_parallel=True), engine,
+                       arith.JobSize(cfg=True))
     assert split.gather_bytes_per_step == one.gather_bytes_per_step
-    assert mp.plan(facts, ParallelConfig(ulysses=n), BF16).gather_bytes_per_step == 0
-    assert mp.plan(facts, ParallelConfig(ulysses=n), BF16).traffic() == ""
+    assert arith.plan(facts, ParallelConfig(ulysses=n), BF16).gather_bytes_per_step == 0
+    assert arith.plan(facts, ParallelConfig(ulysses=n), BF16).traffic() == ""
     text = one.traffic((("test link", 100.0),))
     assert f"{one.gather_bytes_per_step / 1e9 / 100:.3g} s on test link" in text
 
@@ -105,8 +108,8 @@ def test_fp8_halves_the_block_linear_weights(flux2):
     tr, facts = flux2
     linears = worker_module("loading.weights").block_linears(tr, LISTS)
     lin_bytes = sum(m.weight.numel() * 2 for m in linears.values())
-    full = mp.plan(facts, ParallelConfig(), BF16).ranks[0].weights
-    fp8 = mp.plan(facts, ParallelConfig(), EngineOptions(
+    full = arith.plan(facts, ParallelConfig(), BF16).ranks[0].weights
+    fp8 = arith.plan(facts, ParallelConfig(), EngineOptions(
         device="cuda", dtype="bf16", weights="fp8", text_encoders="cpu")).ranks[0].weights
     assert full - fp8 == lin_bytes // 2
     assert lin_bytes > 0.9 * full  # the block Linears are nearly all of FLUX.2's weights
@@ -116,33 +119,33 @@ def test_more_ranks_less_per_rank(flux2):
     _, facts = flux2
     shard = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu",
                           shard_weights=True)
-    pf = [max(r.total for r in mp.plan(facts, ParallelConfig(pipefusion=n), BF16).ranks)
+    pf = [max(r.total for r in arith.plan(facts, ParallelConfig(pipefusion=n), BF16).ranks)
           for n in (1, 2, 4, 8)]
-    sh = [max(r.total for r in mp.plan(facts, ParallelConfig(ulysses=n), shard).ranks)
+    sh = [max(r.total for r in arith.plan(facts, ParallelConfig(ulysses=n), shard).ranks)
           for n in (2, 4, 8)]
     assert pf == sorted(pf, reverse=True) and len(set(pf)) == 4
     assert sh == sorted(sh, reverse=True) and len(set(sh)) == 3
     # bigger images and batches only add
-    small = mp.plan(facts, ParallelConfig(ulysses=2), BF16, mp.JobSize(512, 512)).ranks[0]
-    big = mp.plan(facts, ParallelConfig(ulysses=2), BF16, mp.JobSize(2048, 2048, 2)).ranks[0]
+    small = arith.plan(facts, ParallelConfig(ulysses=2), BF16, arith.JobSize(512, 512)).ranks[0]
+    big = arith.plan(facts, ParallelConfig(ulysses=2), BF16, arith.JobSize(2048, 2048, 2)).ranks[0]
     assert small.weights == big.weights and small.activations < big.activations
 
 
 def test_text_encoders_on_rank0_only_and_auto_falls_back_to_cpu(flux2):
     _, facts = flux2
     assert 23.9e9 < facts.text_encoder_params < 24.1e9  # Mistral-Small-3.1: 24B
-    gpu = mp.plan(facts, ParallelConfig(pipefusion=2), EngineOptions(
+    gpu = arith.plan(facts, ParallelConfig(pipefusion=2), EngineOptions(
         device="cuda", dtype="bf16", text_encoders="gpu"), gpu_memory=80 * GiB)
     assert gpu.ranks[0].text_encoders == facts.text_encoder_params * 2
     assert gpu.ranks[1].text_encoders == 0
-    auto = mp.plan(facts, ParallelConfig(pipefusion=2), EngineOptions(
+    auto = arith.plan(facts, ParallelConfig(pipefusion=2), EngineOptions(
         device="cuda", dtype="bf16", text_encoders="auto"), gpu_memory=80 * GiB)
     assert auto.ranks[0].text_encoders == 0 and "CPU" in auto.text_encoders_on
 
 
 def test_refused_with_numbers_and_what_would_fit(flux2):
     _, facts = flux2
-    plan = mp.plan(facts, ParallelConfig(ulysses=2), BF16, gpu_memory=24 * GiB)
+    plan = arith.plan(facts, ParallelConfig(ulysses=2), BF16, gpu_memory=24 * GiB)
     assert plan.fits is False
     msg = plan.message()
     worst = plan.worst
@@ -151,12 +154,12 @@ def test_refused_with_numbers_and_what_would_fit(flux2):
     assert plan.alternatives and all(t <= 24 * GiB for _, t in plan.alternatives)
     for desc, _ in plan.alternatives:  # each offered change really fits when applied
         assert any(k in desc for k in ("pipefusion", "shard_weights", "fp8"))
-    assert mp.plan(facts, ParallelConfig(ulysses=2), BF16, gpu_memory=80 * GiB).fits
+    assert arith.plan(facts, ParallelConfig(ulysses=2), BF16, gpu_memory=80 * GiB).fits
 
 
 def test_flux1_preset(flux2):
-    facts = mp.preset_facts("flux1-dev")
-    plan = mp.plan(facts, ParallelConfig(), BF16)
+    facts = preset_facts("flux1-dev")
+    plan = arith.plan(facts, ParallelConfig(), BF16)
     assert 11.8e9 < plan.ranks[0].weights / 2 < 12.0e9  # FLUX.1 [dev]: 11.9B parameters
     assert 4.8e9 < facts.text_encoder_params < 5.0e9  # T5-XXL encoder + CLIP-L
 
@@ -166,8 +169,8 @@ def test_flux1_preset(flux2):
     ("chroma1-hd", (8.7e9, 9.0e9), (4.7e9, 4.8e9)),  # Chroma1-HD 8.9B, T5-XXL encoder
 ])
 def test_family_presets_have_the_published_sizes(name, transformer, text):
-    facts = mp.preset_facts(name)
-    plan = mp.plan(facts, ParallelConfig(), BF16)
+    facts = preset_facts(name)
+    plan = arith.plan(facts, ParallelConfig(), BF16)
     assert transformer[0] < plan.ranks[0].weights / 2 < transformer[1]
     assert text[0] < facts.text_encoder_params < text[1]
     assert facts.vae_params > 0 and len(facts.vae_channels) == 4
@@ -176,11 +179,11 @@ def test_family_presets_have_the_published_sizes(name, transformer, text):
 def test_model_folder_counts_its_real_modules(model_dir):
     from diffusers import FluxTransformer2DModel
     path = model_dir("flux")
-    facts = mp.model_facts(str(path), "bf16")
+    facts = model_facts(str(path), "bf16")
     with torch.device("meta"):
         tr = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(
             str(path / "transformer")))
-    plan = mp.plan(facts, ParallelConfig(ulysses=2), BF16)
+    plan = arith.plan(facts, ParallelConfig(ulysses=2), BF16)
     assert plan.ranks[0].weights == nbytes(tr.parameters())
     assert facts.text_encoder_bytes > 0 and facts.vae_params > 0
 
@@ -193,14 +196,14 @@ def test_single_file_counts_the_folder_modules(model_dir, tmp_path, arch):
     from single_file_util import write_single_file
     folder = model_dir(arch)
     f = write_single_file(folder, arch, tmp_path / f"{arch}.safetensors")
-    facts = mp.model_facts(str(f), "bf16")
+    facts = model_facts(str(f), "bf16")
     cls = getattr(diffusers, facts.transformer_class)
     with torch.device("meta"):
         tr = cls.from_config(cls.load_config(str(folder / "transformer")))
     buffers = sum(b.numel() for n, b in tr.named_buffers() if n in tr.state_dict()) * 2
     assert (arch == "sd3") == (buffers > 0)
-    plan = mp.plan(facts, ParallelConfig(pipefusion=2), BF16)
-    whole = mp.plan(facts, ParallelConfig(), BF16).ranks[0]
+    plan = arith.plan(facts, ParallelConfig(pipefusion=2), BF16)
+    whole = arith.plan(facts, ParallelConfig(), BF16).ranks[0]
     assert whole.weights == nbytes(tr.parameters()) + buffers
     assert whole.text_encoders == 0 and whole.vae == 0
     assert all(r.weights < whole.weights for r in plan.ranks)
@@ -239,13 +242,14 @@ def test_pool_refuses_before_any_worker(model_dir, monkeypatch):
     def memory(ids):
         seen.append(list(ids))
         return [64 * 2 ** 20] * len(ids)  # 64 MiB GPUs: below the 2 GiB reserve
-    monkeypatch.setattr(mp, "gpu_memory_bytes", memory)
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", memory)
     pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
                       dtype="bf16", gpus=["GPU-a", "GPU-b"])
     with pytest.raises(ConfigError) as e:
         pool.generate(GenerationRequest(prompt=["x"], steps=1, height=64, width=64))
     assert "of its 0.1 GiB GPU" in str(e.value) and "CUDA reserve 2.0 GiB" in str(e.value)
-    assert str(e.value).endswith(mp.OVERRIDE_HINT) and "XDIT_MEMORY_PLAN=advise" in str(e.value)
+    assert str(e.value).endswith(launch_policy.OVERRIDE_HINT)
+    assert "XDIT_MEMORY_PLAN=advise" in str(e.value)
     assert seen == [["GPU-a", "GPU-b"]] and pool.worker_pids() == []
     with pytest.raises(ConfigError, match="before any job's activations"):
         pool.decode(torch.zeros(1, 16, 8, 8))  # the launch path of decode / model calls
@@ -254,11 +258,11 @@ def test_pool_refuses_before_any_worker(model_dir, monkeypatch):
 
 def test_loader_shows_and_refuses(model_dir, monkeypatch):
     from comfyui_xdit.nodes.handles import make_handle
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [64 * 2 ** 20] * len(ids))
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [64 * 2 ** 20] * len(ids))
     h = make_handle(str(model_dir("flux")), "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b",
                     has_cuda=True)
     assert any("of its 0.1 GiB GPU" in p for p in h.problems())
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
     assert h.problems() == [] and "fits" in h.memory_summary()
     cpu = make_handle(str(model_dir("flux")), "cpu", "fp32", ulysses=2, has_cuda=False)
     assert cpu.problems() == [] and cpu.memory_summary() == ""
@@ -279,7 +283,7 @@ def test_vae_largest_map_is_the_decoders(model_dir):
         hk.remove()
     channels = tuple(vae.config.block_out_channels)
     assert len(channels) == 4  # three 2x upsamplers: 8x, as VAE_SCALE says
-    assert max(seen) == mp.vae_largest_map(channels, h, w)
+    assert max(seen) == arith.vae_largest_map(channels, h, w)
 
 
 class _LiveBytes:
@@ -324,7 +328,7 @@ def test_activation_estimate_bounds_a_real_forward(model_dir, arch):
     plan's estimate for the same tokens, and not far below (the estimate is not loose)."""
     import diffusers
     path = model_dir(arch)
-    facts = mp.model_facts(str(path), "fp32")
+    facts = model_facts(str(path), "fp32")
     tr = getattr(diffusers, facts.transformer_class).from_pretrained(
         str(path), subfolder="transformer").eval()
     c = tr.config
@@ -339,8 +343,8 @@ def test_activation_estimate_bounds_a_real_forward(model_dir, arch):
         kw["pooled_projections"] = torch.randn(1, c.pooled_projection_dim)
     with torch.no_grad(), _LiveBytes() as live:
         tr(**kw)
-    t = mp._transformer(facts.transformer_class, facts.transformer_config, facts.arch)
-    estimate = mp.activation_bytes(t, image + text, text, image + text, 1, 4, 1)
+    t = transformer_facts(facts.transformer_class, facts.transformer_config, facts.arch)
+    estimate = arith.activation_bytes(t, image + text, text, image + text, 1, 4, 1)
     assert 0.5 * estimate < live.peak <= estimate, (live.peak, estimate)
 
 
@@ -351,29 +355,32 @@ def test_text_encoders_on_a_named_gpu(flux2, monkeypatch):
     _, facts = flux2
     te = facts.text_encoder_params * 2
     engine = EngineOptions(device="cuda", dtype="bf16", text_encoders="cuda:1")
-    other = mp.plan(facts, ParallelConfig(pipefusion=2), engine, gpu_memory=80 * GiB)
+    other = arith.plan(facts, ParallelConfig(pipefusion=2), engine, gpu_memory=80 * GiB)
     assert [r.text_encoders for r in other.ranks] == [0, te]
     assert "rank 1's GPU" in other.text_encoders_on
-    spare = mp.plan(facts, ParallelConfig(pipefusion=2),
-                    dataclasses.replace(engine, text_encoders="cuda:2"), gpu_memory=80 * GiB)
+    spare = arith.plan(facts, ParallelConfig(pipefusion=2),
+                       dataclasses.replace(engine, text_encoders="cuda:2"), gpu_memory=80 * GiB)
     assert [r.text_encoders for r in spare.ranks] == [0, 0]
     assert "no rank uses" in spare.text_encoders_on
 
     monkeypatch.setattr(gpus, "device_count", lambda: 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
-    monkeypatch.setattr(mp, "model_facts", lambda path, dtype: facts)
+    monkeypatch.setattr(launch_policy, "model_facts", lambda path, dtype: facts)
     sizes = {"0": 80 * GiB, "1": 80 * GiB, "2": 24 * GiB}
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [sizes[i] for i in ids])
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [sizes[i] for i in ids])
     spare_engine = dataclasses.replace(engine, text_encoders="cuda:2")
     with pytest.raises(ConfigError) as e:
-        mp.check_launch("unused", ParallelConfig(pipefusion=2), spare_engine, ["0", "1"])
+        launch_policy.check_launch("unused", ParallelConfig(pipefusion=2), spare_engine,
+                                   ["0", "1"])
     assert "GPU 2 (text_encoders=cuda:2) has 24.0 GiB" in str(e.value)
     sizes["2"] = 80 * GiB
-    p = mp.check_launch("unused", ParallelConfig(pipefusion=2), spare_engine, ["0", "1"])
+    p = launch_policy.check_launch("unused", ParallelConfig(pipefusion=2), spare_engine,
+                                   ["0", "1"])
     assert p.fits and [r.text_encoders for r in p.ranks] == [0, 0]
     # the GPU list decides whose GPU cuda:N is: ranks on GPUs 2 and 0, cuda:0 is rank 1's
-    p = mp.check_launch("unused", ParallelConfig(pipefusion=2),
-                        dataclasses.replace(engine, text_encoders="cuda:0"), ["2", "0"])
+    p = launch_policy.check_launch("unused", ParallelConfig(pipefusion=2),
+                                   dataclasses.replace(engine, text_encoders="cuda:0"),
+                                   ["2", "0"])
     assert [r.text_encoders for r in p.ranks] == [0, te]
 
 
@@ -381,13 +388,13 @@ def test_gpu_sizes_by_index_on_a_mixed_box(monkeypatch):
     """nvidia-smi numbers GPUs in PCI order, CUDA fastest first: on a box mixing sizes an index
     is planned with the smallest card unless CUDA_DEVICE_ORDER=PCI_BUS_ID; UUIDs are exact."""
     small, big = 24 * GiB, 80 * GiB
-    monkeypatch.setattr(mp, "_smi_sizes", lambda: {"0": small, "1": big, "GPU-a": small,
-                                                   "GPU-b": big})
-    assert mp.gpu_memory_bytes(["1", "0", "GPU-b", "7"], environ={}) == [small, small, big, None]
-    assert mp.gpu_memory_bytes(["1", "0"], environ={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == \
+    monkeypatch.setattr(gpus, "_smi_sizes", lambda: {"0": small, "1": big, "GPU-a": small,
+                                                     "GPU-b": big})
+    assert gpus.gpu_memory_bytes(["1", "0", "GPU-b", "7"], environ={}) == [small, small, big, None]
+    assert gpus.gpu_memory_bytes(["1", "0"], environ={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == \
         [big, small]
-    monkeypatch.setattr(mp, "_smi_sizes", lambda: {"0": big, "1": big, "GPU-a": big})
-    assert mp.gpu_memory_bytes(["1", "GPU-a"], environ={}) == [big, big]  # uniform: exact
+    monkeypatch.setattr(gpus, "_smi_sizes", lambda: {"0": big, "1": big, "GPU-a": big})
+    assert gpus.gpu_memory_bytes(["1", "GPU-a"], environ={}) == [big, big]  # uniform: exact
 
 
 # ---- enforce | advise ------------------------------------------------------------------------
@@ -405,16 +412,17 @@ def _launch_stops_at_popen(monkeypatch):
 
 
 def test_mode_from_argument_env_and_one_error_for_a_bad_value():
-    assert mp.resolve_mode(None, environ={}) == "enforce"
-    assert mp.resolve_mode("auto", environ={"XDIT_MEMORY_PLAN": "Advise "}) == "advise"
-    assert mp.resolve_mode("enforce", environ={"XDIT_MEMORY_PLAN": "advise"}) == "enforce"
+    assert launch_policy.resolve_mode(None, environ={}) == "enforce"
+    assert launch_policy.resolve_mode("auto", environ={"XDIT_MEMORY_PLAN": "Advise "}) == "advise"
+    assert launch_policy.resolve_mode("enforce",
+                                      environ={"XDIT_MEMORY_PLAN": "advise"}) == "enforce"
     with pytest.raises(ConfigError) as e:
-        mp.resolve_mode("warn", environ={})
+        launch_policy.resolve_mode("warn", environ={})
     assert str(e.value) == ("memory_plan must be enforce, advise or auto ($XDIT_MEMORY_PLAN, "
                             "default enforce); got 'warn'")
     with pytest.raises(ConfigError, match="XDIT_MEMORY_PLAN='off' is not a memory plan mode; "
                                           "set it to enforce .* or advise"):
-        mp.resolve_mode(None, environ={"XDIT_MEMORY_PLAN": "off"})
+        launch_policy.resolve_mode(None, environ={"XDIT_MEMORY_PLAN": "off"})
 
 
 @pytest.mark.parametrize("how", ["argument", "env"])
@@ -422,7 +430,7 @@ def test_advise_launches_anyway_and_warns_with_the_numbers(model_dir, monkeypatc
                                                           how):
     from comfyui_xdit import GenerationRequest, WorkerPool
     _launch_stops_at_popen(monkeypatch)
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
     kw = {"memory_plan": "advise"} if how == "argument" else {}
     if how == "env":
         monkeypatch.setenv("XDIT_MEMORY_PLAN", "advise")
@@ -447,7 +455,7 @@ def test_pool_mode_is_checked_and_can_change_before_a_launch(model_dir, monkeypa
     with pytest.raises(ConfigError, match="memory_plan must be enforce, advise or auto"):
         WorkerPool(model_dir("flux"), device="cuda", memory_plan="maybe")
     _launch_stops_at_popen(monkeypatch)
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
     pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
                       dtype="bf16", gpus=["GPU-a", "GPU-b"], memory_plan="enforce")
     req = GenerationRequest(prompt=["x"], steps=1, height=64, width=64)
@@ -462,7 +470,7 @@ def test_pool_mode_is_checked_and_can_change_before_a_launch(model_dir, monkeypa
 
 def test_loader_option_advises(model_dir, monkeypatch):
     from comfyui_xdit.nodes.handles import loader_handle, make_handle
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [TINY_GPUS] * len(ids))
     path = str(model_dir("flux"))
     enforce = make_handle(path, "cuda", "bf16", ulysses=2, gpus="GPU-a,GPU-b", has_cuda=True)
     assert any("XDIT_MEMORY_PLAN=advise" in p for p in enforce.problems())
@@ -507,32 +515,33 @@ def test_registry_hands_the_mode_to_the_pool(model_dir):
 
 # ---- predicted vs measured -------------------------------------------------------------------
 def test_measured_line_from_given_numbers():
-    line = mp.measured_line([21504, 12288], [17000.4, 9000], [17800, None], reserve_mb=2048)
+    line = calibration.measured_line([21504, 12288], [17000.4, 9000], [17800, None],
+                                     reserve_mb=2048)
     assert line == ("xDiT memory plan vs the first job, MiB on ranks 0/1: predicted "
                     "21504/12288 (19456/10240 without the 2048 MiB CUDA reserve); measured "
                     "peak allocated 17000/9000 (0.87/0.88x the prediction without reserve), "
                     "reserved 17800/?")
-    assert "reserved" not in mp.measured_line([4096], [None], [None])
-    assert "measured peak allocated ? (?x" in mp.measured_line([4096], [None], [None])
+    assert "reserved" not in calibration.measured_line([4096], [None], [None])
+    assert "measured peak allocated ? (?x" in calibration.measured_line([4096], [None], [None])
 
 
 def test_first_job_peaks_recorded_once(flux2):
     _, facts = flux2
-    plan = mp.plan(facts, ParallelConfig(pipefusion=2), BF16, mp.JobSize(), 24 * GiB)
-    status = mp.plan_status(plan, "advise")
+    plan = arith.plan(facts, ParallelConfig(pipefusion=2), BF16, arith.JobSize(), 24 * GiB)
+    status = calibration.plan_status(plan, "advise")
     assert status["predicted_mb_per_rank"] == [round(r.total / 2 ** 20) for r in plan.ranks]
     assert status["job"] == "1024x1024 batch 1" and status["reserve_mb"] == 2048
     # stats as workers/runtime/worker.py gathers them (rank order not relied on), CPU: none
-    assert mp.record_measured(status, [{"rank": 0, "rss_mb": 1.0}], 2) is None
+    assert calibration.record_measured(status, [{"rank": 0, "rss_mb": 1.0}], 2) is None
     stats = [{"rank": 1, "cuda_peak_mb": 15000.0, "cuda_reserved_peak_mb": 15500.0},
              {"rank": 0, "cuda_peak_mb": 16000.0, "cuda_reserved_peak_mb": 16600.0}]
-    line = mp.record_measured(status, stats, 2)
-    assert line == mp.measured_line(status["predicted_mb_per_rank"], [16000.0, 15000.0],
-                                    [16600.0, 15500.0])
+    line = calibration.record_measured(status, stats, 2)
+    assert line == calibration.measured_line(status["predicted_mb_per_rank"],
+                                             [16000.0, 15000.0], [16600.0, 15500.0])
     assert status["measured_peak_mb"] == [16000, 15000]
     assert status["measured_reserved_mb"] == [16600, 15500]
-    assert mp.record_measured(status, stats, 2) is None  # the first job only
-    assert mp.record_measured(mp.plan_status(None, "enforce"), stats, 2) is None
+    assert calibration.record_measured(status, stats, 2) is None  # the first job only
+    assert calibration.record_measured(calibration.plan_status(None, "enforce"), stats, 2) is None
 
 
 def test_pool_logs_the_comparison_after_its_first_job(model_dir, monkeypatch, caplog):
@@ -540,12 +549,12 @@ def test_pool_logs_the_comparison_after_its_first_job(model_dir, monkeypatch, ca
     re-planned for the first job, then logged once beside the measured peaks and kept in
     status()."""
     from comfyui_xdit import GenerationRequest, WorkerPool
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [80 * GiB] * len(ids))
     pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
                       dtype="bf16", gpus=["GPU-a", "GPU-b"])
-    fixed = mp.check_pool(pool, None)
+    fixed = launch_policy.check_pool(pool, None)
     assert fixed.job is None
-    pool._memory = mp.plan_status(fixed, pool.memory_plan)
+    pool._memory = calibration.plan_status(fixed, pool.memory_plan)
     pool._launched_gpus = ["GPU-a", "GPU-b"]
     req = GenerationRequest(prompt=["x"], steps=1, height=64, width=64)
     stats = [{"rank": r, "cuda_peak_mb": 3000.0 + r} for r in range(2)]
@@ -580,7 +589,7 @@ def test_docs_tables_are_what_the_plan_prints(capsys):
     for cmd, table in found:
         assert cli_main(shlex.split(cmd)) == 0, cmd
         assert capsys.readouterr().out.strip() == table.strip(), cmd
-    for name, rate in mp.LINKS_GBPS:
+    for name, rate in arith.LINKS_GBPS:
         assert f"{name} ~{rate:g} GB/s" in text
 
 
@@ -591,8 +600,8 @@ def test_docs_tables_are_what_the_plan_prints(capsys):
     ("wan2.2-t2v-a14b", (28.4e9, 28.8e9), 2),  # two 14B experts, both resident
 ])
 def test_wan_presets_have_the_published_sizes(name, transformer, experts):
-    facts = mp.preset_facts(name)
-    plan = mp.plan(facts, ParallelConfig(), BF16)
+    facts = preset_facts(name)
+    plan = arith.plan(facts, ParallelConfig(), BF16)
     assert facts.experts == experts
     assert transformer[0] < plan.ranks[0].weights / 2 < transformer[1]
     assert 5.6e9 < facts.text_encoder_params < 5.8e9  # UMT5-XXL's encoder: 5.7B
@@ -603,60 +612,60 @@ def test_wan_presets_have_the_published_sizes(name, transformer, experts):
 def test_wan_tokens_are_frames_times_the_grid_and_text_stays_out():
     """720p x 81 frames: 21 latent frames x 45 x 80 = 75,600 tokens; Wan's UMT5 text is
     cross-attended, so it neither joins the sequence nor its all-to-alls; FLUX's does."""
-    wan = mp.preset_facts("wan2.1-t2v-14b")
-    job = mp.JobSize(720, 1280, frames=81, text_tokens=512)
-    assert mp.job_tokens(wan, job) == 21 * 45 * 80 == 75_600
-    assert mp.job_tokens(wan, mp.JobSize(720, 1280, frames=1)) == 45 * 80
-    flux = mp.preset_facts("flux1-dev")
-    assert mp.job_tokens(flux, mp.JobSize(1024, 1024, text_tokens=512)) == 4096 + 512
+    wan = preset_facts("wan2.1-t2v-14b")
+    job = arith.JobSize(720, 1280, frames=81, text_tokens=512)
+    assert arith.job_tokens(wan, job) == 21 * 45 * 80 == 75_600
+    assert arith.job_tokens(wan, arith.JobSize(720, 1280, frames=1)) == 45 * 80
+    flux = preset_facts("flux1-dev")
+    assert arith.job_tokens(flux, arith.JobSize(1024, 1024, text_tokens=512)) == 4096 + 512
     # activations grow with the frames; Ulysses 8 holds 1/8 of the tokens
-    one = mp.plan(wan, ParallelConfig(), BF16, mp.JobSize(720, 1280, frames=1)).ranks[0]
-    vid = mp.plan(wan, ParallelConfig(), BF16, job).ranks[0]
-    u8 = mp.plan(wan, ParallelConfig(ulysses=8), BF16, job).ranks[0]
+    one = arith.plan(wan, ParallelConfig(), BF16, arith.JobSize(720, 1280, frames=1)).ranks[0]
+    vid = arith.plan(wan, ParallelConfig(), BF16, job).ranks[0]
+    u8 = arith.plan(wan, ParallelConfig(ulysses=8), BF16, job).ranks[0]
     assert vid.activations > 5 * one.activations  # one frame: the VAE decode's is larger
     assert 5 * u8.activations < vid.activations < 8 * u8.activations
 
 
 def test_two_experts_double_the_resident_weights():
-    one = mp.preset_facts("wan2.1-t2v-14b")
-    two = mp.preset_facts("wan2.2-t2v-a14b")
+    one = preset_facts("wan2.1-t2v-14b")
+    two = preset_facts("wan2.2-t2v-a14b")
     shard = dataclasses.replace(BF16, shard_weights=True)
     for config, engine in ((ParallelConfig(ulysses=2), BF16),
                            (ParallelConfig(pipefusion=2), BF16)):
-        a, b = mp.plan(one, config, engine).ranks[0], mp.plan(two, config, engine).ranks[0]
+        a, b = arith.plan(one, config, engine).ranks[0], arith.plan(two, config, engine).ranks[0]
         assert b.weights == 2 * a.weights and b.activations == a.activations
-    tr = mp._transformer(one.transformer_class, one.transformer_config, one.arch)
-    f = mp.shard_figures(tr, 2, False, 4)
-    a = mp.plan(one, ParallelConfig(ulysses=4), shard).ranks[0].weights
-    b = mp.plan(two, ParallelConfig(ulysses=4), shard).ranks[0].weights
+    tr = transformer_facts(one.transformer_class, one.transformer_config, one.arch)
+    f = arith.shard_figures(tr, 2, False, 4)
+    a = arith.plan(one, ParallelConfig(ulysses=4), shard).ranks[0].weights
+    b = arith.plan(two, ParallelConfig(ulysses=4), shard).ranks[0].weights
     assert b - a == f.at_rest  # the idle expert's chunks; one expert gathered at a time
     # a misfit of two experts is offered sharding (both experts sharded)
-    p = mp.plan(two, ParallelConfig(ulysses=4), BF16, mp.JobSize(720, 1280, frames=81),
-                gpu_memory=48 * GiB)
+    p = arith.plan(two, ParallelConfig(ulysses=4), BF16, arith.JobSize(720, 1280, frames=81),
+                   gpu_memory=48 * GiB)
     assert any("shard" in d for d, _ in p.alternatives), p.alternatives
 
 
 def test_folder_experts_from_model_index(tmp_path):
     from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
-    one = mp.model_facts(str(ensure_tiny_model("wan", tmp_path)), "bf16")
-    two = mp.model_facts(str(ensure_tiny_model("wan", tmp_path, variant="a14b")), "bf16")
+    one = model_facts(str(ensure_tiny_model("wan", tmp_path)), "bf16")
+    two = model_facts(str(ensure_tiny_model("wan", tmp_path, variant="a14b")), "bf16")
     assert (one.experts, two.experts) == (1, 2)
-    assert mp.plan(two, ParallelConfig(), BF16).ranks[0].weights == \
-        2 * mp.plan(one, ParallelConfig(), BF16).ranks[0].weights
+    assert arith.plan(two, ParallelConfig(), BF16).ranks[0].weights == \
+        2 * arith.plan(one, ParallelConfig(), BF16).ranks[0].weights
 
 
 def test_step_traffic_formulas():
     """Per rank per step at 720p x 81 frames, CFG in one process (2 branches): A = 2 x 75,600
     tokens x 5120 x 2 B, 40 attention layers."""
-    wan = mp.preset_facts("wan2.2-t2v-a14b")
-    job = mp.JobSize(720, 1280, frames=81, cfg=True)
+    wan = preset_facts("wan2.2-t2v-a14b")
+    job = arith.JobSize(720, 1280, frames=81, cfg=True)
     a = 2 * 75_600 * 5120 * 2
-    t = mp.step_traffic(wan, job, "bf16", 4)
+    t = arith.step_traffic(wan, job, "bf16", 4)
     assert t["Ulysses"] == 4 * 3 / 16 * a * 40
     assert t["Ring"] == 2 * 3 / 4 * a * 40
     assert t["PipeFusion"] == a
     assert t["CFG parallel"] == 16 * 21 * 90 * 160 * 2  # one prediction, the LATENT's size
-    assert mp.step_traffic(wan, dataclasses.replace(job, cfg=False), "bf16", 4)["Ulysses"] \
+    assert arith.step_traffic(wan, dataclasses.replace(job, cfg=False), "bf16", 4)["Ulysses"] \
         == t["Ulysses"] / 2
 
 
@@ -677,8 +686,8 @@ def test_memory_plan_cli_frames(capsys):
 def _planner_raises(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("config.json unreadable")
-    monkeypatch.setattr(mp, "model_facts", broken)
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * 2 ** 30] * len(ids))
+    monkeypatch.setattr(launch_policy, "model_facts", broken)
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [80 * 2 ** 30] * len(ids))
 
 
 def test_enforce_refuses_a_launch_it_cannot_plan(model_dir, monkeypatch):

@@ -1091,13 +1091,12 @@ def test_pools_fit_together_by_memory_and_close_oldest_first():
 
 def test_footprints_of_real_pools(model_dir, monkeypatch):
     from comfyui_xdit import WorkerPool
-    from comfyui_xdit.planning import memory_plan as mp
-    from comfyui_xdit.planning import pool_fit
+    from comfyui_xdit.planning import gpus, pool_fit
     cpu = WorkerPool(str(model_dir("flux")), ParallelConfig(ulysses=2), device="cpu")
     f = pool_fit.footprint(cpu)
     assert list(f) == ["host"] and 0 < f["host"] < 2 ** 30  # two ranks of a tiny model
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    monkeypatch.setattr(mp, "gpu_memory_bytes", lambda ids: [80 * 2 ** 30] * len(ids))
+    monkeypatch.setattr(gpus, "gpu_memory_bytes", lambda ids: [80 * 2 ** 30] * len(ids))
     gpu = WorkerPool(str(model_dir("flux")), ParallelConfig(ulysses=2), device="cuda",
                      dtype="bf16")
     g = pool_fit.footprint(gpu)

@@ -479,17 +479,18 @@ def test_model_call_bad_ref_latents_refused(pools, flux_transformer):
 def test_memory_plan_counts_reference_tokens():
     """The memory plan sees the references' tokens: activations and PipeFusion's K/V grow
     as if the image were that much larger (a 1024x1024 reference doubles the stream)."""
-    from comfyui_xdit.planning import memory_plan as mp
+    from comfyui_xdit.planning.memory_arithmetic import JobSize, plan
+    from comfyui_xdit.planning.model_facts import preset_facts
     from comfyui_xdit.planning.config import EngineOptions
 
-    facts = mp.preset_facts("flux2-dev")
+    facts = preset_facts("flux2-dev")
     bf16 = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu")
     req = GenerationRequest(prompt=["x"], height=1024, width=1024,
                             reference_latents=[torch.zeros(1, 128, 64, 64)])
     assert req.reference_tokens() == 64 * 64
     for config in (ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2)):
-        plain = mp.plan(facts, config, bf16, mp.JobSize(1024, 1024)).ranks[0]
-        refs = mp.plan(facts, config, bf16, mp.JobSize(1024, 1024, reference_tokens=4096))
+        plain = plan(facts, config, bf16, JobSize(1024, 1024)).ranks[0]
+        refs = plan(facts, config, bf16, JobSize(1024, 1024, reference_tokens=4096))
         refs = refs.ranks[0]
         assert refs.activations > plain.activations and refs.weights == plain.weights
         if config.pipefusion > 1:

@@ -295,26 +295,27 @@ def test_bf16_and_fp8_sharded_equal_unsharded(model_dir):
 
 
 def test_memory_plan_matches_the_counts_and_flux1_dev(shard_pools):
-    """The memory plan's sharding figures (comfyui_xdit/memory_plan.py, the one memory model)
+    """The memory plan's sharding figures (planning/memory_arithmetic.py, the one memory model)
     equal what the 2-rank pool holds and receives (fp32 tiny FLUX, read from FSDP's buffers
     by xdit_testhooks/sharding_probe.py), and for FLUX.1-dev's dimensions (11.9B parameters,
     bf16) sharding is what makes it fit a 16 GB card (docs/memory.md's table)."""
-    from comfyui_xdit.planning import memory_plan as mp
+    from comfyui_xdit.planning.memory_arithmetic import shard_figures
+    from comfyui_xdit.planning.model_facts import model_facts, preset_facts, transformer_facts
 
     def figures(facts, dtype_bytes, n):
-        tr = mp._transformer(facts.transformer_class, facts.transformer_config, facts.arch)
-        return mp.shard_figures(tr, dtype_bytes, False, n)
+        tr = transformer_facts(facts.transformer_class, facts.transformer_config, facts.arch)
+        return shard_figures(tr, dtype_bytes, False, n)
 
     pool = shard_pools("flux", 2)
     pool.reconfigure(ParallelConfig(ulysses=2))
     c = pool.generate(make_request()).stats[0]["sharding"]
-    p = figures(mp.model_facts(str(pool.model_path), "fp32"), 4, 2)
+    p = figures(model_facts(str(pool.model_path), "fp32"), 4, 2)
     assert p.at_rest == 4 * (c["block_params_local"] + c["nonblock_params_local"])
     assert p.received_per_forward == c["received_bytes_per_forward_per_rank"]
     assert p.peak >= 4 * c["peak_block_params_in_block"]
     assert p.unsharded == 4 * (c["block_params"] + c["nonblock_params"])
     gb = 1e9
-    dev = mp.preset_facts("flux1-dev")
+    dev = preset_facts("flux1-dev")
     one = figures(dev, 2, 1)
     assert 23.7 * gb < one.unsharded < 23.9 * gb  # 11.9B x 2 B
     for n in (2, 4, 8):

@@ -467,13 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(.png), Wan videos (.mp4, .webm, .mkv, or one PNG per frame) "
                                  "or ComfyUI LATENTs (.safetensors).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    from comfyui_xdit.cli import demo
-    from comfyui_xdit.planning import memory_plan
+    from comfyui_xdit.cli import demo, memory_plan_command
     from comfyui_xdit.testmodels import tiny_model, trained_model
     demo.add_cli(sub)
     tiny_model.add_cli(sub)
     trained_model.add_cli(sub)
-    memory_plan.add_cli(sub)
+    memory_plan_command.add_cli(sub)
     _add_generate(sub)
     _add_serve(sub)
     _add_status(sub)

@@ -21,7 +21,7 @@ from comfyui_xdit.client.channel import Channel, connect, parse_address
 from comfyui_xdit.client.exit_cleanup import install_sigterm
 from comfyui_xdit.comfy_convert import (comfy_noise, comfy_to_model, latent_shape, latent_shape_text,
                             layout_hint, model_to_comfy, noise_to_model)
-from comfyui_xdit.planning import memory_plan as memory_plan_mod
+from comfyui_xdit.planning import calibration, launch_policy
 from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig
 from comfyui_xdit.planning.gpus import gpus_for_ranks, text_encoder_gpu
 from comfyui_xdit.planning.model_info import ModelInfo, read_model_info
@@ -143,7 +143,7 @@ class WorkerPool:
 
     @memory_plan.setter
     def memory_plan(self, value: Optional[str]) -> None:
-        self._memory_mode = memory_plan_mod.resolve_mode(value)
+        self._memory_mode = launch_policy.resolve_mode(value)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -346,8 +346,8 @@ class WorkerPool:
         world = self.config.ranks
         gpus = self._rank_gpus()  # refuses a world the GPUs cannot hold, before anything starts
         if plan is _UNPLANNED:  # and one whose weights their memory cannot (mode "enforce")
-            plan = memory_plan_mod.check_pool(self, None, gpus)
-        self._memory = memory_plan_mod.plan_status(plan, self.memory_plan) \
+            plan = launch_policy.check_pool(self, None, gpus)
+        self._memory = calibration.plan_status(plan, self.memory_plan) \
             if self.device == "cuda" else {}
         install_sigterm()  # a pool launched from the main thread (CLI, Python API)
         self._tmp = tempfile.mkdtemp(prefix="xdit-pool-")
@@ -527,7 +527,7 @@ class WorkerPool:
         plan = _UNPLANNED
         if not self.is_running():
             self._rank_gpus()  # a world the GPUs cannot hold is refused before the launch
-            plan = memory_plan_mod.check_pool(self, request)  # so is one their memory cannot
+            plan = launch_policy.check_pool(self, request)  # so is one their memory cannot
         req = request.resolved(info)
         with self._lock:
             t0 = time.perf_counter()
@@ -607,11 +607,11 @@ class WorkerPool:
             return
         try:
             if self._memory.get("predicted_mb_per_rank") and self._memory.get("job") is None:
-                plan = memory_plan_mod.plan_launch(
+                plan = launch_policy.plan_launch(
                     self.model_path, self.config, self.engine,
                     getattr(self, "_launched_gpus", None), request, self.model_path_2)
-                self._memory = memory_plan_mod.plan_status(plan, self.memory_plan)
-            line = memory_plan_mod.record_measured(self._memory, stats, self.config.ranks)
+                self._memory = calibration.plan_status(plan, self.memory_plan)
+            line = calibration.record_measured(self._memory, stats, self.config.ranks)
         except Exception as e:  # noqa: BLE001  calibration must never fail a finished job
             _log.debug("xDiT: no memory plan comparison: %s", e)
             return

@@ -13,7 +13,7 @@ from comfyui_xdit.nodes.discovery import FILE_KINDS, resolve_model
 from comfyui_xdit.nodes.node_text import loader_text
 from comfyui_xdit.nodes.settings import (LORA_EXPERT_OPTIONS, NO_MODEL_2, SETTINGS_INPUTS,
                                          ExpertFile)
-from comfyui_xdit.planning import memory_plan
+from comfyui_xdit.planning import launch_policy
 from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig, auto_config
 from comfyui_xdit.planning.gpus import gpus_for_ranks, visible_gpus
 from comfyui_xdit.planning.model_info import read_model_info
@@ -154,7 +154,7 @@ class ModelHandle:
             return out
         out += self.engine().problems()
         try:
-            mode = memory_plan.resolve_mode(self.memory_plan)
+            mode = launch_policy.resolve_mode(self.memory_plan)
         except ConfigError as e:  # said once; no misfit refusal beside it
             out.append(str(e))
             mode = "advise"
@@ -170,7 +170,7 @@ class ModelHandle:
                 raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
             if self.device == "cuda":  # the GPUs must hold the world, before anything starts
                 gpus = gpus_for_ranks(self.world(), self.gpus)
-                plan = memory_plan.check_launch(  # and its weights: refused with the numbers
+                plan = launch_policy.check_launch(  # and its weights: refused with the numbers
                     self.path, self.config_for(), self.engine(), gpus, mode=mode,
                     model_path_2=self.path_2)
                 object.__setattr__(self, "_memory_plan", plan)  # memory_summary, node_text

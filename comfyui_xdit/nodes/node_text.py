@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from comfyui_xdit.planning import memory_plan
 from comfyui_xdit.planning.config import ParallelConfig
+from comfyui_xdit.planning.memory_arithmetic import gib
 from comfyui_xdit.planning.request import families
 
 
@@ -136,12 +136,12 @@ def memory_text(plan) -> str:
     """The loader's memory-plan clause: "30.1 of 79.1 GiB" (the peak rank against its GPU),
     "90.2 of 79.1 GiB: too big", "30.1 GiB peak" (GPU size unknown), "no memory plan"."""
     worst = getattr(plan, "worst", None)
-    if worst is None:  # memory_plan.UnplannedLaunch
+    if worst is None:  # launch_policy.UnplannedLaunch
         return "no memory plan"
-    peak = memory_plan.gib(worst.total, unit=False)
+    peak = gib(worst.total, unit=False)
     if worst.gpu_memory is None:
         return f"{peak} GiB peak"
-    text = f"{peak} of {memory_plan.gib(worst.gpu_memory)}"
+    text = f"{peak} of {gib(worst.gpu_memory)}"
     return text + (": too big" if plan.fits is False else "")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from comfyui_xdit.planning import memory_plan
+from comfyui_xdit.planning import launch_policy
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError
 from comfyui_xdit.planning.request import cache_problems
 
@@ -20,7 +20,7 @@ TEXT_ENCODER_OPTIONS = ["auto", "cpu", "gpu"]
 LORA_EXPERT_OPTIONS = ["both", "high", "low"]  # the LoRA node: Wan 2.2 A14B's experts
 NO_MODEL_2 = "none"  # the loader's low_noise_model default: one model
 SPLITS = ["balanced", "compute", "memory"]
-MEMORY_PLAN_OPTIONS = ["auto"] + list(memory_plan.MODES)  # auto: $XDIT_MEMORY_PLAN
+MEMORY_PLAN_OPTIONS = ["auto"] + list(launch_policy.MODES)  # auto: $XDIT_MEMORY_PLAN
 MAX_SEED = 2 ** 64 - 1
 
 

@@ -12,6 +12,7 @@ checked against it, on the host, before any worker process starts.
 - `text_encoder_gpu(option, gpus)`: where `text_encoders=cuda:N` puts rank 0's text encoders
   (the N-th visible GPU: rank 0's own, another rank's, or a spare one) and what rank 0 is
   then given: that GPU too in its `CUDA_VISIBLE_DEVICES`, as its `cuda:1`.
+- `gpu_memory_bytes(ids)`: each GPU's total memory, from nvidia-smi, for the memory plan.
 
 The loader's list is in this process's numbering (what ComfyUI calls `cuda:N`): an index N
 names the N-th visible GPU, so under `CUDA_VISIBLE_DEVICES=2,3` the list "1" is physical GPU
@@ -21,11 +22,14 @@ which only gloo allows; see tests/test_gpu_shared.py).
 Counting GPUs never initialises CUDA in this process: with `CUDA_VISIBLE_DEVICES` set the
 list is read from it alone, and otherwise `torch.cuda.device_count()` asks NVML (which does
 not poison later forks) and only falls back to the CUDA runtime where NVML is missing. The
-count is `device_count` of this module, replaced in tests.
+count is `device_count` of this module, and the sizes `gpu_memory_bytes`, both replaced in
+tests.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -165,3 +169,44 @@ def text_encoder_gpu(option: str, gpus: Sequence[str], environ=None,
     if gpu == gpus[0]:
         return TextEncoderGPU(gpu, 0, gpus[0], "gpu")
     return TextEncoderGPU(gpu, rank, f"{gpus[0]},{gpu}", "cuda:1")
+
+
+_SMI_SIZES: dict = {}  # nvidia-smi's answer, kept: a GPU's total memory never changes
+
+
+def _smi_sizes() -> dict:
+    """{index or UUID: total bytes} of every GPU nvidia-smi lists ({} when it cannot)."""
+    if _SMI_SIZES:
+        return _SMI_SIZES
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return {}
+    try:
+        text = subprocess.run([exe, "--query-gpu=index,uuid,memory.total",
+                               "--format=csv,noheader,nounits"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    for line in text.splitlines():
+        parts = [v.strip() for v in line.split(",")]
+        if len(parts) == 3 and parts[2].isdigit():
+            _SMI_SIZES[parts[0]] = _SMI_SIZES[parts[1]] = int(parts[2]) * 2 ** 20  # MiB
+    return _SMI_SIZES
+
+
+def gpu_memory_bytes(gpu_ids: Sequence[str], environ=None) -> list:
+    """Total memory of each GPU id (an index or a GPU-/MIG- UUID, as `gpus_for_ranks` hands
+    them to the ranks), from nvidia-smi (NVML: no CUDA initialisation in this
+    process), or None where it is not known (a MIG slice, no nvidia-smi). nvidia-smi numbers
+    GPUs in PCI bus order, CUDA fastest first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`: on a box
+    mixing GPU sizes an index is then ambiguous, and the smallest card's size is used (a UUID
+    in the loader's GPU list is exact). Replaced in tests."""
+    sizes = _smi_sizes()
+    env = os.environ if environ is None else environ
+    by_index = [v for k, v in sizes.items() if k.isdigit()]
+    ambiguous = env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and len(set(by_index)) > 1
+    out = []
+    for g in gpu_ids:
+        g = str(g).strip()
+        out.append(min(by_index) if ambiguous and g in sizes and g.isdigit() else sizes.get(g))
+    return out

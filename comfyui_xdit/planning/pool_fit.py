@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Optional
 
-from comfyui_xdit.planning import memory_plan
+from comfyui_xdit.planning import gpus as gpus_mod
+from comfyui_xdit.planning.memory_arithmetic import plan
+from comfyui_xdit.planning.model_facts import model_facts
 
 _log = logging.getLogger("comfyui_xdit")
 HOST = "host"
@@ -26,19 +28,18 @@ def footprint(pool) -> Optional[dict]:
     if getattr(pool, "_attached", None):
         return {}
     try:
-        facts = memory_plan.model_facts(pool.model_path, pool.engine.dtype)
+        facts = model_facts(pool.model_path, pool.engine.dtype)
         if getattr(pool, "model_path_2", None):  # a Wan 2.2 A14B pair of files
             import dataclasses
             facts = dataclasses.replace(facts, experts=2)
-        p = memory_plan.plan(facts, pool.config.with_world_size(None), pool.engine, None)
+        p = plan(facts, pool.config.with_world_size(None), pool.engine, None)
     except Exception as e:  # noqa: BLE001  unknown: handled as "does not fit beside others"
         _log.debug("xDiT: no footprint for %s: %s", getattr(pool, "model_path", pool), e)
         return None
     if pool.device != "cuda":
         return {HOST: sum(max(0, r.total - r.reserve) for r in p.ranks)}
-    from comfyui_xdit.planning.gpus import gpus_for_ranks
-    gpus = getattr(pool, "_launched_gpus", None) or gpus_for_ranks(pool.config.ranks,
-                                                                   pool.gpus)
+    gpus = getattr(pool, "_launched_gpus", None) or gpus_mod.gpus_for_ranks(pool.config.ranks,
+                                                                            pool.gpus)
     out: dict = {}
     for gpu, r in zip(gpus, p.ranks):
         out[f"gpu:{gpu}"] = out.get(f"gpu:{gpu}", 0) + int(r.total)
@@ -53,7 +54,7 @@ def capacity(memory: str) -> Optional[int]:
             return int(psutil.virtual_memory().total * HOST_SHARE)
         except Exception:  # noqa: BLE001
             return None
-    return memory_plan.gpu_memory_bytes([memory[len("gpu:"):]])[0]
+    return gpus_mod.gpu_memory_bytes([memory[len("gpu:"):]])[0]
 
 
 def fits(footprints: Iterable[Optional[dict]],

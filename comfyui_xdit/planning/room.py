@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from comfyui_xdit.planning import memory_plan
 from comfyui_xdit.planning.gpus import gpus_for_ranks, visible_gpus
+from comfyui_xdit.planning.launch_policy import PlanUnavailable, plan_launch
 
 _log = logging.getLogger("comfyui_xdit")
 
@@ -30,18 +30,18 @@ _log = logging.getLogger("comfyui_xdit")
 def room_needed(pool, request=None, visible: Optional[list] = None) -> dict:
     """{ComfyUI cuda index: bytes} the pool needs free for a job of `request` (None: a
     launch or decode without a job); {} on CPU, for an attached pool, or where the GPUs'
-    memory cannot be read. A plan that cannot be made raises memory_plan.PlanUnavailable."""
+    memory cannot be read. A plan that cannot be made raises PlanUnavailable."""
     if pool.device != "cuda" or getattr(pool, "_attached", None):
         return {}
     gpus = gpus_for_ranks(pool.config.ranks, pool.gpus)
     args = (pool.model_path, pool.config, pool.engine, gpus)
     path_2 = getattr(pool, "model_path_2", None)
-    plan = memory_plan.plan_launch(*args, request, path_2)
+    plan = plan_launch(*args, request, path_2)
     if plan is None:
         return {}
     need = [r.total for r in plan.ranks]
     if pool.is_running():
-        fixed = memory_plan.plan_launch(*args, None, path_2)
+        fixed = plan_launch(*args, None, path_2)
         need = [max(0, a.total - b.total) for a, b in zip(plan.ranks, fixed.ranks)]
     visible = visible_gpus() if visible is None else visible
     out: dict = {}
@@ -62,7 +62,7 @@ def make_room(pool, request, free_memory: Callable[[int, int], None],
     nothing (the launch's own check refuses or warns, by the memory_plan mode)."""
     try:
         needs = room_needed(pool, request, visible)
-    except memory_plan.PlanUnavailable as e:
+    except PlanUnavailable as e:
         _log.warning("xDiT: no memory plan, so ComfyUI's models are not offloaded: %s", e)
         return {}
     for index, n in sorted(needs.items()):

@@ -1,0 +1,153 @@
+"""`python -m comfyui_xdit memory-plan`: one layout's per-rank GPU memory and verdict, or a
+table comparing layouts (planning/plan_tables.py), from a model folder, file or preset;
+arithmetic only, no GPU needed.
+"""
+from __future__ import annotations
+
+from comfyui_xdit.errors import ConfigError
+from comfyui_xdit.planning.config import EngineOptions, ParallelConfig
+from comfyui_xdit.planning.memory_arithmetic import DTYPE_BYTES, GiB, LINKS_GBPS, JobSize, plan
+from comfyui_xdit.planning.model_facts import (PRESETS, model_facts, preset_facts,
+                                               transformer_facts)
+from comfyui_xdit.planning.plan_tables import compare_table, shard_table, traffic_table
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("memory-plan", help="per-rank GPU memory of a configuration, before "
+                                           "launching (will it fit?)",
+                       description="Prints each rank's planned GPU memory (GiB) and whether it "
+                                   "fits --gpu-memory. Exit 0: fits (or no GPU size given), "
+                                   "1: does not fit, 2: bad input.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="diffusers folder or single .safetensors transformer")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="published model dimensions")
+    for name, what in (("ulysses", "Ulysses sequence-parallel degree (heads split)"),
+                       ("ring", "Ring sequence-parallel degree (keys and values passed round)"),
+                       ("pipefusion", "PipeFusion degree (each rank holds 1/N of the blocks)"),
+                       ("dp", "data parallel degree (the batch split over replicas)")):
+        p.add_argument(f"--{name}", type=int, default=1, help=f"{what}; default 1")
+    p.add_argument("--cfg-parallel", action="store_true",
+                   help="CFG's two branches on different ranks (degree 2)")
+    p.add_argument("--cfg", action="store_true", help="the job uses classifier-free guidance")
+    p.add_argument("--pipefusion-split", default="balanced",
+                   help="PipeFusion stage split: balanced | compute | memory | block counts "
+                        "like 10,9")
+    p.add_argument("--shard-weights", action="store_true",
+                   help="FSDP2-shard the block weights over every rank")
+    p.add_argument("--weights", choices=["auto", "fp8", "full"], default="auto",
+                   help="auto: as the checkpoint stores them; fp8: block weights in fp8; "
+                        "full: every weight in --dtype")
+    p.add_argument("--text-encoders", default="auto",
+                   help="where the text encoders sit: auto | cpu | gpu | cuda:N")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+                   help="weights and compute dtype (default bf16)")
+    p.add_argument("--height", type=int, required=True,
+                   help="image height in pixels, a multiple of 16")
+    p.add_argument("--width", type=int, required=True,
+                   help="image width in pixels, a multiple of 16")
+    p.add_argument("--batch", type=int, default=1, help="images per job (default 1)")
+    p.add_argument("--frames", type=int, default=1,
+                   help="video models (Wan): frames, 4k + 1 (720p x 81 frames: 75,600 tokens)")
+    p.add_argument("--max-sequence-length", type=int, default=None,
+                   help="text tokens per prompt (default: the model's, 512)")
+    p.add_argument("--gpu-memory", default=None,
+                   help="GiB per GPU (with --compare: a comma list, e.g. 24,48,80)")
+    p.add_argument("--gpus", default=None,
+                   help="number of GPUs, the product of the degrees (with --compare: a comma "
+                        "list, e.g. 2,4,8)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="your GPUs' all-gather bandwidth in GB/s, to time shard_weights' "
+                        "per-step traffic (default: PCIe 4.0 x16 and NVLink figures)")
+    p.add_argument("--compare", action="store_true",
+                   help="a markdown table of every method (replicated, PipeFusion, "
+                        "shard_weights; text encoders on GPU or CPU; bf16 and, where it "
+                        "changes a verdict, fp8) on each GPU count x GPU size")
+    p.add_argument("--traffic-table", action="store_true",
+                   help="a markdown table of the bytes a rank sends per denoising step under "
+                        "each method (Ulysses, Ring, PipeFusion, shard_weights, CFG parallel "
+                        "with --cfg) on each --gpus count, timed on the links")
+    p.add_argument("--shard-table", action="store_true",
+                   help="a markdown table of shard_weights' bytes per rank and all-gather "
+                        "traffic per forward on each --gpus count (e.g. 2,4,8)")
+    p.set_defaults(func=run_cli)
+
+
+def _numbers(text, name, kind):
+    if text is None:
+        return []
+    try:
+        vals = [kind(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{name} must be a number or a comma list of numbers (got {text!r})")
+    if not vals or min(vals) <= 0:
+        raise ConfigError(f"{name} must be > 0 (got {text!r})")
+    return vals
+
+
+
+def run_cli(args) -> int:
+    counts = _numbers(args.gpus, "--gpus", int)
+    sizes = _numbers(args.gpu_memory, "--gpu-memory", float)
+    if args.link_gbps is not None and args.link_gbps <= 0:
+        raise ConfigError(f"--link-gbps must be > 0 (got {args.link_gbps})")
+    if args.shard_table or args.traffic_table:
+        if not counts:
+            raise ConfigError(f"--{'shard' if args.shard_table else 'traffic'}-table needs "
+                              f"--gpus (e.g. 2,4,8)")
+    elif args.compare:
+        if not counts or not sizes:
+            raise ConfigError("--compare needs --gpus (e.g. 2,4,8) and --gpu-memory in GiB "
+                              "(e.g. 24,48,80)")
+    elif len(counts) > 1 or len(sizes) > 1:
+        raise ConfigError(f"--gpus {args.gpus} / --gpu-memory {args.gpu_memory}: give one "
+                          f"number each, or add --compare for a table")
+    config = ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel,
+                            pipefusion=args.pipefusion, ulysses=args.ulysses, ring=args.ring,
+                            pipefusion_split=args.pipefusion_split,
+                            world_size=None if args.compare or args.shard_table or
+                            args.traffic_table or not counts else counts[0])
+    out = config.problems()
+    engine = EngineOptions(device="cuda", dtype=args.dtype, weights=args.weights,
+                           text_encoders=args.text_encoders, shard_weights=args.shard_weights)
+    out += engine.problems() + engine.problems_with(config)
+    for name in ("height", "width"):
+        v = getattr(args, name)
+        if v < 16 or v % 16:
+            out.append(f"--{name} must be a positive multiple of 16 (got {v}; try "
+                       f"{max(16, round(v / 16) * 16)})")
+    if args.batch < 1:
+        out.append(f"--batch must be >= 1 (got {args.batch})")
+    if out:
+        raise ConfigError("; ".join(out))
+    facts = preset_facts(args.preset) if args.preset else model_facts(args.model, args.dtype)
+    from comfyui_xdit.planning.request import frames_problems
+    bad = frames_problems(args.frames, facts.arch)
+    if bad:
+        raise ConfigError("; ".join(bad))
+    blocks = len(transformer_facts(facts.transformer_class, facts.transformer_config,
+                                   facts.arch).blocks)
+    if config.pipefusion > blocks:
+        raise ConfigError(f"pipefusion {config.pipefusion} exceeds the model's {blocks} "
+                          f"blocks; use pipefusion <= {blocks}")
+    job = JobSize(height=args.height, width=args.width, batch=args.batch,
+                  text_tokens=args.max_sequence_length, cfg=args.cfg, frames=args.frames)
+    if args.traffic_table:
+        print(traffic_table(facts, job, args.dtype, counts,
+                            LINKS_GBPS if args.link_gbps is None else
+                            (("your link", args.link_gbps),)))
+        return 0
+    if args.shard_table:
+        print(shard_table(facts, args.dtype, args.weights, counts,
+                          LINKS_GBPS if args.link_gbps is None else
+                          (("your link", args.link_gbps),)))
+        return 0
+    if args.compare:
+        print(compare_table(facts, job, args.dtype, counts, sizes))
+        return 0
+    cap = int(sizes[0] * GiB) if sizes else None
+    p = plan(facts, config.with_world_size(None), engine, job, cap)
+    print(p.table())
+    print(p.message())
+    if p.gather_bytes_per_step:
+        print(p.traffic((("your link", args.link_gbps),) if args.link_gbps else LINKS_GBPS))
+    return 0 if p.fits is not False else 1
