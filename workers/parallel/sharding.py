@@ -40,7 +40,8 @@ sharded while still on the meta device, each rank reads its rows); .bin weights 
 What a rank holds (`counts()`, in `status` and every job's stats) is read from FSDP's
 buffers once per call. Per-forward counting and residency peaks are test instrumentation
 (xdit_testhooks/sharding_probe.py), attached through the `sharding_probe` hook option; the
-memory and traffic figures are the host's memory plan (comfyui_xdit/memory_plan.py).
+memory and traffic figures are the host's memory plan
+(comfyui_xdit/planning/memory_arithmetic.py).
 """
 from __future__ import annotations
 

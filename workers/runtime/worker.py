@@ -291,7 +291,7 @@ class Worker:
             images = _decode(self, raw)
         if self.device.type == "cuda":  # the process's peaks so far (load and every job):
             # read once, after the decode the plan also counts; the host compares them with
-            # the memory plan after the first job (comfyui_xdit/planning/memory_plan.py)
+            # the memory plan after the first job (comfyui_xdit/planning/calibration.py)
             stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
             stats["cuda_reserved_peak_mb"] = torch.cuda.max_memory_reserved() / 2**20
         if self.hooks:
