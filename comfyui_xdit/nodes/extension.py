@@ -1,6 +1,6 @@
-"""The ComfyUI nodes (V3 schema). The only module that imports ComfyUI; kept thin: every
-decision lives in the ComfyUI-free node modules (`handles`, `operations`, `node_text`, ...) and
-`comfy_convert`, which CI tests without ComfyUI."""
+"""The ComfyUI nodes (V3 schema). With model_nodes.py and comfy_model.py the only modules that
+import ComfyUI; kept thin: every decision lives in the ComfyUI-free node modules (`handles`,
+`operations`, `node_text`, ...) and `comfy_convert`, which CI tests without ComfyUI."""
 from __future__ import annotations
 
 import asyncio
