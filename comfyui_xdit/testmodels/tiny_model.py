@@ -90,8 +90,11 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
         raise ValueError(f"width must be a positive multiple of heads ({heads}), got {width!r}")
     variants = tuple(getattr(family, "VARIANTS", ()))
     if variant is not None and not variants:
-        raise ValueError(f"variant applies to --arch {' or '.join(_variants())} only (got arch "
-                         f"{arch!r})")
+        takers = list(_variants())
+        if not takers:
+            raise ValueError(f"variant applies to no arch (got arch {arch!r})")
+        takers = " or ".join(filter(None, [", ".join(takers[:-1]), takers[-1]]))
+        raise ValueError(f"variant applies to --arch {takers} only (got arch {arch!r})")
     if variant is not None and variant not in variants:
         raise ValueError(f"unknown {arch} variant {variant!r}: expected one of "
                          f"{', '.join(variants)}")
