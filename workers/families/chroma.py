@@ -63,7 +63,30 @@ def released(config: dict) -> tuple:
     return dict(SCHEDULER), dict(VAE_LATENT)
 
 
+# Published dimensions of released models, for the memory plan's presets
+# (comfyui_xdit/planning/model_facts.py: transformer config, text encoders as
+# (transformers class, config kwargs), VAE as (diffusers class, config kwargs)).
+PRESETS = {
+    # Chroma1-HD (8.9B): FLUX.1's 19 double + 38 single blocks without the guidance and
+    # pooled embedders, a 5-layer modulation approximator (diffusers'
+    # ChromaTransformer2DModel defaults); T5-XXL only; FLUX's VAE.
+    "chroma1-hd": dict(
+        transformer={"num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
+                     "attention_head_dim": 128, "joint_attention_dim": 4096, "in_channels": 64},
+        text_encoders=(("T5EncoderModel", {"d_model": 4096, "d_ff": 10240, "d_kv": 64,
+                                           "num_heads": 64, "num_layers": 24,
+                                           "feed_forward_proj": "gated-gelu",
+                                           "vocab_size": 32128, "tie_word_embeddings": False}),),
+        vae=("AutoencoderKL", {"block_out_channels": [128, 256, 512, 512],
+                               "down_block_types": ["DownEncoderBlock2D"] * 4,
+                               "up_block_types": ["UpDecoderBlock2D"] * 4,
+                               "latent_channels": 16, "layers_per_block": 2}),
+        note="Chroma1-HD 8.9B + T5-XXL"),
+}
+
+
 FAMILY = Family(
+    presets=PRESETS,
     id="chroma", order=40, name="Chroma", transformer_class="ChromaTransformer2DModel",
     pipelines=("ChromaPipeline",), adapter="ChromaAdapter",
     block_lists=("transformer_blocks", "single_transformer_blocks"),

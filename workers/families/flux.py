@@ -95,7 +95,35 @@ def comfy_unet(cfg: dict) -> dict:
             "in_channels": 16, "out_channels": 16, "patch_size": 2}
 
 
+# Published dimensions of released models, for the memory plan's presets
+# (comfyui_xdit/planning/model_facts.py: transformer config, text encoders as
+# (transformers class, config kwargs), VAE as (diffusers class, config kwargs)).
+PRESETS = {
+    # FLUX.1 [dev]: 19 double + 38 single blocks, 24 heads x 128, joint_attention_dim 4096,
+    # pooled 768, guidance embedding; T5-XXL v1.1 encoder (24 layers, d_model 4096, d_ff
+    # 10240, 64 heads x 64, gated GELU) + CLIP ViT-L/14 text model; 16-channel AutoencoderKL.
+    "flux1-dev": dict(
+        transformer={"num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
+                     "attention_head_dim": 128, "joint_attention_dim": 4096,
+                     "pooled_projection_dim": 768, "in_channels": 64, "guidance_embeds": True},
+        text_encoders=(("T5EncoderModel", {"d_model": 4096, "d_ff": 10240, "d_kv": 64,
+                                           "num_heads": 64, "num_layers": 24,
+                                           "feed_forward_proj": "gated-gelu",
+                                           "vocab_size": 32128, "tie_word_embeddings": False}),
+                       ("CLIPTextModel", {"hidden_size": 768, "intermediate_size": 3072,
+                                          "num_hidden_layers": 12, "num_attention_heads": 12,
+                                          "vocab_size": 49408, "max_position_embeddings": 77,
+                                          "projection_dim": 768})),
+        vae=("AutoencoderKL", {"block_out_channels": [128, 256, 512, 512],
+                               "down_block_types": ["DownEncoderBlock2D"] * 4,
+                               "up_block_types": ["UpDecoderBlock2D"] * 4,
+                               "latent_channels": 16, "layers_per_block": 2}),
+        note="FLUX.1 [dev] 12B + T5-XXL + CLIP-L"),
+}
+
+
 FAMILY = Family(
+    presets=PRESETS,
     id="flux", order=10, name="FLUX.1", transformer_class="FluxTransformer2DModel",
     pipelines=("FluxPipeline",), adapter="FluxAdapter",
     block_lists=("transformer_blocks", "single_transformer_blocks"),

@@ -92,7 +92,31 @@ def comfy_unet(cfg: dict) -> dict:
             "context_in_dim": int(cfg["joint_attention_dim"])}
 
 
+# Published dimensions of released models, for the memory plan's presets
+# (comfyui_xdit/planning/model_facts.py: transformer config, text encoders as
+# (transformers class, config kwargs), VAE as (diffusers class, config kwargs)).
+PRESETS = {
+    # FLUX.2 [dev]: diffusers' Flux2Transformer2DModel defaults are the dev model (8 double +
+    # 48 single blocks, 48 heads x 128, joint_attention_dim 15360, mlp_ratio 3); text encoder
+    # Mistral-Small-3.1-24B (Mistral3ForConditionalGeneration: 40 layers, hidden 5120, MLP
+    # 32768, 32 heads / 8 KV heads x 128, vocabulary 131072, untied LM head; Pixtral vision
+    # tower at transformers' defaults, hidden 1024 x 24 layers); VAE AutoencoderKLFlux2.
+    "flux2-dev": dict(
+        transformer={},
+        text_encoders=(("Mistral3ForConditionalGeneration", {
+            "text_config": {"model_type": "mistral", "hidden_size": 5120,
+                            "intermediate_size": 32768, "num_hidden_layers": 40,
+                            "num_attention_heads": 32, "num_key_value_heads": 8,
+                            "head_dim": 128, "vocab_size": 131072,
+                            "tie_word_embeddings": False},
+            "tie_word_embeddings": False}),),
+        vae=("AutoencoderKLFlux2", {}),
+        note="FLUX.2 [dev] 32B + Mistral-3 24B text encoder"),
+}
+
+
 FAMILY = Family(
+    presets=PRESETS,
     vae_classes=("AutoencoderKLFlux2",),
     id="flux2", order=20, name="FLUX.2", transformer_class="Flux2Transformer2DModel",
     pipelines=(DEFAULT_PIPELINE, "Flux2Pipeline"), adapter="Flux2Adapter",

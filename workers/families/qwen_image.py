@@ -97,7 +97,35 @@ def pipeline_of(index_class) -> str:
                      f"QwenImagePipeline or QwenImageEditPipeline")
 
 
+# Published dimensions of released models, for the memory plan's presets
+# (comfyui_xdit/planning/model_facts.py: transformer config, text encoders as
+# (transformers class, config kwargs), VAE as (diffusers class, config kwargs)).
+PRESETS = {
+    # Qwen-Image (20B): 60 double-stream blocks, 24 heads x 128, text states 3584 wide;
+    # text encoder Qwen2.5-VL-7B-Instruct (Qwen2_5_VLForConditionalGeneration: 28 layers,
+    # hidden 3584, MLP 18944, 28 heads / 4 KV heads, vocabulary 152064, the 32-block vision
+    # tower the pipelines load with it); VAE AutoencoderKLQwenImage at diffusers' defaults
+    # (the release's: base_dim 96, dim_mult 1/2/4/4). Prompts pad only to the longest one:
+    # 512 text tokens is the pipeline's max_sequence_length, an upper bound.
+    "qwen-image": dict(
+        transformer={"num_layers": 60, "num_attention_heads": 24, "attention_head_dim": 128,
+                     "joint_attention_dim": 3584, "in_channels": 64, "out_channels": 16,
+                     "patch_size": 2, "axes_dims_rope": [16, 56, 56]},
+        text_encoders=(("Qwen2_5_VLForConditionalGeneration", {
+            "text_config": {"hidden_size": 3584, "intermediate_size": 18944,
+                            "num_hidden_layers": 28, "num_attention_heads": 28,
+                            "num_key_value_heads": 4, "vocab_size": 152064,
+                            "tie_word_embeddings": False},
+            "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                              "num_heads": 16, "out_hidden_size": 3584},
+            "tie_word_embeddings": False}),),
+        vae=("AutoencoderKLQwenImage", {}),
+        note="Qwen-Image 20B + Qwen2.5-VL 7B text encoder"),
+}
+
+
 FAMILY = Family(
+    presets=PRESETS,
     vae_classes=("AutoencoderKLQwenImage",),
     causal_vae=("autoencoder_kl_qwenimage", "QwenImage"),  # a fine-tuned Wan 2.1 VAE
     id="qwen_image", order=50, name="Qwen-Image", transformer_class="QwenImageTransformer2DModel",

@@ -143,7 +143,38 @@ def pipeline_of(index_class) -> str:
                      f"WanImageToVideoPipeline")
 
 
+UMT5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
+             "feed_forward_proj": "gated-gelu", "vocab_size": 256384,
+             "tie_word_embeddings": False}
+
+# Published dimensions of released models, for the memory plan's presets
+# (comfyui_xdit/planning/model_facts.py: transformer config, text encoders as
+# (transformers class, config kwargs), VAE as (diffusers class, config kwargs)).
+PRESETS = {
+    # Wan 2.1 T2V 14B (Wan-AI/Wan2.1-T2V-14B-Diffusers): 40 blocks, 40 heads x 128 (5120
+    # wide), FFN 13824, text_dim 4096 (diffusers' WanTransformer3DModel defaults); text
+    # encoder UMT5-XXL's encoder (UMT5EncoderModel: 24 layers, d_model 4096, d_ff 10240, 64
+    # heads x 64, gated GELU, vocabulary 256384); VAE AutoencoderKLWan at diffusers' defaults
+    # (base_dim 96, dim_mult 1/2/4/4, the release's). Text: 512 UMT5 tokens, reached by
+    # cross-attention only (never in the attention sequence).
+    "wan2.1-t2v-14b": dict(
+        transformer={}, text_encoders=(("UMT5EncoderModel", UMT5_XXL),),
+        vae=("AutoencoderKLWan", {}), note="Wan 2.1 T2V 14B + UMT5-XXL"),
+    # Wan 2.1 T2V 1.3B: 30 blocks, 12 heads x 128 (1536 wide), FFN 8960
+    "wan2.1-t2v-1.3b": dict(
+        transformer={"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
+        text_encoders=(("UMT5EncoderModel", UMT5_XXL),), vae=("AutoencoderKLWan", {}),
+        note="Wan 2.1 T2V 1.3B + UMT5-XXL"),
+    # Wan 2.2 T2V A14B: two experts of Wan 2.1 14B's dimensions (the high-noise `transformer`
+    # and the low-noise `transformer_2`), both resident; one runs at a time
+    "wan2.2-t2v-a14b": dict(
+        transformer={}, text_encoders=(("UMT5EncoderModel", UMT5_XXL),),
+        vae=("AutoencoderKLWan", {}), experts=2, note="Wan 2.2 T2V A14B (2 x 14B) + UMT5-XXL"),
+}
+
+
 FAMILY = Family(
+    presets=PRESETS,
     vae_classes=("AutoencoderKLWan",), causal_vae=("autoencoder_kl_wan", "Wan"),
     id="wan", order=60, name="Wan", transformer_class="WanTransformer3DModel",
     pipelines=("WanPipeline", "WanImageToVideoPipeline"), adapter="WanAdapter",
