@@ -129,15 +129,15 @@ def read_model_info(path, path_2=None) -> ModelInfo:
         except families.NotRun as e:
             raise ConfigError(f"{path}: {e}") from None
     if d["kind"] == "file":
-        return ModelInfo(path=str(path), arch=arch, heads=int(cfg["num_attention_heads"]),
-                         patch_size=families.spatial_patch(cfg["patch_size"]), kind="file",
+        return ModelInfo(path=str(path), arch=arch, heads=fam.heads(cfg),
+                         patch_size=fam.patch(cfg), kind="file",
                          has_text_encoders=False, has_vae=False,
                          blocks=_block_count(arch, cfg),
                          storage=_storage_name(d.get("storage")), **_i2v(arch, cfg))
     # a folder's config omits what equals the diffusers class default
     cfg = {**fam.config_defaults, **cfg}
-    return ModelInfo(path=str(path), arch=arch, heads=int(cfg.get("num_attention_heads", 24)),
-                     patch_size=families.spatial_patch(cfg.get("patch_size", 1)),
+    heads = fam.heads({"num_attention_heads": 24, **cfg})  # diffusers' FLUX default
+    return ModelInfo(path=str(path), arch=arch, heads=heads, patch_size=fam.patch(cfg),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
                      distilled=_klein_distilled(path), experts=expert_count(path),
                      **_i2v(arch, cfg))

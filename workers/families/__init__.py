@@ -143,8 +143,6 @@ class Family:
     # released for that config. None: the family has no two-expert models
     expert_boundary: Optional[Callable] = None
     lora_formats: str = "diffusers/PEFT"
-    # released models' published dimensions, by preset name (the memory plan's `--preset`)
-    presets: dict = field(default_factory=dict)
     # the diffusers VAE classes the pool decodes (and encodes references) with
     vae_classes: tuple = ("AutoencoderKL",)
     # a causal 3-D VAE of the Wan design, which patch-parallel decode rewires
@@ -166,6 +164,27 @@ class Family:
     # the transformer config (class defaults filled in) -> None, or raises NotRun for a
     # variant of the family the pool does not run (Wan 2.2 TI2V-5B)
     check_config: Optional[Callable] = None
+    # the transformer config's keys for what shared code reads of it: "heads", "head_dim"
+    # and "patch" (diffusers' usual names by default); a config that gives its hidden size
+    # rather than the head dim names it as "hidden" (Z-Image: n_heads, dim, all_patch_size)
+    config_names: dict = field(default_factory=dict)
+
+    def _config_key(self, what: str) -> str:
+        return self.config_names.get(what) or CONFIG_NAMES[what]
+
+    def heads(self, cfg) -> int:
+        """Attention heads of a transformer config."""
+        return int(cfg[self._config_key("heads")])
+
+    def head_dim(self, cfg) -> int:
+        hidden = self.config_names.get("hidden")
+        if hidden is not None:
+            return int(cfg[hidden]) // self.heads(cfg)
+        return int(cfg[self._config_key("head_dim")])
+
+    def patch(self, cfg) -> int:
+        """Latent pixels per token side (1 where the config names no patch size)."""
+        return spatial_patch(cfg.get(self._config_key("patch"), 1) or 1)
 
     def pipeline_for(self, index_class: Optional[str]) -> str:
         if self.pipeline_of is not None:
@@ -182,6 +201,11 @@ class Family:
                        for i, k in enumerate(self.block_counts))
         except (KeyError, TypeError, ValueError):
             return None
+
+
+# what `Family.config_names` defaults to
+CONFIG_NAMES = {"heads": "num_attention_heads", "head_dim": "attention_head_dim",
+                "patch": "patch_size"}
 
 
 def _discover() -> dict:
@@ -217,7 +241,7 @@ def names() -> str:
 
 def spatial_patch(v) -> int:
     """A transformer config's patch_size as latent pixels per token side (Wan's 3-D
-    (1, 2, 2): 2)."""
+    (1, 2, 2): 2; a list of one, Z-Image's all_patch_size [2]: 2)."""
     return int(v[-1]) if isinstance(v, (list, tuple)) else int(v)
 
 

@@ -12,7 +12,6 @@ import os
 import socket
 import time
 
-from ..families import spatial_patch
 from .messages import peak_rss_mb, rss_mb
 
 
@@ -113,7 +112,7 @@ class Worker:
         return {"model": self.args.model, "model_2": getattr(self.args, "model_2", None),
                 "arch": self.model.arch,
                 "kind": "file" if os.path.isfile(self.args.model) else "diffusers",
-                "heads": int(t.num_attention_heads), "patch_size": spatial_patch(t.get("patch_size", 1) or 1),
+                "heads": self.adapter.family.heads(t), "patch_size": self.adapter.family.patch(t),
                 "blocks": sum(len(getattr(self.model.transformer, n))
                               for n in self.adapter.block_lists),
                 "world_size": self.world, "load_seconds": self.load_seconds,

@@ -65,7 +65,7 @@ class PatchPipeline:
                                                         for e in prep.extras]
         self.text_len = {b: adapter.joint_text_tokens(c) for b, c in branches.items()}
         config = model.transformer.config
-        self.hidden = int(config.num_attention_heads) * int(config.attention_head_dim)
+        self.hidden = adapter.family.heads(config) * adapter.family.head_dim(config)
         self.cache = KVCache(topo)
         self.activations = Activations(topo.sp_rank)
         self.outgoing = None  # activations computed at the previous tick, for the next stage

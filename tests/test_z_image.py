@@ -1,0 +1,209 @@
+"""Z-Image through the pool equals diffusers' ZImagePipeline (DESIGN.md numerics 4) and a row
+equals its prompt alone (numerics 6).
+
+The tiny model (comfyui_xdit/testmodels/z_image.py) has learned pad tokens of its own, so a
+split that drops, zeroes or misplaces them fails. At 80 x 48 the image has 15 tokens (padded
+to 32) and the prompts have 22, 37 and 22 tokens (padded to 32, 64, 32) and the negative 26
+(32): every stream needs its learned pads, the rows of a batch differ in padded text length
+(so the text refiner's and the main blocks' keys are masked per row, and the image's RoPE
+offset differs per row and between the positive and negative branch).
+
+Every exact method runs at that one size under the NCCL-rules emulation, on two shared
+launches (2 and 4 ranks, reconfigured), plus one 1-rank pool and one negative-control pool.
+ComfyUI's cfg c is ZImagePipeline's guidance_scale c - 1 (CFG off for c <= 1).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+from conftest import LayoutPools
+
+TOL = 1e-4
+ARCH = "z_image"
+H, W = 80, 48  # latent 10 x 6: 15 image tokens
+A = "a red cat"  # 22 tokens with the chat template
+B = "a big blue dog sitting on a green field with many flowers and trees near a river"  # 37
+C = "sky"  # 22
+NEGATIVE = "ugly dark old photo"  # 26
+MSL = 64
+NCCL = ["xdit_testhooks.nccl_rules:install"]
+
+TWO_RANKS = {"ulysses2": ParallelConfig(ulysses=2), "ring2": ParallelConfig(ring=2),
+             "cfg2": ParallelConfig(cfg_parallel=True), "dp2": ParallelConfig(dp=2)}
+FOUR_RANKS = {"ulysses2xring2": ParallelConfig(ulysses=2, ring=2),
+              "cfg2xring2": ParallelConfig(cfg_parallel=True, ring=2),
+              "cfg2xulysses2": ParallelConfig(cfg_parallel=True, ulysses=2),
+              "dp2xring2": ParallelConfig(dp=2, ring=2)}
+
+
+@pytest.fixture(scope="module")
+def pipe(model_dir):
+    from diffusers import ZImagePipeline
+    p = ZImagePipeline.from_pretrained(str(model_dir(ARCH))).to(torch.float32)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def run_pipeline(pipe, req: GenerationRequest, output_type: str = "latent") -> torch.Tensor:
+    """ZImagePipeline from ComfyUI's noise for the request (LATENT [B, 16, H/8, W/8]), the
+    result as a ComfyUI LATENT (raw VAE space: / scaling_factor + shift_factor)."""
+    b = len(req.prompt)
+    noise = torch.randn([b, 16, req.height // 8, req.width // 8],
+                        generator=torch.manual_seed(req.seed))
+    cfg = float(req.cfg)
+    kw = dict(negative_prompt=[req.negative_prompt] * b, guidance_scale=cfg - 1) \
+        if cfg > 1 else dict(guidance_scale=0.0)
+    out = pipe(prompt=list(req.prompt), height=req.height, width=req.width,
+               num_inference_steps=req.steps, latents=noise,
+               max_sequence_length=req.max_sequence_length, output_type=output_type,
+               **kw).images
+    if output_type != "latent":
+        return out
+    vae = pipe.vae.config
+    return out / vae.scaling_factor + vae.shift_factor
+
+
+@pytest.fixture(scope="module")
+def oracle(pipe):
+    cache = {}
+
+    def run(req: GenerationRequest) -> torch.Tensor:
+        key = (tuple(req.prompt), req.seed, req.steps, req.cfg, req.negative_prompt)
+        if key not in cache:
+            cache[key] = run_pipeline(pipe, req)
+        return cache[key]
+    return run
+
+
+@pytest.fixture(scope="module")
+def layout_pools():
+    cache = LayoutPools(keep=2)
+    yield cache
+    cache.close()
+
+
+def request(prompts, cfg: float = 3.0, **kw) -> GenerationRequest:
+    return GenerationRequest(**dict(dict(prompt=list(prompts), seed=11, steps=3, height=H,
+                                         width=W, cfg=cfg, negative_prompt=NEGATIVE,
+                                         max_sequence_length=MSL), **kw))
+
+
+def check(got, want, what: str):
+    assert got.shape == want.shape, what
+    diff = float((got - want).abs().max())
+    print(f"{what}: max abs diff {diff:.2e}")
+    assert diff <= TOL, f"{what}: max abs diff {diff:.3e}"
+
+
+def test_token_counts_need_padding(pipe):
+    """What the module doc says the prompts are: none a multiple of 32, two padded
+    lengths among them."""
+    tok = pipe.tokenizer
+
+    def count(p):
+        return len(tok(tok.apply_chat_template([{"role": "user", "content": p}],
+                                               tokenize=False, add_generation_prompt=True))
+                   .input_ids)
+    assert [count(p) for p in (A, B, C, NEGATIVE)] == [22, 37, 22, 26]
+    assert GenerationRequest(prompt=["x"]).resolved(ARCH).cfg == 1.0  # Turbo: no CFG
+
+
+def test_one_rank_equals_the_pipeline(model_dir, layout_pools, oracle):
+    pool = layout_pools.get(model_dir(ARCH), ParallelConfig())
+    for prompts, cfg in (([A], 1.0), ([A, B], 3.0), ([A, B, C], 1.0), ([B], 2.5)):
+        req = request(prompts, cfg)
+        got = pool.generate(req).samples
+        assert got.shape == (len(prompts), 16, H // 8, W // 8)
+        check(got, oracle(req), f"1 rank, {len(prompts)} prompt(s), cfg {cfg}")
+
+
+def test_learned_pads_and_positions_move_the_result(model_dir, layout_pools, pipe, oracle):
+    """Negative controls for the equality above: the pipeline with either learned pad token
+    zeroed, or with the text's RoPE ids shifted by one, is far from the pool's result, so
+    the pool uses both pads and the pipeline's positions."""
+    req = request([A, B], 3.0)
+    got = layout_pools.get(model_dir(ARCH), ParallelConfig()).generate(req).samples
+    tr = pipe.transformer
+    for name in ("x_pad_token", "cap_pad_token"):
+        saved = getattr(tr, name).data.clone()
+        getattr(tr, name).data.zero_()
+        try:
+            moved = run_pipeline(pipe, req)
+        finally:
+            getattr(tr, name).data.copy_(saved)
+        d = float((moved - got).abs().max())
+        print(f"{name} zeroed: {d:.2e}")
+        assert d > 1e-2, name
+    rope, call = tr.rope_embedder, type(tr.rope_embedder).__call__
+    type(rope).__call__ = lambda self, ids: call(self, ids + (ids > 0).int())
+    try:
+        moved = run_pipeline(pipe, req)
+    finally:
+        type(rope).__call__ = call
+    d = float((moved - got).abs().max())
+    print(f"positions shifted: {d:.2e}")
+    assert d > 1e-2
+
+
+# ---- DESIGN.md numerics 6: a row equals its prompt alone ----------------------------------
+def row0_distance(pool) -> tuple:
+    """(max |row 0 of [A, B] - [A] alone|, max |row 1 - row 0|)."""
+    alone = pool.generate(request([A])).samples
+    both = pool.generate(request([A, B])).samples
+    return float((both[:1] - alone).abs().max()), float((both[1] - both[0]).abs().max())
+
+
+@pytest.mark.parametrize("name", ["1 rank", "ulysses2", "ring2", "cfg2"])
+def test_row_equals_the_prompt_alone(model_dir, layout_pools, name):
+    if name == "1 rank":
+        pool = layout_pools.get(model_dir(ARCH), ParallelConfig())
+    else:
+        pool = layout_pools.get(model_dir(ARCH), TWO_RANKS[name], tag="nccl",
+                                worker_hooks=NCCL)
+    err, apart = row0_distance(pool)
+    print(f"{name}: row 0 of [A, B] vs [A] alone {err:.2e} (row 1 vs row 0 {apart:.2e})")
+    assert apart > 1e-3, "B's row equals A's; the test proves nothing"
+    assert err <= TOL, f"{name}: row 0 depends on its batch mate ({err:.2e})"
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_two_rank_methods_equal_the_pipeline(model_dir, layout_pools, oracle, name):
+    """Under the NCCL-rules emulation; prompts of two padded lengths, CFG on (the branches'
+    image positions differ), and one prompt."""
+    pool = layout_pools.get(model_dir(ARCH), TWO_RANKS[name], tag="nccl", worker_hooks=NCCL)
+    for prompts in ([A, B], [C]):
+        if TWO_RANKS[name].dp > len(prompts):
+            continue
+        req = request(prompts)
+        check(pool.generate(req).samples, oracle(req), f"{name}, {len(prompts)} prompt(s)")
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_four_rank_methods_equal_the_pipeline(model_dir, layout_pools, oracle, name):
+    pool = layout_pools.get(model_dir(ARCH), FOUR_RANKS[name], tag="nccl", worker_hooks=NCCL)
+    req = request([A, B])
+    check(pool.generate(req).samples, oracle(req), f"{name}, 2 prompts")
+
+
+def test_decoded_image_equals_the_pipeline(model_dir, layout_pools, pipe):
+    """The decode (FLUX.1's VAE, row bands over the 2 ranks) from the pool's latent."""
+    req = request([A], output="image")
+    want = run_pipeline(pipe, req, output_type="pt")
+    got = layout_pools.get(model_dir(ARCH), ParallelConfig(ulysses=2), tag="nccl",
+                           worker_hooks=NCCL).generate(req).images
+    assert got.shape == (1, H, W, 3) and want.std() > 1e-2
+    torch.testing.assert_close(got, want.permute(0, 2, 3, 1).float(), atol=1e-4, rtol=1e-4)
+
+
+def test_negative_control_a_row_that_sees_its_mates_padding(model_dir):
+    """With the sharded attention keeping padded keys, A's row attends to the zero tail its
+    batch mate's longer text gave it, and moves: the check above can fail."""
+    from comfyui_xdit import WorkerPool
+    with WorkerPool(str(model_dir(ARCH)), ParallelConfig(ulysses=2), device="cpu",
+                    threads_per_rank=1,
+                    worker_hooks=["xdit_testhooks.faults:keep_padding"]) as pool:
+        err, _ = row0_distance(pool)
+    print(f"ulysses2, padded keys kept: row 0 vs alone {err:.2e}")
+    assert err > 10 * TOL
