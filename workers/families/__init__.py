@@ -50,10 +50,15 @@ class LatentSpec:
     rgb_bias: Optional[tuple] = None
     # what a LATENT of other channels is told (one line)
     wrong_channels: str = ""
+    # LATENT pixels per token side where the layout's own count is not it (0: 2 for
+    # "pack2x2" / "in_model", 1 for "flat"); HunyuanVideo 1.5's in-model patch is 1
+    token_side: int = 0
 
     @property
     def per_token(self) -> int:
         """LATENT pixels per token side."""
+        if self.token_side:
+            return self.token_side
         return 2 if self.tokens == "pack2x2" or self.tokens == "in_model" else 1
 
     @property

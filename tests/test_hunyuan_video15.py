@@ -1,0 +1,115 @@
+"""HunyuanVideo 1.5 through the pool equals diffusers' HunyuanVideo15Pipeline (DESIGN.md
+numerics 4): one rank with and without CFG (the pipeline's guider at the request's cfg),
+batches whose prompts differ in length and in quoted (ByT5) text.
+
+The noise is ComfyUI's for the LATENT [B, 32, (frames - 1) / 4 + 1, H/16, W/16], which the
+pipeline takes as its latents (model space: the LATENT times the VAE's scaling factor, but
+noise is noise); its result is brought to ComfyUI's LATENT (/ 1.03682,
+latent_formats.HunyuanVideo15) to compare with the pool's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+from conftest import LayoutPools
+
+TOL = 1e-4
+SIZE = (32, 48, 5)  # (h, w, frames): 2 latent frames x 2 x 3 tokens
+A = "a red cat"
+B = 'a big blue dog sitting on a green field with a sign "HELLO"'
+NEGATIVE = "ugly dark old photo"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("hunyuan_video15")
+    return {"t2v": ensure_tiny_model("hunyuan_video15", cache)}
+
+
+@pytest.fixture(scope="module")
+def pipes(folders):
+    from diffusers import HunyuanVideo15Pipeline
+    return {"t2v": HunyuanVideo15Pipeline.from_pretrained(str(folders["t2v"]))}
+
+
+@pytest.fixture(scope="module")
+def oracle(pipes):
+    """oracle(request) -> HunyuanVideo15Pipeline's latent as a ComfyUI LATENT; CFG's scale
+    is its guider's (cfg 1 turns the guider off, as the pool's cfg 1 does)."""
+    cache = {}
+
+    def run(req: GenerationRequest, variant: str = "t2v") -> torch.Tensor:
+        key = (variant, tuple(req.prompt), req.negative_prompt, req.seed, req.steps, req.cfg,
+               req.height, req.width, req.frames)
+        if key in cache:
+            return cache[key]
+        pipe = pipes[variant]
+        b, h, w, f = len(req.prompt), req.height, req.width, req.frames
+        noise = torch.randn([b, 32, (f - 1) // 4 + 1, h // 16, w // 16],
+                            generator=torch.manual_seed(req.seed))
+        guider = pipe.guider
+        pipe.guider = type(guider)(guidance_scale=req.cfg)
+        try:
+            out = pipe(prompt=list(req.prompt), negative_prompt=[req.negative_prompt] * b,
+                       height=h, width=w, num_frames=f, num_inference_steps=req.steps,
+                       latents=noise, output_type="latent").frames
+        finally:
+            pipe.guider = guider
+        cache[key] = out / pipe.vae.config.scaling_factor
+        return cache[key]
+    return run
+
+
+@pytest.fixture(scope="module")
+def layout_pools():
+    cache = LayoutPools(keep=2)
+    yield cache
+    cache.close()
+
+
+def request(prompts, cfg: float = 4.0, seed: int = 5, **kw) -> GenerationRequest:
+    h, w, f = SIZE
+    base = dict(prompt=list(prompts), seed=seed, height=h, width=w, frames=f, cfg=cfg,
+                negative_prompt=NEGATIVE, steps=STEPS)
+    return GenerationRequest(**dict(base, **kw))
+
+
+def check(got, want, what: str) -> float:
+    assert got.shape == want.shape, what
+    diff = float((got - want).abs().max())
+    print(f"{what}: max abs diff {diff:.2e}")
+    assert diff <= TOL, f"{what}: max abs diff {diff:.3e}"
+    return diff
+
+
+def test_the_tiny_tokenizer_reads_the_prompt_after_108_template_tokens(pipes):
+    """The pipeline drops the first 108 tokens of its chat template: the tiny tokenizer puts
+    the prompt exactly there, so different prompts encode differently (a tokenizer that did
+    not would make every prompt alike, silently)."""
+    pipe = pipes["t2v"]
+    with torch.no_grad():
+        qwen, mask, byt5, mask2 = pipe.encode_prompt([A, B], device="cpu", batch_size=2)
+    first = pipe.tokenizer.convert_ids_to_tokens(pipe.tokenizer.apply_chat_template(
+        [{"role": "system", "content": pipe.system_message}, {"role": "user", "content": A}],
+        tokenize=True, return_dict=True)["input_ids"])[pipe.prompt_template_encode_start_idx]
+    assert first == "a"
+    n = mask.sum(1).tolist()
+    assert n[0] < n[1] and float((qwen[0, 0] - qwen[1, 0]).abs().max()) == 0  # both "a"
+    assert float((qwen[0, 1] - qwen[1, 1]).abs().max()) > 1e-3  # "red" / "big"
+    assert mask2.sum(1).tolist()[0] == 0 and mask2.sum(1).tolist()[1] > 0  # quoted text: B
+
+
+def test_one_rank_equals_the_pipeline(folders, layout_pools, oracle):
+    """Batch 1 with CFG; a batch of prompts of different lengths, one with quoted text,
+    without and with CFG (the negative prompt's length a third one)."""
+    pool = layout_pools.get(folders["t2v"], ParallelConfig())
+    h, w, f = SIZE
+    for prompts, cfg in (([A], 4.0), ([A, B], 1.0), ([A, B], 3.0)):
+        req = request(prompts, cfg)
+        got = pool.generate(req).samples
+        assert got.shape == (len(prompts), 32, (f - 1) // 4 + 1, h // 16, w // 16)
+        check(got, oracle(req), f"1 rank batch {len(prompts)} cfg {cfg}")

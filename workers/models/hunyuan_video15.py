@@ -1,0 +1,337 @@
+"""HunyuanVideo 1.5 (HunyuanVideo15Transformer3DModel): video latents [B, 32, T, h, w], one
+token per latent pixel (frame, row, column order), the noise joined by a start-frame latent
+and its mask along channels (65 input channels; zeros in text-to-video), dual-stream blocks
+whose joint attention covers [video, context].
+
+The context. diffusers' forward builds, per row, [valid image tokens, valid ByT5 tokens,
+valid Qwen tokens, then the invalid ones], with a symmetric mask: an invalid token is no key
+for anyone and its own query sees no key, so the invalid tokens change no valid one and can
+be dropped, which the pool does before anything runs (text-to-video's 729 zero image slots
+are invalid: dropped too). What remains is exact for every valid token: the Qwen refiner on
+each row's valid tokens alone (its masked mean is their mean; its masked attention, theirs),
+the ByT5 projection and the image projection per token, each part plus its cond-type
+embedding. Rows of one call whose contexts differ in length are padded to the longest with
+zeros, their real lengths travelling as `text_lengths` (host numbers, as Qwen-Image's): the
+attention drops each row's padded keys, and a padded query row (whose own output is thrown
+away) still attends to real keys, so no row is ever all-masked and no NaN can arise.
+
+diffusers' forward reads the masks on the host (boolean indexing per row, a test of the image
+states for zeros), so it is replaced by `split_forward`, which runs the transformer's own
+modules on the compacted context (installed as the transformer's forward at load, so the
+sequence-parallel hooks, the step cache's gates, weight sharding, LoRA and compile see the
+usual module tree). Under sequence parallelism both streams are split once, after the
+context is built: the video tokens and their RoPE table (image stream), the context (text
+stream); the blocks run on the shards, the joint attention over every rank's keys (its result
+does not depend on the order of the keys), the output projection's tokens are gathered.
+"""
+from __future__ import annotations
+
+import json
+import os
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import families
+from ..parallel.processors import need_plan
+from ..parallel.sequence_parallel import SequenceLayout
+from .base import DiTAdapter, text_encoder_device_of
+
+# the cond's keys: Qwen states and ByT5 states ([B or 1, L, D], each row's valid tokens
+# first), the rows' valid counts (masks [B, L] made by `encode`, host tuples once sliced),
+# the image-to-video SigLIP states ([1 or B, N, D], all valid)
+QWEN, QWEN_MASK, QWEN_LENGTHS = "encoder_hidden_states", "text_mask", "text_lengths"
+BYT5, BYT5_MASK, BYT5_LENGTHS = "encoder_hidden_states_2", "text_mask_2", "text_lengths_2"
+IMAGE = "image_embeds"
+_MASKS = {QWEN_MASK: QWEN_LENGTHS, BYT5_MASK: BYT5_LENGTHS}
+
+TOO_LONG = ("the prompt fills all {n} {what} tokens {pipe} reads, so the pipeline would cut "
+            "it: shorten it")
+
+
+@dataclass(frozen=True)
+class Attend:
+    """What a dual-stream block's attention covers, handed to the blocks as their attention
+    mask (the stock blocks pass it on to the processor untouched): the forward's sequence
+    plan and each row's real context length (None: every row fills the context)."""
+    plan: object
+    text_lengths: Optional[tuple] = None
+
+
+class HunyuanVideo15ShardedAttnProcessor:
+    """The dual-stream joint attention on the local shards: the video tokens' q/k/v (per-head
+    RMS norms, RoPE), the context's own q/k/v (its norms, no RoPE), attention over every
+    rank's video and context keys through the method's attention, each stream's output
+    projection. The text refiner's self-attention (the same processor slot of its blocks,
+    called without a context) runs whole on every rank, as the stock processor does."""
+
+    def __init__(self, attention):
+        from diffusers.models.attention_processor import AttnProcessor2_0
+        self.attention = attention
+        self.refiner = AttnProcessor2_0()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        if not isinstance(attention_mask, Attend):
+            if encoder_hidden_states is None:  # the text refiner's, on one row's tokens
+                return self.refiner(attn, hidden_states, None, attention_mask)
+            raise RuntimeError("HunyuanVideo 1.5's sharded attention needs the pool's forward "
+                               "(workers/models/hunyuan_video15.split_forward)")
+        plan = need_plan(attention_mask.plan)
+
+        def heads(x):
+            return x.unflatten(2, (attn.heads, -1))
+
+        q, k, v = (heads(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        tq, tk, tv = (heads(f(encoder_hidden_states))
+                      for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        if attn.norm_added_q is not None:
+            tq = attn.norm_added_q(tq)
+        if attn.norm_added_k is not None:
+            tk = attn.norm_added_k(tk)
+        local = q.shape[1]
+        q, k, v = (torch.cat(p, dim=1) for p in ((q, tq), (k, tk), (v, tv)))
+        out = self.attention(q, k, v, plan, ("image", "text"), attn,
+                             text_lengths=attention_mask.text_lengths)
+        out = out.flatten(2, 3).to(q.dtype)
+        img = attn.to_out[1](attn.to_out[0](out[:, :local].contiguous()))
+        return img, attn.to_add_out(out[:, local:].contiguous())
+
+
+def _rows(lengths, b: int, full: int) -> tuple:
+    """Each of `b` rows' valid count: `lengths` (one per row, or one for all), else `full`."""
+    if lengths is None:
+        return (int(full),) * b
+    lengths = tuple(int(n) for n in lengths)
+    return lengths * b if len(lengths) == 1 else lengths
+
+
+def context_lengths(b: int, kw: dict) -> tuple:
+    """Each row's context: its valid image, ByT5 and Qwen tokens (forward keywords)."""
+    image = kw.get(IMAGE)
+    n_image = 0 if image is None else int(image.shape[1])
+    byt5 = kw.get(BYT5)
+    n_byt5 = _rows(kw.get(BYT5_LENGTHS), b, 0 if byt5 is None else byt5.shape[1])
+    n_qwen = _rows(kw.get(QWEN_LENGTHS), b, kw[QWEN].shape[1])
+    return tuple(n_image + a + c for a, c in zip(n_byt5, n_qwen))
+
+
+def _rowwise(x, b: int):
+    """A [1 or b, ...] tensor as b rows."""
+    return x if x.shape[0] == b else x.expand(b, *x.shape[1:])
+
+
+def split_forward(self, hidden_states, timestep, encoder_hidden_states, text_lengths=None,
+                  encoder_hidden_states_2=None, text_lengths_2=None, image_embeds=None,
+                  attention_kwargs=None, return_dict=False):
+    """The HunyuanVideo 1.5 transformer on the compacted context (module doc), bound as the
+    transformer's forward. hidden_states [B, 65, T, h, w]; timestep [B]; Qwen states
+    [B or 1, Lq, D] with each row's valid count (`text_lengths`, host numbers; None: all
+    valid); ByT5 states [B or 1, Lb, D2] likewise (None or Lb 0: no quoted text); SigLIP
+    states [1 or B, N, D3] (image-to-video; None: text-to-video). Returns ([B, 32, T, h, w],)."""
+    plan = (attention_kwargs or {}).get("sp_plan")
+    b, _, frames, h, w = hidden_states.shape
+    dtype = hidden_states.dtype
+    emb = self.cond_type_embed.weight  # cond types: 0 Qwen, 1 ByT5, 2 image
+    temb = self.time_embed(timestep)
+    rope = self.rope(hidden_states)
+    x = self.x_embedder(hidden_states)
+
+    # the context, valid tokens only: [image, ByT5, Qwen] per row, rows padded to the longest
+    qwen = _rowwise(encoder_hidden_states, b)
+    n_qwen = _rows(text_lengths, b, qwen.shape[1])
+    if len(set(n_qwen)) == 1:  # the refiner on the rows' valid tokens (mask-free)
+        qwen = self.context_embedder(qwen[:, :n_qwen[0]], timestep, None)
+        qwen = [qwen[i] for i in range(b)]
+    else:
+        qwen = [self.context_embedder(qwen[i:i + 1, :n], timestep[i:i + 1], None)[0]
+                for i, n in enumerate(n_qwen)]
+    parts = [[] for _ in range(b)]
+    if image_embeds is not None:
+        image = self.image_embedder(_rowwise(image_embeds, b)) + emb[2]
+        for i in range(b):
+            parts[i].append(image[i])
+    if encoder_hidden_states_2 is not None and encoder_hidden_states_2.shape[1]:
+        byt5 = _rowwise(encoder_hidden_states_2, b)
+        n_byt5 = _rows(text_lengths_2, b, byt5.shape[1])
+        byt5 = self.context_embedder_2(byt5[:, :max(n_byt5)]) + emb[1]
+        for i, n in enumerate(n_byt5):
+            parts[i].append(byt5[i, :n])
+    for i in range(b):
+        parts[i].append(qwen[i] + emb[0])
+    rows = [torch.cat(p) for p in parts]
+    lengths = tuple(r.shape[0] for r in rows)
+    longest = max(lengths)
+    context = torch.stack([torch.cat([r, r.new_zeros(longest - r.shape[0], r.shape[1])])
+                           if r.shape[0] < longest else r for r in rows]).to(dtype)
+    real = None if len(set(lengths)) == 1 else lengths
+
+    if plan is not None:  # this rank's tokens of each stream
+        x, context = plan.shard(x, 1, "image"), plan.shard(context, 1, "text")
+        rope = tuple(plan.shard(f, 0, "image") for f in rope)
+    attend = Attend(plan, real)
+    for block in self.transformer_blocks:
+        x, context = block(x, context, temb, attend, rope)
+    x = self.proj_out(self.norm_out(x, temb))  # gathered by the layout's hook
+    out = x.reshape(b, frames, h, w, -1).permute(0, 4, 1, 2, 3)
+    return (out,)
+
+
+def _token_counts(transformer, kw):
+    """(context tokens, video tokens) of a call: the longest row's valid context."""
+    hs = kw["hidden_states"]
+    return max(context_lengths(hs.shape[0], kw)), hs.shape[2] * hs.shape[3] * hs.shape[4]
+
+
+def _encoder_vae(path: str):
+    """The folder's VAE built on the meta device (no weights read): what the pipeline's
+    constructor reads of it (its compression ratios and latent channels) to make the
+    prompt-encoding pipeline without loading the VAE itself."""
+    import diffusers
+
+    with open(os.path.join(path, "vae", "config.json")) as f:
+        config = json.load(f)
+    with torch.device("meta"):
+        return getattr(diffusers, config["_class_name"]).from_config(config)
+
+
+class HunyuanVideo15Adapter(DiTAdapter):
+    family = families.FAMILIES["hunyuan_video15"]
+    bfl_blocks = None  # ComfyUI's naming: not converted yet (the file loader refuses it)
+    layout = SequenceLayout(
+        split_inputs={},  # split_forward shards both streams itself, once compacted
+        split_outputs={},
+        gather_output=("proj_out", 1),
+        token_counts=_token_counts,
+        attention_processor=HunyuanVideo15ShardedAttnProcessor,
+        replaces=("HunyuanVideo15AttnProcessor2_0", "AttnProcessor2_0"),
+        kwargs_name="attention_kwargs",
+    )
+
+    def assemble(self, path, transformer, report, device, dtype, with_text_encoders,
+                 text_encoders="auto", stage_info=None):
+        """The transformer with `split_forward`; rank 0's prompt encoder is the folder's
+        pipeline without its transformer and with a weightless VAE (the constructor reads
+        the VAE's ratios; the VAE itself is loaded only to decode or encode a start image)."""
+        import diffusers
+
+        family = self.family
+        family.check_config({**family.config_defaults, **dict(transformer.config)})
+        transformer.forward = types.MethodType(split_forward, transformer)
+        model = super().assemble(path, transformer, report, device, dtype, False,
+                                 text_encoders, stage_info)
+        if with_text_encoders and os.path.isdir(path):
+            te_device = self._text_encoder_device(path, device, dtype, text_encoders)
+            encoder = getattr(diffusers, self.pipeline_class).from_pretrained(
+                path, torch_dtype=dtype, transformer=None, vae=_encoder_vae(path))
+            encoder.vae = None
+            model.encoder = encoder.to(te_device)
+            model.load_report = dict(model.load_report, text_encoders=te_device)
+        return model
+
+    def latent_rows(self, x, r0, r1, cols):
+        """Token rows r0..r1 of a latent [B, C, T, h, w] (one token per latent pixel): with
+        frame and row merged, token row r is merged row r."""
+        if x.dim() == 5:
+            x = x.flatten(2, 3)
+        return x.narrow(2, r0, r1 - r0)
+
+    def token_grid(self, height, width, frames=1):
+        """Tokens run frame by frame, each frame height/16 rows of width/16."""
+        return self.family.latent.latent_frames(frames) * (height // 16), width // 16
+
+    def joint_text_tokens(self, cond):
+        b = cond[QWEN].shape[0]
+        return max(context_lengths(b, {k: v for k, v in cond.items()}))
+
+    def timesteps(self, scheduler, steps, latents, device):
+        """HunyuanVideo15Pipeline's: sigmas 1 .. 1/steps (linspace(1, 0, steps + 1) but the
+        last) through the scheduler's shift."""
+        import numpy as np
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1], device=device)
+        scheduler.set_begin_index(0)
+        return scheduler.timesteps
+
+    # ---- text -------------------------------------------------------------------------
+    def encode(self, model, texts, max_sequence_length):
+        """The pipeline's prompt states (Qwen2.5-VL's, after its 108 template tokens; ByT5's
+        of the quoted text), each cut to the batch's longest valid row, with the rows' masks.
+        The pipeline pads and cuts Qwen at 1000 tokens and ByT5 at 256 whatever
+        `max_sequence_length` says; a prompt that fills them would be cut: refused."""
+        pipe = model.encoder
+        qwen, qmask, byt5, bmask = pipe.encode_prompt(
+            prompt=list(texts), device=text_encoder_device_of(model), batch_size=len(texts))
+        qmask, bmask = qmask.bool().cpu(), bmask.bool().cpu()
+        name = type(pipe).__name__
+        if bool(qmask.all(1).any()):
+            raise ValueError(TOO_LONG.format(n=qmask.shape[1], what="Qwen", pipe=name))
+        if bool(bmask.all(1).any()):
+            raise ValueError(TOO_LONG.format(n=bmask.shape[1], what="ByT5 (quoted text)",
+                                             pipe=name))
+        nq, nb = int(qmask.sum(1).max()), int(bmask.sum(1).max())
+        return {QWEN: qwen[:, :nq], QWEN_MASK: qmask[:, :nq],
+                BYT5: byt5[:, :nb], BYT5_MASK: bmask[:, :nb]}
+
+    def conditioning(self, cond, pooled):
+        return {QWEN: cond}
+
+    @staticmethod
+    def slice_cond(cond: dict, sl: slice) -> dict:
+        """A batch slice: states and masks of B rows sliced (one row stays, shared); the
+        masks become the rows' valid counts, host numbers read once per job."""
+        out = {}
+        for k, v in cond.items():
+            if not torch.is_tensor(v):
+                out[k] = v
+                continue
+            if v.shape[0] > 1:
+                v = v[sl]
+            if k in _MASKS:
+                out[_MASKS[k]] = tuple(int(n) for n in v.sum(1).tolist())
+            else:
+                out[k] = v
+        return out
+
+    def forward_extra(self, model, height, width):
+        return {}
+
+    def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
+        """The noise joined by the start frame's latent and mask ([1 or B, 33, T, h, w],
+        image-to-video) or by zeros (text-to-video), as the pipelines join them."""
+        b = latents.shape[0]
+        x = latents.to(model.dtype)
+        start = (extra or {}).get("ref_tokens")
+        if start is None:
+            start = x.new_zeros(b, x.shape[1] + 1, *x.shape[2:])
+        x = torch.cat([x, start.to(x.dtype).expand(b, -1, -1, -1, -1)], 1)
+        return model.transformer(
+            hidden_states=x, timestep=t.expand(b).to(x.dtype),
+            encoder_hidden_states=cond[QWEN], text_lengths=cond.get(QWEN_LENGTHS),
+            encoder_hidden_states_2=cond.get(BYT5), text_lengths_2=cond.get(BYT5_LENGTHS),
+            image_embeds=cond.get(IMAGE), attention_kwargs=dict(jak or {}),
+            return_dict=False)[0]
+
+    # ---- decoding ---------------------------------------------------------------------
+    def decode(self, model, raw, group=None, control=None):
+        """Raw latents [B, 32, T, h, w] -> the frames as an IMAGE batch [B * F, H, W, 3]
+        (each video's frames in order, as ComfyUI's VAEDecode gives a video). Under a group
+        rank 0 decodes alone (no patch-parallel scheme for this VAE yet), the others return
+        None."""
+        if group is not None and torch.distributed.get_rank(group) != 0:
+            return None
+        vid = self.decode_video(model, raw)
+        vid = (vid.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
+        return vid.permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
+
+    @staticmethod
+    def bfl_to_diffusers(sd, config):
+        raise ValueError("HunyuanVideo 1.5 files in ComfyUI's naming are not converted yet; "
+                         "use a diffusers folder")
