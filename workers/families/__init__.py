@@ -148,6 +148,8 @@ class Family:
     # released for that config. None: the family has no two-expert models
     expert_boundary: Optional[Callable] = None
     lora_formats: str = "diffusers/PEFT"
+    # released models' published dimensions, by preset name (the memory plan's `--preset`)
+    presets: dict = field(default_factory=dict)
     # the diffusers VAE classes the pool decodes (and encodes references) with
     vae_classes: tuple = ("AutoencoderKL",)
     # a causal 3-D VAE of the Wan design, which patch-parallel decode rewires
