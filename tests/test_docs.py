@@ -403,3 +403,16 @@ def test_workflow_files_fail_on_an_unknown_file(tmp_path):
         wf.needs(tmp_path)
     assert wf.place("models/diffusers", "diffusion_models/wan.safetensors") == \
         ("models/diffusion_models", "wan.safetensors")
+
+
+def test_architecture_page_has_a_paragraph_per_folder():
+    """docs/architecture.md gives each folder of the two packages its paragraph, so a
+    newcomer finds a module by its folder; a folder added without one fails here."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    folders = sorted({p.parent.relative_to(ROOT).as_posix()
+                      for top in ("comfyui_xdit", "workers")
+                      for p in (ROOT / top).rglob("__init__.py")} - {"comfyui_xdit", "workers"})
+    assert "workers/parallel" in folders  # the scan sees the folders (negative control)
+    missing = [f for f in folders
+               if f"**`{f}/`**" not in text and f"`{f.rpartition('/')[2]}/`" not in text]
+    assert not missing, f"docs/architecture.md has no paragraph for {missing}"
