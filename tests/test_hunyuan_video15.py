@@ -113,3 +113,61 @@ def test_one_rank_equals_the_pipeline(folders, layout_pools, oracle):
         got = pool.generate(req).samples
         assert got.shape == (len(prompts), 32, (f - 1) // 4 + 1, h // 16, w // 16)
         check(got, oracle(req), f"1 rank batch {len(prompts)} cfg {cfg}")
+
+
+# ---- sequence parallelism, CFG parallel, batch independence ---------------------------------
+NCCL_RULES = "xdit_testhooks.nccl_rules:install"
+HOST_SYNCS = "xdit_testhooks.host_syncs:install"
+METHODS = {"ulysses2": ParallelConfig(ulysses=2), "ring2": ParallelConfig(ring=2),
+           "cfg2": ParallelConfig(cfg_parallel=True), "dp2": ParallelConfig(dp=2)}
+
+
+def _late_syncs(res) -> list:
+    """Every rank's host waits in steps after the first (step 0 builds the per-shape index
+    lists once)."""
+    out = []
+    for st in res.stats:
+        counts = st["hooks"][HOST_SYNCS]["counts"]
+        steps = sorted(int(k.split(":")[1]) for k in counts
+                       if k.startswith("job:") and k.split(":")[1] != "None")
+        assert steps == list(range(STEPS)), list(counts)
+        out += [(k, v, st["hooks"][HOST_SYNCS]["where"]) for k, v in counts.items()
+                if k.startswith("job:") and k.split(":")[1] not in ("None", "0") and v]
+    return out
+
+
+def test_methods_equal_the_pipeline_and_rows_their_prompts_alone(folders, layout_pools, oracle):
+    """On 2 ranks under the NCCL-rules emulation, one pool reconfigured: Ulysses 2, Ring 2
+    (the context's and the video's shards uneven: 12 video tokens, contexts of three
+    lengths), CFG parallel and data parallel equal the pipeline for [A, B] (A short and
+    unquoted, B long with quoted text, the negative prompt a third length), and row 0 of
+    [A, B] equals [A] alone (DESIGN.md numerics 6: the rows' padded context keys are
+    dropped); at 1 rank too. No step after the first waits on the host."""
+    both, alone = request([A, B], 3.0), request([A], 3.0)
+    one = layout_pools.get(folders["t2v"], ParallelConfig())
+    base = one.generate(alone).samples
+    row = one.generate(both).samples
+    assert float((row[1] - row[0]).abs().max()) > 1e-3  # B's row is not A's
+    check(row[:1], base, "1 rank: row 0 of [A, B] vs [A] alone")
+    for name, config in METHODS.items():
+        pool = layout_pools.get(folders["t2v"], config, worker_hooks=[NCCL_RULES, HOST_SYNCS])
+        res = pool.generate(both)
+        check(res.samples, oracle(both), f"{name} [A, B]")
+        assert not _late_syncs(res), (name, _late_syncs(res))
+        if config.dp == 1:
+            check(res.samples[:1], pool.generate(alone).samples, f"{name}: row 0 vs [A] alone")
+    assert torch.isfinite(row).all()
+
+
+def test_negative_control_a_row_that_sees_its_mates_padding(folders):
+    """With the sharded attention keeping padded keys (the `keep_padding` fault), A's row
+    attends to the zero context tokens B's length gave it, and moves."""
+    from comfyui_xdit import WorkerPool
+    with WorkerPool(str(folders["t2v"]), ParallelConfig(ulysses=2), device="cpu",
+                    threads_per_rank=1,
+                    worker_hooks=["xdit_testhooks.faults:keep_padding"]) as pool:
+        alone = pool.generate(request([A], 3.0)).samples
+        both = pool.generate(request([A, B], 3.0)).samples
+    err = float((both[:1] - alone).abs().max())
+    print(f"ulysses2, padded keys kept: row 0 vs alone {err:.2e}")
+    assert err > 10 * TOL
