@@ -1,6 +1,8 @@
 """HunyuanVideo 1.5 through the pool equals diffusers' HunyuanVideo15Pipeline (DESIGN.md
 numerics 4): one rank with and without CFG (the pipeline's guider at the request's cfg),
-batches whose prompts differ in length and in quoted (ByT5) text.
+batches whose prompts differ in length and in quoted (ByT5) text; Ulysses, Ring, CFG and
+data parallel under the NCCL-rules emulation, each row equal to its prompt alone (numerics
+6); image-to-video equals HunyuanVideo15ImageToVideoPipeline.
 
 The noise is ComfyUI's for the LATENT [B, 32, (frames - 1) / 4 + 1, H/16, W/16], which the
 pipeline takes as its latents (model space: the LATENT times the VAE's scaling factor, but
@@ -27,13 +29,22 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     cache = tmp_path_factory.mktemp("hunyuan_video15")
-    return {"t2v": ensure_tiny_model("hunyuan_video15", cache)}
+    return {v: ensure_tiny_model("hunyuan_video15", cache, variant=v) for v in ("t2v", "i2v")}
 
 
 @pytest.fixture(scope="module")
 def pipes(folders):
-    from diffusers import HunyuanVideo15Pipeline
-    return {"t2v": HunyuanVideo15Pipeline.from_pretrained(str(folders["t2v"]))}
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
+    return {"t2v": HunyuanVideo15Pipeline.from_pretrained(str(folders["t2v"])),
+            "i2v": HunyuanVideo15ImageToVideoPipeline.from_pretrained(str(folders["i2v"]))}
+
+
+def start_image(seed: int = 0):
+    """A 40 x 60 RGB start image (the pipeline sizes its video from the aspect ratio)."""
+    import numpy as np
+    from PIL import Image
+    rgb = np.random.RandomState(seed).rand(40, 60, 3)
+    return Image.fromarray((rgb * 255).astype("uint8"))
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +53,14 @@ def oracle(pipes):
     is its guider's (cfg 1 turns the guider off, as the pool's cfg 1 does)."""
     cache = {}
 
-    def run(req: GenerationRequest, variant: str = "t2v") -> torch.Tensor:
-        key = (variant, tuple(req.prompt), req.negative_prompt, req.seed, req.steps, req.cfg,
-               req.height, req.width, req.frames)
+    def run(req: GenerationRequest, image=None) -> torch.Tensor:
+        """`image`: image-to-video from it (the request's size must be the pipeline's)."""
+        key = (tuple(req.prompt), req.negative_prompt, req.seed, req.steps, req.cfg,
+               req.height, req.width, req.frames, None if image is None else image.tobytes())
         if key in cache:
             return cache[key]
-        pipe = pipes[variant]
+        pipe = pipes["t2v" if image is None else "i2v"]
+        kw = {"height": req.height, "width": req.width} if image is None else {"image": image}
         b, h, w, f = len(req.prompt), req.height, req.width, req.frames
         noise = torch.randn([b, 32, (f - 1) // 4 + 1, h // 16, w // 16],
                             generator=torch.manual_seed(req.seed))
@@ -55,8 +68,8 @@ def oracle(pipes):
         pipe.guider = type(guider)(guidance_scale=req.cfg)
         try:
             out = pipe(prompt=list(req.prompt), negative_prompt=[req.negative_prompt] * b,
-                       height=h, width=w, num_frames=f, num_inference_steps=req.steps,
-                       latents=noise, output_type="latent").frames
+                       num_frames=f, num_inference_steps=req.steps, latents=noise,
+                       output_type="latent", **kw).frames
         finally:
             pipe.guider = guider
         cache[key] = out / pipe.vae.config.scaling_factor
@@ -171,3 +184,40 @@ def test_negative_control_a_row_that_sees_its_mates_padding(folders):
     err = float((both[:1] - alone).abs().max())
     print(f"ulysses2, padded keys kept: row 0 vs alone {err:.2e}")
     assert err > 10 * TOL
+
+
+# ---- image-to-video ------------------------------------------------------------------------
+def test_image_to_video_equals_the_pipeline(folders, pipes, layout_pools, oracle):
+    """One start image (the request at the size the pipeline picks for it): its latent as
+    the first frame's condition and its SigLIP tokens in the context, at 1 rank and on 2
+    ranks (Ulysses 2, Ring 2, CFG parallel), a batch of two prompts with CFG; another image
+    moves the result (the condition is read)."""
+    pipe = pipes["i2v"]
+    image = start_image()
+    h, w = pipe.video_processor.calculate_default_height_width(
+        height=image.size[1], width=image.size[0], target_size=pipe.target_size)
+    assert (h, w) != (image.size[1], image.size[0])  # the crop and resize are exercised
+    req = request([A, B], 3.0, height=h, width=w, reference_images=[image])
+    want = oracle(req, image)
+    got = layout_pools.get(folders["i2v"], ParallelConfig()).generate(req).samples
+    check(got, want, "i2v 1 rank")
+    other = start_image(1)
+    moved = layout_pools.get(folders["i2v"], ParallelConfig()).generate(
+        request([A, B], 3.0, height=h, width=w, reference_images=[other])).samples
+    assert float((moved - got).abs().max()) > 1e-3
+    for name, config in (("ulysses2", ParallelConfig(ulysses=2)),
+                         ("ring2", ParallelConfig(ring=2)),
+                         ("cfg2", ParallelConfig(cfg_parallel=True))):
+        pool = layout_pools.get(folders["i2v"], config)
+        check(pool.generate(req).samples, want, f"i2v {name}")
+
+
+def test_start_images_where_they_belong(folders, layout_pools):
+    """A text-to-video folder takes no start image; an image-to-video one needs one."""
+    h, w, _ = SIZE
+    t2v = layout_pools.get(folders["t2v"], ParallelConfig())
+    with pytest.raises(Exception, match="text-to-video and takes no start image"):
+        t2v.generate(request([A], reference_images=[start_image()]))
+    i2v = layout_pools.get(folders["i2v"], ParallelConfig())
+    with pytest.raises(Exception, match="image-to-video and needs a start image"):
+        i2v.generate(request([A]))

@@ -142,11 +142,11 @@ def comfy_unet(cfg: dict) -> dict:
 
 
 def image_to_video(cfg: dict) -> tuple:
-    """(takes a start image's condition, takes its SigLIP image states): both for an
-    image-to-video transformer (config task_type "i2v"); a text-to-video one gets zeros in
-    their place, as HunyuanVideo15Pipeline gives them."""
-    i2v = cfg.get("task_type", "i2v") == "i2v"
-    return i2v, i2v
+    """(needs a start image's condition: an image-to-video transformer, config task_type
+    "i2v"; a text-to-video one gets zeros in its place, as HunyuanVideo15Pipeline gives them;
+    needs the start image's SigLIP states: no, ComfyUI's HunyuanVideo15ImageToVideo runs
+    without clip_vision_output, and the pool reads them itself from an image it is given)."""
+    return cfg.get("task_type", "i2v") == "i2v", False
 
 
 def pipeline_of(index_class) -> str:

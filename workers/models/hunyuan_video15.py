@@ -319,6 +319,94 @@ class HunyuanVideo15Adapter(DiTAdapter):
             image_embeds=cond.get(IMAGE), attention_kwargs=dict(jak or {}),
             return_dict=False)[0]
 
+    # ---- image-to-video (HunyuanVideo15ImageToVideoPipeline; ComfyUI's
+    # HunyuanVideo15ImageToVideo) ------------------------------------------------------------
+    def start_condition(self, model, req: dict, images, batch: int):
+        """The start frame -> {"references": {"tokens": [1 or B, 33, T, h, w]: the start-frame
+        latent (model space) then its mask, which every step joins to the noise}, "cond":
+        {"image_embeds": SigLIP states} where there are any}: from one image as
+        HunyuanVideo15ImageToVideoPipeline prepares it, or from ComfyUI's concat_latent /
+        concat_mask / image_embeds as its HunyuanVideo15 model builds them (`start_video`)."""
+        from ..runtime import messages
+        family, name = self.family, self.family.name
+        start, _ = family.image_to_video({**family.config_defaults,
+                                          **dict(model.transformer.config)})
+        given = req.get("concat_latent") is not None
+        if not start:
+            if given or images:
+                raise ValueError(messages.NO_START_IMAGE.format(name=name))
+            return None
+        if given and images:
+            raise ValueError(messages.START_IMAGE_TWICE)
+        if not given and not images:
+            raise ValueError(messages.NEEDS_START_IMAGE.format(name=name))
+        h, w, frames = int(req["height"]), int(req["width"]), int(req["frames"])
+        if images:
+            if len(images) != 1:
+                raise ValueError(f"{name} image-to-video takes one start image (got "
+                                 f"{len(images)})")
+            raw, mask, states = self.encode_start_image(model, images[0], h, w, frames)
+        else:
+            raw, mask, states = req["concat_latent"], req.get("concat_mask"), \
+                req.get("image_embeds")
+        out = {"references": {"tokens": self.start_video(model, raw, mask, h, w, frames)},
+               "cond": {}}
+        if states is not None:
+            out["cond"][IMAGE] = torch.as_tensor(states).detach().float().cpu()
+        return out
+
+    def encode_start_image(self, model, image, height, width, frames) -> tuple:
+        """One start image (PIL) -> (the raw VAE latent of the video the pipeline conditions
+        on [1, 32, T, h, w]: the image cropped to height x width and encoded (the
+        distribution's mode) as its first latent frame, zeros after; the mask in ComfyUI's
+        convention, 0 on that frame; the SigLIP states of the cropped image), as
+        HunyuanVideo15ImageToVideoPipeline makes them for a video of that size (the pipeline
+        picks the size from the image's aspect ratio and its target_size; the pool takes the
+        request's)."""
+        from .base import vae_mode
+        pipe = model.encoder
+        if pipe is None or getattr(pipe, "image_encoder", None) is None:
+            raise ValueError("this HunyuanVideo 1.5 folder has no image_encoder to read the "
+                             "start image with (an image-to-video folder has one)")
+        proc = pipe.video_processor
+        image = proc.resize(image, height=height, width=width, resize_mode="crop")
+        first = vae_mode(model, proc.preprocess(image, height=height, width=width).unsqueeze(2))
+        t = self.family.latent.latent_frames(frames)
+        raw = torch.cat([first, first.new_zeros(1, first.shape[1], t - 1, *first.shape[3:])], 2)
+        mask = torch.ones(1, 1, t, *first.shape[3:])
+        mask[:, :, 0] = 0.0
+        states = pipe.encode_image(image=image, batch_size=1,
+                                   device=text_encoder_device_of(model),
+                                   dtype=pipe.image_encoder.dtype)
+        return raw, mask, states.float().cpu()
+
+    def start_video(self, model, raw, mask, height, width, frames):
+        """ComfyUI's start-frame values -> the 33 channels the transformer takes after the
+        noise's, as ComfyUI's HunyuanVideo15.concat_cond builds them (and the pipeline's
+        prepare_cond_latents_and_mask for one start image): cat([latent, mask], channels),
+        latent = the raw latent in model space (x scaling factor), mask = 1 - concat_mask
+        (frames after its own padded with 0; none: all 0). fp32 CPU, batch 1 or B."""
+        spec = self.family.latent
+        t = spec.latent_frames(frames)
+        h, w = height // spec.downscale, width // spec.downscale
+        raw = torch.as_tensor(raw).detach().float().cpu()
+        if raw.dim() != 5 or tuple(raw.shape[1:]) != (spec.channels, t, h, w):
+            raise ValueError(f"concat_latent must be [1 or batch, {spec.channels}, {t}, {h}, "
+                             f"{w}] (got {tuple(raw.shape)})")
+        scale, shift = self.scale_shift(model)
+        latent = (raw - float(shift)) * float(scale)
+        if mask is None:
+            m = torch.zeros(1, 1, t, h, w)
+        else:
+            m = torch.as_tensor(mask).detach().float().cpu()
+            if m.dim() != 5 or m.shape[1] != 1 or m.shape[2] > t or tuple(m.shape[3:]) != (h, w):
+                raise ValueError(f"concat_mask must be [1 or batch, 1, <= {t}, {h}, {w}] "
+                                 f"(got {tuple(m.shape)})")
+            m = torch.nn.functional.pad(1.0 - m, (0, 0, 0, 0, 0, t - m.shape[2]))
+        b = max(latent.shape[0], m.shape[0])
+        return torch.cat([latent.expand(b, -1, -1, -1, -1), m.expand(b, -1, -1, -1, -1)],
+                         1).contiguous()
+
     # ---- decoding ---------------------------------------------------------------------
     def decode(self, model, raw, group=None, control=None):
         """Raw latents [B, 32, T, h, w] -> the frames as an IMAGE batch [B * F, H, W, 3]
