@@ -207,3 +207,110 @@ def test_negative_control_a_row_that_sees_its_mates_padding(model_dir):
         err, _ = row0_distance(pool)
     print(f"ulysses2, padded keys kept: row 0 vs alone {err:.2e}")
     assert err > 10 * TOL
+
+
+# ---- the xDiT MODEL (stock KSampler): one pool request per ComfyUI model call -------------
+def comfy_call(tr, batch: int, h: int, w: int, tokens: int = 7, seed: int = 0) -> dict:
+    """ComfyUI 0.8.0's Lumina2 / Z-Image diffusion-model call (model_base.Lumina2): latents
+    [N, 16, h, w] in model space, sigma as the timestep, one conditioning's text states per
+    call (its CONDRegular context concatenates only equal lengths), `num_tokens`; the rows
+    of `batch` images of one branch."""
+    import uuid
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 16, h, w, generator=gen)
+    ctx = torch.randn(1, tokens, tr.config.cap_feat_dim, generator=gen).expand(batch, -1, -1)
+    options = {"uuids": [uuid.uuid4()], "cond_or_uncond": [0]}
+    return dict(x=x, timestep=torch.full((batch,), 0.7), context=ctx.contiguous(),
+                num_tokens=tokens, transformer_options=options)
+
+
+def model_reference(tr, x, timestep, context) -> torch.Tensor:
+    """What ComfyUI's model returns for the call: the transformer's output negated, the
+    timestep given as 1 - sigma (comfy/ldm/lumina NextDiT), from diffusers' own forward."""
+    with torch.inference_mode():
+        out = tr(list(x.unsqueeze(2)), 1 - timestep, list(context), return_dict=False)[0]
+    return -torch.stack(out)[:, :, 0]
+
+
+MODEL_CASES = [("cfg2", 1), ("ulysses2", 2), ("ring2", 1), ("dp2", 2)]
+
+
+@pytest.mark.parametrize("name,batch", MODEL_CASES, ids=[f"{n}-b{b}" for n, b in MODEL_CASES])
+def test_model_calls_equal_the_transformer(model_dir, layout_pools, pipe, name, batch):
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    config = TWO_RANKS[name]
+    pool = layout_pools.get(model_dir(ARCH), config, tag="nccl", worker_hooks=NCCL)
+    den = PoolDenoiser(pool, config, ARCH)
+    call = comfy_call(pipe.transformer, batch, 10, 6)
+    want = model_reference(pipe.transformer, call["x"], call["timestep"], call["context"])
+    for _ in range(2):  # the second call reuses the pool's conditioning
+        got = den(**call)
+        assert got.shape == call["x"].shape
+        check(got, want, f"MODEL {name} batch {batch}")
+
+
+# ---- ComfyUI's single files (diffusion_models/): its NextDiT names, fused q/k/v -----------
+def comfy_names(sd: dict) -> dict:
+    """diffusers' Z-Image state -> ComfyUI's names, read off ComfyUI 0.8.0's key map
+    (comfy/utils.py z_image_to_diffusers): q, k, v joined as attention.qkv, norm_q/k as
+    q_norm/k_norm, to_out.0 as out, the patch-2 embedder and final layer without their
+    "2-1" key."""
+    out = {}
+    for k, v in sd.items():
+        if ".attention.to_q." in k:
+            base = k.replace(".to_q.", ".qkv.")
+            out[base] = torch.cat([v, sd[k.replace("to_q", "to_k")], sd[k.replace("to_q", "to_v")]])
+            continue
+        if ".attention.to_k." in k or ".attention.to_v." in k:
+            continue
+        k = (k.replace(".norm_q.", ".q_norm.").replace(".norm_k.", ".k_norm.")
+             .replace(".to_out.0.", ".out.").replace("all_x_embedder.2-1.", "x_embedder.")
+             .replace("all_final_layer.2-1.", "final_layer."))
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("prefix,dtype", [("model.diffusion_model.", torch.float32),
+                                          ("", torch.bfloat16)], ids=["checkpoint", "bf16"])
+def test_single_file_equals_its_folder(model_dir, layout_pools, pipe, tmp_path, prefix, dtype):
+    """The transformer as ComfyUI keeps it (split_files/diffusion_models: no prefix; a
+    checkpoint: `model.diffusion_model.`) gives the folder's latent from the same
+    CONDITIONING (under Ulysses 2); a bf16 file is close (its weights are rounded), and
+    ComfyUI's scaled-fp8 file of it is detected and close."""
+    from safetensors.torch import save_file
+
+    from comfyui_xdit import WorkerPool
+    from comfyui_xdit.planning.model_info import read_model_info
+
+    sd = {prefix + k: v.to(dtype).contiguous()
+          for k, v in comfy_names(pipe.transformer.state_dict()).items()}
+    path = tmp_path / "z_image_tiny.safetensors"
+    save_file(sd, str(path))
+    info = read_model_info(path)
+    assert (info.arch, info.kind, info.heads, info.blocks, info.patch_size) == \
+        (ARCH, "file", 4, 6, 2)
+    with torch.no_grad():
+        pos = pipe.encode_prompt([A], do_classifier_free_guidance=False,
+                                 max_sequence_length=MSL)[0][0][None]
+        neg = pipe.encode_prompt([NEGATIVE], do_classifier_free_guidance=False,
+                                 max_sequence_length=MSL)[0][0][None]
+    req = GenerationRequest(prompt=[], positive={"cond": pos, "pooled": None},
+                            negative={"cond": neg, "pooled": None}, cfg=3.0, seed=3, steps=3,
+                            height=H, width=W)
+    folder = layout_pools.get(model_dir(ARCH), ParallelConfig()).generate(req).samples
+    check(folder, run_pipeline(pipe, request([A], seed=3)), "CONDITIONING vs prompt")
+    config = ParallelConfig(ulysses=2) if dtype == torch.float32 else ParallelConfig()
+    with WorkerPool(str(path), config, device="cpu", threads_per_rank=1) as pool:
+        got = pool.generate(req).samples
+    if dtype == torch.float32:
+        check(got, folder, "single file vs folder")
+        from comfyui_xdit.testmodels.tiny_model import write_fp8_file
+        fp8 = write_fp8_file(path, tmp_path / "z_image_tiny_fp8.safetensors", scaled=True)
+        assert read_model_info(fp8).storage == "scaled-fp8"
+        with WorkerPool(str(fp8), ParallelConfig(), device="cpu", threads_per_rank=1) as pool:
+            got8 = pool.generate(req).samples
+        d = float((got8 - folder).abs().max())
+        assert 0 < d < 0.1 * float(folder.abs().max()), f"fp8 file vs folder {d}"
+    else:
+        d = float((got - folder).abs().max())
+        assert 0 < d < 0.05 * float(folder.abs().max()), d

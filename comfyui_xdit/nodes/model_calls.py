@@ -162,7 +162,8 @@ class PoolDenoiser:
                 raise ConfigError(f"model patches {kinds} cannot run on the xDiT MODEL (its "
                                   f"transformer lives in the worker pool); remove the node "
                                   f"that adds them or use ComfyUI's own model")
-        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN)
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN
+                         and k not in self.family.comfy.unused_inputs)
         if kwargs.get("attention_mask") is not None:
             raise ConfigError("attention masks are not supported on the xDiT MODEL")
         if kwargs.get("clip_fea") is not None and self.family.image_to_video is None:

@@ -53,11 +53,8 @@ def model_text_width(path: str) -> Optional[int]:
     from comfyui_xdit.planning.model_info import _describe_model, families
     d = _describe_model(path)
     # a folder's config omits what equals diffusers' class default
-    defaults = families.family(d["arch"]).config_defaults
-    w = d["config"].get("joint_attention_dim", defaults.get("joint_attention_dim"))
-    if w is None:  # Wan's name for it
-        w = d["config"].get("text_dim", defaults.get("text_dim"))
-    return None if w is None else int(w)
+    fam = families.family(d["arch"])
+    return fam.text_width({**fam.config_defaults, **d["config"]})
 
 
 def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,

@@ -9,7 +9,8 @@ from comfyui_xdit.client.worker_modules import worker_module
 
 # Block prefixes of both namings: the Linears inside them are what fp8 files store in fp8.
 _BLOCK_PREFIXES = ("double_blocks.", "single_blocks.", "joint_blocks.", "transformer_blocks.",
-                   "single_transformer_blocks.", "blocks.")  # blocks.: Wan
+                   "single_transformer_blocks.", "blocks.",  # blocks.: Wan
+                   "layers.", "noise_refiner.", "context_refiner.")  # Z-Image
 
 
 def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool) -> pathlib.Path:

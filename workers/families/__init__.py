@@ -101,6 +101,9 @@ class ComfySpec:
     # reads beside the call (Wan's concat_cond: patch_embedding.weight's input channels);
     # the xDiT MODEL gives weightless stand-ins of these shapes
     shapes: Callable = lambda unet: {}
+    # model inputs ComfyUI's model class passes beside the call that its diffusion model
+    # does not use (Lumina 2 / Z-Image: num_tokens); the xDiT MODEL accepts and drops them
+    unused_inputs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -171,9 +174,10 @@ class Family:
     # the transformer config (class defaults filled in) -> None, or raises NotRun for a
     # variant of the family the pool does not run (Wan 2.2 TI2V-5B)
     check_config: Optional[Callable] = None
-    # the transformer config's keys for what shared code reads of it: "heads", "head_dim"
-    # and "patch" (diffusers' usual names by default); a config that gives its hidden size
-    # rather than the head dim names it as "hidden" (Z-Image: n_heads, dim, all_patch_size)
+    # the transformer config's keys for what shared code reads of it: "heads", "head_dim",
+    # "patch" and "text_width" (diffusers' usual names by default); a config that gives its
+    # hidden size rather than the head dim names it as "hidden" (Z-Image: n_heads, dim,
+    # all_patch_size, cap_feat_dim)
     config_names: dict = field(default_factory=dict)
 
     def _config_key(self, what: str) -> str:
@@ -192,6 +196,17 @@ class Family:
     def patch(self, cfg) -> int:
         """Latent pixels per token side (1 where the config names no patch size)."""
         return spatial_patch(cfg.get(self._config_key("patch"), 1) or 1)
+
+    def text_width(self, cfg) -> Optional[int]:
+        """The width of the text states the transformer takes (its config's
+        joint_attention_dim, Wan's text_dim, or the family's "text_width" name: Z-Image's
+        cap_feat_dim); None where the config has none."""
+        keys = (self.config_names["text_width"],) if "text_width" in self.config_names \
+            else ("joint_attention_dim", "text_dim")
+        for key in keys:
+            if cfg.get(key) is not None:
+                return int(cfg[key])
+        return None
 
     def pipeline_for(self, index_class: Optional[str]) -> str:
         if self.pipeline_of is not None:

@@ -115,7 +115,8 @@ FAMILY = Family(
     block_counts=("n_refiner_layers", "n_refiner_layers", "n_layers"),
     latent=LATENT,
     comfy=ComfySpec(base=lambda unet: "Lumina2", config=lambda unet: "ZImage",
-                    unet=comfy_unet, timestep_scale=1000.0, needs_pooled=False),
+                    unet=comfy_unet, timestep_scale=1000.0, needs_pooled=False,
+                    unused_inputs=("num_tokens",)),
     # learned pad tokens and the Z-Image embedder names (Lumina 2 files have neither)
     markers=(("bfl", ("cap_pad_token", "x_embedder.weight", "layers.0.attention.qkv.weight")),
              ("diffusers", ("cap_pad_token", "all_x_embedder.2-1.weight"))),
@@ -131,5 +132,6 @@ FAMILY = Family(
               "or type the prompt into the sampler",
     released=released, detect_order=60, pipeline_of=pipeline_of, check_config=check_config,
     lora_formats="diffusers/PEFT or ComfyUI (diffusion_model.)",
-    config_names={"heads": "n_heads", "hidden": "dim", "patch": "all_patch_size"},
+    config_names={"heads": "n_heads", "hidden": "dim", "patch": "all_patch_size",
+                  "text_width": "cap_feat_dim"},
 )

@@ -148,7 +148,7 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
             return problem
         references.add(reference_layout(adapter, c))
         ctx, pooled = c["context"], c["pooled"]
-        width = int(text_width(cfg))
+        width = adapter.family.text_width(cfg)
         if ctx.dim() != 3 or ctx.shape[0] != rows or ctx.shape[2] != width:
             return (f"conditioning {key}: text states must be [{rows}, tokens, "
                     f"{width}] (got {tuple(ctx.shape)})")
@@ -187,13 +187,6 @@ def _image_states_problem(cfg, key: str, rows: int, image) -> str:
         return (f"conditioning {key}: CLIP vision states must be [{rows}, tokens, "
                 f"{int(width)}] (got {tuple(image.shape)})")
     return ""
-
-
-def text_width(cfg) -> int:
-    """The width of the text states the transformer takes (its config's joint_attention_dim;
-    Wan's names it text_dim)."""
-    w = cfg.get("joint_attention_dim")
-    return int(w if w is not None else cfg["text_dim"])
 
 
 def reference_layout(adapter, c: dict):
