@@ -221,3 +221,74 @@ def test_start_images_where_they_belong(folders, layout_pools):
     i2v = layout_pools.get(folders["i2v"], ParallelConfig())
     with pytest.raises(Exception, match="image-to-video and needs a start image"):
         i2v.generate(request([A]))
+
+
+# ---- patch-parallel decode of the causal 3-D VAE ---------------------------------------------
+def test_pool_decode_equals_the_vae(folders, layout_pools, pipes):
+    """The pool's decode of a batch of multi-frame LATENTs (3 latent frames: 9 video frames,
+    5 latent rows: uneven bands) on 2 ranks under the NCCL-rules emulation equals the VAE in
+    one process decoding each video (diffusers' mid-block attention cannot take a batch of
+    several), as an IMAGE batch of the frames in order."""
+    vae = pipes["t2v"].vae
+    lat = torch.randn(2, 32, 3, 5, 4, generator=torch.manual_seed(0))
+    with torch.no_grad():
+        want = torch.cat([vae.decode(lat[i:i + 1], return_dict=False)[0] for i in range(2)])
+    want = (want / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).flatten(0, 1)
+    pool = layout_pools.get(folders["t2v"], ParallelConfig(ulysses=2),
+                            worker_hooks=[NCCL_RULES, HOST_SYNCS])
+    got = pool.decode(lat)
+    assert got.shape == (18, 80, 64, 3) and want.std() > 1e-2
+    check(got, want, "pool decode, 2 ranks")
+
+
+def _bands_rank(rank, world, store, folder, results):
+    """One rank of `test_band_decode_is_exact_and_needs_every_part`."""
+    import torch.distributed as dist
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    from workers.models.hunyuan_video15 import band_scheme
+    from workers.parallel.vae_parallel import decode_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world)
+    vae = AutoencoderKLHunyuanVideo15.from_pretrained(folder, subfolder="vae").eval()
+    out = {}
+    with torch.no_grad():
+        for frames, rows in ((1, 5), (3, 7)):
+            lat = torch.randn(1, 32, frames, rows, 3, generator=torch.manual_seed(rows))
+            want = vae.decode(lat, return_dict=False)[0] if rank == 0 else None
+            for fault in (None, "no_halo", "local_attention"):
+                got = decode_parallel(vae, lat if rank == 0 else None, fault=fault,
+                                      scheme=band_scheme())
+                if rank == 0:
+                    out[f"{frames}x{rows} {fault}"] = float((got - want).abs().max())
+    if rank == 0:
+        results.put(out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_band_decode_is_exact_and_needs_every_part(folders, tmp_path, world):
+    """decode_parallel with this VAE's band scheme (workers/models/hunyuan_video15.py) on 2
+    and 3 gloo ranks equals one process bit for bit (one and three latent frames, bands of
+    unequal rows); without the halo rows (replicate padding at inner band edges instead) or
+    without the K/V gather of the mid-block attention it is far off."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=_bands_rank, args=(r, world, store, str(folders["t2v"]),
+                                                   results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = results.get(timeout=300)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    print(world, got)
+    for case, diff in got.items():
+        if case.endswith("None"):
+            assert diff <= 1e-5, (case, diff)
+        else:
+            assert diff > 1e-2, (case, diff)

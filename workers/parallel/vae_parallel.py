@@ -83,7 +83,7 @@ from torch import nn
 from .sequence_parallel import all_gather_tokens, gather_tokens
 from .topology import all_gather, all_reduce, broadcast
 
-__all__ = ["band_rows", "decode_parallel", "check_decoder", "FAULTS"]
+__all__ = ["band_rows", "decode_parallel", "check_decoder", "BandScheme", "FAULTS"]
 
 # Test-only switches that break one part of the scheme (negative controls).
 FAULTS = ("no_halo", "local_groupnorm", "local_attention", "no_cache_halo")
@@ -580,7 +580,21 @@ def _broadcast_latents(latents, shape, group, device, dtype):
     return z
 
 
-def decode_parallel(vae, latents, group=None, fault: str | None = None, control=None):
+@dataclass(frozen=True)
+class BandScheme:
+    """How one VAE design decodes in row bands: `check(vae)` raises NotImplementedError for a
+    decoder it does not provably handle, `halo(vae)` is its widest conv halo in rows, and
+    `rewired(vae, ctx)` a context manager that rewires the decoder for one banded decode
+    (its modules counting `ctx.rewired` / `ctx.fired` as this module's do). The default is
+    this module's scheme (the AutoencoderKL decoders and the causal VAEs of the Wan design);
+    a family adapter passes its own for another design (workers/models/<id>.py)."""
+    check: object
+    halo: object
+    rewired: object
+
+
+def decode_parallel(vae, latents, group=None, fault: str | None = None, control=None,
+                    scheme: BandScheme | None = None):
     """Decode raw-VAE-space `latents` with `vae` split into row bands over the ranks of
     `group` (None: the default group): diffusers AutoencoderKL [B, C, h, w] (AutoencoderKLFlux2
     at C=32), or a causal 3-D VAE, AutoencoderKLQwenImage or AutoencoderKLWan, [B, C, T, h, w]
@@ -595,8 +609,10 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     16w for Wan 2.2 TI2V-5B; the VAE's dtype)
     on group rank 0 and None elsewhere. A latent with fewer rows than ranks (times the widest
     conv halo) is decoded by group rank 0 alone.
-    `fault` (tests only, see FAULTS) disables one part of the exact scheme.
+    `fault` (tests only, see FAULTS) disables one part of the exact scheme. `scheme`: the
+    VAE's own band scheme where it is not this module's (`BandScheme`).
     """
+    scheme = scheme or DEFAULT_SCHEME
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
     n = dist.get_world_size(group)
@@ -604,11 +620,11 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     param = next(vae.parameters())
     if n == 1:
         return vae.decode(latents.to(param.device, param.dtype), return_dict=False)[0]
-    check_decoder(vae)
+    scheme.check(vae)
     shape = _latent_shape(latents, group, control if control is not None else group)
     hd = len(shape) - 2  # the rows dim
     h = shape[hd]
-    if h < n * max(1, _max_halo(vae)):
+    if h < n * max(1, scheme.halo(vae)):
         # too few rows for a band (and its halo) each: group rank 0 decodes alone
         if me != 0:
             return None
@@ -618,7 +634,7 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     bands = band_rows(h, n)
     ctx = _Bands(group=group, rank=me, size=n, bands=bands, fault=fault)
     band = z.narrow(hd, sum(bands[:me]), bands[me])
-    with _rewired(vae, ctx):
+    with scheme.rewired(vae, ctx):
         out = vae.decode(band, return_dict=False)[0]
     # every rewired module runs at least once per decode; if one did not go through its
     # rewired path (a processor bypassing to_k, say), the image cannot be trusted
@@ -632,3 +648,6 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     # video is hundreds of MB: no copy on the others); a collective, so no receive is posted
     # ahead of the peers, whatever the rank count (NCCL-safe)
     return gather_tokens(out, hd, out_rows, group)
+
+
+DEFAULT_SCHEME = BandScheme(check=check_decoder, halo=_max_halo, rewired=_rewired)
