@@ -314,3 +314,41 @@ def test_single_file_equals_its_folder(model_dir, layout_pools, pipe, tmp_path, 
     else:
         d = float((got - folder).abs().max())
         assert 0 < d < 0.05 * float(folder.abs().max()), d
+
+
+# ---- weight sharding and the step cache --------------------------------------------------
+@pytest.mark.parametrize("config", [ParallelConfig(ulysses=2), ParallelConfig(dp=2)],
+                         ids=["ulysses2", "dp2"])
+def test_weight_sharding_equals_the_pipeline(model_dir, oracle, config):
+    """FSDP2 over the 2 ranks (each holds half of every weight, gathered per block)."""
+    from comfyui_xdit import WorkerPool
+    with WorkerPool(str(model_dir(ARCH)), config, device="cpu", threads_per_rank=1,
+                    shard_weights=True) as pool:
+        req = request([A, B])
+        check(pool.generate(req).samples, oracle(req), f"shard_weights {config.describe()}")
+
+
+def test_step_cache_decides_alike_on_every_layout(model_dir, layout_pools):
+    """The step cache on Z-Image's blocks (the measure: the image refiner's first block; the
+    skipped segments: the rest of each block list, the text refiner's among them): it skips,
+    stays close to the exact run, and gives the 1-rank latent and skip count under Ulysses,
+    Ring, CFG and DP, with prompts of two padded lengths."""
+    # the tiny model's refiner residual moves by ~0.5-1 a step: a threshold it can pass
+    cache = {"threshold": 1.0, "warmup": 1, "head": 1, "tail": 0, "max_skips": 3}
+    req = request([A, B], steps=8, cache=cache)
+    base = layout_pools.get(model_dir(ARCH), ParallelConfig())
+    res = base.generate(req)
+    counts = res.stats[0]["cache"]
+    assert counts["skipped"] > 0 and counts["computed"] > 0, counts
+    exact = base.generate(request([A, B], steps=8)).samples
+    d = float((res.samples - exact).abs().max())
+    assert 0 < d < 0.5 * float(exact.abs().max()), f"cached vs exact {d}"
+    for name, config in TWO_RANKS.items():
+        other = layout_pools.get(model_dir(ARCH), config, tag="nccl",
+                                 worker_hooks=NCCL).generate(req)
+        check(other.samples, res.samples, f"step cache {name}")
+        per_rank = [r["cache"] for r in other.stats]
+        if config.sp > 1:
+            assert all(c == counts for c in per_rank), (name, per_rank)
+        else:
+            assert {k: sum(c[k] for c in per_rank) for k in counts} == counts, per_rank

@@ -169,10 +169,11 @@ class CallCache:
 
     # -- the gates -----------------------------------------------------------------------
     def run_block(self, p: int, block, args, kwargs):
-        if args:  # positional arguments (Wan's blocks) by their names
+        if args:  # positional arguments (Wan's, Z-Image's blocks) by their names
             kwargs = dict(zip(_parameter_names(block), args), **kwargs)
+        hidden = _hidden_name(block, kwargs)
         if p == 0:
-            self.head_in = kwargs["hidden_states"]
+            self.head_in = kwargs[hidden]
         if p < self.run.settings.head:
             out = block(**kwargs)
             self.run.formats[p] = _format(out)
@@ -186,10 +187,10 @@ class CallCache:
             return block(**kwargs)
         sid, first, last = seg
         if first:
-            self.seg_in[sid] = _streams(kwargs)
+            self.seg_in[sid] = _streams(kwargs, hidden)
         if self.skip_all:
             if not last:
-                return _pack(self.run.formats[p], _streams(kwargs))
+                return _pack(self.run.formats[p], _streams(kwargs, hidden))
             return _pack(self.run.formats[p], self._with_cached(sid, self.seg_in[sid]))
         out = block(**kwargs)
         self.run.formats[p] = _format(out)
@@ -279,7 +280,8 @@ class CallCache:
 
 
 # -- block input / output formats ----------------------------------------------------------
-# A block is called with hidden_states and (maybe) encoder_hidden_states and returns either
+# A block is called with hidden_states (or, Z-Image, its first parameter) and (maybe)
+# encoder_hidden_states and returns either
 # (encoder_hidden_states, hidden_states) (FLUX, SD3 and Qwen-Image joint blocks; SD3's last joint block
 # gives None for the text) or hidden_states alone (FLUX.2's single blocks). States are kept
 # as (hidden, encoder) tuples here.
@@ -319,8 +321,14 @@ def _real_image_tokens(kwargs, local: int, plan_of=None) -> int:
     return min(local, plan.sizes("image")[plan.sp_rank])
 
 
-def _streams(kwargs) -> tuple:
-    return (kwargs["hidden_states"], kwargs.get("encoder_hidden_states"))
+def _hidden_name(block, kwargs) -> str:
+    """The keyword of a block's hidden states: hidden_states, else its first parameter
+    (Z-Image's blocks name it x)."""
+    return "hidden_states" if "hidden_states" in kwargs else _parameter_names(block)[0]
+
+
+def _streams(kwargs, hidden: str = "hidden_states") -> tuple:
+    return (kwargs[hidden], kwargs.get("encoder_hidden_states"))
 
 
 def _streams_out(out) -> tuple:
