@@ -21,23 +21,13 @@ import pytest
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
 
-TOL = 1e-4
-A = "a cat"
-B = "a big blue dog sitting on a green field under the sky"
-NEGATIVE = "ugly dark old photo"
+from family_requests import A, B, IDS, NEGATIVE, settings, small_request
 
-# per family: the tiny model, an image size whose tokens split unevenly, the text length;
-# `padded`: the batch's prompts are padded to the longest (each row carries its own text
-# length), where PipeFusion's patch attention must keep per-row text too (a launch of its
-# own, so only where it can matter: the other families pad every prompt alike)
-FAMILIES = {
-    "flux": dict(size=(80, 48), msl=24),
-    "flux2": dict(size=(80, 48), msl=24),
-    "sd3": dict(size=(80, 48), msl=24),
-    "qwen_image": dict(size=(80, 48), msl=64, padded=True),
-    "chroma": dict(size=(80, 48), msl=24, padded=True),
-    "wan": dict(size=(48, 80), msl=24, frames=5),
-}
+TOL = 1e-4
+# every family of the registry, with its tiny model's small request (family_requests.py):
+# `padded` families pad a batch's prompts to the longest, where PipeFusion's patch attention
+# must keep per-row text too (a launch of its own, so only where it can matter)
+FAMILIES = {arch: settings(arch) for arch in IDS}
 CONFIGS = {
     "1 rank": ParallelConfig(),
     "ulysses2": ParallelConfig(ulysses=2),
@@ -56,12 +46,7 @@ def layout_pools():
 
 
 def request(arch: str, prompts, **kw) -> GenerationRequest:
-    f = FAMILIES[arch]
-    h, w = f["size"]
-    extra = {"frames": f["frames"]} if "frames" in f else {}
-    base = dict(prompt=list(prompts), negative_prompt=NEGATIVE, seed=11, steps=3, height=h,
-                width=w, cfg=3.0, max_sequence_length=f["msl"], **extra)
-    return GenerationRequest(**dict(base, **kw))
+    return small_request(arch, prompts, **kw)
 
 
 def _token_counts(folder) -> list:
@@ -97,7 +82,7 @@ def test_row_equals_the_prompt_alone(arch, model_dir, layout_pools):
         assert err <= TOL, f"{arch} {name}: row 0 depends on its batch mate ({err:.2e})"
 
 
-@pytest.mark.parametrize("arch", ["chroma", "qwen_image"])
+@pytest.mark.parametrize("arch", [a for a in IDS if FAMILIES[a]["padded"]])
 def test_row_equals_the_prompt_alone_with_the_step_cache(arch, model_dir, layout_pools):
     """The step cache decides per row, and a row's decision reads its own tokens only:
     with the cache skipping, row 0 of [A, B] still equals [A] alone (Ulysses 2)."""

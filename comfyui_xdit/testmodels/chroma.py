@@ -20,6 +20,9 @@ CHROMA_APPROXIMATOR = dict(approximator_num_channels=64, approximator_hidden_dim
                            approximator_layers=2)
 
 
+# the family-wide tests' small request (tests/family_requests.py)
+TEST_REQUEST = dict(padded=True)  # a batch pads its prompts to the longest
+
 def build_pipeline(cfg: dict):
     from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
 

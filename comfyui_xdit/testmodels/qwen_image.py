@@ -61,6 +61,9 @@ snow rain fog sitting standing running flying hat glasses""".split()
 EXTRA_PIECES = (" (", "'s", "),", ".<")
 
 
+# the family-wide tests' small request (tests/family_requests.py)
+TEST_REQUEST = dict(msl=64, padded=True)  # the template drop needs a longer text
+
 def check(cfg: dict) -> None:
     hd = parts.head_dim(cfg)
     parts.require_head_dim(cfg, hd % 2 == 0 and hd >= 6, "an even head dim >= 6 for its 3 RoPE axes")

@@ -37,6 +37,9 @@ VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_s
            temperal_downsample=[False, True, True])
 
 
+# the family-wide tests' small request (tests/family_requests.py)
+TEST_REQUEST = dict(size=(48, 80))
+
 def check(cfg: dict) -> None:
     hd = parts.head_dim(cfg)
     parts.require_head_dim(cfg, hd % 2 == 0 and hd >= 6, "an even head dim >= 6 for its 3 RoPE axes")

@@ -24,6 +24,8 @@ diffusers' embeds 0 always, and so does this adapter (a call's guidance is ignor
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -75,6 +77,18 @@ def longest_text(mask: torch.Tensor) -> int:
     """How many text tokens a batch keeps: ChromaPipeline's keep-mask ([B, L], 1 for the
     prompt's tokens and the first pad token) summed per row, the longest row."""
     return max(1, int(mask.sum(dim=1).max().item()))
+
+
+def _approximator_input(emb, zero_guidance, timestep):
+    """The approximator's input rows, as diffusers' ChromaCombinedTimestepTextProjEmbeddings
+    makes them (timestep and guidance embeddings beside each modulation index's embedding),
+    with guidance 0's embedding made once on the device."""
+    b, rows = timestep.shape[0], emb.mod_proj.shape[0]
+    t = emb.time_proj(timestep).to(timestep.dtype)
+    g = zero_guidance.to(timestep.dtype).expand(b, -1)
+    mod = emb.mod_proj.to(t.dtype).repeat(b, 1, 1)
+    return torch.cat([torch.cat([t, g], dim=1).unsqueeze(1).repeat(1, rows, 1), mod],
+                     dim=-1).to(timestep.dtype)
 
 
 class ChromaAdapter(FluxAdapter):
@@ -129,6 +143,10 @@ class ChromaAdapter(FluxAdapter):
     def assemble(self, path, transformer, report, device, dtype, *args, **kw):
         emb = transformer.time_text_embed
         emb.mod_proj = emb.mod_proj.to(device)  # once, not per forward
+        # diffusers embeds guidance 0 from `torch.tensor([0] * batch)` on the host every
+        # forward (a host-to-device copy each call): the same embedding made once, on the device
+        zero = emb.guidance_proj(torch.zeros(1, device=device))
+        emb.forward = functools.partial(_approximator_input, emb, zero)
         return super().assemble(path, transformer, report, device, dtype, *args, **kw)
 
     @staticmethod
