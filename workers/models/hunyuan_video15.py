@@ -217,8 +217,10 @@ def _encoder_vae(path: str):
 #   the whole image's padding does); then the conv, unpadded;
 # - the mid-block attention: each band's queries attend to K and V all-gathered along the
 #   rows in band order, so the keys are the whole latent's in the single-process order
-#   (frame, row, column), under the same frame-causal mask (a query of frame f sees the keys
-#   of frames <= f); K and V are at the latent resolution (small);
+#   (frame, row, column), frame-causal as the stock mask makes it (a query of frame f sees
+#   the keys of frames <= f), taken one query frame at a time instead of through a mask over
+#   every pair of tokens (which one process also uses: `_frame_attention`); K and V are at
+#   the latent resolution (small);
 # - up-sampling rearranges channels into 2x2 pixel blocks (and frames): per band row; norms,
 #   activations, 1x1x1 convs and residual adds are per pixel.
 def _vae_classes() -> dict:
@@ -289,30 +291,52 @@ def _band_causal_conv(m, ctx, x):
 
 
 def _band_attention(blk, ctx, x):
-    """The mid-block attention on a band (module comment): the band's queries against the
-    whole latent's keys and values, frame-causal."""
+    """The mid-block attention on a band (module comment; `ctx` None: the whole latent on
+    one rank): the band's queries against the whole latent's keys and values, frame-causal.
+    The queries of frame f attend to the keys of frames 0..f, one frame at a time: the
+    masked softmax of the stock block over exactly those keys, without its [L, L] mask
+    (720p x 121 frames: 111,600 tokens) and with a kernel free to skip the score matrix."""
     from ..parallel.sequence_parallel import all_gather_tokens
     identity = x
     x = blk.norm(x)
     q, k, v = blk.to_q(x), blk.to_k(x), blk.to_v(x)
     b, c, t, h, w = q.shape
-    ctx.fired["attn_k"] += 1
-    ctx.fired["attn_v"] += 1
-    if ctx.fault != "local_attention":
-        rows = ctx.scaled(h)
-        k, v = all_gather_tokens(k, 3, rows, ctx.group), all_gather_tokens(v, 3, rows, ctx.group)
-    full = k.shape[3]
+    if ctx is not None:
+        ctx.fired["attn_k"] += 1
+        ctx.fired["attn_v"] += 1
+        if ctx.fault != "local_attention":
+            rows = ctx.scaled(h)
+            k = all_gather_tokens(k, 3, rows, ctx.group)
+            v = all_gather_tokens(v, 3, rows, ctx.group)
 
-    def tokens(z):  # [B, C, T, rows, W] -> [B, 1, T * rows * W, C]
+    def tokens(z):  # [B, C, frames, rows, W] -> [B, 1, frames * rows * W, C]
         return z.flatten(2).transpose(1, 2).unsqueeze(1)
 
-    frame_q = torch.arange(t, device=x.device).repeat_interleave(h * w)
-    frame_k = torch.arange(t, device=x.device).repeat_interleave(full * w)
-    mask = frame_k.unsqueeze(0) <= frame_q.unsqueeze(1)
-    out = torch.nn.functional.scaled_dot_product_attention(tokens(q), tokens(k), tokens(v),
-                                                           attn_mask=mask)
-    out = out.squeeze(1).transpose(1, 2).reshape(b, c, t, h, w)
+    out = torch.empty_like(q)
+    for f in range(t):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            tokens(q[:, :, f:f + 1]), tokens(k[:, :, :f + 1]), tokens(v[:, :, :f + 1]))
+        out[:, :, f] = o.squeeze(1).transpose(1, 2).reshape(b, c, h, w)
     return blk.proj_out(out) + identity
+
+
+@contextmanager
+def _frame_attention(vae):
+    """The VAE's mid-block attention frame by frame on one rank (`_band_attention`)."""
+    c = _vae_classes()["AttnBlock"]
+    patched = []
+    try:
+        for m in vae.decoder.modules():
+            if isinstance(m, c):
+                patched.append((m, m.__dict__.get("forward")))
+                m.forward = types.MethodType(lambda self, x: _band_attention(self, None, x), m)
+        yield
+    finally:
+        for m, own in reversed(patched):
+            if own is None:
+                del m.forward
+            else:
+                m.forward = own
 
 
 @contextmanager
@@ -561,12 +585,14 @@ class HunyuanVideo15Adapter(DiTAdapter):
         from .base import load_vae
         if model.vae is None:
             model.vae = load_vae(model)
-            # one video per decoder call: the stock mid-block attention broadcasts its mask
-            # wrongly for a batch of several (diffusers 0.42.1), so batches are sliced
+            # one video per decoder call (the stock mid-block attention broadcasts its mask
+            # wrongly for a batch of several, diffusers 0.42.1; here it is replaced, but a
+            # video at a time also bounds the decode's memory)
             model.vae.use_slicing = True
         x = None if raw is None else raw.to(model.device, model.vae.dtype)
         if group is None:
-            return model.vae.decode(x, return_dict=False)[0]
+            with _frame_attention(model.vae):
+                return model.vae.decode(x, return_dict=False)[0]
         from ..parallel.vae_parallel import decode_parallel
         return decode_parallel(model.vae, x, group, control=control, scheme=band_scheme())
 
