@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models import LoadedModel
 from .. import families
+from ..models import LoadedModel
 
 
 # ---- BFL / ComfyUI naming -> diffusers naming --------------------------------------------

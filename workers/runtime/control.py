@@ -13,8 +13,8 @@ import queue
 import threading
 import time
 
-from . import protocol as P
 from ..sampling.model_call import ModelCall
+from . import protocol as P
 from .worker import DecodeJob, _broadcast, _decode, _decode_problem
 
 log = logging.getLogger("xdit.worker")

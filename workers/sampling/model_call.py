@@ -22,11 +22,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..runtime.hooks import no_step_scope
 from ..parallel.sequence_parallel import even_sizes
 from ..parallel.sharding import is_sharded
-from .step_cache import call_on_ranks, gated
 from ..parallel.topology import all_gather, all_reduce
+from ..runtime.hooks import no_step_scope
+from .step_cache import call_on_ranks, gated
 
 COND_CACHE = 16  # conditionings kept per rank (a sampling run uses 1-3)
 

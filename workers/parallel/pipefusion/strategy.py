@@ -15,10 +15,10 @@ from typing import Callable
 
 from ...sampling.flow_step import combine, combine_across, step_rows
 from ..p2p import exchange
+from .activations import Activations
 from .cache import KVCache
 from .plan import PatchPlan
 from .schedule import Micro, build_schedule
-from .activations import Activations
 
 
 def check_stage(model, topo) -> None:
