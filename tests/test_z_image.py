@@ -402,3 +402,24 @@ def test_lora_files_equal_load_lora_weights(model_dir, layout_pools, tmp_path):
     for path in (peft_file, comfy_file):
         got = pool.generate(request([A], loras=[(str(path), 0.7)])).samples
         check(got, want, f"LoRA {path.name}")
+
+
+# ---- the memory plan: preset `z-image` and a folder, padded sequences ----------------------
+def test_memory_plan_reads_z_image(model_dir):
+    """The preset's transformer is Z-Image-Turbo's ~6.15 B parameters (30 heads x 128, Qwen3
+    states 2560 wide), its text encoder Qwen3-4B's ~4.0 B; a folder's facts come from its
+    config's own names (n_heads, dim, cap_feat_dim); each stream counts padded to 32."""
+    from comfyui_xdit.planning import memory_arithmetic as ma
+    from comfyui_xdit.planning import model_facts as mf
+
+    facts = mf.preset_facts("z-image")
+    tr = mf.transformer_facts(facts.transformer_class, facts.transformer_config, facts.arch)
+    params = sum(n for b in tr.blocks for n, _, _ in b) + sum(n for n, _, _ in tr.rest)
+    assert 6.1e9 < params < 6.2e9, params
+    assert 3.9e9 < facts.text_encoder_params < 4.1e9, facts.text_encoder_params
+    assert (tr.heads, tr.hidden, tr.context_dim, len(tr.blocks)) == (30, 3840, 2560, 34)
+    folder = mf.model_facts(str(model_dir(ARCH)), "fp32")
+    tiny = mf.transformer_facts(folder.transformer_class, folder.transformer_config, ARCH)
+    assert (tiny.heads, tiny.hidden, tiny.context_dim, len(tiny.blocks)) == (4, 64, 32, 6)
+    assert ma.job_tokens(folder, ma.JobSize(height=H, width=W, text_tokens=22)) == 32 + 32
+    assert ma.job_tokens(facts, ma.JobSize()) == 4096 + 512

@@ -305,12 +305,15 @@ def job_tokens(facts: ModelFacts, job: JobSize) -> int:
     80 = 75,600), the references', and the text's where the family joins it to the image
     (joint attention; Wan's text is reached by cross-attention, outside the sequence)."""
     fam = families.family(facts.arch)
+    m = fam.pad_multiple  # each stream padded to a multiple of it (Z-Image: 32)
     image = fam.latent.latent_frames(job.frames) * math.ceil(
         job.height / (VAE_SCALE * PATCH)) * math.ceil(job.width / (VAE_SCALE * PATCH))
+    image = -(-image // m) * m
     text = 0
     if fam.text_in_sequence:
         text = (job.text_tokens if job.text_tokens is not None else facts.text_tokens) + \
             fam.text_extra_tokens
+        text = -(-text // m) * m
     return image + job.reference_tokens + text
 
 

@@ -177,11 +177,10 @@ def transformer_facts(class_name: str, config_json: str, arch: str) -> Transform
                  for p in tr.parameters() if id(p) not in block_ids)
     widest = max(m.out_features for b in blocks for m in b.modules()
                  if isinstance(m, torch.nn.Linear))
-    c = tr.config
-    heads = int(c.num_attention_heads)
-    hidden = heads * int(c.attention_head_dim)
-    ctx = int(c.get("joint_attention_dim", 0) or c.get("caption_projection_dim", 0)
-              or c.get("text_dim", 0) or hidden)
+    c, fam = tr.config, families.family(arch)
+    heads = fam.heads(c)
+    hidden = heads * fam.head_dim(c)
+    ctx = int(fam.text_width(c) or c.get("caption_projection_dim", 0) or hidden)
     costs = ([stages.block_cost(b, "compute") for b in blocks],
              [stages.block_cost(b, "memory") for b in blocks])
     state = set(tr.state_dict())

@@ -179,6 +179,9 @@ class Family:
     # hidden size rather than the head dim names it as "hidden" (Z-Image: n_heads, dim,
     # all_patch_size, cap_feat_dim)
     config_names: dict = field(default_factory=dict)
+    # image and text are each padded to a multiple of this many tokens before attention
+    # (Z-Image's learned pad tokens, 32); the memory plan counts the padded sequence
+    pad_multiple: int = 1
 
     def _config_key(self, what: str) -> str:
         return self.config_names.get(what) or CONFIG_NAMES[what]

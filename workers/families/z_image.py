@@ -32,6 +32,30 @@ LATENT = LatentSpec(channels=16, downscale=8, tokens="in_model", norm="scale_shi
                                    "from EmptySD3LatentImage)")
 
 
+# Z-Image (Turbo, 6B): 30 main blocks and 2 + 2 refiners, 30 heads x 128, Qwen3 states 2560
+# wide; text encoder Qwen3-4B (36 layers, hidden 2560, MLP 9728, 32 heads / 8 KV heads of
+# 128, vocabulary 151936, tied embeddings); FLUX.1's 16-channel AutoencoderKL. Prompts are
+# only their own tokens (padded to 32): 512 is the pipeline's max_sequence_length, an upper
+# bound.
+PRESETS = {
+    "z-image": dict(
+        transformer={"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16,
+                     "dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30,
+                     "n_kv_heads": 30, "norm_eps": 1e-5, "qk_norm": True, "cap_feat_dim": 2560,
+                     "rope_theta": ROPE_THETA, "t_scale": 1000.0,
+                     "axes_dims": list(ROPE_AXES_128), "axes_lens": list(ROPE_LENS)},
+        text_encoders=(("Qwen3Model", {"hidden_size": 2560, "intermediate_size": 9728,
+                                       "num_hidden_layers": 36, "num_attention_heads": 32,
+                                       "num_key_value_heads": 8, "head_dim": 128,
+                                       "vocab_size": 151936, "tie_word_embeddings": True}),),
+        vae=("AutoencoderKL", {"block_out_channels": [128, 256, 512, 512],
+                               "down_block_types": ["DownEncoderBlock2D"] * 4,
+                               "up_block_types": ["UpDecoderBlock2D"] * 4,
+                               "latent_channels": 16, "layers_per_block": 2}),
+        note="Z-Image-Turbo 6B + Qwen3-4B text encoder"),
+}
+
+
 def padded(n: int) -> int:
     """Tokens of a stream of `n` once padded with learned pad tokens."""
     return -(-int(n) // PAD_MULTIPLE) * PAD_MULTIPLE
@@ -134,4 +158,5 @@ FAMILY = Family(
     lora_formats="diffusers/PEFT or ComfyUI (diffusion_model.)",
     config_names={"heads": "n_heads", "hidden": "dim", "patch": "all_patch_size",
                   "text_width": "cap_feat_dim"},
+    presets=PRESETS, pad_multiple=PAD_MULTIPLE,
 )
