@@ -20,6 +20,9 @@ from comfyui_xdit.testmodels.text import _WORDS, _byte_level_bpe, _seeded
 _family = worker_module("families.z_image")  # scheduler, RoPE axes
 
 VARIANTS: tuple = ()
+# the family-wide tests' small request (tests/family_requests.py): a text length the chat
+# template (19 tokens) leaves room in
+TEST_REQUEST = dict(msl=64)
 
 # Qwen3 text encoder (hidden width = the transformer's cap_feat_dim)
 QWEN3 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
