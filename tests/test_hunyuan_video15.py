@@ -292,3 +292,31 @@ def test_band_decode_is_exact_and_needs_every_part(folders, tmp_path, world):
             assert diff <= 1e-5, (case, diff)
         else:
             assert diff > 1e-2, (case, diff)
+
+
+# ---- the memory plan ------------------------------------------------------------------------
+def test_memory_preset_has_the_published_sizes():
+    """Preset hunyuanvideo1.5-720p: the 8.3B transformer, Qwen2.5-VL 7B's language model and
+    the glyph ByT5 encoder (7.29B), the 1.26B VAE; 720p x 121 frames is 31 x 45 x 80 =
+    111,600 video tokens plus the text caps (1000 Qwen + 256 ByT5) in the joint sequence; the
+    VAE decodes every frame in one call, so its decode needs far more than a Wan-style decode
+    of 4 frames at a time would, and Ulysses 8's bands share it."""
+    from comfyui_xdit.planning import memory_arithmetic as arith
+    from comfyui_xdit.planning.config import EngineOptions
+    from comfyui_xdit.planning.model_facts import preset_facts
+    facts = preset_facts("hunyuanvideo1.5-720p")
+    bf16 = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu")
+    plan = arith.plan(facts, ParallelConfig(), bf16)
+    assert 8.30e9 < plan.ranks[0].weights / 2 < 8.35e9
+    assert 7.2e9 < facts.text_encoder_params < 7.35e9
+    assert 1.2e9 < facts.vae_params < 1.3e9 and facts.vae_channels[0] == 128
+    job = arith.JobSize(720, 1280, frames=121)
+    assert arith.job_tokens(facts, job) == 31 * 45 * 80 + 1256
+    whole = arith.vae_decode_bytes(facts.vae_channels, 720, 1280, 1, 2, 1, frames=121,
+                                   frames_per_chunk=121)
+    chunked = arith.vae_decode_bytes(facts.vae_channels, 720, 1280, 1, 2, 1, frames=121,
+                                     frames_per_chunk=4)
+    assert whole > 20 * chunked
+    one = arith.plan(facts, ParallelConfig(), bf16, job).ranks[0]
+    u8 = arith.plan(facts, ParallelConfig(ulysses=8), bf16, job).ranks[0]
+    assert one.activations >= whole and 5 * u8.activations < one.activations

@@ -374,6 +374,8 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         act = activation_bytes(tr, tokens, text, seq, batch, db, sp,
                                cross_text=not fam.text_in_sequence)
         chunk = fam.latent.time_downscale if fam.latent.video else 1
+        if fam.vae_whole_video:  # every frame in one decoder call
+            chunk = job.frames
         act = max(act, vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
                                         job.height, job.width, job.batch, db, world,
                                         frames=job.frames,

@@ -158,6 +158,9 @@ class Family:
     # a causal 3-D VAE of the Wan design, which patch-parallel decode rewires
     # (workers/parallel/vae_parallel.py): (diffusers.models.autoencoders module, class prefix)
     causal_vae: Optional[tuple] = None
+    # the VAE decodes all frames of a video in one call (HunyuanVideo 1.5's), not a latent
+    # frame at a time with a feature cache (Wan's): its largest activation holds every frame
+    vae_whole_video: bool = False
     text_extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's
     # the text tokens join the image tokens in one attention sequence (joint attention:
     # FLUX, SD3, Qwen-Image, Chroma); False: the text is reached by cross-attention only

@@ -158,7 +158,35 @@ def pipeline_of(index_class) -> str:
                      f"HunyuanVideo15Pipeline or HunyuanVideo15ImageToVideoPipeline")
 
 
+# Published dimensions of released models, for the memory plan's presets
+# (comfyui_xdit/planning/model_facts.py: transformer config, text encoders as
+# (transformers class, config kwargs), VAE as (diffusers class, config kwargs)).
+# Qwen2.5-VL 7B's language model (the folders' text_encoder: Qwen2_5_VLTextModel, 28 layers
+# of 3584, 28 heads with 4 K/V heads, MLP 18944, vocabulary 152064) and the glyph ByT5 encoder
+# (T5EncoderModel: ByT5-small's 12 encoder layers of 1472, 6 heads x 64, gated-GELU MLP 3584,
+# 384 byte tokens)
+QWEN25_VL_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064}
+GLYPH_BYT5 = {"d_model": 1472, "d_ff": 3584, "d_kv": 64, "num_heads": 6, "num_layers": 12,
+              "vocab_size": 384, "feed_forward_proj": "gated-gelu",
+              "tie_word_embeddings": False}
+PRESETS = {
+    # HunyuanVideo 1.5 720p text-to-video (tencent/HunyuanVideo-1.5, 8.3B): 54 dual-stream
+    # blocks, 16 heads x 128 (2048 wide), MLP ratio 4, a 2-block text refiner (diffusers'
+    # HunyuanVideo15Transformer3DModel defaults, the release's); VAE AutoencoderKLHunyuanVideo15
+    # at diffusers' defaults (the release's: 16x in space, 4x in time, 32 channels). Text: at
+    # most 1000 Qwen + 256 ByT5 tokens join the video tokens (the pipeline's caps; padding
+    # is dropped). 720p x 121 frames: 31 x 45 x 80 = 111,600 video tokens.
+    "hunyuanvideo1.5-720p": dict(
+        transformer={}, text_encoders=(("Qwen2_5_VLTextModel", QWEN25_VL_7B),
+                                       ("T5EncoderModel", GLYPH_BYT5)),
+        vae=("AutoencoderKLHunyuanVideo15", {}), text_tokens=QWEN_TOKENS + BYT5_TOKENS,
+        note="HunyuanVideo 1.5 720p (8.3B) + Qwen2.5-VL 7B + glyph ByT5"),
+}
+
+
 FAMILY = Family(
+    presets=PRESETS, vae_whole_video=True,
     vae_classes=("AutoencoderKLHunyuanVideo15",),
     id="hunyuan_video15", order=70, name="HunyuanVideo 1.5",
     transformer_class="HunyuanVideo15Transformer3DModel",
