@@ -1,5 +1,8 @@
 """The tiny Qwen-Image (and Qwen-Image-Edit) diffusers folder, built offline
-(`tiny-model --arch qwen_image`; Edit: `build_pipeline(cfg, edit=True)`).
+(`tiny-model --arch qwen_image`; Edit: `build_pipeline(cfg, edit=True)` or `--variant edit`;
+Edit 2509: `--variant edit-plus`, QwenImageEditPlusPipeline over the same components; Edit
+2511: `--variant edit-2511`, the same with the transformer's `zero_cond_t`, which adds no
+weight: its folder's weights equal edit-plus's).
 
 - transformer: QwenImageTransformer2DModel, `depth` blocks, `heads` x width/heads, RoPE axes
   split like the released (16, 56, 56) (workers/families/qwen_image.rope_axes).
@@ -28,7 +31,10 @@ from comfyui_xdit.testmodels.text import _bpe, _bytes_to_unicode, _seeded
 
 _family = worker_module("families.qwen_image")
 
-VARIANTS: tuple[str, ...] = ()
+VARIANTS: tuple[str, ...] = ("t2i", "edit", "edit-plus", "edit-2511")
+VARIANT_HELP = ("Qwen-Image: t2i (default; QwenImagePipeline), edit (QwenImageEditPipeline, "
+                "one reference image), edit-plus (QwenImageEditPlusPipeline, 2509: several) "
+                "or edit-2511 (the same, zero_cond_t: references at timestep 0)")
 
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6,
@@ -113,13 +119,18 @@ def patch_processor_without_video() -> None:
 
 
 def build_pipeline(cfg: dict, edit: bool = False):
-    """The tiny pipeline (QwenImagePipeline or QwenImageEditPipeline) in memory, for a
-    tiny_model.resolve_config `cfg` (seed, depth, width, heads); Edit adds the processor."""
+    """The tiny pipeline (QwenImagePipeline, QwenImageEditPipeline or
+    QwenImageEditPlusPipeline) in memory, for a tiny_model.resolve_config `cfg` (seed, depth,
+    width, heads, variant); `edit` is the edit variant; the Edit pipelines add the
+    processor. The default folder's bytes and cache key are those from before variants."""
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
-                           QwenImageEditPipeline, QwenImagePipeline, QwenImageTransformer2DModel)
+                           QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     seed = cfg["seed"]
+    variant = cfg.get("variant") or ("edit" if edit else VARIANTS[0])
+    extra = {"zero_cond_t": True} if variant == "edit-2511" else {}
     tokenizer = _tokenizer()
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIALS}
     config = Qwen2_5_VLConfig(
@@ -134,12 +145,12 @@ def build_pipeline(cfg: dict, edit: bool = False):
     transformer = _seeded(seed, 3, QwenImageTransformer2DModel, patch_size=2, in_channels=64,
                           out_channels=16, num_layers=cfg["depth"], attention_head_dim=head_dim,
                           num_attention_heads=cfg["heads"], joint_attention_dim=TEXT["hidden_size"],
-                          axes_dims_rope=tuple(_family.rope_axes(head_dim)))
+                          axes_dims_rope=tuple(_family.rope_axes(head_dim)), **extra)
     vae = _seeded(seed, 4, AutoencoderKLQwenImage, **VAE)
     scheduler = FlowMatchEulerDiscreteScheduler(**_family.SCHEDULER)
     components = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                       transformer=transformer)
-    if not edit:
+    if variant == "t2i":
         return QwenImagePipeline(**components)
     from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
@@ -147,4 +158,5 @@ def build_pipeline(cfg: dict, edit: bool = False):
     image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=PROCESSOR_MAX_PIXELS,
                                                patch_size=14, temporal_patch_size=2, merge_size=2)
     processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    return QwenImageEditPipeline(processor=processor, **components)
+    pipeline = QwenImageEditPipeline if variant == "edit" else QwenImageEditPlusPipeline
+    return pipeline(processor=processor, **components)

@@ -48,6 +48,11 @@ def rope_axes(head_dim: int) -> tuple:
     return (head_dim - 2 * spatial, spatial, spatial)
 
 
+# ComfyUI's Edit-2511 files carry this empty tensor (comfy/model_detection.py reads it as
+# default_ref_method "index_timestep_zero"); diffusers' name for the flag is zero_cond_t
+ZERO_COND_MARKER = "__index_timestep_zero__"
+
+
 def config_from_shapes(shapes: dict, naming: str) -> dict:
     """ComfyUI's Qwen-Image files use diffusers' names (only a checkpoint prefix differs)."""
     inner, in_ch = (int(v) for v in shapes["img_in.weight"])
@@ -61,11 +66,14 @@ def config_from_shapes(shapes: dict, naming: str) -> dict:
     blocks = numbered(shapes, "transformer_blocks.", "transformer")
     out = int(shapes["proj_out.weight"][0])
     patch = 2
-    return {"patch_size": patch, "in_channels": in_ch, "out_channels": out // (patch * patch),
-            "num_layers": len(blocks), "attention_head_dim": head_dim,
-            "num_attention_heads": inner // head_dim,
-            "joint_attention_dim": int(shapes["txt_in.weight"][1]),
-            "axes_dims_rope": list(rope_axes(head_dim))}
+    cfg = {"patch_size": patch, "in_channels": in_ch, "out_channels": out // (patch * patch),
+           "num_layers": len(blocks), "attention_head_dim": head_dim,
+           "num_attention_heads": inner // head_dim,
+           "joint_attention_dim": int(shapes["txt_in.weight"][1]),
+           "axes_dims_rope": list(rope_axes(head_dim))}
+    if ZERO_COND_MARKER in shapes:  # Qwen-Image-Edit 2511 (reference tokens at timestep 0)
+        cfg["zero_cond_t"] = True
+    return cfg
 
 
 def released(config: dict) -> tuple:
@@ -73,8 +81,11 @@ def released(config: dict) -> tuple:
 
 
 def comfy_unet(cfg: dict) -> dict:
-    return {"image_model": "qwen_image", "in_channels": int(cfg.get("in_channels", 64)),
+    unet = {"image_model": "qwen_image", "in_channels": int(cfg.get("in_channels", 64)),
             "num_layers": int(cfg.get("num_layers", 60))}
+    if cfg.get("zero_cond_t"):  # 2511: ComfyUI's model gives references timestep 0 alike
+        unet["default_ref_method"] = "index_timestep_zero"
+    return unet
 
 
 def edit_size(width: int, height: int) -> tuple:
@@ -88,13 +99,16 @@ def edit_size(width: int, height: int) -> tuple:
 
 def pipeline_of(index_class) -> str:
     """Qwen-Image folders encode with QwenImagePipeline, Edit folders with
-    QwenImageEditPipeline (its text encoder also sees the reference image)."""
+    QwenImageEditPipeline (its text encoder also sees the reference image), Edit 2509 / 2511
+    folders with QwenImageEditPlusPipeline (several images, all seen by the text encoder)."""
+    if index_class == "QwenImageEditPlusPipeline":
+        return index_class
     if index_class is not None and index_class.startswith("QwenImageEdit"):
         return "QwenImageEditPipeline"
     if index_class in (None, "QwenImagePipeline", "QwenImageImg2ImgPipeline"):
         return "QwenImagePipeline"
     raise ValueError(f"names pipeline {index_class!r}; Qwen-Image folders run with "
-                     f"QwenImagePipeline or QwenImageEditPipeline")
+                     f"QwenImagePipeline, QwenImageEditPipeline or QwenImageEditPlusPipeline")
 
 
 # Published dimensions of released models, for the memory plan's presets
@@ -129,7 +143,8 @@ FAMILY = Family(
     vae_classes=("AutoencoderKLQwenImage",),
     causal_vae=("autoencoder_kl_qwenimage", "QwenImage"),  # a fine-tuned Wan 2.1 VAE
     id="qwen_image", order=50, name="Qwen-Image", transformer_class="QwenImageTransformer2DModel",
-    pipelines=("QwenImagePipeline", "QwenImageEditPipeline"), adapter="QwenImageAdapter",
+    pipelines=("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline"),
+    adapter="QwenImageAdapter",
     block_lists=("transformer_blocks",), block_counts=("num_layers",),
     latent=LATENT,
     comfy=ComfySpec(base=lambda unet: "QwenImage", config=lambda unet: "QwenImage",
@@ -143,9 +158,10 @@ FAMILY = Family(
     guidance=None, pooled=False,
     text_hint="encode with Qwen-Image's text encoder (Qwen2.5-VL 7B: CLIPLoader type "
               "qwen_image) or type the prompt into the sampler",
-    # reference images (QwenImageEditPipeline; ComfyUI's ReferenceLatent /
-    # TextEncodeQwenImageEdit): each reference's tokens follow the target's, at frame k of
-    # RoPE's first axis, rows and columns centred on the reference's own size
+    # reference images (QwenImageEditPipeline / QwenImageEditPlusPipeline; ComfyUI's
+    # ReferenceLatent / TextEncodeQwenImageEdit(Plus)): each reference's tokens follow the
+    # target's, at frame k of RoPE's first axis, rows and columns centred on the reference's
+    # own size (2511's zero_cond_t: modulated at timestep 0, the target at the step's)
     reference_methods=("index",), reference_image_size=edit_size,
     pipefusion_references=False,  # img_shapes: the target's tokens first, then each reference
     released=released, detect_order=40, pipeline_of=pipeline_of,

@@ -82,6 +82,22 @@ EDIT_PROMPTS = ("a Qwen-Image-Edit folder encodes each prompt together with its 
                 "QwenImageEditPipeline.encode_prompt(prompt, image=...))")
 EDIT_ONE_IMAGE = ("QwenImageEditPipeline encodes the prompt with one reference image; got "
                   "{n}: give one image")
+EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+
+
+def shard_modulation(block, args, kwargs):
+    """Forward pre-hook of each transformer block of a `zero_cond_t` model (Qwen-Image-Edit
+    2511): diffusers builds `modulate_index` (0: a target token, modulated at the step's
+    timestep; 1: a reference token, at timestep 0) over the whole image stream, while under
+    sequence parallelism the block holds this rank's token slice (padded to the longest
+    shard). The index is cut with the same plan as the tokens, so each local token keeps its
+    own choice whichever ranks the target/reference boundary falls between (padding: 0, a
+    token nothing reads). Without a plan (one process) the index is left whole."""
+    index = kwargs.get("modulate_index")
+    plan = (kwargs.get("joint_attention_kwargs") or {}).get("sp_plan")
+    if index is None or plan is None:
+        return args, kwargs
+    return args, dict(kwargs, modulate_index=plan.shard(index, 1, "image"))
 
 
 def processor_without_video() -> None:
@@ -116,9 +132,20 @@ class QwenImageAdapter(DiTAdapter):
     )
 
     def assemble(self, path, *args, **kwargs):
-        if self.pipeline_class == "QwenImageEditPipeline":
+        if self.pipeline_class in EDIT_PIPELINES:
             processor_without_video()  # before the Edit pipeline loads its processor
         return super().assemble(path, *args, **kwargs)
+
+    @staticmethod
+    def _modulation_follows_shards(transformer) -> None:
+        """Once per transformer of a `zero_cond_t` model: every block's `modulate_index` is
+        cut to the block's own tokens (`shard_modulation`)."""
+        if not getattr(transformer.config, "zero_cond_t", False) \
+                or getattr(transformer, "_xdit_modulation_hooks", None) is not None:
+            return
+        transformer._xdit_modulation_hooks = [
+            b.register_forward_pre_hook(shard_modulation, with_kwargs=True)
+            for b in transformer.transformer_blocks]
 
     def pack(self, x):
         return latent_layout.pack(self.arch, x)
@@ -139,17 +166,24 @@ class QwenImageAdapter(DiTAdapter):
 
     @staticmethod
     def _edit(model) -> bool:
-        return type(model.encoder).__name__ == "QwenImageEditPipeline"
+        return type(model.encoder).__name__ in EDIT_PIPELINES
+
+    @staticmethod
+    def _plus(model) -> bool:
+        """QwenImageEditPlusPipeline (Edit 2509 / 2511): several reference images, all of
+        them read by the text encoder ("Picture k: <image>" before the prompt)."""
+        return type(model.encoder).__name__ == "QwenImageEditPlusPipeline"
 
     def encode(self, model, texts, max_sequence_length, images=None):
         """`images`: the reference images an Edit folder's text encoder reads with the
         prompt (`encode_reference_images`' prompt_images), as QwenImageEditPipeline passes
-        its resized image to encode_prompt for the prompt and the negative prompt alike."""
+        its resized image (QwenImageEditPlusPipeline: every image, as a list) to
+        encode_prompt for the prompt and the negative prompt alike."""
         kw = {}
         if self._edit(model):
             if not images:
                 raise ValueError(EDIT_PROMPTS)
-            kw["image"] = images[0]
+            kw["image"] = list(images) if self._plus(model) else images[0]
         pe, mask = model.encoder.encode_prompt(
             prompt=list(texts), device=text_encoder_device_of(model), num_images_per_prompt=1,
             max_sequence_length=max_sequence_length, **kw)
@@ -166,6 +200,7 @@ class QwenImageAdapter(DiTAdapter):
         b = latents.shape[0]
         kwargs = dict(self.attention_kwargs(cond, jak) or {})
         hidden, shapes, n = self.with_references(latents, extra)
+        self._modulation_follows_shards(model.transformer)
         out = model.transformer(
             hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,
             encoder_hidden_states=cond["encoder_hidden_states"],
@@ -240,22 +275,35 @@ class QwenImageAdapter(DiTAdapter):
         -1..1, and the one frame VAE-encoded: the raw latent [1, 16, 1, h/8, w/8] (the
         LATENT ComfyUI's reference carries; `reference_inputs` normalises it, (z - mean) /
         std, as the pipeline does). An Edit folder's text encoder reads the resized image
-        with the prompt (one image); a plain Qwen-Image folder encodes its text alone."""
+        with the prompt (one image); a plain Qwen-Image folder encodes its text alone.
+        QwenImageEditPlusPipeline takes several images: each is VAE-encoded at its own
+        ~1024^2 size and read by the text encoder at a ~384^2 one."""
         from diffusers.image_processor import VaeImageProcessor
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
         from .base import vae_mode, vae_scale_factor
-        edit = self._edit(model)
-        if edit and len(images) != 1:
+        edit, plus = self._edit(model), self._plus(model)
+        if edit and not plus and len(images) != 1:
             raise ValueError(EDIT_ONE_IMAGE.format(n=len(images)))
+        if plus:
+            from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as mod
+            vae_area, prompt_area = mod.VAE_IMAGE_SIZE, mod.CONDITION_IMAGE_SIZE
+        else:
+            from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as mod
+            vae_area, prompt_area = 1024 * 1024, None
         proc = VaeImageProcessor(vae_scale_factor=vae_scale_factor(model) * 2)
-        latents, resized = [], []
+        latents, prompt_images = [], []
         for img in images:
-            cw, ch, _ = calculate_dimensions(1024 * 1024, img.size[0] / img.size[1])
-            img = proc.resize(img, ch, cw)
-            resized.append(img)
-            latents.append(vae_mode(model, proc.preprocess(img, ch, cw).unsqueeze(2)))
-        return {"latents": latents, "prompt_images": resized if edit else None}
+            ratio = img.size[0] / img.size[1]
+            cw, ch = mod.calculate_dimensions(vae_area, ratio)[:2]
+            resized = proc.resize(img, ch, cw)
+            if prompt_area is not None:
+                pw, ph = mod.calculate_dimensions(prompt_area, ratio)[:2]
+                prompt_images.append(proc.resize(img, ph, pw))
+            else:
+                prompt_images.append(resized)
+            latents.append(vae_mode(model, proc.preprocess(img if plus else resized, ch, cw)
+                                    .unsqueeze(2)))
+        return {"latents": latents, "prompt_images": prompt_images if edit else None}
 
     @staticmethod
     def computed_buffers(transformer) -> None:

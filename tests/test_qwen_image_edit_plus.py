@@ -1,0 +1,290 @@
+"""Qwen-Image-Edit 2509 and 2511 (QwenImageEditPlusPipeline: several reference images, all
+read by the text encoder) through the pool equal the pipeline (DESIGN.md numerics 4) at 1
+rank, Ulysses 2, Ring 2 and CFG 2, with two references of different sizes.
+
+2511's transformer has `zero_cond_t`: the reference tokens are modulated at timestep 0, the
+target's at the step's, by a per-token index over the image stream. The sequence split puts
+the target/reference boundary inside rank 0's slice here (15 target + 32 + 24 reference
+tokens = 71: ranks hold 36 and 35), so rank 1 holds reference tokens only and each rank's
+index must be its own slice of the whole one. A negative control shows that modulating
+every token at the noisy timestep moves the result far past the tolerance.
+
+The references travel as ComfyUI's TextEncodeQwenImageEditPlus leaves them (the raw VAE
+latents [1, 16, 1, h, w] in `reference_latents`): exactly the latents the pipeline's VAE
+encoded (a spy records them); prompt embeddings are the pipeline's own, encoded with both
+condition images. The pipeline resizes images to ~1024^2 (VAE) and ~384^2 (text encoder)
+areas; here `calculate_dimensions` is pointed at each reference's small size so the tiny
+model stays fast. One Ulysses-2 run takes the images themselves (`reference_images`, the
+pipeline's own sizes) with typed prompts.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+from conftest import LayoutPools
+
+from test_qwen_image import pack, unpack  # noqa: E402  the pipeline's packing, once
+
+TOL = 1e-4
+STEPS = 2
+SEED = 5
+CFG = 4.0
+PROMPT, OTHER, NEGATIVE = "a red cat", "a blue dog", "ugly dark"
+SIZE = (80, 48)  # target: 5 x 3 = 15 tokens
+REFS = ((64, 128), (96, 64))  # 4 x 8 = 32 and 6 x 4 = 24 tokens (height, width)
+VARIANTS = ("edit-plus", "edit-2511")
+
+CONFIGS = {
+    "1rank": ParallelConfig(),
+    "ulysses2": ParallelConfig(ulysses=2),
+    "ring2": ParallelConfig(ring=2),
+    "cfg2": ParallelConfig(cfg_parallel=True),
+}
+
+
+def ref_image(size):
+    from PIL import Image
+    h, w = size
+    rng = np.random.default_rng(h * 1000 + w)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+IMAGES = [ref_image(s) for s in REFS]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """variant -> the tiny folder (edit-plus: 2509-style; edit-2511: zero_cond_t)."""
+    from comfyui_xdit.testmodels import qwen_image
+    from comfyui_xdit.testmodels.tiny_model import resolve_config
+
+    out = {}
+    for v in VARIANTS:
+        path = tmp_path_factory.mktemp("models") / v
+        qwen_image.build_pipeline(resolve_config("qwen_image", variant=v)) \
+            .save_pretrained(str(path), safe_serialization=True)
+        out[v] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipes(folders):
+    from diffusers import QwenImageEditPlusPipeline
+
+    from comfyui_xdit.testmodels.qwen_image import patch_processor_without_video
+    patch_processor_without_video()
+    out = {}
+    for v, path in folders.items():
+        p = QwenImageEditPlusPipeline.from_pretrained(str(path)).to(torch.float32)
+        p.set_progress_bar_config(disable=True)
+        out[v] = p
+    assert out["edit-2511"].transformer.config.zero_cond_t
+    assert not out["edit-plus"].transformer.config.zero_cond_t
+    return out
+
+
+@contextlib.contextmanager
+def small_references():
+    """QwenImageEditPlusPipeline's resizes (~1024^2 for the VAE, ~384^2 for the text encoder)
+    pointed at each reference's own size (told apart by aspect ratio)."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as mod
+    by_ratio = {round(w / h, 6): (w, h) for h, w in REFS}
+    orig = mod.calculate_dimensions
+    mod.calculate_dimensions = lambda area, ratio: by_ratio[round(ratio, 6)]
+    try:
+        yield
+    finally:
+        mod.calculate_dimensions = orig
+
+
+class VaeSpy:
+    """Records the raw latents (the mode) the pipeline's VAE encodes."""
+
+    def __init__(self, vae):
+        self.vae, self.seen = vae, []
+
+    def __enter__(self):
+        orig = self.vae.encode
+
+        def encode(x, *a, **k):
+            out = orig(x, *a, **k)
+            self.seen.append(out.latent_dist.mode().detach().clone())
+            return out
+        self.vae.encode = encode
+        return self
+
+    def __exit__(self, *exc):
+        del self.vae.encode
+
+
+@contextlib.contextmanager
+def every_token_noisy(transformer):
+    """The wrong split: every image token modulated at the step's timestep (index 0)."""
+    def hook(block, args, kwargs):
+        index = kwargs.get("modulate_index")
+        return args, (kwargs if index is None else dict(kwargs, modulate_index=index * 0))
+    handles = [b.register_forward_pre_hook(hook, with_kwargs=True)
+               for b in transformer.transformer_blocks]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def latent_space(pipe, packed, h, w):
+    cfg = pipe.vae.config
+    mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
+    return unpack(packed, h, w) * std + mean
+
+
+@pytest.fixture(scope="module")
+def oracle(pipes):
+    """oracle(variant) -> dict(raws: the two reference latents the pipeline encoded, want:
+    its final latent as a ComfyUI LATENT, noisy: the same with every token at the noisy
+    timestep (2511's negative control), pos / neg / other: prompt embeddings, noise)."""
+    cache = {}
+
+    def run(variant):
+        if variant in cache:
+            return cache[variant]
+        pipe = pipes[variant]
+        h, w = SIZE
+        cond = [pipe.image_processor.resize(im, s[0], s[1]) for im, s in zip(IMAGES, REFS)]
+        with torch.no_grad():
+            pos, other, neg = (pipe.encode_prompt([p], image=cond)[0]
+                               for p in (PROMPT, OTHER, NEGATIVE))
+        assert pos.shape == other.shape  # a batch of the two needs no padding
+        noise = torch.randn([1, 16, 1, h // 8, w // 8], generator=torch.manual_seed(SEED))
+        kw = dict(prompt_embeds=pos,
+                  prompt_embeds_mask=torch.ones(pos.shape[:2], dtype=torch.long),
+                  negative_prompt_embeds=neg,
+                  negative_prompt_embeds_mask=torch.ones(neg.shape[:2], dtype=torch.long),
+                  true_cfg_scale=CFG, height=h, width=w, num_inference_steps=STEPS,
+                  output_type="latent")
+        with small_references(), VaeSpy(pipe.vae) as spy:
+            out = pipe(image=IMAGES, latents=pack(noise), **kw).images
+        raws = spy.seen
+        assert [tuple(r.shape) for r in raws] == [(1, 16, 1, rh // 8, rw // 8) for rh, rw in REFS]
+        o = dict(raws=raws, want=latent_space(pipe, out, h, w), pos=pos, neg=neg, other=other,
+                 noise=noise)
+        if pipe.transformer.config.zero_cond_t:
+            with small_references(), every_token_noisy(pipe.transformer):
+                wrong = pipe(image=IMAGES, latents=pack(noise), **kw).images
+            o["noisy"] = latent_space(pipe, wrong, h, w)
+        cache[variant] = o
+        return o
+    return run
+
+
+@pytest.fixture(scope="module")
+def layout_pools():
+    cache = LayoutPools(keep=1)
+    yield cache
+    cache.close()
+
+
+def request(o, **kw) -> GenerationRequest:
+    h, w = SIZE
+    return GenerationRequest(prompt=[], positive={"cond": o["pos"], "pooled": None},
+                             negative={"cond": o["neg"], "pooled": None}, cfg=CFG, seed=SEED,
+                             steps=STEPS, height=h, width=w,
+                             reference_latents=list(o["raws"]), **kw)
+
+
+def check(got, want, what: str) -> float:
+    assert got.shape == want.shape, what
+    diff = float((got - want).abs().max())
+    assert diff <= TOL, f"{what}: max abs diff {diff:.3e}"
+    print(f"{what}: {diff:.2e}")
+    return diff
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_edit_plus_equals_the_pipeline(folders, layout_pools, oracle, variant):
+    """Every layout of one folder in turn (one world-2 pool serves Ulysses, Ring and CFG)."""
+    o = oracle(variant)
+    for name, config in CONFIGS.items():
+        pool = layout_pools.get(folders[variant], config)
+        check(pool.generate(request(o)).samples, o["want"], f"{variant} {name}")
+
+
+def test_2511_modulation_split_matters(oracle):
+    """Negative control: 2511 with every token at the noisy timestep (what a modulation
+    index ignoring the references would give) is far outside the tolerance, and 2509's
+    result (the same weights, no zero_cond_t) differs too: the equality above is the split
+    index's work."""
+    o, plain = oracle("edit-2511"), oracle("edit-plus")
+    assert float((o["noisy"] - o["want"]).abs().max()) > 100 * TOL
+    assert float((plain["want"] - o["want"]).abs().max()) > 100 * TOL
+
+
+def test_batch_rows_are_independent(folders, layout_pools, oracle):
+    """2511 at Ulysses 2: row 0 of the batch [A, B] (two prompts, one noise draw of the
+    whole batch, the references shared) equals A alone."""
+    o = oracle("edit-2511")
+    pool = layout_pools.get(folders["edit-2511"], ParallelConfig(ulysses=2))
+    pair = request(o)
+    pair.positive = {"cond": torch.cat([o["pos"], o["other"]]), "pooled": None}
+    pair.negative = {"cond": o["neg"].expand(2, -1, -1), "pooled": None}
+    rows = pool.generate(pair).samples
+    assert rows.shape[0] == 2 and float((rows[1] - rows[0]).abs().max()) > 1e-3
+    check(rows[:1], o["want"], "2511 batch row 0")
+
+
+def test_comfy_conditioning_references(folders, layout_pools, oracle):
+    """What TextEncodeQwenImageEditPlus gives the sampler: CONDITIONING whose options carry
+    both raw reference latents (frame axis kept), on the positive and the negative."""
+    from comfyui_xdit.nodes.operations import SampleInputs, build_job
+    from comfyui_xdit.planning.model_info import read_model_info
+    o = oracle("edit-2511")
+    info = read_model_info(folders["edit-2511"])
+    h, w = SIZE
+    refs = {"reference_latents": list(o["raws"])}
+    inputs = SampleInputs(latent={"samples": torch.zeros(1, 16, 1, h // 8, w // 8)},
+                          seed=SEED, steps=STEPS, cfg=CFG, positive=[[o["pos"], dict(refs)]],
+                          negative=[[o["neg"], dict(refs)]])
+    req, kw = build_job(inputs, "qwen_image", model=info)
+    assert len(req.reference_latents) == 2 and req.problems(info) == []
+    pool = layout_pools.get(folders["edit-2511"], ParallelConfig(ring=2))
+    check(pool.generate(req, **kw).samples, o["want"], "2511 ComfyUI CONDITIONING")
+
+
+def test_reference_images_and_prompts_equal_the_pipeline(folders, pipes, layout_pools):
+    """The images themselves with typed prompts (`reference_images`): the pool resizes,
+    VAE-encodes and encodes the prompts with both images as QwenImageEditPlusPipeline does
+    (its own ~1024^2 / ~384^2 sizes), 2511 at Ulysses 2."""
+    pipe = pipes["edit-2511"]
+    h, w = SIZE
+    noise = torch.randn([1, 16, 1, h // 8, w // 8], generator=torch.manual_seed(SEED))
+    out = pipe(image=IMAGES, prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=CFG,
+               height=h, width=w, num_inference_steps=STEPS, latents=pack(noise),
+               output_type="latent").images
+    want = latent_space(pipe, out, h, w)
+    pool = layout_pools.get(folders["edit-2511"], ParallelConfig(ulysses=2))
+    req = GenerationRequest(prompt=[PROMPT], negative_prompt=NEGATIVE, cfg=CFG, seed=SEED,
+                            steps=STEPS, height=h, width=w, reference_images=IMAGES)
+    check(pool.generate(req, noise=noise).samples, want, "2511 reference_images")
+
+
+def test_plus_pipeline_detected(folders):
+    from comfyui_xdit.client.worker_modules import worker_module
+    detect = worker_module("models.detect")
+    fam = worker_module("families").family("qwen_image")
+    assert detect.pipeline_class(fam, folders["edit-2511"]) == "QwenImageEditPlusPipeline"
+    assert fam.pipeline_for("QwenImageEditPipeline") == "QwenImageEditPipeline"
+    # a ComfyUI 2511 file carries the marker tensor: the config gets zero_cond_t, and the
+    # xDiT MODEL's ComfyUI config ComfyUI's own reference method for it
+    shapes = {"img_in.weight": (64, 64), "transformer_blocks.0.attn.norm_q.weight": (16,),
+              "transformer_blocks.0.x": (1,), "proj_out.weight": (64, 64),
+              "txt_in.weight": (64, 32)}
+    assert "zero_cond_t" not in fam.config_from_shapes(shapes, "diffusers")
+    cfg = fam.config_from_shapes(dict(shapes, __index_timestep_zero__=(0,)), "diffusers")
+    assert cfg["zero_cond_t"] is True
+    assert fam.comfy.unet(cfg)["default_ref_method"] == "index_timestep_zero"
