@@ -320,3 +320,76 @@ def test_memory_preset_has_the_published_sizes():
     one = arith.plan(facts, ParallelConfig(), bf16, job).ranks[0]
     u8 = arith.plan(facts, ParallelConfig(ulysses=8), bf16, job).ranks[0]
     assert one.activations >= whole and 5 * u8.activations < one.activations
+
+
+# ---- the xDiT MODEL (ComfyUI's samplers call the pool one step at a time) ------------------
+def comfy_call(tr, i2v: bool, byt5: bool, seed: int = 0, tokens: int = 7):
+    """One batched call as ComfyUI's HunyuanVideo15 model makes it: the uncond and cond rows,
+    x = [noise, concat_cond] (65 channels: the start frame's latent in model space and
+    1 - its mask, or zeros), sigma x 1000, the Qwen states as context, the ByT5 states as
+    txt_byt5 where the prompt quotes text, the SigLIP states as clip_fea (image-to-video)."""
+    import uuid
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(2, 32, 2, 3, 4, generator=gen)
+    if i2v:
+        cond = torch.zeros(2, 33, 2, 3, 4)
+        cond[:, :32, 0] = torch.randn(1, 32, 3, 4, generator=gen)
+        cond[:, 32, 0] = 1.0
+    else:
+        cond = torch.zeros(2, 33, 2, 3, 4)
+    call = dict(x=torch.cat([noise, cond], 1), timestep=torch.tensor(0.7 * 1000).expand(2),
+                context=torch.randn(2, tokens, tr.config.text_embed_dim, generator=gen),
+                guidance=torch.tensor([6.0]),  # ComfyUI always passes it; the model has none
+                transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
+                                     "cond_or_uncond": [1, 0]})
+    if byt5:
+        call["txt_byt5"] = torch.randn(2, 5, tr.config.text_embed_2_dim, generator=gen)
+    if i2v:
+        call["clip_fea"] = torch.randn(1, 36, tr.config.image_embed_dim, generator=gen)
+    return call
+
+
+def stock_transformer_output(tr, call):
+    """diffusers' own forward (its masks: every given token valid; no ByT5 / text-to-video:
+    zero states fully masked, as the pipelines give them)."""
+    b, ctx = call["x"].shape[0], call["context"]
+    byt5 = call.get("txt_byt5")
+    image = call.get("clip_fea")
+    kw = dict(encoder_attention_mask=torch.ones(b, ctx.shape[1]))
+    if byt5 is None:
+        kw.update(encoder_hidden_states_2=torch.zeros(b, 3, tr.config.text_embed_2_dim),
+                  encoder_attention_mask_2=torch.zeros(b, 3))
+    else:
+        kw.update(encoder_hidden_states_2=byt5, encoder_attention_mask_2=torch.ones(b, 5))
+    kw["image_embeds"] = torch.zeros(b, 9, tr.config.image_embed_dim) if image is None \
+        else image.expand(b, -1, -1)
+    with torch.inference_mode():
+        return tr(hidden_states=call["x"], timestep=call["timestep"], encoder_hidden_states=ctx,
+                  return_dict=False, **kw)[0]
+
+
+def test_model_calls_equal_the_transformer(folders, layout_pools):
+    """The xDiT MODEL's calls (comfyui_xdit/nodes/model_calls.PoolDenoiser) with ComfyUI's
+    inputs equal diffusers' HunyuanVideo15Transformer3DModel on the same inputs, with and
+    without ByT5 states, text- and image-to-video, at Ulysses 2 and CFG parallel; the ByT5
+    and SigLIP states are read (dropping either moves the result)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    tr = HunyuanVideo15Transformer3DModel.from_pretrained(str(folders["i2v"]),
+                                                          subfolder="transformer").eval()
+    pool = layout_pools.get(folders["i2v"], ParallelConfig(ulysses=2))
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(cfg_parallel=True)):
+        den = PoolDenoiser(pool, config.with_world_size(2), "hunyuan_video15")
+        for i2v, byt5 in ((False, False), (False, True), (True, True)):
+            call = comfy_call(tr, i2v, byt5, seed=3)
+            out = den(**call)
+            assert out.shape == (2, 32, 2, 3, 4) and out.dtype == torch.float32
+            check(out, stock_transformer_output(tr, call),
+                  f"model call {config.describe()} i2v {i2v} byt5 {byt5}")
+    call = comfy_call(tr, True, True, seed=3)
+    full = den(**call)
+    for drop in ("txt_byt5", "clip_fea"):  # another conditioning: a sampling run of its own
+        other = comfy_call(tr, True, True, seed=3)
+        del other[drop]
+        assert float((den(**other) - full).abs().max()) > 1e-3, drop

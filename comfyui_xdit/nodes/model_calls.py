@@ -22,6 +22,8 @@ side by side in one batch. `PoolDenoiser` turns each such call into one pool req
   clip_vision_output) go with their conditioning as the transformer's
   `encoder_hidden_states_image` (the workers pad the text to the 512 tokens diffusers' Wan
   image cross-attention reads, as ComfyUI's UMT5 encoder pads it);
+* a family's second text states (its `comfy.text_2`: HunyuanVideo 1.5's ByT5 glyph states,
+  `txt_byt5`) go with their conditioning as `context_2`;
 * the output: the flow (velocity) prediction in x's layout.
 
 A conditioning crosses to the pool once per sampling run: ComfyUI names the conditioning of
@@ -115,8 +117,9 @@ class PoolDenoiser:
             if framed:  # one-frame references [N, C, 1, h, w] (Qwen-Image-Edit) like x
                 refs = [r[:, :, 0] if r.dim() == 5 and r.shape[2] == 1 else r for r in refs]
             refs = [self._to_pool_layout(r, patchified) for r in refs]
+        text_2 = kwargs.get(self.family.comfy.text_2) if self.family.comfy.text_2 else None
         chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n,
-                                     refs, kwargs.get("ref_latents_method"), clip)
+                                     refs, kwargs.get("ref_latents_method"), clip, text_2)
         pool = self.pool
         state = (id(pool), pool.launches)
         if self._launches != state:  # another or a relaunched pool holds no conditioning
@@ -163,7 +166,8 @@ class PoolDenoiser:
                                   f"transformer lives in the worker pool); remove the node "
                                   f"that adds them or use ComfyUI's own model")
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN
-                         and k not in self.family.comfy.unused_inputs)
+                         and k not in self.family.comfy.unused_inputs
+                         and k != (self.family.comfy.text_2 or None))
         if kwargs.get("attention_mask") is not None:
             raise ConfigError("attention masks are not supported on the xDiT MODEL")
         if kwargs.get("clip_fea") is not None and self.family.image_to_video is None:
@@ -199,16 +203,22 @@ class PoolDenoiser:
         x = x.detach().float().cpu()
         return torch.nn.functional.pixel_shuffle(x, 2) if patchified else x
 
-    def _chunks(self, context, y, uuids, n: int, refs=None, method=None, clip=None):
+    def _chunks(self, context, y, uuids, n: int, refs=None, method=None, clip=None,
+                text_2=None):
         """[(key, rows)] and {key: {"context", "pooled"[, "ref_latents", "ref_method",
-        "image_embeds"]}} for the rows of one call (each reference and the CLIP vision states
-        sliced to the chunk's rows, a batch-1 one shared)."""
+        "image_embeds", "context_2"]}} for the rows of one call (each reference and the CLIP
+        vision states sliced to the chunk's rows, a batch-1 one shared; a second text's
+        states, the family's `comfy.text_2`, sliced as the context)."""
         parts = len(uuids) if uuids else 1
         if n % parts:
             raise ConfigError(f"{n} latent rows cannot be split into {parts} conditionings")
         rows = n // parts
         if context.shape[0] != n or (y is not None and y.shape[0] != n):
             raise ConfigError(f"conditioning has {context.shape[0]} rows for {n} latents")
+        if text_2 is not None and (text_2.dim() != 3 or int(text_2.shape[0]) != n):
+            raise ConfigError(f"second text states ({self.family.comfy.text_2}) have shape "
+                              f"{tuple(text_2.shape)}; the xDiT MODEL takes [{n}, tokens, "
+                              f"width]")
         if clip is not None and (clip.dim() != 3 or int(clip.shape[0]) not in (1, n)):
             raise ConfigError(f"CLIP vision states (clip_fea) have shape {tuple(clip.shape)}; "
                               f"the xDiT MODEL takes [1 or {n}, tokens, width]")
@@ -226,18 +236,22 @@ class PoolDenoiser:
                  for r in refs]
             image = None if clip is None else \
                 (clip if clip.shape[0] == 1 else clip[sl]).expand(rows, *clip.shape[1:])
+            ctx_2 = None if text_2 is None else text_2[sl]
             if uuids:  # a conditioning's references are fixed for its sampling run
                 key = f"{uuids[i]}:{rows}:{ctx.shape[1]}"
             else:
                 key = "h:" + _digest(ctx, *([] if pooled is None else [pooled]),
                                      *(mine or []), str(method),
-                                     *([] if image is None else ["clip", image]))
+                                     *([] if image is None else ["clip", image]),
+                                     *([] if ctx_2 is None else ["text_2", ctx_2]))
             chunks.append((key, rows))
             conds[key] = {"context": ctx.detach().float().cpu().contiguous(),
                           "pooled": None if pooled is None else
                           pooled.detach().float().cpu().contiguous()}
             if image is not None:
                 conds[key]["image_embeds"] = image.detach().float().cpu().contiguous()
+            if ctx_2 is not None:
+                conds[key]["context_2"] = ctx_2.detach().float().cpu().contiguous()
             if mine is not None:
                 conds[key]["ref_latents"] = mine
                 if method is not None:

@@ -104,6 +104,10 @@ class ComfySpec:
     # model inputs ComfyUI's model class passes beside the call that its diffusion model
     # does not use (Lumina 2 / Z-Image: num_tokens); the xDiT MODEL accepts and drops them
     unused_inputs: tuple = ()
+    # the keyword under which ComfyUI's model passes a second text encoder's states to its
+    # diffusion model ("": none; HunyuanVideo 1.5's ByT5 glyph states: txt_byt5); the xDiT
+    # MODEL carries them with their conditioning as `context_2`
+    text_2: str = ""
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,13 @@ class Family:
         """Latent pixels per token side (1 where the config names no patch size)."""
         return spatial_patch(cfg.get(self._config_key("patch"), 1) or 1)
 
+    def config_width(self, what: str, cfg) -> Optional[int]:
+        """A width the family's config names under `config_names[what]` ("image_width": the
+        image states' width, Wan 2.1 I2V's image_dim by default; "text_2_width": a second text
+        encoder's, HunyuanVideo 1.5's text_embed_2_dim); None where the config has none."""
+        key = self.config_names.get(what) or CONFIG_NAMES.get(what)
+        return None if key is None or cfg.get(key) is None else int(cfg[key])
+
     def text_width(self, cfg) -> Optional[int]:
         """The width of the text states the transformer takes (its config's
         joint_attention_dim, Wan's text_dim, or the family's "text_width" name: Z-Image's
@@ -233,7 +244,7 @@ class Family:
 
 # what `Family.config_names` defaults to
 CONFIG_NAMES = {"heads": "num_attention_heads", "head_dim": "attention_head_dim",
-                "patch": "patch_size"}
+                "patch": "patch_size", "image_width": "image_dim"}
 
 
 def _discover() -> dict:

@@ -197,7 +197,11 @@ FAMILY = Family(
     # ComfyUI: model_base.HunyuanVideo15 and supported_models.HunyuanVideo15; its flow model
     # sampling's multiplier is 1000, so the model is called with sigma x 1000 already
     comfy=ComfySpec(base=lambda unet: "HunyuanVideo15", config=lambda unet: "HunyuanVideo15",
-                    unet=comfy_unet, timestep_scale=1.0, needs_pooled=False),
+                    unet=comfy_unet, timestep_scale=1.0, needs_pooled=False,
+                    text_2="txt_byt5"),  # the ByT5 glyph states (conditioning_byt5small)
+    # the config's widths of the Qwen, ByT5 and SigLIP states the transformer takes
+    config_names={"text_width": "text_embed_dim", "text_2_width": "text_embed_2_dim",
+                  "image_width": "image_embed_dim"},
     # ComfyUI's detection keys (HunyuanVideo's text refiner + 1.5's cond-type embedding);
     # diffusers' cond-type embedding + ByT5 projection
     markers=(("bfl", ("txt_in.individual_token_refiner.blocks.0.norm1.weight",

@@ -449,8 +449,13 @@ class HunyuanVideo15Adapter(DiTAdapter):
         return {QWEN: qwen[:, :nq], QWEN_MASK: qmask[:, :nq],
                 BYT5: byt5[:, :nb], BYT5_MASK: bmask[:, :nb]}
 
-    def conditioning(self, cond, pooled):
-        return {QWEN: cond}
+    def conditioning(self, cond, pooled, context_2=None):
+        """ComfyUI's CONDITIONING: the Qwen states (its own template cut, unpadded) and, where
+        the prompt quotes text, the ByT5 states (`txt_byt5`); no pooled output is read."""
+        out = {QWEN: cond}
+        if context_2 is not None:
+            out[BYT5] = context_2
+        return out
 
     @staticmethod
     def slice_cond(cond: dict, sl: slice) -> dict:
@@ -478,9 +483,12 @@ class HunyuanVideo15Adapter(DiTAdapter):
         b = latents.shape[0]
         x = latents.to(model.dtype)
         start = (extra or {}).get("ref_tokens")
-        if start is None:
-            start = x.new_zeros(b, x.shape[1] + 1, *x.shape[2:])
-        x = torch.cat([x, start.to(x.dtype).expand(b, -1, -1, -1, -1)], 1)
+        if x.shape[1] == int(model.transformer.config.in_channels):
+            pass  # ComfyUI's model call: its concat_cond channels joined already
+        elif start is None:
+            x = torch.cat([x, x.new_zeros(b, x.shape[1] + 1, *x.shape[2:])], 1)
+        else:
+            x = torch.cat([x, start.to(x.dtype).expand(b, -1, -1, -1, -1)], 1)
         return model.transformer(
             hidden_states=x, timestep=t.expand(b).to(x.dtype),
             encoder_hidden_states=cond[QWEN], text_lengths=cond.get(QWEN_LENGTHS),

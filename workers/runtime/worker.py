@@ -319,7 +319,7 @@ class Worker:
         self._check_stages(key)
         chunks = [(str(k), int(r)) for k, r in msg.chunks]
         conds = {str(k): {f: v[f] for f in ("context", "pooled", "ref_latents", "ref_method",
-                                            "image_embeds")
+                                            "image_embeds", "context_2")
                           if f in v}
                  for k, v in (msg.conds or {}).items()}
         missing = [k for k in self.cond_cache.missing(k for k, _ in chunks) if k not in conds]

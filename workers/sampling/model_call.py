@@ -43,7 +43,9 @@ class ModelCall:
     chunks: list  # [(key, rows)], rows summing to N, in row order
     # key -> {"context", "pooled"} (CPU), optionally with "ref_latents" (list of
     # [rows, C, h, w], model space, unpacked: ComfyUI's `ref_latents`) and "ref_method",
-    # and "image_embeds" ([rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, `clip_fea`)
+    # and "image_embeds" ([rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, `clip_fea`),
+    # and "context_2" ([rows, tokens, D2]: a second text encoder's states, the family's
+    # `comfy.text_2`: HunyuanVideo 1.5's ByT5 `txt_byt5`)
     new_conds: dict = field(default_factory=dict)
     timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
     cache: Optional[dict] = None  # step cache settings (workers/sampling/step_cache.py), all fields
@@ -119,15 +121,17 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         return (f"the model takes latents [batch, {channels}, {frames}height/8, width/8] "
                 f"(got {got})")
     n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
-    if h % 2 or w % 2 or min(n, h, w, *x.shape[2:]) < 1:
-        return f"latent height and width must be even and non-zero (got {h}x{w})"
+    side = adapter.family.latent.per_token  # latent pixels per token side
+    if h % side or w % side or min(n, h, w, *x.shape[2:]) < 1:
+        even = "even and " if side == 2 else ""
+        return f"latent height and width must be {even}non-zero (got {h}x{w})"
     if not torch.is_tensor(timestep) or tuple(timestep.shape) != (n,):
         return f"one timestep per latent row expected ({n})"
     if guidance is not None and (not torch.is_tensor(guidance) or tuple(guidance.shape) != (n,)):
         return f"one guidance value per latent row expected ({n})"
     if sum(int(r) for _, r in chunks) != n or any(int(r) < 1 for _, r in chunks):
         return f"conditioning chunks cover {[r for _, r in chunks]} rows, the batch has {n}"
-    lengths, references, images = set(), set(), set()
+    lengths, references, images, texts_2 = set(), set(), set(), set()
     for key, rows in chunks:
         c = new_conds.get(key)
         if c is None:  # cached: checked when it arrived
@@ -137,10 +141,20 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
                 references.add(cached.get("ref_layout"))
                 image = cached.get("image_embeds")
                 images.add(None if image is None else tuple(image.shape[1:]))
+                text_2 = cached.get("encoder_hidden_states_2")
+                texts_2.add(None if text_2 is None else int(text_2.shape[1]))
             continue
-        problem = _image_states_problem(cfg, key, rows, c.get("image_embeds"))
+        problem = _image_states_problem(adapter.family, cfg, key, rows, c.get("image_embeds"))
         if problem:
             return problem
+        text_2 = as_tensor(c.get("context_2"))
+        if text_2 is not None:
+            width_2 = adapter.family.config_width("text_2_width", cfg)
+            if width_2 is None or text_2.dim() != 3 or text_2.shape[0] != rows \
+                    or text_2.shape[2] != width_2:
+                return (f"conditioning {key}: second text states must be [{rows}, tokens, "
+                        f"{width_2}] (got {tuple(text_2.shape)})")
+        texts_2.add(None if text_2 is None else int(text_2.shape[1]))
         image = c.get("image_embeds")
         images.add(None if image is None else tuple(image.shape[1:]))
         problem = _reference_problem(adapter, key, rows, int(x.shape[1]), c)
@@ -165,6 +179,9 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
     if len(references) > 1:
         return ("the conditionings of one call have different reference latents (sizes or "
                 "method); one call runs one image stream layout")
+    if len(texts_2) > 1:
+        return ("the conditionings of one call differ in their second text states (present "
+                "in some, or of other lengths)")
     if len(images) > 1:
         return ("the conditionings of one call differ in their CLIP vision states (clip_fea: "
                 "present in some, or of other sizes); give the positive and the negative the "
@@ -172,12 +189,13 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
     return ""
 
 
-def _image_states_problem(cfg, key: str, rows: int, image) -> str:
-    """Wan 2.1 I2V's CLIP vision states (`image_embeds` of a conditioning): only for a
-    transformer with image K/V (`image_dim`), [rows, tokens, image_dim]."""
+def _image_states_problem(family, cfg, key: str, rows: int, image) -> str:
+    """CLIP vision states (`image_embeds` of a conditioning: Wan 2.1 I2V's, HunyuanVideo
+    1.5's SigLIP tokens): only for a transformer that takes image states (its config's
+    "image_width", Wan's `image_dim`), [rows, tokens, that width]."""
     if image is None:
         return ""
-    width = cfg.get("image_dim")
+    width = family.config_width("image_width", cfg)
     if width is None:
         return (f"conditioning {key}: CLIP vision states (clip_fea) given, but this "
                 f"transformer has no image cross-attention (Wan 2.1 I2V has): remove the "
@@ -226,7 +244,9 @@ def _reference_problem(adapter, key, rows, channels, c: dict) -> str:
 def _cached(cache: CondCache, key: str, value: dict, model, adapter) -> None:
     """Convert a ComfyUI conditioning to the transformer's inputs on this rank's device."""
     dev, dtype = model.device, model.dtype
-    d = adapter.conditioning(value["context"], value["pooled"])
+    extra = {} if value.get("context_2") is None else \
+        {"context_2": value["context_2"]}  # a second text encoder's states
+    d = adapter.conditioning(value["context"], value["pooled"], **extra)
     d = {k: v.to(dev, dtype if v.is_floating_point() else None) for k, v in d.items()}
     if value.get("image_embeds") is not None:  # Wan 2.1 I2V: the CLIP vision states
         d["image_embeds"] = as_tensor(value["image_embeds"]).to(dev, dtype)
@@ -293,7 +313,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         cond = {}
         for k in conds[0]:
             if k in ("encoder_hidden_states", "pooled_projections", "ref_tokens",
-                     "image_embeds"):
+                     "image_embeds", "encoder_hidden_states_2"):
                 cond[k] = conds[0][k] if len(conds) == 1 else torch.cat([cd[k] for cd in conds])
                 cond[k] = cond[k][mine]
             elif k != "ref_layout":
