@@ -62,6 +62,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--build-only", action="store_true",
                    help="--engine: build (or find) the preset's model in the cache, print its "
                         "folder and stop (splits the first flux-dev run: ~24 GB written once)")
+    p.add_argument("--families", default=None, metavar="all|ID,ID",
+                   help="--engine: the family sweep instead of one FLUX-shaped model: each "
+                        "registry family at its released attention width (heads x head_dim, "
+                        "FFN), --depth blocks per block list, pool (1 rank, eager; compiled "
+                        "with --compile) vs the family's diffusers pipeline, one table (see "
+                        "benchmarks/engine_families.py)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="--families: blocks per block list (default 2; --quick 1)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="--families: frames of the video families' job (default 33, 832x480)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="--families: seconds the sweep may take; a stage that would not fit "
+                        "what is left is listed as not run (default: no limit)")
+    p.add_argument("--plan", action="store_true",
+                   help="--families: list each family's dimensions and what would run; "
+                        "nothing is built or timed")
     p.add_argument("--ranks", default=None,
                    help="--engine: comma-separated pool sizes, e.g. 1,2,4,8 (default: 1 and "
                         "every Ulysses degree the GPUs / cores allow)")
@@ -94,6 +110,9 @@ def run(args) -> int:
     if args.model_call:
         from . import model_call
         return model_call.run(args)
+    if args.engine and args.families:
+        from . import engine_families
+        return engine_families.main_section(args)
     if args.engine:
         from . import engine
         return engine.main_section(args)

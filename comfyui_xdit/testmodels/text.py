@@ -131,10 +131,22 @@ def _t5_tokenizer():
     return T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=T5_MAX_LENGTH)
 
 
+# class name -> config entries replacing a builder's own (tiny_model.build_tiny_model's
+# `transformer`: the bench builds a family's block at its released widths); empty normally
+CONFIG_OVERRIDES: dict = {}
+# class names constructed on the meta device (tiny_model.planned_transformer: sizes only)
+ON_META: set = set()
+
+
 def _seeded(seed: int, salt: int, ctor, *args, **kwargs):
     """Construct one component right after torch.manual_seed(seed, salt): each component's
     weights depend only on (seed, component), not on the order or size of the others."""
     import torch
 
     torch.manual_seed(seed * 1000 + salt)
+    name = getattr(ctor, "__name__", "")
+    kwargs.update(CONFIG_OVERRIDES.get(name, {}))
+    if name in ON_META:
+        with torch.device("meta"):
+            return ctor(*args, **kwargs)
     return ctor(*args, **kwargs)

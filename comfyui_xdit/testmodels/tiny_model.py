@@ -24,6 +24,7 @@ ComfyUI entry import this module cheaply.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -73,10 +74,15 @@ def _variants() -> dict[str, tuple[str, ...]]:
     return out
 
 
+DTYPES = ("fp32", "bf16", "fp16")  # the saved weights' dtype (`dtype`; fp32 by default)
+
+
 def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width: int | None = None,
-                   heads: int = 4, sd35: bool = False, variant: str | None = None) -> dict:
+                   heads: int = 4, sd35: bool = False, variant: str | None = None,
+                   transformer: dict | None = None, dtype: str | None = None) -> dict:
     """Validate the knobs and fill in defaults; the result is what the cache key hashes, so
-    equivalent calls (explicit default vs omitted) share one folder."""
+    equivalent calls (explicit default vs omitted) share one folder. `transformer` and a
+    `dtype` other than fp32 enter the key only when given: every other folder keeps its key."""
     family = builder(arch)
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
@@ -108,15 +114,78 @@ def resolve_config(arch: str, *, seed: int = 0, depth: int | None = None, width:
     out["builder_version"] = BUILDER_VERSION
     if variant is not None and variant != variants[0]:  # the default keeps its key
         out["variant"] = variant
+    if transformer:
+        if not isinstance(transformer, dict) or not all(isinstance(k, str) for k in transformer):
+            raise ValueError(f"transformer must map config names to values, got {transformer!r}")
+        out["transformer"] = json.loads(json.dumps(transformer, sort_keys=True))
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in (None, "fp32"):
+        out["dtype"] = dtype
     extras = getattr(family, "key_extras", lambda cfg: {})(dict(knobs))
     if set(extras) & set(out):
         raise RuntimeError(f"{arch}.key_extras may add keys only, not {sorted(set(extras) & set(out))}")
     return dict(out, **extras)
 
 
+@contextlib.contextmanager
+def transformer_overrides(arch: str, entries: dict | None, meta: bool = False):
+    """While open, the builders construct `arch`'s transformer class with `entries` in place
+    of their own config values, and with `meta` on the meta device (each builder makes its
+    components through text._seeded)."""
+    from comfyui_xdit.testmodels import text
+
+    name = worker_module("families").family(arch).transformer_class
+    saved, saved_meta = dict(text.CONFIG_OVERRIDES), set(text.ON_META)
+    if entries:
+        text.CONFIG_OVERRIDES[name] = dict(entries)
+    if meta:
+        text.ON_META.add(name)
+    try:
+        yield
+    finally:
+        text.CONFIG_OVERRIDES.clear()
+        text.CONFIG_OVERRIDES.update(saved)
+        text.ON_META.clear()
+        text.ON_META.update(saved_meta)
+
+
+def _check_overrides(arch: str, pipe, entries: dict | None) -> None:
+    """A builder that made its transformer without text._seeded would ignore `entries`:
+    refused here rather than saved as something it is not."""
+    if not entries:
+        return
+    name = worker_module("families").family(arch).transformer_class
+    made = [m for m in pipe.components.values() if type(m).__name__ == name]
+    for m in made or [None]:
+        got = {} if m is None else json.loads(json.dumps(dict(m.config), default=list))
+        bad = {k: got.get(k) for k, v in json.loads(json.dumps(entries)).items() if got.get(k) != v}
+        if m is None or bad:
+            raise ValueError(f"the {arch} builder did not take the transformer entries "
+                             f"{sorted(bad or entries)}")
+
+
+def planned_transformer(arch: str, **kw) -> tuple[dict, int]:
+    """(config, parameter count) of the transformer `build_tiny_model(arch, ..., **kw)` would
+    write, the transformer built on the meta device (the small parts for real): nothing of
+    its size allocated, nothing written."""
+    import torch
+
+    cfg = resolve_config(arch, **kw)
+    name = worker_module("families").family(arch).transformer_class
+    with torch.random.fork_rng(devices=[]), \
+            transformer_overrides(arch, cfg.get("transformer"), meta=True):
+        pipe = builder(arch).build_pipeline(cfg)
+    _check_overrides(arch, pipe, cfg.get("transformer"))
+    tr = next(m for m in pipe.components.values() if type(m).__name__ == name)
+    return (json.loads(json.dumps(dict(tr.config), default=list)),
+            sum(p.numel() for p in tr.parameters()))
+
+
 def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, depth: int | None = None,
                      width: int | None = None, heads: int = 4, sd35: bool = False,
-                     variant: str | None = None) -> pathlib.Path:
+                     variant: str | None = None, transformer: dict | None = None,
+                     dtype: str | None = None) -> pathlib.Path:
     """Writes a complete diffusers folder (model_index.json, transformer/, vae/, text_encoder*/,
     tokenizer*/, scheduler/) and returns its path.
 
@@ -126,17 +195,23 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     sd35: SD3.5-style blocks (QK RMS norm, dual attention); arch sd3 only.
     variant: one of the arch's builder's VARIANTS (default its first), described in
     comfyui_xdit/testmodels/<arch>.py.
+    transformer: config entries of the transformer class replacing the builder's own (the
+    bench's released widths, e.g. an FFN width); refused if the builder does not take them.
+    dtype: the saved weights' dtype (default fp32; bf16 halves a large model's files).
     Same arguments -> byte-identical safetensors.
     """
     cfg = resolve_config(arch, seed=seed, depth=depth, width=width, heads=heads, sd35=sd35,
-                         variant=variant)
+                         variant=variant, transformer=transformer, dtype=dtype)
     import torch
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Build on the default RNG but leave the caller's RNG state as it was.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), transformer_overrides(arch, cfg.get("transformer")):
         pipe = builder(arch).build_pipeline(cfg)
+    _check_overrides(arch, pipe, cfg.get("transformer"))
+    if cfg.get("dtype"):
+        pipe.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[cfg["dtype"]]))
     with quiet_transformers():
         pipe.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -149,7 +224,8 @@ def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.
     cfg = resolve_config(arch, **kw)
     return cached_build(cache_dir, cache_name(cfg["arch"], cfg), lambda tmp: build_tiny_model(
         arch, tmp, **{k: cfg[k] for k in ("seed", "depth", "width", "heads")},
-        sd35=bool(cfg.get("sd35")), variant=cfg.get("variant")))
+        sd35=bool(cfg.get("sd35")), variant=cfg.get("variant"),
+        transformer=cfg.get("transformer"), dtype=cfg.get("dtype")))
 
 
 def add_cli(subparsers) -> None:
