@@ -11,6 +11,8 @@ latent_formats.HunyuanVideo15) to compare with the pool's.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -345,7 +347,9 @@ def comfy_call(tr, i2v: bool, byt5: bool, seed: int = 0, tokens: int = 7):
     if byt5:
         call["txt_byt5"] = torch.randn(2, 5, tr.config.text_embed_2_dim, generator=gen)
     if i2v:
-        call["clip_fea"] = torch.randn(1, 36, tr.config.image_embed_dim, generator=gen)
+        # ComfyUI's CONDRegular gives every row its copy
+        call["clip_fea"] = torch.randn(1, 36, tr.config.image_embed_dim,
+                                       generator=gen).expand(2, -1, -1)
     return call
 
 
@@ -393,3 +397,185 @@ def test_model_calls_equal_the_transformer(folders, layout_pools):
         other = comfy_call(tr, True, True, seed=3)
         del other[drop]
         assert float((den(**other) - full).abs().max()) > 1e-3, drop
+
+
+# ---- ComfyUI's single files ------------------------------------------------------------------
+# diffusers' HunyuanVideo15Transformer3DModel names -> ComfyUI's (comfy/ldm/hunyuan_video),
+# written out here (not the product's table), in order; "qkv" targets fuse three tensors
+_TO_COMFY = [
+    (r"^x_embedder\.proj\.", "img_in.proj."),
+    (r"^time_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
+    (r"^time_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
+    (r"^context_embedder\.proj_in\.", "txt_in.input_embedder."),
+    (r"^context_embedder\.time_text_embed\.timestep_embedder\.linear_1\.",
+     "txt_in.t_embedder.in_layer."),
+    (r"^context_embedder\.time_text_embed\.timestep_embedder\.linear_2\.",
+     "txt_in.t_embedder.out_layer."),
+    (r"^context_embedder\.time_text_embed\.text_embedder\.linear_1\.",
+     "txt_in.c_embedder.in_layer."),
+    (r"^context_embedder\.time_text_embed\.text_embedder\.linear_2\.",
+     "txt_in.c_embedder.out_layer."),
+    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.norm_out\.linear\.",
+     r"txt_in.individual_token_refiner.blocks.\1.adaLN_modulation.1."),
+    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.norm(1|2)\.",
+     r"txt_in.individual_token_refiner.blocks.\1.norm\2."),
+    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.attn\.to_(q|k|v)\.",
+     r"txt_in.individual_token_refiner.blocks.\1.self_attn.qkv.\2."),
+    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.attn\.to_out\.0\.",
+     r"txt_in.individual_token_refiner.blocks.\1.self_attn.proj."),
+    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.ff\.net\.0\.proj\.",
+     r"txt_in.individual_token_refiner.blocks.\1.mlp.0."),
+    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.ff\.net\.2\.",
+     r"txt_in.individual_token_refiner.blocks.\1.mlp.2."),
+    (r"^context_embedder_2\.norm\.", "byt5_in.layernorm."),
+    (r"^context_embedder_2\.linear_(\d)\.", r"byt5_in.fc\1."),
+    (r"^image_embedder\.norm_in\.", "vision_in.proj.0."),
+    (r"^image_embedder\.linear_1\.", "vision_in.proj.1."),
+    (r"^image_embedder\.linear_2\.", "vision_in.proj.3."),
+    (r"^image_embedder\.norm_out\.", "vision_in.proj.4."),
+    (r"^cond_type_embed\.", "cond_type_embedding."),
+    (r"^transformer_blocks\.(\d+)\.norm1\.linear\.", r"double_blocks.\1.img_mod.lin."),
+    (r"^transformer_blocks\.(\d+)\.norm1_context\.linear\.", r"double_blocks.\1.txt_mod.lin."),
+    (r"^transformer_blocks\.(\d+)\.attn\.to_(q|k|v)\.", r"double_blocks.\1.img_attn.qkv.\2."),
+    (r"^transformer_blocks\.(\d+)\.attn\.add_(q|k|v)_proj\.",
+     r"double_blocks.\1.txt_attn.qkv.\2."),
+    (r"^transformer_blocks\.(\d+)\.attn\.norm_q\.weight$",
+     r"double_blocks.\1.img_attn.norm.query_norm.scale"),
+    (r"^transformer_blocks\.(\d+)\.attn\.norm_k\.weight$",
+     r"double_blocks.\1.img_attn.norm.key_norm.scale"),
+    (r"^transformer_blocks\.(\d+)\.attn\.norm_added_q\.weight$",
+     r"double_blocks.\1.txt_attn.norm.query_norm.scale"),
+    (r"^transformer_blocks\.(\d+)\.attn\.norm_added_k\.weight$",
+     r"double_blocks.\1.txt_attn.norm.key_norm.scale"),
+    (r"^transformer_blocks\.(\d+)\.attn\.to_out\.0\.", r"double_blocks.\1.img_attn.proj."),
+    (r"^transformer_blocks\.(\d+)\.attn\.to_add_out\.", r"double_blocks.\1.txt_attn.proj."),
+    (r"^transformer_blocks\.(\d+)\.ff\.net\.0\.proj\.", r"double_blocks.\1.img_mlp.0."),
+    (r"^transformer_blocks\.(\d+)\.ff\.net\.2\.", r"double_blocks.\1.img_mlp.2."),
+    (r"^transformer_blocks\.(\d+)\.ff_context\.net\.0\.proj\.", r"double_blocks.\1.txt_mlp.0."),
+    (r"^transformer_blocks\.(\d+)\.ff_context\.net\.2\.", r"double_blocks.\1.txt_mlp.2."),
+    (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),  # (scale, shift) swapped
+    (r"^proj_out\.", "final_layer.linear."),
+]
+
+
+def comfy_named(sd: dict) -> dict:
+    """A diffusers state dict in ComfyUI's names: q, k, v rows fused in that order, the
+    final modulation's (scale, shift) halves as ComfyUI's (shift, scale)."""
+    import re
+    out, fused = {}, {}
+    for name, w in sd.items():
+        for pat, rep in _TO_COMFY:
+            if re.match(pat, name):
+                new = re.sub(pat, rep, name)
+                break
+        else:
+            raise AssertionError(f"no ComfyUI name for {name}")
+        m = re.match(r"^(.*\.qkv)\.(q|k|v)\.(weight|bias)$", new)
+        if m:
+            fused.setdefault(f"{m.group(1)}.{m.group(3)}", {})[m.group(2)] = w
+            continue
+        if name.startswith("norm_out.linear."):
+            scale, shift = w.chunk(2, dim=0)
+            w = torch.cat([shift, scale], dim=0)
+        out[new] = w.contiguous()
+    for name, parts in fused.items():
+        out[name] = torch.cat([parts["q"], parts["k"], parts["v"]], 0).contiguous()
+    return out
+
+
+# the widths ComfyUI 0.8.0's HunyuanVideo 1.5 takes from a file: heads of 128 (hidden / 128),
+# RoPE axes (16, 56, 56), ByT5 in 1472, two refiner blocks, SigLIP 1152 (its model class
+# matches on it); the text width is read
+COMFY_SHAPED = dict(in_channels=65, out_channels=32, num_attention_heads=2,
+                    attention_head_dim=128, num_layers=1, num_refiner_layers=2,
+                    text_embed_dim=32, text_embed_2_dim=1472, image_embed_dim=1152,
+                    rope_axes_dim=(16, 56, 56), task_type="i2v")
+
+
+@pytest.fixture(scope="module")
+def comfy_file(tmp_path_factory):
+    """(a ComfyUI-named HunyuanVideo 1.5 file of COMFY_SHAPED, random seeded weights, under
+    ComfyUI's checkpoint prefix; the same transformer in diffusers)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+    from safetensors.torch import save_file
+    torch.manual_seed(15)
+    tr = HunyuanVideo15Transformer3DModel(**COMFY_SHAPED).eval()
+    path = tmp_path_factory.mktemp("hv15-file") / "hunyuanvideo1.5_tiny.safetensors"
+    save_file({"model.diffusion_model." + k: v for k, v in
+               comfy_named(tr.state_dict()).items()}, str(path))
+    return path, tr
+
+
+def test_comfyui_file_is_detected_and_runs_as_the_transformer(comfy_file, layout_pools):
+    """A ComfyUI-named file: detected by its keys (naming "bfl"), its config read from the
+    shapes (a file does not say its task: text-to-video), its tensors converted key by key;
+    the xDiT MODEL's calls on it equal diffusers' transformer with the same weights, at
+    Ulysses 2 and CFG parallel."""
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    from workers.models.detect import single_file_config
+    path, tr = comfy_file
+    sf = single_file_config(str(path))
+    assert (sf["arch"], sf["naming"]) == ("hunyuan_video15", "bfl")
+    want = {k: v for k, v in COMFY_SHAPED.items() if k not in ("task_type", "rope_axes_dim")}
+    assert {k: sf["config"][k] for k in want} == want
+    assert list(sf["config"]["rope_axes_dim"]) == [16, 56, 56]
+    pool = layout_pools.get(path, ParallelConfig(ulysses=2))
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(cfg_parallel=True)):
+        den = PoolDenoiser(pool, config.with_world_size(2), "hunyuan_video15")
+        call = comfy_call(tr, True, True, seed=5)
+        check(den(**call), stock_transformer_output(tr, call),
+              f"ComfyUI file, model call {config.describe()}")
+
+
+_COMFY_SCRIPT = r'''
+import sys
+import torch
+comfy_path, path, inputs, output = sys.argv[1:5]
+sys.path.insert(0, comfy_path)
+sys.argv = [sys.argv[0], "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import comfy.sd
+import comfy.utils
+patcher = comfy.sd.load_diffusion_model_state_dict(comfy.utils.load_torch_file(path))
+model = patcher.model
+call = torch.load(inputs)
+with torch.no_grad():
+    out = model.diffusion_model(call["x"].to(model.get_dtype()), call["timestep"],
+                                call["context"], txt_byt5=call.get("txt_byt5"),
+                                clip_fea=call.get("clip_fea"), transformer_options={})
+torch.save({"out": out.float(), "model": type(model).__name__,
+            "config": type(patcher.model.model_config).__name__,
+            "shift": float(model.model_sampling.shift),
+            "latent": type(model.latent_format).__name__}, output)
+'''
+
+
+@pytest.mark.skipif(not os.environ.get("COMFYUI_PATH"),
+                    reason="COMFYUI_PATH not set (ComfyUI's own model, in its own Python)")
+def test_comfyui_own_model_from_the_file_equals_the_pool(comfy_file, layout_pools, tmp_path):
+    """ComfyUI's own HunyuanVideo 1.5 (its loader and model classes, run in ComfyUI's Python:
+    COMFYUI_PATH, COMFYUI_PYTHON) on the ComfyUI-named file equals the xDiT MODEL's call on
+    the same file for the same inputs (what KSampler hands either), text- and image-to-video
+    with ByT5; ComfyUI loads it as supported_models.HunyuanVideo15 (shift 7, latent format
+    HunyuanVideo15)."""
+    import subprocess
+    import sys as _sys
+
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    path, tr = comfy_file
+    pool = layout_pools.get(path, ParallelConfig(ulysses=2))
+    den = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "hunyuan_video15")
+    script = tmp_path / "comfy_call.py"
+    script.write_text(_COMFY_SCRIPT)
+    for i2v in (False, True):
+        call = comfy_call(tr, i2v, True, seed=7)
+        torch.save({k: v for k, v in call.items() if torch.is_tensor(v)}, tmp_path / "in.pt")
+        subprocess.run([os.environ.get("COMFYUI_PYTHON", _sys.executable), str(script),
+                        os.environ["COMFYUI_PATH"], str(path), str(tmp_path / "in.pt"),
+                        str(tmp_path / "out.pt")], check=True, timeout=600,
+                       stdout=subprocess.DEVNULL)
+        theirs = torch.load(tmp_path / "out.pt")
+        assert (theirs["model"], theirs["config"], theirs["shift"], theirs["latent"]) == (
+            "HunyuanVideo15", "HunyuanVideo15", 7.0, "HunyuanVideo15")
+        check(den(**call), theirs["out"], f"ComfyUI's own model vs the pool, i2v {i2v}")

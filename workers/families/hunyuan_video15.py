@@ -217,6 +217,7 @@ FAMILY = Family(
     cfg=CFG, guidance=None, pooled=False,
     text_hint="encode with HunyuanVideo 1.5's text encoders (Qwen2.5-VL 7B and ByT5: "
               "DualCLIPLoader type hunyuan_video_15) or type the prompt into the sampler",
-    released=released, detect_order=55, pipeline_of=pipeline_of,
+    # before FLUX (20), whose marker, double_blocks.0.img_attn.qkv.weight, its files have too
+    released=released, detect_order=12, pipeline_of=pipeline_of,
     image_to_video=image_to_video, check_config=check_config,
 )

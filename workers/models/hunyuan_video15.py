@@ -374,7 +374,8 @@ def band_scheme():
 
 class HunyuanVideo15Adapter(DiTAdapter):
     family = families.FAMILIES["hunyuan_video15"]
-    bfl_blocks = None  # ComfyUI's naming: not converted yet (the file loader refuses it)
+    # ComfyUI's name of each diffusers block list (its files convert key by key)
+    bfl_blocks = {"transformer_blocks": "double_blocks"}
     layout = SequenceLayout(
         split_inputs={},  # split_forward shards both streams itself, once compacted
         split_outputs={},
@@ -615,5 +616,96 @@ class HunyuanVideo15Adapter(DiTAdapter):
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
-        raise ValueError("HunyuanVideo 1.5 files in ComfyUI's naming are not converted yet; "
-                         "use a diffusers folder")
+        """ComfyUI's HunyuanVideo 1.5 names (comfy/ldm/hunyuan_video) -> diffusers', key by
+        key (so a PipeFusion stage reads only its blocks): renames, each fused qkv split in
+        three along its rows (dual-stream blocks: the video's to_q/k/v, the context's
+        add_q/k/v_proj; the text refiner's to_q/k/v), the final modulation's halves swapped
+        (ComfyUI's LastLayer chunks (shift, scale), diffusers' AdaLayerNormContinuous (scale,
+        shift)). A key without a rule raises (a silently dropped tensor would load as
+        garbage)."""
+        return convert_comfy_names(sd)
+
+
+# ---- ComfyUI's naming -> diffusers' ---------------------------------------------------------
+_TOP = {
+    "img_in.proj": "x_embedder.proj",
+    "time_in.in_layer": "time_embed.timestep_embedder.linear_1",
+    "time_in.out_layer": "time_embed.timestep_embedder.linear_2",
+    "txt_in.input_embedder": "context_embedder.proj_in",
+    "txt_in.t_embedder.in_layer": "context_embedder.time_text_embed.timestep_embedder.linear_1",
+    "txt_in.t_embedder.out_layer": "context_embedder.time_text_embed.timestep_embedder.linear_2",
+    "txt_in.c_embedder.in_layer": "context_embedder.time_text_embed.text_embedder.linear_1",
+    "txt_in.c_embedder.out_layer": "context_embedder.time_text_embed.text_embedder.linear_2",
+    "byt5_in.layernorm": "context_embedder_2.norm",
+    "byt5_in.fc1": "context_embedder_2.linear_1",
+    "byt5_in.fc2": "context_embedder_2.linear_2",
+    "byt5_in.fc3": "context_embedder_2.linear_3",
+    "vision_in.proj.0": "image_embedder.norm_in",
+    "vision_in.proj.1": "image_embedder.linear_1",
+    "vision_in.proj.3": "image_embedder.linear_2",
+    "vision_in.proj.4": "image_embedder.norm_out",
+    "cond_type_embedding": "cond_type_embed",
+    "final_layer.linear": "proj_out",
+    "final_layer.adaLN_modulation.1": "norm_out.linear",  # halves swapped
+}
+_DOUBLE = {
+    "img_mod.lin": "norm1.linear", "txt_mod.lin": "norm1_context.linear",
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "img_attn.norm.query_norm.scale": "attn.norm_q.weight",
+    "img_attn.norm.key_norm.scale": "attn.norm_k.weight",
+    "txt_attn.norm.query_norm.scale": "attn.norm_added_q.weight",
+    "txt_attn.norm.key_norm.scale": "attn.norm_added_k.weight",
+    "img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out",
+    "img_mlp.0": "ff.net.0.proj", "img_mlp.2": "ff.net.2",
+    "txt_mlp.0": "ff_context.net.0.proj", "txt_mlp.2": "ff_context.net.2",
+}
+_REFINER = {
+    "adaLN_modulation.1": "norm_out.linear", "norm1": "norm1", "norm2": "norm2",
+    "self_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "self_attn.proj": "attn.to_out.0", "mlp.0": "ff.net.0.proj", "mlp.2": "ff.net.2",
+}
+_REFINER_PREFIX = "txt_in.individual_token_refiner.blocks."
+_SWAPPED = "final_layer.adaLN_modulation.1"  # (shift, scale) -> (scale, shift)
+
+
+def _renamed(name: str, table: dict):
+    """(the rule's target, the parameter suffix) of `name` under `table`, or None."""
+    for src, dst in table.items():
+        if name == src:  # a rule naming a whole parameter (norm scales)
+            return dst, ""
+        if name.startswith(src + ".") and name[len(src) + 1:] in ("weight", "bias"):
+            return dst, name[len(src):]
+    return None
+
+
+def convert_comfy_names(sd: dict) -> dict:
+    """A HunyuanVideo 1.5 transformer's tensors in ComfyUI's naming -> diffusers names."""
+    out, unknown = {}, []
+    for name, w in sd.items():
+        prefix = ""
+        if name.startswith("double_blocks."):
+            block, rest = name[len("double_blocks."):].split(".", 1)
+            prefix, hit = f"transformer_blocks.{block}.", _renamed(rest, _DOUBLE)
+        elif name.startswith(_REFINER_PREFIX):
+            block, rest = name[len(_REFINER_PREFIX):].split(".", 1)
+            prefix = f"context_embedder.token_refiner.refiner_blocks.{block}."
+            hit = _renamed(rest, _REFINER)
+        else:
+            hit = _renamed(name, _TOP)
+        if hit is None:
+            unknown.append(name)
+            continue
+        dst, suffix = hit
+        if isinstance(dst, tuple):  # a fused qkv: three equal row blocks
+            for part, t in zip(dst, w.chunk(3, dim=0)):
+                out[prefix + part + suffix] = t
+        elif name.startswith(_SWAPPED + "."):
+            shift, scale = w.chunk(2, dim=0)
+            out[dst + suffix] = torch.cat([scale, shift], dim=0)
+        else:
+            out[prefix + dst + suffix] = w
+    if unknown:
+        raise ValueError(f"{len(unknown)} tensor(s) with no HunyuanVideo 1.5 rule, e.g. "
+                         f"{unknown[:3]}")
+    return out
