@@ -305,3 +305,21 @@ def test_plus_pipeline_detected(folders):
     cfg = fam.config_from_shapes(dict(shapes, __index_timestep_zero__=(0,)), "diffusers")
     assert cfg["zero_cond_t"] is True
     assert fam.comfy.unet(cfg)["default_ref_method"] == "index_timestep_zero"
+
+
+def test_model_call_2511_equals_the_transformer(folders, pipes, layout_pools):
+    """The xDiT MODEL (stock KSampler) on a 2511 folder: ComfyUI's QwenImage call with two
+    `ref_latents` equals diffusers' zero_cond_t transformer on the joined stream (ComfyUI's
+    own 2511 model gives references timestep 0 alike: default_ref_method
+    "index_timestep_zero"), at Ulysses 2."""
+    from test_qwen_image_edit import comfy_edit_call, edit_model_reference
+
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    config = ParallelConfig(ulysses=2)
+    pool = layout_pools.get(folders["edit-2511"], config)
+    den = PoolDenoiser(pool, config, "qwen_image")
+    tr = pipes["edit-2511"].transformer
+    call = comfy_edit_call(tr, 1, 12, 10, [(8, 6), (4, 10)])
+    want = edit_model_reference(tr, call["x"], call["timestep"], call["context"],
+                                call["ref_latents"])
+    check(den(**call), want, "2511 MODEL")
