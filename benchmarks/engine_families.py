@@ -52,7 +52,7 @@ FULL = dict(depth=2, image=(1024, 1024), video=(480, 832), frames=33, steps=(2, 
             repeats=2, dtype="bf16")
 # --quick: tiny widths (every builder takes 2 heads x 16), one block per list, seconds on CPU
 QUICK = dict(heads=2, head_dim=16, depth=1, image=(64, 64), video=(64, 64), frames=5,
-             steps=(1, 2), repeats=1, dtype="fp32")
+             steps=(2, 4), repeats=1, dtype="fp32")
 # two small geometries whose builds tell which config entries follow heads / width
 PROBES = (dict(heads=4, width=64), dict(heads=2, width=96))
 # seconds a stage needs before it starts under --budget: (fixed, per family)
@@ -170,12 +170,24 @@ def _size(row: dict, job: dict) -> tuple:
     return job["image"][0], job["image"][1], 1
 
 
+def _knobs(row: dict, dtype: str) -> dict:
+    return dict(heads=row["heads"], width=row["width"], depth=row["depth"],
+                transformer=row["overrides"] or None, dtype=None if dtype == "fp32" else dtype)
+
+
 def build(row: dict, cache: Path, dtype: str) -> Path:
     from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
-    return ensure_tiny_model(row["family"], cache, heads=row["heads"], width=row["width"],
-                             depth=row["depth"], transformer=row["overrides"] or None,
-                             dtype=None if dtype == "fp32" else dtype)
+    return ensure_tiny_model(row["family"], cache, **_knobs(row, dtype))
+
+
+def built(row: dict, cache: Path, dtype: str) -> bool:
+    """The row's model is in the cache already (built by an earlier --build-only)."""
+    from comfyui_xdit.testmodels.parts import cache_name, is_complete
+    from comfyui_xdit.testmodels.tiny_model import resolve_config
+
+    cfg = resolve_config(row["family"], **_knobs(row, dtype))
+    return is_complete(Path(cache) / cache_name(row["family"], cfg))
 
 
 # ---- measuring ----------------------------------------------------------------------------
@@ -215,9 +227,10 @@ def measure_diffusers(row: dict, job: dict, device: str, dtype: str, compile: bo
         rows = [0]
 
         def count(_module, args, kwargs):
+            # the first input: a batch tensor, or a list of one tensor per row (Z-Image's)
             x = args[0] if args else next((v for v in kwargs.values()
-                                           if isinstance(v, torch.Tensor)), None)
-            rows[0] += int(x.shape[0]) if x is not None else 0
+                                           if isinstance(v, (torch.Tensor, list, tuple))), ())
+            rows[0] += int(x.shape[0]) if isinstance(x, torch.Tensor) else len(x)
         hooked = [m for m in pipe.components.values()
                   if type(m).__name__ == fam.transformer_class]
         for m in hooked:
@@ -228,9 +241,12 @@ def measure_diffusers(row: dict, job: dict, device: str, dtype: str, compile: bo
         params = inspect.signature(pipe.__call__).parameters
         kw = dict(prompt=[PROMPT], height=h, width=w, output_type="latent")
         optional = dict(num_frames=frames if row["video"] else None,
-                        max_sequence_length=TEXT_TOKENS,
-                        guidance_scale=fam.guidance if fam.guidance is not None else 1.0)
+                        max_sequence_length=TEXT_TOKENS)
         kw.update({k: v for k, v in optional.items() if k in params and v is not None})
+        # the guidance value that runs no CFG: the family's embedded guidance, else 1 (w in
+        # pos + w (pos - neg) terms: 0), whichever makes one row per step in the warm-up
+        scales = [None] if "guidance_scale" not in params else \
+            [fam.guidance] if fam.guidance is not None else [1.0, 0.0]
         compile_s = 0.0
         if compile:
             t = time.perf_counter()
@@ -255,12 +271,19 @@ def measure_diffusers(row: dict, job: dict, device: str, dtype: str, compile: bo
             return time.perf_counter() - t
 
         t = time.perf_counter()
-        run(job["steps"][0])
+        for g in scales:
+            if g is not None:
+                kw["guidance_scale"] = g
+            rows[0] = 0
+            run(job["steps"][0])
+            if rows[0] <= job["steps"][0]:
+                break
         first_s = time.perf_counter() - t
         rows[0] = 0
         est = _step_estimates(run, job)
         calls = job["repeats"] * (job["steps"][0] + job["steps"][1])
-        return _summary(est, first_job_s=first_s + compile_s, rows_per_step=rows[0] / calls)
+        return _summary(est, first_job_s=first_s + compile_s, rows_per_step=rows[0] / calls,
+                        guidance_scale=kw.get("guidance_scale"))
     finally:
         del pipe
         torch.set_num_threads(threads)
@@ -390,7 +413,7 @@ def run(args, log, write=None) -> dict:
             r["runs"].setdefault(stage, dict(status="not run", reason=reason))
 
     for r in live:  # build
-        why = budget.short("build")
+        why = None if built(r, cache, dtype) else budget.short("build")
         if why:
             r["status"], r["reason"] = "not run", f"not built: {why}"
             continue

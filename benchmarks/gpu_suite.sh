@@ -1,24 +1,63 @@
 #!/usr/bin/env bash
-# The GPU check, one command (docs/testing.md): the GPU test suite, then the engine figures
-# on FLUX.1-dev's dimensions (random weights, built once, ~24 GB): eager vs compiled (CUDA
-# graphs), and fp8 weights with fp8 compute on and off. Logs and bench reports land in $OUT
-# (default ./gpu-suite-out).
-#   bash benchmarks/gpu_suite.sh            # everything (~15 min on one H100)
-#   SKIP_TESTS=1 bash benchmarks/gpu_suite.sh   # the figures only
+# The GPU check, one command, within LIMIT seconds (default 480: 8 minutes on one H100), in
+# this order: the GPU tests (every family's methods and FLUX's GPU checks), the per-family
+# engine sweep (bf16, eager and compiled pools vs each family's diffusers pipeline; its models
+# are built on the CPU while the tests run), then, with FULL=1, the FLUX.1-dev figures (a
+# ~24 GB build) in what time is left. Everything lands in $OUT (default ./gpu-suite-out):
+# one log per part, timings.log, the sweep's bench.md / bench.json. Exit status 1 when a part
+# failed or had no time left to run.
+#   bash benchmarks/gpu_suite.sh
+#   FAMILIES=flux,wan LIMIT=300 bash benchmarks/gpu_suite.sh    # a subset, a shorter slot
+#   FULL=1 LIMIT=1500 bash benchmarks/gpu_suite.sh              # also the FLUX.1-dev figures
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-suite-out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-status=0
+LIMIT="${LIMIT:-480}"
+TESTS_MAX="${TESTS_MAX:-270}"  # the tests' share, so the sweep keeps ~3 minutes
 PY="${PYTHON:-python3}"
-bench() { "$PY" -m comfyui_xdit bench --engine --preset flux-dev --device cuda "$@"; }
-bench --build-only 2>&1 | tail -1
-if [ -z "${SKIP_TESTS:-}" ]; then
-  "$PY" -m pytest -q -s -p no:cacheprovider tests/test_gpu_shared.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+start=$SECONDS
+status=0
+left() { echo $((LIMIT - (SECONDS - start))); }
+
+part() {  # part NAME SECONDS COMMAND...: run it under a time limit, log its output and time
+  local name=$1 limit=$2 t=$SECONDS rc
+  shift 2
+  if [ "$limit" -lt 20 ]; then
+    echo "$name: not run, ${limit} s left" | tee -a "$OUT/timings.log"
+    status=1
+    return
+  fi
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  rc=${PIPESTATUS[0]}
+  echo "$name: exit $rc, $((SECONDS - t)) s (limit $limit s)" | tee -a "$OUT/timings.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+sweep() { "$PY" -m comfyui_xdit bench --engine --families "${FAMILIES:-all}" --device cuda "$@"; }
+: >"$OUT/timings.log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.txt" 2>&1
+OMP_NUM_THREADS=8 sweep --build-only --out "$OUT/engine-families-build" \
+  >"$OUT/engine-families-build.log" 2>&1 &
+builder=$!
+
+tests_limit=$(left)
+[ "$tests_limit" -gt "$TESTS_MAX" ] && tests_limit=$TESTS_MAX
+part gpu_tests "$tests_limit" "$PY" -m pytest -q -s -p no:cacheprovider \
+  tests/test_gpu_families.py tests/test_gpu_shared.py
+wait "$builder" || { echo "engine-families-build: failed (see its log)" | tee -a "$OUT/timings.log"; status=1; }
+part engine_families "$(left)" sweep --compile --budget $(($(left) - 25)) --out "$OUT/engine-families"
+
+if [ -n "${FULL:-}" ]; then
+  flux() { "$PY" -m comfyui_xdit bench --engine --preset flux-dev --device cuda "$@"; }
+  part flux_dev_build "$(left)" flux --build-only
+  part engine_bf16 "$(left)" flux --compile --out "$OUT/engine-bf16"
+  part engine_fp8_compute "$(left)" flux --weights fp8 --out "$OUT/engine-fp8-compute"
+  XDIT_FP8_COMPUTE=off part engine_fp8_upcast "$(left)" flux --weights fp8 \
+    --out "$OUT/engine-fp8-upcast"
+else
+  echo "flux-dev figures: skipped (FULL=1 runs them: a ~24 GB build)" | tee -a "$OUT/timings.log"
 fi
-bench --compile --out "$OUT/engine-bf16" 2>&1 | tee "$OUT/engine-bf16.log" || status=1
-bench --weights fp8 --out "$OUT/engine-fp8-compute" 2>&1 | tee "$OUT/engine-fp8-compute.log" || status=1
-XDIT_FP8_COMPUTE=off bench --weights fp8 --out "$OUT/engine-fp8-upcast" 2>&1 \
-  | tee "$OUT/engine-fp8-upcast.log" || status=1
+echo "total: $((SECONDS - start)) s, exit $status" | tee -a "$OUT/timings.log"
 exit $status

@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 METER = "benchmarks.comm_meter:install"
 
@@ -359,3 +361,181 @@ def test_bench_video_quick(tmp_path):
     for c in rep["checks"]:
         assert all(abs(x - 1.0) < 1e-9 for x in c["ratio"]), c  # exact: no tolerance needed
     assert "Within 10% of theory: yes" in (out / "bench.md").read_text()
+
+
+# ---- the family sweep (benchmarks/engine_families.py) ------------------------------------------
+def _sweep_args(tmp_path, *extra):
+    from benchmarks.cli import parser
+    return parser().parse_args(["--engine", "--out", str(tmp_path / "out"),
+                                "--model-cache", str(tmp_path / "cache"), *extra])
+
+
+def _by_kind():
+    """(an image family, a video family, another family) of the registry, in its order."""
+    from benchmarks.engine_families import _families
+    fams = _families()
+    image = next(f for f in fams.IDS if not fams.family(f).latent.video)
+    video = next(f for f in fams.IDS if fams.family(f).latent.video)
+    other = next(f for f in fams.IDS if f not in (image, video))
+    return fams, image, video, other
+
+
+def test_engine_families_quick_has_a_row_per_family(tmp_path, monkeypatch):
+    """`bench --engine --families A,B,C --quick --compile --budget ...` in this process: an
+    image and a video family at tiny widths run diffusers and the eager pool (one row per
+    step on both sides: no CFG); a third whose builder refuses the width is listed with the
+    reason, not dropped; the compiled stages, given no time, are listed as not run (time
+    budget); exit 0 (nothing failed); bench.md has a row for each of the three."""
+    import benchmarks.engine_families as ef
+
+    fams, image, video, refused = _by_kind()
+    real_build = ef.build
+
+    def build(row, cache, dtype):
+        if row["family"] == refused:
+            raise ValueError("cannot make this width (test)")
+        return real_build(row, cache, dtype)
+    monkeypatch.setattr(ef, "build", build)
+    monkeypatch.setitem(ef.NEEDS, "pool_compiled", (10 ** 9, 0))
+    monkeypatch.setitem(ef.NEEDS, "diffusers_compiled", (10 ** 9, 0))
+    args = _sweep_args(tmp_path, "--quick", "--compile", "--budget", "1e6", "--families",
+                       f"{image},{video},{refused}")
+    assert ef.main_section(args) == 0
+    out = tmp_path / "out"
+    rep = json.loads((out / "bench.json").read_text())["engine_families"]
+    rows = {r["family"]: r for r in rep["rows"]}
+    assert list(rows) == [image, video, refused]
+    j = rep["job"]
+    for fid in (image, video):
+        r = rows[fid]
+        lat = fams.family(fid).latent
+        h, w = j["video"] if lat.video else j["image"]
+        side = lat.pixels_per_token
+        assert r["tokens"] == lat.latent_frames(j["frames"]) * (h // side) * (w // side)
+        assert r["status"] == "ran" and (r["heads"], r["head_dim"]) == (2, 16)
+        for stage in ("diffusers", "pool_eager"):
+            run = r["runs"][stage]
+            assert run["status"] == "ran", (fid, stage, run)
+            assert all(math.isfinite(x) for x in run["step_s_all"])
+        assert r["runs"]["diffusers"]["rows_per_step"] == 1.0, r["runs"]["diffusers"]
+        assert r["runs"]["pool_eager"]["compiles_first_job"] == 0
+        assert math.isfinite(r["runs"]["pool_eager"]["vs_diffusers"])
+        for stage in ("pool_compiled", "diffusers_compiled"):
+            assert r["runs"][stage]["status"] == "not run"
+            assert r["runs"][stage]["reason"].startswith("time budget")
+    r = rows[refused]
+    assert r["status"] == "not run" and "cannot make this width (test)" in r["reason"]
+    assert {v["status"] for v in r["runs"].values()} == {"not run"}
+    md = (out / "bench.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")][1:]
+    assert [line.split("(`")[1].split("`)")[0] for line in table] == [image, video, refused]
+    assert "cannot make this width (test)" in md and "time budget" in md
+
+
+def test_engine_families_plan_lists_every_family(tmp_path, monkeypatch):
+    """`--families all --plan`: a row per registry family, nothing built. A family with a
+    preset gets its released heads x head_dim, the builder's width-following entries set to
+    the released values (never listed as kept small) and its transformer sized on the meta
+    device; one without a preset is listed as not run, saying so."""
+    import benchmarks.engine_families as ef
+
+    fams, _, _, no_preset = _by_kind()
+    real = ef.release
+    monkeypatch.setattr(ef, "release", lambda fid: None if fid == no_preset else real(fid))
+    rep = ef.run(_sweep_args(tmp_path, "--families", "all", "--plan"), log=lambda m: None)
+    rows = {r["family"]: r for r in rep["rows"]}
+    assert list(rows) == list(fams.IDS)
+    r = rows[no_preset]
+    assert r["status"] == "not run" and "no memory-plan preset" in r["reason"]
+    planned = [r for r in rows.values() if r["status"] == "planned only (--plan)"]
+    assert planned
+    for r in planned:
+        rel = r["release"]
+        assert (r["heads"], r["head_dim"]) == (rel["heads"], rel["head_dim"]), r["family"]
+        assert r["width"] == r["heads"] * r["head_dim"] and r["transformer_params"] > 0
+        assert r["blocks"] < rel["blocks"] and "model" not in r
+        assert all(rel["config"][k] == v for k, v in r["overrides"].items())
+        assert not set(r["overrides"]) & set(r["kept_small"])
+    # only the small probe builds were written (no model at a released width)
+    assert all(f.stat().st_size < 200e6
+               for f in (tmp_path / "cache").glob("*/transformer/*.safetensors"))
+    md = ef.markdown(rep)
+    assert all(f"(`{fid}`)" in md for fid in fams.IDS)
+
+
+def test_engine_families_failures_exit_1(tmp_path, monkeypatch, capsys):
+    """A run that failed makes the sweep exit 1 and is named (stderr and bench.md); one that
+    was not run does not."""
+    import benchmarks.engine_families as ef
+
+    fams, image, video, _ = _by_kind()
+    rep = dict(device="cpu", dtype="fp32", quick=True, compile=False,
+               job=dict(ef.QUICK, depth=1, text_tokens=ef.TEXT_TOKENS), rows=[
+                   dict(family=image, name=image, video=False, status="ran", runs={
+                       "diffusers": dict(status="failed", reason="RuntimeError: boom")}),
+                   dict(family=video, name=video, video=True, status="not run",
+                        reason="no preset", runs={})])
+    monkeypatch.setattr(ef, "run", lambda args, log, write=None: rep)
+    assert ef.main_section(_sweep_args(tmp_path, "--families", "all")) == 1
+    assert f"error: {image}: diffusers: RuntimeError: boom" in capsys.readouterr().err
+    assert ef.failed(rep) == [(image, "diffusers: RuntimeError: boom")]
+    rep["rows"] = rep["rows"][1:]
+    assert ef.main_section(_sweep_args(tmp_path, "--families", "all")) == 0
+
+
+def test_engine_families_refuses_unknown_families_and_cpu_at_released_widths(tmp_path):
+    from benchmarks.engine_families import family_ids, run
+    from comfyui_xdit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="known: all, "):
+        family_ids("no_such_family")
+    with pytest.raises(ConfigError, match="needs --device cuda"):
+        run(_sweep_args(tmp_path, "--families", "all"), log=lambda m: None)
+
+
+def test_tiny_model_transformer_entries_and_dtype(tmp_path):
+    """The builders' generic knobs the sweep uses: `transformer` entries reach the family's
+    transformer class only (text._seeded), enter the cache key only when given, and the
+    folder records them; `dtype` saves the weights in that dtype; planned_transformer's meta
+    build is the config a real build writes."""
+    import torch
+    from safetensors import safe_open
+
+    from benchmarks.engine_families import geometry_keys
+    from comfyui_xdit.testmodels import text, tiny_model
+
+    arch = tiny_model.ARCHS[0]
+    knobs = dict(heads=2, width=32, depth=1)
+    plain = tiny_model.resolve_config(arch, **knobs)
+    assert "transformer" not in plain and "dtype" not in plain
+    assert plain == tiny_model.resolve_config(arch, transformer={}, dtype="fp32", **knobs)
+    base = tiny_model.ensure_tiny_model(arch, tmp_path, **knobs)
+    cfg = json.loads((base / "transformer" / "config.json").read_text())
+    planned, params = tiny_model.planned_transformer(arch, **knobs)
+    assert {k: v for k, v in cfg.items() if not k.startswith("_")} == \
+        {k: v for k, v in planned.items() if not k.startswith("_")} and params > 0
+    keys = geometry_keys(arch, tmp_path)
+    assert keys  # some entries follow the width (the heads and head dim at least)
+    entries = {k: cfg[k] for k in sorted(keys)}
+    made = tiny_model.ensure_tiny_model(arch, tmp_path, transformer=entries, dtype="bf16",
+                                        **knobs)
+    assert made != base
+    info = json.loads((made / "tiny_model.json").read_text())
+    assert info["transformer"] == entries and info["dtype"] == "bf16"
+    for f in (made / "transformer").glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as fh:
+            assert {fh.get_tensor(k).dtype for k in fh.keys()} == {torch.bfloat16}
+    old = dict(text.CONFIG_OVERRIDES)
+    try:
+        text.CONFIG_OVERRIDES["Linear"] = {"bias": False}
+        assert text._seeded(0, 1, torch.nn.Linear, 4, 3).bias is None
+        assert text._seeded(0, 1, torch.nn.Embedding, 4, 3).weight.shape == (4, 3)
+    finally:
+        text.CONFIG_OVERRIDES.clear()
+        text.CONFIG_OVERRIDES.update(old)
+
+
+def test_gpu_suite_script_parses():
+    proc = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
