@@ -579,3 +579,38 @@ def test_comfyui_own_model_from_the_file_equals_the_pool(comfy_file, layout_pool
         assert (theirs["model"], theirs["config"], theirs["shift"], theirs["latent"]) == (
             "HunyuanVideo15", "HunyuanVideo15", 7.0, "HunyuanVideo15")
         check(den(**call), theirs["out"], f"ComfyUI's own model vs the pool, i2v {i2v}")
+
+
+# ---- the step cache and PipeFusion ------------------------------------------------------------
+def test_step_cache_decides_alike_at_one_rank_and_ulysses(folders, layout_pools):
+    """The step cache over the dual-stream blocks (which return (context, video) in the
+    pool: the order its segments read): it skips, stays near the exact run, and gives the
+    1-rank latent and counts under Ulysses 2 (uneven video and context shards)."""
+    cache = {"threshold": 0.5, "warmup": 1, "head": 1, "tail": 0, "max_skips": 3}
+    req = request([A, B], 3.0, steps=6, cache=cache)
+    one = layout_pools.get(folders["t2v"], ParallelConfig())
+    res = one.generate(req)
+    counts = res.stats[0]["cache"]
+    assert counts["skipped"] > 0 and counts["computed"] > 0, counts
+    exact = one.generate(request([A, B], 3.0, steps=6)).samples
+    d = float((res.samples - exact).abs().max())
+    assert 0 < d < 0.5 * float(exact.abs().max()), f"cached vs exact {d}"
+    other = layout_pools.get(folders["t2v"], ParallelConfig(ulysses=2),
+                             worker_hooks=[NCCL_RULES, HOST_SYNCS]).generate(req)
+    check(other.samples, res.samples, "step cache, ulysses 2 vs 1 rank")
+    assert all(st["cache"] == counts for st in other.stats), [st["cache"] for st in other.stats]
+
+
+def test_pipefusion_warmup_is_exact_and_pipelined_close(folders, layout_pools):
+    """PipeFusion 2 (the blocks in two stages; a non-first stage's patches read one-step
+    stale K/V): with every step a warmup step it equals 1 rank; pipelined (warmup 1) it is
+    close but not equal (the stale K/V), for prompts of different context lengths and CFG."""
+    req = request([A, B], 3.0, steps=4)
+    base = layout_pools.get(folders["t2v"], ParallelConfig()).generate(req).samples
+    pool = layout_pools.get(folders["t2v"], ParallelConfig(pipefusion=2, warmup_steps=4))
+    check(pool.generate(req).samples, base, "pipefusion 2, warmup 4")
+    pool.reconfigure(ParallelConfig(pipefusion=2, warmup_steps=1))
+    piped = pool.generate(req).samples
+    d = float((piped - base).abs().max())
+    print(f"pipefusion 2, warmup 1 (stale K/V): max abs diff {d:.2e}")
+    assert torch.isfinite(piped).all() and 1e-5 < d < 0.1 * float(base.abs().max())

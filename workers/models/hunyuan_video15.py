@@ -19,7 +19,8 @@ diffusers' forward reads the masks on the host (boolean indexing per row, a test
 states for zeros), so it is replaced by `split_forward`, which runs the transformer's own
 modules on the compacted context (installed as the transformer's forward at load, so the
 sequence-parallel hooks, the step cache's gates, weight sharding, LoRA and compile see the
-usual module tree). Under sequence parallelism both streams are split once, after the
+usual module tree; its blocks return (context, video) as the pack's other joint blocks do:
+`text_first_outputs`). Under sequence parallelism both streams are split once, after the
 context is built: the video tokens and their RoPE table (image stream), the context (text
 stream); the blocks run on the shards, the joint attention over every rank's keys (its result
 does not depend on the order of the keys), the output projection's tokens are gathered.
@@ -179,11 +180,32 @@ def split_forward(self, hidden_states, timestep, encoder_hidden_states, text_len
         x, context = plan.shard(x, 1, "image"), plan.shard(context, 1, "text")
         rope = tuple(plan.shard(f, 0, "image") for f in rope)
     attend = Attend(plan, real)
-    for block in self.transformer_blocks:
-        x, context = block(x, context, temb, attend, rope)
+    for block in self.transformer_blocks:  # (context, video) out: `text_first_outputs`
+        context, x = block(hidden_states=x, encoder_hidden_states=context, temb=temb,
+                           attention_mask=attend, freqs_cis=rope)
     x = self.proj_out(self.norm_out(x, temb))  # gathered by the layout's hook
     out = x.reshape(b, frames, h, w, -1).permute(0, 4, 1, 2, 3)
     return (out,)
+
+
+def _text_first_forward(self, hidden_states, encoder_hidden_states, temb,
+                        attention_mask=None, freqs_cis=None):
+    """A dual-stream block's stock forward, its outputs as (context, video): the order every
+    other joint block of the pack returns (FLUX's, SD3's, Qwen-Image's), which the step
+    cache's segments read (workers/sampling/step_cache.py)."""
+    hidden, context = type(self).forward(self, hidden_states, encoder_hidden_states, temb,
+                                         attention_mask, freqs_cis)
+    return context, hidden
+
+
+def text_first_outputs(transformer) -> None:
+    """Every dual-stream block of `transformer` returns (context, video) (its instance's
+    forward: `_text_first_forward`); idempotent."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import \
+        HunyuanVideo15TransformerBlock
+    for block in transformer.transformer_blocks:  # not PipeFusion's stand-ins for others'
+        if isinstance(block, HunyuanVideo15TransformerBlock) and "forward" not in block.__dict__:
+            block.forward = types.MethodType(_text_first_forward, block)
 
 
 def _token_counts(transformer, kw):
@@ -396,6 +418,7 @@ class HunyuanVideo15Adapter(DiTAdapter):
         family = self.family
         family.check_config({**family.config_defaults, **dict(transformer.config)})
         transformer.forward = types.MethodType(split_forward, transformer)
+        text_first_outputs(transformer)
         model = super().assemble(path, transformer, report, device, dtype, False,
                                  text_encoders, stage_info)
         if with_text_encoders and os.path.isdir(path):
