@@ -293,7 +293,7 @@ def test_reference_latents_checked():
     assert any("has 32 channels; Qwen-Image uses 16" in p
                for p in problems(torch.zeros(1, 32, 1, 8, 6)))
     assert any("must be even" in p for p in problems(torch.zeros(1, 16, 1, 7, 6)))
-    assert any("'offset' is not one of ['index'] for Qwen-Image" in p
+    assert any("'offset' is not one of ['index', 'index_timestep_zero'] for Qwen-Image" in p
                for p in problems(torch.zeros(1, 16, 1, 8, 6), method="offset"))
     req = GenerationRequest(prompt=["x"], reference_latents=[torch.zeros(1, 16, 1, 8, 6)])
     assert req.reference_tokens() == 12

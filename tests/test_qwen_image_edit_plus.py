@@ -257,18 +257,22 @@ def test_batch_rows_are_independent(folders, layout_pools, oracle):
 
 def test_comfy_conditioning_references(folders, layout_pools, oracle):
     """What TextEncodeQwenImageEditPlus gives the sampler: CONDITIONING whose options carry
-    both raw reference latents (frame axis kept), on the positive and the negative."""
+    both raw reference latents (frame axis kept), on the positive and the negative, with
+    ComfyUI's 2511 method name."""
     from comfyui_xdit.nodes.operations import SampleInputs, build_job
     from comfyui_xdit.planning.model_info import read_model_info
     o = oracle("edit-2511")
     info = read_model_info(folders["edit-2511"])
     h, w = SIZE
-    refs = {"reference_latents": list(o["raws"])}
+    # ComfyUI's 2511 workflows may name the method (FluxKontextMultiReferenceLatentMethod)
+    refs = {"reference_latents": list(o["raws"]),
+            "reference_latents_method": "index_timestep_zero"}
     inputs = SampleInputs(latent={"samples": torch.zeros(1, 16, 1, h // 8, w // 8)},
                           seed=SEED, steps=STEPS, cfg=CFG, positive=[[o["pos"], dict(refs)]],
                           negative=[[o["neg"], dict(refs)]])
     req, kw = build_job(inputs, "qwen_image", model=info)
     assert len(req.reference_latents) == 2 and req.problems(info) == []
+    assert req.reference_method == "index_timestep_zero"
     pool = layout_pools.get(folders["edit-2511"], ParallelConfig(ring=2))
     check(pool.generate(req, **kw).samples, o["want"], "2511 ComfyUI CONDITIONING")
 
@@ -323,3 +327,28 @@ def test_model_call_2511_equals_the_transformer(folders, pipes, layout_pools):
     want = edit_model_reference(tr, call["x"], call["timestep"], call["context"],
                                 call["ref_latents"])
     check(den(**call), want, "2511 MODEL")
+    check(den(**call, ref_latents_method="index_timestep_zero"), want,
+          "2511 MODEL index_timestep_zero")
+
+
+def test_timestep_zero_method_needs_a_2511_transformer():
+    """ComfyUI's `index_timestep_zero` on a transformer without zero_cond_t (2509, the
+    first Edit) is refused in one line, on the sampler path (rank 0, before any step) and
+    the MODEL path alike; `index` runs on both."""
+    from types import SimpleNamespace
+
+    from comfyui_xdit.client.worker_modules import worker_module
+    mod = worker_module("models.qwen_image")
+    adapter = mod.QwenImageAdapter()
+    plain = SimpleNamespace(config=SimpleNamespace(zero_cond_t=False))
+    zero = SimpleNamespace(config=SimpleNamespace(zero_cond_t=True))
+    with pytest.raises(ValueError, match="needs a Qwen-Image-Edit 2511 transformer"):
+        adapter._check_method("index_timestep_zero", plain)
+    for method, tr in (("index_timestep_zero", zero), ("index", plain), ("index", zero)):
+        adapter._check_method(method, tr)
+    extra = dict(img_shape=(1, 2, 2), ref_tokens=torch.zeros(1, 4, 64),
+                 **adapter.reference_extra({}, [(4, 4)], "index_timestep_zero", 32, 32, "cpu"))
+    with pytest.raises(ValueError, match="needs a Qwen-Image-Edit 2511 transformer"):
+        adapter.with_references(torch.zeros(1, 4, 64), extra, zero_cond=False)
+    hidden, shapes, n = adapter.with_references(torch.zeros(1, 4, 64), extra, zero_cond=True)
+    assert hidden.shape == (1, 8, 64) and shapes == [(1, 2, 2), (1, 2, 2)] and n == 4

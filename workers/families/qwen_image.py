@@ -161,8 +161,10 @@ FAMILY = Family(
     # reference images (QwenImageEditPipeline / QwenImageEditPlusPipeline; ComfyUI's
     # ReferenceLatent / TextEncodeQwenImageEdit(Plus)): each reference's tokens follow the
     # target's, at frame k of RoPE's first axis, rows and columns centred on the reference's
-    # own size (2511's zero_cond_t: modulated at timestep 0, the target at the step's)
-    reference_methods=("index",), reference_image_size=edit_size,
+    # own size (2511's zero_cond_t: modulated at timestep 0, the target at the step's;
+    # ComfyUI's method name for that, index_timestep_zero, is taken where the transformer
+    # has it)
+    reference_methods=("index", "index_timestep_zero"), reference_image_size=edit_size,
     pipefusion_references=False,  # img_shapes: the target's tokens first, then each reference
     released=released, detect_order=40, pipeline_of=pipeline_of,
     lora_formats="diffusers/PEFT, kohya (lora_unet_) or ComfyUI (diffusion_model.)",

@@ -82,6 +82,9 @@ EDIT_PROMPTS = ("a Qwen-Image-Edit folder encodes each prompt together with its 
                 "QwenImageEditPipeline.encode_prompt(prompt, image=...))")
 EDIT_ONE_IMAGE = ("QwenImageEditPipeline encodes the prompt with one reference image; got "
                   "{n}: give one image")
+ZERO_COND_ONLY = ("reference method 'index_timestep_zero' (references at timestep 0) needs a "
+                  "Qwen-Image-Edit 2511 transformer (zero_cond_t), which this model is not: "
+                  "use 'index'")
 EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 
 
@@ -199,7 +202,8 @@ class QwenImageAdapter(DiTAdapter):
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         b = latents.shape[0]
         kwargs = dict(self.attention_kwargs(cond, jak) or {})
-        hidden, shapes, n = self.with_references(latents, extra)
+        hidden, shapes, n = self.with_references(
+            latents, extra, getattr(model.transformer.config, "zero_cond_t", False))
         self._modulation_follows_shards(model.transformer)
         out = model.transformer(
             hidden_states=hidden, timestep=t.expand(b).to(latents.dtype) / 1000,
@@ -209,7 +213,7 @@ class QwenImageAdapter(DiTAdapter):
 
     # ---- reference images (Qwen-Image-Edit) --------------------------------------------
     @staticmethod
-    def with_references(latents, extra):
+    def with_references(latents, extra, zero_cond=True):
         """(the image stream, its img_shapes entries, how many output tokens are the
         latent's prediction (None: all)). As QwenImageEditPipeline and ComfyUI's model do,
         each reference's tokens (`extra["ref_tokens"]` [1 or B, M, 64]) follow the latent's
@@ -225,16 +229,24 @@ class QwenImageAdapter(DiTAdapter):
             raise ValueError("PipeFusion does not run Qwen-Image references (its RoPE "
                              "places them after the image); use USP, CFG or data parallel")
         shapes += [tuple(s) for s in extra["ref_shapes"]]
+        if extra.get("ref_method") == "index_timestep_zero" and not zero_cond:
+            raise ValueError(ZERO_COND_ONLY)
         hidden = torch.cat([latents, refs.expand(latents.shape[0], -1, -1)], 1)
         return hidden, shapes, latents.shape[1]
 
     def reference_methods(self) -> tuple:
         return self.family.reference_methods
 
-    def _check_method(self, method) -> None:
+    def _check_method(self, method, transformer=None) -> None:
+        """`index_timestep_zero` (ComfyUI's name for 2511's references at timestep 0) runs
+        only where the transformer does that itself (`zero_cond_t`); `index` on such a
+        transformer still gives timestep 0 (the request's default resolves to `index`)."""
         if method is not None and method not in self.reference_methods():
             raise ValueError(f"reference method {method!r} is not one of "
                              f"{list(self.reference_methods())} for {self.family.name}")
+        if method == "index_timestep_zero" and transformer is not None \
+                and not getattr(transformer.config, "zero_cond_t", False):
+            raise ValueError(ZERO_COND_ONLY)
 
     @staticmethod
     def reference_shapes(sizes) -> tuple:
@@ -245,14 +257,14 @@ class QwenImageAdapter(DiTAdapter):
     def reference_extra(self, extra, sizes, method, height, width, device) -> dict:
         """The MODEL path's forward inputs for references of `sizes` (latent pixels)."""
         self._check_method(method)
-        return {"ref_shapes": self.reference_shapes(sizes)}
+        return {"ref_shapes": self.reference_shapes(sizes), "ref_method": method}
 
     def reference_inputs(self, model, raws, method, height, width) -> dict:
         """References as ComfyUI LATENTs (raw VAE space [1 or B, 16, (1,) h, w], h and w
         even) -> {"tokens": [1 or B, M, 64] model space ((raw - mean) / std, packed, as
         QwenImageEditPipeline encodes its image and ComfyUI's process_in does), "shapes":
         their img_shapes entries} (CPU, fp32)."""
-        self._check_method(method)
+        self._check_method(method, model.transformer)
         channels = int(model.transformer.config.in_channels) // 4
         for i, r in enumerate(raws):
             framed = torch.is_tensor(r) and r.dim() == 5 and r.shape[2] == 1
