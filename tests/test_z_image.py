@@ -14,6 +14,7 @@ ComfyUI's cfg c is ZImagePipeline's guidance_scale c - 1 (CFG off for c <= 1).
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -178,13 +179,6 @@ def test_two_rank_methods_equal_the_pipeline(model_dir, layout_pools, oracle, na
             continue
         req = request(prompts)
         check(pool.generate(req).samples, oracle(req), f"{name}, {len(prompts)} prompt(s)")
-
-
-@pytest.mark.parametrize("name", list(FOUR_RANKS))
-def test_four_rank_methods_equal_the_pipeline(model_dir, layout_pools, oracle, name):
-    pool = layout_pools.get(model_dir(ARCH), FOUR_RANKS[name], tag="nccl", worker_hooks=NCCL)
-    req = request([A, B])
-    check(pool.generate(req).samples, oracle(req), f"{name}, 2 prompts")
 
 
 def test_decoded_image_equals_the_pipeline(model_dir, layout_pools, pipe):
@@ -404,6 +398,13 @@ def test_lora_files_equal_load_lora_weights(model_dir, layout_pools, tmp_path):
         check(got, want, f"LoRA {path.name}")
 
 
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_four_rank_methods_equal_the_pipeline(model_dir, layout_pools, oracle, name):
+    pool = layout_pools.get(model_dir(ARCH), FOUR_RANKS[name], tag="nccl", worker_hooks=NCCL)
+    req = request([A, B])
+    check(pool.generate(req).samples, oracle(req), f"{name}, 2 prompts")
+
+
 # ---- the memory plan: preset `z-image` and a folder, padded sequences ----------------------
 def test_memory_plan_reads_z_image(model_dir):
     """The preset's transformer is Z-Image-Turbo's ~6.15 B parameters (30 heads x 128, Qwen3
@@ -423,3 +424,224 @@ def test_memory_plan_reads_z_image(model_dir):
     assert (tiny.heads, tiny.hidden, tiny.context_dim, len(tiny.blocks)) == (4, 64, 32, 6)
     assert ma.job_tokens(folder, ma.JobSize(height=H, width=W, text_tokens=22)) == 32 + 32
     assert ma.job_tokens(facts, ma.JobSize()) == 4096 + 512
+
+
+# ---- PipeFusion: exact with full warmup, and against its stale-K/V oracle ------------------
+# The tiny model has 2 + 2 refiner blocks and 2 main blocks: the refiners and one main block
+# on stage 0 (Z-Image's refiners take the image and the text apart; the adapter refuses a
+# split that cuts them), the other main block on stage 1.
+PF_SPLIT = "5,1"
+PF_STEPS, PF_WARMUP = 4, 1
+
+
+def bands(rows: int, patches: int) -> list:
+    """Row bands of near-equal height; the first rows % patches bands one row taller."""
+    out, r = [], 0
+    for i in range(patches):
+        n = rows // patches + (1 if i < rows % patches else 0)
+        out.append((r, r + n))
+        r += n
+    return out
+
+
+class _Band:
+    """One attention call's part of the band forward (passed to the stock blocks as their
+    attention mask, which they hand to the processor): the cache it reads (`kind`), the cache
+    positions of its tokens, and per row the cache positions it may attend to."""
+
+    def __init__(self, kind, positions, keep):
+        self.kind, self.positions, self.keep = kind, positions, keep
+
+
+class StaleKVProcessor:
+    """Z-Image's attention (the stock processor's projections, norms and RoPE, written with
+    diffusers' apply_rotary_emb) whose keys and values come from a cache of the layer's full
+    sequence per guidance branch: a forward writes its fresh K/V into their positions, then
+    its queries attend to the cache (each row to its own keys). `refresh=False`: after the
+    first (warmup) forward nothing is written (the negative control)."""
+
+    def __init__(self, oracle):
+        self.oracle = oracle
+        self.caches = {}
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 freqs_cis=None):
+        import torch.nn.functional as F
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        band, o = attention_mask, self.oracle
+        q, k, v = (f(hidden_states).unflatten(-1, (attn.heads, -1))
+                   for f in (attn.to_q, attn.to_k, attn.to_v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q = apply_rotary_emb(q, freqs_cis, use_real=False)
+        k = apply_rotary_emb(k, freqs_cis, use_real=False)
+        key = (id(attn), o.branch)
+        full = band.keep.shape[1]
+        if key not in self.caches:
+            self.caches[key] = (k.new_zeros(k.shape[0], full, *k.shape[2:]),
+                                v.new_zeros(v.shape[0], full, *v.shape[2:]))
+        ck, cv = self.caches[key]
+        if o.write:
+            ck[:, band.positions], cv[:, band.positions] = k, v
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), ck.transpose(1, 2),
+                                             cv.transpose(1, 2),
+                                             attn_mask=band.keep[:, None, None, :])
+        out = attn.to_out[0](out.transpose(1, 2).flatten(2, 3))
+        return out
+
+
+class ZImagePipelined:
+    """PipeFusion's pipelined algorithm for Z-Image, in one process from diffusers' modules
+    alone (nothing from workers/): steps before `warmup` run the whole image in one forward;
+    later steps run the row bands one after another, band 0 first. A band's forward computes
+    its image tokens, and for band 0 also the image's learned pad tokens and the whole text
+    (text refiner included); every attention layer (image refiner: [image, image pads]; text
+    refiner: the text; main blocks: [image, image pads, text]) reads a K/V cache of its full
+    sequence per guidance branch, refreshed by each forward's own tokens. Positions as the
+    pipeline's (text 1..P, image P + 1, pads 0); CFG as ZImagePipeline (pos + g (pos - neg),
+    negated); each band's rows take the Euler step once its branches are done."""
+
+    def __init__(self, pipe):
+        self.pipe, self.tr = pipe, pipe.transformer
+        self.branch, self.write = 1, True
+        self.proc = StaleKVProcessor(self)
+
+    def _cond(self, prompts, msl):
+        with torch.no_grad():
+            return self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False,
+                                           max_sequence_length=msl)[0]
+
+    def forward(self, x, t, caps, band, with_text):
+        """The prediction of latent rows band (token rows r0..r1) of x [B, 16, h, w]."""
+        tr, (r0, r1) = self.tr, band
+        b, _, h, w = x.shape
+        rows, cols = h // 2, w // 2
+        n, pad = rows * cols, (-(rows * cols)) % 32
+        p_text = [len(c) + (-len(c)) % 32 for c in caps]
+        text = max(p_text)
+        adaln = tr.t_embedder(t * tr.t_scale).type_as(x)
+        tokens = torch.stack([tr._patchify_image(xi[:, None, 2 * r0:2 * r1], 2, 1)[0]
+                              for xi in x])
+        img = tr.all_x_embedder["2-1"](tokens)
+        ids = [tr.create_coordinate_grid((1, r1 - r0, cols), (p + 1, r0, 0)).flatten(0, 2)
+               for p in p_text]
+        pos_img = torch.arange(r0 * cols, r1 * cols)
+        if with_text:  # band 0 carries the image's pad tokens
+            img = torch.cat([img, tr.x_pad_token.expand(b, pad, -1)], 1)
+            ids = [torch.cat([i, torch.zeros(pad, 3, dtype=i.dtype)]) for i in ids]
+            pos_img = torch.cat([pos_img, torch.arange(n, n + pad)])
+        img_freqs = torch.stack([tr.rope_embedder(i) for i in ids])
+        keep_img = torch.ones(b, n + pad, dtype=torch.bool)
+        keep_txt = torch.stack([torch.arange(text) < p for p in p_text])
+        for layer in tr.noise_refiner:
+            img = layer(img, _Band("image", pos_img, keep_img), img_freqs, adaln)
+        seq, freqs, pos = img, img_freqs, pos_img
+        if with_text:
+            cap = torch.stack([torch.cat([tr.cap_embedder(c), tr.cap_pad_token.expand(
+                p - len(c), -1), torch.zeros(text - p, tr.config.dim)])
+                for c, p in zip(caps, p_text)])
+            txt_ids = tr.create_coordinate_grid((text, 1, 1), (1, 0, 0)).flatten(0, 2)
+            cap_freqs = tr.rope_embedder(txt_ids)[None].expand(b, -1, -1)
+            for layer in tr.context_refiner:
+                cap = layer(cap, _Band("text", torch.arange(text), keep_txt), cap_freqs)
+            seq = torch.cat([img, cap], 1)
+            freqs = torch.cat([img_freqs, cap_freqs], 1)
+            pos = torch.cat([pos_img, n + pad + torch.arange(text)])
+        keep = torch.cat([keep_img, keep_txt], 1)
+        for layer in tr.layers:
+            seq = layer(seq, _Band("joint", pos, keep), freqs, adaln)
+        out = tr.all_final_layer["2-1"](seq[:, :(r1 - r0) * cols], c=adaln)
+        return out.view(b, r1 - r0, cols, 2, 2, -1).permute(0, 5, 1, 3, 2, 4).reshape(
+            b, -1, 2 * (r1 - r0), w)
+
+    def run(self, req, warmup, patches, refresh=True) -> torch.Tensor:
+        pipe, tr = self.pipe, self.tr
+        b = len(req.prompt)
+        x = torch.randn([b, 16, req.height // 8, req.width // 8],
+                        generator=torch.manual_seed(req.seed))
+        pos = self._cond(req.prompt, req.max_sequence_length)
+        branches = {1: pos}
+        g = float(req.cfg) - 1
+        if g > 0:
+            branches[0] = self._cond([req.negative_prompt] * b, req.max_sequence_length)
+        sched = pipe.scheduler
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / req.steps, req.steps).tolist())
+        sigmas, timesteps = sched.sigmas, sched.timesteps
+        attns = [m for m in tr.modules() if hasattr(m, "set_processor")]
+        saved = [m.processor for m in attns]
+        for m in attns:
+            m.set_processor(self.proc)
+        self.proc.caches = {}
+        try:
+            with torch.no_grad():
+                for i in range(req.steps):
+                    t = ((1000 - timesteps[i].expand(b)) / 1000)
+                    whole = i < warmup
+                    self.write = refresh or whole
+                    for j, band in enumerate([(0, req.height // 16)] if whole else
+                                             bands(req.height // 16, patches)):
+                        outs = {}
+                        for br, caps in sorted(branches.items()):
+                            self.branch = br
+                            outs[br] = self.forward(x, t, caps, band, j == 0)
+                        o = outs[1] if g <= 0 else outs[1] + g * (outs[1] - outs[0])
+                        r0, r1 = band
+                        x[:, :, 2 * r0:2 * r1] += (sigmas[i + 1] - sigmas[i]) * -o
+        finally:
+            for m, proc in zip(attns, saved):
+                m.set_processor(proc)
+        vae = pipe.vae.config
+        return x / vae.scaling_factor + vae.shift_factor
+
+
+@pytest.fixture(scope="module")
+def pipelined(pipe):
+    return ZImagePipelined(pipe)
+
+
+def test_pipelined_oracle_is_the_pipeline_where_nothing_is_stale(pipelined, oracle):
+    """The oracle itself: with every step a warmup step (or one band) it is the pipeline."""
+    for prompts, cfg in (([A, B], 3.0), ([C], 1.0)):
+        req = request(prompts, cfg, steps=PF_STEPS)
+        check(pipelined.run(req, PF_STEPS, 2), oracle(req), f"oracle, all warmup, {prompts}")
+        check(pipelined.run(req, 0, 1), oracle(req), f"oracle, one band, {prompts}")
+
+
+def test_pipefusion_with_full_warmup_is_exact(model_dir, layout_pools, oracle):
+    for config in (ParallelConfig(pipefusion=2, warmup_steps=3, pipefusion_split=PF_SPLIT),
+                   ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=3,
+                                  pipefusion_split=PF_SPLIT)):
+        pool = layout_pools.get(model_dir(ARCH), config)
+        req = request([A, B])
+        check(pool.generate(req).samples, oracle(req), f"{config.describe()}, warmup 3 of 3")
+
+
+@pytest.mark.parametrize("prompts,cfg", [([A, B], 3.0), ([C], 1.0)], ids=["2cfg", "1"])
+def test_pipefusion_equals_its_stale_kv_oracle(model_dir, layout_pools, pipelined, oracle,
+                                               prompts, cfg):
+    """PipeFusion 2 (warmup 1 of 4 steps, 2 bands of 3 and 2 token rows) equals the
+    pipelined oracle; negative controls: the oracle without cache refreshes, and the exact
+    result, are both far from it."""
+    config = ParallelConfig(pipefusion=2, warmup_steps=PF_WARMUP, pipefusion_split=PF_SPLIT)
+    req = request(prompts, cfg, steps=PF_STEPS)
+    got = layout_pools.get(model_dir(ARCH), config).generate(req).samples
+    want = pipelined.run(req, PF_WARMUP, 2)
+    check(got, want, f"pipefusion 2 vs its oracle, {len(prompts)} prompt(s), cfg {cfg}")
+    for name, other in (("never refreshed", pipelined.run(req, PF_WARMUP, 2, refresh=False)),
+                        ("exact", oracle(req))):
+        d = float((other - want).abs().max())
+        print(f"{name} vs the oracle: {d:.2e}")
+        assert d > 10 * TOL, name
+
+
+def test_pipefusion_refuses_a_split_through_the_refiners():
+    """The refiners and one main block must sit on stage 0 (checked as a stage is
+    assembled, before any job)."""
+    from comfyui_xdit.client.worker_modules import worker_module
+    stages, z = worker_module("loading.stages"), worker_module("models.z_image")
+    cfg = {"n_refiner_layers": 2}
+    for ranges in (((0, 3), (3, 6)), ((0, 4), (4, 6))):
+        with pytest.raises(ValueError, match="refiner blocks"):
+            z.check_stages(cfg, stages.StageInfo(1, 2, ranges, 6, "balanced"))
+    z.check_stages(cfg, stages.StageInfo(0, 2, ((0, 5), (5, 6)), 6, PF_SPLIT))
+    z.check_stages(cfg, None)

@@ -150,9 +150,10 @@ def split_forward(self, hidden_states, timestep, encoder_hidden_states, text_len
     text = padded(length)
 
     adaln = self.t_embedder(timestep * self.t_scale).type_as(hidden_states)
-    # image: patches, embedded, then the learned pad up to a multiple of 32
+    # image: the learned pads up to a multiple of 32, then the embedded patches (the pads
+    # first, as PipeFusion runs them: context its first patch computes, like the text)
     x = self.all_x_embedder[PATCH](patchify(hidden_states))
-    x = torch.cat([x, self.x_pad_token.to(dtype).expand(b, n_pad - n, -1)], 1)
+    x = torch.cat([self.x_pad_token.to(dtype).expand(b, n_pad - n, -1), x], 1)
     # text: embedded; each row's learned pads up to its own multiple, then zeros (masked)
     cap = self.cap_embedder(encoder_hidden_states)
     cap = torch.stack([torch.cat([_with_pads(cap[i], real[i], row_text[i], self.cap_pad_token),
@@ -162,7 +163,7 @@ def split_forward(self, hidden_states, timestep, encoder_hidden_states, text_len
     rope = self.rope_embedder
     cap_freqs = rope(_text_ids(text, dev)).unsqueeze(0)
     pad_ids = torch.zeros(n_pad - n, 3, device=dev, dtype=torch.int32)
-    by_len = {p: rope(torch.cat([_grid_ids(rows, cols, p + 1, dev), pad_ids]))
+    by_len = {p: rope(torch.cat([pad_ids, _grid_ids(rows, cols, p + 1, dev)]))
               for p in dict.fromkeys(row_text)}
     x_freqs = torch.stack([by_len[p] for p in row_text]) if len(by_len) > 1 else \
         by_len[row_text[0]].unsqueeze(0)
@@ -172,14 +173,20 @@ def split_forward(self, hidden_states, timestep, encoder_hidden_states, text_len
     # whole text on every rank (a text shard may hold only a short row's masked tail, and a
     # ring block without keys has no log-sum-exp to merge), and the text is split after it
     whole_text = lengths is not None and plan is not None and plan.sp_size > 1
+    # PipeFusion: a step's later patches carry no text (their attention reads it cached)
+    with_text = plan is None or plan.selected("text")[1] > 0
     if plan is not None:  # this rank's tokens of each stream
         x, x_freqs = plan.shard(x, 1, "image"), plan.shard(x_freqs, 1, "image")
         if not whole_text:
             cap, cap_freqs = plan.shard(cap, 1, "text"), plan.shard(cap_freqs, 1, "text")
+    # the blocks take the state positionally, the rest by name (PipeFusion's stand-ins for
+    # other stages' blocks pass the state through)
     for layer in self.noise_refiner:
-        x = layer(x, Attend(plan, ("image",)), x_freqs, adaln)
-    for layer in self.context_refiner:
-        cap = layer(cap, Attend(None if whole_text else plan, ("text",), lengths), cap_freqs)
+        x = layer(x, attn_mask=Attend(plan, ("image",)), freqs_cis=x_freqs, adaln_input=adaln)
+    if with_text:
+        for layer in self.context_refiner:
+            cap = layer(cap, attn_mask=Attend(None if whole_text else plan, ("text",), lengths),
+                        freqs_cis=cap_freqs)
     if whole_text:
         cap, cap_freqs = plan.shard(cap, 1, "text"), plan.shard(cap_freqs, 1, "text")
     joint = Attend(plan, ("image", "text"), lengths)
@@ -187,9 +194,20 @@ def split_forward(self, hidden_states, timestep, encoder_hidden_states, text_len
     local = x.shape[1]
     x = torch.cat([x, cap], 1)
     for layer in self.layers:
-        x = layer(x, joint, freqs, adaln)
+        x = layer(x, attn_mask=joint, freqs_cis=freqs, adaln_input=adaln)
     out = self.all_final_layer[PATCH](x[:, :local], c=adaln)  # gathered by the layout
-    return (unpatchify(out[:, :n], h, w),)
+    return (unpatchify(out[:, n_pad - n:], h, w),)
+
+
+def check_stages(cfg: dict, info) -> None:
+    """PipeFusion: the refiners and at least one main block run on the first stage (the
+    refiners take the image and the text apart; the stages pass the joined stream on)."""
+    refiners = 2 * int(cfg["n_refiner_layers"])
+    if info is not None and info.ranges[0][1] <= refiners:
+        raise ValueError(f"PipeFusion: Z-Image's {refiners} refiner blocks and at least one "
+                         f"main block run on the first stage; this split gives it "
+                         f"{info.ranges[0][1]} blocks: use a split whose first count is > "
+                         f"{refiners} (pipefusion_split), or fewer stages")
 
 
 def _token_counts(transformer, kw):
@@ -212,12 +230,21 @@ class ZImageAdapter(DiTAdapter):
         replaces=("ZSingleStreamAttnProcessor",),
     )
 
-    def assemble(self, path, transformer, *args, **kwargs):
+    def assemble(self, path, transformer, report, device, dtype, with_text_encoders,
+                 text_encoders="auto", stage_info=None):
+        """The transformer's forward becomes `split_forward`; a variant the pool does not
+        run, or a PipeFusion split through the refiners, is refused."""
         family = self.family
         cfg = {**family.config_defaults, **dict(transformer.config)}
         family.check_config(cfg)
+        check_stages(cfg, stage_info)
         transformer.forward = types.MethodType(split_forward, transformer)
-        return super().assemble(path, transformer, *args, **kwargs)
+        return super().assemble(path, transformer, report, device, dtype, with_text_encoders,
+                                text_encoders, stage_info)
+
+    def joint_text_tokens(self, cond: dict) -> int:
+        """The text with its learned pads (PipeFusion's plans)."""
+        return padded(cond["encoder_hidden_states"].shape[1])
 
     def latent_rows(self, x, r0, r1, cols):  # [B, 16, h, w], 2x2 latent pixels per token
         return x.narrow(2, 2 * r0, 2 * (r1 - r0))

@@ -60,7 +60,10 @@ class PatchPipeline:
         # step's first patch computes them with the text as one token range, so the plans,
         # shards and caches need no second range (with warmup_steps >= steps: exact)
         refs = prep.extra.get("ref_tokens")
-        self.ref_tokens = 0 if refs is None else int(refs.shape[1])
+        # a family that pads the image to a multiple of tokens (Z-Image's learned pads)
+        # puts the pads first in the image stream: context like the references
+        m, image = adapter.family.pad_multiple, self.rows * self.cols
+        self.ref_tokens = (0 if refs is None else int(refs.shape[1])) + (-image) % m
         self.extras = prep.extras if refs is None else [dict(e, references_first=True)
                                                         for e in prep.extras]
         self.text_len = {b: adapter.joint_text_tokens(c) for b, c in branches.items()}
