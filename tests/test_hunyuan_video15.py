@@ -55,10 +55,12 @@ def oracle(pipes):
     is its guider's (cfg 1 turns the guider off, as the pool's cfg 1 does)."""
     cache = {}
 
-    def run(req: GenerationRequest, image=None) -> torch.Tensor:
-        """`image`: image-to-video from it (the request's size must be the pipeline's)."""
+    def run(req: GenerationRequest, image=None, tag: str = "") -> torch.Tensor:
+        """`image`: image-to-video from it (the request's size must be the pipeline's);
+        `tag`: what else the caller changed in the pipeline (its cache key)."""
         key = (tuple(req.prompt), req.negative_prompt, req.seed, req.steps, req.cfg,
-               req.height, req.width, req.frames, None if image is None else image.tobytes())
+               req.height, req.width, req.frames, None if image is None else image.tobytes(),
+               tag)
         if key in cache:
             return cache[key]
         pipe = pipes["t2v" if image is None else "i2v"]
@@ -614,3 +616,37 @@ def test_pipefusion_warmup_is_exact_and_pipelined_close(folders, layout_pools):
     d = float((piped - base).abs().max())
     print(f"pipefusion 2, warmup 1 (stale K/V): max abs diff {d:.2e}")
     assert torch.isfinite(piped).all() and 1e-5 < d < 0.1 * float(base.abs().max())
+
+
+# ---- LoRA --------------------------------------------------------------------------------------
+def test_lora_equals_the_pipeline_with_it(folders, pipes, layout_pools, oracle, tmp_path):
+    """A diffusers / PEFT LoRA (the dual-stream blocks' and the text refiner's attention
+    projections) through the pool (loaded by HunyuanVideo's LoRA loader: diffusers gives 1.5's
+    pipelines none) equals HunyuanVideo15Pipeline whose transformer holds the same adapter,
+    at 1 rank and Ulysses 2; the base model comes back without it."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save_file
+    pipe = pipes["t2v"]
+    tr = copy.deepcopy(pipe.transformer)
+    torch.manual_seed(0)
+    tr.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                              target_modules=["to_q", "to_k", "add_q_proj", "to_out.0"]))
+    path = tmp_path / "hv15_lora.safetensors"
+    save_file({"transformer." + k: v.contiguous()
+               for k, v in get_peft_model_state_dict(tr).items()}, str(path))
+    req = request([A, B], 3.0, loras=[(str(path), 1.0)])
+    base = pipe.transformer
+    pipe.transformer = tr
+    try:
+        want = oracle(req, tag="lora")
+    finally:
+        pipe.transformer = base
+    plain = oracle(request([A, B], 3.0))
+    assert float((want - plain).abs().max()) > 1e-3  # the LoRA moves the result
+    for config in (ParallelConfig(), ParallelConfig(ulysses=2)):
+        pool = layout_pools.get(folders["t2v"], config)
+        check(pool.generate(req).samples, want, f"LoRA {config.describe()}")
+        check(pool.generate(request([A, B], 3.0)).samples, plain,
+              f"without the LoRA again {config.describe()}")

@@ -54,7 +54,7 @@ class LoraManager:
     def __init__(self, adapter):
         self.adapter = adapter
         self.arch = adapter.arch
-        self.pipeline_class = adapter.pipeline_class
+        self.pipeline_class = adapter.lora_pipeline or adapter.pipeline_class
         self.loaded: dict[str, str] = {}  # adapter name -> path
         self.loads = 0  # LoRA files loaded into the model so far
         self.used = False  # a job has asked for LoRA (then every job re-applies the list)

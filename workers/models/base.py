@@ -82,6 +82,9 @@ class DiTAdapter:
     # more of the folder's components the text-encoding pipeline leaves unloaded (beside
     # the transformer and the VAE): Wan 2.2's second expert
     encoder_skips: tuple = ()
+    # the diffusers pipeline whose LoRA loader reads and loads this family's LoRA files
+    # (workers/loading/lora.py), where the family's own pipelines have none ("": theirs)
+    lora_pipeline = ""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

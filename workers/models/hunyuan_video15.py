@@ -398,6 +398,9 @@ class HunyuanVideo15Adapter(DiTAdapter):
     family = families.FAMILIES["hunyuan_video15"]
     # ComfyUI's name of each diffusers block list (its files convert key by key)
     bfl_blocks = {"transformer_blocks": "double_blocks"}
+    # diffusers gives HunyuanVideo 1.5's pipelines no LoRA loader; HunyuanVideo's reads
+    # diffusers / PEFT files as they are and loads them into any PEFT-ready transformer
+    lora_pipeline = "HunyuanVideoPipeline"
     layout = SequenceLayout(
         split_inputs={},  # split_forward shards both streams itself, once compacted
         split_outputs={},
