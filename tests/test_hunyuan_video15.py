@@ -650,3 +650,19 @@ def test_lora_equals_the_pipeline_with_it(folders, pipes, layout_pools, oracle, 
         check(pool.generate(req).samples, want, f"LoRA {config.describe()}")
         check(pool.generate(request([A, B], 3.0)).samples, plain,
               f"without the LoRA again {config.describe()}")
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def test_bad_input_is_refused_in_one_line(folders, layout_pools):
+    """Frames not 4k + 1, a size off the 16-pixel token grid, a prompt the pipeline would cut
+    (it fills all 1000 Qwen tokens): each refused in one line; the pool stays warm."""
+    from comfyui_xdit.planning.config import ConfigError
+    pool = layout_pools.get(folders["t2v"], ParallelConfig())
+    with pytest.raises((ConfigError, ValueError), match=r"4k \+ 1"):
+        pool.generate(request([A], frames=6))
+    with pytest.raises((ConfigError, ValueError), match="16"):
+        pool.generate(request([A], height=40))
+    with pytest.raises(Exception, match="fills all 1000 Qwen tokens") as err:
+        pool.generate(request([" ".join(["cat"] * 1200)]))
+    assert "\n" not in str(err.value).strip()
+    assert pool.generate(request([A], cfg=1.0, steps=1)).samples.shape[1] == 32
