@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fp8 on sm89+ GPUs unless XDIT_FP8_COMPUTE=off)")
     p.add_argument("--build-only", action="store_true",
                    help="--engine: build (or find) the preset's model in the cache, print its "
-                        "folder and stop (splits the first flux-dev run: ~24 GB written once)")
+                        "folder and stop (splits the first flux-dev run: ~24 GB written once); "
+                        "with --families: every family's model, and the table of what was built")
     p.add_argument("--families", default=None, metavar="all|ID,ID",
                    help="--engine: the family sweep instead of one FLUX-shaped model: each "
                         "registry family at its released attention width (heads x head_dim, "

@@ -29,6 +29,9 @@ holds one model at a time):
 * `pool1_eager`, `pool1_compiled` (`--compile`): a 1-rank WorkerPool;
 * `poolN_*` for each N of `--ranks` above 1: Ulysses N (on CUDA one GPU per rank).
 Ratios: every run against `diffusers` and against the 1-rank pool of the same mode.
+
+`--families` runs every family at its released width instead (benchmarks/engine_families.py,
+which reuses this module's step timing).
 """
 from __future__ import annotations
 

@@ -321,22 +321,32 @@ def measure_pools(rows: list, job: dict, device: str, dtype: str, compile: bool,
 
                 def job_s(steps):
                     res = pool.generate(_request(r, job, steps))
-                    after.append(max((s.get("compile") or {}).get("compiles", 0)
-                                     for s in res.stats))
+                    comp = [s.get("compile") or {} for s in res.stats]
+                    after.append((max(c.get("compiles", 0) for c in comp),
+                                  max(c.get("graph_records", 0) for c in comp)))
                     return max(s["denoise_s"] for s in res.stats)
                 est = _step_estimates(job_s, job)
+                # compiles or CUDA graph captures inside a timed job would be in its time
                 r["runs"][name] = _summary(est, launch_ready_s=pool.last_launch.get("ready_s"),
-                                           compiles_while_timed=sum(after), **warm)
+                                           compiles_while_timed=sum(a for a, _ in after),
+                                           graph_records_while_timed=sum(b for _, b in after),
+                                           **warm)
                 log(f"  {fid} {name}: {r['runs'][name]['step_s_median'] * 1000:.1f} ms/step")
             except Exception as e:
                 r["runs"][name] = _failed(e)
-                log(f"  {fid} {name}: failed: {_line(e)}")
+                log(f"  {fid} {name}: {r['runs'][name]['status']}: {_line(e)}")
     finally:
         for p in pools.values():
             p.close()
 
 
 def _failed(e: BaseException) -> dict:
+    """A run that raised: failed, or not run where the product refuses it (ConfigError: a
+    launch or option it does not take, said in one line)."""
+    from comfyui_xdit.errors import ConfigError
+
+    if isinstance(e, (ConfigError, NotAvailable)):
+        return dict(status="not run", reason=str(e).strip().splitlines()[-1][:300])
     return dict(status="failed", reason=_line(e))
 
 
@@ -444,22 +454,22 @@ def run(args, log, write=None) -> dict:
                 r["runs"][stage] = measure_diffusers(r, job, device, dtype, compile)
                 log(f"  {r['family']} {stage}: "
                     f"{r['runs'][stage]['step_s_median'] * 1000:.1f} ms/step")
-            except NotAvailable as e:
-                r["runs"][stage] = dict(status="not run", reason=str(e))
             except Exception as e:
                 r["runs"][stage] = _failed(e)
-                log(f"  {r['family']} {stage}: failed: {_line(e)}")
+                log(f"  {r['family']} {stage}: {r['runs'][stage]['status']}: {_line(e)}")
             write(report)
 
     def wave(stage, compile):
-        why = budget.short(stage, len(live))
-        if why:
-            skip(live, stage, why)
-        elif live:
+        # as many families as the budget holds, in registry order; the rest not run
+        n = len(live)
+        while n and budget.short(stage, n):
+            n -= 1
+        skip(live[n:], stage, budget.short(stage, n + 1) or "")
+        if n:
             try:
-                measure_pools(live, job, device, dtype, compile, log)
+                measure_pools(live[:n], job, device, dtype, compile, log)
             except Exception as e:
-                for r in live:
+                for r in live[:n]:
                     r["runs"].setdefault(stage, _failed(e))
         write(report)
 
@@ -557,7 +567,13 @@ def markdown(report: dict) -> str:
             other = [f"{r['status']}: {r.get('reason', '')}"]
         elif r["status"].startswith(("planned", "built")):
             other = [r["status"]]
-        L.append(head + ("; " + "; ".join(other) if other else ""))
+        timed = [f"{k}: {v.get('compiles_while_timed', 0)} compiles and "
+                 f"{v.get('graph_records_while_timed', 0)} CUDA graph captures while timed"
+                 for k, v in r["runs"].items() if v.get("compiles_while_timed")
+                 or v.get("graph_records_while_timed")]
+        if "transformer_params" in r:
+            head += f" ({_params(r['transformer_params'])} transformer parameters)"
+        L.append(head + ("; " + "; ".join(other + timed) if other or timed else ""))
         if r.get("overrides"):
             L.append(f"  - released entries set: {_kv(r['overrides'])}")
         if r.get("kept_small"):

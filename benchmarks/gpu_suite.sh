@@ -8,6 +8,7 @@
 # failed or had no time left to run.
 #   bash benchmarks/gpu_suite.sh
 #   FAMILIES=flux,wan LIMIT=300 bash benchmarks/gpu_suite.sh    # a subset, a shorter slot
+#   TESTS_MAX=400 LIMIT=700 bash benchmarks/gpu_suite.sh        # more time for the tests
 #   FULL=1 LIMIT=1500 bash benchmarks/gpu_suite.sh              # also the FLUX.1-dev figures
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,10 +36,13 @@ part() {  # part NAME SECONDS COMMAND...: run it under a time limit, log its out
   [ "$rc" -eq 0 ] || status=1
 }
 
-sweep() { "$PY" -m comfyui_xdit bench --engine --families "${FAMILIES:-all}" --device cuda "$@"; }
+# SWEEP_ARGS: more sweep options (e.g. "--depth 1"; "--quick --device cpu" checks this script)
+SWEEP=("$PY" -m comfyui_xdit bench --engine --families "${FAMILIES:-all}" --device cuda
+  ${SWEEP_ARGS:-})
+FLUX=("$PY" -m comfyui_xdit bench --engine --preset flux-dev --device cuda)
 : >"$OUT/timings.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.txt" 2>&1
-OMP_NUM_THREADS=8 sweep --build-only --out "$OUT/engine-families-build" \
+OMP_NUM_THREADS=8 "${SWEEP[@]}" --build-only --out "$OUT/engine-families-build" \
   >"$OUT/engine-families-build.log" 2>&1 &
 builder=$!
 
@@ -47,14 +51,14 @@ tests_limit=$(left)
 part gpu_tests "$tests_limit" "$PY" -m pytest -q -s -p no:cacheprovider \
   tests/test_gpu_families.py tests/test_gpu_shared.py
 wait "$builder" || { echo "engine-families-build: failed (see its log)" | tee -a "$OUT/timings.log"; status=1; }
-part engine_families "$(left)" sweep --compile --budget $(($(left) - 25)) --out "$OUT/engine-families"
+part engine_families "$(left)" "${SWEEP[@]}" --compile --budget $(($(left) - 25)) \
+  --out "$OUT/engine-families"
 
 if [ -n "${FULL:-}" ]; then
-  flux() { "$PY" -m comfyui_xdit bench --engine --preset flux-dev --device cuda "$@"; }
-  part flux_dev_build "$(left)" flux --build-only
-  part engine_bf16 "$(left)" flux --compile --out "$OUT/engine-bf16"
-  part engine_fp8_compute "$(left)" flux --weights fp8 --out "$OUT/engine-fp8-compute"
-  XDIT_FP8_COMPUTE=off part engine_fp8_upcast "$(left)" flux --weights fp8 \
+  part flux_dev_build "$(left)" "${FLUX[@]}" --build-only
+  part engine_bf16 "$(left)" "${FLUX[@]}" --compile --out "$OUT/engine-bf16"
+  part engine_fp8_compute "$(left)" "${FLUX[@]}" --weights fp8 --out "$OUT/engine-fp8-compute"
+  XDIT_FP8_COMPUTE=off part engine_fp8_upcast "$(left)" "${FLUX[@]}" --weights fp8 \
     --out "$OUT/engine-fp8-upcast"
 else
   echo "flux-dev figures: skipped (FULL=1 runs them: a ~24 GB build)" | tee -a "$OUT/timings.log"
