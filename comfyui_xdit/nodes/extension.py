@@ -137,6 +137,7 @@ class LoadModel(io.ComfyNode):
                                        "FLUX.2-klein-4B, models/diffusers/"
                                        "stable-diffusion-3.5-medium, models/diffusers/"
                                        "Qwen-Image, models/diffusers/Chroma1-HD, "
+                                       "models/diffusers/Z-Image-Turbo, "
                                        "models/diffusers/Wan2.1-T2V-1.3B-Diffusers, "
                                        "models/diffusers/Wan2.2-T2V-A14B-Diffusers or "
                                        "models/diffusers/Wan2.2-I2V-A14B-Diffusers (the "
