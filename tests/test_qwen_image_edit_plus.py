@@ -352,3 +352,24 @@ def test_timestep_zero_method_needs_a_2511_transformer():
         adapter.with_references(torch.zeros(1, 4, 64), extra, zero_cond=False)
     hidden, shapes, n = adapter.with_references(torch.zeros(1, 4, 64), extra, zero_cond=True)
     assert hidden.shape == (1, 8, 64) and shapes == [(1, 2, 2), (1, 2, 2)] and n == 4
+
+
+def test_comfy_2511_single_file(pipes, oracle, tmp_path):
+    """ComfyUI's 2511 file (diffusers' names under `model.diffusion_model.`, with the empty
+    `__index_timestep_zero__` tensor ComfyUI detects it by): read as zero_cond_t, loaded
+    without that tensor, equal to the pipeline at Ulysses 2 with both references."""
+    from safetensors.torch import save_file
+
+    from comfyui_xdit import WorkerPool
+    from comfyui_xdit.planning.model_info import read_model_info
+    prefix = "model.diffusion_model."
+    sd = {prefix + k: v.contiguous() for k, v in pipes["edit-2511"].transformer.state_dict().items()}
+    sd[prefix + "__index_timestep_zero__"] = torch.tensor([])
+    path = tmp_path / "qwen_image_edit_2511_tiny.safetensors"
+    save_file(sd, str(path))
+    info = read_model_info(path)
+    assert info.arch == "qwen_image" and info.kind == "file"
+    o = oracle("edit-2511")
+    config = ParallelConfig(ulysses=2)
+    with WorkerPool(str(path), config, device="cpu", threads_per_rank=1) as pool:
+        check(pool.generate(request(o)).samples, o["want"], "2511 single file")

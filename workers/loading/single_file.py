@@ -176,7 +176,9 @@ def convert_sd3_bfl(sd: dict) -> dict:
 # ---- loading -------------------------------------------------------------------------------
 SCALE_SUFFIX = ".scale_weight"
 # scaled-fp8 files also carry these; without fp8 matmuls the input scales are not used
-IGNORED = ("scaled_fp8",)
+# marker tensors with no weight: scaled-fp8 files', and ComfyUI's Qwen-Image-Edit 2511
+# files' (read into the config as zero_cond_t, workers/families/qwen_image.py)
+IGNORED = ("scaled_fp8", "__index_timestep_zero__")
 IGNORED_SUFFIXES = (".scale_input",)
 
 
