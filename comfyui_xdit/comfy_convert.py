@@ -107,6 +107,12 @@ def conditioning_to_request(conditioning, name: str = "positive",
         out["reference_latents"] = [r.detach().float().cpu().contiguous() for r in refs]
         out["reference_method"] = extra.get("reference_latents_method")
     out.update(_start_image_values(extra, name, arch))
+    key_2 = None if arch is None else families.family(arch).comfy.text_2_conditioning
+    if key_2 and extra.get(key_2) is not None:  # a second text encoder's states (ByT5)
+        text_2 = extra[key_2]
+        if not torch.is_tensor(text_2) or text_2.dim() != 3:
+            raise ConfigError(f"{name} CONDITIONING's {key_2} must be [batch, tokens, dim]")
+        out["context_2"] = text_2.detach().float().cpu().contiguous()
     if arch is not None and not families.family(arch).pooled:
         return dict(out, pooled=None), guidance
     if pooled is None:
@@ -124,8 +130,9 @@ START_IMAGE_KEYS = (("concat_latent_image", "concat_latent"), ("concat_mask", "c
 
 def _start_image_values(extra: dict, name: str, arch: Optional[str]) -> dict:
     """WanImageToVideo's values in a CONDITIONING entry -> {"concat_latent": the raw VAE
-    latent, "concat_mask": ComfyUI's mask, "image_embeds": the CLIP vision output's
-    penultimate hidden states} (fp32 CPU, as given: no layout change here; the workers
+    latent, "concat_mask": ComfyUI's mask, "image_embeds": the CLIP vision output's hidden
+    states the family's model reads (`comfy.clip_vision_states`: Wan's penultimate)} (fp32
+    CPU, as given: no layout change here; the workers
     build the transformer's inputs from them as ComfyUI's WAN21 does). Refused for a
     family without image-to-video models."""
     import torch
@@ -137,13 +144,14 @@ def _start_image_values(extra: dict, name: str, arch: Optional[str]) -> dict:
         raise ConfigError(f"{name} CONDITIONING carries {', '.join(present)} (an image-to-"
                           f"video start frame), which {family_name(arch)} models do not take")
     out = {}
+    states = "penultimate_hidden_states" if arch is None else \
+        families.family(arch).comfy.clip_vision_states  # the ones the family's model reads
     for key, field in START_IMAGE_KEYS:
         v = extra.get(key)
         if v is None:
             continue
         if key == "clip_vision_output":  # comfy.clip_vision.Output (attribute or item)
-            v = getattr(v, "penultimate_hidden_states", None) if not isinstance(v, dict) \
-                else v.get("penultimate_hidden_states")
+            v = getattr(v, states, None) if not isinstance(v, dict) else v.get(states)
         if not torch.is_tensor(v):
             raise ConfigError(f"{name} CONDITIONING's {key} must hold a tensor (as ComfyUI's "
                               f"WanImageToVideo / CLIPVisionEncode set it)")

@@ -205,6 +205,22 @@ def test_image_to_video_equals_the_pipeline(folders, pipes, layout_pools, oracle
     want = oracle(req, image)
     got = layout_pools.get(folders["i2v"], ParallelConfig()).generate(req).samples
     check(got, want, "i2v 1 rank")
+    # ComfyUI's values instead of the image (HunyuanVideo15ImageToVideo: the start frame's
+    # raw latent first, zeros after; its mask 0 there; the SigLIP states), made as the
+    # pipeline makes them from the image
+    resized = pipe.video_processor.resize(image, height=h, width=w, resize_mode="crop")
+    with torch.no_grad():
+        first = pipe._get_image_latents(pipe.vae, pipe.video_processor, resized, h, w, "cpu")
+        states = pipe.encode_image(resized, 1, "cpu", torch.float32)
+    t = (SIZE[2] - 1) // 4 + 1
+    raw = torch.zeros(1, 32, t, h // 16, w // 16)
+    raw[:, :, :1] = first / pipe.vae.config.scaling_factor
+    mask = torch.ones(1, 1, t, h // 16, w // 16)
+    mask[:, :, 0] = 0.0
+    given = request([A, B], 3.0, height=h, width=w, concat_latent=raw, concat_mask=mask,
+                    image_embeds=states)
+    check(layout_pools.get(folders["i2v"], ParallelConfig()).generate(given).samples, want,
+          "i2v from ComfyUI's values, 1 rank")
     other = start_image(1)
     moved = layout_pools.get(folders["i2v"], ParallelConfig()).generate(
         request([A, B], 3.0, height=h, width=w, reference_images=[other])).samples
@@ -666,3 +682,51 @@ def test_bad_input_is_refused_in_one_line(folders, layout_pools):
         pool.generate(request([" ".join(["cat"] * 1200)]))
     assert "\n" not in str(err.value).strip()
     assert pool.generate(request([A], cfg=1.0, steps=1)).samples.shape[1] == 32
+
+
+# ---- ComfyUI's CONDITIONING into the xDiT sampler ---------------------------------------------
+def test_comfyui_conditioning_equals_the_pipeline_given_those_states(folders, pipes,
+                                                                     layout_pools):
+    """Sampler (xDiT) with ComfyUI CONDITIONING (comfy_convert.conditioning_to_request): the
+    Qwen states, the ByT5 states ComfyUI's text encoder adds as conditioning_byt5small
+    (positive only: a negative without quoted text has none) and, image-to-video, the SigLIP
+    clip_vision_output's last hidden states; equal to the pipelines given the same states
+    as prompt embeddings (every token valid), at Ulysses 2; ComfyUI's image-to-video values
+    become the request's fields (the SigLIP output's last hidden states, as ComfyUI's
+    HunyuanVideo15 model reads them)."""
+    from comfyui_xdit.comfy_convert import conditioning_to_request, start_image_fields
+    gen = torch.Generator().manual_seed(21)
+    qwen = torch.randn(1, 6, 32, generator=gen)
+    byt5 = torch.randn(1, 4, 32, generator=gen)
+    neg = torch.randn(1, 3, 32, generator=gen)
+    positive, _ = conditioning_to_request([[qwen, {"conditioning_byt5small": byt5}]],
+                                          "positive", "hunyuan_video15")
+    negative, _ = conditioning_to_request([[neg, {}]], "negative", "hunyuan_video15")
+    assert set(positive) == {"cond", "pooled", "context_2"} and "context_2" not in negative
+    req = request([], 3.0, positive=positive, negative=negative, batch_size=1)
+    pipe = pipes["t2v"]
+    h, w, f = SIZE
+    noise = torch.randn([1, 32, (f - 1) // 4 + 1, h // 16, w // 16],
+                        generator=torch.manual_seed(req.seed))
+    saved = pipe.guider
+    pipe.guider = type(saved)(guidance_scale=3.0)
+    try:
+        want = pipe(prompt_embeds=qwen, prompt_embeds_mask=torch.ones(1, 6),
+                    prompt_embeds_2=byt5, prompt_embeds_mask_2=torch.ones(1, 4),
+                    negative_prompt_embeds=neg, negative_prompt_embeds_mask=torch.ones(1, 3),
+                    negative_prompt_embeds_2=torch.zeros(1, 2, 32),
+                    negative_prompt_embeds_mask_2=torch.zeros(1, 2), height=h, width=w,
+                    num_frames=f, num_inference_steps=STEPS, latents=noise,
+                    output_type="latent").frames / pipe.vae.config.scaling_factor
+    finally:
+        pipe.guider = saved
+    pool = layout_pools.get(folders["t2v"], ParallelConfig(ulysses=2))
+    check(pool.generate(req).samples, want, "ComfyUI CONDITIONING, ulysses 2")
+    # image-to-video: ComfyUI's HunyuanVideo15ImageToVideo values (the start frame's raw
+    # latent, its mask, the SigLIP output) -> the request's fields
+    siglip = type("Output", (), {"last_hidden_state": torch.randn(1, 36, 32, generator=gen),
+                                 "penultimate_hidden_states": torch.zeros(1, 36, 32)})()
+    extra = {"concat_latent_image": torch.zeros(1, 32, 2, 2, 3),
+             "concat_mask": torch.ones(1, 1, 2, 2, 3), "clip_vision_output": siglip}
+    got, _ = conditioning_to_request([[qwen, extra]], "positive", "hunyuan_video15")
+    assert torch.equal(start_image_fields(got)["image_embeds"], siglip.last_hidden_state)

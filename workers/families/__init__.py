@@ -108,6 +108,12 @@ class ComfySpec:
     # diffusion model ("": none; HunyuanVideo 1.5's ByT5 glyph states: txt_byt5); the xDiT
     # MODEL carries them with their conditioning as `context_2`
     text_2: str = ""
+    # ... and the key of ComfyUI's CONDITIONING entry that holds them (its text encoder's
+    # output: HunyuanVideo 1.5's conditioning_byt5small), which the xDiT sampler carries
+    text_2_conditioning: str = ""
+    # which states of a CONDITIONING's clip_vision_output the model reads (Wan 2.1 I2V the
+    # penultimate hidden states, HunyuanVideo 1.5 the last: its model_base's clip_fea)
+    clip_vision_states: str = "penultimate_hidden_states"
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,10 @@ FAMILY = Family(
     # sampling's multiplier is 1000, so the model is called with sigma x 1000 already
     comfy=ComfySpec(base=lambda unet: "HunyuanVideo15", config=lambda unet: "HunyuanVideo15",
                     unet=comfy_unet, timestep_scale=1.0, needs_pooled=False,
-                    text_2="txt_byt5"),  # the ByT5 glyph states (conditioning_byt5small)
+                    # the ByT5 glyph states: the model's txt_byt5, the CONDITIONING's
+                    # conditioning_byt5small; clip_fea: the SigLIP output's last states
+                    text_2="txt_byt5", text_2_conditioning="conditioning_byt5small",
+                    clip_vision_states="last_hidden_state"),
     # the config's widths of the Qwen, ByT5 and SigLIP states the transformer takes
     config_names={"text_width": "text_embed_dim", "text_2_width": "text_embed_2_dim",
                   "image_width": "image_embed_dim"},

@@ -204,7 +204,9 @@ class Worker:
 
         def branch(given, texts):
             if given is not None:
-                d = self.adapter.conditioning(given["cond"], given["pooled"])
+                extra = {} if given.get("context_2") is None else \
+                    {"context_2": given["context_2"]}  # a second text encoder's (ByT5)
+                d = self.adapter.conditioning(given["cond"], given["pooled"], **extra)
             elif self.model.encoder is None:  # a single file: nothing to encode text with
                 from .messages import NO_TEXT_ENCODERS
                 raise ValueError(NO_TEXT_ENCODERS)
