@@ -14,6 +14,8 @@ ComfyUI's cfg c is ZImagePipeline's guidance_scale c - 1 (CFG off for c <= 1).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -645,3 +647,73 @@ def test_pipefusion_refuses_a_split_through_the_refiners():
             z.check_stages(cfg, stages.StageInfo(1, 2, ranges, 6, "balanced"))
     z.check_stages(cfg, stages.StageInfo(0, 2, ((0, 5), (5, 6)), 6, PF_SPLIT))
     z.check_stages(cfg, None)
+
+
+# ---- ComfyUI 0.8.0's own Z-Image (comfy/ldm/lumina NextDiT) on the same file ---------------
+COMFY_NEXTDIT = r'''
+import sys, torch
+sys.path.insert(0, ".")
+files, sys.argv = sys.argv[1:], ["main.py", "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import comfy.ops
+from comfy.ldm.lumina.model import NextDiT
+from safetensors.torch import load_file
+cfg = dict(%(cfg)s)
+m = NextDiT(patch_size=2, in_channels=16, n_kv_heads=cfg["n_heads"], multiple_of=1,
+            ffn_dim_multiplier=8.0 / 3.0, qk_norm=True, z_image_modulation=True,
+            time_scale=1000.0, pad_tokens_multiple=32, operations=comfy.ops.disable_weight_init,
+            **cfg)
+m.load_state_dict(load_file(files[0]), strict=True)
+io = torch.load(files[1])
+with torch.no_grad():
+    out = m(io["x"], io["sigma"], io["ctx"], num_tokens=io["ctx"].shape[1])
+torch.save(out, files[2])
+'''
+
+
+@pytest.mark.skipif(not (os.environ.get("COMFYUI_PATH") and os.environ.get("COMFYUI_PYTHON")),
+                    reason="COMFYUI_PATH / COMFYUI_PYTHON not set (a ComfyUI 0.8.0 checkout)")
+def test_model_call_equals_comfyui_own_z_image(tmp_path):
+    """The xDiT MODEL's call (Ulysses 2) on a ComfyUI-named single file equals ComfyUI's own
+    Z-Image model (comfy/ldm/lumina NextDiT with Z-Image's modulation and pad tokens, built
+    with that file's widths and strictly loaded from it) on the same call: 1 - sigma inside,
+    the negated output, text first, its own RoPE. Width 1024 (ComfyUI's time embedder is
+    1024 wide whatever the model's width; its detection builds only the released 3840, so
+    this builds NextDiT directly rather than through UNETLoader); 1 main and 2 + 2 refiner
+    blocks, 13 text tokens."""
+    import subprocess
+    import uuid
+
+    from diffusers import ZImageTransformer2DModel
+    from safetensors.torch import save_file
+
+    from comfyui_xdit import WorkerPool
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+
+    cfg = dict(dim=1024, n_layers=1, n_refiner_layers=2, n_heads=8, cap_feat_dim=64,
+               axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0)
+    torch.manual_seed(5)
+    tr = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16,
+                                  n_kv_heads=8, **cfg).eval()
+    with torch.no_grad():
+        for p in (tr.x_pad_token, tr.cap_pad_token):
+            p.normal_()
+    path = tmp_path / "z_image_1024.safetensors"
+    save_file({k: v.contiguous() for k, v in comfy_names(tr.state_dict()).items()}, str(path))
+    g = torch.Generator().manual_seed(1)
+    io = {"x": torch.randn(2, 16, 8, 8, generator=g), "sigma": torch.tensor([0.7, 0.7]),
+          "ctx": torch.randn(1, 13, 64, generator=g).expand(2, -1, -1).contiguous()}
+    torch.save(io, tmp_path / "io.pt")
+    config = ParallelConfig(ulysses=2)
+    with WorkerPool(str(path), config, device="cpu", threads_per_rank=1) as pool:
+        got = PoolDenoiser(pool, config, ARCH)(
+            x=io["x"], timestep=io["sigma"], context=io["ctx"], num_tokens=13,
+            transformer_options={"uuids": [uuid.uuid4()], "cond_or_uncond": [0]})
+    script = tmp_path / "nextdit.py"
+    script.write_text(COMFY_NEXTDIT % {"cfg": ", ".join(f"{k}={v!r}" for k, v in cfg.items())})
+    subprocess.run([os.environ["COMFYUI_PYTHON"], str(script), str(path), str(tmp_path / "io.pt"),
+                    str(tmp_path / "out.pt")], cwd=os.environ["COMFYUI_PATH"], check=True,
+                   timeout=600)
+    want = torch.load(tmp_path / "out.pt")
+    check(got, want, "xDiT MODEL vs ComfyUI 0.8.0's NextDiT")
