@@ -717,3 +717,15 @@ def test_model_call_equals_comfyui_own_z_image(tmp_path):
                    timeout=600)
     want = torch.load(tmp_path / "out.pt")
     check(got, want, "xDiT MODEL vs ComfyUI 0.8.0's NextDiT")
+
+
+def test_a_text_past_the_rope_table_is_refused_and_the_pool_stays(model_dir, layout_pools):
+    """1600 text tokens (padded 1600) need RoPE positions past the tiny model's 1536-row
+    text axis: one line, and the next job runs."""
+    pool = layout_pools.get(model_dir(ARCH), ParallelConfig(ulysses=2), tag="nccl",
+                            worker_hooks=NCCL)
+    long = {"cond": torch.randn(1, 1600, 32), "pooled": None}
+    with pytest.raises(Exception, match="RoPE reaches 1534 text tokens"):
+        pool.generate(GenerationRequest(prompt=[], positive=long, cfg=1.0, seed=1, steps=1,
+                                        height=H, width=W))
+    assert pool.generate(request([A], steps=1)).samples.shape == (1, 16, H // 8, W // 8)

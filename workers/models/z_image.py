@@ -148,6 +148,11 @@ def split_forward(self, hidden_states, timestep, encoder_hidden_states, text_len
     real = tuple(int(v) for v in text_lengths) if text_lengths is not None else (length,) * b
     row_text = tuple(padded(v) for v in real)  # each row's text with its learned pads
     text = padded(length)
+    limits = [int(v) for v in self.config.axes_lens]  # RoPE table lengths per axis
+    if text + 2 > limits[0] or rows > limits[1] or cols > limits[2]:
+        raise ValueError(f"Z-Image's RoPE reaches {limits[0] - 2} text tokens and "
+                         f"{limits[1]} x {limits[2]} image tokens; got {text} (padded) and "
+                         f"{rows} x {cols}: use a shorter prompt or a smaller image")
 
     adaln = self.t_embedder(timestep * self.t_scale).type_as(hidden_states)
     # image: the learned pads up to a multiple of 32, then the embedded patches (the pads
