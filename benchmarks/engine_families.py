@@ -94,7 +94,7 @@ def release(fid: str) -> dict | None:
     params = inspect.signature(getattr(diffusers, fam.transformer_class).__init__).parameters
     cfg = {k: p.default for k, p in params.items()
            if k != "self" and p.default is not inspect.Parameter.empty}
-    cfg = json.loads(json.dumps(dict(cfg, **spec["transformer"]), default=list))
+    cfg = json.loads(json.dumps(dict(cfg, **spec["transformer"]), default=str))
     return dict(preset=name, note=spec.get("note", ""), config=cfg, heads=fam.heads(cfg),
                 head_dim=fam.head_dim(cfg), blocks=fam.block_count(cfg))
 
@@ -147,6 +147,9 @@ def plan(fid: str, cache: Path, quick: bool, depth: int) -> dict:
         cfg, params = planned_transformer(fid, transformer=overrides or None, **knobs)
     except ValueError as e:  # the builder's own refusal: a width it cannot make
         row["status"], row["reason"] = "not run", f"the builder refuses: {_line(e)}"
+        return row
+    except Exception as e:
+        row["status"], row["reason"] = "failed", f"planning failed: {_line(e)}"
         return row
     row.update(blocks=fam.block_count(cfg), transformer_params=params)
     if rel is not None and not quick:
@@ -391,9 +394,10 @@ def run(args, log, write=None) -> dict:
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda but torch sees no CUDA device")
-    elif not quick and not args.plan:
+    elif not (quick or args.plan or args.build_only):
         raise ConfigError("the family sweep at released widths needs --device cuda (or "
-                          "--quick for tiny widths on CPU, --plan to list what would run)")
+                          "--quick for tiny widths on CPU, --plan to list what would run, "
+                          "--build-only to build the models)")
     cache = Path(args.model_cache) if args.model_cache else default_cache() / "models"
     budget = Budget(args.budget)
     report = dict(device=device, dtype=dtype, quick=quick, compile=bool(args.compile),
@@ -408,7 +412,7 @@ def run(args, log, write=None) -> dict:
         log(f"bench --engine --families: {fid}: " + (
             f"{row['heads']} x {row['head_dim']}, {row['blocks']} blocks, "
             f"{_params(row['transformer_params'])} parameters, {row['tokens']} tokens"
-            if row["status"] == "planned" else f"not run: {row['reason']}"))
+            if row["status"] == "planned" else f"{row['status']}: {row['reason']}"))
     wanted = ["diffusers", "pool_eager"] + (["pool_compiled", "diffusers_compiled"]
                                             if args.compile else [])
     live = [r for r in rows if r["status"] == "planned"]

@@ -211,7 +211,10 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
         pipe = builder(arch).build_pipeline(cfg)
     _check_overrides(arch, pipe, cfg.get("transformer"))
     if cfg.get("dtype"):
-        pipe.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[cfg["dtype"]]))
+        to = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[cfg["dtype"]])
+        for part in pipe.components.values():
+            if isinstance(part, torch.nn.Module):
+                part.to(to)
     with quiet_transformers():
         pipe.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
