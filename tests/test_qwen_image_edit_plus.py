@@ -242,17 +242,20 @@ def test_2511_modulation_split_matters(oracle):
         assert diff > 10 * TOL, what
 
 
-def test_batch_rows_are_independent(folders, layout_pools, oracle):
-    """2511 at Ulysses 2: row 0 of the batch [A, B] (two prompts, one noise draw of the
-    whole batch, the references shared) equals A alone."""
+@pytest.mark.parametrize("config", [ParallelConfig(ulysses=2), ParallelConfig(dp=2)],
+                         ids=["ulysses2", "dp2"])
+def test_batch_rows_are_independent(folders, layout_pools, oracle, config):
+    """2511: row 0 of the batch [A, B] (two prompts, one noise draw of the whole batch, the
+    references shared) equals A alone, in one sequence-parallel call and with each row on
+    its own data-parallel replica."""
     o = oracle("edit-2511")
-    pool = layout_pools.get(folders["edit-2511"], ParallelConfig(ulysses=2))
+    pool = layout_pools.get(folders["edit-2511"], config)
     pair = request(o)
     pair.positive = {"cond": torch.cat([o["pos"], o["other"]]), "pooled": None}
     pair.negative = {"cond": o["neg"].expand(2, -1, -1), "pooled": None}
     rows = pool.generate(pair).samples
     assert rows.shape[0] == 2 and float((rows[1] - rows[0]).abs().max()) > 1e-3
-    check(rows[:1], o["want"], "2511 batch row 0")
+    check(rows[:1], o["want"], f"2511 batch row 0 {config.describe()}")
 
 
 def test_comfy_conditioning_references(folders, layout_pools, oracle):
