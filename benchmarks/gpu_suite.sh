@@ -42,13 +42,13 @@ SWEEP=("$PY" -m comfyui_xdit bench --engine --families "${FAMILIES:-all}" --devi
 FLUX=("$PY" -m comfyui_xdit bench --engine --preset flux-dev --device cuda)
 : >"$OUT/timings.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.txt" 2>&1
-OMP_NUM_THREADS=8 "${SWEEP[@]}" --build-only --out "$OUT/engine-families-build" \
+OMP_NUM_THREADS=8 timeout "$LIMIT" "${SWEEP[@]}" --build-only --out "$OUT/engine-families-build" \
   >"$OUT/engine-families-build.log" 2>&1 &
 builder=$!
 
 tests_limit=$(left)
 [ "$tests_limit" -gt "$TESTS_MAX" ] && tests_limit=$TESTS_MAX
-part gpu_tests "$tests_limit" "$PY" -m pytest -q -s -p no:cacheprovider \
+part gpu_tests "$tests_limit" "$PY" -m pytest -q -s -p no:cacheprovider --durations=15 \
   tests/test_gpu_families.py tests/test_gpu_shared.py
 wait "$builder" || { echo "engine-families-build: failed (see its log)" | tee -a "$OUT/timings.log"; status=1; }
 part engine_families "$(left)" "${SWEEP[@]}" --compile --budget $(($(left) - 25)) \
