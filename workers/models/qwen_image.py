@@ -7,6 +7,10 @@ frequencies with their tokens; the forward derives the text RoPE length from the
 text states, so the RoPE module is told the whole text's length. Rows of one call whose prompts have different lengths are padded to the
 longest (as QwenImagePipeline pads them); their real lengths travel to the attention as
 `text_lengths`, which drops the padded keys (workers/parallel/attention.py).
+
+Edit 2511's `zero_cond_t` modulates each image token by a per-token index (target: the
+step's timestep, references: 0) that diffusers builds over the whole image stream; a hook on
+each block cuts it with the same plan as the tokens (`shard_modulation`).
 """
 from __future__ import annotations
 
@@ -215,7 +219,8 @@ class QwenImageAdapter(DiTAdapter):
     @staticmethod
     def with_references(latents, extra, zero_cond=True):
         """(the image stream, its img_shapes entries, how many output tokens are the
-        latent's prediction (None: all)). As QwenImageEditPipeline and ComfyUI's model do,
+        latent's prediction (None: all)); `zero_cond`: the transformer gives references
+        timestep 0 (False: the MODEL path's `index_timestep_zero` is refused). As QwenImageEditPipeline and ComfyUI's model do,
         each reference's tokens (`extra["ref_tokens"]` [1 or B, M, 64]) follow the latent's
         and its grid (`extra["ref_shapes"]`) follows the latent's in img_shapes: the RoPE
         image table then covers the target and the references in that order, which is the
@@ -301,20 +306,20 @@ class QwenImageAdapter(DiTAdapter):
             vae_area, prompt_area = mod.VAE_IMAGE_SIZE, mod.CONDITION_IMAGE_SIZE
         else:
             from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as mod
-            vae_area, prompt_area = 1024 * 1024, None
+            vae_area = 1024 * 1024
         proc = VaeImageProcessor(vae_scale_factor=vae_scale_factor(model) * 2)
         latents, prompt_images = [], []
         for img in images:
             ratio = img.size[0] / img.size[1]
             cw, ch = mod.calculate_dimensions(vae_area, ratio)[:2]
-            resized = proc.resize(img, ch, cw)
-            if prompt_area is not None:
+            if plus:  # the text encoder's copy at its own size; the VAE's from the original
                 pw, ph = mod.calculate_dimensions(prompt_area, ratio)[:2]
                 prompt_images.append(proc.resize(img, ph, pw))
-            else:
-                prompt_images.append(resized)
-            latents.append(vae_mode(model, proc.preprocess(img if plus else resized, ch, cw)
-                                    .unsqueeze(2)))
+                pixels = img
+            else:  # one resized image for both
+                pixels = proc.resize(img, ch, cw)
+                prompt_images.append(pixels)
+            latents.append(vae_mode(model, proc.preprocess(pixels, ch, cw).unsqueeze(2)))
         return {"latents": latents, "prompt_images": prompt_images if edit else None}
 
     @staticmethod
