@@ -64,7 +64,43 @@ def released(config: dict) -> tuple:
     return dict(SCHEDULER), dict(VAE_LATENT)
 
 
+# Published dimensions of released models, for the memory plan's presets
+# (comfyui_xdit/planning/model_facts.py). SD3.5 Large (8.1B): 38 joint blocks, 38 heads x 64
+# (2432 wide), QK RMS norm, T5 states 4096 wide, pooled CLIP-L + CLIP-G 2048, position table
+# 192 patches a side; text encoders CLIP ViT-L/14 and OpenCLIP bigG/14 text towers (with
+# projection) and T5-XXL v1.1's encoder; 16-channel AutoencoderKL. 256 T5 tokens (the
+# pipeline's default) beside the 77 CLIP tokens.
+PRESETS = {
+    "sd3.5-large": dict(
+        transformer={"num_layers": 38, "num_attention_heads": 38, "attention_head_dim": 64,
+                     "joint_attention_dim": 4096, "caption_projection_dim": 2432,
+                     "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
+                     "qk_norm": "rms_norm", "in_channels": 16, "out_channels": 16,
+                     "patch_size": 2, "sample_size": 128},
+        text_encoders=(("CLIPTextModelWithProjection", {
+                            "hidden_size": 768, "intermediate_size": 3072,
+                            "num_hidden_layers": 12, "num_attention_heads": 12,
+                            "vocab_size": 49408, "max_position_embeddings": 77,
+                            "projection_dim": 768}),
+                       ("CLIPTextModelWithProjection", {
+                            "hidden_size": 1280, "intermediate_size": 5120,
+                            "num_hidden_layers": 32, "num_attention_heads": 20,
+                            "vocab_size": 49408, "max_position_embeddings": 77,
+                            "projection_dim": 1280, "hidden_act": "gelu"}),
+                       ("T5EncoderModel", {"d_model": 4096, "d_ff": 10240, "d_kv": 64,
+                                           "num_heads": 64, "num_layers": 24,
+                                           "feed_forward_proj": "gated-gelu",
+                                           "vocab_size": 32128, "tie_word_embeddings": False})),
+        vae=("AutoencoderKL", {"block_out_channels": [128, 256, 512, 512],
+                               "down_block_types": ["DownEncoderBlock2D"] * 4,
+                               "up_block_types": ["UpDecoderBlock2D"] * 4,
+                               "latent_channels": 16, "layers_per_block": 2}),
+        text_tokens=256, note="SD3.5 Large 8.1B + CLIP-L + CLIP-G + T5-XXL"),
+}
+
+
 FAMILY = Family(
+    presets=PRESETS,
     id="sd3", order=30, name="SD3/3.5", transformer_class="SD3Transformer2DModel",
     pipelines=("StableDiffusion3Pipeline",), adapter="SD3Adapter",
     block_lists=("transformer_blocks",), block_counts=("num_layers",),
