@@ -176,6 +176,19 @@ def test_methods_equal_the_pipeline_and_rows_their_prompts_alone(folders, layout
     assert torch.isfinite(row).all()
 
 
+def test_weight_sharding_equals_the_pipeline(folders, layout_pools, oracle):
+    """Weight sharding (each block's weights split over the ranks, gathered per block) under
+    the NCCL-rules emulation, with Ulysses 2 and with data parallel: [A, B] equals the
+    pipeline."""
+    both = request([A, B], 3.0)
+    pool = layout_pools.get(folders["t2v"], ParallelConfig(ulysses=2), tag="sharded",
+                            shard_weights=True, worker_hooks=[NCCL_RULES])
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(dp=2)):
+        if pool.config != config:
+            pool.reconfigure(config)
+        check(pool.generate(both).samples, oracle(both), f"sharded {config.describe()}")
+
+
 def test_negative_control_a_row_that_sees_its_mates_padding(folders):
     """With the sharded attention keeping padded keys (the `keep_padding` fault), A's row
     attends to the zero context tokens B's length gave it, and moves."""
