@@ -7,8 +7,9 @@ runs the same computation with the transformer's own modules in `split_forward` 
 as the transformer's forward at load, so the sequence-parallel hooks, the step cache's gates,
 weight sharding, LoRA and compile see the usual module tree), on batched tensors:
 
-- image: the patches embedded, then `x_pad_token` up to a multiple of 32 tokens; RoPE ids
-  (P + 1, row, column) with P the row's padded text length, the pads at (0, 0, 0);
+- image: `x_pad_token` up to a multiple of 32 tokens, then the embedded patches (the pads
+  lead, so PipeFusion's first patch of a step computes them, as context like the text);
+  RoPE ids (P + 1, row, column) with P the row's padded text length, the pads at (0, 0, 0);
 - text: the Qwen3 states embedded, then `cap_pad_token` from each row's real length up to its
   own multiple of 32 (P), then zeros up to the batch's longest P (masked); RoPE (1..P, 0, 0);
 - the image refiner (modulated) on the image, the text refiner (not) on the text, then the
@@ -20,7 +21,10 @@ and the batch's longest are dropped as keys, by each row's padded text length
 split once, after padding, and both refiners and the main blocks run on the shards: the
 image refiner's attention over the image shards, the text refiner's over the text shards,
 the main blocks' over both (attention does not depend on the order of its keys, so the
-local [image, text] order is exact). The final layer's output is gathered.
+local [image, text] order is exact). The final layer's output is gathered. Where the rows'
+padded text lengths differ, the text refiner runs on the whole text on every rank instead
+and the text is split after it (see split_forward). PipeFusion: the refiners and one main
+block sit on stage 0 (`check_stages`), so the stages pass on the joined stream.
 """
 from __future__ import annotations
 
