@@ -292,7 +292,11 @@ def test_reference_latents_checked():
                for p in problems(torch.zeros(1, 16, 2, 8, 6)))
     assert any("has 32 channels; Qwen-Image uses 16" in p
                for p in problems(torch.zeros(1, 32, 1, 8, 6)))
-    assert any("must be even" in p for p in problems(torch.zeros(1, 16, 1, 7, 6)))
+    # odd sizes (TextEncodeQwenImageEditPlus sizes images to 8 pixels) are padded to whole
+    # tokens, as ComfyUI's model pads them: taken, and counted as the padded grid
+    assert problems(torch.zeros(1, 16, 1, 7, 5)) == []
+    assert GenerationRequest(prompt=["x"], reference_latents=[
+        torch.zeros(1, 16, 1, 7, 5)]).reference_tokens("qwen_image") == 12
     assert any("'offset' is not one of ['index', 'index_timestep_zero'] for Qwen-Image" in p
                for p in problems(torch.zeros(1, 16, 1, 8, 6), method="offset"))
     req = GenerationRequest(prompt=["x"], reference_latents=[torch.zeros(1, 16, 1, 8, 6)])

@@ -280,6 +280,26 @@ def test_comfy_conditioning_references(folders, layout_pools, oracle):
     check(pool.generate(req, **kw).samples, o["want"], "2511 ComfyUI CONDITIONING")
 
 
+def test_odd_reference_is_padded_as_comfyui_pads_it(folders, layout_pools, oracle):
+    """A reference of odd latent size (TextEncodeQwenImageEditPlus rounds its VAE image to
+    8 pixels) runs as ComfyUI's model runs it: padded circularly to whole tokens. The 12x8
+    reference cut to 11x7 gives what its circularly padded 12x8 copy gives (an even
+    reference, the path proven against the pipeline above), 2511 at Ring 2."""
+    import torch.nn.functional as F
+    o = oracle("edit-2511")
+    pool = layout_pools.get(folders["edit-2511"], ParallelConfig(ring=2))
+    odd = o["raws"][1][..., :11, :7]
+    padded = F.pad(odd[:, :, 0], (0, 1, 0, 1), mode="circular").unsqueeze(2)
+    samples = {}
+    for name, ref in (("padded", padded), ("odd", odd)):
+        req = request(o)
+        req.reference_latents = [o["raws"][0], ref]
+        samples[name] = pool.generate(req).samples
+    want, got = samples["padded"], samples["odd"]
+    assert float((want - o["want"]).abs().max()) > 10 * TOL  # the cut reference matters
+    check(got, want, "2511 odd reference vs its padded copy")
+
+
 def test_reference_images_and_prompts_equal_the_pipeline(folders, pipes, layout_pools):
     """The images themselves with typed prompts (`reference_images`): the pool resizes,
     VAE-encodes and encodes the prompts with both images as QwenImageEditPlusPipeline does

@@ -142,9 +142,9 @@ class GenerationRequest:
         one per pixel of a 128-channel FLUX.2 LATENT at 1/16; a reference image: 16 x 16
         pixels a token at the size the family's pipeline resizes it to, known with `model`
         (a ModelInfo or a family id))."""
-        def tokens(r):
+        def tokens(r):  # an odd side (a family that pads it) is one token more
             per = 1 if int(r.shape[1]) == 128 else 2
-            return (int(r.shape[-2]) // per) * (int(r.shape[-1]) // per)
+            return -(-int(r.shape[-2]) // per) * -(-int(r.shape[-1]) // per)
         n = sum(tokens(r) for r in (self.reference_latents or [])
                 if getattr(r, "ndim", 0) in (4, 5))
         arch = model if isinstance(model, str) else getattr(model, "arch", None)
@@ -302,7 +302,8 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
             out.append(f"{name} has batch {b}; give 1 (shared) or the batch {req.batch}")
         # a token is 2x2 latent pixels unless the LATENT is patchified (FLUX.2)
         per_token = (1 if c == 128 else 2) if spec is None else spec.per_token
-        if per_token == 2 and (h < 2 or w < 2 or h % 2 or w % 2):
+        odd = fam is not None and fam.odd_references  # padded to whole tokens instead
+        if per_token == 2 and (h < 2 or w < 2 or (h % 2 or w % 2) and not odd):
             out.append(f"{name} is {h}x{w} latent pixels; height and width must be even "
                        f"(reference images a multiple of 16 pixels, e.g. "
                        f"{max(2, h // 2 * 2) * 8}x{max(2, w // 2 * 2) * 8})")

@@ -145,6 +145,9 @@ class Family:
     # has resized it (what the adapter's encode_reference_images makes; the host counts its
     # tokens for the split check and the memory plan)
     reference_image_size: Optional[Callable] = None
+    # reference latents of odd height / width are padded circularly to whole tokens, as
+    # ComfyUI's model pads them (its edit nodes size images to 8 pixels), not refused
+    odd_references: bool = False
     # PipeFusion runs references first in the image stream (workers/parallel/pipefusion/strategy.py):
     # exact where positions come from ids (FLUX), not where RoPE follows the token order
     pipefusion_references: bool = True

@@ -166,6 +166,7 @@ FAMILY = Family(
     # has it)
     reference_methods=("index", "index_timestep_zero"), reference_image_size=edit_size,
     pipefusion_references=False,  # img_shapes: the target's tokens first, then each reference
+    odd_references=True,  # padded circularly, as ComfyUI's model pads them
     released=released, detect_order=40, pipeline_of=pipeline_of,
     lora_formats="diffusers/PEFT, kohya (lora_unet_) or ComfyUI (diffusion_model.)",
 )

@@ -265,22 +265,29 @@ class QwenImageAdapter(DiTAdapter):
         return {"ref_shapes": self.reference_shapes(sizes), "ref_method": method}
 
     def reference_inputs(self, model, raws, method, height, width) -> dict:
-        """References as ComfyUI LATENTs (raw VAE space [1 or B, 16, (1,) h, w], h and w
-        even) -> {"tokens": [1 or B, M, 64] model space ((raw - mean) / std, packed, as
-        QwenImageEditPipeline encodes its image and ComfyUI's process_in does), "shapes":
-        their img_shapes entries} (CPU, fp32)."""
+        """References as ComfyUI LATENTs (raw VAE space [1 or B, 16, (1,) h, w]) -> {"tokens":
+        [1 or B, M, 64] model space ((raw - mean) / std, packed, as QwenImageEditPipeline
+        encodes its image and ComfyUI's process_in does), "shapes": their img_shapes
+        entries} (CPU, fp32). An odd h or w (ComfyUI's TextEncodeQwenImageEditPlus sizes its
+        VAE image to 8 pixels) is padded circularly to whole tokens, as ComfyUI's model pads
+        it (before normalising here: a per-channel affine map commutes with the copy)."""
+        import torch.nn.functional as F
         self._check_method(method, model.transformer)
         channels = int(model.transformer.config.in_channels) // 4
         for i, r in enumerate(raws):
             framed = torch.is_tensor(r) and r.dim() == 5 and r.shape[2] == 1
             if not torch.is_tensor(r) or (r.dim() != 4 and not framed) \
-                    or r.shape[1] != channels or r.shape[-2] % 2 or r.shape[-1] % 2:
+                    or r.shape[1] != channels:
                 got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
                 raise ValueError(f"reference latent #{i + 1} must be [1 or batch, {channels}, "
-                                 f"(1,) h, w] with h and w even for this {self.family.name} "
-                                 f"model (got {got})")
+                                 f"(1,) h, w] for this {self.family.name} model (got {got})")
+
+        def whole_tokens(r):
+            r = r[:, :, 0] if r.dim() == 5 else r
+            ph, pw = r.shape[-2] % 2, r.shape[-1] % 2
+            return F.pad(r.float(), (0, pw, 0, ph), mode="circular") if ph or pw else r
         scale, shift = self.scale_shift(model)
-        toks = [latent_layout.to_model(self.arch, r, scale, shift) for r in raws]
+        toks = [latent_layout.to_model(self.arch, whole_tokens(r), scale, shift) for r in raws]
         b = max(t.shape[0] for t in toks)
         return {"tokens": torch.cat([t.expand(b, -1, -1) for t in toks], 1).contiguous(),
                 "shapes": self.reference_shapes([(int(r.shape[-2]), int(r.shape[-1]))
