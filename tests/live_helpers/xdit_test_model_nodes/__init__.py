@@ -9,6 +9,8 @@ links this folder into custom_nodes/ for its run only).
   exists (a tiny one is not): the same CONDITIONING values (a seeded random raw start latent
   as concat_latent_image, concat_mask 0 on the first latent frame) and the empty video LATENT;
   given a CLIP_VISION_OUTPUT, it goes into both conditionings as WanImageToVideo puts it.
+  `channels` / `scale` (optional: 16, 8) give other latent layouts, e.g. HunyuanVideo 1.5's
+  32 channels at 1/16 for HunyuanVideo15ImageToVideo, whose VAE has no tiny ComfyUI twin.
 * XDiTTestClipVisionOutput: a seeded random CLIP_VISION_OUTPUT (ComfyUI's clip_vision.Output,
   penultimate_hidden_states [1, tokens, width]) for Wan 2.1 I2V's clip_fea, since no tiny
   CLIP vision model loads into ComfyUI's CLIPVisionLoader.
@@ -52,18 +54,22 @@ class XDiTTestWanStartFrame:
                              "height": ("INT", {"default": 48, "min": 16, "max": 4096}),
                              "length": ("INT", {"default": 9, "min": 1, "max": 1024}),
                              "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})},
-                "optional": {"clip_vision_output": ("CLIP_VISION_OUTPUT",)}}
+                "optional": {"clip_vision_output": ("CLIP_VISION_OUTPUT",),
+                             "channels": ("INT", {"default": 16, "min": 1, "max": 256}),
+                             "scale": ("INT", {"default": 8, "min": 1, "max": 64})}}
 
     RETURN_TYPES = ("CONDITIONING", "CONDITIONING", "LATENT")
     FUNCTION = "make"
     CATEGORY = "xDiT tests"
 
-    def make(self, positive, negative, width, height, length, seed, clip_vision_output=None):
+    def make(self, positive, negative, width, height, length, seed, clip_vision_output=None,
+             channels=16, scale=8):
         import torch
         t = (length - 1) // 4 + 1
+        h, w = height // scale, width // scale
         g = torch.Generator().manual_seed(int(seed))
-        start = torch.randn(1, 16, t, height // 8, width // 8, generator=g)
-        mask = torch.ones(1, 1, t, height // 8, width // 8)
+        start = torch.randn(1, channels, t, h, w, generator=g)
+        mask = torch.ones(1, 1, t, h, w)
         mask[:, :, :1] = 0.0
 
         values = dict(concat_latent_image=start, concat_mask=mask)
@@ -73,7 +79,7 @@ class XDiTTestWanStartFrame:
         def put(c):
             return [[e[0], dict(e[1], **values)] for e in c]
         return (put(positive), put(negative),
-                {"samples": torch.zeros(1, 16, t, height // 8, width // 8)})
+                {"samples": torch.zeros(1, channels, t, h, w)})
 
 
 class XDiTTestClipVisionOutput:
