@@ -201,7 +201,11 @@ FAMILY = Family(
                     # the ByT5 glyph states: the model's txt_byt5, the CONDITIONING's
                     # conditioning_byt5small; clip_fea: the SigLIP output's last states
                     text_2="txt_byt5", text_2_conditioning="conditioning_byt5small",
-                    clip_vision_states="last_hidden_state"),
+                    clip_vision_states="last_hidden_state",
+                    # concat_cond reads img_in.proj.weight's input channels (65: noise,
+                    # start-frame latent, mask; 33 would mean no start-frame channels)
+                    shapes=lambda unet: {"img_in.proj.weight": (
+                        int(unet["hidden_size"]), int(unet["in_channels"]), 1, 1, 1)}),
     # the config's widths of the Qwen, ByT5 and SigLIP states the transformer takes
     config_names={"text_width": "text_embed_dim", "text_2_width": "text_embed_2_dim",
                   "image_width": "image_embed_dim"},
