@@ -119,8 +119,11 @@ def test_object_info_lists_nodes(comfy):
     assert info["xDiT.Decode"]["output"] == ["IMAGE"]
     models = json.dumps(info["xDiT.LoadModel"]["input"]["required"]["model"])
     assert MODEL_NAME in models and FILE_OPTION in models  # a folder and a single file
-    # the example workflows (API and UI format) only use nodes this ComfyUI has
+    # the example workflows (API and UI format) only use nodes this ComfyUI has; the
+    # HunyuanVideo 1.5 ones need its nodes (ComfyUI 0.8.0; 0.3.64 has none)
     for f in (ROOT / "example_workflows").glob("*.json"):
+        if f.name.startswith("xdit_hunyuan_video15") and "EmptyHunyuanVideo15Latent" not in info:
+            continue
         g = json.loads(f.read_text())
         types = {n["type"] for n in g["nodes"]} if "nodes" in g else \
             {n["class_type"] for n in g.values()}

@@ -7,7 +7,8 @@ the example workflows' names, and, on a ComfyUI that has both families (0.8.0), 
 single file of each that ComfyUI's own UNETLoader loads into models/diffusion_models/, then
 starts `main.py --cpu --preview-method latent2rgb`. Then:
 * the loader lists the three folders (and the two single files where they were placed);
-* the three examples run through /prompt, shrunk (sizes, frames, steps): Z-Image
+* the three examples run through /prompt (the HunyuanVideo 1.5 ones only where ComfyUI has
+  its nodes: 0.8.0), shrunk (sizes, frames, steps): Z-Image
   text-to-image and HunyuanVideo 1.5 text-to-video as shipped otherwise (the prompt typed
   into the sampler, decoded on the pool); HunyuanVideo 1.5 image-to-video with its text
   encoders replaced by a random CONDITIONING of the tiny model's text width and
@@ -23,7 +24,10 @@ starts `main.py --cpu --preview-method latent2rgb`. Then:
   that width with 1 main block and the 2 + 2 refiner blocks ComfyUI's NextDiT always has,
   bf16 (~1.8 GB); HunyuanVideo 1.5: ComfyUI reads the hidden size and text width from the
   shapes, so the file is 2 heads of 128, 1 block, at the SigLIP / ByT5 widths it matches on
-  (tests/test_hunyuan_video15.py's COMFY_SHAPED).
+  (tests/test_hunyuan_video15.py's COMFY_SHAPED);
+* (0.8.0) HunyuanVideo 1.5 image-to-video on KSampler: HunyuanVideo15ImageToVideo's values
+  (stood in for, as above) on the xDiT MODEL equal ComfyUI's own model (CFG parallel), and
+  another start frame moves the result.
 """
 from __future__ import annotations
 
@@ -123,8 +127,10 @@ def comfy(tmp_path_factory):
         hunyuan_video15_file(files / HV_FILE)
     log = tmp_path_factory.mktemp("comfy-new-families") / "comfyui.log"
     with running_comfyui(comfy, log, "--preview-method", "latent2rgb") as server:
+        nodes = http(server["base"], "/object_info")
         yield dict(server, tmp=log.parent, native=native,
-                   folders={n: diffusers_dir / n for n in folders})
+                   folders={n: diffusers_dir / n for n in folders},
+                   hv_nodes="EmptyHunyuanVideo15Latent" in nodes)
 
 
 def _ok(msgs):
@@ -190,6 +196,9 @@ def test_example_workflow_runs(comfy, name):
     loader = wf[by_type["xDiT.LoadModel"][0]]["inputs"]
     model = EXAMPLES[name]
     assert loader["model"] == model
+    if model != Z_NAME and not comfy["hv_nodes"]:
+        pytest.skip("the HunyuanVideo 1.5 examples use ComfyUI's HunyuanVideo 1.5 nodes "
+                    "(0.8.0; 0.3.64 has none)")
     assert (loader["device"], loader["world_size"]) == ("auto", "auto")
     sampler = _shrink(wf, by_type, model, comfy)
     latent_file = comfy["tmp"] / f"{name}-latent.safetensors"
@@ -238,9 +247,11 @@ NATIVE = {"z_image": (Z_FILE, 2560, "EmptySD3LatentImage",
 
 
 def _compare_graph(comfy, arch: str, layout: dict, sampler: str, scheduler: str, tag: str,
-                   cfg: float = 2.5, steps: int = 3, seed: int = 7):
+                   cfg: float = 2.5, steps: int = 3, seed: int = 7, start: int | None = None):
     """The same KSampler on the xDiT MODEL ("x") and on ComfyUI's own model ("n"), both from
-    the single file; a positive and a negative CONDITIONING of other lengths."""
+    the single file; a positive and a negative CONDITIONING of other lengths. `start`
+    (HunyuanVideo 1.5): image-to-video, HunyuanVideo15ImageToVideo's values stood in for by
+    XDiTTestWanStartFrame (that seed) with a SigLIP-wide CLIP vision output."""
     file, width, empty, empty_inputs, _ = NATIVE[arch]
     out = {b: str(comfy["tmp"] / f"{tag}-{b}.safetensors") for b in ("x", "n")}
     wf = {
@@ -259,12 +270,22 @@ def _compare_graph(comfy, arch: str, layout: dict, sampler: str, scheduler: str,
         "6": {"class_type": empty, "inputs": dict(empty_inputs)},
     }
     with_settings(wf, "1", **layout)
+    pos, neg, latent = ["4", 0], ["5", 0], ["6", 0]
+    if start is not None:
+        wf["20"] = {"class_type": "XDiTTestClipVisionOutput",
+                    "inputs": {"seed": 3, "tokens": 729, "width": 1152}}
+        wf["21"] = {"class_type": "XDiTTestWanStartFrame",
+                    "inputs": {"positive": pos, "negative": neg, "width": empty_inputs["width"],
+                               "height": empty_inputs["height"],
+                               "length": empty_inputs["length"], "seed": start,
+                               "clip_vision_output": ["20", 0], "channels": 32, "scale": 16}}
+        pos, neg, latent = ["21", 0], ["21", 1], ["21", 2]
     for b, model, k, s in (("x", ["2", 0], "7", "12"), ("n", ["3", 0], "8", "13")):
         wf[k] = {"class_type": "KSampler",
                  "inputs": {"model": model, "seed": seed, "steps": steps, "cfg": cfg,
                             "sampler_name": sampler, "scheduler": scheduler,
-                            "positive": ["4", 0], "negative": ["5", 0],
-                            "latent_image": ["6", 0], "denoise": 1.0}}
+                            "positive": pos, "negative": neg,
+                            "latent_image": latent, "denoise": 1.0}}
         wf[s] = {"class_type": "XDiTTestSaveTensors",
                  "inputs": {"latent": [k, 0], "path": out[b]}}
     return wf, out
@@ -294,3 +315,29 @@ def test_ksampler_on_the_pool_matches_comfyui_own_model(comfy, arch, layout):
     assert float((a - b).abs().max()) > 1e-2
     http(comfy["base"], "/xdit/unload", {})
     http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})
+
+
+def test_hunyuan_video15_image_to_video_on_ksampler_matches_comfyui_own_model(comfy):
+    """Image-to-video on KSampler: HunyuanVideo15ImageToVideo's values (a start-frame latent
+    and mask, which ComfyUI's model joins to x as concat_cond, and SigLIP states as clip_fea;
+    stood in for) give the same LATENT on the xDiT MODEL (CFG parallel) as on ComfyUI's own
+    model; another start frame moves it (the values reach the pool)."""
+    if not comfy["native"]:
+        pytest.skip("this ComfyUI has no HunyuanVideo 1.5 model (0.8.0 has it)")
+    got = []
+    for start in (4, 5):
+        tag = f"hunyuan_video15-i2v-{start}"
+        wf, out = _compare_graph(comfy, "hunyuan_video15", {"cfg_parallel": True}, "euler",
+                                 "simple", tag, start=start)
+        _, msgs = run(comfy, wf, timeout=1500)
+        _ok(msgs)
+        x, n = tensors(Path(out["x"]))["latent"], tensors(Path(out["n"]))["latent"]
+        assert x.shape == n.shape == NATIVE["hunyuan_video15"][4], (x.shape, n.shape)
+        fig = {"latent_max_abs": float((x - n).abs().max()),
+               "latent_max": float(n.abs().max())}
+        print(f"\n{tag}: {json.dumps(fig)}")
+        assert torch.isfinite(x).all() and fig["latent_max"] > 0.05, fig
+        assert fig["latent_max_abs"] <= TOL, fig
+        got.append(n)
+    assert float((got[0] - got[1]).abs().max()) > 1e-2
+    http(comfy["base"], "/xdit/unload", {})

@@ -18,7 +18,8 @@ STOCK = {"EmptySD3LatentImage", "EmptyLatentImage", "SaveImage", "PreviewImage",
          "VAEDecode", "CLIPTextEncode", "DualCLIPLoader", "TripleCLIPLoader", "FluxGuidance",
          "KSampler", "KSamplerAdvanced", "ModelSamplingFlux", "ModelSamplingSD3",
          "CLIPLoader", "EmptyHunyuanLatentVideo", "CreateVideo", "SaveVideo",
-         "SaveAnimatedWEBP", "LoadImage", "WanImageToVideo"}
+         "SaveAnimatedWEBP", "LoadImage", "WanImageToVideo", "EmptyHunyuanVideo15Latent",
+         "HunyuanVideo15ImageToVideo", "CLIPVisionLoader", "CLIPVisionEncode"}
 
 
 def our_node_ids() -> set:
