@@ -349,6 +349,27 @@ class DiTAdapter:
                              f"{self.family.name} models")
         return None
 
+    def start_frame_inputs(self, req: dict, images, takes_start: bool):
+        """The start frame a video job was given, checked alike for every image-to-video
+        family: None where the model takes none (and none came), else (height, width,
+        frames, the one start image, or None where ComfyUI's concat_latent came instead)."""
+        from ..runtime import messages
+        name = self.family.name
+        given = req.get("concat_latent") is not None
+        if not takes_start:
+            if given or images:
+                raise ValueError(messages.NO_START_IMAGE.format(name=name))
+            return None
+        if given and images:
+            raise ValueError(messages.START_IMAGE_TWICE)
+        if not given and not images:
+            raise ValueError(messages.NEEDS_START_IMAGE.format(name=name))
+        if images and len(images) != 1:
+            raise ValueError(f"{name} image-to-video takes one start image (got "
+                             f"{len(images)})")
+        return (int(req["height"]), int(req["width"]), int(req["frames"]),
+                images[0] if images else None)
+
     def pack_references(self, refs) -> torch.Tensor:
         """Model-space references [b_i, C, (1,) h, w] (a call's, from ComfyUI) -> tokens
         [b, M, C * 4] (a batch-1 reference shared by the others) for the families that pack

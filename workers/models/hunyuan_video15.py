@@ -531,25 +531,15 @@ class HunyuanVideo15Adapter(DiTAdapter):
         {"image_embeds": SigLIP states} where there are any}: from one image as
         HunyuanVideo15ImageToVideoPipeline prepares it, or from ComfyUI's concat_latent /
         concat_mask / image_embeds as its HunyuanVideo15 model builds them (`start_video`)."""
-        from ..runtime import messages
-        family, name = self.family, self.family.name
+        family = self.family
         start, _ = family.image_to_video({**family.config_defaults,
                                           **dict(model.transformer.config)})
-        given = req.get("concat_latent") is not None
-        if not start:
-            if given or images:
-                raise ValueError(messages.NO_START_IMAGE.format(name=name))
+        got = self.start_frame_inputs(req, images, start)
+        if got is None:
             return None
-        if given and images:
-            raise ValueError(messages.START_IMAGE_TWICE)
-        if not given and not images:
-            raise ValueError(messages.NEEDS_START_IMAGE.format(name=name))
-        h, w, frames = int(req["height"]), int(req["width"]), int(req["frames"])
-        if images:
-            if len(images) != 1:
-                raise ValueError(f"{name} image-to-video takes one start image (got "
-                                 f"{len(images)})")
-            raw, mask, states = self.encode_start_image(model, images[0], h, w, frames)
+        h, w, frames, image = got
+        if image is not None:
+            raw, mask, states = self.encode_start_image(model, image, h, w, frames)
         else:
             raw, mask, states = req["concat_latent"], req.get("concat_mask"), \
                 req.get("image_embeds")

@@ -324,22 +324,13 @@ class WanAdapter(DiTAdapter):
         image_embeds as its WAN21 model builds its inputs (`start_video`)."""
         from ..runtime import messages
         start, states = self.family.image_to_video(dict(model.transformer.config))
-        given = req.get("concat_latent") is not None
-        name = self.family.name
-        if not start:
-            if given or images:
-                raise ValueError(messages.NO_START_IMAGE.format(name=name))
+        got = self.start_frame_inputs(req, images, start)
+        if got is None:
             return None
-        if given and images:
-            raise ValueError(messages.START_IMAGE_TWICE)
-        if not given and not images:
-            raise ValueError(messages.NEEDS_START_IMAGE.format(name=name))
-        h, w, frames = int(req["height"]), int(req["width"]), int(req["frames"])
-        if images:
-            if len(images) != 1:
-                raise ValueError(f"{name} image-to-video takes one start image (got "
-                                 f"{len(images)})")
-            raw, mask, image = self.encode_start_image(model, images[0], h, w, frames, states)
+        h, w, frames, image = got
+        name = self.family.name
+        if image is not None:
+            raw, mask, image = self.encode_start_image(model, image, h, w, frames, states)
         else:
             raw, mask, image = req["concat_latent"], req.get("concat_mask"), \
                 req.get("image_embeds")
