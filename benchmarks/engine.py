@@ -385,13 +385,7 @@ def main_section(args) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    machine = machine_facts()
-    if (args.device or "cpu") == "cuda":
-        import torch
-        if torch.cuda.is_available():
-            machine["gpus"] = [torch.cuda.get_device_name(i)
-                               for i in range(torch.cuda.device_count())]
-            machine["cuda"] = torch.version.cuda
+    machine = machine_facts(args.device or "cpu")
     t = time.perf_counter()
     section = run(args, log)
     if "runs" not in section:  # --build-only

@@ -42,7 +42,8 @@ def meter_stats(stats: list) -> list:
     return out
 
 
-def machine_facts() -> dict:
+def machine_facts(device: str = "cpu") -> dict:
+    """The machine a report was measured on; on `device` "cuda" also its GPUs and CUDA."""
     import torch
 
     cpu = ""
@@ -53,10 +54,14 @@ def machine_facts() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu_count": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "host_torch_threads": torch.get_num_threads(),
-            "loadavg_start": loadavg()}
+    out = {"cpu_count": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
+           "python": platform.python_version(), "torch": torch.__version__,
+           "host_torch_threads": torch.get_num_threads(),
+           "loadavg_start": loadavg()}
+    if device == "cuda" and torch.cuda.is_available():
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        out["cuda"] = torch.version.cuda
+    return out
 
 
 def cpu_seconds(pid: int):
