@@ -85,6 +85,15 @@ class LayoutPools:
         self.made.clear()
 
 
+
+@pytest.fixture(scope="module")
+def layout_pools(request):
+    """One test module's warm pools (LayoutPools): its LAYOUT_POOLS_KEEP (default 2) says how
+    many stay warm at once."""
+    cache = LayoutPools(keep=getattr(request.module, "LAYOUT_POOLS_KEEP", 2))
+    yield cache
+    cache.close()
+
 # What the oracle assumes for every request field the test did not set: written here, not
 # taken from the product (DESIGN.md: the CLI's defaults, which are diffusers' FluxPipeline /
 # StableDiffusion3Pipeline guidance values). The oracle checks that the request resolves to

@@ -37,13 +37,6 @@ CONFIGS = {
 PIPEFUSION = {"pipefusion2": ParallelConfig(pipefusion=2, warmup_steps=1)}
 
 
-@pytest.fixture(scope="module")
-def layout_pools():
-    from conftest import LayoutPools
-    cache = LayoutPools(keep=2)
-    yield cache
-    cache.close()
-
 
 def request(arch: str, prompts, **kw) -> GenerationRequest:
     return small_request(arch, prompts, **kw)

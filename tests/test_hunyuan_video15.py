@@ -18,7 +18,6 @@ import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
 from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
-from conftest import LayoutPools
 
 TOL = 1e-4
 SIZE = (32, 48, 5)  # (h, w, frames): 2 latent frames x 2 x 3 tokens
@@ -80,12 +79,6 @@ def oracle(pipes):
         return cache[key]
     return run
 
-
-@pytest.fixture(scope="module")
-def layout_pools():
-    cache = LayoutPools(keep=2)
-    yield cache
-    cache.close()
 
 
 def request(prompts, cfg: float = 4.0, seed: int = 5, **kw) -> GenerationRequest:

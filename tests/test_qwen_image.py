@@ -80,12 +80,6 @@ def oracle(pipe):
     return run
 
 
-@pytest.fixture(scope="module")
-def layout_pools():
-    cache = LayoutPools(keep=2)
-    yield cache
-    cache.close()
-
 
 def request(size: str, batch: int, cfg: float = 4.0, seed: int = 11, **kw) -> GenerationRequest:
     h, w = SIZES[size]

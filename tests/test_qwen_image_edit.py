@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from conftest import LayoutPools
 
 from test_qwen_image import pack, unpack  # noqa: E402  the pipeline's packing, once
 
@@ -155,11 +154,7 @@ def oracle(pipe):
     return run
 
 
-@pytest.fixture(scope="module")
-def layout_pools():
-    cache = LayoutPools(keep=1)
-    yield cache
-    cache.close()
+LAYOUT_POOLS_KEEP = 1  # pools kept warm at once (conftest's layout_pools)
 
 
 def request(case, o, refs=True, **kw) -> GenerationRequest:

@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from conftest import LayoutPools
 
 from test_qwen_image import pack, unpack  # noqa: E402  the pipeline's packing, once
 
@@ -197,11 +196,7 @@ def oracle(pipes):
     return run
 
 
-@pytest.fixture(scope="module")
-def layout_pools():
-    cache = LayoutPools(keep=1)
-    yield cache
-    cache.close()
+LAYOUT_POOLS_KEEP = 1  # pools kept warm at once (conftest's layout_pools)
 
 
 def request(o, **kw) -> GenerationRequest:

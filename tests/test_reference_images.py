@@ -18,7 +18,7 @@ import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
 from comfyui_xdit.planning.config import ConfigError
-from conftest import LayoutPools, pack_flux, unpack_flux
+from conftest import pack_flux, unpack_flux
 from test_cli import cli
 from test_qwen_image import pack, unpack  # noqa: E402  the pipeline's packing
 from test_qwen_image_edit import edit_dir, pipe  # noqa: F401  fixtures
@@ -134,11 +134,7 @@ def edit_oracle(pipe):  # noqa: F811
     return run
 
 
-@pytest.fixture(scope="module")
-def layout_pools():
-    cache = LayoutPools(keep=1)
-    yield cache
-    cache.close()
+LAYOUT_POOLS_KEEP = 1  # pools kept warm at once (conftest's layout_pools)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

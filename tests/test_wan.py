@@ -183,12 +183,6 @@ def oracle(pipes):
     return run
 
 
-@pytest.fixture(scope="module")
-def layout_pools():
-    cache = LayoutPools(keep=2)
-    yield cache
-    cache.close()
-
 
 def request(size: str, batch: int, cfg: float = 4.0, seed: int = 5, **kw) -> GenerationRequest:
     h, w, f = SIZES[size]

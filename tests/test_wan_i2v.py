@@ -80,12 +80,6 @@ def oracle(pipes):
     return run
 
 
-@pytest.fixture(scope="module")
-def layout_pools():
-    cache = LayoutPools(keep=2)
-    yield cache
-    cache.close()
-
 
 def request(batch: int = 1, cfg: float = 4.0, **kw) -> GenerationRequest:
     if "concat_latent" not in kw:

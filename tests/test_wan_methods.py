@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from conftest import LayoutPools
 
 TOL = 1e-4
 H, W, FRAMES, STEPS, MSL = 32, 48, 5, 3, 16
@@ -70,11 +69,7 @@ def oracle(pipe, req: GenerationRequest, h: int = H) -> torch.Tensor:
     return out * std + mean
 
 
-@pytest.fixture(scope="module")
-def layout_pools():
-    cache = LayoutPools(keep=1)
-    yield cache
-    cache.close()
+LAYOUT_POOLS_KEEP = 1  # pools kept warm at once (conftest's layout_pools)
 
 
 def diff(a, b) -> float:

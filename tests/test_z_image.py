@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
-from conftest import LayoutPools
 
 TOL = 1e-4
 ARCH = "z_image"
@@ -79,12 +78,6 @@ def oracle(pipe):
         return cache[key]
     return run
 
-
-@pytest.fixture(scope="module")
-def layout_pools():
-    cache = LayoutPools(keep=2)
-    yield cache
-    cache.close()
 
 
 def request(prompts, cfg: float = 3.0, **kw) -> GenerationRequest:
