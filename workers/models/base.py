@@ -255,10 +255,17 @@ class DiTAdapter:
         return model.vae.decode(raw.to(model.device, model.vae.dtype), return_dict=False)[0]
 
     def decode(self, model: LoadedModel, raw, group=None, control=None):
-        """Raw-VAE-space latents -> IMAGE [B,H,W,3] in 0..1 (float32, CPU).
+        """Raw-VAE-space latents -> IMAGE [B,H,W,3] in 0..1 (float32, CPU); a video family's
+        [B, C, T, h, w] -> its frames [B * F, H, W, 3] (`decode_video`).
         With `group` (and its control-plane twin `control`): patch-parallel decode
         (workers/parallel/vae_parallel.py), collective over the group; the latents are needed on group
         rank 0 only, the image is returned there and None elsewhere."""
+        if self.family.latent.video:  # frames of each video in order, as ComfyUI's VAEDecode
+            vid = self.decode_video(model, raw, group, control)
+            if vid is None:
+                return None
+            vid = (vid.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
+            return vid.permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
         if model.vae is None:
             model.vae = load_vae(model)
         x = None if raw is None else raw.to(model.device, model.vae.dtype)

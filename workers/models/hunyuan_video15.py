@@ -621,15 +621,6 @@ class HunyuanVideo15Adapter(DiTAdapter):
         from ..parallel.vae_parallel import decode_parallel
         return decode_parallel(model.vae, x, group, control=control, scheme=band_scheme())
 
-    def decode(self, model, raw, group=None, control=None):
-        """Raw latents [B, 32, T, h, w] -> the frames as an IMAGE batch [B * F, H, W, 3]
-        (each video's frames in order, as ComfyUI's VAEDecode gives a video)."""
-        vid = self.decode_video(model, raw, group, control)
-        if vid is None:
-            return None
-        vid = (vid.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
-        return vid.permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
-
     @staticmethod
     def bfl_to_diffusers(sd, config):
         """ComfyUI's HunyuanVideo 1.5 names (comfy/ldm/hunyuan_video) -> diffusers', key by

@@ -404,15 +404,6 @@ class WanAdapter(DiTAdapter):
         return torch.cat([m.expand(b, -1, -1, -1, -1), image.expand(b, -1, -1, -1, -1)],
                          1).contiguous()
 
-    def decode(self, model, raw, group=None, control=None):
-        """Raw latents [B, 16, T, h, w] -> the frames as an IMAGE batch [B * F, H, W, 3]
-        (each video's frames in order, as ComfyUI's VAEDecode gives a video)."""
-        vid = self.decode_video(model, raw, group, control)
-        if vid is None:
-            return None
-        vid = (vid.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
-        return vid.permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
-
     @staticmethod
     def bfl_to_diffusers(sd, config):
         """ComfyUI's / the original Wan names -> WanTransformer3DModel's, key by key (so a
