@@ -48,7 +48,7 @@ builder=$!
 
 tests_limit=$(left)
 [ "$tests_limit" -gt "$TESTS_MAX" ] && tests_limit=$TESTS_MAX
-part gpu_tests "$tests_limit" "$PY" -m pytest -q -s -p no:cacheprovider --durations=15 \
+part gpu_tests "$tests_limit" "$PY" -m pytest -v -s -p no:cacheprovider --durations=15 \
   tests/test_gpu_families.py tests/test_gpu_shared.py
 wait "$builder" || { echo "engine-families-build: failed (see its log)" | tee -a "$OUT/timings.log"; status=1; }
 part engine_families "$(left)" "${SWEEP[@]}" --compile --budget $(($(left) - 25)) \

@@ -4,8 +4,14 @@ all_to_all_single but not in send/recv (nor batch_isend_irecv), so this hook sta
 point-to-point CUDA tensor through host memory, for the project's transfers and yunchang's
 Ring alike. gloo would carry a CPU tensor on the data plane where NCCL refuses it, so the
 hook turns on the plane check (workers/parallel/topology.py): such a tensor, in a collective or a
-point-to-point call, fails here as it would on NCCL instead of passing through."""
+point-to-point call, fails here as it would on NCCL instead of passing through.
+
+The staging copies exist only in this mode (NCCL sends device memory directly), so they run
+outside any dispatch mode: the host-sync counter (host_syncs.py) sees the project's own
+operations, not this hook's."""
 from __future__ import annotations
+
+from torch.utils._python_dispatch import _disable_current_modes as _unseen
 
 
 def install(ctx):
@@ -23,7 +29,8 @@ class _Staged:
     def wait(self, *a, **k):
         out = self.work.wait(*a, **k)
         if self.dest is not None:
-            self.dest.copy_(self.host)
+            with _unseen():
+                self.dest.copy_(self.host)
             self.dest = None
         return out
 
@@ -59,26 +66,30 @@ def _stage_point_to_point():
 
     def isend(tensor, *a, **k):
         check("isend", _group(a, k), [tensor])
-        return orig["isend"](tensor.cpu() if tensor.is_cuda else tensor, *a, **k)
+        with _unseen():
+            return orig["isend"](tensor.cpu() if tensor.is_cuda else tensor, *a, **k)
 
     def send(tensor, *a, **k):
         check("send", _group(a, k), [tensor])
-        return orig["send"](tensor.cpu() if tensor.is_cuda else tensor, *a, **k)
+        with _unseen():
+            return orig["send"](tensor.cpu() if tensor.is_cuda else tensor, *a, **k)
 
     def irecv(tensor, *a, **k):
         check("irecv", _group(a, k), [tensor])
         if not tensor.is_cuda:
             return orig["irecv"](tensor, *a, **k)
-        host = tensor.new_empty(tensor.shape, device="cpu")
+        with _unseen():
+            host = tensor.new_empty(tensor.shape, device="cpu")
         return _Staged(orig["irecv"](host, *a, **k), host, tensor)
 
     def recv(tensor, *a, **k):
         check("recv", _group(a, k), [tensor])
         if not tensor.is_cuda:
             return orig["recv"](tensor, *a, **k)
-        host = tensor.new_empty(tensor.shape, device="cpu")
-        src = orig["recv"](host, *a, **k)
-        tensor.copy_(host)
+        with _unseen():
+            host = tensor.new_empty(tensor.shape, device="cpu")
+            src = orig["recv"](host, *a, **k)
+            tensor.copy_(host)
         return src
 
     def batch_isend_irecv(ops):
@@ -87,7 +98,9 @@ def _stage_point_to_point():
             t = op.tensor
             check("batch_isend_irecv", op.group, [t])
             if t.is_cuda:
-                host = t.detach().cpu() if _sends(op) else t.new_empty(t.shape, device="cpu")
+                with _unseen():
+                    host = (t.detach().cpu() if _sends(op)
+                            else t.new_empty(t.shape, device="cpu"))
                 if not _sends(op):
                     copies.append((host, t))
                 op = orig["P2POp"](_unwrap(op.op), host, op.peer, op.group, op.tag)
@@ -117,8 +130,9 @@ def _stage_point_to_point():
 
         def wait(self, *a, **k):
             out = self.work.wait(*a, **k)
-            for host, dest in self.copies:
-                dest.copy_(host)
+            with _unseen():
+                for host, dest in self.copies:
+                    dest.copy_(host)
             self.copies = []
             return out
 
