@@ -1,26 +1,44 @@
-"""The GPU suite's family sweep: every family of the registry, every exact method, on CUDA
-ranks (2 share one GPU over gloo, the shared-GPU hook checking the planes as NCCL would),
-each equal to the same family's CPU pool at one rank (<= 1e-4 fp32, TF32 off), which the CPU
-suite holds to the family's diffusers pipeline. A family joins by existing
+"""The GPU suite's family sweep: every family of the registry, every method, on CUDA ranks
+(2 share one GPU over gloo, the shared-GPU hook checking the planes as NCCL would), against
+the same family's CPU pools (fp32, TF32 off, <= 1e-4), which the CPU suite holds to the
+family's diffusers pipeline and PipeFusion's oracle. A family joins by existing
 (tests/family_requests.py gives its small request).
 
-The same pools count the operations that would make a step wait on the host
+Per family, one CUDA pool (reconfigured) runs Ulysses 2, Ring 2, CFG 2 and DP 2 (3 prompts:
+dp 2 splits them unevenly) and the xDiT MODEL's call (CFG / Ulysses / Ring), each equal to
+the CPU pool at one rank (exact methods), then pipelined PipeFusion 2 (a relaunch: each rank
+holds one stage), equal to a CPU pool running the same PipeFusion config (it is not exact).
+A second CUDA pool, `shard_weights`, runs the same four methods (it cannot be switched on by
+reconfiguring, and refuses PipeFusion).
+
+The first pool also counts the operations that would make a step wait on the host
 (xdit_testhooks/host_syncs.py; on a GPU it also sees host-to-device copies, which a CPU pool
-cannot): steps 2..N flag nothing with previews on (copied non-blocking into pinned memory),
-and with the step cache on only its one decision read per transformer call.
+cannot): steps 2..N flag nothing under each method and with previews on (copied
+non-blocking into pinned memory), and with the step cache on only its one decision read
+per transformer call.
+
+Speed (the suite's 8 minutes, benchmarks/gpu_suite.sh): every selected family's CPU
+references start at module start in background threads (1 thread per rank), and the CUDA
+pools of the next families launch while a family is checked (XDIT_GPU_SUITE_AHEAD of them,
+default cores // 8); each test waits only for its own.
 
 Skipped without CUDA. `XDIT_GPU_SUITE_DEVICE=cpu` runs the module on CPU ranks, to check the
 suite itself where no GPU is at hand (then the plane check and the copies are not seen).
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from comfyui_xdit import ParallelConfig, WorkerPool
-from family_requests import A, B, IDS, small_request
+from family_requests import A, B, IDS, families, settings, small_request
 
 DEVICE = os.environ.get("XDIT_GPU_SUITE_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
 pytestmark = pytest.mark.skipif(not DEVICE, reason="needs a CUDA GPU "
@@ -36,8 +54,13 @@ METHODS = {
     "cfg2": ParallelConfig(cfg_parallel=True),
     "dp2": ParallelConfig(dp=2),
 }
+MODEL_CALLS = ("cfg2", "ulysses2", "ring2")
+PIPEFUSION = ParallelConfig(pipefusion=2, warmup_steps=1, pipeline_patches=2)
 PROMPTS = [A, B, "a small red house"]  # three rows: dp 2 splits them unevenly
 DECISION_READS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero"}
+CORES = os.cpu_count() or 1
+REF_THREADS = int(os.environ.get("XDIT_GPU_SUITE_REF_THREADS") or max(1, CORES // 2))
+AHEAD = int(os.environ.get("XDIT_GPU_SUITE_AHEAD") or max(1, CORES // 8))
 
 
 def _flagged_after_first(stats) -> list:
@@ -59,56 +82,191 @@ def _maxdiff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """reference(arch, request) -> the CPU pool's LATENT at one rank (one pool at a time)."""
-    held = {}
+def model_call_inputs(arch: str, folder, seed: int = 4) -> dict:
+    """One batched call of ComfyUI's diffusion model for the family's test model, from the
+    registry alone: the uncond and the cond row (a conditioning each), the LATENT of the
+    family's small request (the transformer's input channels: a pack2x2 family's in_channels
+    are 4 latent channels a token; HunyuanVideo 1.5's include its concat condition), random
+    text states of the config's width (a pooled output, embedded guidance and a second
+    text's states where the family's model takes them), sigma 0.7 on ComfyUI's timestep
+    scale. The same seed gives the same tensors (the CPU reference and the CUDA pool)."""
+    fam = families.family(arch)
+    with open(os.path.join(str(folder), "transformer", "config.json")) as f:
+        cfg = {**fam.config_defaults, **json.load(f)}
+    s = settings(arch)
+    gen = torch.Generator().manual_seed(seed)
+    shape = list(fam.latent.shape(2, *s["size"], s.get("frames", 1)))
+    in_ch = int(cfg["in_channels"])
+    shape[1] = in_ch // 4 if fam.latent.tokens == "pack2x2" else in_ch
+    call = dict(x=torch.randn(*shape, generator=gen),
+                timestep=torch.full((2,), 700.0 / fam.comfy.timestep_scale),
+                context=torch.randn(2, 7, fam.text_width(cfg), generator=gen),
+                transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
+                                     "cond_or_uncond": [1, 0]})
+    if fam.comfy.needs_pooled:
+        call["y"] = torch.randn(2, int(cfg["pooled_projection_dim"]), generator=gen)
+    if fam.guidance is not None:
+        call["guidance"] = torch.full((2,), float(fam.guidance))
+    if fam.comfy.text_2:
+        call[fam.comfy.text_2] = torch.randn(2, 5, fam.config_width("text_2_width", cfg),
+                                             generator=gen)
+    return call
 
-    def run(arch, req):
-        if arch not in held:
-            for p in held.values():
-                p.close()
-            held.clear()
-            held[arch] = WorkerPool(str(model_dir(arch)), ParallelConfig(), device="cpu",
-                                    threads_per_rank=1)
-        return held[arch].generate(req).samples
-    yield run
-    for p in held.values():
-        p.close()
+
+def _call_model(pool, config: ParallelConfig, arch: str, call: dict):
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    return PoolDenoiser(pool, config.with_world_size(config.product), arch)(**call)
+
+
+def _cpu_exact(arch, folder) -> dict:
+    """The CPU pool at one rank: the methods' request and the MODEL's call."""
+    with WorkerPool(str(folder), ParallelConfig(), device="cpu", threads_per_rank=1) as pool:
+        return {"samples": pool.generate(small_request(arch, PROMPTS)).samples,
+                "model_call": _call_model(pool, ParallelConfig(), arch,
+                                          model_call_inputs(arch, folder))}
+
+
+def _cpu_pipefusion(arch, folder):
+    """A CPU pool running PIPEFUSION on the same request."""
+    with WorkerPool(str(folder), PIPEFUSION, device="cpu", threads_per_rank=1) as pool:
+        return pool.generate(small_request(arch, PROMPTS)).samples
+
+
+def _pool(folder, **options) -> WorkerPool:
+    hooks = [NO_TF32, SYNCS] + ([SHARED] if DEVICE == "cuda" else [])
+    where = {"gpus": ["0", "0"]} if DEVICE == "cuda" else {"threads_per_rank": 1}
+    return WorkerPool(str(folder), METHODS["ulysses2"], device=DEVICE, worker_hooks=hooks,
+                      **where, **options)
+
+
+class Sweep:
+    """The selected families' CPU references and warm device pools, started in background
+    threads; `pools(arch)` / `reference(arch, part)` wait for one family's."""
+
+    def __init__(self, archs, model_dir):
+        self.slots = threading.Semaphore(AHEAD + 1)  # families whose pools are open
+        self.stopping = threading.Event()
+        self.open: dict = {}
+        for arch in archs:  # built here, once, not by racing threads
+            model_dir(arch)
+        self._refs = ThreadPoolExecutor(REF_THREADS, thread_name_prefix="cpu-ref")
+        self._warm = ThreadPoolExecutor(AHEAD, thread_name_prefix="warm")
+        self.refs = {}
+        for arch in archs:
+            self.refs[arch, "exact"] = self._refs.submit(_cpu_exact, arch, model_dir(arch))
+            self.refs[arch, "pipefusion"] = self._refs.submit(_cpu_pipefusion, arch,
+                                                              model_dir(arch))
+        self.warm = {arch: self._warm.submit(self._launch, arch, model_dir(arch))
+                     for arch in archs}
+
+    def _launch(self, arch, folder):
+        while not self.slots.acquire(timeout=1):
+            if self.stopping.is_set():
+                return None
+        made = {"plain": _pool(folder), "sharded": _pool(folder, shard_weights=True)}
+        self.open[arch] = made
+        warm = small_request(arch, [A], steps=1, cfg=1.0)
+        for pool in made.values():  # launches the ranks (a one-step job)
+            pool.generate(warm)
+        return made
+
+    def pools(self, arch) -> dict:
+        return self.warm[arch].result()
+
+    def reference(self, arch, part):
+        return self.refs[arch, part].result()
+
+    def done(self, arch) -> None:
+        for pool in self.open.pop(arch, {}).values():
+            pool.close()
+        self.slots.release()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self._warm.shutdown(wait=True, cancel_futures=True)
+        self._refs.shutdown(wait=True, cancel_futures=True)
+        for arch in list(self.open):
+            self.done(arch)
+
+
+@pytest.fixture(scope="module")
+def sweep(request, model_dir):
+    here = sys.modules[__name__]
+    archs = [item.callspec.params["arch"] for item in request.session.items
+             if getattr(item, "module", None) is here and hasattr(item, "callspec")]
+    s = Sweep(list(dict.fromkeys(archs)), model_dir)
+    yield s
+    s.close()
 
 
 @pytest.mark.parametrize("arch", IDS)
-def test_every_method_of_every_family(arch, model_dir, reference):
-    req = small_request(arch, PROMPTS)
-    want = reference(arch, req)
-    hooks = [NO_TF32, SYNCS] + ([SHARED] if DEVICE == "cuda" else [])
-    gpus = {"gpus": ["0", "0"]} if DEVICE == "cuda" else {"threads_per_rank": 1}
-    with WorkerPool(str(model_dir(arch)), ParallelConfig(ulysses=2), device=DEVICE,
-                    worker_hooks=hooks, **gpus) as pool:
+def test_every_method_of_every_family(arch, model_dir, sweep):
+    try:
+        made = sweep.pools(arch)
+        pool, sharded = made["plain"], made["sharded"]
+        _previews_and_cache(arch, pool)
+
+        exact = sweep.reference(arch, "exact")
         for name, config in METHODS.items():
             pool.reconfigure(config)
-            res = pool.generate(req)
-            d = _maxdiff(res.samples, want)
+            res = pool.generate(small_request(arch, PROMPTS))
+            d = _maxdiff(res.samples, exact["samples"])
             print(f"{arch} {name} on {DEVICE}: max abs vs the CPU pool {d:.2e}")
             assert d <= TOL, f"{arch} {name}: {d:.3e}"
             for rank, flagged in enumerate(_flagged_after_first(res.stats)):
                 assert flagged == {}, (arch, name, rank, flagged)
 
-        # previews: a low-res x0 every step, copied without waiting (nothing flagged)
-        pool.reconfigure(METHODS["ulysses2"])
-        events = []
-        res = pool.generate(small_request(arch, PROMPTS, preview_every=1),
-                            on_event=events.append)
-        assert any(e.get("preview") is not None for e in events), arch
-        for rank, flagged in enumerate(_flagged_after_first(res.stats)):
-            assert flagged == {}, (arch, "previews", rank, flagged)
+        call = model_call_inputs(arch, model_dir(arch))
+        for name in MODEL_CALLS:
+            got = _call_model(pool, METHODS[name], arch, call)
+            d = _maxdiff(got, exact["model_call"])
+            print(f"{arch} MODEL call {name}: max abs vs the CPU pool {d:.2e}")
+            assert d <= TOL, f"{arch} MODEL call {name}: {d:.3e}"
+        # not a degenerate pass: the two conditionings give different predictions
+        swapped = dict(call, transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
+                                                  "cond_or_uncond": [1, 0]})
+        for key in ("context", "y", families.family(arch).comfy.text_2):
+            if key in call:
+                swapped[key] = call[key].flip(0)
+        other = _call_model(pool, METHODS[MODEL_CALLS[-1]], arch, swapped)
+        assert _maxdiff(other[:1], got[:1]) > 1e-3, arch
 
-        # the step cache: its decision is one host read per transformer call, nothing else
-        # (a threshold no change reaches: every call after the warmup may skip, up to 3)
-        cache = {"threshold": 100.0, "warmup": 1, "head": 1, "tail": 0, "max_skips": 3}
-        res = pool.generate(small_request(arch, PROMPTS, steps=5, cache=cache))
-        assert res.stats[0]["cache"]["skipped"] > 0, (arch, res.stats[0]["cache"])
-        for rank, flagged in enumerate(_flagged_after_first(res.stats)):
-            assert set(flagged) <= DECISION_READS, (arch, "step cache", rank, flagged)
-            calls = 4 * 2  # steps 1..4, a positive and a negative call each (CFG on one rank)
-            assert sum(flagged.values()) <= calls, (arch, "step cache", rank, flagged)
+        for name, config in METHODS.items():
+            sharded.reconfigure(config)
+            d = _maxdiff(sharded.generate(small_request(arch, PROMPTS)).samples,
+                         exact["samples"])
+            print(f"{arch} sharded {name}: max abs vs the CPU pool {d:.2e}")
+            assert d <= TOL, f"{arch} sharded {name}: {d:.3e}"
+        sharded.close()  # its ranks' memory, before PipeFusion's relaunch
+
+        pool.reconfigure(PIPEFUSION)  # relaunches: each rank holds one stage
+        got = pool.generate(small_request(arch, PROMPTS)).samples
+        want = sweep.reference(arch, "pipefusion")
+        d, d_exact = _maxdiff(got, want), _maxdiff(got, exact["samples"])
+        print(f"{arch} pipelined PipeFusion 2: max abs vs the CPU pool's {d:.2e} "
+              f"(vs the exact run {d_exact:.2e})")
+        assert d <= TOL, f"{arch} PipeFusion: {d:.3e}"
+    finally:
+        sweep.done(arch)
+
+
+def _previews_and_cache(arch, pool) -> None:
+    """No host waits after step 1 with previews on, and with the step cache only its
+    decision reads."""
+    # previews: a low-res x0 every step, copied without waiting (nothing flagged)
+    pool.reconfigure(METHODS["ulysses2"])
+    events = []
+    res = pool.generate(small_request(arch, PROMPTS, preview_every=1), on_event=events.append)
+    assert any(e.get("preview") is not None for e in events), arch
+    for rank, flagged in enumerate(_flagged_after_first(res.stats)):
+        assert flagged == {}, (arch, "previews", rank, flagged)
+
+    # the step cache: its decision is one host read per transformer call, nothing else
+    # (a threshold no change reaches: every call after the warmup may skip, up to 3)
+    cache = {"threshold": 100.0, "warmup": 1, "head": 1, "tail": 0, "max_skips": 3}
+    res = pool.generate(small_request(arch, PROMPTS, steps=5, cache=cache))
+    assert res.stats[0]["cache"]["skipped"] > 0, (arch, res.stats[0]["cache"])
+    for rank, flagged in enumerate(_flagged_after_first(res.stats)):
+        assert set(flagged) <= DECISION_READS, (arch, "step cache", rank, flagged)
+        calls = 4 * 2  # steps 1..4, a positive and a negative call each (CFG on one rank)
+        assert sum(flagged.values()) <= calls, (arch, "step cache", rank, flagged)
