@@ -107,3 +107,29 @@ def no_tf32(ctx):
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+# module families a worker defers past its first job where it does not need them
+# (docs/performance.md "Pool overheads"): text-encoder models, pipelines, LoRA's peft layers
+WATCHED_MODULES = ("transformers.models.", "diffusers.pipelines.", "peft.tuners.lora.layer",
+                   "workers.loading.lora", "workers.runtime.compile")
+
+
+def modules_at_first_job(ctx):
+    """Worker hook: the watched modules (WATCHED_MODULES prefixes) this rank had imported
+    when its first job started, in every job's stats (a deferred import shows up only
+    after)."""
+    import sys
+
+    class Seen:
+        first = None
+
+        def job_started(self):
+            if self.first is None:
+                self.first = sorted(m for m in list(sys.modules)
+                                    if m.startswith(WATCHED_MODULES))
+
+        def job_stats(self):
+            return {"at_first_job": self.first}
+
+    return Seen()

@@ -36,6 +36,11 @@ _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 # log lines of workers/runtime/worker.py around each rank's weight load (launch progress)
 LOAD_STARTED = "xdit: loading weights"
 LOAD_DONE = "xdit: weights loaded"
+# each rank's launch breakdown (workers/runtime/worker.py; docs/performance.md "Pool
+# overheads") as `last_launch` keeps it; `status()` has the same and, after the first job,
+# each rank's "first_job_s"
+LAUNCH_KEYS = ("rank", "start_s", "import_s", "setup_s", "prefetch", "load_s", "ready_s",
+               "rss_after_import_mb", "load_peak_rss_mb", "rss_mb")
 
 
 class PoolError(RuntimeError):
@@ -414,9 +419,7 @@ class WorkerPool:
         self.launches += 1
         self.last_launch = {"spawn_s": t_spawn - t0, "ready_s": time.perf_counter() - t0,
                             "load_s_rank0": msg.info["load_seconds"],
-                            "ranks": [{k: r.get(k) for k in ("rank", "import_s", "load_s",
-                                                             "rss_after_import_mb",
-                                                             "load_peak_rss_mb", "rss_mb")}
+                            "ranks": [{k: r.get(k) for k in LAUNCH_KEYS}
                                       for r in msg.info["ranks"]]}
 
     def _send(self, msg) -> None:

@@ -8,6 +8,7 @@
 * shards.py — shard-only loading for weight sharding: each rank reads its rows.
 * stages.py — PipeFusion's stages: which blocks a rank holds, loading only those, and the
   hooks at a stage's boundaries.
+* prefetch.py — the checkpoint read into the page cache while the worker still imports.
 
 Nothing here imports the adapters (workers/models/) at module level but the one place that
 needs a family's conversion rules; the adapters call in.

@@ -26,7 +26,9 @@ def pil_image(image):
 
 class Worker:
     def __init__(self, args, rank, world, import_s=0.0, planes=None, hooks=None,
-                 hook_options=None):
+                 hook_options=None, launch=None):
+        """`launch`: (main's perf_counter start, seconds from process creation to it, the
+        checkpoint Prefetch) from serve.py, for the launch breakdown in `ranks`."""
 
         import torch
 
@@ -49,6 +51,7 @@ class Worker:
         self.adapter = get_adapter(read_arch(args.model), args.model)
         rss_after_import = rss_mb()
         t = time.perf_counter()
+        t_main, start_s, prefetch = launch or (t, 0.0, None)
         stage = None
         if args.pipefusion > 1:
             from ..loading.stages import stage_of_rank
@@ -70,6 +73,8 @@ class Worker:
             if args.load_in_turn and world > 1:
                 barrier(group=planes.control)
         self.load_seconds = time.perf_counter() - t
+        if prefetch is not None:  # the load has read what it needs: no more reading
+            prefetch.stop()
         from ..parallel.sharding import shard_after_load
         self.sharding = shard_after_load(self)  # --shard-weights: FSDP2 (workers/parallel/sharding.py)
         from ..loading.weights import set_fp8_compute  # how the fp8 layers multiply, fixed here
@@ -97,11 +102,19 @@ class Worker:
                                   {"index": st.index, "of": st.count, "blocks": list(st.owned),
                                    "n_blocks": st.n_blocks},
                                   "import_s": import_s, "load_s": self.load_seconds,
+                                  # the launch breakdown (docs/performance.md): process start
+                                  # -> main, main -> load start (imports included), ready
+                                  # (process start -> here), what the prefetch read
+                                  "start_s": start_s, "setup_s": t - t_main,
+                                  "ready_s": start_s + time.perf_counter() - t_main,
+                                  "prefetch": None if prefetch is None else prefetch.report(),
+                                  "first_job_s": None,
                                   "rss_after_import_mb": rss_after_import,
                                   "load_peak_rss_mb": peak,
                                   "load": getattr(self.model, "load_report", None),
                                   "fp8_compute": self.fp8_compute["text"]})
         self.state = {"state": "idle", "job_id": None, "step": 0, "total": 0}
+        self.jobs_run = 0  # Worker.run calls so far (the first is timed for `ranks`)
         if world > 1:  # the patch-parallel VAE's halo links (neighbour ranks, world group)
             from ..parallel.p2p import warm_pairs
             warm_pairs([(r, r + 1) for r in range(world - 1)], rank, planes.data, self.device)
@@ -269,6 +282,7 @@ class Worker:
 
         from .hooks import job_started
 
+        t_job = time.perf_counter()
         self._apply_loras(job)  # first: a new adapter may re-hook the parallel layout
         topo = self.topology(job.config)
         job_started(self.hooks)
@@ -298,10 +312,15 @@ class Worker:
         if self.hooks:
             from .hooks import job_stats
             stats["hooks"] = job_stats(self.hooks)
+        if not self.jobs_run:  # the launch breakdown's last figure (ranks' "first_job_s")
+            stats["first_job_s"] = time.perf_counter() - t_job
+        self.jobs_run += 1
         stats = _gather_stats(self.planes.control, stats)
         if stats and self.rank == 0:
             for r, st in zip(self.ranks, stats):
                 r["rss_mb"] = st["rss_mb"]
+                if "first_job_s" in st:
+                    r["first_job_s"] = st["first_job_s"]
         return samples, images, stats
 
     def prepare_call(self, msg):
