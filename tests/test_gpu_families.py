@@ -6,10 +6,10 @@ family's diffusers pipeline and PipeFusion's oracle. A family joins by existing
 
 Per family, one CUDA pool (reconfigured) runs Ulysses 2, Ring 2, CFG 2 and DP 2 (3 prompts:
 dp 2 splits them unevenly) and the xDiT MODEL's call (CFG / Ulysses / Ring), each equal to
-the CPU pool at one rank (exact methods), then pipelined PipeFusion 2 (a relaunch: each rank
-holds one stage), equal to a CPU pool running the same PipeFusion config (it is not exact).
-A second CUDA pool, `shard_weights`, runs the same four methods (it cannot be switched on by
-reconfiguring, and refuses PipeFusion).
+the CPU pool at one rank (exact methods). Two more CUDA pools hold what reconfiguring
+cannot reach (each would be a relaunch of the first): `shard_weights` runs the same four
+methods, and pipelined PipeFusion 2 (each rank holds one stage) equals a CPU pool running
+the same PipeFusion config (it is not exact).
 
 The first pool also counts the operations that would make a step wait on the host
 (xdit_testhooks/host_syncs.py; on a GPU it also sees host-to-device copies, which a CPU pool
@@ -18,8 +18,8 @@ non-blocking into pinned memory), and with the step cache on only its one decisi
 per transformer call.
 
 Speed (the suite's 8 minutes, benchmarks/gpu_suite.sh): every selected family's CPU
-references start at module start in background threads (1 thread per rank), and the CUDA
-pools of the next families launch while a family is checked (XDIT_GPU_SUITE_AHEAD of them,
+references start at module start in background threads (1 thread per rank), and the three
+CUDA pools of the next families launch while a family is checked (XDIT_GPU_SUITE_AHEAD of them,
 default cores // 8); each test waits only for its own.
 
 Skipped without CUDA. `XDIT_GPU_SUITE_DEVICE=cpu` runs the module on CPU ranks, to check the
@@ -56,6 +56,12 @@ METHODS = {
 }
 MODEL_CALLS = ("cfg2", "ulysses2", "ring2")
 
+PROMPTS = [A, B, "a small red house"]  # three rows: dp 2 splits them unevenly
+DECISION_READS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero"}
+CORES = os.cpu_count() or 1
+REF_THREADS = int(os.environ.get("XDIT_GPU_SUITE_REF_THREADS") or max(1, CORES // 2))
+AHEAD = int(os.environ.get("XDIT_GPU_SUITE_AHEAD") or max(1, CORES // 8))
+
 
 def pipefusion(blocks: int) -> ParallelConfig:
     """Pipelined PipeFusion 2 (warmup 1 of 3 steps, 2 patches), every block but the last on
@@ -63,12 +69,6 @@ def pipefusion(blocks: int) -> ParallelConfig:
     a main block there, which "balanced" does not give; the CPU suite covers the splits)."""
     return ParallelConfig(pipefusion=2, warmup_steps=1, pipeline_patches=2,
                           pipefusion_split=f"{blocks - 1},1")
-
-PROMPTS = [A, B, "a small red house"]  # three rows: dp 2 splits them unevenly
-DECISION_READS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero"}
-CORES = os.cpu_count() or 1
-REF_THREADS = int(os.environ.get("XDIT_GPU_SUITE_REF_THREADS") or max(1, CORES // 2))
-AHEAD = int(os.environ.get("XDIT_GPU_SUITE_AHEAD") or max(1, CORES // 8))
 
 
 def _flagged_after_first(stats) -> list:
@@ -141,8 +141,10 @@ def _cpu_pipefusion(arch, folder):
         return pool.generate(small_request(arch, PROMPTS)).samples
 
 
-def _pool(folder, **options) -> WorkerPool:
-    hooks = [NO_TF32, SYNCS] + ([SHARED] if DEVICE == "cuda" else [])
+def _pool(folder, hooks: bool = True, **options) -> WorkerPool:
+    """A 2-rank pool on DEVICE (TF32 off, the plane check on CUDA); `hooks`: with the
+    host-sync counter."""
+    hooks = [NO_TF32] + ([SYNCS] if hooks else []) + ([SHARED] if DEVICE == "cuda" else [])
     where = {"gpus": ["0", "0"]} if DEVICE == "cuda" else {"threads_per_rank": 1}
     return WorkerPool(str(folder), METHODS["ulysses2"], device=DEVICE, worker_hooks=hooks,
                       **where, **options)
@@ -156,27 +158,29 @@ class Sweep:
         self.slots = threading.Semaphore(AHEAD + 1)  # families whose pools are open
         self.stopping = threading.Event()
         self.open: dict = {}
-        for arch in archs:  # built here, once, not by racing threads
-            model_dir(arch)
+        # built one after another: the builders seed torch's global generator
+        folders = {arch: model_dir(arch) for arch in archs}
         self._refs = ThreadPoolExecutor(REF_THREADS, thread_name_prefix="cpu-ref")
         self._warm = ThreadPoolExecutor(AHEAD, thread_name_prefix="warm")
         self.refs = {}
         for arch in archs:
-            self.refs[arch, "exact"] = self._refs.submit(_cpu_exact, arch, model_dir(arch))
+            self.refs[arch, "exact"] = self._refs.submit(_cpu_exact, arch, folders[arch])
             self.refs[arch, "pipefusion"] = self._refs.submit(_cpu_pipefusion, arch,
-                                                              model_dir(arch))
-        self.warm = {arch: self._warm.submit(self._launch, arch, model_dir(arch))
+                                                              folders[arch])
+        self.warm = {arch: self._warm.submit(self._launch, arch, folders[arch])
                      for arch in archs}
 
     def _launch(self, arch, folder):
         while not self.slots.acquire(timeout=1):
             if self.stopping.is_set():
                 return None
-        made = {"plain": _pool(folder), "sharded": _pool(folder, shard_weights=True)}
-        self.open[arch] = made
+        made = self.open[arch] = {"plain": _pool(folder),
+                                  "sharded": _pool(folder, shard_weights=True),
+                                  "pipefusion": _pool(folder, hooks=False)}
+        made["pipefusion"].reconfigure(pipefusion(made["plain"].model_info.blocks))
         warm = small_request(arch, [A], steps=1, cfg=1.0)
-        for pool in made.values():  # launches the ranks (a one-step job)
-            pool.generate(warm)
+        with ThreadPoolExecutor(len(made)) as ex:  # launches the ranks (a one-step job)
+            list(ex.map(lambda pool: pool.generate(warm), made.values()))
         return made
 
     def pools(self, arch) -> dict:
@@ -212,52 +216,70 @@ def sweep(request, model_dir):
 def test_every_method_of_every_family(arch, model_dir, sweep):
     try:
         made = sweep.pools(arch)
-        pool, sharded = made["plain"], made["sharded"]
-        _previews_and_cache(arch, pool)
-
-        exact = sweep.reference(arch, "exact")
-        for name, config in METHODS.items():
-            pool.reconfigure(config)
-            res = pool.generate(small_request(arch, PROMPTS))
-            d = _maxdiff(res.samples, exact["samples"])
-            print(f"{arch} {name} on {DEVICE}: max abs vs the CPU pool {d:.2e}")
-            assert d <= TOL, f"{arch} {name}: {d:.3e}"
-            for rank, flagged in enumerate(_flagged_after_first(res.stats)):
-                assert flagged == {}, (arch, name, rank, flagged)
-
-        call = model_call_inputs(arch, model_dir(arch))
-        for name in MODEL_CALLS:
-            got = _call_model(pool, METHODS[name], arch, call)
-            d = _maxdiff(got, exact["model_call"])
-            print(f"{arch} MODEL call {name}: max abs vs the CPU pool {d:.2e}")
-            assert d <= TOL, f"{arch} MODEL call {name}: {d:.3e}"
-        # not a degenerate pass: the two conditionings give different predictions
-        swapped = dict(call, transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
-                                                  "cond_or_uncond": [1, 0]})
-        for key in ("context", "y", families.family(arch).comfy.text_2):
-            if key in call:
-                swapped[key] = call[key].flip(0)
-        other = _call_model(pool, METHODS[MODEL_CALLS[-1]], arch, swapped)
-        assert _maxdiff(other[:1], got[:1]) > 1e-3, arch
-
-        for name, config in METHODS.items():
-            sharded.reconfigure(config)
-            d = _maxdiff(sharded.generate(small_request(arch, PROMPTS)).samples,
-                         exact["samples"])
-            print(f"{arch} sharded {name}: max abs vs the CPU pool {d:.2e}")
-            assert d <= TOL, f"{arch} sharded {name}: {d:.3e}"
-        sharded.close()  # its ranks' memory, before PipeFusion's relaunch
-
-        pool.reconfigure(pipefusion(pool.model_info.blocks))  # relaunches: each rank holds one stage
-        got = pool.generate(small_request(arch, PROMPTS)).samples
-        want = sweep.reference(arch, "pipefusion")
-        d, d_exact = _maxdiff(got, want), _maxdiff(got, exact["samples"])
-        print(f"{arch} pipelined PipeFusion 2: max abs vs the CPU pool's {d:.2e} "
-              f"(vs the exact run {d_exact:.2e})")
-        assert d <= TOL, f"{arch} PipeFusion: {d:.3e}"
-        assert d_exact > 10 * TOL, arch  # stale K/V really used (and reproduced)
+        with ThreadPoolExecutor(2, thread_name_prefix=f"{arch}-side") as side:
+            # the other two pools' jobs run beside the first pool's (the GPU has room)
+            sharded = side.submit(_sharded, arch, made["sharded"], sweep)
+            piped = side.submit(_pipefusion, arch, made["pipefusion"], sweep)
+            _previews_and_cache(arch, made["plain"])
+            _exact_methods(arch, made["plain"], sweep.reference(arch, "exact"))
+            _model_calls(arch, made["plain"], sweep.reference(arch, "exact"), model_dir(arch))
+            sharded.result()
+            piped.result()
     finally:
         sweep.done(arch)
+
+
+def _exact_methods(arch, pool, exact) -> None:
+    """Each method equal to the CPU pool at one rank, with nothing flagged after step 1."""
+    for name, config in METHODS.items():
+        pool.reconfigure(config)
+        res = pool.generate(small_request(arch, PROMPTS))
+        d = _maxdiff(res.samples, exact["samples"])
+        print(f"{arch} {name} on {DEVICE}: max abs vs the CPU pool {d:.2e}")
+        assert d <= TOL, f"{arch} {name}: {d:.3e}"
+        for rank, flagged in enumerate(_flagged_after_first(res.stats)):
+            assert flagged == {}, (arch, name, rank, flagged)
+
+
+def _model_calls(arch, pool, exact, folder) -> None:
+    """The xDiT MODEL's call under CFG / Ulysses / Ring equal to the CPU pool's at one
+    rank; the conditionings swapped change the prediction (not a degenerate pass)."""
+    call = model_call_inputs(arch, folder)
+    for name in MODEL_CALLS:
+        got = _call_model(pool, METHODS[name], arch, call)
+        d = _maxdiff(got, exact["model_call"])
+        print(f"{arch} MODEL call {name}: max abs vs the CPU pool {d:.2e}")
+        assert d <= TOL, f"{arch} MODEL call {name}: {d:.3e}"
+    swapped = dict(call, transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
+                                              "cond_or_uncond": [1, 0]})
+    for key in ("context", "y", families.family(arch).comfy.text_2):
+        if key in call:
+            swapped[key] = call[key].flip(0)
+    other = _call_model(pool, METHODS[MODEL_CALLS[-1]], arch, swapped)
+    assert _maxdiff(other[:1], got[:1]) > 1e-3, arch
+
+
+def _sharded(arch, pool, sweep) -> None:
+    """`shard_weights`: each method equal to the CPU pool at one rank."""
+    exact = sweep.reference(arch, "exact")
+    for name, config in METHODS.items():
+        pool.reconfigure(config)
+        d = _maxdiff(pool.generate(small_request(arch, PROMPTS)).samples, exact["samples"])
+        print(f"{arch} sharded {name}: max abs vs the CPU pool {d:.2e}")
+        assert d <= TOL, f"{arch} sharded {name}: {d:.3e}"
+
+
+def _pipefusion(arch, pool, sweep) -> None:
+    """Pipelined PipeFusion equal to the CPU pool's of the same config, and not the exact
+    run (the stale K/V really used, and reproduced)."""
+    got = pool.generate(small_request(arch, PROMPTS)).samples
+    want = sweep.reference(arch, "pipefusion")
+    d = _maxdiff(got, want)
+    d_exact = _maxdiff(got, sweep.reference(arch, "exact")["samples"])
+    print(f"{arch} pipelined PipeFusion 2: max abs vs the CPU pool's {d:.2e} "
+          f"(vs the exact run {d_exact:.2e})")
+    assert d <= TOL, f"{arch} PipeFusion: {d:.3e}"
+    assert d_exact > 10 * TOL, arch
 
 
 def _previews_and_cache(arch, pool) -> None:
