@@ -89,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the step cache section instead: speed-up and PSNR against the "
                         "uncached image per threshold, ours (1 rank, Ulysses 2) beside "
                         "cache-dit, on the trained shapes model (see benchmarks/step_cache.py)")
+    p.add_argument("--fp8", action="store_true",
+                   help="run the fp8 section instead: PSNR of fp8 weights (fp8 matmul and "
+                        "upcast) against full precision on the trained shapes model, and "
+                        "their time per job (see benchmarks/fp8_quality.py)")
     p.add_argument("--model-call", action="store_true",
                    help="run the xDiT MODEL section instead: per-call overhead of a "
                         "KSampler-style model call beyond the transformer, 1 and 2 ranks, "
@@ -106,6 +110,8 @@ def run(args) -> int:
         return run_section(args, "pipefusion_trained" if args.trained else "pipefusion")
     if args.cache:
         return run_section(args, "step_cache")
+    if args.fp8:
+        return run_section(args, "fp8_quality")
     if args.video:
         return run_section(args, "video")
     if args.model_call:

@@ -567,3 +567,51 @@ def test_an_activation_is_quantised_once_for_every_matmul_that_reads_it(model_di
     assert n_quantised == distinct < n_calls
     assert len(quantised) - n_quantised == n_calls  # unshared: one per matmul
     assert torch.equal(shared, unshared)
+
+
+def test_compiled_quantisation_fuses_into_the_kernel_that_makes_its_input(model_dir):
+    """Under `compile` (inductor, here its CPU backend) each activation's per-row
+    quantisation is computed inside the kernel that produces the activation (the norm and
+    modulation, the GELU, the q/k/v's shared input), not in a pass of its own: a compiled
+    FLUX block with fp8 matmuls has as many kernels as the same block without them, but for
+    one per double block (the attention output's quantisation: attention is an extern
+    kernel, nothing to fuse into). The compiled output equals the eager fp8 block."""
+    import re
+
+    import diffusers
+    from torch._inductor.utils import run_and_get_code
+
+    from workers.loading import weights as W
+
+    def kernels(fp8: bool) -> dict:
+        tr = diffusers.FluxTransformer2DModel.from_pretrained(
+            str(model_dir("flux")), subfolder="transformer").eval()
+        if fp8:
+            W.to_fp8(tr, BLOCKS)
+            W.set_fp8_compute(tr, "on", "cpu", torch.float32)
+        c = tr.config
+        g = torch.Generator().manual_seed(0)
+        width, tokens, text = c.num_attention_heads * c.attention_head_dim, 24, 7
+        rope = tr.pos_embed(torch.zeros(tokens + text, 3))
+        kw = dict(hidden_states=torch.randn(1, tokens, width, generator=g),
+                  encoder_hidden_states=torch.randn(1, text, width, generator=g),
+                  temb=torch.randn(1, width, generator=g), image_rotary_emb=rope)
+        out = {}
+        for name in BLOCKS:
+            block = getattr(tr, name)[0]
+            torch._dynamo.reset()
+            with torch.no_grad():
+                eager = block(**kw)
+                compiled, code = run_and_get_code(torch.compile(block), **kw)
+            for a, b in zip(eager, compiled):
+                assert (a - b).abs().max() <= 1e-5, name
+            src = "\n".join(code)
+            out[name] = (len(re.findall(r"^cpp_fused_\w+ = ", src, re.M)),
+                         src.count("_scaled_mm("))
+        return out
+
+    plain, fp8 = kernels(False), kernels(True)
+    print(f"compiled kernels (fused, _scaled_mm) without fp8 {plain}, with fp8 {fp8}")
+    assert all(plain[b][1] == 0 and fp8[b][1] > 0 for b in BLOCKS)  # fp8 matmuls ran
+    assert fp8["transformer_blocks"][0] == plain["transformer_blocks"][0] + 1
+    assert fp8["single_transformer_blocks"][0] == plain["single_transformer_blocks"][0]
