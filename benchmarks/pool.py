@@ -5,7 +5,9 @@ dispatch cost.
 * warm pool vs diffusers: the same 1-rank, 1-thread job (prompt encoding + denoising loop,
   latent out) through a warm `WorkerPool` and through `FluxPipeline.__call__` in this process,
   alternated, median of `repeats` (target: pool <= 1.05x diffusers);
-* launch: spawn, per-rank import and load, ready, first step of a fresh 2-rank pool;
+* launch: spawn, then per rank the launch breakdown the pool's status carries (process
+  start, import floor, setup before the load, prefetch, load, ready, first job:
+  comfyui_xdit/client/pool.py LAUNCH_KEYS), ready and first step of a fresh 2-rank pool;
 * dispatch: host-measured job time minus rank 0's own denoising time on a 1-step job of the
   tiny model (what the control channel, the broadcast and result transfer cost).
 """
@@ -77,6 +79,8 @@ def launch_and_dispatch(model: Path, tiny: Path, job: dict, log=print) -> dict:
         first = pool.generate(req)
         total = time.perf_counter() - t
         launch = dict(pool.last_launch)
+        first_job = {r["rank"]: r.get("first_job_s") for r in pool.status()["ranks"]}
+    launch["ranks"] = [dict(r, first_job_s=first_job.get(r["rank"])) for r in launch["ranks"]]
     out = {"first_job_total_s": total, "spawn_s": launch["spawn_s"],
            "ready_s": launch["ready_s"], "ranks": launch["ranks"],
            "first_step_s": first.timings["first_step_s"], "job_after_ready_s": first.timings["job_s"]}
@@ -98,6 +102,18 @@ def launch_and_dispatch(model: Path, tiny: Path, job: dict, log=print) -> dict:
     return out
 
 
+def breakdown_text(r: dict) -> str:
+    """One rank's launch breakdown (the pool status's fields) as one table cell pair."""
+    pf = r.get("prefetch") or {}
+    read = (f"{pf['bytes'] / 2**20:.0f} MB in {pf['s']:.2f} s" if pf.get("state") == "done"
+            else pf.get("state", "-"))
+    first = r.get("first_job_s")
+    return (f"process start / setup before the load (of which the import floor) / prefetch / "
+            f"load / ready / first job / peak RSS while loading | {r['start_s']:.2f} s / {r['setup_s']:.2f} s "
+            f"({r['import_s']:.2f} s) / {read} / {r['load_s']:.2f} s / {r['ready_s']:.2f} s / "
+            f"{'-' if first is None else f'{first:.2f} s'} / {r['load_peak_rss_mb']:.0f} MB")
+
+
 def markdown(res: dict) -> str:
     w, l = res["warm"], res["launch"]
     lines = ["## Pool overheads", "",
@@ -107,8 +123,7 @@ def markdown(res: dict) -> str:
              f"| ratio pool / diffusers (target <= 1.05) | **{w['ratio']:.3f}** |",
              f"| launch: spawn 2 processes | {l['spawn_s']:.2f} s |"]
     for r in l["ranks"]:
-        lines.append(f"| launch: rank {r['rank']} import / load / peak RSS while loading | "
-                     f"{r['import_s']:.2f} s / {r['load_s']:.2f} s / {r['load_peak_rss_mb']:.0f} MB |")
+        lines.append(f"| launch: rank {r['rank']} {breakdown_text(r)} |")
     lines += [f"| launch: pool ready (connected, loaded) | {l['ready_s']:.2f} s |",
               f"| first step after ready (includes prompt encoding) | {l['first_step_s']:.2f} s |",
               f"| first job total (launch + job) | {l['first_job_total_s']:.2f} s |",

@@ -53,13 +53,9 @@ def is_fp8(t: torch.Tensor) -> bool:
 def pread_bytes(fd: int, pos: int, n: int, path: str, name: str) -> bytearray:
     """n bytes at `pos` of an open file, read in place into one buffer (a tensor's bytes
     straight from its byte range: no mapping, no second copy)."""
+    from .staging import fill
     buf = bytearray(n)
-    view = memoryview(buf)
-    while view:
-        got = os.preadv(fd, [view], pos)
-        if got <= 0:
-            raise ValueError(f"{path}: tensor {name!r} is truncated")
-        view, pos = view[got:], pos + got
+    fill(fd, memoryview(buf), pos, path, name)
     return buf
 
 
@@ -68,16 +64,19 @@ class Checkpoint:
     """The tensors of one safetensors file or a sharded diffusers folder, read one at a time.
 
     Onto the CPU through safetensors' `safe_open` (a lazy memory map: a tensor already in the
-    wanted dtype is used in place, as diffusers does). Onto any other device by a positioned
-    read of the tensor's bytes into a host buffer that lives only for the copy, so a GPU rank
-    holds at most one tensor on the host and maps nothing (a map's touched pages would count
-    in every rank's RSS until the file is closed: 24 GB for FLUX.1-dev). Each file is opened
-    once per load; use as a context manager (or call close())."""
+    wanted dtype is used in place, as diffusers does). Onto a GPU by positioned reads of the
+    tensor's bytes in large chunks through two reusable pinned buffers, each chunk's copy to
+    the device overlapping the next read (workers/loading/staging.py); onto any other device
+    into a host buffer that lives only for the copy. Either way a GPU rank holds at most a
+    tensor's worth on the host and maps nothing (a map's touched pages would count in every
+    rank's RSS until the file is closed: 24 GB for FLUX.1-dev). Each file is opened once per
+    load; use as a context manager (or call close())."""
 
     entries: dict = field(default_factory=dict)  # name -> (path, data start, header entry)
     reads: int = 0  # tensors read so far
     bytes_read: int = 0
     _handles: dict = field(default_factory=dict)  # (path, "mmap" | "fd") -> open handle
+    _staging: object = None  # the GPU reads' pinned buffers (staging.Staging), made once
 
     @classmethod
     def open(cls, paths) -> "Checkpoint":
@@ -101,6 +100,9 @@ class Checkpoint:
         self.close()
 
     def close(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         for (path, kind), h in self._handles.items():
             if kind == "fd":
                 os.close(h)
@@ -156,9 +158,26 @@ class Checkpoint:
     def read(self, name: str, device="cpu") -> torch.Tensor:
         """One tensor on `device`, in the file's dtype."""
         path, pos, n, dtype, shape = self._span(name)
-        if torch.device(device).type == "cpu":
+        kind = torch.device(device).type
+        if kind == "cpu":
             return self._handle(path, "mmap").get_tensor(name)
+        if kind == "cuda":
+            return self.staging(device).read(self._handle(path, "fd"), pos, n, dtype, shape,
+                                             path, name)
         return self._pread(path, pos, n, dtype, shape, name).to(device)
+
+    def staging(self, device):
+        """The pinned buffers onto `device`, each the size of the largest tensor here up to
+        staging.CHUNK."""
+        if self._staging is not None and self._staging.device != torch.device(device):
+            self._staging.close()
+            self._staging = None
+        if self._staging is None:
+            from .staging import CHUNK, Staging
+            largest = max((int(e["data_offsets"][1]) - int(e["data_offsets"][0])
+                           for _, _, e in self.entries.values()), default=1)
+            self._staging = Staging(device, min(CHUNK, largest))
+        return self._staging
 
     def read_rows(self, name: str, r0=None, r1=None) -> torch.Tensor:
         """Rows [r0, r1) of a tensor (None, or a 0-dim tensor: whole) on the CPU in the
