@@ -279,7 +279,7 @@ def _pipefusion(arch, pool, sweep) -> None:
     print(f"{arch} pipelined PipeFusion 2: max abs vs the CPU pool's {d:.2e} "
           f"(vs the exact run {d_exact:.2e})")
     assert d <= TOL, f"{arch} PipeFusion: {d:.3e}"
-    assert d_exact > 10 * TOL, arch
+    assert d_exact > 2 * TOL, arch  # the exact run would fail the check above (SD3: 5e-4)
 
 
 def _previews_and_cache(arch, pool) -> None:
