@@ -5,7 +5,8 @@
 # the GPU, against the CPU pools, and the host-sync counts; tests/test_gpu_shared.py: the
 # plane check, patch-parallel decode, fp8 compute, CUDA graphs, attention kernels), then the
 # per-family engine sweep (bf16 pools vs each family's diffusers pipeline; its models are
-# built on the CPU while the tests run), then, with FULL=1, the FLUX.1-dev figures (a ~24 GB
+# built on the CPU while the tests run; before it, fp8's PSNR on the trained model when
+# MODELS holds it), then, with FULL=1, the FLUX.1-dev figures (a ~24 GB
 # build) in what time is left. Everything lands in $OUT (default ./gpu-suite-out): one log
 # per part, timings.log, the sweep's bench.md / bench.json. Exit status 1 when a part failed
 # or had no time left to run.
@@ -71,6 +72,16 @@ else
   echo "gpu_tests: skipped (TESTS=0)" | tee -a "$OUT/timings.log"
 fi
 wait "$builder" || { echo "engine-families-build: failed (see its log)" | tee -a "$OUT/timings.log"; status=1; }
+# fp8's PSNR against bf16 on the trained shapes model (~40 s), when MODELS holds it: it is
+# trained on a CPU (`python -m comfyui_xdit trained-model`, 6.5 min on 2 cores), so carry
+# the cache folder (e.g. ~/.cache/comfyui-xdit/models/flux-trained-*) into $MODELS
+MODELS="${MODELS:-.models}"
+if compgen -G "$MODELS/flux-trained-*" >/dev/null; then
+  part fp8_quality "$(left)" "$PY" -m comfyui_xdit bench --fp8 --device cuda \
+    --model-cache "$MODELS" --out "$OUT/fp8-quality"
+else
+  echo "fp8_quality: not run, no trained model in $MODELS (MODELS=...)" | tee -a "$OUT/timings.log"
+fi
 # eager by default; COMPILE=1 adds the compiled pools and diffusers' regional compile
 part engine_families "$(left)" "${SWEEP[@]}" ${COMPILE:+--compile} --budget $(($(left) - 25)) \
   --out "$OUT/engine-families"
@@ -78,7 +89,10 @@ part engine_families "$(left)" "${SWEEP[@]}" ${COMPILE:+--compile} --budget $(($
 if [ -n "${FULL:-}" ]; then
   part flux_dev_build "$(left)" "${FLUX[@]}" --build-only
   part engine_bf16 "$(left)" "${FLUX[@]}" --compile --out "$OUT/engine-bf16"
-  part engine_fp8_compute "$(left)" "${FLUX[@]}" --weights fp8 --out "$OUT/engine-fp8-compute"
+  # compiled: each activation's quantisation fuses into the kernel that makes it (eager,
+  # it is a pass of its own and costs what fp8 saves: docs/performance.md#fp8)
+  part engine_fp8_compute "$(left)" "${FLUX[@]}" --weights fp8 --compile \
+    --out "$OUT/engine-fp8-compute"
   XDIT_FP8_COMPUTE=off part engine_fp8_upcast "$(left)" "${FLUX[@]}" --weights fp8 \
     --out "$OUT/engine-fp8-upcast"
 else
