@@ -14,7 +14,11 @@ It stops when the load is done (`stop`), and dies with its process when the pool
 Off (with the reason in the status) where a rank reads only part of the files (PipeFusion
 stages, weight sharding), where ranks load in turn to bound host memory, where the files
 would not fit in half the available memory (they would evict each other), and with
-`XDIT_PREFETCH=off`.
+`XDIT_PREFETCH=off`. Reading costs CPU (a cold read on the CI VM: 0.7 s of a core for
+432 MB), and the imports keep one core per rank busy, so by default (`auto`) it runs only
+where the worker's cores number at least twice the ranks: on the 2-core CI machine a 2-rank
+pool's prefetch cost its imports what it saved the load (docs/performance.md).
+`XDIT_PREFETCH=on` runs it there too.
 
 Standard library only: it must start before `import torch`.
 """
@@ -26,7 +30,7 @@ import threading
 import time
 
 CHUNK = 64 * 2 ** 20  # bytes per read: large and sequential, the disk's best case
-ENV = "XDIT_PREFETCH"  # "off" (or "0") turns it off, e.g. to measure the load without it
+ENV = "XDIT_PREFETCH"  # auto (default) | on | off: see the module's docstring
 
 
 def checkpoint_paths(model: str) -> list:
@@ -61,9 +65,10 @@ def _available_bytes() -> int | None:
     return None
 
 
-def off_reason(args, paths, sizes) -> str | None:
-    """Why this worker should not prefetch (None: it should)."""
-    if os.environ.get(ENV, "").lower() in ("off", "0", "no", "false"):
+def off_reason(args, paths, sizes, world: int = 1) -> str | None:
+    """Why this worker, one of `world` ranks, should not prefetch (None: it should)."""
+    mode = os.environ.get(ENV, "auto").lower()
+    if mode in ("off", "0", "no", "false"):
         return f"off (${ENV})"
     if getattr(args, "pipefusion", 1) > 1 or getattr(args, "shard_weights", False):
         return "off (this rank reads only part of the checkpoint)"
@@ -74,7 +79,17 @@ def off_reason(args, paths, sizes) -> str | None:
     avail = _available_bytes()
     if avail is not None and sum(sizes) > avail // 2:
         return "off (the checkpoint is over half the available memory)"
+    cores, world = _cores(), max(1, int(world))
+    if mode not in ("on", "1", "yes", "true") and cores < 2 * world:
+        return f"off ({cores} cores for {world} importing ranks; ${ENV}=on runs it)"
     return None
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class Prefetch:
@@ -102,7 +117,7 @@ class Prefetch:
             sizes = [os.path.getsize(p) for p in paths]
         except (OSError, ValueError, KeyError) as e:  # the load will say what is wrong
             return cls([], reason=f"off ({type(e).__name__})")
-        p = cls(paths, rank, world, reason=off_reason(args, paths, sizes))
+        p = cls(paths, rank, world, reason=off_reason(args, paths, sizes, world))
         if p.reason is None:
             p.start()
         return p
