@@ -206,6 +206,10 @@ def test_bench_quick(tmp_path):
     launch = pool["launch"]
     assert [r["rank"] for r in launch["ranks"]] == [0, 1]
     assert all(r["load_peak_rss_mb"] > 0 and r["import_s"] > 0 for r in launch["ranks"])
+    for r in launch["ranks"]:  # the pool status's launch breakdown, first job included
+        assert r["import_s"] <= r["setup_s"] and r["setup_s"] + r["load_s"] <= r["ready_s"]
+        assert r["first_job_s"] > 0 and r["prefetch"]["state"]
+    assert md.count("first job / peak RSS while loading") == 2
     assert launch["ready_s"] >= launch["spawn_s"] > 0
     assert len(launch["dispatch_ms"]) == 10
     assert "## Pool overheads" in md
