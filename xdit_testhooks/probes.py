@@ -110,9 +110,8 @@ def no_tf32(ctx):
 
 
 # module families a worker defers past its first job where it does not need them
-# (docs/performance.md "Pool overheads"): text-encoder models, pipelines, LoRA's peft layers
-WATCHED_MODULES = ("transformers.models.", "diffusers.pipelines.", "peft.tuners.lora.layer",
-                   "workers.loading.lora", "workers.runtime.compile")
+# (docs/performance.md "Launch breakdown"): text-encoder models and diffusers pipelines
+WATCHED_MODULES = ("transformers.models.", "diffusers.pipelines.")
 
 
 def modules_at_first_job(ctx):
