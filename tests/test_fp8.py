@@ -55,13 +55,20 @@ def bfl_groups(names):
     return out + [[n] for n in sorted(names) if n not in done]
 
 
+def q_channels(w):
+    """Reference per-channel quantize-dequantize in fp32: each row by max|row| / 448."""
+    w = w.float()
+    return q_tensor(w, (w.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12))
+
+
 def quantize_reference(tr, mode):
-    """mode "fp8": per tensor; "file-plain": plain cast; "file-scaled": per BFL tensor."""
+    """mode "fp8": per output channel (the pool's own quantisation); "file-plain": plain
+    cast; "file-scaled": per BFL tensor (as the file stores it)."""
     lins = block_linears(tr)
     with torch.no_grad():
         if mode == "fp8":
             for m in lins.values():
-                m.weight.copy_(q_tensor(m.weight))
+                m.weight.copy_(q_channels(m.weight))
             return tr
         for g in bfl_groups(lins):
             ws = [lins[n].weight.float() for n in g]
@@ -336,6 +343,45 @@ def fp8_layer(w, b, dtype, matmul):
     lin.scale = s
     info = set_fp8_compute(torch.nn.Sequential(lin), "on" if matmul else "off", "cpu", dtype)
     return lin, info
+
+
+def test_per_channel_scales_in_both_arithmetics():
+    """`weights="fp8"` quantises each output channel by its own range: FP8Linear with those
+    [N, 1] scales upcasts to exactly the reference's dequantized weight, its fp8 matmul
+    (`scale_b` the scales as a row) equals the float64 product of the same quantisations,
+    and on a weight whose rows span 50,000x in range (a few wide channels, a few nearly
+    unused ones) its worst channel is several times closer to the exact layer than with
+    one scale per tensor, which pushes the narrow rows into fp8's subnormals."""
+    from workers.loading.weights import FP8Linear, quantize, quantize_channels, set_fp8_compute
+    g = torch.Generator().manual_seed(1)
+    n, k = 96, 64
+    w = torch.randn(n, k, generator=g) * k ** -0.5
+    w[:4] *= 50.0  # a few channels far wider than the rest
+    w[4:8] *= 1e-3  # and a few nearly unused ones
+    b, x = torch.randn(n, generator=g) * 0.1, torch.randn(3, 10, k, generator=g)
+    exact = F.linear(x, w, b)
+    errs = {}
+    for name, fn in (("channel", quantize_channels), ("tensor", quantize)):
+        w8, s = fn(w)
+        assert s.shape == ((n, 1) if name == "channel" else ())
+        lin = FP8Linear(k, n)
+        lin.weight, lin.bias = torch.nn.Parameter(w8, False), torch.nn.Parameter(b, False)
+        lin.scale = s
+        up = lin(x)
+        if name == "channel":
+            assert torch.equal(lin.dequantized(torch.float32), q_channels(w))
+            set_fp8_compute(torch.nn.Sequential(lin), "on", "cpu", torch.float32)
+            assert lin.scale_row.shape == (1, n)
+            s_a = x.abs().amax(dim=-1, keepdim=True) / 448.0
+            want = ((x / s_a).to(FP8).double() * s_a.double()) @ \
+                (w8.double() * s.double()).t() + b.double()
+            assert maxdiff(lin(x), want) / want.abs().max().item() < 1e-5
+        # each output channel's error relative to that channel's own outputs
+        rel = (up - exact).abs().amax(dim=(0, 1)) / (exact - b).abs().amax(dim=(0, 1))
+        errs[name] = rel.max().item()
+    print(f"upcast layer vs exact, worst channel's relative error: per channel "
+          f"{errs['channel']:.3g}, per tensor {errs['tensor']:.3g}")
+    assert errs["tensor"] > 3 * errs["channel"]
 
 
 @pytest.mark.parametrize("k,n", [(256, 768), (3072, 3072)])

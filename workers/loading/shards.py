@@ -16,9 +16,10 @@ its chunk maps to.
 
 fp8: a block Linear stored in float8_e4m3fn stays fp8 (weights auto/fp8), its scale_weight (a
 scalar) read whole; other fp8 tensors are dequantized. `weights=fp8` on weights stored wider
-quantizes each rank's rows with the whole tensor's scale: one pass reads the rows for their
-max, one all-reduce (MAX, gloo control plane) gives every rank the whole tensors' maxima, a
-second pass reads the rows again and stores them in fp8 (so those rows are read twice).
+quantizes each rank's rows per output channel (a row's scale is its own range, so a rank
+needs no other rank's rows, and the rows equal the whole loader's), then one all-reduce
+(MAX, gloo control plane) gives every rank every channel's scale, which FP8Linear holds
+whole.
 """
 from __future__ import annotations
 
@@ -117,9 +118,8 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
     """(transformer, report dict): the transformer of `path` (a diffusers folder or a single
     file; `subfolder`: another transformer of the folder) holding only this rank's rows of
     every parameter. `shard`: what shards it (sharding.ShardSetup: `wrap(transformer)`,
-    `rank`, `world`, `control` the gloo group for the fp8 maxima)."""
-    from .weights import FP8, WEIGHT_MODES, block_linears, fp8_layers, fp8_scale, is_fp8, \
-        prepare, unscaled
+    `rank`, `world`, `control` the gloo group for the fp8 scales)."""
+    from .weights import FP8, WEIGHT_MODES, block_linears, fp8_layers, is_fp8, prepare
 
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES} (got {mode!r})")
@@ -171,29 +171,32 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
 
         params = {n: (p.to_local() if hasattr(p, "to_local") else p)
                   for n, p in transformer.named_parameters()}
-        whole = {}  # quantized weights: the whole tensor's scale, from every rank's rows
-        if quant:
-            names = sorted(quant)
-            amax = torch.zeros(len(names), dtype=torch.float32)
-            for i, name in enumerate(names):
-                r0, r1 = rows(name, params[name])
-                if r1 > r0:
-                    amax[i] = unscaled(*read(name, r0, r1)).float().abs().max()
-            if world > 1:
-                from ..parallel.topology import all_reduce
-                all_reduce(amax, op="max", group=shard.control)
-            whole = {n: fp8_scale(amax[i]) for i, n in enumerate(names)}
+        # weights=fp8: each rank quantises its rows, each row by its own range (no other
+        # rank's rows needed); FP8Linear holds every channel's scale, so one all-reduce
+        # (MAX over zeros elsewhere) fills in the rows the other ranks quantised
+        names = sorted(quant)
+        counts = [src.shape(n)[0] for n in names]
+        offset = dict(zip(names, [sum(counts[:i]) for i in range(len(names))]))
+        channel_scales = torch.zeros(sum(counts), dtype=torch.float32)
         dev = torch.device(device)
         with torch.no_grad():
             for name, local in params.items():
                 r0, r1 = rows(name, local)
                 if local.numel():
-                    w, _ = prepare(*read(name, r0, r1), name in fp8, mode, dtype,
-                                   whole.get(name))
+                    w, sc = prepare(*read(name, r0, r1), name in fp8, mode, dtype)
                     local.copy_(w.to(dev))
-            for name, mod in fp8.items():  # the whole tensor's scale (1 for unscaled fp8)
+                    if name in offset:
+                        at = offset[name]
+                        channel_scales[at + r0:at + r1] = sc.reshape(-1).cpu()
+            if names and world > 1:
+                from ..parallel.topology import all_reduce
+                all_reduce(channel_scales, op="max", group=shard.control)
+            whole = {n: channel_scales[offset[n]:offset[n] + c].reshape(-1, 1)
+                     for n, c in zip(names, counts)}
+            for name, mod in fp8.items():  # per channel, or the file's (1: unscaled fp8)
                 s = whole[name] if name in whole else src.scale(name)
-                mod.scale.copy_(torch.ones(()) if s is None else s.reshape(()))
+                mod.scale = (torch.ones(()) if s is None else s.float().reshape(
+                    s.shape if name in whole else ())).to(dev)
             param_bytes = ck.bytes_read
             for name, buf in transformer.named_buffers():  # not sharded: read whole
                 if name in persistent:

@@ -7,13 +7,16 @@ copy of the model: host memory stays at the largest single tensor (FLUX.1: ~150 
 ranks can load at the same time. Plain reads rather than a memory map, so the file's pages
 stay in the shared page cache and are not counted (or pinned) in each rank's RSS.
 
-fp8: `FP8Linear` stores a Linear's weight as float8_e4m3fn plus a per-tensor fp32 scale. Only
+fp8: `FP8Linear` stores a Linear's weight as float8_e4m3fn plus an fp32 scale: one per output
+channel where the pool quantises (`weights="fp8"` on a wider checkpoint: a row's own
+range, so one large row does not coarsen every other; on the trained test model the
+per-tensor scale cost fp8 most of its PSNR), one per tensor as fp8 files store it. Only
 the Linears inside the transformer blocks are stored in fp8 (>98% of FLUX's weights);
 embedders, norms and the final projection stay in the pool dtype. Each layer multiplies one
 of two ways, chosen once at load (`set_fp8_compute`), never per call:
 - fp8 matmul: `torch._scaled_mm` on e4m3fn activations quantized per token (row) with a
   dynamic scale amax(|row|) / 448, so FLUX's activation outliers (thousands) are not clipped;
-  the weight's per-tensor scale goes in as scale_b. Default on CUDA GPUs with fp8 tensor
+  the weight's scale (per channel, or per tensor expanded) goes in as scale_b. Default on CUDA GPUs with fp8 tensor
   cores (compute capability >= 8.9) in bf16/fp16 pools.
 - upcast: `w.to(x.dtype) * scale` per call, then an ordinary matmul (ComfyUI's scaled-fp8
   arithmetic without fp8 matmul): saves memory, not time. Everywhere else, and for layers
@@ -236,7 +239,8 @@ class FP8Linear(torch.nn.Linear):
             torch.empty(out_features, in_features, dtype=FP8, device="meta"), requires_grad=False)
         self.bias = None if not bias else torch.nn.Parameter(
             torch.empty(out_features, device="meta", dtype=compute_dtype), requires_grad=False)
-        # not in the state dict: set by the loader (1.0 for unscaled fp8 files)
+        # not in the state dict: set by the loader (1.0 for unscaled fp8 files); a scalar
+        # (a file's per-tensor scale) or [out_features, 1] (the pool's per-channel scales)
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device),
                              persistent=False)
         # set once at load (use_fp8_matmul), read per call as a plain bool: no per-call
@@ -248,10 +252,11 @@ class FP8Linear(torch.nn.Linear):
     def use_fp8_matmul(self, on: bool = True) -> None:
         """Multiply in fp8 from now on (or not). The weight scale is expanded here, once, to
         the [1, out_features] contiguous fp32 row that `_scaled_mm`'s row-wise mode takes
-        for scale_b (it refuses a scalar or an expanded view there); call again if `scale`
-        is replaced."""
+        for scale_b (it refuses a scalar or an expanded view there: a per-tensor scale is
+        repeated, per-channel scales are that row already); call again if `scale` is
+        replaced."""
         self.fp8_matmul = bool(on)
-        self.scale_row = (self.scale.float().reshape(1, 1).expand(1, self.out_features)
+        self.scale_row = (self.scale.float().reshape(1, -1).expand(1, self.out_features)
                           .contiguous() if on else None)
 
     def dequantized(self, dtype) -> torch.Tensor:
@@ -424,12 +429,23 @@ def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor, scale=None) -> tuple:
-    """(fp8 weight, fp32 scale). `scale`: the whole tensor's (`fp8_scale`), for rows of it
-    (the shard loader); None: this tensor's own."""
+    """(fp8 weight, fp32 scalar scale): one scale for the tensor, as scaled-fp8 files store
+    it. `scale`: a given one; None: this tensor's own."""
     w32 = w.float()
     if scale is None:
         scale = fp8_scale(w32.abs().max())
     return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.reshape(())
+
+
+def quantize_channels(w: torch.Tensor, scale=None) -> tuple:
+    """(fp8 weight, fp32 scales [rows, 1]): each output channel (row) mapped by its own
+    absolute max, what the pool stores for `weights="fp8"`. `scale`: given [rows, 1] scales
+    (None: these rows' own; a row's scale depends on that row alone, so rows quantised apart
+    equal the whole tensor's rows)."""
+    w32 = w.float()
+    if scale is None:
+        scale = fp8_scale(w32.abs().amax(dim=-1, keepdim=True))
+    return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.reshape(-1, 1)
 
 
 def dequantize(w: torch.Tensor, scale, dtype) -> torch.Tensor:
@@ -490,8 +506,8 @@ def prepare(t: torch.Tensor, scale, fp8_ok: bool, mode: str, dtype, fp8_scale_of
     """One checkpoint tensor (on the device) -> (stored tensor, scale or None).
 
     A block Linear's weight (`fp8_ok`) stays fp8 when the checkpoint has it in e4m3fn
-    ("auto", "fp8") and is quantized when "fp8" asks for it (with `fp8_scale_of`, the whole
-    tensor's scale, when `t` is only some of its rows); everything else is cast to `dtype`,
+    ("auto", "fp8") and is quantized per channel when "fp8" asks for it (`fp8_scale_of`: the
+    rows' scales, given); everything else is cast to `dtype`,
     fp8 tensors dequantized with their scale ("full" dequantizes every one)."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES} (got {mode!r})")
@@ -501,7 +517,7 @@ def prepare(t: torch.Tensor, scale, fp8_ok: bool, mode: str, dtype, fp8_scale_of
         if t.dtype == FP8:
             return t, scale
         if mode == "fp8":
-            return quantize(unscaled(t, scale), fp8_scale_of)
+            return quantize_channels(unscaled(t, scale), fp8_scale_of)
     if is_fp8(t) or scale is not None:
         return dequantize(t, scale, torch.float32).to(dtype), None
     return (t.to(dtype) if t.is_floating_point() else t), None
@@ -558,7 +574,7 @@ def to_fp8(transformer, lists) -> int:
     first = next(iter(linears.values())).weight
     for name, fp8 in fp8_layers(transformer, lists, linears, first.dtype, first.device).items():
         lin = linears[name]
-        w, fp8.scale = quantize(lin.weight.data)
+        w, fp8.scale = quantize_channels(lin.weight.data)
         fp8.weight = torch.nn.Parameter(w, requires_grad=False)
         if lin.bias is not None:
             fp8.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
