@@ -8,16 +8,17 @@ ranks can load at the same time. Plain reads rather than a memory map, so the fi
 stay in the shared page cache and are not counted (or pinned) in each rank's RSS.
 
 fp8: `FP8Linear` stores a Linear's weight as float8_e4m3fn plus an fp32 scale: one per output
-channel where the pool quantises (`weights="fp8"` on a wider checkpoint: a row's own
-range, so one large row does not coarsen every other; on the trained test model the
-per-tensor scale cost fp8 most of its PSNR), one per tensor as fp8 files store it. Only
+channel where the pool quantises (`weights="fp8"` on a wider checkpoint: each row by its
+own range, so a layer's few wide channels do not push its narrow ones into fp8's
+subnormals; +3.6 dB on the trained test model, docs/performance.md#fp8), one per tensor as
+fp8 files store it. Only
 the Linears inside the transformer blocks are stored in fp8 (>98% of FLUX's weights);
 embedders, norms and the final projection stay in the pool dtype. Each layer multiplies one
 of two ways, chosen once at load (`set_fp8_compute`), never per call:
 - fp8 matmul: `torch._scaled_mm` on e4m3fn activations quantized per token (row) with a
   dynamic scale amax(|row|) / 448, so FLUX's activation outliers (thousands) are not clipped;
-  the weight's scale (per channel, or per tensor expanded) goes in as scale_b. Default on CUDA GPUs with fp8 tensor
-  cores (compute capability >= 8.9) in bf16/fp16 pools.
+  the weight's scale (per channel, or per tensor expanded) goes in as scale_b. Default on
+  CUDA GPUs with fp8 tensor cores (compute capability >= 8.9) in bf16/fp16 pools.
 - upcast: `w.to(x.dtype) * scale` per call, then an ordinary matmul (ComfyUI's scaled-fp8
   arithmetic without fp8 matmul): saves memory, not time. Everywhere else, and for layers
   whose in/out features are not multiples of 16 (what the CUDA kernels need).
@@ -224,8 +225,9 @@ def device_name(device) -> str:
 
 # ---- fp8 Linear ----------------------------------------------------------------------------
 class FP8Linear(torch.nn.Linear):
-    """A Linear whose weight is stored in float8_e4m3fn with a per-tensor scale. By default it
-    computes in the input's dtype, y = x @ (w.to(x.dtype) * scale).T + b; after
+    """A Linear whose weight is stored in float8_e4m3fn with its scale (per channel or per
+    tensor, see the module docstring). By default it computes in the input's dtype,
+    y = x @ (w.to(x.dtype) * scale).T + b; after
     `use_fp8_matmul()` it multiplies in fp8 instead (`fp8_linear`). A Linear subclass, so
     peft's LoRA wraps it like any Linear; `compute_dtype` (the pool dtype) is what peft reads
     to keep the LoRA matrices in that dtype instead of the weight's fp8."""
@@ -314,7 +316,7 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale_row: torch.Tensor, bia
                quantized=None):
     """x @ (w8 * scale).T + bias multiplied in fp8 by `torch._scaled_mm`: activations
     quantized per row (`quantize_rows`, scale_a [M, 1]; `quantized`: x's, already made for
-    another Linear reading the same x), the weight's per-tensor scale as scale_b [1, N]
+    another Linear reading the same x), the weight's scales as scale_b [1, N]
     (row-wise mode takes both or neither as vectors); out in x's dtype, which the CUDA
     kernels also want for the bias."""
     shape = x.shape
@@ -423,8 +425,8 @@ def share_quantization(transformer) -> int:
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The per-tensor scale that maps a weight's absolute max to fp8's max (the scaled-fp8
-    recipe: most of a weight would otherwise fall into fp8's subnormals)."""
+    """The scale that maps a weight's (or a channel's) absolute max to fp8's max (the
+    scaled-fp8 recipe: most of a weight would otherwise fall into fp8's subnormals)."""
     return (amax.float() / FP8_MAX).clamp(min=1e-12)
 
 
