@@ -430,23 +430,20 @@ def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     return (amax.float() / FP8_MAX).clamp(min=1e-12)
 
 
-def quantize(w: torch.Tensor, scale=None) -> tuple:
+def quantize(w: torch.Tensor) -> tuple:
     """(fp8 weight, fp32 scalar scale): one scale for the tensor, as scaled-fp8 files store
-    it. `scale`: a given one; None: this tensor's own."""
+    it (`testmodels/fp8_file.py` writes such files)."""
     w32 = w.float()
-    if scale is None:
-        scale = fp8_scale(w32.abs().max())
+    scale = fp8_scale(w32.abs().max())
     return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.reshape(())
 
 
-def quantize_channels(w: torch.Tensor, scale=None) -> tuple:
+def quantize_channels(w: torch.Tensor) -> tuple:
     """(fp8 weight, fp32 scales [rows, 1]): each output channel (row) mapped by its own
-    absolute max, what the pool stores for `weights="fp8"`. `scale`: given [rows, 1] scales
-    (None: these rows' own; a row's scale depends on that row alone, so rows quantised apart
-    equal the whole tensor's rows)."""
+    absolute max, what the pool stores for `weights="fp8"`. A row's scale depends on that
+    row alone, so rows quantised apart (the shard loader's) equal the whole tensor's."""
     w32 = w.float()
-    if scale is None:
-        scale = fp8_scale(w32.abs().amax(dim=-1, keepdim=True))
+    scale = fp8_scale(w32.abs().amax(dim=-1, keepdim=True))
     return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.reshape(-1, 1)
 
 
@@ -500,16 +497,16 @@ class LoadReport:
 
 
 def unscaled(t: torch.Tensor, scale) -> torch.Tensor:
-    """A checkpoint tensor as `quantize` takes it: an fp8 one dequantized to fp32."""
+    """A checkpoint tensor as `quantize_channels` takes it: an fp8 one dequantized to fp32."""
     return dequantize(t, scale, torch.float32) if is_fp8(t) else t
 
 
-def prepare(t: torch.Tensor, scale, fp8_ok: bool, mode: str, dtype, fp8_scale_of=None) -> tuple:
+def prepare(t: torch.Tensor, scale, fp8_ok: bool, mode: str, dtype) -> tuple:
     """One checkpoint tensor (on the device) -> (stored tensor, scale or None).
 
     A block Linear's weight (`fp8_ok`) stays fp8 when the checkpoint has it in e4m3fn
-    ("auto", "fp8") and is quantized per channel when "fp8" asks for it (`fp8_scale_of`: the
-    rows' scales, given); everything else is cast to `dtype`,
+    ("auto", "fp8") and is quantized per channel when "fp8" asks for it; everything else is
+    cast to `dtype`,
     fp8 tensors dequantized with their scale ("full" dequantizes every one)."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES} (got {mode!r})")
@@ -519,7 +516,7 @@ def prepare(t: torch.Tensor, scale, fp8_ok: bool, mode: str, dtype, fp8_scale_of
         if t.dtype == FP8:
             return t, scale
         if mode == "fp8":
-            return quantize_channels(unscaled(t, scale), fp8_scale_of)
+            return quantize_channels(unscaled(t, scale))
     if is_fp8(t) or scale is not None:
         return dequantize(t, scale, torch.float32).to(dtype), None
     return (t.to(dtype) if t.is_floating_point() else t), None
