@@ -153,3 +153,10 @@ def test_demo_runs_and_reports(tmp_path):
     assert report["config"].endswith("ulysses 2 x ring 1")
     assert len(report["worker_pids"]) == 2
     assert (tmp_path / "d" / "demo.png").stat().st_size > 0
+    # one verdict line ends the output, and report.md says the same above a timings table
+    verdict = r.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("OK: 2 ranks match 1 rank (") and verdict.endswith("<= 1e-4)")
+    assert report["verdict"] == verdict
+    md = (tmp_path / "d" / "report.md").read_text()
+    assert f"**{verdict}**" in md and "| what | seconds |" in md
+    assert "| warm job, 2 ranks |" in md
