@@ -92,6 +92,42 @@ def test_bad_input_exits_2_with_one_line(model_dir, tmp_path, extra, expect):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("kind", ["checkpoint", "garbage"])
+def test_bad_lora_file_refused_on_the_host(model_dir, tmp_path, kind):
+    """A file that is not a LoRA is refused before any worker starts, in one line naming a
+    key the file really holds (or why it is unreadable), and without importing torch: the
+    header alone decides, so the refusal takes well under a second."""
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    lora = tmp_path / f"{kind}.safetensors"
+    if kind == "checkpoint":
+        save_file({"double_blocks.0.img_mod.lin.weight": np.zeros((4, 4), np.float32)}, lora)
+    else:
+        lora.write_bytes(b"not a safetensors file")
+    procs = tmp_path / "procs"
+    r = cli("generate", "--model", model_dir("flux"), *BASE, "--height", "64", "--width", "64",
+            "--lora", f"{lora}:0.8", "--out", tmp_path / "x.png", tmpdir=tmp_path, procs=procs)
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip() and "torchvision" not in l]
+    assert len(lines) == 1, r.stderr
+    expect = {"checkpoint": "holds no LoRA weights", "garbage": "is not a valid .safetensors"}
+    assert expect[kind] in lines[0] and str(lora) in lines[0]
+    if kind == "checkpoint":
+        assert "'double_blocks.0.img_mod.lin.weight'" in lines[0]  # the file's own key
+    mine, others = started(procs)
+    assert len(mine) == 1 and others == [], others
+    code = ("import sys\n"
+            "from comfyui_xdit.planning.request import GenerationRequest\n"
+            "from comfyui_xdit.planning.model_info import read_model_info\n"
+            f"req = GenerationRequest(prompt=['a'], height=64, width=64, loras=[({str(lora)!r}, 1.0)])\n"
+            f"problems = req.problems(read_model_info({str(model_dir('flux'))!r}))\n"
+            "assert problems and 'torch' not in sys.modules, (problems, 'torch imported')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("which", ["missing", "other", "out"])
 def test_bad_model_or_output_exits_2(model_dir, other_model, tmp_path, which):
     model = {"missing": tmp_path / "nope", "other": other_model}.get(which, model_dir("sd3"))

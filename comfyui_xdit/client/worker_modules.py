@@ -21,6 +21,7 @@ TARGETS = {
     "families.<id>": "a family's description, for its test-model builder",
     "models.detect": "model detection: a folder's or file's family and config",
     "models.latent_layout": "packing latents between ComfyUI's and the model's layout",
+    "loading.lora_file": "a LoRA file checked on the host before any worker starts",
     "loading.stages": "PipeFusion's stage split, for the memory plan",
     "loading.weights": "fp8 storage and block Linears, for the memory plan and fp8 files",
     "runtime.channel": "the host end of the control channel", "runtime.protocol": "the typed messages",

@@ -258,12 +258,11 @@ def cache_problems(cache) -> list[str]:
 def _reference_problems(req: "GenerationRequest", model) -> list[str]:
     """Reference latents: a list of ComfyUI LATENT samples [1 or batch, C, h, w] in the
     model's layout (FLUX.1: even sizes, 2x2 latent pixels make one token)."""
-    import torch
-
     refs, method = req.reference_latents, req.reference_method
     arch = getattr(model, "arch", None)
     if refs is None:
         return []
+    import torch  # only now: a request without references is checked without torch
     if not isinstance(refs, (list, tuple)) or not refs:
         return [f"reference_latents must be a non-empty list of LATENT samples [1 or batch, C, "
                 f"height/8, width/8] (got {type(refs).__name__}"
@@ -338,11 +337,10 @@ def image_tensors(images) -> list:
 
 
 def _reference_image_problems(req: "GenerationRequest", model) -> list[str]:
-    import torch
-
     images = req.reference_images
     if images is None:
         return []
+    import torch
     if not isinstance(images, (list, tuple)) or not images:
         return ["reference_images must be a non-empty list of images (float [H, W, 3] in "
                 "0..1, or PIL); leave it None for no reference"]
@@ -381,8 +379,6 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
     """Image-to-video: an I2V model needs exactly one start image (reference_images or
     ComfyUI's concat_latent), a text-to-video one takes none; shapes as the request's
     comment gives them. `model`: a ModelInfo (its start_image / image_states), or None."""
-    import torch
-
     messages = worker_module("runtime.messages")
     arch = getattr(model, "arch", None)
     fam = None if arch is None else families.family(arch)
@@ -408,6 +404,8 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
     if images:
         return [] if len(images) == 1 else [f"{name} image-to-video takes one start image "
                                             f"(got {len(images)})"]
+    import torch  # only now: a request without start-image tensors is checked without it
+
     out = []
     lat, mask, emb = req.concat_latent, req.concat_mask, req.image_embeds
     spec = fam.latent
@@ -513,6 +511,11 @@ def _lora_problems(loras, experts=None) -> list[str]:
             out.append(f"LoRA #{i + 1}: the file must be a path (got {path!r})")
         elif not os.path.isfile(os.path.expanduser(str(path))):
             out.append(f"LoRA file not found: {path}")
+        else:  # its header only: under a second, before any worker starts
+            problem = worker_module("loading.lora_file").lora_file_problem(
+                os.path.expanduser(str(path)))
+            if problem:
+                out.append(problem)
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) \
                 or not math.isfinite(strength):
             out.append(f"LoRA {path}: strength must be a finite number (got {strength!r})")

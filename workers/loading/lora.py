@@ -71,13 +71,12 @@ class LoraManager:
         against `transformer`; raises LoraError naming the file."""
         if not os.path.isfile(path):
             raise LoraError(f"LoRA file not found: {path}")
-        try:
-            from safetensors import safe_open
-            with safe_open(path, framework="pt") as f:
-                file_keys = list(f.keys())
-        except Exception as e:
-            raise LoraError(f"LoRA file {path} is not a readable safetensors file "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        from .header import read_safetensors_header
+        from .lora_file import lora_file_problem
+        problem = lora_file_problem(path)
+        if problem:
+            raise LoraError(problem)
+        file_keys = list(read_safetensors_header(path))
         self.adapter.check_lora_keys(path, file_keys)
         pcls = self._pipeline()
         alphas = None
