@@ -86,6 +86,56 @@ def test_host_leaves_no_folder_process_or_traceback(model_dir, tmp_path, how):
         assert code == 0, err
 
 
+def test_a_killed_hosts_folder_is_removed_by_the_next_launch(model_dir, tmp_path):
+    """SIGKILL leaves the pool folder with its secret (nothing runs in the host); the next
+    launch under the same temp dir removes it, and never a live host's folder."""
+    from comfyui_xdit.client.pool_folders import make_pool_folder, remove_stale
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", HOST, str(model_dir("flux")), "wait"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            text=True, cwd=str(tmp_path))
+    for line in proc.stdout:
+        if line.startswith("PIDS"):
+            break
+    killed = sorted(p.name for p in tmp.iterdir() if p.name.startswith("xdit-pool-"))
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert len(killed) == 1 and (tmp / killed[0] / "secret").exists()
+    # a live host's folder (this test process's), made the same way, must survive the sweep
+    os.environ["TMPDIR"], old = str(tmp), os.environ.get("TMPDIR")
+    import tempfile
+    tempfile.tempdir = None
+    try:
+        live = make_pool_folder()
+        assert not (tmp / killed[0]).exists(), "the killed host's folder was not removed"
+        assert remove_stale(str(tmp)) == [] and os.path.isdir(live)
+    finally:
+        if old is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = old
+        tempfile.tempdir = None
+        import shutil
+        shutil.rmtree(live, ignore_errors=True)
+
+
+def test_a_reused_pid_is_not_taken_for_the_host(tmp_path):
+    """A folder whose recorded pid now belongs to another process (a different start time)
+    is stale; one without a record is not the pack's and stays."""
+    import json
+    from comfyui_xdit.client.pool_folders import remove_stale
+
+    reused, foreign = tmp_path / "xdit-pool-reused", tmp_path / "xdit-pool-foreign"
+    reused.mkdir()
+    foreign.mkdir()
+    (reused / "host.json").write_text(json.dumps({"pid": os.getpid(), "started": -1}))
+    assert remove_stale(str(tmp_path)) == [str(reused)]
+    assert not reused.exists() and foreign.exists()
+
+
 BALLAST_HOST = textwrap.dedent("""
     import sys, torch
     from comfyui_xdit import WorkerPool, ParallelConfig, GenerationRequest

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -19,6 +18,7 @@ from typing import Callable, Optional
 
 from comfyui_xdit.client.channel import Channel, connect, parse_address
 from comfyui_xdit.client.exit_cleanup import install_sigterm
+from comfyui_xdit.client.pool_folders import make_pool_folder
 from comfyui_xdit.comfy_convert import (comfy_noise, comfy_to_model, latent_shape, latent_shape_text,
                             layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.planning import calibration, launch_policy
@@ -355,7 +355,7 @@ class WorkerPool:
         self._memory = calibration.plan_status(plan, self.memory_plan) \
             if self.device == "cuda" else {}
         install_sigterm()  # a pool launched from the main thread (CLI, Python API)
-        self._tmp = tempfile.mkdtemp(prefix="xdit-pool-")
+        self._tmp = make_pool_folder()  # (removes the folders of hosts killed outright)
         secret = os.urandom(32)
         secret_file = os.path.join(self._tmp, "secret")
         fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
