@@ -137,7 +137,12 @@ def test_bad_model_or_output_exits_2(model_dir, other_model, tmp_path, which):
     assert r.returncode == 2
     msg = r.stderr.strip().splitlines()[-1]
     assert {"missing": "does not exist", "other": "'UNet2DConditionModel' transformer",
-            "out": "must end in .safetensors"}[which] in msg
+            "out": "must be x.safetensors (the LATENT"}[which] in msg
+    if which == "out":  # the error lists what --help lists
+        from comfyui_xdit.cli.commands import out_forms
+        assert msg.endswith(out_forms())
+        help_text = " ".join(cli("generate", "--help").stdout.split())
+        assert " ".join(out_forms().split()) in help_text
 
 
 def test_generate_latent_matches_pool_and_png(model_dir, pools, tmp_path):
@@ -196,3 +201,20 @@ def test_demo_runs_and_reports(tmp_path):
     md = (tmp_path / "d" / "report.md").read_text()
     assert f"**{verdict}**" in md and "| what | seconds |" in md
     assert "| warm job, 2 ranks |" in md
+
+
+@pytest.mark.parametrize("argv0,usage", [("comfyui-xdit", "usage: comfyui-xdit bench"),
+                                         ("__main__.py", "usage: python -m comfyui_xdit bench")])
+def test_help_names_the_command_typed_and_the_recipe_page(argv0, usage):
+    """bench's usage line names what the user typed (the console script or the module form);
+    trained-model's help points at the page that holds its recipe."""
+    code = (f"import sys; sys.argv[0] = {argv0!r}\n"
+            "from comfyui_xdit.cli.commands import main\n"
+            "sys.exit(main(['bench', '--help']))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(usage), r.stdout[:200]
+    text = " ".join(cli("trained-model", "--help").stdout.split())
+    assert "docs/testing.md#the-trained-test-model" in text
+    assert "## The trained test model" in (ROOT / "docs" / "testing.md").read_text()

@@ -105,9 +105,8 @@ def _add_generate(sub):
                         "image-to-video folder, the start frame")
     _add_cache_flags(p)
     p.add_argument("--out", required=True,
-                   help="x.safetensors (the LATENT; 5-D for video), x.png (images), or for "
-                        "video x.mp4 / x.webm / x.mkv, frames_%%04d.png or a directory (one "
-                        "PNG per frame); decoded with the folder's VAE, patch-parallel")
+                   help=out_forms().replace("%", "%%") + "; decoded with the model's VAE, "
+                                                         "patch-parallel")
     p.add_argument("--attach", default=None, metavar="HOST:PORT",
                    help="use a pool started with `serve` (secret: $XDIT_POOL_SECRET or --secret-file)")
     p.add_argument("--secret-file", default=None,
@@ -332,8 +331,14 @@ def output_kind(out: str) -> str:
         return "png"
     if str(out).endswith(("/", os.sep)) or path.is_dir() or not suffix:
         return "frames"
-    raise ConfigError(f"--out {out!r} must end in .safetensors (LATENT) or .png; for video "
-                      f"{', '.join(VIDEO_SUFFIXES)}, frames_%04d.png or a directory")
+    raise ConfigError(f"--out {out!r} must be {out_forms()}")
+
+
+def out_forms() -> str:
+    """What --out takes, for its help and its error alike."""
+    videos = " / ".join("x" + s for s in VIDEO_SUFFIXES)
+    return (f"x.safetensors (the LATENT; 5-D for video), x.png (images), or for video "
+            f"{videos}, frames_%04d.png or a directory (one PNG per frame)")
 
 
 def check_output(kind: str, out: str, info, frames: int) -> None:
@@ -451,7 +456,7 @@ def run_bench(argv) -> int:
                           "benchmarks/ of a checkout of the comfyui-xdit repository, next to "
                           "comfyui_xdit/); run `python -m comfyui_xdit bench` or "
                           "`python -m benchmarks` from such a checkout") from None
-    return bench_main(argv, prog="python -m comfyui_xdit bench")
+    return bench_main(argv, prog=f"{_prog()} bench")
 
 
 def _prog() -> str:

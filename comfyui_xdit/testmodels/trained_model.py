@@ -241,9 +241,10 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "trained-model",
         help="train the small FLUX-shaped model on drawn shapes, for quality measurements "
-             "(CPU, offline; the README's For developers gives its recipe and time)",
+             "(CPU, offline; its recipe and time: docs/testing.md, the trained test model)",
         description="Train a small FLUX-shaped model on drawn coloured shapes ('a red circle on "
-                    "the left'), for quality measurements; nothing is downloaded.")
+                    "the left'), for quality measurements; nothing is downloaded. Its recipe, "
+                    "time and what it measures: docs/testing.md#the-trained-test-model.")
     p.add_argument("--out", required=True, help="output folder (created if missing)")
     p.add_argument("--steps", type=int, default=RECIPE["steps"],
                    help=f"transformer training steps (default {RECIPE['steps']})")
