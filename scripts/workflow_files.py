@@ -1,14 +1,16 @@
 """The files each example workflow loads, where they go in ComfyUI, and where to get them.
 
     python scripts/workflow_files.py            # print the Markdown table
-    python scripts/workflow_files.py --write    # refresh it in docs/workflow-files.md
-    python scripts/workflow_files.py --check    # exit 1 if that page is out of date
+    python scripts/workflow_files.py --write    # refresh docs/workflow-files.md and the notes
+    python scripts/workflow_files.py --check    # exit 1 if the page or a note is out of date
 
 A workflow names its files in loader widgets (a CLIPLoader's clip_name, Load model (xDiT)'s
 model, ...), which a user has to fetch before the first run. This reads them from every
 example (API and UI format alike), places each in its ComfyUI folder, and takes its source
 from scripts/workflow_sources.json, so an example that adds a file fails here until its
-source is written down; tests/test_docs.py checks the page matches.
+source is written down; tests/test_docs.py checks the page matches. Each UI-format example
+also carries a Note node on its canvas with the same list, so a user who drags it in sees what
+to fetch before pressing Run.
 """
 from __future__ import annotations
 
@@ -131,6 +133,66 @@ def table(workflows: Path = WORKFLOWS, sources_file: Path = SOURCES) -> str:
     return "\n".join(lines)
 
 
+NOTE_TITLE = "Files this workflow needs"
+
+
+def _plain_source(file: str, sources: dict) -> str:
+    entry = sources[file]
+    parts = []
+    if "repo" in entry:
+        where = f"huggingface.co/{entry['repo']}"
+        parts.append(f"{where}, {entry['path']}" if "path" in entry
+                     else f"{where} (the whole repository)")
+    if "note" in entry:
+        parts.append(entry["note"])
+    return "; ".join(parts) + (" (gated: accept its license, then hf auth login)"
+                               if entry.get("gated") else "")
+
+
+def note_text(rows, sources: dict) -> str:
+    """The Note's text: each file, its folder under ComfyUI/ and where to get it."""
+    lines = [f"{NOTE_TITLE} (folders under ComfyUI/; docs/workflow-files.md has them all):", ""]
+    for node, folder, file in rows:
+        what = f"{folder}/{file}/ (a diffusers folder)" if folder == "models/diffusers" \
+            else f"{folder}/{file}"
+        lines.append(f"- {what}, for {DISPLAY.get(node, node)}: {_plain_source(file, sources)}")
+    return "\n".join(lines)
+
+
+def with_note(ui: dict, text: str) -> dict:
+    """The UI graph with its files Note (added above the graph, or its text refreshed)."""
+    notes = [n for n in ui["nodes"] if n.get("type") == "Note" and n.get("title") == NOTE_TITLE]
+    if notes:
+        notes[0]["widgets_values"] = [text]
+        return ui
+    xs = [n["pos"][0] for n in ui["nodes"]]
+    ys = [n["pos"][1] for n in ui["nodes"]]
+    nid = int(ui.get("last_node_id") or max(n["id"] for n in ui["nodes"])) + 1
+    ui["nodes"].append({"id": nid, "type": "Note", "title": NOTE_TITLE,
+                        "pos": [min(xs), min(ys) - 300], "size": [760, 260], "flags": {},
+                        "order": len(ui["nodes"]), "mode": 0, "inputs": [], "outputs": [],
+                        "properties": {}, "widgets_values": [text]})
+    ui["last_node_id"] = nid
+    return ui
+
+
+def stale_notes(workflows: Path = WORKFLOWS, sources_file: Path = SOURCES, fix=False) -> list:
+    """UI-format examples whose files Note is missing or out of date (rewritten with `fix`)."""
+    sources = json.loads(sources_file.read_text())
+    stale = []
+    for name, rows in needs(workflows).items():
+        path = workflows / f"{name}.json"
+        if not path.is_file():
+            continue
+        ui = json.loads(path.read_text())
+        want = with_note(json.loads(path.read_text()), note_text(rows, sources))
+        if ui != want:
+            stale.append(path.name)
+            if fix:  # the frontend's own layout: one space per level
+                path.write_text(json.dumps(want, indent=1) + "\n")
+    return stale
+
+
 def page_block(page: Path = PAGE) -> str:
     """The generated part of the page as committed."""
     text = page.read_text()
@@ -156,10 +218,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.write:
         print("updated" if write() else "up to date", PAGE.relative_to(ROOT))
+        for name in stale_notes(fix=True):
+            print("updated the files note of", name)
     elif args.check:
-        if page_block() != table():
-            print(f"{PAGE.relative_to(ROOT)} is out of date: python scripts/workflow_files.py "
-                  f"--write", file=sys.stderr)
+        stale = ([str(PAGE.relative_to(ROOT))] if page_block() != table() else []) + \
+            stale_notes()
+        if stale:
+            print(f"out of date: {', '.join(stale)}: python scripts/workflow_files.py --write",
+                  file=sys.stderr)
             return 1
     else:
         print(table())

@@ -367,6 +367,22 @@ def test_workflow_files_table_is_current():
         "docs/workflow-files.md is out of date: python scripts/workflow_files.py --write")
 
 
+def test_every_ui_example_carries_its_files_note(tmp_path):
+    """Each UI-format example has a Note on its canvas listing the files it loads, their
+    folders and sources, as the table does; a changed source makes the note stale."""
+    wf = _workflow_files()
+    assert wf.stale_notes() == [], "python scripts/workflow_files.py --write"
+    ui = json.loads((ROOT / "example_workflows" / "xdit_flux_text_to_image.json").read_text())
+    notes = [n for n in ui["nodes"] if n["type"] == "Note"]
+    assert len(notes) == 1 and "models/diffusers/FLUX.1-dev/" in notes[0]["widgets_values"][0]
+    assert "huggingface.co/black-forest-labs/FLUX.1-dev" in notes[0]["widgets_values"][0]
+    # negative control: another source for a file the example loads
+    sources = json.loads((ROOT / "scripts" / "workflow_sources.json").read_text())
+    sources["FLUX.1-dev"] = {"repo": "someone/else"}
+    (tmp_path / "sources.json").write_text(json.dumps(sources))
+    assert "xdit_flux_text_to_image.json" in wf.stale_notes(sources_file=tmp_path / "sources.json")
+
+
 def test_workflow_files_cover_every_loader():
     """Every example's loaders are read (both formats), every file has a source, and the
     README names each diffusers folder with the repository the sources give."""

@@ -41,8 +41,12 @@ def api_graph(api: dict):
     return nodes, links, widgets
 
 
+# canvas-only nodes the frontend leaves out of the API prompt (the files Note)
+VIRTUAL = {"Note", "MarkdownNote"}
+
+
 def ui_graph(ui: dict):
-    nodes = {str(n["id"]): n for n in ui["nodes"]}
+    nodes = {str(n["id"]): n for n in ui["nodes"] if n["type"] not in VIRTUAL}
     links = set()
     for link_id, src, src_slot, dst, dst_slot, _type in ui["links"]:
         assert str(src) in nodes and str(dst) in nodes, f"link {link_id} to a missing node"

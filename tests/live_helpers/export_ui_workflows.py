@@ -59,6 +59,17 @@ FIT_VIEW = """() => {
 }"""
 
 
+def files_note(graph: dict, name: str) -> dict:
+    """The exported graph with the Note listing its files (scripts/workflow_files.py)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("workflow_files",
+                                                  ROOT / "scripts" / "workflow_files.py")
+    wf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wf)
+    rows = wf.needs()[name]
+    return wf.with_note(graph, wf.note_text(rows, json.loads(wf.SOURCES.read_text())))
+
+
 def export(base: str, names=None, out_dir: Path = ROOT / "example_workflows",
            viewport=(1280, 720)) -> list:
     """`viewport`: a wider one keeps a wide graph's thumbnail above the frontend's
@@ -92,6 +103,7 @@ def export(base: str, names=None, out_dir: Path = ROOT / "example_workflows",
             page.wait_for_timeout(500)
             # JSON.stringify as the frontend's own save does (undefined fields dropped)
             graph = json.loads(page.evaluate("() => JSON.stringify(window.app.graph.serialize())"))
+            graph = files_note(graph, name)  # what scripts/workflow_files.py --write adds
             ui_file = api_file.with_name(api_file.name.replace("_api.json", ".json"))
             ui_file.write_text(json.dumps(graph, indent=1) + "\n")
             shot = ui_file.with_suffix(".jpg")
