@@ -102,16 +102,23 @@ def needs(workflows: Path = WORKFLOWS) -> dict:
     return found
 
 
-def _source(file: str, folder: str, sources: dict) -> str:
+def _source(file: str, sources: dict, markdown: bool = True) -> str:
+    """Where to get `file`: a Markdown link for the page, plain text for a canvas Note."""
     entry = sources[file]
     parts = []
     if "repo" in entry:
-        link = f"[{entry['repo']}](https://huggingface.co/{entry['repo']})"
-        parts.append(f"{link}, `{entry['path']}`" if "path" in entry
-                     else f"{link}, the whole repository")
+        repo = entry["repo"]
+        where = f"[{repo}](https://huggingface.co/{repo})" if markdown \
+            else f"huggingface.co/{repo}"
+        if "path" in entry:
+            parts.append(f"{where}, `{entry['path']}`" if markdown
+                         else f"{where}, {entry['path']}")
+        else:
+            parts.append(f"{where}, the whole repository")
     if "note" in entry:
         parts.append(entry["note"])
-    return "; ".join(parts) + (" (gated)" if entry.get("gated") else "")
+    gated = " (gated)" if markdown else " (gated: accept its license, then hf auth login)"
+    return "; ".join(parts) + (gated if entry.get("gated") else "")
 
 
 def table(workflows: Path = WORKFLOWS, sources_file: Path = SOURCES) -> str:
@@ -129,24 +136,11 @@ def table(workflows: Path = WORKFLOWS, sources_file: Path = SOURCES) -> str:
                 else f"`{file}`"
             lines.append(f"| {f'`{name}`' if i == 0 else ''} | {what} | "
                          f"{DISPLAY.get(node, node)} | "
-                         f"`{folder}/` | {_source(file, folder, sources)} |")
+                         f"`{folder}/` | {_source(file, sources)} |")
     return "\n".join(lines)
 
 
 NOTE_TITLE = "Files this workflow needs"
-
-
-def _plain_source(file: str, sources: dict) -> str:
-    entry = sources[file]
-    parts = []
-    if "repo" in entry:
-        where = f"huggingface.co/{entry['repo']}"
-        parts.append(f"{where}, {entry['path']}" if "path" in entry
-                     else f"{where} (the whole repository)")
-    if "note" in entry:
-        parts.append(entry["note"])
-    return "; ".join(parts) + (" (gated: accept its license, then hf auth login)"
-                               if entry.get("gated") else "")
 
 
 def note_text(rows, sources: dict) -> str:
@@ -155,7 +149,7 @@ def note_text(rows, sources: dict) -> str:
     for node, folder, file in rows:
         what = f"{folder}/{file}/ (a diffusers folder)" if folder == "models/diffusers" \
             else f"{folder}/{file}"
-        lines.append(f"- {what}, for {DISPLAY.get(node, node)}: {_plain_source(file, sources)}")
+        lines.append(f"- {what}, for {DISPLAY.get(node, node)}: {_source(file, sources, markdown=False)}")
     return "\n".join(lines)
 
 
