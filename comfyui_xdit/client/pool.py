@@ -782,7 +782,7 @@ def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
 
 def rss_mb(pid="self") -> float:
     """Resident memory of a process in MiB (Linux /proc; 0 where unavailable)."""
-    return worker_module("runtime.messages").rss_mb(pid)
+    return worker_module("messages").rss_mb(pid)
 
 
 def _close_all() -> None:

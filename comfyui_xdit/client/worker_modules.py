@@ -24,7 +24,7 @@ TARGETS = {
     "loading.stages": "PipeFusion's stage split, for the memory plan",
     "loading.weights": "fp8 storage and block Linears, for the memory plan and fp8 files",
     "runtime.channel": "the host end of the control channel", "runtime.protocol": "the typed messages",
-    "runtime.messages": "shared message texts and process facts",
+    "messages": "shared message texts and process facts",
     "sampling.step_cache": "the step cache's settings, validated on the host",
 }
 _PACKAGE = "comfyui_xdit_workers"

@@ -150,7 +150,7 @@ class ParallelConfig:
                                f"{self.sp} ranks; use a larger image or fewer ranks")
             if self.pipefusion > 1 and (request.cache or {}).get("threshold"):
                 from comfyui_xdit.client.worker_modules import worker_module
-                out.append(worker_module("runtime.messages").CACHE_WITH_PIPEFUSION)
+                out.append(worker_module("messages").CACHE_WITH_PIPEFUSION)
             arch = getattr(model, "arch", None)
             if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
                     and arch is not None:

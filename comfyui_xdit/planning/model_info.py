@@ -20,7 +20,7 @@ from comfyui_xdit.errors import ConfigError
 from comfyui_xdit.client.worker_modules import worker_module
 
 _detect = worker_module("models.detect")
-_messages = worker_module("runtime.messages")
+_messages = worker_module("messages")
 families = worker_module("families")
 
 CHECKPOINT_PREFIX = _detect.CHECKPOINT_PREFIX

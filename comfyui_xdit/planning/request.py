@@ -352,7 +352,7 @@ def _reference_image_problems(req: "GenerationRequest", model) -> list[str]:
         return [f"reference images are not supported by {fam.name} models (remove the "
                 f"reference image)"]
     if model is not None and not getattr(model, "has_vae", True):
-        return [worker_module("runtime.messages").REFERENCE_IMAGES_NEED_VAE]
+        return [worker_module("messages").REFERENCE_IMAGES_NEED_VAE]
     out = []
     if req.reference_latents:
         out.append("give reference_latents or reference_images, not both")
@@ -383,7 +383,7 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
     comment gives them. `model`: a ModelInfo (its start_image / image_states), or None."""
     import torch
 
-    messages = worker_module("runtime.messages")
+    messages = worker_module("messages")
     arch = getattr(model, "arch", None)
     fam = None if arch is None else families.family(arch)
     given = {k: getattr(req, k) for k in ("concat_latent", "concat_mask", "image_embeds")
@@ -441,7 +441,7 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
 
 def _single_file_problems(req: "GenerationRequest", model) -> list[str]:
     """A single-file model has no text encoders and no VAE (model: a ModelInfo)."""
-    messages = worker_module("runtime.messages")  # the workers give the same two messages
+    messages = worker_module("messages")  # the workers give the same two messages
 
     out = []
     if model is None:

@@ -24,13 +24,13 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from ..messages import CACHE_WITH_PIPEFUSION
 from ..parallel.sequence_parallel import all_gather_tokens, even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import Topology, broadcast
-from ..runtime.hooks import no_step_scope
-from ..runtime.messages import CACHE_WITH_PIPEFUSION
 from .flow_step import combine, combine_across, make_steps
 from .step_cache import CacheSettings, RunCache, call_on_ranks, gated
+from .step_scope import no_step_scope
 
 
 class Cancelled(Exception):
