@@ -148,7 +148,7 @@ class Family:
     # reference latents of odd height / width are padded circularly to whole tokens, as
     # ComfyUI's model pads them (its edit nodes size images to 8 pixels), not refused
     odd_references: bool = False
-    # PipeFusion runs references first in the image stream (workers/parallel/pipefusion/strategy.py):
+    # PipeFusion runs references first in the image stream (workers/sampling/patch_pipeline.py):
     # exact where positions come from ids (FLUX), not where RoPE follows the token order
     pipefusion_references: bool = True
     # video from a start image (Wan I2V): the transformer config (class defaults filled in)

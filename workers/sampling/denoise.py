@@ -6,8 +6,8 @@ parallel's gather of the batch. The step's work is a `StepStrategy`:
 
 * `WholeImage` (below): each guidance branch of this rank on the whole image, the guidance
   combination (in one process, or over the cfg ranks) and the scheduler's Euler step. Exact.
-* `PatchPipeline` (workers/parallel/pipefusion/): PipeFusion's patch pipeline, which owns its tick
-  table, stages, patch transfers and K/V caches.
+* `PatchPipeline` (patch_pipeline.py, over workers/parallel/pipefusion/): PipeFusion's patch
+  pipeline, which owns its tick table, stages, patch transfers and K/V caches.
 
 The stop decision: rank 0 asks the host at the start of each step and tells every rank over
 the control plane (gloo), at the same point on every rank. Sequence parallelism is invisible
@@ -254,7 +254,7 @@ def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology,
     if topo.degree("pipefusion") > 1:
         if cache is not None:
             raise ValueError(CACHE_WITH_PIPEFUSION)
-        from ..parallel.pipefusion.strategy import PatchPipeline
+        from .patch_pipeline import PatchPipeline
         return PatchPipeline(job, model, adapter, prep, branches, topo)
     return WholeImage(model, adapter, prep, branches, topo, cache, control, sequence)
 
