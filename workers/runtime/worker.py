@@ -71,8 +71,11 @@ class Worker:
             from ..loading.stages import stage_of_rank
             stage = (stage_of_rank(rank, args.pipefusion, args.pipefusion_inner),
                      args.pipefusion, args.pipefusion_split)
+        from ..loading.shards import direct_load_problem
         from ..parallel.sharding import begin as begin_sharding
-        self.shard_setup = begin_sharding(self)  # --shard-weights (workers/parallel/sharding.py)
+        self.shard_setup = begin_sharding(  # --shard-weights (workers/parallel/sharding.py)
+            args, planes, self.adapter.block_lists,
+            direct_load_problem(args.model) if getattr(args, "shard_weights", False) else "")
         for turn in (range(world) if args.load_in_turn else [rank]):
             if turn == rank:  # the pool counts these two lines for "loading k/N"
                 logging.getLogger("xdit.worker").info("xdit: loading weights")
