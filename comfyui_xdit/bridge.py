@@ -1,9 +1,15 @@
-"""Host access to the few worker modules that hold facts both sides need (latent layout,
-architecture detection), without putting the pack's `workers/` folder on sys.path inside
-ComfyUI (a top-level name `workers` could clash with another pack). The folder is loaded
-once as the private package `comfyui_xdit_workers`; its modules import each other
-relatively, so they work under that name. Only cheap modules (no torch.distributed at import)
-are meant to be loaded this way.
+"""The host's one door to workers/: every worker module the host package reads, named once
+here with the reason, and handed on as an attribute (`from comfyui_xdit.bridge import
+families`, or `bridge.latent_layout.to_model(...)` where the module should load only when
+used).
+
+The pack's `workers/` folder is not put on sys.path inside ComfyUI (a top-level name
+`workers` could clash with another pack): it is loaded once as the private package
+`comfyui_xdit_workers`, whose modules import each other relatively, so they work under that
+name. Only cheap modules (no torch.distributed at import) are meant to be loaded this way.
+A module loads at its first use, so what needs torch costs nothing until then.
+`tests/test_layout.py` checks that the host reaches workers/ through no other door, that
+every module listed here is used and that each loads.
 """
 from __future__ import annotations
 
@@ -12,28 +18,27 @@ import importlib.util
 import os
 import sys
 
-# Every worker module the host package loads, and why: the edges from comfyui_xdit/ to
-# workers/ in one place (tests/test_layout.py checks that the host names no other and that
-# each loads). "families.<id>" stands for every family's description module, which its
-# test-model builder reads (comfyui_xdit/testmodels/<id>.py): a new family adds no line here.
-TARGETS = {
-    "families": "the family registry and descriptions (shapes, defaults, formats)",
-    "families.<id>": "a family's description, for its test-model builder",
-    "models.detect": "model detection: a folder's or file's family and config",
-    "models.latent_layout": "packing latents between ComfyUI's and the model's layout",
-    "loading.stages": "PipeFusion's stage split, for the memory plan",
-    "loading.weights": "fp8 storage and block Linears, for the memory plan and fp8 files",
-    "runtime.channel": "the host end of the control channel", "runtime.protocol": "the typed messages",
-    "messages": "shared message texts and process facts",
-    "sampling.step_cache": "the step cache's settings, validated on the host",
+# attribute -> (the worker module, why the host reads it)
+MODULES = {
+    "families": ("families", "the family registry and descriptions (shapes, defaults, formats)"),
+    "detect": ("models.detect", "model detection: a folder's or file's family and config"),
+    "latent_layout": ("models.latent_layout",
+                      "packing latents between ComfyUI's and the model's layout"),
+    "stages": ("loading.stages", "PipeFusion's stage split, for the memory plan"),
+    "weights": ("loading.weights",
+                "fp8 storage and block Linears, for the memory plan and fp8 files"),
+    "channel": ("runtime.channel", "the host end of the control channel"),
+    "protocol": ("runtime.protocol", "the typed host <-> rank 0 messages"),
+    "messages": ("messages", "shared message texts and process facts"),
+    "step_cache": ("sampling.step_cache", "the step cache's settings, validated on the host"),
 }
 _PACKAGE = "comfyui_xdit_workers"
-_FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                       "workers")
+_FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers")
 
 
 def worker_module(name: str):
-    """`worker_module("models.latent_layout")` -> that module of the pack's workers/."""
+    """`worker_module("models.latent_layout")` -> that module of the pack's workers/ (tests
+    reach the modules the host does not read through it too)."""
     if _PACKAGE not in sys.modules:
         spec = importlib.util.spec_from_file_location(
             _PACKAGE, os.path.join(_FOLDER, "__init__.py"), submodule_search_locations=[_FOLDER])
@@ -41,3 +46,20 @@ def worker_module(name: str):
         sys.modules[_PACKAGE] = mod
         spec.loader.exec_module(mod)
     return importlib.import_module(f"{_PACKAGE}.{name}")
+
+
+def family_module(fid: str):
+    """A family's description module (workers/families/<id>.py), which its test-model builder
+    reads (comfyui_xdit/testmodels/<id>.py): a new family adds no line here."""
+    if fid not in __getattr__("families").IDS:
+        raise ValueError(f"no family {fid!r}")
+    return worker_module(f"families.{fid}")
+
+
+def __getattr__(name: str):
+    """A listed module, loaded at its first use and kept as this module's attribute."""
+    if name not in MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    mod = worker_module(MODULES[name][0])
+    globals()[name] = mod
+    return mod

@@ -25,9 +25,9 @@ from comfyui_xdit.planning import calibration, launch_policy
 from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig
 from comfyui_xdit.planning.gpus import gpus_for_ranks, text_encoder_gpu
 from comfyui_xdit.planning.model_info import ModelInfo, read_model_info
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 
-P = worker_module("runtime.protocol")  # the typed host <-> rank 0 messages
+P = bridge.protocol  # the typed host <-> rank 0 messages
 from comfyui_xdit.planning.request import GenerationRequest, GenerationResult
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -782,7 +782,7 @@ def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
 
 def rss_mb(pid="self") -> float:
     """Resident memory of a process in MiB (Linux /proc; 0 where unavailable)."""
-    return worker_module("messages").rss_mb(pid)
+    return bridge.messages.rss_mb(pid)
 
 
 def _close_all() -> None:

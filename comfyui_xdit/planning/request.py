@@ -4,9 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from comfyui_xdit.client.worker_modules import worker_module
-
-families = worker_module("families")
+from comfyui_xdit import bridge
+from comfyui_xdit.bridge import families
 
 
 def default_cfg(model) -> float:
@@ -233,7 +232,7 @@ def frames_problems(frames, model) -> list[str]:
 
 
 def _cache_settings():
-    return worker_module("sampling.step_cache").CacheSettings
+    return bridge.step_cache.CacheSettings
 
 
 def resolved_cache(cache: Optional[dict]) -> Optional[dict]:
@@ -352,7 +351,7 @@ def _reference_image_problems(req: "GenerationRequest", model) -> list[str]:
         return [f"reference images are not supported by {fam.name} models (remove the "
                 f"reference image)"]
     if model is not None and not getattr(model, "has_vae", True):
-        return [worker_module("messages").REFERENCE_IMAGES_NEED_VAE]
+        return [bridge.messages.REFERENCE_IMAGES_NEED_VAE]
     out = []
     if req.reference_latents:
         out.append("give reference_latents or reference_images, not both")
@@ -383,7 +382,7 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
     comment gives them. `model`: a ModelInfo (its start_image / image_states), or None."""
     import torch
 
-    messages = worker_module("messages")
+    messages = bridge.messages
     arch = getattr(model, "arch", None)
     fam = None if arch is None else families.family(arch)
     given = {k: getattr(req, k) for k in ("concat_latent", "concat_mask", "image_embeds")
@@ -441,7 +440,7 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
 
 def _single_file_problems(req: "GenerationRequest", model) -> list[str]:
     """A single-file model has no text encoders and no VAE (model: a ModelInfo)."""
-    messages = worker_module("messages")  # the workers give the same two messages
+    messages = bridge.messages  # the workers give the same two messages
 
     out = []
     if model is None:

@@ -7,7 +7,7 @@ The description is what the host asks about a family (ComfyUI's LATENT and CONDI
 its model class, request defaults, detection, the memory plan's block lists, LoRA formats);
 it lives beside the workers because they read the same detection and defaults, and the
 workers never import the host package (the host loads this package through
-client/worker_modules). Every other module asks these two, never compares family names:
+comfyui_xdit/bridge.py). Every other module asks these two, never compares family names:
 tests/test_families.py scans the tree for such a comparison.
 """
 from __future__ import annotations
