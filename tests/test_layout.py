@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "comfyui_xdit"
 COMFY_MODULES = {"comfy", "comfy_api", "comfy_execution", "comfy_extras", "folder_paths",
                  "node_helpers", "latent_preview", "server", "execution", "nodes"}
-MAY_IMPORT_COMFY = {"nodes/extension.py", "nodes/model_nodes.py", "nodes/comfy_model.py"}
+MAY_IMPORT_COMFY = {"nodes/extension.py", "nodes/node_io.py", "nodes/loader_nodes.py",
+                    "nodes/settings_nodes.py", "nodes/sampler_nodes.py", "nodes/model_nodes.py",
+                    "nodes/comfy_model.py"}
 
 
 def _top_imports(path: Path) -> set:
