@@ -19,7 +19,7 @@ from comfyui_xdit.bridge import messages
 from comfyui_xdit.bridge import protocol as P
 from comfyui_xdit.client.channel import Channel, parse_address
 from comfyui_xdit.client.connection import PoolConnection
-from comfyui_xdit.client.launch import REPO_ROOT, UNPLANNED, PoolLaunch  # noqa: F401
+from comfyui_xdit.client.launch import UNPLANNED, PoolLaunch
 from comfyui_xdit.comfy_convert import (comfy_noise, comfy_to_model, latent_shape, latent_shape_text,
                             layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.errors import JobCancelled, PoolError  # noqa: F401  (the API's errors)
