@@ -62,8 +62,8 @@ RUNS = ("diffusers", "pool_eager", "pool_compiled", "diffusers_compiled")
 
 
 def _families():
-    from comfyui_xdit.client.worker_modules import worker_module
-    return worker_module("families")
+    from comfyui_xdit import bridge
+    return bridge.families
 
 
 def family_ids(spec: str) -> list:

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from comfyui_xdit.planning.config import ConfigError
-from comfyui_xdit.client.worker_modules import worker_module
-
-families = worker_module("families")
+from comfyui_xdit import bridge
+from comfyui_xdit.bridge import families
 
 
 def _spec(arch: str):
@@ -318,16 +317,16 @@ def preview_rgb(preview, arch: str):
 # layouts are the architecture's (workers/models/latent_layout).
 def comfy_to_model(arch: str, samples, fmt: dict):
     """ComfyUI LATENT samples -> model space."""
-    return worker_module("models.latent_layout").to_model(arch, samples, fmt["scale"], fmt["shift"])
+    return bridge.latent_layout.to_model(arch, samples, fmt["scale"], fmt["shift"])
 
 
 def model_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):
     """Model-space latents -> ComfyUI LATENT samples (fp32)."""
-    return worker_module("models.latent_layout").to_comfy(
+    return bridge.latent_layout.to_comfy(
         arch, latents, fmt["scale"], fmt["shift"], height, width).float()
 
 
 def noise_to_model(arch: str, noise):
     """ComfyUI's noise (drawn in the LATENT's shape) -> the transformer's layout (noise is
     not scaled)."""
-    return worker_module("models.latent_layout").comfy_pack(arch, noise.float())
+    return bridge.latent_layout.comfy_pack(arch, noise.float())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 
 from comfyui_xdit import GenerationRequest
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.bridge import worker_module
 
 families = worker_module("families")
 IDS = families.IDS

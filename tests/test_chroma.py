@@ -127,7 +127,7 @@ def test_default_cfg_is_the_pipelines():
 
 
 def test_folder_is_detected_as_chroma(folder):
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
     detect = worker_module("models.detect")
     d = detect.describe_model(folder)
     assert (d["arch"], d["pipeline"]) == ("chroma", "ChromaPipeline")
@@ -140,7 +140,7 @@ def test_trimmed_text_equals_the_intended_mask(folder):
     the transformer equals diffusers' transformer given the full padded text and the mask
     ChromaPipeline means (boolean: text positions <= real length, all image tokens); and
     both differ from what the buggy float mask computes."""
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
 
     ChromaAdapter = worker_module("models.chroma").ChromaAdapter
     pipe = pipeline(folder)
@@ -345,7 +345,7 @@ def bfl_file(folder, tmp_path_factory):
 def test_single_file_is_detected_with_the_folders_config(folder, bfl_file):
     import json
 
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
     sf = worker_module("models.detect").single_file_config(bfl_file)
     assert (sf["arch"], sf["naming"]) == ("chroma", "bfl")
     want = json.loads((folder / "transformer" / "config.json").read_text())

@@ -344,9 +344,9 @@ def test_installed_cli_runs_from_anywhere(tmp_path):
         pytest.skip("the package imports but its comfyui-xdit script is not installed")
     r = _run([script, "--help"], tmp_path, env)
     assert r.returncode == 0 and "usage: comfyui-xdit" in r.stdout, r.stderr
-    # the workers the pool starts resolve from here too (client/pool.py sets PYTHONPATH)
-    code = ("import sys; from comfyui_xdit.client import pool; sys.path.insert(0, "
-            "str(pool.REPO_ROOT)); import workers.runtime.serve; print('ok')")
+    # the workers the pool starts resolve from here too (client/launch.py sets PYTHONPATH)
+    code = ("import sys; from comfyui_xdit.client import launch; sys.path.insert(0, "
+            "str(launch.REPO_ROOT)); import workers.runtime.serve; print('ok')")
     r = _run([sys.executable, "-c", code], tmp_path, env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 

@@ -107,7 +107,7 @@ def test_examples_fit_any_machine_and_say_where_their_model_goes():
     tooltip both place under models/diffusers/."""
     readme = (ROOT / "README.md").read_text()
     # adjacent string literals joined, as Python joins them
-    tooltips = re.sub(r'"\s*\n\s*"', "", (ROOT / "comfyui_xdit" / "nodes" / "extension.py").read_text())
+    tooltips = re.sub(r'"\s*\n\s*"', "", (ROOT / "comfyui_xdit" / "nodes" / "loader_nodes.py").read_text())
     for api_file in API_FILES:
         api = json.loads(api_file.read_text())
         loaders = [n for n in api.values() if n["class_type"] == "xDiT.LoadModel"]

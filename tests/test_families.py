@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.bridge import worker_module
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 families = worker_module("families")

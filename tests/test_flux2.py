@@ -99,7 +99,7 @@ def test_flux2_latent_layout_round_trip():
     unpatchified one, and `pack` of a raw latent is diffusers' patchify + pack."""
     from diffusers import Flux2KleinPipeline
 
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
 
     ll = worker_module("models.latent_layout")
     raw = torch.randn(2, 32, 16, 12, generator=torch.manual_seed(1))

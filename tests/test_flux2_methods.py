@@ -299,7 +299,7 @@ def _stage_block_params(split, stages):
     own step) on a FLUX.2-dev transformer built on the meta device, and all block params."""
     import diffusers
 
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
 
     ps = worker_module("loading.stages")
     lists = worker_module("models.flux2").Flux2Adapter.block_lists
@@ -357,7 +357,7 @@ def test_decode_loads_the_folders_vae_class(folder, tmp_path):
     an AutoencoderKL reading the same weights); a VAE class it has not proven is refused."""
     import json
 
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
 
     base = worker_module("models.base")
     LoadedModel = worker_module("models").LoadedModel

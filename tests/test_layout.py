@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "comfyui_xdit"
 COMFY_MODULES = {"comfy", "comfy_api", "comfy_execution", "comfy_extras", "folder_paths",
                  "node_helpers", "latent_preview", "server", "execution", "nodes"}
-MAY_IMPORT_COMFY = {"nodes/extension.py", "nodes/model_nodes.py", "nodes/comfy_model.py"}
+MAY_IMPORT_COMFY = {"nodes/extension.py", "nodes/node_io.py", "nodes/loader_nodes.py",
+                    "nodes/settings_nodes.py", "nodes/sampler_nodes.py", "nodes/model_nodes.py",
+                    "nodes/comfy_model.py"}
 
 
 def _top_imports(path: Path) -> set:
@@ -149,21 +151,40 @@ def test_the_circle_check_finds_a_circle():
     assert any("workers.loading.meta" in c for c in _circles(g))
 
 
-def test_the_host_loads_only_the_listed_worker_modules():
-    """The host reaches workers/ through one loader (client/worker_modules.py) whose targets
-    are listed there with their reason: every `worker_module("...")` of the host package names
-    a listed target, every target is used and loads."""
-    from comfyui_xdit.client.worker_modules import TARGETS, worker_module
+def _bridge_uses(path: Path) -> set:
+    """The names a host module takes from the bridge: `bridge.X` and `from ...bridge import X`."""
     used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "bridge":
+            used.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module == "comfyui_xdit.bridge":
+            used |= {a.name for a in node.names}
+    return used
+
+
+def test_the_host_reaches_workers_only_through_the_bridge():
+    """The host reads workers/ through one module, comfyui_xdit/bridge.py, which names each
+    worker module it hands on once, with its reason: no other host module loads a worker
+    module, every name taken from the bridge is one it lists, every listed module is used
+    and loads, and so does every family's description module."""
+    from comfyui_xdit import bridge
+    used, loaders = set(), {}
     for path in PKG.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "worker_module":
-                arg = node.args[0]
-                assert isinstance(arg, ast.Constant), f"{path}: worker_module of a non-literal"
-                used.add(arg.value)
-    ids = worker_module("families").IDS
-    family_modules = {f"families.{i}" for i in ids}
-    named = used - family_modules | ({"families.<id>"} if used & family_modules else set())
-    assert named == set(TARGETS), (sorted(named - set(TARGETS)), sorted(set(TARGETS) - named))
-    for name in sorted(set(TARGETS) - {"families.<id>"} | (used & family_modules)):
-        assert worker_module(name).__name__.endswith(name)
+        rel = path.relative_to(PKG).as_posix()
+        if rel == "bridge.py":
+            continue
+        text = path.read_text()
+        for word in ("worker_module", "comfyui_xdit_workers", "spec_from_file_location"):
+            if word in text:
+                loaders.setdefault(rel, []).append(word)
+        used |= _bridge_uses(path)
+    assert not loaders, f"host modules that load worker modules themselves: {loaders}"
+    listed = set(bridge.MODULES) | {"family_module"}
+    assert used == listed, (sorted(used - listed), sorted(listed - used))
+    for name, (module, why) in bridge.MODULES.items():
+        assert why and getattr(bridge, name).__name__ == f"comfyui_xdit_workers.{module}"
+    assert len({module for module, _ in bridge.MODULES.values()}) == len(bridge.MODULES)
+    for fid in bridge.families.IDS:
+        assert bridge.family_module(fid).FAMILY.id == fid
+    # negative control: the scan sees both ways of taking a name from the bridge
+    assert {"families", "latent_layout"} <= _bridge_uses(PKG / "comfy_convert.py")

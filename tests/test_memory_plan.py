@@ -17,7 +17,7 @@ from comfyui_xdit.planning import memory_arithmetic as arith
 from comfyui_xdit.planning.model_facts import model_facts, preset_facts, transformer_facts
 from comfyui_xdit.cli.commands import main as cli_main
 from comfyui_xdit.planning.config import ConfigError, EngineOptions
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.bridge import worker_module
 
 GiB = 2 ** 30
 LISTS = ("transformer_blocks", "single_transformer_blocks")

@@ -478,6 +478,10 @@ def comfy_validation_errors(validate, inputs: dict) -> list:
 LOADER_INPUTS = dict(device="auto", dtype="auto", world_size="auto")
 
 
+# the node modules that import ComfyUI at import time (imported afresh against the stand-ins)
+NODE_MODULES = ("extension", "node_io", "loader_nodes", "settings_nodes", "sampler_nodes")
+
+
 @pytest.fixture
 def loader_node(monkeypatch, tmp_path, model_dir):
     """nodes.LoadModel imported against stand-ins for ComfyUI's modules (a CPU-only
@@ -501,11 +505,13 @@ def loader_node(monkeypatch, tmp_path, model_dir):
                       "folder_paths": folder_paths, "comfy_api": types.SimpleNamespace(),
                       "comfy_api.v0_0_2": api}.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.extension", raising=False)
+    for name in NODE_MODULES:
+        monkeypatch.delitem(sys.modules, f"comfyui_xdit.nodes.{name}", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     import comfyui_xdit.nodes.extension as nodes
     yield nodes.LoadModel, mm
-    sys.modules.pop("comfyui_xdit.nodes.extension", None)
+    for name in NODE_MODULES:
+        sys.modules.pop(f"comfyui_xdit.nodes.{name}", None)
 
 
 def test_loader_reports_a_bad_configuration_once(loader_node):
@@ -562,7 +568,9 @@ def test_loader_has_four_widgets_and_three_settings_inputs(loader_node):
     each plugged into an optional input of its own type."""
     import sys
     LoadModel, _ = loader_node
-    nodes = sys.modules["comfyui_xdit.nodes.extension"]
+    import types
+    nodes = types.SimpleNamespace(**{k: v for name in NODE_MODULES for k, v in
+                                     vars(sys.modules[f"comfyui_xdit.nodes.{name}"]).items()})
     got = _schema_inputs(nodes, LoadModel)
     widgets = [name for kind, name, _ in got if kind in ("Combo", "Int", "Boolean", "String")]
     assert sorted(widgets) == ["device", "dtype", "model", "world_size"]
@@ -1045,10 +1053,11 @@ def test_node_texts_name_every_family():
 
 
 def _schemas() -> dict:
-    """node_id -> the keyword source of its io.Schema(...) in the node module (read, not
-    imported: it imports ComfyUI)."""
+    """node_id -> the keyword source of its io.Schema(...) in the node modules (read, not
+    imported: they import ComfyUI)."""
     import ast
-    src = (ROOT / "comfyui_xdit" / "nodes" / "extension.py").read_text()
+    src = "".join((ROOT / "comfyui_xdit" / "nodes" / f"{name}.py").read_text()
+                  for name in ("loader_nodes", "settings_nodes", "sampler_nodes"))
     src += (ROOT / "comfyui_xdit" / "nodes" / "model_nodes.py").read_text()
     out = {}
     for node in ast.walk(ast.parse(src)):

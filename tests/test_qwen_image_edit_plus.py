@@ -313,7 +313,7 @@ def test_reference_images_and_prompts_equal_the_pipeline(folders, pipes, layout_
 
 
 def test_plus_pipeline_detected(folders):
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
     detect = worker_module("models.detect")
     fam = worker_module("families").family("qwen_image")
     assert detect.pipeline_class(fam, folders["edit-2511"]) == "QwenImageEditPlusPipeline"
@@ -355,7 +355,7 @@ def test_timestep_zero_method_needs_a_2511_transformer():
     the MODEL path alike; `index` runs on both."""
     from types import SimpleNamespace
 
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
     mod = worker_module("models.qwen_image")
     adapter = mod.QwenImageAdapter()
     plain = SimpleNamespace(config=SimpleNamespace(zero_cond_t=False))

@@ -170,7 +170,7 @@ def test_qwen_edit_refusals_keep_the_pool(edit_dir, layout_pools, edit_oracle): 
 def test_request_refusals():
     from types import SimpleNamespace
 
-    from workers.runtime.messages import REFERENCE_IMAGES_NEED_VAE
+    from workers.messages import REFERENCE_IMAGES_NEED_VAE
 
     def problems(arch, images, has_vae=True):
         m = SimpleNamespace(arch=arch, has_text_encoders=True, has_vae=has_vae)

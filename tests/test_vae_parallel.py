@@ -207,8 +207,8 @@ def _launch(workdir, flux_dir, sd3_dir, mem_latent, worlds):
     from diffusers import AutoencoderKL  # noqa: F401  (diffusers imports lazily: force it)
 
     sys.path.insert(0, str(ROOT))
-    from workers.parallel import vae_parallel
-    vae_parallel._allowed_types()  # imports the diffusers block modules it checks against
+    from workers.parallel import vae_check
+    vae_check._allowed_types()  # imports the diffusers block modules it checks against
 
     ctx = mp.get_context("fork")
     deadline = time.monotonic() + 240

@@ -148,8 +148,8 @@ def _launch(workdir, tiny_dir, names):
     from diffusers import AutoencoderKLQwenImage  # noqa: F401  (diffusers imports lazily)
 
     sys.path.insert(0, str(ROOT))
-    from workers.parallel import vae_parallel
-    vae_parallel._allowed_types()  # imports the diffusers block modules it checks against
+    from workers.parallel import vae_check
+    vae_check._allowed_types()  # imports the diffusers block modules it checks against
 
     ctx = mp.get_context("fork")
     deadline = time.monotonic() + 400

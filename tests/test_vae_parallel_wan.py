@@ -167,8 +167,8 @@ def _launch(workdir, names):
     from diffusers import AutoencoderKLWan  # noqa: F401  (diffusers imports lazily)
 
     sys.path.insert(0, str(ROOT))
-    from workers.parallel import vae_parallel
-    vae_parallel._allowed_types()  # imports the diffusers block modules it checks against
+    from workers.parallel import vae_check
+    vae_check._allowed_types()  # imports the diffusers block modules it checks against
 
     ctx = mp.get_context("fork")
     deadline = time.monotonic() + 400
@@ -330,8 +330,8 @@ def _memory(shape, world):
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
     import test_vae_parallel  # noqa: F401
-    from workers.parallel import vae_parallel
-    vae_parallel._allowed_types()
+    from workers.parallel import vae_check
+    vae_check._allowed_types()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "memory.json")
         ctx = mp.get_context("fork")

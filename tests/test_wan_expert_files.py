@@ -113,7 +113,7 @@ def test_pair_equals_the_folder(folder, files, conds):
 
 
 def test_boundary_per_model_type():
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
     fam = worker_module("families").family("wan")
     assert fam.expert_boundary({"in_channels": 16}) == 0.875
     assert fam.expert_boundary({"in_channels": 36}) == 0.9  # Wan 2.2 I2V A14B

@@ -88,7 +88,7 @@ def _request(pos, neg, seed=3, shift=3.0):
 @pytest.mark.parametrize("name,naming", [("comfy_ckpt", "bfl"), ("comfy", "bfl"),
                                          ("diffusers", "diffusers"), ("fp8", "bfl")])
 def test_detected_with_the_folders_config(folder, files, name, naming):
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
     from comfyui_xdit.planning.model_info import read_model_info
     sf = worker_module("models.detect").single_file_config(files[name])
     assert (sf["arch"], sf["naming"]) == (ARCH, naming)
@@ -171,7 +171,7 @@ def test_file_schedule_is_comfyuis_simple_schedule_at_shift_8():
     from linspace(1, 1/1000) where ComfyUI's start from i/1000), and not shift 3's."""
     from diffusers import UniPCMultistepScheduler
 
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
     sched = worker_module("families").family(ARCH).released({})[0]
 
     def comfy_simple(shift: float, steps: int):

@@ -632,7 +632,7 @@ def test_pipefusion_equals_its_stale_kv_oracle(model_dir, layout_pools, pipeline
 def test_pipefusion_refuses_a_split_through_the_refiners():
     """The refiners and one main block must sit on stage 0 (checked as a stage is
     assembled, before any job)."""
-    from comfyui_xdit.client.worker_modules import worker_module
+    from comfyui_xdit.bridge import worker_module
     stages, z = worker_module("loading.stages"), worker_module("models.z_image")
     cfg = {"n_refiner_layers": 2}
     for ranges in (((0, 3), (3, 6)), ((0, 4), (4, 6))):

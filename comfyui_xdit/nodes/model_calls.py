@@ -39,9 +39,8 @@ import hashlib
 from typing import Callable, Optional
 
 from comfyui_xdit.planning.config import ConfigError, ParallelConfig
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.bridge import families
 
-families = worker_module("families")
 
 # inputs a diffusion model call may carry that we pass on or check
 _KNOWN = {"y", "guidance", "control", "transformer_options", "attention_mask", "ref_latents",

@@ -149,8 +149,8 @@ class ParallelConfig:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
                                f"{self.sp} ranks; use a larger image or fewer ranks")
             if self.pipefusion > 1 and (request.cache or {}).get("threshold"):
-                from comfyui_xdit.client.worker_modules import worker_module
-                out.append(worker_module("runtime.messages").CACHE_WITH_PIPEFUSION)
+                from comfyui_xdit import bridge
+                out.append(bridge.messages.CACHE_WITH_PIPEFUSION)
             arch = getattr(model, "arch", None)
             if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
                     and arch is not None:

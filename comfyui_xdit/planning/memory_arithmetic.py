@@ -43,13 +43,13 @@ from typing import Optional
 from comfyui_xdit.errors import ConfigError
 from comfyui_xdit.planning.config import EngineOptions, ParallelConfig
 from comfyui_xdit.planning.model_facts import ModelFacts, TransformerFacts, transformer_facts
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
+from comfyui_xdit.bridge import families
 
 GiB = 2 ** 30
 RESERVE_BYTES = 2 * GiB  # CUDA context + workspaces + NCCL buffers + fragmentation
 TEXT_ENCODER_MARGIN = 2 * GiB  # workers/loading/weights.py: "auto" wants this spare beside them
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-families = worker_module("families")
 VAE_SCALE = 8  # every supported VAE downsamples by 8 ...
 PATCH = 2  # ... and the transformers see 2x2 latent patches: one token per 16x16 pixels
 # Activation multipliers (per token, in units of the model's hidden size): see activation_bytes
@@ -67,7 +67,7 @@ LINKS_GBPS = (("PCIe 4.0 x16", 25.0), ("NVLink", 350.0))
 def stage_ranges(tr: TransformerFacts, stages: int, split: str) -> list:
     """The (start, stop) block range of every PipeFusion stage: workers/loading/stages.py's
     split, on the counts of the meta model (the same arithmetic its plan_stages runs)."""
-    ps = worker_module("loading.stages")
+    ps = bridge.stages
     compute, memory = tr.stage_costs
     ranges = ps.parse_split(str(split), len(compute), stages)
     if ranges == "balanced":
@@ -399,7 +399,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
             weights = shard.peak - buffer_bytes + (experts - 1) * (shard.at_rest - buffer_bytes)
             role = f"shard {rank + 1}/{world}"
         elif config.pipefusion > 1:
-            stage = worker_module("loading.stages").stage_of_rank(rank, config.pipefusion, sp)
+            stage = bridge.stages.stage_of_rank(rank, config.pipefusion, sp)
             lo, hi = ranges[stage]
             weights = (sum(block_bytes[lo:hi]) + rest_bytes) * experts
             # the running expert's layers (a switch of expert refills the cache)

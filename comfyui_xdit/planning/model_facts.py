@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from comfyui_xdit.errors import ConfigError
-from comfyui_xdit.client.worker_modules import worker_module
-
-families = worker_module("families")
+from comfyui_xdit import bridge
+from comfyui_xdit.bridge import families
 
 
 @dataclass(frozen=True)
@@ -117,7 +116,7 @@ def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
     te_bytes, vae_params, channels = 0, 0, ()
     if d["kind"] == "diffusers":
         import torch
-        weights = worker_module("loading.weights")
+        weights = bridge.weights
         folders = [os.path.join(path, n) for n in sorted(os.listdir(path))
                    if n.startswith("text_encoder")]
         te_bytes = weights.folder_tensor_bytes(folders, _torch_dtype(dtype))
@@ -160,8 +159,8 @@ def transformer_facts(class_name: str, config_json: str, arch: str) -> Transform
     import diffusers
     import torch
 
-    stages = worker_module("loading.stages")
-    weights = worker_module("loading.weights")
+    stages = bridge.stages
+    weights = bridge.weights
     cls = getattr(diffusers, class_name)
     tr = _meta(lambda: cls.from_config(json.loads(config_json)))
     lists = families.family(arch).block_lists

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Optional
 
 from comfyui_xdit.errors import ConfigError
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
+from comfyui_xdit.bridge import families
 
-_detect = worker_module("models.detect")
-_messages = worker_module("runtime.messages")
-families = worker_module("families")
+_detect = bridge.detect
+_messages = bridge.messages
 
 CHECKPOINT_PREFIX = _detect.CHECKPOINT_PREFIX
 SINGLE_FILE_SUFFIXES = _detect.SINGLE_FILE_SUFFIXES

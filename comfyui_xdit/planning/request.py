@@ -4,9 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from comfyui_xdit.client.worker_modules import worker_module
-
-families = worker_module("families")
+from comfyui_xdit import bridge
+from comfyui_xdit.bridge import families
 
 
 def default_cfg(model) -> float:
@@ -233,7 +232,7 @@ def frames_problems(frames, model) -> list[str]:
 
 
 def _cache_settings():
-    return worker_module("sampling.step_cache").CacheSettings
+    return bridge.step_cache.CacheSettings
 
 
 def resolved_cache(cache: Optional[dict]) -> Optional[dict]:
@@ -350,7 +349,7 @@ def _reference_image_problems(req: "GenerationRequest", model) -> list[str]:
         return [f"reference images are not supported by {fam.name} models (remove the "
                 f"reference image)"]
     if model is not None and not getattr(model, "has_vae", True):
-        return [worker_module("runtime.messages").REFERENCE_IMAGES_NEED_VAE]
+        return [bridge.messages.REFERENCE_IMAGES_NEED_VAE]
     out = []
     if req.reference_latents:
         out.append("give reference_latents or reference_images, not both")
@@ -379,7 +378,7 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
     """Image-to-video: an I2V model needs exactly one start image (reference_images or
     ComfyUI's concat_latent), a text-to-video one takes none; shapes as the request's
     comment gives them. `model`: a ModelInfo (its start_image / image_states), or None."""
-    messages = worker_module("runtime.messages")
+    messages = bridge.messages
     arch = getattr(model, "arch", None)
     fam = None if arch is None else families.family(arch)
     given = {k: getattr(req, k) for k in ("concat_latent", "concat_mask", "image_embeds")
@@ -439,7 +438,7 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
 
 def _single_file_problems(req: "GenerationRequest", model) -> list[str]:
     """A single-file model has no text encoders and no VAE (model: a ModelInfo)."""
-    messages = worker_module("runtime.messages")  # the workers give the same two messages
+    messages = bridge.messages  # the workers give the same two messages
 
     out = []
     if model is None:
@@ -512,7 +511,7 @@ def _lora_problems(loras, experts=None) -> list[str]:
         elif not os.path.isfile(os.path.expanduser(str(path))):
             out.append(f"LoRA file not found: {path}")
         else:  # its header only: under a second, before any worker starts
-            problem = worker_module("loading.lora_file").lora_file_problem(
+            problem = bridge.lora_file.lora_file_problem(
                 os.path.expanduser(str(path)))
             if problem:
                 out.append(problem)

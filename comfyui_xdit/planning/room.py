@@ -14,7 +14,7 @@ on GPUs the pool does not use. What the pool needs comes from the memory plan:
 The pool's GPU ids are the ones its workers get in `CUDA_VISIBLE_DEVICES`; ComfyUI's
 `cuda:N` is the N-th visible GPU of this process. A GPU named by UUID that is not in the
 visible list cannot be matched to a ComfyUI device and is left alone. No ComfyUI import
-here: the node passes ComfyUI's free_memory in (nodes/extension.py).
+here: the node passes ComfyUI's free_memory in (nodes/sampler_nodes.py).
 """
 from __future__ import annotations
 

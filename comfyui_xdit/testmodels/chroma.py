@@ -3,13 +3,13 @@ T5 (same salt, so the same weights as the FLUX test model's T5 of the seed) and 
 transformer of its own salt, the released scheduler. Its knobs and RoPE are FLUX.1's."""
 from __future__ import annotations
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels import parts
 from comfyui_xdit.testmodels.flux import check, key_extras  # noqa: F401 - FLUX.1's RoPE axes
 from comfyui_xdit.testmodels.text import _seeded, _t5_tokenizer
 
-_flux = worker_module("families.flux")  # RoPE axes
-_chroma = worker_module("families.chroma")  # scheduler
+_flux = bridge.family_module("flux")  # RoPE axes
+_chroma = bridge.family_module("chroma")  # scheduler
 
 VARIANTS: tuple[str, ...] = ()
 

@@ -3,11 +3,11 @@ a T5 text encoder (parts.py), a FluxTransformer2DModel with embedded guidance (F
 style) and FLUX.1's RoPE axes, the 16-channel VAE and the released [dev] scheduler."""
 from __future__ import annotations
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels import parts
 from comfyui_xdit.testmodels.text import _clip_tokenizer, _seeded, _t5_tokenizer
 
-_flux = worker_module("families.flux")  # RoPE axes, scheduler
+_flux = bridge.family_module("flux")  # RoPE axes, scheduler
 
 VARIANTS: tuple[str, ...] = ()
 

@@ -10,11 +10,11 @@ the released FLUX.1 [dev] scheduler config.
 """
 from __future__ import annotations
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels import parts
 from comfyui_xdit.testmodels.text import _WORDS, _byte_level_bpe, _seeded
 
-_flux = worker_module("families.flux")  # scheduler
+_flux = bridge.family_module("flux")  # scheduler
 
 VARIANTS: tuple[str, ...] = ("klein", "dev")
 VARIANT_HELP = ("FLUX.2: klein (default; Qwen3 text encoder, no guidance embedding) or dev "

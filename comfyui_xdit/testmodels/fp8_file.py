@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 
 # Block prefixes of both namings: the Linears inside them are what fp8 files store in fp8.
 _BLOCK_PREFIXES = ("double_blocks.", "single_blocks.", "joint_blocks.", "transformer_blocks.",
@@ -25,7 +25,7 @@ def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool)
     import torch
     from safetensors.torch import load_file, save_file
 
-    weights = worker_module("loading.weights")
+    weights = bridge.weights
     sd = load_file(str(src))
     prefix = "model.diffusion_model." if any(k.startswith("model.diffusion_model.")
                                              for k in sd) else ""

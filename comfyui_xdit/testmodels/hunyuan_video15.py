@@ -19,11 +19,11 @@ Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identic
 """
 from __future__ import annotations
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels import parts
 from comfyui_xdit.testmodels.text import _WORDS, _bpe, _bytes_to_unicode, _seeded
 
-_family = worker_module("families.hunyuan_video15")
+_family = bridge.family_module("hunyuan_video15")
 
 VARIANTS: tuple[str, ...] = ("t2v", "i2v")
 VARIANT_HELP = ("HunyuanVideo 1.5: t2v (default; text-to-video) or i2v (image-to-video, with a "

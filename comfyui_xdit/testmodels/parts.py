@@ -16,10 +16,9 @@ import shutil
 import tempfile
 import uuid
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit.bridge import families  # the released VAE statistics
 from comfyui_xdit.testmodels.text import CLIP_MAX_LENGTH, _seeded
 
-families = worker_module("families")  # the released VAE statistics
 
 # Text encoder sizes (weights are seeded per component, so one seed gives every builder
 # using a part the same weights for it).

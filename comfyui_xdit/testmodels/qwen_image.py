@@ -25,11 +25,11 @@ Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identic
 
 from __future__ import annotations
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels import parts
 from comfyui_xdit.testmodels.text import _bpe, _bytes_to_unicode, _seeded
 
-_family = worker_module("families.qwen_image")
+_family = bridge.family_module("qwen_image")
 
 VARIANTS: tuple[str, ...] = ("t2i", "edit", "edit-plus", "edit-2511")
 VARIANT_HELP = ("Qwen-Image: t2i (default; QwenImagePipeline), edit (QwenImageEditPipeline, "

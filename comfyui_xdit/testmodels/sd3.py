@@ -4,11 +4,11 @@ padding of the CLIP states is real), an SD3Transformer2DModel (with `sd35`: SD3.
 q/k and dual attention), the 16-channel VAE and the released scheduler."""
 from __future__ import annotations
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels import parts
 from comfyui_xdit.testmodels.text import _clip_tokenizer, _seeded, _t5_tokenizer
 
-_sd3 = worker_module("families.sd3")  # scheduler
+_sd3 = bridge.family_module("sd3")  # scheduler
 
 VARIANTS: tuple[str, ...] = ()
 

@@ -31,11 +31,11 @@ import os
 import pathlib
 import sys
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels.fp8_file import write_fp8_file  # noqa: F401 - public entry point
 from comfyui_xdit.testmodels.parts import cache_name, cached_build, normalize_modes, quiet_transformers
 
-ARCHS = worker_module("families").IDS
+ARCHS = bridge.families.IDS
 BUILDERS = "comfyui_xdit.testmodels"  # the package holding one builder module per arch
 
 # Bump when the folder layout or any builder's config changes: it is part of the cache key,
@@ -135,7 +135,7 @@ def transformer_overrides(arch: str, entries: dict | None, meta: bool = False):
     components through text._seeded)."""
     from comfyui_xdit.testmodels import text
 
-    name = worker_module("families").family(arch).transformer_class
+    name = bridge.families.family(arch).transformer_class
     saved, saved_meta = dict(text.CONFIG_OVERRIDES), set(text.ON_META)
     if entries:
         text.CONFIG_OVERRIDES[name] = dict(entries)
@@ -155,7 +155,7 @@ def _check_overrides(arch: str, pipe, entries: dict | None) -> None:
     refused here rather than saved as something it is not."""
     if not entries:
         return
-    name = worker_module("families").family(arch).transformer_class
+    name = bridge.families.family(arch).transformer_class
     made = [m for m in pipe.components.values() if type(m).__name__ == name]
     for m in made or [None]:
         got = {} if m is None else json.loads(json.dumps(dict(m.config), default=list))
@@ -172,7 +172,7 @@ def planned_transformer(arch: str, **kw) -> tuple[dict, int]:
     import torch
 
     cfg = resolve_config(arch, **kw)
-    name = worker_module("families").family(arch).transformer_class
+    name = bridge.families.family(arch).transformer_class
     with torch.random.fork_rng(devices=[]), \
             transformer_overrides(arch, cfg.get("transformer"), meta=True):
         pipe = builder(arch).build_pipeline(cfg)
@@ -233,7 +233,7 @@ def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.
 
 def add_cli(subparsers) -> None:
     """Adds the `tiny-model` subcommand to the package CLI."""
-    families = worker_module("families")
+    families = bridge.families
     names = [families.family(a).name for a in ARCHS]
     variants = _variants()
     p = subparsers.add_parser(

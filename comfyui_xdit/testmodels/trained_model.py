@@ -23,10 +23,10 @@ import pathlib
 import sys
 import time
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels import flux, parts, tiny_model
 
-_flux = worker_module("families.flux")  # the released VAE's latent statistics
+_flux = bridge.family_module("flux")  # the released VAE's latent statistics
 
 RECIPE = {
     "kind": "trained-shapes", "version": 2, "seed": 0, "image": 64, "width": 128, "heads": 4,

@@ -19,11 +19,11 @@ Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identic
 """
 from __future__ import annotations
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels import parts
 from comfyui_xdit.testmodels.text import _seeded, _t5_tokenizer
 
-_family = worker_module("families.wan")
+_family = bridge.family_module("wan")
 
 VARIANTS: tuple[str, ...] = ("t2v", "a14b", "i2v", "i2v-a14b")
 VARIANT_HELP = ("Wan: t2v (default; 2.1 text-to-video), a14b (2.2 text-to-video, two experts), "

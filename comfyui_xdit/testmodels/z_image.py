@@ -13,11 +13,11 @@ Weights are seeded per component (seed * 1000 + salt): a rebuild is byte-identic
 """
 from __future__ import annotations
 
-from comfyui_xdit.client.worker_modules import worker_module
+from comfyui_xdit import bridge
 from comfyui_xdit.testmodels import parts
 from comfyui_xdit.testmodels.text import _WORDS, _byte_level_bpe, _seeded
 
-_family = worker_module("families.z_image")  # scheduler, RoPE axes
+_family = bridge.family_module("z_image")  # scheduler, RoPE axes
 
 VARIANTS: tuple = ()
 # the family-wide tests' small request (tests/family_requests.py): a text length the chat

@@ -7,7 +7,7 @@ The description is what the host asks about a family (ComfyUI's LATENT and CONDI
 its model class, request defaults, detection, the memory plan's block lists, LoRA formats);
 it lives beside the workers because they read the same detection and defaults, and the
 workers never import the host package (the host loads this package through
-client/worker_modules). Every other module asks these two, never compares family names:
+comfyui_xdit/bridge.py). Every other module asks these two, never compares family names:
 tests/test_families.py scans the tree for such a comparison.
 """
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Family:
     # reference latents of odd height / width are padded circularly to whole tokens, as
     # ComfyUI's model pads them (its edit nodes size images to 8 pixels), not refused
     odd_references: bool = False
-    # PipeFusion runs references first in the image stream (workers/parallel/pipefusion/strategy.py):
+    # PipeFusion runs references first in the image stream (workers/sampling/patch_pipeline.py):
     # exact where positions come from ids (FLUX), not where RoPE follows the token order
     pipefusion_references: bool = True
     # video from a start image (Wan I2V): the transformer config (class defaults filled in)

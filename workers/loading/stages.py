@@ -8,7 +8,7 @@ blocks (embedders, final norm and projection: <1% of FLUX's weights) are on ever
 
 Two hooks move activations between stages: the first block of a stage replaces its inputs
 by the previous stage's output, the last block of a stage puts its output in the slot for
-the next one (`Activations`; the strategy, workers/parallel/pipefusion/strategy.py, does the
+the next one (`Activations`; the strategy, workers/sampling/patch_pipeline.py, does the
 transfers). The slots arrive with the call (its PatchPlan), never from a global.
 """
 from __future__ import annotations

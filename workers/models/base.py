@@ -360,7 +360,7 @@ class DiTAdapter:
         """The start frame a video job was given, checked alike for every image-to-video
         family: None where the model takes none (and none came), else (height, width,
         frames, the one start image, or None where ComfyUI's concat_latent came instead)."""
-        from ..runtime import messages
+        from .. import messages
         name = self.family.name
         given = req.get("concat_latent") is not None
         if not takes_start:

@@ -296,14 +296,14 @@ def _vae_halo(vae) -> int:
 
 def _band_causal_conv(m, ctx, x):
     """A causal conv on a band [B, C, T, h, W] (module comment)."""
-    from ..parallel.vae_parallel import _start_halo_exchange
+    from ..parallel.vae_bands import start_halo_exchange
     ctx.fired["conv"] += 1
     kt, kh, kw = m.conv.kernel_size
     p = kh // 2
     if x.shape[3] < p:
         raise RuntimeError(f"patch-parallel VAE decode: band of {x.shape[3]} rows is thinner "
                            f"than the {p}-row halo of a {m.conv.kernel_size} conv")
-    top, bottom, wait = _start_halo_exchange(ctx, x, p)
+    top, bottom, wait = start_halo_exchange(ctx, x, p)
     top, bottom = wait()
     xh = torch.cat([t for t in (top, x, bottom) if t is not None], 3) \
         if top is not None or bottom is not None else x

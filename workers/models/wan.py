@@ -322,7 +322,7 @@ class WanAdapter(DiTAdapter):
         "cond": {"image_embeds": CLIP states} (Wan 2.1)}: from one image as
         WanImageToVideoPipeline prepares it, or from ComfyUI's concat_latent / concat_mask /
         image_embeds as its WAN21 model builds its inputs (`start_video`)."""
-        from ..runtime import messages
+        from .. import messages
         start, states = self.family.image_to_video(dict(model.transformer.config))
         got = self.start_frame_inputs(req, images, start)
         if got is None:

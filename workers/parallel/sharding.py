@@ -196,24 +196,24 @@ def job_counts(worker) -> dict:
 class ShardSetup:
     """What `--shard-weights` prepares before the load (the group: a collective, so before
     the ranks may load in turn) and finishes after it. It is also what the shard-only loader
-    shards with (`wrap`, `rank`, `world`, `control`)."""
+    shards with (`wrap`, `rank`, `world`, `control`). `planes`: the pool's world
+    (topology.World); `load_problem`: why the transformer cannot be read shard by shard ("" when
+    it can: workers/loading/shards.py `direct_load_problem`)."""
 
-    def __init__(self, worker):
+    def __init__(self, args, planes, block_lists, load_problem: str):
         from .topology import device_group
-        from ..loading.shards import direct_load_problem
 
-        args = worker.args
         check(True, args.pipefusion, getattr(args, "compile", False))
-        self.rank, self.world = worker.rank, worker.world
-        self.device, self.block_lists = worker.device, worker.adapter.block_lists
-        self.control = worker.planes.control
+        self.rank, self.world = planes.rank, planes.size
+        self.device, self.block_lists = planes.device, block_lists
+        self.control = planes.control
         # a device group of its own for FSDP's all-gathers (NCCL on GPUs, gloo on CPU and in
         # the shared-GPU test mode: the world group's backend), so they never interleave
         # with the world group's other data-plane traffic
-        self.group = device_group(list(range(worker.world)), like=worker.planes.data)
-        self.fallback = direct_load_problem(args.model)
+        self.group = device_group(list(range(planes.size)), like=planes.data)
+        self.fallback = load_problem
         if not self.fallback and getattr(args, "weights", "auto") == "fp8" and \
-                getattr(args, "load_in_turn", False) and worker.world > 1:
+                getattr(args, "load_in_turn", False) and planes.size > 1:
             self.fallback = ("weights=fp8 shares the scales over every rank while loading, "
                              "which ranks loading in turn cannot")
         self.sharding: Optional[WeightSharding] = None
@@ -253,11 +253,11 @@ class ShardSetup:
         return self.sharding
 
 
-def begin(worker) -> Optional[ShardSetup]:
+def begin(args, planes, block_lists, load_problem: str) -> Optional[ShardSetup]:
     """Worker hook before the load (every rank at once): None without `--shard-weights`."""
-    if not getattr(worker.args, "shard_weights", False):
+    if not getattr(args, "shard_weights", False):
         return None
-    return ShardSetup(worker)
+    return ShardSetup(args, planes, block_lists, load_problem)
 
 
 def shard_after_load(worker) -> Optional[WeightSharding]:
@@ -267,6 +267,6 @@ def shard_after_load(worker) -> Optional[WeightSharding]:
     if setup is None:
         if not getattr(worker.args, "shard_weights", False):
             return None
-        setup = ShardSetup(worker)
-        setup.fallback = setup.fallback or "loaded before sharding was set up"
+        setup = ShardSetup(worker.args, worker.planes, worker.adapter.block_lists,
+                           "loaded before sharding was set up")
     return setup.finish(worker)

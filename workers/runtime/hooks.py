@@ -13,7 +13,6 @@ calls them around every job and reports the stats under `stats["hooks"][spec]`.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 from dataclasses import dataclass, field
 
@@ -24,13 +23,6 @@ class HookContext:
     world: int
     device: str  # "cpu" | "cuda"
     options: dict = field(default_factory=dict)  # switches hooks set for the worker to read
-
-
-def no_step_scope(kind: str, index):
-    """The `step_scope` of a worker without test hooks: the denoising loop and model calls
-    enter a scope around each step's work (xdit_testhooks/host_syncs.py watches it); in
-    production it is this shared, free null context."""
-    return contextlib.nullcontext()
 
 
 def _resolve(spec: str):

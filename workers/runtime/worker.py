@@ -12,7 +12,7 @@ import os
 import socket
 import time
 
-from .messages import peak_rss_mb, rss_mb
+from ..messages import peak_rss_mb, rss_mb
 
 
 def pil_image(image):
@@ -71,8 +71,11 @@ class Worker:
             from ..loading.stages import stage_of_rank
             stage = (stage_of_rank(rank, args.pipefusion, args.pipefusion_inner),
                      args.pipefusion, args.pipefusion_split)
+        from ..loading.shards import direct_load_problem
         from ..parallel.sharding import begin as begin_sharding
-        self.shard_setup = begin_sharding(self)  # --shard-weights (workers/parallel/sharding.py)
+        self.shard_setup = begin_sharding(  # --shard-weights (workers/parallel/sharding.py)
+            args, planes, self.adapter.block_lists,
+            direct_load_problem(args.model) if getattr(args, "shard_weights", False) else "")
         for turn in (range(world) if args.load_in_turn else [rank]):
             if turn == rank:  # the pool counts these two lines for "loading k/N"
                 logging.getLogger("xdit.worker").info("xdit: loading weights")
@@ -214,7 +217,7 @@ class Worker:
         # copies are dropped so the broadcast carries it once
         start_images = None
         if msg.reference_images:
-            from .messages import REFERENCE_IMAGES_NEED_VAE
+            from ..messages import REFERENCE_IMAGES_NEED_VAE
             if os.path.isfile(self.model.path):
                 raise ValueError(REFERENCE_IMAGES_NEED_VAE)
             start_images = [pil_image(im) for im in msg.reference_images]
@@ -235,7 +238,7 @@ class Worker:
                     {"context_2": given["context_2"]}  # a second text encoder's (ByT5)
                 d = self.adapter.conditioning(given["cond"], given["pooled"], **extra)
             elif self.model.encoder is None:  # a single file: nothing to encode text with
-                from .messages import NO_TEXT_ENCODERS
+                from ..messages import NO_TEXT_ENCODERS
                 raise ValueError(NO_TEXT_ENCODERS)
             else:
                 texts = list(texts) if len(texts) in (1, b) else texts[:1]
@@ -271,7 +274,7 @@ class Worker:
         """Reference images ([H, W, 3] 0..1, from the host) -> the adapter's
         `encode_reference_images` of them as 8-bit RGB PIL images (what the diffusers
         pipelines preprocess), with this folder's own VAE; a single file has none."""
-        from .messages import REFERENCE_IMAGES_NEED_VAE
+        from ..messages import REFERENCE_IMAGES_NEED_VAE
         if os.path.isfile(self.model.path):
             raise ValueError(REFERENCE_IMAGES_NEED_VAE)
         return self.adapter.encode_reference_images(
@@ -456,7 +459,7 @@ def _decode_problem(worker, samples):
     """Checked on rank 0 before anything is broadcast, so a bad request leaves the pool fine."""
     import torch
 
-    from .messages import NO_VAE
+    from ..messages import NO_VAE
     if not os.path.isfile(os.path.join(worker.args.model, "vae", "config.json")):
         return NO_VAE
     # the family's ComfyUI LATENT (FLUX.2's is 2x2-patchified and normalised)

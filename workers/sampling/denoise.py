@@ -6,8 +6,8 @@ parallel's gather of the batch. The step's work is a `StepStrategy`:
 
 * `WholeImage` (below): each guidance branch of this rank on the whole image, the guidance
   combination (in one process, or over the cfg ranks) and the scheduler's Euler step. Exact.
-* `PatchPipeline` (workers/parallel/pipefusion/): PipeFusion's patch pipeline, which owns its tick
-  table, stages, patch transfers and K/V caches.
+* `PatchPipeline` (patch_pipeline.py, over workers/parallel/pipefusion/): PipeFusion's patch
+  pipeline, which owns its tick table, stages, patch transfers and K/V caches.
 
 The stop decision: rank 0 asks the host at the start of each step and tells every rank over
 the control plane (gloo), at the same point on every rank. Sequence parallelism is invisible
@@ -24,13 +24,13 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from ..messages import CACHE_WITH_PIPEFUSION
 from ..parallel.sequence_parallel import all_gather_tokens, even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import Topology, broadcast
-from ..runtime.hooks import no_step_scope
-from ..runtime.messages import CACHE_WITH_PIPEFUSION
 from .flow_step import combine, combine_across, make_steps
 from .step_cache import CacheSettings, RunCache, call_on_ranks, gated
+from .step_scope import no_step_scope
 
 
 class Cancelled(Exception):
@@ -254,7 +254,7 @@ def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology,
     if topo.degree("pipefusion") > 1:
         if cache is not None:
             raise ValueError(CACHE_WITH_PIPEFUSION)
-        from ..parallel.pipefusion.strategy import PatchPipeline
+        from .patch_pipeline import PatchPipeline
         return PatchPipeline(job, model, adapter, prep, branches, topo)
     return WholeImage(model, adapter, prep, branches, topo, cache, control, sequence)
 

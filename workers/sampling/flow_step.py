@@ -1,5 +1,5 @@
 """The arithmetic of one denoising step, shared by the plain loop (workers/sampling/denoise.py) and
-PipeFusion's last stage (workers/parallel/pipefusion/strategy.py), which applies it to a patch's rows:
+PipeFusion's last stage (workers/sampling/patch_pipeline.py), which applies it to a patch's rows:
 classifier-free guidance, in one process or across the two cfg ranks, and the flow-matching
 Euler update."""
 from __future__ import annotations

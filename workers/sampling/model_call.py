@@ -25,8 +25,8 @@ import torch.distributed as dist
 from ..parallel.sequence_parallel import even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import all_gather, all_reduce
-from ..runtime.hooks import no_step_scope
 from .step_cache import call_on_ranks, gated
+from .step_scope import no_step_scope
 
 COND_CACHE = 16  # conditionings kept per rank (a sampling run uses 1-3)
 

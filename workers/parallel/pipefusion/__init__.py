@@ -12,10 +12,11 @@ no bubble between steps, only the fill at the start. Ulysses/Ring run inside a s
 cfg-parallel pipelines exchange the last stage's predictions per patch, dp replicas are
 independent pipelines.
 
-It plugs into the plain denoising loop (workers/sampling/denoise.py) as one `StepStrategy`:
+It plugs into the plain denoising loop (workers/sampling/denoise.py) as one `StepStrategy`,
+`PatchPipeline` (workers/sampling/patch_pipeline.py): it walks the tick table, does the
+transfers, the patch calls and the last stage's guidance and Euler step on a patch's rows.
+This package holds the parts it runs on:
 
-* strategy.py — `PatchPipeline`: walks the tick table, does the transfers, the patch calls
-  and the last stage's guidance and Euler step on a patch's rows;
 * schedule.py — the tick table: which micro-batch each stage computes when, NCCL-safe;
 * plan.py — `PatchPlan`: the tokens one patch call computes (a SequencePlan);
 * cache.py — `PatchAttention` and the job's K/V caches;

@@ -1,24 +1,24 @@
 """PipeFusion's step strategy: the patch pipeline plugged into the plain loop
 (workers/sampling/denoise.py, `StepStrategy`).
 
-The loop's step `i` is the ticks of the job's tick table (schedule.py) from that step's first
+The loop's step `i` is the ticks of the job's tick table (parallel/pipefusion/schedule.py) from that step's first
 patch on stage 0 to the next step's. At each tick a rank does one grouped exchange with its
 neighbours (the activations it computed at the previous tick go to the next stage, this
 tick's come from the previous one, and the rows a patch finished go from the last stage back
 to stage 0), then computes its micro-batch, if any, as one transformer call with a PatchPlan
-(plan.py). The last stage combines the guidance branches of a patch and takes the Euler step
+(parallel/pipefusion/plan.py). The last stage combines the guidance branches of a patch and takes the Euler step
 on its rows; stage 0 reports a step finished once all its rows are back.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from ...sampling.flow_step import combine, combine_across, step_rows
-from ..p2p import exchange
-from .activations import Activations
-from .cache import KVCache
-from .plan import PatchPlan
-from .schedule import Micro, build_schedule
+from ..parallel.p2p import exchange
+from ..parallel.pipefusion.activations import Activations
+from ..parallel.pipefusion.cache import KVCache
+from ..parallel.pipefusion.plan import PatchPlan
+from ..parallel.pipefusion.schedule import Micro, build_schedule
+from .flow_step import combine, combine_across, step_rows
 
 
 def check_stage(model, topo) -> None:
