@@ -1,4 +1,4 @@
-"""DESIGN.md numerics 6: a prompt's result never depends on its batch mates.
+"""docs/design.md#numerics-rule-6: a prompt's result never depends on its batch mates.
 
 For every family and every exact method (1 rank, Ulysses 2, Ring 2, CFG parallel; and
 PipeFusion 2, whose algorithm is the same for a row alone or batched, for the families that

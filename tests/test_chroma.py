@@ -8,7 +8,7 @@ under the emulation of NCCL's point-to-point rules), PipeFusion 2 with warmup >=
 
 Why every prompt here has the same token count and max_sequence_length is that count + 1:
 diffusers 0.42.1's ChromaPipeline builds its text mask as a float 0/1 tensor that SDPA adds
-to the logits (issues #11724, #12116, #13619), so the pipeline computes neither the intended
+to the logits (reported upstream more than once), so the pipeline computes neither the intended
 mask nor no mask. The pool follows the intended mask (it trims the text to the longest real
 length + 1, workers/models/chroma.py). The two agree exactly where the pipeline's mask is
 all ones: every prompt and negative prompt has max_sequence_length - 1 real tokens (prompt
@@ -233,7 +233,7 @@ MIXED_MSL = 16
 
 
 def intended_oracle(folder, req: GenerationRequest):
-    """The intended Chroma result (DESIGN.md "Model families"): each prompt alone with its
+    """The intended Chroma result (docs/design.md#model-families): each prompt alone with its
     own noise row, its text and the negative's each cut to their own tokens + EOS + one pad,
     so ChromaPipeline's mask is all ones and adds nothing."""
     pipe = pipeline(folder)

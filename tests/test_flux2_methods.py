@@ -1,4 +1,4 @@
-"""FLUX.2 on every xDiT method (issue #14): a tiny FLUX.2 [klein]-style model run at every
+"""FLUX.2 on every xDiT method: a tiny FLUX.2 [klein]-style model run at every
 exact configuration on 2 and 4 ranks equals the single-process diffusers
 `Flux2KleinPipeline` to 1e-4 (fp32, final latent) from the same ComfyUI noise (drawn on
 ComfyUI's FLUX.2 LATENT [B,128,H/16,W/16], given to the pipeline as its `latents`; its raw

@@ -1,8 +1,8 @@
-"""HunyuanVideo 1.5 through the pool equals diffusers' HunyuanVideo15Pipeline (DESIGN.md
-numerics 4): one rank with and without CFG (the pipeline's guider at the request's cfg),
-batches whose prompts differ in length and in quoted (ByT5) text; Ulysses, Ring, CFG and
-data parallel under the NCCL-rules emulation, each row equal to its prompt alone (numerics
-6); image-to-video equals HunyuanVideo15ImageToVideoPipeline.
+"""HunyuanVideo 1.5 through the pool equals diffusers' HunyuanVideo15Pipeline
+(docs/design.md#numerics-rule-4): one rank with and without CFG (the pipeline's guider at the
+request's cfg), batches whose prompts differ in length and in quoted (ByT5) text; Ulysses, Ring,
+CFG and data parallel under the NCCL-rules emulation, each row equal to its prompt alone
+(numerics 6); image-to-video equals HunyuanVideo15ImageToVideoPipeline.
 
 The noise is ComfyUI's for the LATENT [B, 32, (frames - 1) / 4 + 1, H/16, W/16], which the
 pipeline takes as its latents (model space: the LATENT times the VAE's scaling factor, but
@@ -151,7 +151,7 @@ def test_methods_equal_the_pipeline_and_rows_their_prompts_alone(folders, layout
     (the context's and the video's shards uneven: 12 video tokens, contexts of three
     lengths), CFG parallel and data parallel equal the pipeline for [A, B] (A short and
     unquoted, B long with quoted text, the negative prompt a third length), and row 0 of
-    [A, B] equals [A] alone (DESIGN.md numerics 6: the rows' padded context keys are
+    [A, B] equals [A] alone (docs/design.md#numerics-rule-6: the rows' padded context keys are
     dropped); at 1 rank too. No step after the first waits on the host."""
     both, alone = request([A, B], 3.0), request([A], 3.0)
     one = layout_pools.get(folders["t2v"], ParallelConfig())

@@ -1,5 +1,5 @@
 """Every exact configuration on 2 and 4 ranks reproduces the single-process diffusers
-pipeline (DESIGN.md numerics 4), for FLUX and SD3, at two sizes and batches 1 and 3.
+pipeline (docs/design.md#numerics-rule-4), for FLUX and SD3, at two sizes and batches 1 and 3.
 
 Size A is non-square with an even split; size B has 63 image tokens and an odd text length,
 so no shard has the same length as its neighbours and padding is exercised.

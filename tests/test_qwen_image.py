@@ -1,4 +1,4 @@
-"""Qwen-Image through the pool equals diffusers' QwenImagePipeline (DESIGN.md numerics 4):
+"""Qwen-Image through the pool equals diffusers' QwenImagePipeline (docs/design.md#numerics-rule-4):
 every exact method on 1, 2 and 4 ranks, true CFG with its norm rescale, batches of one prompt
 and of three prompts of different token lengths (the pipeline pads them and masks the
 padding; the pool drops the padded keys row by row), at a size whose token grid is odd (5 x 3:

@@ -1,8 +1,8 @@
-"""Wan 2.1 / 2.2 text-to-video through the pool equals diffusers' WanPipeline (DESIGN.md
-numerics 4): the UniPC flow step against the scheduler's own, every exact method on 1, 2 and
-4 ranks at a token count no rank count divides (3 frames x 3 x 5 tokens) and an even one,
-batches of 1 and 2, with and without CFG; Wan 2.2 A14B's two experts switching at the
-pipeline's step, each with its guidance scale; the video decode; the NCCL-rules emulation.
+"""Wan 2.1 / 2.2 text-to-video through the pool equals diffusers' WanPipeline
+(docs/design.md#numerics-rule-4): the UniPC flow step against the scheduler's own, every exact
+method on 1, 2 and 4 ranks at a token count no rank count divides (3 frames x 3 x 5 tokens) and
+an even one, batches of 1 and 2, with and without CFG; Wan 2.2 A14B's two experts switching at
+the pipeline's step, each with its guidance scale; the video decode; the NCCL-rules emulation.
 
 The noise is ComfyUI's for the LATENT [B, 16, (frames - 1) / 4 + 1, H/8, W/8], which
 WanPipeline takes as its latents unchanged; its result is brought to ComfyUI's LATENT (x * std

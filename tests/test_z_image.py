@@ -1,5 +1,5 @@
-"""Z-Image through the pool equals diffusers' ZImagePipeline (DESIGN.md numerics 4) and a row
-equals its prompt alone (numerics 6).
+"""Z-Image through the pool equals diffusers' ZImagePipeline (docs/design.md#numerics-rule-4)
+and a row equals its prompt alone (numerics 6).
 
 The tiny model (comfyui_xdit/testmodels/z_image.py) has learned pad tokens of its own, so a
 split that drops, zeroes or misplaces them fails. At 80 x 48 the image has 15 tokens (padded
@@ -143,7 +143,7 @@ def test_learned_pads_and_positions_move_the_result(model_dir, layout_pools, pip
     assert d > 1e-2
 
 
-# ---- DESIGN.md numerics 6: a row equals its prompt alone ----------------------------------
+# ---- docs/design.md#numerics-rule-6: a row equals its prompt alone -----------------------
 def row0_distance(pool) -> tuple:
     """(max |row 0 of [A, B] - [A] alone|, max |row 1 - row 0|)."""
     alone = pool.generate(request([A])).samples
