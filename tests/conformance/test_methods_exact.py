@@ -53,14 +53,13 @@ def test_method_equals_one_rank(arch, name, family_pools):
 
 @pytest.mark.parametrize("fault,config", [("lse_zero", ParallelConfig(ring=2)),
                                           ("keep_padding", ParallelConfig(ulysses=2))])
-def test_negative_control_wrong_attention_is_caught(fault, config, model_dir, layout_pools):
+def test_negative_control_wrong_attention_is_caught(fault, config, family_pools):
     """The comparison above fails for the bug classes it exists for (Chroma's small request:
     its odd token grid pads a shard)."""
     arch = "chroma" if "chroma" in CASES else next(iter(CASES))
     c = CASES[arch]
-    want = layout_pools.get(model_dir(arch), ParallelConfig()).generate(c.request()).samples
-    pool = layout_pools.get(model_dir(arch), config,
-                            worker_hooks=[f"xdit_testhooks.faults:{fault}"])
+    want = family_pools.one_rank(arch, c.request()).samples
+    pool = family_pools.get(arch, config, worker_hooks=[f"xdit_testhooks.faults:{fault}"])
     d = maxdiff(pool.generate(c.request()).samples, want)
     print(f"{arch} {fault}: {d:.2e} from one rank")
     assert d > 10 * TOL, f"fault {fault} went unnoticed ({d:.2e})"
