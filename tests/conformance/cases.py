@@ -30,7 +30,10 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "ulysses2xring2": ParallelConfig(ulysses=2, ring=2),
     "cfg2xring2": ParallelConfig(cfg_parallel=True, ring=2),
+    "cfg2xulysses2": ParallelConfig(cfg_parallel=True, ulysses=2),
     "dp2xulysses2": ParallelConfig(dp=2, ulysses=2),
+    "ring4": ParallelConfig(ring=4),
+    "ulysses4": ParallelConfig(ulysses=4),  # where 4 divides the head count
 }
 SHARDED = {"sharded-ulysses2": ParallelConfig(ulysses=2), "sharded-dp2": ParallelConfig(dp=2)}
 CAPABILITIES = ("sequence_parallel", "cfg_parallel", "data_parallel", "hybrid",

@@ -1,6 +1,7 @@
 """Every exact method equals one rank, for every family (docs/design.md#numerics-rule-4):
 Ulysses 2, Ring 2, CFG 2 and DP 2 (three prompts, split unevenly), Ulysses 2 x Ring 2,
-CFG 2 x Ring 2 and DP 2 x Ulysses 2, and weight sharding under Ulysses 2 and DP 2, all on
+CFG 2 x Ring 2, CFG 2 x Ulysses 2, DP 2 x Ulysses 2, Ring 4, Ulysses 4 (where 4 divides the
+test model's heads), and weight sharding under Ulysses 2 and DP 2, all on
 the family's small request (a token grid no rank count divides, three text lengths, true CFG),
 <= 1e-4 on the final LATENT. The multi-rank pools run under the NCCL-rules emulation
 (docs/design.md#nccls-rules), so a schedule NCCL would deadlock on fails here too.
@@ -17,14 +18,25 @@ from __future__ import annotations
 import pytest
 
 from comfyui_xdit import ParallelConfig
+from family_requests import families
 
 from .cases import CASES, FOUR_RANKS, NCCL_RULES, SHARDED, TOL, TWO_RANKS, maxdiff, params
 
 LAYOUTS = {**TWO_RANKS, **FOUR_RANKS, **SHARDED}
 CAPABILITY = {"ulysses2": "sequence_parallel", "ring2": "sequence_parallel",
               "cfg2": "cfg_parallel", "dp2": "data_parallel", "ulysses2xring2": "hybrid",
-              "cfg2xring2": "hybrid", "dp2xulysses2": "hybrid",
+              "cfg2xring2": "hybrid", "cfg2xulysses2": "hybrid", "dp2xulysses2": "hybrid",
+              "ring4": "sequence_parallel", "ulysses4": "sequence_parallel",
               "sharded-ulysses2": "weight_sharding", "sharded-dp2": "weight_sharding"}
+
+
+def _heads(arch, model_dir) -> int:
+    import json
+    with open(model_dir(arch) / "transformer" / "config.json") as f:
+        cfg = {**families.family(arch).config_defaults, **json.load(f)}
+    return families.family(arch).heads(cfg)
+
+
 def _params():
     return [p for name in LAYOUTS for p in params(CAPABILITY[name], {name: None})]
 
@@ -40,8 +52,13 @@ def test_the_reference_depends_on_the_prompt(arch, family_pools):
 
 
 @pytest.mark.parametrize("arch,name", _params())
-def test_method_equals_one_rank(arch, name, family_pools):
+def test_method_equals_one_rank(arch, name, family_pools, model_dir):
     c = CASES[arch]
+    if LAYOUTS[name].ulysses > 1:
+        heads = _heads(arch, model_dir)
+        if heads % LAYOUTS[name].ulysses:
+            pytest.skip(f"{arch}'s test model has {heads} heads; Ulysses "
+                        f"{LAYOUTS[name].ulysses} must divide them")
     want = family_pools.one_rank(arch, c.request()).samples
     options = {"shard_weights": True} if name.startswith("sharded") else {}
     pool = family_pools.get(arch, LAYOUTS[name], worker_hooks=[NCCL_RULES], **options)
