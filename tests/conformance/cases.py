@@ -90,3 +90,18 @@ def params(capability: str, layouts: dict | None = None) -> list:
 def maxdiff(a, b) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float((a.float() - b.float()).abs().max())
+
+
+# Where each family's one rank is held to its diffusers pipeline: the oracle is family-specific
+# code (noise layout, packing, the pipeline's own arguments), so it lives in the family's
+# file; the suite holds every method to one rank, and requires this entry of each family.
+ORACLE_TESTS = {
+    "flux": "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers",
+    "sd3": "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers",
+    "flux2": "test_flux2.py::test_flux2_pool_matches_pipeline",
+    "chroma": "test_chroma.py::test_one_rank_matches_the_pipeline",
+    "qwen_image": "test_qwen_image.py::test_one_rank_equals_the_pipeline",
+    "wan": "test_wan.py::test_one_rank_equals_the_pipeline",
+    "hunyuan_video15": "test_hunyuan_video15.py::test_one_rank_equals_the_pipeline",
+    "z_image": "test_z_image.py::test_one_rank_equals_the_pipeline",
+}

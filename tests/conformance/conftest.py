@@ -18,16 +18,30 @@ def _family(item) -> str:
     return spec.params.get("arch", "") if spec else ""
 
 
+# a family's themes in the order its pools are first needed: the 1- and 2-rank pools, then
+# PipeFusion's, then the 4-rank and sharded ones, so at most KEEP pools are open at once and
+# none is launched twice
+THEMES = ("test_batch_independence", "test_model_call", "test_step_cache", "test_pipefusion",
+          "test_methods_exact")
+KEEP = 3
+
+
+def _theme(item) -> int:
+    name = item.nodeid.split("::")[0].rpartition("/")[2].removesuffix(".py")
+    return THEMES.index(name) if name in THEMES else len(THEMES)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Within this folder's contiguous items, family by family (stable within a family)."""
+    """Within this folder's contiguous items: family by family, then theme by theme (stable
+    within a theme); items of no family (the negative controls) last."""
     from .cases import IDS
-    mine = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/conformance/")
-            or "/conformance/" in item.nodeid]
+    mine = [i for i, item in enumerate(items) if "conformance/" in item.nodeid]
     if not mine:
         return
     lo, hi = mine[0], mine[-1] + 1
     order = {arch: n for n, arch in enumerate(IDS)}
-    items[lo:hi] = sorted(items[lo:hi], key=lambda it: order.get(_family(it), len(order)))
+    items[lo:hi] = sorted(items[lo:hi], key=lambda it: (order.get(_family(it), len(order)),
+                                                        _theme(it)))
 
 
 class FamilyPools:
@@ -36,7 +50,7 @@ class FamilyPools:
     def __init__(self, model_dir):
         self.model_dir = model_dir
         self.arch = None
-        self.cache = LayoutPools()
+        self.cache = LayoutPools(keep=KEEP)
         self.results: dict = {}
 
     def get(self, arch: str, config, tag: str = "", **options):
