@@ -43,5 +43,6 @@ def test_pipelined_is_stale_but_close(arch, family_pools):
     d = maxdiff(got, want)
     rel = float((got - want).norm() / want.norm())
     print(f"{arch} PipeFusion 2, warmup 1: {d:.2e} max abs, {rel:.2%} relative L2 from 1 rank")
-    assert d > 10 * TOL, f"{arch}: pipelined equals the exact run; nothing was stale"
+    # the exact run would fail a check at this distance (SD3's tiny model: 5e-4)
+    assert d > 2 * TOL, f"{arch}: pipelined equals the exact run; nothing was stale"
     assert rel <= REL_CLOSE, f"{arch}: pipelined is {rel:.2%} away from the exact run"

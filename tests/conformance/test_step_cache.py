@@ -20,19 +20,41 @@ def cache(threshold: float) -> dict:
     return {"threshold": threshold, "warmup": 1, "head": 1, "tail": 0, "max_skips": STEPS}
 
 
+def _mixed(counts: dict) -> bool:
+    """Some calls skipped and some computed after the warmup step (whose calls always are)."""
+    warm = (counts["computed"] + counts["skipped"]) // STEPS
+    return counts["skipped"] > 0 and counts["computed"] > warm
+
+
 def _deciding_threshold(arch, family_pools):
-    """The smallest threshold at which the one-rank run skips some calls and computes some
-    after the warmup, with its result."""
+    """A threshold at which the one-rank run skips some calls and computes some after the
+    warmup, with its result: the first of THRESHOLDS that does, else the geometric midpoint
+    of the last that skips nothing and the first that skips, bisected (a tiny model's
+    residuals can sit close together)."""
     c = CASES[arch]
-    seen = {}
-    for t in THRESHOLDS:
+
+    def run(t):
         res = family_pools.one_rank(arch, c.request(steps=STEPS, cache=cache(t)))
-        counts = res.stats[0]["cache"]
-        seen[t] = counts
-        calls = counts["computed"] + counts["skipped"]
-        warm = calls // STEPS  # the warmup step's calls are always computed
-        if counts["skipped"] > 0 and counts["computed"] > warm:
+        seen[t] = res.stats[0]["cache"]
+        return res
+
+    seen: dict = {}
+    lo = None
+    for t in THRESHOLDS:
+        res = run(t)
+        if _mixed(seen[t]):
             return t, res
+        if seen[t]["skipped"] == 0:
+            lo = t
+        elif lo is not None:
+            hi = t
+            for _ in range(8):
+                mid = (lo * hi) ** 0.5
+                res = run(mid)
+                if _mixed(seen[mid]):
+                    return mid, res
+                lo, hi = (mid, hi) if seen[mid]["skipped"] == 0 else (lo, mid)
+            break
     raise AssertionError(f"{arch}: no threshold both skips and computes: {seen}")
 
 
