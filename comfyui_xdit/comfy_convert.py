@@ -311,7 +311,7 @@ def preview_rgb(preview, arch: str):
 
 
 # ---- ComfyUI LATENT space <-> the workers' model space -----------------------------------
-# The workers speak model space (DESIGN.md numerics 5): FLUX packs 2x2 latent pixels per
+# The workers speak model space (docs/design.md#numerics-rule-5): FLUX packs 2x2 latent pixels per
 # token, and both scale by the VAE's factors; FLUX.2's LATENT is model space already, only
 # flattened. `fmt` is what the pool reports for its model: {"scale": ..., "shift": ...}; the
 # layouts are the architecture's (workers/models/latent_layout).

@@ -95,9 +95,10 @@ def layout_pools(request):
     cache.close()
 
 # What the oracle assumes for every request field the test did not set: written here, not
-# taken from the product (DESIGN.md: the CLI's defaults, which are diffusers' FluxPipeline /
-# StableDiffusion3Pipeline guidance values). The oracle checks that the request resolves to
-# the same values, so a drifted default fails with a clear message instead of a diff.
+# taken from the product (docs/design.md#command-line: the CLI's defaults, which are
+# diffusers' FluxPipeline / StableDiffusion3Pipeline guidance values). The oracle checks that
+# the request resolves to the same values, so a drifted default fails with a clear message
+# instead of a diff.
 ORACLE_DEFAULTS = {
     "flux": {"cfg": 1.0, "guidance": 3.5},
     "sd3": {"cfg": 7.0, "guidance": None},
@@ -124,7 +125,7 @@ def vae_factors(path) -> tuple:
 
 def model_to_latent(x: torch.Tensor, path) -> torch.Tensor:
     """Model-space [B,16,h,w] (unpacked) -> ComfyUI LATENT (raw VAE space):
-    model_latent / scaling_factor + shift_factor (DESIGN.md numerics 5)."""
+    model_latent / scaling_factor + shift_factor (docs/design.md#numerics-rule-5)."""
     scale, shift = vae_factors(path)
     return x.float() / scale + shift
 
@@ -213,7 +214,7 @@ def unmoved_latent(model_dir):
 @pytest.fixture(scope="session")
 def oracle(model_dir):
     """oracle(arch, request) -> the single-process diffusers pipeline's final latent, in
-    ComfyUI's LATENT space, from the same noise (DESIGN.md numerics 4).
+    ComfyUI's LATENT space, from the same noise (docs/design.md#numerics-rule-4).
 
     Nothing here comes from the product: the noise is ComfyUI's prepare_noise written out,
     FLUX's packing is diffusers' `FluxPipeline._pack_latents` / `_unpack_latents`, the

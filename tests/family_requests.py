@@ -10,6 +10,11 @@ padded to the longest (each row carries its own text length). Video families get
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import uuid
+
+import torch
 
 from comfyui_xdit import GenerationRequest
 from comfyui_xdit.bridge import worker_module
@@ -38,3 +43,34 @@ def small_request(arch: str, prompts, **kw) -> GenerationRequest:
     base = dict(prompt=list(prompts), negative_prompt=NEGATIVE, seed=11, steps=3, height=h,
                 width=w, cfg=3.0, max_sequence_length=s["msl"], **extra)
     return GenerationRequest(**dict(base, **kw))
+
+
+def model_call_inputs(arch: str, folder, seed: int = 4) -> dict:
+    """One batched call of ComfyUI's diffusion model for the family's test model, from the
+    registry alone: the uncond and the cond row (a conditioning each), the LATENT of the
+    family's small request (the transformer's input channels: a pack2x2 family's in_channels
+    are 4 latent channels a token; HunyuanVideo 1.5's include its concat condition), random
+    text states of the config's width (a pooled output, embedded guidance and a second
+    text's states where the family's model takes them), sigma 0.7 on ComfyUI's timestep
+    scale. The same seed gives the same tensors (the CPU reference and the CUDA pool)."""
+    fam = families.family(arch)
+    with open(os.path.join(str(folder), "transformer", "config.json")) as f:
+        cfg = {**fam.config_defaults, **json.load(f)}
+    s = settings(arch)
+    gen = torch.Generator().manual_seed(seed)
+    shape = list(fam.latent.shape(2, *s["size"], s.get("frames", 1)))
+    in_ch = int(cfg["in_channels"])
+    shape[1] = in_ch // 4 if fam.latent.tokens == "pack2x2" else in_ch
+    call = dict(x=torch.randn(*shape, generator=gen),
+                timestep=torch.full((2,), 700.0 / fam.comfy.timestep_scale),
+                context=torch.randn(2, 7, fam.text_width(cfg), generator=gen),
+                transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
+                                     "cond_or_uncond": [1, 0]})
+    if fam.comfy.needs_pooled:
+        call["y"] = torch.randn(2, int(cfg["pooled_projection_dim"]), generator=gen)
+    if fam.guidance is not None:
+        call["guidance"] = torch.full((2,), float(fam.guidance))
+    if fam.comfy.text_2:
+        call[fam.comfy.text_2] = torch.randn(2, 5, fam.config_width("text_2_width", cfg),
+                                             generator=gen)
+    return call

@@ -1,4 +1,4 @@
-"""The control channel's security (DESIGN.md "The pool"): loopback only, authenticated with
+"""The control channel's security (docs/design.md#the-pool): loopback only, authenticated with
 a per-pool secret, nothing unpickled before authentication, in both directions.
 
 Every attack carries a pickle "bomb" whose unpickling would create a marker file, so "nothing

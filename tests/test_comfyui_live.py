@@ -8,7 +8,7 @@ a ComfyUI-loadable random VAE into models/vae/, starts `main.py --cpu`, then: /o
 lists the nodes and both kinds of model, the example API workflow runs to a saved image
 (sampled and decoded on the pool: Decode (xDiT)) with progress over /ws, a single-file
 workflow runs with CONDITIONING and ComfyUI's VAE, and /interrupt cancels a long job.
-Issue #12: the example workflows run unmodified (device auto; the tiny models stand in under
+The example workflows run unmodified (device auto; the tiny models stand in under
 the folder names they use), cuda forced on this CPU-only ComfyUI is refused with one message,
 a killed worker reaches the user as one sentence, and the node shows launch progress.
 """
@@ -132,7 +132,7 @@ def test_object_info_lists_nodes(comfy):
     assert seed["max"] == 2 ** 64 - 1 and seed.get("control_after_generate")
     js = http(comfy["base"], "/extensions/comfyui-xdit-under-test/xdit.js")
     assert b"xDiT.StatusPanel" in js
-    # issue 21: four loader widgets; the rest on three settings nodes plugged into it
+    # four loader widgets; the rest on three settings nodes plugged into it
     loader = info["xDiT.LoadModel"]["input"]
     assert list(loader["required"]) == ["model", "device", "dtype", "world_size"]
     assert {k: v[0] for k, v in loader["optional"].items()} == {
@@ -542,7 +542,7 @@ def test_launch_progress_shows_on_the_node_before_step_1(comfy):
     before = msgs[:first_step]
     texts = [m["text"] for m in before if m.get("type") == "progress_text" and m["node"] == "3"]
     assert texts[0] == "starting 2 workers" and "loading 2/2" in texts, texts
-    # issue 21: the launch text is replaced by what ran when the job is done
+    # the launch text is replaced by what ran when the job is done
     done = [m["text"] for m in msgs if m.get("type") == "progress_text" and m["node"] == "3"]
     assert done[-1].startswith("3 steps, 2 ranks (Ulysses 2), ") and \
         done[-1].endswith(" s launch") and DONE.match(done[-1]), done

@@ -1,4 +1,4 @@
-"""FLUX.2 and reference images through the xDiT nodes in a real ComfyUI (issue #14; skipped
+"""FLUX.2 and reference images through the xDiT nodes in a real ComfyUI (skipped
 unless COMFYUI_PATH is set).
 
 COMFYUI_PATH: a ComfyUI checkout; COMFYUI_PYTHON: its venv's python (with this pack's

@@ -111,7 +111,7 @@ def test_no_pointer_leaves_the_repository():
     """Not even as text: a reader of the repository has nothing beside it."""
     for doc in DOCS:
         text = doc.read_text()
-        for pattern in (r"\.\./shared", r"/work/", r"\bDESIGN\.md\b", r"steering repository",
+        for pattern in (r"\.\./shared", r"/w[o]rk/", r"\bDESIGN\.md\b", r"steering repository",
                         r"the issue's"):
             assert not re.search(pattern, text), f"{_rel(doc)} mentions {pattern!r}"
 
@@ -432,3 +432,81 @@ def test_architecture_page_has_a_paragraph_per_folder():
     missing = [f for f in folders
                if f"**`{f}/`**" not in text and f"`{f.rpartition('/')[2]}/`" not in text]
     assert not missing, f"docs/architecture.md has no paragraph for {missing}"
+
+
+# ---- the project stands alone: citations stay inside the repository ------------------------
+
+TEXT_SUFFIXES = {".py", ".md", ".js", ".sh", ".toml", ".txt", ".cfg", ".yml", ".yaml"}
+CAPS_DOC = re.compile(r"\b[A-Z][A-Z0-9_-]+\.md\b")  # README.md-style names: a project's docs
+DESIGN_CITE = re.compile(r"\bdocs/([\w-]+\.md)#([\w-]+)")
+OUTSIDE_PATH = re.compile(r"/w[o]rk/|\.\.[/]shared\b")  # written so as not to match itself
+# the word issue, PR or pull request with a number (with or without #), a GitHub issue address
+ISSUE = re.compile(r"\b(?:issues?|PRs?|pull requests?)\s*#?\d+|github\.com/\S+/(?:issues|pull)/\d+",
+                   re.I)
+
+
+def tracked_texts() -> list:
+    """The repository's tracked text files (git's list; a fresh copy without git: the tree)."""
+    try:
+        names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+        paths = [ROOT / n for n in names]
+    except (OSError, subprocess.CalledProcessError):
+        paths = [p for p in ROOT.rglob("*") if ".git" not in p.parts]
+    return [p for p in paths if p.suffix in TEXT_SUFFIXES and p.is_file()]
+
+
+def outside_citations(text: str, repo_docs: set) -> list:
+    """What `text` cites outside the repository: a README.md-style document the repository
+    does not hold, or a path into the machine around it."""
+    bad = [m for m in CAPS_DOC.findall(text) if m not in repo_docs]
+    return bad + OUTSIDE_PATH.findall(text)
+
+
+def broken_design_citations(text: str) -> list:
+    """`docs/<page>.md#<anchor>` citations whose page or heading does not exist."""
+    bad = []
+    for page, anchor in DESIGN_CITE.findall(text):
+        doc = ROOT / "docs" / page
+        if not doc.exists() or anchor not in anchors_of(doc.read_text()):
+            bad.append(f"docs/{page}#{anchor}")
+    return bad
+
+
+def test_no_file_cites_a_file_outside_the_repository():
+    """Every rule the code relies on is written in the repository (docs/design.md); a
+    comment, test or doc that points elsewhere leaves its reader without it."""
+    files = tracked_texts()
+    repo_docs = {p.name for p in files if p.suffix == ".md"}
+    assert "README.md" in repo_docs and len(files) > 100  # the scan sees the tree
+    bad = {}
+    for path in files:
+        found = outside_citations(path.read_text(errors="replace"), repo_docs)
+        found += broken_design_citations(path.read_text(errors="replace"))
+        if found:
+            bad[_rel(path)] = sorted(set(found))
+    assert not bad, f"citations outside the repository or of no section: {bad}"
+
+
+def test_no_test_cites_an_issue_number():
+    """A test says what it checks, not which ticket asked for it: the ticket is not in the
+    repository."""
+    tests = sorted((ROOT / "tests").rglob("*.py"))
+    assert len(tests) > 20
+    bad = {_rel(p): ISSUE.findall(p.read_text()) for p in tests}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"tests citing issue numbers: {bad}"
+
+
+def test_the_standalone_checks_can_fail():
+    """Negative controls: each kind of citation the two checks above forbid is found."""
+    outside = "DESIGN" + ".md numerics 4; see /work" + "/shared/x; .." + "/shared/y"
+    assert outside_citations(outside, {"README.md"}) == ["DESIGN" + ".md", "/wo" + "rk/", ".." + "/shared"]
+    assert outside_citations("README.md and docs/design.md", {"README.md"}) == []
+    assert broken_design_citations("docs/design" + ".md#numerics-rule-99") != []
+    assert broken_design_citations("docs/design.md#numerics-rule-6") == []
+    for cited in ("issue" + " 21: x", "(Issue #" + "12)", "issues #" + "11724, #1",
+                  "PR " + "7", "github.com/a/b/issues/" + "3"):
+        assert ISSUE.search(cited), cited
+    for fine in ("reference latent #1", "in issue order", "send #2 of the pair"):
+        assert not ISSUE.search(fine), fine

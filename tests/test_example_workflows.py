@@ -102,7 +102,7 @@ def test_the_comparison_can_fail():
 
 
 def test_examples_fit_any_machine_and_say_where_their_model_goes():
-    """Issue #12: the examples ask for device/dtype auto (CUDA where this ComfyUI has it,
+    """The examples ask for device/dtype auto (CUDA where this ComfyUI has it,
     else CPU) and name model folders that the README's install section and the loader's
     tooltip both place under models/diffusers/."""
     readme = (ROOT / "README.md").read_text()

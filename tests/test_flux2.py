@@ -1,4 +1,4 @@
-"""FLUX.2 [klein]-style tiny models (issue #14 groundwork): the builder writes a folder the
+"""FLUX.2 [klein]-style tiny models: the builder writes a folder the
 stock diffusers Flux2KleinPipeline loads and runs offline, with a head count Ulysses 2 and 4
 divide."""
 
@@ -84,7 +84,7 @@ def test_flux2_knobs_validated():
         resolve_config("flux2", sd35=True)
 
 
-# ---- detection and the pool (issue #14) ------------------------------------------------
+# ---- detection and the pool --------------------------------------------------------------
 
 def test_flux2_folder_detected(flux2_folder):
     from comfyui_xdit.planning.model_info import read_model_info

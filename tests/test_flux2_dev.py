@@ -1,4 +1,4 @@
-"""FLUX.2 [dev] (issue #14): `tiny-model --arch flux2 --variant dev` writes a folder the stock
+"""FLUX.2 [dev]: `tiny-model --arch flux2 --variant dev` writes a folder the stock
 diffusers `Flux2Pipeline` loads and runs offline (Mistral-3 text encoder, embedded guidance),
 and the pool reproduces that pipeline to 1e-4 (fp32, final latent) from the same ComfyUI
 noise (on its 128-channel FLUX.2 LATENT) on 1 rank, Ulysses 2, Ring 2 and PipeFusion 2

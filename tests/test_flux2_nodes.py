@@ -1,4 +1,4 @@
-"""FLUX.2 through the nodes' logic, without ComfyUI (issue #14): ComfyUI's FLUX.2 LATENTs
+"""FLUX.2 through the nodes' logic, without ComfyUI: ComfyUI's FLUX.2 LATENTs
 (latent_formats.Flux2: 2x2-patchified, batch-norm-normalised, [B,128,H/16,W/16]) in and out,
 raw 32-channel ones refused in one line, CONDITIONING without a pooled output (FLUX.2's text encoder gives hidden states only),
 the text width checked against the transformer, Decode on the pool with the folder's VAE,

@@ -1,7 +1,7 @@
 """PipeFusion (workers/parallel/pipefusion/).
 
 With `warmup_steps >= steps` every step is a full synchronous pass through the stages, so the
-result must equal the single-process diffusers pipeline (DESIGN.md numerics 4). With fewer
+result must equal the single-process diffusers pipeline (docs/design.md#numerics-rule-4). With fewer
 warmup steps the patch pipeline reuses one-step-stale K/V: the result must differ from the
 exact one (negative control: proves the pipelined path ran) but stay close. A stage's sp
 ranks (ulysses/ring) and cfg-parallel pipelines compute the same stale-K/V algorithm, so

@@ -1,7 +1,7 @@
 """An independent oracle for PipeFusion's pipelined (stale K/V) mode, for FLUX, Chroma and
 Qwen-Image.
 
-DESIGN.md numerics 4 only says PipeFusion is not exact. What it computes instead is a
+docs/design.md#numerics-rule-4 only says PipeFusion is not exact. What it computes instead is a
 definite algorithm, written here once more in a single process from diffusers' transformer,
 pipeline and test code alone (nothing from the product's `workers/` package):
 
@@ -58,7 +58,7 @@ SEED = 11
 PROMPTS = ["a photo of a red cat", "a dog on the grass"]
 
 
-# ---- conventions, written out (DESIGN.md numerics 1 and 5) ---------------------------------
+# ---- conventions, written out (docs/design.md#numerics-rule-1, #numerics-rule-5) ------
 def comfyui_noise(seed: int, shape) -> torch.Tensor:
     """ComfyUI's prepare_noise: one fp32 CPU draw of the whole latent."""
     return torch.randn(tuple(shape), generator=torch.manual_seed(seed), dtype=torch.float32)

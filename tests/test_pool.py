@@ -1,4 +1,4 @@
-"""The persistent pool (DESIGN.md "The pool"): one launch serves many jobs with results equal
+"""The persistent pool (docs/design.md#the-pool): one launch serves many jobs with results equal
 to fresh runs; per-step events stream before `generate` returns; cancel and ComfyUI's
 interrupt stop a job part-way and keep the workers warm; a killed worker fails the job (seen
 by the pool's death watch, not by a timeout), leaves no process behind and the next job

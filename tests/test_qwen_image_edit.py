@@ -1,7 +1,7 @@
-"""Qwen-Image-Edit through the pool equals diffusers' QwenImageEditPipeline (DESIGN.md
-numerics 4) with a reference image, at 1 rank, Ulysses 2, Ring 2, CFG 2 and Ulysses 2 x
-Ring 2, with a reference of the target's size and one of another size (wider than the
-target, so the text RoPE starts past the reference's grid, and 15 + 32 = 47 image tokens:
+"""Qwen-Image-Edit through the pool equals diffusers' QwenImageEditPipeline
+(docs/design.md#numerics-rule-4) with a reference image, at 1 rank, Ulysses 2, Ring 2, CFG 2 and
+Ulysses 2 x Ring 2, with a reference of the target's size and one of another size (wider than
+the target, so the text RoPE starts past the reference's grid, and 15 + 32 = 47 image tokens:
 every sequence shard uneven).
 
 The references travel as ComfyUI passes them (ReferenceLatent / TextEncodeQwenImageEdit put

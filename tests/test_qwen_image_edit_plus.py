@@ -1,5 +1,5 @@
 """Qwen-Image-Edit 2509 and 2511 (QwenImageEditPlusPipeline: several reference images, all
-read by the text encoder) through the pool equal the pipeline (DESIGN.md numerics 4) at 1
+read by the text encoder) through the pool equal the pipeline (docs/design.md#numerics-rule-4) at 1
 rank, Ulysses 2, Ring 2 and CFG 2, with two references of different sizes.
 
 2511's transformer has `zero_cond_t`: the reference tokens are modulated at timestep 0, the

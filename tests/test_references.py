@@ -1,4 +1,4 @@
-"""Reference images on the pool (issue #14): FLUX.2 multi-reference and FLUX.1 Kontext.
+"""Reference images on the pool: FLUX.2 multi-reference and FLUX.1 Kontext.
 
 The oracles are the stock diffusers pipelines given PIL reference images:
 `Flux2KleinPipeline(image=[...])` and `FluxKontextPipeline(image=...)` assembled from the

@@ -30,7 +30,7 @@ TOL = 1e-4
 RULES = "xdit_testhooks.nccl_rules:install"
 MEASURE = "xdit_testhooks.probes:measure_sharding"  # residency peaks (off in production)
 PROMPTS = ["a photo of a red cat", "a dog on the grass", "blue sky"]
-MOVED = 1e-2  # see tests/test_parallel_exact.py
+MOVED = 1e-2  # see tests/test_flux_sd3_one_rank_oracle.py
 
 
 @pytest.fixture(scope="module")

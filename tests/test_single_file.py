@@ -153,7 +153,7 @@ def _cond(arch, folder, text="a red cube on a table"):
 
 def _sd3_reference(folder, pos, neg, cfg):
     """SD3 from the folder, single process: diffusers' pipeline fed the same conditioning and
-    ComfyUI's noise (the pool reproduces this pipeline, DESIGN.md numerics 4)."""
+    ComfyUI's noise (the pool reproduces this pipeline, docs/design.md#numerics-rule-4)."""
     import diffusers
 
     from comfyui_xdit.comfy_convert import comfy_noise as prepare_noise

@@ -4,8 +4,8 @@
 
 installs it in every rank before `init_process_group`, and turns on the plane check
 (workers/parallel/topology.py: every collective and point-to-point call's tensors must suit its
-group's plane). gloo forgives schedules that NCCL deadlocks on (DESIGN.md, "Communication:
-two planes, NCCL's rules"); under this hook they deadlock on CPU too, and the rank that
+group's plane). gloo forgives schedules that NCCL deadlocks on (docs/design.md#nccls-rules);
+under this hook they deadlock on CPU too, and the rank that
 waits raises `NcclOrderError` within the timeout (`XDIT_NCCL_RULES_TIMEOUT` seconds,
 default `DEFAULT_TIMEOUT`), with one message naming both ranks, the group, the operation
 and what heads the pair's queue; the message also goes to stderr (logger

@@ -1,5 +1,5 @@
 """`python -m comfyui_xdit ...` (or `comfyui-xdit ...` once installed): demo, tiny-model,
-generate, bench, ... (DESIGN.md fixes the flags).
+generate, bench, ... (docs/design.md#command-line fixes the flags).
 
 `bench` runs the benchmarks, which live outside this package (`benchmarks/` at the repository
 root, `python -m benchmarks`): they are imported only when `bench` runs.

@@ -428,7 +428,7 @@ class DiTAdapter:
     def row_text_mask(keep: torch.Tensor) -> dict:
         """What `encode` adds for rows of different prompt lengths padded to the longest:
         `keep` [B, L] (True for the tokens a row attends to when alone) as the cond's
-        `text_mask`; nothing when every row keeps every token. DESIGN.md numerics 6: a row
+        `text_mask`; nothing when every row keeps every token. docs/design.md#numerics-rule-6: a row
         must not see its batch mates' padding."""
         keep = keep.bool()
         return {} if bool(keep.all()) else {TEXT_MASK: keep.cpu()}

@@ -13,7 +13,7 @@ for the longest prompt of the job; T5's states of the kept tokens do not depend 
 the input was padded, since T5 ran masked), and a shorter prompt's row carries its own
 length (`row_text_mask`, the mechanism Qwen-Image's padded prompts use): the attention drops
 that row's further text keys, so each row attends to its own tokens + EOS + one pad, as it
-would alone (DESIGN.md numerics 6). ComfyUI's Chroma CONDITIONING
+would alone (docs/design.md#numerics-rule-6). ComfyUI's Chroma CONDITIONING
 is unpadded already (prompt tokens + EOS, T5 run unmasked) and is used as it comes. Where
 the buggy mask is all ones (every prompt and negative prompt of the job has
 max_sequence_length - 1 real tokens) the pipeline and the pool compute the same thing

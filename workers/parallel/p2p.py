@@ -1,4 +1,5 @@
-"""Point-to-point on the data plane, written to NCCL's rules (DESIGN.md, "Communication").
+"""Point-to-point on the data plane, written to NCCL's rules
+(docs/design.md#communication-two-planes).
 
 * A transfer is one `exchange`: every send and receive a rank has at that moment, with any
   peers, goes out in one `batch_isend_irecv`, which NCCL keeps in flight together. Callers

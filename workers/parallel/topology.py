@@ -6,11 +6,11 @@ its all-to-all stays between neighbouring ranks (same NVLink island on a GPU box
 within a sequence-parallel group `sp_rank = ring_rank * ulysses + ulysses_rank`, which is the
 order yunchang's hybrid attention concatenates shards in.
 
-Two planes (DESIGN.md, "Communication"): every device group (NCCL on GPUs, gloo on CPU) has
-a gloo twin with the same members. Data (activations, K/V, latents, predictions) moves on the
-device groups with device tensors only; control (job broadcast, stop flags, shapes, object
-gathers, stats) on the gloo twins with CPU tensors or objects. Idle ranks wait on the control
-plane, never inside a device collective.
+Two planes (docs/design.md#communication-two-planes): every device group (NCCL on GPUs, gloo on
+CPU) has a gloo twin with the same members. Data (activations, K/V, latents, predictions) moves
+on the device groups with device tensors only; control (job broadcast, stop flags, shapes,
+object gathers, stats) on the gloo twins with CPU tensors or objects. Idle ranks wait on the
+control plane, never inside a device collective.
 
 A Topology is immutable and passed explicitly; workers cache one per configuration (every
 rank receives the same jobs in the same order, so `new_group` calls line up).

@@ -1,4 +1,4 @@
-"""Z-Image and HunyuanVideo 1.5 in a real ComfyUI (issue 33; skipped unless COMFYUI_PATH is
+"""Z-Image and HunyuanVideo 1.5 in a real ComfyUI (skipped unless COMFYUI_PATH is
 set; COMFYUI_PYTHON: its venv's python, with this pack's requirements).
 
 The fixture links this pack and the test-only helper packs into custom_nodes/, puts the tiny

@@ -1,4 +1,4 @@
-"""DESIGN.md numerics 6: a prompt's result never depends on its batch mates.
+"""docs/design.md#numerics-rule-6: a prompt's result never depends on its batch mates.
 
 For every family and every exact method (1 rank, Ulysses 2, Ring 2, CFG parallel; and
 PipeFusion 2, whose algorithm is the same for a row alone or batched, for the families that
@@ -20,26 +20,33 @@ import json
 import pytest
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
+from family_requests import A, B, NEGATIVE, small_request
 
-from family_requests import A, B, IDS, NEGATIVE, settings, small_request
+from .cases import CASES, NCCL_RULES, params
 
 TOL = 1e-4
-# every family of the registry, with its tiny model's small request (family_requests.py):
-# `padded` families pad a batch's prompts to the longest, where PipeFusion's patch attention
-# must keep per-row text too (a launch of its own, so only where it can matter)
-FAMILIES = {arch: settings(arch) for arch in IDS}
+# one rank and the two-rank methods (on the suite's NCCL-rules pools); PipeFusion 2 (the
+# suite's pipelined split) only for the families that pad a batch's prompts to the longest,
+# where its patch attention must keep per-row text too
 CONFIGS = {
     "1 rank": ParallelConfig(),
     "ulysses2": ParallelConfig(ulysses=2),
     "ring2": ParallelConfig(ring=2),
     "cfg2": ParallelConfig(cfg_parallel=True),
 }
-PIPEFUSION = {"pipefusion2": ParallelConfig(pipefusion=2, warmup_steps=1)}
-
 
 
 def request(arch: str, prompts, **kw) -> GenerationRequest:
     return small_request(arch, prompts, **kw)
+
+
+def _pool(family_pools, arch, name):
+    if name == "pipefusion2":
+        blocks = family_pools.get(arch, ParallelConfig()).model_info.blocks
+        return family_pools.get(arch, CASES[arch].pipefusion(blocks, 1))
+    config = CONFIGS[name]
+    hooks = {"worker_hooks": [NCCL_RULES]} if config.ranks > 1 else {}
+    return family_pools.get(arch, config, **hooks)
 
 
 def _token_counts(folder) -> list:
@@ -61,26 +68,26 @@ def row0_distance(pool, arch: str) -> tuple:
     return (float((both[:1] - alone).abs().max()), float((both[1] - both[0]).abs().max()))
 
 
-@pytest.mark.parametrize("arch", list(FAMILIES))
-def test_row_equals_the_prompt_alone(arch, model_dir, layout_pools):
-    folder = model_dir(arch)
-    counts = _token_counts(folder)
+@pytest.mark.parametrize("arch", params("batch_independence"))
+def test_row_equals_the_prompt_alone(arch, model_dir, family_pools):
+    counts = _token_counts(model_dir(arch))
     assert any(len(set(c)) == 3 for c in counts), f"A, B, negative token counts {counts}"
-    configs = dict(CONFIGS, **(PIPEFUSION if FAMILIES[arch].get("padded") else {}))
-    for name, config in configs.items():
-        err, apart = row0_distance(layout_pools.get(folder, config), arch)
+    names = list(CONFIGS) + (["pipefusion2"] if CASES[arch].padded else [])
+    for name in names:
+        err, apart = row0_distance(_pool(family_pools, arch, name), arch)
         print(f"{arch} {name}: row 0 of [A, B] vs [A] alone {err:.2e} "
               f"(row 1 vs row 0 {apart:.2e})")
         assert apart > 1e-3, f"{arch} {name}: B's row equals A's; the test proves nothing"
         assert err <= TOL, f"{arch} {name}: row 0 depends on its batch mate ({err:.2e})"
 
 
-@pytest.mark.parametrize("arch", [a for a in IDS if FAMILIES[a]["padded"]])
-def test_row_equals_the_prompt_alone_with_the_step_cache(arch, model_dir, layout_pools):
+@pytest.mark.parametrize("arch", [p for p in params("batch_independence")
+                                  if CASES[p.values[0]].padded])
+def test_row_equals_the_prompt_alone_with_the_step_cache(arch, family_pools):
     """The step cache decides per row, and a row's decision reads its own tokens only:
     with the cache skipping, row 0 of [A, B] still equals [A] alone (Ulysses 2)."""
     cache = {"threshold": 0.5, "warmup": 1, "head": 1, "tail": 0, "max_skips": 3}
-    pool = layout_pools.get(model_dir(arch), ParallelConfig(ulysses=2))
+    pool = _pool(family_pools, arch, "ulysses2")
     alone = pool.generate(request(arch, [A], cache=cache, steps=6))
     both = pool.generate(request(arch, [A, B], cache=cache, steps=6))
     assert alone.stats[0]["cache"]["skipped"] > 0, alone.stats[0]["cache"]
@@ -89,13 +96,11 @@ def test_row_equals_the_prompt_alone_with_the_step_cache(arch, model_dir, layout
     assert err <= TOL
 
 
-def test_negative_control_a_row_that_sees_its_mates_padding(model_dir):
+def test_negative_control_a_row_that_sees_its_mates_padding(family_pools):
     """Chroma pads the batch's prompts to the longest: with padded keys kept in the
     attention, row 0 attends to the pad tokens B's length gave it, and moves."""
-    from comfyui_xdit import WorkerPool
-    with WorkerPool(str(model_dir("chroma")), ParallelConfig(ulysses=2), device="cpu",
-                    threads_per_rank=1,
-                    worker_hooks=["xdit_testhooks.faults:keep_padding"]) as pool:
-        err, _ = row0_distance(pool, "chroma")
+    pool = family_pools.get("chroma", ParallelConfig(ulysses=2),
+                            worker_hooks=["xdit_testhooks.faults:keep_padding"])
+    err, _ = row0_distance(pool, "chroma")
     print(f"chroma ulysses2, padded keys kept: row 0 vs alone {err:.2e}")
     assert err > 10 * TOL

@@ -564,7 +564,7 @@ def _schema_inputs(nodes, node_cls) -> list:
 
 
 def test_loader_has_four_widgets_and_three_settings_inputs(loader_node):
-    """Issue 21: the loader keeps what every user sets; the rest is on settings nodes,
+    """The loader keeps what every user sets; the rest is on settings nodes,
     each plugged into an optional input of its own type."""
     import sys
     LoadModel, _ = loader_node
@@ -767,7 +767,7 @@ def test_text_encoder_choices_list_each_visible_gpu():
 
 
 # ---- the settings nodes: the loader's old widgets, moved -------------------------------------
-# today's loader widgets (before issue 21) -> the settings nodes that now carry them
+# the loader's former widgets -> the settings nodes that now carry them
 OLD_WIDGET_CASES = [
     dict(world_size="2", ulysses=2),
     dict(world_size="4", ulysses=2, ring=2, gpus="0,1,2,3"),
@@ -883,8 +883,8 @@ def test_sampler_text_after_the_job():
     assert decode_text(torch.zeros(1, 8, 8, 3), 16, 1234.0, False) == "1234 s"  # too long
 
 
-# ---- the node texts fit their nodes (issue "The ComfyUI users run in 2026": Decode's text
-# was cut to "decoded 1 imag", the loader's ran into the node below) ----------------------------
+# ---- the node texts fit their nodes (Decode's text was once cut to "decoded 1 imag", the
+# loader's ran into the node below) -------------------------------------------------------
 # Widths in px measured in headless Chromium (canvas measureText in the text widget's font),
 # the larger of ComfyUI 0.8.0's frontend 1.35.9 (Inter 12 px) and 0.3.64's 1.27.10 (Arial 12 px)
 MEASURED_PX = {"decoded 1 image 64x64 on 2 ranks, 0.2 s": 235.5,  # the old Decode text
@@ -1036,7 +1036,7 @@ def test_step_cache_settings_node(registry, model_dir):
     assert re.search(r", (1 of 4 calls computed|1/4 calls) in full$", text), text
 
 
-# ---- what the nodes say (issue 30: the Sampler said "FLUX.1 / FLUX.2 / SD3") -----------------
+# ---- what the nodes say (the Sampler once said "FLUX.1 / FLUX.2 / SD3") --------------------
 SETTINGS_NODES = {"xDiT.LowNoiseExpert", "xDiT.ParallelSettings", "xDiT.PipeFusionSettings",
                   "xDiT.EngineSettings", "xDiT.CacheSettings", "xDiT.SamplerOptions"}
 
