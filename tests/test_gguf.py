@@ -56,3 +56,158 @@ def test_dequantize_compiles_without_graph_breaks(qtype):
     fn = torch.compile(lambda r: gq.dequantize(r, qtype, shape, torch.bfloat16),
                        fullgraph=True, backend="aot_eager")
     assert torch.equal(fn(raw), eager)
+
+
+# ---- files -----------------------------------------------------------------------------------
+QTYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_K", "Q4_0", "Q4_1", "F16", "BF16"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def flux_files(tmp_path_factory):
+    """A tiny FLUX (256 wide, so the K types' 256-value rows fit its Linears) as a BFL single
+    file, and GGUF copies of it in every type."""
+    from comfyui_xdit.testmodels.gguf_file import write_gguf_file
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+    from single_file_util import write_single_file
+    d = tmp_path_factory.mktemp("gguf")
+    folder = ensure_tiny_model("flux", d / "models", width=256)
+    bfl = write_single_file(folder, "flux", d / "flux-tiny.safetensors", prefix=True)
+    out = {"folder": folder, "bfl": bfl}
+    for q in QTYPES:
+        out[q] = write_gguf_file(bfl, d / f"flux-tiny-{q}.gguf", q)
+    return out
+
+
+def dequantized_file(path, out):
+    """The GGUF file's tensors dequantised by the gguf package (numpy), as a safetensors
+    single file under the same names: what the plain single-file loader reads."""
+    from safetensors.torch import save_file
+    r = gguf.GGUFReader(str(path))
+    sd = {}
+    for t in r.tensors:
+        w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        sd[t.name] = torch.from_numpy(np.ascontiguousarray(w).reshape(
+            [int(v) for v in reversed(t.shape.tolist())]).astype(np.float32))
+    save_file(sd, str(out))
+    return out
+
+
+def _forward(tr, seed=0):
+    torch.manual_seed(seed)
+    c = tr.config
+    with torch.no_grad():
+        return tr(hidden_states=torch.randn(1, 16, c.in_channels),
+                  encoder_hidden_states=torch.randn(1, 6, c.joint_attention_dim),
+                  pooled_projections=torch.randn(1, c.pooled_projection_dim),
+                  timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(6, 3), return_dict=False)[0]
+
+
+def test_header_detection_and_original_shapes(flux_files, tmp_path):
+    """A GGUF file's header gives the single file's own shapes (GGUF stores them reversed),
+    so detection and the config derived from the shapes equal the safetensors file's; the
+    architecture is ComfyUI-GGUF's name; a flattened tensor gets its recorded shape back."""
+    from workers.loading.header import read_gguf, read_safetensors_header
+    from workers.models.detect import single_file_config
+    header, meta = read_gguf(flux_files["Q8_0"])
+    st = {k[len("model.diffusion_model."):]: v
+          for k, v in read_safetensors_header(flux_files["bfl"]).items()}
+    assert {k: v["shape"] for k, v in header.items()} == {k: v["shape"] for k, v in st.items()}
+    assert meta["general.architecture"] == "flux"
+    kinds = {v["dtype"] for v in header.values()}
+    assert kinds == {"Q8_0", "F32"}  # 1-D and tiny tensors stay F32, as the converter keeps
+    a, b = single_file_config(flux_files["Q8_0"]), single_file_config(flux_files["bfl"])
+    assert (a["arch"], a["naming"], a["config"]) == (b["arch"], b["naming"], b["config"])
+    assert a["storage"]["dtype"] == "q8_0"
+    # a 5-D tensor, flattened with its shape recorded (ComfyUI-GGUF's orig_shape)
+    w = gguf.GGUFWriter(str(tmp_path / "nd.gguf"), arch="wan")
+    w.add_array("comfy.gguf.orig_shape.patch.weight", [8, 4, 1, 2, 2])
+    w.add_tensor("patch.weight", np.arange(128, dtype=np.float32).reshape(32, 4))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert read_gguf(tmp_path / "nd.gguf")[0]["patch.weight"]["shape"] == [8, 4, 1, 2, 2]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gguf_model_equals_dequantized_file(flux_files, tmp_path, qtype):
+    """One process: the GGUF file loaded with its Linears kept in blocks (GGUFLinear,
+    dequantised per call) equals the plain single-file loader on the gguf package's own
+    dequantisation of the file, and weights="full" (dequantised at load) equals both. The
+    blocks held are the file's quantised bytes, no more."""
+    from workers.loading.gguf_load import GGUFLinear, gguf_bytes
+    from workers.loading.header import read_gguf
+    from workers.models import get_adapter
+    ad, cpu = get_adapter("flux"), torch.device("cpu")
+    path = flux_files[qtype]
+    ref = ad.load(str(dequantized_file(path, tmp_path / "deq.safetensors")), cpu,
+                  torch.float32, False).transformer
+    m = ad.load(str(path), cpu, torch.float32, False)
+    full = ad.load(str(path), cpu, torch.float32, False, weights="full").transformer
+    layers = [x for x in m.transformer.modules() if isinstance(x, GGUFLinear)]
+    header = read_gguf(path)[0]
+    quantised = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in header.values()
+                    if e["dtype"] not in ("F32", "F16", "BF16"))
+    if qtype in ("F16", "BF16"):  # stored as floats: cast at load like any checkpoint
+        assert not layers and m.load_report["weights"] == "full"
+    else:
+        assert layers and m.load_report["gguf_layers"] == len(layers)
+        assert m.load_report["weights"] == "gguf"
+        # every quantised tensor of this file is a Linear weight (whole or a qkv part)
+        assert gguf_bytes(m.transformer) == quantised
+        assert not any(isinstance(x, GGUFLinear) for x in full.modules())
+    got, want = _forward(m.transformer), _forward(ref)
+    rel = ((got - want).norm() / want.norm()).item()
+    print(f"{qtype}: {len(layers)} GGUF layers, {quantised} quantised bytes, rel L2 vs "
+          f"numpy-dequantised file {rel:.1e}")
+    assert (got - want).abs().max().item() <= TOL
+    assert (_forward(full) - want).abs().max().item() <= TOL
+    # negative control: the unquantised model differs (the blocks are really used)
+    base = ad.load(str(flux_files["bfl"]), cpu, torch.float32, False).transformer
+    if qtype != "F16":
+        assert (_forward(base) - want).abs().max().item() > 10 * TOL
+
+
+def test_gguf_linear_compiles(flux_files):
+    """A compiled block of the GGUF model (dequantise + matmul traced together) equals it."""
+    from workers.models import get_adapter
+    m = get_adapter("flux").load(str(flux_files["Q4_K"]), torch.device("cpu"), torch.float32,
+                                 False).transformer
+    want = _forward(m)
+    blk = m.transformer_blocks[0]
+    m.transformer_blocks[0] = torch.compile(blk, backend="aot_eager", fullgraph=True)
+    assert (_forward(m) - want).abs().max().item() <= TOL
+
+
+def test_lora_on_gguf_model(flux_files, tmp_path):
+    """LoRA (the pool's manager, peft) on GGUF Linears adds to the dequantised output: equal
+    to the same LoRA on the dequantised model."""
+    from test_lora import make_peft_lora
+    from workers.loading.lora import LoraManager
+    from workers.models import get_adapter
+    ad, cpu = get_adapter("flux"), torch.device("cpu")
+    lora, _ = make_peft_lora("flux", flux_files["folder"], tmp_path / "lora", seed=7)
+    outs = {}
+    for weights in ("auto", "full"):
+        tr = ad.load(str(flux_files["Q8_0"]), cpu, torch.float32, False,
+                     weights=weights).transformer
+        base = _forward(tr)
+        mgr = LoraManager(ad)
+        mgr.apply(tr, mgr.resolve(tr, [(str(lora), 0.8)]))
+        outs[weights] = _forward(tr)
+        assert (outs[weights] - base).abs().max().item() > 100 * TOL  # the LoRA acts
+    assert (outs["auto"] - outs["full"]).abs().max().item() <= TOL
+
+
+def test_tiny_model_cli_writes_gguf(tmp_path):
+    import argparse
+
+    from comfyui_xdit.testmodels.tiny_model import run_cli
+    from workers.loading.header import read_gguf
+    out = tmp_path / "f.gguf"
+    args = argparse.Namespace(arch="flux", out=str(out), seed=0, depth=1, width=None, heads=4,
+                              sd35=False, variant=None, gguf="q8_0")
+    assert run_cli(args) == 0
+    header, meta = read_gguf(out)
+    assert meta["general.architecture"] == "flux"
+    assert "Q8_0" in {e["dtype"] for e in header.values()}
+    assert "transformer_blocks.0.attn.to_q.weight" in header  # diffusers names

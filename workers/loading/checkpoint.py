@@ -1,6 +1,6 @@
 """Reading checkpoints tensor by tensor: safetensors files and folders (by positioned reads of
 each tensor's byte range, found through its header) and GGUF files (their raw blocks, read
-the same way; workers/loading/gguf_file.py reads their headers)."""
+the same way; workers/loading/header.py reads their headers)."""
 from __future__ import annotations
 
 import json
@@ -44,12 +44,19 @@ class Checkpoint:
     bytes_read: int = 0
     _handles: dict = field(default_factory=dict)  # (path, "mmap" | "fd") -> open handle
     _staging: object = None  # the GPU reads' pinned buffers (staging.Staging), made once
+    gguf: bool = False  # a GGUF file: its quantised tensors read as their raw bytes
 
     @classmethod
     def open(cls, paths) -> "Checkpoint":
         from .header import read_safetensors_header
+        from .header import gguf_header, is_gguf
         ck = cls()
         for path in paths:
+            if is_gguf(path):  # offsets from the file's start; data read the same way
+                ck.gguf = True
+                for name, e in gguf_header(path).items():
+                    ck.entries[name] = (str(path), 0, e)
+                continue
             with open(path, "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
             for name, e in read_safetensors_header(path).items():
@@ -81,7 +88,14 @@ class Checkpoint:
         return self.entries.keys()
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self.entries[name][2]["dtype"]]
+        """The tensor's dtype as read: uint8 (its raw blocks) for a GGUF quantised one."""
+        return _DTYPES.get(self.entries[name][2]["dtype"], torch.uint8)
+
+    def qtype(self, name: str):
+        """A GGUF quantised tensor's type name ("Q8_0", ...), else None."""
+        from .gguf_quant import QUANTISED
+        t = self.entries[name][2]["dtype"]
+        return t if self.gguf and t in QUANTISED else None
 
     def shape(self, name: str) -> list:
         return list(self.entries[name][2]["shape"])
@@ -102,10 +116,16 @@ class Checkpoint:
         (a row-major tensor's rows are one contiguous byte range); counted as one read."""
         path, start, e = self.entries[name]
         dtype = _DTYPES.get(e["dtype"])
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {e['dtype']}, not supported")
         a, b = (int(v) for v in e["data_offsets"])
         shape = [int(v) for v in e["shape"]]
+        if dtype is None and self.qtype(name):  # raw blocks: [rows, bytes per row]
+            dtype = torch.uint8
+            shape = gguf_byte_shape(e["dtype"], shape, b - a)
+            if r0 is not None and len(shape) != 2:
+                raise ValueError(f"{path}: {name!r} ({e['dtype']}) has rows that are not "
+                                 f"whole blocks; it can only be read whole")
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {e['dtype']}, not supported")
         if r0 is not None and shape:
             row = (b - a) // shape[0] if shape[0] else 0
             a, b = a + r0 * row, a + r1 * row
@@ -126,7 +146,7 @@ class Checkpoint:
         """One tensor on `device`, in the file's dtype."""
         path, pos, n, dtype, shape = self._span(name)
         kind = torch.device(device).type
-        if kind == "cpu":
+        if kind == "cpu" and not self.gguf:
             return self._handle(path, "mmap").get_tensor(name)
         if kind == "cuda":
             return self.staging(device).read(self._handle(path, "fd"), pos, n, dtype, shape,
@@ -151,6 +171,19 @@ class Checkpoint:
         file's dtype, by one positioned read of exactly those bytes and no mapping (weight
         sharding: a rank reads its rows only)."""
         return self._pread(*self._span(name, r0, r1), name)
+
+
+def gguf_byte_shape(qtype: str, shape: list, nbytes: int) -> list:
+    """The raw bytes of a quantised tensor as [rows, bytes per row] where each row along
+    dim 0 is whole blocks (what row reads, row splits and weight sharding need), else flat."""
+    from .gguf_quant import TYPES
+    _, block, size = TYPES[qtype]
+    rows, numel = (shape[0] if shape else 1), 1
+    for v in shape:
+        numel *= int(v)
+    if len(shape) >= 2 and rows and (numel // rows) % block == 0:
+        return [rows, numel // rows // block * size]
+    return [nbytes]
 
 
 def checkpoint_files(folder: str) -> dict:

@@ -310,10 +310,11 @@ def fp8_layers(transformer, lists, names, dtype, device) -> dict:
 # ---- assembling a model --------------------------------------------------------------------
 @dataclass
 class LoadReport:
-    weights: str  # "fp8" (block Linears in fp8) | "full" (everything in the pool dtype)
+    weights: str  # "fp8" (block Linears in fp8) | "gguf" (Linears in GGUF blocks) | "full"
     checkpoint_fp8: bool = False  # the checkpoint stores (some) weights in fp8
     checkpoint_scaled: bool = False  # ... with per-tensor scale_weight tensors
     fp8_layers: int = 0
+    gguf_layers: int = 0
     transformer_bytes: int = 0
     tensors_read: int = 0
     bytes_read: int = 0
@@ -352,13 +353,18 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
     """Fill a meta-built transformer (in place) from `source`: (diffusers name, tensor
     already on the device in the checkpoint's dtype, its scale_weight or None), consumed one
     at a time, so only the finished weights accumulate. Linears inside the block lists that
-    end up with fp8 weights become FP8Linear. Strict: a missing, extra or misshapen tensor
+    end up with fp8 weights become FP8Linear; a QuantWeight (a GGUF file's Linear weight,
+    workers/loading/gguf_load.py) makes its Linear a GGUFLinear holding the blocks. Strict: a missing, extra or misshapen tensor
     raises. Loading onto device "meta" is a dry run (the host cost of loading, measured by
     tests: the same as onto a GPU)."""
+    from .gguf_load import QuantWeight, gguf_layers
     cands = block_linears(transformer, lists)
-    state, scales = {}, {}
+    state, scales, quant = {}, {}, {}
     for name, t, scale in source:
         mod = name.rpartition(".")[0]
+        if isinstance(t, QuantWeight):  # a Linear kept in GGUF blocks (gguf_load.py)
+            state[name], quant[name] = t.raw, t
+            continue
         w, s = prepare(t, scale, name.endswith(".weight") and mod in cands, mode, dtype)
         del t
         state[name] = w
@@ -368,6 +374,7 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
     for mod, fp8 in fp8_layers(transformer, lists, scales, dtype, device).items():
         if scales[mod] is not None:
             fp8.scale = scales[mod]
+    gguf_layers(transformer, quant, dtype)
     transformer.requires_grad_(False)
     dry = bool(state) and all(t.is_meta for t in state.values())  # a dry run onto "meta"
     want = set(transformer.state_dict())
@@ -386,7 +393,8 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
     if left and not dry:
         raise ValueError(f"tensors not in the checkpoint: {left[:3]}")
     transformer.eval().requires_grad_(False)
-    return LoadReport(weights="fp8" if scales else "full", fp8_layers=len(scales),
+    return LoadReport(weights="fp8" if scales else "gguf" if quant else "full",
+                      fp8_layers=len(scales), gguf_layers=len(quant),
                       transformer_bytes=parameter_bytes(transformer))
 
 
