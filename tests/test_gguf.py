@@ -211,3 +211,79 @@ def test_tiny_model_cli_writes_gguf(tmp_path):
     assert meta["general.architecture"] == "flux"
     assert "Q8_0" in {e["dtype"] for e in header.values()}
     assert "transformer_blocks.0.attn.to_q.weight" in header  # diffusers names
+
+
+# ---- pools -----------------------------------------------------------------------------------
+def _pool_call(path, config, call, **opts):
+    """One host-sampler call (ComfyUI's KSampler path) on a pool of `path`; (result, status)."""
+    from comfyui_xdit import ParallelConfig, WorkerPool  # noqa: F401
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    with WorkerPool(str(path), config, device="cpu", threads_per_rank=1, **opts) as pool:
+        got = PoolDenoiser(pool, config.with_world_size(config.product), "flux")(**call)
+        st = pool.status()
+    return got, st
+
+
+def test_gguf_pools_equal_one_rank_and_the_dequantized_file(flux_files, tmp_path):
+    """KSampler's call on the xDiT MODEL of a GGUF file: one rank equals the plain
+    single-file pool on the numpy-dequantised file (<= 1e-5); Ulysses 2 and weight sharding
+    over 2 ranks equal one rank (<= 1e-4). Under sharding each rank holds
+    and reads about half of the GGUF blocks, together all of them once; the whole-load ranks
+    hold all."""
+    import diffusers
+
+    from comfyui_xdit import ParallelConfig
+    from test_model_calls import comfy_call
+    path = flux_files["Q8_0"]
+    tr = diffusers.FluxTransformer2DModel.from_pretrained(str(flux_files["folder"]),
+                                                          subfolder="transformer")
+    call = comfy_call("flux", tr, 1, 8, 6, seed=5)
+    one, st1 = _pool_call(path, ParallelConfig(), call)
+    plain, _ = _pool_call(dequantized_file(path, tmp_path / "deq.safetensors"),
+                          ParallelConfig(), call)
+    diffs = {"plain file": (one - plain).abs().max().item()}
+    assert diffs["plain file"] <= TOL
+    whole = st1["ranks"][0]["load"]
+    assert whole["weights"] == "gguf" and whole["gguf_layers"] > 0
+    runs = {"ulysses 2": (ParallelConfig(ulysses=2), {}),
+            "sharded 2": (ParallelConfig(ulysses=2), {"shard_weights": True})}
+    status = {}
+    for name, (config, opts) in runs.items():
+        got, status[name] = _pool_call(path, config, call, **opts)
+        diffs[name] = (got - one).abs().max().item()
+    print("GGUF Q8_0 pools, max |diff| vs 1 rank:", {k: f"{v:.1e}" for k, v in diffs.items()})
+    assert all(v <= 1e-4 for v in diffs.values()), diffs
+    ranks = [r["load"] for r in status["sharded 2"]["ranks"]]
+    assert all(r["loaded"] == "shards only" and r["gguf_layers"] == whole["gguf_layers"]
+               for r in ranks)
+    held = [r["transformer_bytes"] for r in ranks]
+    reads = [r["bytes_read"] for r in ranks]
+    print(f"sharded: held {held} B, read {reads} B; whole load held "
+          f"{whole['transformer_bytes']} B, read {whole['bytes_read']} B")
+    assert sum(reads) == whole["bytes_read"]  # every byte once
+    assert max(held) <= 0.5 * whole["transformer_bytes"] * 1.1
+    assert max(reads) <= 0.5 * whole["bytes_read"] * 1.1
+    assert all(r["load"]["bytes_read"] == whole["bytes_read"]  # negative control
+               for r in status["ulysses 2"]["ranks"])
+
+
+def test_gguf_pipefusion_stages(flux_files):
+    """PipeFusion 2 on a GGUF file (each stage its own blocks' GGUF bytes; every step in
+    warmup) equals one rank's sampling."""
+    from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+    from test_conditioning import encode
+    common = dict(seed=5, steps=2, height=64, width=96, max_sequence_length=12)
+    pos = encode("flux", str(flux_files["folder"]), "a red cube", 12)
+    req = GenerationRequest(prompt=[], positive=pos, guidance=4.0, **common)
+    out = {}
+    for name, config in (("one", ParallelConfig()),
+                         ("pipefusion", ParallelConfig(pipefusion=2, warmup_steps=2))):
+        with WorkerPool(str(flux_files["Q8_0"]), config, device="cpu",
+                        threads_per_rank=1) as pool:
+            out[name] = pool.generate(req).samples
+            ranks = pool.status()["ranks"]
+    layers = [r["load"]["gguf_layers"] for r in ranks]
+    print(f"PipeFusion GGUF layers per stage {layers}, max |diff| "
+          f"{(out['pipefusion'] - out['one']).abs().max().item():.1e}")
+    assert all(n > 0 for n in layers)
+    assert (out["pipefusion"] - out["one"]).abs().max().item() <= 1e-4
