@@ -287,3 +287,39 @@ def test_gguf_pipefusion_stages(flux_files):
           f"{(out['pipefusion'] - out['one']).abs().max().item():.1e}")
     assert all(n > 0 for n in layers)
     assert (out["pipefusion"] - out["one"]).abs().max().item() <= 1e-4
+
+
+# ---- host: discovery and the memory plan -----------------------------------------------------
+def test_loader_lists_gguf_files_and_the_plan_counts_their_bytes(flux_files, tmp_path):
+    """.gguf files in models/unet and models/diffusion_models (ComfyUI's one
+    "diffusion_models" kind) are listed and resolved; the model info names the GGUF type and
+    the memory plan counts the file's bytes per weight value for its block Linears (Q8_0:
+    34 bytes per 32 values, Q4_K: 144 per 256), less than the bf16 file's."""
+    import shutil
+
+    from comfyui_xdit import ParallelConfig
+    from comfyui_xdit.nodes.discovery import discover_single_files, resolve_model
+    from comfyui_xdit.planning import memory_arithmetic as arith
+    from comfyui_xdit.planning.config import EngineOptions
+    from comfyui_xdit.planning.model_facts import model_facts
+    from comfyui_xdit.planning.model_info import read_model_info
+    unet, dm = tmp_path / "unet", tmp_path / "diffusion_models"
+    for d, q in ((unet, "Q8_0"), (dm, "Q4_K")):
+        d.mkdir()
+        shutil.copy(flux_files[q], d / f"tiny-{q}.gguf")
+    (dm / "notes.txt").write_text("not a model")
+    roots = {"diffusion_models": [str(unet), str(dm)]}
+    names = discover_single_files(roots)
+    assert names == ["diffusion_models/tiny-Q4_K.gguf", "diffusion_models/tiny-Q8_0.gguf"]
+    assert resolve_model(names[1], [], roots) == str(unet / "tiny-Q8_0.gguf")
+    assert read_model_info(flux_files["Q8_0"]).storage == "q8_0"
+    engine = EngineOptions(device="cuda", dtype="bf16", weights="auto")
+    weights = {}
+    for kind, bpv in (("bfl", 0.0), ("Q8_0", 34 / 32), ("Q4_K", 144 / 256)):
+        facts = model_facts(str(flux_files[kind]))
+        assert facts.gguf_bytes_per_value == pytest.approx(bpv)
+        weights[kind] = arith.plan(facts, ParallelConfig(), engine).ranks[0].weights
+    full = arith.plan(model_facts(str(flux_files["Q8_0"])), ParallelConfig(),
+                      EngineOptions(device="cuda", dtype="bf16", weights="full"))
+    print("planned weight bytes:", weights)
+    assert weights["Q4_K"] < weights["Q8_0"] < weights["bfl"] == full.ranks[0].weights

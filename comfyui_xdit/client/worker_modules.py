@@ -22,6 +22,7 @@ TARGETS = {
     "models.detect": "model detection: a folder's or file's family and config",
     "models.latent_layout": "packing latents between ComfyUI's and the model's layout",
     "loading.stages": "PipeFusion's stage split, for the memory plan",
+    "loading.gguf_quant": "GGUF types' block sizes, for the memory plan",
     "loading.weights": "fp8 storage and block Linears, for the memory plan and fp8 files",
     "runtime.channel": "the host end of the control channel", "runtime.protocol": "the typed messages",
     "runtime.messages": "shared message texts and process facts",
