@@ -16,9 +16,6 @@ import pathlib
 
 import numpy as np
 
-# the family ids' architecture names in ComfyUI-GGUF's `general.architecture`
-GGUF_ARCH = {"hunyuan_video15": "hyvid", "z_image": "lumina2", "chroma": "flux",
-             "flux2": "flux"}
 SMALL = 1024  # at most this many values: kept F32, as the converter keeps them
 QK_K = 256
 
@@ -118,7 +115,9 @@ def write_gguf_file(src: str | os.PathLike, dst: str | os.PathLike, qtype: str =
         raise ValueError(f"unknown GGUF type {qtype!r}")
     dst = pathlib.Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(dst), arch=GGUF_ARCH.get(arch, arch))
+    # `general.architecture`: the family id (ComfyUI-GGUF's own names coincide for flux,
+    # sd3, wan and qwen_image; the loader detects the family from the tensor names anyway)
+    writer = gguf.GGUFWriter(str(dst), arch=arch)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     T = gguf.GGMLQuantizationType
     for name, t in sd.items():

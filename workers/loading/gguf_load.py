@@ -129,14 +129,14 @@ def linear_names(transformer) -> set:
     return {n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def gguf_tensors(ck, sf: dict, transformer, device, mode: str, keep=lambda name: True):
+def gguf_tensors(ck, table: dict, transformer, device, mode: str, keep=lambda name: True):
     """(diffusers name, tensor or QuantWeight, None) of a GGUF single file's transformer, for
     `weights.load_tensors`: a Linear's quantised weight stays a QuantWeight under
     weights="auto"; every other tensor comes dequantised (fp32) or as stored (F16/BF16/F32).
-    `keep(name)`: read only these (a PipeFusion stage's)."""
-    from .single_file import row_map
+    `table`: the file's `single_file.row_map`; `keep(name)`: read only these (a PipeFusion
+    stage's)."""
     linears = linear_names(transformer)
-    for dname, (shape, segs, _) in row_map(ck, sf).items():
+    for dname, (shape, segs, _) in table.items():
         if not keep(dname):
             continue
         t, q = read_rows(ck, shape, segs, device=device)

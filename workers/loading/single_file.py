@@ -317,7 +317,7 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
     with Checkpoint.open([path]) as ck:
         if ck.gguf:  # ComfyUI-GGUF's files: workers/loading/gguf_load.py
             from .gguf_load import gguf_tensors
-            source = gguf_tensors(ck, sf, tr, device_name(device), weights,
+            source = gguf_tensors(ck, row_map(ck, sf), tr, device_name(device), weights,
                                   keep=lambda n: not elsewhere(n))
         else:
             source = ((n, t, s) for n, t, s in file_tensors(ck, sf, device_name(device), dtype,
