@@ -4,6 +4,9 @@ arithmetic only, no GPU needed.
 """
 from __future__ import annotations
 
+import dataclasses
+
+from comfyui_xdit import bridge
 from comfyui_xdit.errors import ConfigError
 from comfyui_xdit.planning.config import EngineOptions, ParallelConfig
 from comfyui_xdit.planning.memory_arithmetic import DTYPE_BYTES, GiB, LINKS_GBPS, JobSize, plan
@@ -69,6 +72,10 @@ def add_cli(sub) -> None:
     p.add_argument("--shard-table", action="store_true",
                    help="a markdown table of shard_weights' bytes per rank and all-gather "
                         "traffic per forward on each --gpus count (e.g. 2,4,8)")
+    p.add_argument("--gguf", default=None, metavar="TYPES",
+                   help="plan a GGUF file of the model in this type (Q8_0, Q4_K, ...: its "
+                        "Linears kept in GGUF blocks under --weights auto); with --compare a "
+                        "comma list, one row each")
     p.set_defaults(func=run_cli)
 
 
@@ -83,6 +90,21 @@ def _numbers(text, name, kind):
         raise ConfigError(f"{name} must be > 0 (got {text!r})")
     return vals
 
+
+
+def gguf_bytes_per_value(text) -> list:
+    """'Q8_0,Q4_K' -> [(type, bytes per weight value)] from the types' block sizes."""
+    if not text:
+        return []
+    types = bridge.gguf_quant.TYPES
+    out = []
+    for name in str(text).upper().split(","):
+        name = name.strip()
+        if name not in types:
+            raise ConfigError(f"--gguf: unknown GGUF type {name!r}; known: {', '.join(types)}")
+        _, block, size = types[name]
+        out.append((name, size / block))
+    return out
 
 
 def run_cli(args) -> int:
@@ -120,6 +142,11 @@ def run_cli(args) -> int:
     if out:
         raise ConfigError("; ".join(out))
     facts = preset_facts(args.preset) if args.preset else model_facts(args.model, args.dtype)
+    gguf = gguf_bytes_per_value(args.gguf)
+    if len(gguf) > 1 and not args.compare:
+        raise ConfigError(f"--gguf {args.gguf}: give one type, or add --compare for a table")
+    if gguf and not args.compare:
+        facts = dataclasses.replace(facts, gguf_bytes_per_value=gguf[0][1])
     from comfyui_xdit.planning.request import frames_problems
     bad = frames_problems(args.frames, facts.arch)
     if bad:
@@ -142,7 +169,7 @@ def run_cli(args) -> int:
                           (("your link", args.link_gbps),)))
         return 0
     if args.compare:
-        print(compare_table(facts, job, args.dtype, counts, sizes))
+        print(compare_table(facts, job, args.dtype, counts, sizes, gguf))
         return 0
     cap = int(sizes[0] * GiB) if sizes else None
     p = plan(facts, config.with_world_size(None), engine, job, cap)

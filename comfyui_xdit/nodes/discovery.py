@@ -1,6 +1,6 @@
 """Which models the loader lists and where a listed name lives, without ComfyUI: diffusers
-folders (model_index.json + transformer/config.json) and single .safetensors files
-(diffusion_models, checkpoints; a checkpoint is listed only when its header holds a known
+folders (model_index.json + transformer/config.json) and single .safetensors or
+ComfyUI-GGUF .gguf files (diffusion_models, which holds models/unet too, and checkpoints; a checkpoint is listed only when its header holds a known
 family's transformer, a verdict cached per file)."""
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def _holds_dit(path: str, mtime_ns: int, size: int) -> bool:
 
 def discover_single_files(roots_by_kind: dict, max_depth: int = 3) -> list[str]:
     """`{"diffusion_models": [dirs], "checkpoints": [dirs]}` -> sorted "<kind>/<rel path>"
-    names of .safetensors files (every file of diffusion_models, known families' ones of
-    checkpoints)."""
+    names of .safetensors / .gguf files (every file of diffusion_models, known families'
+    ones of checkpoints)."""
     from comfyui_xdit.planning.model_info import SINGLE_FILE_SUFFIXES
     found = set()
     for kind in FILE_KINDS:

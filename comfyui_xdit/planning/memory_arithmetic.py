@@ -212,16 +212,25 @@ def gib(n: Optional[int], unit: bool = True) -> str:
     return f"{n / GiB:.1f}" + (" GiB" if unit else "")
 
 
-def _bytes(triples, dtype_bytes: int, fp8: bool, shards: int = 1) -> int:
+def _bytes(triples, dtype_bytes: int, fp8, shards: int = 1) -> int:
     """Bytes of parameters; with `shards`, one rank's FSDP2 dim-0 chunk (rows padded up to a
-    multiple of the world, as FSDP2 pads)."""
+    multiple of the world, as FSDP2 pads). `fp8`: the block Linears' bytes per value when
+    they are stored smaller (True: fp8's 1; a GGUF file's, e.g. 34/32 for Q8_0), else 0."""
     total = 0
     for numel, rows, fp8_able in triples:
-        size = 1 if (fp8 and fp8_able) else dtype_bytes
+        size = float(fp8) if (fp8 and fp8_able) else dtype_bytes
         if shards > 1:
             numel = math.ceil(rows / shards) * (numel // max(rows, 1))
         total += numel * size
-    return total
+    return int(total)
+
+
+def quantised_bytes(facts, weights: str) -> float:
+    """The block Linears' bytes per value where they are not in the pool dtype: 1 for fp8
+    (asked, or an fp8 checkpoint under auto), a GGUF file's own under auto; else 0."""
+    if weights == "fp8" or (weights == "auto" and facts.fp8_checkpoint):
+        return 1.0
+    return float(getattr(facts, "gguf_bytes_per_value", 0.0)) if weights == "auto" else 0.0
 
 
 @dataclass(frozen=True)
@@ -236,7 +245,7 @@ class ShardFigures:
     received_per_forward: int  # the other ranks' chunks of every parameter, once a forward
 
 
-def shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8: bool, world: int) -> ShardFigures:
+def shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8, world: int) -> ShardFigures:
     """What a rank holds and receives under shard_weights. The non-block parameters are
     gathered for the whole forward; a block's gather is prefetched while the one before it
     runs, so two consecutive blocks are whole at once (workers/parallel/sharding.py)."""
@@ -352,7 +361,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
     else:
         caps = [None if gpu_memory is None else int(gpu_memory)] * world
     db = DTYPE_BYTES[engine.dtype]
-    fp8 = engine.weights == "fp8" or (engine.weights == "auto" and facts.fp8_checkpoint)
+    fp8 = quantised_bytes(facts, engine.weights)
     tr = transformer_facts(facts.transformer_class, facts.transformer_config, facts.arch)
     n_blocks = len(tr.blocks)
     block_bytes = [_bytes(b, db, fp8) for b in tr.blocks]

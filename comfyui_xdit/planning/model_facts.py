@@ -65,6 +65,9 @@ class ModelFacts:
     text_tokens: int = 512
     text_encoder_bytes: Optional[int] = None  # measured from a folder's headers in the dtype
     experts: int = 1  # transformers of the same config held at once (Wan 2.2 A14B: 2)
+    # a GGUF file's quantised Linears under weights=auto: bytes per weight value (Q8_0
+    # 34/32, Q4_K 144/256, ...); 0: not GGUF
+    gguf_bytes_per_value: float = 0.0
 
 
 def _meta(build):
@@ -129,7 +132,8 @@ def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
                       transformer_config=json.dumps(cfg, sort_keys=True, default=list),
                       text_encoder_params=0, text_encoder_bytes=te_bytes,
                       vae_params=vae_params, vae_channels=channels,
-                      fp8_checkpoint=bool(storage.get("fp8")), experts=expert_count(path))
+                      fp8_checkpoint=bool(storage.get("fp8")), experts=expert_count(path),
+                      gguf_bytes_per_value=float(storage.get("gguf_bytes_per_value", 0.0)))
 
 
 def _torch_dtype(name: str):

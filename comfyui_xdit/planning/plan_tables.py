@@ -6,14 +6,19 @@ their output.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from comfyui_xdit.planning.config import EngineOptions, ParallelConfig
 from comfyui_xdit.planning.memory_arithmetic import (DTYPE_BYTES, GiB, LINKS_GBPS, JobSize, gib,
-                                                     plan, shard_figures, step_traffic)
+                                                     plan, quantised_bytes, shard_figures,
+                                                     step_traffic)
 from comfyui_xdit.planning.model_facts import ModelFacts, transformer_facts
 
 
-def compare_table(facts: ModelFacts, job: JobSize, dtype: str, counts, sizes_gib) -> str:
-    """Markdown: rows = method x text-encoder placement (x fp8 where it changes a verdict),
+def compare_table(facts: ModelFacts, job: JobSize, dtype: str, counts, sizes_gib,
+                  gguf=()) -> str:
+    """Markdown: rows = method x text-encoder placement (x fp8 where it changes a verdict,
+    x each of `gguf`'s (type, bytes per value): the model as a GGUF file of that type),
     columns = GPU count x GPU size; a cell is the peak rank's GiB and the verdict."""
     tr = transformer_facts(facts.transformer_class, facts.transformer_config, facts.arch)
 
@@ -28,7 +33,10 @@ def compare_table(facts: ModelFacts, job: JobSize, dtype: str, counts, sizes_gib
     for label, make, shard in methods:
         for te in ("gpu", "cpu"):
             rows = {}
-            for weights in ("full", "fp8"):
+            kinds = [("full", "full", facts), ("fp8", "fp8", facts)] + [
+                (name, "auto", dataclasses.replace(facts, gguf_bytes_per_value=bpv))
+                for name, bpv in gguf]
+            for kind, weights, f in kinds:
                 cells = []
                 for n, g in cols:
                     if make(n).pipefusion > len(tr.blocks):
@@ -36,17 +44,17 @@ def compare_table(facts: ModelFacts, job: JobSize, dtype: str, counts, sizes_gib
                         continue
                     e = EngineOptions(device="cuda", dtype=dtype, weights=weights,
                                       text_encoders=te, shard_weights=shard)
-                    p = plan(facts, make(n), e, job, int(g * GiB), alternatives=False)
+                    p = plan(f, make(n), e, job, int(g * GiB), alternatives=False)
                     cells.append((p.worst.total, p.fits))
-                rows[weights] = cells
-            for weights in ("full", "fp8"):
-                if weights == "fp8" and [f for _, f in rows["fp8"]] == \
+                rows[kind] = cells
+            for kind, _, _ in kinds:
+                if kind == "fp8" and [f for _, f in rows["fp8"]] == \
                         [f for _, f in rows["full"]]:
                     continue  # fp8 changes no verdict: not shown
                 cells = ["-" if t is None else f"{t / GiB:.1f} {'✓' if f else '✗'}"
-                         for t, f in rows[weights]]
+                         for t, f in rows[kind]]
                 lines.append("| " + " | ".join([label.format(n="N"), te,
-                                                dtype if weights == "full" else "fp8"]
+                                                dtype if kind == "full" else kind]
                                                + cells) + " |")
     return "\n".join(lines)
 
@@ -55,7 +63,7 @@ def shard_table(facts: ModelFacts, dtype: str, weights: str, counts, links=LINKS
     """Markdown: shard_weights' bytes per rank and all-gather traffic per forward on each GPU
     count (one forward a step; two with CFG in one process), timed on `links`."""
     tr = transformer_facts(facts.transformer_class, facts.transformer_config, facts.arch)
-    fp8 = weights == "fp8" or (weights == "auto" and facts.fp8_checkpoint)
+    fp8 = quantised_bytes(facts, weights)
     head = ["ranks", "weights at rest", "peak in a forward", "received per forward"] + \
         [f"{name} ~{bw:g} GB/s" for name, bw in links]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

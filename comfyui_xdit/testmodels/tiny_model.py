@@ -33,6 +33,7 @@ import sys
 
 from comfyui_xdit import bridge
 from comfyui_xdit.testmodels.fp8_file import write_fp8_file  # noqa: F401 - public entry point
+from comfyui_xdit.testmodels.gguf_file import write_gguf_file  # noqa: F401 - public entry point
 from comfyui_xdit.testmodels.parts import cache_name, cached_build, normalize_modes, quiet_transformers
 
 ARCHS = bridge.families.IDS
@@ -256,14 +257,27 @@ def add_cli(subparsers) -> None:
                    help="; ".join(getattr(builder(a), "VARIANT_HELP", None)
                                   or f"{a}: {', '.join([f'{vs[0]} (default)', *vs[1:]])}"
                                   for a, vs in variants.items()))
+    p.add_argument("--gguf", default=None, metavar="TYPE",
+                   help="write the transformer alone as a GGUF single file (ComfyUI-GGUF's "
+                        "layout, diffusers names) to --out, its weights in TYPE: Q8_0, Q6_K, "
+                        "Q5_K, Q5_0, Q5_1, Q4_K, Q4_0, Q4_1, F16 or BF16")
     p.set_defaults(func=run_cli)
 
 
 def run_cli(args) -> int:
     """Runs `tiny-model`; bad knobs exit 2 with one line on stderr."""
+    kw = dict(seed=args.seed, depth=args.depth, width=args.width, heads=args.heads,
+              sd35=args.sd35, variant=args.variant)
     try:
-        path = build_tiny_model(args.arch, args.out, seed=args.seed, depth=args.depth, width=args.width,
-                                heads=args.heads, sd35=args.sd35, variant=args.variant)
+        if getattr(args, "gguf", None):
+            import tempfile
+            with tempfile.TemporaryDirectory() as tmp:
+                folder = build_tiny_model(args.arch, tmp, **kw)
+                path = write_gguf_file(
+                    folder / "transformer" / "diffusion_pytorch_model.safetensors", args.out,
+                    args.gguf.upper(), arch=args.arch)
+        else:
+            path = build_tiny_model(args.arch, args.out, **kw)
     except ValueError as exc:
         print(f"tiny-model: error: {exc}", file=sys.stderr)
         return 2

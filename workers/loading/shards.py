@@ -20,6 +20,10 @@ quantizes each rank's rows per output channel (a row's scale is its own range, s
 needs no other rank's rows, and the rows equal the whole loader's), then one all-reduce
 (MAX, gloo control plane) gives every rank every channel's scale, which FP8Linear holds
 whole.
+
+GGUF files (ComfyUI-GGUF's): a quantised Linear's rows are whole blocks, so a rank reads and
+keeps the blocks of its own output rows (workers/loading/gguf_load.py); other quantised
+tensors are dequantised, rows only as well.
 """
 from __future__ import annotations
 
@@ -119,6 +123,9 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
     file; `subfolder`: another transformer of the folder) holding only this rank's rows of
     every parameter. `shard`: what shards it (sharding.ShardSetup: `wrap(transformer)`,
     `rank`, `world`, `control` the gloo group for the fp8 scales)."""
+    from .gguf_load import gguf_layers, gguf_linears
+    from .gguf_load import read_rows as gguf_read_rows
+    from .gguf_quant import dequantize, row_bytes
     from .weights import FP8, WEIGHT_MODES, block_linears, fp8_layers, is_fp8, prepare
 
     if mode not in WEIGHT_MODES:
@@ -131,13 +138,18 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
         # a BFL file whose converter needs the whole state (SD3) is cast to the pool dtype
         # before it in the whole loader (single_file.file_tensors): nothing stays fp8 there,
         # so nothing here
-        cast_first = sf is not None and sf["naming"] != "diffusers" and adapter.bfl_blocks is None
+        cast_first = sf is not None and sf["naming"] != "diffusers" and \
+            adapter.bfl_blocks is None and not ck.gguf
+        # a GGUF file's quantised Linears keep their blocks, each rank its own output rows'
+        # (whole blocks: a row is a byte range); gguf_load.py
+        gguf_q = gguf_linears(ck, src, transformer, mode) if ck.gguf else {}
         keep = set() if mode == "full" or cast_first else {
             n for n in cands if n in src.table and src.dtype(n) == FP8}
         quant = (cands - keep) if mode == "fp8" else set()
         fp8 = {m + ".weight": lin for m, lin in fp8_layers(
             transformer, lists, {n[:-len(".weight")] for n in keep | quant}, dtype,
             "meta").items()}
+        gguf_mods = gguf_layers(transformer, gguf_q, dtype)
         persistent = set(transformer.state_dict().keys())
         # a non-persistent buffer the model computes at construction (the adapter's
         # computed_buffers made it on the CPU, not on the meta device) needs no checkpoint
@@ -158,12 +170,21 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
         def rows(name, local):
             full = src.shape(name)
             r0, r1 = chunk_rows(full[0], world, rank) if full else (0, 0)
-            if full and (local.shape[0] != r1 - r0 or list(local.shape[1:]) != full[1:]):
+            cols = [row_bytes(gguf_q[name], full[1])] if name in gguf_q else full[1:]
+            if full and (local.shape[0] != r1 - r0 or list(local.shape[1:]) != cols):
                 raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not rows "
                                    f"{r0}:{r1} of {full} (FSDP's dim-0 split changed?)")
             return r0, r1
 
         def read(name, r0, r1):  # (rows, scale) as the whole loader's prepare receives them
+            if ck.gguf:  # raw blocks for a GGUF Linear, else dequantised (or as stored)
+                shape, segs, _ = src.table[name]
+                t, q = gguf_read_rows(ck, shape, segs, r0, r1) if shape else \
+                    gguf_read_rows(ck, shape, segs)
+                if q is not None and name not in gguf_q:
+                    t = dequantize(t, q, [r1 - r0] + list(shape[1:]) if shape else [],
+                                   torch.float32)
+                return t, None
             t, s = src.read(name, r0, r1), src.scale(name)
             if cast_first and t.is_floating_point():  # cast before converting, as there
                 return prepare(t, s, False, "full", dtype)[0], None
@@ -203,7 +224,8 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
                     full = src.shape(name)
                     w, _ = prepare(*read(name, 0, full[0] if full else 0), False, mode, dtype)
                     buf.copy_(w.to(dev))
-        report = {"weights": "fp8" if fp8 else "full", "fp8_layers": len(fp8),
+        report = {"weights": "fp8" if fp8 else "gguf" if gguf_mods else "full",
+                  "fp8_layers": len(fp8), "gguf_layers": len(gguf_mods),
                   "loaded": "shards only", "tensors_read": ck.reads,
                   "bytes_read": ck.bytes_read, "buffer_bytes_read": ck.bytes_read - param_bytes,
                   "checkpoint_fp8": any(is_fp8(torch.empty(0, dtype=ck.dtype(k)))

@@ -315,8 +315,13 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
         elsewhere = lambda name: in_block(name, others)  # noqa: E731
         keep_stage_blocks(tr, lists, info)
     with Checkpoint.open([path]) as ck:
-        source = ((n, t, s) for n, t, s in file_tensors(ck, sf, device_name(device), dtype,
-                                                        skip) if not elsewhere(n))
+        if ck.gguf:  # ComfyUI-GGUF's files: workers/loading/gguf_load.py
+            from .gguf_load import gguf_tensors
+            source = gguf_tensors(ck, row_map(ck, sf), tr, device_name(device), weights,
+                                  keep=lambda n: not elsewhere(n))
+        else:
+            source = ((n, t, s) for n, t, s in file_tensors(ck, sf, device_name(device), dtype,
+                                                            skip) if not elsewhere(n))
         report = load_tensors(tr, lists, source, dtype, weights)
     report.checkpoint_fp8 = sf.get("storage", {}).get("fp8", False)
     report.checkpoint_scaled = sf.get("storage", {}).get("scaled", False)

@@ -28,13 +28,15 @@ matmul wherever the shapes allow, the CPU included (tests), `off` always upcasts
 from __future__ import annotations
 
 import functools
-import json
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .checkpoint import (  # noqa: F401 (imported from here by the loaders and tests)
+    _DTYPES, Checkpoint, checkpoint_files, device_name, has_safetensors, pread_bytes)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -42,185 +44,9 @@ WEIGHT_MODES = ("auto", "fp8", "full")
 FP8_COMPUTE = ("auto", "on", "off")  # XDIT_FP8_COMPUTE
 FP8_MATMUL_TEXT = "fp8 matmul (scaled_mm, per-row activation scales)"
 
-# safetensors dtype names -> torch
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
-
 
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-# ---- reading -------------------------------------------------------------------------------
-def pread_bytes(fd: int, pos: int, n: int, path: str, name: str) -> bytearray:
-    """n bytes at `pos` of an open file, read in place into one buffer (a tensor's bytes
-    straight from its byte range: no mapping, no second copy)."""
-    from .staging import fill
-    buf = bytearray(n)
-    fill(fd, memoryview(buf), pos, path, name)
-    return buf
-
-
-@dataclass
-class Checkpoint:
-    """The tensors of one safetensors file or a sharded diffusers folder, read one at a time.
-
-    Onto the CPU through safetensors' `safe_open` (a lazy memory map: a tensor already in the
-    wanted dtype is used in place, as diffusers does). Onto a GPU by positioned reads of the
-    tensor's bytes in large chunks through two reusable pinned buffers, each chunk's copy to
-    the device overlapping the next read (workers/loading/staging.py); onto any other device
-    into a host buffer that lives only for the copy. Either way a GPU rank holds at most a
-    tensor's worth on the host and maps nothing (a map's touched pages would count in every
-    rank's RSS until the file is closed: 24 GB for FLUX.1-dev). Each file is opened once per
-    load; use as a context manager (or call close())."""
-
-    entries: dict = field(default_factory=dict)  # name -> (path, data start, header entry)
-    reads: int = 0  # tensors read so far
-    bytes_read: int = 0
-    _handles: dict = field(default_factory=dict)  # (path, "mmap" | "fd") -> open handle
-    _staging: object = None  # the GPU reads' pinned buffers (staging.Staging), made once
-
-    @classmethod
-    def open(cls, paths) -> "Checkpoint":
-        from .header import read_safetensors_header
-        ck = cls()
-        for path in paths:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-            for name, e in read_safetensors_header(path).items():
-                ck.entries[name] = (str(path), 8 + n, e)
-        return ck
-
-    @classmethod
-    def folder(cls, folder: str) -> "Checkpoint":
-        return cls.open(sorted(set(checkpoint_files(folder).values())))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self) -> None:
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
-        for (path, kind), h in self._handles.items():
-            if kind == "fd":
-                os.close(h)
-            else:
-                h.__exit__(None, None, None)
-        self._handles.clear()
-
-    def keys(self):
-        return self.entries.keys()
-
-    def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self.entries[name][2]["dtype"]]
-
-    def shape(self, name: str) -> list:
-        return list(self.entries[name][2]["shape"])
-
-    def _handle(self, path: str, kind: str):
-        h = self._handles.get((path, kind))
-        if h is None:
-            if kind == "fd":
-                h = os.open(path, os.O_RDONLY)
-            else:
-                from safetensors import safe_open
-                h = safe_open(path, framework="pt", device="cpu").__enter__()
-            self._handles[(path, kind)] = h
-        return h
-
-    def _span(self, name: str, r0=None, r1=None) -> tuple:
-        """(path, file position, bytes, dtype, shape) of a tensor, or of its rows [r0, r1)
-        (a row-major tensor's rows are one contiguous byte range); counted as one read."""
-        path, start, e = self.entries[name]
-        dtype = _DTYPES.get(e["dtype"])
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {e['dtype']}, not supported")
-        a, b = (int(v) for v in e["data_offsets"])
-        shape = [int(v) for v in e["shape"]]
-        if r0 is not None and shape:
-            row = (b - a) // shape[0] if shape[0] else 0
-            a, b = a + r0 * row, a + r1 * row
-            shape = [r1 - r0] + shape[1:]
-        self.reads += 1
-        self.bytes_read += b - a
-        return path, start + a, b - a, dtype, shape
-
-    def _pread(self, path, pos, n, dtype, shape, name) -> torch.Tensor:
-        """Bytes into a host buffer that lives until the caller's copy (frombuffer shares
-        it): no mapping, no second copy."""
-        if n == 0:
-            return torch.empty(shape, dtype=dtype)
-        buf = pread_bytes(self._handle(path, "fd"), pos, n, path, name)
-        return torch.frombuffer(buf, dtype=dtype).view(shape)
-
-    def read(self, name: str, device="cpu") -> torch.Tensor:
-        """One tensor on `device`, in the file's dtype."""
-        path, pos, n, dtype, shape = self._span(name)
-        kind = torch.device(device).type
-        if kind == "cpu":
-            return self._handle(path, "mmap").get_tensor(name)
-        if kind == "cuda":
-            return self.staging(device).read(self._handle(path, "fd"), pos, n, dtype, shape,
-                                             path, name)
-        return self._pread(path, pos, n, dtype, shape, name).to(device)
-
-    def staging(self, device):
-        """The pinned buffers onto `device`, each the size of the largest tensor here up to
-        staging.CHUNK."""
-        if self._staging is not None and self._staging.device != torch.device(device):
-            self._staging.close()
-            self._staging = None
-        if self._staging is None:
-            from .staging import CHUNK, Staging
-            largest = max((int(e["data_offsets"][1]) - int(e["data_offsets"][0])
-                           for _, _, e in self.entries.values()), default=1)
-            self._staging = Staging(device, min(CHUNK, largest))
-        return self._staging
-
-    def read_rows(self, name: str, r0=None, r1=None) -> torch.Tensor:
-        """Rows [r0, r1) of a tensor (None, or a 0-dim tensor: whole) on the CPU in the
-        file's dtype, by one positioned read of exactly those bytes and no mapping (weight
-        sharding: a rank reads its rows only)."""
-        return self._pread(*self._span(name, r0, r1), name)
-
-
-def checkpoint_files(folder: str) -> dict:
-    """tensor name -> file, for a diffusers component folder (single or sharded)."""
-    names = sorted(os.listdir(folder))
-    index = [n for n in names if n.endswith(".safetensors.index.json")]
-    if index:
-        with open(os.path.join(folder, index[0])) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
-    files = [n for n in names if n.endswith(".safetensors")]
-    if len(files) != 1:
-        raise FileNotFoundError(f"{folder} has no safetensors weights (or several without an "
-                                f"index)")
-    from .header import read_safetensors_header
-    path = os.path.join(folder, files[0])
-    return {k: path for k in read_safetensors_header(path)}
-
-
-def has_safetensors(folder: str) -> bool:
-    try:
-        checkpoint_files(folder)
-        return True
-    except (FileNotFoundError, OSError):
-        return False
-
-
-def device_name(device) -> str:
-    """'cuda:0' for torch.device('cuda') (safetensors and mem_get_info want an index)."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(d)
 
 
 # ---- fp8 Linear ----------------------------------------------------------------------------
@@ -484,10 +310,11 @@ def fp8_layers(transformer, lists, names, dtype, device) -> dict:
 # ---- assembling a model --------------------------------------------------------------------
 @dataclass
 class LoadReport:
-    weights: str  # "fp8" (block Linears in fp8) | "full" (everything in the pool dtype)
+    weights: str  # "fp8" (block Linears in fp8) | "gguf" (Linears in GGUF blocks) | "full"
     checkpoint_fp8: bool = False  # the checkpoint stores (some) weights in fp8
     checkpoint_scaled: bool = False  # ... with per-tensor scale_weight tensors
     fp8_layers: int = 0
+    gguf_layers: int = 0
     transformer_bytes: int = 0
     tensors_read: int = 0
     bytes_read: int = 0
@@ -526,13 +353,18 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
     """Fill a meta-built transformer (in place) from `source`: (diffusers name, tensor
     already on the device in the checkpoint's dtype, its scale_weight or None), consumed one
     at a time, so only the finished weights accumulate. Linears inside the block lists that
-    end up with fp8 weights become FP8Linear. Strict: a missing, extra or misshapen tensor
+    end up with fp8 weights become FP8Linear; a QuantWeight (a GGUF file's Linear weight,
+    workers/loading/gguf_load.py) makes its Linear a GGUFLinear holding the blocks. Strict: a missing, extra or misshapen tensor
     raises. Loading onto device "meta" is a dry run (the host cost of loading, measured by
     tests: the same as onto a GPU)."""
+    from .gguf_load import QuantWeight, gguf_layers
     cands = block_linears(transformer, lists)
-    state, scales = {}, {}
+    state, scales, quant = {}, {}, {}
     for name, t, scale in source:
         mod = name.rpartition(".")[0]
+        if isinstance(t, QuantWeight):  # a Linear kept in GGUF blocks (gguf_load.py)
+            state[name], quant[name] = t.raw, t
+            continue
         w, s = prepare(t, scale, name.endswith(".weight") and mod in cands, mode, dtype)
         del t
         state[name] = w
@@ -542,6 +374,7 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
     for mod, fp8 in fp8_layers(transformer, lists, scales, dtype, device).items():
         if scales[mod] is not None:
             fp8.scale = scales[mod]
+    gguf_layers(transformer, quant, dtype)
     transformer.requires_grad_(False)
     dry = bool(state) and all(t.is_meta for t in state.values())  # a dry run onto "meta"
     want = set(transformer.state_dict())
@@ -560,7 +393,8 @@ def load_tensors(transformer, lists, source, dtype, mode: str) -> LoadReport:
     if left and not dry:
         raise ValueError(f"tensors not in the checkpoint: {left[:3]}")
     transformer.eval().requires_grad_(False)
-    return LoadReport(weights="fp8" if scales else "full", fp8_layers=len(scales),
+    return LoadReport(weights="fp8" if scales else "gguf" if quant else "full",
+                      fp8_layers=len(scales), gguf_layers=len(quant),
                       transformer_bytes=parameter_bytes(transformer))
 
 

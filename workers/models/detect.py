@@ -26,7 +26,7 @@ from .. import families
 from ..loading.header import ModelFileError, read_safetensors_header
 
 CHECKPOINT_PREFIX = "model.diffusion_model."
-SINGLE_FILE_SUFFIXES = (".safetensors", ".sft")
+SINGLE_FILE_SUFFIXES = (".safetensors", ".sft", ".gguf")
 
 
 def describe_model(path) -> dict:
@@ -141,10 +141,14 @@ _DTYPE_NAMES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64"}
 
 def weight_storage(header: dict, prefix: str = "") -> dict:
     """How a checkpoint stores its weights, from its header: {"dtype": the dtype holding the
-    most bytes ("fp8" for float8), "fp8": any float8 tensor, "scaled": ComfyUI scaled-fp8
-    (per-layer `scale_weight` tensors, usually with a `scaled_fp8` marker key)}."""
+    most bytes ("fp8" for float8, "q8_0" ... for a GGUF type), "fp8": any float8 tensor,
+    "scaled": ComfyUI scaled-fp8 (per-layer `scale_weight` tensors, usually with a
+    `scaled_fp8` marker key)}, plus "gguf_bytes_per_value" for a GGUF file's quantised
+    tensors."""
+    from ..loading.gguf_quant import QUANTISED, TYPES
     by_dtype: dict = {}
     fp8 = scaled = False
+    q_bytes = q_values = 0  # a GGUF file's quantised tensors
     for k, e in header.items():
         if not k.startswith(prefix):
             continue
@@ -153,12 +157,18 @@ def weight_storage(header: dict, prefix: str = "") -> dict:
             scaled = True
             continue
         start, end = (int(v) for v in e["data_offsets"])
+        if e["dtype"] in QUANTISED:
+            q_bytes += end - start
+            q_values += (end - start) // TYPES[e["dtype"]][2] * TYPES[e["dtype"]][1]
         dt = "fp8" if e["dtype"] in _FP8_DTYPES else _DTYPE_NAMES.get(e["dtype"],
                                                                        e["dtype"].lower())
         fp8 = fp8 or dt == "fp8"
         by_dtype[dt] = by_dtype.get(dt, 0) + end - start
     dtype = max(by_dtype, key=by_dtype.get) if by_dtype else None
-    return {"dtype": dtype, "fp8": fp8, "scaled": scaled and fp8}
+    out = {"dtype": dtype, "fp8": fp8, "scaled": scaled and fp8}
+    if q_values:  # GGUF: bytes per quantised value, what the memory plan counts
+        out["gguf_bytes_per_value"] = q_bytes / q_values
+    return out
 
 
 def folder_storage(folder) -> dict:
