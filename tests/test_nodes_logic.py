@@ -1039,7 +1039,7 @@ def test_node_texts_name_every_family():
     names, cfgs = node_text.family_list(), node_text.cfg_defaults_text()
     for f in families.FAMILIES.values():
         assert f.name in names and f"{f.name}: " in node_text.conditioning_hint_text()
-        assert f"{f.name} {f.cfg:g}" in cfgs, (f.name, cfgs)
+        assert f"{f.name} {f.defaults.cfg:g}" in cfgs, (f.name, cfgs)
     assert "FLUX.2 1 (off), base models 4" in cfgs and "Wan 5" in cfgs
     assert node_text.guidance_defaults_text() == "FLUX.1 3.5, FLUX.2 4"
 

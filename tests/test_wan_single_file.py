@@ -99,7 +99,7 @@ def test_detected_with_the_folders_config(folder, files, name, naming):
     assert (info.arch, info.kind, info.heads, info.blocks) == (ARCH, "file", 2, 2)
     if name == "fp8":
         assert info.storage == "scaled-fp8"
-    sched, vae = worker_module("families").family(ARCH).released(sf["config"])
+    sched, vae = worker_module("families").family(ARCH).detection.released(sf["config"])
     folder_sched = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     assert all(sched[k] == v for k, v in folder_sched.items() if k in sched and
                k != "flow_shift")
@@ -172,7 +172,7 @@ def test_file_schedule_is_comfyuis_simple_schedule_at_shift_8():
     from diffusers import UniPCMultistepScheduler
 
     from comfyui_xdit.client.worker_modules import worker_module
-    sched = worker_module("families").family(ARCH).released({})[0]
+    sched = worker_module("families").family(ARCH).detection.released({})[0]
 
     def comfy_simple(shift: float, steps: int):
         t = torch.arange(1, 1001, dtype=torch.float64) / 1000

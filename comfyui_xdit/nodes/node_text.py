@@ -21,22 +21,23 @@ def cfg_defaults_text() -> str:
     """Each family's default classifier-free guidance scale, for the cfg tooltip."""
     parts = []
     for f in families.FAMILIES.values():
-        text = f"{f.name} {f.cfg:g}" + (" (off)" if f.cfg <= 1 else "")
-        if f.undistilled_cfg is not None:
-            text += f", base models {f.undistilled_cfg:g}"
+        d = f.defaults
+        text = f"{f.name} {d.cfg:g}" + (" (off)" if d.cfg <= 1 else "")
+        if d.undistilled_cfg is not None:
+            text += f", base models {d.undistilled_cfg:g}"
         parts.append(text)
     return "; ".join(parts)
 
 
 def guidance_defaults_text() -> str:
     """The families with embedded guidance and their defaults, for the guidance tooltip."""
-    return ", ".join(f"{f.name} {f.guidance:g}" for f in families.FAMILIES.values()
-                     if f.guidance is not None)
+    return ", ".join(f"{f.name} {f.defaults.guidance:g}" for f in families.FAMILIES.values()
+                     if f.defaults.guidance is not None)
 
 
 def conditioning_hint_text() -> str:
     """How each family's CONDITIONING is made, for the positive input's tooltip."""
-    return "; ".join(f"{f.name}: {f.text_hint}" for f in families.FAMILIES.values())
+    return "; ".join(f"{f.name}: {f.text.hint}" for f in families.FAMILIES.values())
 
 
 def cache_text(counts: Optional[dict], short: bool = False) -> str:
