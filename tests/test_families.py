@@ -158,3 +158,30 @@ def test_each_capability_is_read_through_its_kind():
     unread = [k.__name__ for k in families.CAPABILITIES
               if f"families.{k.__name__})" not in product]
     assert not unread, f"capabilities no module reads: {unread}"
+
+
+def test_fp8_files_cover_every_familys_blocks():
+    """The fp8 test files quantise the Linears inside every family's block lists, in both
+    namings, as the registry names them (a new family's blocks are covered without editing
+    fp8_file)."""
+    from comfyui_xdit.testmodels.fp8_file import block_prefixes
+
+    prefixes = block_prefixes()
+    assert len(prefixes) == len(set(prefixes))
+    for fam in families.FAMILIES.values():
+        for name in fam.blocks.lists + fam.blocks.bfl:
+            assert f"{name}." in prefixes, (fam.id, name)
+    assert "double_blocks." in prefixes and "blocks." in prefixes  # BFL and Wan's names
+    assert not any(p.startswith(("img_in", "txt_in", "proj_out")) for p in prefixes)
+
+
+def test_an_unsupported_scheduler_is_told_which_family_runs_which():
+    """The scheduler message lists the families by their released schedulers, from the
+    registry: each family is named once."""
+    from diffusers import DDIMScheduler
+
+    check = worker_module("sampling.denoise").check_scheduler
+    with pytest.raises(ValueError, match="is not supported") as e:
+        check(DDIMScheduler())
+    for fam in families.FAMILIES.values():
+        assert str(e.value).count(fam.name) == 1, (fam.name, str(e.value))
