@@ -277,6 +277,7 @@ class Family:
     defaults: Defaults
     detection: Detection
     capabilities: tuple = ()  # at most one of each kind in CAPABILITIES
+    # -- the token streams' flags, which the family's layout is to hold --
     # reference latents of odd height / width are padded circularly to whole tokens, as
     # ComfyUI's model pads them (its edit nodes size images to 8 pixels), not refused
     odd_references: bool = False
