@@ -7,7 +7,7 @@ pipeline in the same process.
     python -m comfyui_xdit bench --engine --families all --quick  # tiny widths, CPU, seconds
 
 Families come from the registry (`workers/families`): a new one joins by existing. A family's
-released dimensions are its description's first memory-plan preset (`Family.presets`) over
+released dimensions are its description's first memory-plan preset (`Presets`) over
 the diffusers class defaults; a family without a preset is listed as not run. The model is its
 test-model builder's (comfyui_xdit/testmodels/<id>.py: tiny text encoders, VAE, tokenizers)
 at the released heads x head_dim, with `--depth` blocks per block list (default 2), and every
@@ -88,15 +88,16 @@ def release(fid: str) -> dict | None:
     import diffusers
 
     fam = _families().family(fid)
-    if not fam.presets:
+    presets = fam.capability(_families().Presets)
+    if presets is None or not presets.named:
         return None
-    name, spec = next(iter(fam.presets.items()))
-    params = inspect.signature(getattr(diffusers, fam.transformer_class).__init__).parameters
+    name, spec = next(iter(presets.named.items()))
+    params = inspect.signature(getattr(diffusers, fam.classes.transformer).__init__).parameters
     cfg = {k: p.default for k, p in params.items()
            if k != "self" and p.default is not inspect.Parameter.empty}
     cfg = json.loads(json.dumps(dict(cfg, **spec["transformer"]), default=str))
     return dict(preset=name, note=spec.get("note", ""), config=cfg, heads=fam.heads(cfg),
-                head_dim=fam.head_dim(cfg), blocks=fam.block_count(cfg))
+                head_dim=fam.head_dim(cfg), blocks=fam.blocks.count(cfg))
 
 
 def geometry_keys(fid: str, cache: Path) -> set:
@@ -106,7 +107,7 @@ def geometry_keys(fid: str, cache: Path) -> set:
 
     a, b = (json.loads((ensure_tiny_model(fid, cache, **g) / "transformer" / "config.json")
                        .read_text()) for g in PROBES)
-    counts = set(_families().family(fid).block_counts)
+    counts = set(_families().family(fid).blocks.counts)
     return {k for k in set(a) | set(b) if not k.startswith("_") and k not in counts
             and a.get(k) != b.get(k)}
 
@@ -151,9 +152,9 @@ def plan(fid: str, cache: Path, quick: bool, depth: int) -> dict:
     except Exception as e:
         row["status"], row["reason"] = "failed", f"planning failed: {_line(e)}"
         return row
-    row.update(blocks=fam.block_count(cfg), transformer_params=params)
+    row.update(blocks=fam.blocks.count(cfg), transformer_params=params)
     if rel is not None and not quick:
-        counts = set(fam.block_counts)
+        counts = set(fam.blocks.counts)
         row["kept_small"] = {k: [cfg.get(k), v] for k, v in sorted(rel["config"].items())
                              if k in cfg and k not in counts and cfg.get(k) != v}
     return row
@@ -235,7 +236,7 @@ def measure_diffusers(row: dict, job: dict, device: str, dtype: str, compile: bo
                                            if isinstance(v, (torch.Tensor, list, tuple))), ())
             rows[0] += int(x.shape[0]) if isinstance(x, torch.Tensor) else len(x)
         hooked = [m for m in pipe.components.values()
-                  if type(m).__name__ == fam.transformer_class]
+                  if type(m).__name__ == fam.classes.transformer]
         for m in hooked:
             m.register_forward_pre_hook(count, with_kwargs=True)
         if getattr(getattr(pipe, "guider", None), "guidance_scale", None) is not None:
@@ -249,7 +250,7 @@ def measure_diffusers(row: dict, job: dict, device: str, dtype: str, compile: bo
         # the guidance value that runs no CFG: the family's embedded guidance, else 1 (w in
         # pos + w (pos - neg) terms: 0), whichever makes one row per step in the warm-up
         scales = [None] if "guidance_scale" not in params else \
-            [fam.guidance] if fam.guidance is not None else [1.0, 0.0]
+            [fam.defaults.guidance] if fam.defaults.guidance is not None else [1.0, 0.0]
         compile_s = 0.0
         if compile:
             t = time.perf_counter()

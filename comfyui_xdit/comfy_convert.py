@@ -106,13 +106,15 @@ def conditioning_to_request(conditioning, name: str = "positive",
         out["reference_latents"] = [r.detach().float().cpu().contiguous() for r in refs]
         out["reference_method"] = extra.get("reference_latents_method")
     out.update(_start_image_values(extra, name, arch))
-    key_2 = None if arch is None else families.family(arch).comfy.text_2_conditioning
+    second = None if arch is None else families.family(arch).capability(
+        families.SecondTextEncoder)
+    key_2 = None if second is None else second.comfy_conditioning
     if key_2 and extra.get(key_2) is not None:  # a second text encoder's states (ByT5)
         text_2 = extra[key_2]
         if not torch.is_tensor(text_2) or text_2.dim() != 3:
             raise ConfigError(f"{name} CONDITIONING's {key_2} must be [batch, tokens, dim]")
         out["context_2"] = text_2.detach().float().cpu().contiguous()
-    if arch is not None and not families.family(arch).pooled:
+    if arch is not None and not families.family(arch).text.pooled:
         return dict(out, pooled=None), guidance
     if pooled is None:
         raise ConfigError(f"{name} CONDITIONING has no pooled_output; encode it with a "
@@ -130,8 +132,8 @@ START_IMAGE_KEYS = (("concat_latent_image", "concat_latent"), ("concat_mask", "c
 def _start_image_values(extra: dict, name: str, arch: Optional[str]) -> dict:
     """WanImageToVideo's values in a CONDITIONING entry -> {"concat_latent": the raw VAE
     latent, "concat_mask": ComfyUI's mask, "image_embeds": the CLIP vision output's hidden
-    states the family's model reads (`comfy.clip_vision_states`: Wan's penultimate)} (fp32
-    CPU, as given: no layout change here; the workers
+    states the family's model reads (`ImageToVideo.clip_vision_states`: Wan's
+    penultimate)} (fp32 CPU, as given: no layout change here; the workers
     build the transformer's inputs from them as ComfyUI's WAN21 does). Refused for a
     family without image-to-video models."""
     import torch
@@ -139,12 +141,13 @@ def _start_image_values(extra: dict, name: str, arch: Optional[str]) -> dict:
     present = [k for k, _ in START_IMAGE_KEYS if extra.get(k) is not None]
     if not present:
         return {}
-    if arch is not None and families.family(arch).image_to_video is None:
+    i2v = None if arch is None else families.family(arch).capability(families.ImageToVideo)
+    if arch is not None and i2v is None:
         raise ConfigError(f"{name} CONDITIONING carries {', '.join(present)} (an image-to-"
                           f"video start frame), which {family_name(arch)} models do not take")
     out = {}
-    states = "penultimate_hidden_states" if arch is None else \
-        families.family(arch).comfy.clip_vision_states  # the ones the family's model reads
+    # the states the family's model reads
+    states = "penultimate_hidden_states" if i2v is None else i2v.clip_vision_states
     for key, field in START_IMAGE_KEYS:
         v = extra.get(key)
         if v is None:
@@ -186,7 +189,7 @@ def check_text_width(c: dict, width: int, arch: str, name: str = "positive") -> 
     got = int(c["cond"].shape[-1])
     if got == int(width):
         return
-    hint = families.family(arch).text_hint
+    hint = families.family(arch).text.hint
     raise ConfigError(f"{name} CONDITIONING has text states of width {got}, but this "
                       f"{family_name(arch)} transformer takes {int(width)} (its "
                       f"joint_attention_dim): {hint}")
@@ -299,7 +302,7 @@ def preview_rgb(preview, arch: str):
     fam = families.family(arch)
     if fam.latent.rgb is None:
         return None
-    scale, shift = families.latent_norm(fam.released({})[1])
+    scale, shift = families.latent_norm(fam.detection.released({})[1])
     x = preview[0].float()
     if x.dim() == 4:  # a frame axis: the first frame
         x = x[:, 0]

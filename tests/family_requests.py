@@ -55,7 +55,7 @@ def model_call_inputs(arch: str, folder, seed: int = 4) -> dict:
     scale. The same seed gives the same tensors (the CPU reference and the CUDA pool)."""
     fam = families.family(arch)
     with open(os.path.join(str(folder), "transformer", "config.json")) as f:
-        cfg = {**fam.config_defaults, **json.load(f)}
+        cfg = fam.full_config(json.load(f))
     s = settings(arch)
     gen = torch.Generator().manual_seed(seed)
     shape = list(fam.latent.shape(2, *s["size"], s.get("frames", 1)))
@@ -66,11 +66,12 @@ def model_call_inputs(arch: str, folder, seed: int = 4) -> dict:
                 context=torch.randn(2, 7, fam.text_width(cfg), generator=gen),
                 transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
                                      "cond_or_uncond": [1, 0]})
-    if fam.comfy.needs_pooled:
+    if fam.text.pooled:
         call["y"] = torch.randn(2, int(cfg["pooled_projection_dim"]), generator=gen)
-    if fam.guidance is not None:
-        call["guidance"] = torch.full((2,), float(fam.guidance))
-    if fam.comfy.text_2:
-        call[fam.comfy.text_2] = torch.randn(2, 5, fam.config_width("text_2_width", cfg),
-                                             generator=gen)
+    if fam.defaults.guidance is not None:
+        call["guidance"] = torch.full((2,), float(fam.defaults.guidance))
+    second = fam.capability(families.SecondTextEncoder)
+    if second is not None:
+        call[second.comfy_input] = torch.randn(2, 5, fam.config_width("text_2_width", cfg),
+                                               generator=gen)
     return call

@@ -218,3 +218,32 @@ def test_help_names_the_command_typed_and_the_recipe_page(argv0, usage):
     text = " ".join(cli("trained-model", "--help").stdout.split())
     assert "docs/testing.md#the-trained-test-model" in text
     assert "## The trained test model" in (ROOT / "docs" / "testing.md").read_text()
+
+
+def test_help_names_the_families_from_the_registry():
+    """The top-level description and generate's help list the families the registry holds
+    (a new family appears without editing the CLI): all of them for --model, the video
+    families for videos and --frames, those with references / image-to-video for --image."""
+    import argparse
+
+    from comfyui_xdit.cli.commands import build_parser
+    from comfyui_xdit.planning.request import families
+
+    parser = build_parser()
+    generate = next(a for a in parser._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices["generate"]
+    helps = {a.dest: a.help for a in generate._actions}
+    every = [f.name for f in families.FAMILIES.values()]
+    assert len(every) == len(families.IDS) >= 8
+    for name in every:
+        assert name in parser.description and name in helps["model"], name
+    video = [f for f in families.FAMILIES.values() if f.latent.video]
+    still = [f for f in families.FAMILIES.values() if not f.latent.video]
+    assert video and still
+    for f in video:
+        assert f.name in helps["frames"] and f.name in parser.description
+    assert not any(f.name in helps["frames"] for f in still)
+    for f in families.FAMILIES.values():
+        takes = f.capability(families.References) or f.capability(families.ImageToVideo)
+        assert (f.name in helps["image"]) == bool(takes), f.name
+        assert (f.name in helps["guidance"]) == (f.defaults.guidance is not None), f.name

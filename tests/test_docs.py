@@ -510,3 +510,56 @@ def test_the_standalone_checks_can_fail():
         assert ISSUE.search(cited), cited
     for fine in ("reference latent #1", "in issue order", "send #2 of the pair"):
         assert not ISSUE.search(fine), fine
+
+
+# ---- lists of families: the registry's and the example folder's -------------------------------
+
+def _families():
+    from comfyui_xdit.bridge import families
+    return families
+
+
+def test_package_description_and_readme_name_every_family():
+    """pyproject's description, the README's opening and its single-file list name every
+    family the registry holds (a family added without them fails here)."""
+    fams = _families().FAMILIES.values()
+    description = _pyproject()["project"]["description"]
+    readme = (ROOT / "README.md").read_text()
+    opening = readme.split("\n\n")[1]
+    single = re.search(r"\*\*Single `\.safetensors` transformer files\*\* \(([^)]*)\)",
+                       readme).group(1)
+    for fam in fams:
+        for where, text in (("pyproject description", description),
+                            ("README opening", opening), ("README single files", single)):
+            assert fam.name in text, f"{where} does not name {fam.name}"
+
+
+# example file kinds (xdit_<family id>_<kind>.json) -> how the README's list says them
+EXAMPLE_KINDS = {"text_to_image": "text-to-image", "text_to_video": "text-to-video",
+                 "image_to_video": "image-to-video", "ksampler": "KSampler",
+                 "pipefusion": "PipeFusion"}
+
+
+def test_readme_example_list_is_the_example_folder():
+    """The README's list of example workflows ("text-to-image graphs (FLUX.1, ...)") names,
+    for each kind of example, exactly the families example_workflows/ has one of."""
+    fams = _families()
+    shipped = {}
+    for path in (ROOT / "example_workflows").glob("xdit_*_api.json"):
+        stem = path.name[len("xdit_"):-len("_api.json")]
+        fid = max((f for f in fams.IDS if stem.startswith(f + "_")), key=len)
+        shipped.setdefault(stem[len(fid) + 1:], set()).add(fid)
+    assert set(shipped) == set(EXAMPLE_KINDS), sorted(shipped)
+    text = re.search(r"## Example workflows\n\n(.*?)\n\n", (ROOT / "README.md").read_text(),
+                     re.S).group(1).replace("\n", " ")
+    for kind, words in EXAMPLE_KINDS.items():
+        found = re.search(rf"{words}[^()]*\(([^)]*)\)", text)
+        assert found, f"the README's example list has no {words} examples"
+        items = [i.strip() for i in re.split(r",| and ", found.group(1)) if i.strip()]
+        named = set()
+        for item in items:
+            ids = [f.id for f in fams.FAMILIES.values()
+                   if item == f.name or item.startswith(f.name + " ")]
+            assert len(ids) == 1, f"README {words} examples: {item!r} names no one family"
+            named |= set(ids)
+        assert named == shipped[kind], (words, sorted(named), sorted(shipped[kind]))

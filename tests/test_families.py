@@ -84,12 +84,14 @@ def test_each_family_is_its_files_and_complete(fid):
     assert (ROOT / "workers" / "families" / f"{fid}.py").is_file()
     assert (ROOT / "workers" / "models" / f"{fid}.py").is_file()
     assert (ROOT / "comfyui_xdit" / "testmodels" / f"{fid}.py").is_file()  # tiny_model's builder
-    assert fam.id == fid and fam.name and fam.block_lists and fam.pipelines
+    assert fam.id == fid and fam.name and fam.blocks.lists and fam.classes.pipelines
     assert fam.latent.channels > 0 and fam.latent.pixels_per_token == 16
-    assert fam.markers and fam.config_from_shapes is not None and fam.released is not None
-    assert len(fam.block_counts) == len(fam.block_lists)
-    assert families.BY_CLASS[fam.transformer_class] is fam
-    for naming, _ in fam.markers:
+    det = fam.detection
+    assert det.markers and det.config_from_shapes is not None and det.released is not None
+    assert len(fam.blocks.counts) == len(fam.blocks.lists)
+    assert not fam.blocks.bfl or len(fam.blocks.bfl) == len(fam.blocks.lists)
+    assert families.BY_CLASS[fam.classes.transformer] is fam
+    for naming, _ in det.markers:
         assert naming in ("bfl", "diffusers")
 
 
@@ -102,3 +104,84 @@ def test_families_are_discovered_from_their_modules():
     orders = [families.FAMILIES[i].order for i in families.IDS]
     assert orders == sorted(orders)
     assert "_IDS" not in (ROOT / "workers" / "families" / "__init__.py").read_text()
+
+
+# the stream flags the family's token layout will hold (one core field, `layout`)
+LAYOUT_FLAGS = {"text_in_sequence", "pad_multiple", "pipefusion_references", "odd_references"}
+
+
+def test_a_family_is_a_small_core_and_optional_capabilities():
+    """`Family` holds what every family has (at most 12 fields, the layout's flags counted
+    as the one field they are becoming); what only some have is a capability, at most one of
+    each kind, looked up by kind (None where the family lacks it)."""
+    import dataclasses
+
+    core = [f.name for f in dataclasses.fields(families.Family) if f.name not in LAYOUT_FLAGS]
+    assert len(core) + bool(LAYOUT_FLAGS & {f.name for f in dataclasses.fields(
+        families.Family)}) <= 12, core
+    kinds = families.CAPABILITIES
+    for fam in families.FAMILIES.values():
+        held = [type(c) for c in fam.capabilities]
+        assert len(set(held)) == len(held) and set(held) <= set(kinds), (fam.id, held)
+        for kind in kinds:
+            got = fam.capability(kind)
+            assert (got is None) == (kind not in held), (fam.id, kind)
+            assert got is None or isinstance(got, kind)
+    # every kind is some family's (no dead capability) and a family without any is valid
+    assert {type(c) for f in families.FAMILIES.values() for c in f.capabilities} == set(kinds)
+    bare = dataclasses.replace(families.family("sd3"), capabilities=())
+    assert all(bare.capability(k) is None for k in kinds)
+    refs = families.References(methods=("index",))
+    with pytest.raises(TypeError, match="one of each"):
+        dataclasses.replace(bare, capabilities=(refs, refs))
+    with pytest.raises(TypeError, match="one of each"):
+        dataclasses.replace(bare, capabilities=("not a capability",))
+
+
+def test_each_capability_is_read_through_its_kind():
+    """A capability is read where it is needed, by its kind (`capability(families.X)`):
+    each kind has a reader in the product, and no module reads a family field that moved
+    into one (the scan's negative control: a moved name is found in a snippet)."""
+    moved = ("reference_methods", "reference_image_size", "image_to_video", "expert_boundary",
+             "causal_vae", "vae_whole_video", "presets", "model_cfg_first", "lora_formats",
+             "needs_pooled", "text_2_conditioning", "text_extra_tokens", "undistilled_cfg")
+    import re
+    pattern = re.compile(r"(?:\b(?:fam|family|f|FAMILY)|\))\.(" + "|".join(moved) + r")\b")
+    assert pattern.search("x = self.family.expert_boundary(cfg)")
+    assert not pattern.search("x = self.reference_methods()")  # the adapter's method
+    source = {p.relative_to(ROOT).as_posix(): p.read_text()
+              for top in SCANNED + ("benchmarks",) for p in (ROOT / top).rglob("*.py")}
+    stale = [f"{rel}: .{m.group(1)}" for rel, text in source.items()
+             for m in pattern.finditer(text)]
+    assert not stale, stale
+    product = "\n".join(t for rel, t in source.items() if not rel.startswith("workers/families/"))
+    unread = [k.__name__ for k in families.CAPABILITIES
+              if f"families.{k.__name__})" not in product]
+    assert not unread, f"capabilities no module reads: {unread}"
+
+
+def test_fp8_files_cover_every_familys_blocks():
+    """The fp8 test files quantise the Linears inside every family's block lists, in both
+    namings, as the registry names them (a new family's blocks are covered without editing
+    fp8_file)."""
+    from comfyui_xdit.testmodels.fp8_file import block_prefixes
+
+    prefixes = block_prefixes()
+    assert len(prefixes) == len(set(prefixes))
+    for fam in families.FAMILIES.values():
+        for name in fam.blocks.lists + fam.blocks.bfl:
+            assert f"{name}." in prefixes, (fam.id, name)
+    assert "double_blocks." in prefixes and "blocks." in prefixes  # BFL and Wan's names
+    assert not any(p.startswith(("img_in", "txt_in", "proj_out")) for p in prefixes)
+
+
+def test_an_unsupported_scheduler_is_told_which_family_runs_which():
+    """The scheduler message lists the families by their released schedulers, from the
+    registry: each family is named once."""
+    from diffusers import DDIMScheduler
+
+    check = worker_module("sampling.denoise").check_scheduler
+    with pytest.raises(ValueError, match="is not supported") as e:
+        check(DDIMScheduler())
+    for fam in families.FAMILIES.values():
+        assert str(e.value).count(fam.name) == 1, (fam.name, str(e.value))

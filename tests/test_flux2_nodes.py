@@ -473,7 +473,7 @@ def test_comfy_unet_config_for_the_xdit_model(model_dir, tmp_path):
     for arch, cls in (("flux", diffusers.FluxTransformer2DModel),
                       ("flux2", diffusers.Flux2Transformer2DModel)):
         params = inspect.signature(cls.__init__).parameters
-        defaults = families.family(arch).config_defaults
+        defaults = families.family(arch).detection.config_defaults
         assert {k: params[k].default for k in defaults} == defaults
     flux2 = model_dir("flux2")
     want = {"image_model": "flux2", "guidance_embed": False, "in_channels": 128,

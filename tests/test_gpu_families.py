@@ -220,7 +220,8 @@ def _model_calls(arch, pool, exact, folder) -> None:
         assert d <= TOL, f"{arch} MODEL call {name}: {d:.3e}"
     swapped = dict(call, transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
                                               "cond_or_uncond": [1, 0]})
-    for key in ("context", "y", families.family(arch).comfy.text_2):
+    second = families.family(arch).capability(families.SecondTextEncoder)
+    for key in ("context", "y", second and second.comfy_input):
         if key in call:
             swapped[key] = call[key].flip(0)
     other = _call_model(pool, METHODS[MODEL_CALLS[-1]], arch, swapped)

@@ -1047,9 +1047,39 @@ def test_node_texts_name_every_family():
     names, cfgs = node_text.family_list(), node_text.cfg_defaults_text()
     for f in families.FAMILIES.values():
         assert f.name in names and f"{f.name}: " in node_text.conditioning_hint_text()
-        assert f"{f.name} {f.cfg:g}" in cfgs, (f.name, cfgs)
+        assert f"{f.name} {f.defaults.cfg:g}" in cfgs, (f.name, cfgs)
     assert "FLUX.2 1 (off), base models 4" in cfgs and "Wan 5" in cfgs
     assert node_text.guidance_defaults_text() == "FLUX.1 3.5, FLUX.2 4"
+
+
+def test_loader_tooltip_names_the_example_workflows_folders(tmp_path):
+    """The loader's tooltip lists the folders the example workflows load, read from the
+    examples (a new example's folder appears without editing the node), one each, in family
+    order; every family with an example is in it."""
+    import json
+
+    from comfyui_xdit.nodes import node_text
+    from comfyui_xdit.planning.request import families
+    examples = ROOT / "example_workflows"
+    ui = {w for p in examples.glob("*.json") if not p.name.endswith("_api.json")
+          for n in json.loads(p.read_text())["nodes"] if n["type"] == "xDiT.LoadModel"
+          for w in n["widgets_values"][:1]}
+    got = node_text.example_models()
+    assert len(got) == len(set(got)) and set(got) == ui  # the UI-format examples agree
+    text = node_text.example_models_text()
+    assert all(f"models/diffusers/{m}" in text for m in got) and " or " in text
+    with_example = [f for f in families.IDS if any(examples.glob(f"xdit_{f}_*_api.json"))]
+    assert len(with_example) == len(families.IDS)  # every family ships an example
+    # a folder of examples: family order (the registry's), a missing folder lists none
+    fids = list(families.IDS)
+    for i, fid in enumerate((fids[-1], fids[0])):
+        (tmp_path / f"xdit_{fid}_x_api.json").write_text(json.dumps(
+            {"1": {"class_type": "xDiT.LoadModel", "inputs": {"model": f"M{i}"}},
+             "2": {"class_type": "xDiT.Sampler", "inputs": {}}}))
+    assert node_text.example_models(tmp_path) == ["M1", "M0"]
+    assert node_text.example_models_text(tmp_path) == "models/diffusers/M1 or models/diffusers/M0"
+    assert node_text.example_models(tmp_path / "none") == []
+    assert "example_models_text()" in _schemas()["xDiT.LoadModel"]["inputs"]
 
 
 def _schemas() -> dict:

@@ -323,8 +323,8 @@ def test_plus_pipeline_detected(folders):
     shapes = {"img_in.weight": (64, 64), "transformer_blocks.0.attn.norm_q.weight": (16,),
               "transformer_blocks.0.x": (1,), "proj_out.weight": (64, 64),
               "txt_in.weight": (64, 32)}
-    assert "zero_cond_t" not in fam.config_from_shapes(shapes, "diffusers")
-    cfg = fam.config_from_shapes(dict(shapes, __index_timestep_zero__=(0,)), "diffusers")
+    assert "zero_cond_t" not in fam.detection.config_from_shapes(shapes, "diffusers")
+    cfg = fam.detection.config_from_shapes(dict(shapes, __index_timestep_zero__=(0,)), "diffusers")
     assert cfg["zero_cond_t"] is True
     assert fam.comfy.unet(cfg)["default_ref_method"] == "index_timestep_zero"
 

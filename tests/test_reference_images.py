@@ -259,17 +259,20 @@ def test_reference_image_sizes_follow_the_pipelines():
     from workers import families
     from workers.families.flux import KONTEXT_RESOLUTIONS
     assert [tuple(r) for r in PREFERRED_KONTEXT_RESOLUTIONS] == list(KONTEXT_RESOLUTIONS)
+
+    def size_of(fid):
+        return families.family(fid).capability(families.References).image_size
     sizes = [(64, 80), (80, 64), (1000, 333), (333, 1000), (2048, 1536), (517, 519)]
     for w, h in sizes:
         cw, ch, _ = calculate_dimensions(1024 * 1024, w / h)
-        assert families.family("qwen_image").reference_image_size(w, h) == (cw, ch)
+        assert size_of("qwen_image")(w, h) == (cw, ch)
         img = image((h, w))
         if w * h > 1024 * 1024:
             img = Flux2ImageProcessor._resize_to_target_area(img, 1024 * 1024)
-        assert families.family("flux2").reference_image_size(w, h) == \
+        assert size_of("flux2")(w, h) == \
             (img.size[0] // 16 * 16, img.size[1] // 16 * 16)
-    assert families.family("flux").reference_image_size(80, 64) == (1104, 944)
-    assert families.family("sd3").reference_image_size is None
+    assert size_of("flux")(80, 64) == (1104, 944)
+    assert families.family("sd3").capability(families.References) is None
     req = GenerationRequest(prompt=["x"], reference_images=[image((64, 80)),
                                                             torch.rand(96, 64, 3)])
     assert req.reference_tokens() == 0  # the size rule needs the family

@@ -269,7 +269,7 @@ def test_flux_schnell_file_gets_schnell_defaults(tmp_path):
     from workers.families.flux import SCHEDULER_SCHNELL
 
     def defaults_for(arch, cfg):
-        return family(arch).released(cfg)
+        return family(arch).detection.released(cfg)
     torch.manual_seed(0)
     model = FluxTransformer2DModel(in_channels=64, num_layers=1, num_single_layers=2,
                                    attention_head_dim=16, num_attention_heads=2,

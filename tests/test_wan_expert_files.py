@@ -113,12 +113,13 @@ def test_pair_equals_the_folder(folder, files, conds):
 
 
 def test_boundary_per_model_type():
-    from comfyui_xdit.bridge import worker_module
-    fam = worker_module("families").family("wan")
-    assert fam.expert_boundary({"in_channels": 16}) == 0.875
-    assert fam.expert_boundary({"in_channels": 36}) == 0.9  # Wan 2.2 I2V A14B
-    assert fam.expert_boundary({"in_channels": 36, "image_dim": 1280}) is None  # 2.1 I2V
-    assert worker_module("families").family("flux").expert_boundary is None
+    from comfyui_xdit import bridge
+    families = bridge.families
+    boundary = families.family("wan").capability(families.TwoExperts).boundary
+    assert boundary({"in_channels": 16}) == 0.875
+    assert boundary({"in_channels": 36}) == 0.9  # Wan 2.2 I2V A14B
+    assert boundary({"in_channels": 36, "image_dim": 1280}) is None  # 2.1 I2V
+    assert families.family("flux").capability(families.TwoExperts) is None
 
 
 def test_i2v_pair_gets_its_boundary(tmp_path):

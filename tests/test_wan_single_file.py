@@ -99,7 +99,7 @@ def test_detected_with_the_folders_config(folder, files, name, naming):
     assert (info.arch, info.kind, info.heads, info.blocks) == (ARCH, "file", 2, 2)
     if name == "fp8":
         assert info.storage == "scaled-fp8"
-    sched, vae = worker_module("families").family(ARCH).released(sf["config"])
+    sched, vae = worker_module("families").family(ARCH).detection.released(sf["config"])
     folder_sched = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     assert all(sched[k] == v for k, v in folder_sched.items() if k in sched and
                k != "flow_shift")
@@ -171,8 +171,8 @@ def test_file_schedule_is_comfyuis_simple_schedule_at_shift_8():
     from linspace(1, 1/1000) where ComfyUI's start from i/1000), and not shift 3's."""
     from diffusers import UniPCMultistepScheduler
 
-    from comfyui_xdit.bridge import worker_module
-    sched = worker_module("families").family(ARCH).released({})[0]
+    from comfyui_xdit import bridge
+    sched = bridge.families.family(ARCH).detection.released({})[0]
 
     def comfy_simple(shift: float, steps: int):
         t = torch.arange(1, 1001, dtype=torch.float64) / 1000

@@ -16,7 +16,25 @@ from pathlib import Path
 
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig
 from comfyui_xdit.cli.images import VIDEO_SUFFIXES, save_pngs, save_video
-from comfyui_xdit.planning.request import GenerationRequest
+from comfyui_xdit.planning.request import GenerationRequest, families
+
+
+def family_names(keep=lambda fam: True) -> str:
+    """The families `keep` selects, from the registry (a new family appears in the help
+    without editing it): "FLUX.1, FLUX.2, ..."."""
+    return ", ".join(f.name for f in families.FAMILIES.values() if keep(f))
+
+
+def _video(fam) -> bool:
+    return fam.latent.video
+
+
+def _references(fam) -> bool:
+    return fam.capability(families.References) is not None
+
+
+def _image_to_video(fam) -> bool:
+    return fam.capability(families.ImageToVideo) is not None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,16 +70,18 @@ def _lora(text):
 
 
 def _add_generate(sub):
-    p = sub.add_parser("generate", help="generate images (.png), videos (.mp4 for Wan) or "
-                                        "LATENTs (.safetensors) on a local or attached pool")
+    video = family_names(_video)
+    p = sub.add_parser("generate", help=f"generate images (.png), videos (.mp4 for {video}) "
+                                        f"or LATENTs (.safetensors) on a local or attached pool")
     p.add_argument("--model", required=True,
-                   help="diffusers folder: FLUX.1, FLUX.2, SD3, Qwen-Image, Chroma, Wan")
+                   help=f"diffusers folder: {family_names()}")
     p.add_argument("--model-2", default=None, dest="model_2",
                    help="Wan 2.2 A14B from two single files: the low-noise expert's file "
                         "(--model the high-noise one's)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--negative-prompt", default="",
-                   help="what to steer away from (used where CFG runs: --cfg > 1, SD3, Wan)")
+                   help=f"what to steer away from (used where CFG runs: --cfg > 1; by "
+                        f"default {family_names(lambda f: f.defaults.cfg > 1)})")
     p.add_argument("--seed", type=int, required=True,
                    help="noise seed: the same initial noise as ComfyUI's KSampler with this "
                         "seed, whatever the parallel degrees")
@@ -71,17 +91,18 @@ def _add_generate(sub):
                    help="image height in pixels, a multiple of 16")
     p.add_argument("--width", type=int, required=True,
                    help="image width in pixels, a multiple of 16")
-    p.add_argument("--guidance", type=float, default=None, help="FLUX embedded guidance")
+    p.add_argument("--guidance", type=float, default=None,
+                   help=f"embedded guidance ({family_names(lambda f: f.defaults.guidance)})")
     p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale")
     p.add_argument("--cfg-2", type=float, default=None, dest="cfg_2",
                    help="Wan 2.2 A14B: the low-noise expert's guidance scale (default: --cfg)")
     p.add_argument("--shift", type=float, default=None,
                    help="the scheduler's flow shift in place of the model's (ComfyUI's "
-                        "ModelSamplingSD3 shift; Wan, SD3), e.g. 12 for Wan 2.2 T2V A14B as "
-                        "its original code samples")
+                        "ModelSamplingSD3 shift), e.g. 12 for Wan 2.2 T2V A14B as its original "
+                        "code samples")
     p.add_argument("--frames", type=_positive("--frames"), default=None,
-                   help="video models (Wan): frames per video, 4k + 1 (e.g. 81); image "
-                        "models make 1")
+                   help=f"video models ({video}): frames per video, 4k + 1 (e.g. 81); "
+                        f"image models make 1")
     p.add_argument("--fps", type=float, default=16.0,
                    help="frame rate of a video --out (default 16, Wan's)")
     p.add_argument("--max-sequence-length", type=int, default=GenerationRequest.max_sequence_length,
@@ -100,9 +121,10 @@ def _add_generate(sub):
                    help="repeat for several; Wan 2.2 A14B: :high or :low puts it into that "
                         "expert only (default: both)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
-                   help="reference / edit image (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit; a "
-                        "diffusers folder): repeat for several references; for a Wan "
-                        "image-to-video folder, the start frame")
+                   help=f"reference / edit image ({family_names(_references)}: their "
+                        f"reference / edit models, a diffusers folder): repeat for several "
+                        f"references; for an image-to-video folder "
+                        f"({family_names(_image_to_video)}), the start frame")
     _add_cache_flags(p)
     p.add_argument("--out", required=True,
                    help=out_forms().replace("%", "%%") + "; decoded with the model's VAE, "
@@ -348,7 +370,8 @@ def check_output(kind: str, out: str, info, frames: int) -> None:
     video = fam.latent.video
     if kind in ("video", "frames") and not video:
         raise ConfigError(f"--out {out!r} is a video, but {fam.name} makes images: write "
-                          f".png or .safetensors (video needs a video model, Wan)")
+                          f".png or .safetensors (video needs a video model: "
+                          f"{family_names(_video)})")
     if kind == "png" and video and frames > 1:
         raise ConfigError(f"--out {out!r} is one PNG, but {fam.name} makes {frames} frames: "
                           f"write x.mp4, frames_%04d.png, a directory or x.safetensors")
@@ -467,10 +490,10 @@ def _prog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's parser (tests walk it: each option says what it does)."""
     parser = _Parser(prog=_prog(),
-                     description="xDiT-style parallel FLUX.1/FLUX.2/SD3/Qwen-Image/Chroma/Wan "
-                                 "sampling on a warm worker pool. `generate` writes images "
-                                 "(.png), Wan videos (.mp4, .webm, .mkv, or one PNG per frame) "
-                                 "or ComfyUI LATENTs (.safetensors).")
+                     description=f"xDiT-style parallel {family_names()} sampling on a warm "
+                                 f"worker pool. `generate` writes images (.png), videos "
+                                 f"({family_names(_video)}: .mp4, .webm, .mkv, or one PNG per "
+                                 f"frame) or ComfyUI LATENTs (.safetensors).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     from comfyui_xdit.cli import demo, memory_plan_command
     from comfyui_xdit.testmodels import tiny_model, trained_model

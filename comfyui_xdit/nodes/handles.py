@@ -17,7 +17,7 @@ from comfyui_xdit.planning import launch_policy
 from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig, auto_config
 from comfyui_xdit.planning.gpus import gpus_for_ranks, visible_gpus
 from comfyui_xdit.planning.model_info import read_model_info
-from comfyui_xdit.planning.request import GenerationRequest
+from comfyui_xdit.planning.request import GenerationRequest, families
 
 
 def cuda_available() -> bool:
@@ -313,7 +313,7 @@ def second_expert_file(name: str, path: str, name_2: str,
                           f"{name!r} is a diffusers folder, which holds its experts itself: "
                           f"set low_noise_model to none")
     info = read_model_info(path)
-    if info.family.expert_boundary is None:
+    if info.family.capability(families.TwoExperts) is None:
         raise ConfigError(f"low_noise_model: model {name!r} is a {info.family.name} model, "
                           f"which has no experts (only Wan 2.2 A14B's high-noise file takes a "
                           f"low-noise one): set low_noise_model to none")

@@ -74,17 +74,7 @@ class LoadModel(io.ComfyNode):
             inputs=[
                 io.Combo.Input("model", options=models or ["(no model found)"],
                                tooltip="A diffusers folder in ComfyUI/models/diffusers, e.g. "
-                                       "models/diffusers/FLUX.1-dev, models/diffusers/"
-                                       "FLUX.2-klein-4B, models/diffusers/"
-                                       "stable-diffusion-3.5-medium, models/diffusers/"
-                                       "Qwen-Image, models/diffusers/Chroma1-HD, "
-                                       "models/diffusers/Z-Image-Turbo, "
-                                       "models/diffusers/Wan2.1-T2V-1.3B-Diffusers, "
-                                       "models/diffusers/Wan2.2-T2V-A14B-Diffusers, "
-                                       "models/diffusers/Wan2.2-I2V-A14B-Diffusers, "
-                                       "models/diffusers/HunyuanVideo-1.5-Diffusers-720p_t2v "
-                                       "or models/diffusers/"
-                                       "HunyuanVideo-1.5-Diffusers-720p_i2v (the "
+                                       + node_text.example_models_text() + " (the "
                                        "names the example "
                                        "workflows use; a Hugging Face snapshot of the repo, "
                                        "text encoders and VAE included), or a single "

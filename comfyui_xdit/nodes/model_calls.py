@@ -22,7 +22,7 @@ side by side in one batch. `PoolDenoiser` turns each such call into one pool req
   clip_vision_output) go with their conditioning as the transformer's
   `encoder_hidden_states_image` (the workers pad the text to the 512 tokens diffusers' Wan
   image cross-attention reads, as ComfyUI's UMT5 encoder pads it);
-* a family's second text states (its `comfy.text_2`: HunyuanVideo 1.5's ByT5 glyph states,
+* a family's second text states (its `SecondTextEncoder`: HunyuanVideo 1.5's ByT5 glyph states,
   `txt_byt5`) go with their conditioning as `context_2`;
 * the output: the flow (velocity) prediction in x's layout.
 
@@ -64,6 +64,9 @@ class PoolDenoiser:
         self.config = config
         self.arch = arch
         self.family = families.family(arch)
+        # the keyword ComfyUI's model passes a second text encoder's states under (None: none)
+        second = self.family.capability(families.SecondTextEncoder)
+        self._text_2 = None if second is None else second.comfy_input
         self.cache_size = cache_size
         self.on_event = on_event
         self._known: "collections.OrderedDict[str, None]" = collections.OrderedDict()
@@ -96,7 +99,7 @@ class PoolDenoiser:
                 raise ConfigError(f"the {self.family.name} xDiT MODEL takes one frame "
                                   f"(got latents {tuple(x.shape)})")
             x = x[:, :, 0]
-        if context is None or (y is None and self.family.comfy.needs_pooled):
+        if context is None or (y is None and self.family.text.pooled):
             raise ConfigError(f"the xDiT MODEL needs text conditioning with a pooled output "
                               f"(CONDITIONING from ComfyUI's {self.family.name} text "
                               f"encoders)")
@@ -116,7 +119,7 @@ class PoolDenoiser:
             if framed:  # one-frame references [N, C, 1, h, w] (Qwen-Image-Edit) like x
                 refs = [r[:, :, 0] if r.dim() == 5 and r.shape[2] == 1 else r for r in refs]
             refs = [self._to_pool_layout(r, patchified) for r in refs]
-        text_2 = kwargs.get(self.family.comfy.text_2) if self.family.comfy.text_2 else None
+        text_2 = kwargs.get(self._text_2) if self._text_2 else None
         chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n,
                                      refs, kwargs.get("ref_latents_method"), clip, text_2)
         pool = self.pool
@@ -166,15 +169,16 @@ class PoolDenoiser:
                                   f"that adds them or use ComfyUI's own model")
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN
                          and k not in self.family.comfy.unused_inputs
-                         and k != (self.family.comfy.text_2 or None))
+                         and k != self._text_2)
         if kwargs.get("attention_mask") is not None:
             raise ConfigError("attention masks are not supported on the xDiT MODEL")
-        if kwargs.get("clip_fea") is not None and self.family.image_to_video is None:
+        if kwargs.get("clip_fea") is not None and \
+                self.family.capability(families.ImageToVideo) is None:
             raise ConfigError(f"CLIP vision states (clip_fea) are not taken by "
                               f"{self.family.name} models: remove the CLIP vision output from "
                               f"the conditioning")
         refs = kwargs.get("ref_latents")
-        if refs is not None and not self.family.reference_methods:
+        if refs is not None and self.family.capability(families.References) is None:
             raise ConfigError(f"reference latents (ReferenceLatent) are not supported by "
                               f"{self.family.name} models: remove the ReferenceLatent node")
         if unknown:
@@ -207,7 +211,7 @@ class PoolDenoiser:
         """[(key, rows)] and {key: {"context", "pooled"[, "ref_latents", "ref_method",
         "image_embeds", "context_2"]}} for the rows of one call (each reference and the CLIP
         vision states sliced to the chunk's rows, a batch-1 one shared; a second text's
-        states, the family's `comfy.text_2`, sliced as the context)."""
+        states, the family's `SecondTextEncoder`, sliced as the context)."""
         parts = len(uuids) if uuids else 1
         if n % parts:
             raise ConfigError(f"{n} latent rows cannot be split into {parts} conditionings")
@@ -215,7 +219,7 @@ class PoolDenoiser:
         if context.shape[0] != n or (y is not None and y.shape[0] != n):
             raise ConfigError(f"conditioning has {context.shape[0]} rows for {n} latents")
         if text_2 is not None and (text_2.dim() != 3 or int(text_2.shape[0]) != n):
-            raise ConfigError(f"second text states ({self.family.comfy.text_2}) have shape "
+            raise ConfigError(f"second text states ({self._text_2}) have shape "
                               f"{tuple(text_2.shape)}; the xDiT MODEL takes [{n}, tokens, "
                               f"width]")
         if clip is not None and (clip.dim() != 3 or int(clip.shape[0]) not in (1, n)):

@@ -20,7 +20,7 @@ def model_config_for(handle, info):
     if handle.degrees_given:
         return handle.explicit_config()
     world = handle.world()
-    return auto_config(world, info.heads, info.family.model_cfg_first, 1).with_world_size(world)
+    return auto_config(world, info.heads, info.family.comfy.cfg_first, 1).with_world_size(world)
 
 
 class ToModel(io.ComfyNode):

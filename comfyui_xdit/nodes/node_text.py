@@ -4,6 +4,7 @@ node while and after it runs (`NODE_TEXT_PX`, `fit_text`), with the longer sente
 log."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 from comfyui_xdit.planning.config import ParallelConfig
@@ -17,26 +18,56 @@ def family_list() -> str:
     return families.names()
 
 
+# the pack's example workflows (the custom-node folder's example_workflows/, which ComfyUI's
+# Templates browser lists)
+EXAMPLES = Path(__file__).resolve().parents[2] / "example_workflows"
+
+
+def example_models(folder: Path = EXAMPLES) -> list:
+    """The diffusers folders the example workflows load (Load model (xDiT)'s `model` in each
+    API-format example), in family order (an example is xdit_<family id>_<what>), each once;
+    [] where the folder is missing (an install without the examples)."""
+    import json
+
+    order = {fid: i for i, fid in enumerate(families.IDS)}
+    found = {}
+    for path in sorted(Path(folder).glob("*_api.json")):
+        fid = max((f for f in families.IDS if path.name.startswith(f"xdit_{f}_")), key=len,
+                  default=None)
+        for node in json.loads(path.read_text()).values():
+            if node.get("class_type") == "xDiT.LoadModel":
+                found.setdefault(node["inputs"]["model"], order.get(fid, len(order)))
+    return sorted(found, key=lambda name: (found[name], name))
+
+
+def example_models_text(folder: Path = EXAMPLES) -> str:
+    """"models/diffusers/A, models/diffusers/B or models/diffusers/C": the examples'
+    folders, for the loader's tooltip ("" without examples)."""
+    names = [f"models/diffusers/{m}" for m in example_models(folder)]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
 def cfg_defaults_text() -> str:
     """Each family's default classifier-free guidance scale, for the cfg tooltip."""
     parts = []
     for f in families.FAMILIES.values():
-        text = f"{f.name} {f.cfg:g}" + (" (off)" if f.cfg <= 1 else "")
-        if f.undistilled_cfg is not None:
-            text += f", base models {f.undistilled_cfg:g}"
+        d = f.defaults
+        text = f"{f.name} {d.cfg:g}" + (" (off)" if d.cfg <= 1 else "")
+        if d.undistilled_cfg is not None:
+            text += f", base models {d.undistilled_cfg:g}"
         parts.append(text)
     return "; ".join(parts)
 
 
 def guidance_defaults_text() -> str:
     """The families with embedded guidance and their defaults, for the guidance tooltip."""
-    return ", ".join(f"{f.name} {f.guidance:g}" for f in families.FAMILIES.values()
-                     if f.guidance is not None)
+    return ", ".join(f"{f.name} {f.defaults.guidance:g}" for f in families.FAMILIES.values()
+                     if f.defaults.guidance is not None)
 
 
 def conditioning_hint_text() -> str:
     """How each family's CONDITIONING is made, for the positive input's tooltip."""
-    return "; ".join(f"{f.name}: {f.text_hint}" for f in families.FAMILIES.values())
+    return "; ".join(f"{f.name}: {f.text.hint}" for f in families.FAMILIES.values())
 
 
 def cache_text(counts: Optional[dict], short: bool = False) -> str:

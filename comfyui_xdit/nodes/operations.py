@@ -54,7 +54,7 @@ def model_text_width(path: str) -> Optional[int]:
     d = _describe_model(path)
     # a folder's config omits what equals diffusers' class default
     fam = families.family(d["arch"])
-    return fam.text_width({**fam.config_defaults, **d["config"]})
+    return fam.text_width(fam.full_config(d["config"]))
 
 
 def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
@@ -78,7 +78,7 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
                 check_text_width(c, text_width, arch, name)
     if inp.cfg:
         cfg = float(inp.cfg)
-    elif model is not None or families.family(arch).undistilled_cfg is None:
+    elif model is not None or families.family(arch).defaults.undistilled_cfg is None:
         cfg = default_cfg(model if model is not None else arch)
     else:
         cfg = None  # unknown without the model: the references are checked as under CFG

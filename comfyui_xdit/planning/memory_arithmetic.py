@@ -321,7 +321,7 @@ def job_tokens(facts: ModelFacts, job: JobSize) -> int:
     text = 0
     if fam.text_in_sequence:
         text = (job.text_tokens if job.text_tokens is not None else facts.text_tokens) + \
-            fam.text_extra_tokens
+            fam.text.extra_tokens
         text = -(-text // m) * m
     return image + job.reference_tokens + text
 
@@ -376,14 +376,15 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         fam = families.family(facts.arch)
         seq = job_tokens(facts, job)
         text = job.text_tokens if job.text_tokens is not None else facts.text_tokens
-        text += fam.text_extra_tokens  # SD3: CLIP's beside T5's
+        text += fam.text.extra_tokens  # SD3: CLIP's beside T5's
         tokens = math.ceil(seq / sp)  # the sequence (both streams if joint) over sp ranks
         branches = 2 if job.cfg else 1
         batch = math.ceil(job.batch / config.dp) * max(1, branches // config.cfg)
         act = activation_bytes(tr, tokens, text, seq, batch, db, sp,
                                cross_text=not fam.text_in_sequence)
         chunk = fam.latent.time_downscale if fam.latent.video else 1
-        if fam.vae_whole_video:  # every frame in one decoder call
+        vae_3d = fam.capability(families.CausalVAE)
+        if vae_3d is not None and vae_3d.whole_video:  # every frame in one decoder call
             chunk = job.frames
         act = max(act, vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
                                         job.height, job.width, job.batch, db, world,

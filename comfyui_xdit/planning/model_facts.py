@@ -34,9 +34,9 @@ class Preset:
     experts: int = 1  # transformers of this config the model holds (Wan 2.2 A14B: 2)
 
 
-# Every family's presets (its description's `presets`), by name
+# Every family's presets (its description's `Presets` capability), by name
 PRESETS = {name: Preset(arch=f.id, **spec) for f in families.FAMILIES.values()
-           for name, spec in f.presets.items()}
+           for name, spec in getattr(f.capability(families.Presets), "named", {}).items()}
 
 
 def vae_channels(config) -> tuple:
@@ -101,7 +101,7 @@ def preset_facts(name: str) -> ModelFacts:
     p = PRESETS[name]
     te, vae, channels = _preset_counts(name)
     return ModelFacts(name=name, arch=p.arch,
-                      transformer_class=families.family(p.arch).transformer_class,
+                      transformer_class=families.family(p.arch).classes.transformer,
                       transformer_config=json.dumps(p.transformer, sort_keys=True),
                       text_encoder_params=te, vae_params=vae, vae_channels=channels,
                       text_tokens=p.text_tokens, experts=p.experts)
@@ -114,7 +114,7 @@ def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
     d = _describe_model(path)
     arch, cfg = d["arch"], dict(d["config"])
     storage = d.get("storage") or {}
-    tcls = families.family(arch).transformer_class
+    tcls = families.family(arch).classes.transformer
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
     te_bytes, vae_params, channels = 0, 0, ()
     if d["kind"] == "diffusers":
@@ -167,7 +167,7 @@ def transformer_facts(class_name: str, config_json: str, arch: str) -> Transform
     weights = bridge.weights
     cls = getattr(diffusers, class_name)
     tr = _meta(lambda: cls.from_config(json.loads(config_json)))
-    lists = families.family(arch).block_lists
+    lists = families.family(arch).blocks.lists
     fp8_able = {id(m.weight) for m in weights.block_linears(tr, lists).values()}
 
     def triples(module):

@@ -87,7 +87,7 @@ def _storage_name(storage) -> Optional[str]:
 
 
 def _block_count(arch: str, cfg: dict) -> Optional[int]:
-    return families.family(arch).block_count(cfg)
+    return families.family(arch).blocks.count(cfg)
 
 
 def _klein_distilled(folder: Path) -> Optional[bool]:
@@ -123,9 +123,10 @@ def read_model_info(path, path_2=None) -> ModelInfo:
     d = _describe_model(path)
     arch, cfg = d["arch"], d["config"]
     fam = families.family(arch)
-    if fam.check_config is not None:  # a variant of the family the pool does not run
+    check = fam.detection.check_config
+    if check is not None:  # a variant of the family the pool does not run
         try:
-            fam.check_config({**fam.config_defaults, **dict(cfg)})
+            check(fam.full_config(cfg))
         except families.NotRun as e:
             raise ConfigError(f"{path}: {e}") from None
     if d["kind"] == "file":
@@ -135,7 +136,7 @@ def read_model_info(path, path_2=None) -> ModelInfo:
                          blocks=_block_count(arch, cfg),
                          storage=_storage_name(d.get("storage")), **_i2v(arch, cfg))
     # a folder's config omits what equals the diffusers class default
-    cfg = {**fam.config_defaults, **cfg}
+    cfg = fam.full_config(cfg)
     heads = fam.heads({"num_attention_heads": 24, **cfg})  # diffusers' FLUX default
     return ModelInfo(path=str(path), arch=arch, heads=heads, patch_size=fam.patch(cfg),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
@@ -145,7 +146,7 @@ def read_model_info(path, path_2=None) -> ModelInfo:
 
 def read_pair(path, path_2, names=("model_path", "model_path_2")) -> ModelInfo:
     """A model of two single files, Wan 2.2 A14B's high-noise (`path`) and low-noise
-    (`path_2`) expert files: both of a family with experts (`Family.expert_boundary`), the
+    (`path_2`) expert files: both of a family with experts (`TwoExperts`), the
     same transformer config from their shapes, and a config such a pair was released with.
     Anything else: one ConfigError line. `names`: the two inputs' names, as the messages say
     them (the loader node's model / low_noise_model)."""
@@ -156,7 +157,8 @@ def read_pair(path, path_2, names=("model_path", "model_path_2")) -> ModelInfo:
                               f"a diffusers folder holds both experts, give it alone)")
     first = read_model_info(path)
     fam = first.family
-    if fam.expert_boundary is None:
+    experts = fam.capability(families.TwoExperts)
+    if experts is None:
         raise ConfigError(f"{path} is a {fam.name} model, which has no second expert: "
                           f"{names[1]} is Wan 2.2 A14B's low-noise expert file")
     second = read_model_info(path_2)
@@ -170,7 +172,7 @@ def read_pair(path, path_2, names=("model_path", "model_path_2")) -> ModelInfo:
             raise ConfigError(f"the two expert files differ in {k} ({a.get(k)!r} in {path}, "
                               f"{b.get(k)!r} in {path_2}): give the high- and low-noise files "
                               f"of one Wan 2.2 A14B model")
-    if fam.expert_boundary({**fam.config_defaults, **a}) is None:
+    if experts.boundary(fam.full_config(a)) is None:
         raise ConfigError(f"{path} and {path_2}: no two-expert {fam.name} model was released "
                           f"with this transformer (Wan 2.1 image-to-video: CLIP image K/V); "
                           f"run one file alone")
@@ -180,9 +182,10 @@ def read_pair(path, path_2, names=("model_path", "model_path_2")) -> ModelInfo:
 def _i2v(arch: str, cfg: dict) -> dict:
     """ModelInfo's start_image / image_states from the transformer config."""
     fam = families.family(arch)
-    if fam.image_to_video is None:
+    i2v = fam.capability(families.ImageToVideo)
+    if i2v is None:
         return {}
-    start, states = fam.image_to_video({**fam.config_defaults, **dict(cfg)})
+    start, states = i2v.inputs(fam.full_config(cfg))
     return {"start_image": bool(start), "image_states": bool(states)}
 
 
@@ -192,7 +195,7 @@ def comfy_unet_config(path) -> dict:
     `comfy.unet`), from a folder's config.json or a single file's header."""
     d = _describe_model(Path(path))
     fam = families.family(d["arch"])
-    return fam.comfy.unet({**fam.config_defaults, **dict(d["config"])})
+    return fam.comfy.unet(fam.full_config(d["config"]))
 
 
 def expert_count(path) -> int:

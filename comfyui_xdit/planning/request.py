@@ -14,17 +14,23 @@ def default_cfg(model) -> float:
     CFG 4.0, as Flux2KleinPipeline does). `model`: a ModelInfo (anything with `.arch` and
     `.distilled`), or a family id where the default does not depend on the model."""
     fam = families.family(_arch(model))
-    if fam.undistilled_cfg is not None:
+    if fam.defaults.undistilled_cfg is not None:
         if isinstance(model, str):
             raise ValueError(f"the default cfg of a {fam.name} model depends on whether it is "
                              f"distilled; pass its ModelInfo (read_model_info), not {model!r}")
         if getattr(model, "distilled", None) is False:
-            return float(fam.undistilled_cfg)
-    return float(fam.cfg)
+            return float(fam.defaults.undistilled_cfg)
+    return float(fam.defaults.cfg)
 
 
 def _arch(model) -> str:
     return model if isinstance(model, str) else model.arch
+
+
+def _reference_methods(fam) -> tuple:
+    """The reference methods a family takes (() for a family without reference images)."""
+    refs = fam.capability(families.References)
+    return () if refs is None else refs.methods
 
 
 @dataclass
@@ -124,10 +130,11 @@ class GenerationRequest:
         """A copy with every default made concrete for `model` (a ModelInfo, or an
         architecture name, see `default_cfg`): what the workers receive."""
         fam = families.family(_arch(model))
-        guidance = self.guidance if self.guidance is not None else fam.guidance
+        guidance = self.guidance if self.guidance is not None else fam.defaults.guidance
         method = self.reference_method
         if (self.reference_latents or self.reference_images) and method is None:
-            method = (fam.reference_methods or (None,))[0]
+            refs = fam.capability(families.References)
+            method = None if refs is None else refs.methods[0]
         return replace(self, cfg=self.resolved_cfg(model), guidance=guidance,
                        prompt=list(self.prompt), loras=lora_entries(self.loras),
                        cache=resolved_cache(self.cache),
@@ -147,7 +154,8 @@ class GenerationRequest:
         n = sum(tokens(r) for r in (self.reference_latents or [])
                 if getattr(r, "ndim", 0) in (4, 5))
         arch = model if isinstance(model, str) else getattr(model, "arch", None)
-        resize = None if arch is None else families.family(arch).reference_image_size
+        refs = None if arch is None else families.family(arch).capability(families.References)
+        resize = None if refs is None else refs.image_size
         for im in (self.reference_images or []) if resize is not None else []:
             size = _image_size(im)
             if size is not None:
@@ -166,7 +174,7 @@ class GenerationRequest:
                 continue
             # FLUX.2 has no pooled output: "pooled" None (refused for the families that need it)
             arch = getattr(model, "arch", None)
-            needs_pooled = arch is not None and families.family(arch).pooled
+            needs_pooled = arch is not None and families.family(arch).text.pooled
             if not isinstance(c, dict) or "cond" not in c or "pooled" not in c:
                 out.append(f"{name} conditioning must be {{'cond': [b,T,D], 'pooled': [b,P]}}")
             elif c["pooled"] is None and needs_pooled:
@@ -268,15 +276,16 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
                 f"{' (empty)' if isinstance(refs, (list, tuple)) else ''}); leave it None for "
                 f"no reference"]
     fam = None if arch is None else families.family(arch)
-    if fam is not None and not fam.reference_methods:
+    methods = None if fam is None else _reference_methods(fam)
+    if fam is not None and not methods:
         return [f"reference images are not supported by {fam.name} models (remove the "
                 f"reference latents)"]
     out = []
-    if fam is not None and method is not None and method not in fam.reference_methods:
-        out.append(f"reference_method {method!r} is not one of {list(fam.reference_methods)} "
+    if fam is not None and method is not None and method not in methods:
+        out.append(f"reference_method {method!r} is not one of {list(methods)} "
                    f"for {fam.name}")
     elif fam is None and method is not None and \
-            method not in {m for f in families.FAMILIES.values() for m in f.reference_methods}:
+            method not in {m for f in families.FAMILIES.values() for m in _reference_methods(f)}:
         out.append(f"reference_method {method!r} is unknown")
     spec = None if fam is None else fam.latent
     down = 8 if spec is None else spec.downscale
@@ -345,7 +354,8 @@ def _reference_image_problems(req: "GenerationRequest", model) -> list[str]:
                 "0..1, or PIL); leave it None for no reference"]
     arch = getattr(model, "arch", None)
     fam = None if arch is None else families.family(arch)
-    if fam is not None and not fam.reference_methods and fam.image_to_video is None:
+    if fam is not None and not _reference_methods(fam) and \
+            fam.capability(families.ImageToVideo) is None:
         return [f"reference images are not supported by {fam.name} models (remove the "
                 f"reference image)"]
     if model is not None and not getattr(model, "has_vae", True):
@@ -384,7 +394,7 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
     given = {k: getattr(req, k) for k in ("concat_latent", "concat_mask", "image_embeds")
              if getattr(req, k) is not None}
     images = req.reference_images
-    if fam is not None and fam.image_to_video is None:
+    if fam is not None and fam.capability(families.ImageToVideo) is None:
         return [f"{', '.join(given)}: image-to-video inputs, which {fam.name} models do not "
                 f"take"] if given else []
     if "concat_latent" not in given and given:

@@ -7,10 +7,12 @@ import pathlib
 
 from comfyui_xdit import bridge
 
-# Block prefixes of both namings: the Linears inside them are what fp8 files store in fp8.
-_BLOCK_PREFIXES = ("double_blocks.", "single_blocks.", "joint_blocks.", "transformer_blocks.",
-                   "single_transformer_blocks.", "blocks.",  # blocks.: Wan
-                   "layers.", "noise_refiner.", "context_refiner.")  # Z-Image
+
+def block_prefixes() -> tuple:
+    """Every family's block lists in both namings ("double_blocks.", "transformer_blocks.",
+    ...), from the registry: the Linears inside them are what fp8 files store in fp8."""
+    fams = bridge.families.FAMILIES.values()
+    return tuple(dict.fromkeys(f"{name}." for f in fams for name in f.blocks.file_names()))
 
 
 def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool) -> pathlib.Path:
@@ -29,10 +31,10 @@ def write_fp8_file(src: str | os.PathLike, dst: str | os.PathLike, scaled: bool)
     sd = load_file(str(src))
     prefix = "model.diffusion_model." if any(k.startswith("model.diffusion_model.")
                                              for k in sd) else ""
-    out = {}
+    out, blocks = {}, block_prefixes()
     for k, w in sd.items():
         name = k[len(prefix):] if k.startswith(prefix) else None
-        if name is None or not (name.startswith(_BLOCK_PREFIXES) and name.endswith(".weight")
+        if name is None or not (name.startswith(blocks) and name.endswith(".weight")
                                 and w.dim() == 2 and w.is_floating_point()):
             out[k] = w
             continue

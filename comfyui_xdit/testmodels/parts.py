@@ -78,7 +78,7 @@ def kl_vae(arch: str, seed: int, salt: int):
         norm_num_groups=8,
         latent_channels=16,
         sample_size=128,
-        **families.family(arch).released({})[1],  # scaling_factor, shift_factor
+        **families.family(arch).detection.released({})[1],  # scaling_factor, shift_factor
         use_quant_conv=False,  # FLUX and SD3 VAEs have no quant convs
         use_post_quant_conv=False,
     )

@@ -136,7 +136,7 @@ def transformer_overrides(arch: str, entries: dict | None, meta: bool = False):
     components through text._seeded)."""
     from comfyui_xdit.testmodels import text
 
-    name = bridge.families.family(arch).transformer_class
+    name = bridge.families.family(arch).classes.transformer
     saved, saved_meta = dict(text.CONFIG_OVERRIDES), set(text.ON_META)
     if entries:
         text.CONFIG_OVERRIDES[name] = dict(entries)
@@ -156,7 +156,7 @@ def _check_overrides(arch: str, pipe, entries: dict | None) -> None:
     refused here rather than saved as something it is not."""
     if not entries:
         return
-    name = bridge.families.family(arch).transformer_class
+    name = bridge.families.family(arch).classes.transformer
     made = [m for m in pipe.components.values() if type(m).__name__ == name]
     for m in made or [None]:
         got = {} if m is None else json.loads(json.dumps(dict(m.config), default=list))
@@ -173,7 +173,7 @@ def planned_transformer(arch: str, **kw) -> tuple[dict, int]:
     import torch
 
     cfg = resolve_config(arch, **kw)
-    name = bridge.families.family(arch).transformer_class
+    name = bridge.families.family(arch).classes.transformer
     with torch.random.fork_rng(devices=[]), \
             transformer_overrides(arch, cfg.get("transformer"), meta=True):
         pipe = builder(arch).build_pipeline(cfg)

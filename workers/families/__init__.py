@@ -3,12 +3,14 @@
 A family is two files: its description here (`workers/families/<id>.py`: plain data and a
 few pure functions, no torch, cheap to import) and its worker adapter
 (`workers/models/<id>.py`: loading, packing, timesteps, encoding, the transformer call).
-The description is what the host asks about a family (ComfyUI's LATENT and CONDITIONING,
-its model class, request defaults, detection, the memory plan's block lists, LoRA formats);
-it lives beside the workers because they read the same detection and defaults, and the
-workers never import the host package (the host loads this package through
-comfyui_xdit/bridge.py). Every other module asks these two, never compares family names:
-tests/test_families.py scans the tree for such a comparison.
+The description is what the host asks about a family; it lives beside the workers because
+they read the same detection and defaults, and the workers never import the host package
+(the host loads this package through comfyui_xdit/bridge.py). A `Family` is a small core
+that every family has (its classes, block lists, LATENT, text states, ComfyUI model class,
+request defaults, detection) and optional capabilities that only some have (`References`,
+`ImageToVideo`, `TwoExperts`, `SecondTextEncoder`, `CausalVAE`, `Presets`), each read by
+the module that needs it through `Family.capability`. Every other module asks these two,
+never compares family names: tests/test_families.py scans the tree for such a comparison.
 """
 from __future__ import annotations
 
@@ -96,7 +98,6 @@ class ComfySpec:
     unet: Callable = lambda cfg: {}  # the diffusers config -> what ComfyUI's detection finds
     # ComfyUI's timestep -> the transformer's (FLUX-style models take sigma, x 1000 here)
     timestep_scale: float = 1.0
-    needs_pooled: bool = True  # the model call needs CONDITIONING's pooled output (y)
     # unet -> {dotted attribute of ComfyUI's diffusion model: shape} that the model class
     # reads beside the call (Wan's concat_cond: patch_embedding.weight's input channels);
     # the xDiT MODEL gives weightless stand-ins of these shapes
@@ -104,110 +105,220 @@ class ComfySpec:
     # model inputs ComfyUI's model class passes beside the call that its diffusion model
     # does not use (Lumina 2 / Z-Image: num_tokens); the xDiT MODEL accepts and drops them
     unused_inputs: tuple = ()
-    # the keyword under which ComfyUI's model passes a second text encoder's states to its
-    # diffusion model ("": none; HunyuanVideo 1.5's ByT5 glyph states: txt_byt5); the xDiT
-    # MODEL carries them with their conditioning as `context_2`
-    text_2: str = ""
-    # ... and the key of ComfyUI's CONDITIONING entry that holds them (its text encoder's
-    # output: HunyuanVideo 1.5's conditioning_byt5small), which the xDiT sampler carries
-    text_2_conditioning: str = ""
+    # the split the MODEL uses when the loader gives no degrees: CFG parallel first where
+    # ComfyUI's samplers batch both branches in one call (SD3)
+    cfg_first: bool = False
+
+
+@dataclass(frozen=True)
+class Classes:
+    """The classes a model of the family is made of."""
+
+    transformer: str  # diffusers
+    pipelines: tuple  # diffusers pipeline classes that encode its prompts; the first default
+    adapter: str  # class name in workers/models/<id>.py
+    # the diffusers VAE classes the pool decodes (and encodes references) with
+    vae: tuple = ("AutoencoderKL",)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The transformer's block lists in execution order, the config keys counting each
+    list's blocks, and (`bfl`) each list's name in BFL/ComfyUI single files (() where the
+    files use diffusers' names)."""
+
+    lists: tuple
+    counts: tuple
+    bfl: tuple = ()
+
+    def count(self, cfg: dict) -> Optional[int]:
+        """Blocks in all lists of a transformer config (None where it does not say)."""
+        try:
+            return sum(int(cfg.get(k, 0) if i else cfg[k]) for i, k in enumerate(self.counts))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def file_names(self) -> tuple:
+        """Every name a block list has in a single file, either naming."""
+        return tuple(dict.fromkeys(self.lists + self.bfl))
+
+
+@dataclass(frozen=True)
+class Text:
+    """The text states a prompt becomes."""
+
+    hint: str = "encode with this model's text encoders"  # how ComfyUI makes CONDITIONING
+    # the CONDITIONING carries a pooled output the transformer needs (ComfyUI's model call
+    # gets it as y)
+    pooled: bool = True
+    extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's (SD3's CLIP)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """A request's defaults."""
+
+    cfg: float = 1.0  # true CFG / guidance scale
+    guidance: Optional[float] = None  # embedded guidance (None: the model has none)
+    undistilled_cfg: Optional[float] = None  # the cfg of an undistilled variant (FLUX.2 klein)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """How a path holding the family's model is recognised and its transformer config read."""
+
+    # single files: ((naming "bfl" | "diffusers", the key or keys only this family's files
+    # have), ...), tried in `order` across families (lower first), and the diffusers config
+    # from the weight shapes
+    markers: tuple = ()
+    config_from_shapes: Optional[Callable] = None
+    order: int = 0
+    # single files, which carry neither: (scheduler config, VAE latent config) of the
+    # released model, from the transformer config
+    released: Optional[Callable] = None
+    # model_index.json's pipeline class (None: no file) -> the pipeline that encodes the
+    # folder's prompts; raises ValueError (one line) for a pipeline of another kind
+    pipeline_of: Optional[Callable] = None
+    # diffusers class defaults of what a folder's transformer config may omit
+    config_defaults: dict = field(default_factory=dict)
+    # the transformer config's keys for what shared code reads of it: "heads", "head_dim",
+    # "patch", "text_width", "text_2_width", "image_width" (CONFIG_NAMES by default); a
+    # config that gives its hidden size rather than the head dim names it as "hidden"
+    # (Z-Image: n_heads, dim, all_patch_size, cap_feat_dim)
+    config_names: dict = field(default_factory=dict)
+    # the transformer config (defaults filled in) -> None, or raises NotRun for a variant of
+    # the family the pool does not run (Wan 2.2 TI2V-5B)
+    check_config: Optional[Callable] = None
+
+
+# ---- capabilities: what only some families have, each read by the module that needs it ----
+@dataclass(frozen=True)
+class References:
+    """Reference images (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit)."""
+
+    methods: tuple  # ComfyUI's reference methods the family takes (first: default)
+    # (width, height) of a reference image in pixels -> its size once the family's pipeline
+    # has resized it (what the adapter's encode_reference_images makes; the host counts its
+    # tokens for the split check and the memory plan)
+    image_size: Optional[Callable] = None
+
+
+@dataclass(frozen=True)
+class ImageToVideo:
+    """Video from a start image (Wan I2V, HunyuanVideo 1.5 I2V)."""
+
+    # the transformer config (class defaults filled in) -> (takes a start image's condition,
+    # concatenated to the noise along channels; takes the image's CLIP vision states)
+    inputs: Callable
     # which states of a CONDITIONING's clip_vision_output the model reads (Wan 2.1 I2V the
     # penultimate hidden states, HunyuanVideo 1.5 the last: its model_base's clip_fea)
     clip_vision_states: str = "penultimate_hidden_states"
 
 
 @dataclass(frozen=True)
+class TwoExperts:
+    """A model of two transformers (Wan 2.2 A14B's high- and low-noise experts), each its own
+    single file."""
+
+    # the transformer config -> the released boundary ratio (the switch at ratio x 1000
+    # timesteps, model_index.json's `boundary_ratio`, which a file lacks), None where no such
+    # pair was released for that config
+    boundary: Callable
+
+
+@dataclass(frozen=True)
+class SecondTextEncoder:
+    """A second text encoder whose states ComfyUI's model takes beside the context
+    (HunyuanVideo 1.5's ByT5 glyph states); the xDiT MODEL carries them with their
+    conditioning as `context_2`. Their width is the config's `text_2_width` name."""
+
+    comfy_input: str  # the keyword ComfyUI's model passes them under (txt_byt5)
+    # the key of ComfyUI's CONDITIONING entry that holds them (conditioning_byt5small), which
+    # the xDiT sampler carries
+    comfy_conditioning: str
+
+
+@dataclass(frozen=True)
+class CausalVAE:
+    """A causal 3-D VAE (Wan's, Qwen-Image's, HunyuanVideo 1.5's)."""
+
+    # one of the Wan design, which patch-parallel decode rewires
+    # (workers/parallel/vae_parallel.py): (diffusers.models.autoencoders module, class prefix)
+    patch_parallel: Optional[tuple] = None
+    # decodes all frames of a video in one call (HunyuanVideo 1.5's), not a latent frame at a
+    # time with a feature cache (Wan's): its largest activation holds every frame
+    whole_video: bool = False
+
+
+@dataclass(frozen=True)
+class Presets:
+    """Released models' published dimensions, by preset name (the memory plan's `--preset`:
+    comfyui_xdit/planning/model_facts.py reads each as transformer config, text encoders as
+    (transformers class, config kwargs), VAE as (diffusers class, config kwargs))."""
+
+    named: dict
+
+
+CAPABILITIES = (References, ImageToVideo, TwoExperts, SecondTextEncoder, CausalVAE, Presets)
+
+
+@dataclass(frozen=True)
 class Family:
+    """What every family has; what only some have is in `capabilities` (`capability`)."""
+
     id: str
     name: str  # how messages name it
-    transformer_class: str  # diffusers
-    pipelines: tuple  # diffusers pipeline classes that encode its prompts; the first default
-    adapter: str  # class name in workers/models/<id>.py
-    block_lists: tuple  # the transformer's block lists in execution order
-    block_counts: tuple  # config keys counting each list's blocks
+    order: int  # place in lists and messages (lower first; ties by id)
+    classes: Classes
+    blocks: Blocks
     latent: LatentSpec
+    text: Text
     comfy: ComfySpec
-    # single files: ((naming "bfl" | "diffusers", the key or keys only this family's files
-    # have), ...), tried in `detect_order` across families, and the diffusers config from
-    # the weight shapes
-    markers: tuple = ()
-    config_from_shapes: Optional[Callable] = None
-    # diffusers class defaults of what a folder's transformer config may omit
-    config_defaults: dict = field(default_factory=dict)
-    # request defaults: cfg (true CFG / guidance scale), embedded guidance
-    cfg: float = 1.0
-    guidance: Optional[float] = None
-    undistilled_cfg: Optional[float] = None  # the cfg of an undistilled variant (FLUX.2 klein)
-    pooled: bool = True  # the CONDITIONING carries a pooled output the transformer needs
-    text_hint: str = "encode with this model's text encoders"
-    reference_methods: tuple = ()  # reference images (first: default); () = none
-    # (width, height) of a reference image in pixels -> its size once the family's pipeline
-    # has resized it (what the adapter's encode_reference_images makes; the host counts its
-    # tokens for the split check and the memory plan)
-    reference_image_size: Optional[Callable] = None
+    defaults: Defaults
+    detection: Detection
+    capabilities: tuple = ()  # at most one of each kind in CAPABILITIES
+    # -- the token streams' flags, which the family's layout is to hold --
     # reference latents of odd height / width are padded circularly to whole tokens, as
     # ComfyUI's model pads them (its edit nodes size images to 8 pixels), not refused
     odd_references: bool = False
     # PipeFusion runs references first in the image stream (workers/sampling/patch_pipeline.py):
     # exact where positions come from ids (FLUX), not where RoPE follows the token order
     pipefusion_references: bool = True
-    # video from a start image (Wan I2V): the transformer config (class defaults filled in)
-    # -> (takes a start image's condition, concatenated to the noise along channels; also
-    # takes the image's CLIP vision states). None: the family has no image-to-video models
-    image_to_video: Optional[Callable] = None
-    # single files, which carry neither: (scheduler config, VAE latent config) of the
-    # released model, from the transformer config
-    released: Optional[Callable] = None
-    # a model of two single files (Wan 2.2 A14B's high- and low-noise expert files): the
-    # transformer config -> the released boundary ratio (the switch at ratio x 1000 timesteps,
-    # model_index.json's `boundary_ratio`, which a file lacks), None where no such pair was
-    # released for that config. None: the family has no two-expert models
-    expert_boundary: Optional[Callable] = None
-    lora_formats: str = "diffusers/PEFT"
-    # released models' published dimensions, by preset name (the memory plan's `--preset`)
-    presets: dict = field(default_factory=dict)
-    # the diffusers VAE classes the pool decodes (and encodes references) with
-    vae_classes: tuple = ("AutoencoderKL",)
-    # a causal 3-D VAE of the Wan design, which patch-parallel decode rewires
-    # (workers/parallel/vae_parallel.py): (diffusers.models.autoencoders module, class prefix)
-    causal_vae: Optional[tuple] = None
-    # the VAE decodes all frames of a video in one call (HunyuanVideo 1.5's), not a latent
-    # frame at a time with a feature cache (Wan's): its largest activation holds every frame
-    vae_whole_video: bool = False
-    text_extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's
     # the text tokens join the image tokens in one attention sequence (joint attention:
     # FLUX, SD3, Qwen-Image, Chroma); False: the text is reached by cross-attention only
     # (Wan), so sequence parallelism splits and exchanges the image / video tokens alone
     text_in_sequence: bool = True
-    # the split the MODEL uses when the loader gives no degrees: CFG parallel first when
-    # ComfyUI's samplers batch both branches in one call
-    model_cfg_first: bool = False
-    detect_order: int = 0  # single-file detection order (lower first)
-    order: int = 100  # place in lists and messages (lower first; ties by id)
-    # model_index.json's pipeline class (None: no file) -> the pipeline that encodes the
-    # folder's prompts; raises ValueError (one line) for a pipeline of another kind
-    pipeline_of: Optional[Callable] = None
-    # the transformer config (class defaults filled in) -> None, or raises NotRun for a
-    # variant of the family the pool does not run (Wan 2.2 TI2V-5B)
-    check_config: Optional[Callable] = None
-    # the transformer config's keys for what shared code reads of it: "heads", "head_dim",
-    # "patch" and "text_width" (diffusers' usual names by default); a config that gives its
-    # hidden size rather than the head dim names it as "hidden" (Z-Image: n_heads, dim,
-    # all_patch_size, cap_feat_dim)
-    config_names: dict = field(default_factory=dict)
     # image and text are each padded to a multiple of this many tokens before attention
     # (Z-Image's learned pad tokens, 32); the memory plan counts the padded sequence
     pad_multiple: int = 1
 
+    def __post_init__(self):
+        kinds = [type(c) for c in self.capabilities]
+        unknown = [k.__name__ for k in kinds if k not in CAPABILITIES]
+        if unknown or len(set(kinds)) != len(kinds):
+            raise TypeError(f"family {self.id}: capabilities {[k.__name__ for k in kinds]} "
+                            f"(one of each of {[k.__name__ for k in CAPABILITIES]})")
+
+    def capability(self, kind):
+        """The family's capability of class `kind` (References, TwoExperts, ...), or None."""
+        for c in self.capabilities:
+            if isinstance(c, kind):
+                return c
+        return None
+
+    def full_config(self, cfg) -> dict:
+        """A transformer config with the class defaults it may omit filled in."""
+        return {**self.detection.config_defaults, **dict(cfg)}
+
     def _config_key(self, what: str) -> str:
-        return self.config_names.get(what) or CONFIG_NAMES[what]
+        return self.detection.config_names.get(what) or CONFIG_NAMES[what]
 
     def heads(self, cfg) -> int:
         """Attention heads of a transformer config."""
         return int(cfg[self._config_key("heads")])
 
     def head_dim(self, cfg) -> int:
-        hidden = self.config_names.get("hidden")
+        hidden = self.detection.config_names.get("hidden")
         if hidden is not None:
             return int(cfg[hidden]) // self.heads(cfg)
         return int(cfg[self._config_key("head_dim")])
@@ -220,14 +331,15 @@ class Family:
         """A width the family's config names under `config_names[what]` ("image_width": the
         image states' width, Wan 2.1 I2V's image_dim by default; "text_2_width": a second text
         encoder's, HunyuanVideo 1.5's text_embed_2_dim); None where the config has none."""
-        key = self.config_names.get(what) or CONFIG_NAMES.get(what)
+        key = self.detection.config_names.get(what) or CONFIG_NAMES.get(what)
         return None if key is None or cfg.get(key) is None else int(cfg[key])
 
     def text_width(self, cfg) -> Optional[int]:
         """The width of the text states the transformer takes (its config's
         joint_attention_dim, Wan's text_dim, or the family's "text_width" name: Z-Image's
         cap_feat_dim); None where the config has none."""
-        keys = (self.config_names["text_width"],) if "text_width" in self.config_names \
+        names = self.detection.config_names
+        keys = (names["text_width"],) if "text_width" in names \
             else ("joint_attention_dim", "text_dim")
         for key in keys:
             if cfg.get(key) is not None:
@@ -235,23 +347,17 @@ class Family:
         return None
 
     def pipeline_for(self, index_class: Optional[str]) -> str:
-        if self.pipeline_of is not None:
-            return self.pipeline_of(index_class)
-        return index_class if index_class in self.pipelines else self.pipelines[0]
+        if self.detection.pipeline_of is not None:
+            return self.detection.pipeline_of(index_class)
+        pipelines = self.classes.pipelines
+        return index_class if index_class in pipelines else pipelines[0]
 
     def adapter_class(self):
         mod = importlib.import_module(f"{__name__.rsplit('.', 1)[0]}.models.{self.id}")
-        return getattr(mod, self.adapter)
-
-    def block_count(self, cfg: dict) -> Optional[int]:
-        try:
-            return sum(int(cfg.get(k, 0) if i else cfg[k])
-                       for i, k in enumerate(self.block_counts))
-        except (KeyError, TypeError, ValueError):
-            return None
+        return getattr(mod, self.classes.adapter)
 
 
-# what `Family.config_names` defaults to
+# what `Detection.config_names` defaults to
 CONFIG_NAMES = {"heads": "num_attention_heads", "head_dim": "attention_head_dim",
                 "patch": "patch_size", "image_width": "image_dim"}
 
@@ -267,12 +373,12 @@ def _discover() -> dict:
 
 FAMILIES: dict = _discover()
 IDS = tuple(FAMILIES)
-BY_CLASS = {f.transformer_class: f for f in FAMILIES.values()}
+BY_CLASS = {f.classes.transformer: f for f in FAMILIES.values()}
 
 
 def vae_classes() -> tuple:
     """Every VAE class some family decodes with, in family order."""
-    return tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.vae_classes))
+    return tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.classes.vae))
 
 
 def family(fid: str) -> Family:
@@ -307,8 +413,8 @@ def latent_norm(vae_config: dict) -> tuple:
 def detect_keys(keys) -> Optional[tuple]:
     """(family, naming) of a single file's tensor names (prefix stripped), or None."""
     keys = set(keys)
-    for fam in sorted(FAMILIES.values(), key=lambda f: f.detect_order):
-        for naming, marker in fam.markers:
+    for fam in sorted(FAMILIES.values(), key=lambda f: f.detection.order):
+        for naming, marker in fam.detection.markers:
             if all(k in keys for k in ((marker,) if isinstance(marker, str) else marker)):
                 return fam, naming
     return None

@@ -5,7 +5,7 @@ and retrained. FLUX.1's double + single blocks and 2x2-packed 16-channel latents
 timestep. Real classifier-free guidance with a negative prompt."""
 from __future__ import annotations
 
-from . import ComfySpec, Family, LatentSpec
+from . import Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
 from ._shapes import numbered, pick
 from .flux import LATENT as FLUX_LATENT
 from .flux import SCHEDULER_DEV, VAE_LATENT, rope_axes
@@ -86,29 +86,31 @@ PRESETS = {
 
 
 FAMILY = Family(
-    presets=PRESETS,
-    id="chroma", order=40, name="Chroma", transformer_class="ChromaTransformer2DModel",
-    pipelines=("ChromaPipeline",), adapter="ChromaAdapter",
-    block_lists=("transformer_blocks", "single_transformer_blocks"),
-    block_counts=("num_layers", "num_single_layers"),
+    id="chroma", order=40, name="Chroma",
+    classes=Classes(transformer="ChromaTransformer2DModel", pipelines=("ChromaPipeline",),
+                    adapter="ChromaAdapter"),
+    blocks=Blocks(lists=("transformer_blocks", "single_transformer_blocks"),
+                  counts=("num_layers", "num_single_layers"),
+                  bfl=("double_blocks", "single_blocks")),
     latent=LATENT,
+    text=Text(hint="encode with Chroma's T5-XXL (CLIPLoader type chroma)", pooled=False),
     # ComfyUI: model_base.Chroma (a Flux subclass, model type FLUX, timestep = sigma) and
     # supported_models.Chroma, detected by image_model "chroma"
     comfy=ComfySpec(base=lambda unet: "Chroma", config=lambda unet: "Chroma",
-                    unet=comfy_unet, timestep_scale=1000.0, needs_pooled=False),
-    # ComfyUI's detection (comfy/model_detection.py): FLUX's double blocks plus an
-    # approximator norm, `distilled_guidance_layer.norms.0.scale` (or the `.0.norms.0`
-    # spelling it also accepts). diffusers names the norms' weights `.weight` (in_proj is
-    # named alike in both namings, so it cannot tell them apart).
-    markers=(("bfl", "distilled_guidance_layer.norms.0.scale"),
-             ("bfl", "distilled_guidance_layer.0.norms.0.scale"),
-             ("diffusers", "distilled_guidance_layer.norms.0.weight")),
-    config_from_shapes=config_from_shapes,
-    config_defaults={"num_attention_heads": 24, "attention_head_dim": 128,
-                     "joint_attention_dim": 4096, "patch_size": 1},
-    cfg=CFG, guidance=None, pooled=False,
-    text_hint="encode with Chroma's T5-XXL (CLIPLoader type chroma)",
-    released=released,
-    # before FLUX.1 (20): a Chroma file also has FLUX.1's block keys
-    detect_order=15,
+                    unet=comfy_unet, timestep_scale=1000.0),
+    defaults=Defaults(cfg=CFG),
+    detection=Detection(
+        # ComfyUI's detection (comfy/model_detection.py): FLUX's double blocks plus an
+        # approximator norm, `distilled_guidance_layer.norms.0.scale` (or the `.0.norms.0`
+        # spelling it also accepts). diffusers names the norms' weights `.weight` (in_proj
+        # is named alike in both namings, so it cannot tell them apart).
+        markers=(("bfl", "distilled_guidance_layer.norms.0.scale"),
+                 ("bfl", "distilled_guidance_layer.0.norms.0.scale"),
+                 ("diffusers", "distilled_guidance_layer.norms.0.weight")),
+        config_from_shapes=config_from_shapes, released=released,
+        # before FLUX.1 (20): a Chroma file also has FLUX.1's block keys
+        order=15,
+        config_defaults={"num_attention_heads": 24, "attention_head_dim": 128,
+                         "joint_attention_dim": 4096, "patch_size": 1}),
+    capabilities=(Presets(PRESETS),),
 )

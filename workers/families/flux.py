@@ -2,7 +2,8 @@
 2x2-packed 16-channel latents, embedded guidance on dev."""
 from __future__ import annotations
 
-from . import ComfySpec, Family, LatentSpec
+from . import (Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets,
+               References, Text)
 from ._shapes import numbered, pick
 
 # The released VAE's latent statistics (vae/config.json; ComfyUI's latent_formats.Flux):
@@ -123,28 +124,31 @@ PRESETS = {
 
 
 FAMILY = Family(
-    presets=PRESETS,
-    id="flux", order=10, name="FLUX.1", transformer_class="FluxTransformer2DModel",
-    pipelines=("FluxPipeline",), adapter="FluxAdapter",
-    block_lists=("transformer_blocks", "single_transformer_blocks"),
-    block_counts=("num_layers", "num_single_layers"),
+    id="flux", order=10, name="FLUX.1",
+    classes=Classes(transformer="FluxTransformer2DModel", pipelines=("FluxPipeline",),
+                    adapter="FluxAdapter"),
+    blocks=Blocks(lists=("transformer_blocks", "single_transformer_blocks"),
+                  counts=("num_layers", "num_single_layers"),
+                  bfl=("double_blocks", "single_blocks")),
     latent=LATENT,
+    text=Text(hint="encode with FLUX.1's CLIP-L + T5-XXL (DualCLIPLoader type flux)"),
     comfy=ComfySpec(
         base=lambda unet: "Flux",
         config=lambda unet: "Flux" if unet["guidance_embed"] else "FluxSchnell",
         model_type=lambda unet: "FLUX" if unet["guidance_embed"] else "FLOW",
         unet=comfy_unet, timestep_scale=1000.0),
-    markers=(("bfl", "double_blocks.0.img_attn.qkv.weight"),
-             ("diffusers", "single_transformer_blocks.0.attn.to_q.weight")),
-    config_from_shapes=config_from_shapes,
-    config_defaults={"guidance_embeds": False, "num_attention_heads": 24,
-                     "attention_head_dim": 128, "joint_attention_dim": 4096, "patch_size": 1},
-    cfg=1.0, guidance=3.5,
-    text_hint="encode with FLUX.1's CLIP-L + T5-XXL (DualCLIPLoader type flux)",
-    # ComfyUI's methods (comfy/ldm/flux/model.py): "offset" (index 1, later references
-    # beside the earlier ones; one reference = diffusers' FluxKontextPipeline), "index"
-    # (index 1, 2, ...), "uxo" (index 0, diagonally past the image)
-    reference_methods=("offset", "index", "uxo"), reference_image_size=kontext_size,
-    released=released, lora_formats="diffusers/PEFT or kohya/ComfyUI",
-    detect_order=20,
+    defaults=Defaults(cfg=1.0, guidance=3.5),
+    detection=Detection(
+        markers=(("bfl", "double_blocks.0.img_attn.qkv.weight"),
+                 ("diffusers", "single_transformer_blocks.0.attn.to_q.weight")),
+        config_from_shapes=config_from_shapes, order=20, released=released,
+        config_defaults={"guidance_embeds": False, "num_attention_heads": 24,
+                         "attention_head_dim": 128, "joint_attention_dim": 4096,
+                         "patch_size": 1}),
+    capabilities=(
+        # ComfyUI's methods (comfy/ldm/flux/model.py): "offset" (index 1, later references
+        # beside the earlier ones; one reference = diffusers' FluxKontextPipeline), "index"
+        # (index 1, 2, ...), "uxo" (index 0, diagonally past the image)
+        References(methods=("offset", "index", "uxo"), image_size=kontext_size),
+        Presets(PRESETS)),
 )

@@ -3,7 +3,8 @@ embedding): 32-channel VAE latents patchified 2x2 into 128 channels and normalis
 VAE's batch-norm statistics; no pooled text; 4-axis RoPE."""
 from __future__ import annotations
 
-from . import ComfySpec, Family, LatentSpec
+from . import (Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets,
+               References, Text)
 from ._shapes import numbered, pick
 from .flux import SCHEDULER_DEV
 
@@ -85,7 +86,7 @@ def released(config: dict) -> tuple:
 
 
 def comfy_unet(cfg: dict) -> dict:
-    cfg = {**FAMILY.config_defaults, **cfg}
+    cfg = FAMILY.full_config(cfg)
     return {"image_model": "flux2", "guidance_embed": bool(cfg["guidance_embeds"]),
             "in_channels": 128, "out_channels": 128, "patch_size": 1,
             "hidden_size": int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"]),
@@ -116,31 +117,35 @@ PRESETS = {
 
 
 FAMILY = Family(
-    presets=PRESETS,
-    vae_classes=("AutoencoderKLFlux2",),
-    id="flux2", order=20, name="FLUX.2", transformer_class="Flux2Transformer2DModel",
-    pipelines=(DEFAULT_PIPELINE, "Flux2Pipeline"), adapter="Flux2Adapter",
-    block_lists=("transformer_blocks", "single_transformer_blocks"),
-    block_counts=("num_layers", "num_single_layers"),
+    id="flux2", order=20, name="FLUX.2",
+    classes=Classes(transformer="Flux2Transformer2DModel",
+                    pipelines=(DEFAULT_PIPELINE, "Flux2Pipeline"), adapter="Flux2Adapter",
+                    vae=("AutoencoderKLFlux2",)),
+    blocks=Blocks(lists=("transformer_blocks", "single_transformer_blocks"),
+                  counts=("num_layers", "num_single_layers"),
+                  bfl=("double_blocks", "single_blocks")),
     latent=LATENT,
+    text=Text(hint="encode with this FLUX.2 model's own text encoder (klein 4B: Qwen3-4B, "
+                   "klein 9B: Qwen3-8B, dev: Mistral Small 3.1) or type the prompt into the "
+                   "sampler", pooled=False),
     comfy=ComfySpec(base=lambda unet: "Flux2", config=lambda unet: "Flux2",
-                    unet=comfy_unet, timestep_scale=1000.0, needs_pooled=False),
-    # first: its BFL files also have FLUX.1's double_blocks keys; its shared modulations
-    # (one per stream kind instead of one per block) mark it in both namings
-    markers=(("bfl", "single_stream_modulation.lin.weight"),
-             ("diffusers", "single_stream_modulation.linear.weight")),
-    config_from_shapes=config_from_shapes,
-    config_defaults={"guidance_embeds": True, "num_attention_heads": 48,
-                     "attention_head_dim": 128, "joint_attention_dim": 15360, "patch_size": 1},
+                    unet=comfy_unet, timestep_scale=1000.0),
     # [dev] embeds guidance (4.0, as Flux2Pipeline); [klein] ignores it. Step-distilled
     # klein and dev run without CFG; klein base models (is_distilled false) at 4.0, as
     # Flux2KleinPipeline
-    cfg=1.0, guidance=4.0, undistilled_cfg=4.0, pooled=False,
-    text_hint="encode with this FLUX.2 model's own text encoder (klein 4B: Qwen3-4B, klein "
-              "9B: Qwen3-8B, dev: Mistral Small 3.1) or type the prompt into the sampler",
-    reference_image_size=reference_size,
-    reference_methods=("index",),  # diffusers' Flux2 layout: time coordinate 10, 20, ...
-    released=released,
-    lora_formats="diffusers/PEFT, kohya (lora_unet_) or BFL/ComfyUI (diffusion_model.)",
-    detect_order=10, pipeline_of=pipeline_of,
+    defaults=Defaults(cfg=1.0, guidance=4.0, undistilled_cfg=4.0),
+    detection=Detection(
+        # first: its BFL files also have FLUX.1's double_blocks keys; its shared modulations
+        # (one per stream kind instead of one per block) mark it in both namings
+        markers=(("bfl", "single_stream_modulation.lin.weight"),
+                 ("diffusers", "single_stream_modulation.linear.weight")),
+        config_from_shapes=config_from_shapes, order=10, released=released,
+        pipeline_of=pipeline_of,
+        config_defaults={"guidance_embeds": True, "num_attention_heads": 48,
+                         "attention_head_dim": 128, "joint_attention_dim": 15360,
+                         "patch_size": 1}),
+    capabilities=(
+        # diffusers' Flux2 layout: time coordinate 10, 20, ...
+        References(methods=("index",), image_size=reference_size),
+        Presets(PRESETS)),
 )

@@ -9,7 +9,8 @@ the noise, a start-frame latent and its one-channel mask (zeros in text-to-video
 the pipeline's guider's: neg + scale (pos - neg)."""
 from __future__ import annotations
 
-from . import ComfySpec, Family, LatentSpec, NotRun
+from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family, ImageToVideo,
+               LatentSpec, NotRun, Presets, SecondTextEncoder, Text)
 from ._shapes import numbered, pick
 
 # ComfyUI's latent_formats.HunyuanVideo15 and the released VAE config: the raw latent
@@ -186,45 +187,47 @@ PRESETS = {
 
 
 FAMILY = Family(
-    presets=PRESETS, vae_whole_video=True,
-    vae_classes=("AutoencoderKLHunyuanVideo15",),
     id="hunyuan_video15", order=70, name="HunyuanVideo 1.5",
-    transformer_class="HunyuanVideo15Transformer3DModel",
-    pipelines=("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
-    adapter="HunyuanVideo15Adapter",
-    block_lists=("transformer_blocks",), block_counts=("num_layers",),
+    classes=Classes(transformer="HunyuanVideo15Transformer3DModel",
+                    pipelines=("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
+                    adapter="HunyuanVideo15Adapter", vae=("AutoencoderKLHunyuanVideo15",)),
+    blocks=Blocks(lists=("transformer_blocks",), counts=("num_layers",), bfl=("double_blocks",)),
     latent=LATENT,
+    text=Text(hint="encode with HunyuanVideo 1.5's text encoders (Qwen2.5-VL 7B and ByT5: "
+                   "DualCLIPLoader type hunyuan_video_15) or type the prompt into the sampler",
+              pooled=False),
     # ComfyUI: model_base.HunyuanVideo15 and supported_models.HunyuanVideo15; its flow model
     # sampling's multiplier is 1000, so the model is called with sigma x 1000 already
     comfy=ComfySpec(base=lambda unet: "HunyuanVideo15", config=lambda unet: "HunyuanVideo15",
-                    unet=comfy_unet, timestep_scale=1.0, needs_pooled=False,
-                    # the ByT5 glyph states: the model's txt_byt5, the CONDITIONING's
-                    # conditioning_byt5small; clip_fea: the SigLIP output's last states
-                    text_2="txt_byt5", text_2_conditioning="conditioning_byt5small",
-                    clip_vision_states="last_hidden_state",
+                    unet=comfy_unet, timestep_scale=1.0,
                     # concat_cond reads img_in.proj.weight's input channels (65: noise,
                     # start-frame latent, mask; 33 would mean no start-frame channels)
                     shapes=lambda unet: {"img_in.proj.weight": (
                         int(unet["hidden_size"]), int(unet["in_channels"]), 1, 1, 1)}),
-    # the config's widths of the Qwen, ByT5 and SigLIP states the transformer takes
-    config_names={"text_width": "text_embed_dim", "text_2_width": "text_embed_2_dim",
-                  "image_width": "image_embed_dim"},
-    # ComfyUI's detection keys (HunyuanVideo's text refiner + 1.5's cond-type embedding);
-    # diffusers' cond-type embedding + ByT5 projection
-    markers=(("bfl", ("txt_in.individual_token_refiner.blocks.0.norm1.weight",
-                      "cond_type_embedding.weight")),
-             ("diffusers", ("cond_type_embed.weight", "context_embedder_2.linear_1.weight"))),
-    config_from_shapes=config_from_shapes,
-    config_defaults={"in_channels": 65, "out_channels": 32, "num_attention_heads": 16,
-                     "attention_head_dim": 128, "num_layers": 54, "num_refiner_layers": 2,
-                     "patch_size": 1, "patch_size_t": 1, "text_embed_dim": 3584,
-                     "text_embed_2_dim": 1472, "image_embed_dim": 1152,
-                     "rope_axes_dim": [16, 56, 56], "use_meanflow": False,
-                     "task_type": "i2v"},
-    cfg=CFG, guidance=None, pooled=False,
-    text_hint="encode with HunyuanVideo 1.5's text encoders (Qwen2.5-VL 7B and ByT5: "
-              "DualCLIPLoader type hunyuan_video_15) or type the prompt into the sampler",
-    # before FLUX (20), whose marker, double_blocks.0.img_attn.qkv.weight, its files have too
-    released=released, detect_order=12, pipeline_of=pipeline_of,
-    image_to_video=image_to_video, check_config=check_config,
+    defaults=Defaults(cfg=CFG),
+    detection=Detection(
+        # ComfyUI's detection keys (HunyuanVideo's text refiner + 1.5's cond-type embedding);
+        # diffusers' cond-type embedding + ByT5 projection
+        markers=(("bfl", ("txt_in.individual_token_refiner.blocks.0.norm1.weight",
+                          "cond_type_embedding.weight")),
+                 ("diffusers", ("cond_type_embed.weight", "context_embedder_2.linear_1.weight"))),
+        config_from_shapes=config_from_shapes, released=released, pipeline_of=pipeline_of,
+        # before FLUX (20), whose marker (double_blocks.0.img_attn.qkv.weight) its files have too
+        order=12,
+        config_defaults={"in_channels": 65, "out_channels": 32, "num_attention_heads": 16,
+                         "attention_head_dim": 128, "num_layers": 54, "num_refiner_layers": 2,
+                         "patch_size": 1, "patch_size_t": 1, "text_embed_dim": 3584,
+                         "text_embed_2_dim": 1472, "image_embed_dim": 1152,
+                         "rope_axes_dim": [16, 56, 56], "use_meanflow": False,
+                         "task_type": "i2v"},
+        # the config's widths of the Qwen, ByT5 and SigLIP states the transformer takes
+        config_names={"text_width": "text_embed_dim", "text_2_width": "text_embed_2_dim",
+                      "image_width": "image_embed_dim"},
+        check_config=check_config),
+    capabilities=(
+        # clip_fea: the SigLIP output's last states
+        ImageToVideo(inputs=image_to_video, clip_vision_states="last_hidden_state"),
+        # the ByT5 glyph states: the model's txt_byt5, the CONDITIONING's conditioning_byt5small
+        SecondTextEncoder(comfy_input="txt_byt5", comfy_conditioning="conditioning_byt5small"),
+        CausalVAE(whole_video=True), Presets(PRESETS)),
 )

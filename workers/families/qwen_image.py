@@ -3,7 +3,8 @@
 frame axis, normalised per channel by the VAE's mean and std; true CFG with a norm rescale."""
 from __future__ import annotations
 
-from . import ComfySpec, Family, LatentSpec
+from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec,
+               Presets, References, Text)
 from ._shapes import numbered
 
 # The released VAE's per-channel latent statistics (vae/config.json latents_mean / std;
@@ -139,34 +140,37 @@ PRESETS = {
 
 
 FAMILY = Family(
-    presets=PRESETS,
-    vae_classes=("AutoencoderKLQwenImage",),
-    causal_vae=("autoencoder_kl_qwenimage", "QwenImage"),  # a fine-tuned Wan 2.1 VAE
-    id="qwen_image", order=50, name="Qwen-Image", transformer_class="QwenImageTransformer2DModel",
-    pipelines=("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline"),
-    adapter="QwenImageAdapter",
-    block_lists=("transformer_blocks",), block_counts=("num_layers",),
+    id="qwen_image", order=50, name="Qwen-Image",
+    classes=Classes(transformer="QwenImageTransformer2DModel",
+                    pipelines=("QwenImagePipeline", "QwenImageEditPipeline",
+                               "QwenImageEditPlusPipeline"),
+                    adapter="QwenImageAdapter", vae=("AutoencoderKLQwenImage",)),
+    # ComfyUI's files name the blocks as diffusers does
+    blocks=Blocks(lists=("transformer_blocks",), counts=("num_layers",)),
     latent=LATENT,
+    text=Text(hint="encode with Qwen-Image's text encoder (Qwen2.5-VL 7B: CLIPLoader type "
+                   "qwen_image) or type the prompt into the sampler", pooled=False),
     comfy=ComfySpec(base=lambda unet: "QwenImage", config=lambda unet: "QwenImage",
-                    unet=comfy_unet, timestep_scale=1000.0, needs_pooled=False),
-    # ComfyUI's detection key (comfy/model_detection.py); the names are diffusers'
-    markers=(("diffusers", ("txt_norm.weight", "img_in.weight")),),
-    config_from_shapes=config_from_shapes,
-    config_defaults={"patch_size": 2, "num_attention_heads": 24, "attention_head_dim": 128,
-                     "joint_attention_dim": 3584, "num_layers": 60, "in_channels": 64},
-    cfg=4.0,  # QwenImagePipeline's true_cfg_scale default
-    guidance=None, pooled=False,
-    text_hint="encode with Qwen-Image's text encoder (Qwen2.5-VL 7B: CLIPLoader type "
-              "qwen_image) or type the prompt into the sampler",
-    # reference images (QwenImageEditPipeline / QwenImageEditPlusPipeline; ComfyUI's
-    # ReferenceLatent / TextEncodeQwenImageEdit(Plus)): each reference's tokens follow the
-    # target's, at frame k of RoPE's first axis, rows and columns centred on the reference's
-    # own size (2511's zero_cond_t: modulated at timestep 0, the target at the step's;
-    # ComfyUI's method name for that, index_timestep_zero, is taken where the transformer
-    # has it)
-    reference_methods=("index", "index_timestep_zero"), reference_image_size=edit_size,
+                    unet=comfy_unet, timestep_scale=1000.0),
+    defaults=Defaults(cfg=4.0),  # QwenImagePipeline's true_cfg_scale default
+    detection=Detection(
+        # ComfyUI's detection key (comfy/model_detection.py); the names are diffusers'
+        markers=(("diffusers", ("txt_norm.weight", "img_in.weight")),),
+        config_from_shapes=config_from_shapes, order=40, released=released,
+        pipeline_of=pipeline_of,
+        config_defaults={"patch_size": 2, "num_attention_heads": 24,
+                         "attention_head_dim": 128, "joint_attention_dim": 3584,
+                         "num_layers": 60, "in_channels": 64}),
+    capabilities=(
+        # reference images (QwenImageEditPipeline / QwenImageEditPlusPipeline; ComfyUI's
+        # ReferenceLatent / TextEncodeQwenImageEdit(Plus)): each reference's tokens follow
+        # the target's, at frame k of RoPE's first axis, rows and columns centred on the
+        # reference's own size (2511's zero_cond_t: modulated at timestep 0, the target at
+        # the step's; ComfyUI's method name for that, index_timestep_zero, is taken where the
+        # transformer has it)
+        References(methods=("index", "index_timestep_zero"), image_size=edit_size),
+        CausalVAE(patch_parallel=("autoencoder_kl_qwenimage", "QwenImage")),  # a Wan 2.1 VAE
+        Presets(PRESETS)),
     pipefusion_references=False,  # img_shapes: the target's tokens first, then each reference
     odd_references=True,  # padded circularly, as ComfyUI's model pads them
-    released=released, detect_order=40, pipeline_of=pipeline_of,
-    lora_formats="diffusers/PEFT, kohya (lora_unet_) or ComfyUI (diffusion_model.)",
 )

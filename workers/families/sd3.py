@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from . import ComfySpec, Family, LatentSpec
+from . import Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
 from ._shapes import indices, numbered, pick
 
 VAE_LATENT = {"scaling_factor": 1.5305, "shift_factor": 0.0609}
@@ -100,19 +100,22 @@ PRESETS = {
 
 
 FAMILY = Family(
-    presets=PRESETS,
-    id="sd3", order=30, name="SD3/3.5", transformer_class="SD3Transformer2DModel",
-    pipelines=("StableDiffusion3Pipeline",), adapter="SD3Adapter",
-    block_lists=("transformer_blocks",), block_counts=("num_layers",),
+    id="sd3", order=30, name="SD3/3.5",
+    classes=Classes(transformer="SD3Transformer2DModel", pipelines=("StableDiffusion3Pipeline",),
+                    adapter="SD3Adapter"),
+    blocks=Blocks(lists=("transformer_blocks",), counts=("num_layers",), bfl=("joint_blocks",)),
     latent=LATENT,
+    text=Text(hint="encode with SD3's CLIP-L + CLIP-G + T5-XXL (TripleCLIPLoader)",
+              extra_tokens=CLIP_TOKENS),
     comfy=ComfySpec(base=lambda unet: "SD3", config=lambda unet: "SD3",
-                    unet=lambda cfg: {"image_model": "sd3", "out_channels": 16}),
-    markers=(("bfl", "joint_blocks.0.x_block.attn.qkv.weight"),
-             ("diffusers", ("pos_embed.proj.weight", "transformer_blocks.0.attn.to_q.weight"))),
-    config_from_shapes=config_from_shapes,
-    config_defaults={"patch_size": 2},
-    cfg=7.0, guidance=None,
-    text_hint="encode with SD3's CLIP-L + CLIP-G + T5-XXL (TripleCLIPLoader)",
-    released=released, text_extra_tokens=CLIP_TOKENS, model_cfg_first=True,
-    detect_order=30,
+                    unet=lambda cfg: {"image_model": "sd3", "out_channels": 16},
+                    cfg_first=True),
+    defaults=Defaults(cfg=7.0),
+    detection=Detection(
+        markers=(("bfl", "joint_blocks.0.x_block.attn.qkv.weight"),
+                 ("diffusers", ("pos_embed.proj.weight",
+                                "transformer_blocks.0.attn.to_q.weight"))),
+        config_from_shapes=config_from_shapes, order=30, released=released,
+        config_defaults={"patch_size": 2}),
+    capabilities=(Presets(PRESETS),),
 )

@@ -6,7 +6,8 @@ Wan 2.2 A14B is two such transformers, a high-noise expert for the first steps a
 low-noise one for the rest (the folder's `boundary_ratio`); each its own guidance scale."""
 from __future__ import annotations
 
-from . import ComfySpec, Family, LatentSpec, NotRun
+from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family, ImageToVideo,
+               LatentSpec, NotRun, Presets, Text, TwoExperts)
 from ._shapes import numbered, pick
 from .qwen_image import LATENTS_MEAN, LATENTS_STD, RGB, RGB_BIAS
 
@@ -174,32 +175,35 @@ PRESETS = {
 
 
 FAMILY = Family(
-    presets=PRESETS,
-    vae_classes=("AutoencoderKLWan",), causal_vae=("autoencoder_kl_wan", "Wan"),
-    id="wan", order=60, name="Wan", transformer_class="WanTransformer3DModel",
-    pipelines=("WanPipeline", "WanImageToVideoPipeline"), adapter="WanAdapter",
-    block_lists=("blocks",), block_counts=("num_layers",),
+    id="wan", order=60, name="Wan",
+    classes=Classes(transformer="WanTransformer3DModel",
+                    pipelines=("WanPipeline", "WanImageToVideoPipeline"), adapter="WanAdapter",
+                    vae=("AutoencoderKLWan",)),
+    blocks=Blocks(lists=("blocks",), counts=("num_layers",)),  # the files' name too
     latent=LATENT,
+    text=Text(hint="encode with Wan's text encoder (umt5-xxl: CLIPLoader type wan) or type "
+                   "the prompt into the sampler", pooled=False),
     # ComfyUI: model_base.WAN21 and supported_models.WAN21_T2V / WAN21_I2V; its flow model
     # sampling's multiplier is 1000, so the model is called with sigma x 1000 already;
     # concat_cond reads patch_embedding.weight's input channels
     comfy=ComfySpec(base=lambda unet: "WAN21",
                     config=lambda unet: "WAN21_I2V" if unet.get("model_type") == "i2v"
                     else "WAN21_T2V",
-                    unet=comfy_unet, timestep_scale=1.0, needs_pooled=False,
+                    unet=comfy_unet, timestep_scale=1.0,
                     shapes=lambda unet: {"patch_embedding.weight": (
                         int(unet["dim"]), int(unet["in_dim"]), 1, 2, 2)}),
-    # ComfyUI's detection key (original naming); diffusers' scale_shift_table + patch conv
-    markers=(("bfl", ("head.modulation", "patch_embedding.weight")),
-             ("diffusers", ("scale_shift_table", "patch_embedding.weight",
-                            "condition_embedder.time_proj.weight"))),
-    config_from_shapes=config_from_shapes,
-    config_defaults={"patch_size": [1, 2, 2], "num_attention_heads": 40,
-                     "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
-                     "text_dim": 4096, "num_layers": 40},
-    cfg=CFG, guidance=None, pooled=False,
-    text_hint="encode with Wan's text encoder (umt5-xxl: CLIPLoader type wan) or type the "
-              "prompt into the sampler",
-    released=released, detect_order=50, pipeline_of=pipeline_of, text_in_sequence=False,
-    image_to_video=image_to_video, expert_boundary=expert_boundary, check_config=check_config,
+    defaults=Defaults(cfg=CFG),
+    detection=Detection(
+        # ComfyUI's detection key (original naming); diffusers' scale_shift_table + patch conv
+        markers=(("bfl", ("head.modulation", "patch_embedding.weight")),
+                 ("diffusers", ("scale_shift_table", "patch_embedding.weight",
+                                "condition_embedder.time_proj.weight"))),
+        config_from_shapes=config_from_shapes, order=50, released=released,
+        pipeline_of=pipeline_of, check_config=check_config,
+        config_defaults={"patch_size": [1, 2, 2], "num_attention_heads": 40,
+                         "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
+                         "text_dim": 4096, "num_layers": 40}),
+    capabilities=(ImageToVideo(inputs=image_to_video), TwoExperts(boundary=expert_boundary),
+                  CausalVAE(patch_parallel=("autoencoder_kl_wan", "Wan")), Presets(PRESETS)),
+    text_in_sequence=False,
 )

@@ -5,7 +5,7 @@ VAE latents, patchified 2x2 inside the model; the model takes 1 - sigma and retu
 negated velocity; true CFG as pos + g (pos - neg), i.e. ComfyUI's cfg = g + 1."""
 from __future__ import annotations
 
-from . import ComfySpec, Family, LatentSpec
+from . import Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
 from ._shapes import numbered, pick
 from .flux import LATENT as FLUX_LATENT
 from .flux import VAE_LATENT
@@ -105,7 +105,7 @@ def released(config: dict) -> tuple:
 def comfy_unet(cfg: dict) -> dict:
     """What ComfyUI 0.8.0's detection finds in a Z-Image file (image_model lumina2, the
     released dim 3840 picks supported_models.ZImage)."""
-    cfg = {**FAMILY.config_defaults, **cfg}
+    cfg = FAMILY.full_config(cfg)
     return {"image_model": "lumina2", "dim": int(cfg["dim"]), "patch_size": 2,
             "in_channels": int(cfg["in_channels"]), "n_layers": int(cfg["n_layers"]),
             "cap_feat_dim": int(cfg["cap_feat_dim"]), "z_image_modulation": True,
@@ -132,31 +132,34 @@ def check_config(cfg: dict) -> None:
 
 
 FAMILY = Family(
-    id="z_image", order=70, name="Z-Image", transformer_class="ZImageTransformer2DModel",
-    pipelines=("ZImagePipeline",), adapter="ZImageAdapter",
-    # execution order: the image refiner, the text refiner, the main blocks
-    block_lists=("noise_refiner", "context_refiner", "layers"),
-    block_counts=("n_refiner_layers", "n_refiner_layers", "n_layers"),
+    id="z_image", order=70, name="Z-Image",
+    classes=Classes(transformer="ZImageTransformer2DModel", pipelines=("ZImagePipeline",),
+                    adapter="ZImageAdapter"),
+    # execution order: the image refiner, the text refiner, the main blocks (ComfyUI's files
+    # name them as diffusers does)
+    blocks=Blocks(lists=("noise_refiner", "context_refiner", "layers"),
+                  counts=("n_refiner_layers", "n_refiner_layers", "n_layers")),
     latent=LATENT,
+    text=Text(hint="encode with Z-Image's text encoder (Qwen3-4B: CLIPLoader type lumina2) "
+                   "or type the prompt into the sampler", pooled=False),
     comfy=ComfySpec(base=lambda unet: "Lumina2", config=lambda unet: "ZImage",
-                    unet=comfy_unet, timestep_scale=1000.0, needs_pooled=False,
-                    unused_inputs=("num_tokens",)),
-    # learned pad tokens and the Z-Image embedder names (Lumina 2 files have neither)
-    markers=(("bfl", ("cap_pad_token", "x_embedder.weight", "layers.0.attention.qkv.weight")),
-             ("diffusers", ("cap_pad_token", "all_x_embedder.2-1.weight"))),
-    config_from_shapes=config_from_shapes,
-    config_defaults={"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16,
-                     "dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30,
-                     "n_kv_heads": 30, "cap_feat_dim": 2560, "siglip_feat_dim": None,
-                     "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [32, 48, 48],
-                     "axes_lens": [1024, 512, 512]},
+                    unet=comfy_unet, timestep_scale=1000.0, unused_inputs=("num_tokens",)),
     # Turbo (the released model) samples without CFG: ZImagePipeline guidance_scale 0
-    cfg=1.0, guidance=None, pooled=False,
-    text_hint="encode with Z-Image's text encoder (Qwen3-4B: CLIPLoader type lumina2) "
-              "or type the prompt into the sampler",
-    released=released, detect_order=60, pipeline_of=pipeline_of, check_config=check_config,
-    lora_formats="diffusers/PEFT or ComfyUI (diffusion_model.)",
-    config_names={"heads": "n_heads", "hidden": "dim", "patch": "all_patch_size",
-                  "text_width": "cap_feat_dim"},
-    presets=PRESETS, pad_multiple=PAD_MULTIPLE,
+    defaults=Defaults(cfg=1.0),
+    detection=Detection(
+        # learned pad tokens and the Z-Image embedder names (Lumina 2 files have neither)
+        markers=(("bfl", ("cap_pad_token", "x_embedder.weight",
+                          "layers.0.attention.qkv.weight")),
+                 ("diffusers", ("cap_pad_token", "all_x_embedder.2-1.weight"))),
+        config_from_shapes=config_from_shapes, order=60, released=released,
+        pipeline_of=pipeline_of, check_config=check_config,
+        config_defaults={"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16,
+                         "dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30,
+                         "n_kv_heads": 30, "cap_feat_dim": 2560, "siglip_feat_dim": None,
+                         "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [32, 48, 48],
+                         "axes_lens": [1024, 512, 512]},
+        config_names={"heads": "n_heads", "hidden": "dim", "patch": "all_patch_size",
+                      "text_width": "cap_feat_dim"}),
+    capabilities=(Presets(PRESETS),),
+    pad_multiple=PAD_MULTIPLE,
 )

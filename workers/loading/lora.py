@@ -88,7 +88,7 @@ class LoraManager:
                 sd, metadata = pcls.lora_state_dict(path, return_lora_metadata=True,
                                                     use_safetensors=True)
         except Exception as e:
-            kinds = self.adapter.family.lora_formats
+            kinds = self.adapter.lora_formats
             raise LoraError(f"LoRA file {path} could not be read as a {self.arch} LoRA "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                             f"is it a LoRA for another model? Give a {kinds} LoRA trained "

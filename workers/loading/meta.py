@@ -15,7 +15,7 @@ def skeleton(arch: str, config: dict):
     """The transformer for `config` on the meta device (no memory, no random init)."""
     import diffusers
 
-    cls = getattr(diffusers, families.family(arch).transformer_class)
+    cls = getattr(diffusers, families.family(arch).classes.transformer)
     kw = dict(config)
     for k in ("axes_dims_rope", "dual_attention_layers"):
         if k in kw:

@@ -36,7 +36,7 @@ def load_vae(model: LoadedModel):
     import diffusers
 
     name = model.vae_config.get("_class_name") or "AutoencoderKL"
-    known = families.vae_classes()  # what some family declares (its `vae_classes`)
+    known = families.vae_classes()  # what some family declares (its `classes.vae`)
     if name not in known:
         raise ValueError(f"{os.path.join(model.path, 'vae')} holds a {name}; the pool decodes "
                          f"with {', '.join(known[:-1])} or {known[-1]} only (decode the LATENT with "
@@ -66,15 +66,17 @@ def vae_scale_factor(model: LoadedModel) -> int:
 
 class DiTAdapter:
     """A family's worker steps. A subclass names its `family` (workers/families); the
-    family's id, transformer class, block lists and default pipeline are copied from it."""
+    family's id, transformer class, block lists (and their single-file names) and default
+    pipeline are copied from it."""
     family = None
     arch = ""
     transformer_class = ""
     pipeline_class = ""
     block_lists: tuple = ()  # the transformer's block lists in execution order (PipeFusion)
-    # single files in BFL/ComfyUI naming: its name of each diffusers block list (the
-    # converter works key by key, so PipeFusion stages skip other stages' blocks unread);
-    # None where the converter needs the whole state (SD3: read whole, then converted)
+    # single files in BFL/ComfyUI naming: its name of each diffusers block list, from the
+    # family's `blocks.bfl` (the converter works key by key, so PipeFusion stages skip other
+    # stages' blocks unread); an adapter whose converter needs the whole state sets None
+    # (SD3: read whole, then converted)
     bfl_blocks: dict | None = None
     lora_alphas = False  # LoRA network alphas go to load_lora_into_transformer (FLUX.1)
     cfg_rescale = False  # true CFG rescaled to the conditional prediction's norm (Qwen-Image)
@@ -85,13 +87,17 @@ class DiTAdapter:
     # the diffusers pipeline whose LoRA loader reads and loads this family's LoRA files
     # (workers/loading/lora.py), where the family's own pipelines have none ("": theirs)
     lora_pipeline = ""
+    # the LoRA formats its loader reads, for the message on a file it cannot read
+    lora_formats = "diffusers/PEFT"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         fam = cls.__dict__.get("family")
         if fam is not None:
-            cls.arch, cls.transformer_class = fam.id, fam.transformer_class
-            cls.block_lists, cls.pipeline_class = fam.block_lists, fam.pipelines[0]
+            cls.arch, cls.transformer_class = fam.id, fam.classes.transformer
+            cls.block_lists, cls.pipeline_class = fam.blocks.lists, fam.classes.pipelines[0]
+            if "bfl_blocks" not in cls.__dict__:
+                cls.bfl_blocks = dict(zip(fam.blocks.lists, fam.blocks.bfl or fam.blocks.lists))
 
     def __init__(self, path=None):
         if path is not None:
@@ -101,7 +107,7 @@ class DiTAdapter:
         """The pipeline that encodes `path`'s prompts (a folder's model_index.json decides
         where the family has several); a single file: the family's default."""
         if not os.path.isdir(str(path)):
-            return self.family.pipelines[0]
+            return self.family.classes.pipelines[0]
         from .detect import pipeline_class
         return pipeline_class(self.family, path)
 
@@ -177,7 +183,7 @@ class DiTAdapter:
         if os.path.isfile(path):
             from .detect import single_file_config
             sf = single_file_config(path)
-            sched, vae = families.family(sf["arch"]).released(sf["config"])
+            sched, vae = families.family(sf["arch"]).detection.released(sf["config"])
         else:
             sched = _read_json(os.path.join(path, "scheduler", "scheduler_config.json"))
             vae = _read_json(os.path.join(path, "vae", "config.json"))
@@ -330,6 +336,12 @@ class DiTAdapter:
     def forward(self, model, latents, t, cond: dict, guidance, extra=None, jak=None):
         """One transformer call -> the prediction, in the layout of `latents`."""
         raise NotImplementedError
+
+    def reference_methods(self) -> tuple:
+        """ComfyUI's reference methods the family takes (first: the default); () for a
+        family without reference images."""
+        refs = self.family.capability(families.References)
+        return () if refs is None else refs.methods
 
     def reference_inputs(self, model, raws, method, height, width) -> dict:
         """Reference images -> {"tokens", "ids"} (workers/models/flux.py); not for this

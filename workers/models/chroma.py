@@ -94,6 +94,7 @@ def _approximator_input(emb, zero_guidance, timestep):
 class ChromaAdapter(FluxAdapter):
     family = families.FAMILIES["chroma"]
     lora_alphas = True  # ChromaPipeline loads LoRAs with FLUX's loader (FluxLoraLoaderMixin)
+    lora_formats = "diffusers/PEFT"
 
     def timesteps(self, scheduler, steps, latents, device):
         # ChromaPipeline: linear sigmas always, shifted by FLUX's dynamic mu

@@ -125,7 +125,7 @@ def single_file_config(path) -> dict:
     shapes = {k[len(prefix):]: v["shape"] for k, v in header.items() if k.startswith(prefix)}
     fam = families.family(arch)
     try:
-        cfg = fam.config_from_shapes(shapes, naming)
+        cfg = fam.detection.config_from_shapes(shapes, naming)
     except (KeyError, IndexError, ValueError) as e:
         detail = f"missing tensor {e}" if isinstance(e, KeyError) else str(e)
         raise ModelFileError(f"{str(p)!r} looks like a {fam.name} transformer but is "

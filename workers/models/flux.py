@@ -72,9 +72,8 @@ def shifted_timesteps(scheduler, steps: int, mu: float, device):
 
 class FluxAdapter(DiTAdapter):
     family = families.FAMILIES["flux"]
-    bfl_blocks = {"transformer_blocks": "double_blocks",
-                  "single_transformer_blocks": "single_blocks"}
     lora_alphas = True
+    lora_formats = "diffusers/PEFT or kohya/ComfyUI"
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("image", 1), "img_ids": ("image", 0),
                       "encoder_hidden_states": ("text", 1), "txt_ids": ("text", 0)},
@@ -190,9 +189,6 @@ class FluxAdapter(DiTAdapter):
                 used_h, used_w = max(used_h, h + dh), max(used_w, w + dw)
             out.append((index * self.reference_index_step, (dh + 1) // 2, (dw + 1) // 2))
         return out
-
-    def reference_methods(self) -> tuple:
-        return self.family.reference_methods
 
     def reference_ids(self, sizes, method, height, width, device, dtype):
         """RoPE ids [M, axes] of the references' tokens (row-major per reference, in order)."""

@@ -98,6 +98,7 @@ class Flux2Adapter(FluxAdapter):
     of [dev] and [klein] differ, their transformers only in the guidance embedding."""
     family = families.FAMILIES["flux2"]
     lora_alphas = False
+    lora_formats = "diffusers/PEFT, kohya (lora_unet_) or BFL/ComfyUI (diffusion_model.)"
     layout = dataclasses.replace(
         FluxAdapter.layout, attention_processor=Flux2ShardedAttnProcessor,
         replaces=("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"))

@@ -397,7 +397,6 @@ def band_scheme():
 class HunyuanVideo15Adapter(DiTAdapter):
     family = families.FAMILIES["hunyuan_video15"]
     # ComfyUI's name of each diffusers block list (its files convert key by key)
-    bfl_blocks = {"transformer_blocks": "double_blocks"}
     # diffusers gives HunyuanVideo 1.5's pipelines no LoRA loader; HunyuanVideo's reads
     # diffusers / PEFT files as they are and loads them into any PEFT-ready transformer
     lora_pipeline = "HunyuanVideoPipeline"
@@ -419,7 +418,7 @@ class HunyuanVideo15Adapter(DiTAdapter):
         import diffusers
 
         family = self.family
-        family.check_config({**family.config_defaults, **dict(transformer.config)})
+        family.detection.check_config(family.full_config(transformer.config))
         transformer.forward = types.MethodType(split_forward, transformer)
         text_first_outputs(transformer)
         model = super().assemble(path, transformer, report, device, dtype, False,
@@ -532,8 +531,8 @@ class HunyuanVideo15Adapter(DiTAdapter):
         HunyuanVideo15ImageToVideoPipeline prepares it, or from ComfyUI's concat_latent /
         concat_mask / image_embeds as its HunyuanVideo15 model builds them (`start_video`)."""
         family = self.family
-        start, _ = family.image_to_video({**family.config_defaults,
-                                          **dict(model.transformer.config)})
+        start, _ = family.capability(families.ImageToVideo).inputs(
+            family.full_config(model.transformer.config))
         got = self.start_frame_inputs(req, images, start)
         if got is None:
             return None

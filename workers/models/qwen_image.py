@@ -124,7 +124,7 @@ def _token_counts(transformer, kw):
 
 class QwenImageAdapter(DiTAdapter):
     family = families.FAMILIES["qwen_image"]
-    bfl_blocks = {"transformer_blocks": "transformer_blocks"}  # ComfyUI uses diffusers' names
+    lora_formats = "diffusers/PEFT, kohya (lora_unet_) or ComfyUI (diffusion_model.)"
     cfg_rescale = True  # QwenImagePipeline's true CFG keeps the conditional norm
     layout = SequenceLayout(
         split_inputs={},
@@ -238,9 +238,6 @@ class QwenImageAdapter(DiTAdapter):
             raise ValueError(ZERO_COND_ONLY)
         hidden = torch.cat([latents, refs.expand(latents.shape[0], -1, -1)], 1)
         return hidden, shapes, latents.shape[1]
-
-    def reference_methods(self) -> tuple:
-        return self.family.reference_methods
 
     def _check_method(self, method, transformer=None) -> None:
         """`index_timestep_zero` (ComfyUI's name for 2511's references at timestep 0) runs

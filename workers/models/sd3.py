@@ -73,6 +73,7 @@ def _token_counts(transformer, kw):
 
 class SD3Adapter(DiTAdapter):
     family = families.FAMILIES["sd3"]
+    bfl_blocks = None  # its single files are read whole, then converted
     # PatchEmbed crops its positional table by the input size, so split after embedding.
     layout = SequenceLayout(
         split_inputs={},

@@ -117,7 +117,6 @@ EXPAND_TIMESTEPS = "this Wan folder sets expand_timesteps: " + families.wan.TI2V
 
 class WanAdapter(DiTAdapter):
     family = families.FAMILIES["wan"]
-    bfl_blocks = {"blocks": "blocks"}
     latents_fp32 = True
     encoder_skips = ("transformer_2",)  # rank 0's prompt (and image) encoder holds no expert
     layout = SequenceLayout(
@@ -173,7 +172,7 @@ class WanAdapter(DiTAdapter):
         """The low-noise expert from its single file (whole, or this rank's rows under weight
         sharding); a file carries no boundary, so the released one for this transformer
         config is set as the folder's model_index.json would (`experts_per_step` reads it)."""
-        ratio = self.family.expert_boundary(dict(model.transformer.config))
+        ratio = self.family.capability(families.TwoExperts).boundary(dict(model.transformer.config))
         if ratio is None:
             raise ValueError("no two-expert Wan model was released with this transformer "
                              "(Wan 2.1 image-to-video); run one file alone")
@@ -323,7 +322,8 @@ class WanAdapter(DiTAdapter):
         WanImageToVideoPipeline prepares it, or from ComfyUI's concat_latent / concat_mask /
         image_embeds as its WAN21 model builds its inputs (`start_video`)."""
         from .. import messages
-        start, states = self.family.image_to_video(dict(model.transformer.config))
+        start, states = self.family.capability(families.ImageToVideo).inputs(
+            dict(model.transformer.config))
         got = self.start_frame_inputs(req, images, start)
         if got is None:
             return None

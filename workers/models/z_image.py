@@ -227,9 +227,7 @@ def _token_counts(transformer, kw):
 
 class ZImageAdapter(DiTAdapter):
     family = families.FAMILIES["z_image"]
-    # ComfyUI's files name the blocks as diffusers does
-    bfl_blocks = {"noise_refiner": "noise_refiner", "context_refiner": "context_refiner",
-                  "layers": "layers"}
+    lora_formats = "diffusers/PEFT or ComfyUI (diffusion_model.)"
     layout = SequenceLayout(
         split_inputs={},  # split_forward shards both streams itself, once padded
         split_outputs={},
@@ -244,8 +242,8 @@ class ZImageAdapter(DiTAdapter):
         """The transformer's forward becomes `split_forward`; a variant the pool does not
         run, or a PipeFusion split through the refiners, is refused."""
         family = self.family
-        cfg = {**family.config_defaults, **dict(transformer.config)}
-        family.check_config(cfg)
+        cfg = family.full_config(transformer.config)
+        family.detection.check_config(cfg)
         check_stages(cfg, stage_info)
         transformer.forward = types.MethodType(split_forward, transformer)
         return super().assemble(path, transformer, report, device, dtype, with_text_encoders,

@@ -34,13 +34,15 @@ def _allowed_types():
 @functools.lru_cache(maxsize=None)
 def _causal_families() -> tuple:
     """((module, prefix), ...) of the causal 3-D VAE modules of the Wan design that some
-    family declares (`Family.causal_vae`) and this diffusers has; the classes this scheme
-    touches are the same code in each (Qwen-Image's is a fine-tuned Wan 2.1 VAE)."""
+    family declares (its `CausalVAE` capability's `patch_parallel`) and this diffusers has;
+    the classes this scheme touches are the same code in each (Qwen-Image's is a fine-tuned
+    Wan 2.1 VAE)."""
     from .. import families
 
     found = []
-    for modname, prefix in dict.fromkeys(f.causal_vae for f in families.FAMILIES.values()
-                                         if f.causal_vae):
+    specs = (f.capability(families.CausalVAE) for f in families.FAMILIES.values())
+    for modname, prefix in dict.fromkeys(s.patch_parallel for s in specs
+                                         if s is not None and s.patch_parallel):
         try:
             mod = importlib.import_module(f"diffusers.models.autoencoders.{modname}")
         except ImportError:

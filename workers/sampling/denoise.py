@@ -87,6 +87,15 @@ class Prepared:
     extras: Optional[list] = None
 
 
+def _released_with(scheduler_class: str) -> str:
+    """The families whose released scheduler is `scheduler_class`, from the registry (a
+    released config without a class name is FlowMatchEuler's, as the FLUX-style ones)."""
+    from .. import families
+    return ", ".join(f.name for f in families.FAMILIES.values()
+                     if f.detection.released({})[0].get(
+                         "_class_name", "FlowMatchEulerDiscreteScheduler") == scheduler_class)
+
+
 def check_scheduler(scheduler) -> None:
     """The loop's step is flow-matching Euler or UniPC with flow prediction on the
     scheduler's sigmas (workers/sampling/flow_step.py): refuse a scheduler configuration it would not
@@ -105,8 +114,9 @@ def check_scheduler(scheduler) -> None:
             raise ValueError(f"UniPC solver_type {c.get('solver_type')!r}: bh1 or bh2")
     elif name != "FlowMatchEulerDiscreteScheduler":
         raise ValueError(f"scheduler {name} is not supported; the pool runs "
-                         f"FlowMatchEulerDiscreteScheduler (FLUX, SD3, Qwen-Image, Chroma) "
-                         f"and flow UniPCMultistepScheduler (Wan)")
+                         f"FlowMatchEulerDiscreteScheduler "
+                         f"({_released_with('FlowMatchEulerDiscreteScheduler')}) and flow "
+                         f"UniPCMultistepScheduler ({_released_with('UniPCMultistepScheduler')})")
     for key in ("stochastic_sampling", "use_karras_sigmas", "use_exponential_sigmas",
                 "use_beta_sigmas"):
         if c.get(key):

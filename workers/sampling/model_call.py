@@ -45,7 +45,7 @@ class ModelCall:
     # [rows, C, h, w], model space, unpacked: ComfyUI's `ref_latents`) and "ref_method",
     # and "image_embeds" ([rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, `clip_fea`),
     # and "context_2" ([rows, tokens, D2]: a second text encoder's states, the family's
-    # `comfy.text_2`: HunyuanVideo 1.5's ByT5 `txt_byt5`)
+    # `SecondTextEncoder`: HunyuanVideo 1.5's ByT5 `txt_byt5`)
     new_conds: dict = field(default_factory=dict)
     timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
     cache: Optional[dict] = None  # step cache settings (workers/sampling/step_cache.py), all fields
@@ -167,7 +167,7 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
             return (f"conditioning {key}: text states must be [{rows}, tokens, "
                     f"{width}] (got {tuple(ctx.shape)})")
         # a family without a pooled projection (FLUX.2) needs no pooled output (nor uses it)
-        if adapter.family.pooled and (
+        if adapter.family.text.pooled and (
                 pooled is None or pooled.dim() != 2 or pooled.shape[0] != rows
                 or pooled.shape[1] != int(cfg.pooled_projection_dim)):
             return (f"conditioning {key}: pooled output must be [{rows}, "
@@ -221,7 +221,7 @@ def _reference_problem(adapter, key, rows, channels, c: dict) -> str:
     refs = c.get("ref_latents")
     if refs is None:
         return ""
-    if not adapter.family.reference_methods:
+    if not adapter.reference_methods():
         return (f"conditioning {key}: reference latents are not supported by {adapter.arch} "
                 f"models (FLUX.1 Kontext, FLUX.2 or Qwen-Image-Edit only); remove the "
                 f"ReferenceLatent node")
