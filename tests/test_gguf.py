@@ -2,13 +2,12 @@
 package's numpy reference, the file reader, and GGUF files through the pool."""
 from __future__ import annotations
 
+import gguf  # a requirement: its numpy reference and writer are what the tests compare to
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-from workers.loading import gguf_quant as gq  # noqa: E402
+from workers.loading import gguf_quant as gq
 
 _K_SCALE_BYTES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fp16 scales in a block
 
