@@ -2,13 +2,12 @@
 package's numpy reference, the file reader, and GGUF files through the pool."""
 from __future__ import annotations
 
+import gguf  # a requirement: its numpy reference and writer are what the tests compare to
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-from workers.loading import gguf_quant as gq  # noqa: E402
+from workers.loading import gguf_quant as gq
 
 _K_SCALE_BYTES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fp16 scales in a block
 
@@ -358,3 +357,23 @@ def test_every_family_loads_its_gguf_file(model_dir, tmp_path, arch):
     bad = [k for k in want if not (torch.equal(got[k], want[k]) and torch.equal(want[k], ref[k]))]
     print(f"{arch} ({naming} names): {len(layers)} GGUF Linears of {len(want)} tensors")
     assert not bad, bad[:3]
+
+
+def test_weights_fp8_on_a_gguf_file(flux_files):
+    """weights="fp8" dequantises a GGUF file and stores its block Linears in fp8 as for any
+    checkpoint: no GGUF layer left, fp8 layers as many as the plain file gives, and the
+    output close to the dequantised model's (fp8's own rounding)."""
+    from workers.loading.gguf_load import GGUFLinear
+    from workers.loading.weights import FP8Linear
+    from workers.models import get_adapter
+    ad, cpu = get_adapter("flux"), torch.device("cpu")
+    m = ad.load(str(flux_files["Q8_0"]), cpu, torch.float32, False, weights="fp8")
+    plain = ad.load(str(flux_files["bfl"]), cpu, torch.float32, False, weights="fp8")
+    full = ad.load(str(flux_files["Q8_0"]), cpu, torch.float32, False, weights="full")
+    n8 = sum(isinstance(x, FP8Linear) for x in m.transformer.modules())
+    assert not any(isinstance(x, GGUFLinear) for x in m.transformer.modules())
+    assert n8 == m.load_report["fp8_layers"] == plain.load_report["fp8_layers"] > 0
+    got, want = _forward(m.transformer), _forward(full.transformer)
+    rel = ((got - want).norm() / want.norm()).item()
+    print(f"GGUF Q8_0 -> fp8: {n8} fp8 layers, rel L2 vs dequantised {rel:.1e}")
+    assert rel < 0.05

@@ -1,6 +1,10 @@
 """Loading a transformer onto a rank, in one place:
 
-* header.py — the safetensors header reader (names, dtypes, shapes, byte ranges).
+* header.py — the header reader (names, dtypes, shapes, byte ranges) of safetensors and
+  GGUF files.
+* checkpoint.py — a checkpoint's tensors read one at a time by positioned reads.
+* gguf_quant.py, gguf_load.py — GGUF blocks dequantised in torch ops; GGUF Linears kept in
+  blocks and dequantised per call.
 * meta.py — the transformer built on the meta device from a folder's config or a single
   file's weight shapes, its weights to be assigned.
 * weights.py — tensor-by-tensor loading straight to the device, and fp8 storage.
