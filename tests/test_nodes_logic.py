@@ -198,8 +198,10 @@ def test_handle_validation_and_auto_config(model_dir):
     make_handle(path, "cpu", "fp32", "2", ulysses=2).validate()
     h = make_handle(path, "cpu", "fp32", "4")
     h.validate()
-    assert h.config_for(GenerationRequest(prompt=["a"], cfg=1.0)).key() == (1, 1, 1, 4, 1)
-    assert h.config_for(GenerationRequest(prompt=["a"], cfg=3.0)).key() == (1, 2, 1, 2, 1)
+    assert h.config_for(GenerationRequest(prompt=["a"], cfg=1.0)).degrees().to_wire() == \
+        dict(dp=1, cfg=1, pipefusion=1, ulysses=4, ring=1)
+    assert h.config_for(GenerationRequest(prompt=["a"], cfg=3.0)).degrees().to_wire() == \
+        dict(dp=1, cfg=2, pipefusion=1, ulysses=2, ring=1)
     assert make_handle(path, "cpu", "fp32", "auto").config_for().ranks == 2
 
 
@@ -236,7 +238,7 @@ def test_registry_reuses_reconfigures_and_replaces(registry, model_dir):
     r = sample(_handle(model_dir, world_size=2, ring=2),
                SampleInputs(latent=latent, prompt="a cat", **COMMON), registry=registry)
     assert registry.pools() == [pool] and pool.worker_pids() == pids
-    assert pool.config.key() == (1, 1, 1, 1, 2)
+    assert pool.config.degrees().to_wire() == dict(dp=1, cfg=1, pipefusion=1, ulysses=1, ring=2)
     assert (r["samples"] - a["samples"]).abs().max() <= 1e-4
     # another world size / device setting: the old pool is closed and replaced
     one = sample(_handle(model_dir, world_size=1),
@@ -811,7 +813,8 @@ def test_loader_without_settings_is_todays_loader(model_dir):
     today = make_handle(path, **{k: v for k, v in LOADER_DEFAULTS.items()}, has_cuda=False)
     assert plain == today and not plain.degrees_given
     assert (plain.device, plain.dtype, plain.world(), plain.gpus) == ("cpu", "fp32", 2, None)
-    assert plain.config_for().key() == (1, 1, 1, 2, 1)  # the automatic split, as today
+    assert plain.config_for().degrees().to_wire() == \
+        dict(dp=1, cfg=1, pipefusion=1, ulysses=2, ring=1)  # the automatic split, as today
     assert plain.engine() == today.engine() and plain.memory_plan == "auto"
     defaults = loader_handle(dict(model=path, device="auto", dtype="auto", world_size="auto",
                                   parallel=ParallelSettings(), engine=EngineSettings()),

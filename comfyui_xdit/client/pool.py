@@ -550,7 +550,7 @@ class WorkerPool:
             refs = req.reference_latents  # ComfyUI LATENTs; the workers convert them
             images = req.reference_images  # [H, W, 3] tensors (resolved); rank 0 encodes
             req = dataclasses.replace(req, reference_latents=None, reference_images=None)
-            job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.key(),
+            job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.degrees(),
                         noise=noise_to_model(info.arch, noise),
                         init_latent=None if init_latent is None else
                         comfy_to_model(info.arch, init_latent, fmt),
@@ -699,7 +699,7 @@ class WorkerPool:
                 sent += list(new)
                 self._running_job = call_id
                 # latents as numpy: a tensor pickles through torch.save, ~30x slower
-                self._send(P.Predict(call_id=call_id, config=config.key(), x=_np(x),
+                self._send(P.Predict(call_id=call_id, config=config.degrees(), x=_np(x),
                                      timestep=_np(timestep), guidance=_np(guidance),
                                      chunks=[(k, int(r)) for k, r in chunks], conds=new,
                                      timed=timed, cache=cache, expert=int(expert)))

@@ -23,6 +23,7 @@ TARGETS = {
     "models.latent_layout": "packing latents between ComfyUI's and the model's layout",
     "loading.stages": "PipeFusion's stage split, for the memory plan",
     "loading.weights": "fp8 storage and block Linears, for the memory plan and fp8 files",
+    "parallel.degrees": "a layout's degrees by axis, which jobs and model calls carry",
     "runtime.channel": "the host end of the control channel", "runtime.protocol": "the typed messages",
     "runtime.messages": "shared message texts and process facts",
     "sampling.step_cache": "the step cache's settings, validated on the host",

@@ -55,9 +55,13 @@ class ParallelConfig:
         return (f"dp {self.dp} x cfg {self.cfg} x pipefusion {self.pipefusion} x "
                 f"ulysses {self.ulysses} x ring {self.ring}")
 
-    def key(self) -> tuple:
-        """What the worker topology depends on (process groups are cached on it)."""
-        return (self.dp, self.cfg, self.pipefusion, self.ulysses, self.ring)
+    def degrees(self):
+        """The layout the workers build their process groups on, by axis name (a
+        workers/parallel/degrees.py `Degrees`; jobs and model calls carry it)."""
+        from comfyui_xdit.client.worker_modules import worker_module
+        return worker_module("parallel.degrees").Degrees(
+            dp=self.dp, cfg=self.cfg, pipefusion=self.pipefusion, ulysses=self.ulysses,
+            ring=self.ring)
 
     def launch_key(self) -> tuple:
         """What the workers' loaded weights depend on: under PipeFusion each rank holds one

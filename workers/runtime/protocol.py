@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
+from ..parallel.degrees import Degrees
+
 
 class ProtocolError(ValueError):
     pass
@@ -30,6 +32,21 @@ def _message(cls):
     return cls
 
 
+def part(read, **kw):
+    """A field holding a typed part (`Degrees`, `Conditioning`, ...): it travels as the
+    part's `to_wire()` (plain values and tensors) and `read` makes the part again."""
+    return field(metadata={"read": read}, **kw)
+
+
+def _plain(v):
+    """A field's wire value: parts as their `to_wire()`, inside dicts too."""
+    if hasattr(v, "to_wire"):
+        return v.to_wire()
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
 # ---- host -> rank 0 ---------------------------------------------------------------------
 @_message
 class Job(Message):
@@ -38,7 +55,7 @@ class Job(Message):
     KIND: ClassVar[str] = "job"
     job_id: int
     request: dict
-    config: tuple  # ParallelConfig.key()
+    config: Degrees = part(Degrees.from_wire)
     noise: Any  # [B, ...] model-space noise, drawn once by the host
     init_latent: Any = None  # model space (img2img)
     denoise: float = 1.0
@@ -70,7 +87,7 @@ class Predict(Message):
     "image_embeds" [rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, ComfyUI's clip_fea)."""
     KIND: ClassVar[str] = "predict"
     call_id: int
-    config: tuple  # ParallelConfig.key()
+    config: Degrees = part(Degrees.from_wire)
     x: Any
     timestep: Any
     guidance: Any = None
@@ -180,7 +197,7 @@ class Bye(Message):
 
 
 def to_wire(msg: Message) -> tuple:
-    return (msg.KIND, {f.name: getattr(msg, f.name) for f in fields(msg)})
+    return (msg.KIND, {f.name: _plain(getattr(msg, f.name)) for f in fields(msg)})
 
 
 def from_wire(wire) -> Message:
@@ -190,6 +207,11 @@ def from_wire(wire) -> Message:
     except (TypeError, ValueError, KeyError):
         raise ProtocolError(f"not a protocol message: {str(wire)[:80]!r}") from None
     try:
+        body = dict(body)
+        for f in fields(cls):
+            read = f.metadata.get("read")
+            if read is not None and body.get(f.name) is not None:
+                body[f.name] = read(body[f.name])
         return cls(**body)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ProtocolError(f"bad {kind!r} message: {e}") from None

@@ -144,7 +144,8 @@ class Worker:
                               for n in self.adapter.block_lists),
                 "world_size": self.world, "load_seconds": self.load_seconds,
                 "latent": dict(zip(("scale", "shift"), self.adapter.scale_shift(self.model))),
-                "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
+                "ranks": self.ranks,
+                "config": self.parallel[0].to_wire() if self.parallel else None,
                 "weights": (getattr(self.model, "load_report", None) or {}).get("weights"),
                 "text_encoders": (getattr(self.model, "load_report", None) or {}).get(
                     "text_encoders"),
@@ -159,7 +160,7 @@ class Worker:
                 **self.state}
 
     def topology(self, key):
-        """Process groups and model hooks for a configuration, built once per key. The
+        """Process groups and model hooks for a configuration (`Degrees`), built once per key. The
         project's attention processors run at every degree (at sp 1 with the plain
         `LocalAttention`), so the pool's `attention` choice is the kernel that runs."""
         from ..parallel.attention import LocalAttention, ShardedAttention
@@ -167,8 +168,7 @@ class Worker:
         from ..parallel.topology import build_topology
 
         if key not in self.topologies:
-            dp, cfg, pf, uly, ring = key
-            topo = build_topology(self.rank, self.world, dp, cfg, pf, uly, ring,
+            topo = build_topology(self.rank, self.world, **key.to_wire(),
                                   device=self.device, groups=self.groups)
             _warm_pairs(topo)
             self.topologies[key] = topo
@@ -204,7 +204,7 @@ class Worker:
         from ..sampling.denoise import Job
 
         req = dict(msg.request)
-        self._check_stages(tuple(msg.config))
+        self._check_stages(msg.config)
         noise = msg.noise  # model space, drawn once by the host (ComfyUI's prepare_noise)
         b = int(noise.shape[0])
         use_cfg = float(req["cfg"]) > 1.0
@@ -262,7 +262,7 @@ class Worker:
             if refs["tokens"].shape[0] not in (1, b):
                 raise ValueError(f"reference latents have batch {refs['tokens'].shape[0]}; "
                                  f"give 1 (shared) or the batch {b}")
-        return Job(job_id=msg.job_id, request=req, config=tuple(msg.config), noise=noise,
+        return Job(job_id=msg.job_id, request=req, config=msg.config, noise=noise,
                    cond=cond, uncond=uncond, init_latent=msg.init_latent,
                    denoise=float(msg.denoise), options=dict(msg.options or {}),
                    references=refs)
@@ -279,14 +279,15 @@ class Worker:
 
     def _check_stages(self, key) -> None:
         """A PipeFusion pool holds one stage per rank: it runs only its launch's layout."""
-        dp, cfg, pf, uly, ring = key
-        want = (pf, uly * ring) if pf > 1 else (1,)
+        pf = key.pipefusion
+        want = (pf, key.sp) if pf > 1 else (1,)
         have = (self.args.pipefusion, self.args.pipefusion_inner) \
             if self.args.pipefusion > 1 else (1,)
         if want != have:
             raise RuntimeError(f"this pool was launched for pipefusion {self.args.pipefusion}"
                                f" (x{self.args.pipefusion_inner} sp ranks per stage); a job "
-                               f"with pipefusion {pf} x ulysses {uly} x ring {ring} needs a "
+                               f"with pipefusion {pf} x ulysses {key.ulysses} x ring "
+                               f"{key.ring} needs a "
                                f"relaunch of the pool")
 
     def run(self, job, emit=None, should_stop=lambda: False):
@@ -345,8 +346,8 @@ class Worker:
 
         from ..sampling.model_call import ModelCall, call_problem
 
-        key = tuple(msg.config)
-        if key[2] > 1:
+        key = msg.config
+        if key.pipefusion > 1:
             raise ValueError("PipeFusion pipelines patches across denoising steps, so it cannot "
                              "serve a sampler that calls the model one step at a time "
                              "(KSampler & co.); use Sampler (xDiT) with this pool, or a pool "

@@ -24,6 +24,7 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from ..parallel.degrees import Degrees
 from ..parallel.sequence_parallel import all_gather_tokens, even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import Topology, broadcast
@@ -43,7 +44,7 @@ class Job:
 
     job_id: int
     request: dict  # GenerationRequest fields, defaults resolved
-    config: tuple  # ParallelConfig.key()
+    config: Degrees  # the layout, by axis (workers/parallel/degrees.py)
     noise: torch.Tensor  # model space (packed for FLUX), fp32, the whole batch
     cond: dict
     uncond: Optional[dict]

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..parallel.degrees import Degrees
 from ..parallel.sequence_parallel import even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import all_gather, all_reduce
@@ -36,7 +37,7 @@ class ModelCall:
     """What rank 0 broadcasts for one call (control plane; small apart from `x`)."""
 
     call_id: int
-    config: tuple  # ParallelConfig.key()
+    config: Degrees  # the layout, by axis (workers/parallel/degrees.py)
     x: torch.Tensor  # [N, C, h, w] model space, fp32, CPU ([N, C, T, h, w]: video families)
     timestep: torch.Tensor  # [N], sigma * 1000
     guidance: Optional[torch.Tensor]  # [N] FLUX embedded guidance, else None
