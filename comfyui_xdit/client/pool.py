@@ -655,16 +655,14 @@ class WorkerPool:
                    cache: Optional[dict] = None, expert: int = 0):
         """One denoiser evaluation (workers/sampling/model_call.py) for a host-side sampler: `x`
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
-        `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
-        of which those in `known` are not sent (rank 0 has them). Returns (prediction,
-        stats, keys sent). Launches the pool if needed; a bad call leaves it warm.
+        `chunks` [(key, rows)], `conds` {key: Conditioning} (workers/runtime/conditioning.py,
+        or a dict of its fields) for every chunk key, of which those in `known` are not sent
+        (rank 0 has them). Returns (prediction, stats, keys sent). Launches the pool if
+        needed; a bad call leaves it warm.
 
         Reference latents (FLUX Kontext / ReferenceLatent) belong to a conditioning and are
-        cached with it: a conds entry may add "ref_latents", a list of tensors
-        [rows, C, h, w] in x's space (model space, unpacked: what ComfyUI's FLUX model gets
-        as `ref_latents`, sliced to the chunk's rows), and "ref_method" ("offset" (default),
-        "index" or "uxo": ComfyUI's `ref_latents_method`). The chunks of one call must
-        agree on the references' shapes and method. `on_event` receives the call's events: the
+        cached with it (its `ref_latents`, in x's space, and `ref_method`). The chunks of one
+        call must agree on the references' shapes and method. `on_event` receives the call's events: the
         compiling ones of a `compile` pool's first calls (a failing callback is logged, never
         fails the call). `timed` (benchmarks): the stats carry the call's phases
         (`forward_s`, `forward_max_s`: the slowest rank's, `gather_s`, `pre_s`, `post_s`),

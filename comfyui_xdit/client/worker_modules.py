@@ -25,6 +25,7 @@ TARGETS = {
     "loading.weights": "fp8 storage and block Linears, for the memory plan and fp8 files",
     "parallel.degrees": "a layout's degrees by axis, which jobs and model calls carry",
     "runtime.channel": "the host end of the control channel", "runtime.protocol": "the typed messages",
+    "runtime.conditioning": "a model call's conditioning, which the xDiT MODEL builds",
     "runtime.messages": "shared message texts and process facts",
     "sampling.step_cache": "the step cache's settings, validated on the host",
 }

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
 from ..parallel.degrees import Degrees
+from .conditioning import Conditioning
 
 
 class ProtocolError(ValueError):
@@ -79,12 +80,11 @@ class Decode(Message):
 @_message
 class Predict(Message):
     """One denoiser evaluation for a host-side sampler (workers/sampling/model_call.py): latents
-    [N, C, h, w] model space, one timestep (sigma * 1000) and FLUX guidance per row,
-    `chunks` [(conditioning key, rows)] in row order; `conds` carries the conditionings rank 0
-    has not seen ({key: {"context", "pooled"}}, ComfyUI's CONDITIONING tensors, plus
-    optionally "ref_latents" [[rows, C, h, w] model space, ...] and "ref_method": the
-    reference latents ComfyUI's FLUX model receives, cached with their conditioning; and
-    "image_embeds" [rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, ComfyUI's clip_fea)."""
+    [N, C, h, w] model space ([N, C, T, h, w] for a video family), one timestep
+    (sigma * 1000) and FLUX guidance per row, `chunks` [(conditioning key, rows)] in row
+    order; `conds` carries the conditionings rank 0 has not seen, {key: Conditioning}
+    (workers/runtime/conditioning.py: text states, pooled, second text, CLIP vision states,
+    reference latents and their method), which the workers cache by key."""
     KIND: ClassVar[str] = "predict"
     call_id: int
     config: Degrees = part(Degrees.from_wire)
@@ -92,7 +92,7 @@ class Predict(Message):
     timestep: Any
     guidance: Any = None
     chunks: list = field(default_factory=list)
-    conds: dict = field(default_factory=dict)
+    conds: dict = part(Conditioning.map_from_wire, default_factory=dict)
     timed: bool = False  # benchmarks: report the call's phase timings (CUDA events on GPUs)
     cache: Optional[dict] = None  # step cache settings, every field (None: off)
     expert: int = 0  # a model of several experts (Wan 2.2 A14B): 0 the first, 1 the second

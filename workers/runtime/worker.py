@@ -354,10 +354,7 @@ class Worker:
                              "without pipefusion for the xDiT MODEL")
         self._check_stages(key)
         chunks = [(str(k), int(r)) for k, r in msg.chunks]
-        conds = {str(k): {f: v[f] for f in ("context", "pooled", "ref_latents", "ref_method",
-                                            "image_embeds", "context_2")
-                          if f in v}
-                 for k, v in (msg.conds or {}).items()}
+        conds = msg.conds or {}  # {key: Conditioning}
         missing = [k for k in self.cond_cache.missing(k for k, _ in chunks) if k not in conds]
         if missing:
             return missing
