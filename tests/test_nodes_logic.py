@@ -2,6 +2,7 @@
 pool registry (reuse, reconfigure, replace), sampling through it, img2img and interrupt."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -589,6 +590,33 @@ def test_loader_has_four_widgets_and_three_settings_inputs(loader_node):
     assert combo[0]["options"] == ["auto", "enforce", "advise"]
 
 
+def test_settings_nodes_are_their_values_fields(loader_node):
+    """Each settings node's widgets are the fields of the value it outputs, defined once
+    (nodes/settings.py): the widgets at their defaults give the value's defaults, and Step
+    cache (xDiT) outputs the workers' own CacheSettings (one type, one set of defaults)."""
+    import sys
+    from comfyui_xdit.nodes import settings as node_settings
+    from comfyui_xdit.planning.request import cache_settings
+    nodes = sys.modules["comfyui_xdit.nodes.extension"]
+    pairs = {nodes.ParallelSettings: node_settings.ParallelSettings,
+             nodes.PipeFusionSettings: node_settings.PipeFusionSettings,
+             nodes.EngineSettings: node_settings.EngineSettings,
+             nodes.CacheSettings: cache_settings(),
+             nodes.SamplerOptions: node_settings.SamplerOptions}
+    for node, value_type in pairs.items():
+        widgets = {name: kw["default"] for _, name, kw in _schema_inputs(nodes, node)}
+        assert len(widgets) == len(dataclasses.fields(value_type)), node
+        node.execute(**widgets)
+        assert nodes.io.NodeOutput.call_args.args[0] == value_type(), node
+    cache = dict(threshold=0.2, warmup=1, head_blocks=2, tail_blocks=1, max_skips=0,
+                 taylor=True)
+    nodes.CacheSettings.execute(**cache)
+    assert nodes.io.NodeOutput.call_args.args[0] == cache_settings()(
+        threshold=0.2, warmup=1, head=2, tail=1, max_skips=0, taylor=True)
+    nodes.EngineSettings.execute(memory_plan=" Advise ")  # what the loader takes
+    assert nodes.io.NodeOutput.call_args.args[0].memory_plan == "advise"
+
+
 def test_loader_memory_plan_option(loader_node):
     """Engine settings' memory_plan reaches the handle as chosen; none connected: auto."""
     LoadModel, _ = loader_node
@@ -1011,12 +1039,12 @@ def test_step_cache_settings_node(registry, model_dir):
     """Step cache (xDiT): its value becomes the request's cache, a bad value is one line, the
     Sampler's text counts the calls computed in full, and 0 turns it off."""
     from comfyui_xdit.nodes.node_text import cache_text
-    from comfyui_xdit.nodes.settings import CacheSettings
-    assert CacheSettings().as_request() == {"threshold": 0.08, "warmup": 2, "head": 1,
-                                            "tail": 0, "max_skips": 3, "taylor": False}
-    assert CacheSettings(threshold=0.0).as_request() is None
+    from comfyui_xdit.nodes.settings import CacheSettings, cache_request
+    assert cache_request(CacheSettings()) == {"threshold": 0.08, "warmup": 2, "head": 1,
+                                              "tail": 0, "max_skips": 3, "taylor": False}
+    assert cache_request(CacheSettings(threshold=0.0)) is None
     with pytest.raises(ConfigError, match="cache head blocks must be >= 1") as e:
-        CacheSettings(head=0).as_request()
+        cache_request(CacheSettings(head=0))
     assert "\n" not in str(e.value)
     assert cache_text({"computed": 9, "skipped": 7}) == "9 of 16 calls computed in full"
     assert cache_text({"computed": 9, "skipped": 7}, short=True) == "9/16 calls in full"

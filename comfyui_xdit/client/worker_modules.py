@@ -27,7 +27,7 @@ TARGETS = {
     "runtime.channel": "the host end of the control channel", "runtime.protocol": "the typed messages",
     "runtime.conditioning": "a model call's conditioning, which the xDiT MODEL builds",
     "runtime.messages": "shared message texts and process facts",
-    "sampling.step_cache": "the step cache's settings, validated on the host",
+    "sampling.cache_settings": "the step cache's settings: the request's, the CLI's and the node's",
 }
 _PACKAGE = "comfyui_xdit_workers"
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

@@ -152,7 +152,9 @@ class ParallelConfig:
                 if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
                                f"{self.sp} ranks; use a larger image or fewer ranks")
-            if self.pipefusion > 1 and (request.cache or {}).get("threshold"):
+            from comfyui_xdit.planning.request import cache_problems, resolved_cache
+            if self.pipefusion > 1 and not cache_problems(request.cache) \
+                    and resolved_cache(request.cache) is not None:
                 from comfyui_xdit.client.worker_modules import worker_module
                 out.append(worker_module("runtime.messages").CACHE_WITH_PIPEFUSION)
             arch = getattr(model, "arch", None)

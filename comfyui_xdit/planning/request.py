@@ -96,8 +96,9 @@ class GenerationRequest:
     concat_latent: Any = None
     concat_mask: Any = None
     image_embeds: Any = None
-    # Step cache (workers/sampling/step_cache.py CacheSettings, whose defaults these are): threshold
-    # (0 or None: off), warmup, head, tail, max_skips, taylor. Resolved to every field.
+    # Step cache: a dict of workers/sampling/cache_settings.py CacheSettings' fields (threshold,
+    # warmup, head, tail, max_skips, taylor; those left out take its defaults), or None / a
+    # threshold of 0: off. Resolved to every field.
     cache: Optional[dict] = None
 
     def __post_init__(self):
@@ -232,16 +233,18 @@ def frames_problems(frames, model) -> list[str]:
     return []
 
 
-def _cache_settings():
-    return worker_module("sampling.step_cache").CacheSettings
+def cache_settings():
+    """The step cache's settings type (workers/sampling/cache_settings.py), its one definition."""
+    return worker_module("sampling.cache_settings").CacheSettings
 
 
 def resolved_cache(cache: Optional[dict]) -> Optional[dict]:
-    """Every field of the step cache's settings, or None when it is off."""
-    if not cache or not cache.get("threshold"):
+    """Every field of the step cache's settings, or None when it is off (no settings, or a
+    threshold of 0)."""
+    if not cache:
         return None
-    from dataclasses import asdict
-    return asdict(_cache_settings().from_dict(cache))
+    settings = cache_settings().from_dict(cache)
+    return settings.to_dict() if settings.enabled else None
 
 
 def cache_problems(cache) -> list[str]:
@@ -250,7 +253,7 @@ def cache_problems(cache) -> list[str]:
     if not isinstance(cache, dict):
         return [f"cache must be a dict of step-cache settings (got {type(cache).__name__})"]
     try:
-        return _cache_settings().from_dict(cache).problems()
+        return cache_settings().from_dict(cache).problems()
     except (TypeError, ValueError) as e:
         return [str(e)]
 

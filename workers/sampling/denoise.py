@@ -31,7 +31,8 @@ from ..parallel.topology import Topology, broadcast
 from ..runtime.hooks import no_step_scope
 from ..runtime.messages import CACHE_WITH_PIPEFUSION
 from .flow_step import combine, combine_across, make_steps
-from .step_cache import CacheSettings, RunCache, call_on_ranks, gated
+from .cache_settings import CacheSettings
+from .step_cache import RunCache, call_on_ranks, gated
 
 
 class Cancelled(Exception):

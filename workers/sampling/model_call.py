@@ -70,7 +70,8 @@ class CondCache:
             return None
         key = tuple(sorted(settings.items()))
         if key != self._steps_key:
-            from .step_cache import CacheSettings, RunCache
+            from .cache_settings import CacheSettings
+            from .step_cache import RunCache
             self.steps, self._steps_key = RunCache(CacheSettings.from_dict(settings)), key
         return self.steps
 
