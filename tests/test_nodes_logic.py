@@ -33,8 +33,9 @@ def test_latent_round_trip_and_empty_detection():
     x = torch.randn(3, 16, 8, 12)
     lat = latent_from_comfy({"samples": x}, "flux")
     assert (lat.batch, lat.height, lat.width, lat.empty) == (3, 64, 96, False)
-    assert torch.equal(latent_to_comfy(lat.samples)["samples"], x)
-    assert torch.equal(latent_from_comfy(latent_to_comfy(x), "flux").samples, x)
+    from workers.runtime.outputs import Latents
+    assert torch.equal(latent_to_comfy(Latents(samples=lat.samples))["samples"], x)
+    assert torch.equal(latent_from_comfy(latent_to_comfy(Latents(samples=x)), "flux").samples, x)
     # EmptySD3LatentImage (16 ch) and EmptyLatentImage (4 ch, expanded like ComfyUI does)
     for c in (16, 4):
         e = latent_from_comfy({"samples": torch.zeros(2, c, 8, 8)}, "flux")

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from comfyui_xdit.client.channel import Channel, connect, parse_address
 from comfyui_xdit.client.exit_cleanup import install_sigterm
 from comfyui_xdit.comfy_convert import (comfy_noise, comfy_to_model, latent_shape, latent_shape_text,
-                            layout_hint, model_to_comfy, noise_to_model)
+                            latents_to_comfy, layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.planning import calibration, launch_policy
 from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig
 from comfyui_xdit.planning.gpus import gpus_for_ranks, text_encoder_gpu
@@ -586,7 +586,8 @@ class WorkerPool:
                     elif isinstance(msg, P.Result) and msg.job_id == job_id:
                         self._note_measured(request, msg.stats)
                         return GenerationResult(
-                            samples=to_comfy(msg.samples), images=msg.images,
+                            latents=latents_to_comfy(info.arch, msg.latents, fmt, req.height,
+                                                     req.width), decoded=msg.decoded,
                             config=self.config, stats=msg.stats or [],
                             timings={"launch_s": (t_ready - t0) if launched else 0.0,
                                      "first_step_s": first_step,
@@ -641,7 +642,7 @@ class WorkerPool:
                 while True:
                     msg = self._recv(self.step_timeout, f"decoding (job {job_id})")
                     if isinstance(msg, P.Result) and msg.job_id == job_id:
-                        return msg.images
+                        return msg.decoded.images
                     if isinstance(msg, P.Error):
                         if msg.fatal:
                             self._raise_fatal(msg.message, f"decoding (job {job_id})")

@@ -220,7 +220,7 @@ def sample(handle: ModelHandle, inp: SampleInputs,
                          "text": job_text(*job_args),
                          "timings": {k: (round(v, 3) if isinstance(v, float) else v)
                                      for k, v in result.timings.items()}}
-    return latent_to_comfy(result.samples)
+    return latent_to_comfy(result.latents)
 
 
 # ---- decoding ---------------------------------------------------------------------------

@@ -530,12 +530,22 @@ def _lora_problems(loras, experts=None) -> list[str]:
 
 @dataclass
 class GenerationResult:
-    """`samples`: ComfyUI LATENT samples (fp32, CPU): [B,16,H/8,W/8] raw VAE space (FLUX.1,
-    SD3); [B,128,H/16,W/16] patchified and normalised (FLUX.2).
-    `images`: [B,H,W,3] in 0..1 when the request asked for output="image"."""
+    """`latents`: the job's Latents (workers/runtime/outputs.py) in ComfyUI's LATENT space
+    (fp32, CPU); `samples` is its image or video latent: [B,16,H/8,W/8] raw VAE space
+    (FLUX.1, SD3); [B,128,H/16,W/16] patchified and normalised (FLUX.2); ...
+    `decoded`: its Decoded when the request asked for output="image", whose `images` are
+    [B,H,W,3] in 0..1."""
 
-    samples: Any
-    images: Any = None
+    latents: Any
+    decoded: Any = None
     timings: dict = field(default_factory=dict)
     config: Any = None
     stats: list = field(default_factory=list)  # per rank: denoise_s, comm bytes (when metered)
+
+    @property
+    def samples(self):
+        return self.latents.samples
+
+    @property
+    def images(self):
+        return None if self.decoded is None else self.decoded.images

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Optional
 
 from ..parallel.degrees import Degrees
 from .conditioning import Conditioning
+from .outputs import Decoded, Latents
 
 
 class ProtocolError(ValueError):
@@ -156,10 +157,12 @@ class Event(Message):
 
 @_message
 class Result(Message):
+    """A job's or a decode's outcome: its latents (model space; None for a decode) and their
+    decode (None unless asked for), typed (workers/runtime/outputs.py); every rank's stats."""
     KIND: ClassVar[str] = "result"
     job_id: int
-    samples: Any  # model space (None for a decode)
-    images: Any  # IMAGE [B,H,W,3] or None
+    latents: Optional[Latents] = part(Latents.from_wire, default=None)
+    decoded: Optional[Decoded] = part(Decoded.from_wire, default=None)
     stats: list = field(default_factory=list)
 
 

@@ -291,6 +291,8 @@ class Worker:
                                f"relaunch of the pool")
 
     def run(self, job, emit=None, should_stop=lambda: False):
+        """Every rank: the job. Returns (Latents in model space, Decoded or None: both hold
+        their tensors on rank 0 only; every rank's stats, on rank 0)."""
         import torch
 
         from ..sampling.denoise import run_job
@@ -336,7 +338,9 @@ class Worker:
                 r["rss_mb"] = st["rss_mb"]
                 if "first_job_s" in st:
                     r["first_job_s"] = st["first_job_s"]
-        return samples, images, stats
+        from .outputs import Decoded, Latents
+        return (Latents(samples=samples), None if images is None else Decoded(images=images),
+                stats)
 
     def prepare_call(self, msg):
         """Rank 0: a host sampler's `protocol.Predict` -> the broadcastable ModelCall, or the
