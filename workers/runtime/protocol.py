@@ -53,7 +53,10 @@ def _plain(v):
 @_message
 class Job(Message):
     """Generate: `request` is GenerationRequest's fields (defaults resolved); tensors are
-    model space (workers/models/latent_layout.py)."""
+    model space (workers/models/latent_layout.py). The host fills the fields up to
+    `reference_images`; rank 0 prepares the job once (workers/runtime/worker.py: prompts
+    encoded, references turned into model-space inputs), fills the fields after them, and
+    broadcasts this same Job to every rank, which runs it (workers/sampling/denoise.py)."""
     KIND: ClassVar[str] = "job"
     job_id: int
     request: dict
@@ -68,6 +71,14 @@ class Job(Message):
     # reference images [H, W, 3] float 0..1 each, in order (rank 0 encodes them with the
     # folder's VAE as the family's pipeline does; its text encoder may read them too)
     reference_images: Optional[list] = None
+    # ---- rank 0's, never the host's: the guidance branches' transformer inputs (the
+    # negative None without CFG), and the references' model-space inputs: {"tokens":
+    # [1 or B, M, C], plus what the adapter's forward needs of them (FLUX: "ids"; Qwen-Image:
+    # "shapes")}, or Wan image-to-video's {"tokens": the start frame's condition [1 or B,
+    # 20, T, h, w]}, joined to the latents along channels
+    cond: Optional[dict] = None
+    uncond: Optional[dict] = None
+    reference_inputs: Optional[dict] = None
 
 
 @_message

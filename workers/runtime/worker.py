@@ -197,12 +197,16 @@ class Worker:
         return topo
 
     def prepare(self, msg):
-        """Rank 0: turn the host's `protocol.Job` into the broadcastable denoise.Job (prompts
-        encoded once, LoRA files checked) before anything is broadcast."""
+        """Rank 0: the host's `protocol.Job` prepared for every rank, before anything is
+        broadcast: prompts encoded once, references made model-space inputs, LoRA files
+        checked. Returns the same Job with rank 0's fields filled (the host's reference
+        inputs dropped: the broadcast carries what they became)."""
+        import dataclasses
+
         import torch
 
-        from ..sampling.denoise import Job
-
+        if msg.cond is not None or msg.uncond is not None or msg.reference_inputs is not None:
+            raise ValueError("a job's cond, uncond and reference_inputs are rank 0's to fill")
         req = dict(msg.request)
         self._check_stages(msg.config)
         noise = msg.noise  # model space, drawn once by the host (ComfyUI's prepare_noise)
@@ -262,10 +266,10 @@ class Worker:
             if refs["tokens"].shape[0] not in (1, b):
                 raise ValueError(f"reference latents have batch {refs['tokens'].shape[0]}; "
                                  f"give 1 (shared) or the batch {b}")
-        return Job(job_id=msg.job_id, request=req, config=msg.config, noise=noise,
-                   cond=cond, uncond=uncond, init_latent=msg.init_latent,
-                   denoise=float(msg.denoise), options=dict(msg.options or {}),
-                   references=refs)
+        return dataclasses.replace(msg, request=req, denoise=float(msg.denoise),
+                                   options=dict(msg.options or {}), references=None,
+                                   reference_images=None, cond=cond, uncond=uncond,
+                                   reference_inputs=refs)
 
     def _encode_reference_images(self, images, req) -> dict:
         """Reference images ([H, W, 3] 0..1, from the host) -> the adapter's

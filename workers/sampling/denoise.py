@@ -24,12 +24,12 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from ..parallel.degrees import Degrees
 from ..parallel.sequence_parallel import all_gather_tokens, even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import Topology, broadcast
 from ..runtime.hooks import no_step_scope
 from ..runtime.messages import CACHE_WITH_PIPEFUSION
+from ..runtime.protocol import Job  # the host's job as rank 0 prepared and broadcast it
 from .flow_step import combine, combine_across, make_steps
 from .cache_settings import CacheSettings
 from .step_cache import RunCache, call_on_ranks, gated
@@ -37,27 +37,6 @@ from .step_cache import RunCache, call_on_ranks, gated
 
 class Cancelled(Exception):
     """The host asked to stop; every rank leaves the loop at the same step."""
-
-
-@dataclass
-class Job:
-    """What rank 0 broadcasts: the resolved request plus everything derived from it once."""
-
-    job_id: int
-    request: dict  # GenerationRequest fields, defaults resolved
-    config: Degrees  # the layout, by axis (workers/parallel/degrees.py)
-    noise: torch.Tensor  # model space (packed for FLUX), fp32, the whole batch
-    cond: dict
-    uncond: Optional[dict]
-    init_latent: Optional[torch.Tensor] = None  # model space, the whole batch (img2img)
-    denoise: float = 1.0
-    options: Optional[dict] = None  # PipeFusion: warmup_steps, pipeline_patches
-    # reference images: {"tokens": [1 or B, M, C] model space, plus what the adapter's
-    # forward needs of them (FLUX: "ids" [M, axes]; Qwen-Image: "shapes", the token grids)},
-    # shared by both guidance branches (the adapter joins them to the image stream); Wan
-    # image-to-video: {"tokens": the start frame's condition [1 or B, 20, T, h, w]}, which
-    # the adapter joins to the latents along channels
-    references: Optional[dict] = None
 
 
 def schedule_window(steps: int, denoise: float) -> tuple:
@@ -148,8 +127,8 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
         x0 = job.init_latent[mine].to(dev, noise.dtype)
         latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(noise.dtype)
     extra = adapter.forward_extra(model, req["height"], req["width"])
-    if job.references is not None:  # a batch of references is sliced like the latents
-        for key, v in job.references.items():  # the rest: what the adapter's forward needs
+    if job.reference_inputs is not None:  # a batch of references is sliced like the latents
+        for key, v in job.reference_inputs.items():  # the rest: what the adapter's forward needs
             if key == "tokens":   # of them ("ids": FLUX's RoPE ids; "shapes": Qwen's grids)
                 extra["ref_tokens"] = (v[mine] if v.shape[0] > 1 else v).to(dev, dtype)
             else:
