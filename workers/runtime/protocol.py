@@ -1,10 +1,13 @@
 """Every message between the host and rank 0, typed.
 
-On the wire a message is `(kind, {field: value})` of plain values and tensors, pickled by the
-authenticated channel (workers/runtime/channel.py): no class of this module crosses the wire, so the
-host (which loads this module under a private package name inside ComfyUI) and the workers
-need not agree on import paths, and nothing but builtins and tensors is ever unpickled.
-`to_wire` / `from_wire` convert; an unknown kind or field is a `ProtocolError`.
+On the wire a message is `(kind, {field: value})`, pickled by the authenticated channel
+(workers/runtime/channel.py) after its handshake. No class crosses the wire, neither a
+message nor a part of one: the host loads this module under a private package name
+(comfyui_xdit/client/worker_modules.py), so the two sides' classes differ. A field's value
+travels as plain values, tensors and numpy arrays; a typed part (`Degrees`, `Conditioning`,
+`Latents`, `Decoded`) as its `to_wire()` dict, which `from_wire` reads back through the
+field's `part` reader. `to_wire` / `from_wire` convert; an unknown kind or field, or a part
+that does not read, is a `ProtocolError`.
 """
 from __future__ import annotations
 
@@ -83,7 +86,8 @@ class Job(Message):
 
 @_message
 class Decode(Message):
-    """Decode raw-VAE-space latents [B,16,h,w] with the model's VAE, patch-parallel."""
+    """Decode the family's ComfyUI LATENT samples with the model's VAE, patch-parallel over
+    every rank; the answer is a `Result` whose `decoded` holds the images."""
     KIND: ClassVar[str] = "decode"
     job_id: int
     samples: Any
