@@ -33,7 +33,11 @@ MODULES = {
     "channel": ("runtime.channel", "the host end of the control channel"),
     "protocol": ("runtime.protocol", "the typed host <-> rank 0 messages"),
     "messages": ("messages", "shared message texts and process facts"),
-    "step_cache": ("sampling.step_cache", "the step cache's settings, validated on the host"),
+    "degrees": ("parallel.degrees", "a layout's degrees by axis, which jobs and model calls carry"),
+    "conditioning": ("runtime.conditioning",
+                     "a model call's conditioning, which the xDiT MODEL builds"),
+    "cache_settings": ("sampling.cache_settings",
+                       "the step cache's settings: the request's, the CLI's and the node's"),
 }
 _PACKAGE = "comfyui_xdit_workers"
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers")

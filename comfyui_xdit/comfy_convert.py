@@ -271,9 +271,10 @@ def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
                        batch_index=list(bi) if bi is not None else None, frames=frames)
 
 
-def latent_to_comfy(samples) -> dict:
-    """Pool result samples (already ComfyUI's layout) -> ComfyUI LATENT."""
-    return {"samples": samples.float().cpu()}
+def latent_to_comfy(latents) -> dict:
+    """A result's Latents (already ComfyUI's layout; workers/runtime/outputs.py) -> ComfyUI
+    LATENT: each of its tensors under its name ("samples": the image or video latent)."""
+    return {name: t.float().cpu() for name, t in latents.items()}
 
 
 def comfy_noise(seed: int, shape, batch_index=None):
@@ -321,6 +322,13 @@ def preview_rgb(preview, arch: str):
 def comfy_to_model(arch: str, samples, fmt: dict):
     """ComfyUI LATENT samples -> model space."""
     return bridge.latent_layout.to_model(arch, samples, fmt["scale"], fmt["shift"])
+
+
+def latents_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):
+    """A job's Latents (workers/runtime/outputs.py) from model space to ComfyUI's, each
+    tensor by its kind ("samples": `model_to_comfy`)."""
+    convert = {"samples": lambda t: model_to_comfy(arch, t, fmt, height, width)}
+    return latents.map(lambda name, t: convert[name](t))
 
 
 def model_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):

@@ -2,6 +2,7 @@
 pool registry (reuse, reconfigure, replace), sampling through it, img2img and interrupt."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -32,8 +33,9 @@ def test_latent_round_trip_and_empty_detection():
     x = torch.randn(3, 16, 8, 12)
     lat = latent_from_comfy({"samples": x}, "flux")
     assert (lat.batch, lat.height, lat.width, lat.empty) == (3, 64, 96, False)
-    assert torch.equal(latent_to_comfy(lat.samples)["samples"], x)
-    assert torch.equal(latent_from_comfy(latent_to_comfy(x), "flux").samples, x)
+    from workers.runtime.outputs import Latents
+    assert torch.equal(latent_to_comfy(Latents(samples=lat.samples))["samples"], x)
+    assert torch.equal(latent_from_comfy(latent_to_comfy(Latents(samples=x)), "flux").samples, x)
     # EmptySD3LatentImage (16 ch) and EmptyLatentImage (4 ch, expanded like ComfyUI does)
     for c in (16, 4):
         e = latent_from_comfy({"samples": torch.zeros(2, c, 8, 8)}, "flux")
@@ -198,8 +200,10 @@ def test_handle_validation_and_auto_config(model_dir):
     make_handle(path, "cpu", "fp32", "2", ulysses=2).validate()
     h = make_handle(path, "cpu", "fp32", "4")
     h.validate()
-    assert h.config_for(GenerationRequest(prompt=["a"], cfg=1.0)).key() == (1, 1, 1, 4, 1)
-    assert h.config_for(GenerationRequest(prompt=["a"], cfg=3.0)).key() == (1, 2, 1, 2, 1)
+    assert h.config_for(GenerationRequest(prompt=["a"], cfg=1.0)).degrees().to_wire() == \
+        dict(dp=1, cfg=1, pipefusion=1, ulysses=4, ring=1)
+    assert h.config_for(GenerationRequest(prompt=["a"], cfg=3.0)).degrees().to_wire() == \
+        dict(dp=1, cfg=2, pipefusion=1, ulysses=2, ring=1)
     assert make_handle(path, "cpu", "fp32", "auto").config_for().ranks == 2
 
 
@@ -236,7 +240,7 @@ def test_registry_reuses_reconfigures_and_replaces(registry, model_dir):
     r = sample(_handle(model_dir, world_size=2, ring=2),
                SampleInputs(latent=latent, prompt="a cat", **COMMON), registry=registry)
     assert registry.pools() == [pool] and pool.worker_pids() == pids
-    assert pool.config.key() == (1, 1, 1, 1, 2)
+    assert pool.config.degrees().to_wire() == dict(dp=1, cfg=1, pipefusion=1, ulysses=1, ring=2)
     assert (r["samples"] - a["samples"]).abs().max() <= 1e-4
     # another world size / device setting: the old pool is closed and replaced
     one = sample(_handle(model_dir, world_size=1),
@@ -595,6 +599,33 @@ def test_loader_has_four_widgets_and_three_settings_inputs(loader_node):
     assert combo[0]["options"] == ["auto", "enforce", "advise"]
 
 
+def test_settings_nodes_are_their_values_fields(loader_node):
+    """Each settings node's widgets are the fields of the value it outputs, defined once
+    (nodes/settings.py): the widgets at their defaults give the value's defaults, and Step
+    cache (xDiT) outputs the workers' own CacheSettings (one type, one set of defaults)."""
+    import sys
+    from comfyui_xdit.nodes import settings as node_settings
+    from comfyui_xdit.planning.request import cache_settings
+    nodes = sys.modules["comfyui_xdit.nodes.extension"]
+    pairs = {nodes.ParallelSettings: node_settings.ParallelSettings,
+             nodes.PipeFusionSettings: node_settings.PipeFusionSettings,
+             nodes.EngineSettings: node_settings.EngineSettings,
+             nodes.CacheSettings: cache_settings(),
+             nodes.SamplerOptions: node_settings.SamplerOptions}
+    for node, value_type in pairs.items():
+        widgets = {name: kw["default"] for _, name, kw in _schema_inputs(nodes, node)}
+        assert len(widgets) == len(dataclasses.fields(value_type)), node
+        node.execute(**widgets)
+        assert nodes.io.NodeOutput.call_args.args[0] == value_type(), node
+    cache = dict(threshold=0.2, warmup=1, head_blocks=2, tail_blocks=1, max_skips=0,
+                 taylor=True)
+    nodes.CacheSettings.execute(**cache)
+    assert nodes.io.NodeOutput.call_args.args[0] == cache_settings()(
+        threshold=0.2, warmup=1, head=2, tail=1, max_skips=0, taylor=True)
+    nodes.EngineSettings.execute(memory_plan=" Advise ")  # what the loader takes
+    assert nodes.io.NodeOutput.call_args.args[0].memory_plan == "advise"
+
+
 def test_loader_memory_plan_option(loader_node):
     """Engine settings' memory_plan reaches the handle as chosen; none connected: auto."""
     LoadModel, _ = loader_node
@@ -819,7 +850,8 @@ def test_loader_without_settings_is_todays_loader(model_dir):
     today = make_handle(path, **{k: v for k, v in LOADER_DEFAULTS.items()}, has_cuda=False)
     assert plain == today and not plain.degrees_given
     assert (plain.device, plain.dtype, plain.world(), plain.gpus) == ("cpu", "fp32", 2, None)
-    assert plain.config_for().key() == (1, 1, 1, 2, 1)  # the automatic split, as today
+    assert plain.config_for().degrees().to_wire() == \
+        dict(dp=1, cfg=1, pipefusion=1, ulysses=2, ring=1)  # the automatic split, as today
     assert plain.engine() == today.engine() and plain.memory_plan == "auto"
     defaults = loader_handle(dict(model=path, device="auto", dtype="auto", world_size="auto",
                                   parallel=ParallelSettings(), engine=EngineSettings()),
@@ -1016,12 +1048,12 @@ def test_step_cache_settings_node(registry, model_dir):
     """Step cache (xDiT): its value becomes the request's cache, a bad value is one line, the
     Sampler's text counts the calls computed in full, and 0 turns it off."""
     from comfyui_xdit.nodes.node_text import cache_text
-    from comfyui_xdit.nodes.settings import CacheSettings
-    assert CacheSettings().as_request() == {"threshold": 0.08, "warmup": 2, "head": 1,
-                                            "tail": 0, "max_skips": 3, "taylor": False}
-    assert CacheSettings(threshold=0.0).as_request() is None
+    from comfyui_xdit.nodes.settings import CacheSettings, cache_request
+    assert cache_request(CacheSettings()) == {"threshold": 0.08, "warmup": 2, "head": 1,
+                                              "tail": 0, "max_skips": 3, "taylor": False}
+    assert cache_request(CacheSettings(threshold=0.0)) is None
     with pytest.raises(ConfigError, match="cache head blocks must be >= 1") as e:
-        CacheSettings(head=0).as_request()
+        cache_request(CacheSettings(head=0))
     assert "\n" not in str(e.value)
     assert cache_text({"computed": 9, "skipped": 7}) == "9 of 16 calls computed in full"
     assert cache_text({"computed": 9, "skipped": 7}, short=True) == "9/16 calls in full"

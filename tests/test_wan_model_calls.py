@@ -99,11 +99,11 @@ def test_step_cache_gates_the_expert_a_call_runs(pool, experts):
     """Step cache (xDiT) on the low-noise expert's MODEL: its first call is computed in full
     (equals transformer_2), the next, with a threshold every change stays under, skips
     its middle blocks: the cache gated the transformer the call ran."""
-    from comfyui_xdit.nodes.settings import CacheSettings
+    from comfyui_xdit.nodes.settings import CacheSettings, cache_request
     den = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "wan")
     den.expert = 1
-    den.cache = CacheSettings(threshold=100.0, warmup=1, head=1, tail=0,
-                              max_skips=3).as_request()
+    den.cache = cache_request(CacheSettings(threshold=100.0, warmup=1, head=1, tail=0,
+                                            max_skips=3))
     call = comfy_call(experts[1], seed=5)
     first = den(**call)
     assert float((first - reference(experts[1], call)).abs().max()) <= TOL

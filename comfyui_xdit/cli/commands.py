@@ -16,7 +16,7 @@ from pathlib import Path
 
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig
 from comfyui_xdit.cli.images import VIDEO_SUFFIXES, save_pngs, save_video
-from comfyui_xdit.planning.request import GenerationRequest, families
+from comfyui_xdit.planning.request import GenerationRequest, cache_settings, families
 
 
 def family_names(keep=lambda fam: True) -> str:
@@ -244,14 +244,18 @@ def format_status(info: dict) -> str:
 
 
 def _add_cache_flags(p) -> None:
-    """The step cache (off unless --cache is given a threshold > 0)."""
-    p.add_argument("--cache", type=float, default=0.0, metavar="THRESHOLD",
-                   help="step cache: skip a step's middle blocks when the first blocks' "
-                        "residual changed less than this (relative L1; e.g. 0.1); 0: off")
-    for name, help_ in (("warmup", "calls per row that always compute (default 2)"),
-                        ("head", "first blocks that always run (default 1)"),
-                        ("tail", "last blocks that always run (default 0)"),
-                        ("max-skips", "most skipped calls in a row, 0 = no limit (default 3)")):
+    """The step cache (off unless --cache is given; its defaults are CacheSettings')."""
+    d = cache_settings()()
+    p.add_argument("--cache", type=float, nargs="?", const=d.threshold, default=0.0,
+                   metavar="THRESHOLD",
+                   help=f"step cache: skip a step's middle blocks when the first blocks' "
+                        f"residual changed less than this (relative L1; without a value "
+                        f"{d.threshold:g}); 0: off")
+    for name, help_ in (("warmup", f"calls per row that always compute (default {d.warmup})"),
+                        ("head", f"first blocks that always run (default {d.head})"),
+                        ("tail", f"last blocks that always run (default {d.tail})"),
+                        ("max-skips", f"most skipped calls in a row, 0 = no limit (default "
+                                      f"{d.max_skips})")):
         p.add_argument(f"--cache-{name}", type=int, default=None, help=f"step cache: {help_}")
     p.add_argument("--cache-taylor", action="store_true",
                    help="step cache: forecast the skipped residual to first order (TaylorSeer)")

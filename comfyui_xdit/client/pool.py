@@ -21,7 +21,7 @@ from comfyui_xdit.client.channel import Channel, parse_address
 from comfyui_xdit.client.connection import PoolConnection
 from comfyui_xdit.client.launch import UNPLANNED, PoolLaunch
 from comfyui_xdit.comfy_convert import (comfy_noise, comfy_to_model, latent_shape, latent_shape_text,
-                            layout_hint, model_to_comfy, noise_to_model)
+                            latents_to_comfy, layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.errors import JobCancelled, PoolError  # noqa: F401  (the API's errors)
 from comfyui_xdit.planning import calibration, launch_policy
 from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig
@@ -248,7 +248,7 @@ class WorkerPool(PoolLaunch, PoolConnection):
             refs = req.reference_latents  # ComfyUI LATENTs; the workers convert them
             images = req.reference_images  # [H, W, 3] tensors (resolved); rank 0 encodes
             req = dataclasses.replace(req, reference_latents=None, reference_images=None)
-            job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.key(),
+            job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.degrees(),
                         noise=noise_to_model(info.arch, noise),
                         init_latent=None if init_latent is None else
                         comfy_to_model(info.arch, init_latent, fmt),
@@ -284,7 +284,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
                     elif isinstance(msg, P.Result) and msg.job_id == job_id:
                         self._note_measured(request, msg.stats)
                         return GenerationResult(
-                            samples=to_comfy(msg.samples), images=msg.images,
+                            latents=latents_to_comfy(info.arch, msg.latents, fmt, req.height,
+                                                     req.width), decoded=msg.decoded,
                             config=self.config, stats=msg.stats or [],
                             timings={"launch_s": (t_ready - t0) if launched else 0.0,
                                      "first_step_s": first_step,
@@ -339,7 +340,7 @@ class WorkerPool(PoolLaunch, PoolConnection):
                 while True:
                     msg = self._recv(self.step_timeout, f"decoding (job {job_id})")
                     if isinstance(msg, P.Result) and msg.job_id == job_id:
-                        return msg.images
+                        return msg.decoded.images
                     if isinstance(msg, P.Error):
                         if msg.fatal:
                             self._raise_fatal(msg.message, f"decoding (job {job_id})")
@@ -353,16 +354,14 @@ class WorkerPool(PoolLaunch, PoolConnection):
                    cache: Optional[dict] = None, expert: int = 0):
         """One denoiser evaluation (workers/sampling/model_call.py) for a host-side sampler: `x`
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
-        `chunks` [(key, rows)], `conds` {key: {"context", "pooled"}} for every chunk key,
-        of which those in `known` are not sent (rank 0 has them). Returns (prediction,
-        stats, keys sent). Launches the pool if needed; a bad call leaves it warm.
+        `chunks` [(key, rows)], `conds` {key: Conditioning} (workers/runtime/conditioning.py,
+        or a dict of its fields) for every chunk key, of which those in `known` are not sent
+        (rank 0 has them). Returns (prediction, stats, keys sent). Launches the pool if
+        needed; a bad call leaves it warm.
 
         Reference latents (FLUX Kontext / ReferenceLatent) belong to a conditioning and are
-        cached with it: a conds entry may add "ref_latents", a list of tensors
-        [rows, C, h, w] in x's space (model space, unpacked: what ComfyUI's FLUX model gets
-        as `ref_latents`, sliced to the chunk's rows), and "ref_method" ("offset" (default),
-        "index" or "uxo": ComfyUI's `ref_latents_method`). The chunks of one call must
-        agree on the references' shapes and method. `on_event` receives the call's events: the
+        cached with it (its `ref_latents`, in x's space, and `ref_method`). The chunks of one
+        call must agree on the references' shapes and method. `on_event` receives the call's events: the
         compiling ones of a `compile` pool's first calls (a failing callback is logged, never
         fails the call). `timed` (benchmarks): the stats carry the call's phases
         (`forward_s`, `forward_max_s`: the slowest rank's, `gather_s`, `pre_s`, `post_s`),
@@ -397,7 +396,7 @@ class WorkerPool(PoolLaunch, PoolConnection):
                 sent += list(new)
                 self._running_job = call_id
                 # latents as numpy: a tensor pickles through torch.save, ~30x slower
-                self._send(P.Predict(call_id=call_id, config=config.key(), x=_np(x),
+                self._send(P.Predict(call_id=call_id, config=config.degrees(), x=_np(x),
                                      timestep=_np(timestep), guidance=_np(guidance),
                                      chunks=[(k, int(r)) for k, r in chunks], conds=new,
                                      timed=timed, cache=cache, expert=int(expert)))

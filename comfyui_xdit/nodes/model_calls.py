@@ -39,8 +39,9 @@ import hashlib
 from typing import Callable, Optional
 
 from comfyui_xdit.planning.config import ConfigError, ParallelConfig
-from comfyui_xdit.bridge import families
+from comfyui_xdit.bridge import conditioning, families
 
+Conditioning = conditioning.Conditioning  # what the pool takes
 
 # inputs a diffusion model call may carry that we pass on or check
 _KNOWN = {"y", "guidance", "control", "transformer_options", "attention_mask", "ref_latents",
@@ -208,10 +209,9 @@ class PoolDenoiser:
 
     def _chunks(self, context, y, uuids, n: int, refs=None, method=None, clip=None,
                 text_2=None):
-        """[(key, rows)] and {key: {"context", "pooled"[, "ref_latents", "ref_method",
-        "image_embeds", "context_2"]}} for the rows of one call (each reference and the CLIP
-        vision states sliced to the chunk's rows, a batch-1 one shared; a second text's
-        states, the family's `SecondTextEncoder`, sliced as the context)."""
+        """[(key, rows)] and {key: Conditioning} for the rows of one call (each reference
+        and the CLIP vision states sliced to the chunk's rows, a batch-1 one shared; a second
+        text's states, the family's `SecondTextEncoder`, sliced as the context)."""
         parts = len(uuids) if uuids else 1
         if n % parts:
             raise ConfigError(f"{n} latent rows cannot be split into {parts} conditionings")
@@ -248,18 +248,16 @@ class PoolDenoiser:
                                      *([] if image is None else ["clip", image]),
                                      *([] if ctx_2 is None else ["text_2", ctx_2]))
             chunks.append((key, rows))
-            conds[key] = {"context": ctx.detach().float().cpu().contiguous(),
-                          "pooled": None if pooled is None else
-                          pooled.detach().float().cpu().contiguous()}
-            if image is not None:
-                conds[key]["image_embeds"] = image.detach().float().cpu().contiguous()
-            if ctx_2 is not None:
-                conds[key]["context_2"] = ctx_2.detach().float().cpu().contiguous()
-            if mine is not None:
-                conds[key]["ref_latents"] = mine
-                if method is not None:
-                    conds[key]["ref_method"] = str(method)
+            conds[key] = Conditioning(
+                context=_wire(ctx), pooled=_wire(pooled), context_2=_wire(ctx_2),
+                image_embeds=_wire(image), ref_latents=mine,
+                ref_method=None if mine is None or method is None else str(method))
         return chunks, conds
+
+
+def _wire(t):
+    """A tensor as the pool takes it: fp32, CPU, contiguous (None stays None)."""
+    return None if t is None else t.detach().float().cpu().contiguous()
 
 
 def _digest(*tensors) -> str:

@@ -6,7 +6,7 @@ from comfy_api.v0_0_2 import io
 
 from comfyui_xdit.planning.config import ConfigError, auto_config
 from comfyui_xdit.planning.model_info import comfy_unet_config
-from comfyui_xdit.nodes.settings import EXPERTS
+from comfyui_xdit.nodes.settings import EXPERTS, cache_request
 
 CATEGORY = "xDiT"
 XDiTModel = io.Custom("XDIT_MODEL")
@@ -73,5 +73,5 @@ class ToModel(io.ComfyNode):
 
         return io.NodeOutput(build_model(current_pool, config, info.arch,
                                          comfy_unet_config(model.path),
-                                         cache=None if cache is None else cache.as_request(),
+                                         cache=None if cache is None else cache_request(cache),
                                          expert=index))

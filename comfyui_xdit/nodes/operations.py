@@ -18,7 +18,7 @@ from comfyui_xdit.comfy_convert import (check_text_width, comfy_noise, condition
 from comfyui_xdit.nodes.handles import ModelHandle
 from comfyui_xdit.nodes.node_text import decode_text, job_text
 from comfyui_xdit.nodes.pool_registry import REGISTRY, PoolRegistry
-from comfyui_xdit.nodes.settings import CacheSettings
+from comfyui_xdit.nodes.settings import CacheSettings, cache_request
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.planning.gpus import gpus_for_ranks
 from comfyui_xdit.planning.room import make_room
@@ -95,7 +95,7 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
         frames=lat.frames, cfg_2=None if not inp.cfg_2 else float(inp.cfg_2),
         shift=None if not inp.shift else float(inp.shift),
         reference_latents=refs, reference_method=method,
-        cache=None if inp.cache is None else inp.cache.as_request(), **start)
+        cache=None if inp.cache is None else cache_request(inp.cache), **start)
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
         kw["noise"] = comfy_noise(int(inp.seed), latent_shape(arch, lat.batch, lat.height,
@@ -220,7 +220,7 @@ def sample(handle: ModelHandle, inp: SampleInputs,
                          "text": job_text(*job_args),
                          "timings": {k: (round(v, 3) if isinstance(v, float) else v)
                                      for k, v in result.timings.items()}}
-    return latent_to_comfy(result.samples)
+    return latent_to_comfy(result.latents)
 
 
 # ---- decoding ---------------------------------------------------------------------------

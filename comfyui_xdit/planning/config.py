@@ -55,9 +55,13 @@ class ParallelConfig:
         return (f"dp {self.dp} x cfg {self.cfg} x pipefusion {self.pipefusion} x "
                 f"ulysses {self.ulysses} x ring {self.ring}")
 
-    def key(self) -> tuple:
-        """What the worker topology depends on (process groups are cached on it)."""
-        return (self.dp, self.cfg, self.pipefusion, self.ulysses, self.ring)
+    def degrees(self):
+        """The layout the workers build their process groups on, by axis name (a
+        workers/parallel/degrees.py `Degrees`; jobs and model calls carry it)."""
+        from comfyui_xdit import bridge
+        return bridge.degrees.Degrees(
+            dp=self.dp, cfg=self.cfg, pipefusion=self.pipefusion, ulysses=self.ulysses,
+            ring=self.ring)
 
     def launch_key(self) -> tuple:
         """What the workers' loaded weights depend on: under PipeFusion each rank holds one
@@ -148,7 +152,9 @@ class ParallelConfig:
                 if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "
                                f"{self.sp} ranks; use a larger image or fewer ranks")
-            if self.pipefusion > 1 and (request.cache or {}).get("threshold"):
+            from comfyui_xdit.planning.request import cache_problems, resolved_cache
+            if self.pipefusion > 1 and not cache_problems(request.cache) \
+                    and resolved_cache(request.cache) is not None:
                 from comfyui_xdit import bridge
                 out.append(bridge.messages.CACHE_WITH_PIPEFUSION)
             arch = getattr(model, "arch", None)

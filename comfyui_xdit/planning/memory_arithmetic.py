@@ -459,7 +459,7 @@ def _alternatives(facts, config, engine, job, gpu_memory):
                                  ("shard_weights", config, True),
                                  (f"ulysses {world} + shard_weights",
                                   ParallelConfig(ulysses=world), True)):
-            if (cfg.key(), shard) not in [(c.key(), sh) for _, c, sh in layouts] and \
+            if (cfg.degrees(), shard) not in [(c.degrees(), sh) for _, c, sh in layouts] and \
                     not (shard and cfg.pipefusion > 1):
                 layouts.append((name, cfg, shard))
     te_options = [("", engine.text_encoders)]

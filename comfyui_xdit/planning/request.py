@@ -101,8 +101,9 @@ class GenerationRequest:
     concat_latent: Any = None
     concat_mask: Any = None
     image_embeds: Any = None
-    # Step cache (workers/sampling/step_cache.py CacheSettings, whose defaults these are): threshold
-    # (0 or None: off), warmup, head, tail, max_skips, taylor. Resolved to every field.
+    # Step cache: a dict of workers/sampling/cache_settings.py CacheSettings' fields (threshold,
+    # warmup, head, tail, max_skips, taylor; those left out take its defaults), or None / a
+    # threshold of 0: off. Resolved to every field.
     cache: Optional[dict] = None
 
     def __post_init__(self):
@@ -239,16 +240,18 @@ def frames_problems(frames, model) -> list[str]:
     return []
 
 
-def _cache_settings():
-    return bridge.step_cache.CacheSettings
+def cache_settings():
+    """The step cache's settings type (workers/sampling/cache_settings.py), its one definition."""
+    return bridge.cache_settings.CacheSettings
 
 
 def resolved_cache(cache: Optional[dict]) -> Optional[dict]:
-    """Every field of the step cache's settings, or None when it is off."""
-    if not cache or not cache.get("threshold"):
+    """Every field of the step cache's settings, or None when it is off (no settings, or a
+    threshold of 0)."""
+    if not cache:
         return None
-    from dataclasses import asdict
-    return asdict(_cache_settings().from_dict(cache))
+    settings = cache_settings().from_dict(cache)
+    return settings.to_dict() if settings.enabled else None
 
 
 def cache_problems(cache) -> list[str]:
@@ -257,7 +260,7 @@ def cache_problems(cache) -> list[str]:
     if not isinstance(cache, dict):
         return [f"cache must be a dict of step-cache settings (got {type(cache).__name__})"]
     try:
-        return _cache_settings().from_dict(cache).problems()
+        return cache_settings().from_dict(cache).problems()
     except (TypeError, ValueError) as e:
         return [str(e)]
 
@@ -539,12 +542,22 @@ def _lora_problems(loras, experts=None) -> list[str]:
 
 @dataclass
 class GenerationResult:
-    """`samples`: ComfyUI LATENT samples (fp32, CPU): [B,16,H/8,W/8] raw VAE space (FLUX.1,
-    SD3); [B,128,H/16,W/16] patchified and normalised (FLUX.2).
-    `images`: [B,H,W,3] in 0..1 when the request asked for output="image"."""
+    """`latents`: the job's Latents (workers/runtime/outputs.py) in ComfyUI's LATENT space
+    (fp32, CPU); `samples` is its image or video latent: [B,16,H/8,W/8] raw VAE space
+    (FLUX.1, SD3); [B,128,H/16,W/16] patchified and normalised (FLUX.2); ...
+    `decoded`: its Decoded when the request asked for output="image", whose `images` are
+    [B,H,W,3] in 0..1."""
 
-    samples: Any
-    images: Any = None
+    latents: Any
+    decoded: Any = None
     timings: dict = field(default_factory=dict)
     config: Any = None
     stats: list = field(default_factory=list)  # per rank: denoise_s, comm bytes (when metered)
+
+    @property
+    def samples(self):
+        return self.latents.samples
+
+    @property
+    def images(self):
+        return None if self.decoded is None else self.decoded.images

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-AXES = ("dp", "cfg", "pipefusion", "ring", "ulysses")
+from .degrees import AXES  # the rank layout, outermost first (dp, cfg, pipefusion, ring, ulysses)
 
 _CONTROL_GROUPS: set = set()  # ids of the gloo twins (filled as they are created, never later)
 

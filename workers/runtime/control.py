@@ -15,6 +15,7 @@ import time
 
 from ..sampling.model_call import ModelCall
 from . import protocol as P
+from .outputs import Decoded
 from .worker import DecodeJob, _broadcast, _decode, _decode_problem
 
 log = logging.getLogger("xdit.worker")
@@ -54,7 +55,7 @@ def _leader_decode(worker, link, msg: P.Decode):
         raise
     finally:
         worker.state.update(state="idle", job_id=None)
-    link.send(P.Result(job_id, samples=None, images=images,
+    link.send(P.Result(job_id, decoded=Decoded(images=images),
                        stats=[{"rank": 0, "decode_s": time.perf_counter() - t}]))
 
 
@@ -227,7 +228,7 @@ def _leader_loop(worker, acceptor):
                             total=job.request["steps"])
         try:
             try:
-                samples, images, stats = worker.run(job, emit, should_stop)
+                latents, decoded, stats = worker.run(job, emit, should_stop)
             finally:
                 worker.state.update(state="idle", job_id=None)
         except Cancelled as e:
@@ -240,4 +241,4 @@ def _leader_loop(worker, acceptor):
             # other ranks may be inside a collective: the pool cannot continue
             link.send(P.Error(job.job_id, f"rank 0: {type(e).__name__}: {e}", fatal=True))
             raise
-        link.send(P.Result(job.job_id, samples=samples, images=images, stats=stats))
+        link.send(P.Result(job.job_id, latents=latents, decoded=decoded, stats=stats))

@@ -1,15 +1,22 @@
 """Every message between the host and rank 0, typed.
 
-On the wire a message is `(kind, {field: value})` of plain values and tensors, pickled by the
-authenticated channel (workers/runtime/channel.py): no class of this module crosses the wire, so the
-host (which loads this module under a private package name inside ComfyUI) and the workers
-need not agree on import paths, and nothing but builtins and tensors is ever unpickled.
-`to_wire` / `from_wire` convert; an unknown kind or field is a `ProtocolError`.
+On the wire a message is `(kind, {field: value})`, pickled by the authenticated channel
+(workers/runtime/channel.py) after its handshake. No class crosses the wire, neither a
+message nor a part of one: the host loads this module under a private package name
+(comfyui_xdit/bridge.py), so the two sides' classes differ. A field's value
+travels as plain values, tensors and numpy arrays; a typed part (`Degrees`, `Conditioning`,
+`Latents`, `Decoded`) as its `to_wire()` dict, which `from_wire` reads back through the
+field's `part` reader. `to_wire` / `from_wire` convert; an unknown kind or field, or a part
+that does not read, is a `ProtocolError`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional
+
+from ..parallel.degrees import Degrees
+from .conditioning import Conditioning
+from .outputs import Decoded, Latents
 
 
 class ProtocolError(ValueError):
@@ -30,15 +37,33 @@ def _message(cls):
     return cls
 
 
+def part(read, **kw):
+    """A field holding a typed part (`Degrees`, `Conditioning`, ...): it travels as the
+    part's `to_wire()` (plain values and tensors) and `read` makes the part again."""
+    return field(metadata={"read": read}, **kw)
+
+
+def _plain(v):
+    """A field's wire value: parts as their `to_wire()`, inside dicts too."""
+    if hasattr(v, "to_wire"):
+        return v.to_wire()
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
 # ---- host -> rank 0 ---------------------------------------------------------------------
 @_message
 class Job(Message):
     """Generate: `request` is GenerationRequest's fields (defaults resolved); tensors are
-    model space (workers/models/latent_layout.py)."""
+    model space (workers/models/latent_layout.py). The host fills the fields up to
+    `reference_images`; rank 0 prepares the job once (workers/runtime/worker.py: prompts
+    encoded, references turned into model-space inputs), fills the fields after them, and
+    broadcasts this same Job to every rank, which runs it (workers/sampling/denoise.py)."""
     KIND: ClassVar[str] = "job"
     job_id: int
     request: dict
-    config: tuple  # ParallelConfig.key()
+    config: Degrees = part(Degrees.from_wire)
     noise: Any  # [B, ...] model-space noise, drawn once by the host
     init_latent: Any = None  # model space (img2img)
     denoise: float = 1.0
@@ -49,11 +74,20 @@ class Job(Message):
     # reference images [H, W, 3] float 0..1 each, in order (rank 0 encodes them with the
     # folder's VAE as the family's pipeline does; its text encoder may read them too)
     reference_images: Optional[list] = None
+    # ---- rank 0's, never the host's: the guidance branches' transformer inputs (the
+    # negative None without CFG), and the references' model-space inputs: {"tokens":
+    # [1 or B, M, C], plus what the adapter's forward needs of them (FLUX: "ids"; Qwen-Image:
+    # "shapes")}, or Wan image-to-video's {"tokens": the start frame's condition [1 or B,
+    # 20, T, h, w]}, joined to the latents along channels
+    cond: Optional[dict] = None
+    uncond: Optional[dict] = None
+    reference_inputs: Optional[dict] = None
 
 
 @_message
 class Decode(Message):
-    """Decode raw-VAE-space latents [B,16,h,w] with the model's VAE, patch-parallel."""
+    """Decode the family's ComfyUI LATENT samples with the model's VAE, patch-parallel over
+    every rank; the answer is a `Result` whose `decoded` holds the images."""
     KIND: ClassVar[str] = "decode"
     job_id: int
     samples: Any
@@ -62,20 +96,19 @@ class Decode(Message):
 @_message
 class Predict(Message):
     """One denoiser evaluation for a host-side sampler (workers/sampling/model_call.py): latents
-    [N, C, h, w] model space, one timestep (sigma * 1000) and FLUX guidance per row,
-    `chunks` [(conditioning key, rows)] in row order; `conds` carries the conditionings rank 0
-    has not seen ({key: {"context", "pooled"}}, ComfyUI's CONDITIONING tensors, plus
-    optionally "ref_latents" [[rows, C, h, w] model space, ...] and "ref_method": the
-    reference latents ComfyUI's FLUX model receives, cached with their conditioning; and
-    "image_embeds" [rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, ComfyUI's clip_fea)."""
+    [N, C, h, w] model space ([N, C, T, h, w] for a video family), one timestep
+    (sigma * 1000) and FLUX guidance per row, `chunks` [(conditioning key, rows)] in row
+    order; `conds` carries the conditionings rank 0 has not seen, {key: Conditioning}
+    (workers/runtime/conditioning.py: text states, pooled, second text, CLIP vision states,
+    reference latents and their method), which the workers cache by key."""
     KIND: ClassVar[str] = "predict"
     call_id: int
-    config: tuple  # ParallelConfig.key()
+    config: Degrees = part(Degrees.from_wire)
     x: Any
     timestep: Any
     guidance: Any = None
     chunks: list = field(default_factory=list)
-    conds: dict = field(default_factory=dict)
+    conds: dict = part(Conditioning.map_from_wire, default_factory=dict)
     timed: bool = False  # benchmarks: report the call's phase timings (CUDA events on GPUs)
     cache: Optional[dict] = None  # step cache settings, every field (None: off)
     expert: int = 0  # a model of several experts (Wan 2.2 A14B): 0 the first, 1 the second
@@ -139,10 +172,12 @@ class Event(Message):
 
 @_message
 class Result(Message):
+    """A job's or a decode's outcome: its latents (model space; None for a decode) and their
+    decode (None unless asked for), typed (workers/runtime/outputs.py); every rank's stats."""
     KIND: ClassVar[str] = "result"
     job_id: int
-    samples: Any  # model space (None for a decode)
-    images: Any  # IMAGE [B,H,W,3] or None
+    latents: Optional[Latents] = part(Latents.from_wire, default=None)
+    decoded: Optional[Decoded] = part(Decoded.from_wire, default=None)
     stats: list = field(default_factory=list)
 
 
@@ -180,7 +215,7 @@ class Bye(Message):
 
 
 def to_wire(msg: Message) -> tuple:
-    return (msg.KIND, {f.name: getattr(msg, f.name) for f in fields(msg)})
+    return (msg.KIND, {f.name: _plain(getattr(msg, f.name)) for f in fields(msg)})
 
 
 def from_wire(wire) -> Message:
@@ -190,6 +225,11 @@ def from_wire(wire) -> Message:
     except (TypeError, ValueError, KeyError):
         raise ProtocolError(f"not a protocol message: {str(wire)[:80]!r}") from None
     try:
+        body = dict(body)
+        for f in fields(cls):
+            read = f.metadata.get("read")
+            if read is not None and body.get(f.name) is not None:
+                body[f.name] = read(body[f.name])
         return cls(**body)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ProtocolError(f"bad {kind!r} message: {e}") from None

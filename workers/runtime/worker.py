@@ -147,7 +147,8 @@ class Worker:
                               for n in self.adapter.block_lists),
                 "world_size": self.world, "load_seconds": self.load_seconds,
                 "latent": dict(zip(("scale", "shift"), self.adapter.scale_shift(self.model))),
-                "ranks": self.ranks, "config": self.parallel[0] if self.parallel else None,
+                "ranks": self.ranks,
+                "config": self.parallel[0].to_wire() if self.parallel else None,
                 "weights": (getattr(self.model, "load_report", None) or {}).get("weights"),
                 "text_encoders": (getattr(self.model, "load_report", None) or {}).get(
                     "text_encoders"),
@@ -162,7 +163,7 @@ class Worker:
                 **self.state}
 
     def topology(self, key):
-        """Process groups and model hooks for a configuration, built once per key. The
+        """Process groups and model hooks for a configuration (`Degrees`), built once per key. The
         project's attention processors run at every degree (at sp 1 with the plain
         `LocalAttention`), so the pool's `attention` choice is the kernel that runs."""
         from ..parallel.attention import LocalAttention, ShardedAttention
@@ -170,8 +171,7 @@ class Worker:
         from ..parallel.topology import build_topology
 
         if key not in self.topologies:
-            dp, cfg, pf, uly, ring = key
-            topo = build_topology(self.rank, self.world, dp, cfg, pf, uly, ring,
+            topo = build_topology(self.rank, self.world, **key.to_wire(),
                                   device=self.device, groups=self.groups)
             _warm_pairs(topo)
             self.topologies[key] = topo
@@ -200,14 +200,18 @@ class Worker:
         return topo
 
     def prepare(self, msg):
-        """Rank 0: turn the host's `protocol.Job` into the broadcastable denoise.Job (prompts
-        encoded once, LoRA files checked) before anything is broadcast."""
+        """Rank 0: the host's `protocol.Job` prepared for every rank, before anything is
+        broadcast: prompts encoded once, references made model-space inputs, LoRA files
+        checked. Returns the same Job with rank 0's fields filled (the host's reference
+        inputs dropped: the broadcast carries what they became)."""
+        import dataclasses
+
         import torch
 
-        from ..sampling.denoise import Job
-
+        if msg.cond is not None or msg.uncond is not None or msg.reference_inputs is not None:
+            raise ValueError("a job's cond, uncond and reference_inputs are rank 0's to fill")
         req = dict(msg.request)
-        self._check_stages(tuple(msg.config))
+        self._check_stages(msg.config)
         noise = msg.noise  # model space, drawn once by the host (ComfyUI's prepare_noise)
         b = int(noise.shape[0])
         use_cfg = float(req["cfg"]) > 1.0
@@ -265,10 +269,10 @@ class Worker:
             if refs["tokens"].shape[0] not in (1, b):
                 raise ValueError(f"reference latents have batch {refs['tokens'].shape[0]}; "
                                  f"give 1 (shared) or the batch {b}")
-        return Job(job_id=msg.job_id, request=req, config=tuple(msg.config), noise=noise,
-                   cond=cond, uncond=uncond, init_latent=msg.init_latent,
-                   denoise=float(msg.denoise), options=dict(msg.options or {}),
-                   references=refs)
+        return dataclasses.replace(msg, request=req, denoise=float(msg.denoise),
+                                   options=dict(msg.options or {}), references=None,
+                                   reference_images=None, cond=cond, uncond=uncond,
+                                   reference_inputs=refs)
 
     def _encode_reference_images(self, images, req) -> dict:
         """Reference images ([H, W, 3] 0..1, from the host) -> the adapter's
@@ -282,17 +286,20 @@ class Worker:
 
     def _check_stages(self, key) -> None:
         """A PipeFusion pool holds one stage per rank: it runs only its launch's layout."""
-        dp, cfg, pf, uly, ring = key
-        want = (pf, uly * ring) if pf > 1 else (1,)
+        pf = key.pipefusion
+        want = (pf, key.sp) if pf > 1 else (1,)
         have = (self.args.pipefusion, self.args.pipefusion_inner) \
             if self.args.pipefusion > 1 else (1,)
         if want != have:
             raise RuntimeError(f"this pool was launched for pipefusion {self.args.pipefusion}"
                                f" (x{self.args.pipefusion_inner} sp ranks per stage); a job "
-                               f"with pipefusion {pf} x ulysses {uly} x ring {ring} needs a "
+                               f"with pipefusion {pf} x ulysses {key.ulysses} x ring "
+                               f"{key.ring} needs a "
                                f"relaunch of the pool")
 
     def run(self, job, emit=None, should_stop=lambda: False):
+        """Every rank: the job. Returns (Latents in model space, Decoded or None: both hold
+        their tensors on rank 0 only; every rank's stats, on rank 0)."""
         import torch
 
         from ..sampling.denoise import run_job
@@ -338,7 +345,9 @@ class Worker:
                 r["rss_mb"] = st["rss_mb"]
                 if "first_job_s" in st:
                     r["first_job_s"] = st["first_job_s"]
-        return samples, images, stats
+        from .outputs import Decoded, Latents
+        return (Latents(samples=samples), None if images is None else Decoded(images=images),
+                stats)
 
     def prepare_call(self, msg):
         """Rank 0: a host sampler's `protocol.Predict` -> the broadcastable ModelCall, or the
@@ -348,18 +357,15 @@ class Worker:
 
         from ..sampling.model_call import ModelCall, call_problem
 
-        key = tuple(msg.config)
-        if key[2] > 1:
+        key = msg.config
+        if key.pipefusion > 1:
             raise ValueError("PipeFusion pipelines patches across denoising steps, so it cannot "
                              "serve a sampler that calls the model one step at a time "
                              "(KSampler & co.); use Sampler (xDiT) with this pool, or a pool "
                              "without pipefusion for the xDiT MODEL")
         self._check_stages(key)
         chunks = [(str(k), int(r)) for k, r in msg.chunks]
-        conds = {str(k): {f: v[f] for f in ("context", "pooled", "ref_latents", "ref_method",
-                                            "image_embeds", "context_2")
-                          if f in v}
-                 for k, v in (msg.conds or {}).items()}
+        conds = msg.conds or {}  # {key: Conditioning}
         missing = [k for k in self.cond_cache.missing(k for k, _ in chunks) if k not in conds]
         if missing:
             return missing

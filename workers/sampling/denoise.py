@@ -12,7 +12,8 @@ parallel's gather of the batch. The step's work is a `StepStrategy`:
 The stop decision: rank 0 asks the host at the start of each step and tells every rank over
 the control plane (gloo), at the same point on every rank. Sequence parallelism is invisible
 here (it lives in the transformer's hooks). Everything arrives in the `Job` that rank 0
-broadcast; no rank derives anything on its own. The loop speaks model space (packed latents,
+broadcast (workers/runtime/protocol.py's, as rank 0 prepared it; `job` below); no rank
+derives anything on its own. The loop speaks model space (packed latents,
 model timesteps); the host converts to ComfyUI's conventions.
 """
 from __future__ import annotations
@@ -28,34 +29,14 @@ from ..messages import CACHE_WITH_PIPEFUSION
 from ..parallel.sequence_parallel import all_gather_tokens, even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import Topology, broadcast
+from .cache_settings import CacheSettings
 from .flow_step import combine, combine_across, make_steps
-from .step_cache import CacheSettings, RunCache, call_on_ranks, gated
+from .step_cache import RunCache, call_on_ranks, gated
 from .step_scope import no_step_scope
 
 
 class Cancelled(Exception):
     """The host asked to stop; every rank leaves the loop at the same step."""
-
-
-@dataclass
-class Job:
-    """What rank 0 broadcasts: the resolved request plus everything derived from it once."""
-
-    job_id: int
-    request: dict  # GenerationRequest fields, defaults resolved
-    config: tuple  # ParallelConfig.key()
-    noise: torch.Tensor  # model space (packed for FLUX), fp32, the whole batch
-    cond: dict
-    uncond: Optional[dict]
-    init_latent: Optional[torch.Tensor] = None  # model space, the whole batch (img2img)
-    denoise: float = 1.0
-    options: Optional[dict] = None  # PipeFusion: warmup_steps, pipeline_patches
-    # reference images: {"tokens": [1 or B, M, C] model space, plus what the adapter's
-    # forward needs of them (FLUX: "ids" [M, axes]; Qwen-Image: "shapes", the token grids)},
-    # shared by both guidance branches (the adapter joins them to the image stream); Wan
-    # image-to-video: {"tokens": the start frame's condition [1 or B, 20, T, h, w]}, which
-    # the adapter joins to the latents along channels
-    references: Optional[dict] = None
 
 
 def schedule_window(steps: int, denoise: float) -> tuple:
@@ -123,7 +104,7 @@ def check_scheduler(scheduler) -> None:
             raise ValueError(f"scheduler option {key} is not supported by the pool's loop")
 
 
-def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
+def prepare(job, model, adapter, topo: Topology) -> Prepared:
     req = job.request
     dev, dtype = model.device, model.dtype
     batch = job.noise.shape[0]
@@ -156,8 +137,8 @@ def prepare(job: Job, model, adapter, topo: Topology) -> Prepared:
         x0 = job.init_latent[mine].to(dev, noise.dtype)
         latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(noise.dtype)
     extra = adapter.forward_extra(model, req["height"], req["width"])
-    if job.references is not None:  # a batch of references is sliced like the latents
-        for key, v in job.references.items():  # the rest: what the adapter's forward needs
+    if job.reference_inputs is not None:  # a batch of references is sliced like the latents
+        for key, v in job.reference_inputs.items():  # the rest: what the adapter's forward needs
             if key == "tokens":   # of them ("ids": FLUX's RoPE ids; "shapes": Qwen's grids)
                 extra["ref_tokens"] = (v[mine] if v.shape[0] > 1 else v).to(dev, dtype)
             else:
@@ -258,7 +239,7 @@ class WholeImage:
         pass
 
 
-def _strategy(job: Job, model, adapter, prep: Prepared, topo: Topology,
+def _strategy(job, model, adapter, prep: Prepared, topo: Topology,
               control=None, cache=None, sequence=None) -> StepStrategy:
     branches = _branches(prep, topo)  # each step's guidance scale: prep.scales
     if topo.degree("pipefusion") > 1:
@@ -328,7 +309,7 @@ class _Progress:
         self.x = self.latents[:1].clone() if self._wanted(i + 1) else None
 
 
-def run_job(job: Job, model, adapter, topo: Topology, control,
+def run_job(job, model, adapter, topo: Topology, control,
             emit: Optional[Callable[[dict], None]] = None,
             should_stop: Callable[[], bool] = lambda: False,
             step_scope=None, report: Optional[dict] = None,

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..parallel.degrees import Degrees
 from ..parallel.sequence_parallel import even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import all_gather, all_reduce
@@ -36,16 +37,12 @@ class ModelCall:
     """What rank 0 broadcasts for one call (control plane; small apart from `x`)."""
 
     call_id: int
-    config: tuple  # ParallelConfig.key()
+    config: Degrees  # the layout, by axis (workers/parallel/degrees.py)
     x: torch.Tensor  # [N, C, h, w] model space, fp32, CPU ([N, C, T, h, w]: video families)
     timestep: torch.Tensor  # [N], sigma * 1000
     guidance: Optional[torch.Tensor]  # [N] FLUX embedded guidance, else None
     chunks: list  # [(key, rows)], rows summing to N, in row order
-    # key -> {"context", "pooled"} (CPU), optionally with "ref_latents" (list of
-    # [rows, C, h, w], model space, unpacked: ComfyUI's `ref_latents`) and "ref_method",
-    # and "image_embeds" ([rows, tokens, D]: Wan 2.1 I2V's CLIP vision states, `clip_fea`),
-    # and "context_2" ([rows, tokens, D2]: a second text encoder's states, the family's
-    # `SecondTextEncoder`: HunyuanVideo 1.5's ByT5 `txt_byt5`)
+    # key -> Conditioning (workers/runtime/conditioning.py), CPU: those rank 0 had not seen
     new_conds: dict = field(default_factory=dict)
     timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
     cache: Optional[dict] = None  # step cache settings (workers/sampling/step_cache.py), all fields
@@ -73,7 +70,8 @@ class CondCache:
             return None
         key = tuple(sorted(settings.items()))
         if key != self._steps_key:
-            from .step_cache import CacheSettings, RunCache
+            from .cache_settings import CacheSettings
+            from .step_cache import RunCache
             self.steps, self._steps_key = RunCache(CacheSettings.from_dict(settings)), key
         return self.steps
 
@@ -144,32 +142,33 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
                 text_2 = cached.get("encoder_hidden_states_2")
                 texts_2.add(None if text_2 is None else int(text_2.shape[1]))
             continue
-        problem = _image_states_problem(adapter.family, cfg, key, rows, c.get("image_embeds"))
+        shapes = c.problems(rows)  # the shape rules every conditioning follows
+        if shapes:
+            return f"conditioning {key}: {shapes[0]}"
+        problem = _image_states_problem(adapter.family, cfg, key, rows, c.image_embeds)
         if problem:
             return problem
-        text_2 = as_tensor(c.get("context_2"))
+        text_2 = as_tensor(c.context_2)
         if text_2 is not None:
             width_2 = adapter.family.config_width("text_2_width", cfg)
-            if width_2 is None or text_2.dim() != 3 or text_2.shape[0] != rows \
-                    or text_2.shape[2] != width_2:
+            if width_2 is None or text_2.shape[2] != width_2:
                 return (f"conditioning {key}: second text states must be [{rows}, tokens, "
                         f"{width_2}] (got {tuple(text_2.shape)})")
         texts_2.add(None if text_2 is None else int(text_2.shape[1]))
-        image = c.get("image_embeds")
+        image = c.image_embeds
         images.add(None if image is None else tuple(image.shape[1:]))
         problem = _reference_problem(adapter, key, rows, int(x.shape[1]), c)
         if problem:
             return problem
         references.add(reference_layout(adapter, c))
-        ctx, pooled = c["context"], c["pooled"]
+        ctx, pooled = as_tensor(c.context), as_tensor(c.pooled)
         width = adapter.family.text_width(cfg)
-        if ctx.dim() != 3 or ctx.shape[0] != rows or ctx.shape[2] != width:
+        if ctx.shape[2] != width:
             return (f"conditioning {key}: text states must be [{rows}, tokens, "
                     f"{width}] (got {tuple(ctx.shape)})")
         # a family without a pooled projection (FLUX.2) needs no pooled output (nor uses it)
         if adapter.family.text.pooled and (
-                pooled is None or pooled.dim() != 2 or pooled.shape[0] != rows
-                or pooled.shape[1] != int(cfg.pooled_projection_dim)):
+                pooled is None or pooled.shape[1] != int(cfg.pooled_projection_dim)):
             return (f"conditioning {key}: pooled output must be [{rows}, "
                     f"{int(cfg.pooled_projection_dim)}] (got "
                     f"{None if pooled is None else tuple(pooled.shape)})")
@@ -201,24 +200,25 @@ def _image_states_problem(family, cfg, key: str, rows: int, image) -> str:
                 f"transformer has no image cross-attention (Wan 2.1 I2V has): remove the "
                 f"clip_vision_output from WanImageToVideo")
     image = as_tensor(image)
-    if image.dim() != 3 or image.shape[0] != rows or image.shape[2] != int(width):
+    if image.shape[2] != int(width):
         return (f"conditioning {key}: CLIP vision states must be [{rows}, tokens, "
                 f"{int(width)}] (got {tuple(image.shape)})")
     return ""
 
 
-def reference_layout(adapter, c: dict):
-    """What must agree across a call's rows: the references' sizes and method (None: no
-    references)."""
-    refs = c.get("ref_latents")
+def reference_layout(adapter, c):
+    """What must agree across a call's rows (`c`: a Conditioning): the references' sizes and
+    method (None: no references)."""
+    refs = c.ref_latents
     if not refs:
         return None
-    method = c.get("ref_method") or adapter.reference_methods()[0]
+    method = c.ref_method or adapter.reference_methods()[0]
     return (tuple((int(r.shape[-2]), int(r.shape[-1])) for r in refs), method)
 
 
-def _reference_problem(adapter, key, rows, channels, c: dict) -> str:
-    refs = c.get("ref_latents")
+def _reference_problem(adapter, key, rows, channels, c) -> str:
+    """The references against the model (their shapes are `Conditioning.problems`')."""
+    refs = c.ref_latents
     if refs is None:
         return ""
     if not adapter.reference_methods():
@@ -226,32 +226,27 @@ def _reference_problem(adapter, key, rows, channels, c: dict) -> str:
                 f"models (FLUX.1 Kontext, FLUX.2 or Qwen-Image-Edit only); remove the "
                 f"ReferenceLatent node")
     methods = adapter.reference_methods()
-    if c.get("ref_method") is not None and c["ref_method"] not in methods:
-        return (f"conditioning {key}: reference method {c['ref_method']!r} is not one of "
+    if c.ref_method is not None and c.ref_method not in methods:
+        return (f"conditioning {key}: reference method {c.ref_method!r} is not one of "
                 f"{list(methods)}")
-    if not isinstance(refs, (list, tuple)) or not refs:
-        return f"conditioning {key}: ref_latents must be a non-empty list of latents"
     for i, r in enumerate(refs):
-        r = as_tensor(r)
-        if not torch.is_tensor(r) or r.dim() != 4 or r.shape[0] != rows \
-                or r.shape[1] != channels or min(r.shape[-2:]) < 1:
-            got = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
+        if int(r.shape[1]) != channels:
             return (f"conditioning {key}: reference latent #{i + 1} must be [{rows}, "
-                    f"{channels}, h, w] like the call's latents (got {got})")
+                    f"{channels}, h, w] like the call's latents (got {tuple(r.shape)})")
     return ""
 
 
-def _cached(cache: CondCache, key: str, value: dict, model, adapter) -> None:
-    """Convert a ComfyUI conditioning to the transformer's inputs on this rank's device."""
+def _cached(cache: CondCache, key: str, value, model, adapter) -> None:
+    """Convert a Conditioning to the transformer's inputs on this rank's device."""
     dev, dtype = model.device, model.dtype
-    extra = {} if value.get("context_2") is None else \
-        {"context_2": value["context_2"]}  # a second text encoder's states
-    d = adapter.conditioning(value["context"], value["pooled"], **extra)
+    extra = {} if value.context_2 is None else \
+        {"context_2": as_tensor(value.context_2)}  # a second text encoder's states
+    d = adapter.conditioning(as_tensor(value.context), as_tensor(value.pooled), **extra)
     d = {k: v.to(dev, dtype if v.is_floating_point() else None) for k, v in d.items()}
-    if value.get("image_embeds") is not None:  # Wan 2.1 I2V: the CLIP vision states
-        d["image_embeds"] = as_tensor(value["image_embeds"]).to(dev, dtype)
-    if value.get("ref_latents"):  # packed once per sampling run, like the text
-        refs = [as_tensor(r).to(dev, dtype) for r in value["ref_latents"]]
+    if value.image_embeds is not None:  # Wan 2.1 I2V: the CLIP vision states
+        d["image_embeds"] = as_tensor(value.image_embeds).to(dev, dtype)
+    if value.ref_latents:  # packed once per sampling run, like the text
+        refs = [as_tensor(r).to(dev, dtype) for r in value.ref_latents]
         d["ref_tokens"] = adapter.pack_references(refs)
         d["ref_layout"] = reference_layout(adapter, value)
     cache.put(key, d)

@@ -39,60 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class CacheSettings:
-    """threshold 0 turns the cache off (every call computes)."""
-    threshold: float = 0.0
-    warmup: int = 2  # calls per row that always compute
-    head: int = 1  # first blocks that always run (their residual is the measure)
-    tail: int = 0  # last blocks that always run
-    max_skips: int = 3  # consecutive skipped calls per row; 0: no limit
-    taylor: bool = False  # first-order forecast of the skipped residual
-
-    @property
-    def enabled(self) -> bool:
-        return self.threshold > 0
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> "CacheSettings":
-        """The request's `cache` dict (the host fills every field from these defaults)."""
-        d = dict(d or {})
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"unknown cache setting(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(cls.__dataclass_fields__)}")
-        return cls(**d)
-
-    def problems(self) -> list:
-        """What is wrong whatever the model, one line each."""
-        out = []
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
-                or not 0 <= self.threshold < math.inf:
-            out.append(f"cache threshold must be a number >= 0 (0 = off), got "
-                       f"{self.threshold!r}")
-        for name in ("warmup", "head", "tail", "max_skips"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                out.append(f"cache {name} must be an integer >= 0, got {v!r}")
-        if self.head == 0:
-            out.append("cache head blocks must be >= 1 (their residual is the measure)")
-        if not isinstance(self.taylor, bool):
-            out.append(f"cache taylor must be true or false, got {self.taylor!r}")
-        return out
-
-    def check(self, blocks: int, first_list: int) -> None:
-        """One clear line for settings this transformer cannot take."""
-        problems = self.problems()
-        if problems:
-            raise ValueError(problems[0])
-        if not 1 <= self.head <= first_list:
-            raise ValueError(f"cache head blocks must be 1..{first_list} (the first block list "
-                             f"of this model), got {self.head}")
-        if self.head + self.tail >= blocks:
-            raise ValueError(f"cache head ({self.head}) + tail ({self.tail}) blocks leave none "
-                             f"of the model's {blocks} blocks to skip; use head + tail <= "
-                             f"{blocks - 1}")
+from .cache_settings import CacheSettings
 
 
 @dataclass
