@@ -606,7 +606,9 @@ def test_settings_nodes_are_their_values_fields(loader_node):
     import sys
     from comfyui_xdit.nodes import settings as node_settings
     from comfyui_xdit.planning.request import cache_settings
-    nodes = sys.modules["comfyui_xdit.nodes.extension"]
+    import types
+    nodes = types.SimpleNamespace(**{k: v for name in NODE_MODULES for k, v in
+                                     vars(sys.modules[f"comfyui_xdit.nodes.{name}"]).items()})
     pairs = {nodes.ParallelSettings: node_settings.ParallelSettings,
              nodes.PipeFusionSettings: node_settings.PipeFusionSettings,
              nodes.EngineSettings: node_settings.EngineSettings,
