@@ -27,7 +27,7 @@ MODULES = {
     "lora_file": ("loading.lora_file",
                   "a LoRA file checked on the host before any worker starts"),
     "stages": ("loading.stages", "PipeFusion's stage split, for the memory plan"),
-    "gguf_quant": ("loading.gguf_quant", "GGUF types' block sizes, for the memory plan"),
+    "gguf_types": ("loading.gguf_types", "GGUF types' block sizes, for the memory plan"),
     "weights": ("loading.weights",
                 "fp8 storage and block Linears, for the memory plan and fp8 files"),
     "channel": ("runtime.channel", "the host end of the control channel"),

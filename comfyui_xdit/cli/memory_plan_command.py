@@ -96,7 +96,7 @@ def gguf_bytes_per_value(text) -> list:
     """'Q8_0,Q4_K' -> [(type, bytes per weight value)] from the types' block sizes."""
     if not text:
         return []
-    types = bridge.gguf_quant.TYPES
+    types = bridge.gguf_types.TYPES
     out = []
     for name in str(text).upper().split(","):
         name = name.strip()

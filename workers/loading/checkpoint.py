@@ -93,7 +93,7 @@ class Checkpoint:
 
     def qtype(self, name: str):
         """A GGUF quantised tensor's type name ("Q8_0", ...), else None."""
-        from .gguf_quant import QUANTISED
+        from .gguf_types import QUANTISED
         t = self.entries[name][2]["dtype"]
         return t if self.gguf and t in QUANTISED else None
 
@@ -176,7 +176,7 @@ class Checkpoint:
 def gguf_byte_shape(qtype: str, shape: list, nbytes: int) -> list:
     """The raw bytes of a quantised tensor as [rows, bytes per row] where each row along
     dim 0 is whole blocks (what row reads, row splits and weight sharding need), else flat."""
-    from .gguf_quant import TYPES
+    from .gguf_types import TYPES
     _, block, size = TYPES[qtype]
     rows, numel = (shape[0] if shape else 1), 1
     for v in shape:

@@ -163,7 +163,7 @@ def gguf_layers(transformer, quant: dict, dtype) -> dict:
     """Swap the Linears whose weights are in `quant` ({weight name: QuantWeight, or its
     GGUF type}) for GGUFLinear computing in `dtype`, weight and bias still to be assigned;
     {module name: GGUFLinear}."""
-    from .gguf_quant import row_bytes
+    from .gguf_types import row_bytes
     out = {}
     for name, qw in quant.items():
         mod = name.rpartition(".")[0]

@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 
 from .. import families
-from .gguf_quant import NAME_OF, tensor_bytes
+from .gguf_types import NAME_OF, tensor_bytes
 
 
 class ModelFileError(ValueError):

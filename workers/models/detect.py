@@ -145,7 +145,7 @@ def weight_storage(header: dict, prefix: str = "") -> dict:
     "scaled": ComfyUI scaled-fp8 (per-layer `scale_weight` tensors, usually with a
     `scaled_fp8` marker key)}, plus "gguf_bytes_per_value" for a GGUF file's quantised
     tensors."""
-    from ..loading.gguf_quant import QUANTISED, TYPES
+    from ..loading.gguf_types import QUANTISED, TYPES
     by_dtype: dict = {}
     fp8 = scaled = False
     q_bytes = q_values = 0  # a GGUF file's quantised tensors
