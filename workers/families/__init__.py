@@ -16,6 +16,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ..parallel.streams import TEXT_IMAGE, TokenLayout
+
 
 class NotRun(ValueError):
     """A model of a family, recognised (a file's shapes, a folder's config) but of a variant
@@ -145,12 +147,6 @@ class Family:
     # has resized it (what the adapter's encode_reference_images makes; the host counts its
     # tokens for the split check and the memory plan)
     reference_image_size: Optional[Callable] = None
-    # reference latents of odd height / width are padded circularly to whole tokens, as
-    # ComfyUI's model pads them (its edit nodes size images to 8 pixels), not refused
-    odd_references: bool = False
-    # PipeFusion runs references first in the image stream (workers/parallel/pipefusion/strategy.py):
-    # exact where positions come from ids (FLUX), not where RoPE follows the token order
-    pipefusion_references: bool = True
     # video from a start image (Wan I2V): the transformer config (class defaults filled in)
     # -> (takes a start image's condition, concatenated to the noise along channels; also
     # takes the image's CLIP vision states). None: the family has no image-to-video models
@@ -175,10 +171,10 @@ class Family:
     # frame at a time with a feature cache (Wan's): its largest activation holds every frame
     vae_whole_video: bool = False
     text_extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's
-    # the text tokens join the image tokens in one attention sequence (joint attention:
-    # FLUX, SD3, Qwen-Image, Chroma); False: the text is reached by cross-attention only
-    # (Wan), so sequence parallelism splits and exchanges the image / video tokens alone
-    text_in_sequence: bool = True
+    # the token streams (text, image or video, ...): their order in the joint sequence,
+    # how each splits over sequence-parallel ranks, their padding, which attends to which
+    # (workers/parallel/streams.py); the adapter's sequence layout and the memory plan read it
+    tokens: TokenLayout = TEXT_IMAGE
     # the split the MODEL uses when the loader gives no degrees: CFG parallel first when
     # ComfyUI's samplers batch both branches in one call
     model_cfg_first: bool = False
@@ -195,9 +191,6 @@ class Family:
     # hidden size rather than the head dim names it as "hidden" (Z-Image: n_heads, dim,
     # all_patch_size, cap_feat_dim)
     config_names: dict = field(default_factory=dict)
-    # image and text are each padded to a multiple of this many tokens before attention
-    # (Z-Image's learned pad tokens, 32); the memory plan counts the padded sequence
-    pad_multiple: int = 1
 
     def _config_key(self, what: str) -> str:
         return self.config_names.get(what) or CONFIG_NAMES[what]

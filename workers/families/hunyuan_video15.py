@@ -10,6 +10,7 @@ the pipeline's guider's: neg + scale (pos - neg)."""
 from __future__ import annotations
 
 from . import ComfySpec, Family, LatentSpec, NotRun
+from ..parallel.streams import text_image
 from ._shapes import numbered, pick
 
 # ComfyUI's latent_formats.HunyuanVideo15 and the released VAE config: the raw latent
@@ -187,6 +188,8 @@ PRESETS = {
 
 FAMILY = Family(
     presets=PRESETS, vae_whole_video=True,
+    # the video, then the compacted context (image, ByT5 and Qwen tokens), joint
+    tokens=text_image(False),
     vae_classes=("AutoencoderKLHunyuanVideo15",),
     id="hunyuan_video15", order=70, name="HunyuanVideo 1.5",
     transformer_class="HunyuanVideo15Transformer3DModel",

@@ -4,6 +4,7 @@ frame axis, normalised per channel by the VAE's mean and std; true CFG with a no
 from __future__ import annotations
 
 from . import ComfySpec, Family, LatentSpec
+from ..parallel.streams import text_image
 from ._shapes import numbered
 
 # The released VAE's per-channel latent statistics (vae/config.json latents_mean / std;
@@ -165,8 +166,10 @@ FAMILY = Family(
     # ComfyUI's method name for that, index_timestep_zero, is taken where the transformer
     # has it)
     reference_methods=("index", "index_timestep_zero"), reference_image_size=edit_size,
-    pipefusion_references=False,  # img_shapes: the target's tokens first, then each reference
-    odd_references=True,  # padded circularly, as ComfyUI's model pads them
+    # text first, joint; the image's positions follow its token order (img_shapes: the
+    # target's tokens first, then each reference's), so PipeFusion cannot run references
+    # first; odd reference latents are padded circularly, as ComfyUI's model pads them
+    tokens=text_image(positions="order", pads_odd_references=True),
     released=released, detect_order=40, pipeline_of=pipeline_of,
     lora_formats="diffusers/PEFT, kohya (lora_unet_) or ComfyUI (diffusion_model.)",
 )

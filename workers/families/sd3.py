@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from . import ComfySpec, Family, LatentSpec
+from ..parallel.streams import Attention, text_image
 from ._shapes import indices, numbered, pick
 
 VAE_LATENT = {"scaling_factor": 1.5305, "shift_factor": 0.0609}
@@ -101,6 +102,8 @@ PRESETS = {
 
 FAMILY = Family(
     presets=PRESETS,
+    # image then text, joint; SD3.5's second attention of a block over the image alone
+    tokens=text_image(False, attentions=(Attention(("image", "text")), Attention(("image",)))),
     id="sd3", order=30, name="SD3/3.5", transformer_class="SD3Transformer2DModel",
     pipelines=("StableDiffusion3Pipeline",), adapter="SD3Adapter",
     block_lists=("transformer_blocks",), block_counts=("num_layers",),

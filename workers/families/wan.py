@@ -7,6 +7,7 @@ low-noise one for the rest (the folder's `boundary_ratio`); each its own guidanc
 from __future__ import annotations
 
 from . import ComfySpec, Family, LatentSpec, NotRun
+from ..parallel.streams import Attention, text_image
 from ._shapes import numbered, pick
 from .qwen_image import LATENTS_MEAN, LATENTS_STD, RGB, RGB_BIAS
 
@@ -200,6 +201,10 @@ FAMILY = Family(
     cfg=CFG, guidance=None, pooled=False,
     text_hint="encode with Wan's text encoder (umt5-xxl: CLIPLoader type wan) or type the "
               "prompt into the sampler",
-    released=released, detect_order=50, pipeline_of=pipeline_of, text_in_sequence=False,
+    # the video's self-attention is split over the ranks; the text is held whole on each
+    # and reached by cross-attention only (no exchange)
+    tokens=text_image(False, text="replicate",
+                      attentions=(Attention(("image",)), Attention(("image",), ("text",)))),
+    released=released, detect_order=50, pipeline_of=pipeline_of,
     image_to_video=image_to_video, expert_boundary=expert_boundary, check_config=check_config,
 )
