@@ -28,6 +28,8 @@ class PatchPlan(SequencePlan):
             return self.image_range[0], self.image_range[1] - self.image_range[0]
         return 0, (self.full_len(stream) if self.with_text else 0)
 
+    __hash__ = SequencePlan.__hash__  # the counts' items, not the dict
+
     def key(self, streams) -> tuple:
         """What the token positions of an attention call over `streams` depend on."""
         return (self.counts(), self.image_range, self.with_text, tuple(streams))
