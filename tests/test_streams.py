@@ -99,6 +99,24 @@ def test_all_sharded_view_keeps_the_counts():
     assert view.layout.attentions == LAYOUT.attentions
 
 
+def test_a_patch_plan_takes_latent_rows_and_the_context_with_the_first_patch():
+    """PipeFusion on the three streams: a patch computes a range of the latent stream; the
+    branch's first patch of a step also computes every other stream; the stage boundary
+    carries the sharded context (the audio), never the replicated text."""
+    from workers.parallel.pipefusion.activations import carried_context
+    from workers.parallel.pipefusion.plan import PatchPlan
+    later = [PatchPlan(r, 2, dict(LENGTHS), layout=LAYOUT, image_range=(3, 8),
+                       with_text=False) for r in range(2)]
+    assert [p.selected(s) for p in later[:1] for s in LENGTHS] == [(0, 0), (3, 5), (0, 0)]
+    assert [p.local_slice("video") for p in later] == [slice(3, 6), slice(6, 8)]
+    assert [carried_context(p, p.sp_rank) for p in later] == [0, 0]
+    first = [PatchPlan(r, 2, dict(LENGTHS), layout=LAYOUT, image_range=(0, 4))
+             for r in range(2)]
+    assert first[0].selected("audio") == (0, 7) and first[0].selected("text") == (0, 5)
+    assert [carried_context(p, p.sp_rank) for p in first] == [4, 3]  # the audio's shares
+    assert first[0].key(("video",)) != later[0].key(("video",))
+
+
 # -- wrong declarations -------------------------------------------------------------------
 @pytest.mark.parametrize("streams,attentions,message", [
     ((Stream("text", "text"), Stream("video", "latent")), (Attention(("video", "audio")),),

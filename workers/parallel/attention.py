@@ -1,4 +1,7 @@
-"""Exact joint attention over a sequence sharded across the sequence-parallel ranks.
+"""Exact attention over token streams sharded across the sequence-parallel ranks: each
+attention as the family's token layout declares it (workers/parallel/streams.py), joint (the
+queries' own streams as keys) or cross (other streams' keys), with replicated streams held
+whole (`ShardedAttention.__call__` says how each case runs).
 
 The block kernel is chosen once per pool (device, dtype, backend) and per method: without
 Ring (ring degree 1) no log-sum-exp is needed, so plain SDPA (torch picks its best backend);
@@ -9,9 +12,9 @@ zero LSE, which makes Ring silently wrong: every LSE kernel is probed once again
 attention (two key halves merged) before it is used.
 
 Communication (`ShardedAttention`): Ulysses moves q, k and v in one `all_to_all_single` of a
-packed tensor (sequence in, heads out) and the output back in one more; Ring passes K/V with
-yunchang's ring loop (batched point-to-point, verified under the NCCL-rules emulation) around
-our block function.
+packed tensor (sequence in, heads out; workers/parallel/ulysses.py) and the output back in one
+more; Ring passes K/V with yunchang's ring loop (batched point-to-point, verified under the
+NCCL-rules emulation) around our block function.
 
 Uneven shards: the sequence-parallel hooks pad each stream's local shard to the longest once
 per forward (`SequencePlan.padded`), so every layer's q/k/v already have equal lengths on all
