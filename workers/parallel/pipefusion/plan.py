@@ -2,9 +2,10 @@
 
 A patch covers the latent stream's tokens `image_range` and, for a guidance branch's first
 patch of a step only, every other stream's (the text, and whatever context the layout
-declares: `with_text`); the sp ranks split those near-evenly, as for a whole forward. The plan reaches every hook and attention call of the forward (through
-`joint_attention_kwargs["sp_plan"]`, workers/parallel/sequence_parallel.py), so it also carries the
-job's per-call state: the K/V cache the attention reads and refreshes, and the activation
+declares: `with_text`); the sp ranks split those near-evenly, as for a whole forward. The
+plan reaches every hook and attention call of the forward (through
+`joint_attention_kwargs["sp_plan"]`, workers/parallel/sequence_parallel.py), so it also carries
+the job's per-call state: the K/V cache the attention reads and refreshes, and the activation
 slots the stage boundary hooks read and fill. Nothing comes from a global.
 """
 from __future__ import annotations
