@@ -147,11 +147,8 @@ class SequencePlan:
     def all_sharded(self) -> "SequencePlan":
         """The same tokens with every stream sharded: how the attention holds a replicated
         stream while it exchanges the others (workers/parallel/attention.py)."""
-        if all(s.sharded for s in self.layout.streams):
-            return self
-        layout = TokenLayout(tuple(dataclasses.replace(s, split="shard")
-                                   for s in self.layout.streams), self.layout.attentions)
-        return dataclasses.replace(self, layout=layout)
+        layout = self.layout.all_sharded
+        return self if layout is self.layout else dataclasses.replace(self, layout=layout)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ cache, padding, the memory plan) works from this declaration and never from a st
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -167,6 +169,14 @@ class TokenLayout:
         s, latent = self.stream(name), self.latent.name
         return s.sharded and any(a.joint and latent in a.queries and name in a.queries
                                  for a in self.attentions)
+
+    @functools.cached_property
+    def all_sharded(self) -> "TokenLayout":
+        """This layout with every stream sharded (made once per layout)."""
+        if all(s.sharded for s in self.streams):
+            return self
+        return TokenLayout(tuple(dataclasses.replace(s, split="shard") for s in self.streams),
+                           self.attentions)
 
     def sequence(self) -> tuple:
         """The sharded streams in joint-sequence order (what the ranks split)."""
