@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
 
 from workers.parallel import attention as A  # noqa: E402
 from workers.parallel.sequence_parallel import SequencePlan  # noqa: E402
+from workers.parallel.streams import Attention, text_image  # noqa: E402
 
 
 # -- selection rules with a faked GPU ------------------------------------------------------
@@ -179,16 +180,18 @@ def test_lse_layouts_are_normalised():
 def test_padded_plan_pads_each_stream_to_its_longest():
     full = torch.arange(9).view(1, 9, 1).float()
     for r, want in ((0, [0, 1, 2, 3, 4]), (1, [5, 6, 7, 8, 0])):
-        plan = SequencePlan(r, 2, text_len=3, image_len=9, padded=True)
+        plan = SequencePlan(r, 2, {"text": 3, "image": 9}, padded=True)
         assert plan.local_len("image") == 5 and plan.local_len("text") == 2
         assert plan.shard(full, 1, "image").flatten().tolist() == want
-    plain = SequencePlan(1, 2, text_len=3, image_len=9)
+    plain = SequencePlan(1, 2, {"text": 3, "image": 9})
     assert plain.shard(full, 1, "image").shape[1] == 4
 
 
 # -- multi-process ---------------------------------------------------------------------------
 TEXT, IMAGE, HEADS, DIM = 5, 11, 4, 8  # uneven over 2 and 4 ranks
 STREAM_ORDERS = (("text", "image"), ("image", "text"), ("image",))
+# the text + image streams, each order above declared as one attention
+ALL_ORDERS = text_image(attentions=tuple(Attention(s) for s in STREAM_ORDERS))
 
 
 def _full_attention(q, k, v):
@@ -250,7 +253,8 @@ def _attention_cases(rank, world, ulysses, ring, report):
             q, k, v = (torch.randn(2, total, HEADS, DIM, generator=gen) for _ in range(3))
             ref = _full_attention(q, k, v)
             for padded in (True, False):
-                plan = SequencePlan(topo.sp_rank, topo.sp, TEXT, IMAGE, padded=padded)
+                plan = SequencePlan(topo.sp_rank, topo.sp, {"text": TEXT, "image": IMAGE},
+                                    padded=padded, layout=ALL_ORDERS)
                 before = dict(CALLS)
                 if padded:
                     ql, kl, vl = (_local(t, plan, streams, topo.sp_rank) for t in (q, k, v))

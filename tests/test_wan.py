@@ -319,9 +319,11 @@ def test_step_cache_decides_alike_on_every_layout(wan_dirs, layout_pools, oracle
 def test_cache_reads_the_plan_of_blocks_not_given_it():
     """Wan's blocks get no sequence plan in their keywords: the cache's decision reads it
     from the installed SequenceParallel, so a padded shard's extra token is left out."""
+    from workers import families
     from workers.parallel.sequence_parallel import SequencePlan
     from workers.sampling.step_cache import _parameter_names, _real_image_tokens
-    plan = SequencePlan(sp_rank=1, sp_size=2, text_len=0, image_len=45, padded=True)
+    plan = SequencePlan(sp_rank=1, sp_size=2, tokens={"image": 45, "text": 7}, padded=True,
+                        layout=families.FAMILIES["wan"].tokens)
     assert _real_image_tokens({}, 23) == 23  # without the plan: padding counted
     assert _real_image_tokens({}, 23, lambda: plan) == 22
     from diffusers.models.transformers.transformer_wan import WanTransformerBlock

@@ -162,7 +162,8 @@ class ParallelConfig:
                     and arch is not None:
                 from comfyui_xdit.planning.request import families
                 fam = families.family(arch)
-                if fam.capability(families.References) and not fam.pipefusion_references:
+                # PipeFusion runs the references first: only where positions come from ids
+                if fam.capability(families.References) and fam.tokens.latent.positions != "ids":
                     out.append(f"PipeFusion does not run {fam.name} reference images (its "
                                f"RoPE places them after the image); use ulysses, ring, "
                                f"cfg-parallel or dp")

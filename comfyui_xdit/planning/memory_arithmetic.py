@@ -309,21 +309,31 @@ def vae_decode_bytes(channels: tuple, height: int, width: int, batch: int, dtype
 
 
 def job_tokens(facts: ModelFacts, job: JobSize) -> int:
-    """Tokens of one attention sequence: the image's (16 x 16 pixels a token) times the
-    latent frames of a video ((frames - 1) / 4 + 1 for Wan: 720p x 81 frames is 21 x 45 x
-    80 = 75,600), the references', and the text's where the family joins it to the image
-    (joint attention; Wan's text is reached by cross-attention, outside the sequence)."""
+    """Tokens of one attention sequence, from the family's declared streams
+    (workers/parallel/streams.py), each padded to its multiple (Z-Image's 32): the latent
+    stream's, the image's (16 x 16 pixels a token) times the latent frames of a video
+    ((frames - 1) / 4 + 1 for Wan: 720p x 81 frames is 21 x 45 x 80 = 75,600), and the
+    references'; the text's where it is split and attended jointly with the latent (Wan's
+    text is held whole and reached by cross-attention, outside the sequence)."""
     fam = families.family(facts.arch)
-    m = fam.pad_multiple  # each stream padded to a multiple of it (Z-Image: 32)
+    layout = fam.tokens
+    latent, text_stream = layout.latent, layout.text
     image = fam.latent.latent_frames(job.frames) * math.ceil(
         job.height / (VAE_SCALE * PATCH)) * math.ceil(job.width / (VAE_SCALE * PATCH))
-    image = -(-image // m) * m
+    image = -(-image // latent.pad_multiple) * latent.pad_multiple
     text = 0
-    if fam.text_in_sequence:
+    if text_stream is not None and layout.in_sequence(text_stream.name):
         text = (job.text_tokens if job.text_tokens is not None else facts.text_tokens) + \
             fam.text.extra_tokens
-        text = -(-text // m) * m
+        text = -(-text // text_stream.pad_multiple) * text_stream.pad_multiple
     return image + job.reference_tokens + text
+
+
+def text_in_sequence(arch: str) -> bool:
+    """The family's text is split and attended jointly with the latent (its declared
+    streams); False: reached by cross-attention, its K and V whole on every rank."""
+    layout = families.family(arch).tokens
+    return layout.text is not None and layout.in_sequence(layout.text.name)
 
 
 _BY_OPTION = -1  # text_encoder_rank: from the option (cuda:N: rank N's GPU, N < world)
@@ -381,7 +391,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         branches = 2 if job.cfg else 1
         batch = math.ceil(job.batch / config.dp) * max(1, branches // config.cfg)
         act = activation_bytes(tr, tokens, text, seq, batch, db, sp,
-                               cross_text=not fam.text_in_sequence)
+                               cross_text=not text_in_sequence(facts.arch))
         chunk = fam.latent.time_downscale if fam.latent.video else 1
         vae_3d = fam.capability(families.CausalVAE)
         if vae_3d is not None and vae_3d.whole_video:  # every frame in one decoder call

@@ -312,7 +312,7 @@ def _reference_problems(req: "GenerationRequest", model) -> list[str]:
             out.append(f"{name} has batch {b}; give 1 (shared) or the batch {req.batch}")
         # a token is 2x2 latent pixels unless the LATENT is patchified (FLUX.2)
         per_token = (1 if c == 128 else 2) if spec is None else spec.per_token
-        odd = fam is not None and fam.odd_references  # padded to whole tokens instead
+        odd = fam is not None and fam.tokens.latent.pads_odd_references  # padded instead
         if per_token == 2 and (h < 2 or w < 2 or (h % 2 or w % 2) and not odd):
             out.append(f"{name} is {h}x{w} latent pixels; height and width must be even "
                        f"(reference images a multiple of 16 pixels, e.g. "

@@ -18,6 +18,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ..parallel.streams import TEXT_IMAGE, TokenLayout
+
 
 class NotRun(ValueError):
     """A model of a family, recognised (a file's shapes, a folder's config) but of a variant
@@ -276,21 +278,11 @@ class Family:
     comfy: ComfySpec
     defaults: Defaults
     detection: Detection
+    # the token streams (text, image or video, ...): their order in the joint sequence,
+    # how each splits over sequence-parallel ranks, their padding, which attends to which
+    # (workers/parallel/streams.py); the adapter's sequence layout and the memory plan read it
+    tokens: TokenLayout = TEXT_IMAGE
     capabilities: tuple = ()  # at most one of each kind in CAPABILITIES
-    # -- the token streams' flags, which the family's layout is to hold --
-    # reference latents of odd height / width are padded circularly to whole tokens, as
-    # ComfyUI's model pads them (its edit nodes size images to 8 pixels), not refused
-    odd_references: bool = False
-    # PipeFusion runs references first in the image stream (workers/sampling/patch_pipeline.py):
-    # exact where positions come from ids (FLUX), not where RoPE follows the token order
-    pipefusion_references: bool = True
-    # the text tokens join the image tokens in one attention sequence (joint attention:
-    # FLUX, SD3, Qwen-Image, Chroma); False: the text is reached by cross-attention only
-    # (Wan), so sequence parallelism splits and exchanges the image / video tokens alone
-    text_in_sequence: bool = True
-    # image and text are each padded to a multiple of this many tokens before attention
-    # (Z-Image's learned pad tokens, 32); the memory plan counts the padded sequence
-    pad_multiple: int = 1
 
     def __post_init__(self):
         kinds = [type(c) for c in self.capabilities]

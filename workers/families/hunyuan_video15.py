@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family, ImageToVideo,
                LatentSpec, NotRun, Presets, SecondTextEncoder, Text)
+from ..parallel.streams import text_image
 from ._shapes import numbered, pick
 
 # ComfyUI's latent_formats.HunyuanVideo15 and the released VAE config: the raw latent
@@ -224,6 +225,8 @@ FAMILY = Family(
         config_names={"text_width": "text_embed_dim", "text_2_width": "text_embed_2_dim",
                       "image_width": "image_embed_dim"},
         check_config=check_config),
+    # the video, then the compacted context (image, ByT5 and Qwen tokens), joint
+    tokens=text_image(False),
     capabilities=(
         # clip_fea: the SigLIP output's last states
         ImageToVideo(inputs=image_to_video, clip_vision_states="last_hidden_state"),

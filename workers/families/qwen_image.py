@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec,
                Presets, References, Text)
+from ..parallel.streams import text_image
 from ._shapes import numbered
 
 # The released VAE's per-channel latent statistics (vae/config.json latents_mean / std;
@@ -161,6 +162,10 @@ FAMILY = Family(
         config_defaults={"patch_size": 2, "num_attention_heads": 24,
                          "attention_head_dim": 128, "joint_attention_dim": 3584,
                          "num_layers": 60, "in_channels": 64}),
+    # text first, joint; the image's positions follow its token order (img_shapes: the
+    # target's tokens first, then each reference's), so PipeFusion cannot run references
+    # first; odd reference latents are padded circularly, as ComfyUI's model pads them
+    tokens=text_image(positions="order", pads_odd_references=True),
     capabilities=(
         # reference images (QwenImageEditPipeline / QwenImageEditPlusPipeline; ComfyUI's
         # ReferenceLatent / TextEncodeQwenImageEdit(Plus)): each reference's tokens follow
@@ -171,6 +176,4 @@ FAMILY = Family(
         References(methods=("index", "index_timestep_zero"), image_size=edit_size),
         CausalVAE(patch_parallel=("autoencoder_kl_qwenimage", "QwenImage")),  # a Wan 2.1 VAE
         Presets(PRESETS)),
-    pipefusion_references=False,  # img_shapes: the target's tokens first, then each reference
-    odd_references=True,  # padded circularly, as ComfyUI's model pads them
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from . import Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
+from ..parallel.streams import Attention, text_image
 from ._shapes import indices, numbered, pick
 
 VAE_LATENT = {"scaling_factor": 1.5305, "shift_factor": 0.0609}
@@ -117,5 +118,7 @@ FAMILY = Family(
                                 "transformer_blocks.0.attn.to_q.weight"))),
         config_from_shapes=config_from_shapes, order=30, released=released,
         config_defaults={"patch_size": 2}),
+    # image then text, joint; SD3.5's second attention of a block over the image alone
+    tokens=text_image(False, attentions=(Attention(("image", "text")), Attention(("image",)))),
     capabilities=(Presets(PRESETS),),
 )

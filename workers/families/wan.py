@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family, ImageToVideo,
                LatentSpec, NotRun, Presets, Text, TwoExperts)
+from ..parallel.streams import Attention, text_image
 from ._shapes import numbered, pick
 from .qwen_image import LATENTS_MEAN, LATENTS_STD, RGB, RGB_BIAS
 
@@ -203,7 +204,10 @@ FAMILY = Family(
         config_defaults={"patch_size": [1, 2, 2], "num_attention_heads": 40,
                          "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
                          "text_dim": 4096, "num_layers": 40}),
+    # the video's self-attention is split over the ranks; the text is held whole on each
+    # and reached by cross-attention only (no exchange)
+    tokens=text_image(False, text="replicate",
+                      attentions=(Attention(("image",)), Attention(("image",), ("text",)))),
     capabilities=(ImageToVideo(inputs=image_to_video), TwoExperts(boundary=expert_boundary),
                   CausalVAE(patch_parallel=("autoencoder_kl_wan", "Wan")), Presets(PRESETS)),
-    text_in_sequence=False,
 )

@@ -6,6 +6,7 @@ negated velocity; true CFG as pos + g (pos - neg), i.e. ComfyUI's cfg = g + 1.""
 from __future__ import annotations
 
 from . import Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
+from ..parallel.streams import Attention, text_image
 from ._shapes import numbered, pick
 from .flux import LATENT as FLUX_LATENT
 from .flux import VAE_LATENT
@@ -160,6 +161,9 @@ FAMILY = Family(
                          "axes_lens": [1024, 512, 512]},
         config_names={"heads": "n_heads", "hidden": "dim", "patch": "all_patch_size",
                       "text_width": "cap_feat_dim"}),
+    # both streams padded with learned pad tokens; each refined alone, then joint
+    tokens=text_image(False, pad_multiple=PAD_MULTIPLE,
+                      attentions=(Attention(("image",)), Attention(("text",)),
+                                  Attention(("image", "text")))),
     capabilities=(Presets(PRESETS),),
-    pad_multiple=PAD_MULTIPLE,
 )

@@ -37,7 +37,7 @@ class RemoteBlock(torch.nn.Module):
         # whose text is reached by cross-attention only (no text in the joint sequence,
         # Wan: called positionally) return the image stream alone
         plan = None if self.current is None else self.current.plan
-        if encoder_hidden_states is None or (plan is not None and plan.text_len == 0):
+        if encoder_hidden_states is None or (plan is not None and not plan.context_streams()):
             return hidden_states
         return encoder_hidden_states, hidden_states
 
@@ -237,7 +237,7 @@ def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
             plan = _patch_plan(kwargs)
             if "hidden_states" not in kwargs:  # called positionally (Wan): the image alone
                 return (plan.activations.receive(plan, True),) + tuple(args[1:]), kwargs
-            if kwargs.get("encoder_hidden_states") is None or plan.text_len == 0:
+            if kwargs.get("encoder_hidden_states") is None or not plan.context_streams():
                 # one joined stream (FLUX.2), or no text in the joint sequence
                 return args, dict(kwargs, hidden_states=plan.activations.receive(plan, True))
             enc, hid = plan.activations.receive(plan)

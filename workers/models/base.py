@@ -291,11 +291,17 @@ class DiTAdapter:
     def unpack(self, x, height, width):
         return x
 
-    def joint_text_tokens(self, cond: dict) -> int:
-        """Text tokens in the attention's joint sequence (beside the image tokens): the
-        whole text for the joint-attention families; 0 where text is reached by
-        cross-attention only (Wan)."""
-        return int(cond["encoder_hidden_states"].shape[1])
+    def context_tokens(self, cond: dict) -> dict:
+        """The tokens of every stream beside the latent's in a call with this conditioning
+        ({stream: count}, PipeFusion's plans): the text stream's, the prompt states'
+        length. A family that declares other streams, or counts its text otherwise, says
+        so here."""
+        streams = self.layout.streams
+        extra = [s.name for s in streams.streams if s.role == "context"]
+        if extra or streams.text is None:
+            raise NotImplementedError(f"{self.family.name} declares the streams "
+                                      f"{list(streams.names)}; its adapter counts them")
+        return {streams.text.name: int(cond["encoder_hidden_states"].shape[1])}
 
     def token_grid(self, height: int, width: int, frames: int = 1) -> tuple:
         """(token rows, tokens per row) of a `frames`-frame image: the tokens in order are

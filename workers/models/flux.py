@@ -55,7 +55,7 @@ def dynamic_shift_args(config, fallback=DYNAMIC_SHIFT) -> tuple:
 
 
 def _token_counts(transformer, kw):
-    return kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
+    return {"text": kw["encoder_hidden_states"].shape[1], "image": kw["hidden_states"].shape[1]}
 
 
 def shifted_timesteps(scheduler, steps: int, mu: float, device):
@@ -80,6 +80,7 @@ class FluxAdapter(DiTAdapter):
         split_outputs={},
         gather_output=("proj_out", 1),
         token_counts=_token_counts,
+        streams=families.FAMILIES["flux"].tokens,
         attention_processor=FluxShardedAttnProcessor,
         replaces=("FluxAttnProcessor", "FluxAttnProcessor2_0"),
     )

@@ -209,9 +209,10 @@ def text_first_outputs(transformer) -> None:
 
 
 def _token_counts(transformer, kw):
-    """(context tokens, video tokens) of a call: the longest row's valid context."""
+    """The context's tokens (the longest row's valid context) and the video's of a call."""
     hs = kw["hidden_states"]
-    return max(context_lengths(hs.shape[0], kw)), hs.shape[2] * hs.shape[3] * hs.shape[4]
+    return {"text": max(context_lengths(hs.shape[0], kw)),
+            "image": hs.shape[2] * hs.shape[3] * hs.shape[4]}
 
 
 def _encoder_vae(path: str):
@@ -405,6 +406,7 @@ class HunyuanVideo15Adapter(DiTAdapter):
         split_outputs={},
         gather_output=("proj_out", 1),
         token_counts=_token_counts,
+        streams=families.FAMILIES["hunyuan_video15"].tokens,
         attention_processor=HunyuanVideo15ShardedAttnProcessor,
         replaces=("HunyuanVideo15AttnProcessor2_0", "AttnProcessor2_0"),
         kwargs_name="attention_kwargs",
@@ -443,9 +445,9 @@ class HunyuanVideo15Adapter(DiTAdapter):
         """Tokens run frame by frame, each frame height/16 rows of width/16."""
         return self.family.latent.latent_frames(frames) * (height // 16), width // 16
 
-    def joint_text_tokens(self, cond):
+    def context_tokens(self, cond):
         b = cond[QWEN].shape[0]
-        return max(context_lengths(b, {k: v for k, v in cond.items()}))
+        return {"text": max(context_lengths(b, {k: v for k, v in cond.items()}))}
 
     def timesteps(self, scheduler, steps, latents, device):
         """HunyuanVideo15Pipeline's: sigmas 1 .. 1/steps (linspace(1, 0, steps + 1) but the

@@ -119,7 +119,7 @@ def processor_without_video() -> None:
 
 
 def _token_counts(transformer, kw):
-    return kw["encoder_hidden_states"].shape[1], kw["hidden_states"].shape[1]
+    return {"text": kw["encoder_hidden_states"].shape[1], "image": kw["hidden_states"].shape[1]}
 
 
 class QwenImageAdapter(DiTAdapter):
@@ -133,6 +133,7 @@ class QwenImageAdapter(DiTAdapter):
         full_lengths={"pos_embed": {"max_txt_seq_len": "text"}},
         gather_output=("proj_out", 1),
         token_counts=_token_counts,
+        streams=families.FAMILIES["qwen_image"].tokens,
         attention_processor=QwenImageShardedAttnProcessor,
         replaces=("QwenDoubleStreamAttnProcessor2_0",),
         kwargs_name="attention_kwargs",

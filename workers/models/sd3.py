@@ -68,7 +68,7 @@ class SD3ShardedAttnProcessor:
 def _token_counts(transformer, kw):
     p = transformer.config.patch_size
     h, w = kw["hidden_states"].shape[-2:]
-    return kw["encoder_hidden_states"].shape[1], (h // p) * (w // p)
+    return {"text": kw["encoder_hidden_states"].shape[1], "image": (h // p) * (w // p)}
 
 
 class SD3Adapter(DiTAdapter):
@@ -80,6 +80,7 @@ class SD3Adapter(DiTAdapter):
         split_outputs={"pos_embed": ("image", 1), "context_embedder": ("text", 1)},
         gather_output=("proj_out", 1),
         token_counts=_token_counts,
+        streams=families.FAMILIES["sd3"].tokens,
         attention_processor=SD3ShardedAttnProcessor,
         replaces=("JointAttnProcessor2_0", "AttnProcessor2_0"),
     )

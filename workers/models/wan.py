@@ -96,7 +96,8 @@ class WanShardedAttnProcessor:
 def _token_counts(transformer, kw):
     _, _, f, h, w = kw["hidden_states"].shape
     pt, ph, pw = transformer.config.patch_size
-    return 0, (f // pt) * (h // ph) * (w // pw)
+    return {"image": (f // pt) * (h // ph) * (w // pw),
+            "text": kw["encoder_hidden_states"].shape[1]}
 
 
 def read_index(path: str) -> dict:
@@ -125,6 +126,7 @@ class WanAdapter(DiTAdapter):
                        "rope": (("image", 1), ("image", 1))},
         gather_output=("proj_out", 1),
         token_counts=_token_counts,
+        streams=families.FAMILIES["wan"].tokens,
         attention_processor=WanShardedAttnProcessor,
         replaces=("WanAttnProcessor",),
         kwargs_name="attention_kwargs",
@@ -229,9 +231,6 @@ class WanAdapter(DiTAdapter):
 
     def unpack(self, x, height, width):
         return x
-
-    def joint_text_tokens(self, cond):
-        return 0  # the text is reached by cross-attention only
 
     def token_grid(self, height, width, frames=1):
         """Tokens run frame by frame, each frame height/16 rows of width/16: the token rows

@@ -220,9 +220,10 @@ def check_stages(cfg: dict, info) -> None:
 
 
 def _token_counts(transformer, kw):
-    """(text, image) tokens of a call, each padded to the learned-pad multiple."""
+    """The text's and the image's tokens of a call, each padded to the learned-pad multiple."""
     h, w = kw["hidden_states"].shape[-2:]
-    return padded(kw["encoder_hidden_states"].shape[1]), padded((h // 2) * (w // 2))
+    return {"text": padded(kw["encoder_hidden_states"].shape[1]),
+            "image": padded((h // 2) * (w // 2))}
 
 
 class ZImageAdapter(DiTAdapter):
@@ -233,6 +234,7 @@ class ZImageAdapter(DiTAdapter):
         split_outputs={},
         gather_output=(f"all_final_layer.{PATCH}", 1),
         token_counts=_token_counts,
+        streams=families.FAMILIES["z_image"].tokens,
         attention_processor=ZImageShardedAttnProcessor,
         replaces=("ZSingleStreamAttnProcessor",),
     )
@@ -249,9 +251,9 @@ class ZImageAdapter(DiTAdapter):
         return super().assemble(path, transformer, report, device, dtype, with_text_encoders,
                                 text_encoders, stage_info)
 
-    def joint_text_tokens(self, cond: dict) -> int:
+    def context_tokens(self, cond: dict) -> dict:
         """The text with its learned pads (PipeFusion's plans)."""
-        return padded(cond["encoder_hidden_states"].shape[1])
+        return {"text": padded(cond["encoder_hidden_states"].shape[1])}
 
     def latent_rows(self, x, r0, r1, cols):  # [B, 16, h, w], 2x2 latent pixels per token
         return x.narrow(2, 2 * r0, 2 * (r1 - r0))

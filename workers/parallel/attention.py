@@ -1,4 +1,7 @@
-"""Exact joint attention over a sequence sharded across the sequence-parallel ranks.
+"""Exact attention over token streams sharded across the sequence-parallel ranks: each
+attention as the family's token layout declares it (workers/parallel/streams.py), joint (the
+queries' own streams as keys) or cross (other streams' keys), with replicated streams held
+whole (`ShardedAttention.__call__` says how each case runs).
 
 The block kernel is chosen once per pool (device, dtype, backend) and per method: without
 Ring (ring degree 1) no log-sum-exp is needed, so plain SDPA (torch picks its best backend);
@@ -9,9 +12,9 @@ zero LSE, which makes Ring silently wrong: every LSE kernel is probed once again
 attention (two key halves merged) before it is used.
 
 Communication (`ShardedAttention`): Ulysses moves q, k and v in one `all_to_all_single` of a
-packed tensor (sequence in, heads out) and the output back in one more; Ring passes K/V with
-yunchang's ring loop (batched point-to-point, verified under the NCCL-rules emulation) around
-our block function.
+packed tensor (sequence in, heads out; workers/parallel/ulysses.py) and the output back in one
+more; Ring passes K/V with yunchang's ring loop (batched point-to-point, verified under the
+NCCL-rules emulation) around our block function.
 
 Uneven shards: the sequence-parallel hooks pad each stream's local shard to the longest once
 per forward (`SequencePlan.padded`), so every layer's q/k/v already have equal lengths on all
@@ -31,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from yunchang.ring.ring_flash_attn import ring_flash_attn_forward  # imported once, here
 
-from .topology import Topology, all_to_all_single
+from .stream_views import as_view, from_view
+from .topology import Topology
+from .ulysses import ulysses_out, ulysses_qkv  # noqa: F401  (PipeFusion and tests use them here)
 
 BACKENDS = ("auto", "cudnn", "flash", "efficient", "torch")  # = comfyui_xdit.planning.config's list
 HALF = (torch.float16, torch.bfloat16)
@@ -293,31 +298,6 @@ class KernelChoice:
         return kernel
 
 
-# -- Ulysses: q, k, v in one all-to-all ------------------------------------------------
-def ulysses_qkv(q, k, v, group, world: int):
-    """[B, S, H, D] x3 (this rank's tokens, all heads) -> [B, world*S, H/world, D] x3 (the
-    group's tokens in rank order, this rank's heads), in one `all_to_all_single`."""
-    b, s, h, d = q.shape
-    hl = h // world
-    send = q.new_empty((world, 3, b, s, hl, d))
-    for i, t in enumerate((q, k, v)):  # head block j goes to rank j
-        send[:, i].copy_(t.view(b, s, world, hl, d).permute(2, 0, 1, 3, 4))
-    recv = torch.empty_like(send)
-    all_to_all_single(recv, send, group=group)  # recv[j]: rank j's tokens, our heads
-    qkv = recv.permute(1, 2, 0, 3, 4, 5).reshape(3, b, world * s, hl, d)
-    return qkv[0], qkv[1], qkv[2]
-
-
-def ulysses_out(out, group, world: int):
-    """Inverse for the output: [B, world*S, H/world, D] -> [B, S, H, D]."""
-    b, sw, hl, d = out.shape
-    s = sw // world
-    send = out.view(b, world, s, hl, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    all_to_all_single(recv, send, group=group)  # recv[j]: our tokens, rank j's heads
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s, world * hl, d)
-
-
 # -- which keys are real ----------------------------------------------------------------
 def _valid_runs(plan, streams, padded: bool, text_real: Optional[int] = None):
     """(block length, per sp rank the list of (start, count) runs of real tokens in its
@@ -325,7 +305,7 @@ def _valid_runs(plan, streams, padded: bool, text_real: Optional[int] = None):
     (direct callers) is padded here as one tail. `text_real`: a row whose prompt fills only
     the first `text_real` text tokens (the rest is padding its text mask drops)."""
     def real(stream, r, n):  # tokens of rank r's shard of `stream` that are real
-        if stream != "text" or text_real is None:
+        if stream != plan.text_stream or text_real is None:
             return n
         start = plan.local_slice(stream, r).start - plan.selected(stream)[0]
         return max(0, min(n, text_real - start))
@@ -355,14 +335,28 @@ def _valid_runs(plan, streams, padded: bool, text_real: Optional[int] = None):
     return max(lengths), runs
 
 
-def short_rows(plan, text_lengths) -> Optional[list]:
+def short_rows(plan, text_lengths, keys=None) -> Optional[list]:
     """The rows' real text lengths when some row's prompt is shorter than the call's text
-    (padded to a common length), else None (every key is real)."""
-    if text_lengths is None:
+    (padded to a common length) and the keys (`keys`: streams, None: any) hold the text
+    stream, else None (every key is real)."""
+    text = plan.text_stream
+    if text_lengths is None or text is None or (keys is not None and text not in keys):
         return None
-    full = plan.full_len("text")
+    full = plan.full_len(text)
     rows = [min(int(n), full) for n in text_lengths]
     return None if all(n == full for n in rows) else rows
+
+
+def check_declared(plan, queries, keys, seen: set) -> None:
+    """An attention runs only as the family's token layout declares it (queries attending
+    to keys); `seen`: the caller's record of what it found declared, so each layout and
+    stream set is checked once."""
+    if torch.compiler.is_compiling():  # checked by the eager calls; no side effect traced
+        return
+    key = (plan.layout, tuple(queries), tuple(keys))
+    if key not in seen:
+        plan.layout.attention(queries, keys)  # raises with what is declared
+        seen.add(key)
 
 
 class _Layout:
@@ -422,6 +416,7 @@ class LocalAttention:
         if dtype is not None and head_dim is not None:
             self.kernels.resolve(dtype, int(head_dim))
         self._rows: dict = {}  # a row's real-key index on the device, per shape
+        self._declared: set = set()  # attentions found declared (check_declared)
 
     @property
     def kernel_name(self) -> Optional[str]:
@@ -430,7 +425,7 @@ class LocalAttention:
     def _row_keys(self, plan, streams, n: int, device):
         """The real keys of a row whose prompt fills `n` text tokens: made once per shape
         and kept on the device (made per layer and step, each would be a host copy)."""
-        key = (tuple(streams), plan.text_len, plan.image_len, n, device)
+        key = (tuple(streams), plan.counts(), n, device)
         if key not in self._rows:
             if len(self._rows) > 64:  # shapes change with jobs; keep the cache bounded
                 self._rows.clear()
@@ -438,14 +433,18 @@ class LocalAttention:
                                       device).valid[0]
         return self._rows[key]
 
-    def __call__(self, q, k, v, plan, streams, module=None, text_lengths=None) -> torch.Tensor:
+    def __call__(self, q, k, v, plan, streams, module=None, text_lengths=None,
+                 keys=None) -> torch.Tensor:
+        """`keys`: the key streams of a cross-attention (None: `streams`, joint)."""
+        keys = tuple(streams) if keys is None else tuple(keys)
+        check_declared(plan, streams, keys, self._declared)
         kernel, scale = self.kernels(q), q.shape[-1] ** -0.5
-        rows = short_rows(plan, text_lengths)
+        rows = short_rows(plan, text_lengths, keys)
         if rows is None:
             return kernel(q, k, v, scale)
         outs = []
         for b, n in enumerate(rows):  # each row's own real keys
-            idx = self._row_keys(plan, streams, n, q.device)
+            idx = self._row_keys(plan, keys, n, q.device)
             kb, vb = k[b:b + 1], v[b:b + 1]
             if idx is not None:
                 kb, vb = kb.index_select(1, idx), vb.index_select(1, idx)
@@ -470,6 +469,7 @@ class ShardedAttention:
         self.kernels = KernelChoice(backend, device_type, self.ring, dtype)
         self.block = _RingBlock(self.ring, topo.index("ring"), fault)
         self._layouts: dict = {}
+        self._declared: set = set()  # attentions found declared (check_declared)
 
     @property
     def kernel_name(self) -> Optional[str]:
@@ -490,34 +490,83 @@ class ShardedAttention:
         return lay
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, streams,
-                 module=None, text_lengths=None) -> torch.Tensor:
-        """q, k, v: [B, S_local, H, D], the local tokens of `streams` under `plan`: padded
-        to the block length when `plan.padded` (the hooks' layout), else unpadded.
-        `text_lengths`: the rows' real text lengths where prompts were padded to a common
-        length; such a batch attends row by row, each over its own real keys."""
+                 module=None, text_lengths=None, keys=None) -> torch.Tensor:
+        """q: [B, S_local, H, D], the local tokens of the query streams `streams` under
+        `plan`; k, v: those of the key streams `keys` (None: `streams`, joint attention;
+        else a cross-attention the layout declares). Padded to the block length when
+        `plan.padded` (the hooks' layout), else unpadded. `text_lengths`: the rows' real
+        text lengths where prompts were padded to a common length; such a batch attends
+        row by row, each over its own real keys. A replicated stream is held whole: keys
+        that are all replicated need no exchange; otherwise each replicated stream takes
+        part as its shard would, and its queries' output is gathered back."""
+        keys = tuple(streams) if keys is None else tuple(keys)
+        check_declared(plan, streams, keys, self._declared)
+        if not any(plan.sharded(s) for s in keys):
+            return self._whole_keys(q, k, v, plan, keys, text_lengths)
+        if not all(plan.sharded(s) for s in (*streams, *keys)):
+            return self._with_replicated(q, k, v, plan, streams, keys, module, text_lengths)
         topo = self.topo
         padded = bool(getattr(plan, "padded", False))
-        lay = self._layout(plan, streams, padded, q.device)
-        s_local = q.shape[1]
-        want = lay.chunk if padded else plan.lengths(streams)[topo.sp_rank]
-        if s_local != want:
-            raise RuntimeError(f"local sequence {s_local} != planned {want}")
-        if s_local < lay.chunk:  # unpadded caller with uneven shards: pad here, once
-            qkv = F.pad(torch.stack((q, k, v)), (0, 0, 0, 0, 0, lay.chunk - s_local))
-            q, k, v = qkv[0], qkv[1], qkv[2]
+        lay = self._layout(plan, keys, padded, q.device)
+        s_local, kv_local = q.shape[1], k.shape[1]
+        q_chunk = lay.chunk if keys == tuple(streams) else _chunk(plan, streams, padded)
+        want = (q_chunk, lay.chunk) if padded else \
+            (plan.lengths(streams)[topo.sp_rank], plan.lengths(keys)[topo.sp_rank])
+        if (s_local, kv_local) != want:
+            raise RuntimeError(f"local sequence {s_local} (keys {kv_local}) != planned "
+                               f"{want[0]} (keys {want[1]})")
+        if q_chunk == lay.chunk and s_local == kv_local:
+            if s_local < lay.chunk:  # unpadded caller with uneven shards: pad here, once
+                qkv = F.pad(torch.stack((q, k, v)), (0, 0, 0, 0, 0, lay.chunk - s_local))
+                q, k, v = qkv[0], qkv[1], qkv[2]
+        else:  # cross-attention: queries and keys padded each to their own block
+            q = F.pad(q, (0, 0, 0, 0, 0, q_chunk - s_local))
+            kv = F.pad(torch.stack((k, v)), (0, 0, 0, 0, 0, lay.chunk - kv_local))
+            k, v = kv[0], kv[1]
         if self.ulysses > 1:
             q, k, v = ulysses_qkv(q, k, v, self.uly_group, self.ulysses)
-        rows = short_rows(plan, text_lengths)
+        rows = short_rows(plan, text_lengths, keys)
         if rows is None:
             out = self._attend(q, k, v, lay)
         else:  # every rank of the group has the same rows: the collectives stay matched
             out = torch.cat([self._attend(q[b:b + 1], k[b:b + 1], v[b:b + 1],
-                                          self._layout(plan, streams, padded, q.device, n))
+                                          self._layout(plan, keys, padded, q.device, n))
                              for b, n in enumerate(rows)])
         out = out.to(q.dtype)
         if self.ulysses > 1:
             out = ulysses_out(out, self.uly_group, self.ulysses)
         return out if out.shape[1] == s_local else out[:, :s_local]
+
+    def _whole_keys(self, q, k, v, plan, keys, text_lengths) -> torch.Tensor:
+        """Keys of replicated streams only: every rank holds them all, so its queries attend
+        here, without a collective (Wan's video tokens over the text)."""
+        kernel, scale = self.kernels(q), q.shape[-1] ** -0.5
+        if k.shape[1] != sum(plan.full_len(s) for s in keys):
+            raise RuntimeError(f"keys of {'+'.join(keys)}: {k.shape[1]} tokens, planned "
+                               f"{sum(plan.full_len(s) for s in keys)}")
+        rows = short_rows(plan, text_lengths, keys)
+        if rows is None:
+            out = kernel(q, k, v, scale)
+            return out[0] if kernel.lse else out
+        outs = []
+        for b, n in enumerate(rows):
+            idx = _Layout(*_valid_runs(plan, keys, False, n), 1, 1, q.device).valid[0]
+            kb, vb = k[b:b + 1], v[b:b + 1]
+            if idx is not None:
+                kb, vb = kb.index_select(1, idx), vb.index_select(1, idx)
+            out = kernel(q[b:b + 1], kb, vb, scale)
+            outs.append(out[0] if kernel.lse else out)
+        return torch.cat(outs)
+
+    def _with_replicated(self, q, k, v, plan, streams, keys, module, text_lengths):
+        """Some replicated stream among sharded ones: each replicated stream narrowed to the
+        shard it would have if it were sharded (`plan.all_sharded()`), the attention run on
+        that, and the replicated queries' output gathered whole again."""
+        view = plan.all_sharded()
+        qv = as_view(q, plan, view, streams)
+        kv = as_view(torch.stack((k, v)), plan, view, keys, dim=2)
+        out = self(qv, kv[0], kv[1], view, streams, module, text_lengths, keys)
+        return from_view(out, plan, view, streams, self.topo.group("sp"))
 
     def _attend(self, q, k, v, lay: _Layout) -> torch.Tensor:
         """Attention of the (Ulysses-gathered) queries over the real keys of every ring
@@ -537,3 +586,12 @@ class ShardedAttention:
                                         softmax_scale=scale, dropout_p=0.0, causal=False,
                                         attn_type=None, attn_processor=self.block)
         return out
+
+
+def _chunk(plan, streams, padded: bool) -> int:
+    """The block length of `streams`' local tokens: the padded plan's (each stream padded to
+    its longest shard), else the longest rank's."""
+    if padded:
+        return sum(max(plan.sizes(s)) for s in streams)
+    return max(plan.lengths(streams))
+

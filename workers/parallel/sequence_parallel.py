@@ -1,16 +1,17 @@
 """Sequence parallelism (USP: Ulysses, Ring, hybrid), written once for every model.
 
-A model adapter declares a `SequenceLayout`: which tensors split on which dim and to which
-token stream (text or image) they belong, and where the output is gathered. Installing it
-adds forward hooks to the transformer and swaps in the model's sharded attention processors;
-the model code itself is untouched.
+A model adapter declares a `SequenceLayout`: its family's token streams (a `TokenLayout`,
+workers/parallel/streams.py: their names, order, split and which attends to which), which
+tensors split on which dim and to which stream they belong, and where the latent stream's
+output is gathered. Installing it adds forward hooks to the transformer and swaps in the
+model's sharded attention processors; the model code itself is untouched.
 
-Text and image tokens are both split near-evenly over the sp ranks (the first `n % sp`
-ranks take one more token). The image stream is whatever the adapter passes as the image
-tokens: the latent's, joined by reference images' tokens when a job has them
-(workers/models/flux.py `with_references`), so those split with it. The per-forward
-`SequencePlan` travels to the attention processors explicitly through
-`joint_attention_kwargs`.
+Each sharded stream is split near-evenly over the sp ranks (the first `n % sp` ranks take one
+more token); a replicated stream stays whole on every rank. A stream is whatever the adapter
+passes as its tokens: FLUX's image stream is the latent's tokens joined by reference images'
+when a job has them (workers/models/flux.py `with_references`), so those split with it. The
+per-forward `SequencePlan` (the call's token count per stream) travels to the attention
+processors explicitly through `joint_attention_kwargs`.
 
 Uneven shards are padded once per forward: the input hooks pad each stream's local shard to
 that stream's longest (`SequencePlan.padded`), so every layer's q/k/v have the same length
@@ -25,52 +26,93 @@ gather places them in a full-size output.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from .streams import TEXT_IMAGE, TokenLayout, even_sizes
 from .topology import Topology, all_gather, gather
-
-STREAMS = ("text", "image")
-
-
-def even_sizes(n: int, parts: int) -> list[int]:
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
 @dataclass(frozen=True)
 class SequencePlan:
-    """Which tokens one forward call computes (every text and image token; a subclass may
-    select fewer) and which of them this sp rank holds: each stream's selected tokens split
-    near-evenly over the sp ranks."""
+    """Which tokens one forward call computes (every token of every stream; a subclass may
+    select fewer) and which of them this sp rank holds: each sharded stream's selected
+    tokens split near-evenly over the sp ranks, each replicated stream's held whole by every
+    rank. `tokens`: the call's full token count per stream, one for each stream `layout`
+    declares (workers/parallel/streams.py)."""
 
     sp_rank: int
     sp_size: int
-    text_len: int  # tokens of the full sequence, per stream
-    image_len: int
+    tokens: dict  # stream name -> tokens of the full sequence
     padded: bool = False  # local shards padded to each stream's longest (see module doc)
+    layout: TokenLayout = TEXT_IMAGE
+
+    def __post_init__(self):
+        declared, given = self.layout.names, tuple(self.tokens)
+        if set(given) != set(declared):
+            raise ValueError(f"the plan gives token counts for {list(given)}, the layout "
+                             f"declares the streams {list(declared)}")
+        bad = {k: v for k, v in self.tokens.items() if not isinstance(v, int) or v < 0}
+        if bad:
+            raise ValueError(f"token counts must be whole numbers >= 0, got {bad}")
+
+    def __hash__(self):  # the dict of counts as its items
+        return hash((type(self), self.sp_rank, self.sp_size,
+                     tuple(sorted(self.tokens.items())), self.padded, self.layout))
+
+    @property
+    def text_stream(self) -> Optional[str]:
+        """The name of the layout's text stream (None: it has none)."""
+        t = self.layout.text
+        return None if t is None else t.name
+
+    @property
+    def latent_stream(self) -> str:
+        return self.layout.latent.name
+
+    def context_streams(self) -> tuple:
+        """The sharded streams beside the latent's, in layout order: what the blocks carry
+        as their context (a replicated stream, Wan's text, is an input of each block)."""
+        latent = self.latent_stream
+        return tuple(s for s in self.layout.sequence() if s != latent)
+
+    def counts(self) -> tuple:
+        """The full token counts in layout order (what shapes depend on)."""
+        return tuple(self.tokens[n] for n in self.layout.names)
 
     def full_len(self, stream: str) -> int:
-        return self.text_len if stream == "text" else self.image_len
+        try:
+            return self.tokens[stream]
+        except KeyError:
+            raise KeyError(f"no stream {stream!r} in this plan (streams: "
+                           f"{list(self.tokens)})") from None
 
     def selected(self, stream: str) -> tuple:
         """(first token, count) of the stream's tokens this forward computes."""
         return 0, self.full_len(stream)
 
-    def sizes(self, stream: str) -> list[int]:
-        return even_sizes(self.selected(stream)[1], self.sp_size)
+    def sharded(self, stream: str) -> bool:
+        return self.layout.stream(stream).sharded
+
+    def sizes(self, stream: str) -> list:
+        """Tokens of `stream` each sp rank holds (a replicated stream: all, on each)."""
+        n = self.selected(stream)[1]
+        return even_sizes(n, self.sp_size) if self.sharded(stream) else [n] * self.sp_size
 
     def local_slice(self, stream: str, sp_rank: Optional[int] = None) -> slice:
         r = self.sp_rank if sp_rank is None else sp_rank
         sizes = self.sizes(stream)
-        start = self.selected(stream)[0] + sum(sizes[:r])
+        start = self.selected(stream)[0] + (sum(sizes[:r]) if self.sharded(stream) else 0)
         return slice(start, start + sizes[r])
 
-    def lengths(self, streams=STREAMS) -> list[int]:
-        """Local token count of every sp rank for attention over `streams`."""
-        per = [self.sizes(s) for s in streams]
+    def lengths(self, streams=None) -> list:
+        """Local token count of every sp rank for attention over `streams` (None: every
+        stream, in layout order)."""
+        per = [self.sizes(s) for s in (self.layout.names if streams is None else streams)]
         return [sum(p[r] for p in per) for r in range(self.sp_size)]
 
     def positions(self, streams, sp_rank: Optional[int] = None) -> torch.Tensor:
@@ -89,20 +131,32 @@ class SequencePlan:
         return max(sizes) if self.padded else sizes[self.sp_rank]
 
     def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
+        """This rank's tokens of a whole stream (a replicated stream: the selected tokens,
+        all of them)."""
         full = self.full_len(stream)
         if x.shape[dim] != full:
             raise RuntimeError(f"{stream} tensor has {x.shape[dim]} tokens on dim {dim}, "
                                f"plan says {full}")
         sl = self.local_slice(stream)
+        if sl.start == 0 and sl.stop == full:
+            return x
         x = x.narrow(dim, sl.start, sl.stop - sl.start)
         # padded plan, shorter shard: zero tokens at the end of this stream
         return pad_tokens(x, dim, self.local_len(stream))
+
+    def all_sharded(self) -> "SequencePlan":
+        """The same tokens with every stream sharded: how the attention holds a replicated
+        stream while it exchanges the others (workers/parallel/attention.py)."""
+        layout = self.layout.all_sharded
+        return self if layout is self.layout else dataclasses.replace(self, layout=layout)
 
 
 @dataclass(frozen=True)
 class SequenceLayout:
     """Declarative split/gather plan of one transformer class (cf. diffusers' `_cp_plan`).
 
+    streams:       the family's token streams (streams.TokenLayout); every `stream` below
+                   names one of them.
     split_inputs:  forward kwarg -> (stream, dim), split before the transformer runs.
     split_outputs: submodule name -> (stream, dim), its output is split; a tuple output
                    takes one (stream, dim) per element (None: left whole). (stream, dim,
@@ -113,8 +167,10 @@ class SequenceLayout:
                    set to the stream's full length (a model that derives a length from a
                    tensor the hooks have split, as Qwen-Image's text RoPE does, is told the
                    whole sequence's).
-    gather_output: (submodule name, dim), its image-token output is all-gathered.
-    token_counts:  (transformer, forward kwargs) -> (text tokens, image tokens).
+    gather_output: (submodule name, dim), its output (the latent stream's tokens) is
+                   all-gathered.
+    token_counts:  (transformer, forward kwargs) -> {stream: tokens} of the call, every
+                   declared stream.
     kwargs_name:   the forward kwarg whose dict reaches the attention processors.
     plan_by_hook:  the model calls its attention modules without that dict (Wan): a hook
                    on each of them passes the forward's plan as their `sp_plan` keyword.
@@ -130,10 +186,22 @@ class SequenceLayout:
     token_counts: Callable
     attention_processor: Callable  # (ShardedAttention) -> processor instance
     replaces: tuple  # class names of the stock processors the sharded one replaces
+    streams: TokenLayout = TEXT_IMAGE
     full_lengths: dict = field(default_factory=dict)
     kwargs_name: str = "joint_attention_kwargs"
     plan_by_hook: bool = False
     context_tokens: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        names = self.streams.names
+        specs = list(self.split_inputs.values())
+        for spec in self.split_outputs.values():
+            specs.extend([spec] if isinstance(spec[0], str) else [s for s in spec if s])
+        specs += [(stream,) for m in self.full_lengths.values() for stream in m.values()]
+        unknown = sorted({s[0] for s in specs} - set(names))
+        if unknown:
+            raise ValueError(f"the sequence layout splits streams {unknown}, which its token "
+                             f"layout does not declare (streams: {list(names)})")
 
 
 def pad_tokens(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -164,6 +232,23 @@ def gather_tokens(x: torch.Tensor, dim: int, sizes: list[int], group) -> Optiona
     if not first:
         return None
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+
+def gather_stream(x: torch.Tensor, dim: int, plan: SequencePlan, stream: str, group):
+    """A stream's whole output from this rank's shard (padding dropped): all-gathered over
+    the sp group for a sharded stream, as it is for a replicated one; where the plan selects
+    part of the tokens (PipeFusion), placed in a full-size output (zeros elsewhere)."""
+    if plan.sp_size > 1 and plan.sharded(stream):
+        x = all_gather_tokens(x, dim, plan.sizes(stream), group)
+    start, count = plan.selected(stream)
+    full_len = plan.full_len(stream)
+    if count != full_len:
+        full = list(x.shape)
+        full[dim] = full_len
+        out = x.new_zeros(full)
+        out.narrow(dim, start, count).copy_(x)
+        x = out
+    return x
 
 
 class SequenceParallel:
@@ -216,15 +301,16 @@ class SequenceParallel:
     def _enter(self, module, args, kwargs):
         if args:
             raise TypeError("call the parallel transformer with keyword arguments only")
-        text, image = self.layout.token_counts(module, kwargs)
+        tokens = dict(self.layout.token_counts(module, kwargs))
         name = self.layout.kwargs_name
         jak = dict(kwargs.get(name) or {})
         plan = jak.get("sp_plan")  # the caller's own plan (module doc)
         if plan is None:
-            plan = SequencePlan(self.topo.sp_rank, self.topo.sp, text, image, padded=True)
-        elif (plan.text_len, plan.image_len) != (text, image):
-            raise RuntimeError(f"the call's plan is for {plan.text_len} text and "
-                               f"{plan.image_len} image tokens, the call has {text} and {image}")
+            plan = SequencePlan(self.topo.sp_rank, self.topo.sp, tokens, padded=True,
+                                layout=self.layout.streams)
+        elif plan.tokens != tokens:
+            raise RuntimeError(f"the call's plan is for {plan.tokens} tokens, the call has "
+                               f"{tokens}")
         self.plan = plan
         self.context = {kw: (None if kwargs.get(arg) is None else int(kwargs[arg].shape[1]))
                         for arg, kw in self.layout.context_tokens.items()}
@@ -261,17 +347,7 @@ class SequenceParallel:
     def _gatherer(self, dim: int):
         def hook(module, args, output):
             plan = self.plan
-            if plan.sp_size > 1:
-                output = all_gather_tokens(output, dim, plan.sizes("image"),
-                                           self.topo.group("sp"))
-            start, count = plan.selected("image")
-            if count != plan.image_len:  # part of the tokens: placed in a full-size output
-                full = list(output.shape)
-                full[dim] = plan.image_len
-                out = output.new_zeros(full)
-                out.narrow(dim, start, count).copy_(output)
-                output = out
-            return output
+            return gather_stream(output, dim, plan, plan.latent_stream, self.topo.group("sp"))
         return hook
 
     def remove(self):

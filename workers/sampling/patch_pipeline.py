@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..parallel.p2p import exchange
-from ..parallel.pipefusion.activations import Activations
+from ..parallel.pipefusion.activations import Activations, carried_context
 from ..parallel.pipefusion.cache import KVCache
 from ..parallel.pipefusion.plan import PatchPlan
 from ..parallel.pipefusion.schedule import Micro, build_schedule
@@ -62,11 +62,13 @@ class PatchPipeline:
         refs = prep.extra.get("ref_tokens")
         # a family that pads the image to a multiple of tokens (Z-Image's learned pads)
         # puts the pads first in the image stream: context like the references
-        m, image = adapter.family.pad_multiple, self.rows * self.cols
+        self.streams = adapter.layout.streams  # the family's token streams
+        m, image = self.streams.latent.pad_multiple, self.rows * self.cols
         self.ref_tokens = (0 if refs is None else int(refs.shape[1])) + (-image) % m
         self.extras = prep.extras if refs is None else [dict(e, references_first=True)
                                                         for e in prep.extras]
-        self.text_len = {b: adapter.joint_text_tokens(c) for b, c in branches.items()}
+        # each branch's tokens of the streams beside the latent's (its own prompt's text)
+        self.context = {b: adapter.context_tokens(c) for b, c in branches.items()}
         config = model.transformer.config
         self.hidden = adapter.family.heads(config) * adapter.family.head_dim(config)
         self.cache = KVCache(topo)
@@ -78,8 +80,9 @@ class PatchPipeline:
         """A micro's tokens: its rows, after the references, which the branch's first patch
         of a step (the one with the text) computes too."""
         lo, hi = (self.ref_tokens + r * self.cols for r in m.rows)
-        return PatchPlan(self.topo.sp_rank, self.topo.sp, self.text_len[m.branch],
-                         self.ref_tokens + self.rows * self.cols,
+        tokens = dict(self.context[m.branch], **{
+            self.streams.latent.name: self.ref_tokens + self.rows * self.cols})
+        return PatchPlan(self.topo.sp_rank, self.topo.sp, tokens, layout=self.streams,
                          image_range=(0 if m.with_text else lo, hi), with_text=m.with_text,
                          branch=m.branch, cache=self.cache, activations=self.activations)
 
@@ -102,7 +105,7 @@ class PatchPipeline:
             self.outgoing = None
         if not self.first and plan is not None:
             r = self.topo.sp_rank
-            tokens = plan.sizes("text")[r] + plan.sizes("image")[r]
+            tokens = carried_context(plan, r) + plan.sizes(plan.latent_stream)[r]
             recvs.append(((latents.shape[0], tokens, self.hidden), dtype, self.prev))
         for m in arrivals:
             if self.last:

@@ -256,7 +256,8 @@ _PARAMS: dict = {}
 
 
 def _real_image_tokens(kwargs, local: int, plan_of=None) -> int:
-    """This rank's real image tokens among its `local` ones: a sequence-parallel shard is
+    """This rank's real tokens of the latent stream (the family's declared one: the
+    measured residual's) among its `local` ones: a sequence-parallel shard is
     padded to the longest (workers/parallel/sequence_parallel.py), and the padding's residual must not
     weigh in the decision, or the ranks would decide otherwise than one process. The plan
     comes with the block's keywords, or (blocks not given it: Wan) from `plan_of()`."""
@@ -265,7 +266,7 @@ def _real_image_tokens(kwargs, local: int, plan_of=None) -> int:
         plan = plan_of()
     if plan is None or not getattr(plan, "padded", False):
         return local
-    return min(local, plan.sizes("image")[plan.sp_rank])
+    return min(local, plan.sizes(plan.latent_stream)[plan.sp_rank])
 
 
 def _hidden_name(block, kwargs) -> str:

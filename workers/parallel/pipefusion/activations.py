@@ -8,6 +8,12 @@ from typing import Optional
 import torch
 
 
+def carried_context(plan, sp_rank: int) -> int:
+    """Tokens of the streams the blocks carry beside the latent's on `sp_rank` (the sharded
+    ones: a replicated stream, Wan's text, is each block's input, not its output)."""
+    return sum(plan.sizes(s)[sp_rank] for s in plan.context_streams())
+
+
 class Activations:
     """One job's activation slots at this stage's boundaries: what the previous stage sent
     for this tick's patch, and what the last block produced for the next stage."""
@@ -18,11 +24,12 @@ class Activations:
         self.outgoing: Optional[torch.Tensor] = None
 
     def receive(self, plan, joined: bool = False):
-        """The previous stage's [text, image] activations: split in two, or as one joined
-        tensor for a block that takes the streams joined (FLUX.2's single blocks)."""
+        """The previous stage's [context, latent] activations (the context: the sharded
+        streams the blocks carry beside the latent's, the text): split in two, or as one
+        joined tensor for a block that takes the streams joined (FLUX.2's single blocks)."""
         buf, self.incoming = self.incoming, None
-        t = plan.sizes("text")[self.sp_rank]
-        want = t + plan.sizes("image")[self.sp_rank]
+        t = carried_context(plan, self.sp_rank)
+        want = t + plan.sizes(plan.latent_stream)[self.sp_rank]
         if buf is None or buf.shape[1] != want:
             got = None if buf is None else tuple(buf.shape)
             raise RuntimeError(f"pipeline activations {got} do not fit the patch ({want} tokens)")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..attention import KernelChoice, short_rows, ulysses_out, ulysses_qkv
+from ..attention import KernelChoice, check_declared, short_rows, ulysses_out, ulysses_qkv
 from ..topology import all_gather
 from .plan import PatchPlan
 
@@ -40,6 +40,7 @@ class PatchAttention:
         in the selection rules), chosen once from the first call's device, dtype, head dim."""
         self.topo = topo
         self.backend = backend
+        self._declared: set = set()  # attentions found declared (check_declared)
         self._kernels = {}  # device type -> KernelChoice
         if device_type is not None:
             self._kernels[device_type] = KernelChoice(backend, device_type, 1, dtype)
@@ -54,17 +55,22 @@ class PatchAttention:
             choice = self._kernels[q.device.type] = KernelChoice(self.backend, q.device.type, 1)
         return choice(q)
 
-    def __call__(self, q, k, v, plan: PatchPlan, streams, module=None, text_lengths=None):
+    def __call__(self, q, k, v, plan: PatchPlan, streams, module=None, text_lengths=None,
+                 keys=None):
+        """`streams`: the query streams; `keys`: the key streams of a cross-attention (None:
+        `streams`). The cache holds the key streams' K/V."""
         if not isinstance(plan, PatchPlan):
             raise RuntimeError("PipeFusion attention called without a patch plan")
+        keys = tuple(streams) if keys is None else tuple(keys)
+        check_declared(plan, streams, keys, self._declared)
         topo, kv = self.topo, plan.cache
-        rows = short_rows(plan, text_lengths)
+        rows = short_rows(plan, text_lengths, keys)
         if topo.sp > 1:
-            q, k, v, back = _gather_patch(q, k, v, plan, streams, topo, kv)
+            q, k, v, back = _gather_patch(q, k, v, plan, streams, keys, topo, kv)
         # cache positions: host numbers for the bookkeeping, a device index made once per
         # patch shape and job (copying it in per layer would stall the stream each time)
-        pos, dev_pos = kv.positions(plan, streams, k.device)
-        cache = kv.layer(module, plan.branch, streams, plan, k)
+        pos, dev_pos = kv.positions(plan, keys, k.device)
+        cache = kv.layer(module, plan.branch, keys, plan, k)
         cache.k.index_copy_(1, dev_pos, k)
         cache.v.index_copy_(1, dev_pos, v)
         kk, vv = cache.k, cache.v
@@ -80,7 +86,7 @@ class PatchAttention:
         else:  # rows padded to a common text length: each over its own real keys
             outs = []
             for b, n in enumerate(rows):
-                idx = kv.row_keys(plan, streams, n, cache, k.device)
+                idx = kv.row_keys(plan, keys, n, cache, k.device)
                 out = kernel(q[b:b + 1], kk[b:b + 1].index_select(1, idx),
                              vv[b:b + 1].index_select(1, idx), scale)
                 outs.append(out[0] if kernel.lse else out)
@@ -90,17 +96,22 @@ class PatchAttention:
         return out
 
 
-def _gather_patch(q, k, v, plan, streams, topo, cache):
+def _gather_patch(q, k, v, plan, streams, keys, topo, cache):
     """sp > 1 inside a stage: Ulysses all-to-all (tokens of the Ulysses group, H/U heads),
     then an all-gather of K/V over the ring group, so the cache and the keys are complete
     for this rank's heads. Returns the gathered q/k/v (padding dropped from k/v) and the
     inverse map for the attention output."""
     U, R = topo.degree("ulysses"), topo.degree("ring")
-    chunk = max(max(plan.lengths(streams)), 1)
+    chunk = max(max(plan.lengths(keys)), 1)
     n_local = q.shape[1]
-    if n_local < chunk:  # one pad of the packed q/k/v, not three
-        qkv = F.pad(torch.stack((q, k, v)), (0, 0, 0, 0, 0, chunk - n_local))
-        q, k, v = qkv[0], qkv[1], qkv[2]
+    if tuple(keys) == tuple(streams):
+        if n_local < chunk:  # one pad of the packed q/k/v, not three
+            qkv = F.pad(torch.stack((q, k, v)), (0, 0, 0, 0, 0, chunk - n_local))
+            q, k, v = qkv[0], qkv[1], qkv[2]
+    else:  # cross-attention: the queries and the keys each padded to their own block
+        q = F.pad(q, (0, 0, 0, 0, 0, max(max(plan.lengths(streams)), 1) - n_local))
+        kv = F.pad(torch.stack((k, v)), (0, 0, 0, 0, 0, chunk - k.shape[1]))
+        k, v = kv[0], kv[1]
     if U > 1:  # q, k and v in one all-to-all
         q, k, v = ulysses_qkv(q, k, v, topo.group("ulysses"), U)
     if R > 1:
@@ -109,7 +120,7 @@ def _gather_patch(q, k, v, plan, streams, topo, cache):
         all_gather(parts, kv.contiguous(), group=topo.group("ring"))
         kv = torch.cat(parts, dim=2)
         k, v = kv[0], kv[1]
-    keep = cache.gathered_keep(plan, streams, k.device)
+    keep = cache.gathered_keep(plan, keys, k.device)
     k, v = k.index_select(1, keep), v.index_select(1, keep)
 
     def back(out):
@@ -177,7 +188,7 @@ class KVCache:
             at = 0
             for s in streams:
                 full = plan.full_len(s)
-                if s == "text":
+                if s == plan.text_stream:
                     keep[at + n: at + full] = False
                 at += full
             return torch.from_numpy(keep.nonzero()[0])
