@@ -85,6 +85,6 @@ def family_pools(model_dir):
 
 def pytest_runtest_teardown(item, nextitem):
     """The suite's last item closes its pools: the rest of the session runs without them."""
-    if nextitem is None or "/conformance/" not in nextitem.nodeid:
+    if nextitem is None or "conformance/" not in nextitem.nodeid:
         for fp in _OPEN:
             fp.close()
