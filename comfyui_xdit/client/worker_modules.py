@@ -22,6 +22,7 @@ TARGETS = {
     "models.detect": "model detection: a folder's or file's family and config",
     "models.latent_layout": "packing latents between ComfyUI's and the model's layout",
     "loading.lora_file": "a LoRA file checked on the host before any worker starts",
+    "loading.comfy_lora": "the weight names ComfyUI's LoRA loaders patch on the xDiT MODEL",
     "loading.stages": "PipeFusion's stage split, for the memory plan",
     "loading.weights": "fp8 storage and block Linears, for the memory plan and fp8 files",
     "runtime.channel": "the host end of the control channel", "runtime.protocol": "the typed messages",

@@ -19,6 +19,7 @@ import comfy.model_patcher
 import comfy.supported_models
 
 from comfyui_xdit.planning.config import ConfigError
+from comfyui_xdit.nodes import comfy_loras
 from comfyui_xdit.nodes.model_calls import PoolDenoiser
 from comfyui_xdit.nodes.node_text import compiling_text, model_cache_text
 
@@ -60,20 +61,65 @@ class _PoolDiffusionModel(torch.nn.Module):
 
 class _Weightless:
     """Mixin for ComfyUI's model classes: no transformer is built here, and the memory the
-    sampler should reserve for a call is negligible (the work happens in the pool)."""
+    sampler should reserve for a call is negligible (the work happens in the pool). Its
+    state dict names the pool model's weights (meta tensors, no data): ComfyUI's LoRA
+    loaders map a file's keys to those names (comfy.lora.model_lora_keys_unet)."""
+
+    xdit_weights: dict = {}  # {name without "diffusion_model." and ".weight": shape}
 
     def memory_required(self, input_shape, cond_shapes={}):
         return 1024 * 1024
 
+    def state_dict(self, *args, **kwargs):
+        sd = super().state_dict(*args, **kwargs)
+        for name, shape in self.xdit_weights.items():
+            sd.setdefault(f"{comfy_loras.PREFIX}{name}{comfy_loras.SUFFIX}",
+                          torch.empty(tuple(shape), device="meta"))
+        return sd
+
 
 class XditModelPatcher(comfy.model_patcher.ModelPatcher):
-    """Weight patches (LoRA loaders, model merging) have no weights to act on here: refused
-    with a message instead of ComfyUI's silent "lora key not loaded"."""
+    """ComfyUI's LoRA loaders call `add_patches` on a clone: the LoRA patches are recorded in
+    the clone's transformer options and applied by the pool as adapters at sampling time
+    (comfyui_xdit/nodes/comfy_loras.py); what the pool cannot apply (model merges, LoKr,
+    LoHa, ...) is refused in one line naming the patch, instead of ComfyUI's silent "lora
+    key not loaded"."""
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-        raise ConfigError("the xDiT MODEL's weights live in the worker pool, so ComfyUI's "
-                          "LoRA loaders and model merges cannot patch them; use LoRA (xDiT) "
-                          "with Sampler (xDiT), or ComfyUI's own model for this graph")
+        source = comfy_loras.record(patches, strength_patch, strength_model)
+        comfy_loras.add(self.model_options.setdefault("transformer_options", {}), source)
+        return list(patches)
+
+
+def _lora_names(model, shapes: dict) -> tuple:
+    """(the weights ComfyUI's LoRA loaders may patch, {layer: rows}) of the MODEL: the pool
+    model's own weights, plus the names ComfyUI's own key map gives its other formats
+    (a diffusers folder's FLUX: ComfyUI maps diffusers LoRAs to BFL names, parts of fused
+    weights by row ranges), so that LoRA files in those names map too."""
+    import comfy.lora
+    weights = dict(shapes)
+    model.xdit_weights = weights
+    rows = {name: int(shape[0]) for name, shape in shapes.items()}
+    try:
+        mapped = comfy.lora.model_lora_keys_unet(model, {})
+    except Exception as e:  # noqa: BLE001  (ComfyUI's map of this model; the own names stay)
+        log.debug("xDiT: no ComfyUI LoRA key map: %s", e)
+        mapped = {}
+    ends: dict = {}
+    for target in mapped.values():
+        key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
+        if not (key.startswith(comfy_loras.PREFIX) and key.endswith(comfy_loras.SUFFIX)):
+            continue
+        name = key[len(comfy_loras.PREFIX):-len(comfy_loras.SUFFIX)]
+        if name in shapes:
+            continue
+        end = int(offset[1]) + int(offset[2]) if offset is not None else 0
+        ends[name] = max(ends.get(name, 0), end)
+    for name, end in ends.items():
+        weights[name] = [end or 1, 1]  # (its input width is the LoRA's own)
+        if end:
+            rows[name] = end
+    return weights, rows
 
 
 def comfy_classes(fam, unet: dict) -> tuple:
@@ -106,7 +152,8 @@ def _stand_in(module: torch.nn.Module, shapes: dict) -> None:
         setattr(obj, leaf, torch.empty(tuple(shape), device="meta"))
 
 
-def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0):
+def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0,
+                path=None, experts: int = 1):
     """A ComfyUI MODEL (ModelPatcher) for family `arch` whose diffusion model is `pool`.
     `unet`: what ComfyUI's detection would find in the model (model_info.comfy_unet_config:
     FLUX.1 dev vs schnell, channels, patch size, hidden sizes its config classes read).
@@ -125,5 +172,11 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     model = cls(model_config, device=torch.device("cpu"), **kw)
     model.diffusion_model = _PoolDiffusionModel(denoiser)
     _stand_in(model.diffusion_model, fam.comfy.shapes(unet))
+    if path is not None:
+        from comfyui_xdit.client.worker_modules import worker_module
+        shapes = worker_module("loading.comfy_lora").weight_shapes(path)
+        model.xdit_weights, denoiser.lora_rows = _lora_names(model, shapes)
+    if experts > 1:
+        denoiser.lora_expert = comfy_loras.EXPERT_NAMES[int(expert)]
     device = comfy.model_management.get_torch_device()
     return XditModelPatcher(model, load_device=device, offload_device=device, size=1)

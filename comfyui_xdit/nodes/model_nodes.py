@@ -74,4 +74,5 @@ class ToModel(io.ComfyNode):
         return io.NodeOutput(build_model(current_pool, config, info.arch,
                                          comfy_unet_config(model.path),
                                          cache=None if cache is None else cache.as_request(),
-                                         expert=index))
+                                         expert=index, path=model.path,
+                                         experts=info.experts))
