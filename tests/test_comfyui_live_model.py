@@ -257,18 +257,18 @@ def test_compiled_pool_under_ksampler_says_compiling_and_matches(comfy):
 
 
 
-def test_comfyui_lora_loader_on_the_xdit_model_is_refused(comfy):
-    """ComfyUI's LoraLoaderModelOnly on the xDiT MODEL fails with one message naming LoRA
-    (xDiT) (the weights live in the pool; ComfyUI would otherwise say "lora key not loaded"
-    and sample without the LoRA), and ComfyUI keeps serving."""
+def test_comfyui_lokr_loader_on_the_xdit_model_is_refused(comfy):
+    """ComfyUI's LoraLoaderModelOnly with a LoKr file on the xDiT MODEL fails with one line
+    naming the LoKr adapter and the weight (the pool applies LoRA patches only; ComfyUI
+    would otherwise sample without it), and ComfyUI keeps serving."""
     from safetensors.torch import save_file
     loras = Path(COMFY) / "models" / "loras"
     loras.mkdir(parents=True, exist_ok=True)
-    name = "xdit-test-lora.safetensors"
-    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 64),
-               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(64, 4)},
+    name = "xdit-test-lokr.safetensors"
+    save_file({"diffusion_model.transformer_blocks.0.attn.to_q.lokr_w1": torch.ones(8, 8),
+               "diffusion_model.transformer_blocks.0.attn.to_q.lokr_w2": torch.ones(8, 8)},
               str(loras / name))
-    wf, _ = _compare_graph(comfy, "sd3", {}, "euler", "simple", 1.0, "lora-refused")
+    wf, _ = _compare_graph(comfy, "sd3", {}, "euler", "simple", 1.0, "lokr-refused")
     wf["20"] = {"class_type": "LoraLoaderModelOnly",
                 "inputs": {"model": ["2", 0], "lora_name": name, "strength_model": 0.8}}
     wf["7"]["inputs"]["model"] = ["20", 0]
@@ -279,5 +279,5 @@ def test_comfyui_lora_loader_on_the_xdit_model_is_refused(comfy):
     assert last["type"] == "execution_error", last
     assert last["data"]["node_type"] == "LoraLoaderModelOnly", last["data"]
     msg = last["data"]["exception_message"]
-    assert "LoRA loaders" in msg and "LoRA (xDiT)" in msg, msg
+    assert "LoKr adapter" in msg and "transformer_blocks.0.attn.to_q" in msg, msg
     assert "xDiT.LoadModel" in http(comfy["base"], "/object_info")  # still serving
