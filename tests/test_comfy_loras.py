@@ -249,3 +249,57 @@ def test_switching_loaders_never_reads_the_base_weights_again(model_dir, files, 
         assert torch.equal(outs[3], base)  # none: exactly the base model
         assert torch.equal(outs[0], outs[4])  # the same loader again: the same output
         assert _diff(outs[0], outs[5]) > 1e-4  # another strength of the same file
+
+
+def comfy_flux_key_map(tr) -> dict:
+    """What ComfyUI's Flux key map (comfy.lora.model_lora_keys_unet, comfy.utils.
+    flux_to_diffusers) gives a FLUX model for diffusers LoRA names: BFL weights, row
+    ranges of the fused ones."""
+    h = tr.config.num_attention_heads * tr.config.attention_head_dim
+    mlp = tr.single_transformer_blocks[0].proj_mlp.out_features
+    out = {}
+    for i in range(len(tr.transformer_blocks)):
+        qkv = f"diffusion_model.double_blocks.{i}.img_attn.qkv.weight"
+        for j, n in enumerate(("to_q", "to_k", "to_v")):
+            out[f"transformer.transformer_blocks.{i}.attn.{n}"] = (qkv, (0, j * h, h))
+        out[f"transformer.transformer_blocks.{i}.attn.to_out.0"] = \
+            f"diffusion_model.double_blocks.{i}.img_attn.proj.weight"
+    for i in range(len(tr.single_transformer_blocks)):
+        lin = f"diffusion_model.single_blocks.{i}.linear1.weight"
+        for j, n in enumerate(("attn.to_q", "attn.to_k", "attn.to_v")):
+            out[f"transformer.single_transformer_blocks.{i}.{n}"] = (lin, (0, j * h, h))
+        out[f"transformer.single_transformer_blocks.{i}.proj_mlp"] = (lin, (0, 3 * h, mlp))
+    return out
+
+
+def test_comfyuis_key_map_renames_to_the_pools_names(pools, model_dir, files, tmp_path):
+    """On a diffusers folder, ComfyUI's map names BFL weights: the MODEL's state dict names
+    them too (so kohya's BFL files map), with their rows, and a LoRA on them is written in
+    the pool's own names (each of to_q / to_k / to_v its rows of the fused qkv's up), equal
+    to the original file; without the map's parts the workers convert it, equally."""
+    from safetensors import safe_open
+    from comfyui_xdit.client.worker_modules import worker_module
+    shapes = worker_module("loading.comfy_lora").weight_shapes(model_dir("flux"))
+    assert "transformer_blocks.0.attn.to_q" in shapes and \
+        not any(k.endswith(".weight") for k in shapes)
+    weights, rows, parts = comfy_loras.names_from_key_map(comfy_flux_key_map(files["tr"]),
+                                                          shapes)
+    assert "double_blocks.0.img_attn.qkv" in weights and rows == {**rows, **files["rows"]}
+    assert [p[0] for p in parts["double_blocks.0.img_attn.qkv"]] == \
+        [f"transformer_blocks.0.attn.to_{n}" for n in "qkv"]
+    source = comfy_loras.record(files["peft"][1], 0.8)
+    path = comfy_loras.write(source, rows, str(tmp_path), parts)
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+    assert "transformer_blocks.0.attn.to_q.lora_up.weight" in keys
+    assert not any("double_blocks" in k or "single_blocks" in k for k in keys), keys
+    pool = pools("flux", 2)
+    config = ParallelConfig(ulysses=2).with_world_size(2)
+    call = comfy_call("flux", files["tr"], 1, 8, 6, seed=6)
+    den = PoolDenoiser(pool, config, "flux")
+    den.lora_rows, den.lora_parts = rows, parts
+    got = den(**_options(call, [comfy_loras.record(files["peft"][1], 0.8)]))
+    want = PoolDenoiser(_WithLoras(pool, [(files["peft"][0], 0.8)]), config, "flux")(
+        **_options(call, []))
+    base = den(**_options(call, []))
+    assert _diff(got, want) <= TOL and _diff(got, base) > 1e-3

@@ -137,6 +137,32 @@ def _tensors(source: LoraSource, rows: dict) -> dict:
     return out
 
 
+def _to_pool_names(tensors: dict, parts: dict) -> dict:
+    """Layers ComfyUI names otherwise than the pool's model, renamed by `parts` ({layer:
+    [(pool layer, first row, rows)]}: ComfyUI's own key map, read backwards): each pool
+    layer takes its rows of `up` and the whole `down`. A layer whose patched rows the parts
+    do not all cover keeps ComfyUI's name (the workers convert it)."""
+    out = dict(tensors)
+    for layer, pieces in parts.items():
+        up = tensors.get(f"{layer}.lora_up.weight")
+        if up is None:
+            continue
+        covered = up.new_zeros(up.shape[0], dtype=bool)
+        for _, first, n in pieces:
+            covered[first:first + n] = True
+        if bool((up[~covered] != 0).any()):
+            continue
+        down = out.pop(f"{layer}.lora_down.weight")
+        del out[f"{layer}.lora_up.weight"]
+        for name, first, n in pieces:
+            if f"{name}.lora_up.weight" in out:  # two ComfyUI layers onto one: not a rename
+                raise _refuse("LoRAs on two weights the pool's model holds as one",
+                              PREFIX + layer + SUFFIX)
+            out[f"{name}.lora_up.weight"] = up[first:first + n].contiguous()
+            out[f"{name}.lora_down.weight"] = down.clone()
+    return out
+
+
 _FOLDER: Optional[str] = None
 
 
@@ -150,14 +176,14 @@ def _folder() -> str:
 
 
 def write(source: LoraSource, rows: Optional[dict] = None,
-          folder: Optional[str] = None) -> str:
+          folder: Optional[str] = None, parts: Optional[dict] = None) -> str:
     """The source's LoRA file, named by its content: written once, the same path after
     (a source's patches never change: ComfyUI's loaders record new ones on a clone)."""
     from safetensors.torch import save_file
     if source.path and os.path.isfile(source.path) and \
             (folder is None or os.path.dirname(source.path) == folder):
         return source.path
-    tensors = _tensors(source, rows or {})
+    tensors = _to_pool_names(_tensors(source, rows or {}), parts or {})
     h = hashlib.blake2b(digest_size=16)
     for k, t in tensors.items():
         h.update(f"{k}{tuple(t.shape)}".encode())
@@ -174,20 +200,62 @@ def write(source: LoraSource, rows: Optional[dict] = None,
     return path
 
 
+_SOURCE_PREFIXES = ("transformer.", "diffusion_model.", "base_model.model.", "unet.")
+
+
+def names_from_key_map(mapped: dict, shapes: dict) -> tuple:
+    """What the MODEL needs of ComfyUI's LoRA key map of its model (comfy.lora.
+    model_lora_keys_unet: {a LoRA file's name: state-dict key, or (key, (0, first row,
+    rows))}), given `shapes`, the pool model's own weights ({name: shape}, workers/loading/
+    comfy_lora.weight_shapes) -> (weights, rows, parts):
+    weights: the pool's weights plus every other weight the map names (so that ComfyUI's
+    loaders map LoRA files in those names too, e.g. kohya's BFL names on a diffusers
+    folder's FLUX), {name: shape}; rows: {name: rows of the whole weight} where the map
+    gives row ranges; parts: {name: [(pool weight, first row, rows)]} for a weight that is
+    the pool model's weight(s) under another name (the map's source names a pool weight:
+    ComfyUI maps diffusers' to_q / to_k / to_v onto BFL's fused qkv)."""
+    weights = {k: list(v) for k, v in shapes.items()}
+    rows = {k: int(v[0]) for k, v in shapes.items()}
+    ends: dict = {}
+    parts: dict = {}
+    for src, target in mapped.items():
+        key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
+        if not (isinstance(key, str) and key.startswith(PREFIX) and key.endswith(SUFFIX)):
+            continue
+        name = key[len(PREFIX):-len(SUFFIX)]
+        if name in shapes or (offset is not None and int(offset[0]) != 0):
+            continue
+        first, n = (int(offset[1]), int(offset[2])) if offset is not None else (0, None)
+        ends[name] = max(ends.get(name, 0), first + (n or 0))
+        own = next((src[len(p):] for p in _SOURCE_PREFIXES
+                    if src.startswith(p) and src[len(p):] in shapes), None)
+        if own is not None:
+            piece = (own, first, n if n is not None else int(shapes[own][0]))
+            if piece not in parts.setdefault(name, []):
+                parts[name].append(piece)
+    for name, end in ends.items():
+        weights[name] = [end or 1, 1]  # (its input width is the LoRA's own)
+        if end:
+            rows[name] = end
+    return weights, rows, parts
+
+
 def add(options: dict, source: LoraSource) -> None:
     """Record one more loader's source in a MODEL's transformer options (a clone's own)."""
     options[OPTION] = tuple(options.get(OPTION, ())) + (source,)
 
 
 def pool_loras(sources: list, rows: Optional[dict] = None, expert: Optional[str] = None,
-               folder: Optional[str] = None) -> list:
+               folder: Optional[str] = None, parts: Optional[dict] = None) -> list:
     """The MODEL's recorded sources -> the request's `loras` [(path, strength[, expert])],
     one entry per loader (a file loaded twice is listed twice: the pool adds strengths).
-    `rows`: {layer: rows of ComfyUI's whole weight} where a patch covers only part of one."""
+    `rows`: {layer: rows of ComfyUI's whole weight} where a patch covers only part of one;
+    `parts`: {layer: [(pool layer, first row, rows)]} where ComfyUI names a weight otherwise
+    than the pool's model (a diffusers folder's FLUX: BFL's fused qkv is to_q, to_k, to_v)."""
     out = []
     for s in sources:
         if not s.layers:
             continue
-        path = write(s, rows, folder)
+        path = write(s, rows, folder, parts)
         out.append((path, s.strength) if expert is None else (path, s.strength, expert))
     return out

@@ -92,34 +92,16 @@ class XditModelPatcher(comfy.model_patcher.ModelPatcher):
 
 
 def _lora_names(model, shapes: dict) -> tuple:
-    """(the weights ComfyUI's LoRA loaders may patch, {layer: rows}) of the MODEL: the pool
-    model's own weights, plus the names ComfyUI's own key map gives its other formats
-    (a diffusers folder's FLUX: ComfyUI maps diffusers LoRAs to BFL names, parts of fused
-    weights by row ranges), so that LoRA files in those names map too."""
+    """comfy_loras.names_from_key_map for this MODEL: its state dict first names the pool
+    model's own weights, then also those ComfyUI's own key map adds."""
     import comfy.lora
-    weights = dict(shapes)
-    model.xdit_weights = weights
-    rows = {name: int(shape[0]) for name, shape in shapes.items()}
+    model.xdit_weights = dict(shapes)
     try:
         mapped = comfy.lora.model_lora_keys_unet(model, {})
     except Exception as e:  # noqa: BLE001  (ComfyUI's map of this model; the own names stay)
         log.debug("xDiT: no ComfyUI LoRA key map: %s", e)
         mapped = {}
-    ends: dict = {}
-    for target in mapped.values():
-        key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
-        if not (key.startswith(comfy_loras.PREFIX) and key.endswith(comfy_loras.SUFFIX)):
-            continue
-        name = key[len(comfy_loras.PREFIX):-len(comfy_loras.SUFFIX)]
-        if name in shapes:
-            continue
-        end = int(offset[1]) + int(offset[2]) if offset is not None else 0
-        ends[name] = max(ends.get(name, 0), end)
-    for name, end in ends.items():
-        weights[name] = [end or 1, 1]  # (its input width is the LoRA's own)
-        if end:
-            rows[name] = end
-    return weights, rows
+    return comfy_loras.names_from_key_map(mapped, shapes)
 
 
 def comfy_classes(fam, unet: dict) -> tuple:
@@ -175,7 +157,8 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     if path is not None:
         from comfyui_xdit.client.worker_modules import worker_module
         shapes = worker_module("loading.comfy_lora").weight_shapes(path)
-        model.xdit_weights, denoiser.lora_rows = _lora_names(model, shapes)
+        model.xdit_weights, denoiser.lora_rows, denoiser.lora_parts = \
+            _lora_names(model, shapes)
     if experts > 1:
         denoiser.lora_expert = comfy_loras.EXPERT_NAMES[int(expert)]
     device = comfy.model_management.get_torch_device()

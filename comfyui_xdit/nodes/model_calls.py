@@ -82,6 +82,7 @@ class PoolDenoiser:
         # ComfyUI's LoRA loaders (comfy_loras.py): rows of the model's weights a patch may
         # cover only part of ({layer: rows}), set by the MODEL
         self.lora_rows: dict = {}
+        self.lora_parts: dict = {}  # {layer: [(pool layer, first row, rows)]} (comfy_loras)
         self.lora_expert = None  # "high" | "low": a model of two experts' transformer
 
     @property
@@ -131,7 +132,7 @@ class PoolDenoiser:
             self._known.clear()
         loras = comfy_loras.pool_loras(
             (transformer_options or {}).get(comfy_loras.OPTION, ()), self.lora_rows,
-            expert=self.lora_expert)
+            expert=self.lora_expert, parts=self.lora_parts)
         out, stats, sent = pool.model_call(
             self.config, self._to_pool_layout(x, patchified), t.contiguous(), g, chunks, conds,
             known=set(self._known), on_event=self.on_event, timed=self.timed,
