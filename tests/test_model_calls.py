@@ -209,7 +209,7 @@ def test_comfyui_lora_loaders_record_patches_on_the_clone(monkeypatch):
     for k, v in mods.items():
         monkeypatch.setitem(sys.modules, k, v)
     monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.comfy_model", raising=False)
-    from comfyui_xdit.nodes.comfy_model import XditModelPatcher
+    from comfyui_xdit.nodes.comfy_model import XditModelPatcher, _lora_names, _Weightless
 
     class LoRA:  # ComfyUI's LoRAAdapter's attributes
         name = "lora"
@@ -230,4 +230,25 @@ def test_comfyui_lora_loaders_record_patches_on_the_clone(monkeypatch):
         patcher.clone().add_patches({key: (torch.ones(6, 4),)}, 0.5, 0.5)
     msg = str(e.value)
     assert "model merge" in msg and key in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="model merge"):  # ModelMergeSimple's model2
+        patcher.get_key_patches("diffusion_model.")
+    with pytest.raises(ConfigError, match="LoRA hooks"):
+        patcher.add_hook_patches(object(), {key: LoRA()})
+
+    # the MODEL's state dict names the pool's weights (meta: no data) for ComfyUI's key map,
+    # and the names that map adds (comfy.lora stood in for by one FLUX-like entry)
+    seen = {}
+
+    def model_lora_keys_unet(model, key_map):
+        seen["keys"] = sorted(model.state_dict())
+        return {"transformer.a.to_q": ("diffusion_model.a.qkv.weight", (0, 0, 6))}
+    mods["comfy.lora"] = types.ModuleType("comfy.lora")
+    mods["comfy.lora"].model_lora_keys_unet = model_lora_keys_unet
+    monkeypatch.setitem(sys.modules, "comfy.lora", mods["comfy.lora"])
+    monkeypatch.setattr(comfy, "lora", mods["comfy.lora"], raising=False)
+    model = type("M", (_Weightless, torch.nn.Module), {})()
+    weights, rows, parts = _lora_names(model, {"a.to_q": [6, 4]})
+    assert seen["keys"] == ["diffusion_model.a.to_q.weight"]
+    assert model.state_dict()["diffusion_model.a.to_q.weight"].is_meta
+    assert "a.qkv" in weights and rows["a.qkv"] == 6 and parts["a.qkv"] == [("a.to_q", 0, 6)]
     monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.comfy_model", raising=False)

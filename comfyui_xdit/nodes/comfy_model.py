@@ -90,6 +90,15 @@ class XditModelPatcher(comfy.model_patcher.ModelPatcher):
         comfy_loras.add(self.model_options.setdefault("transformer_options", {}), source)
         return list(patches)
 
+    def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):
+        raise ConfigError("LoRA hooks (Create Hook LoRA & co.) cannot patch the xDiT MODEL, "
+                          "whose weights live in the worker pool; use LoraLoader / "
+                          "LoraLoaderModelOnly, or ComfyUI's own model for this graph")
+
+    def get_key_patches(self, filter_prefix=None):
+        raise ConfigError("a model merge cannot read the xDiT MODEL's weights (they live in "
+                          "the worker pool); merge ComfyUI's own models instead")
+
 
 def _lora_names(model, shapes: dict) -> tuple:
     """comfy_loras.names_from_key_map for this MODEL: its state dict first names the pool
