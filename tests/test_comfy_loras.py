@@ -303,3 +303,47 @@ def test_comfyuis_key_map_renames_to_the_pools_names(pools, model_dir, files, tm
         **_options(call, []))
     base = den(**_options(call, []))
     assert _diff(got, want) <= TOL and _diff(got, base) > 1e-3
+
+
+def test_a_single_files_own_names_sd3(model_dir, tmp_path):
+    """An SD3 single file in ComfyUI's MMDiT names (under a checkpoint's prefix): ComfyUI
+    maps a diffusers LoRA's to_q / to_k / to_v onto the file's fused qkv by row ranges and
+    to_out.0 onto its proj; the workers find those rows with the file's own row map (SD3's
+    converter needs the whole model, so it cannot run on the LoRA's layers alone) and the
+    call equals the original file given to the pool, under CFG parallel at 2 ranks."""
+    import diffusers
+    from comfyui_xdit.client.worker_modules import worker_module
+    from single_file_util import write_single_file
+
+    single = write_single_file(model_dir("sd3"), "sd3", tmp_path / "sd3.safetensors",
+                               prefix=True)
+    tr = diffusers.SD3Transformer2DModel.from_pretrained(model_dir("sd3"),
+                                                         subfolder="transformer")
+    h = tr.config.num_attention_heads * tr.config.attention_head_dim
+    (tmp_path / "lora").mkdir()
+    lora, pairs = make_peft_lora("sd3", model_dir("sd3"), tmp_path / "lora", seed=31)
+    patches = {}
+    for name, (a, b) in pairs.items():
+        i, leaf = name.split(".")[1], name.split(".")[3]
+        if leaf == "to_out":
+            key = f"diffusion_model.joint_blocks.{i}.x_block.attn.proj.weight"
+        else:
+            key = (f"diffusion_model.joint_blocks.{i}.x_block.attn.qkv.weight",
+                   (0, ("to_q", "to_k", "to_v").index(leaf) * h, h))
+        patches[key] = FakeLoRA(b, a, ALPHA)
+    shapes = worker_module("loading.comfy_lora").weight_shapes(single)
+    assert "joint_blocks.0.x_block.attn.qkv" in shapes
+    _, rows, parts = comfy_loras.names_from_key_map({}, shapes)
+    config = ParallelConfig(cfg_parallel=True).with_world_size(2)
+    with WorkerPool(single, config, device="cpu", threads_per_rank=1) as pool:
+        call = comfy_call("sd3", tr, 1, 8, 6, seed=8)
+        for strength in (0.8, -0.6):
+            den = PoolDenoiser(pool, config, "sd3")
+            den.lora_rows, den.lora_parts = rows, parts
+            got = den(**_options(call, [comfy_loras.record(patches, strength)]))
+            want = PoolDenoiser(_WithLoras(pool, [(str(lora), strength)]), config, "sd3")(
+                **_options(call, []))
+            base = den(**_options(call, []))
+            print(f"sd3 single file x{strength}: |patches - file| = {_diff(got, want):.2e}, "
+                  f"|patches - base| = {_diff(got, base):.2e}")
+            assert _diff(got, want) <= TOL and _diff(got, base) > 1e-3

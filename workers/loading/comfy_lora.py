@@ -84,10 +84,52 @@ def _rows(adapter, config: dict, shapes: dict) -> dict:
     return out
 
 
-def patches_to_peft(path: str, transformer, adapter) -> dict:
+class _Header:
+    """A single file's names and shapes, as single_file.row_map reads a checkpoint."""
+
+    def __init__(self, path: str):
+        from .header import read_safetensors_header
+        self._h = read_safetensors_header(path)
+
+    def keys(self):
+        return list(self._h)
+
+    def shape(self, name):
+        return list(self._h[name].get("shape", ()))
+
+
+def _file_rows(model_path: str, wanted: set, cache: dict) -> dict:
+    """{diffusers layer: (ComfyUI layer, row indices)} of a single-file model, by the very
+    row map its load used (the whole file's conversion, so a family whose converter needs
+    every tensor, SD3's, works too); `cache` keeps the map per file. Headers only."""
+    from .single_file import row_map
+    from ..models.detect import single_file_config
+    if model_path not in cache:
+        sf = single_file_config(model_path)
+        cache[model_path] = (sf["prefix"], row_map(_Header(model_path), sf))
+    prefix, rows = cache[model_path]
+    out = {}
+    for dname, (_, segs, _) in rows.items():
+        srcs = {t for t, _, _ in segs}
+        if not dname.endswith(".weight") or len(srcs) != 1:
+            continue
+        src = srcs.pop()
+        layer = src[len(prefix):-len(".weight")] if src.endswith(".weight") else None
+        if layer in wanted:
+            out[dname[: -len(".weight")]] = (layer, torch.cat(
+                [torch.arange(a, b) for _, a, b in segs]))
+    missing = sorted(set(wanted) - {s for s, _ in out.values()})
+    if missing:
+        raise ValueError(f"ComfyUI's layer {missing[0]} is not a weight of this model's file")
+    return out
+
+
+def patches_to_peft(path: str, transformer, adapter, model_path: str = None,
+                    cache: dict = None) -> dict:
     """A patches file -> {"transformer.<layer>.lora_A.weight" / "lora_B.weight": tensor} in
     diffusers names (alpha == rank: scale 1, ComfyUI's scale is in lora_B). Raises
-    ValueError naming a layer the family's conversion has no rule for."""
+    ValueError naming a layer the family's conversion has no rule for. `model_path`: the
+    pool's model; a single file's layers are found by its own row map (`cache`d)."""
     from safetensors.torch import load_file
 
     pairs = _pairs(load_file(path))
@@ -111,7 +153,11 @@ def patches_to_peft(path: str, transformer, adapter) -> dict:
     if other:
         config = dict(getattr(transformer, "config", {}) or {})
         try:
-            rows = _rows(adapter, config, {n: int(u.shape[0]) for n, (u, _) in other.items()})
+            if model_path and os.path.isfile(model_path):  # a single file: its own row map
+                rows = _file_rows(model_path, set(other), {} if cache is None else cache)
+            else:
+                rows = _rows(adapter, config,
+                             {n: int(u.shape[0]) for n, (u, _) in other.items()})
         except Exception as e:  # noqa: BLE001  (the converter's own words name the layer)
             first = sorted(other)[0]
             raise ValueError(f"ComfyUI's layer {first} (of {len(other)}) has no "

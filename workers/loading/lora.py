@@ -51,8 +51,10 @@ EXPERTS = {None: None, "high": 0, "low": 1}
 
 
 class LoraManager:
-    def __init__(self, adapter):
+    def __init__(self, adapter, model_path=None):
         self.adapter = adapter
+        self.model_path = model_path  # ComfyUI's loaders' patches name a single file's layers
+        self._row_maps: dict = {}  # (workers/loading/comfy_lora.py) per model file
         self.arch = adapter.arch
         self.pipeline_class = adapter.lora_pipeline or adapter.pipeline_class
         self.loaded: dict[str, str] = {}  # adapter name -> path
@@ -79,7 +81,8 @@ class LoraManager:
         from .comfy_lora import is_patches_file, patches_to_peft
         if is_patches_file(path):  # ComfyUI's LoRA loaders' patches (the xDiT MODEL)
             try:
-                sd = patches_to_peft(path, transformer, self.adapter)
+                sd = patches_to_peft(path, transformer, self.adapter, self.model_path,
+                                     self._row_maps)
             except ValueError as e:
                 raise LoraError(f"ComfyUI's LoRA loader on the xDiT MODEL: {e}")
             return self._checked(path, sd, None, None, transformer)

@@ -95,7 +95,7 @@ class Worker:
         for tr in self.model.transformers():
             self.fp8_compute = set_fp8_compute(tr, getattr(args, "fp8_compute", "auto"),
                                                self.device, self.dtype)
-        self.loras = LoraManager(self.adapter)
+        self.loras = LoraManager(self.adapter, self.model.path)
         self.compiler = Compiler(getattr(args, "compile", False))  # workers/runtime/compile.py
         for tr in self.model.transformers():
             self.compiler.install(tr, self.adapter.block_lists)
