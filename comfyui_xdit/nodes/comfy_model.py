@@ -165,7 +165,12 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     _stand_in(model.diffusion_model, fam.comfy.shapes(unet))
     if path is not None:
         from comfyui_xdit.client.worker_modules import worker_module
-        shapes = worker_module("loading.comfy_lora").weight_shapes(path)
+        try:
+            shapes = worker_module("loading.comfy_lora").weight_shapes(path)
+        except Exception as e:  # noqa: BLE001  (a format without a safetensors header:
+            log.warning("xDiT: ComfyUI's LoRA loaders see only the names ComfyUI's key map "
+                        "gives %s (%s)", path, e)  # the MODEL itself still works)
+            shapes = {}
         model.xdit_weights, denoiser.lora_rows, denoiser.lora_parts = \
             _lora_names(model, shapes)
     if experts > 1:
