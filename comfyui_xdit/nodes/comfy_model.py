@@ -113,6 +113,26 @@ def _lora_names(model, shapes: dict) -> tuple:
     return comfy_loras.names_from_key_map(mapped, shapes)
 
 
+def _detected_config(unet_config: dict, path) -> None:
+    """Add what ComfyUI's own detection finds in a single file (its tensors' names and
+    shapes, as meta tensors) to the config where the family's leaves it out: ComfyUI's LoRA
+    key maps for diffusers names are built from it (an MMDiT's depth). Never fails the
+    MODEL: without it, fewer LoRA formats map."""
+    try:
+        import comfy.model_detection
+        from comfyui_xdit.client.worker_modules import worker_module
+        shapes = worker_module("loading.comfy_lora").file_shapes(path)
+        if not shapes:
+            return
+        sd = {comfy_loras.PREFIX + k: torch.empty(tuple(v), device="meta")
+              for k, v in shapes.items()}
+        for k, v in (comfy.model_detection.detect_unet_config(sd, comfy_loras.PREFIX)
+                     or {}).items():
+            unet_config.setdefault(k, v)
+    except Exception as e:  # noqa: BLE001
+        log.debug("xDiT: ComfyUI's detection of %s: %s", path, e)
+
+
 def comfy_classes(fam, unet: dict) -> tuple:
     """(model_base class, supported_models config class, ModelType or None) of the family's
     ComfyUI model (its description's `comfy`), or a ConfigError naming what this ComfyUI
@@ -165,6 +185,7 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     _stand_in(model.diffusion_model, fam.comfy.shapes(unet))
     if path is not None:
         from comfyui_xdit.client.worker_modules import worker_module
+        _detected_config(model_config.unet_config, path)
         try:
             shapes = worker_module("loading.comfy_lora").weight_shapes(path)
         except Exception as e:  # noqa: BLE001  (a format without a safetensors header:

@@ -45,6 +45,20 @@ def weight_shapes(path) -> dict:
             if k.startswith(prefix) and k.endswith(".weight") and len(v.get("shape", ())) == 2}
 
 
+def file_shapes(path) -> dict:
+    """{name: shape} of every tensor of a single-file model's transformer (its own names,
+    without a checkpoint's prefix); {} for a folder. Headers only: what ComfyUI's model
+    detection reads, for the config its LoRA key map needs."""
+    from .header import read_safetensors_header
+    from ..models.detect import single_file_config
+    path = str(path)
+    if not os.path.isfile(path):
+        return {}
+    prefix = single_file_config(path)["prefix"]
+    return {k[len(prefix):]: list(v.get("shape", ())) for k, v in
+            read_safetensors_header(path).items() if k.startswith(prefix)}
+
+
 def is_patches_file(path: str) -> bool:
     from safetensors import safe_open
     try:
