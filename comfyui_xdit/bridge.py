@@ -26,6 +26,8 @@ MODULES = {
                       "packing latents between ComfyUI's and the model's layout"),
     "lora_file": ("loading.lora_file",
                   "a LoRA file checked on the host before any worker starts"),
+    "comfy_lora": ("loading.comfy_lora",
+                   "the weight names ComfyUI's LoRA loaders patch on the xDiT MODEL"),
     "stages": ("loading.stages", "PipeFusion's stage split, for the memory plan"),
     "gguf_types": ("loading.gguf_types", "GGUF types' block sizes, for the memory plan"),
     "weights": ("loading.weights",

@@ -257,18 +257,77 @@ def test_compiled_pool_under_ksampler_says_compiling_and_matches(comfy):
 
 
 
-def test_comfyui_lora_loader_on_the_xdit_model_is_refused(comfy):
-    """ComfyUI's LoraLoaderModelOnly on the xDiT MODEL fails with one message naming LoRA
-    (xDiT) (the weights live in the pool; ComfyUI would otherwise say "lora key not loaded"
-    and sample without the LoRA), and ComfyUI keeps serving."""
+def _write_sd3_lora(path: Path, native: Path, seed: int) -> None:
+    """A diffusers-format SD3 LoRA (to_q, to_k and to_out.0 of every block's image stream:
+    parts of ComfyUI's fused qkv, rank 4, alpha 8) for the native file's widths."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(native), "pt") as f:
+        keys = list(f.keys())
+        qkv = [k for k in keys if k.endswith("x_block.attn.qkv.weight")]
+        h = f.get_slice(qkv[0]).get_shape()[1]
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k in qkv:
+        i = k.split("joint_blocks.")[1].split(".")[0]
+        for n in ("to_q", "to_k", "to_out.0"):
+            base = f"transformer.transformer_blocks.{i}.attn.{n}"
+            sd[f"{base}.lora_A.weight"] = torch.randn(4, h, generator=g) * 0.05
+            sd[f"{base}.lora_B.weight"] = torch.randn(h, 4, generator=g) * 0.05
+            sd[f"{base}.alpha"] = torch.tensor(8.0)
+    save_file(sd, str(path))
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg_parallel": True}],
+                         ids=["ulysses2", "cfg_parallel"])
+def test_lora_loader_on_the_xdit_model_matches_comfyui_own_model(comfy, layout):
+    """LoraLoaderModelOnly (strength 0.8) then another (-0.6) on the xDiT MODEL and on
+    ComfyUI's own model, from the same SD3 single file and the same diffusers LoRA file
+    (ComfyUI maps its to_q / to_k onto the file's fused qkv by rows): KSampler's LATENTs
+    agree to rel L2 1e-3, and the LoRAs move the result (the agreement is not vacuous)."""
+    loras = Path(COMFY) / "models" / "loras"
+    loras.mkdir(parents=True, exist_ok=True)
+    native = Path(COMFY) / "models" / "diffusion_models" / FILES["sd3"]
+    names = []
+    for seed in (1, 2):
+        name = f"xdit-test-sd3-lora-{seed}.safetensors"
+        _write_sd3_lora(loras / name, native, seed)
+        names.append(name)
+    tag = f"sd3-lora-{'-'.join(map(str, layout.values()))}"
+    wf, out = _compare_graph(comfy, "sd3", layout, "euler", "simple", 3.5, tag)
+    for branch, model, k in (("x", ["2", 0], "7"), ("n", ["3", 0], "8")):
+        prev = model
+        for j, (name, strength) in enumerate(zip(names, (0.8, -0.6))):
+            node = f"{30 + 2 * j + (branch == 'n')}"
+            wf[node] = {"class_type": "LoraLoaderModelOnly",
+                        "inputs": {"model": prev, "lora_name": name,
+                                   "strength_model": strength}}
+            prev = [node, 0]
+        wf[k]["inputs"]["model"] = prev
+    _, msgs = run(comfy, wf, timeout=1500)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
+    x, n = tensors(Path(out["x"])), tensors(Path(out["n"]))
+    rel = float((x["latent"] - n["latent"]).norm() / n["latent"].norm())
+    plain = _compare(comfy, "sd3", layout, "euler", "simple", 3.5, tag + "-plain")
+    moved = float((plain["n"]["latent"] - n["latent"]).norm() / n["latent"].norm())
+    print(f"\n{tag}: rel L2 xDiT vs ComfyUI = {rel:.2e}; LoRA vs none = {moved:.2e}")
+    assert rel <= TOL, rel
+    assert moved > 3 * TOL, moved  # (measured 6.6e-3, against 3e-7 for the agreement)
+
+
+def test_comfyui_lokr_loader_on_the_xdit_model_is_refused(comfy):
+    """ComfyUI's LoraLoaderModelOnly with a LoKr file on the xDiT MODEL fails with one line
+    naming the LoKr adapter and the weight (the pool applies LoRA patches only; ComfyUI
+    would otherwise sample without it), and ComfyUI keeps serving."""
     from safetensors.torch import save_file
     loras = Path(COMFY) / "models" / "loras"
     loras.mkdir(parents=True, exist_ok=True)
-    name = "xdit-test-lora.safetensors"
-    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 64),
-               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(64, 4)},
+    name = "xdit-test-lokr.safetensors"
+    # ComfyUI's own name of a weight of the SD3 file (its generic `diffusion_model.` format)
+    save_file({"diffusion_model.joint_blocks.0.x_block.attn.proj.lokr_w1": torch.ones(8, 8),
+               "diffusion_model.joint_blocks.0.x_block.attn.proj.lokr_w2": torch.ones(8, 8)},
               str(loras / name))
-    wf, _ = _compare_graph(comfy, "sd3", {}, "euler", "simple", 1.0, "lora-refused")
+    wf, _ = _compare_graph(comfy, "sd3", {}, "euler", "simple", 1.0, "lokr-refused")
     wf["20"] = {"class_type": "LoraLoaderModelOnly",
                 "inputs": {"model": ["2", 0], "lora_name": name, "strength_model": 0.8}}
     wf["7"]["inputs"]["model"] = ["20", 0]
@@ -279,5 +338,5 @@ def test_comfyui_lora_loader_on_the_xdit_model_is_refused(comfy):
     assert last["type"] == "execution_error", last
     assert last["data"]["node_type"] == "LoraLoaderModelOnly", last["data"]
     msg = last["data"]["exception_message"]
-    assert "LoRA loaders" in msg and "LoRA (xDiT)" in msg, msg
+    assert "LoKr adapter" in msg and "joint_blocks.0.x_block.attn.proj" in msg, msg
     assert "xDiT.LoadModel" in http(comfy["base"], "/object_info")  # still serving

@@ -175,27 +175,30 @@ def test_bad_calls_are_refused_and_the_pool_stays_warm(pools, transformers):
     assert pool.worker_pids() == pids
 
 
-# ---- ComfyUI's LoRA loaders on the xDiT MODEL: refused, by design --------------------------
-def test_comfyui_lora_loaders_are_refused_on_the_xdit_model(monkeypatch):
+# ---- ComfyUI's LoRA loaders on the xDiT MODEL: recorded per clone ----------------------------
+def test_comfyui_lora_loaders_record_patches_on_the_clone(monkeypatch):
     """ComfyUI's LoraLoader / LoraLoaderModelOnly (comfy.sd.load_lora_for_models) clone the
-    MODEL's patcher and call add_patches on the clone; the xDiT MODEL's weights live in the
-    pool, so the patcher refuses with a message naming LoRA (xDiT), instead of ComfyUI's
-    silent "lora key not loaded". ComfyUI is not installable in CI: its modules are stood in
-    for here with ModelPatcher's clone rule (`self.__class__(...)`, 0.3.64 and 0.8.0); the
-    live test (tests/test_comfyui_live_model.py) runs the real LoraLoaderModelOnly."""
+    MODEL's patcher and call add_patches on the clone: the xDiT patcher records the LoRA in
+    the clone's transformer options (what each diffusion-model call receives), leaves the
+    original MODEL without it, and refuses a model merge in one line naming the patch.
+    ComfyUI is not installable in CI: its modules are stood in for here with ModelPatcher's
+    clone rule (`self.__class__(...)`, its model_options deep-copied; 0.3.64 and 0.8.0); the
+    pool side is tests/test_comfy_loras.py."""
+    import copy
     import sys
     import types
+
+    from comfyui_xdit.nodes import comfy_loras
 
     class ModelPatcher:  # the part of comfy.model_patcher.ModelPatcher a LoRA loader uses
         def __init__(self, model, load_device=None, offload_device=None, size=0, **kw):
             self.model, self.patches = model, {}
+            self.model_options = {"transformer_options": {}}
 
         def clone(self):
-            return self.__class__(self.model)
-
-        def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-            self.patches.update(patches)
-            return list(patches)
+            n = self.__class__(self.model)
+            n.model_options = copy.deepcopy(self.model_options)
+            return n
 
     comfy = types.ModuleType("comfy")
     mods = {"comfy": comfy}
@@ -206,13 +209,46 @@ def test_comfyui_lora_loaders_are_refused_on_the_xdit_model(monkeypatch):
     for k, v in mods.items():
         monkeypatch.setitem(sys.modules, k, v)
     monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.comfy_model", raising=False)
-    from comfyui_xdit.nodes.comfy_model import XditModelPatcher
+    from comfyui_xdit.nodes.comfy_model import XditModelPatcher, _lora_names, _Weightless
+
+    class LoRA:  # ComfyUI's LoRAAdapter's attributes
+        name = "lora"
+        weights = (torch.ones(6, 2), torch.ones(2, 4), 4.0, None, None, None)
 
     patcher = XditModelPatcher(object())
-    lora = {"diffusion_model.blocks.0.attn.to_q.weight": ("lora", None)}
-    with pytest.raises(ConfigError) as e:
-        patcher.clone().add_patches(lora, 0.8)  # what load_lora_for_models does
+    key = "diffusion_model.blocks.0.attn.to_q.weight"
+    first = patcher.clone()
+    assert first.add_patches({key: LoRA()}, 0.8) == [key]  # what load_lora_for_models does
+    second = first.clone()
+    second.add_patches({(key, (0, 0, 6)): LoRA()}, -0.6)  # a chained loader
+    sources = second.model_options["transformer_options"][comfy_loras.OPTION]
+    assert [s.strength for s in sources] == [0.8, -0.6]
+    assert sources[0] is first.model_options["transformer_options"][comfy_loras.OPTION][0]
+    assert comfy_loras.OPTION not in patcher.model_options["transformer_options"]
+    assert sources[0].layers["blocks.0.attn.to_q"][0][1][0, 0].item() == 2.0  # alpha / rank
+    with pytest.raises(ConfigError) as e:  # ModelMergeSimple's patches
+        patcher.clone().add_patches({key: (torch.ones(6, 4),)}, 0.5, 0.5)
     msg = str(e.value)
-    assert "LoRA loaders" in msg and "LoRA (xDiT)" in msg and "\n" not in msg
-    assert ModelPatcher(object()).clone().add_patches(lora) == list(lora)  # the stand-in takes it
+    assert "model merge" in msg and key in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="model merge"):  # ModelMergeSimple's model2
+        patcher.get_key_patches("diffusion_model.")
+    with pytest.raises(ConfigError, match="LoRA hooks"):
+        patcher.add_hook_patches(object(), {key: LoRA()})
+
+    # the MODEL's state dict names the pool's weights (meta: no data) for ComfyUI's key map,
+    # and the names that map adds (comfy.lora stood in for by one FLUX-like entry)
+    seen = {}
+
+    def model_lora_keys_unet(model, key_map):
+        seen["keys"] = sorted(model.state_dict())
+        return {"transformer.a.to_q": ("diffusion_model.a.qkv.weight", (0, 0, 6))}
+    mods["comfy.lora"] = types.ModuleType("comfy.lora")
+    mods["comfy.lora"].model_lora_keys_unet = model_lora_keys_unet
+    monkeypatch.setitem(sys.modules, "comfy.lora", mods["comfy.lora"])
+    monkeypatch.setattr(comfy, "lora", mods["comfy.lora"], raising=False)
+    model = type("M", (_Weightless, torch.nn.Module), {})()
+    weights, rows, parts = _lora_names(model, {"a.to_q": [6, 4]})
+    assert seen["keys"] == ["diffusion_model.a.to_q.weight"]
+    assert model.state_dict()["diffusion_model.a.to_q.weight"].is_meta
+    assert "a.qkv" in weights and rows["a.qkv"] == 6 and parts["a.qkv"] == [("a.to_q", 0, 6)]
     monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.comfy_model", raising=False)

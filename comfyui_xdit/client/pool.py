@@ -351,7 +351,7 @@ class WorkerPool(PoolLaunch, PoolConnection):
     def model_call(self, config: ParallelConfig, x, timestep, guidance, chunks: list,
                    conds: dict, known: set,
                    on_event: Optional[Callable[[dict], None]] = None, timed: bool = False,
-                   cache: Optional[dict] = None, expert: int = 0):
+                   cache: Optional[dict] = None, expert: int = 0, loras=()):
         """One denoiser evaluation (workers/sampling/model_call.py) for a host-side sampler: `x`
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
         `chunks` [(key, rows)], `conds` {key: Conditioning} (workers/runtime/conditioning.py,
@@ -371,7 +371,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
         starts fresh, and the stats carry this call's `cache` counts (rank 0's rows).
         Video families (Wan) take `x` [N, C, T, h, w]. `expert`: which transformer of a
         model of several runs the call (Wan 2.2 A14B: 0 the high-noise one, 1 the
-        low-noise `transformer_2`); the pool keeps both loaded."""
+        low-noise `transformer_2`); the pool keeps both loaded. `loras`: [(path, strength[,
+        expert])] active for this call, as a job's (switched, never reloading the base)."""
         from comfyui_xdit.planning.request import cache_problems, resolved_cache
         problems = cache_problems(cache)
         if problems:
@@ -399,7 +400,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
                 self._send(P.Predict(call_id=call_id, config=config.degrees(), x=_np(x),
                                      timestep=_np(timestep), guidance=_np(guidance),
                                      chunks=[(k, int(r)) for k, r in chunks], conds=new,
-                                     timed=timed, cache=cache, expert=int(expert)))
+                                     timed=timed, cache=cache, expert=int(expert),
+                                     loras=[tuple(e) for e in loras]))
                 try:
                     while True:
                         msg = self._recv(self.step_timeout, f"model call {call_id}")

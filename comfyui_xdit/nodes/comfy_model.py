@@ -19,6 +19,7 @@ import comfy.model_patcher
 import comfy.supported_models
 
 from comfyui_xdit.planning.config import ConfigError
+from comfyui_xdit.nodes import comfy_loras
 from comfyui_xdit.nodes.model_calls import PoolDenoiser
 from comfyui_xdit.nodes.node_text import compiling_text, model_cache_text
 
@@ -60,20 +61,76 @@ class _PoolDiffusionModel(torch.nn.Module):
 
 class _Weightless:
     """Mixin for ComfyUI's model classes: no transformer is built here, and the memory the
-    sampler should reserve for a call is negligible (the work happens in the pool)."""
+    sampler should reserve for a call is negligible (the work happens in the pool). Its
+    state dict names the pool model's weights (meta tensors, no data): ComfyUI's LoRA
+    loaders map a file's keys to those names (comfy.lora.model_lora_keys_unet)."""
+
+    xdit_weights: dict = {}  # {name without "diffusion_model." and ".weight": shape}
 
     def memory_required(self, input_shape, cond_shapes={}):
         return 1024 * 1024
 
+    def state_dict(self, *args, **kwargs):
+        sd = super().state_dict(*args, **kwargs)
+        for name, shape in self.xdit_weights.items():
+            sd.setdefault(f"{comfy_loras.PREFIX}{name}{comfy_loras.SUFFIX}",
+                          torch.empty(tuple(shape), device="meta"))
+        return sd
+
 
 class XditModelPatcher(comfy.model_patcher.ModelPatcher):
-    """Weight patches (LoRA loaders, model merging) have no weights to act on here: refused
-    with a message instead of ComfyUI's silent "lora key not loaded"."""
+    """ComfyUI's LoRA loaders call `add_patches` on a clone: the LoRA patches are recorded in
+    the clone's transformer options and applied by the pool as adapters at sampling time
+    (comfyui_xdit/nodes/comfy_loras.py); what the pool cannot apply (model merges, LoKr,
+    LoHa, ...) is refused in one line naming the patch, instead of ComfyUI's silent "lora
+    key not loaded"."""
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-        raise ConfigError("the xDiT MODEL's weights live in the worker pool, so ComfyUI's "
-                          "LoRA loaders and model merges cannot patch them; use LoRA (xDiT) "
-                          "with Sampler (xDiT), or ComfyUI's own model for this graph")
+        source = comfy_loras.record(patches, strength_patch, strength_model)
+        comfy_loras.add(self.model_options.setdefault("transformer_options", {}), source)
+        return list(patches)
+
+    def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):
+        raise ConfigError("LoRA hooks (Create Hook LoRA & co.) cannot patch the xDiT MODEL, "
+                          "whose weights live in the worker pool; use LoraLoader / "
+                          "LoraLoaderModelOnly, or ComfyUI's own model for this graph")
+
+    def get_key_patches(self, filter_prefix=None):
+        raise ConfigError("a model merge cannot read the xDiT MODEL's weights (they live in "
+                          "the worker pool); merge ComfyUI's own models instead")
+
+
+def _lora_names(model, shapes: dict) -> tuple:
+    """comfy_loras.names_from_key_map for this MODEL: its state dict first names the pool
+    model's own weights, then also those ComfyUI's own key map adds."""
+    import comfy.lora
+    model.xdit_weights = dict(shapes)
+    try:
+        mapped = comfy.lora.model_lora_keys_unet(model, {})
+    except Exception as e:  # noqa: BLE001  (ComfyUI's map of this model; the own names stay)
+        log.debug("xDiT: no ComfyUI LoRA key map: %s", e)
+        mapped = {}
+    return comfy_loras.names_from_key_map(mapped, shapes)
+
+
+def _detected_config(unet_config: dict, path) -> None:
+    """Add what ComfyUI's own detection finds in a single file (its tensors' names and
+    shapes, as meta tensors) to the config where the family's leaves it out: ComfyUI's LoRA
+    key maps for diffusers names are built from it (an MMDiT's depth). Never fails the
+    MODEL: without it, fewer LoRA formats map."""
+    try:
+        import comfy.model_detection
+        from comfyui_xdit import bridge
+        shapes = bridge.comfy_lora.file_shapes(path)
+        if not shapes:
+            return
+        sd = {comfy_loras.PREFIX + k: torch.empty(tuple(v), device="meta")
+              for k, v in shapes.items()}
+        for k, v in (comfy.model_detection.detect_unet_config(sd, comfy_loras.PREFIX)
+                     or {}).items():
+            unet_config.setdefault(k, v)
+    except Exception as e:  # noqa: BLE001
+        log.debug("xDiT: ComfyUI's detection of %s: %s", path, e)
 
 
 def comfy_classes(fam, unet: dict) -> tuple:
@@ -106,7 +163,8 @@ def _stand_in(module: torch.nn.Module, shapes: dict) -> None:
         setattr(obj, leaf, torch.empty(tuple(shape), device="meta"))
 
 
-def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0):
+def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0,
+                path=None, experts: int = 1):
     """A ComfyUI MODEL (ModelPatcher) for family `arch` whose diffusion model is `pool`.
     `unet`: what ComfyUI's detection would find in the model (model_info.comfy_unet_config:
     FLUX.1 dev vs schnell, channels, patch size, hidden sizes its config classes read).
@@ -125,5 +183,18 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     model = cls(model_config, device=torch.device("cpu"), **kw)
     model.diffusion_model = _PoolDiffusionModel(denoiser)
     _stand_in(model.diffusion_model, fam.comfy.shapes(unet))
+    if path is not None:
+        from comfyui_xdit import bridge
+        _detected_config(model_config.unet_config, path)
+        try:
+            shapes = bridge.comfy_lora.weight_shapes(path)
+        except Exception as e:  # noqa: BLE001  (a format without a safetensors header:
+            log.warning("xDiT: ComfyUI's LoRA loaders see only the names ComfyUI's key map "
+                        "gives %s (%s)", path, e)  # the MODEL itself still works)
+            shapes = {}
+        model.xdit_weights, denoiser.lora_rows, denoiser.lora_parts = \
+            _lora_names(model, shapes)
+    if experts > 1:
+        denoiser.lora_expert = comfy_loras.EXPERT_NAMES[int(expert)]
     device = comfy.model_management.get_torch_device()
     return XditModelPatcher(model, load_device=device, offload_device=device, size=1)

@@ -40,6 +40,7 @@ from typing import Callable, Optional
 
 from comfyui_xdit.planning.config import ConfigError, ParallelConfig
 from comfyui_xdit.bridge import conditioning, families
+from comfyui_xdit.nodes import comfy_loras
 
 Conditioning = conditioning.Conditioning  # what the pool takes
 
@@ -81,6 +82,11 @@ class PoolDenoiser:
         self.run_counts = {"computed": 0, "skipped": 0}  # the same, this sampling run
         self._run_keys: frozenset = frozenset()
         self.expert = 0  # which transformer of a model of several (Wan 2.2 A14B) runs
+        # ComfyUI's LoRA loaders (comfy_loras.py): rows of the model's weights a patch may
+        # cover only part of ({layer: rows}), set by the MODEL
+        self.lora_rows: dict = {}
+        self.lora_parts: dict = {}  # {layer: [(pool layer, first row, rows)]} (comfy_loras)
+        self.lora_expert = None  # "high" | "low": a model of two experts' transformer
 
     @property
     def pool(self):
@@ -127,10 +133,14 @@ class PoolDenoiser:
         state = (id(pool), pool.launches)
         if self._launches != state:  # another or a relaunched pool holds no conditioning
             self._known.clear()
+        loras = comfy_loras.pool_loras(
+            (transformer_options or {}).get(comfy_loras.OPTION, ()), self.lora_rows,
+            expert=self.lora_expert, parts=self.lora_parts)
         out, stats, sent = pool.model_call(
             self.config, self._to_pool_layout(x, patchified), t.contiguous(), g, chunks, conds,
             known=set(self._known), on_event=self.on_event, timed=self.timed,
-            cache=self.cache, **({"expert": self.expert} if self.expert else {}))
+            cache=self.cache, **({"expert": self.expert} if self.expert else {}),
+            **({"loras": loras} if loras else {}))
         if patchified:
             out = torch.nn.functional.pixel_unshuffle(out, 2)
         self._launches = (id(pool), pool.launches)

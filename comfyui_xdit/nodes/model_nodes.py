@@ -34,8 +34,9 @@ class ToModel(io.ComfyNode):
                         "connect it to KSampler, KSamplerAdvanced or SamplerCustomAdvanced "
                         "and use any sampler, scheduler or guider. CFG rows split over the "
                         "cfg ranks, the batch over dp, the tokens over Ulysses/Ring. "
-                        "PipeFusion, ControlNet, attention patches and ComfyUI's LoRA "
-                        "loaders are refused with a message (use Sampler (xDiT) for those).",
+                        "ComfyUI's LoRA loaders apply as pool adapters; PipeFusion, "
+                        "ControlNet, attention patches, model merges and LoKr / LoHa are "
+                        "refused with a message (use Sampler (xDiT) for those).",
             inputs=[XDiTModel.Input("model"),
                     io.Combo.Input("expert", options=list(EXPERTS), default=EXPERTS[0],
                                    optional=True,
@@ -74,4 +75,5 @@ class ToModel(io.ComfyNode):
         return io.NodeOutput(build_model(current_pool, config, info.arch,
                                          comfy_unet_config(model.path),
                                          cache=None if cache is None else cache_request(cache),
-                                         expert=index))
+                                         expert=index, path=model.path,
+                                         experts=info.experts))

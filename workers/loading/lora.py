@@ -51,8 +51,10 @@ EXPERTS = {None: None, "high": 0, "low": 1}
 
 
 class LoraManager:
-    def __init__(self, adapter):
+    def __init__(self, adapter, model_path=None):
         self.adapter = adapter
+        self.model_path = model_path  # ComfyUI's loaders' patches name a single file's layers
+        self._row_maps: dict = {}  # (workers/loading/comfy_lora.py) per model file
         self.arch = adapter.arch
         self.pipeline_class = adapter.lora_pipeline or adapter.pipeline_class
         self.loaded: dict[str, str] = {}  # adapter name -> path
@@ -76,6 +78,14 @@ class LoraManager:
         problem = lora_file_problem(path)
         if problem:
             raise LoraError(problem)
+        from .comfy_lora import is_patches_file, patches_to_peft
+        if is_patches_file(path):  # ComfyUI's LoRA loaders' patches (the xDiT MODEL)
+            try:
+                sd = patches_to_peft(path, transformer, self.adapter, self.model_path,
+                                     self._row_maps)
+            except ValueError as e:
+                raise LoraError(f"ComfyUI's LoRA loader on the xDiT MODEL: {e}")
+            return self._checked(path, sd, None, None, transformer)
         file_keys = list(read_safetensors_header(path))
         self.adapter.check_lora_keys(path, file_keys)
         pcls = self._pipeline()
@@ -93,6 +103,10 @@ class LoraManager:
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                             f"is it a LoRA for another model? Give a {kinds} LoRA trained "
                             f"for this {self.arch} model")
+        return self._checked(path, sd, alphas, metadata, transformer)
+
+    def _checked(self, path, sd, alphas, metadata, transformer) -> tuple:
+        """`read`'s result from a file's state dict: every LoRA key fits a Linear layer."""
         if not any(k.startswith(_PREFIX) for k in sd):
             # bare peft keys ("transformer_blocks.0.attn.to_q.lora_A.weight")
             sd = {(k if k.startswith("text_encoder") else _PREFIX + k): v for k, v in sd.items()}

@@ -112,6 +112,7 @@ class Predict(Message):
     timed: bool = False  # benchmarks: report the call's phase timings (CUDA events on GPUs)
     cache: Optional[dict] = None  # step cache settings, every field (None: off)
     expert: int = 0  # a model of several experts (Wan 2.2 A14B): 0 the first, 1 the second
+    loras: list = field(default_factory=list)  # [(path, strength[, expert])], as a job's
 
 
 @_message

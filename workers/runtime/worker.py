@@ -98,7 +98,7 @@ class Worker:
         for tr in self.model.transformers():
             self.fp8_compute = set_fp8_compute(tr, getattr(args, "fp8_compute", "auto"),
                                                self.device, self.dtype)
-        self.loras = LoraManager(self.adapter)
+        self.loras = LoraManager(self.adapter, self.model.path)
         self.compiler = Compiler(getattr(args, "compile", False))  # workers/runtime/compile.py
         for tr in self.model.transformers():
             self.compiler.install(tr, self.adapter.block_lists)
@@ -380,6 +380,9 @@ class Worker:
                            f"A14B's low-noise expert)")
         if problem:
             raise ValueError(problem)
+        # LoRA files (ComfyUI's loaders' patches, comfyui_xdit/nodes/comfy_loras.py) are
+        # read and checked here, before anything is broadcast, as a job's
+        adapters = self.loras.resolve(self.model.transformer, getattr(msg, "loras", None))
         x = msg.x.detach().to("cpu", torch.float32).contiguous()
         return ModelCall(call_id=int(msg.call_id), config=key, x=x,
                          timestep=msg.timestep.detach().float().cpu(),
@@ -387,7 +390,7 @@ class Worker:
                          msg.guidance.detach().float().cpu(),
                          chunks=chunks, new_conds={k: conds[k] for k in dict.fromkeys(
                              k for k, _ in chunks) if k in conds}, timed=bool(msg.timed),
-                         cache=msg.cache, expert=expert)
+                         cache=msg.cache, expert=expert, lora_adapters=adapters)
 
     def call(self, call, emit=None):
         """Every rank: one model evaluation (workers/sampling/model_call.py): (the prediction on
@@ -397,8 +400,9 @@ class Worker:
 
         from ..sampling.model_call import run_call
 
+        # first: a new adapter may re-hook the parallel layout (as a job's)
+        self._switch_loras(call.lora_adapters or [])
         topo = self.topology(call.config)
-        self._switch_loras([])  # a host sampler's MODEL carries no pool LoRA
         with torch.inference_mode(), self.compiler.job(emit) as compiled:
             out, times = run_call(call, self.model, self.adapter, topo, self.cond_cache,
                                   self.planes, step_scope=self.hook_options.get("step_scope"),

@@ -47,6 +47,7 @@ class ModelCall:
     timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
     cache: Optional[dict] = None  # step cache settings (workers/sampling/step_cache.py), all fields
     expert: int = 0  # which transformer runs (a model of several experts: Wan 2.2 A14B)
+    lora_adapters: list = field(default_factory=list)  # LoraManager.resolve's, as a job's
 
 
 class CondCache:
