@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 
 from workers.parallel import attention as A  # noqa: E402
 from workers.parallel.sequence_parallel import SequencePlan  # noqa: E402
-from workers.parallel.streams import Attention, text_image  # noqa: E402
+from workers.streams import Attention, text_image  # noqa: E402
 
 
 # -- selection rules with a faked GPU ------------------------------------------------------

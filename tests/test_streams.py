@@ -1,4 +1,4 @@
-"""Token streams declared as data (workers/parallel/streams.py) and the shared code that works
+"""Token streams declared as data (workers/streams.py) and the shared code that works
 from the declaration (workers/parallel/sequence_parallel.py, attention.py).
 
 * A three-stream layout (text held whole on every rank, video and audio sharded) splits,
@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from workers.parallel.sequence_parallel import SequenceLayout, SequencePlan  # noqa: E402
-from workers.parallel.streams import Attention, Stream, TokenLayout  # noqa: E402
+from workers.streams import Attention, Stream, TokenLayout  # noqa: E402
 
 LENGTHS = {"text": 5, "video": 11, "audio": 7}  # none divisible by 2 or 3
 ATTENTIONS = (

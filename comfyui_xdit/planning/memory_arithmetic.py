@@ -310,7 +310,7 @@ def vae_decode_bytes(channels: tuple, height: int, width: int, batch: int, dtype
 
 def job_tokens(facts: ModelFacts, job: JobSize) -> int:
     """Tokens of one attention sequence, from the family's declared streams
-    (workers/parallel/streams.py), each padded to its multiple (Z-Image's 32): the latent
+    (workers/streams.py), each padded to its multiple (Z-Image's 32): the latent
     stream's, the image's (16 x 16 pixels a token) times the latent frames of a video
     ((frames - 1) / 4 + 1 for Wan: 720p x 81 frames is 21 x 45 x 80 = 75,600), and the
     references'; the text's where it is split and attended jointly with the latent (Wan's

@@ -18,7 +18,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from ..parallel.streams import TEXT_IMAGE, TokenLayout
+from ..streams import TEXT_IMAGE, TokenLayout
 
 
 class NotRun(ValueError):
@@ -280,7 +280,7 @@ class Family:
     detection: Detection
     # the token streams (text, image or video, ...): their order in the joint sequence,
     # how each splits over sequence-parallel ranks, their padding, which attends to which
-    # (workers/parallel/streams.py); the adapter's sequence layout and the memory plan read it
+    # (workers/streams.py); the adapter's sequence layout and the memory plan read it
     tokens: TokenLayout = TEXT_IMAGE
     capabilities: tuple = ()  # at most one of each kind in CAPABILITIES
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family, ImageToVideo,
                LatentSpec, NotRun, Presets, SecondTextEncoder, Text)
-from ..parallel.streams import text_image
+from ..streams import text_image
 from ._shapes import numbered, pick
 
 # ComfyUI's latent_formats.HunyuanVideo15 and the released VAE config: the raw latent

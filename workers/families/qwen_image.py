@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec,
                Presets, References, Text)
-from ..parallel.streams import text_image
+from ..streams import text_image
 from ._shapes import numbered
 
 # The released VAE's per-channel latent statistics (vae/config.json latents_mean / std;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from . import Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
-from ..parallel.streams import Attention, text_image
+from ..streams import Attention, text_image
 from ._shapes import indices, numbered, pick
 
 VAE_LATENT = {"scaling_factor": 1.5305, "shift_factor": 0.0609}

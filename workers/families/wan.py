@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family, ImageToVideo,
                LatentSpec, NotRun, Presets, Text, TwoExperts)
-from ..parallel.streams import Attention, text_image
+from ..streams import Attention, text_image
 from ._shapes import numbered, pick
 from .qwen_image import LATENTS_MEAN, LATENTS_STD, RGB, RGB_BIAS
 

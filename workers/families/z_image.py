@@ -6,7 +6,7 @@ negated velocity; true CFG as pos + g (pos - neg), i.e. ComfyUI's cfg = g + 1.""
 from __future__ import annotations
 
 from . import Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
-from ..parallel.streams import Attention, text_image
+from ..streams import Attention, text_image
 from ._shapes import numbered, pick
 from .flux import LATENT as FLUX_LATENT
 from .flux import VAE_LATENT

@@ -1,5 +1,5 @@
 """Exact attention over token streams sharded across the sequence-parallel ranks: each
-attention as the family's token layout declares it (workers/parallel/streams.py), joint (the
+attention as the family's token layout declares it (workers/streams.py), joint (the
 queries' own streams as keys) or cross (other streams' keys), with replicated streams held
 whole (`ShardedAttention.__call__` says how each case runs).
 

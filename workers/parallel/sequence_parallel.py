@@ -1,7 +1,7 @@
 """Sequence parallelism (USP: Ulysses, Ring, hybrid), written once for every model.
 
 A model adapter declares a `SequenceLayout`: its family's token streams (a `TokenLayout`,
-workers/parallel/streams.py: their names, order, split and which attends to which), which
+workers/streams.py: their names, order, split and which attends to which), which
 tensors split on which dim and to which stream they belong, and where the latent stream's
 output is gathered. Installing it adds forward hooks to the transformer and swaps in the
 model's sharded attention processors; the model code itself is untouched.
@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .streams import TEXT_IMAGE, TokenLayout, even_sizes
+from ..streams import TEXT_IMAGE, TokenLayout, even_sizes
 from .topology import Topology, all_gather, gather
 
 
@@ -43,7 +43,7 @@ class SequencePlan:
     select fewer) and which of them this sp rank holds: each sharded stream's selected
     tokens split near-evenly over the sp ranks, each replicated stream's held whole by every
     rank. `tokens`: the call's full token count per stream, one for each stream `layout`
-    declares (workers/parallel/streams.py)."""
+    declares (workers/streams.py)."""
 
     sp_rank: int
     sp_size: int
