@@ -33,7 +33,7 @@ CAPABILITY = {"ulysses2": "sequence_parallel", "ring2": "sequence_parallel",
 def _heads(arch, model_dir) -> int:
     import json
     with open(model_dir(arch) / "transformer" / "config.json") as f:
-        cfg = {**families.family(arch).config_defaults, **json.load(f)}
+        cfg = families.family(arch).full_config(json.load(f))
     return families.family(arch).heads(cfg)
 
 

@@ -43,7 +43,8 @@ def test_model_call_equals_one_rank(arch, name, family_pools, model_dir):
     assert d <= TOL, f"{arch} MODEL call {name}: {d:.3e}"
     swapped = dict(call, transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
                                               "cond_or_uncond": [1, 0]})
-    for key in ("context", "y", families.family(arch).comfy.text_2):
+    second = families.family(arch).capability(families.SecondTextEncoder)
+    for key in ("context", "y", second.comfy_input if second else None):
         if key in call:
             swapped[key] = call[key].flip(0)
     other = call_model(pool, TWO_RANKS[name], arch, swapped)

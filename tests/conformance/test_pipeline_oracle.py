@@ -30,7 +30,7 @@ def missing_oracle(arch: str, where: str | None) -> str:
     names = {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}
     if name not in names:
         return f"{arch}: {file} has no {name}"
-    pipeline = families.family(arch).pipelines[0]
+    pipeline = families.family(arch).classes.pipelines[0]
     if pipeline not in text and pipeline not in (TESTS / "conftest.py").read_text():
         return f"{arch}: {file} never names {pipeline}"
     return ""
