@@ -259,7 +259,7 @@ def _bands_rank(rank, world, store, folder, results):
     import torch.distributed as dist
     from diffusers import AutoencoderKLHunyuanVideo15
 
-    from workers.models.hunyuan_video15 import band_scheme
+    from workers.models.hunyuan_video15_vae import band_scheme
     from workers.parallel.vae_parallel import decode_parallel
 
     torch.set_num_threads(1)
@@ -283,7 +283,7 @@ def _bands_rank(rank, world, store, folder, results):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_band_decode_is_exact_and_needs_every_part(folders, tmp_path, world):
-    """decode_parallel with this VAE's band scheme (workers/models/hunyuan_video15.py) on 2
+    """decode_parallel with this VAE's band scheme (workers/models/hunyuan_video15_vae.py) on 2
     and 3 gloo ranks equals one process bit for bit (one and three latent frames, bands of
     unequal rows); without the halo rows (replicate padding at inner band edges instead) or
     without the K/V gather of the mid-block attention it is far off."""
