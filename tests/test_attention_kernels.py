@@ -13,11 +13,7 @@
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +25,7 @@ if str(ROOT) not in sys.path:
 
 from workers.parallel import attention as A  # noqa: E402
 from workers.parallel.sequence_parallel import SequencePlan  # noqa: E402
+import gloo_worlds  # noqa: E402
 from workers.streams import Attention, text_image  # noqa: E402
 
 
@@ -271,62 +268,12 @@ def _attention_cases(rank, world, ulysses, ring, report):
                               if CALLS[n] != before.get(n, 0)}}
 
 
-def _rank_main(rank, world, store, layouts, out):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
-                            world_size=world)
-    report = {}
-    for ulysses, ring in layouts:
-        _attention_cases(rank, world, ulysses, ring, report)
-    Path(f"{out}.{rank}").write_text(json.dumps(report))
-    dist.destroy_process_group()
-
-
 WORLDS = {2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)]}
-
-
-def _launch(workdir):
-    """Import once, then fork each world's ranks (no torch compute has happened here)."""
-    import multiprocessing as mp
-
-    import yunchang  # noqa: F401
-    import workers.parallel.attention  # noqa: F401
-    import workers.parallel.topology  # noqa: F401
-
-    ctx = mp.get_context("fork")
-    deadline = time.monotonic() + 240
-    for world, layouts in WORLDS.items():
-        store = os.path.join(workdir, f"store{world}")
-        out = os.path.join(workdir, f"report{world}")
-        procs = [ctx.Process(target=_rank_main, args=(r, world, store, layouts, out),
-                             daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        codes = [p.exitcode for p in procs]
-        if codes != [0] * world:
-            sys.exit(f"world {world}: rank exit codes {codes}")
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("attn")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__, "launch", str(workdir)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = {}
-    for world in WORLDS:
-        out[world] = [json.loads(Path(workdir, f"report{world}.{r}").read_text())
-                      for r in range(world)]
-    return out
+    return gloo_worlds.reports(__file__, tmp_path_factory.mktemp("attn"), WORLDS)
 
 
 def _cases(reports, prefix):
@@ -386,5 +333,5 @@ def test_pool_status_names_the_kernels(pools):
                                               "ring": "cpu-flash-lse", "current": current}
 
 
-if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "launch":
-    _launch(sys.argv[2])
+if __name__ == "__main__" and sys.argv[1:2] == ["launch"]:
+    gloo_worlds.launch(sys.argv[2], WORLDS, _attention_cases)

@@ -12,11 +12,7 @@ from the declaration (workers/parallel/sequence_parallel.py, attention.py).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +23,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from workers.parallel.sequence_parallel import SequenceLayout, SequencePlan  # noqa: E402
+import gloo_worlds  # noqa: E402
 from workers.streams import Attention, Stream, TokenLayout  # noqa: E402
 
 LENGTHS = {"text": 5, "video": 11, "audio": 7}  # none divisible by 2 or 3
@@ -248,58 +245,12 @@ def _toy_cases(rank, world, ulysses, ring, report):
         report[f"u{ulysses}r{ring}/undeclared"] = str(e)
 
 
-def _rank_main(rank, world, store, layouts, out):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
-                            world_size=world)
-    report = {}
-    for ulysses, ring in layouts:
-        _toy_cases(rank, world, ulysses, ring, report)
-    Path(f"{out}.{rank}").write_text(json.dumps(report))
-    dist.destroy_process_group()
-
-
 WORLDS = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)]}
-
-
-def _launch(workdir):
-    import multiprocessing as mp
-
-    import yunchang  # noqa: F401
-    import workers.parallel.attention  # noqa: F401
-    import workers.parallel.topology  # noqa: F401
-
-    ctx = mp.get_context("fork")
-    deadline = time.monotonic() + 240
-    for world, layouts in WORLDS.items():
-        store = os.path.join(workdir, f"store{world}")
-        out = os.path.join(workdir, f"report{world}")
-        procs = [ctx.Process(target=_rank_main, args=(r, world, store, layouts, out),
-                             daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        codes = [p.exitcode for p in procs]
-        if codes != [0] * world:
-            sys.exit(f"world {world}: rank exit codes {codes}")
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("streams")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__, "launch", str(workdir)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {world: [json.loads(Path(workdir, f"report{world}.{r}").read_text())
-                    for r in range(world)] for world in WORLDS}
+    return gloo_worlds.reports(__file__, tmp_path_factory.mktemp("streams"), WORLDS)
 
 
 @pytest.mark.parametrize("layout", ["u2r1", "u1r2", "u3r1", "u1r3"])
@@ -329,4 +280,4 @@ def test_the_parallel_attention_refuses_an_undeclared_one(reports):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["launch"]:
-    _launch(sys.argv[2])
+    gloo_worlds.launch(sys.argv[2], WORLDS, _toy_cases)
