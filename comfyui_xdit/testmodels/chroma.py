@@ -22,6 +22,9 @@ CHROMA_APPROXIMATOR = dict(approximator_num_channels=64, approximator_hidden_dim
 
 # the family-wide tests' small request (tests/family_requests.py)
 TEST_REQUEST = dict(padded=True)  # a batch pads its prompts to the longest
+# the test (under tests/) that holds one rank of this model to its diffusers pipeline;
+# the conformance suite holds every method to one rank
+ORACLE_TEST = "test_chroma.py::test_one_rank_matches_the_pipeline"
 
 def build_pipeline(cfg: dict):
     from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler

@@ -11,6 +11,10 @@ _flux = bridge.family_module("flux")  # RoPE axes, scheduler
 
 VARIANTS: tuple[str, ...] = ()
 
+# the test (under tests/) that holds one rank of this model to its diffusers pipeline;
+# the conformance suite holds every method to one rank
+ORACLE_TEST = "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers"
+
 
 def check(cfg: dict) -> None:
     hd = parts.head_dim(cfg)

@@ -17,6 +17,10 @@ from comfyui_xdit.testmodels.text import _WORDS, _byte_level_bpe, _seeded
 _flux = bridge.family_module("flux")  # scheduler
 
 VARIANTS: tuple[str, ...] = ("klein", "dev")
+
+# the test (under tests/) that holds one rank of this model to its diffusers pipeline;
+# the conformance suite holds every method to one rank
+ORACLE_TEST = "test_flux2.py::test_flux2_pool_matches_pipeline"
 VARIANT_HELP = ("FLUX.2: klein (default; Qwen3 text encoder, no guidance embedding) or dev "
                 "(Mistral-3 text encoder, embedded guidance)")
 

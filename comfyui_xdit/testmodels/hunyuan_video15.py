@@ -26,6 +26,10 @@ from comfyui_xdit.testmodels.text import _WORDS, _bpe, _bytes_to_unicode, _seede
 _family = bridge.family_module("hunyuan_video15")
 
 VARIANTS: tuple[str, ...] = ("t2v", "i2v")
+
+# the test (under tests/) that holds one rank of this model to its diffusers pipeline;
+# the conformance suite holds every method to one rank
+ORACLE_TEST = "test_hunyuan_video15.py::test_one_rank_equals_the_pipeline"
 VARIANT_HELP = ("HunyuanVideo 1.5: t2v (default; text-to-video) or i2v (image-to-video, with a "
                 "SigLIP image encoder)")
 

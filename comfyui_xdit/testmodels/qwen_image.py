@@ -69,6 +69,9 @@ EXTRA_PIECES = (" (", "'s", "),", ".<")
 
 # the family-wide tests' small request (tests/family_requests.py)
 TEST_REQUEST = dict(msl=64, padded=True)  # the template drop needs a longer text
+# the test (under tests/) that holds one rank of this model to its diffusers pipeline;
+# the conformance suite holds every method to one rank
+ORACLE_TEST = "test_qwen_image.py::test_one_rank_equals_the_pipeline"
 
 def check(cfg: dict) -> None:
     hd = parts.head_dim(cfg)

@@ -12,6 +12,10 @@ _sd3 = bridge.family_module("sd3")  # scheduler
 
 VARIANTS: tuple[str, ...] = ()
 
+# the test (under tests/) that holds one rank of this model to its diffusers pipeline;
+# the conformance suite holds every method to one rank
+ORACLE_TEST = "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers"
+
 SD3_SAMPLE_SIZE = 16  # pipeline default 128x128
 SD3_POS_EMBED_MAX = 64  # latent grid up to 128 -> images up to 1024x1024
 

@@ -39,6 +39,9 @@ VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_s
 
 # the family-wide tests' small request (tests/family_requests.py)
 TEST_REQUEST = dict(size=(48, 80))
+# the test (under tests/) that holds one rank of this model to its diffusers pipeline;
+# the conformance suite holds every method to one rank
+ORACLE_TEST = "test_wan.py::test_one_rank_equals_the_pipeline"
 
 def check(cfg: dict) -> None:
     hd = parts.head_dim(cfg)

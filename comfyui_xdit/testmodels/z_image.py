@@ -23,6 +23,9 @@ VARIANTS: tuple = ()
 # the family-wide tests' small request (tests/family_requests.py): a text length the chat
 # template (19 tokens) leaves room in
 TEST_REQUEST = dict(msl=64)
+# the test (under tests/) that holds one rank of this model to its diffusers pipeline;
+# the conformance suite holds every method to one rank
+ORACLE_TEST = "test_z_image.py::test_one_rank_equals_the_pipeline"
 
 # Qwen3 text encoder (hidden width = the transformer's cap_feat_dim)
 QWEN3 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -47,6 +47,10 @@ class Case:
     arch: str
     padded: bool  # a batch's prompts are padded to the longest (rows carry their lengths)
     exempt: dict = field(default_factory=dict)  # capability -> why the family lacks it
+    # where one rank is held to the family's diffusers pipeline (its builder's ORACLE_TEST,
+    # "file::test"): the oracle is family-specific code (noise layout, packing, the
+    # pipeline's own arguments), so it lives in the family's own test file
+    oracle: str = ""
 
     def request(self, prompts=PROMPTS, **kw):
         return small_request(self.arch, prompts, **kw)
@@ -65,7 +69,8 @@ def case(arch: str) -> Case:
     unknown = set(exempt) - set(CAPABILITIES)
     assert not unknown, f"{arch} exempts unknown capabilities {unknown}"
     assert families.family(arch) is not None
-    return Case(arch, bool(settings(arch)["padded"]), exempt)
+    return Case(arch, bool(settings(arch)["padded"]), exempt,
+                getattr(builder, "ORACLE_TEST", ""))
 
 
 CASES = {arch: case(arch) for arch in IDS}
@@ -90,18 +95,3 @@ def params(capability: str, layouts: dict | None = None) -> list:
 def maxdiff(a, b) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float((a.float() - b.float()).abs().max())
-
-
-# Where each family's one rank is held to its diffusers pipeline: the oracle is family-specific
-# code (noise layout, packing, the pipeline's own arguments), so it lives in the family's
-# file; the suite holds every method to one rank, and requires this entry of each family.
-ORACLE_TESTS = {
-    "flux": "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers",
-    "sd3": "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers",
-    "flux2": "test_flux2.py::test_flux2_pool_matches_pipeline",
-    "chroma": "test_chroma.py::test_one_rank_matches_the_pipeline",
-    "qwen_image": "test_qwen_image.py::test_one_rank_equals_the_pipeline",
-    "wan": "test_wan.py::test_one_rank_equals_the_pipeline",
-    "hunyuan_video15": "test_hunyuan_video15.py::test_one_rank_equals_the_pipeline",
-    "z_image": "test_z_image.py::test_one_rank_equals_the_pipeline",
-}

@@ -1,8 +1,9 @@
 """Every registered family has its one-rank test against its diffusers pipeline
 (docs/design.md#numerics-rule-4), so that "every method equals one rank" (this suite) means
 "every method equals the pipeline". The oracle is family-specific code and lives in the
-family's own file; `cases.ORACLE_TESTS` says where, and this checks that the test is there and
-that its module (or the shared oracle in tests/conftest.py) runs the family's pipeline class.
+family's own test file; its test-model builder's `ORACLE_TEST` says where, and this checks
+that the test is there and that its module (or the shared oracle in tests/conftest.py) runs
+the family's pipeline class.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from family_requests import families
 
-from .cases import CASES, ORACLE_TESTS
+from .cases import CASES
 
 TESTS = Path(__file__).resolve().parent.parent
 
@@ -21,7 +22,8 @@ TESTS = Path(__file__).resolve().parent.parent
 def missing_oracle(arch: str, where: str | None) -> str:
     """What is wrong with `where` as `arch`'s oracle test ("" if nothing)."""
     if not where:
-        return f"{arch}: no one-rank oracle test declared in tests/conformance/cases.py"
+        return (f"{arch}: no one-rank oracle test declared (ORACLE_TEST in "
+                f"comfyui_xdit/testmodels/{arch}.py)")
     file, _, name = where.partition("::")
     path = TESTS / file
     if not path.exists():
@@ -38,7 +40,7 @@ def missing_oracle(arch: str, where: str | None) -> str:
 
 @pytest.mark.parametrize("arch", list(CASES))
 def test_every_family_has_its_pipeline_oracle(arch):
-    problem = missing_oracle(arch, ORACLE_TESTS.get(arch))
+    problem = missing_oracle(arch, CASES[arch].oracle)
     assert not problem, problem
 
 
