@@ -31,7 +31,7 @@ def a14b(tmp_path_factory):
     ("flux", [], "f_%04d.png", "is a video, but FLUX.1 makes images"),
     ("wan", ["--frames", "5"], "x.png", "is one PNG, but Wan makes 5 frames"),
     ("wan", ["--cfg-2", "3"], "x.mp4", "--cfg-2 is the second expert's guidance scale"),
-    ("wan", ["--frames", "5"], "x.gif", "must end in .safetensors (LATENT) or .png; for video"),
+    ("wan", ["--frames", "5"], "x.gif", "must be x.safetensors (the LATENT; 5-D for video), x.png (images), or for video"),
     ("wan", ["--frames", "5"], "f_%04d.jpg", "a frame pattern must end in .png"),
     ("wan", ["--frames", "5", "--fps", "0"], "x.mp4", "--fps must be > 0"),
     ("wan", ["--frames", "5", "--shift", "0"], "x.mp4", "shift must be a number > 0"),

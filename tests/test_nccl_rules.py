@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 4.0  # XDIT_NCCL_RULES_TIMEOUT inside the ranks (short: each negative costs it)
 EXIT_GRACE = 3.0  # once a rank has exited, how long the others get to finish
 STALL = 3 * TIMEOUT + 5  # no rank reported anything new for this long: the rest is stuck
-LENGTHS = [8, 7, 8]  # Ring attention shards (uneven: padded and dropped inside)
+LENGTHS = [8, 8, 7]  # Ring attention shards of 23 tokens (uneven: padded and dropped inside)
 
 
 # ---------------------------------------------------------------------------------------
@@ -130,10 +130,11 @@ def _subgroup(rank, env):
 def _ring_attention(rank, env):
     """The product's Ring attention (yunchang LongContextAttention around the CPU block
     kernel), ring degree 3 over uneven shards, against full attention."""
-    from types import SimpleNamespace
-
     import torch
     import torch.nn.functional as F
+
+    from workers.parallel.sequence_parallel import SequencePlan
+    from workers.streams import Attention, Stream, TokenLayout
 
     topo = env["topo"]
     gen = torch.Generator().manual_seed(0)
@@ -141,9 +142,11 @@ def _ring_attention(rank, env):
     q, k, v = (torch.randn(1, total, 2, 8, generator=gen) for _ in range(3))
     lo = sum(LENGTHS[:topo.sp_rank])
     hi = lo + LENGTHS[topo.sp_rank]
-    plan = SimpleNamespace(lengths=lambda streams: list(LENGTHS))
+    one = TokenLayout((Stream("image", "latent"),), (Attention(("image",)),))
+    plan = SequencePlan(topo.sp_rank, topo.sp, {"image": total}, layout=one)
+    assert plan.sizes("image") == LENGTHS
     out = env["ShardedAttention"](topo, "cpu")(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], plan,
-                                               None)
+                                               ("image",))
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                          v.transpose(1, 2)).transpose(1, 2)[:, lo:hi]
     return {"diff": float((out - ref).abs().max()), "out": out.flatten().tolist()}
