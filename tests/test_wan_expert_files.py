@@ -226,8 +226,10 @@ def test_lora_per_expert(folder, files, pipe, conds, tmp_path):
 
 def test_lora_expert_problems(files, tmp_path):
     from comfyui_xdit.planning.model_info import read_model_info
-    lora = tmp_path / "l.safetensors"
-    lora.write_bytes(b"x")
+    from safetensors.torch import save_file
+    lora = tmp_path / "l.safetensors"  # a LoRA file as the host's check reads it (its header)
+    save_file({"blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, 4),
+               "blocks.0.attn1.to_q.lora_B.weight": torch.zeros(4, 2)}, str(lora))
     one = read_model_info(files["high"])
     two = read_model_info(files["high"], files["low"])
     ok = GenerationRequest(prompt=["x"], loras=[(str(lora), 1.0, "low")])
