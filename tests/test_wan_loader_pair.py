@@ -130,8 +130,11 @@ def test_second_file_refused_in_one_line(roots):
 
 def test_lora_expert_choice(roots, tmp_path):
     from comfyui_xdit.planning.request import GenerationRequest
-    lora = tmp_path / "l.safetensors"
-    lora.write_bytes(b"x")
+    from safetensors.numpy import save_file
+    import numpy as np
+    lora = tmp_path / "l.safetensors"  # a LoRA file as the host's check reads it (its header)
+    save_file({"blocks.0.attn1.to_q.lora_A.weight": np.zeros((2, 4), np.float32),
+               "blocks.0.attn1.to_q.lora_B.weight": np.zeros((4, 2), np.float32)}, str(lora))
     pair = _handle(roots, "diffusion_models/high.safetensors",
                    "diffusion_models/low.safetensors")
     folder = _handle(roots, roots["a14b"])
