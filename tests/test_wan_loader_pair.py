@@ -68,10 +68,11 @@ class FakePool:
         self.config = config
 
     def generate(self, req, on_event=None, on_launch=None, **kw):
-        from types import SimpleNamespace
+        from comfyui_xdit import bridge
+        from comfyui_xdit.planning.request import GenerationResult
         self.jobs.append(req)
         shape = (req.batch, 16, (req.frames - 1) // 4 + 1, req.height // 8, req.width // 8)
-        return SimpleNamespace(samples=torch.zeros(shape), timings={}, stats=[])
+        return GenerationResult(latents=bridge.protocol.Latents(samples=torch.zeros(shape)))
 
 
 def test_two_expert_files_make_one_two_expert_model_and_pool(roots):

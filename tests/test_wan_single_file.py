@@ -18,7 +18,9 @@ import torch
 from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
 from single_file_util import write_single_file
 
-TOL = 1e-5
+# the numerics contract's bound (docs/design.md#numerics-rule-4); measured 1.1e-5 on one
+# 2-core CPU and under 1e-5 on another: fp32 rounding of the CPU's own kernels
+TOL = 1e-4
 ARCH = "wan"
 WIDE = dict(width=256, heads=2)  # head dim 128: what a file's shapes give (dim / 128 heads)
 H, W, FRAMES, STEPS, CFG, MSL = 32, 48, 5, 2, 4.0, 16
@@ -139,7 +141,7 @@ def test_converter_round_trips_every_variant(tmp_path):
 
 
 def test_file_through_the_pool_equals_the_pipeline(pipe, files):
-    """ComfyUI's checkpoint layout at Ulysses 2: WanPipeline's latent (<= 1e-5)."""
+    """ComfyUI's checkpoint layout at Ulysses 2: WanPipeline's latent (<= 1e-4)."""
     pos, neg = _embeds(pipe, "a red cat walking"), _embeds(pipe, "blurry")
     want = _oracle(pipe, pos, neg, 3)
     with WorkerPool(str(files["comfy_ckpt"]), ParallelConfig(ulysses=2), device="cpu",
