@@ -99,6 +99,7 @@ class Worker:
             self.fp8_compute = set_fp8_compute(tr, getattr(args, "fp8_compute", "auto"),
                                                self.device, self.dtype)
         self.loras = LoraManager(self.adapter, self.model.path)
+        self._active_loras = ()  # the adapter list last switched to on every rank
         self.compiler = Compiler(getattr(args, "compile", False))  # workers/runtime/compile.py
         for tr in self.model.transformers():
             self.compiler.install(tr, self.adapter.block_lists)
@@ -426,6 +427,12 @@ class Worker:
 
         if not resolved and not self.loras.used:
             return
+        # the same list as the last job or call (every MODEL step of a KSampler run): the
+        # adapters are already set, so no module walk and no collective on the step's path;
+        # every rank got the same list, so every rank skips alike
+        active = tuple(tuple(e) for e in resolved)
+        if active == self._active_loras:
+            return
         self.loras.used = True
         err = None
         loads = self.loras.loads
@@ -441,11 +448,14 @@ class Worker:
                 f"rank {self.rank}: {type(e).__name__}: {e}"
         errors = [x for x in (_gather_all(self.planes.control, err) if self.world > 1 else [err]) if x]
         if errors:
+            self._active_loras = None  # unknown until the next switch succeeds
             try:  # leave the model in a known state: no adapter active
                 self.loras.apply(self.model.transformers(), [])
+                self._active_loras = ()
             except Exception:  # noqa: BLE001
                 pass
             raise LoraError("; ".join(errors))
+        self._active_loras = active
 
 
 def _warm_pairs(topo):
