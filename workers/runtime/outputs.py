@@ -42,11 +42,20 @@ class Latents(_Named):
     from the workers, ComfyUI's LATENT space on the host)."""
 
     samples: Any
+    audio: Any = None  # a sound track's latent [B, C, ...] (model space), families with sound
 
 
 @dataclass
 class Decoded(_Named):
     """Latents decoded with the model's VAE. `images`: IMAGE [B, H, W, 3] in 0..1 (a video's
-    frames along the batch)."""
+    frames along the batch); a family with sound adds its waveform and sample rate (ComfyUI's
+    AUDIO is `{"waveform": audio, "sample_rate": sample_rate}`)."""
 
     images: Any
+    audio: Any = None  # the sound track's waveform [B, channels, samples] in -1..1
+    sample_rate: Any = None  # its samples per second (an int, set with `audio`)
+
+    def map(self, fn: Callable[[str, Any], Any]):
+        """As `_Named.map`, over the tensors only (the sample rate stays as it is)."""
+        return replace(self, **{name: fn(name, v) for name, v in self.items()
+                                if name != "sample_rate"})
