@@ -188,3 +188,37 @@ def test_the_host_reaches_workers_only_through_the_bridge():
         assert bridge.family_module(fid).FAMILY.id == fid
     # negative control: the scan sees both ways of taking a name from the bridge
     assert {"families", "latent_layout"} <= _bridge_uses(PKG / "comfy_convert.py")
+
+
+# ---- workers/ runs one way ------------------------------------------------------------------
+# workers/' rooms from the top floor down; a room imports only rooms on floors below its own
+WORKER_FLOORS = (("runtime",), ("models",), ("sampling", "loading"), ("parallel",),
+                 ("families",), ("streams", "messages"))
+
+
+def _arrows_up(graph: dict) -> list:
+    floor = {room: i for i, rooms in enumerate(WORKER_FLOORS) for room in rooms}
+
+    def room(module):
+        parts = module.split(".")
+        return parts[1] if parts[0] == "workers" and len(parts) > 1 else None
+
+    out = []
+    for src, targets in graph.items():
+        for dst in targets:
+            a, b = room(src), room(dst)
+            if a is not None and b is not None and a != b and floor[a] >= floor[b]:
+                out.append(f"{src} -> {dst}")
+    return sorted(out)
+
+
+def test_workers_folders_import_only_the_floors_below():
+    """The worker folders stand in one order (docs/architecture.md): no import, lazy ones
+    included, runs back up, nor sideways between two folders of one floor."""
+    g = _graph()
+    rooms = {m.split(".")[1] for m in g if m.startswith("workers.") and m.count(".") >= 1}
+    assert rooms == {r for floor in WORKER_FLOORS for r in floor}, rooms
+    assert not _arrows_up(g), _arrows_up(g)
+    # negative control: a loader reading the adapters' package back is caught
+    g["workers.loading.meta"] = set(g["workers.loading.meta"]) | {"workers.models.detect"}
+    assert _arrows_up(g) == ["workers.loading.meta -> workers.models.detect"]

@@ -13,7 +13,8 @@
 * stages.py — PipeFusion's stages: which blocks a rank holds, loading only those, and the
   hooks at a stage's boundaries.
 * prefetch.py — the checkpoint read into the page cache while the worker still imports.
+* transformer_file.py — a single file's family, naming, config and storage, from its header.
+* loaded_model.py — the model a rank holds once loaded, whichever loader made it.
 
-Nothing here imports the adapters (workers/models/) at module level but the one place that
-needs a family's conversion rules; the adapters call in.
+Nothing here imports the adapters (workers/models/): they call in.
 """

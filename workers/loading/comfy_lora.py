@@ -30,7 +30,7 @@ def weight_shapes(path) -> dict:
     diffusers folder: diffusers' names, from transformer/'s headers), without `.weight`:
     what ComfyUI's LoRA loaders map a LoRA file's keys to on the xDiT MODEL. Headers only."""
     from .header import read_safetensors_header
-    from ..models.detect import single_file_config
+    from .transformer_file import single_file_config
     path = str(path)
     if os.path.isfile(path):
         prefix = single_file_config(path)["prefix"]
@@ -50,7 +50,7 @@ def file_shapes(path) -> dict:
     without a checkpoint's prefix); {} for a folder. Headers only: what ComfyUI's model
     detection reads, for the config its LoRA key map needs."""
     from .header import read_safetensors_header
-    from ..models.detect import single_file_config
+    from .transformer_file import single_file_config
     path = str(path)
     if not os.path.isfile(path):
         return {}
@@ -117,7 +117,7 @@ def _file_rows(model_path: str, wanted: set, cache: dict) -> dict:
     row map its load used (the whole file's conversion, so a family whose converter needs
     every tensor, SD3's, works too); `cache` keeps the map per file. Headers only."""
     from .single_file import row_map
-    from ..models.detect import single_file_config
+    from .transformer_file import single_file_config
     if model_path not in cache:
         sf = single_file_config(model_path)
         cache[model_path] = (sf["prefix"], row_map(_Header(model_path), sf))

@@ -46,7 +46,7 @@ def meta_transformer_of(adapter, path: str) -> tuple:
     """(the transformer of `path` built on the meta device, the single-file config or None):
     a diffusers folder's from its config, a single file's from its weight shapes."""
     if os.path.isfile(path):
-        from ..models.detect import single_file_config
+        from .transformer_file import single_file_config
         sf = single_file_config(path)
         if sf["arch"] != adapter.arch:
             raise ValueError(f"{path} is a {sf['arch']} file, not {adapter.arch}")

@@ -1,7 +1,7 @@
 """Single-file transformers (ComfyUI's diffusion_models files): build the diffusers model from one
 .safetensors.
 
-The diffusers config comes from the weight shapes (`detect.single_file_config`, the same code
+The diffusers config comes from the weight shapes (`transformer_file.single_file_config`, the same code
 the host uses to validate the file before any worker starts); keys in BFL /
 ComfyUI naming are converted to diffusers naming, then the weights are assigned to a model
 built on the meta device (no random init, one copy in memory) in the requested dtype. Only
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import families
-from ..models import LoadedModel
+from .loaded_model import LoadedModel
 
 
 # ---- BFL / ComfyUI naming -> diffusers naming --------------------------------------------

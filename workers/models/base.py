@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 
 from .. import families
-from . import LoadedModel, latent_layout
+from ..loading.loaded_model import LoadedModel
+from . import latent_layout
 
 # per-row text, for families whose prompts of one batch pad to the longest: the job's mask
 # ([B, L] bool, made by `encode`) and, once sliced for a replica, its host row lengths
