@@ -24,8 +24,6 @@ MODULES = {
     "detect": ("models.detect", "model detection: a folder's or file's family and config"),
     "latent_layout": ("models.latent_layout",
                       "packing latents between ComfyUI's and the model's layout"),
-    "lora_file": ("loading.lora_file",
-                  "a LoRA file checked on the host before any worker starts"),
     "comfy_lora": ("loading.comfy_lora",
                    "the weight names ComfyUI's LoRA loaders patch on the xDiT MODEL"),
     "stages": ("loading.stages", "PipeFusion's stage split, for the memory plan"),
@@ -36,6 +34,9 @@ MODULES = {
     "protocol": ("runtime.protocol", "the typed host <-> rank 0 messages"),
     "messages": ("messages", "shared message texts and process facts"),
     "degrees": ("parallel.degrees", "a layout's degrees by axis, which jobs and model calls carry"),
+    "request": ("runtime.request", "the generation request: its fields, defaults and checks "
+                                   "(LoRA files too, before any worker starts), which the "
+                                   "host fills and the workers read"),
     "conditioning": ("runtime.conditioning",
                      "a model call's conditioning, which the xDiT MODEL builds"),
     "cache_settings": ("sampling.cache_settings",

@@ -1,10 +1,11 @@
 """ComfyUI values <-> pool requests, without importing ComfyUI (tested in CI).
 
-- CONDITIONING `[[cond, {"pooled_output": p, "guidance": g, ...}]]` -> the request's
-  `{"cond": [b,T,D], "pooled": [b,P]}` plus FluxGuidance's value. FLUX.2 has no pooled
-  output (its Qwen3 / Mistral text encoder gives hidden states only): `"pooled": None`.
-  WanImageToVideo's start frame (concat_latent_image, concat_mask, clip_vision_output) ->
-  the request's concat_latent / concat_mask / image_embeds (`start_image_fields`).
+- CONDITIONING `[[cond, {"pooled_output": p, "guidance": g, ...}]]` -> a `Conditioning`
+  (workers/runtime/conditioning.py: context [b,T,D], pooled [b,P], ...) plus FluxGuidance's
+  value. FLUX.2 has no pooled output (its Qwen3 / Mistral text encoder gives hidden states
+  only): pooled None. WanImageToVideo's start frame (concat_latent_image, concat_mask,
+  clip_vision_output) -> its concat_latent / concat_mask / image_embeds, which a job takes
+  as its request's (`start_image_fields`).
 - LATENT `{"samples": [B,C,h,w], "batch_index"?: [...]}` -> batch, size, noise and, when
   not all zeros, the img2img input; and the pool's samples -> LATENT. FLUX.1 / SD3: the raw
   VAE latent [B,16,H/8,W/8]. FLUX.2: ComfyUI's latent_formats.Flux2, the 2x2-patchified,
@@ -18,7 +19,9 @@ from typing import Any, Optional
 
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit import bridge
-from comfyui_xdit.bridge import families
+from comfyui_xdit.bridge import conditioning, families
+
+Conditioning = conditioning.Conditioning
 
 
 def _spec(arch: str):
@@ -62,10 +65,11 @@ def layout_hint(arch: str, t) -> str:
 
 # ---- CONDITIONING ---------------------------------------------------------------------
 def conditioning_to_request(conditioning, name: str = "positive",
-                            arch: Optional[str] = None) -> tuple[dict, Optional[float]]:
-    """One ComfyUI CONDITIONING -> ({"cond": [b,T,D], "pooled": [b,P] or None} fp32 CPU,
-    guidance), plus "reference_latents" / "reference_method" when ReferenceLatent (and
-    FluxKontextMultiReferenceLatentMethod) set them.
+                            arch: Optional[str] = None) -> tuple:
+    """One ComfyUI CONDITIONING -> (its Conditioning, fp32 CPU: context [b,T,D], pooled
+    [b,P] or None, and where set the second text's states, ReferenceLatent's ref_latents
+    (FluxKontextMultiReferenceLatentMethod's ref_method) and WanImageToVideo's start image;
+    FluxGuidance's guidance or None).
 
     Only plain text conditioning can run on the pool: several entries (ConditioningCombine,
     area / mask / ControlNet conditioning) are refused with a message, never ignored. For
@@ -96,15 +100,14 @@ def conditioning_to_request(conditioning, name: str = "positive",
         raise ConfigError(f"{name} CONDITIONING tensor must be [batch, tokens, dim]")
     guidance = extra.get("guidance")
     guidance = None if guidance is None else float(guidance)
-    cond = cond.detach().float().cpu().contiguous()
-    out = {"cond": cond}
+    out = {"context": cond.detach().float().cpu().contiguous()}
     refs = extra.get("reference_latents")
     if refs is not None:  # ComfyUI's ReferenceLatent: LATENT samples, in order
         if not isinstance(refs, (list, tuple)) or not all(torch.is_tensor(r) for r in refs):
             raise ConfigError(f"{name} CONDITIONING's reference_latents must be a list of "
                               f"LATENT tensors (as ComfyUI's ReferenceLatent node sets them)")
-        out["reference_latents"] = [r.detach().float().cpu().contiguous() for r in refs]
-        out["reference_method"] = extra.get("reference_latents_method")
+        out["ref_latents"] = [r.detach().float().cpu().contiguous() for r in refs]
+        out["ref_method"] = extra.get("reference_latents_method")
     out.update(_start_image_values(extra, name, arch))
     second = None if arch is None else families.family(arch).capability(
         families.SecondTextEncoder)
@@ -115,23 +118,25 @@ def conditioning_to_request(conditioning, name: str = "positive",
             raise ConfigError(f"{name} CONDITIONING's {key_2} must be [batch, tokens, dim]")
         out["context_2"] = text_2.detach().float().cpu().contiguous()
     if arch is not None and not families.family(arch).text.pooled:
-        return dict(out, pooled=None), guidance
+        return Conditioning(**out), guidance
     if pooled is None:
         raise ConfigError(f"{name} CONDITIONING has no pooled_output; encode it with a "
                           f"FLUX/SD3 CLIP loader (CLIP-L + T5, or CLIP-L + CLIP-G + T5)")
     if pooled.dim() == 1:
         pooled = pooled.unsqueeze(0)
-    return dict(out, pooled=pooled.detach().float().cpu().contiguous()), guidance
+    return Conditioning(**out, pooled=pooled.detach().float().cpu().contiguous()), guidance
 
 
-# ComfyUI's WanImageToVideo CONDITIONING keys -> the request's image-to-video fields
+# ComfyUI's WanImageToVideo CONDITIONING keys -> the Conditioning's (and the request's)
+# image-to-video fields
 START_IMAGE_KEYS = (("concat_latent_image", "concat_latent"), ("concat_mask", "concat_mask"),
                     ("clip_vision_output", "image_embeds"))
 
 
 def _start_image_values(extra: dict, name: str, arch: Optional[str]) -> dict:
-    """WanImageToVideo's values in a CONDITIONING entry -> {"concat_latent": the raw VAE
-    latent, "concat_mask": ComfyUI's mask, "image_embeds": the CLIP vision output's hidden
+    """WanImageToVideo's values in a CONDITIONING entry -> the Conditioning's fields
+    {"concat_latent": the raw VAE latent, "concat_mask": ComfyUI's mask, "image_embeds": the
+    CLIP vision output's hidden
     states the family's model reads (`ImageToVideo.clip_vision_states`: Wan's
     penultimate)} (fp32 CPU, as given: no layout change here; the workers
     build the transformer's inputs from them as ComfyUI's WAN21 does). Refused for a
@@ -161,18 +166,18 @@ def _start_image_values(extra: dict, name: str, arch: Optional[str]) -> dict:
     return out
 
 
-def start_image_fields(positive: dict, negative: Optional[dict] = None) -> dict:
+def start_image_fields(positive, negative=None) -> dict:
     """The request's image-to-video fields (GenerationRequest.concat_latent, concat_mask,
-    image_embeds) from `conditioning_to_request`'s positive and negative results: the pool
-    gives both guidance branches one start frame, so a negative CONDITIONING must carry the
-    same values (route both through WanImageToVideo) or, with cfg 1, be None."""
+    image_embeds) from `conditioning_to_request`'s positive and negative Conditionings: the
+    pool gives both guidance branches one start frame, so a negative CONDITIONING must carry
+    the same values (route both through WanImageToVideo) or, with cfg 1, be None."""
     import torch
 
     fields = [f for _, f in START_IMAGE_KEYS]
-    pos = {f: positive.get(f) for f in fields}
+    pos = {f: getattr(positive, f) for f in fields}
     if negative is not None:
         for f in fields:
-            a, b = pos[f], negative.get(f)
+            a, b = pos[f], getattr(negative, f)
             same = (a is None and b is None) or (a is not None and b is not None and
                                                  a.shape == b.shape and torch.equal(a, b))
             if not same:
@@ -182,11 +187,11 @@ def start_image_fields(positive: dict, negative: Optional[dict] = None) -> dict:
     return {f: v for f, v in pos.items() if v is not None}
 
 
-def check_text_width(c: dict, width: int, arch: str, name: str = "positive") -> None:
+def check_text_width(c, width: int, arch: str, name: str = "positive") -> None:
     """The text states' last dimension must be the transformer's joint_attention_dim: a
     CONDITIONING from another model's text encoder is refused here, in one line, instead of
     failing inside a worker."""
-    got = int(c["cond"].shape[-1])
+    got = int(c.context.shape[-1])
     if got == int(width):
         return
     hint = families.family(arch).text.hint
@@ -195,20 +200,22 @@ def check_text_width(c: dict, width: int, arch: str, name: str = "positive") -> 
                       f"joint_attention_dim): {hint}")
 
 
-def request_to_conditioning(c: dict, guidance: Optional[float] = None) -> list:
-    """The inverse (for tests and round trips): request dict -> ComfyUI CONDITIONING."""
-    extra = {} if c.get("pooled") is None else {"pooled_output": c["pooled"]}
-    if c.get("reference_latents") is not None:
-        extra["reference_latents"] = list(c["reference_latents"])
-        if c.get("reference_method") is not None:
-            extra["reference_latents_method"] = c["reference_method"]
+def request_to_conditioning(c, guidance: Optional[float] = None) -> list:
+    """The inverse (for tests and round trips): a Conditioning (or a dict of its fields) ->
+    ComfyUI CONDITIONING (a second text's states are left out: their key is the family's)."""
+    c = Conditioning.given(c)
+    extra = {} if c.pooled is None else {"pooled_output": c.pooled}
+    if c.ref_latents is not None:
+        extra["reference_latents"] = list(c.ref_latents)
+        if c.ref_method is not None:
+            extra["reference_latents_method"] = c.ref_method
     for key, field in START_IMAGE_KEYS:
-        if c.get(field) is not None:
-            extra[key] = c[field] if key != "clip_vision_output" else \
-                {"penultimate_hidden_states": c[field]}
+        if getattr(c, field) is not None:
+            extra[key] = getattr(c, field) if key != "clip_vision_output" else \
+                {"penultimate_hidden_states": getattr(c, field)}
     if guidance is not None:
         extra["guidance"] = guidance
-    return [[c["cond"], extra]]
+    return [[c.context, extra]]
 
 
 # ---- LATENT ---------------------------------------------------------------------------

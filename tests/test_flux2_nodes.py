@@ -53,11 +53,11 @@ def test_flux2_latents_are_comfyuis_128_channel_ones():
 def test_flux2_conditioning_needs_no_pooled_output():
     cond = torch.randn(1, 7, 96)
     c, g = conditioning_to_request([[cond, {}]], "positive", "flux2")
-    assert torch.equal(c["cond"], cond) and c["pooled"] is None and g is None
+    assert torch.equal(c.context, cond) and c.pooled is None and g is None
     # a pooled output some encoder adds is not used (FLUX.2 has no pooled projection)
     c, _ = conditioning_to_request([[cond, {"pooled_output": torch.randn(1, 8)}]], "p", "flux2")
-    assert c["pooled"] is None
-    assert request_to_conditioning(c) == [[c["cond"], {}]]
+    assert c.pooled is None
+    assert request_to_conditioning(c) == [[c.context, {}]]
     with pytest.raises(ConfigError, match="no pooled_output"):  # FLUX.1 still needs one
         conditioning_to_request([[cond, {}]], "positive", "flux")
     req = GenerationRequest(prompt=[], positive={"cond": cond, "pooled": None}, height=64,
@@ -73,7 +73,7 @@ def test_flux2_build_job_noise_and_text_width():
     lat = {"samples": torch.zeros(2, 128, 4, 4), "batch_index": [4, 1]}
     cond = [[torch.randn(1, 5, 96), {}]]
     req, kw = build_job(SampleInputs(latent=lat, positive=cond, seed=9), "flux2", 96)
-    assert req.positive["pooled"] is None and req.batch == 2
+    assert req.positive.pooled is None and req.batch == 2
     assert (req.height, req.width) == (64, 64)
     gen = torch.manual_seed(9)  # ComfyUI's prepare_noise with batch_index, on the LATENT
     per = [torch.randn((1, 128, 4, 4), generator=gen) for _ in range(5)]
@@ -345,7 +345,7 @@ def test_reference_latents_move_from_conditioning_to_the_request():
     req, _ = build_job(SampleInputs(latent=lat, positive=cond), "flux")
     assert len(req.reference_latents) == 1 and torch.equal(req.reference_latents[0], ref)
     assert req.reference_method == "index"
-    assert "reference_latents" not in req.positive  # carried once, by the request
+    assert req.positive.ref_latents is None  # carried once, by the request
     # the negative: the same references (or none) with CFG; other ones are refused
     same = [[torch.randn(1, 5, 32), {"pooled_output": torch.randn(1, 8),
                                      "reference_latents": [ref.clone()],

@@ -71,7 +71,7 @@ def test_noise_is_comfyui_prepare_noise():
 def test_conditioning_conversion():
     cond, pooled = torch.randn(2, 7, 32), torch.randn(2, 16)
     c, g = conditioning_to_request([[cond, {"pooled_output": pooled, "guidance": 2.5}]])
-    assert torch.equal(c["cond"], cond) and torch.equal(c["pooled"], pooled) and g == 2.5
+    assert torch.equal(c.context, cond) and torch.equal(c.pooled, pooled) and g == 2.5
     back = request_to_conditioning(c, g)
     assert conditioning_to_request(back)[1] == 2.5
     _, g = conditioning_to_request([[cond, {"pooled_output": pooled}]])

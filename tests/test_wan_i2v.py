@@ -139,8 +139,7 @@ def comfy_request(pipe, values: dict, arch: str = "wan") -> GenerationRequest:
     neg, _ = conditioning_to_request([[ne, dict(values)]], "negative", arch)
     fields = start_image_fields(pos, neg)
     return GenerationRequest(prompt=[], seed=7, steps=STEPS, height=H, width=W, frames=FRAMES,
-                             cfg=4.0, positive={"cond": pos["cond"], "pooled": None},
-                             negative={"cond": neg["cond"], "pooled": None}, **fields)
+                             cfg=4.0, positive=pos.text(), negative=neg.text(), **fields)
 
 
 def test_comfy_values_equal_the_pipeline(folders, pipes, layout_pools, oracle):

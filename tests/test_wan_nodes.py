@@ -79,7 +79,8 @@ def test_wan_image_to_video_values_reach_the_request():
     req, _ = build_job(inp, "wan", text_width=32)
     assert torch.equal(req.concat_latent, lat) and torch.equal(req.concat_mask, mask)
     assert req.image_embeds is None and req.frames == 9
-    assert set(req.positive) == {"cond", "pooled"} and set(req.negative) == {"cond", "pooled"}
+    for c in (req.positive, req.negative):  # text only: the start image is the request's
+        assert c.concat_latent is None and c.concat_mask is None and c.image_embeds is None
     with pytest.raises(ConfigError, match="differ in concat_latent"):
         build_job(SampleInputs(latent=inp.latent, cfg=4.0, positive=cond(**vals),
                                negative=cond()), "wan", text_width=32)

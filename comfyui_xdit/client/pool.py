@@ -248,7 +248,7 @@ class WorkerPool(PoolLaunch, PoolConnection):
             refs = req.reference_latents  # ComfyUI LATENTs; the workers convert them
             images = req.reference_images  # [H, W, 3] tensors (resolved); rank 0 encodes
             req = dataclasses.replace(req, reference_latents=None, reference_images=None)
-            job = P.Job(job_id=job_id, request=dataclasses.asdict(req), config=self.config.degrees(),
+            job = P.Job(job_id=job_id, request=req, config=self.config.degrees(),
                         noise=noise_to_model(info.arch, noise),
                         init_latent=None if init_latent is None else
                         comfy_to_model(info.arch, init_latent, fmt),

@@ -84,6 +84,9 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
         cfg = None  # unknown without the model: the references are checked as under CFG
     refs, method = _references(positive, negative, cfg)
     start = _start_image(positive, negative, cfg)
+    # the request's conditionings carry text only: the job's references and start image
+    # are its own fields
+    positive, negative = (None if c is None else c.text() for c in (positive, negative))
     if positive is None and not (inp.prompt or "").strip():
         raise ConfigError("no prompt: connect positive CONDITIONING or type a prompt")
     req = GenerationRequest(
@@ -109,26 +112,18 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
     return req, kw
 
 
-def _start_image(positive: Optional[dict], negative: Optional[dict],
-                 cfg: Optional[float]) -> dict:
+def _start_image(positive, negative, cfg: Optional[float]) -> dict:
     """WanImageToVideo's start frame on the CONDITIONING -> the request's concat_latent /
-    concat_mask / image_embeds (taken off the conditionings, which the request carries as
-    text only). With CFG the negative must carry the same values (both branches get one
-    start frame); without it, the negative is not used."""
-    from comfyui_xdit.comfy_convert import START_IMAGE_KEYS
+    concat_mask / image_embeds. With CFG the negative must carry the same values (both
+    branches get one start frame); without it, the negative is not used."""
     if positive is None:
         return {}
     use_negative = negative is not None and (cfg is None or float(cfg) > 1.0)
-    fields = start_image_fields(positive, negative if use_negative else None)
-    for c in (positive, negative):
-        if c is not None:
-            for _, f in START_IMAGE_KEYS:
-                c.pop(f, None)
-    return fields
+    return start_image_fields(positive, negative if use_negative else None)
 
 
-def _references(positive: Optional[dict], negative: Optional[dict], cfg: Optional[float]):
-    """The positive CONDITIONING's reference images (ComfyUI's ReferenceLatent) -> the
+def _references(positive, negative, cfg: Optional[float]):
+    """The positive Conditioning's reference images (ComfyUI's ReferenceLatent) -> the
     request's (list or None, method). The pool gives both CFG branches the positive's
     references (diffusers' FLUX.2 pipelines do the same), so with CFG on a negative with
     other references is refused rather than silently given the positive's. `cfg`: the
@@ -136,7 +131,7 @@ def _references(positive: Optional[dict], negative: Optional[dict], cfg: Optiona
     import torch
 
     def of(c):
-        return (c or {}).get("reference_latents"), (c or {}).get("reference_method")
+        return (None, None) if c is None else (c.ref_latents, c.ref_method)
     refs, method = of(positive)
     if negative is not None and (cfg is None or float(cfg) > 1.0):
         nrefs, nmethod = of(negative)
@@ -149,10 +144,6 @@ def _references(positive: Optional[dict], negative: Optional[dict], cfg: Optiona
                               "positive; the xDiT sampler gives both branches the positive's "
                               "references: connect the same ReferenceLatent to both, or none "
                               "to the negative")
-    for c in (positive, negative):  # the request carries them, not the conditioning
-        if c is not None:
-            c.pop("reference_latents", None)
-            c.pop("reference_method", None)
     return (list(refs) if refs else None), method
 
 

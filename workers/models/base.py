@@ -363,25 +363,25 @@ class DiTAdapter:
         this family."""
         raise ValueError(f"reference images are not supported by {self.family.name} models")
 
-    def start_condition(self, model, req: dict, images, batch: int):
+    def start_condition(self, model, req, images, batch: int):
         """Image-to-video (rank 0): the request's start frame (`images`: the reference
-        images as PIL, or req's concat_latent / concat_mask / image_embeds) -> {"references":
+        images as PIL, or the GenerationRequest's concat_latent / concat_mask / image_embeds) -> {"references":
         the job's references ({"tokens": the condition, [1 or B, ...] model space, which
         every step joins to the latents}), "cond": what both guidance branches add to their
         conditioning}; None where the job has no start frame (then `images`, if any, are
         references). Not for this family."""
-        if req.get("concat_latent") is not None:
+        if req.concat_latent is not None:
             raise ValueError(f"image-to-video inputs (concat_latent) are not supported by "
                              f"{self.family.name} models")
         return None
 
-    def start_frame_inputs(self, req: dict, images, takes_start: bool):
+    def start_frame_inputs(self, req, images, takes_start: bool):
         """The start frame a video job was given, checked alike for every image-to-video
         family: None where the model takes none (and none came), else (height, width,
         frames, the one start image, or None where ComfyUI's concat_latent came instead)."""
         from .. import messages
         name = self.family.name
-        given = req.get("concat_latent") is not None
+        given = req.concat_latent is not None
         if not takes_start:
             if given or images:
                 raise ValueError(messages.NO_START_IMAGE.format(name=name))
@@ -393,7 +393,7 @@ class DiTAdapter:
         if images and len(images) != 1:
             raise ValueError(f"{name} image-to-video takes one start image (got "
                              f"{len(images)})")
-        return (int(req["height"]), int(req["width"]), int(req["frames"]),
+        return (int(req.height), int(req.width), int(req.frames),
                 images[0] if images else None)
 
     def pack_references(self, refs) -> torch.Tensor:

@@ -358,7 +358,7 @@ class HunyuanVideo15Adapter(DiTAdapter):
 
     # ---- image-to-video (HunyuanVideo15ImageToVideoPipeline; ComfyUI's
     # HunyuanVideo15ImageToVideo) ------------------------------------------------------------
-    def start_condition(self, model, req: dict, images, batch: int):
+    def start_condition(self, model, req, images, batch: int):
         """The start frame -> {"references": {"tokens": [1 or B, 33, T, h, w]: the start-frame
         latent (model space) then its mask, which every step joins to the noise}, "cond":
         {"image_embeds": SigLIP states} where there are any}: from one image as
@@ -374,8 +374,7 @@ class HunyuanVideo15Adapter(DiTAdapter):
         if image is not None:
             raw, mask, states = self.encode_start_image(model, image, h, w, frames)
         else:
-            raw, mask, states = req["concat_latent"], req.get("concat_mask"), \
-                req.get("image_embeds")
+            raw, mask, states = req.concat_latent, req.concat_mask, req.image_embeds
         out = {"references": {"tokens": self.start_video(model, raw, mask, h, w, frames)},
                "cond": {}}
         if states is not None:

@@ -315,7 +315,7 @@ class WanAdapter(DiTAdapter):
         pad = text.new_zeros(text.shape[0], I2V_TEXT_TOKENS - text.shape[1], text.shape[2])
         return dict(cond, encoder_hidden_states=torch.cat([text, pad], 1))
 
-    def start_condition(self, model, req: dict, images, batch: int):
+    def start_condition(self, model, req, images, batch: int):
         """The start frame -> {"references": {"tokens": the condition [1 or B, 20, T, h, w]},
         "cond": {"image_embeds": CLIP states} (Wan 2.1)}: from one image as
         WanImageToVideoPipeline prepares it, or from ComfyUI's concat_latent / concat_mask /
@@ -331,8 +331,7 @@ class WanAdapter(DiTAdapter):
         if image is not None:
             raw, mask, image = self.encode_start_image(model, image, h, w, frames, states)
         else:
-            raw, mask, image = req["concat_latent"], req.get("concat_mask"), \
-                req.get("image_embeds")
+            raw, mask, image = req.concat_latent, req.concat_mask, req.image_embeds
             if states and image is None:
                 raise ValueError(messages.NEEDS_IMAGE_EMBEDS.format(name=name))
         out = {"references": {"tokens": self.start_video(model, raw, mask, h, w, frames)},

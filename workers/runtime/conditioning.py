@@ -1,14 +1,20 @@
-"""One conditioning, typed: the tensors a host-side sampler's rows are conditioned on
-(ComfyUI's CONDITIONING as its model receives them), with their shape rules in one place.
+"""One conditioning, typed: ComfyUI's CONDITIONING as the pool takes it, with its shape rules,
+defined once for both ways a conditioning reaches the workers:
 
-The host (comfyui_xdit/nodes/model_calls.py) builds them, the protocol's `Predict` carries
-them as `to_wire()` dicts, and the workers (workers/sampling/model_call.py) check and cache
-them. Cheap to import (no torch): shapes are read off whatever array type arrives.
+- the xDiT MODEL (comfyui_xdit/nodes/model_calls.py) builds one per chunk of a host-side
+  sampler's rows; the protocol's `Predict` carries them and the workers
+  (workers/sampling/model_call.py) check and cache them;
+- the Sampler (xDiT) node reads one from each CONDITIONING input
+  (comfyui_xdit/comfy_convert.py); its text parts are a job request's `positive` /
+  `negative` (workers/runtime/request.py), and what belongs to the whole job (references, the
+  start image) moves to the request's own fields (`TO_REQUEST`).
+
+Cheap to import (no torch): shapes are read off whatever array type arrives.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 
 @dataclass
@@ -23,7 +29,10 @@ class Conditioning:
     ref_latents:  reference latents, each [rows, C, h, w] in the call's latent space
                   (model space, unpacked: ComfyUI's `ref_latents`), in order;
     ref_method:   how several references are placed (ComfyUI's `ref_latents_method`);
-                  None: the family's default.
+                  None: the family's default;
+    concat_latent, concat_mask: ComfyUI's WanImageToVideo start video (its raw VAE latent)
+                  and mask, which a Sampler job takes as its request's; a model call's
+                  latents hold them already, so a call refuses them.
     """
 
     context: Any
@@ -32,6 +41,17 @@ class Conditioning:
     image_embeds: Any = None
     ref_latents: Optional[list] = None
     ref_method: Optional[str] = None
+    concat_latent: Any = None
+    concat_mask: Any = None
+
+    # the text a job request's positive / negative carries
+    TEXT: ClassVar[tuple] = ("context", "pooled", "context_2")
+    # what a job takes off its conditionings into its request: (this field, the request's)
+    TO_REQUEST: ClassVar[tuple] = (("ref_latents", "reference_latents"),
+                                   ("ref_method", "reference_method"),
+                                   ("concat_latent", "concat_latent"),
+                                   ("concat_mask", "concat_mask"),
+                                   ("image_embeds", "image_embeds"))
 
     @property
     def rows(self) -> int:
@@ -66,6 +86,18 @@ class Conditioning:
             out.append(f"ref_method must be a name (got {self.ref_method!r})")
         return out
 
+    def call_problems(self, rows: int) -> list:
+        """`problems`, plus what a model call cannot take (its latents hold a start image)."""
+        return self.problems(rows) + [
+            f"{name} is a Sampler job's start image; a model call's latents hold it already "
+            f"(ComfyUI's model joins it): leave it out" for name in ("concat_latent",
+                                                                    "concat_mask")
+            if getattr(self, name) is not None]
+
+    def text(self) -> "Conditioning":
+        """Only the text fields (what a job request's positive / negative carries)."""
+        return Conditioning(**{f: getattr(self, f) for f in self.TEXT})
+
     def to_wire(self) -> dict:
         """The fields that are set, by name (plain values and tensors)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
@@ -81,6 +113,15 @@ class Conditioning:
             raise ValueError(f"a conditioning has the fields {list(FIELDS)}, context required "
                              f"(got {sorted(d)})")
         return cls(**d)
+
+    @classmethod
+    def given(cls, value) -> "Conditioning":
+        """What a caller may give for one (the Python API's positive / negative): a
+        Conditioning, of either package name, or a dict of its fields, where `cond` is also
+        taken for `context` (the request's name for it before it was typed)."""
+        if isinstance(value, dict) and "cond" in value and "context" not in value:
+            value = {("context" if k == "cond" else k): v for k, v in value.items()}
+        return cls.from_wire(value)
 
     @classmethod
     def map_from_wire(cls, d: dict) -> dict:

@@ -225,7 +225,7 @@ def _leader_loop(worker, acceptor):
             link.send(P.Event(job.job_id, event))
 
         worker.state.update(state="running", job_id=job.job_id, step=0,
-                            total=job.request["steps"])
+                            total=job.request.steps)
         try:
             try:
                 latents, decoded, stats = worker.run(job, emit, should_stop)

@@ -3,10 +3,10 @@
 On the wire a message is `(kind, {field: value})`, pickled by the authenticated channel
 (workers/runtime/channel.py) after its handshake. No class crosses the wire, neither a
 message nor a part of one: the host loads this module under a private package name
-(comfyui_xdit/bridge.py), so the two sides' classes differ. A field's value
-travels as plain values, tensors and numpy arrays; a typed part (`Degrees`, `Conditioning`,
-`Latents`, `Decoded`) as its `to_wire()` dict, which `from_wire` reads back through the
-field's `part` reader. `to_wire` / `from_wire` convert; an unknown kind or field, or a part
+(comfyui_xdit/bridge.py), so the two sides' classes differ. A field's value travels as plain
+values, tensors and numpy arrays; a typed part (`GenerationRequest`, `Degrees`,
+`Conditioning`, `Latents`, `Decoded`) as its `to_wire()` dict, which `from_wire` reads back
+through the field's `part` reader. `to_wire` / `from_wire` convert; an unknown kind or field, or a part
 that does not read, is a `ProtocolError`.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Optional
 from ..parallel.degrees import Degrees
 from .conditioning import Conditioning
 from .outputs import Decoded, Latents
+from .request import GenerationRequest
 
 
 class ProtocolError(ValueError):
@@ -55,21 +56,23 @@ def _plain(v):
 # ---- host -> rank 0 ---------------------------------------------------------------------
 @_message
 class Job(Message):
-    """Generate: `request` is GenerationRequest's fields (defaults resolved); tensors are
-    model space (workers/models/latent_layout.py). The host fills the fields up to
+    """Generate: `request` is the GenerationRequest (workers/runtime/request.py), every
+    default resolved, its references and start image moved to the fields below; tensors
+    are model space (workers/models/latent_layout.py). The host fills the fields up to
     `reference_images`; rank 0 prepares the job once (workers/runtime/worker.py: prompts
-    encoded, references turned into model-space inputs), fills the fields after them, and
-    broadcasts this same Job to every rank, which runs it (workers/sampling/denoise.py)."""
+    encoded, references turned into model-space inputs, LoRA files read), fills the fields
+    after them, and broadcasts this same Job to every rank, which runs it
+    (workers/sampling/denoise.py)."""
     KIND: ClassVar[str] = "job"
     job_id: int
-    request: dict
+    request: GenerationRequest = part(GenerationRequest.from_wire)
     config: Degrees = part(Degrees.from_wire)
     noise: Any  # [B, ...] model-space noise, drawn once by the host
     init_latent: Any = None  # model space (img2img)
     denoise: float = 1.0
     options: dict = field(default_factory=dict)  # per-job PipeFusion settings
     # reference images: raw-VAE-space [1 or B, C, h, w] each, in order (the workers turn
-    # them into model-space tokens); their layout method is request["reference_method"]
+    # them into model-space tokens); their layout method is request.reference_method
     references: Optional[list] = None
     # reference images [H, W, 3] float 0..1 each, in order (rank 0 encodes them with the
     # folder's VAE as the family's pipeline does; its text encoder may read them too)
@@ -82,6 +85,7 @@ class Job(Message):
     cond: Optional[dict] = None
     uncond: Optional[dict] = None
     reference_inputs: Optional[dict] = None
+    lora_adapters: Optional[list] = None  # the request's LoRAs as read (LoraManager.resolve)
 
 
 @_message

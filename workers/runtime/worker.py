@@ -211,11 +211,11 @@ class Worker:
 
         if msg.cond is not None or msg.uncond is not None or msg.reference_inputs is not None:
             raise ValueError("a job's cond, uncond and reference_inputs are rank 0's to fill")
-        req = dict(msg.request)
+        req = msg.request
         self._check_stages(msg.config)
         noise = msg.noise  # model space, drawn once by the host (ComfyUI's prepare_noise)
         b = int(noise.shape[0])
-        use_cfg = float(req["cfg"]) > 1.0
+        use_cfg = float(req.cfg) > 1.0
 
         # image-to-video (Wan I2V): the start frame (an image, or ComfyUI's latent and mask)
         # -> the condition every step joins to the latents, made once here; the request's
@@ -228,8 +228,7 @@ class Worker:
             start_images = [pil_image(im) for im in msg.reference_images]
         with torch.inference_mode():
             start = self.adapter.start_condition(self.model, req, start_images, b)
-        for key in ("concat_latent", "concat_mask", "image_embeds"):
-            req[key] = None
+        req = dataclasses.replace(req, concat_latent=None, concat_mask=None, image_embeds=None)
         references, prompt_images = msg.references, None
         if msg.reference_images and start is None:  # images -> LATENTs (and what the text encoder reads)
             with torch.inference_mode():
@@ -238,16 +237,16 @@ class Worker:
         text_kw = {"images": prompt_images} if prompt_images else {}
 
         def branch(given, texts):
-            if given is not None:
-                extra = {} if given.get("context_2") is None else \
-                    {"context_2": given["context_2"]}  # a second text encoder's (ByT5)
-                d = self.adapter.conditioning(given["cond"], given["pooled"], **extra)
+            if given is not None:  # a Conditioning's text
+                extra = {} if given.context_2 is None else \
+                    {"context_2": given.context_2}  # a second text encoder's (ByT5)
+                d = self.adapter.conditioning(given.context, given.pooled, **extra)
             elif self.model.encoder is None:  # a single file: nothing to encode text with
                 from ..messages import NO_TEXT_ENCODERS
                 raise ValueError(NO_TEXT_ENCODERS)
             else:
                 texts = list(texts) if len(texts) in (1, b) else texts[:1]
-                d = self.adapter.encode(self.model, texts, req["max_sequence_length"],
+                d = self.adapter.encode(self.model, texts, req.max_sequence_length,
                                         **text_kw)
             if start is not None:  # both branches read the start image alike (Wan 2.1's
                 d = dict(d, **start.get("cond", {}))  # CLIP image states)
@@ -257,23 +256,23 @@ class Worker:
                         else v).detach().cpu() for k, v in d.items()}
 
         with torch.inference_mode():
-            cond = branch(req["positive"], req["prompt"])
-            uncond = branch(req["negative"], [req["negative_prompt"]]) if use_cfg else None
+            cond = branch(req.positive, req.prompt)
+            uncond = branch(req.negative, [req.negative_prompt]) if use_cfg else None
         # LoRA files are read and checked here, before anything is broadcast
-        req["lora_adapters"] = self.loras.resolve(self.model.transformer, req.get("loras"))
+        adapters = self.loras.resolve(self.model.transformer, req.loras)
         refs = None if start is None else start["references"]
         if references:  # ComfyUI LATENTs -> model-space tokens and ids, once, on rank 0
             with torch.inference_mode():
                 refs = self.adapter.reference_inputs(
                     self.model, [torch.as_tensor(r) for r in references],
-                    req.get("reference_method"), req["height"], req["width"])
+                    req.reference_method, req.height, req.width)
             if refs["tokens"].shape[0] not in (1, b):
                 raise ValueError(f"reference latents have batch {refs['tokens'].shape[0]}; "
                                  f"give 1 (shared) or the batch {b}")
         return dataclasses.replace(msg, request=req, denoise=float(msg.denoise),
                                    options=dict(msg.options or {}), references=None,
                                    reference_images=None, cond=cond, uncond=uncond,
-                                   reference_inputs=refs)
+                                   reference_inputs=refs, lora_adapters=adapters)
 
     def _encode_reference_images(self, images, req) -> dict:
         """Reference images ([H, W, 3] 0..1, from the host) -> the adapter's
@@ -283,7 +282,7 @@ class Worker:
         if os.path.isfile(self.model.path):
             raise ValueError(REFERENCE_IMAGES_NEED_VAE)
         return self.adapter.encode_reference_images(
-            self.model, [pil_image(im) for im in images], req["height"], req["width"])
+            self.model, [pil_image(im) for im in images], req.height, req.width)
 
     def _check_stages(self, key) -> None:
         """A PipeFusion pool holds one stage per rank: it runs only its launch's layout."""
@@ -325,9 +324,9 @@ class Worker:
             from ..parallel.sharding import job_counts
             stats["sharding"] = job_counts(self)
         images = None
-        if job.request.get("output") == "image":  # the same decision on every rank
+        if job.request.output == "image":  # the same decision on every rank
             raw = None if samples is None else self.adapter.to_raw(
-                self.model, samples, job.request["height"], job.request["width"])
+                self.model, samples, job.request.height, job.request.width)
             images = _decode(self, raw)
         if self.device.type == "cuda":  # the process's peaks so far (load and every job):
             # read once, after the decode the plan also counts; the host compares them with
@@ -417,7 +416,7 @@ class Worker:
         return out, times
 
     def _apply_loras(self, job):
-        self._switch_loras(job.request.get("lora_adapters") or [])
+        self._switch_loras(job.lora_adapters or [])
 
     def _switch_loras(self, resolved):
         """Every rank switches to the job's LoRA list; the ranks then agree on success

@@ -126,17 +126,17 @@ def prepare(job, model, adapter, topo: Topology) -> Prepared:
     # the loop's latents: the model's dtype, or fp32 where the family's pipeline keeps them
     # so (Wan: its multistep history); the adapter's forward casts what the model takes
     noise = job.noise[mine].to(dev, torch.float32 if adapter.latents_fp32 else dtype)
-    scheduler = adapter.make_scheduler(model, shift=req.get("shift"))
+    scheduler = adapter.make_scheduler(model, shift=req.shift)
     check_scheduler(scheduler)
     img2img = job.init_latent is not None and job.denoise < 1.0
-    total, begin = schedule_window(req["steps"], job.denoise if img2img else 1.0)
+    total, begin = schedule_window(req.steps, job.denoise if img2img else 1.0)
     timesteps = adapter.timesteps(scheduler, total, noise, dev)[begin:]
     sigmas = scheduler.sigmas[begin:].to(dev, torch.float32)
     latents = noise
     if img2img:  # start part-way down the schedule from the noised input latent
         x0 = job.init_latent[mine].to(dev, noise.dtype)
         latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(noise.dtype)
-    extra = adapter.forward_extra(model, req["height"], req["width"])
+    extra = adapter.forward_extra(model, req.height, req.width)
     if job.reference_inputs is not None:  # a batch of references is sliced like the latents
         for key, v in job.reference_inputs.items():  # the rest: what the adapter's forward needs
             if key == "tokens":   # of them ("ids": FLUX's RoPE ids; "shapes": Qwen's grids)
@@ -144,12 +144,12 @@ def prepare(job, model, adapter, topo: Topology) -> Prepared:
             else:
                 extra["ref_" + key] = v.to(dev, dtype) if torch.is_tensor(v) else v
     # made once here on the device (a fill, not a host copy), so no step waits on the host
-    g = req.get("guidance")
+    g = req.guidance
     guidance = None if g is None else torch.full((), float(g), device=dev,
                                                   dtype=torch.float32)
     # per step, decided here from host values: which expert, at which guidance scale
     experts = adapter.experts_per_step(model, scheduler, total)[begin:]
-    scales = [float(req["cfg"]) if e == 0 else float(req.get("cfg_2") or req["cfg"])
+    scales = [float(req.cfg) if e == 0 else float(req.cfg_2 or req.cfg)
               for e in experts]
     by_expert = {e: (extra if e == 0 else dict(extra, expert=e)) for e in set(experts)}
     steps = make_steps(scheduler, sigmas, scheduler.sigmas[begin:], begin)
@@ -323,12 +323,12 @@ def run_job(job, model, adapter, topo: Topology, control,
     scope = step_scope or no_step_scope
     prep = prepare(job, model, adapter, topo)
     cache = None
-    if job.request.get("cache"):
-        cache = RunCache(CacheSettings.from_dict(job.request["cache"]))
+    if job.request.cache:
+        cache = RunCache(CacheSettings.from_dict(job.request.cache))
     steps = _strategy(job, model, adapter, prep, topo, control, cache, sequence)
     latents = prep.latents.clone()
     total = len(prep.timesteps)
-    progress = _Progress(emit, int(job.request.get("preview_every") or 0), total,
+    progress = _Progress(emit, int(job.request.preview_every or 0), total,
                          prep.sigmas, latents, cache)
     try:
         for i in range(total):

@@ -143,7 +143,7 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
                 text_2 = cached.get("encoder_hidden_states_2")
                 texts_2.add(None if text_2 is None else int(text_2.shape[1]))
             continue
-        shapes = c.problems(rows)  # the shape rules every conditioning follows
+        shapes = c.call_problems(rows)  # the shape rules every conditioning follows
         if shapes:
             return f"conditioning {key}: {shapes[0]}"
         problem = _image_states_problem(adapter.family, cfg, key, rows, c.image_embeds)

@@ -48,8 +48,8 @@ class PatchPipeline:
         self.group = topo.group("pipefusion")
         self.cfg_group = topo.group("cfg") if topo.degree("cfg") == 2 else None
         # token rows of the whole sequence (a video's run across its frames, frame by frame)
-        self.rows, self.cols = adapter.token_grid(req["height"], req["width"],
-                                                  int(req.get("frames") or 1))
+        self.rows, self.cols = adapter.token_grid(req.height, req.width,
+                                                  int(req.frames or 1))
         experts = [e.get("expert") for e in prep.extras]  # Wan 2.2: warm up again at the switch
         self.sched = build_schedule(len(prep.timesteps), n, self.rows, sorted(branches),
                                     warmup=int(opts.get("warmup_steps", 1)),
