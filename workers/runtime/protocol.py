@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
 from ..parallel.degrees import Degrees
+from ..sampling.cache_settings import CacheSettings
 from .conditioning import Conditioning
 from .outputs import Decoded, Latents
 from .request import GenerationRequest
@@ -114,7 +115,7 @@ class Predict(Message):
     chunks: list = field(default_factory=list)
     conds: dict = part(Conditioning.map_from_wire, default_factory=dict)
     timed: bool = False  # benchmarks: report the call's phase timings (CUDA events on GPUs)
-    cache: Optional[dict] = None  # step cache settings, every field (None: off)
+    cache: Optional[CacheSettings] = part(CacheSettings.from_wire, default=None)  # None: off
     expert: int = 0  # a model of several experts (Wan 2.2 A14B): 0 the first, 1 the second
     loras: list = field(default_factory=list)  # [(path, strength[, expert])], as a job's
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 from .. import families
+from ..sampling.cache_settings import CacheSettings
 from .conditioning import Conditioning
 from .request_checks import (_reference_image_problems, _reference_problems,
                              _single_file_problems, cache_problems, conditioning_problems,
@@ -112,10 +113,10 @@ class GenerationRequest:
     concat_latent: Any = None
     concat_mask: Any = None
     image_embeds: Any = None
-    # Step cache: a dict of workers/sampling/cache_settings.py CacheSettings' fields (threshold,
-    # warmup, head, tail, max_skips, taylor; those left out take its defaults), or None / a
-    # threshold of 0: off. Resolved to every field.
-    cache: Optional[dict] = None
+    # Step cache: workers/sampling/cache_settings.py's CacheSettings, or a dict of its fields
+    # (threshold, warmup, head, tail, max_skips, taylor; those left out take its defaults),
+    # or None / a threshold of 0: off. Resolved to CacheSettings (or None).
+    cache: Any = None
 
     def __post_init__(self):
         if isinstance(self.prompt, str):
@@ -231,9 +232,10 @@ class GenerationRequest:
 
     # ---- the wire (workers/runtime/protocol.py: a Job's `request` part) ---------------------
     def to_wire(self) -> dict:
-        """Every field by name: plain values and tensors, the conditionings as theirs."""
+        """Every field by name: plain values and tensors, the typed parts (conditionings,
+        cache settings) as their `to_wire()`."""
         return {f.name: (getattr(self, f.name).to_wire()
-                         if isinstance(getattr(self, f.name), Conditioning)
+                         if hasattr(getattr(self, f.name), "to_wire")
                          else getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
@@ -246,9 +248,11 @@ class GenerationRequest:
             raise ValueError(f"a request has the fields {list(FIELDS)} (got unknown "
                              f"{unknown})")
         d = dict(d)
-        for name in ("positive", "negative"):
+        for name, read in (("positive", Conditioning.from_wire),
+                           ("negative", Conditioning.from_wire),
+                           ("cache", CacheSettings.from_wire)):
             if d.get(name) is not None:
-                d[name] = Conditioning.from_wire(d[name])
+                d[name] = read(d[name])
         return cls(**d)
 
 

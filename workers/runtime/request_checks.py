@@ -75,22 +75,23 @@ def frames_problems(frames, model) -> list[str]:
     return []
 
 
-def resolved_cache(cache: Optional[dict]) -> Optional[dict]:
-    """Every field of the step cache's settings, or None when it is off (no settings, or a
-    threshold of 0)."""
-    if not cache:
+def resolved_cache(cache) -> Optional[CacheSettings]:
+    """The step cache's settings (given as CacheSettings or a dict of its fields, those left
+    out taking its defaults), or None when it is off (no settings, or a threshold of 0)."""
+    if cache is None or cache == {}:
         return None
-    settings = CacheSettings.from_dict(cache)
-    return settings.to_dict() if settings.enabled else None
+    settings = CacheSettings.from_wire(cache)
+    return settings if settings.enabled else None
 
 
 def cache_problems(cache) -> list[str]:
     if cache is None:
         return []
-    if not isinstance(cache, dict):
-        return [f"cache must be a dict of step-cache settings (got {type(cache).__name__})"]
+    if not isinstance(cache, dict) and not hasattr(cache, "to_dict"):
+        return [f"cache must be CacheSettings or a dict of their fields (got "
+                f"{type(cache).__name__})"]
     try:
-        return CacheSettings.from_dict(cache).problems()
+        return CacheSettings.from_wire(cache).problems()
     except (TypeError, ValueError) as e:
         return [str(e)]
 

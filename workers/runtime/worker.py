@@ -408,7 +408,7 @@ class Worker:
                                   self.planes, step_scope=self.hook_options.get("step_scope"),
                                   sequence=self.parallel and self.parallel[1])
         times["compiles"] = compiled.stats["compiles"]
-        if self.cond_cache.steps is not None and call.cache:  # the sampling run so far
+        if self.cond_cache.steps is not None and call.cache is not None:  # the run so far
             self.last_cache = dict(self.cond_cache.steps.stats(), entry="model calls")
         if self.hooks:  # test hooks watching calls: every rank's, on rank 0
             from .hooks import job_stats

@@ -25,8 +25,17 @@ class CacheSettings:
         return self.threshold > 0
 
     def to_dict(self) -> dict:
-        """Every field: the request's `cache` and the model calls' settings."""
+        """Every field, by name."""
         return asdict(self)
+
+    def to_wire(self) -> dict:
+        """A job's and a model call's settings on the wire (workers/runtime/protocol.py)."""
+        return self.to_dict()
+
+    @classmethod
+    def from_wire(cls, d) -> "CacheSettings":
+        """A wire dict (or settings of either package name) -> CacheSettings."""
+        return cls.from_dict(d if isinstance(d, dict) else d.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "CacheSettings":

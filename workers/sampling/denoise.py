@@ -323,8 +323,8 @@ def run_job(job, model, adapter, topo: Topology, control,
     scope = step_scope or no_step_scope
     prep = prepare(job, model, adapter, topo)
     cache = None
-    if job.request.cache:
-        cache = RunCache(CacheSettings.from_dict(job.request.cache))
+    if job.request.cache is not None:
+        cache = RunCache(CacheSettings.from_wire(job.request.cache))
     steps = _strategy(job, model, adapter, prep, topo, control, cache, sequence)
     latents = prep.latents.clone()
     total = len(prep.timesteps)

@@ -26,6 +26,7 @@ from ..parallel.degrees import Degrees
 from ..parallel.sequence_parallel import even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import all_gather, all_reduce
+from .cache_settings import CacheSettings
 from .step_cache import call_on_ranks, gated
 from .step_scope import no_step_scope
 
@@ -45,7 +46,7 @@ class ModelCall:
     # key -> Conditioning (workers/runtime/conditioning.py), CPU: those rank 0 had not seen
     new_conds: dict = field(default_factory=dict)
     timed: bool = False  # a benchmark asks for the phases' timings (workers: `_Clock`)
-    cache: Optional[dict] = None  # step cache settings (workers/sampling/step_cache.py), all fields
+    cache: Optional[CacheSettings] = None  # the step cache's settings (None: off)
     expert: int = 0  # which transformer runs (a model of several experts: Wan 2.2 A14B)
     lora_adapters: list = field(default_factory=list)  # LoraManager.resolve's, as a job's
 
@@ -65,15 +66,13 @@ class CondCache:
         self.steps = None
         self._steps_key = None
 
-    def step_cache(self, settings: Optional[dict]):
+    def step_cache(self, settings: Optional[CacheSettings]):
         """The RunCache for `settings` (None: the cache is off)."""
-        if not settings:
+        if settings is None:
             return None
-        key = tuple(sorted(settings.items()))
-        if key != self._steps_key:
-            from .cache_settings import CacheSettings
+        if settings != self._steps_key:
             from .step_cache import RunCache
-            self.steps, self._steps_key = RunCache(CacheSettings.from_dict(settings)), key
+            self.steps, self._steps_key = RunCache(settings), settings
         return self.steps
 
     def sized(self, key, make) -> dict:
