@@ -89,3 +89,43 @@ def test_conditioning_shape_rules_in_one_place():
         ["ref_latents must be a non-empty list of latents"]
     with pytest.raises(ValueError, match="context required"):
         Conditioning.from_wire({"cond": torch.zeros(1, 2, 3)})
+
+
+def test_a_job_request_crosses_as_plain_values_and_arrives_typed():
+    from workers.runtime.request import GenerationRequest
+    from workers.sampling.cache_settings import CacheSettings
+    host_request = worker_module("runtime.request").GenerationRequest
+    req = host_request(prompt=[], positive={"cond": torch.randn(1, 5, 8),
+                                            "pooled": torch.randn(1, 4)},
+                       batch_size=2, steps=2, height=64, width=64, cache={"threshold": 0.1})
+    assert type(req.positive).__name__ == "Conditioning" and req.batch == 2  # a dict, read
+    req = req.resolved("flux")
+    wire = HOST.to_wire(HOST.Job(job_id=1, request=req, config=Degrees(),
+                                 noise=torch.zeros(2, 16, 4)))
+    assert _classes(wire) == set()
+    got = P.from_wire(pickle.loads(pickle.dumps(wire))).request
+    assert isinstance(got, GenerationRequest) and isinstance(got.positive, Conditioning)
+    assert got.cache == CacheSettings(threshold=0.1) and got.cfg == req.cfg == 1.0
+    assert torch.equal(got.positive.context, req.positive.context) and got.negative is None
+    unknown = ("job", dict(wire[1], request=dict(wire[1]["request"], colour="red")))
+    with pytest.raises(P.ProtocolError, match="unknown \\['colour'\\]"):
+        P.from_wire(unknown)
+
+
+def test_a_request_names_each_bad_field_and_what_would_be_right():
+    from workers.runtime.request import GenerationRequest
+    bad = GenerationRequest(prompt=["a"], steps=0, height=100, seed=-1, output="png",
+                            positive={"context": torch.zeros(3, 5, 8), "pooled": None},
+                            batch_size=2, cache={"threshold": -1})
+    problems = bad.problems()
+    assert len(problems) == 6, problems  # one line per bad field
+    for want in ("positive conditioning batch 3 is neither 1 nor the batch 2",
+                 "seed must be an integer in [0, 2^64) (got -1)",
+                 "steps must be an integer >= 1 (got 0)", "height 100 is not a positive "
+                 "multiple of 16 (try 96)", "output must be 'latent' or 'image'",
+                 "cache threshold must be a number >= 0"):
+        assert any(want in p for p in problems), (want, problems)
+    assert GenerationRequest(prompt=["a"], height=64, width=64).problems() == []
+    # a conditioning that is no Conditioning is named, not taken
+    assert GenerationRequest(prompt=[], positive={"text": 1}).problems()[0].startswith(
+        "positive conditioning must be a Conditioning or a dict of its fields")
