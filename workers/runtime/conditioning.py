@@ -46,12 +46,12 @@ class Conditioning:
 
     # the text a job request's positive / negative carries
     TEXT: ClassVar[tuple] = ("context", "pooled", "context_2")
+    # the start image (image-to-video), named alike here and on a job's request
+    START_IMAGE: ClassVar[tuple] = ("concat_latent", "concat_mask", "image_embeds")
     # what a job takes off its conditionings into its request: (this field, the request's)
     TO_REQUEST: ClassVar[tuple] = (("ref_latents", "reference_latents"),
                                    ("ref_method", "reference_method"),
-                                   ("concat_latent", "concat_latent"),
-                                   ("concat_mask", "concat_mask"),
-                                   ("image_embeds", "image_embeds"))
+                                   *((f, f) for f in START_IMAGE))
 
     @property
     def rows(self) -> int:

@@ -224,8 +224,7 @@ def start_image_problems(req, model) -> list[str]:
     comment gives them. `model`: a ModelInfo (its start_image / image_states), or None."""
     arch = getattr(model, "arch", None)
     fam = None if arch is None else families.family(arch)
-    given = {k: getattr(req, k) for k in ("concat_latent", "concat_mask", "image_embeds")
-             if getattr(req, k) is not None}
+    given = {k: getattr(req, k) for k in Conditioning.START_IMAGE if getattr(req, k) is not None}
     images = req.reference_images
     if fam is not None and fam.capability(families.ImageToVideo) is None:
         return [f"{', '.join(given)}: image-to-video inputs, which {fam.name} models do not "

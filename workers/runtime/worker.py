@@ -209,6 +209,8 @@ class Worker:
 
         import torch
 
+        from .conditioning import Conditioning
+
         if msg.cond is not None or msg.uncond is not None or msg.reference_inputs is not None:
             raise ValueError("a job's cond, uncond and reference_inputs are rank 0's to fill")
         req = msg.request
@@ -228,7 +230,7 @@ class Worker:
             start_images = [pil_image(im) for im in msg.reference_images]
         with torch.inference_mode():
             start = self.adapter.start_condition(self.model, req, start_images, b)
-        req = dataclasses.replace(req, concat_latent=None, concat_mask=None, image_embeds=None)
+        req = dataclasses.replace(req, **dict.fromkeys(Conditioning.START_IMAGE))
         references, prompt_images = msg.references, None
         if msg.reference_images and start is None:  # images -> LATENTs (and what the text encoder reads)
             with torch.inference_mode():
