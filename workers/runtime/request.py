@@ -16,9 +16,9 @@ from typing import Any, Optional
 from .. import families
 from ..sampling.cache_settings import CacheSettings
 from .conditioning import Conditioning
-from .request_checks import (_reference_image_problems, _reference_problems,
-                             _single_file_problems, cache_problems, conditioning_problems,
-                             frames_problems, image_tensors, lora_entries, _lora_problems,
+from .request_checks import (reference_image_problems, reference_problems,
+                             single_file_problems, cache_problems, conditioning_problems,
+                             frames_problems, image_tensors, lora_entries, lora_problems,
                              resolved_cache, start_image_problems)
 
 
@@ -173,7 +173,7 @@ class GenerationRequest:
         one per pixel of a 128-channel FLUX.2 LATENT at 1/16; a reference image: 16 x 16
         pixels a token at the size the family's pipeline resizes it to, known with `model`
         (a ModelInfo or a family id))."""
-        from .request_checks import _image_size
+        from .request_checks import image_size
 
         def tokens(r):  # an odd side (a family that pads it) is one token more
             per = 1 if int(r.shape[1]) == 128 else 2
@@ -184,7 +184,7 @@ class GenerationRequest:
         refs = None if arch is None else families.family(arch).capability(families.References)
         resize = None if refs is None else refs.image_size
         for im in (self.reference_images or []) if resize is not None else []:
-            size = _image_size(im)
+            size = image_size(im)
             if size is not None:
                 w, h = resize(*size)
                 n += (h // 16) * (w // 16)
@@ -220,12 +220,12 @@ class GenerationRequest:
                                        or isinstance(self.shift, bool) or self.shift <= 0):
             out.append(f"shift must be a number > 0 (got {self.shift!r}); unset: the model's")
         out.extend(frames_problems(self.frames, model))
-        out.extend(_lora_problems(self.loras, getattr(model, "experts", None)))
+        out.extend(lora_problems(self.loras, getattr(model, "experts", None)))
         if self.output not in ("latent", "image"):
             out.append(f"output must be 'latent' or 'image' (got {self.output!r})")
-        out.extend(_single_file_problems(self, model))
-        out.extend(_reference_problems(self, model))
-        out.extend(_reference_image_problems(self, model))
+        out.extend(single_file_problems(self, model))
+        out.extend(reference_problems(self, model))
+        out.extend(reference_image_problems(self, model))
         out.extend(start_image_problems(self, model))
         out.extend(cache_problems(self.cache))
         return out

@@ -96,7 +96,7 @@ def cache_problems(cache) -> list[str]:
         return [str(e)]
 
 
-def _reference_problems(req, model) -> list[str]:
+def reference_problems(req, model) -> list[str]:
     """Reference latents: a list of ComfyUI LATENT samples [1 or batch, C, h, w] in the
     model's layout (FLUX.1: even sizes, 2x2 latent pixels make one token)."""
     refs, method = req.reference_latents, req.reference_method
@@ -151,7 +151,7 @@ def _reference_problems(req, model) -> list[str]:
     return out
 
 
-def _image_size(im):
+def image_size(im):
     """(width, height) of a PIL image or an [(1,) H, W, 3] tensor; None for anything else."""
     if hasattr(im, "size") and not callable(im.size):
         return tuple(im.size)
@@ -178,7 +178,7 @@ def image_tensors(images) -> list:
     return out
 
 
-def _reference_image_problems(req, model) -> list[str]:
+def reference_image_problems(req, model) -> list[str]:
     images = req.reference_images
     if images is None:
         return []
@@ -278,7 +278,7 @@ def start_image_problems(req, model) -> list[str]:
     return out
 
 
-def _single_file_problems(req, model) -> list[str]:
+def single_file_problems(req, model) -> list[str]:
     """A single-file model has no text encoders and no VAE (model: a ModelInfo)."""
     out = []
     if model is None:
@@ -315,13 +315,13 @@ def _lora_entry(item):
 
 def lora_entries(loras) -> list:
     """The entries as the workers take them: (path, strength), or (path, strength, expert)
-    for one naming its expert (call after `_lora_problems` found none)."""
+    for one naming its expert (call after `lora_problems` found none)."""
     if not isinstance(loras, (list, tuple)):
         return loras
     out = []
     for item in loras:
         entry = _lora_entry(item)
-        if isinstance(entry, str):  # left as it is, for `_lora_problems` to name
+        if isinstance(entry, str):  # left as it is, for `lora_problems` to name
             out.append(item)
             continue
         path, strength, expert = entry
@@ -329,7 +329,7 @@ def lora_entries(loras) -> list:
     return out
 
 
-def _lora_problems(loras, experts=None) -> list[str]:
+def lora_problems(loras, experts=None) -> list[str]:
     """`loras` is a list of (file, strength) or (file, strength, expert): the files must
     exist (the workers read them again, by the same path, and check their keys against the
     model); an expert ("high" | "low", Wan 2.2 A14B's transformers; none: both) only on a
