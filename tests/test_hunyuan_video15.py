@@ -593,40 +593,6 @@ def test_comfyui_own_model_from_the_file_equals_the_pool(comfy_file, layout_pool
 
 
 # ---- the step cache and PipeFusion ------------------------------------------------------------
-# ---- LoRA --------------------------------------------------------------------------------------
-def test_lora_equals_the_pipeline_with_it(folders, pipes, layout_pools, oracle, tmp_path):
-    """A diffusers / PEFT LoRA (the dual-stream blocks' and the text refiner's attention
-    projections) through the pool (loaded by HunyuanVideo's LoRA loader: diffusers gives 1.5's
-    pipelines none) equals HunyuanVideo15Pipeline whose transformer holds the same adapter,
-    at 1 rank and Ulysses 2; the base model comes back without it."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model_state_dict
-    from safetensors.torch import save_file
-    pipe = pipes["t2v"]
-    tr = copy.deepcopy(pipe.transformer)
-    torch.manual_seed(0)
-    tr.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
-                              target_modules=["to_q", "to_k", "add_q_proj", "to_out.0"]))
-    path = tmp_path / "hv15_lora.safetensors"
-    save_file({"transformer." + k: v.contiguous()
-               for k, v in get_peft_model_state_dict(tr).items()}, str(path))
-    req = request([A, B], 3.0, loras=[(str(path), 1.0)])
-    base = pipe.transformer
-    pipe.transformer = tr
-    try:
-        want = oracle(req, tag="lora")
-    finally:
-        pipe.transformer = base
-    plain = oracle(request([A, B], 3.0))
-    assert float((want - plain).abs().max()) > 1e-3  # the LoRA moves the result
-    for config in (ParallelConfig(), ParallelConfig(ulysses=2)):
-        pool = layout_pools.get(folders["t2v"], config)
-        check(pool.generate(req).samples, want, f"LoRA {config.describe()}")
-        check(pool.generate(request([A, B], 3.0)).samples, plain,
-              f"without the LoRA again {config.describe()}")
-
-
 # ---- bad input ---------------------------------------------------------------------------------
 def test_bad_input_is_refused_in_one_line(folders, layout_pools):
     """Frames not 4k + 1, a size off the 16-pixel token grid, a prompt the pipeline would cut

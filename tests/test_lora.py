@@ -106,9 +106,9 @@ def maxdiff(a, b):
     return (a - b).abs().max().item()
 
 
+# one diffusers LoRA against its merged weights is the conformance suite's, for every family;
+# here several at once, a negative strength and kohya's names
 @pytest.mark.parametrize("arch,names,strengths", [
-    ("flux", ["flux1"], [0.8]),
-    ("sd3", ["sd31"], [0.8]),
     ("flux", ["flux1", "flux2", "kohya"], [0.6, -0.5, 1.3]),
 ])
 def test_lora_equals_manual_merge(pools, model_dir, loras, tmp_path, arch, names, strengths):

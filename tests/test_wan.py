@@ -266,8 +266,8 @@ def test_video_decode_equals_the_vae(wan_dirs, layout_pools, pipes):
 def test_methods_under_the_nccl_rules(wan_dirs, oracle):
     cache = LayoutPools()
     try:
+        # (Wan 2.1's methods under the rules are the conformance suite's; here the experts)
         for variant, config, batch, opts in (
-                ("t2v", ParallelConfig(ulysses=2, ring=2), 2, {}),
                 ("a14b", ParallelConfig(cfg_parallel=True, ulysses=2), 1, {}),
                 # both experts sharded over 4 ranks; each stage of a pipeline holding both
                 ("a14b", ParallelConfig(dp=2, ulysses=2), 2, {"shard_weights": True}),

@@ -258,56 +258,6 @@ def test_single_file_equals_its_folder(model_dir, layout_pools, pipe, tmp_path, 
         assert 0 < d < 0.05 * float(folder.abs().max()), d
 
 
-# ---- LoRA: diffusers/PEFT and ComfyUI (diffusion_model. lora_down/up/alpha) files ----------
-def test_lora_files_equal_load_lora_weights(model_dir, layout_pools, tmp_path):
-    """A PEFT LoRA over both refiners and the main blocks, and the same LoRA as ComfyUI users
-    download Z-Image LoRAs (`diffusion_model.<module>.lora_down / lora_up / alpha`, diffusers'
-    module names), both equal diffusers' `load_lora_weights` on the pipeline, under
-    Ulysses 2."""
-    from diffusers import ZImagePipeline, ZImageTransformer2DModel
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    folder = str(model_dir(ARCH))
-    t = ZImageTransformer2DModel.from_pretrained(folder, subfolder="transformer")
-    rank, alpha = 4, 8.0
-    cfg = LoraConfig(r=rank, lora_alpha=alpha,
-                     target_modules=["to_q", "to_k", "to_out.0", "feed_forward.w1"])
-    t.add_adapter(cfg, adapter_name="x")
-    g = torch.Generator().manual_seed(3)
-    for n, p in t.named_parameters():
-        if "lora_" in n:
-            p.data = torch.randn(p.shape, generator=g) * 0.1
-    peft_sd = get_peft_model_state_dict(t, adapter_name="x")
-    assert any(k.startswith("noise_refiner.") for k in peft_sd) and \
-        any(k.startswith("context_refiner.") for k in peft_sd)
-    ZImagePipeline.save_lora_weights(tmp_path, transformer_lora_layers=peft_sd,
-                                     transformer_lora_adapter_metadata=cfg.to_dict())
-    peft_file = tmp_path / "pytorch_lora_weights.safetensors"
-    comfy = {}
-    for k, v in peft_sd.items():  # "layers.0.attention.to_q.lora_A.weight"
-        module, part = k.split(".lora_")
-        comfy[f"diffusion_model.{module}.lora_{'down' if part[0] == 'A' else 'up'}.weight"] = v
-        comfy[f"diffusion_model.{module}.alpha"] = torch.tensor(alpha)
-    comfy_file = tmp_path / "comfy_lora.safetensors"
-    save_file({k: v.contiguous() for k, v in comfy.items()}, str(comfy_file))
-
-    pipe = ZImagePipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    req = request([A])
-    plain = run_pipeline(pipe, req)
-    pipe.load_lora_weights(str(peft_file), adapter_name="l")
-    pipe.set_adapters(["l"], [0.7])
-    want = run_pipeline(pipe, req)
-    assert float((want - plain).abs().max()) > 1e-2
-    pool = layout_pools.get(model_dir(ARCH), ParallelConfig(ulysses=2), tag="nccl",
-                            worker_hooks=NCCL)
-    for path in (peft_file, comfy_file):
-        got = pool.generate(request([A], loras=[(str(path), 0.7)])).samples
-        check(got, want, f"LoRA {path.name}")
-
-
 # ---- the memory plan: preset `z-image` and a folder, padded sequences ----------------------
 def test_memory_plan_reads_z_image(model_dir):
     """The preset's transformer is Z-Image-Turbo's ~6.15 B parameters (30 heads x 128, Qwen3

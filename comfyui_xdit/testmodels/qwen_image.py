@@ -72,6 +72,9 @@ TEST_REQUEST = dict(msl=64, padded=True)  # the template drop needs a longer tex
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_qwen_image.py::test_one_rank_equals_the_pipeline"
+# the LoRA file formats the conformance suite writes for it beside diffusers/PEFT's: ComfyUI's
+# `diffusion_model.<layer>.lora_down / lora_up / alpha` under diffusers' layer names
+LORA_FORMATS = ("peft", "comfy")
 
 def check(cfg: dict) -> None:
     hd = parts.head_dim(cfg)

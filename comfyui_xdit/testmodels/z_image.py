@@ -26,6 +26,9 @@ TEST_REQUEST = dict(msl=64)
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_z_image.py::test_one_rank_equals_the_pipeline"
+# the LoRA file formats the conformance suite writes for it beside diffusers/PEFT's: ComfyUI's
+# `diffusion_model.<layer>.lora_down / lora_up / alpha` under diffusers' layer names
+LORA_FORMATS = ("peft", "comfy")
 
 # Qwen3 text encoder (hidden width = the transformer's cap_feat_dim)
 QWEN3 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
