@@ -195,11 +195,15 @@ class GenerationRequest:
             out.append(f"seed must be an integer in [0, 2^64) (got {self.seed!r})")
         if not isinstance(self.steps, int) or self.steps < 1:
             out.append(f"steps must be an integer >= 1 (got {self.steps!r})")
+        # a token's side in pixels: 16, or the family's own (MiniMax-H3's 32)
+        arch = model if isinstance(model, str) else getattr(model, "arch", None)
+        side = 16 if arch is None else families.family(arch).latent.pixels_per_token
         for name in ("height", "width"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v % 16:
-                near = max(16, round(v / 16) * 16) if isinstance(v, (int, float)) else 1024
-                out.append(f"{name} {v!r} is not a positive multiple of 16 (try {near})")
+            if not isinstance(v, int) or v < side or v % side:
+                near = max(side, round(v / side) * side) if isinstance(v, (int, float)) \
+                    else 1024
+                out.append(f"{name} {v!r} is not a positive multiple of {side} (try {near})")
         if not isinstance(self.max_sequence_length, int) or not 1 <= self.max_sequence_length <= 512:
             out.append(f"max_sequence_length must be in 1..512 (got {self.max_sequence_length!r})")
         if self.cfg is not None and self.cfg < 1.0:
@@ -229,11 +233,11 @@ def frames_problems(frames, model) -> list[str]:
     if not isinstance(frames, int) or frames < 1:
         return [f"frames must be an integer >= 1 (got {frames!r})"]
     if spec is not None and spec.video:
-        k = spec.time_downscale
-        if (frames - 1) % k:
-            lo = (frames - 1) // k * k + 1
-            return [f"frames {frames} is not of the form {k}k + 1 ({families.family(arch).name} "
-                    f"video: try {lo} or {lo + k})"]
+        problem = spec.frames_problem(frames)
+        if problem is not None:
+            what, (lo, hi) = problem
+            return [f"frames {frames} {what} ({families.family(arch).name} "
+                    f"video: try {lo} or {hi})"]
     elif spec is not None and frames != 1:
         return [f"frames {frames}: {families.family(arch).name} makes images (frames 1); "
                 f"video needs a video model (Wan)"]
@@ -421,7 +425,7 @@ def start_image_problems(req: "GenerationRequest", model) -> list[str]:
     out = []
     lat, mask, emb = req.concat_latent, req.concat_mask, req.image_embeds
     spec = fam.latent
-    t = (req.frames - 1) // spec.time_downscale + 1 if isinstance(req.frames, int) else None
+    t = spec.latent_frames(req.frames) if isinstance(req.frames, int) else None
     h, w = (v // spec.downscale if isinstance(v, int) else None
             for v in (req.height, req.width))
     want = f"[1 or {req.batch}, {spec.channels}, {t}, {h}, {w}]"

@@ -270,7 +270,8 @@ class Worker:
             if refs["tokens"].shape[0] not in (1, b):
                 raise ValueError(f"reference latents have batch {refs['tokens'].shape[0]}; "
                                  f"give 1 (shared) or the batch {b}")
-        return dataclasses.replace(msg, request=req, denoise=float(msg.denoise),
+        noise = self.adapter.job_noise(noise, req)
+        return dataclasses.replace(msg, request=req, denoise=float(msg.denoise), noise=noise,
                                    options=dict(msg.options or {}), references=None,
                                    reference_images=None, cond=cond, uncond=uncond,
                                    reference_inputs=refs)
@@ -325,6 +326,9 @@ class Worker:
             from ..parallel.sharding import job_counts
             stats["sharding"] = job_counts(self)
         images = None
+        # the loop's latents as the job's fields (a family with sound: its audio too)
+        latents = {} if samples is None else self.adapter.outputs(samples, job.request)
+        samples = latents.get("samples")
         if job.request.get("output") == "image":  # the same decision on every rank
             raw = None if samples is None else self.adapter.to_raw(
                 self.model, samples, job.request["height"], job.request["width"])
@@ -347,7 +351,8 @@ class Worker:
                 if "first_job_s" in st:
                     r["first_job_s"] = st["first_job_s"]
         from .outputs import Decoded, Latents
-        return (Latents(samples=samples), None if images is None else Decoded(images=images),
+        return (Latents(samples=samples, audio=latents.get("audio")),
+                None if images is None else Decoded(images=images),
                 stats)
 
     def prepare_call(self, msg):

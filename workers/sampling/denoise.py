@@ -77,6 +77,19 @@ def _released_with(scheduler_class: str) -> str:
                          "_class_name", "FlowMatchEulerDiscreteScheduler") == scheduler_class)
 
 
+def _own_schedulers() -> str:
+    """The released schedulers a family's adapter turns into the loop's step itself (its
+    `make_scheduler`: MiniMax-H3's two schedules as one Euler step), for the message."""
+    from .. import families
+    known = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
+    own = {}
+    for f in families.FAMILIES.values():
+        name = f.detection.released({})[0].get("_class_name", known[0])
+        if name not in known:
+            own.setdefault(name, []).append(f.name)
+    return "".join(f", and {n} ({', '.join(fs)}) through its adapter" for n, fs in own.items())
+
+
 def check_scheduler(scheduler) -> None:
     """The loop's step is flow-matching Euler or UniPC with flow prediction on the
     scheduler's sigmas (workers/sampling/flow_step.py): refuse a scheduler configuration it would not
@@ -97,7 +110,8 @@ def check_scheduler(scheduler) -> None:
         raise ValueError(f"scheduler {name} is not supported; the pool runs "
                          f"FlowMatchEulerDiscreteScheduler "
                          f"({_released_with('FlowMatchEulerDiscreteScheduler')}) and flow "
-                         f"UniPCMultistepScheduler ({_released_with('UniPCMultistepScheduler')})")
+                         f"UniPCMultistepScheduler ({_released_with('UniPCMultistepScheduler')})"
+                         + _own_schedulers())
     for key in ("stochastic_sampling", "use_karras_sigmas", "use_exponential_sigmas",
                 "use_beta_sigmas"):
         if c.get(key):

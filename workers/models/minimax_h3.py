@@ -1,0 +1,317 @@
+"""MiniMax-H3 (MiniMaxH3Transformer3DModel): video and its stereo sound from one packed
+sequence [text | audio | video] (workers/models/minimax_h3_layout.py has the layout and the
+two schedules).
+
+The loop's latent is the packed media rows of each prompt, [B, audio rows + video rows, 96]:
+the audio rows (left channel then right, 32 channels, zero beyond) then the video's 2 x 2
+patches (96 channels), in sequence order, normalised (the pipeline's model space). The
+noise: the host's video noise (the LATENT's shape), patchified, and the sound's, drawn on
+rank 0 from the request's seed (`job_noise`). `outputs` splits the result into the video
+latent and the sound's [B, 32, 2, N] (ComfyUI's MiniMaxH3AV layout of its audio part).
+
+diffusers' forward scatters the three streams into the packed sequence with sequence-wide
+indices, which a shard does not have, so it is replaced at load by `packed_forward`, which
+runs the transformer's own modules on per-stream inputs: each stream's rows, RoPE positions
+and timestep indices are forward inputs the sequence-parallel hooks split alike (the float64
+positions and the AdaLN rows travel with their rows), the text after its refiner (which runs
+on the whole prompt on every rank, as alone). The blocks run on [text | audio | video] of
+this rank, the joint attention over every rank's keys; both output heads' rows are gathered.
+"""
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass
+
+import torch
+
+from .. import families
+from ..families import minimax_h3 as fam
+from ..parallel.processors import need_plan
+from ..parallel.sequence_parallel import SequenceLayout
+from . import minimax_h3_layout as lay
+from .base import DiTAdapter, text_encoder_device_of
+
+STREAMS = ("text", "audio", "video")
+TAGS = {"text": fam.TEXT_TAG, "audio": fam.AUDIO_TAG, "video": fam.VIDEO_TAG}
+PATCH = (1, 2, 2)
+ROW_WIDTH = fam.CHANNELS * 4  # a video row's channels; the audio rows' 32 are its first
+
+
+@dataclass(frozen=True)
+class Attend:
+    """The forward's sequence plan, handed to the blocks as their attention mask (they pass
+    it to the processor untouched); the refiner's attention gets None (runs whole)."""
+    plan: object
+
+
+class MiniMaxH3ShardedAttnProcessor:
+    """The stock attention on the local rows: q/k/v, per-head RMS norms, partial RoPE, then
+    attention over every rank's [text | audio | video] keys, the output projection."""
+
+    def __init__(self, attention):
+        from diffusers.models.transformers.transformer_minimax_h3 import \
+            MiniMaxH3AttnProcessor
+        self.attention = attention
+        self.whole = MiniMaxH3AttnProcessor()
+
+    def __call__(self, attn, hidden_states, rotary_emb=None, attention_mask=None):
+        from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
+
+        if not isinstance(attention_mask, Attend):  # the text refiner's: the prompt alone
+            return self.whole(attn, hidden_states, rotary_emb, attention_mask)
+        plan = need_plan(attention_mask.plan)
+        q, k, v = (f(hidden_states).unflatten(-1, (attn.heads, -1))
+                   for f in (attn.to_q, attn.to_k, attn.to_v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if rotary_emb is not None:
+            q, k = _apply_rotary_emb(q, *rotary_emb), _apply_rotary_emb(k, *rotary_emb)
+        out = self.attention(q, k, v, plan, STREAMS, attn)
+        out = out.flatten(2, 3).to(q.dtype)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def packed_forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep,
+                   video_positions, audio_positions, text_positions, video_steps,
+                   audio_steps, text_steps, attention_kwargs=None, return_dict=False):
+    """The MiniMax-H3 transformer on per-stream inputs (module doc), bound as its forward:
+    each stream's rows ([B, N, C]), float64 RoPE positions [N, 3] and timestep indices [N]
+    (into `timestep`, the call's distinct timesteps). Returns (video [B, Nv, 96], audio
+    [B, Na, 32]) velocities, data-ward, in the heads' dtype."""
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    plan = (attention_kwargs or {}).get("sp_plan")
+    video = self.proj_in(hidden_states.to(get_parameter_dtype(self.proj_in)))
+    audio = self.audio_proj_in(audio_hidden_states.to(get_parameter_dtype(self.audio_proj_in)))
+    text = self.context_embedder(encoder_hidden_states.to(
+        get_parameter_dtype(self.context_embedder)))
+    text = self.token_refiner(text)  # whole prompt; split by the layout's hook after
+    lengths = (text.shape[1], audio.shape[1], video.shape[1])
+    x = torch.cat([text, audio.to(text.dtype), video.to(text.dtype)], 1)
+    positions = torch.cat([text_positions, audio_positions, video_positions])
+    steps = torch.cat([text_steps, audio_steps, video_steps])
+    tags = torch.cat([torch.full((n,), TAGS[s], dtype=steps.dtype, device=steps.device)
+                      for s, n in zip(STREAMS, lengths)])
+    rotary = self.rope(positions)
+    temb = self.time_embedder(self.time_proj(timestep).to(get_parameter_dtype(self.time_embedder)))
+    adaln = steps * 3 + tags
+    attend = Attend(plan)
+    for block in self.transformer_blocks:
+        x = block(x, temb, adaln, rotary, attend)
+    x = self.norm_out(x, temb, steps).to(get_parameter_dtype(self.proj_out))
+    a0, v0 = lengths[0], lengths[0] + lengths[1]
+    video_out = self.proj_out(x[:, v0:])  # the layout's hooks gather each head's rows
+    audio_out = self.audio_proj_out(x[:, a0:v0])
+    return video_out, audio_out
+
+
+def _token_counts(transformer, kw):
+    return {"text": int(kw["encoder_hidden_states"].shape[1]),
+            "audio": int(kw["audio_hidden_states"].shape[1]),
+            "video": int(kw["hidden_states"].shape[1])}
+
+
+class _Encoder:
+    """Rank 0's prompt encoder: the folder's Qwen3-VL and its tokenizer."""
+
+    def __init__(self, text_encoder, tokenizer, device):
+        self.text_encoder, self.tokenizer, self.device = text_encoder, tokenizer, device
+
+    def to(self, device):
+        self.text_encoder.to(device)
+        self.device = torch.device(device)
+        return self
+
+
+def media_counts(rows: int, height: int, width: int) -> tuple:
+    """(video frames, audio rows, video rows) of a packed latent of `rows` rows at this
+    size: the one 17n + 5 whose audio and video rows add up to it."""
+    per = (height // 32) * (width // 32)
+    n = 0
+    while True:
+        frames = 17 * n + 5
+        a, v = 2 * fam.audio_latents(frames), fam.LATENT.latent_frames(frames) * per
+        if a + v == rows:
+            return frames, a, v
+        if a + v > rows:
+            raise ValueError(f"{rows} latent rows are no MiniMax-H3 video of {height} x "
+                             f"{width} with its sound")
+        n += 1
+
+
+class MiniMaxH3Adapter(DiTAdapter):
+    family = families.FAMILIES["minimax_h3"]
+    lora_pipeline = "MiniMaxH3ModularPipeline"
+    layout = SequenceLayout(
+        split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
+                      "video_positions": ("video", 0), "audio_positions": ("audio", 0),
+                      "text_positions": ("text", 0), "video_steps": ("video", 0),
+                      "audio_steps": ("audio", 0), "text_steps": ("text", 0)},
+        split_outputs={"token_refiner": ("text", 1)},
+        gather_output=("proj_out", 1),
+        gather_streams={"audio_proj_out": ("audio", 1)},
+        token_counts=_token_counts,
+        streams=families.FAMILIES["minimax_h3"].tokens,
+        attention_processor=MiniMaxH3ShardedAttnProcessor,
+        replaces=("MiniMaxH3AttnProcessor",),
+        kwargs_name="attention_kwargs",
+    )
+
+    @staticmethod
+    def computed_buffers(transformer) -> None:
+        """RoPE's inverse frequencies (a non-persistent buffer)."""
+        rope = transformer.rope
+        d = rope.rope_freq_dim
+        theta = float(transformer.config.get("rope_theta", 10000.0))
+        rope.inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * d, 2, dtype=torch.float32)
+                                         / (2 * d)))
+
+    def assemble(self, path, transformer, report, device, dtype, with_text_encoders,
+                 text_encoders="auto", stage_info=None):
+        """The transformer with `packed_forward`; rank 0's encoder: the folder's Qwen3-VL
+        and tokenizer (the modular pipeline has no loader of its own to call)."""
+        transformer.forward = types.MethodType(packed_forward, transformer)
+        if transformer.rope.inv_freq.device.type == "meta":
+            self.computed_buffers(transformer)
+        transformer.rope.inv_freq = transformer.rope.inv_freq.to(device)
+        model = super().assemble(path, transformer, report, device, dtype, False,
+                                 text_encoders, stage_info)
+        if with_text_encoders and os.path.isdir(path):
+            from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+            te_device = self._text_encoder_device(path, device, dtype, text_encoders)
+            enc = Qwen3VLForConditionalGeneration.from_pretrained(
+                os.path.join(path, "text_encoder"), dtype=dtype).eval().requires_grad_(False)
+            tok = AutoTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
+            model.encoder = _Encoder(enc, tok, te_device).to(te_device)
+            model.load_report = dict(model.load_report, text_encoders=te_device)
+        return model
+
+    def make_scheduler(self, model, shift=None):
+        """The loop's FlowMatch Euler: its sigmas are set to MiniMax-H3's video schedule by
+        `timesteps` (one Euler step on them is both schedules' step, module doc of
+        minimax_h3_layout); `shift`: the video's in place of 12."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        s = FlowMatchEulerDiscreteScheduler(shift=1.0)
+        s.video_shift = float(shift) if shift is not None else float(
+            model.scheduler_config.get("shift", fam.VIDEO_SHIFT))
+        return s
+
+    def timesteps(self, scheduler, steps, latents, device):
+        """[steps, 3]: each step's (video t, audio t, audio sigma step / video sigma step);
+        the scheduler's sigmas become the video's."""
+        sched = lay.Schedules.make(steps, scheduler.video_shift, fam.AUDIO_SHIFT)
+        scheduler.sigmas = sched.video.to(device)
+        return torch.cat([sched.timesteps(), sched.audio_ratio()[:, None]], 1).to(device)
+
+    # ---- noise and results ------------------------------------------------------------
+    def job_noise(self, noise, req: dict):
+        """The host's video noise [B, 24, T, h, w] -> the packed rows with the sound's noise
+        before them, drawn from the request's seed ([B, 2, 32, N]: row b the b-th draw)."""
+        frames = int(req["frames"])
+        n = fam.audio_latents(frames)
+        g = torch.Generator().manual_seed(int(req["seed"]))
+        audio = torch.randn(noise.shape[0], fam.STEREO, fam.AUDIO_CHANNELS, n, generator=g)
+        return self.pack_media(lay.patchify(noise.float(), PATCH), lay.audio_rows(audio))
+
+    @staticmethod
+    def pack_media(video_rows, audio_rows):
+        a = torch.nn.functional.pad(audio_rows, (0, ROW_WIDTH - audio_rows.shape[-1]))
+        return torch.cat([a.to(video_rows.dtype), video_rows], 1)
+
+    def outputs(self, samples, req: dict) -> dict:
+        """The loop's packed rows -> {"samples": the video latent [B, 24, T, h, w], "audio":
+        the sound's [B, 32, 2, N]}, model space."""
+        h, w = int(req["height"]), int(req["width"])
+        frames, na, _ = media_counts(samples.shape[1], h, w)
+        video = lay.unpatchify(samples[:, na:], fam.LATENT.latent_frames(frames), h // 16,
+                               w // 16, fam.CHANNELS, PATCH)
+        audio = lay.audio_latent(samples[:, :na, :fam.AUDIO_CHANNELS], na // 2)
+        return {"samples": video, "audio": audio.permute(0, 2, 1, 3)}
+
+    def token_grid(self, height, width, frames=1):
+        return self.family.latent.latent_frames(frames) * (height // 32), width // 32
+
+    def context_tokens(self, cond):
+        return {"text": int(cond["encoder_hidden_states"].shape[1])}
+
+    # ---- text -------------------------------------------------------------------------
+    def encode(self, model, texts, max_sequence_length):
+        """Each prompt's Qwen3-VL states (hidden state 50, the prompt verbatim), rows padded
+        to the longest with their lengths (`text_mask`)."""
+        enc = model.encoder
+        dev = text_encoder_device_of(model)
+        states = [lay.encode_prompt(enc.text_encoder, enc.tokenizer, t, dev, model.dtype)[0]
+                  for t in texts]
+        longest = max(s.shape[0] for s in states)
+        keep = torch.zeros(len(states), longest, dtype=torch.bool)
+        rows = []
+        for i, s in enumerate(states):
+            keep[i, :s.shape[0]] = True
+            rows.append(torch.cat([s, s.new_zeros(longest - s.shape[0], s.shape[1])]))
+        return {"encoder_hidden_states": torch.stack(rows), **self.row_text_mask(keep)}
+
+    def conditioning(self, cond, pooled):
+        """ComfyUI's CONDITIONING: the Qwen3-VL states; no pooled output."""
+        return {"encoder_hidden_states": cond}
+
+    # ---- the call -----------------------------------------------------------------------
+    def forward_extra(self, model, height, width):
+        return {"size": (int(height), int(width))}
+
+    def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
+        """Each prompt's rows alone (a prompt's length moves every position), or rows of
+        one length together; the prediction in the loop's convention (-v; the audio rows'
+        scaled to the video's sigma step)."""
+        h, w = (extra or {})["size"]
+        b = latents.shape[0]
+        frames, na, nv = media_counts(latents.shape[1], h, w)
+        text = cond["encoder_hidden_states"]
+        text = text if text.shape[0] == b else text.expand(b, -1, -1)
+        lengths = cond.get("text_lengths") or (text.shape[1],) * b
+        dev, dtype = latents.device, model.dtype
+        ts, idx = torch.unique(t[:2].float(), sorted=True, return_inverse=True)
+        out = torch.empty(b, latents.shape[1], latents.shape[2], device=dev,
+                          dtype=torch.float32)
+        for n in sorted(set(lengths)):
+            rows = [j for j, m in enumerate(lengths) if m == n]
+            sel = torch.tensor(rows, device=dev)
+            x = latents.index_select(0, sel)
+            packed = lay.packed(int(n), fam.LATENT.latent_frames(frames), h // 16, w // 16,
+                                na // 2, PATCH)
+            pos = {s: packed.positions[a:a + c].to(dev)
+                   for s, (a, c) in packed.streams().items()}
+            v, a = model.transformer(
+                hidden_states=x[:, na:].to(dtype),
+                audio_hidden_states=x[:, :na, :fam.AUDIO_CHANNELS].to(dtype),
+                encoder_hidden_states=text.index_select(0, sel)[:, :n].to(dtype),
+                timestep=ts.to(dev),
+                video_positions=pos["video"], audio_positions=pos["audio"],
+                text_positions=pos["text"],
+                video_steps=idx[0].expand(nv).to(dev), audio_steps=idx[1].expand(na).to(dev),
+                text_steps=idx[0].expand(int(n)).to(dev),
+                attention_kwargs=dict(jak or {}), return_dict=False)
+            pred = self.pack_media(-v.float(), -a.float() * t[2].float())
+            out.index_copy_(0, sel, pred)
+        return out.to(latents.dtype)
+
+    # ---- decode -------------------------------------------------------------------------
+    def to_raw(self, model, latents, height, width):
+        """Model space (normalised) -> the VAE's latent: x std + mean per channel."""
+        mean, std = (torch.tensor(model.vae_config[k], dtype=torch.float32).view(1, -1, 1, 1, 1)
+                     for k in ("latents_mean", "latents_std"))
+        return latents.float() * std + mean
+
+    def decode(self, model, raw, group=None, control=None):
+        """The video VAE's frames (ImageNet-normalised pixels, as the pipeline undoes them)
+        -> IMAGE [B x F, H, W, 3] in 0..1; decoded whole on the first rank of a group."""
+        from .base import load_vae
+        if group is not None and torch.distributed.get_rank(group) != 0:
+            return None
+        if model.vae is None:
+            model.vae = load_vae(model)
+        vid = model.vae.decode(raw.to(model.device, model.vae.dtype), return_dict=False)[0]
+        mean = torch.tensor((0.485, 0.456, 0.406)).view(1, -1, 1, 1, 1).to(vid.device)
+        std = torch.tensor((0.229, 0.224, 0.225)).view(1, -1, 1, 1, 1).to(vid.device)
+        vid = (vid.float() * std + mean).clamp(0, 1)
+        return vid.permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
+
