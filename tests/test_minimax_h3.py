@@ -36,9 +36,9 @@ def _noise(lt, lh, lw, n_audio, seed=5):
 @torch.inference_mode()
 def _loop(pipe, prompt, video, audio, steps):
     """The pack's arithmetic: the packed call and the loop's one Euler step."""
-    mm = worker_module("models.minimax_h3")
+    mm = worker_module("models.minimax_h3_layout")
     fam = worker_module("families.minimax_h3")
-    from workers.sampling.flow_step import euler_step  # noqa: F401  (the loop's own step)
+    euler_step = worker_module("sampling.flow_step").euler_step  # the loop's own step
     text = mm.encode_prompt(pipe.text_encoder, pipe.tokenizer, prompt, "cpu", torch.float32)
     _, _, lt, lh, lw = video.shape
     layout = mm.packed(text.shape[1], lt, lh, lw, audio.shape[-1])

@@ -20,14 +20,23 @@ from comfyui_xdit.testmodels.text import _WORDS, _byte_level_bpe, _seeded
 
 _family = bridge.family_module("minimax_h3")
 
-# the family-wide tests' small request (tests/family_requests.py): 96 x 64 pixels are 3 x 2
-# tokens a latent frame; 5 frames (17 x 0 + 5) are 2 latent frames and 8 audio latents a
-# channel: 12 video and 16 audio tokens, with the prompt's own few text tokens, none of
-# which 4 divides evenly together with the others
-TEST_REQUEST = dict(size=(96, 64), frames=5)
+# the family-wide tests' small request (tests/family_requests.py): 96 x 96 pixels are 3 x 3
+# tokens a latent frame; 22 frames (17 + 5) are 7 latent frames, 63 video tokens, and 37
+# audio latents a channel, 74 audio tokens; with the prompts' few text tokens no stream
+# splits evenly over both 2 and 4 ranks
+TEST_REQUEST = dict(size=(96, 96), frames=22)
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_minimax_h3.py::test_one_rank_equals_the_pipeline"
+
+# not done yet (said so, not claimed impossible): ComfyUI 0.33.0's MiniMaxH3 model is called
+# with a nested video + audio latent, which the xDiT MODEL's call does not carry; PipeFusion
+# needs the packed [audio | video] rows cut into patches with their positions
+CONFORMANCE_EXEMPT = {
+    "model_call": "not done: ComfyUI's MiniMaxH3 takes a nested video + audio latent, which "
+                  "the xDiT MODEL's call does not carry yet",
+    "pipefusion": "not done: the packed [audio | video] rows are not cut into patches yet",
+}
 
 HEAD_DIM = 16
 ROPE_FREQ_DIM = 2  # 2 x 3 x 2 = 12 of the 16 channels rotate

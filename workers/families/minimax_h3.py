@@ -46,12 +46,14 @@ def audio_latents(frames: int) -> int:
     return int(round(int(frames) / FPS * AUDIO_LATENTS_PER_SECOND))
 
 
-# The packed sequence, in its order: the prompt, the sound, the video; one joint attention
-# over all three (sharded alike), and the text's own refiner attention before it
+# The streams as the blocks hold them: the video, the sound, the prompt, all sharded alike,
+# one joint attention over all three. The model's own packed order is [text | audio |
+# video]; each row carries its own RoPE position and there is no mask, so the rows' order is
+# immaterial to full attention, and the latent first is where the step cache measures it
 TOKENS = TokenLayout(
-    streams=(Stream("text", "text"), Stream("audio", "context"),
-             Stream("video", "latent", positions="order")),
-    attentions=(Attention(("text", "audio", "video")), Attention(("text",))))
+    streams=(Stream("video", "latent", positions="order"), Stream("audio", "context"),
+             Stream("text", "text")),
+    attentions=(Attention(("video", "audio", "text")),))
 
 SCHEDULER = {"_class_name": "MiniMaxH3Scheduler", "shift": VIDEO_SHIFT}
 
@@ -98,12 +100,12 @@ QWEN3_VL_32B = {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_lay
 # = 252 tokens, 26,964 video tokens; 600 x 2 audio tokens
 PRESETS = {
     # MiniMax-H3 (MiniMaxAI/MiniMax-H3): 50 blocks, 56 heads x 128 over a 5376-wide stream,
-    # FFN 14336 (diffusers' MiniMaxH3Transformer3DModel defaults, the release's): about 31B
-    # parameters, 62 GiB in bf16
+    # FFN 14336 (diffusers' MiniMaxH3Transformer3DModel defaults, the release's): 33.1B
+    # parameters, 61.7 GiB in bf16
     "minimax-h3": dict(
         transformer={}, text_encoders=(("Qwen3VLTextModel", QWEN3_VL_32B),),
         vae=("AutoencoderKLMiniMaxH3", {}), text_tokens=512,
-        note="MiniMax-H3 (31B) + Qwen3-VL 32B"),
+        note="MiniMax-H3 (33B) + Qwen3-VL 32B"),
 }
 
 

@@ -14,8 +14,10 @@ indices, which a shard does not have, so it is replaced at load by `packed_forwa
 runs the transformer's own modules on per-stream inputs: each stream's rows, RoPE positions
 and timestep indices are forward inputs the sequence-parallel hooks split alike (the float64
 positions and the AdaLN rows travel with their rows), the text after its refiner (which runs
-on the whole prompt on every rank, as alone). The blocks run on [text | audio | video] of
-this rank, the joint attention over every rank's keys; both output heads' rows are gathered.
+on the whole prompt on every rank, as alone). The blocks run on this rank's [video | audio |
+text] (every row carries its position and nothing is masked, so full attention does not
+depend on the rows' order; the latent first is where the step cache reads it), the joint
+attention over every rank's keys; both output heads' rows are gathered.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from ..parallel.sequence_parallel import SequenceLayout
 from . import minimax_h3_layout as lay
 from .base import DiTAdapter, text_encoder_device_of
 
-STREAMS = ("text", "audio", "video")
+STREAMS = ("video", "audio", "text")  # the blocks' local order (the family's TOKENS)
 TAGS = {"text": fam.TEXT_TAG, "audio": fam.AUDIO_TAG, "video": fam.VIDEO_TAG}
 PATCH = (1, 2, 2)
 ROW_WIDTH = fam.CHANNELS * 4  # a video row's channels; the audio rows' 32 are its first
@@ -86,10 +88,12 @@ def packed_forward(self, hidden_states, audio_hidden_states, encoder_hidden_stat
     text = self.context_embedder(encoder_hidden_states.to(
         get_parameter_dtype(self.context_embedder)))
     text = self.token_refiner(text)  # whole prompt; split by the layout's hook after
-    lengths = (text.shape[1], audio.shape[1], video.shape[1])
-    x = torch.cat([text, audio.to(text.dtype), video.to(text.dtype)], 1)
-    positions = torch.cat([text_positions, audio_positions, video_positions])
-    steps = torch.cat([text_steps, audio_steps, video_steps])
+    # the rows in the blocks' order, [video | audio | text] (STREAMS), each with its own
+    # position: full attention without a mask does not depend on the order
+    lengths = (video.shape[1], audio.shape[1], text.shape[1])
+    x = torch.cat([video.to(text.dtype), audio.to(text.dtype), text], 1)
+    positions = torch.cat([video_positions, audio_positions, text_positions])
+    steps = torch.cat([video_steps, audio_steps, text_steps])
     tags = torch.cat([torch.full((n,), TAGS[s], dtype=steps.dtype, device=steps.device)
                       for s, n in zip(STREAMS, lengths)])
     rotary = self.rope(positions)
@@ -99,9 +103,9 @@ def packed_forward(self, hidden_states, audio_hidden_states, encoder_hidden_stat
     for block in self.transformer_blocks:
         x = block(x, temb, adaln, rotary, attend)
     x = self.norm_out(x, temb, steps).to(get_parameter_dtype(self.proj_out))
-    a0, v0 = lengths[0], lengths[0] + lengths[1]
-    video_out = self.proj_out(x[:, v0:])  # the layout's hooks gather each head's rows
-    audio_out = self.audio_proj_out(x[:, a0:v0])
+    a0, t0 = lengths[0], lengths[0] + lengths[1]
+    video_out = self.proj_out(x[:, :a0])  # the layout's hooks gather each head's rows
+    audio_out = self.audio_proj_out(x[:, a0:t0])
     return video_out, audio_out
 
 
