@@ -84,7 +84,7 @@ def test_one_rank_equals_the_pipeline(pipe, model_dir):
     prompts, seed, steps = ["a cat", "a big blue dog sitting on a green field"], 11, 3
     lt, n = fam.LATENT.latent_frames(FRAMES), fam.audio_latents(FRAMES)
     req = GenerationRequest(prompt=prompts, seed=seed, steps=steps, height=HEIGHT, width=WIDTH,
-                            frames=FRAMES, cfg=1.0)
+                            frames=FRAMES, cfg=1.0, output="image")
     with WorkerPool(str(model_dir("minimax_h3")), ParallelConfig(), device="cpu",
                     threads_per_rank=1) as pool:
         got = pool.generate(req)
@@ -96,10 +96,18 @@ def test_one_rank_equals_the_pipeline(pipe, model_dir):
         with torch.inference_mode():
             out = pipe(prompt=prompt, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
                        num_inference_steps=steps + 1, latents=video[j:j + 1].clone(),
-                       audio_latents=audio[j].clone(), output=["latents", "audio_latents"])
+                       audio_latents=audio[j].clone(), output_type="pt",
+                       output=["latents", "audio_latents", "videos", "audio"])
         want_v = out["latents"] * std + mean  # ComfyUI's LATENT: the VAE's own space
         want_a = out["audio_latents"].permute(1, 0, 2)  # [32, 2, N]: ComfyUI's audio part
         dv = float((got.samples[j:j + 1] - want_v).abs().max())
         da = float((got.latents.audio[j] - want_a).abs().max())
-        print(f"pool row {j}: video {dv:.2e}, audio {da:.2e} from the pipeline")
-        assert dv <= TOL and da <= TOL, (j, dv, da)
+        # decoded: the frames (IMAGE rows of this prompt) and the stereo 32 kHz waveform
+        frames = got.images[j * FRAMES:(j + 1) * FRAMES]  # [F, H, W, 3]
+        want_f = out["videos"][0].permute(0, 2, 3, 1)
+        df = float((frames - want_f).abs().max())
+        dw = float((got.decoded.audio[j] - out["audio"][0]).abs().max())
+        print(f"pool row {j}: video {dv:.2e}, audio {da:.2e}, frames {df:.2e}, waveform "
+              f"{dw:.2e} from the pipeline")
+        assert dv <= TOL and da <= TOL and df <= TOL and dw <= TOL, (j, dv, da, df, dw)
+        assert got.decoded.sample_rate == 32000 and got.decoded.audio.shape[1] == 2

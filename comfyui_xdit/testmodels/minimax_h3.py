@@ -24,7 +24,7 @@ _family = bridge.family_module("minimax_h3")
 # tokens a latent frame; 22 frames (17 + 5) are 7 latent frames, 63 video tokens, and 37
 # audio latents a channel, 74 audio tokens; with the prompts' few text tokens no stream
 # splits evenly over both 2 and 4 ranks
-TEST_REQUEST = dict(size=(96, 96), frames=22)
+TEST_REQUEST = dict(size=(96, 96), frames=22, padded=True)  # rows carry their text lengths
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_minimax_h3.py::test_one_rank_equals_the_pipeline"

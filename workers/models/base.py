@@ -295,6 +295,11 @@ class DiTAdapter:
         family with sound: its `audio` too)."""
         return {"samples": samples}
 
+    def decode_audio(self, model: LoadedModel, audio):
+        """A family with sound: its `outputs` audio latent -> (waveform [B, channels,
+        samples] in -1..1, fp32 on the CPU, sample rate); None for a family without."""
+        return None
+
     # per-architecture
     def pack(self, x):  # [B,16,h,w] model-space latent -> what the transformer takes
         return x

@@ -25,6 +25,8 @@ import os
 import types
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
 from .. import families
@@ -42,14 +44,37 @@ ROW_WIDTH = fam.CHANNELS * 4  # a video row's channels; the audio rows' 32 are i
 
 @dataclass(frozen=True)
 class Attend:
-    """The forward's sequence plan, handed to the blocks as their attention mask (they pass
-    it to the processor untouched); the refiner's attention gets None (runs whole)."""
+    """The forward's sequence plan and the rows' real text lengths (None: every row fills
+    the text), handed to the blocks as their attention mask (they pass it to the processor
+    untouched); the refiner's attention gets None (runs whole, on one prompt's tokens)."""
     plan: object
+    text_lengths: Optional[tuple] = None
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The stock partial RoPE (the leading channels of each head rotated, the rest passed)
+    with a table per row: x [B, S, H, D], cos / sin [B, S, R]."""
+    r = cos.shape[-1]
+    head, rest = x[..., :r], x[..., r:]
+    cos, sin = cos.to(x.dtype)[:, :, None, :], sin.to(x.dtype)[:, :, None, :]
+    x1, x2 = head.chunk(2, dim=-1)
+    return torch.cat((head * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
+
+
+def rope_table(rope, positions: torch.Tensor) -> tuple:
+    """The stock RoPE table of float64 (t, h, w) positions [B, S, 3], one per row: each
+    axis's angles at the shared frequencies, the three joined, then joined with themselves
+    (the rotate-half convention), as cos / sin [B, S, 6F]."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * rope.inv_freq.view(1, 1, 1, -1)
+    freqs = torch.cat(freqs.unbind(dim=2), dim=-1)
+    freqs = torch.cat((freqs, freqs), dim=-1)
+    return freqs.cos(), freqs.sin()
 
 
 class MiniMaxH3ShardedAttnProcessor:
-    """The stock attention on the local rows: q/k/v, per-head RMS norms, partial RoPE, then
-    attention over every rank's [text | audio | video] keys, the output projection."""
+    """The stock attention on the local rows: q/k/v, per-head RMS norms, partial RoPE (a
+    table per row), then attention over every rank's [video | audio | text] keys (each row's
+    padded text keys dropped), the output projection."""
 
     def __init__(self, attention):
         from diffusers.models.transformers.transformer_minimax_h3 import \
@@ -58,8 +83,6 @@ class MiniMaxH3ShardedAttnProcessor:
         self.whole = MiniMaxH3AttnProcessor()
 
     def __call__(self, attn, hidden_states, rotary_emb=None, attention_mask=None):
-        from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
-
         if not isinstance(attention_mask, Attend):  # the text refiner's: the prompt alone
             return self.whole(attn, hidden_states, rotary_emb, attention_mask)
         plan = need_plan(attention_mask.plan)
@@ -67,8 +90,9 @@ class MiniMaxH3ShardedAttnProcessor:
                    for f in (attn.to_q, attn.to_k, attn.to_v))
         q, k = attn.norm_q(q), attn.norm_k(k)
         if rotary_emb is not None:
-            q, k = _apply_rotary_emb(q, *rotary_emb), _apply_rotary_emb(k, *rotary_emb)
-        out = self.attention(q, k, v, plan, STREAMS, attn)
+            q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
+        out = self.attention(q, k, v, plan, STREAMS, attn,
+                             text_lengths=attention_mask.text_lengths)
         out = out.flatten(2, 3).to(q.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -77,29 +101,43 @@ def packed_forward(self, hidden_states, audio_hidden_states, encoder_hidden_stat
                    video_positions, audio_positions, text_positions, video_steps,
                    audio_steps, text_steps, attention_kwargs=None, return_dict=False):
     """The MiniMax-H3 transformer on per-stream inputs (module doc), bound as its forward:
-    each stream's rows ([B, N, C]), float64 RoPE positions [N, 3] and timestep indices [N]
-    (into `timestep`, the call's distinct timesteps). Returns (video [B, Nv, 96], audio
-    [B, Na, 32]) velocities, data-ward, in the heads' dtype."""
+    each stream's rows ([B, N, C]), float64 RoPE positions per row [B, N, 3] and timestep
+    indices [N] (into `timestep`, the call's distinct timesteps). Prompts of other lengths
+    share the call padded to the longest, their real lengths in `attention_kwargs`'
+    `text_lengths`: each is refined alone and its padded keys are dropped. Returns (video
+    [B, Nv, 96], audio [B, Na, 32]) velocities, data-ward, in the heads' dtype."""
     from diffusers.models.modeling_utils import get_parameter_dtype
 
-    plan = (attention_kwargs or {}).get("sp_plan")
+    jak = attention_kwargs or {}
+    plan = jak.get("sp_plan")
+    b, n_text = encoder_hidden_states.shape[:2]
+    real = jak.get("text_lengths")
+    real = None if real is None or all(int(n) == n_text for n in real) else \
+        tuple(int(n) for n in real)
     video = self.proj_in(hidden_states.to(get_parameter_dtype(self.proj_in)))
     audio = self.audio_proj_in(audio_hidden_states.to(get_parameter_dtype(self.audio_proj_in)))
     text = self.context_embedder(encoder_hidden_states.to(
         get_parameter_dtype(self.context_embedder)))
-    text = self.token_refiner(text)  # whole prompt; split by the layout's hook after
+    if real is None:  # the refiner on each prompt's own tokens (plain attention, no mask)
+        text = self.token_refiner(text)
+    else:
+        text = torch.stack([torch.cat([self.token_refiner(text[i:i + 1, :n])[0],
+                                       text.new_zeros(n_text - n, text.shape[-1])])
+                            for i, n in enumerate(real)])
+    if plan is not None:  # this rank's text rows (the others' were split on the way in)
+        text = plan.shard(text, 1, "text")
     # the rows in the blocks' order, [video | audio | text] (STREAMS), each with its own
     # position: full attention without a mask does not depend on the order
     lengths = (video.shape[1], audio.shape[1], text.shape[1])
     x = torch.cat([video.to(text.dtype), audio.to(text.dtype), text], 1)
-    positions = torch.cat([video_positions, audio_positions, text_positions])
+    positions = torch.cat([video_positions, audio_positions, text_positions], 1)
     steps = torch.cat([video_steps, audio_steps, text_steps])
     tags = torch.cat([torch.full((n,), TAGS[s], dtype=steps.dtype, device=steps.device)
                       for s, n in zip(STREAMS, lengths)])
-    rotary = self.rope(positions)
+    rotary = rope_table(self.rope, positions)
     temb = self.time_embedder(self.time_proj(timestep).to(get_parameter_dtype(self.time_embedder)))
     adaln = steps * 3 + tags
-    attend = Attend(plan)
+    attend = Attend(plan, real)
     for block in self.transformer_blocks:
         x = block(x, temb, adaln, rotary, attend)
     x = self.norm_out(x, temb, steps).to(get_parameter_dtype(self.proj_out))
@@ -148,10 +186,10 @@ class MiniMaxH3Adapter(DiTAdapter):
     lora_pipeline = "MiniMaxH3ModularPipeline"
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
-                      "video_positions": ("video", 0), "audio_positions": ("audio", 0),
-                      "text_positions": ("text", 0), "video_steps": ("video", 0),
+                      "video_positions": ("video", 1), "audio_positions": ("audio", 1),
+                      "text_positions": ("text", 1), "video_steps": ("video", 0),
                       "audio_steps": ("audio", 0), "text_steps": ("text", 0)},
-        split_outputs={"token_refiner": ("text", 1)},
+        split_outputs={},  # the text: after its refiner, in packed_forward
         gather_output=("proj_out", 1),
         gather_streams={"audio_proj_out": ("audio", 1)},
         token_counts=_token_counts,
@@ -263,40 +301,37 @@ class MiniMaxH3Adapter(DiTAdapter):
         return {"size": (int(height), int(width))}
 
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
-        """Each prompt's rows alone (a prompt's length moves every position), or rows of
-        one length together; the prediction in the loop's convention (-v; the audio rows'
-        scaled to the video's sigma step)."""
+        """One call for every row: prompts of other lengths padded to the longest, each
+        row's positions its own (its text's length moves its sound's and video's); the
+        prediction in the loop's convention (-v; the audio rows' scaled to the video's sigma
+        step)."""
         h, w = (extra or {})["size"]
         b = latents.shape[0]
         frames, na, nv = media_counts(latents.shape[1], h, w)
         text = cond["encoder_hidden_states"]
         text = text if text.shape[0] == b else text.expand(b, -1, -1)
-        lengths = cond.get("text_lengths") or (text.shape[1],) * b
+        longest = text.shape[1]
+        lengths = tuple(cond.get("text_lengths") or (longest,) * b)
         dev, dtype = latents.device, model.dtype
         ts, idx = torch.unique(t[:2].float(), sorted=True, return_inverse=True)
-        out = torch.empty(b, latents.shape[1], latents.shape[2], device=dev,
-                          dtype=torch.float32)
-        for n in sorted(set(lengths)):
-            rows = [j for j, m in enumerate(lengths) if m == n]
-            sel = torch.tensor(rows, device=dev)
-            x = latents.index_select(0, sel)
-            packed = lay.packed(int(n), fam.LATENT.latent_frames(frames), h // 16, w // 16,
-                                na // 2, PATCH)
-            pos = {s: packed.positions[a:a + c].to(dev)
-                   for s, (a, c) in packed.streams().items()}
-            v, a = model.transformer(
-                hidden_states=x[:, na:].to(dtype),
-                audio_hidden_states=x[:, :na, :fam.AUDIO_CHANNELS].to(dtype),
-                encoder_hidden_states=text.index_select(0, sel)[:, :n].to(dtype),
-                timestep=ts.to(dev),
-                video_positions=pos["video"], audio_positions=pos["audio"],
-                text_positions=pos["text"],
-                video_steps=idx[0].expand(nv).to(dev), audio_steps=idx[1].expand(na).to(dev),
-                text_steps=idx[0].expand(int(n)).to(dev),
-                attention_kwargs=dict(jak or {}), return_dict=False)
-            pred = self.pack_media(-v.float(), -a.float() * t[2].float())
-            out.index_copy_(0, sel, pred)
-        return out.to(latents.dtype)
+        per_row = {}
+        for n in set(lengths):
+            p = lay.packed(int(n), fam.LATENT.latent_frames(frames), h // 16, w // 16,
+                           na // 2, PATCH)
+            per_row[n] = {s: p.positions[a:a + c] for s, (a, c) in p.streams().items()}
+        pos = {s: torch.stack([per_row[n][s] if s != "text" else torch.cat(
+            [per_row[n][s], per_row[n][s].new_zeros(longest - n, 3)]) for n in lengths]).to(dev)
+            for s in STREAMS}
+        v, a = model.transformer(
+            hidden_states=latents[:, na:].to(dtype),
+            audio_hidden_states=latents[:, :na, :fam.AUDIO_CHANNELS].to(dtype),
+            encoder_hidden_states=text.to(dtype), timestep=ts.to(dev),
+            video_positions=pos["video"], audio_positions=pos["audio"],
+            text_positions=pos["text"],
+            video_steps=idx[0].expand(nv).to(dev), audio_steps=idx[1].expand(na).to(dev),
+            text_steps=idx[0].expand(longest).to(dev),
+            attention_kwargs=self.attention_kwargs(cond, jak) or {}, return_dict=False)
+        return self.pack_media(-v.float(), -a.float() * t[2].float()).to(latents.dtype)
 
     # ---- decode -------------------------------------------------------------------------
     def to_raw(self, model, latents, height, width):
@@ -319,3 +354,21 @@ class MiniMaxH3Adapter(DiTAdapter):
         vid = (vid.float() * std + mean).clamp(0, 1)
         return vid.permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
 
+    def decode_audio(self, model, audio):
+        """The sound's latent [B, 32, 2, N] (model space) -> (its stereo waveform [B, 2,
+        samples] at 32 kHz, the rate), as the pipeline decodes it: de-normalised by the
+        audio VAE's statistics, the two channels through the mono VAE as two rows."""
+        vae = model.audio_vae
+        if vae is None:
+            from diffusers import AutoencoderKLMiniMaxH3Audio
+            vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(
+                model.path, subfolder="audio_vae", torch_dtype=model.dtype)
+            model.audio_vae = vae = vae.to(model.device).eval().requires_grad_(False)
+        mean, std = (torch.tensor(vae.config[k], dtype=torch.float32).view(1, -1, 1)
+                     for k in ("latents_mean", "latents_std"))
+        waves = []
+        for row in audio.float():  # [32, 2, N] -> the channels as rows [2, 32, N]
+            raw = row.permute(1, 0, 2) * std + mean
+            wave = vae.decode(raw.to(model.device, vae.dtype), return_dict=False)[0]
+            waves.append(wave.float().permute(1, 0, 2)[0].cpu())  # [2, samples]
+        return torch.stack(waves), int(vae.config.get("sampling_rate", fam.SAMPLE_RATE))

@@ -333,6 +333,9 @@ class Worker:
             raw = None if samples is None else self.adapter.to_raw(
                 self.model, samples, job.request["height"], job.request["width"])
             images = _decode(self, raw)
+        # the sound track's waveform beside the frames (rank 0, which holds the latents)
+        sound = None if images is None or latents.get("audio") is None else \
+            self.adapter.decode_audio(self.model, latents["audio"])
         if self.device.type == "cuda":  # the process's peaks so far (load and every job):
             # read once, after the decode the plan also counts; the host compares them with
             # the memory plan after the first job (comfyui_xdit/planning/calibration.py)
@@ -352,7 +355,9 @@ class Worker:
                     r["first_job_s"] = st["first_job_s"]
         from .outputs import Decoded, Latents
         return (Latents(samples=samples, audio=latents.get("audio")),
-                None if images is None else Decoded(images=images),
+                None if images is None else Decoded(
+                    images=images, audio=None if sound is None else sound[0],
+                    sample_rate=None if sound is None else sound[1]),
                 stats)
 
     def prepare_call(self, msg):
