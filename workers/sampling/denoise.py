@@ -276,8 +276,9 @@ class _Progress:
     job's result is read there anyway)."""
 
     def __init__(self, emit, every: int, total: int, sigmas: torch.Tensor, latents,
-                 cache=None):
+                 cache=None, as_image=lambda x: x):
         self.emit, self.every, self.total, self.cache = emit, every, total, cache
+        self.as_image = as_image  # a preview shows the image part (not a sound track)
         self.sigmas, self.latents = sigmas, latents
         self.t0 = time.perf_counter()
         self.x = latents[:1].clone() if self._wanted(0) else None  # the step's input
@@ -290,7 +291,7 @@ class _Progress:
     def _start_copy(self, i: int) -> None:
         x, s = self.x.float(), self.sigmas
         v = (self.latents[:1].float() - x) / (s[i + 1] - s[i])
-        preview = (x - s[i] * v).half()
+        preview = self.as_image(x - s[i] * v).half()
         cuda = preview.is_cuda
         host = torch.empty(preview.shape, dtype=preview.dtype, pin_memory=cuda)
         host.copy_(preview, non_blocking=cuda)
@@ -342,8 +343,10 @@ def run_job(job, model, adapter, topo: Topology, control,
     steps = _strategy(job, model, adapter, prep, topo, control, cache, sequence)
     latents = prep.latents.clone()
     total = len(prep.timesteps)
+    # each image as the job's result holds it (a family with sound: its video part)
+    as_image = (lambda x: adapter.outputs(x, job.request)["samples"])
     progress = _Progress(emit, int(job.request.get("preview_every") or 0), total,
-                         prep.sigmas, latents, cache)
+                         prep.sigmas, latents, cache, as_image)
     try:
         for i in range(total):
             if _stop_requested(should_stop, control):
@@ -354,10 +357,11 @@ def run_job(job, model, adapter, topo: Topology, control,
         steps.close()
         if cache is not None and report is not None:
             report["cache"] = cache.stats()
-    return _gather_batch(latents, prep, topo, emit)
+    return _gather_batch(latents, prep, topo, emit, as_image)
 
 
-def _gather_batch(latents, prep: Prepared, topo: Topology, emit) -> Optional[torch.Tensor]:
+def _gather_batch(latents, prep: Prepared, topo: Topology, emit,
+                  as_image=lambda x: x) -> Optional[torch.Tensor]:
     """Data parallel: the replicas' latents to rank 0 in one all-gather over the dp leaders
     (uneven replicas padded; every replica ends at the same step, so no receive is ever left
     posted). Rank 0 reports each image, then returns the whole batch. Only a replica's
@@ -373,5 +377,5 @@ def _gather_batch(latents, prep: Prepared, topo: Topology, emit) -> Optional[tor
     out = gathered.cpu()
     if emit is not None:
         for j in range(out.shape[0]):
-            emit({"image_index": j, "samples": out[j:j + 1]})
+            emit({"image_index": j, "samples": as_image(out[j:j + 1])})
     return out
