@@ -22,7 +22,10 @@ def pipe():
     from comfyui_xdit.testmodels import minimax_h3 as builder
     from comfyui_xdit.testmodels.tiny_model import resolve_config
 
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ModularPipeline
+
     p = builder.build_pipeline(resolve_config("minimax_h3")).pipe
+    assert isinstance(p, MiniMaxH3ModularPipeline)  # diffusers' own, as the release runs it
     p.update_components(processor=builder.processor(p.tokenizer))
     return p
 

@@ -58,6 +58,11 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
             "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
+def key_extras(cfg: dict) -> dict:
+    """The recipe's version in the cache key (order-one AdaLN biases since version 2)."""
+    return {"minimax_recipe": 2}
+
+
 def check(cfg: dict) -> None:
     parts.require_head_dim(cfg, cfg["width"] > HEAD_DIM,
                            f"a width above {HEAD_DIM} (heads are {HEAD_DIM} wide; the hidden "
@@ -122,6 +127,12 @@ def build_pipeline(cfg: dict):
     # per-channel statistics away from (0, 1), so a wrong normalisation shows
     import torch
     g = torch.Generator().manual_seed(seed * 1000 + 7)
+    # AdaLN modulation of order one (a trained model's gates are; random init leaves them
+    # near zero), so every block moves the result and a skipped block shows
+    with torch.no_grad():
+        for block in transformer.transformer_blocks:
+            bias = block.adaln_proj.linear.bias
+            bias.copy_(torch.randn(bias.shape, generator=g))
     mean = [round(float(v), 4) for v in torch.randn(_family.CHANNELS, generator=g) * 0.2]
     std = [round(float(v), 4) for v in torch.rand(_family.CHANNELS, generator=g) + 0.5]
     amean = [round(float(v), 4) for v in torch.randn(_family.AUDIO_CHANNELS, generator=g) * 0.2]
