@@ -20,6 +20,8 @@ from comfyui_xdit.testmodels.text import _WORDS, _byte_level_bpe, _seeded
 
 _family = bridge.family_module("minimax_h3")
 
+VARIANTS: tuple[str, ...] = ()  # text-to-video with sound only (the pipeline's t2va)
+
 # the family-wide tests' small request (tests/family_requests.py): 96 x 96 pixels are 3 x 3
 # tokens a latent frame; 22 frames (17 + 5) are 7 latent frames, 63 video tokens, and 37
 # audio latents a channel, 74 audio tokens; with the prompts' few text tokens no stream
