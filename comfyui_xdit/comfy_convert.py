@@ -261,7 +261,7 @@ def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
         raise ConfigError("LATENT has a noise_mask (inpainting), which the xDiT sampler does "
                           "not support; remove SetLatentNoiseMask / use VAEEncode")
     b, c, h, w = (int(s.shape[i]) for i in (0, 1, -2, -1))
-    frames = (int(s.shape[2]) - 1) * spec.time_downscale + 1 if spec.video and s.dim() == 5 \
+    frames = spec.video_frames(int(s.shape[2])) if spec.video and s.dim() == 5 \
         else 1
     d = spec.downscale
     if c != spec.channels or s.dim() != len(spec.shape(1, 16, 16)):
@@ -334,7 +334,8 @@ def comfy_to_model(arch: str, samples, fmt: dict):
 def latents_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):
     """A job's Latents (workers/runtime/outputs.py) from model space to ComfyUI's, each
     tensor by its kind ("samples": `model_to_comfy`)."""
-    convert = {"samples": lambda t: model_to_comfy(arch, t, fmt, height, width)}
+    convert = {"samples": lambda t: model_to_comfy(arch, t, fmt, height, width),
+               "audio": lambda t: t.float()}  # a sound track's latent: ComfyUI's already
     return latents.map(lambda name, t: convert[name](t))
 
 

@@ -583,9 +583,10 @@ def test_docs_tables_are_what_the_plan_prints(capsys):
     text = "\n".join((root / f).read_text() for f in ("docs/memory.md", "docs/methods.md",
                                                        "README.md"))
     found = re.findall(r"`python -m comfyui_xdit (memory-plan [^`]+)`:\n\n((?:\|.*\n?)+)", text)
-    assert len(found) == 5, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
+    assert len(found) == 6, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
                              "(docs/memory.md), Wan's per-step traffic (docs/methods.md), the "
-                             "Qwen-Image and Wan 2.2 A14B fit tables (docs/memory.md)")
+                             "Qwen-Image and Wan 2.2 A14B fit tables and the MiniMax-H3 one "
+                             "(docs/memory.md)")
     for cmd, table in found:
         assert cli_main(shlex.split(cmd)) == 0, cmd
         assert capsys.readouterr().out.strip() == table.strip(), cmd
@@ -607,6 +608,17 @@ def test_wan_presets_have_the_published_sizes(name, transformer, experts):
     assert 5.6e9 < facts.text_encoder_params < 5.8e9  # UMT5-XXL's encoder: 5.7B
     assert 120e6 < facts.vae_params < 135e6  # Wan 2.1 VAE: 127M
     assert facts.vae_channels == (96, 192, 384, 384)
+
+
+def test_minimax_h3_preset_has_the_published_size_and_32_pixel_tokens():
+    """MiniMax-H3: about 62 GiB of bf16 transformer weights (33.1B parameters); a token is
+    2 x 2 latent pixels of its 16x VAE, 32 pixels a side: 768x1344 x 124 frames is 37 latent
+    frames x 24 x 42 video tokens, plus the prompt's (joint attention)."""
+    facts = preset_facts("minimax-h3")
+    plan = arith.plan(facts, ParallelConfig(), BF16)
+    assert 32.5e9 < plan.ranks[0].weights / 2 < 33.5e9
+    job = arith.JobSize(768, 1344, frames=124, text_tokens=100)
+    assert arith.job_tokens(facts, job) == 37 * 24 * 42 + 100
 
 
 def test_wan_tokens_are_frames_times_the_grid_and_text_stays_out():

@@ -222,7 +222,7 @@ def _decode_size(info, samples):
     spec = info.family.latent
     frames = 1
     if spec.video and samples.dim() == 5:
-        frames = (int(samples.shape[2]) - 1) * spec.time_downscale + 1
+        frames = spec.video_frames(int(samples.shape[2]))
     kw = {"frames": frames} if spec.video else {}
     return GenerationRequest(prompt=[""] * int(samples.shape[0]),
                              height=int(samples.shape[-2]) * d,

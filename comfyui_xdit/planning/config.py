@@ -147,7 +147,8 @@ class ParallelConfig:
                 arch = getattr(model, "arch", None)
                 frames = 1 if arch is None else \
                     families.family(arch).latent.latent_frames(request.frames)
-                tokens = frames * (request.height // 16) * (request.width // 16) \
+                side = 16 if arch is None else families.family(arch).latent.pixels_per_token
+                tokens = frames * (request.height // side) * (request.width // side) \
                     + request.reference_tokens(model)
                 if tokens < self.sp:
                     out.append(f"{tokens} image tokens cannot be split over ulysses x ring = "

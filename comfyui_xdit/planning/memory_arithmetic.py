@@ -318,8 +318,9 @@ def job_tokens(facts: ModelFacts, job: JobSize) -> int:
     fam = families.family(facts.arch)
     layout = fam.tokens
     latent, text_stream = layout.latent, layout.text
+    side = fam.latent.pixels_per_token  # 16, or the family's own (MiniMax-H3's 32)
     image = fam.latent.latent_frames(job.frames) * math.ceil(
-        job.height / (VAE_SCALE * PATCH)) * math.ceil(job.width / (VAE_SCALE * PATCH))
+        job.height / side) * math.ceil(job.width / side)
     image = -(-image // latent.pad_multiple) * latent.pad_multiple
     text = 0
     if text_stream is not None and layout.in_sequence(text_stream.name):

@@ -57,6 +57,11 @@ class LatentSpec:
     # LATENT pixels per token side where the layout's own count is not it (0: 2 for
     # "pack2x2" / "in_model", 1 for "flat"); HunyuanVideo 1.5's in-model patch is 1
     token_side: int = 0
+    # a VAE that encodes time in chunks: (frames a chunk, latent frames a chunk, latent
+    # frames of the first `frames a chunk`... less): frames are chunk x n + latents a chunk and
+    # give latents x n + first latent frames (MiniMax-H3's (17, 5, 2): 17n + 5 -> 5n + 2);
+    # () where frames are time_downscale x k + 1
+    frame_chunks: tuple = ()
 
     @property
     def per_token(self) -> int:
@@ -72,7 +77,34 @@ class LatentSpec:
 
     def latent_frames(self, frames: int = 1) -> int:
         """LATENT frames of a video of `frames` frames (4k + 1 for Wan); 1 for an image."""
-        return (int(frames) - 1) // self.time_downscale + 1 if self.video else 1
+        if not self.video:
+            return 1
+        if self.frame_chunks:
+            chunk, per, first = self.frame_chunks
+            return (int(frames) - per) // chunk * per + first
+        return (int(frames) - 1) // self.time_downscale + 1
+
+    def video_frames(self, latent_frames: int) -> int:
+        """Video frames of a LATENT of `latent_frames` frames (the inverse of latent_frames)."""
+        if self.frame_chunks:
+            chunk, per, first = self.frame_chunks
+            return (int(latent_frames) - first) // per * chunk + per
+        return (int(latent_frames) - 1) * self.time_downscale + 1
+
+    def frames_problem(self, frames: int):
+        """What is wrong with `frames` for this video latent (None: nothing): frames are
+        time_downscale x k + 1, or chunk x n + latents a chunk for a chunked VAE."""
+        if self.frame_chunks:
+            chunk, per, _ = self.frame_chunks
+            if frames < per or (frames - per) % chunk:
+                lo = max(per, (frames - per) // chunk * chunk + per)
+                return f"is not of the form {chunk}n + {per}", (lo, lo + chunk)
+            return None
+        k = self.time_downscale
+        if (frames - 1) % k:
+            lo = (frames - 1) // k * k + 1
+            return f"is not of the form {k}k + 1", (lo, lo + k)
+        return None
 
     def shape(self, batch: int, height: int, width: int, frames: int = 1) -> tuple:
         """The LATENT of a batch of `frames`-frame videos (images: frames 1)."""
@@ -83,7 +115,9 @@ class LatentSpec:
 
     def shape_text(self) -> str:
         d = self.downscale
-        t = ((f"(frames - 1)/{self.time_downscale} + 1, " if self.video else "1, ")
+        t = (((f"(frames - {self.frame_chunks[1]})/{self.frame_chunks[0]} x "
+               f"{self.frame_chunks[1]} + {self.frame_chunks[2]}, ") if self.frame_chunks
+              else f"(frames - 1)/{self.time_downscale} + 1, " if self.video else "1, ")
              if self.frames else "")
         return f"[batch, {self.channels}, {t}height/{d}, width/{d}]"
 

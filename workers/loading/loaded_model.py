@@ -17,6 +17,7 @@ class LoadedModel:
     device: Any
     dtype: Any
     vae: Any = None  # loaded on first decode (rank 0)
+    audio_vae: Any = None  # a family with sound: its audio VAE, likewise
     stage: Any = None  # PipeFusion StageInfo when this rank holds one stage of the blocks
     # a second expert (Wan 2.2 A14B's low-noise transformer; `transformer` is the high-noise
     # one) and the folder's model_index.json settings the adapter reads (boundary_ratio)

@@ -285,6 +285,22 @@ class DiTAdapter:
             img = model.vae.decode(x, return_dict=False)[0]
         return (img.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
 
+    def job_noise(self, noise, req):
+        """The host's noise (model space, the LATENT's shape) -> the loop's (rank 0, before
+        the job is broadcast): the same, but where the family denoises more than the LATENT
+        holds (MiniMax-H3's sound, drawn from the request's seed)."""
+        return noise
+
+    def outputs(self, samples, req) -> dict:
+        """The loop's final latents -> the job's Latents fields (`samples`, model space; a
+        family with sound: its `audio` too)."""
+        return {"samples": samples}
+
+    def decode_audio(self, model: LoadedModel, audio):
+        """A family with sound: its `outputs` audio latent -> (waveform [B, channels,
+        samples] in -1..1, fp32 on the CPU, sample rate); None for a family without."""
+        return None
+
     # per-architecture
     def pack(self, x):  # [B,16,h,w] model-space latent -> what the transformer takes
         return x

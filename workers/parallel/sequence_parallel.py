@@ -174,6 +174,9 @@ class SequenceLayout:
     kwargs_name:   the forward kwarg whose dict reaches the attention processors.
     plan_by_hook:  the model calls its attention modules without that dict (Wan): a hook
                    on each of them passes the forward's plan as their `sp_plan` keyword.
+    gather_streams: submodule name -> (stream, dim): that module's output, another stream
+                   the model denoises beside the latent's (MiniMax-H3's sound), is
+                   all-gathered too.
     context_tokens: forward kwarg -> processor keyword: that input's token count reaches
                    the processors (with plan_by_hook) under that keyword, None when the call
                    has no such input (Wan 2.1 I2V: the CLIP image tokens that come first in
@@ -191,10 +194,11 @@ class SequenceLayout:
     kwargs_name: str = "joint_attention_kwargs"
     plan_by_hook: bool = False
     context_tokens: dict = field(default_factory=dict)
+    gather_streams: dict = field(default_factory=dict)
 
     def __post_init__(self):
         names = self.streams.names
-        specs = list(self.split_inputs.values())
+        specs = list(self.split_inputs.values()) + list(self.gather_streams.values())
         for spec in self.split_outputs.values():
             specs.extend([spec] if isinstance(spec[0], str) else [s for s in spec if s])
         specs += [(stream,) for m in self.full_lengths.values() for stream in m.values()]
@@ -297,6 +301,9 @@ class SequenceParallel:
         gname, gdim = layout.gather_output
         self.handles.append(transformer.get_submodule(gname).register_forward_hook(
             self._gatherer(gdim)))
+        for name, (stream, dim) in layout.gather_streams.items():
+            self.handles.append(transformer.get_submodule(name).register_forward_hook(
+                self._gatherer(dim, stream)))
 
     def _enter(self, module, args, kwargs):
         if args:
@@ -344,10 +351,11 @@ class SequenceParallel:
                                          for key, stream in specs.items()})
         return hook
 
-    def _gatherer(self, dim: int):
+    def _gatherer(self, dim: int, stream: Optional[str] = None):
         def hook(module, args, output):
             plan = self.plan
-            return gather_stream(output, dim, plan, plan.latent_stream, self.topo.group("sp"))
+            return gather_stream(output, dim, plan, stream or plan.latent_stream,
+                                 self.topo.group("sp"))
         return hook
 
     def remove(self):

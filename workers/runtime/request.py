@@ -204,11 +204,15 @@ class GenerationRequest:
             out.append(f"seed must be an integer in [0, 2^64) (got {self.seed!r})")
         if not isinstance(self.steps, int) or self.steps < 1:
             out.append(f"steps must be an integer >= 1 (got {self.steps!r})")
+        # a token's side in pixels: 16, or the family's own (MiniMax-H3's 32)
+        arch = model if isinstance(model, str) else getattr(model, "arch", None)
+        side = 16 if arch is None else families.family(arch).latent.pixels_per_token
         for name in ("height", "width"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v % 16:
-                near = max(16, round(v / 16) * 16) if isinstance(v, (int, float)) else 1024
-                out.append(f"{name} {v!r} is not a positive multiple of 16 (try {near})")
+            if not isinstance(v, int) or v < side or v % side:
+                near = max(side, round(v / side) * side) if isinstance(v, (int, float)) \
+                    else 1024
+                out.append(f"{name} {v!r} is not a positive multiple of {side} (try {near})")
         if not isinstance(self.max_sequence_length, int) or not 1 <= self.max_sequence_length <= 512:
             out.append(f"max_sequence_length must be in 1..512 (got {self.max_sequence_length!r})")
         if self.cfg is not None and self.cfg < 1.0:

@@ -64,11 +64,11 @@ def frames_problems(frames, model) -> list[str]:
     if not isinstance(frames, int) or frames < 1:
         return [f"frames must be an integer >= 1 (got {frames!r})"]
     if spec is not None and spec.video:
-        k = spec.time_downscale
-        if (frames - 1) % k:
-            lo = (frames - 1) // k * k + 1
-            return [f"frames {frames} is not of the form {k}k + 1 ({families.family(arch).name} "
-                    f"video: try {lo} or {lo + k})"]
+        problem = spec.frames_problem(frames)
+        if problem is not None:
+            what, (lo, hi) = problem
+            return [f"frames {frames} {what} ({families.family(arch).name} "
+                    f"video: try {lo} or {hi})"]
     elif spec is not None and frames != 1:
         return [f"frames {frames}: {families.family(arch).name} makes images (frames 1); "
                 f"video needs a video model (Wan)"]
@@ -250,7 +250,7 @@ def start_image_problems(req, model) -> list[str]:
     out = []
     lat, mask, emb = req.concat_latent, req.concat_mask, req.image_embeds
     spec = fam.latent
-    t = (req.frames - 1) // spec.time_downscale + 1 if isinstance(req.frames, int) else None
+    t = spec.latent_frames(req.frames) if isinstance(req.frames, int) else None
     h, w = (v // spec.downscale if isinstance(v, int) else None
             for v in (req.height, req.width))
     want = f"[1 or {req.batch}, {spec.channels}, {t}, {h}, {w}]"

@@ -271,7 +271,8 @@ class Worker:
             if refs["tokens"].shape[0] not in (1, b):
                 raise ValueError(f"reference latents have batch {refs['tokens'].shape[0]}; "
                                  f"give 1 (shared) or the batch {b}")
-        return dataclasses.replace(msg, request=req, denoise=float(msg.denoise),
+        noise = self.adapter.job_noise(noise, req)
+        return dataclasses.replace(msg, request=req, denoise=float(msg.denoise), noise=noise,
                                    options=dict(msg.options or {}), references=None,
                                    reference_images=None, cond=cond, uncond=uncond,
                                    reference_inputs=refs, lora_adapters=adapters)
@@ -326,10 +327,16 @@ class Worker:
             from ..parallel.sharding import job_counts
             stats["sharding"] = job_counts(self)
         images = None
+        # the loop's latents as the job's fields (a family with sound: its audio too)
+        latents = {} if samples is None else self.adapter.outputs(samples, job.request)
+        samples = latents.get("samples")
         if job.request.output == "image":  # the same decision on every rank
             raw = None if samples is None else self.adapter.to_raw(
                 self.model, samples, job.request.height, job.request.width)
             images = _decode(self, raw)
+        # the sound track's waveform beside the frames (rank 0, which holds the latents)
+        sound = None if images is None or latents.get("audio") is None else \
+            self.adapter.decode_audio(self.model, latents["audio"])
         if self.device.type == "cuda":  # the process's peaks so far (load and every job):
             # read once, after the decode the plan also counts; the host compares them with
             # the memory plan after the first job (comfyui_xdit/planning/calibration.py)
@@ -348,7 +355,10 @@ class Worker:
                 if "first_job_s" in st:
                     r["first_job_s"] = st["first_job_s"]
         from .outputs import Decoded, Latents
-        return (Latents(samples=samples), None if images is None else Decoded(images=images),
+        return (Latents(samples=samples, audio=latents.get("audio")),
+                None if images is None else Decoded(
+                    images=images, audio=None if sound is None else sound[0],
+                    sample_rate=None if sound is None else sound[1]),
                 stats)
 
     def prepare_call(self, msg):

@@ -77,6 +77,19 @@ def _released_with(scheduler_class: str) -> str:
                          "_class_name", "FlowMatchEulerDiscreteScheduler") == scheduler_class)
 
 
+def _own_schedulers() -> str:
+    """The released schedulers a family's adapter turns into the loop's step itself (its
+    `make_scheduler`: MiniMax-H3's two schedules as one Euler step), for the message."""
+    from .. import families
+    known = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
+    own = {}
+    for f in families.FAMILIES.values():
+        name = f.detection.released({})[0].get("_class_name", known[0])
+        if name not in known:
+            own.setdefault(name, []).append(f.name)
+    return "".join(f", and {n} ({', '.join(fs)}) through its adapter" for n, fs in own.items())
+
+
 def check_scheduler(scheduler) -> None:
     """The loop's step is flow-matching Euler or UniPC with flow prediction on the
     scheduler's sigmas (workers/sampling/flow_step.py): refuse a scheduler configuration it would not
@@ -97,7 +110,8 @@ def check_scheduler(scheduler) -> None:
         raise ValueError(f"scheduler {name} is not supported; the pool runs "
                          f"FlowMatchEulerDiscreteScheduler "
                          f"({_released_with('FlowMatchEulerDiscreteScheduler')}) and flow "
-                         f"UniPCMultistepScheduler ({_released_with('UniPCMultistepScheduler')})")
+                         f"UniPCMultistepScheduler ({_released_with('UniPCMultistepScheduler')})"
+                         + _own_schedulers())
     for key in ("stochastic_sampling", "use_karras_sigmas", "use_exponential_sigmas",
                 "use_beta_sigmas"):
         if c.get(key):
@@ -262,8 +276,9 @@ class _Progress:
     job's result is read there anyway)."""
 
     def __init__(self, emit, every: int, total: int, sigmas: torch.Tensor, latents,
-                 cache=None):
+                 cache=None, as_image=lambda x: x):
         self.emit, self.every, self.total, self.cache = emit, every, total, cache
+        self.as_image = as_image  # a preview shows the image part (not a sound track)
         self.sigmas, self.latents = sigmas, latents
         self.t0 = time.perf_counter()
         self.x = latents[:1].clone() if self._wanted(0) else None  # the step's input
@@ -276,7 +291,7 @@ class _Progress:
     def _start_copy(self, i: int) -> None:
         x, s = self.x.float(), self.sigmas
         v = (self.latents[:1].float() - x) / (s[i + 1] - s[i])
-        preview = (x - s[i] * v).half()
+        preview = self.as_image(x - s[i] * v).half()
         cuda = preview.is_cuda
         host = torch.empty(preview.shape, dtype=preview.dtype, pin_memory=cuda)
         host.copy_(preview, non_blocking=cuda)
@@ -328,8 +343,10 @@ def run_job(job, model, adapter, topo: Topology, control,
     steps = _strategy(job, model, adapter, prep, topo, control, cache, sequence)
     latents = prep.latents.clone()
     total = len(prep.timesteps)
+    # each image as the job's result holds it (a family with sound: its video part)
+    as_image = (lambda x: adapter.outputs(x, job.request)["samples"])
     progress = _Progress(emit, int(job.request.preview_every or 0), total,
-                         prep.sigmas, latents, cache)
+                         prep.sigmas, latents, cache, as_image)
     try:
         for i in range(total):
             if _stop_requested(should_stop, control):
@@ -340,10 +357,11 @@ def run_job(job, model, adapter, topo: Topology, control,
         steps.close()
         if cache is not None and report is not None:
             report["cache"] = cache.stats()
-    return _gather_batch(latents, prep, topo, emit)
+    return _gather_batch(latents, prep, topo, emit, as_image)
 
 
-def _gather_batch(latents, prep: Prepared, topo: Topology, emit) -> Optional[torch.Tensor]:
+def _gather_batch(latents, prep: Prepared, topo: Topology, emit,
+                  as_image=lambda x: x) -> Optional[torch.Tensor]:
     """Data parallel: the replicas' latents to rank 0 in one all-gather over the dp leaders
     (uneven replicas padded; every replica ends at the same step, so no receive is ever left
     posted). Rank 0 reports each image, then returns the whole batch. Only a replica's
@@ -359,5 +377,5 @@ def _gather_batch(latents, prep: Prepared, topo: Topology, emit) -> Optional[tor
     out = gathered.cpu()
     if emit is not None:
         for j in range(out.shape[0]):
-            emit({"image_index": j, "samples": out[j:j + 1]})
+            emit({"image_index": j, "samples": as_image(out[j:j + 1])})
     return out

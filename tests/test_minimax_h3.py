@@ -1,0 +1,116 @@
+"""MiniMax-H3's own oracle: one rank of the pool equals diffusers' modular MiniMaxH3
+pipeline at fp32 (max abs <= 1e-4 on the video and the audio latents), and so does the
+layout alone (workers/models/minimax_h3_layout.py: the packed sequence, the two schedules
+stepped as one Euler step, the prompt encoding) run on the stock transformer. The pipeline
+is the builder's own, in memory (its Qwen3-VL processor cannot be saved without
+torchvision); the pool reads the same seeded weights from the tiny folder.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_xdit.bridge import worker_module
+
+TOL = 1e-4
+FRAMES = 124  # the pipeline's shortest video (5 s at 24 fps; 17 x 7 + 5)
+HEIGHT, WIDTH = 96, 64
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from comfyui_xdit.testmodels import minimax_h3 as builder
+    from comfyui_xdit.testmodels.tiny_model import resolve_config
+
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ModularPipeline
+
+    p = builder.build_pipeline(resolve_config("minimax_h3")).pipe
+    assert isinstance(p, MiniMaxH3ModularPipeline)  # diffusers' own, as the release runs it
+    p.update_components(processor=builder.processor(p.tokenizer))
+    return p
+
+
+def _noise(lt, lh, lw, n_audio, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 24, lt, lh, lw, generator=g),
+            torch.randn(2, 32, n_audio, generator=g))
+
+
+@torch.inference_mode()
+def _loop(pipe, prompt, video, audio, steps):
+    """The pack's arithmetic: the packed call and the loop's one Euler step."""
+    mm = worker_module("models.minimax_h3_layout")
+    fam = worker_module("families.minimax_h3")
+    euler_step = worker_module("sampling.flow_step").euler_step  # the loop's own step
+    text = mm.encode_prompt(pipe.text_encoder, pipe.tokenizer, prompt, "cpu", torch.float32)
+    _, _, lt, lh, lw = video.shape
+    layout = mm.packed(text.shape[1], lt, lh, lw, audio.shape[-1])
+    sched = mm.Schedules.make(steps)
+    x = mm.patchify(video)
+    a = mm.audio_rows(audio[None])
+    ts, ratio = sched.timesteps(), sched.audio_ratio()
+    for i in range(steps):
+        v, va = mm.call(pipe.transformer, x, a, text, ts[i], layout)
+        x = euler_step(x, -v, sched.video, i)
+        a = euler_step(a, -va * ratio[i], sched.video, i)
+    assert fam.LATENT.latent_frames(FRAMES) == lt
+    return mm.unpatchify(x, lt, lh, lw, 24), mm.audio_latent(a, audio.shape[-1])[0]
+
+
+@pytest.mark.parametrize("prompt", ["a cat", "a big blue dog sitting on a green field"])
+def test_the_layout_equals_the_pipeline(pipe, prompt):
+    fam = worker_module("families.minimax_h3")
+    lt = fam.LATENT.latent_frames(FRAMES)
+    video, audio = _noise(lt, HEIGHT // 16, WIDTH // 16, fam.audio_latents(FRAMES))
+    steps = 3
+    out = pipe(prompt=prompt, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+               num_inference_steps=steps + 1, latents=video.clone(),
+               audio_latents=audio.clone(), output=["latents", "audio_latents"])
+    got_v, got_a = _loop(pipe, prompt, video, audio, steps)
+    dv = float((got_v - out["latents"]).abs().max())
+    da = float((got_a - out["audio_latents"]).abs().max())
+    print(f"{prompt!r}: video {dv:.2e}, audio {da:.2e} from the pipeline")
+    assert dv <= TOL and da <= TOL, (dv, da)
+    # not degenerate: the sample moved from the noise
+    assert float((got_v - video).abs().max()) > 1e-2
+    assert float((got_a - audio).abs().max()) > 1e-2
+
+
+def test_one_rank_equals_the_pipeline(pipe, model_dir):
+    """The pool at one rank (its packed forward, its noise: the host's video noise, the
+    sound's from the seed) against the pipeline given that noise, two prompts of different
+    lengths in one batch (each runs alone: its length moves every position)."""
+    from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+    from comfyui_xdit.comfy_convert import comfy_noise
+
+    fam = worker_module("families.minimax_h3")
+    prompts, seed, steps = ["a cat", "a big blue dog sitting on a green field"], 11, 3
+    lt, n = fam.LATENT.latent_frames(FRAMES), fam.audio_latents(FRAMES)
+    req = GenerationRequest(prompt=prompts, seed=seed, steps=steps, height=HEIGHT, width=WIDTH,
+                            frames=FRAMES, cfg=1.0, output="image")
+    with WorkerPool(str(model_dir("minimax_h3")), ParallelConfig(), device="cpu",
+                    threads_per_rank=1) as pool:
+        got = pool.generate(req)
+    video = comfy_noise(seed, (2, 24, lt, HEIGHT // 16, WIDTH // 16))
+    audio = torch.randn(2, 2, 32, n, generator=torch.Generator().manual_seed(seed))
+    mean, std = (torch.tensor(pipe.vae.config[k]).view(1, -1, 1, 1, 1)
+                 for k in ("latents_mean", "latents_std"))
+    for j, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            out = pipe(prompt=prompt, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+                       num_inference_steps=steps + 1, latents=video[j:j + 1].clone(),
+                       audio_latents=audio[j].clone(), output_type="pt",
+                       output=["latents", "audio_latents", "videos", "audio"])
+        want_v = out["latents"] * std + mean  # ComfyUI's LATENT: the VAE's own space
+        want_a = out["audio_latents"].permute(1, 0, 2)  # [32, 2, N]: ComfyUI's audio part
+        dv = float((got.samples[j:j + 1] - want_v).abs().max())
+        da = float((got.latents.audio[j] - want_a).abs().max())
+        # decoded: the frames (IMAGE rows of this prompt) and the stereo 32 kHz waveform
+        frames = got.images[j * FRAMES:(j + 1) * FRAMES]  # [F, H, W, 3]
+        want_f = out["videos"][0].permute(0, 2, 3, 1)
+        df = float((frames - want_f).abs().max())
+        dw = float((got.decoded.audio[j] - out["audio"][0]).abs().max())
+        print(f"pool row {j}: video {dv:.2e}, audio {da:.2e}, frames {df:.2e}, waveform "
+              f"{dw:.2e} from the pipeline")
+        assert dv <= TOL and da <= TOL and df <= TOL and dw <= TOL, (j, dv, da, df, dw)
+        assert got.decoded.sample_rate == 32000 and got.decoded.audio.shape[1] == 2
