@@ -326,8 +326,10 @@ def comfy_to_model(arch: str, samples, fmt: dict):
 
 def latents_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):
     """A job's Latents (workers/runtime/outputs.py) from model space to ComfyUI's, each
-    tensor by its kind ("samples": `model_to_comfy`)."""
-    convert = {"samples": lambda t: model_to_comfy(arch, t, fmt, height, width)}
+    tensor by its kind ("samples": `model_to_comfy`; "audio": a sound track's latent, model
+    space in ComfyUI too)."""
+    convert = {"samples": lambda t: model_to_comfy(arch, t, fmt, height, width),
+               "audio": lambda t: t.float()}
     return latents.map(lambda name, t: convert[name](t))
 
 
@@ -339,5 +341,25 @@ def model_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):
 
 def noise_to_model(arch: str, noise):
     """ComfyUI's noise (drawn in the LATENT's shape) -> the transformer's layout (noise is
-    not scaled)."""
-    return bridge.latent_layout.comfy_pack(arch, noise.float())
+    not scaled). A family with a sound track: (video noise, sound noise), joined as its
+    model space joins them."""
+    layout = bridge.latent_layout
+    if layout.sound_of(arch) is not None:
+        video, audio = noise
+        return layout.join_sound(video.float(), audio.float())
+    return layout.comfy_pack(arch, noise.float())
+
+
+def job_noise(arch: str, seed: int, batch: int, height: int, width: int, frames: int = 1):
+    """ComfyUI's noise for a request's LATENT: `comfy_noise` of its shape; a family with a
+    sound track: (video noise, sound noise), drawn one after the other from one generator
+    as ComfyUI's prepare_noise draws a nested (AV) LATENT's."""
+    import torch
+
+    shape = latent_shape(arch, batch, height, width, frames)
+    sound = bridge.latent_layout.sound_of(arch)
+    if sound is None:
+        return comfy_noise(seed, shape)
+    gen = torch.manual_seed(seed)
+    return tuple(torch.randn(list(s), dtype=torch.float32, generator=gen, device="cpu")
+                 for s in (shape, sound.shape(batch, frames)))

@@ -20,7 +20,7 @@ from comfyui_xdit.bridge import protocol as P
 from comfyui_xdit.client.channel import Channel, parse_address
 from comfyui_xdit.client.connection import PoolConnection
 from comfyui_xdit.client.launch import UNPLANNED, PoolLaunch
-from comfyui_xdit.comfy_convert import (comfy_noise, comfy_to_model, latent_shape, latent_shape_text,
+from comfyui_xdit.comfy_convert import (comfy_to_model, job_noise, latent_shape, latent_shape_text,
                             latents_to_comfy, layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.errors import JobCancelled, PoolError  # noqa: F401  (the API's errors)
 from comfyui_xdit.planning import calibration, launch_policy
@@ -243,8 +243,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
             # the workers speak model space; ComfyUI's conventions are converted here only
             fmt = self._remote["latent"]
             if noise is None:  # ComfyUI's prepare_noise on the LATENT's shape, drawn once
-                noise = comfy_noise(req.seed, latent_shape(info.arch, req.batch, req.height,
-                                                           req.width, req.frames))
+                noise = job_noise(info.arch, req.seed, req.batch, req.height, req.width,
+                                  req.frames)
             refs = req.reference_latents  # ComfyUI LATENTs; the workers convert them
             images = req.reference_images  # [H, W, 3] tensors (resolved); rank 0 encodes
             req = dataclasses.replace(req, reference_latents=None, reference_images=None)

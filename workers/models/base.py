@@ -316,6 +316,27 @@ class DiTAdapter:
     def timesteps(self, scheduler, steps: int, latents, device):
         raise NotImplementedError
 
+    def job_extra(self, model, req: dict) -> dict:
+        """A job's per-size forward inputs (`forward_extra` of its image size); a family whose
+        forward reads more of the request (a sound track's length: the frames) says so here."""
+        return self.forward_extra(model, req["height"], req["width"])
+
+    def job_timesteps(self, scheduler, steps: int, latents, device, extra: dict):
+        """A job's timesteps (`timesteps`); `extra`: its `job_extra`, for a family whose
+        schedule depends on more than the latents' shape tells."""
+        return self.timesteps(scheduler, steps, latents, device)
+
+    def latents_of(self, samples, req: dict):
+        """A job's whole-batch result (model space) as the typed Latents the host gets: the
+        latent alone, or (a family with a sound track) the video's and the sound's apart."""
+        from ..runtime.outputs import Latents
+        sound = self.family.capability(families.SoundTrack)
+        if sound is None or samples is None:
+            return Latents(samples=samples)
+        video, audio = latent_layout.split_sound(self.arch, samples, req["height"],
+                                                 req["width"], req.get("frames") or 1)
+        return Latents(samples=video, audio=audio)
+
     def transformer_for(self, model, extra) -> "object":
         """The transformer a forward with `extra` runs (the step's expert)."""
         return model.transformer

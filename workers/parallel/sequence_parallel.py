@@ -157,7 +157,10 @@ class SequenceLayout:
 
     streams:       the family's token streams (streams.TokenLayout); every `stream` below
                    names one of them.
-    split_inputs:  forward kwarg -> (stream, dim), split before the transformer runs.
+    split_inputs:  forward kwarg -> (stream, dim), split before the transformer runs;
+                   (stream, dim, "per_token"): split where the call gives it per token (it
+                   has that dim), left whole where it gives one per row (LTX-2's timestep:
+                   [B] in text-to-video, [B, video tokens] from a start frame).
     split_outputs: submodule name -> (stream, dim), its output is split; a tuple output
                    takes one (stream, dim) per element (None: left whole). (stream, dim,
                    "flatten"): the output's dims from `dim` on are the tokens, flattened
@@ -169,6 +172,9 @@ class SequenceLayout:
                    whole sequence's).
     gather_output: (submodule name, dim), its output (the latent stream's tokens) is
                    all-gathered.
+    gather_streams: submodule name -> (stream, dim): the output of another sharded stream
+                   the transformer returns (LTX-2's sound, denoised with the video), gathered
+                   alike.
     token_counts:  (transformer, forward kwargs) -> {stream: tokens} of the call, every
                    declared stream.
     kwargs_name:   the forward kwarg whose dict reaches the attention processors.
@@ -191,10 +197,11 @@ class SequenceLayout:
     kwargs_name: str = "joint_attention_kwargs"
     plan_by_hook: bool = False
     context_tokens: dict = field(default_factory=dict)
+    gather_streams: dict = field(default_factory=dict)
 
     def __post_init__(self):
         names = self.streams.names
-        specs = list(self.split_inputs.values())
+        specs = list(self.split_inputs.values()) + list(self.gather_streams.values())
         for spec in self.split_outputs.values():
             specs.extend([spec] if isinstance(spec[0], str) else [s for s in spec if s])
         specs += [(stream,) for m in self.full_lengths.values() for stream in m.values()]
@@ -297,6 +304,9 @@ class SequenceParallel:
         gname, gdim = layout.gather_output
         self.handles.append(transformer.get_submodule(gname).register_forward_hook(
             self._gatherer(gdim)))
+        for name, (stream, dim) in layout.gather_streams.items():
+            self.handles.append(transformer.get_submodule(name).register_forward_hook(
+                self._gatherer(dim, stream)))
 
     def _enter(self, module, args, kwargs):
         if args:
@@ -315,9 +325,10 @@ class SequenceParallel:
         self.context = {kw: (None if kwargs.get(arg) is None else int(kwargs[arg].shape[1]))
                         for arg, kw in self.layout.context_tokens.items()}
         kwargs = dict(kwargs)
-        for key, (stream, dim) in self.layout.split_inputs.items():
-            if kwargs.get(key) is not None:
-                kwargs[key] = plan.shard(kwargs[key], dim, stream)
+        for key, (stream, dim, *how) in self.layout.split_inputs.items():
+            x = kwargs.get(key)
+            if x is not None and not (how == ["per_token"] and x.dim() <= dim):
+                kwargs[key] = plan.shard(x, dim, stream)
         jak["sp_plan"] = plan
         kwargs[name] = jak
         return args, kwargs
@@ -344,10 +355,11 @@ class SequenceParallel:
                                          for key, stream in specs.items()})
         return hook
 
-    def _gatherer(self, dim: int):
+    def _gatherer(self, dim: int, stream: Optional[str] = None):
         def hook(module, args, output):
             plan = self.plan
-            return gather_stream(output, dim, plan, plan.latent_stream, self.topo.group("sp"))
+            return gather_stream(output, dim, plan, stream or plan.latent_stream,
+                                 self.topo.group("sp"))
         return hook
 
     def remove(self):

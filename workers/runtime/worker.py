@@ -346,8 +346,9 @@ class Worker:
                 r["rss_mb"] = st["rss_mb"]
                 if "first_job_s" in st:
                     r["first_job_s"] = st["first_job_s"]
-        from .outputs import Decoded, Latents
-        return (Latents(samples=samples), None if images is None else Decoded(images=images),
+        from .outputs import Decoded
+        return (self.adapter.latents_of(samples, job.request),
+                None if images is None else Decoded(images=images),
                 stats)
 
     def prepare_call(self, msg):

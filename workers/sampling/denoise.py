@@ -130,13 +130,13 @@ def prepare(job, model, adapter, topo: Topology) -> Prepared:
     check_scheduler(scheduler)
     img2img = job.init_latent is not None and job.denoise < 1.0
     total, begin = schedule_window(req["steps"], job.denoise if img2img else 1.0)
-    timesteps = adapter.timesteps(scheduler, total, noise, dev)[begin:]
+    extra = adapter.job_extra(model, req)
+    timesteps = adapter.job_timesteps(scheduler, total, noise, dev, extra)[begin:]
     sigmas = scheduler.sigmas[begin:].to(dev, torch.float32)
     latents = noise
     if img2img:  # start part-way down the schedule from the noised input latent
         x0 = job.init_latent[mine].to(dev, noise.dtype)
         latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(noise.dtype)
-    extra = adapter.forward_extra(model, req["height"], req["width"])
     if job.reference_inputs is not None:  # a batch of references is sliced like the latents
         for key, v in job.reference_inputs.items():  # the rest: what the adapter's forward needs
             if key == "tokens":   # of them ("ids": FLUX's RoPE ids; "shapes": Qwen's grids)

@@ -1,0 +1,109 @@
+"""LTX-2 through the pool equals diffusers' LTX2Pipeline (docs/design.md#numerics-rule-4): one
+rank with and without CFG, the video latent and the sound latent each, for a batch of prompts
+of different lengths.
+
+The noise is ComfyUI's for the AV LATENT (the video's [B, 128, (frames - 1) / 8 + 1, H/32,
+W/32], then the sound's [B, 8, round(frames / 24 * 25), 16], drawn one after the other from
+one generator). ComfyUI's LATENT is model space (its VAEs normalise inside), so the pipeline
+takes the video noise packed (its packed latents are not normalised again) and the sound
+noise brought to raw space (it normalises the sound latents it is given); its raw results are
+normalised back to compare. The pipeline's extra guidance passes (spatio-temporal and
+modality guidance) and its guidance rescale are off, its audio guidance scale the video's:
+the request's cfg, as ComfyUI's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+from comfyui_xdit.comfy_convert import job_noise
+from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+
+TOL = 1e-4
+SIZE = (64, 96, 9)  # (h, w, frames): 2 latent frames x 2 x 3 = 12 video tokens, 9 sound
+A = "a red cat"
+B = "a big blue dog sitting on a green field under the sky"
+NEGATIVE = "ugly dark old photo"
+STEPS = 3
+MSL = 16
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("ltx2")
+    return {v: ensure_tiny_model("ltx2", cache, variant=v) for v in ("t2v",)}
+
+
+@pytest.fixture(scope="module")
+def pipes(folders):
+    from diffusers import LTX2Pipeline
+    return {"t2v": LTX2Pipeline.from_pretrained(str(folders["t2v"]))}
+
+
+def request(prompts, cfg: float = 3.0, seed: int = 5, **kw) -> GenerationRequest:
+    h, w, f = SIZE
+    base = dict(prompt=list(prompts), seed=seed, height=h, width=w, frames=f, cfg=cfg,
+                negative_prompt=NEGATIVE, steps=STEPS, max_sequence_length=MSL)
+    return GenerationRequest(**dict(base, **kw))
+
+
+def _stats(vae):
+    return vae.latents_mean.float(), vae.latents_std.float()
+
+
+@pytest.fixture(scope="module")
+def oracle(pipes):
+    """oracle(request) -> (video LATENT, sound LATENT) of LTX2Pipeline, model space."""
+    cache = {}
+
+    def run(req: GenerationRequest):
+        key = (tuple(req.prompt), req.seed, req.cfg, req.steps)
+        if key in cache:
+            return cache[key]
+        pipe = pipes["t2v"]
+        b = len(req.prompt)
+        video, audio = job_noise("ltx2", req.seed, b, req.height, req.width, req.frames)
+        vmean, vstd = _stats(pipe.vae)
+        amean, astd = _stats(pipe.audio_vae)
+        packed_audio = audio.transpose(1, 2).flatten(2, 3) * astd + amean
+        v, a = pipe(prompt=list(req.prompt), negative_prompt=[req.negative_prompt] * b,
+                    height=req.height, width=req.width, num_frames=req.frames,
+                    num_inference_steps=req.steps, guidance_scale=req.cfg,
+                    audio_guidance_scale=req.cfg, guidance_rescale=0.0,
+                    audio_guidance_rescale=0.0, stg_scale=0.0, audio_stg_scale=0.0,
+                    modality_scale=1.0, audio_modality_scale=1.0,
+                    spatio_temporal_guidance_blocks=None,
+                    max_sequence_length=req.max_sequence_length,
+                    latents=video.flatten(2).transpose(1, 2), audio_latents=packed_audio,
+                    output_type="latent", return_dict=False)
+        sf = pipe.vae.config.scaling_factor
+        v = (v.float() - vmean.view(1, -1, 1, 1, 1)) * sf / vstd.view(1, -1, 1, 1, 1)
+        tok = a.float().transpose(1, 2).flatten(2, 3)  # the sound's packed statistics
+        a = ((tok - amean) / astd).unflatten(2, (a.shape[1], a.shape[3])).transpose(1, 2)
+        cache[key] = (v, a)
+        return cache[key]
+    return run
+
+
+def check(got, want, what: str) -> float:
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    diff = float((got - want).abs().max())
+    print(f"{what}: max abs diff {diff:.2e}")
+    assert diff <= TOL, f"{what}: max abs diff {diff:.3e}"
+    return diff
+
+
+def test_one_rank_equals_the_pipeline(folders, layout_pools, oracle):
+    """Batch 1 with CFG; a batch of prompts of different lengths without and with CFG: the
+    video latent and the sound latent each equal the pipeline's."""
+    pool = layout_pools.get(folders["t2v"], ParallelConfig())
+    h, w, f = SIZE
+    for prompts, cfg in (([A], 3.0), ([A, B], 1.0), ([A, B], 4.0)):
+        req = request(prompts, cfg)
+        got = pool.generate(req).latents
+        video, audio = oracle(req)
+        assert got.samples.shape == (len(prompts), 128, (f - 1) // 8 + 1, h // 32, w // 32)
+        assert got.audio.shape == (len(prompts), 8, round(f / 24 * 25), 16)
+        check(got.samples, video, f"1 rank video, batch {len(prompts)} cfg {cfg}")
+        check(got.audio, audio, f"1 rank sound, batch {len(prompts)} cfg {cfg}")
