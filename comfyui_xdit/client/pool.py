@@ -430,6 +430,12 @@ class WorkerPool(PoolLaunch, PoolConnection):
             raise PoolError(f"the pool kept asking for conditionings {msg.missing}")
 
 
+def bridge_sound(arch: str):
+    """The family's SoundTrack (workers/families), or None."""
+    from comfyui_xdit import bridge
+    return bridge.latent_layout.sound_of(arch)
+
+
 def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
                       arch: str) -> None:
     """The tensors `generate` takes beside the request, checked before anything is sent: a
@@ -439,6 +445,18 @@ def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
     if not isinstance(denoise, (int, float)) or not 0.0 < float(denoise) <= 1.0:
         raise ConfigError(f"denoise must be in (0, 1] (got {denoise!r})")
     shape = latent_shape(arch, request.batch, request.height, request.width, request.frames)
+    sound = bridge_sound(arch)
+    if sound is not None:  # a video with its sound: noise is (video noise, sound noise)
+        want = (shape, sound.shape(request.batch, request.frames))
+        if noise is not None and (not isinstance(noise, (tuple, list)) or len(noise) != 2 or
+                                  any(not torch.is_tensor(t) or tuple(t.shape) != w
+                                      for t, w in zip(noise, want))):
+            raise ConfigError(f"noise must be (video noise {list(want[0])}, sound noise "
+                              f"{list(want[1])}) for this request (ComfyUI's AV LATENT)")
+        if init_latent is not None:
+            raise ConfigError("init_latent (denoise < 1) is not supported for a video with "
+                              "its sound yet")
+        return
     for name, t in (("noise", noise), ("init_latent", init_latent)):
         if t is not None and (not torch.is_tensor(t) or tuple(t.shape) != shape):
             got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__

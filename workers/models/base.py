@@ -89,6 +89,11 @@ class DiTAdapter:
     lora_pipeline = ""
     # the LoRA formats its loader reads, for the message on a file it cannot read
     lora_formats = "diffusers/PEFT"
+    # the step cache's view of a block (workers/sampling/step_cache.py): None where blocks
+    # take hidden_states (and encoder_hidden_states) and return them as the usual formats;
+    # else the keywords of the states a block returns, in its output's order, the latent's
+    # first (LTX-2: its video and its sound, each with its own cached residual)
+    block_states = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

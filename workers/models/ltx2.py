@@ -108,6 +108,7 @@ class LTX2Adapter(DiTAdapter):
     latents_fp32 = True  # LTX2Pipeline keeps fp32 latents and casts each call's input
     # rank 0's prompt encoder (Gemma 3 and the connectors) holds no VAE or vocoder
     encoder_skips = ("audio_vae", "vocoder")
+    block_states = ("hidden_states", "audio_hidden_states")  # what each block returns
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
                       "video_coords": ("video", 2), "audio_coords": ("audio", 2),
