@@ -37,8 +37,19 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipes(folders):
-    from diffusers import LTX2Pipeline
-    return {"t2v": LTX2Pipeline.from_pretrained(str(folders["t2v"]))}
+    """The folder as text-to-video and, the same parts, as image-to-video (one LTX-2
+    transformer makes both)."""
+    from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
+    t2v = LTX2Pipeline.from_pretrained(str(folders["t2v"]))
+    return {"t2v": t2v, "i2v": LTX2ImageToVideoPipeline(**t2v.components)}
+
+
+def start_image(seed: int = 0):
+    """An RGB start image of another size than the video's (the pipeline resizes it)."""
+    import numpy as np
+    from PIL import Image
+    rgb = np.random.RandomState(seed).rand(50, 70, 3)
+    return Image.fromarray((rgb * 255).astype("uint8"))
 
 
 def request(prompts, cfg: float = 3.0, seed: int = 5, **kw) -> GenerationRequest:
@@ -57,16 +68,24 @@ def oracle(pipes):
     """oracle(request) -> (video LATENT, sound LATENT) of LTX2Pipeline, model space."""
     cache = {}
 
-    def run(req: GenerationRequest):
-        key = (tuple(req.prompt), req.seed, req.cfg, req.steps)
+    def run(req: GenerationRequest, image=None):
+        """`image`: image-to-video from it; the pipeline then draws its own noise from the
+        seed, video then sound, as ComfyUI's nested noise does (its start frame replaces
+        the first latent frame's)."""
+        key = (tuple(req.prompt), req.seed, req.cfg, req.steps,
+               None if image is None else image.tobytes())
         if key in cache:
             return cache[key]
-        pipe = pipes["t2v"]
+        pipe = pipes["t2v" if image is None else "i2v"]
         b = len(req.prompt)
-        video, audio = job_noise("ltx2", req.seed, b, req.height, req.width, req.frames)
         vmean, vstd = _stats(pipe.vae)
         amean, astd = _stats(pipe.audio_vae)
-        packed_audio = audio.transpose(1, 2).flatten(2, 3) * astd + amean
+        if image is None:
+            video, audio = job_noise("ltx2", req.seed, b, req.height, req.width, req.frames)
+            packed_audio = audio.transpose(1, 2).flatten(2, 3) * astd + amean
+            kw = dict(latents=video.flatten(2).transpose(1, 2), audio_latents=packed_audio)
+        else:
+            kw = dict(image=image, generator=torch.manual_seed(req.seed))
         v, a = pipe(prompt=list(req.prompt), negative_prompt=[req.negative_prompt] * b,
                     height=req.height, width=req.width, num_frames=req.frames,
                     num_inference_steps=req.steps, guidance_scale=req.cfg,
@@ -74,9 +93,8 @@ def oracle(pipes):
                     audio_guidance_rescale=0.0, stg_scale=0.0, audio_stg_scale=0.0,
                     modality_scale=1.0, audio_modality_scale=1.0,
                     spatio_temporal_guidance_blocks=None,
-                    max_sequence_length=req.max_sequence_length,
-                    latents=video.flatten(2).transpose(1, 2), audio_latents=packed_audio,
-                    output_type="latent", return_dict=False)
+                    max_sequence_length=req.max_sequence_length, output_type="latent",
+                    return_dict=False, **kw)
         sf = pipe.vae.config.scaling_factor
         v = (v.float() - vmean.view(1, -1, 1, 1, 1)) * sf / vstd.view(1, -1, 1, 1, 1)
         tok = a.float().transpose(1, 2).flatten(2, 3)  # the sound's packed statistics
@@ -107,3 +125,25 @@ def test_one_rank_equals_the_pipeline(folders, layout_pools, oracle):
         assert got.audio.shape == (len(prompts), 8, round(f / 24 * 25), 16)
         check(got.samples, video, f"1 rank video, batch {len(prompts)} cfg {cfg}")
         check(got.audio, audio, f"1 rank sound, batch {len(prompts)} cfg {cfg}")
+
+
+def test_image_to_video_equals_the_pipeline(folders, pipes, layout_pools, oracle):
+    """One start image (recompressed, resized and encoded as the pipeline does) as the clean
+    first latent frame at timestep 0, kept through the steps: the video and the sound equal
+    LTX2ImageToVideoPipeline's at 1 rank and on 2 ranks (Ulysses 2, Ring 2: the per-token
+    timestep split with the video), a batch of two prompts with CFG; another image moves the
+    result (the start frame is read)."""
+    image = start_image()
+    req = request([A, B], 3.0, reference_images=[image])
+    video, audio = oracle(req, image)
+    got = layout_pools.get(folders["t2v"], ParallelConfig()).generate(req).latents
+    check(got.samples, video, "i2v 1 rank video")
+    check(got.audio, audio, "i2v 1 rank sound")
+    moved = layout_pools.get(folders["t2v"], ParallelConfig()).generate(
+        request([A, B], 3.0, reference_images=[start_image(1)])).latents
+    assert float((moved.samples - got.samples).abs().max()) > 1e-3
+    for name, config in (("ulysses2", ParallelConfig(ulysses=2)),
+                         ("ring2", ParallelConfig(ring=2))):
+        res = layout_pools.get(folders["t2v"], config).generate(req).latents
+        check(res.samples, video, f"i2v {name} video")
+        check(res.audio, audio, f"i2v {name} sound")

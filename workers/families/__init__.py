@@ -215,6 +215,8 @@ class ImageToVideo:
     # which states of a CONDITIONING's clip_vision_output the model reads (Wan 2.1 I2V the
     # penultimate hidden states, HunyuanVideo 1.5 the last: its model_base's clip_fea)
     clip_vision_states: str = "penultimate_hidden_states"
+    # the start image is optional: the same model makes video from the prompt alone (LTX-2)
+    optional: bool = False
 
 
 @dataclass(frozen=True)

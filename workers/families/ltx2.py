@@ -11,7 +11,7 @@ ComfyUI's cfg g."""
 from __future__ import annotations
 
 from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family,
-               LatentSpec, Presets, SoundTrack, Text)
+               ImageToVideo, LatentSpec, Presets, SoundTrack, Text)
 from ..streams import Attention, Stream, TokenLayout
 from ._shapes import numbered
 
@@ -69,6 +69,12 @@ def config_from_shapes(shapes: dict, naming: str) -> dict:
             "caption_channels": int(shapes["caption_projection.linear_1.weight"][1])}
 
 
+def image_to_video(cfg: dict) -> tuple:
+    """(a start frame: yes, optional: every LTX-2 transformer takes one, as the clean first
+    latent frame at timestep 0, or none; CLIP vision states: none)."""
+    return True, False
+
+
 def released(config: dict) -> tuple:
     """A single file's scheduler and VAE latent config: the LATENT is model space."""
     return dict(SCHEDULER), {"scaling_factor": 1.0, "latent_channels": CHANNELS}
@@ -102,6 +108,7 @@ FAMILY = Family(
                         config_from_shapes=config_from_shapes, released=released, order=60,
                         config_names={"text_width": "caption_channels"}),
     tokens=TOKENS,
-    capabilities=(SOUND, CausalVAE(whole_video=True),
+    capabilities=(SOUND, ImageToVideo(inputs=image_to_video, optional=True),
+                  CausalVAE(whole_video=True),
                   Presets(PRESETS)),
 )

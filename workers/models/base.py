@@ -331,6 +331,12 @@ class DiTAdapter:
         schedule depends on more than the latents' shape tells."""
         return self.timesteps(scheduler, steps, latents, device)
 
+    def initial_latents(self, latents, extra: dict):
+        """The loop's first latents from the job's noise (`extra`: this replica's forward
+        inputs, its references included): as they are, but where a family's start frame is
+        clean tokens of the latent itself (LTX-2's first latent frame)."""
+        return latents
+
     def latents_of(self, samples, req: dict):
         """A job's whole-batch result (model space) as the typed Latents the host gets: the
         latent alone, or (a family with a sound track) the video's and the sound's apart."""

@@ -190,6 +190,53 @@ class LTX2Adapter(DiTAdapter):
     def context_tokens(self, cond: dict) -> dict:
         return {"text": int(cond["encoder_hidden_states"].shape[1])}
 
+    # ---- a start frame (LTX2ImageToVideoPipeline) ------------------------------------------
+    def start_condition(self, model, req: dict, images, batch: int):
+        """One start image -> {"references": {"tokens": its first latent frame's tokens
+        [1, h*w, 128], model space}}: H.264-recompressed at the pipeline's default CRF (33
+        with Gemma 3), resized by its VideoProcessor (bilinear), the VAE's mode, normalised. The loop
+        then starts from them (`initial_latents`), calls those tokens at timestep 0 and keeps
+        them (their velocity is 0). None without one (text-to-video)."""
+        if req.get("concat_latent") is not None:
+            raise ValueError("LTX-2 takes its start frame as an image (reference_images); "
+                             "ComfyUI's concat_latent is WanImageToVideo's")
+        if not images:
+            return None
+        if len(images) != 1:
+            raise ValueError(f"LTX-2 image-to-video takes one start image (got {len(images)})")
+        import numpy as np
+        import PIL.Image
+        from diffusers.pipelines.ltx2.utils import (apply_image_conditioning_crf,
+                                                    resolve_default_image_crf)
+        from diffusers.video_processor import VideoProcessor
+
+        from .base import vae_mode
+        image = images[0]
+        enc = model.encoder
+        crf = resolve_default_image_crf(None if enc is None else enc.text_encoder)
+        if crf:
+            image = PIL.Image.fromarray(apply_image_conditioning_crf(
+                np.array(image.convert("RGB")), crf))
+        d = self.family.latent.downscale
+        pixels = VideoProcessor(vae_scale_factor=d, resample="bilinear").preprocess(
+            image, height=int(req["height"]), width=int(req["width"])).float()
+        raw = vae_mode(model, pixels.unsqueeze(2))  # [1, 128, 1, h, w]
+        vae = model.vae  # loaded by vae_mode; its statistics are buffers, not config
+        mean = vae.latents_mean.float().cpu().view(1, -1, 1, 1, 1)
+        std = vae.latents_std.float().cpu().view(1, -1, 1, 1, 1)
+        scale = float(vae.config.scaling_factor)
+        first = (raw - mean) * scale / std
+        return {"references": {"tokens": first.flatten(2).transpose(1, 2).contiguous()},
+                "cond": {}}
+
+    def initial_latents(self, latents, extra):
+        first = extra.get("ref_tokens")
+        if first is None:
+            return latents
+        out = latents.clone()
+        out[:, :first.shape[1]] = first.to(out.dtype).expand(out.shape[0], -1, -1)
+        return out
+
     # ---- the call --------------------------------------------------------------------------
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         tr = model.transformer
@@ -201,9 +248,10 @@ class LTX2Adapter(DiTAdapter):
         audio_text = cond["audio_encoder_hidden_states"]
         text, audio_text = text.expand(b, -1, -1), audio_text.expand(b, -1, -1)
         timestep = t.expand(b)
-        video_t = extra.get("ref_timestep_scale")  # from a start frame: per video token
-        if video_t is not None:
-            timestep = t * video_t.expand(b, -1)
+        first = extra.get("ref_tokens")  # a start frame: its tokens at timestep 0
+        n0 = 0 if first is None else first.shape[1]
+        if n0:
+            timestep = torch.cat([t.new_zeros(b, n0), t.expand(b, nv - n0)], 1)
         video, audio = tr(
             hidden_states=x[:, :nv], audio_hidden_states=x[:, nv:],
             encoder_hidden_states=text, audio_encoder_hidden_states=audio_text,
@@ -212,6 +260,8 @@ class LTX2Adapter(DiTAdapter):
             audio_coords=extra["audio_coords"].expand(b, -1, -1, -1),
             use_cross_timestep=True,  # LTX2Pipeline's default
             attention_kwargs=dict(jak or {}), return_dict=False)
+        if n0:  # the start frame stays as it is (the pipeline steps the later frames only)
+            video = torch.cat([video.new_zeros(b, n0, video.shape[2]), video[:, n0:]], 1)
         return torch.cat([video, audio], 1)
 
     # ---- VAE space -------------------------------------------------------------------------

@@ -143,6 +143,7 @@ def prepare(job, model, adapter, topo: Topology) -> Prepared:
                 extra["ref_tokens"] = (v[mine] if v.shape[0] > 1 else v).to(dev, dtype)
             else:
                 extra["ref_" + key] = v.to(dev, dtype) if torch.is_tensor(v) else v
+    latents = adapter.initial_latents(latents, extra)  # a start frame's clean tokens (LTX-2)
     # made once here on the device (a fill, not a host copy), so no step waits on the host
     g = req.get("guidance")
     guidance = None if g is None else torch.full((), float(g), device=dev,
