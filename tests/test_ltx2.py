@@ -147,3 +147,30 @@ def test_image_to_video_equals_the_pipeline(folders, pipes, layout_pools, oracle
         res = layout_pools.get(folders["t2v"], config).generate(req).latents
         check(res.samples, video, f"i2v {name} video")
         check(res.audio, audio, f"i2v {name} sound")
+
+
+def test_decode_gives_the_frames_and_the_sound_of_the_pipeline(folders, pipes, layout_pools):
+    """output="image": the frames (the video VAE) and the waveform (the audio VAE's mel
+    spectrogram through the vocoder, with its sample rate) equal LTX2Pipeline's decode of
+    the same run; 2 ranks decode alike (rank 0 decodes)."""
+    pipe = pipes["t2v"]
+    req = request([A], 3.0, output="image")
+    h, w, f = SIZE
+    video, audio = job_noise("ltx2", req.seed, 1, h, w, f)
+    amean, astd = _stats(pipe.audio_vae)
+    frames, wave = pipe(prompt=[A], negative_prompt=[NEGATIVE], height=h, width=w,
+                        num_frames=f, num_inference_steps=STEPS, guidance_scale=3.0,
+                        audio_guidance_scale=3.0, guidance_rescale=0.0,
+                        audio_guidance_rescale=0.0, stg_scale=0.0, audio_stg_scale=0.0,
+                        modality_scale=1.0, audio_modality_scale=1.0,
+                        spatio_temporal_guidance_blocks=None, max_sequence_length=MSL,
+                        latents=video.flatten(2).transpose(1, 2),
+                        audio_latents=audio.transpose(1, 2).flatten(2, 3) * astd + amean,
+                        output_type="pt", return_dict=False)
+    want = frames[0].permute(0, 2, 3, 1)  # [F, H, W, 3] in 0..1
+    for config in (ParallelConfig(), ParallelConfig(ulysses=2)):
+        got = layout_pools.get(folders["t2v"], config).generate(req).decoded
+        assert got.images.shape == (f, h, w, 3)
+        check(got.images, want, f"decoded frames {config.ulysses}")
+        assert got.sample_rate == pipe.vocoder.config.output_sampling_rate
+        check(got.audio, wave.float(), f"decoded waveform {config.ulysses}")

@@ -247,6 +247,11 @@ class DiTAdapter:
         scale, shift = self.scale_shift(model)
         return latent_layout.to_raw(self.arch, latents, scale, shift, height, width)
 
+    def job_raw(self, model: LoadedModel, samples, req: dict):
+        """A job's final latents (model space) -> what `decode` takes (`to_raw` at the
+        request's size; a family with a sound track also needs its frames)."""
+        return self.to_raw(model, samples, req["height"], req["width"])
+
     def comfy_to_raw(self, model: LoadedModel, samples: torch.Tensor):
         """ComfyUI LATENT samples -> raw VAE space (what `decode` takes)."""
         scale, shift = self.scale_shift(model)

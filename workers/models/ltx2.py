@@ -270,7 +270,67 @@ class LTX2Adapter(DiTAdapter):
         return 1.0, 0.0
 
     def to_raw(self, model, latents, height, width):
-        raise NotImplementedError("LTX-2 decodes its video and sound apart: decode_av")
+        raise NotImplementedError("LTX-2's latents need the frames to split: job_raw")
+
+    def job_raw(self, model, samples, req):
+        """(video, sound) in model space, apart: `decode` takes ComfyUI's AV LATENT's two."""
+        return latent_layout.split_sound(self.arch, samples, req["height"], req["width"],
+                                         req.get("frames") or 1)
 
     def comfy_to_raw(self, model, samples):
-        return samples.float()
+        return samples.float() if torch.is_tensor(samples) else \
+            tuple(None if t is None else t.float() for t in samples)
+
+    def decode(self, model, raw, group=None, control=None):
+        """(video, sound) model-space latents (ComfyUI's AV LATENT's) -> Decoded: the frames
+        [B * F, H, W, 3] in 0..1 and the waveform [B, channels, samples] with its rate, as
+        LTX2Pipeline decodes them (the video VAE at decode timestep 0, without decode noise;
+        the audio VAE's mel spectrogram through the vocoder). On the group's first rank (the
+        others return None: no collective; the VAEs are not patch-parallel here)."""
+        from ..runtime.outputs import Decoded
+        if raw is None:
+            return None
+        video, audio = raw if isinstance(raw, (tuple, list)) else (raw, None)
+        parts = _decoders(model)
+        vae = parts["vae"]
+        x = video.to(model.device, vae.dtype)
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(x)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(x)
+        x = x * std / vae.config.scaling_factor + mean
+        timestep = None
+        if vae.config.timestep_conditioning:
+            timestep = torch.zeros(x.shape[0], device=x.device, dtype=x.dtype)
+        vid = vae.decode(x, timestep, return_dict=False)[0]
+        frames = (vid.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
+        if audio is None:
+            return Decoded(images=frames)
+        avae, vocoder = parts["audio_vae"], parts["vocoder"]
+        a = audio.to(model.device, avae.dtype)
+        tok = a.transpose(1, 2).flatten(2, 3)  # the statistics are per packed channel
+        tok = tok * avae.latents_std.to(tok) + avae.latents_mean.to(tok)
+        a = tok.unflatten(2, (a.shape[1], a.shape[3])).transpose(1, 2)
+        mel = avae.decode(a, return_dict=False)[0]
+        wave = vocoder(mel).float().cpu()
+        return Decoded(images=frames, audio=wave,
+                       sample_rate=int(vocoder.config.output_sampling_rate))
+
+
+def _decoders(model) -> dict:
+    """The folder's video VAE, audio VAE and vocoder, loaded once on the model's device."""
+    parts = getattr(model, "decoders", None)
+    if parts is None:
+        import diffusers
+        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+        from .base import load_vae
+        if model.vae is None:
+            model.vae = load_vae(model)
+        audio_vae = diffusers.AutoencoderKLLTX2Audio.from_pretrained(
+            model.path, subfolder="audio_vae", torch_dtype=model.dtype)
+        vocoder = LTX2Vocoder.from_pretrained(model.path, subfolder="vocoder",
+                                              torch_dtype=model.dtype)
+        parts = {"vae": model.vae,
+                 "audio_vae": audio_vae.to(model.device).eval().requires_grad_(False),
+                 "vocoder": vocoder.to(model.device).eval().requires_grad_(False)}
+        model.decoders = parts
+    return parts

@@ -326,8 +326,8 @@ class Worker:
             stats["sharding"] = job_counts(self)
         images = None
         if job.request.get("output") == "image":  # the same decision on every rank
-            raw = None if samples is None else self.adapter.to_raw(
-                self.model, samples, job.request["height"], job.request["width"])
+            raw = None if samples is None else self.adapter.job_raw(
+                self.model, samples, job.request)
             images = _decode(self, raw)
         if self.device.type == "cuda":  # the process's peaks so far (load and every job):
             # read once, after the decode the plan also counts; the host compares them with
@@ -347,8 +347,9 @@ class Worker:
                 if "first_job_s" in st:
                     r["first_job_s"] = st["first_job_s"]
         from .outputs import Decoded
-        return (self.adapter.latents_of(samples, job.request),
-                None if images is None else Decoded(images=images),
+        if images is not None and not isinstance(images, Decoded):
+            images = Decoded(images=images)  # a family with sound decodes to a Decoded
+        return (self.adapter.latents_of(samples, job.request), images,
                 stats)
 
     def prepare_call(self, msg):
