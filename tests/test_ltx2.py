@@ -174,3 +174,32 @@ def test_decode_gives_the_frames_and_the_sound_of_the_pipeline(folders, pipes, l
         check(got.images, want, f"decoded frames {config.ulysses}")
         assert got.sample_rate == pipe.vocoder.config.output_sampling_rate
         check(got.audio, wave.float(), f"decoded waveform {config.ulysses}")
+
+
+def test_cli_writes_the_video_with_its_sound_and_a_wav(folders, layout_pools, tmp_path):
+    """`generate --out x.mp4 --wav x.wav`: the .mp4 holds the 9 frames at LTX-2's 24 fps
+    and an AAC sound track at the vocoder's rate; the .wav holds the pool's decoded waveform
+    (16-bit)."""
+    import wave
+
+    import numpy as np
+    av = pytest.importorskip("av")
+    from test_cli import cli
+
+    h, w, f = SIZE
+    r = cli("generate", "--model", folders["t2v"], "--prompt", A, "--seed", "5", "--steps",
+            str(STEPS), "--height", str(h), "--width", str(w), "--frames", str(f),
+            "--max-sequence-length", str(MSL), "--negative-prompt", NEGATIVE,
+            "--threads-per-rank", "1", "--out", tmp_path / "x.mp4", "--wav", tmp_path / "x.wav")
+    assert r.returncode == 0, r.stderr
+    want = layout_pools.get(folders["t2v"], ParallelConfig()).generate(
+        request([A], output="image")).decoded
+    with av.open(str(tmp_path / "x.mp4")) as c:
+        v, a = c.streams.video[0], c.streams.audio[0]
+        assert v.average_rate == 24 and len(list(c.decode(v))) == f
+        assert a.rate == want.sample_rate
+    with wave.open(str(tmp_path / "x.wav")) as wf:
+        n = wf.getnframes()
+        pcm = np.frombuffer(wf.readframes(n), dtype="<i2").reshape(n, -1).T / 32767
+    assert pcm.shape == tuple(want.audio[0].shape)
+    assert float(np.abs(pcm - want.audio[0].clamp(-1, 1).numpy()).max()) <= 1 / 32767
