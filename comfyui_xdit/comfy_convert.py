@@ -223,6 +223,20 @@ class LatentInput:
     frames: int = 1  # video families (Wan): frames of each video, (T - 1) x 4 + 1
 
 
+def av_parts(samples) -> tuple:
+    """A LATENT's samples as (video, sound or None): ComfyUI's AV LATENT nests the two
+    (a NestedTensor: `is_nested`, `unbind()`), any other LATENT is the video alone."""
+    if getattr(samples, "is_nested", False) and hasattr(samples, "unbind"):
+        parts = list(samples.unbind())
+        return parts[0], (parts[1] if len(parts) > 1 else None)
+    return samples, None
+
+
+def video_of(samples):
+    """The video (or image) latent of a LATENT's samples (`av_parts`)."""
+    return av_parts(samples)[0]
+
+
 def is_empty_latent(samples) -> bool:
     """An all-zero latent (EmptySD3LatentImage / EmptyLatentImage) means text-to-image."""
     import torch
@@ -238,11 +252,11 @@ def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
     one must be in the model's layout (one error otherwise)."""
     import torch
 
-    if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
+    if not isinstance(latent, dict) or not torch.is_tensor(video_of(latent.get("samples"))):
         raise ConfigError("LATENT input must be a dict with 'samples'; connect "
                           "EmptySD3LatentImage or a VAEEncode")
     spec = _spec(arch)
-    s = latent["samples"]
+    s = video_of(latent["samples"])
     empty = is_empty_latent(s) if s.dim() in (4, 5) else False
     if s.dim() not in (4, 5) or (s.dim() == 5 and (not spec.frames or (
             s.shape[2] != 1 and not spec.video))) or \

@@ -203,3 +203,52 @@ def test_cli_writes_the_video_with_its_sound_and_a_wav(folders, layout_pools, tm
         pcm = np.frombuffer(wf.readframes(n), dtype="<i2").reshape(n, -1).T / 32767
     assert pcm.shape == tuple(want.audio[0].shape)
     assert float(np.abs(pcm - want.audio[0].clamp(-1, 1).numpy()).max()) <= 1 / 32767
+
+
+class _Nested:
+    """Stands for ComfyUI's NestedTensor (comfy.nested_tensor) in an AV LATENT: what the
+    pack reads of it (`is_nested`, `unbind`)."""
+
+    is_nested = True
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def unbind(self):
+        return self.tensors
+
+
+def test_sampler_and_decode_nodes_give_the_latent_the_frames_and_the_audio(folders,
+                                                                           layout_pools):
+    """Without ComfyUI: the Sampler's operation on EmptyLTXVLatentVideo's LATENT gives the
+    video latent and its sound latent (the pool's); Decode gives the IMAGE frames and
+    ComfyUI's AUDIO {"waveform", "sample_rate"}, from the sampler's LATENT and from an AV
+    LATENT (the two nested, as LTXVConcatAVLatent makes it) alike, equal to the pool's own
+    decode; another family's Decode gives no AUDIO."""
+    from comfyui_xdit.nodes.handles import ModelHandle
+    from comfyui_xdit.nodes.operations import SampleInputs, decode, sample
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
+
+    h, w, f = SIZE
+    reg = PoolRegistry()
+    try:
+        handle = ModelHandle(path=str(folders["t2v"]), device="cpu", dtype="fp32",
+                             threads_per_rank=1)
+        empty = {"samples": torch.zeros(1, 128, (f - 1) // 8 + 1, h // 32, w // 32)}
+        lat = sample(handle, SampleInputs(latent=empty, prompt=A, negative_prompt=NEGATIVE,
+                                          seed=5, steps=STEPS, cfg=3.0,
+                                          max_sequence_length=MSL), registry=reg)
+        want = layout_pools.get(folders["t2v"], ParallelConfig()).generate(
+            request([A], output="image"))
+        check(lat["samples"], want.latents.samples, "sampler node video latent")
+        check(lat["audio"], want.latents.audio, "sampler node sound latent")
+        for given in (lat, {"samples": _Nested([lat["samples"], lat["audio"]])}):
+            images, audio = decode(handle, given, registry=reg, with_audio=True)
+            check(images, want.decoded.images, "decode node frames")
+            check(audio["waveform"], want.decoded.audio, "decode node waveform")
+            assert audio["sample_rate"] == want.decoded.sample_rate
+        images, audio = decode(handle, {"samples": lat["samples"]}, registry=reg,
+                               with_audio=True)  # the video alone: no sound to decode
+        assert audio is None and images.shape == (f, h, w, 3)
+    finally:
+        reg.unload_all()

@@ -320,10 +320,13 @@ class WorkerPool(PoolLaunch, PoolConnection):
         if line:
             _log.info("%s", line)
 
-    def decode(self, samples, on_launch: Optional[Callable[[str, int, int], None]] = None):
+    def decode(self, samples, on_launch: Optional[Callable[[str, int, int], None]] = None,
+               full: bool = False):
         """ComfyUI LATENT samples -> IMAGE [B,H,W,3] in 0..1, decoded with the
         model folder's VAE, patch-parallel over every rank (launches the pool if needed).
-        Bad input is refused on rank 0 before anything is broadcast: the pool stays warm."""
+        Bad input is refused on rank 0 before anything is broadcast: the pool stays warm.
+        A video with its sound: samples (video, sound); `full`: the whole Decoded (the
+        frames and, with them, the sound's waveform and sample rate)."""
         info = self.model_info
         if not info.has_vae:
             from comfyui_xdit.planning.model_info import NO_VAE
@@ -340,7 +343,7 @@ class WorkerPool(PoolLaunch, PoolConnection):
                 while True:
                     msg = self._recv(self.step_timeout, f"decoding (job {job_id})")
                     if isinstance(msg, P.Result) and msg.job_id == job_id:
-                        return msg.decoded.images
+                        return msg.decoded if full else msg.decoded.images
                     if isinstance(msg, P.Error):
                         if msg.fatal:
                             self._raise_fatal(msg.message, f"decoding (job {job_id})")

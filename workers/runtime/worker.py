@@ -486,6 +486,8 @@ def _decode_problem(worker, samples):
         return NO_VAE
     # the family's ComfyUI LATENT (FLUX.2's is 2x2-patchified and normalised)
     spec = worker.adapter.family.latent
+    if isinstance(samples, (tuple, list)):  # (video, sound): the video is checked here
+        samples = samples[0] if samples else None
     if not torch.is_tensor(samples) or samples.dim() != len(spec.shape(1, 16, 16)) \
             or samples.shape[1] != spec.channels or not samples.is_floating_point() \
             or (spec.frames and not spec.video and samples.shape[2] != 1):
