@@ -200,6 +200,12 @@ class GenerationRequest:
             if not isinstance(v, int) or v < 16 or v % 16:
                 near = max(16, round(v / 16) * 16) if isinstance(v, (int, float)) else 1024
                 out.append(f"{name} {v!r} is not a positive multiple of 16 (try {near})")
+        side = _token_side(model)
+        for name in ("height", "width") if side > 16 else ():  # LTX-2: 32 pixels a token
+            v = getattr(self, name)
+            if isinstance(v, int) and v % side:
+                out.append(f"{name} {v} is not a multiple of {side}, this model's pixels per "
+                           f"token (try {max(side, round(v / side) * side)})")
         if not isinstance(self.max_sequence_length, int) or not 1 <= self.max_sequence_length <= 512:
             out.append(f"max_sequence_length must be in 1..512 (got {self.max_sequence_length!r})")
         if self.cfg is not None and self.cfg < 1.0:
@@ -328,6 +334,13 @@ def _image_size(im):
     if shape is not None and len(shape) in (3, 4) and shape[-1] == 3 and min(shape[-3:-1]) > 0:
         return int(shape[-2]), int(shape[-3])
     return None
+
+
+def _token_side(model) -> int:
+    """Image pixels per token side of `model`'s family (a ModelInfo or a family id; 16 when
+    unknown)."""
+    arch = model if isinstance(model, str) else getattr(model, "arch", None)
+    return 16 if arch is None else families.family(arch).latent.pixels_per_token
 
 
 def image_tensors(images) -> list:
