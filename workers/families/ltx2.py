@@ -43,7 +43,9 @@ CFG = 3.0
 
 TOKENS = TokenLayout(
     streams=(Stream("video", "latent"),            # sharded over the sp ranks
-             Stream("audio", "context"),           # sharded too, split with its own RoPE
+             # whole on every rank: measured, it moves less than sharding it (its
+             # self-attention and audio-to-video need no exchange; docs/models.md#ltx-2-video-with-its-sound)
+             Stream("audio", "context", "replicate"),
              Stream("text", "text", "replicate")),  # whole on every rank: cross-attention only
     attentions=(Attention(("video",)), Attention(("audio",)),
                 Attention(("video",), ("text",)), Attention(("audio",), ("text",)),

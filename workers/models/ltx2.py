@@ -8,10 +8,11 @@ LTX2Pipeline steps both with the same sigmas, and its x0-space CFG delta is cond
 (cond - uncond) in velocity too. The forward splits them again, calls the transformer with
 precomputed RoPE coordinates, and joins its two outputs.
 
-Sequence parallelism shards both streams (each near-evenly, padded to its longest shard by
-the hooks): the video and sound tokens, their RoPE coordinates and, from a start frame, the
-per-token timestep; the prompt (one copy per stream, the connectors' output) stays whole on
-every rank. Each attention runs through the method's attention as the family's token layout
+Sequence parallelism shards the video (near-evenly, padded to its longest shard by the
+hooks): its tokens, its RoPE coordinates and, from a start frame, the per-token timestep; the
+sound (short: 25 tokens a second) and the prompt (one copy per stream, the connectors'
+output) stay whole on every rank, as the family's token layout declares (the layout may
+shard the sound instead: the same hooks split its tokens and coordinates, exact too). Each attention runs through the method's attention as the family's token layout
 declares it: video and sound self-attention, each stream over the prompt (no exchange), and
 audio-to-video / video-to-audio over the other stream's shards. Both outputs are gathered.
 The blocks call their attention modules without keyword arguments, so the plan reaches the
