@@ -324,7 +324,8 @@ def job_tokens(facts: ModelFacts, job: JobSize) -> int:
         job.height / side) * math.ceil(job.width / side)
     image = -(-image // latent.pad_multiple) * latent.pad_multiple
     sound = fam.capability(families.SoundTrack)
-    if sound is not None:  # its tokens are split and carried with the video's (LTX-2)
+    if sound is not None:  # LTX-2's sound tokens beside the video's (held whole on each
+        # rank: ~2% of the video's at the released sizes, counted here with the split ones)
         image += sound.length(job.frames)
     text = 0
     if text_stream is not None and layout.in_sequence(text_stream.name):
