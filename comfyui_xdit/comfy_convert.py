@@ -230,6 +230,20 @@ class LatentInput:
     frames: int = 1  # video families (Wan): frames of each video, (T - 1) x 4 + 1
 
 
+def av_parts(samples) -> tuple:
+    """A LATENT's samples as (video, sound or None): ComfyUI's AV LATENT nests the two
+    (a NestedTensor: `is_nested`, `unbind()`), any other LATENT is the video alone."""
+    if getattr(samples, "is_nested", False) and hasattr(samples, "unbind"):
+        parts = list(samples.unbind())
+        return parts[0], (parts[1] if len(parts) > 1 else None)
+    return samples, None
+
+
+def video_of(samples):
+    """The video (or image) latent of a LATENT's samples (`av_parts`)."""
+    return av_parts(samples)[0]
+
+
 def is_empty_latent(samples) -> bool:
     """An all-zero latent (EmptySD3LatentImage / EmptyLatentImage) means text-to-image."""
     import torch
@@ -245,11 +259,11 @@ def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
     one must be in the model's layout (one error otherwise)."""
     import torch
 
-    if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
+    if not isinstance(latent, dict) or not torch.is_tensor(video_of(latent.get("samples"))):
         raise ConfigError("LATENT input must be a dict with 'samples'; connect "
                           "EmptySD3LatentImage or a VAEEncode")
     spec = _spec(arch)
-    s = latent["samples"]
+    s = video_of(latent["samples"])
     empty = is_empty_latent(s) if s.dim() in (4, 5) else False
     if s.dim() not in (4, 5) or (s.dim() == 5 and (not spec.frames or (
             s.shape[2] != 1 and not spec.video))) or \
@@ -333,9 +347,10 @@ def comfy_to_model(arch: str, samples, fmt: dict):
 
 def latents_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):
     """A job's Latents (workers/runtime/outputs.py) from model space to ComfyUI's, each
-    tensor by its kind ("samples": `model_to_comfy`)."""
+    tensor by its kind ("samples": `model_to_comfy`; "audio": a sound track's latent, model
+    space in ComfyUI too)."""
     convert = {"samples": lambda t: model_to_comfy(arch, t, fmt, height, width),
-               "audio": lambda t: t.float()}  # a sound track's latent: ComfyUI's already
+               "audio": lambda t: t.float()}
     return latents.map(lambda name, t: convert[name](t))
 
 
@@ -347,5 +362,25 @@ def model_to_comfy(arch: str, latents, fmt: dict, height: int, width: int):
 
 def noise_to_model(arch: str, noise):
     """ComfyUI's noise (drawn in the LATENT's shape) -> the transformer's layout (noise is
-    not scaled)."""
-    return bridge.latent_layout.comfy_pack(arch, noise.float())
+    not scaled). A family with a sound track: (video noise, sound noise), joined as its
+    model space joins them."""
+    layout = bridge.latent_layout
+    if layout.sound_of(arch) is not None:
+        video, audio = noise
+        return layout.join_sound(video.float(), audio.float())
+    return layout.comfy_pack(arch, noise.float())
+
+
+def job_noise(arch: str, seed: int, batch: int, height: int, width: int, frames: int = 1):
+    """ComfyUI's noise for a request's LATENT: `comfy_noise` of its shape; a family with a
+    sound track: (video noise, sound noise), drawn one after the other from one generator
+    as ComfyUI's prepare_noise draws a nested (AV) LATENT's."""
+    import torch
+
+    shape = latent_shape(arch, batch, height, width, frames)
+    sound = bridge.latent_layout.sound_of(arch)
+    if sound is None:
+        return comfy_noise(seed, shape)
+    gen = torch.manual_seed(seed)
+    return tuple(torch.randn(list(s), dtype=torch.float32, generator=gen, device="cpu")
+                 for s in (shape, sound.shape(batch, frames)))

@@ -19,7 +19,8 @@ STOCK = {"EmptySD3LatentImage", "EmptyLatentImage", "SaveImage", "PreviewImage",
          "KSampler", "KSamplerAdvanced", "ModelSamplingFlux", "ModelSamplingSD3",
          "CLIPLoader", "EmptyHunyuanLatentVideo", "CreateVideo", "SaveVideo",
          "SaveAnimatedWEBP", "LoadImage", "WanImageToVideo", "EmptyHunyuanVideo15Latent",
-         "HunyuanVideo15ImageToVideo", "CLIPVisionLoader", "CLIPVisionEncode"}
+         "HunyuanVideo15ImageToVideo", "CLIPVisionLoader", "CLIPVisionEncode",
+         "EmptyLTXVLatentVideo"}
 
 
 def our_node_ids() -> set:

@@ -62,3 +62,34 @@ def test_png_sequences(tmp_path):
     paths = save_video(_frames(), tmp_path / "dir")
     assert [p.name for p in paths] == [f"{i:04d}.png" for i in range(5)]
     assert Image.open(paths[-1]).size == (64, 48)
+
+
+def test_a_video_carries_its_sound_and_a_wav_holds_it():
+    """A video's sound track [2, samples] (LTX-2's decode) is muxed into the .mp4 as an AAC
+    stream at its sample rate, about as long as the samples; save_wav writes the same samples
+    as 16-bit PCM that read back within one quantum."""
+    import wave
+
+    import numpy as np
+
+    from comfyui_xdit.cli.images import save_video, save_wav
+
+    rate, n = 24000, 24000  # one second
+    t = torch.arange(n) / rate
+    sound = torch.stack([0.5 * torch.sin(2 * torch.pi * 440 * t),
+                         0.25 * torch.sin(2 * torch.pi * 220 * t)])
+    import tempfile
+    from pathlib import Path
+    d = Path(tempfile.mkdtemp())
+    out = save_video(_frames(24), d / "v.mp4", fps=24, audio=sound, sample_rate=rate)[0]
+    with av.open(str(out)) as c:
+        assert len(c.streams.video) == 1 and len(c.streams.audio) == 1
+        a = c.streams.audio[0]
+        assert a.rate == rate and a.channels == 2
+        got = np.concatenate([f.to_ndarray() for f in c.decode(a)], axis=-1)
+    assert abs(got.shape[-1] - n) <= 2048  # the encoder's priming and last frame
+    wav = save_wav(sound, rate, d / "s.wav")[0]
+    with wave.open(str(wav)) as w:
+        assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (2, rate, n)
+        pcm = np.frombuffer(w.readframes(n), dtype="<i2").reshape(n, 2).T / 32767
+    assert float(np.abs(pcm - sound.numpy()).max()) <= 1 / 32767

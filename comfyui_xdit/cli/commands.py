@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig
-from comfyui_xdit.cli.images import VIDEO_SUFFIXES, save_pngs, save_video
+from comfyui_xdit.cli.images import VIDEO_SUFFIXES, save_pngs, save_video, save_wav
 from comfyui_xdit.planning.request import GenerationRequest, cache_settings, families
 
 
@@ -103,8 +103,13 @@ def _add_generate(sub):
     p.add_argument("--frames", type=_positive("--frames"), default=None,
                    help=f"video models ({video}): frames per video, 4k + 1 (e.g. 81); "
                         f"image models make 1")
-    p.add_argument("--fps", type=float, default=16.0,
-                   help="frame rate of a video --out (default 16, Wan's)")
+    p.add_argument("--fps", type=float, default=None,
+                   help="frame rate of a video --out (default 16, Wan's; a model that makes "
+                        "a sound track: the rate its sound is timed at, LTX-2's 24)")
+    p.add_argument("--wav", default=None, metavar="FILE",
+                   help="a model that makes a sound track (LTX-2): also write each video's "
+                        "sound as a .wav (FILE, then FILE-1.wav, ...); the .mp4 carries it "
+                        "anyway")
     p.add_argument("--max-sequence-length", type=int, default=GenerationRequest.max_sequence_length,
                    help=f"text tokens per prompt (default "
                         f"{GenerationRequest.max_sequence_length})")
@@ -389,7 +394,7 @@ def run_generate(args) -> int:
     kind = output_kind(args.out)
     if not out.parent.exists():
         raise ConfigError(f"--out directory {str(out.parent)!r} does not exist")
-    if args.fps <= 0:
+    if args.fps is not None and args.fps <= 0:
         raise ConfigError(f"--fps must be > 0 (got {args.fps:g})")
     config = config_from_args(args)
     images = [read_image(f) for f in args.image]
@@ -423,7 +428,9 @@ def run_generate(args) -> int:
                                   f"{args.model!r}; attach to a pool serving that model")
             check_output(kind, args.out, pool.model_info, request.frames)
         result = pool.generate(request)
-    written = write_output(result, out, kind, request.batch, args.fps)
+    fps = args.fps or _sound_fps(pool.model_info.arch) or 16.0
+    written = write_output(result, out, kind, request.batch, fps,
+                           wav=None if args.wav is None else Path(args.wav))
     print(json.dumps({"out": [str(p) for p in written], "config": config.describe(),
                       "timings": result.timings}))
     return 0
@@ -441,23 +448,44 @@ def read_image(path: str):
         raise ConfigError(f"--image {path!r} is not an image PIL can read ({e})") from None
 
 
-def write_output(result, out: Path, kind: str = "png", batch: int = 1, fps: float = 16) -> list:
+def _sound_fps(arch: str):
+    """The frame rate a family's sound track is timed at (None: it makes none)."""
+    from comfyui_xdit import bridge
+    sound = bridge.latent_layout.sound_of(arch)
+    return None if sound is None else float(sound.fps)
+
+
+def write_output(result, out: Path, kind: str = "png", batch: int = 1, fps: float = 16,
+                 wav: Path | None = None) -> list:
     """The result as --out asks: the LATENT (4-D, or 5-D [B, 16, T, h, w] for video), PNGs,
     or each video of the batch (the IMAGE batch holds batch x frames frames, video by video)
     as a video file or a PNG per frame. The b-th video of a batch > 1 goes to `out` with
-    `-b` after its stem (x-1.mp4, frames_%04d-1.png, DIR-1/), the first to `out` itself."""
+    `-b` after its stem (x-1.mp4, frames_%04d-1.png, DIR-1/), the first to `out` itself. A
+    result with a sound track (Decoded.audio) muxes each video's into its file and, with
+    `wav`, writes it there too (named alike)."""
     if kind == "latent":
         from safetensors.torch import save_file
-        save_file({"samples": result.samples.float().contiguous()}, str(out))
+        latents = getattr(result, "latents", None)  # the video's and, with it, its sound's
+        tensors = dict(latents.items()) if latents is not None else {"samples": result.samples}
+        save_file({k: t.float().contiguous() for k, t in tensors.items()}, str(out))
         return [out]
     if kind == "png":
         return save_pngs(result.images, out)
     frames = result.images
     per = int(frames.shape[0]) // max(1, batch)
     written = []
+    decoded = getattr(result, "decoded", None)
+    sound = None if decoded is None else decoded.audio
+    if wav is not None and sound is None:
+        raise ConfigError("--wav: this model makes no sound track")
     for b in range(batch):
         target = out if b == 0 else out.with_name(f"{out.stem}-{b}{out.suffix}")
-        written += save_video(frames[b * per:(b + 1) * per], target, fps=fps)
+        track = None if sound is None else sound[b]
+        written += save_video(frames[b * per:(b + 1) * per], target, fps=fps, audio=track,
+                              sample_rate=None if sound is None else decoded.sample_rate)
+        if wav is not None:
+            written += save_wav(track, decoded.sample_rate,
+                                wav if b == 0 else wav.with_name(f"{wav.stem}-{b}{wav.suffix}"))
     return written
 
 

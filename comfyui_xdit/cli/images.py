@@ -60,7 +60,48 @@ def video_codec(suffix: str = ".mp4") -> str:
     return "libx264" if "libx264" in av.codecs_available else "mpeg4"
 
 
-def save_video(frames, out: Path, fps: float = 16, codec: str | None = None) -> list:
+def save_wav(waveform, sample_rate: int, out: Path) -> list:
+    """A waveform [channels, samples] in -1..1 (ComfyUI's AUDIO's, one clip) -> a 16-bit PCM
+    .wav at `sample_rate` (the standard library's writer). Returns [out]."""
+    import wave
+
+    import numpy as np
+
+    arr = waveform.detach().cpu().float().numpy() if hasattr(waveform, "detach") \
+        else np.asarray(waveform, dtype=np.float32)
+    if arr.ndim != 2:
+        raise ValueError(f"expected a waveform [channels, samples], got {tuple(arr.shape)}")
+    pcm = (arr.clip(-1, 1) * 32767).round().astype("<i2").T  # interleaved frames
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(out), "wb") as w:
+        w.setnchannels(arr.shape[0])
+        w.setsampwidth(2)
+        w.setframerate(int(sample_rate))
+        w.writeframes(pcm.tobytes())
+    return [out]
+
+
+def _sound_stream(container, waveform, sample_rate: int):
+    """An AAC stream of `container` for the sound track [channels, samples] (added with the
+    video's, before anything is muxed) and the one frame holding it."""
+    import av
+    import numpy as np
+
+    arr = waveform.detach().cpu().float().numpy() if hasattr(waveform, "detach") \
+        else np.asarray(waveform, dtype=np.float32)
+    layout = "mono" if arr.shape[0] == 1 else "stereo"
+    arr = np.ascontiguousarray(arr[:2].clip(-1, 1), dtype=np.float32)
+    stream = container.add_stream("aac", rate=int(sample_rate))
+    stream.layout = layout
+    frame = av.AudioFrame.from_ndarray(arr, format="fltp", layout=layout)
+    frame.sample_rate, frame.pts = int(sample_rate), 0
+    frame.time_base = Fraction(1, int(sample_rate))
+    return stream, frame
+
+
+def save_video(frames, out: Path, fps: float = 16, codec: str | None = None,
+               audio=None, sample_rate: int | None = None) -> list:
     """IMAGE [F,H,W,3] float 0..1 (one video, Wan's decode: 16 fps) -> `out`.
 
     `out` ending in a video suffix (VIDEO_SUFFIXES) is encoded with PyAV (`codec`, default
@@ -68,7 +109,9 @@ def save_video(frames, out: Path, fps: float = 16, codec: str | None = None) -> 
     which needs an even width and height: an odd one is padded by repeating the last row /
     column (the video is then one pixel taller / wider than the frames). Any other `out` (a
     `%04d.png` pattern, a directory, a path with no suffix) gets a PNG per frame
-    (`save_frames`). Returns the paths written ([out] for a video)."""
+    (`save_frames`). `audio` [channels, samples] at `sample_rate` (a video's sound track)
+    is muxed into a video file as AAC (PNG frames carry none). Returns the paths written
+    ([out] for a video)."""
     import numpy as np
 
     out = Path(out)
@@ -94,7 +137,11 @@ def save_video(frames, out: Path, fps: float = 16, codec: str | None = None) -> 
             stream.options = {"crf": "18", "b": "0"}
         else:
             stream.bit_rate = max(2_000_000, stream.width * stream.height * int(fps) // 4)
+        sound = None if audio is None else _sound_stream(container, audio, sample_rate)
         for img in arr:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
         container.mux(stream.encode())  # flush the encoder
+        if sound is not None:  # PyAV cuts the samples into the encoder's frames
+            container.mux(sound[0].encode(sound[1]))
+            container.mux(sound[0].encode())
     return [out]

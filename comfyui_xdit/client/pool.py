@@ -20,7 +20,7 @@ from comfyui_xdit.bridge import protocol as P
 from comfyui_xdit.client.channel import Channel, parse_address
 from comfyui_xdit.client.connection import PoolConnection
 from comfyui_xdit.client.launch import UNPLANNED, PoolLaunch
-from comfyui_xdit.comfy_convert import (comfy_noise, comfy_to_model, latent_shape, latent_shape_text,
+from comfyui_xdit.comfy_convert import (comfy_to_model, job_noise, latent_shape, latent_shape_text,
                             latents_to_comfy, layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.errors import JobCancelled, PoolError  # noqa: F401  (the API's errors)
 from comfyui_xdit.planning import calibration, launch_policy
@@ -243,8 +243,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
             # the workers speak model space; ComfyUI's conventions are converted here only
             fmt = self._remote["latent"]
             if noise is None:  # ComfyUI's prepare_noise on the LATENT's shape, drawn once
-                noise = comfy_noise(req.seed, latent_shape(info.arch, req.batch, req.height,
-                                                           req.width, req.frames))
+                noise = job_noise(info.arch, req.seed, req.batch, req.height, req.width,
+                                  req.frames)
             refs = req.reference_latents  # ComfyUI LATENTs; the workers convert them
             images = req.reference_images  # [H, W, 3] tensors (resolved); rank 0 encodes
             req = dataclasses.replace(req, reference_latents=None, reference_images=None)
@@ -320,10 +320,13 @@ class WorkerPool(PoolLaunch, PoolConnection):
         if line:
             _log.info("%s", line)
 
-    def decode(self, samples, on_launch: Optional[Callable[[str, int, int], None]] = None):
+    def decode(self, samples, on_launch: Optional[Callable[[str, int, int], None]] = None,
+               full: bool = False):
         """ComfyUI LATENT samples -> IMAGE [B,H,W,3] in 0..1, decoded with the
         model folder's VAE, patch-parallel over every rank (launches the pool if needed).
-        Bad input is refused on rank 0 before anything is broadcast: the pool stays warm."""
+        Bad input is refused on rank 0 before anything is broadcast: the pool stays warm.
+        A video with its sound: samples (video, sound); `full`: the whole Decoded (the
+        frames and, with them, the sound's waveform and sample rate)."""
         info = self.model_info
         if not info.has_vae:
             from comfyui_xdit.planning.model_info import NO_VAE
@@ -340,7 +343,7 @@ class WorkerPool(PoolLaunch, PoolConnection):
                 while True:
                     msg = self._recv(self.step_timeout, f"decoding (job {job_id})")
                     if isinstance(msg, P.Result) and msg.job_id == job_id:
-                        return msg.decoded.images
+                        return msg.decoded if full else msg.decoded.images
                     if isinstance(msg, P.Error):
                         if msg.fatal:
                             self._raise_fatal(msg.message, f"decoding (job {job_id})")
@@ -430,6 +433,12 @@ class WorkerPool(PoolLaunch, PoolConnection):
             raise PoolError(f"the pool kept asking for conditionings {msg.missing}")
 
 
+def bridge_sound(arch: str):
+    """The family's SoundTrack (workers/families), or None."""
+    from comfyui_xdit import bridge
+    return bridge.latent_layout.sound_of(arch)
+
+
 def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
                       arch: str) -> None:
     """The tensors `generate` takes beside the request, checked before anything is sent: a
@@ -439,6 +448,18 @@ def _check_job_inputs(request: GenerationRequest, noise, init_latent, denoise,
     if not isinstance(denoise, (int, float)) or not 0.0 < float(denoise) <= 1.0:
         raise ConfigError(f"denoise must be in (0, 1] (got {denoise!r})")
     shape = latent_shape(arch, request.batch, request.height, request.width, request.frames)
+    sound = bridge_sound(arch)
+    if sound is not None:  # a video with its sound: noise is (video noise, sound noise)
+        want = (shape, sound.shape(request.batch, request.frames))
+        if noise is not None and (not isinstance(noise, (tuple, list)) or len(noise) != 2 or
+                                  any(not torch.is_tensor(t) or tuple(t.shape) != w
+                                      for t, w in zip(noise, want))):
+            raise ConfigError(f"noise must be (video noise {list(want[0])}, sound noise "
+                              f"{list(want[1])}) for this request (ComfyUI's AV LATENT)")
+        if init_latent is not None:
+            raise ConfigError("init_latent (denoise < 1) is not supported for a video with "
+                              "its sound yet")
+        return
     for name, t in (("noise", noise), ("init_latent", init_latent)):
         if t is not None and (not torch.is_tensor(t) or tuple(t.shape) != shape):
             got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__

@@ -14,7 +14,8 @@ from typing import Callable, Optional
 from comfyui_xdit.comfy_convert import (check_text_width, comfy_noise, conditioning_to_request,
                                         family_name, latent_channels, latent_downscale,
                                         latent_from_comfy, latent_shape, latent_shape_text,
-                                        latent_to_comfy, layout_hint, start_image_fields)
+                                        latent_to_comfy, layout_hint, start_image_fields,
+                                        av_parts, video_of)
 from comfyui_xdit.nodes.handles import ModelHandle
 from comfyui_xdit.nodes.node_text import decode_text, job_text
 from comfyui_xdit.nodes.pool_registry import REGISTRY, PoolRegistry
@@ -245,19 +246,24 @@ def _check_vae(vae, info) -> None:
 def decode(handle: ModelHandle, latent: dict, vae=None,
            registry: Optional[PoolRegistry] = None,
            on_launch: Optional[Callable[[str, int, int], None]] = None,
-           free_memory: Optional[Callable[[int, int], None]] = None):
+           free_memory: Optional[Callable[[int, int], None]] = None, with_audio: bool = False):
     """The Decode node: LATENT -> IMAGE [B,H,W,3] in 0..1. A diffusers folder decodes on
     the model's pool (its VAE, patch-parallel over the ranks); a single file has no VAE, so
     the connected ComfyUI VAE decodes (its `decode(samples)`). `free_memory`: as for
-    `sample`, asked for the room a job of the latent's size needs."""
+    `sample`, asked for the room a job of the latent's size needs. `with_audio`: returns
+    (IMAGE, AUDIO or None): a LATENT with a sound track (ComfyUI's AV LATENT, or the
+    sampler's "audio" entry) also decodes to ComfyUI's AUDIO {"waveform": [B, channels,
+    samples], "sample_rate"}."""
     import torch
 
     registry = registry or REGISTRY
     registry.job_started()
-    if not isinstance(latent, dict) or not torch.is_tensor(latent.get("samples")):
+    if not isinstance(latent, dict) or not torch.is_tensor(video_of(latent.get("samples"))):
         raise ConfigError("LATENT input must be a dict with 'samples'; connect the xDiT "
                           "sampler's LATENT")
-    samples = latent["samples"]
+    samples, sound = av_parts(latent["samples"])
+    if sound is None:
+        sound = latent.get("audio")
     info = handle.info()
     want = latent_shape(info.arch, 1, 16, 16)
     video = info.family.latent.video  # a video LATENT: its frames as an IMAGE batch
@@ -268,18 +274,24 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
                           f"{family_name(info.arch)} model's Decode takes latents "
                           f"{latent_shape_text(info.arch)} (the xDiT sampler's LATENT)"
                           + (f". {hint}" if hint else ""))
-    t0, ranks, launched = time.perf_counter(), 0, False
+    t0, ranks, launched, audio = time.perf_counter(), 0, False, None
     try:
         if info.has_vae:
             pool = registry.pool_for_decode(handle)
             ranks, launched = pool.config.ranks, not pool.is_running()
             if free_memory is not None:
                 make_room(pool, _decode_size(info, samples), free_memory)
+            given = samples.detach().float().cpu()
+            if sound is not None:  # the workers decode the two together
+                given = (given, sound.detach().float().cpu())
             try:
-                images = pool.decode(samples.detach().float().cpu(),
-                                     on_launch=registry.launch_callback(on_launch))
+                decoded = pool.decode(given, on_launch=registry.launch_callback(on_launch),
+                                      full=True)
             finally:
                 registry.launching = None
+            images = decoded.images
+            if decoded.audio is not None:
+                audio = {"waveform": decoded.audio, "sample_rate": int(decoded.sample_rate)}
         elif vae is not None:
             _check_vae(vae, info)
             images = vae.decode(samples)
@@ -295,4 +307,4 @@ def decode(handle: ModelHandle, latent: dict, vae=None,
     seconds = time.perf_counter() - t0
     registry.last_decode_text = decode_text(images, ranks, seconds, launched)
     log.info("xDiT: %s", decode_text(images, ranks, seconds, launched, node=None))
-    return images
+    return (images, audio) if with_audio else images

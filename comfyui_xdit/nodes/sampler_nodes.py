@@ -167,7 +167,7 @@ class Sampler(io.ComfyNode):
             raise
         # the launch's last "loading k/N" is replaced by what ran
         _progress_text(REGISTRY.last_job.get("text", ""), node_id)
-        return io.NodeOutput(out)
+        return io.NodeOutput(_av_latent(out))
 
 
 class LoRA(io.ComfyNode):
@@ -198,6 +198,17 @@ class LoRA(io.ComfyNode):
         return io.NodeOutput(model.with_lora(path, strength, expert))
 
 
+def _av_latent(out: dict) -> dict:
+    """A video with its sound ({"samples": video, "audio": sound}) as ComfyUI's AV LATENT:
+    the two nested in one NestedTensor (what LTXVSeparateAVLatent and ComfyUI's LTX-2 model
+    take); any other LATENT as it is."""
+    if out.get("audio") is None:
+        return out
+    from comfy.nested_tensor import NestedTensor
+    rest = {k: v for k, v in out.items() if k not in ("samples", "audio")}
+    return dict(rest, samples=NestedTensor([out["samples"], out["audio"]]))
+
+
 class Decode(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -205,26 +216,27 @@ class Decode(io.ComfyNode):
             node_id="xDiT.Decode",
             display_name="Decode (xDiT)",
             category=CATEGORY,
-            description="LATENT -> IMAGE. A diffusers-folder model decodes on its warm pool "
-                        "with the folder's VAE, patch-parallel over every rank; a single-file "
-                        "model has no VAE, so the connected ComfyUI VAE decodes.",
+            description="LATENT -> IMAGE (and AUDIO: a video's sound track, LTX-2's AV "
+                        "LATENT; none for other models). A diffusers-folder model decodes on "
+                        "its warm pool with the folder's VAE, patch-parallel over every rank; "
+                        "a single-file model has no VAE, so the connected ComfyUI VAE decodes.",
             inputs=[XDiTModel.Input("model"),
                     io.Latent.Input("samples"),
                     io.Vae.Input("vae", optional=True,
                                  tooltip="Used when the model is a single file (no VAE of its "
                                          "own); ignored for diffusers folders")],
-            outputs=[io.Image.Output()],
+            outputs=[io.Image.Output(), io.Audio.Output()],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, model, samples, vae=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        images = operations.decode(model, samples, vae=vae,
-                                   on_launch=_launch_progress(node_id, "decode"),
-                                   free_memory=_free_memory if model.device == "cuda" else None)
+        images, audio = operations.decode(
+            model, samples, vae=vae, on_launch=_launch_progress(node_id, "decode"),
+            free_memory=_free_memory if model.device == "cuda" else None, with_audio=True)
         _progress_text(REGISTRY.last_decode_text, node_id)  # replaces a launch's "loading k/N"
-        return io.NodeOutput(images)
+        return io.NodeOutput(images, audio)
 
 
 class UnloadPool(io.ComfyNode):

@@ -93,5 +93,11 @@ def params(capability: str, layouts: dict | None = None) -> list:
 
 
 def maxdiff(a, b) -> float:
+    """Max abs difference of two tensors, or of two results' Latents field by field (a
+    family with a sound track: the video latent and the sound latent each)."""
+    if hasattr(a, "items"):
+        fa, fb = dict(a.items()), dict(b.items())
+        assert fa.keys() == fb.keys(), (list(fa), list(fb))
+        return max(maxdiff(fa[k], fb[k]) for k in fa)
     assert a.shape == b.shape, (a.shape, b.shape)
     return float((a.float() - b.float()).abs().max())

@@ -5,7 +5,9 @@ PipeFusion 2, whose algorithm is the same for a row alone or batched, for the fa
 pad a batch's prompts to the longest): row 0 of the batch
 [A, B] equals [A] alone (fp32, <= 1e-4 on the final LATENT), where A, B and the negative
 prompt have three different token lengths. ComfyUI's noise makes row 0 of a batch the
-batch-1 noise, so the same seed gives both runs the same starting row. Families whose
+batch-1 noise (for a nested AV LATENT the sound's noise follows the whole batch's video, so
+the test gives [A] alone row 0's noise of the batch). Every latent the family returns is
+compared (a video's sound too). Families whose
 prompts of one batch are padded to the longest (Chroma, Qwen-Image) depend on each row
 carrying its own text length to the attention; the others pad every prompt to
 max_sequence_length and must stay independent too.
@@ -20,6 +22,7 @@ import json
 import pytest
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
+from comfyui_xdit.comfy_convert import job_noise
 from family_requests import A, B, NEGATIVE, small_request
 
 from .cases import CASES, NCCL_RULES, params
@@ -62,10 +65,17 @@ def _token_counts(folder) -> list:
 
 def row0_distance(pool, arch: str) -> tuple:
     """(max |row 0 of [A, B] - [A] alone|, max |row 1 - row 0|) on `pool`."""
-    alone = pool.generate(request(arch, [A])).samples
-    both = pool.generate(request(arch, [A, B])).samples
-    assert both.shape[0] == 2 and both.shape[1:] == alone.shape[1:]
-    return (float((both[:1] - alone).abs().max()), float((both[1] - both[0]).abs().max()))
+    # row 0's noise given to [A] alone: a nested (AV) LATENT's noise draws the sound after
+    # the whole batch's video, so the seed alone would give row 0 other sound noise
+    req = request(arch, [A, B])
+    noise = job_noise(arch, req.seed, 2, req.height, req.width, req.frames)
+    first = tuple(n[:1] for n in noise) if isinstance(noise, tuple) else noise[:1]
+    alone = pool.generate(request(arch, [A]), noise=first).latents
+    both = pool.generate(req, noise=noise).latents
+    assert both.samples.shape[0] == 2 and both.samples.shape[1:] == alone.samples.shape[1:]
+    fields = [name for name, _ in both.items()]  # the video and, with it, its sound
+    return (max(float((getattr(both, f)[:1] - getattr(alone, f)).abs().max()) for f in fields),
+            max(float((getattr(both, f)[1] - getattr(both, f)[0]).abs().max()) for f in fields))
 
 
 @pytest.mark.parametrize("arch", params("batch_independence"))

@@ -8,7 +8,7 @@ they read the same detection and defaults, and the workers never import the host
 (the host loads this package through comfyui_xdit/bridge.py). A `Family` is a small core
 that every family has (its classes, block lists, LATENT, text states, ComfyUI model class,
 request defaults, detection) and optional capabilities that only some have (`References`,
-`ImageToVideo`, `TwoExperts`, `SecondTextEncoder`, `CausalVAE`, `Presets`), each read by
+`ImageToVideo`, `TwoExperts`, `SecondTextEncoder`, `CausalVAE`, `Presets`, `SoundTrack`), each read by
 the module that needs it through `Family.capability`. Every other module asks these two,
 never compares family names: tests/test_families.py scans the tree for such a comparison.
 """
@@ -249,6 +249,8 @@ class ImageToVideo:
     # which states of a CONDITIONING's clip_vision_output the model reads (Wan 2.1 I2V the
     # penultimate hidden states, HunyuanVideo 1.5 the last: its model_base's clip_fea)
     clip_vision_states: str = "penultimate_hidden_states"
+    # the start image is optional: the same model makes video from the prompt alone (LTX-2)
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -295,7 +297,33 @@ class Presets:
     named: dict
 
 
-CAPABILITIES = (References, ImageToVideo, TwoExperts, SecondTextEncoder, CausalVAE, Presets)
+@dataclass(frozen=True)
+class SoundTrack:
+    """A sound track denoised with the video (LTX-2): its latent [B, channels, length,
+    mel_bins], `latents_per_second` long per second of video at `fps` frames a second (its
+    length for a video of `frames` frames: round(frames / fps * latents_per_second)). ComfyUI's
+    LATENT nests it after the video latent (an AV LATENT); both are model space there. In the
+    workers' model space the two are one token sequence, the video's tokens then the sound's
+    (`channels * mel_bins` wide, as wide as a video token): the loop, its scheduler step, the
+    guidance and the step cache treat them alike (workers/models/latent_layout.py)."""
+
+    channels: int
+    mel_bins: int  # latent mel bins
+    latents_per_second: float
+    fps: float  # the video frame rate the sound's length is counted at
+    sample_rate: int  # the decoded waveform's samples per second
+    comfy_format: str = ""  # ComfyUI's comfy/latent_formats.py class of the sound latent
+
+    def length(self, frames: int) -> int:
+        """Sound latent frames of a video of `frames` frames."""
+        return int(round(int(frames) / self.fps * self.latents_per_second))
+
+    def shape(self, batch: int, frames: int) -> tuple:
+        return (int(batch), self.channels, self.length(frames), self.mel_bins)
+
+
+CAPABILITIES = (References, ImageToVideo, TwoExperts, SecondTextEncoder, CausalVAE, Presets,
+                SoundTrack)
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ PRESETS = {
 
 
 FAMILY = Family(
-    id="minimax_h3", order=80, name="MiniMax-H3",
+    id="minimax_h3", order=90, name="MiniMax-H3",
     classes=Classes(transformer="MiniMaxH3Transformer3DModel",
                     pipelines=("MiniMaxH3ModularPipeline",), adapter="MiniMaxH3Adapter",
                     vae=("AutoencoderKLMiniMaxH3",)),

@@ -90,6 +90,11 @@ class DiTAdapter:
     lora_pipeline = ""
     # the LoRA formats its loader reads, for the message on a file it cannot read
     lora_formats = "diffusers/PEFT"
+    # the step cache's view of a block (workers/sampling/step_cache.py): None where blocks
+    # take hidden_states (and encoder_hidden_states) and return them as the usual formats;
+    # else the keywords of the states a block returns, in its output's order, the latent's
+    # first (LTX-2: its video and its sound, each with its own cached residual)
+    block_states = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -243,6 +248,11 @@ class DiTAdapter:
         scale, shift = self.scale_shift(model)
         return latent_layout.to_raw(self.arch, latents, scale, shift, height, width)
 
+    def job_raw(self, model: LoadedModel, latents: dict, req):
+        """A job's `outputs` (model space) -> what `decode` takes (`to_raw` of the image or
+        video at the request's size; a family whose decode also makes the sound takes both)."""
+        return self.to_raw(model, latents["samples"], req.height, req.width)
+
     def comfy_to_raw(self, model: LoadedModel, samples: torch.Tensor):
         """ComfyUI LATENT samples -> raw VAE space (what `decode` takes)."""
         scale, shift = self.scale_shift(model)
@@ -293,8 +303,12 @@ class DiTAdapter:
 
     def outputs(self, samples, req) -> dict:
         """The loop's final latents -> the job's Latents fields (`samples`, model space; a
-        family with sound: its `audio` too)."""
-        return {"samples": samples}
+        family with a sound track: the video's and the sound's apart, `audio` too)."""
+        if self.family.capability(families.SoundTrack) is None:
+            return {"samples": samples}
+        video, audio = latent_layout.split_sound(self.arch, samples, req.height, req.width,
+                                                 req.frames or 1)
+        return {"samples": video, "audio": audio}
 
     def decode_audio(self, model: LoadedModel, audio):
         """A family with sound: its `outputs` audio latent -> (waveform [B, channels,
@@ -332,6 +346,22 @@ class DiTAdapter:
 
     def timesteps(self, scheduler, steps: int, latents, device):
         raise NotImplementedError
+
+    def job_extra(self, model, req) -> dict:
+        """A job's per-size forward inputs (`forward_extra` of its image size); a family whose
+        forward reads more of the request (a sound track's length: the frames) says so here."""
+        return self.forward_extra(model, req.height, req.width)
+
+    def job_timesteps(self, scheduler, steps: int, latents, device, extra: dict):
+        """A job's timesteps (`timesteps`); `extra`: its `job_extra`, for a family whose
+        schedule depends on more than the latents' shape tells."""
+        return self.timesteps(scheduler, steps, latents, device)
+
+    def initial_latents(self, latents, extra: dict):
+        """The loop's first latents from the job's noise (`extra`: this replica's forward
+        inputs, its references included): as they are, but where a family's start frame is
+        clean tokens of the latent itself (LTX-2's first latent frame)."""
+        return latents
 
     def transformer_for(self, model, extra) -> "object":
         """The transformer a forward with `extra` runs (the step's expert)."""

@@ -108,3 +108,40 @@ def comfy_to_raw(arch: str, latent, scale, shift):
     d = _spec(arch).downscale
     return to_raw(arch, to_model(arch, latent, scale, shift), scale, shift,
                   d * latent.shape[-2], d * latent.shape[-1])
+
+
+# ---- a sound track beside the video (families with a SoundTrack capability) --------------
+# Model space is one token sequence: the video latent's tokens (one per latent pixel, frame by
+# frame, row by row) then the sound latent's (one per latent frame: channels x mel bins), as
+# wide as each other. ComfyUI's LATENT keeps the two apart (its AV LATENT nests them).
+def sound_of(arch: str):
+    """The family's SoundTrack, or None."""
+    return families.family(arch).capability(families.SoundTrack)
+
+
+def join_sound(video, audio):
+    """Video latent [B, C, T, h, w] and sound latent [B, c, L, m] (c * m == C) -> the tokens
+    [B, T*h*w + L, C] (both as they are: no scaling)."""
+    b, c = video.shape[:2]
+    if audio.shape[1] * audio.shape[3] != c:
+        raise ValueError(f"a sound latent [B, {audio.shape[1]}, L, {audio.shape[3]}] makes "
+                         f"tokens {audio.shape[1] * audio.shape[3]} wide, the video's are {c}")
+    import torch
+    return torch.cat([video.flatten(2).transpose(1, 2),
+                      audio.transpose(1, 2).flatten(2, 3)], 1)
+
+
+def split_sound(arch: str, tokens, height: int, width: int, frames: int) -> tuple:
+    """Inverse of `join_sound` for a `frames`-frame video of height x width pixels: (video
+    [B, C, T, h, w], sound [B, c, L, m])."""
+    spec, sound = _spec(arch), sound_of(arch)
+    b, _, c = tokens.shape
+    t, d = spec.latent_frames(frames), spec.downscale
+    h, w = int(height) // d, int(width) // d
+    nv, length = t * h * w, sound.length(frames)
+    if tokens.shape[1] != nv + length:
+        raise ValueError(f"{tokens.shape[1]} tokens; a {frames}-frame {height}x{width} video "
+                         f"with its sound has {nv} + {length}")
+    video = tokens[:, :nv].transpose(1, 2).reshape(b, c, t, h, w)
+    audio = tokens[:, nv:].reshape(b, length, sound.channels, sound.mel_bins).transpose(1, 2)
+    return video, audio

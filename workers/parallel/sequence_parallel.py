@@ -157,7 +157,10 @@ class SequenceLayout:
 
     streams:       the family's token streams (streams.TokenLayout); every `stream` below
                    names one of them.
-    split_inputs:  forward kwarg -> (stream, dim), split before the transformer runs.
+    split_inputs:  forward kwarg -> (stream, dim), split before the transformer runs;
+                   (stream, dim, "per_token"): split where the call gives it per token (it
+                   has that dim), left whole where it gives one per row (LTX-2's timestep:
+                   [B] in text-to-video, [B, video tokens] from a start frame).
     split_outputs: submodule name -> (stream, dim), its output is split; a tuple output
                    takes one (stream, dim) per element (None: left whole). (stream, dim,
                    "flatten"): the output's dims from `dim` on are the tokens, flattened
@@ -169,14 +172,14 @@ class SequenceLayout:
                    whole sequence's).
     gather_output: (submodule name, dim), its output (the latent stream's tokens) is
                    all-gathered.
+    gather_streams: submodule name -> (stream, dim): the output of another sharded stream
+                   the transformer returns (a sound track denoised with the video, where the
+                   family shards it), gathered alike.
     token_counts:  (transformer, forward kwargs) -> {stream: tokens} of the call, every
                    declared stream.
     kwargs_name:   the forward kwarg whose dict reaches the attention processors.
     plan_by_hook:  the model calls its attention modules without that dict (Wan): a hook
                    on each of them passes the forward's plan as their `sp_plan` keyword.
-    gather_streams: submodule name -> (stream, dim): that module's output, another stream
-                   the model denoises beside the latent's (MiniMax-H3's sound), is
-                   all-gathered too.
     context_tokens: forward kwarg -> processor keyword: that input's token count reaches
                    the processors (with plan_by_hook) under that keyword, None when the call
                    has no such input (Wan 2.1 I2V: the CLIP image tokens that come first in
@@ -322,9 +325,10 @@ class SequenceParallel:
         self.context = {kw: (None if kwargs.get(arg) is None else int(kwargs[arg].shape[1]))
                         for arg, kw in self.layout.context_tokens.items()}
         kwargs = dict(kwargs)
-        for key, (stream, dim) in self.layout.split_inputs.items():
-            if kwargs.get(key) is not None:
-                kwargs[key] = plan.shard(kwargs[key], dim, stream)
+        for key, (stream, dim, *how) in self.layout.split_inputs.items():
+            x = kwargs.get(key)
+            if x is not None and not (how == ["per_token"] and x.dim() <= dim):
+                kwargs[key] = plan.shard(x, dim, stream)
         jak["sp_plan"] = plan
         kwargs[name] = jak
         return args, kwargs

@@ -48,14 +48,17 @@ def _leader_decode(worker, link, msg: P.Decode):
     t = time.perf_counter()
     try:
         # ComfyUI's LATENT -> the VAE's raw latent (FLUX.2: un-normalise, unpatchify)
-        images = _decode(worker, worker.adapter.comfy_to_raw(worker.model, samples.float()))
+        given = tuple(t.float() for t in samples) if isinstance(samples, (tuple, list)) \
+            else samples.float()  # a video with its sound: (video, sound)
+        images = _decode(worker, worker.adapter.comfy_to_raw(worker.model, given))
     except Exception as e:
         # the other ranks may be inside the decode's collectives: the pool cannot continue
         link.send(P.Error(job_id, f"rank 0: {type(e).__name__}: {e}", fatal=True))
         raise
     finally:
         worker.state.update(state="idle", job_id=None)
-    link.send(P.Result(job_id, decoded=Decoded(images=images),
+    decoded = images if isinstance(images, Decoded) else Decoded(images=images)
+    link.send(P.Result(job_id, decoded=decoded,
                        stats=[{"rank": 0, "decode_s": time.perf_counter() - t}]))
 
 

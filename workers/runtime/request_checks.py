@@ -236,6 +236,8 @@ def start_image_problems(req, model) -> list[str]:
         return []
     name = fam.name
     start = bool(getattr(model, "start_image", False))
+    if start and fam.capability(families.ImageToVideo).optional and not given and not images:
+        return []  # a model that takes a start image or none (LTX-2): text-to-video
     if not start:
         return [messages.NO_START_IMAGE.format(name=name)] if given or images else []
     if given and images:

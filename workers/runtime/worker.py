@@ -331,12 +331,17 @@ class Worker:
         latents = {} if samples is None else self.adapter.outputs(samples, job.request)
         samples = latents.get("samples")
         if job.request.output == "image":  # the same decision on every rank
-            raw = None if samples is None else self.adapter.to_raw(
-                self.model, samples, job.request.height, job.request.width)
+            raw = None if samples is None else self.adapter.job_raw(
+                self.model, latents, job.request)
             images = _decode(self, raw)
-        # the sound track's waveform beside the frames (rank 0, which holds the latents)
-        sound = None if images is None or latents.get("audio") is None else \
-            self.adapter.decode_audio(self.model, latents["audio"])
+        # the sound track's waveform beside the frames (rank 0, which holds the latents),
+        # where the family's decode does not make it itself
+        from .outputs import Decoded, Latents
+        if images is not None and not isinstance(images, Decoded):
+            sound = None if latents.get("audio") is None else \
+                self.adapter.decode_audio(self.model, latents["audio"])
+            images = Decoded(images=images, audio=None if sound is None else sound[0],
+                             sample_rate=None if sound is None else sound[1])
         if self.device.type == "cuda":  # the process's peaks so far (load and every job):
             # read once, after the decode the plan also counts; the host compares them with
             # the memory plan after the first job (comfyui_xdit/planning/calibration.py)
@@ -354,11 +359,7 @@ class Worker:
                 r["rss_mb"] = st["rss_mb"]
                 if "first_job_s" in st:
                     r["first_job_s"] = st["first_job_s"]
-        from .outputs import Decoded, Latents
-        return (Latents(samples=samples, audio=latents.get("audio")),
-                None if images is None else Decoded(
-                    images=images, audio=None if sound is None else sound[0],
-                    sample_rate=None if sound is None else sound[1]),
+        return (Latents(samples=samples, audio=latents.get("audio")), images,
                 stats)
 
     def prepare_call(self, msg):
@@ -495,6 +496,8 @@ def _decode_problem(worker, samples):
         return NO_VAE
     # the family's ComfyUI LATENT (FLUX.2's is 2x2-patchified and normalised)
     spec = worker.adapter.family.latent
+    if isinstance(samples, (tuple, list)):  # (video, sound): the video is checked here
+        samples = samples[0] if samples else None
     if not torch.is_tensor(samples) or samples.dim() != len(spec.shape(1, 16, 16)) \
             or samples.shape[1] != spec.channels or not samples.is_floating_point() \
             or (spec.frames and not spec.video and samples.shape[2] != 1):

@@ -144,19 +144,20 @@ def prepare(job, model, adapter, topo: Topology) -> Prepared:
     check_scheduler(scheduler)
     img2img = job.init_latent is not None and job.denoise < 1.0
     total, begin = schedule_window(req.steps, job.denoise if img2img else 1.0)
-    timesteps = adapter.timesteps(scheduler, total, noise, dev)[begin:]
+    extra = adapter.job_extra(model, req)
+    timesteps = adapter.job_timesteps(scheduler, total, noise, dev, extra)[begin:]
     sigmas = scheduler.sigmas[begin:].to(dev, torch.float32)
     latents = noise
     if img2img:  # start part-way down the schedule from the noised input latent
         x0 = job.init_latent[mine].to(dev, noise.dtype)
         latents = (sigmas[0] * noise.float() + (1 - sigmas[0]) * x0.float()).to(noise.dtype)
-    extra = adapter.forward_extra(model, req.height, req.width)
     if job.reference_inputs is not None:  # a batch of references is sliced like the latents
         for key, v in job.reference_inputs.items():  # the rest: what the adapter's forward needs
             if key == "tokens":   # of them ("ids": FLUX's RoPE ids; "shapes": Qwen's grids)
                 extra["ref_tokens"] = (v[mine] if v.shape[0] > 1 else v).to(dev, dtype)
             else:
                 extra["ref_" + key] = v.to(dev, dtype) if torch.is_tensor(v) else v
+    latents = adapter.initial_latents(latents, extra)  # a start frame's clean tokens (LTX-2)
     # made once here on the device (a fill, not a host copy), so no step waits on the host
     g = req.guidance
     guidance = None if g is None else torch.full((), float(g), device=dev,

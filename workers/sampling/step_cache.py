@@ -83,12 +83,13 @@ class RunCache:
         return self.layout[1]
 
     def call(self, transformer, block_lists, keys, reduce=None, agree=None,
-             plan=None) -> "CallCache":
+             plan=None, block_states=None) -> "CallCache":
         """The cache of one transformer call over rows `keys` (hashable, one per row).
         `reduce(t)`: sums a device tensor over the ranks holding the other token shards of
         the same rows, in place (None: this rank holds whole rows). `agree(flag) -> bool`:
         True if any rank of a group that must run the same blocks needs them run."""
-        return CallCache(self, transformer, block_lists, keys, reduce, agree, plan)
+        return CallCache(self, transformer, block_lists, keys, reduce, agree, plan,
+                         block_states)
 
     def stats(self) -> dict:
         return {"computed": self.computed, "skipped": self.skipped}
@@ -99,10 +100,13 @@ class CallCache:
     inputs. Created per call, so nothing here outlives it except through `RunCache`."""
 
     def __init__(self, run: RunCache, transformer, block_lists, keys, reduce, agree,
-                 plan=None):
+                 plan=None, block_states=None):
         self.run, self.transformer, self.block_lists = run, transformer, tuple(block_lists)
         self.keys, self.reduce, self.agree = list(keys), reduce, agree
         self.plan = plan  # () -> the forward's SequencePlan, for blocks not given it
+        # the block keywords whose states a block returns, in its output's order (LTX-2's
+        # video and sound); None: the usual formats (below)
+        self.names = None if block_states is None else tuple(block_states)
         self.n, self.segments = run.segments(transformer, self.block_lists)
         # key None: a follower row (weight sharding's dummy row on a replica with none),
         # whose output is discarded: it skips whenever the others do and keeps no state
@@ -118,14 +122,14 @@ class CallCache:
     def run_block(self, p: int, block, args, kwargs):
         if args:  # positional arguments (Wan's, Z-Image's blocks) by their names
             kwargs = dict(zip(_parameter_names(block), args), **kwargs)
-        hidden = _hidden_name(block, kwargs)
+        hidden = _hidden_name(block, kwargs) if self.names is None else self.names[0]
         if p == 0:
             self.head_in = kwargs[hidden]
         if p < self.run.settings.head:
             out = block(**kwargs)
             self.run.formats[p] = _format(out)
             if p == self.run.settings.head - 1:
-                r = _hidden(out) - self.head_in
+                r = (_hidden(out) if self.names is None else out[0]) - self.head_in
                 self._decide(r.narrow(1, 0, _real_image_tokens(kwargs, r.shape[1],
                                                                self.plan)))
             return out
@@ -134,16 +138,16 @@ class CallCache:
             return block(**kwargs)
         sid, first, last = seg
         if first:
-            self.seg_in[sid] = _streams(kwargs, hidden)
+            self.seg_in[sid] = self._streams(kwargs, hidden)
         if self.skip_all:
             if not last:
-                return _pack(self.run.formats[p], _streams(kwargs, hidden))
-            return _pack(self.run.formats[p], self._with_cached(sid, self.seg_in[sid]))
+                return self._pack(p, self._streams(kwargs, hidden))
+            return self._pack(p, self._with_cached(sid, self.seg_in[sid]))
         out = block(**kwargs)
         self.run.formats[p] = _format(out)
         if not last:
             return out
-        states = _streams_out(out)
+        states = _streams_out(out) if self.names is None else tuple(out)
         residual = tuple(None if o is None else o - i for o, i in zip(states, self.seg_in[sid]))
         if self.mixed:  # some rows skip: they take their cached residual
             states = self._with_cached(sid, self.seg_in[sid], states)
@@ -152,7 +156,15 @@ class CallCache:
                 hist = row.history.setdefault(sid, [])
                 hist.append((row.calls - 1, tuple(None if r is None else r[i] for r in residual)))
                 del hist[:-2]
-        return _pack(self.run.formats[p], states)
+        return self._pack(p, states)
+
+    def _streams(self, kwargs, hidden) -> tuple:
+        if self.names is None:
+            return _streams(kwargs, hidden)
+        return tuple(kwargs[n] for n in self.names)
+
+    def _pack(self, p: int, states: tuple):
+        return _pack(self.run.formats[p], states) if self.names is None else tuple(states)
 
     # -- the decision --------------------------------------------------------------------
     def _decide(self, r: torch.Tensor) -> None:
@@ -358,4 +370,5 @@ def call_on_ranks(run: RunCache | None, model, adapter, keys, topo, control, sha
             all_reduce(flag, control, op="max")
             return bool(flag.item())
     return run.call(transformer if transformer is not None else model.transformer,
-                    adapter.block_lists, keys, reduce=reduce, agree=agree, plan=plan)
+                    adapter.block_lists, keys, reduce=reduce, agree=agree, plan=plan,
+                    block_states=adapter.block_states)

@@ -1,0 +1,165 @@
+"""The tiny LTX-2 diffusers folders, built offline (`tiny-model --arch ltx2 [--variant V]`):
+
+- "t2v" (default): LTX2Pipeline, text-to-video with its sound track.
+- "i2v": the same parts, saved for LTX2ImageToVideoPipeline (a start frame).
+
+Parts, each small and seeded (seed * 1000 + salt: a rebuild is byte-identical):
+LTX2VideoTransformer3DModel (`depth` blocks; video `heads` x width/heads, audio `heads` x
+half that, as the release's 32 x 128 / 32 x 64; 128 input channels for the video and the
+audio alike, as released: 8 audio channels x 16 latent mel bins), a Gemma 3
+(`Gemma3ForConditionalGeneration`: a 2-layer text model and a 1-layer SigLIP tower) over a
+byte-level BPE made in memory (left padding, as the pipeline asks of Gemma's),
+LTX2TextConnectors (2 learnable registers), AutoencoderKLLTX2Video (32x in space, 8x in
+time, 128 latent channels, as the real one, at small widths), AutoencoderKLLTX2Audio (8
+channels, 64 mel bins / 4 = 16 latent bins, 4x in time), LTX2Vocoder (small widths, 24
+kHz), FlowMatch Euler with the release's dynamic shift.
+"""
+from __future__ import annotations
+
+from comfyui_xdit import bridge
+from comfyui_xdit.testmodels import parts
+from comfyui_xdit.testmodels.text import _WORDS, _byte_level_bpe, _seeded
+
+_family = bridge.family_module("ltx2")
+
+VARIANTS: tuple[str, ...] = ("t2v", "i2v")
+VARIANT_HELP = "LTX-2: t2v (default; text-to-video with sound) or i2v (image-to-video with sound)"
+
+# the family-wide tests' small request (tests/family_requests.py): 64 x 96 pixels is 2 x 3
+# latent pixels a frame, 9 frames 2 latent frames: 12 video tokens; 9 frames at 24 fps are
+# round(9 / 24 * 25) = 9 audio tokens: neither splits evenly over 2 or 4 ranks
+TEST_REQUEST = dict(size=(64, 96), frames=9, msl=16)
+# the test (under tests/) that holds one rank of this model to its diffusers pipeline;
+# the conformance suite holds every method to one rank
+ORACLE_TEST = "test_ltx2.py::test_one_rank_equals_the_pipeline"
+CONFORMANCE_EXEMPT = {
+    "model_call": "the xDiT MODEL for ComfyUI's KSampler (its AV LATENT in and out) is not "
+                  "built for LTX-2 yet; the Sampler (xDiT) path runs it",
+    "pipefusion": "its patches would cut the video stream while the audio stream, which is "
+                  "denoised too, attends to all of it; not run yet",
+}
+
+GEMMA_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                  max_position_embeddings=512, sliding_window=64,
+                  rope_parameters={"full_attention": {"rope_type": "default",
+                                                      "rope_theta": 10000.0},
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 10000.0}})
+GEMMA_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                    num_attention_heads=2, image_size=16, patch_size=8)
+VIDEO_VAE = dict(block_out_channels=(8, 16, 32, 64), decoder_block_out_channels=(16, 32, 64),
+                 layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+                 spatio_temporal_scaling=(True, True, True, True),
+                 decoder_spatio_temporal_scaling=(True, True, True),
+                 decoder_inject_noise=(False, False, False, False),
+                 upsample_residual=(True, True, True), upsample_factor=(2, 2, 2),
+                 spatial_compression_ratio=32, temporal_compression_ratio=8)
+AUDIO_VAE = dict(base_channels=128, ch_mult=(1, 1, 1), num_res_blocks=1, resolution=64,
+                 mel_bins=64, sample_rate=16000, mel_hop_length=160)
+VOCODER = dict(hidden_channels=16, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+               resnet_kernel_sizes=[3], resnet_dilations=[[1]], output_sampling_rate=24000)
+SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
+
+
+def check(cfg: dict) -> None:
+    hd = parts.head_dim(cfg)
+    parts.require_head_dim(cfg, hd % 4 == 0 and hd >= 8,
+                           "a head dim >= 8, a multiple of 4 (the audio heads are half as wide)")
+    parts.refuse_knobs(cfg)
+
+
+def _tokenizer():
+    """A byte-level BPE whose every prompt word is one token, left-padded as Gemma's. Saved
+    as a PreTrainedTokenizerFast: transformers' GemmaTokenizer rebuilds its own model from
+    the vocabulary when loaded (SentencePiece-style pieces), which a byte-level BPE is not."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(_byte_level_bpe(list(_WORDS), ()).to_str())
+    vocab = spec["model"]["vocab"]
+    for s in SPECIALS:
+        vocab.setdefault(s, len(vocab))
+    spec["model"]["unk_token"] = "<unk>"
+    bpe = Tokenizer.from_str(json.dumps(spec))
+    bpe.add_special_tokens(list(SPECIALS))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe,
+                             pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                             unk_token="<unk>", padding_side="left",
+                             model_max_length=GEMMA_TEXT["max_position_embeddings"])
+    return tok
+
+
+def _text_encoder(seed: int, tok):
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+                              SiglipVisionConfig)
+
+    ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIALS}
+    text = Gemma3TextConfig(vocab_size=len(tok), pad_token_id=ids["<pad>"],
+                            eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"], **GEMMA_TEXT)
+    config = Gemma3Config(text_config=text.to_dict(),
+                          vision_config=SiglipVisionConfig(**GEMMA_VISION).to_dict(),
+                          mm_tokens_per_image=4, image_token_index=ids["<unk>"])
+    return _seeded(seed, 1, Gemma3ForConditionalGeneration, config).eval()
+
+
+def transformer_kwargs(cfg: dict) -> dict:
+    heads, width = cfg["heads"], cfg["width"]
+    return dict(in_channels=_family.CHANNELS, out_channels=_family.CHANNELS,
+                num_attention_heads=heads, attention_head_dim=width // heads,
+                cross_attention_dim=width, audio_in_channels=_family.CHANNELS,
+                audio_out_channels=_family.CHANNELS, audio_num_attention_heads=heads,
+                audio_attention_head_dim=width // heads // 2,
+                audio_cross_attention_dim=width // 2, num_layers=cfg["depth"],
+                caption_channels=GEMMA_TEXT["hidden_size"],
+                audio_sampling_rate=AUDIO_VAE["sample_rate"],
+                audio_hop_length=AUDIO_VAE["mel_hop_length"], rope_type="split",
+                use_prompt_adaln_single=False)
+
+
+def _statistics(vae, seed: int, salt: int) -> None:
+    """Per-channel latent statistics of a VAE (its latents_mean / latents_std buffers), away
+    from 0 and 1 so that a missed normalisation shows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed * 1000 + salt)
+    n = vae.latents_mean.numel()
+    vae.latents_mean.copy_(0.2 * torch.randn(n, generator=gen))
+    vae.latents_std.copy_(0.5 + torch.rand(n, generator=gen))
+
+
+def build_pipeline(cfg: dict):
+    """The tiny LTX-2 pipeline in memory for a tiny_model.resolve_config `cfg`."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video,
+                           FlowMatchEulerDiscreteScheduler, LTX2ImageToVideoPipeline,
+                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    seed, variant = cfg["seed"], cfg.get("variant") or VARIANTS[0]
+    tok = _tokenizer()
+    layers = GEMMA_TEXT["num_hidden_layers"] + 1  # the embeddings and every layer's states
+    connectors = _seeded(
+        seed, 2, LTX2TextConnectors, caption_channels=GEMMA_TEXT["hidden_size"],
+        text_proj_in_factor=layers, video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=GEMMA_TEXT["hidden_size"] // 2,
+        video_connector_num_layers=1, video_connector_num_learnable_registers=2,
+        audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=GEMMA_TEXT["hidden_size"] // 2,
+        audio_connector_num_layers=1, audio_connector_num_learnable_registers=2,
+        rope_type="split")
+    transformer = _seeded(seed, 3, LTX2VideoTransformer3DModel, **transformer_kwargs(cfg))
+    vae = _seeded(seed, 4, AutoencoderKLLTX2Video, latent_channels=_family.CHANNELS,
+                  **VIDEO_VAE)
+    audio_vae = _seeded(seed, 5, AutoencoderKLLTX2Audio,
+                        latent_channels=_family.AUDIO_CHANNELS, **AUDIO_VAE)
+    _statistics(audio_vae, seed, 7)  # its packed tokens' (8 x 16) statistics, not 0 and 1
+    _statistics(vae, seed, 8)
+    vocoder = _seeded(seed, 6, LTX2Vocoder, in_channels=2 * AUDIO_VAE["mel_bins"], **VOCODER)
+    sched = {k: v for k, v in _family.SCHEDULER.items() if k != "_class_name"}
+    cls = LTX2ImageToVideoPipeline if variant == "i2v" else LTX2Pipeline
+    return cls(scheduler=FlowMatchEulerDiscreteScheduler(**sched), vae=vae,
+               audio_vae=audio_vae, text_encoder=_text_encoder(seed, tok), tokenizer=tok,
+               connectors=connectors, transformer=transformer, vocoder=vocoder)

@@ -1,0 +1,116 @@
+"""LTX-2 (diffusers LTX2Pipeline, LTX2ImageToVideoPipeline): video with its sound track. One
+transformer runs two token streams side by side, the video's (one token per latent pixel of
+its 128-channel causal VAE, 32x in space, 8x in time) and the sound's (one token per latent
+frame of its audio VAE: 8 channels x 16 mel bins, 25 a second). In each block each stream
+attends to itself, to the prompt (Gemma 3 states through the pipeline's text connectors, one
+copy per stream) and to the other stream (audio-to-video and video-to-audio, both at the
+audio's head count and width, both reading the states from before that step). Both streams
+are denoised with the same sigmas (FlowMatch Euler, shift from the video's token count).
+CFG is the pipeline's x0-space delta, the same as cond + (g - 1)(cond - uncond) in velocity:
+ComfyUI's cfg g."""
+from __future__ import annotations
+
+from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family,
+               ImageToVideo, LatentSpec, Presets, SoundTrack, Text)
+from ..streams import Attention, Stream, TokenLayout
+from ._shapes import numbered
+
+CHANNELS = 128  # the video latent's (and one sound token's: 8 x 16)
+AUDIO_CHANNELS = 8
+AUDIO_MEL_BINS = 16  # latent mel bins (64 mel bins / 4)
+
+# ComfyUI's LTXV latent: the VAE normalises inside its encode / decode, so the LATENT is
+# model space already [B, 128, (frames - 1) / 8 + 1, H/32, W/32]
+LATENT = LatentSpec(channels=CHANNELS, downscale=32, tokens="in_model", token_side=1,
+                    norm="scale_shift", frames=True, video=True, time_downscale=8,
+                    comfy_format="LTXV",
+                    wrong_channels="LTX-2 uses 128, as [batch, 128, (frames - 1) / 8 + 1, "
+                                   "height/32, width/32] (EmptyLTXVLatentVideo)")
+
+# 16 kHz mel frames, hop 160, 4x in time: 25 latent frames a second; the vocoder's 24 kHz
+SOUND = SoundTrack(channels=AUDIO_CHANNELS, mel_bins=AUDIO_MEL_BINS, latents_per_second=25.0,
+                   fps=24.0, sample_rate=24000, comfy_format="LTXAV")
+
+# FlowMatch Euler with the resolution-dependent shift LTX2Pipeline computes from the video's
+# token count (mu between base_shift at 1024 tokens and max_shift at 4096)
+SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000,
+             "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.95,
+             "max_shift": 2.05, "base_image_seq_len": 1024, "max_image_seq_len": 4096,
+             "time_shift_type": "exponential"}
+
+# LTX2Pipeline's guidance_scale default (diffusers 0.42.1)
+CFG = 3.0
+
+TOKENS = TokenLayout(
+    streams=(Stream("video", "latent"),            # sharded over the sp ranks
+             # whole on every rank: measured, it moves less than sharding it (its
+             # self-attention and audio-to-video need no exchange; docs/models.md#ltx-2-video-with-its-sound)
+             Stream("audio", "context", "replicate"),
+             Stream("text", "text", "replicate")),  # whole on every rank: cross-attention only
+    attentions=(Attention(("video",)), Attention(("audio",)),
+                Attention(("video",), ("text",)), Attention(("audio",), ("text",)),
+                Attention(("video",), ("audio",)), Attention(("audio",), ("video",))))
+
+
+def config_from_shapes(shapes: dict, naming: str) -> dict:
+    """The diffusers config of an LTX-2 transformer file in diffusers naming, from its weight
+    shapes; the head widths are the release's (video 128, audio 64): a file's shapes give
+    only heads x width."""
+    if naming != "diffusers":
+        raise ValueError("LTX-2 single files in ComfyUI's naming are not read yet; use the "
+                         "diffusers folder")
+    inner, in_ch = (int(n) for n in shapes["proj_in.weight"])
+    audio_inner, audio_in = (int(n) for n in shapes["audio_proj_in.weight"])
+    blocks = numbered(shapes, "transformer_blocks.", "transformer")
+    return {"in_channels": in_ch, "out_channels": int(shapes["proj_out.weight"][0]),
+            "num_attention_heads": inner // 128, "attention_head_dim": 128,
+            "audio_in_channels": audio_in,
+            "audio_out_channels": int(shapes["audio_proj_out.weight"][0]),
+            "audio_num_attention_heads": audio_inner // 64, "audio_attention_head_dim": 64,
+            "num_layers": len(blocks),
+            "caption_channels": int(shapes["caption_projection.linear_1.weight"][1])}
+
+
+def image_to_video(cfg: dict) -> tuple:
+    """(a start frame: yes, optional: every LTX-2 transformer takes one, as the clean first
+    latent frame at timestep 0, or none; CLIP vision states: none)."""
+    return True, False
+
+
+def released(config: dict) -> tuple:
+    """A single file's scheduler and VAE latent config: the LATENT is model space."""
+    return dict(SCHEDULER), {"scaling_factor": 1.0, "latent_channels": CHANNELS}
+
+
+# Published dimensions (diffusers' LTX2VideoTransformer3DModel defaults are the release's:
+# 48 blocks, video 32 x 128, audio 32 x 64, 19B with its Gemma 3 12B)
+GEMMA3_12B = {"hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+              "vocab_size": 262208}
+PRESETS = {
+    "ltx2": dict(transformer={}, text_encoders=(("Gemma3TextModel", GEMMA3_12B),),
+                 vae=("AutoencoderKLLTX2Video", {}), text_tokens=1024,
+                 note="LTX-2 (19B audio-video) + Gemma 3 12B"),
+}
+
+
+FAMILY = Family(
+    id="ltx2", order=80, name="LTX-2",
+    classes=Classes(transformer="LTX2VideoTransformer3DModel",
+                    pipelines=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
+                    adapter="LTX2Adapter", vae=("AutoencoderKLLTX2Video",)),
+    blocks=Blocks(lists=("transformer_blocks",), counts=("num_layers",)),
+    latent=LATENT,
+    text=Text(hint="encode with LTX-2's Gemma 3 text encoder or type the prompt into the "
+                   "sampler", pooled=False),
+    comfy=ComfySpec(base=lambda unet: "LTXAV", config=lambda unet: "LTXAV"),
+    defaults=Defaults(cfg=CFG),
+    detection=Detection(markers=(("diffusers", ("audio_proj_in.weight",
+                                                "av_cross_attn_video_scale_shift.linear.weight")),),
+                        config_from_shapes=config_from_shapes, released=released, order=60,
+                        config_names={"text_width": "caption_channels"}),
+    tokens=TOKENS,
+    capabilities=(SOUND, ImageToVideo(inputs=image_to_video, optional=True),
+                  CausalVAE(whole_video=True),
+                  Presets(PRESETS)),
+)

@@ -1,0 +1,336 @@
+"""LTX-2 (LTX2VideoTransformer3DModel): video with its sound track, denoised together.
+
+Model space is one token sequence (workers/models/latent_layout.join_sound): the video
+latent's tokens (patch 1: one per latent pixel, frame by frame) then the sound latent's (one
+per latent frame, its 8 channels x 16 mel bins), both 128 wide and normalised as the
+pipeline normalises them (ComfyUI's LATENT is the same space). The loop steps them alike:
+LTX2Pipeline steps both with the same sigmas, and its x0-space CFG delta is cond + (g - 1)
+(cond - uncond) in velocity too. The forward splits them again, calls the transformer with
+precomputed RoPE coordinates, and joins its two outputs.
+
+Sequence parallelism shards the video (near-evenly, padded to its longest shard by the
+hooks): its tokens, its RoPE coordinates and, from a start frame, the per-token timestep; the
+sound (short: 25 tokens a second) and the prompt (one copy per stream, the connectors'
+output) stay whole on every rank, as the family's token layout declares (the layout may
+shard the sound instead: the same hooks split its tokens and coordinates, exact too). Each attention runs through the method's attention as the family's token layout
+declares it: video and sound self-attention, each stream over the prompt (no exchange), and
+audio-to-video / video-to-audio over the other stream's shards. Both outputs are gathered.
+The blocks call their attention modules without keyword arguments, so the plan reaches the
+processors by a hook (`SequenceLayout.plan_by_hook`); which attention a module is comes from
+its name in the block, tagged once per transformer (`_tag`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import families
+from ..parallel.processors import need_plan
+from ..parallel.sequence_parallel import SequenceLayout
+from . import latent_layout
+from .base import DiTAdapter, text_encoder_device_of
+
+FAMILY = families.FAMILIES["ltx2"]
+
+# a block's attention module -> (query streams, key streams: None for self-attention)
+ROLES = {"attn1": (("video",), None), "audio_attn1": (("audio",), None),
+         "attn2": (("video",), ("text",)), "audio_attn2": (("audio",), ("text",)),
+         "audio_to_video_attn": (("video",), ("audio",)),
+         "video_to_audio_attn": (("audio",), ("video",))}
+ROLE = "xdit_streams"  # the attribute a tagged module carries its role under
+
+
+def _tag(transformer) -> None:
+    """Give every attention module of the blocks its role (`ROLES`), once."""
+    if getattr(transformer, "_xdit_roles_tagged", False):
+        return
+    for name, module in transformer.named_modules():
+        role = ROLES.get(name.rsplit(".", 1)[-1])
+        if role is not None and hasattr(module, "processor"):
+            setattr(module, ROLE, role)
+    transformer._xdit_roles_tagged = True
+
+
+def _rotate(attn, x, freqs):
+    from diffusers.models.transformers.transformer_ltx2 import (apply_interleaved_rotary_emb,
+                                                                apply_split_rotary_emb)
+    if attn.rope_type == "split":
+        return apply_split_rotary_emb(x, freqs)
+    return apply_interleaved_rotary_emb(x, freqs)
+
+
+class LTX2ShardedAttnProcessor:
+    """Every LTX-2 attention on the local shards: the stock processors' projections, QK
+    norms (across heads), RoPE (on the local tokens' own tables), per-head gates and
+    spatio-temporal guidance's perturbation (the value in place of the attention), with the
+    attention itself the method's, over the streams the module's role names."""
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 query_rotary_emb=None, key_rotary_emb=None, sp_plan=None,
+                 perturbation_mask=None, all_perturbed=None):
+        plan = need_plan(sp_plan)
+        queries, keys = getattr(attn, ROLE)
+        if attention_mask is not None:
+            raise ValueError("LTX-2 attention masks are not supported under the pool's "
+                             "attention (its prompt mask is all ones and is not passed)")
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        gate_logits = None if attn.to_gate_logits is None else attn.to_gate_logits(hidden_states)
+        value = attn.to_v(context)
+        if all_perturbed is None:
+            all_perturbed = perturbation_mask is not None and bool((perturbation_mask == 0).all())
+        if all_perturbed:  # spatio-temporal guidance: the values stand for the attention
+            out = value
+        else:
+            query, key = attn.norm_q(attn.to_q(hidden_states)), attn.norm_k(attn.to_k(context))
+            if query_rotary_emb is not None:
+                query = _rotate(attn, query, query_rotary_emb)
+                key = _rotate(attn, key, key_rotary_emb if key_rotary_emb is not None
+                              else query_rotary_emb)
+            q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+            out = self.attention(q, k, v, plan, queries, attn, keys=keys)
+            out = out.flatten(2, 3).to(query.dtype)
+            if perturbation_mask is not None:
+                out = torch.lerp(value, out, perturbation_mask)
+        if gate_logits is not None:
+            gates = 2.0 * torch.sigmoid(gate_logits)  # [B, S, H]
+            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _token_counts(transformer, kw):
+    return {"video": kw["hidden_states"].shape[1], "audio": kw["audio_hidden_states"].shape[1],
+            "text": kw["encoder_hidden_states"].shape[1]}
+
+
+class LTX2Adapter(DiTAdapter):
+    family = FAMILY
+    latents_fp32 = True  # LTX2Pipeline keeps fp32 latents and casts each call's input
+    # rank 0's prompt encoder (Gemma 3 and the connectors) holds no VAE or vocoder
+    encoder_skips = ("audio_vae", "vocoder")
+    block_states = ("hidden_states", "audio_hidden_states")  # what each block returns
+    layout = SequenceLayout(
+        split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
+                      "video_coords": ("video", 2), "audio_coords": ("audio", 2),
+                      "timestep": ("video", 1, "per_token")},
+        split_outputs={},
+        gather_output=("proj_out", 1),
+        gather_streams={"audio_proj_out": ("audio", 1)},
+        token_counts=_token_counts,
+        streams=FAMILY.tokens,
+        attention_processor=LTX2ShardedAttnProcessor,
+        replaces=("LTX2AudioVideoAttnProcessor", "LTX2PerturbedAttnProcessor"),
+        kwargs_name="attention_kwargs",
+        plan_by_hook=True,
+    )
+
+    # ---- sizes -----------------------------------------------------------------------------
+    def grid(self, model, req: dict) -> tuple:
+        """(latent frames, rows, columns, sound latent frames) of a request."""
+        spec, sound = self.family.latent, self.family.capability(families.SoundTrack)
+        frames = int(req.frames or 1)
+        d = spec.downscale
+        return (spec.latent_frames(frames), int(req.height) // d, int(req.width) // d,
+                sound.length(frames))
+
+    def job_extra(self, model, req):
+        """The RoPE coordinates of the request's video and sound (batch 1, on the device), and
+        their token counts, as LTX2Pipeline prepares them once per call."""
+        t, h, w, length = self.grid(model, req)
+        tr, dev = model.transformer, model.device
+        fps = self.family.capability(families.SoundTrack).fps
+        return {"video_coords": tr.rope.prepare_video_coords(1, t, h, w, dev, fps=fps),
+                "audio_coords": tr.audio_rope.prepare_audio_coords(1, length, dev),
+                "tokens": (t * h * w, length)}
+
+    def forward_extra(self, model, height, width):
+        raise NotImplementedError("LTX-2's forward inputs depend on the frames: job_extra")
+
+    def job_timesteps(self, scheduler, steps, latents, device, extra):
+        """LTX2Pipeline's schedule: sigmas linspace(1, 1/steps), shifted by mu from the video's
+        token count (calculate_shift between the scheduler's base and max)."""
+        import numpy as np
+        from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+        c = scheduler.config
+        mu = calculate_shift(extra["tokens"][0], c.get("base_image_seq_len", 1024),
+                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.95),
+                             c.get("max_shift", 2.05))
+        kw = {"mu": mu} if c.get("use_dynamic_shifting") else {}
+        scheduler.set_timesteps(steps, sigmas=np.linspace(1.0, 1 / steps, steps), **kw)
+        return scheduler.timesteps.to(device)
+
+    # ---- text ------------------------------------------------------------------------------
+    def encode(self, model, texts, max_sequence_length):
+        """Gemma 3's states of every layer through the pipeline's connectors: one copy for the
+        video, one for the sound. Their mask is all ones (the connectors' registers fill the
+        padding), so no mask travels."""
+        enc = model.encoder
+        dev = text_encoder_device_of(model)
+        pe, pm, _, _ = enc.encode_prompt(prompt=list(texts), do_classifier_free_guidance=False,
+                                         max_sequence_length=max_sequence_length, device=dev)
+        side = getattr(enc.tokenizer, "padding_side", "left")
+        video, audio, mask = enc.connectors(pe, pm, padding_side=side)
+        if not bool(mask.bool().all()):
+            raise ValueError("LTX-2's text connectors left padded prompt tokens (a connector "
+                             "without learnable registers), which the pool does not run")
+        return {"encoder_hidden_states": video, "audio_encoder_hidden_states": audio}
+
+    def conditioning(self, cond, pooled, **_):
+        raise ValueError("LTX-2 takes its prompts as text (the sampler's prompt inputs); "
+                         "ComfyUI CONDITIONING for it is not supported yet")
+
+    @staticmethod
+    def slice_cond(cond: dict, sl: slice) -> dict:
+        out = DiTAdapter.slice_cond(cond, sl)
+        audio = cond.get("audio_encoder_hidden_states")
+        if audio is not None and audio.shape[0] > 1:
+            out["audio_encoder_hidden_states"] = audio[sl]
+        return out
+
+    def context_tokens(self, cond: dict) -> dict:
+        return {"text": int(cond["encoder_hidden_states"].shape[1])}
+
+    # ---- a start frame (LTX2ImageToVideoPipeline) ------------------------------------------
+    def start_condition(self, model, req: dict, images, batch: int):
+        """One start image -> {"references": {"tokens": its first latent frame's tokens
+        [1, h*w, 128], model space}}: H.264-recompressed at the pipeline's default CRF (33
+        with Gemma 3), resized by its VideoProcessor (bilinear), the VAE's mode, normalised. The loop
+        then starts from them (`initial_latents`), calls those tokens at timestep 0 and keeps
+        them (their velocity is 0). None without one (text-to-video)."""
+        if req.concat_latent is not None:
+            raise ValueError("LTX-2 takes its start frame as an image (reference_images); "
+                             "ComfyUI's concat_latent is WanImageToVideo's")
+        if not images:
+            return None
+        if len(images) != 1:
+            raise ValueError(f"LTX-2 image-to-video takes one start image (got {len(images)})")
+        import numpy as np
+        import PIL.Image
+        from diffusers.pipelines.ltx2.utils import (apply_image_conditioning_crf,
+                                                    resolve_default_image_crf)
+        from diffusers.video_processor import VideoProcessor
+
+        from .base import vae_mode
+        image = images[0]
+        enc = model.encoder
+        crf = resolve_default_image_crf(None if enc is None else enc.text_encoder)
+        if crf:
+            image = PIL.Image.fromarray(apply_image_conditioning_crf(
+                np.array(image.convert("RGB")), crf))
+        d = self.family.latent.downscale
+        pixels = VideoProcessor(vae_scale_factor=d, resample="bilinear").preprocess(
+            image, height=int(req.height), width=int(req.width)).float()
+        raw = vae_mode(model, pixels.unsqueeze(2))  # [1, 128, 1, h, w]
+        vae = model.vae  # loaded by vae_mode; its statistics are buffers, not config
+        mean = vae.latents_mean.float().cpu().view(1, -1, 1, 1, 1)
+        std = vae.latents_std.float().cpu().view(1, -1, 1, 1, 1)
+        scale = float(vae.config.scaling_factor)
+        first = (raw - mean) * scale / std
+        return {"references": {"tokens": first.flatten(2).transpose(1, 2).contiguous()},
+                "cond": {}}
+
+    def initial_latents(self, latents, extra):
+        first = extra.get("ref_tokens")
+        if first is None:
+            return latents
+        out = latents.clone()
+        out[:, :first.shape[1]] = first.to(out.dtype).expand(out.shape[0], -1, -1)
+        return out
+
+    # ---- the call --------------------------------------------------------------------------
+    def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
+        tr = model.transformer
+        _tag(tr)
+        nv, _ = extra["tokens"]
+        b = latents.shape[0]
+        x = latents.to(model.dtype)
+        text = cond["encoder_hidden_states"]
+        audio_text = cond["audio_encoder_hidden_states"]
+        text, audio_text = text.expand(b, -1, -1), audio_text.expand(b, -1, -1)
+        timestep = t.expand(b)
+        first = extra.get("ref_tokens")  # a start frame: its tokens at timestep 0
+        n0 = 0 if first is None else first.shape[1]
+        if n0:
+            timestep = torch.cat([t.new_zeros(b, n0), t.expand(b, nv - n0)], 1)
+        video, audio = tr(
+            hidden_states=x[:, :nv], audio_hidden_states=x[:, nv:],
+            encoder_hidden_states=text, audio_encoder_hidden_states=audio_text,
+            timestep=timestep, audio_timestep=t.expand(b), sigma=t.expand(b),
+            video_coords=extra["video_coords"].expand(b, -1, -1, -1),
+            audio_coords=extra["audio_coords"].expand(b, -1, -1, -1),
+            use_cross_timestep=True,  # LTX2Pipeline's default
+            attention_kwargs=dict(jak or {}), return_dict=False)
+        if n0:  # the start frame stays as it is (the pipeline steps the later frames only)
+            video = torch.cat([video.new_zeros(b, n0, video.shape[2]), video[:, n0:]], 1)
+        return torch.cat([video, audio], 1)
+
+    # ---- VAE space -------------------------------------------------------------------------
+    def scale_shift(self, model):
+        """ComfyUI's LATENT is model space (its VAEs normalise inside): no conversion."""
+        return 1.0, 0.0
+
+    def to_raw(self, model, latents, height, width):
+        raise NotImplementedError("LTX-2's latents need the frames to split: job_raw")
+
+    def job_raw(self, model, latents, req):
+        """(video, sound) in model space, apart: `decode` takes ComfyUI's AV LATENT's two."""
+        return latents["samples"], latents.get("audio")
+
+    def comfy_to_raw(self, model, samples):
+        return samples.float() if torch.is_tensor(samples) else \
+            tuple(None if t is None else t.float() for t in samples)
+
+    def decode(self, model, raw, group=None, control=None):
+        """(video, sound) model-space latents (ComfyUI's AV LATENT's) -> Decoded: the frames
+        [B * F, H, W, 3] in 0..1 and the waveform [B, channels, samples] with its rate, as
+        LTX2Pipeline decodes them (the video VAE at decode timestep 0, without decode noise;
+        the audio VAE's mel spectrogram through the vocoder). On the group's first rank (the
+        others return None: no collective; the VAEs are not patch-parallel here)."""
+        from ..runtime.outputs import Decoded
+        if raw is None:
+            return None
+        video, audio = raw if isinstance(raw, (tuple, list)) else (raw, None)
+        parts = _decoders(model)
+        vae = parts["vae"]
+        x = video.to(model.device, vae.dtype)
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(x)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(x)
+        x = x * std / vae.config.scaling_factor + mean
+        timestep = None
+        if vae.config.timestep_conditioning:
+            timestep = torch.zeros(x.shape[0], device=x.device, dtype=x.dtype)
+        vid = vae.decode(x, timestep, return_dict=False)[0]
+        frames = (vid.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
+        if audio is None:
+            return Decoded(images=frames)
+        avae, vocoder = parts["audio_vae"], parts["vocoder"]
+        a = audio.to(model.device, avae.dtype)
+        tok = a.transpose(1, 2).flatten(2, 3)  # the statistics are per packed channel
+        tok = tok * avae.latents_std.to(tok) + avae.latents_mean.to(tok)
+        a = tok.unflatten(2, (a.shape[1], a.shape[3])).transpose(1, 2)
+        mel = avae.decode(a, return_dict=False)[0]
+        wave = vocoder(mel).float().cpu()
+        return Decoded(images=frames, audio=wave,
+                       sample_rate=int(vocoder.config.output_sampling_rate))
+
+
+def _decoders(model) -> dict:
+    """The folder's video VAE, audio VAE and vocoder, loaded once on the model's device."""
+    parts = getattr(model, "decoders", None)
+    if parts is None:
+        import diffusers
+        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+        from .base import load_vae
+        if model.vae is None:
+            model.vae = load_vae(model)
+        audio_vae = diffusers.AutoencoderKLLTX2Audio.from_pretrained(
+            model.path, subfolder="audio_vae", torch_dtype=model.dtype)
+        vocoder = LTX2Vocoder.from_pretrained(model.path, subfolder="vocoder",
+                                              torch_dtype=model.dtype)
+        parts = {"vae": model.vae,
+                 "audio_vae": audio_vae.to(model.device).eval().requires_grad_(False),
+                 "vocoder": vocoder.to(model.device).eval().requires_grad_(False)}
+        model.decoders = parts
+    return parts
