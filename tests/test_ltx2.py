@@ -258,7 +258,6 @@ def test_a_size_off_the_32_pixel_grid_is_refused_in_one_line():
     """LTX-2's tokens are 32 x 32 pixels: a height or width that is a multiple of 16 only
     is refused before anything runs, with the size to try."""
     req = request([A], height=80, width=96)
-    assert req.problems("ltx2") == ["height 80 is not a multiple of 32, this model's pixels "
-                                    "per token (try 64)"]
+    assert req.problems("ltx2") == ["height 80 is not a positive multiple of 32 (try 64)"]
     assert not request([A]).problems("ltx2")
     assert not GenerationRequest(prompt=[A], height=80, width=48).problems("flux")

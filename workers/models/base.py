@@ -273,7 +273,8 @@ class DiTAdapter:
 
     def decode(self, model: LoadedModel, raw, group=None, control=None):
         """Raw-VAE-space latents -> IMAGE [B,H,W,3] in 0..1 (float32, CPU); a video family's
-        [B, C, T, h, w] -> its frames [B * F, H, W, 3] (`decode_video`).
+        [B, C, T, h, w] -> its frames [B * F, H, W, 3] (`decode_video`); a family whose decode
+        makes its sound too returns Decoded's fields as a dict (images, audio, sample_rate).
         With `group` (and its control-plane twin `control`): patch-parallel decode
         (workers/parallel/vae_parallel.py), collective over the group; the latents are needed on group
         rank 0 only, the image is returned there and None elsewhere."""

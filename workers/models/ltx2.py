@@ -282,12 +282,11 @@ class LTX2Adapter(DiTAdapter):
             tuple(None if t is None else t.float() for t in samples)
 
     def decode(self, model, raw, group=None, control=None):
-        """(video, sound) model-space latents (ComfyUI's AV LATENT's) -> Decoded: the frames
+        """(video, sound) model-space latents (ComfyUI's AV LATENT's) -> the Decoded fields: the frames
         [B * F, H, W, 3] in 0..1 and the waveform [B, channels, samples] with its rate, as
         LTX2Pipeline decodes them (the video VAE at decode timestep 0, without decode noise;
         the audio VAE's mel spectrogram through the vocoder). On the group's first rank (the
         others return None: no collective; the VAEs are not patch-parallel here)."""
-        from ..runtime.outputs import Decoded
         if raw is None:
             return None
         video, audio = raw if isinstance(raw, (tuple, list)) else (raw, None)
@@ -303,7 +302,7 @@ class LTX2Adapter(DiTAdapter):
         vid = vae.decode(x, timestep, return_dict=False)[0]
         frames = (vid.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).flatten(0, 1).cpu()
         if audio is None:
-            return Decoded(images=frames)
+            return {"images": frames}
         avae, vocoder = parts["audio_vae"], parts["vocoder"]
         a = audio.to(model.device, avae.dtype)
         tok = a.transpose(1, 2).flatten(2, 3)  # the statistics are per packed channel
@@ -311,8 +310,8 @@ class LTX2Adapter(DiTAdapter):
         a = tok.unflatten(2, (a.shape[1], a.shape[3])).transpose(1, 2)
         mel = avae.decode(a, return_dict=False)[0]
         wave = vocoder(mel).float().cpu()
-        return Decoded(images=frames, audio=wave,
-                       sample_rate=int(vocoder.config.output_sampling_rate))
+        return {"images": frames, "audio": wave,
+                "sample_rate": int(vocoder.config.output_sampling_rate)}
 
 
 def _decoders(model) -> dict:

@@ -57,7 +57,7 @@ def _leader_decode(worker, link, msg: P.Decode):
         raise
     finally:
         worker.state.update(state="idle", job_id=None)
-    decoded = images if isinstance(images, Decoded) else Decoded(images=images)
+    decoded = Decoded(**images) if isinstance(images, dict) else Decoded(images=images)
     link.send(P.Result(job_id, decoded=decoded,
                        stats=[{"rank": 0, "decode_s": time.perf_counter() - t}]))
 

@@ -337,7 +337,9 @@ class Worker:
         # the sound track's waveform beside the frames (rank 0, which holds the latents),
         # where the family's decode does not make it itself
         from .outputs import Decoded, Latents
-        if images is not None and not isinstance(images, Decoded):
+        if isinstance(images, dict):  # a decode that makes the sound too: Decoded's fields
+            images = Decoded(**images)
+        elif images is not None:
             sound = None if latents.get("audio") is None else \
                 self.adapter.decode_audio(self.model, latents["audio"])
             images = Decoded(images=images, audio=None if sound is None else sound[0],
