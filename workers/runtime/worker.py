@@ -169,14 +169,16 @@ class Worker:
         `LocalAttention`), so the pool's `attention` choice is the kernel that runs."""
         from ..parallel.attention import LocalAttention, ShardedAttention
         from ..parallel.sequence_parallel import SequenceParallel
+        from ..parallel.shares import sp_weights
         from ..parallel.topology import build_topology
 
-        if key not in self.topologies:
-            topo = build_topology(self.rank, self.world, **key.to_wire(),
+        groups_key = key.evenly()  # a split reweights the work, not the process groups
+        if groups_key not in self.topologies:
+            topo = build_topology(self.rank, self.world, **key.axes(),
                                   device=self.device, groups=self.groups)
             _warm_pairs(topo)
-            self.topologies[key] = topo
-        topo = self.topologies[key]
+            self.topologies[groups_key] = topo
+        topo = self.topologies[groups_key]
         if self.parallel is None or self.parallel[0] != key:
             if self.parallel is not None and self.parallel[1] is not None:
                 self.parallel[1].remove()
@@ -191,7 +193,8 @@ class Worker:
                                       self.compiler.outside(ShardedAttention(
                                           topo, self.device.type,
                                           fault=self.hook_options.get("attention_fault", ""),
-                                          backend=self.args.attention, dtype=self.dtype)))
+                                          backend=self.args.attention, dtype=self.dtype)),
+                                      weights=sp_weights(key.split, topo))
             else:
                 sp = SequenceParallel(self.model.transformers(), self.adapter.layout, topo,
                                       LocalAttention(self.args.attention, self.device.type,
