@@ -36,6 +36,7 @@ MODULES = {
     "protocol": ("runtime.protocol", "the typed host <-> rank 0 messages"),
     "messages": ("messages", "shared message texts and process facts"),
     "degrees": ("parallel.degrees", "a layout's degrees by axis, which jobs and model calls carry"),
+    "shares": ("parallel.shares", "a split's per-rank weights, parsed and checked on the host"),
     "conditioning": ("runtime.conditioning",
                      "a model call's conditioning, which the xDiT MODEL builds"),
     "cache_settings": ("sampling.cache_settings",
