@@ -291,6 +291,10 @@ def _add_parallel_flags(p):
     p.add_argument("--pipefusion", type=_positive("--pipefusion"), default=1,
                    help="PipeFusion degree: each rank holds 1/N of the blocks (close to "
                         "exact, not exact)")
+    p.add_argument("--split", default="even",
+                   help="work per rank for GPUs of different speed or memory, exact whatever "
+                        "it is: even (default), auto (measured per rank) or one weight per "
+                        "rank, e.g. 3,2")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the ranks run (default cpu; cuda: one GPU per rank)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
@@ -330,7 +334,7 @@ def config_from_args(args) -> ParallelConfig:
                           warmup_steps=getattr(args, "warmup_steps", 1),
                           pipeline_patches=getattr(args, "pipeline_patches", None),
                           pipefusion_split=getattr(args, "pipefusion_split", "balanced"),
-                          world_size=args.world_size)
+                          world_size=args.world_size, split=getattr(args, "split", "even"))
 
 
 def output_kind(out: str) -> str:

@@ -331,7 +331,7 @@ class Worker:
         if job.request.get("output") == "image":  # the same decision on every rank
             raw = None if samples is None else self.adapter.to_raw(
                 self.model, samples, job.request["height"], job.request["width"])
-            images = _decode(self, raw)
+            images = _decode(self, raw, job.config.split)
         if self.device.type == "cuda":  # the process's peaks so far (load and every job):
             # read once, after the decode the plan also counts; the host compares them with
             # the memory plan after the first job (comfyui_xdit/planning/calibration.py)
@@ -498,8 +498,9 @@ def _decode_problem(worker, samples):
     return None
 
 
-def _decode(worker, samples):
-    """Every rank: the VAE decode, patch-parallel over the world (the image on rank 0)."""
+def _decode(worker, samples, weights=()):
+    """Every rank: the VAE decode, patch-parallel over the world (the image on rank 0), in
+    bands by the split's `weights` (one per rank; () even)."""
     import torch
 
     if worker.world == 1:
@@ -507,7 +508,7 @@ def _decode(worker, samples):
             return worker.adapter.decode(worker.model, samples)
     with torch.inference_mode():  # patch-parallel over the world, both planes
         return worker.adapter.decode(worker.model, samples, group=worker.planes.data,
-                                     control=worker.planes.control)
+                                     control=worker.planes.control, weights=weights)
 
 
 def _gather_all(control, obj):
