@@ -93,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the fp8 section instead: PSNR of fp8 weights (fp8 matmul and "
                         "upcast) against full precision on the trained shapes model, and "
                         "their time per job (see benchmarks/fp8_quality.py)")
+    p.add_argument("--split", action="store_true",
+                   help="run the uneven-split section instead: one rank made 1.5x / 3x "
+                        "slower, time/step with the even split and with auto beside the "
+                        "ideal, 2 and 4 ranks, Ulysses / Ring / DP (see benchmarks/split.py)")
     p.add_argument("--model-call", action="store_true",
                    help="run the xDiT MODEL section instead: per-call overhead of a "
                         "KSampler-style model call beyond the transformer, 1 and 2 ranks, "
@@ -114,6 +118,8 @@ def run(args) -> int:
         return run_section(args, "fp8_quality")
     if args.video:
         return run_section(args, "video")
+    if args.split:
+        return run_section(args, "split")
     if args.model_call:
         from . import model_call
         return model_call.run(args)

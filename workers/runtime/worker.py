@@ -113,6 +113,7 @@ class Worker:
         st = self.model.stage
         self.ranks = _gather_all(planes.control, {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
                                   "device": str(self.device), "rss_mb": rss_mb(),
+                                  "gpu_name": _gpu_name(self.device),
                                   "transformer_params": sum(
                                       p.numel() for tr in self.model.transformers()
                                       for p in tr.parameters()),
@@ -306,22 +307,30 @@ class Worker:
         their tensors on rank 0 only; every rank's stats, on rank 0)."""
         import torch
 
+        import contextlib
+
         from ..sampling.denoise import run_job
 
         from .hooks import job_started
+        from .share_meter import ShareMeter
 
         t_job = time.perf_counter()
         self._apply_loras(job)  # first: a new adapter may re-hook the parallel layout
         topo = self.topology(job.config)
         job_started(self.hooks)
         t = time.perf_counter()
-        with torch.inference_mode(), self.compiler.job(emit) as compiled:
+        meter = ShareMeter(self.device)  # `auto` splits: this rank's own speed
+        measure = meter.measuring(self.model.transformers(), self.adapter.block_lists) \
+            if job.options.get("measure_share") else contextlib.nullcontext()
+        with torch.inference_mode(), self.compiler.job(emit) as compiled, measure:
             report = {}
             samples = run_job(job, self.model, self.adapter, topo, self.planes.control, emit,
                               should_stop, step_scope=self.hook_options.get("step_scope"),
                               report=report, sequence=self.parallel and self.parallel[1])
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
                  "lora_loads": self.loras.loads, "compile": compiled.stats, **report}
+        if job.options.get("measure_share"):
+            stats["share"] = meter.report()
         if "cache" in report:
             self.last_cache = dict(report["cache"], entry="job")
         if self.model.stage is None:  # block weights held here (workers/parallel/sharding.py)
@@ -496,6 +505,12 @@ def _decode_problem(worker, samples):
     if min(samples.shape[0], samples.shape[-2], samples.shape[-1]) < 1:
         return f"decode got empty LATENT samples {tuple(samples.shape)}"
     return None
+
+
+def _gpu_name(device) -> str:
+    """The rank's GPU model (what `auto` splits cache speeds by), "cpu" on a CPU rank."""
+    import torch
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _decode(worker, samples, weights=()):
