@@ -1,0 +1,109 @@
+"""Where the user sets and sees an uneven split: ParallelConfig's `split`, the CLI's
+`--split`, the Parallel settings node's `split` input, the memory plan's per-rank activations
+by share, `auto`'s measured speeds (comfyui_xdit/client/split_auto.py), and a live 2-rank
+pool with one rank made 4x slower (xdit_testhooks/slow_ranks.py), where `auto` gives the
+fast rank the larger share and the result still equals the even split's."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comfyui_xdit import GenerationRequest, ParallelConfig
+from comfyui_xdit.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_split_travels_as_weights_and_a_bad_one_is_one_error():
+    assert ParallelConfig(ulysses=2).degrees().to_wire().get("split") is None
+    assert ParallelConfig(ulysses=2, split="3,1").degrees().split == (3.0, 1.0)
+    assert ParallelConfig(ring=2, split="auto").degrees().split == ()  # nothing measured
+    assert ParallelConfig(ring=2, split="auto").degrees((2.0, 1.0)).split == (2.0, 1.0)
+    for bad, says in (("fast", "must be 'even', 'auto' or 2 positive weights like 1,1"),
+                      ("3,2,1", "3 weights for 2 ranks"), ("1,0", "positive numbers")):
+        with pytest.raises(ConfigError, match="invalid configuration") as e:
+            ParallelConfig(ulysses=2, split=bad).validate()
+        assert says in str(e.value)
+
+
+def test_the_cli_refuses_a_bad_split_in_one_line(model_dir, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "comfyui_xdit", "generate", "--model",
+                        str(model_dir("flux")), "--prompt", "a", "--seed", "1", "--steps", "1",
+                        "--height", "64", "--width", "64", "--ulysses", "2", "--split", "3,2,1",
+                        "--out", str(tmp_path / "x.png")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "torchvision" not in x]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "split '3,2,1'" in lines[0] and "3 weights for 2 ranks" in lines[0]
+
+
+def test_the_parallel_settings_node_has_a_split_input(model_dir):
+    from comfyui_xdit.nodes import settings
+    from comfyui_xdit.nodes.handles import loader_keywords, make_handle
+    inputs = {i.name: i for i in settings.node_inputs(settings.ParallelSettings)}
+    assert inputs["split"].kind == "String" and inputs["split"].kwargs["default"] == "even"
+    value = settings.node_value(settings.ParallelSettings, {"ulysses": 2, "split": " 3,1 "})
+    assert value.split == "3,1"
+    kw = loader_keywords({"model": "x", "parallel": value}) if "parallel" in \
+        loader_keywords.__code__.co_varnames else {"ulysses": 2, "split": "3,1"}
+    h = make_handle(str(model_dir("flux")), "cpu", "fp32", ulysses=kw.get("ulysses", 2),
+                    split=kw.get("split", "3,1"))
+    assert h.config_for().degrees().split == (3.0, 1.0)
+
+
+def test_the_memory_plan_gives_each_rank_its_share_of_activations():
+    from comfyui_xdit.planning import memory_arithmetic as m
+    from comfyui_xdit.planning.config import EngineOptions
+    from comfyui_xdit.planning.model_facts import preset_facts
+    facts = preset_facts("wan2.1-t2v-14b")
+    job = m.JobSize(height=720, width=1280, frames=81)
+    eng = EngineOptions(device="cuda", dtype="bf16")
+    even = m.plan(facts, ParallelConfig(ulysses=2), eng, job, [24 << 30, 16 << 30])
+    split = m.plan(facts, ParallelConfig(ulysses=2, split="3,1"), eng, job, [24 << 30, 16 << 30])
+    a, b = (r.activations for r in split.ranks)
+    assert a > even.ranks[0].activations > b  # the larger share holds more tokens
+    assert abs((a - b) / (even.ranks[0].activations) - 1.0) < 0.25  # 3:1 of one rank's 2
+
+
+def test_auto_speeds_are_refined_cached_and_shown(tmp_path, monkeypatch):
+    from comfyui_xdit.client import split_auto
+    monkeypatch.setenv("XDIT_SPLIT_CACHE", str(tmp_path / "speeds.json"))
+    s = split_auto.Speeds(["cpu/rank0", "cpu/rank1"])
+    assert s.weights("flux/64x64x1") == ()
+    stats = [{"rank": 0, "share": {"speed": 100.0, "own_s": 1.0}},
+             {"rank": 1, "share": {"speed": 25.0, "own_s": 2.0}}]
+    s.update("flux/64x64x1", stats)
+    assert s.weights("flux/64x64x1") == (100.0, 25.0)
+    s.update("flux/64x64x1", [dict(x, share={"speed": x["share"]["speed"] * 2, "own_s": 1})
+                              for x in stats])
+    assert s.weights("flux/64x64x1") == (150.0, 37.5)  # half way to the new measurement
+    again = split_auto.Speeds(["cpu/rank0", "cpu/rank1"])  # a new pool: read from the cache
+    assert again.weights("flux/64x64x1") == (150.0, 37.5)
+    shown = s.status((150.0, 37.5))
+    assert [r["share"] for r in shown["ranks"]] == [0.8, 0.2]
+    assert "rank 1 (cpu/rank1)" in shown["holds_back"] and "leaving it out" in shown["holds_back"]
+    assert json.loads((tmp_path / "speeds.json").read_text())["cpu/rank1"]["flux/64x64x1"] == 37.5
+
+
+def test_auto_gives_the_slow_rank_less_and_stays_exact(model_dir, tmp_path, monkeypatch):
+    from comfyui_xdit import WorkerPool
+    monkeypatch.setenv("XDIT_SPLIT_CACHE", str(tmp_path / "speeds.json"))
+    monkeypatch.setenv("XDIT_SLOW_RANKS", "1:4")
+    req = GenerationRequest(prompt=["a red cube"], seed=3, steps=2, height=128, width=128)
+    with WorkerPool(str(model_dir("flux")), ParallelConfig(ulysses=2, split="auto"),
+                    device="cpu", threads_per_rank=1,
+                    worker_hooks=["xdit_testhooks.slow_ranks:install"]) as pool:
+        got = pool.generate(req)
+        split = pool.status()["split"]
+        pool.reconfigure(ParallelConfig(ulysses=2))
+        even = pool.generate(req)
+    shares = [r["share"] for r in split["ranks"]]
+    print("auto shares", shares, split)
+    assert split["mode"] == "auto" and shares[0] > shares[1], split
+    assert all("speed" in r and "own_s" in r for r in split["ranks"])
+    assert got.stats[0].get("share") is not None and even.stats[0].get("share") is None
+    assert float((got.samples - even.samples).abs().max()) <= 1e-4
