@@ -107,3 +107,34 @@ def test_auto_gives_the_slow_rank_less_and_stays_exact(model_dir, tmp_path, monk
     assert all("speed" in r and "own_s" in r for r in split["ranks"])
     assert got.stats[0].get("share") is not None and even.stats[0].get("share") is None
     assert float((got.samples - even.samples).abs().max()) <= 1e-4
+
+
+def test_pipefusion_stages_take_blocks_by_share():
+    """PipeFusion's "balanced" stages become block counts by the stages' weights (each the
+    sum of its ranks'); `auto` and an even split keep the balanced split."""
+    c = ParallelConfig(pipefusion=2, split="3,1")
+    assert c.stage_split(20) == "15,5"
+    assert ParallelConfig(pipefusion=2, ulysses=2, split="1,2,3,2").stage_split(19) == "7,12"
+    assert ParallelConfig(pipefusion=2, split="1,1").stage_split(20) == "balanced"
+    assert ParallelConfig(pipefusion=2, split="auto").stage_split(20) == "balanced"
+    assert ParallelConfig(pipefusion=2, split="3,1", pipefusion_split="10,10").stage_split(20) \
+        == "10,10"
+    assert c.launch_key() != ParallelConfig(pipefusion=2).launch_key()  # other stages: relaunch
+
+
+def test_pipefusion_by_share_equals_the_balanced_stages(model_dir):
+    """A patch meets the same K/V (this step's for the patches before it, the last step's
+    for those after) whichever stage holds a block, so stages by share give the balanced
+    stages' result."""
+    from comfyui_xdit import WorkerPool
+    req = GenerationRequest(prompt=["a red cube"], seed=3, steps=3, height=128, width=128)
+    out = {}
+    for split in ("even", "3,1"):
+        with WorkerPool(str(model_dir("flux")), ParallelConfig(pipefusion=2, split=split,
+                                                                 warmup_steps=1),
+                        device="cpu", threads_per_rank=1) as pool:
+            out[split] = pool.generate(req).samples
+            if split != "even":
+                stages = [r["stage"]["blocks"] for r in pool.status()["ranks"]]
+                assert len(stages[0]) > len(stages[1]), stages
+    assert float((out["3,1"] - out["even"]).abs().max()) <= 1e-4

@@ -83,7 +83,27 @@ class ParallelConfig:
         stage, so another pipeline layout needs a relaunch (other changes do not)."""
         if self.pipefusion == 1:
             return (self.ranks, 1)
-        return (self.ranks, self.pipefusion, self.sp, str(self.pipefusion_split))
+        return (self.ranks, self.pipefusion, self.sp, str(self.pipefusion_split),
+                self.weights() if self.pipefusion_split == "balanced" else ())
+
+    def stage_split(self, blocks: int) -> str:
+        """PipeFusion's `pipefusion_split` as the workers get it: where the split gives the
+        stages uneven weights (each stage the sum of its ranks') and the stages are left
+        "balanced", block counts by those weights ("12,7"); else as given. `auto` is not
+        known at launch, when a stage's blocks are loaded, so it keeps the balanced split."""
+        from comfyui_xdit import bridge
+        if self.pipefusion == 1 or self.pipefusion_split != "balanced":
+            return str(self.pipefusion_split)
+        w = self.weights()
+        if not w:
+            return "balanced"
+        inner = self.sp
+        stage_w = [sum(x for r, x in enumerate(w) if (r // inner) % self.pipefusion == s)
+                   for s in range(self.pipefusion)]
+        if bridge.shares.is_even(stage_w):
+            return "balanced"
+        return ",".join(str(n) for n in bridge.shares.sizes_for(blocks, self.pipefusion,
+                                                                 tuple(stage_w)))
 
     def options(self) -> dict:
         """Per-job settings that are not process-group layout."""

@@ -417,7 +417,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
     vae = facts.vae_params * db
     te = text_encoder_bytes(facts, engine.dtype)
 
-    ranges = stage_ranges(tr, config.pipefusion, config.pipefusion_split) \
+    ranges = stage_ranges(tr, config.pipefusion, config.stage_split(n_blocks)) \
         if config.pipefusion > 1 else [(0, n_blocks)]
     ranks = []
     gather = 0
