@@ -7,7 +7,9 @@ all-fast step time x N / (N - 1 + 1/k).
 
 Per rank count (2 and 4, one pool each, reconfigured between methods and splits: no
 relaunch), per method (Ulysses, Ring, DP), per slowdown (1.5x and 3x): ideal, even and auto,
-seconds per step (the slowest rank's denoising time / steps, median of the timed jobs).
+seconds per step (the slowest rank's denoising time / steps, median of the timed jobs; the
+all-fast, even and auto jobs interleaved round by round, so a busy machine slows all three
+alike).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 from comfyui_xdit.planning.config import ParallelConfig
 
 PRESETS = {
-    "full": dict(width=512, heads=8, depth=2, size=512, steps=4, timed=3, auto_jobs=3,
+    "full": dict(width=512, heads=8, depth=2, size=384, steps=3, timed=3, auto_jobs=3,
                  ranks=(2, 4), slowdowns=(1.5, 3.0), batch=6),
     "quick": dict(width=64, heads=4, depth=1, size=128, steps=2, timed=1, auto_jobs=1,
                   ranks=(2,), slowdowns=(2.0,), batch=2),
@@ -66,23 +68,25 @@ def run(args, log, machine) -> dict:
                 for method, degrees in METHODS.items():
                     batch = p["batch"] if method == "dp" else 1
 
-                    def timed(split):
+                    def job(split, slow):
+                        slow_file.write_text(slow)
                         pool.reconfigure(ParallelConfig(**degrees(n), split=split))
-                        r = pool.generate(req(batch))  # warm (auto: probe, then a job)
-                        for _ in range(p["auto_jobs"] - 1 if split == "auto" else 0):
-                            r = pool.generate(req(batch))  # refined from each job
-                        times = [_step_s(pool.generate(req(batch)), p["steps"])
-                                 for _ in range(p["timed"])]
-                        return statistics.median(times), r
+                        return pool.generate(req(batch))
 
-                    slow_file.write_text("")
-                    fast, _ = timed("even")
+                    job("even", "")  # warm this method's hooks
                     for k in p["slowdowns"]:
-                        slow_file.write_text(f"{n - 1}:{k}")
+                        slow = f"{n - 1}:{k}"
                         os.environ["XDIT_SPLIT_CACHE"] = str(tmp / f"speeds-{n}-{method}-{k}")
                         pool._split_speeds = None  # a fresh measurement per slowdown
-                        even, _ = timed("even")
-                        auto, _ = timed("auto")
+                        for _ in range(p["auto_jobs"]):  # auto: the probe, then refined
+                            job("auto", slow)
+                        times = {"fast": [], "even": [], "auto": []}
+                        for _ in range(p["timed"]):  # interleaved: load hits all three alike
+                            for name, split, sl in (("fast", "even", ""), ("even", "even", slow),
+                                                    ("auto", "auto", slow)):
+                                times[name].append(_step_s(job(split, sl), p["steps"]))
+                        fast, even, auto = (statistics.median(times[x])
+                                            for x in ("fast", "even", "auto"))
                         weights = pool.status()["split"]["ranks"]
                         ideal = fast * n / (n - 1 + 1 / k)
                         # the hook slows the per-token work only (a fraction f of the step,

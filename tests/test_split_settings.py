@@ -138,3 +138,16 @@ def test_pipefusion_by_share_equals_the_balanced_stages(model_dir):
                 stages = [r["stage"]["blocks"] for r in pool.status()["ranks"]]  # [lo, hi)
                 assert stages[0][1] - stages[0][0] > stages[1][1] - stages[1][0], stages
     assert float((out["3,1"] - out["even"]).abs().max()) <= 1e-4
+
+
+def test_the_status_command_shows_each_ranks_share_and_the_rank_holding_back():
+    from comfyui_xdit.cli.commands import format_status
+    info = {"model": "m", "arch": "flux", "world_size": 2, "state": "idle",
+            "ranks": [{"rank": r, "pid": 10 + r, "host": "h", "device": "cpu", "rss_mb": 1.0}
+                      for r in range(2)],
+            "split": {"mode": "auto", "holds_back": "rank 1 (cpu/rank1) runs at 30% of ...",
+                      "ranks": [{"rank": 0, "share": 0.77, "own_s": 1.5},
+                                {"rank": 1, "share": 0.23, "own_s": 1.4}]}}
+    text = format_status(info)
+    assert "share" in text and "0.77" in text and "0.23" in text and "1.4" in text
+    assert text.splitlines()[-1].startswith("rank 1 (cpu/rank1) runs at 30%")

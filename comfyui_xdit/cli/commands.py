@@ -236,10 +236,15 @@ def format_status(info: dict) -> str:
                 if info.get("state") == "running" else "")]
     if info.get("fp8_compute"):
         lines.append(info["fp8_compute"])  # which fp8 path multiplies
-    lines.append("rank  pid      host                 device   rss_mb")
+    split = {r["rank"]: r for r in (info.get("split") or {}).get("ranks", [])}
+    lines.append("rank  pid      host                 device   rss_mb  share  own_s")
     for r in info.get("ranks", []):
+        sh = split.get(r["rank"], {})
         lines.append(f"{r['rank']:<5} {r['pid']:<8} {r['host'][:20]:<20} {r['device']:<8} "
-                     f"{r.get('rss_mb', 0):.0f}")
+                     f"{r.get('rss_mb', 0):<7.0f} "
+                     f"{sh.get('share', 0):<6.2f} {sh.get('own_s', '-')}")
+    if (info.get("split") or {}).get("holds_back"):
+        lines.append(info["split"]["holds_back"])
     return "\n".join(lines)
 
 
