@@ -256,8 +256,7 @@ class WorkerPool(PoolLaunch, PoolConnection):
             self._probing = True
             try:
                 self.generate(dataclasses.replace(request, steps=1, output="latent"),
-                              noise=noise, init_latent=init_latent, denoise=denoise,
-                              on_launch=on_launch)
+                              noise=noise, on_launch=on_launch)  # same tokens, one full step
             finally:
                 self._probing = False
         _check_engine(self.engine, self.config)
