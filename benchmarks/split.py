@@ -1,6 +1,7 @@
-"""`python -m comfyui_xdit bench --split`: GPUs of different speed, on CPU. One rank is made
-k times slower (xdit_testhooks/slow_ranks.py: it sleeps k - 1 times each block's own time,
-freeing its core as a slower GPU would), and the time per denoising step is measured with
+"""`python -m comfyui_xdit bench --split`: GPUs of different speed, on CPU. Each rank is a
+simulated device (xdit_testhooks/slow_ranks.py with a base delay: after each block it sleeps
+a fixed time per row x token it was given, so a busy shared CPU's contention does not set
+the ranks' speeds), one of them k times slower, and the time per denoising step is measured with
 the even split and with `auto` (the ranks' speeds measured by a one-step probe, then refined
 from every job), beside the ideal: the work divided by the sum of the speeds, i.e. the
 all-fast step time x N / (N - 1 + 1/k).
@@ -21,10 +22,10 @@ from pathlib import Path
 from comfyui_xdit.planning.config import ParallelConfig
 
 PRESETS = {
-    "full": dict(width=512, heads=8, depth=2, size=384, steps=3, timed=3, auto_jobs=3,
-                 ranks=(2, 4), slowdowns=(1.5, 3.0), batch=6),
+    "full": dict(width=256, heads=8, depth=2, size=384, steps=2, timed=3, auto_jobs=3,
+                 ranks=(2, 4), slowdowns=(1.5, 3.0), batch=2, base=4e-4),
     "quick": dict(width=64, heads=4, depth=1, size=128, steps=2, timed=1, auto_jobs=1,
-                  ranks=(2,), slowdowns=(2.0,), batch=2),
+                  ranks=(2,), slowdowns=(2.0,), batch=2, base=4e-4),
 }
 METHODS = {"ulysses": lambda n: dict(ulysses=n), "ring": lambda n: dict(ring=n),
            "dp": lambda n: dict(dp=n)}
@@ -54,7 +55,7 @@ def run(args, log, machine) -> dict:
     saved = {k: os.environ.get(k) for k in ("XDIT_SLOW_RANKS_FILE", "XDIT_SPLIT_CACHE")}
     os.environ["XDIT_SLOW_RANKS_FILE"] = str(slow_file)
     rows, out = [], {"preset": "quick" if args.quick else "full", **{k: p[k] for k in (
-        "width", "heads", "depth", "size", "steps", "timed")}, "model": str(model)}
+        "width", "heads", "depth", "size", "steps", "timed", "base")}, "model": str(model)}
 
     def req(batch):
         return GenerationRequest(prompt=["a red cube on a table"] * batch, seed=1,
@@ -66,10 +67,10 @@ def run(args, log, machine) -> dict:
                               threads_per_rank=1, worker_hooks=["xdit_testhooks.slow_ranks:install"])
             try:
                 for method, degrees in METHODS.items():
-                    batch = p["batch"] if method == "dp" else 1
+                    batch = p["batch"] * n if method == "dp" else 1  # rows to share out
 
                     def job(split, slow):
-                        slow_file.write_text(slow)
+                        slow_file.write_text(f"{slow},base={p['base']}")
                         pool.reconfigure(ParallelConfig(**degrees(n), split=split))
                         return pool.generate(req(batch))
 
@@ -118,7 +119,9 @@ def markdown(report) -> str:
     r = report["split"]
     lines = [f"# Uneven split: one rank k times slower (CPU, {r['preset']} preset)", "",
              f"Tiny FLUX (width {r['width']}, {r['heads']} heads, depth {r['depth']}), "
-             f"{r['size']}x{r['size']}, {r['steps']} steps, 1 thread per rank; seconds per "
+             f"{r['size']}x{r['size']}, {r['steps']} steps, 1 thread per rank, each rank a "
+             f"simulated device sleeping {r['base'] * 1e6:.0f} us per row x token per block "
+             f"(times its factor); seconds per "
              f"step, median of {r['timed']} timed jobs. Ideal = all-fast step x N / "
              f"(N - 1 + 1/k) (the work over the sum of the speeds); the hook slows the "
              f"per-token work only, a fraction f of the step read off the even run, so "
