@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--families: list each family's dimensions and what would run; "
                         "nothing is built or timed")
     p.add_argument("--ranks", default=None,
-                   help="--engine: comma-separated pool sizes, e.g. 1,2,4,8 (default: 1 and "
+                   help="--engine, --split: comma-separated pool sizes, e.g. 1,2,4,8 (--engine default: 1 and "
                         "every Ulysses degree the GPUs / cores allow)")
     p.add_argument("--trained", action="store_true",
                    help="with --pipefusion: only its quality table, on the trained shapes "
@@ -97,6 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the uneven-split section instead: one rank made 1.5x / 3x "
                         "slower, time/step with the even split and with auto beside the "
                         "ideal, 2 and 4 ranks, Ulysses / Ring / DP (see benchmarks/split.py)")
+    p.add_argument("--slowdowns", default=None, metavar="K,K",
+                   help="--split: the slow rank's factors (default 1.5,3)")
     p.add_argument("--model-call", action="store_true",
                    help="run the xDiT MODEL section instead: per-call overhead of a "
                         "KSampler-style model call beyond the transformer, 1 and 2 ranks, "

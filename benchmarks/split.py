@@ -46,6 +46,10 @@ def run(args, log, machine) -> dict:
         p["steps"] = max(1, args.steps)
     if args.repeats is not None:
         p["timed"] = max(1, args.repeats)
+    if getattr(args, "ranks", None):
+        p["ranks"] = tuple(int(x) for x in str(args.ranks).split(","))
+    if getattr(args, "slowdowns", None):
+        p["slowdowns"] = tuple(float(x) for x in str(args.slowdowns).split(","))
     cache = Path(args.model_cache) if args.model_cache else default_cache() / "models"
     model = ensure_tiny_model("flux", cache, depth=p["depth"], width=p["width"],
                               heads=p["heads"])

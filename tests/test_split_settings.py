@@ -92,7 +92,7 @@ def test_auto_speeds_are_refined_cached_and_shown(tmp_path, monkeypatch):
 def test_auto_gives_the_slow_rank_less_and_stays_exact(model_dir, tmp_path, monkeypatch):
     from comfyui_xdit import WorkerPool
     monkeypatch.setenv("XDIT_SPLIT_CACHE", str(tmp_path / "speeds.json"))
-    monkeypatch.setenv("XDIT_SLOW_RANKS", "1:4")
+    monkeypatch.setenv("XDIT_SLOW_RANKS", "1:4,base=1e-3")  # a simulated device
     req = GenerationRequest(prompt=["a red cube"], seed=3, steps=2, height=128, width=128)
     with WorkerPool(str(model_dir("flux")), ParallelConfig(ulysses=2, split="auto"),
                     device="cpu", threads_per_rank=1,
@@ -151,3 +151,10 @@ def test_the_status_command_shows_each_ranks_share_and_the_rank_holding_back():
     text = format_status(info)
     assert "share" in text and "0.77" in text and "0.23" in text and "1.4" in text
     assert text.splitlines()[-1].startswith("rank 1 (cpu/rank1) runs at 30%")
+
+
+def test_the_slow_ranks_hook_reads_factors_and_a_base_delay():
+    from xdit_testhooks.slow_ranks import factors
+    assert factors("1:2") == {"base": 0.0, 1: 2.0}
+    assert factors("1:4, 3:1.5,base=2e-4") == {"base": 2e-4, 1: 4.0, 3: 1.5}
+    assert factors("") == {"base": 0.0}
