@@ -80,8 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--families: list each family's dimensions and what would run; "
                         "nothing is built or timed")
     p.add_argument("--ranks", default=None,
-                   help="--engine, --split: comma-separated pool sizes, e.g. 1,2,4,8 (--engine default: 1 and "
-                        "every Ulysses degree the GPUs / cores allow)")
+                   help="--engine, --split: comma-separated pool sizes, e.g. 1,2,4,8 "
+                        "(--engine default: 1 and every Ulysses degree the GPUs / cores "
+                        "allow; --split: 2,4)")
     p.add_argument("--trained", action="store_true",
                    help="with --pipefusion: only its quality table, on the trained shapes "
                         "model (benchmarks/pipefusion_trained.py)")

@@ -68,7 +68,8 @@ def run(args, log, machine) -> dict:
     try:
         for n in p["ranks"]:
             pool = WorkerPool(str(model), ParallelConfig(ulysses=n), device="cpu",
-                              threads_per_rank=1, worker_hooks=["xdit_testhooks.slow_ranks:install"])
+                              threads_per_rank=1,
+                              worker_hooks=["xdit_testhooks.slow_ranks:install"])
             try:
                 for method, degrees in METHODS.items():
                     batch = p["batch"] * n if method == "dp" else 1  # rows to share out

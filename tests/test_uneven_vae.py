@@ -22,8 +22,8 @@ def _vae():
     import torch
     from diffusers import AutoencoderKL
     torch.manual_seed(7)  # the same weights on every rank
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 32),
+    return AutoencoderKL(in_channels=3, out_channels=3,
+                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 32),
                          layers_per_block=1, norm_num_groups=8, latent_channels=4).eval()
 
 
