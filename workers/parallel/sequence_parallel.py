@@ -38,7 +38,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..streams import TEXT_IMAGE, TokenLayout, even_sizes
+from ..streams import TEXT_IMAGE, TokenLayout, even_sizes  # noqa: F401  (re-exported)
 from .shares import is_even, sizes_for
 from .topology import Topology, all_gather, gather
 
