@@ -158,3 +158,14 @@ def test_the_slow_ranks_hook_reads_factors_and_a_base_delay():
     assert factors("1:2") == {"base": 0.0, 1: 2.0}
     assert factors("1:4, 3:1.5,base=2e-4") == {"base": 2e-4, 1: 4.0, 3: 1.5}
     assert factors("") == {"base": 0.0}
+
+
+def test_memory_plan_command_plans_each_gpu_with_its_own_memory_and_share():
+    r = subprocess.run([sys.executable, "-m", "comfyui_xdit", "memory-plan", "--preset",
+                        "wan2.1-t2v-14b", "--ulysses", "2", "--height", "720", "--width", "1280",
+                        "--frames", "81", "--gpu-memory", "24,16", "--split", "3,1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    rows = [line.split() for line in r.stdout.splitlines() if line[:2] in ("0 ", "1 ")]
+    assert [row[-2] for row in rows] == ["24.0", "16.0"], r.stdout + r.stderr
+    assert float(rows[0][3]) > float(rows[1][3])  # activations by share: 3:1
+    assert "rank 1 (replica) needs" in r.stdout and "of its 16.0 GiB GPU" in r.stdout
