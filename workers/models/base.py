@@ -268,7 +268,9 @@ class DiTAdapter:
         (workers/parallel/vae_parallel.py), collective over the group; the latents are needed on group
         rank 0 only, the image is returned there and None elsewhere."""
         if self.family.latent.video:  # frames of each video in order, as ComfyUI's VAEDecode
-            vid = self.decode_video(model, raw, group, control, weights)
+            # the weights only where uneven: an adapter's own decode_video may predate them
+            vid = self.decode_video(model, raw, group, control,
+                                    **({"weights": weights} if weights else {}))
             if vid is None:
                 return None
             vid = (vid.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
