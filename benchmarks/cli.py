@@ -80,8 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--families: list each family's dimensions and what would run; "
                         "nothing is built or timed")
     p.add_argument("--ranks", default=None,
-                   help="--engine: comma-separated pool sizes, e.g. 1,2,4,8 (default: 1 and "
-                        "every Ulysses degree the GPUs / cores allow)")
+                   help="--engine, --split: comma-separated pool sizes, e.g. 1,2,4,8 "
+                        "(--engine default: 1 and every Ulysses degree the GPUs / cores "
+                        "allow; --split: 2,4)")
     p.add_argument("--trained", action="store_true",
                    help="with --pipefusion: only its quality table, on the trained shapes "
                         "model (benchmarks/pipefusion_trained.py)")
@@ -93,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the fp8 section instead: PSNR of fp8 weights (fp8 matmul and "
                         "upcast) against full precision on the trained shapes model, and "
                         "their time per job (see benchmarks/fp8_quality.py)")
+    p.add_argument("--split", action="store_true",
+                   help="run the uneven-split section instead: one rank made 1.5x / 3x "
+                        "slower, time/step with the even split and with auto beside the "
+                        "ideal, 2 and 4 ranks, Ulysses / Ring / DP (see benchmarks/split.py)")
+    p.add_argument("--slowdowns", default=None, metavar="K,K",
+                   help="--split: the slow rank's factors (default 1.5,3)")
     p.add_argument("--model-call", action="store_true",
                    help="run the xDiT MODEL section instead: per-call overhead of a "
                         "KSampler-style model call beyond the transformer, 1 and 2 ranks, "
@@ -114,6 +121,8 @@ def run(args) -> int:
         return run_section(args, "fp8_quality")
     if args.video:
         return run_section(args, "video")
+    if args.split:
+        return run_section(args, "split")
     if args.model_call:
         from . import model_call
         return model_call.run(args)

@@ -37,6 +37,7 @@ MODULES = {
     "request": ("runtime.request", "the generation request: its fields, defaults and checks "
                                    "(LoRA files too, before any worker starts), which the "
                                    "host fills and the workers read"),
+    "shares": ("parallel.shares", "a split's per-rank weights, parsed and checked on the host"),
     "conditioning": ("runtime.conditioning",
                      "a model call's conditioning, which the xDiT MODEL builds"),
     "cache_settings": ("sampling.cache_settings",

@@ -114,3 +114,23 @@ def unreduced_cache(ctx):
     import workers.sampling.denoise as denoise
     import workers.sampling.model_call as model_call
     denoise.call_on_ranks = model_call.call_on_ranks = call_on_ranks
+
+
+def split_gather_even(ctx):
+    """An uneven split applied on one side only: the input hooks shard the tokens by the
+    split's weights, the output gather reads the shards as the even split's (each cut or
+    padded to the even length, so the collective still matches)."""
+    import dataclasses
+
+    import workers.parallel.sequence_parallel as sp
+
+    real = sp.gather_stream
+
+    def gather_stream(x, dim, plan, stream, group):
+        even = dataclasses.replace(plan, weights=())
+        if plan.sharded(stream) and plan.sp_size > 1:
+            x = sp.pad_tokens(x.narrow(dim, 0, min(x.shape[dim], max(even.sizes(stream)))),
+                              dim, max(even.sizes(stream)))
+        return real(x, dim, even, stream, group)
+
+    sp.gather_stream = gather_stream

@@ -241,10 +241,15 @@ def format_status(info: dict) -> str:
                 if info.get("state") == "running" else "")]
     if info.get("fp8_compute"):
         lines.append(info["fp8_compute"])  # which fp8 path multiplies
-    lines.append("rank  pid      host                 device   rss_mb")
+    split = {r["rank"]: r for r in (info.get("split") or {}).get("ranks", [])}
+    lines.append("rank  pid      host                 device   rss_mb  share  own_s")
     for r in info.get("ranks", []):
+        sh = split.get(r["rank"], {})
         lines.append(f"{r['rank']:<5} {r['pid']:<8} {r['host'][:20]:<20} {r['device']:<8} "
-                     f"{r.get('rss_mb', 0):.0f}")
+                     f"{r.get('rss_mb', 0):<7.0f} "
+                     f"{sh.get('share', 0):<6.2f} {sh.get('own_s', '-')}")
+    if (info.get("split") or {}).get("holds_back"):
+        lines.append(info["split"]["holds_back"])
     return "\n".join(lines)
 
 
@@ -296,6 +301,10 @@ def _add_parallel_flags(p):
     p.add_argument("--pipefusion", type=_positive("--pipefusion"), default=1,
                    help="PipeFusion degree: each rank holds 1/N of the blocks (close to "
                         "exact, not exact)")
+    p.add_argument("--split", default="even",
+                   help="work per rank for GPUs of different speed or memory, exact whatever "
+                        "it is: even (default), auto (measured per rank) or one weight per "
+                        "rank, e.g. 3,2")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the ranks run (default cpu; cuda: one GPU per rank)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
@@ -335,7 +344,7 @@ def config_from_args(args) -> ParallelConfig:
                           warmup_steps=getattr(args, "warmup_steps", 1),
                           pipeline_patches=getattr(args, "pipeline_patches", None),
                           pipefusion_split=getattr(args, "pipefusion_split", "balanced"),
-                          world_size=args.world_size)
+                          world_size=args.world_size, split=getattr(args, "split", "even"))
 
 
 def output_kind(out: str) -> str:

@@ -54,7 +54,11 @@ def add_cli(sub) -> None:
     p.add_argument("--max-sequence-length", type=int, default=None,
                    help="text tokens per prompt (default: the model's, 512)")
     p.add_argument("--gpu-memory", default=None,
-                   help="GiB per GPU (with --compare: a comma list, e.g. 24,48,80)")
+                   help="GiB per GPU, or one per rank for GPUs of different sizes (24,16); "
+                        "with --compare: a comma list of sizes, e.g. 24,48,80")
+    p.add_argument("--split", default="even",
+                   help="work per rank: even, or one weight per rank (3,2): each rank's "
+                        "activations by its share")
     p.add_argument("--gpus", default=None,
                    help="number of GPUs, the product of the degrees (with --compare: a comma "
                         "list, e.g. 2,4,8)")
@@ -120,12 +124,13 @@ def run_cli(args) -> int:
         if not counts or not sizes:
             raise ConfigError("--compare needs --gpus (e.g. 2,4,8) and --gpu-memory in GiB "
                               "(e.g. 24,48,80)")
-    elif len(counts) > 1 or len(sizes) > 1:
+    elif len(counts) > 1 or (len(sizes) > 1 and len(sizes) != args.ulysses * args.ring * args.dp
+                             * args.pipefusion * (2 if args.cfg_parallel else 1)):
         raise ConfigError(f"--gpus {args.gpus} / --gpu-memory {args.gpu_memory}: give one "
                           f"number each, or add --compare for a table")
     config = ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel,
                             pipefusion=args.pipefusion, ulysses=args.ulysses, ring=args.ring,
-                            pipefusion_split=args.pipefusion_split,
+                            pipefusion_split=args.pipefusion_split, split=args.split,
                             world_size=None if args.compare or args.shard_table or
                             args.traffic_table or not counts else counts[0])
     out = config.problems()
@@ -171,7 +176,8 @@ def run_cli(args) -> int:
     if args.compare:
         print(compare_table(facts, job, args.dtype, counts, sizes, gguf))
         return 0
-    cap = int(sizes[0] * GiB) if sizes else None
+    cap = [int(x * GiB) for x in sizes] if len(sizes) > 1 else \
+        (int(sizes[0] * GiB) if sizes else None)  # one size, or each GPU's own
     p = plan(facts, config.with_world_size(None), engine, job, cap)
     print(p.table())
     print(p.message())

@@ -143,7 +143,7 @@ class PoolLaunch:
             if self.config.pipefusion > 1:
                 cmd += ["--pipefusion", str(self.config.pipefusion), "--pipefusion-inner",
                         str(self.config.sp), "--pipefusion-split",
-                        str(self.config.pipefusion_split)]
+                        self.config.stage_split(self.model_info.blocks)]
             log = open(self._log_path(rank), "wb")
             self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, env=env,

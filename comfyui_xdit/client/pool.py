@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from comfyui_xdit.bridge import messages
 from comfyui_xdit.bridge import protocol as P
+from comfyui_xdit.client import split_auto
 from comfyui_xdit.client.channel import Channel, parse_address
 from comfyui_xdit.client.connection import PoolConnection
 from comfyui_xdit.client.launch import UNPLANNED, PoolLaunch
@@ -96,6 +97,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
         self._attached: Optional[tuple] = None  # (address, secret) of an external pool
         self._remote: dict = {}  # rank 0's self-description (model, ranks, state)
         self._progress: dict = {}  # last event of the running job (for status())
+        self._split_speeds = None  # split_auto.Speeds: the ranks' measured speeds (auto)
+        self._probing = False  # auto's one-step probe is running
         _LIVE_POOLS.add(self)
 
     @classmethod
@@ -183,7 +186,30 @@ class WorkerPool(PoolLaunch, PoolConnection):
                 r["rss_mb"] = rss_mb(p.pid)
         info["ranks"] = ranks
         info["attached"] = bool(self._attached)
+        info["split"] = self._split_status(info)
         return self._with_memory(info)
+
+    # ---- uneven splits (split_auto.py) -----------------------------------------------
+    def _speeds(self) -> split_auto.Speeds:
+        """The ranks' measured speeds, labelled by their GPU models (CPU: by rank)."""
+        names = [r.get("gpu_name") for r in self._remote.get("ranks", [])]
+        labels = split_auto.labels_for(self.device, self.config.ranks,
+                                       names if all(names) else None)
+        if self._split_speeds is None or self._split_speeds.labels != labels:
+            self._split_speeds = split_auto.Speeds(labels)
+        return self._split_speeds
+
+    def _auto_weights(self, request) -> tuple:
+        """auto's weights for this job: the measured (or cached) speeds, () if unknown."""
+        if self.device == "cuda" and not self.is_running():
+            return ()  # the GPUs' models are read from the running ranks
+        return self._speeds().weights(split_auto.job_key(self.model_info.arch, request))
+
+    def _split_status(self, info: dict) -> dict:
+        """The split: its mode, each rank's share and measured speed and own step time,
+        and the rank that holds the pool back."""
+        weights = (info.get("config") or {}).get("split") or ()
+        return {"mode": str(self.config.split), **self._speeds().status(weights)}
 
     def _with_memory(self, info: dict) -> dict:
         """A CUDA pool's status carries its memory plan: mode, predicted and (after the first
@@ -223,6 +249,16 @@ class WorkerPool(PoolLaunch, PoolConnection):
         """`on_launch(text, done, total)`: progress while the pool starts (see `_launch`)."""
         info = self.model_info
         self.config.validate(info, request)
+        auto = self.config.split == "auto"
+        if auto and not self._probing and not self._auto_weights(request):
+            # nothing measured for these GPUs at this size: the job for one step, split
+            # evenly, measures every rank's speed first (comfyui_xdit/client/split_auto.py)
+            self._probing = True
+            try:
+                self.generate(dataclasses.replace(request, steps=1, output="latent"),
+                              noise=noise, on_launch=on_launch)  # same tokens, one full step
+            finally:
+                self._probing = False
         _check_engine(self.engine, self.config)
         _check_job_inputs(request, noise, init_latent, denoise, info.arch)
         plan = UNPLANNED
@@ -248,11 +284,14 @@ class WorkerPool(PoolLaunch, PoolConnection):
             refs = req.reference_latents  # ComfyUI LATENTs; the workers convert them
             images = req.reference_images  # [H, W, 3] tensors (resolved); rank 0 encodes
             req = dataclasses.replace(req, reference_latents=None, reference_images=None)
-            job = P.Job(job_id=job_id, request=req, config=self.config.degrees(),
+            job = P.Job(job_id=job_id, request=req,
+                        config=self.config.degrees(self._auto_weights(request) if auto else ()),
                         noise=noise_to_model(info.arch, noise),
                         init_latent=None if init_latent is None else
                         comfy_to_model(info.arch, init_latent, fmt),
-                        denoise=denoise, options=self.config.options(),
+                        denoise=denoise,
+                        options=dict(self.config.options(), **({"measure_share": True}
+                                                                if auto else {})),
                         references=None if refs is None else
                         [r.detach().float().cpu().contiguous() for r in refs],
                         reference_images=images)
@@ -283,6 +322,9 @@ class WorkerPool(PoolLaunch, PoolConnection):
                                 raise
                     elif isinstance(msg, P.Result) and msg.job_id == job_id:
                         self._note_measured(request, msg.stats)
+                        if auto:
+                            self._speeds().update(split_auto.job_key(info.arch, request),
+                                                  msg.stats)
                         return GenerationResult(
                             latents=latents_to_comfy(info.arch, msg.latents, fmt, req.height,
                                                      req.width), decoded=msg.decoded,

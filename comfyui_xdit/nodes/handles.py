@@ -59,6 +59,7 @@ class ModelHandle:
     cfg_parallel: bool = False
     dp: int = 1
     gpus: Optional[tuple] = None
+    split: str = "even"  # work per rank: even | auto | weights "3,2" (exact whatever it is)
     threads_per_rank: Optional[int] = None
     loras: tuple = ()  # ((path, strength[, "high" | "low"]), ...): the LoRA node; never a new pool
     pipefusion: int = 1
@@ -120,7 +121,8 @@ class ModelHandle:
                               ring=self.ring, pipefusion=self.pipefusion,
                               warmup_steps=self.warmup_steps,
                               pipeline_patches=self.pipeline_patches,
-                              pipefusion_split=self.pipefusion_split, world_size=self.world_size)
+                              pipefusion_split=self.pipefusion_split, world_size=self.world_size,
+                              split=self.split)
 
     def config_for(self, request: Optional[GenerationRequest] = None) -> ParallelConfig:
         """Degrees given: exactly those (the world size must match their product). All
@@ -131,7 +133,9 @@ class ModelHandle:
         info = self.info()
         uses_cfg = request.uses_cfg(info) if request is not None else False
         batch = request.batch if request is not None else 1
-        return auto_config(world, info.heads, uses_cfg, batch).with_world_size(world)
+        import dataclasses
+        return dataclasses.replace(auto_config(world, info.heads, uses_cfg, batch),
+                                   world_size=world, split=self.split)
 
     def engine(self) -> EngineOptions:
         return EngineOptions(device=self.device, dtype=self.dtype, attention=self.attention,
@@ -204,7 +208,7 @@ class ModelHandle:
 
 def make_handle(model_path: str, device: str, dtype: str, world_size="auto", ulysses: int = 1,
                 ring: int = 1, cfg_parallel: bool = False, dp: int = 1, gpus: str = "",
-                threads_per_rank: Optional[int] = None, pipefusion: int = 1,
+                split: str = "even", threads_per_rank: Optional[int] = None, pipefusion: int = 1,
                 warmup_steps: int = 1, pipeline_patches: int = 0,
                 pipefusion_split: str = "balanced", attention: str = "auto",
                 compile: bool = False, weights: str = "auto", text_encoders: str = "auto",
@@ -219,6 +223,7 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
     return ModelHandle(path=str(Path(model_path).resolve()), device=device, dtype=dtype,
                        world_size=ws, ulysses=int(ulysses), ring=int(ring),
                        cfg_parallel=bool(cfg_parallel), dp=int(dp), gpus=gpu_list,
+                       split=str(split or "").strip() or "even",
                        threads_per_rank=threads_per_rank, pipefusion=int(pipefusion),
                        warmup_steps=int(warmup_steps),
                        pipeline_patches=int(pipeline_patches) or None,
@@ -231,7 +236,8 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
 
 
 LOADER_DEFAULTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1, ring=1,
-                       cfg_parallel=False, dp=1, gpus="", pipefusion=1, warmup_steps=1,
+                       cfg_parallel=False, dp=1, gpus="", split="even", pipefusion=1,
+                       warmup_steps=1,
                        pipeline_patches=0, pipefusion_split="balanced", attention="auto",
                        compile=False, weights="auto", text_encoders="auto",
                        shard_weights=False, memory_plan="auto")

@@ -22,7 +22,10 @@ class ParallelConfig:
     """Degrees of the xDiT methods. `world_size == dp * cfg * pipefusion * ulysses * ring`.
 
     `cfg_parallel` puts the conditional and unconditional branch on different ranks
-    (degree 2). `world_size=None` means "the product of the degrees".
+    (degree 2). `world_size=None` means "the product of the degrees". `split`: how work is
+    shared over ranks of different speed or memory: "even" (every rank alike), "auto"
+    (measured per rank) or one weight per rank ("3,2"); every split is exact
+    (workers/parallel/shares.py).
     """
 
     dp: int = 1
@@ -34,6 +37,7 @@ class ParallelConfig:
     pipeline_patches: Optional[int] = None  # PipeFusion patches per step (default: degree)
     pipefusion_split: str = "balanced"  # | "compute" | "memory" | block counts "10,9"
     world_size: Optional[int] = None
+    split: object = "even"  # "even" | "auto" | "3,2" (or a tuple of weights)
 
     @property
     def cfg(self) -> int:
@@ -55,20 +59,51 @@ class ParallelConfig:
         return (f"dp {self.dp} x cfg {self.cfg} x pipefusion {self.pipefusion} x "
                 f"ulysses {self.ulysses} x ring {self.ring}")
 
-    def degrees(self):
+    def weights(self, measured=()) -> tuple:
+        """The split's per-rank weights: () for even; `measured` (the pool's, per rank) for
+        auto, even until something is measured."""
+        from comfyui_xdit import bridge
+        w = bridge.shares.parse_split(self.split, self.product)
+        if w == "auto":
+            w = tuple(measured or ())
+            return w if len(w) == self.product else ()
+        return w
+
+    def degrees(self, measured=()):
         """The layout the workers build their process groups on, by axis name (a
-        workers/parallel/degrees.py `Degrees`; jobs and model calls carry it)."""
+        workers/parallel/degrees.py `Degrees`; jobs and model calls carry it), with the
+        split's weights (`measured`: auto's, per rank)."""
         from comfyui_xdit import bridge
         return bridge.degrees.Degrees(
             dp=self.dp, cfg=self.cfg, pipefusion=self.pipefusion, ulysses=self.ulysses,
-            ring=self.ring)
+            ring=self.ring, split=self.weights(measured))
 
     def launch_key(self) -> tuple:
         """What the workers' loaded weights depend on: under PipeFusion each rank holds one
         stage, so another pipeline layout needs a relaunch (other changes do not)."""
         if self.pipefusion == 1:
             return (self.ranks, 1)
-        return (self.ranks, self.pipefusion, self.sp, str(self.pipefusion_split))
+        return (self.ranks, self.pipefusion, self.sp, str(self.pipefusion_split),
+                self.weights() if self.pipefusion_split == "balanced" else ())
+
+    def stage_split(self, blocks: int) -> str:
+        """PipeFusion's `pipefusion_split` as the workers get it: where the split gives the
+        stages uneven weights (each stage the sum of its ranks') and the stages are left
+        "balanced", block counts by those weights ("12,7"); else as given. `auto` is not
+        known at launch, when a stage's blocks are loaded, so it keeps the balanced split."""
+        from comfyui_xdit import bridge
+        if self.pipefusion == 1 or self.pipefusion_split != "balanced":
+            return str(self.pipefusion_split)
+        w = self.weights()
+        if not w:
+            return "balanced"
+        inner = self.sp
+        stage_w = [sum(x for r, x in enumerate(w) if (r // inner) % self.pipefusion == s)
+                   for s in range(self.pipefusion)]
+        if bridge.shares.is_even(stage_w):
+            return "balanced"
+        return ",".join(str(n) for n in bridge.shares.sizes_for(blocks, self.pipefusion,
+                                                                 tuple(stage_w)))
 
     def options(self) -> dict:
         """Per-job settings that are not process-group layout."""
@@ -89,6 +124,11 @@ class ParallelConfig:
         if self.world_size is not None and self.world_size != self.product:
             out.append(f"world size {self.world_size} != {self.describe()} = {self.product}; "
                        f"make the product of the degrees equal the world size")
+        try:
+            from comfyui_xdit import bridge
+            bridge.shares.parse_split(self.split, self.product)
+        except ValueError as e:
+            out.append(str(e))
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             out.append(f"warmup_steps must be an integer >= 0 (got {self.warmup_steps!r})")
         if self.pipeline_patches is not None and (not isinstance(self.pipeline_patches, int)

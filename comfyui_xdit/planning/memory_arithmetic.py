@@ -386,8 +386,9 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
 
     # tokens a rank holds in one forward (PipeFusion's warmup steps run the whole image);
     # no job (a launch for decoding or host-sampler calls): the fixed parts only
-    seq = batch = act = 0
+    seq = batch = act = vae_act = 0
     sp = config.sp
+    rank_act = None  # rank -> its activations, where an uneven split gives ranks other shares
     if job is not None:
         fam = families.family(facts.arch)
         seq = job_tokens(facts, job)
@@ -402,14 +403,27 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         vae_3d = fam.capability(families.CausalVAE)
         if vae_3d is not None and vae_3d.whole_video:  # every frame in one decoder call
             chunk = job.frames
-        act = max(act, vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
-                                        job.height, job.width, job.batch, db, world,
-                                        frames=job.frames,
-                                        frames_per_chunk=min(chunk, job.frames)))
+        vae_act = vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
+                                   job.height, job.width, job.batch, db, world,
+                                   frames=job.frames, frames_per_chunk=min(chunk, job.frames))
+        act = max(act, vae_act)
+        split_w = config.weights() if config.pipefusion == 1 else ()
+        if split_w:  # each rank's tokens and rows by its share (workers/parallel/shares.py)
+            sizes_for, per = bridge.shares.sizes_for, world // config.dp
+
+            def rank_act(rank):
+                group = rank - rank % sp
+                tokens_r = sizes_for(seq, sp, split_w[group:group + sp])[rank % sp]
+                dp_w = [sum(split_w[i * per:(i + 1) * per]) for i in range(config.dp)]
+                rows = sizes_for(job.batch, config.dp, dp_w)[rank // per]
+                a = activation_bytes(tr, tokens_r, text, seq,
+                                     rows * max(1, branches // config.cfg), db, sp,
+                                     cross_text=not text_in_sequence(facts.arch))
+                return max(a, vae_act)
     vae = facts.vae_params * db
     te = text_encoder_bytes(facts, engine.dtype)
 
-    ranges = stage_ranges(tr, config.pipefusion, config.pipefusion_split) \
+    ranges = stage_ranges(tr, config.pipefusion, config.stage_split(n_blocks)) \
         if config.pipefusion > 1 else [(0, n_blocks)]
     ranks = []
     gather = 0
@@ -435,7 +449,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
             weights = (sum(block_bytes) + rest_bytes) * experts
             role = "replica"
         ranks.append(RankPlan(rank=rank, role=role, weights=weights + buffer_bytes * experts,
-                              activations=act,
+                              activations=act if rank_act is None else rank_act(rank),
                               kv_cache=kv, text_encoders=0, vae=vae, reserve=RESERVE_BYTES,
                               gpu_memory=caps[rank]))
 

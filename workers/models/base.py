@@ -258,20 +258,21 @@ class DiTAdapter:
         scale, shift = self.scale_shift(model)
         return latent_layout.comfy_to_raw(self.arch, samples, scale, shift)
 
-    def decode_video(self, model: LoadedModel, raw, group=None, control=None):
+    def decode_video(self, model: LoadedModel, raw, group=None, control=None, weights=()):
         """A causal 3-D VAE's decode of raw latents [B, C, T, h, w] -> [B, 3, frames, H, W]
         in -1..1 (the VAE's dtype); under a group in row bands over its ranks
         (workers/parallel/vae_parallel.py, collective: the latents are needed on group rank 0 only,
-        the frames come back there and None elsewhere)."""
+        the frames come back there and None elsewhere; `weights`: the group ranks' shares of
+        the bands, workers/parallel/shares.py)."""
         if model.vae is None:
             model.vae = load_vae(model)
         if group is not None:
             from ..parallel.vae_parallel import decode_parallel
             x = None if raw is None else raw.to(model.device, model.vae.dtype)
-            return decode_parallel(model.vae, x, group, control=control)
+            return decode_parallel(model.vae, x, group, control=control, weights=weights)
         return model.vae.decode(raw.to(model.device, model.vae.dtype), return_dict=False)[0]
 
-    def decode(self, model: LoadedModel, raw, group=None, control=None):
+    def decode(self, model: LoadedModel, raw, group=None, control=None, weights=()):
         """Raw-VAE-space latents -> IMAGE [B,H,W,3] in 0..1 (float32, CPU); a video family's
         [B, C, T, h, w] -> its frames [B * F, H, W, 3] (`decode_video`); a family whose decode
         makes its sound too returns Decoded's fields as a dict (images, audio, sample_rate).
@@ -279,7 +280,9 @@ class DiTAdapter:
         (workers/parallel/vae_parallel.py), collective over the group; the latents are needed on group
         rank 0 only, the image is returned there and None elsewhere."""
         if self.family.latent.video:  # frames of each video in order, as ComfyUI's VAEDecode
-            vid = self.decode_video(model, raw, group, control)
+            # the weights only where uneven: an adapter's own decode_video may predate them
+            vid = self.decode_video(model, raw, group, control,
+                                    **({"weights": weights} if weights else {}))
             if vid is None:
                 return None
             vid = (vid.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
@@ -289,7 +292,7 @@ class DiTAdapter:
         x = None if raw is None else raw.to(model.device, model.vae.dtype)
         if group is not None:
             from ..parallel.vae_parallel import decode_parallel
-            img = decode_parallel(model.vae, x, group, control=control)
+            img = decode_parallel(model.vae, x, group, control=control, weights=weights)
             if img is None:
                 return None
         else:

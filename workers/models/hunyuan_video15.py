@@ -434,7 +434,7 @@ class HunyuanVideo15Adapter(DiTAdapter):
                          1).contiguous()
 
     # ---- decoding ---------------------------------------------------------------------
-    def decode_video(self, model, raw, group=None, control=None):
+    def decode_video(self, model, raw, group=None, control=None, weights=()):
         """The VAE's decode of raw latents [B, 32, T, h, w] -> [B, 3, frames, H, W] in -1..1;
         under a group in row bands over its ranks (`band_scheme`, hunyuan_video15_vae.py; collective:
         the latents are needed on group rank 0 only, the frames come back there and None
@@ -451,7 +451,8 @@ class HunyuanVideo15Adapter(DiTAdapter):
             with frame_attention(model.vae):
                 return model.vae.decode(x, return_dict=False)[0]
         from ..parallel.vae_parallel import decode_parallel
-        return decode_parallel(model.vae, x, group, control=control, scheme=band_scheme())
+        return decode_parallel(model.vae, x, group, control=control, scheme=band_scheme(),
+                               weights=weights)
 
     @staticmethod
     def bfl_to_diffusers(sd, config):

@@ -281,7 +281,7 @@ class LTX2Adapter(DiTAdapter):
         return samples.float() if torch.is_tensor(samples) else \
             tuple(None if t is None else t.float() for t in samples)
 
-    def decode(self, model, raw, group=None, control=None):
+    def decode(self, model, raw, group=None, control=None, weights=()):
         """(video, sound) model-space latents (ComfyUI's AV LATENT's) -> the Decoded fields: the frames
         [B * F, H, W, 3] in 0..1 and the waveform [B, channels, samples] with its rate, as
         LTX2Pipeline decodes them (the video VAE at decode timestep 0, without decode noise;

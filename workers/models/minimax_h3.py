@@ -340,7 +340,7 @@ class MiniMaxH3Adapter(DiTAdapter):
                      for k in ("latents_mean", "latents_std"))
         return latents.float() * std + mean
 
-    def decode(self, model, raw, group=None, control=None):
+    def decode(self, model, raw, group=None, control=None, weights=()):
         """The video VAE's frames (ImageNet-normalised pixels, as the pipeline undoes them)
         -> IMAGE [B x F, H, W, 3] in 0..1; decoded whole on the first rank of a group."""
         from .base import load_vae

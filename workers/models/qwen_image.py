@@ -341,12 +341,12 @@ class QwenImageAdapter(DiTAdapter):
     def forward_extra(self, model, height, width):
         return {"img_shape": (1, height // 16, width // 16)}
 
-    def decode(self, model, raw, group=None, control=None):
+    def decode(self, model, raw, group=None, control=None, weights=()):
         """The causal 3-D VAE decodes the single frame [B, 16, 1, h, w]; under a group in row
         bands over its ranks (workers/parallel/vae_parallel.py, collective; the latents are needed on
         group rank 0 only, the image comes back there and None elsewhere; too few latent rows:
         rank 0 decodes alone)."""
-        img = self.decode_video(model, raw, group, control)
+        img = self.decode_video(model, raw, group, control, weights)
         if img is None:
             return None
         img = img[:, :, 0]  # [B, 3, frames, H, W]: the one frame

@@ -4,10 +4,16 @@ ParallelConfig and the protocol carries it.
 
 `AXES` is the rank layout's order, outermost first (workers/parallel/topology.py); a
 `Degrees` is read and compared by name only, so no caller depends on that order.
+
+`split`: per-rank weights for GPUs of different speed or memory (workers/parallel/shares.py),
+one per world rank; empty (the default) is the even split. It is not an axis: process groups
+are keyed on `axes()` alone, and the wire leaves it out when even.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, replace
+
+from .shares import check_weights, is_even
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +25,7 @@ class Degrees:
     pipefusion: int = 1
     ring: int = 1
     ulysses: int = 1
+    split: tuple = ()  # per-rank weights (module doc); () even
 
     def __post_init__(self):
         for axis in AXES:
@@ -27,6 +34,11 @@ class Degrees:
                 raise ValueError(f"degree {axis} must be an integer >= 1 (got {v!r})")
         if self.cfg > 2:
             raise ValueError(f"degree cfg is 1 or 2 (the guidance branches), got {self.cfg}")
+        w = tuple(self.split or ())
+        problems = check_weights(w, self.world)
+        if problems:
+            raise ValueError("; ".join(problems))
+        object.__setattr__(self, "split", () if is_even(w) else w)
 
     @property
     def sp(self) -> int:
@@ -41,18 +53,29 @@ class Degrees:
         return " x ".join(f"{a} {getattr(self, a)}" for a in ("dp", "cfg", "pipefusion",
                                                                "ulysses", "ring"))
 
+    def axes(self) -> dict:
+        """The degree per axis: what process groups are built on."""
+        return {a: getattr(self, a) for a in AXES}
+
+    def evenly(self) -> "Degrees":
+        """The same layout split evenly (the key of its process groups)."""
+        return replace(self, split=()) if self.split else self
+
     def to_wire(self) -> dict:
-        return asdict(self)
+        d = self.axes()
+        if self.split:
+            d["split"] = list(self.split)
+        return d
 
     @classmethod
     def from_wire(cls, d) -> "Degrees":
         """A wire dict (or a Degrees of either package name) -> Degrees; every axis named."""
         if not isinstance(d, dict):
-            d = {a: getattr(d, a, None) for a in AXES}
-        if set(d) != set(AXES):
+            d = {a: getattr(d, a, None) for a in AXES} | {"split": getattr(d, "split", ())}
+        if set(d) - {"split"} != set(AXES):
             raise ValueError(f"degrees must name exactly the axes {list(AXES)} (got "
                              f"{sorted(d)})")
-        return cls(**d)
+        return cls(**dict(d, split=tuple(d.get("split") or ())))
 
 
-AXES = tuple(f.name for f in fields(Degrees))
+AXES = ("dp", "cfg", "pipefusion", "ring", "ulysses")  # outermost first

@@ -7,17 +7,22 @@ output is gathered. Installing it adds forward hooks to the transformer and swap
 model's sharded attention processors; the model code itself is untouched.
 
 Each sharded stream is split near-evenly over the sp ranks (the first `n % sp` ranks take one
-more token); a replicated stream stays whole on every rank. A stream is whatever the adapter
+more token), or, where the plan has uneven `weights` (GPUs of different speed or memory,
+workers/parallel/shares.py), in proportion to them; a replicated stream stays whole on every
+rank. A stream is whatever the adapter
 passes as its tokens: FLUX's image stream is the latent's tokens joined by reference images'
 when a job has them (workers/models/flux.py `with_references`), so those split with it. The
 per-forward `SequencePlan` (the call's token count per stream) travels to the attention
 processors explicitly through `joint_attention_kwargs`.
 
-Uneven shards are padded once per forward: the input hooks pad each stream's local shard to
+Near-even shards are padded once per forward: the input hooks pad each stream's local shard to
 that stream's longest (`SequencePlan.padded`), so every layer's q/k/v have the same length
 on every rank and the collectives need no per-layer padding; the attention drops the padded
 keys (workers/parallel/attention.py) and the output gather drops the padded tokens. Padded tokens
-only ever meet per-token layers and the attention, so they change no real token.
+only ever meet per-token layers and the attention, so they change no real token. A plan with
+uneven weights is not padded (a fast rank would compute the slow rank's length): its shards
+keep their own lengths and the attention exchanges them as they are
+(workers/parallel/uneven.py).
 
 A caller may pass its own plan (`joint_attention_kwargs={"sp_plan": plan}`), a SequencePlan
 subclass whose `selected` covers part of the tokens (PipeFusion's patches,
@@ -33,7 +38,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..streams import TEXT_IMAGE, TokenLayout, even_sizes
+from ..streams import TEXT_IMAGE, TokenLayout, even_sizes  # noqa: F401  (re-exported)
+from .shares import is_even, sizes_for
 from .topology import Topology, all_gather, gather
 
 
@@ -50,6 +56,7 @@ class SequencePlan:
     tokens: dict  # stream name -> tokens of the full sequence
     padded: bool = False  # local shards padded to each stream's longest (see module doc)
     layout: TokenLayout = TEXT_IMAGE
+    weights: tuple = ()  # per sp rank (workers/parallel/shares.py); () near-even
 
     def __post_init__(self):
         declared, given = self.layout.names, tuple(self.tokens)
@@ -59,10 +66,19 @@ class SequencePlan:
         bad = {k: v for k, v in self.tokens.items() if not isinstance(v, int) or v < 0}
         if bad:
             raise ValueError(f"token counts must be whole numbers >= 0, got {bad}")
+        if self.weights and len(self.weights) != self.sp_size:
+            raise ValueError(f"the plan has {len(self.weights)} weights for {self.sp_size} "
+                             f"sp ranks")
 
     def __hash__(self):  # the dict of counts as its items
         return hash((type(self), self.sp_rank, self.sp_size,
-                     tuple(sorted(self.tokens.items())), self.padded, self.layout))
+                     tuple(sorted(self.tokens.items())), self.padded, self.layout,
+                     tuple(self.weights)))
+
+    @property
+    def uneven(self) -> bool:
+        """Shards sized by uneven weights (not padded; workers/parallel/uneven.py)."""
+        return not is_even(self.weights)
 
     @property
     def text_stream(self) -> Optional[str]:
@@ -101,7 +117,9 @@ class SequencePlan:
     def sizes(self, stream: str) -> list:
         """Tokens of `stream` each sp rank holds (a replicated stream: all, on each)."""
         n = self.selected(stream)[1]
-        return even_sizes(n, self.sp_size) if self.sharded(stream) else [n] * self.sp_size
+        if not self.sharded(stream):
+            return [n] * self.sp_size
+        return sizes_for(n, self.sp_size, self.weights)
 
     def local_slice(self, stream: str, sp_rank: Optional[int] = None) -> slice:
         r = self.sp_rank if sp_rank is None else sp_rank
@@ -262,11 +280,14 @@ class SequenceParallel:
     """Hooks one transformer for sequence parallelism over `topo`'s sp group; a forward
     called with its own plan computes that plan's tokens (module doc)."""
 
-    def __init__(self, transformer, layout: SequenceLayout, topo: Topology, attention):
+    def __init__(self, transformer, layout: SequenceLayout, topo: Topology, attention,
+                 weights: tuple = ()):
         """`transformer`: one, or a tuple of transformers of one class (a model's experts,
-        one forward at a time)."""
+        one forward at a time). `weights`: the sp ranks' shares (workers/parallel/shares.py;
+        () near-even)."""
         self.layout = layout
         self.topo = topo
+        self.weights = tuple(weights)
         self.plan: Optional[SequencePlan] = None  # set for the duration of one forward
         self.context: dict = {}  # likewise: the layout's context_tokens of the forward
         self.attention = attention  # its `kernel_name` is what `status` shows
@@ -316,8 +337,10 @@ class SequenceParallel:
         jak = dict(kwargs.get(name) or {})
         plan = jak.get("sp_plan")  # the caller's own plan (module doc)
         if plan is None:
-            plan = SequencePlan(self.topo.sp_rank, self.topo.sp, tokens, padded=True,
-                                layout=self.layout.streams)
+            uneven = not is_even(self.weights)
+            plan = SequencePlan(self.topo.sp_rank, self.topo.sp, tokens, padded=not uneven,
+                                layout=self.layout.streams,
+                                weights=self.weights if uneven else ())
         elif plan.tokens != tokens:
             raise RuntimeError(f"the call's plan is for {plan.tokens} tokens, the call has "
                                f"{tokens}")

@@ -252,11 +252,17 @@ def gather(x: torch.Tensor, parts: Optional[list], dst: int, group) -> None:
     dist.gather(x, parts, dst=dst, group=group)
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    """`dist.all_to_all_single` with even splits along dim 0."""
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None,
+                      in_splits=None) -> None:
+    """`dist.all_to_all_single` along dim 0: even splits, or the given per-rank sizes (an
+    uneven split's shards, workers/parallel/uneven.py)."""
     if _DATA_DEVICE is not None:
         check_plane("all_to_all_single", group, [out, inp])
-    dist.all_to_all_single(out, inp, group=group)
+    if out_splits is None and in_splits is None:
+        dist.all_to_all_single(out, inp, group=group)
+    else:
+        dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                               input_split_sizes=in_splits, group=group)
 
 
 def all_reduce(t: torch.Tensor, group, op: str = "sum") -> None:

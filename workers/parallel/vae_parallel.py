@@ -78,6 +78,7 @@ import torch
 import torch.distributed as dist
 
 from .sequence_parallel import gather_tokens
+from .shares import sizes_for
 from .topology import broadcast
 from .vae_bands import Bands, max_halo, rewired
 from .vae_check import check_decoder
@@ -88,10 +89,10 @@ __all__ = ["band_rows", "decode_parallel", "check_decoder", "BandScheme", "FAULT
 FAULTS = ("no_halo", "local_groupnorm", "local_attention", "no_cache_halo")
 
 
-def band_rows(height: int, n: int) -> list[int]:
-    """Balanced row split: the first `height % n` bands get one extra row."""
-    base, extra = divmod(height, n)
-    return [base + (1 if i < extra else 0) for i in range(n)]
+def band_rows(height: int, n: int, weights=()) -> list[int]:
+    """Balanced row split: the first `height % n` bands get one extra row; with uneven
+    `weights` (workers/parallel/shares.py), rows in proportion to them."""
+    return sizes_for(height, n, weights)
 
 
 def _latent_shape(latents, group, control) -> list[int]:
@@ -132,7 +133,7 @@ class BandScheme:
 
 
 def decode_parallel(vae, latents, group=None, fault: str | None = None, control=None,
-                    scheme: BandScheme | None = None):
+                    scheme: BandScheme | None = None, weights=()):
     """Decode raw-VAE-space `latents` with `vae` split into row bands over the ranks of
     `group` (None: the default group): diffusers AutoencoderKL [B, C, h, w] (AutoencoderKLFlux2
     at C=32), or a causal 3-D VAE, AutoencoderKLQwenImage or AutoencoderKLWan, [B, C, T, h, w]
@@ -148,7 +149,8 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
     on group rank 0 and None elsewhere. A latent with fewer rows than ranks (times the widest
     conv halo) is decoded by group rank 0 alone.
     `fault` (tests only, see FAULTS) disables one part of the exact scheme. `scheme`: the
-    VAE's own band scheme where it is not this module's (`BandScheme`).
+    VAE's own band scheme where it is not this module's (`BandScheme`). `weights`: one per
+    group rank, bands by weight (a band narrower than the halo: the balanced split).
     """
     scheme = scheme or DEFAULT_SCHEME
     if fault is not None and fault not in FAULTS:
@@ -169,7 +171,9 @@ def decode_parallel(vae, latents, group=None, fault: str | None = None, control=
         return vae.decode(latents.to(param.device, param.dtype), return_dict=False)[0]
     z = _broadcast_latents(latents, shape, group, param.device, param.dtype)
 
-    bands = band_rows(h, n)
+    bands = band_rows(h, n, weights)
+    if min(bands) < max(1, scheme.halo(vae)):  # every band must hold its neighbours' halo
+        bands = band_rows(h, n)
     ctx = Bands(group=group, rank=me, size=n, bands=bands, fault=fault)
     band = z.narrow(hd, sum(bands[:me]), bands[me])
     with scheme.rewired(vae, ctx):

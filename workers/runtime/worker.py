@@ -113,6 +113,7 @@ class Worker:
         st = self.model.stage
         self.ranks = _gather_all(planes.control, {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
                                   "device": str(self.device), "rss_mb": rss_mb(),
+                                  "gpu_name": _gpu_name(self.device),
                                   "transformer_params": sum(
                                       p.numel() for tr in self.model.transformers()
                                       for p in tr.parameters()),
@@ -169,14 +170,16 @@ class Worker:
         `LocalAttention`), so the pool's `attention` choice is the kernel that runs."""
         from ..parallel.attention import LocalAttention, ShardedAttention
         from ..parallel.sequence_parallel import SequenceParallel
+        from ..parallel.shares import sp_weights
         from ..parallel.topology import build_topology
 
-        if key not in self.topologies:
-            topo = build_topology(self.rank, self.world, **key.to_wire(),
+        groups_key = key.evenly()  # a split reweights the work, not the process groups
+        if groups_key not in self.topologies:
+            topo = build_topology(self.rank, self.world, **key.axes(),
                                   device=self.device, groups=self.groups)
             _warm_pairs(topo)
-            self.topologies[key] = topo
-        topo = self.topologies[key]
+            self.topologies[groups_key] = topo
+        topo = self.topologies[groups_key]
         if self.parallel is None or self.parallel[0] != key:
             if self.parallel is not None and self.parallel[1] is not None:
                 self.parallel[1].remove()
@@ -191,7 +194,8 @@ class Worker:
                                       self.compiler.outside(ShardedAttention(
                                           topo, self.device.type,
                                           fault=self.hook_options.get("attention_fault", ""),
-                                          backend=self.args.attention, dtype=self.dtype)))
+                                          backend=self.args.attention, dtype=self.dtype)),
+                                      weights=sp_weights(key.split, topo))
             else:
                 sp = SequenceParallel(self.model.transformers(), self.adapter.layout, topo,
                                       LocalAttention(self.args.attention, self.device.type,
@@ -305,22 +309,30 @@ class Worker:
         their tensors on rank 0 only; every rank's stats, on rank 0)."""
         import torch
 
+        import contextlib
+
         from ..sampling.denoise import run_job
 
         from .hooks import job_started
+        from .share_meter import ShareMeter
 
         t_job = time.perf_counter()
         self._apply_loras(job)  # first: a new adapter may re-hook the parallel layout
         topo = self.topology(job.config)
         job_started(self.hooks)
         t = time.perf_counter()
-        with torch.inference_mode(), self.compiler.job(emit) as compiled:
+        meter = ShareMeter(self.device)  # `auto` splits: this rank's own speed
+        measure = meter.measuring(self.model.transformers(), self.adapter.block_lists) \
+            if job.options.get("measure_share") else contextlib.nullcontext()
+        with torch.inference_mode(), self.compiler.job(emit) as compiled, measure:
             report = {}
             samples = run_job(job, self.model, self.adapter, topo, self.planes.control, emit,
                               should_stop, step_scope=self.hook_options.get("step_scope"),
                               report=report, sequence=self.parallel and self.parallel[1])
         stats = {"rank": self.rank, "denoise_s": time.perf_counter() - t, "rss_mb": rss_mb(),
                  "lora_loads": self.loras.loads, "compile": compiled.stats, **report}
+        if job.options.get("measure_share"):
+            stats["share"] = meter.report()
         if "cache" in report:
             self.last_cache = dict(report["cache"], entry="job")
         if self.model.stage is None:  # block weights held here (workers/parallel/sharding.py)
@@ -333,7 +345,7 @@ class Worker:
         if job.request.output == "image":  # the same decision on every rank
             raw = None if samples is None else self.adapter.job_raw(
                 self.model, latents, job.request)
-            images = _decode(self, raw)
+            images = _decode(self, raw, job.config.split)
         # the sound track's waveform beside the frames (rank 0, which holds the latents),
         # where the family's decode does not make it itself
         from .outputs import Decoded, Latents
@@ -511,8 +523,15 @@ def _decode_problem(worker, samples):
     return None
 
 
-def _decode(worker, samples):
-    """Every rank: the VAE decode, patch-parallel over the world (the image on rank 0)."""
+def _gpu_name(device) -> str:
+    """The rank's GPU model (what `auto` splits cache speeds by), "cpu" on a CPU rank."""
+    import torch
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _decode(worker, samples, weights=()):
+    """Every rank: the VAE decode, patch-parallel over the world (the image on rank 0), in
+    bands by the split's `weights` (one per rank; () even)."""
     import torch
 
     if worker.world == 1:
@@ -520,7 +539,7 @@ def _decode(worker, samples):
             return worker.adapter.decode(worker.model, samples)
     with torch.inference_mode():  # patch-parallel over the world, both planes
         return worker.adapter.decode(worker.model, samples, group=worker.planes.data,
-                                     control=worker.planes.control)
+                                     control=worker.planes.control, weights=weights)
 
 
 def _gather_all(control, obj):

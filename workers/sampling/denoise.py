@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..messages import CACHE_WITH_PIPEFUSION
-from ..parallel.sequence_parallel import all_gather_tokens, even_sizes
+from ..parallel.sequence_parallel import all_gather_tokens
+from ..parallel.shares import dp_weights, sizes_for
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import Topology, broadcast
 from .cache_settings import CacheSettings
@@ -122,8 +123,10 @@ def prepare(job, model, adapter, topo: Topology) -> Prepared:
     req = job.request
     dev, dtype = model.device, model.dtype
     batch = job.noise.shape[0]
-    # data parallel: a near-even slice of the batch (3 prompts on dp 2 -> 2 + 1)
-    sizes = even_sizes(batch, topo.degree("dp"))
+    # data parallel: a near-even slice of the batch (3 prompts on dp 2 -> 2 + 1), or rows
+    # by the dp slices' weights where the split is uneven (workers/parallel/shares.py)
+    sizes = sizes_for(batch, topo.degree("dp"),
+                      dp_weights(getattr(job.config, "split", ()), topo))
     start = sum(sizes[: topo.index("dp")])
     mine = slice(start, start + sizes[topo.index("dp")])
 
