@@ -217,6 +217,21 @@ def run(comfy, wf, timeout=600):
     return pid, msgs
 
 
+def history(comfy, pid: str, timeout: float = 120) -> dict:
+    """A finished prompt's /history entry. ComfyUI sends execution_success from its executor
+    and writes the entry afterwards, in its queue worker: on a loaded machine the entry can
+    lag the message, so wait for it (a missing entry after `timeout` fails naming the
+    prompt)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        hist = http(comfy["base"], f"/history/{pid}")
+        if pid in hist:
+            return hist[pid]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no /history entry for prompt {pid} after {timeout} s")
+        time.sleep(0.2)
+
+
 def tensors(path) -> dict:
     from safetensors.torch import load_file
     return load_file(str(path))

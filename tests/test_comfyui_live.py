@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from live_comfy import (COMFY, ROOT, comfy_vae, http, link_packs, messages, place, run,
-                        running_comfyui, skip_without_comfyui, with_settings, ws_connect)
+from live_comfy import (COMFY, ROOT, comfy_vae, history, http, link_packs, messages, place,
+                        run, running_comfyui, skip_without_comfyui, with_settings, ws_connect)
 
 pytestmark = skip_without_comfyui
 
@@ -64,17 +64,6 @@ def comfy(model_dir, tmp_path_factory):
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
-
-
-def _history(comfy, pid: str) -> dict:
-    """A finished prompt's /history entry: ComfyUI may send execution_success a moment before
-    the entry is written, so wait for it."""
-    deadline = time.monotonic() + 10
-    while True:
-        hist = http(comfy["base"], f"/history/{pid}")
-        if pid in hist or time.monotonic() > deadline:
-            return hist[pid]
-        time.sleep(0.1)
 
 
 def _pool(comfy, model: str = MODEL_NAME) -> dict:
@@ -170,7 +159,7 @@ def test_workflow_runs_with_progress_and_saves_an_image(comfy):
     progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
     assert [p["value"] for p in progress][-1] == 3 and progress[-1]["max"] == 3
     assert any(m.get("type") == "binary_preview" for m in msgs)
-    hist = _history(comfy, pid)
+    hist = history(comfy, pid)
     images = hist["outputs"]["5"]["images"]
     assert images and images[0]["filename"].startswith("xdit-live-test")
     img = http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
@@ -192,7 +181,7 @@ def test_pipefusion_workflow_through_the_api(comfy):
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
     assert progress and progress[-1]["value"] == 3
-    assert _history(comfy, pid)["outputs"]["5"]["images"]
+    assert history(comfy, pid)["outputs"]["5"]["images"]
     pool = _pool(comfy)
     assert [r["stage"]["index"] for r in pool["ranks"]] == [0, 1]
     texts = [m["text"] for m in msgs if m.get("type") == "progress_text" and m["node"] == "3"]
@@ -215,7 +204,7 @@ def test_step_cache_node_with_the_sampler(comfy):
     wf["3"]["inputs"]["cache"] = ["9", 0]
     pid, msgs = run(comfy, wf)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    assert _history(comfy, pid)["outputs"]["5"]["images"]
+    assert history(comfy, pid)["outputs"]["5"]["images"]
     texts = [m["text"] for m in msgs if m.get("type") == "progress_text" and m["node"] == "3"]
     assert any(re.fullmatch(r"step \d/6, \d of \d calls computed in full", s) for s in texts), texts
     # warmup 1, then at most 3 skips in a row: calls 1 and 5 computed, 2-4 and 6 skipped
@@ -227,7 +216,7 @@ def test_single_file_workflow_with_conditioning_and_decode(comfy):
     connected VAE. Prompt text on the file fails with the clear message; the next run works."""
     pid, msgs = run(comfy, _single_file_workflow(comfy))
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    hist = _history(comfy, pid)
+    hist = history(comfy, pid)
     images = hist["outputs"]["5"]["images"]
     assert images and images[0]["filename"].startswith("xdit-live-single")
     pool = _pool(comfy, FILE_NAME)
@@ -501,7 +490,7 @@ def test_example_workflow_runs_unmodified_on_cpu(comfy, name):
         EXAMPLE_MODELS[name][0]
     pid, msgs = run(comfy, wf, timeout=1200)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    saved = [o for o in _history(comfy, pid)["outputs"].values()
+    saved = [o for o in history(comfy, pid)["outputs"].values()
              if o.get("images")]
     assert saved and saved[0]["images"][0]["filename"].endswith(".png")
     texts = [m["text"] for m in msgs if m.get("type") == "progress_text"]

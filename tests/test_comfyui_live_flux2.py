@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from live_comfy import (COMFY, ROOT, comfy_flux2_vae, comfy_vae, http, link_packs, place,
+from live_comfy import (COMFY, ROOT, comfy_flux2_vae, comfy_vae, history, http, link_packs, place,
                         run, running_comfyui, skip_without_comfyui, tensors, with_settings)
 
 pytestmark = skip_without_comfyui
@@ -83,7 +83,7 @@ def test_flux2_example_workflow_runs_unmodified(comfy):
     assert loader["inputs"]["model"] == FLUX2_NAME and loader["inputs"]["device"] == "auto"
     pid, msgs = run(comfy, wf, timeout=1200)
     _ok(msgs)
-    saved = [o for o in http(comfy["base"], f"/history/{pid}")[pid]["outputs"].values()
+    saved = [o for o in history(comfy, pid)["outputs"].values()
              if o.get("images")]
     assert saved and saved[0]["images"][0]["filename"].startswith("xdit-flux2")
     img = http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from live_comfy import (COMFY, ROOT, comfy_vae, http, link_packs, run, running_comfyui,
+from live_comfy import (COMFY, ROOT, comfy_vae, history, http, link_packs, run, running_comfyui,
                         skip_without_comfyui, tensors, with_settings)
 
 pytestmark = skip_without_comfyui
@@ -237,7 +237,7 @@ def test_ksampler_example_workflow_runs(comfy, name):
     progress = [m["data"] for m in msgs if m.get("type") == "progress"
                 and m["data"].get("node") == by_type["KSampler"][0]]
     assert progress and progress[-1]["value"] == 3  # KSampler's own progress bar
-    images = http(comfy["base"], f"/history/{pid}")[pid]["outputs"][save]["images"]
+    images = history(comfy, pid)["outputs"][save]["images"]
     assert images[0]["filename"].startswith(f"xdit-live-ksampler-{arch}")
     st = http(comfy["base"], "/xdit/status")
     pool = next(p for p in st["pools"] if p["model"].endswith(TINY[arch]))
