@@ -167,7 +167,11 @@ def test_flux2_ksampler_on_the_xdit_model_refused_or_runs(comfy):
         "3": {"class_type": "XDiTTestFlux2Conditioning",
               "inputs": {"text": "a cube", "model_folder": str(comfy["flux2"]),
                          "max_sequence_length": 16}},
-        "4": {"class_type": "EmptySD3LatentImage",
+        # FLUX.2's own empty latent where ComfyUI has FLUX.2 ([1, 128, 4, 4]: 64 x 64
+        # pixels); the size an EmptySD3LatentImage stands for on FLUX.2 is ComfyUI's choice
+        # and changed (0.8.0: 16x its size, 0.33.0: 8x, its downscale_ratio_spacial)
+        "4": {"class_type": "EmptyFlux2LatentImage" if comfy["has_flux2"]
+              else "EmptySD3LatentImage",
               "inputs": {"width": 64, "height": 64, "batch_size": 1}},
         "5": {"class_type": "KSampler",
               "inputs": {"model": ["2", 0], "seed": 1, "steps": 2, "cfg": 1.0,
@@ -181,10 +185,8 @@ def test_flux2_ksampler_on_the_xdit_model_refused_or_runs(comfy):
     if comfy["has_flux2"]:
         _ok(msgs)
         got = tensors(image)
-        # EmptySD3LatentImage's zeros become FLUX.2's 128 channels at their size (ComfyUI's
-        # fix_empty_latent_channels): [1, 128, 8, 8] is a 128 x 128 image
-        assert got["latent"].shape == (1, 128, 8, 8), got["latent"].shape
-        assert got["image"].shape == (1, 128, 128, 3), got["image"].shape
+        assert got["latent"].shape == (1, 128, 4, 4), got["latent"].shape
+        assert got["image"].shape == (1, 64, 64, 3), got["image"].shape
         assert torch.isfinite(got["latent"]).all() and float(got["latent"].std()) > 1e-2
         steps = [m["data"]["value"] for m in msgs
                  if m.get("type") == "progress" and m["data"].get("node") == "5"]
