@@ -232,6 +232,22 @@ def history(comfy, pid: str, timeout: float = 120) -> dict:
         time.sleep(0.2)
 
 
+def wait_for_memory(gib: float, what: str, wait_s: float = 900) -> None:
+    """Wait (up to `wait_s`) until the machine has `gib` GiB available for `what`, else skip
+    saying so: the wide models' branches (FLUX.1-wide, FLUX.2-wide) are large, and a shared
+    machine's other work comes and goes (an OOM kill would take someone else's process)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) for line in f
+                         if line.startswith("MemAvailable:")) / 2 ** 20
+        if avail >= gib:
+            return
+        if time.monotonic() > deadline:
+            pytest.skip(f"{what} needs ~{gib:.0f} GiB of memory; {avail:.1f} GiB available")
+        time.sleep(10)
+
+
 def tensors(path) -> dict:
     from safetensors.torch import load_file
     return load_file(str(path))

@@ -262,8 +262,10 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if not chromium:
         pytest.skip("no chromium (Debian package chromium)")
-    # a job first, so the panel has a pool to show
-    http(comfy["base"], "/prompt", {"prompt": _workflow(steps=2), "client_id": "panel"})
+    # a job first, done before the page opens, so the panel has a warm pool to show (a job
+    # still launching under load showed neither ranks nor "No pool" within the wait)
+    _, msgs = run(comfy, _workflow(steps=2), timeout=1200)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
     errors = []
     with pw.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True,
@@ -280,11 +282,10 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
             page.keyboard.press("Escape")
             page.wait_for_timeout(500)
         tab.click(force=True)
-        page.wait_for_selector(".xdit-pools", timeout=30_000)
-        page.wait_for_function(
-            "document.querySelector('.xdit-pools').innerText.includes('rank')"
-            " || document.querySelector('.xdit-pools').innerText.includes('No pool')",
-            timeout=30_000)
+        page.wait_for_selector(".xdit-pools", timeout=120_000)
+        page.wait_for_function(  # the panel polls /xdit/status: slow on a loaded machine
+            "document.querySelector('.xdit-pools').innerText.includes('rank')",
+            timeout=120_000, polling=500)
         text = page.inner_text(".xdit-pools")
         shot = Path(os.environ.get("XDIT_SCREENSHOT", tmp_path / "xdit-panel.png"))
         page.screenshot(path=str(shot))
@@ -304,7 +305,7 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
             assert loaded[f.name][1] == len(g["links"]), f.name
         assert len(loaded) >= 2
         browser.close()
-    assert "rank" in text or "No pool" in text
+    assert "rank" in text, text
     ours = [e for e in errors if "xdit" in e.lower()]
     assert not ours, ours
     assert shot.stat().st_size > 10_000

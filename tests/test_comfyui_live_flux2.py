@@ -33,7 +33,8 @@ import pytest
 import torch
 
 from live_comfy import (COMFY, ROOT, comfy_flux2_vae, comfy_vae, history, http, link_packs, place,
-                        run, running_comfyui, skip_without_comfyui, tensors, with_settings)
+                        run, running_comfyui, skip_without_comfyui, tensors, wait_for_memory,
+                        with_settings)
 
 pytestmark = skip_without_comfyui
 
@@ -201,23 +202,6 @@ def test_flux2_ksampler_on_the_xdit_model_refused_or_runs(comfy):
     _ok(msgs)
 
 
-def _room(gib: float, what: str, wait_s: float = 900) -> None:
-    """Wait (up to `wait_s`) until the machine has `gib` GiB available for `what`, else skip
-    saying so: the FLUX.2-wide branches are large, and a shared machine's other work comes
-    and goes (an OOM kill would take someone else's process)."""
-    import time
-    deadline = time.monotonic() + wait_s
-    while True:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) for line in f
-                         if line.startswith("MemAvailable:")) / 2 ** 20
-        if avail >= gib:
-            return
-        if time.monotonic() > deadline:
-            pytest.skip(f"{what} needs ~{gib:.0f} GiB of memory; {avail:.1f} GiB available")
-        time.sleep(10)
-
-
 def _rel_l2(a, b) -> float:
     return float((a - b).double().norm() / b.double().norm())
 
@@ -290,7 +274,7 @@ def test_flux2_ksampler_on_the_pool_matches_comfyui_own_flux2(comfy, variant):
     cfg = 2.0
     paths = {b: str(comfy["tmp"] / f"{variant}-{b}.safetensors")
              for b in ("n", *LAYOUTS)}
-    _room(6, "ComfyUI's own FLUX.2 model (fp8, ~2.3 GB, plus its load)")
+    wait_for_memory(6, "ComfyUI's own FLUX.2 model (fp8, ~2.3 GB, plus its load)")
     _, msgs = run(comfy, _file_graph("n", variant, {}, paths["n"], cfg), timeout=1800)
     _ok(msgs)
     # ComfyUI's queue wakes on /free and drops its model (and cached outputs) at once
@@ -307,7 +291,7 @@ def test_flux2_ksampler_on_the_pool_matches_comfyui_own_flux2(comfy, variant):
     for name, layout in LAYOUTS.items():
         # 2 ranks x (fp8 blocks 1.5 GB + the fp32 rest 2.9-3.3 GB + a layer's fp32 copy +
         # torch): MemAvailable fell by ~9-10 GB while they ran
-        _room(11, "a 2-rank FLUX.2-wide pool")
+        wait_for_memory(11, "a 2-rank FLUX.2-wide pool")
         _, msgs = run(comfy, _file_graph("x", variant, layout, paths[name], cfg),
                       timeout=1800)
         _ok(msgs)
