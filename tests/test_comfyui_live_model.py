@@ -17,7 +17,10 @@ each decoded by VAEDecode; the decoded IMAGE tensors must agree to 1e-3.
 * FLUX (FLUX.1-wide, 1 double + 1 single block: ComfyUI hard-codes FLUX's widths) at
   Ulysses 2 through FluxGuidance, with the same two samplers.
 The KSampler examples (example_workflows/xdit_{flux,sd3}_ksampler_api.json) run with the tiny
-model folders, the test VAE and random conditioning substituted.
+model folders, the test VAE and random conditioning substituted. ComfyUI's LoraLoader (0.8)
+and LoraLoaderModelOnly (-0.6) on the xDiT MODEL equal the same loaders on ComfyUI's own model
+(SD3 and FLUX, Ulysses 2 and CFG parallel; rel L2 of the LATENT <= 1e-3); a LoKr file is
+refused. The same file runs under each tested ComfyUI (0.3.64, 0.8.0, 0.33.0: docs/testing.md).
 """
 from __future__ import annotations
 
