@@ -280,13 +280,19 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
         page.goto(comfy["base"] + "/", wait_until="networkidle", timeout=120_000)
         tab = page.locator(".xdit-status-tab-button, [class*='xdit-status']").first
         tab.wait_for(timeout=60_000)
-        for _ in range(3):  # ComfyUI's first-run dialogs (templates, news) cover the page
-            if page.locator(".p-dialog-mask").count() == 0:
+        # ComfyUI's first-run dialogs (templates, news) open late, when the page is loaded
+        # and its workflows fetched, and cover the sidebar: close them and click the tab
+        # until the panel shows
+        pools = page.locator(".xdit-pools")
+        for _ in range(60):
+            if pools.count() and pools.first.is_visible():
                 break
-            page.keyboard.press("Escape")
-            page.wait_for_timeout(500)
-        tab.click(force=True)
-        page.wait_for_selector(".xdit-pools", timeout=120_000)
+            for _ in range(3):
+                page.keyboard.press("Escape")
+                page.wait_for_timeout(300)
+            tab.click(force=True)
+            page.wait_for_timeout(2000)
+        page.wait_for_selector(".xdit-pools", timeout=30_000)
         page.wait_for_function(  # the panel polls /xdit/status: slow on a loaded machine
             "document.querySelector('.xdit-pools').innerText.includes('rank')",
             timeout=120_000, polling=500)
