@@ -255,8 +255,9 @@ def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
     SD3 / Chroma [B,16,H/8,W/8], FLUX.2 [B,128,H/16,W/16], Qwen-Image [B,16,1,H/8,W/8], Wan
     [B,16,T,H/8,W/8] of (T - 1) x 4 + 1 video frames: EmptyHunyuanLatentVideo's). An
     all-zero latent of any channel count or rank is text-to-image at its size (as ComfyUI's
-    fix_empty_latent_channels treats it: 1/16 for a 128-channel one, else 1/8); a non-empty
-    one must be in the model's layout (one error otherwise)."""
+    fix_empty_latent_channels treats it: the LATENT's downscale_ratio_spacial where its node
+    sets one, as 0.33.0's do, else 1/16 for a 128-channel one and 1/8 for others); a
+    non-empty one must be in the model's layout (one error otherwise)."""
     import torch
 
     if not isinstance(latent, dict) or not torch.is_tensor(video_of(latent.get("samples"))):
@@ -278,13 +279,16 @@ def latent_from_comfy(latent: dict, arch: str) -> LatentInput:
     frames = spec.video_frames(int(s.shape[2])) if spec.video and s.dim() == 5 \
         else 1
     d = spec.downscale
-    if c != spec.channels or s.dim() != len(spec.shape(1, 16, 16)):
+    # ComfyUI 0.33.0's empty-latent nodes name their pixels per latent pixel (8 for
+    # EmptySD3LatentImage, 16 for FLUX.2's, 32 for LTX's); without it the channels tell
+    ratio = int(latent.get("downscale_ratio_spacial") or 0) if empty else 0
+    if c != spec.channels or s.dim() != len(spec.shape(1, 16, 16)) or ratio not in (0, d):
         if not empty:
             raise ConfigError(f"LATENT has {c} channels; {spec.wrong_channels}")
         # an empty latent of another layout gives only its image size (a size that is no
         # multiple of 16 is then refused by the request, not rounded here)
-        d = next((f.latent.downscale for f in families.FAMILIES.values()
-                  if f.latent.channels == c), 8)
+        d = ratio or next((f.latent.downscale for f in families.FAMILIES.values()
+                           if f.latent.channels == c), 8)
         s = torch.zeros(spec.shape(b, h * d, w * d, frames))
     bi = latent.get("batch_index")
     return LatentInput(batch=b, height=h * d, width=w * d, empty=empty,

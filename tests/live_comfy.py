@@ -217,6 +217,37 @@ def run(comfy, wf, timeout=600):
     return pid, msgs
 
 
+def history(comfy, pid: str, timeout: float = 120) -> dict:
+    """A finished prompt's /history entry. ComfyUI sends execution_success from its executor
+    and writes the entry afterwards, in its queue worker: on a loaded machine the entry can
+    lag the message, so wait for it (a missing entry after `timeout` fails naming the
+    prompt)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        hist = http(comfy["base"], f"/history/{pid}")
+        if pid in hist:
+            return hist[pid]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no /history entry for prompt {pid} after {timeout} s")
+        time.sleep(0.2)
+
+
+def wait_for_memory(gib: float, what: str, wait_s: float = 900) -> None:
+    """Wait (up to `wait_s`) until the machine has `gib` GiB available for `what`, else skip
+    saying so: the wide models' branches (FLUX.1-wide, FLUX.2-wide) are large, and a shared
+    machine's other work comes and goes (an OOM kill would take someone else's process)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) for line in f
+                         if line.startswith("MemAvailable:")) / 2 ** 20
+        if avail >= gib:
+            return
+        if time.monotonic() > deadline:
+            pytest.skip(f"{what} needs ~{gib:.0f} GiB of memory; {avail:.1f} GiB available")
+        time.sleep(10)
+
+
 def tensors(path) -> dict:
     from safetensors.torch import load_file
     return load_file(str(path))

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from live_comfy import (COMFY, ROOT, comfy_vae, http, link_packs, messages, place, run,
-                        running_comfyui, skip_without_comfyui, with_settings, ws_connect)
+from live_comfy import (COMFY, ROOT, comfy_vae, history, http, link_packs, messages, place,
+                        run, running_comfyui, skip_without_comfyui, with_settings, ws_connect)
 
 pytestmark = skip_without_comfyui
 
@@ -66,17 +66,6 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-sync"]
 
 
-def _history(comfy, pid: str) -> dict:
-    """A finished prompt's /history entry: ComfyUI may send execution_success a moment before
-    the entry is written, so wait for it."""
-    deadline = time.monotonic() + 10
-    while True:
-        hist = http(comfy["base"], f"/history/{pid}")
-        if pid in hist or time.monotonic() > deadline:
-            return hist[pid]
-        time.sleep(0.1)
-
-
 def _pool(comfy, model: str = MODEL_NAME) -> dict:
     """The status of the pool of `model` (several stay warm side by side)."""
     pools = http(comfy["base"], "/xdit/status")["pools"]
@@ -112,6 +101,9 @@ def _single_file_workflow(comfy, prompt_text: str = "") -> dict:
     return wf
 
 
+FRONTEND_ONLY = {"Note", "MarkdownNote"}
+
+
 def test_object_info_lists_nodes(comfy):
     info = http(comfy["base"], "/object_info")
     for n in ("xDiT.LoadModel", "xDiT.Sampler", "xDiT.Decode", "xDiT.UnloadPool"):
@@ -125,7 +117,8 @@ def test_object_info_lists_nodes(comfy):
         if f.name.startswith("xdit_hunyuan_video15") and "EmptyHunyuanVideo15Latent" not in info:
             continue
         g = json.loads(f.read_text())
-        types = {n["type"] for n in g["nodes"]} if "nodes" in g else \
+        # (Note / MarkdownNote: the frontend's own nodes, never in /object_info)
+        types = {n["type"] for n in g["nodes"]} - FRONTEND_ONLY if "nodes" in g else \
             {n["class_type"] for n in g.values()}
         assert types <= set(info), (f.name, types - set(info))
     seed = info["xDiT.Sampler"]["input"]["required"]["seed"][1]
@@ -170,7 +163,7 @@ def test_workflow_runs_with_progress_and_saves_an_image(comfy):
     progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
     assert [p["value"] for p in progress][-1] == 3 and progress[-1]["max"] == 3
     assert any(m.get("type") == "binary_preview" for m in msgs)
-    hist = _history(comfy, pid)
+    hist = history(comfy, pid)
     images = hist["outputs"]["5"]["images"]
     assert images and images[0]["filename"].startswith("xdit-live-test")
     img = http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
@@ -192,7 +185,7 @@ def test_pipefusion_workflow_through_the_api(comfy):
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
     progress = [m["data"] for m in msgs if m.get("type") == "progress" and m["data"].get("node") == "3"]
     assert progress and progress[-1]["value"] == 3
-    assert _history(comfy, pid)["outputs"]["5"]["images"]
+    assert history(comfy, pid)["outputs"]["5"]["images"]
     pool = _pool(comfy)
     assert [r["stage"]["index"] for r in pool["ranks"]] == [0, 1]
     texts = [m["text"] for m in msgs if m.get("type") == "progress_text" and m["node"] == "3"]
@@ -215,7 +208,7 @@ def test_step_cache_node_with_the_sampler(comfy):
     wf["3"]["inputs"]["cache"] = ["9", 0]
     pid, msgs = run(comfy, wf)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    assert _history(comfy, pid)["outputs"]["5"]["images"]
+    assert history(comfy, pid)["outputs"]["5"]["images"]
     texts = [m["text"] for m in msgs if m.get("type") == "progress_text" and m["node"] == "3"]
     assert any(re.fullmatch(r"step \d/6, \d of \d calls computed in full", s) for s in texts), texts
     # warmup 1, then at most 3 skips in a row: calls 1 and 5 computed, 2-4 and 6 skipped
@@ -227,7 +220,7 @@ def test_single_file_workflow_with_conditioning_and_decode(comfy):
     connected VAE. Prompt text on the file fails with the clear message; the next run works."""
     pid, msgs = run(comfy, _single_file_workflow(comfy))
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    hist = _history(comfy, pid)
+    hist = history(comfy, pid)
     images = hist["outputs"]["5"]["images"]
     assert images and images[0]["filename"].startswith("xdit-live-single")
     pool = _pool(comfy, FILE_NAME)
@@ -273,8 +266,10 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if not chromium:
         pytest.skip("no chromium (Debian package chromium)")
-    # a job first, so the panel has a pool to show
-    http(comfy["base"], "/prompt", {"prompt": _workflow(steps=2), "client_id": "panel"})
+    # a job first, done before the page opens, so the panel has a warm pool to show (a job
+    # still launching under load showed neither ranks nor "No pool" within the wait)
+    _, msgs = run(comfy, _workflow(steps=2), timeout=1200)
+    assert msgs[-1]["type"] == "execution_success", msgs[-1]
     errors = []
     with pw.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True,
@@ -285,17 +280,22 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
         page.goto(comfy["base"] + "/", wait_until="networkidle", timeout=120_000)
         tab = page.locator(".xdit-status-tab-button, [class*='xdit-status']").first
         tab.wait_for(timeout=60_000)
-        for _ in range(3):  # ComfyUI's first-run dialogs (templates, news) cover the page
-            if page.locator(".p-dialog-mask").count() == 0:
+        # ComfyUI's first-run dialogs (templates, news) open late, when the page is loaded
+        # and its workflows fetched, and cover the sidebar: close them and click the tab
+        # until the panel shows
+        pools = page.locator(".xdit-pools")
+        for _ in range(60):
+            if pools.count() and pools.first.is_visible():
                 break
-            page.keyboard.press("Escape")
-            page.wait_for_timeout(500)
-        tab.click(force=True)
+            for _ in range(3):
+                page.keyboard.press("Escape")
+                page.wait_for_timeout(300)
+            tab.click(force=True)
+            page.wait_for_timeout(2000)
         page.wait_for_selector(".xdit-pools", timeout=30_000)
-        page.wait_for_function(
-            "document.querySelector('.xdit-pools').innerText.includes('rank')"
-            " || document.querySelector('.xdit-pools').innerText.includes('No pool')",
-            timeout=30_000)
+        page.wait_for_function(  # the panel polls /xdit/status: slow on a loaded machine
+            "document.querySelector('.xdit-pools').innerText.includes('rank')",
+            timeout=120_000, polling=500)
         text = page.inner_text(".xdit-pools")
         shot = Path(os.environ.get("XDIT_SCREENSHOT", tmp_path / "xdit-panel.png"))
         page.screenshot(path=str(shot))
@@ -315,7 +315,7 @@ def test_web_panel_renders_in_headless_chromium(comfy, tmp_path):
             assert loaded[f.name][1] == len(g["links"]), f.name
         assert len(loaded) >= 2
         browser.close()
-    assert "rank" in text or "No pool" in text
+    assert "rank" in text, text
     ours = [e for e in errors if "xdit" in e.lower()]
     assert not ours, ours
     assert shot.stat().st_size > 10_000
@@ -501,7 +501,7 @@ def test_example_workflow_runs_unmodified_on_cpu(comfy, name):
         EXAMPLE_MODELS[name][0]
     pid, msgs = run(comfy, wf, timeout=1200)
     assert msgs[-1]["type"] == "execution_success", msgs[-1]
-    saved = [o for o in _history(comfy, pid)["outputs"].values()
+    saved = [o for o in history(comfy, pid)["outputs"].values()
              if o.get("images")]
     assert saved and saved[0]["images"][0]["filename"].endswith(".png")
     texts = [m["text"] for m in msgs if m.get("type") == "progress_text"]

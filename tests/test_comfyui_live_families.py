@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from live_comfy import (COMFY, ROOT, http, link_packs, place, run, running_comfyui,
+from live_comfy import (COMFY, ROOT, history, http, link_packs, place, run, running_comfyui,
                         skip_without_comfyui, tensors, with_settings)
 
 pytestmark = skip_without_comfyui
@@ -118,7 +118,7 @@ def test_example_workflow_runs(comfy, name):
     latent = tensors(latent_file)["latent"]
     want = (1, 16, 1, 128, 128) if EXAMPLES[name] == QWEN_NAME else (1, 16, 128, 128)
     assert latent.shape == want and torch.isfinite(latent).all(), latent.shape
-    saved = [o for o in http(comfy["base"], f"/history/{pid}")[pid]["outputs"].values()
+    saved = [o for o in history(comfy, pid)["outputs"].values()
              if o.get("images")]
     prefix = wf[by_type["SaveImage"][0]]["inputs"]["filename_prefix"]
     assert saved and saved[0]["images"][0]["filename"].startswith(prefix)

@@ -32,8 +32,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from live_comfy import (COMFY, ROOT, comfy_flux2_vae, comfy_vae, http, link_packs, place,
-                        run, running_comfyui, skip_without_comfyui, tensors, with_settings)
+from live_comfy import (COMFY, ROOT, comfy_flux2_vae, comfy_vae, history, http, link_packs, place,
+                        run, running_comfyui, skip_without_comfyui, tensors, wait_for_memory,
+                        with_settings)
 
 pytestmark = skip_without_comfyui
 
@@ -83,7 +84,7 @@ def test_flux2_example_workflow_runs_unmodified(comfy):
     assert loader["inputs"]["model"] == FLUX2_NAME and loader["inputs"]["device"] == "auto"
     pid, msgs = run(comfy, wf, timeout=1200)
     _ok(msgs)
-    saved = [o for o in http(comfy["base"], f"/history/{pid}")[pid]["outputs"].values()
+    saved = [o for o in history(comfy, pid)["outputs"].values()
              if o.get("images")]
     assert saved and saved[0]["images"][0]["filename"].startswith("xdit-flux2")
     img = http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"
@@ -167,7 +168,11 @@ def test_flux2_ksampler_on_the_xdit_model_refused_or_runs(comfy):
         "3": {"class_type": "XDiTTestFlux2Conditioning",
               "inputs": {"text": "a cube", "model_folder": str(comfy["flux2"]),
                          "max_sequence_length": 16}},
-        "4": {"class_type": "EmptySD3LatentImage",
+        # FLUX.2's own empty latent where ComfyUI has FLUX.2 ([1, 128, 4, 4]: 64 x 64
+        # pixels); the size an EmptySD3LatentImage stands for on FLUX.2 is ComfyUI's choice
+        # and changed (0.8.0: 16x its size, 0.33.0: 8x, its downscale_ratio_spacial)
+        "4": {"class_type": "EmptyFlux2LatentImage" if comfy["has_flux2"]
+              else "EmptySD3LatentImage",
               "inputs": {"width": 64, "height": 64, "batch_size": 1}},
         "5": {"class_type": "KSampler",
               "inputs": {"model": ["2", 0], "seed": 1, "steps": 2, "cfg": 1.0,
@@ -181,10 +186,8 @@ def test_flux2_ksampler_on_the_xdit_model_refused_or_runs(comfy):
     if comfy["has_flux2"]:
         _ok(msgs)
         got = tensors(image)
-        # EmptySD3LatentImage's zeros become FLUX.2's 128 channels at their size (ComfyUI's
-        # fix_empty_latent_channels): [1, 128, 8, 8] is a 128 x 128 image
-        assert got["latent"].shape == (1, 128, 8, 8), got["latent"].shape
-        assert got["image"].shape == (1, 128, 128, 3), got["image"].shape
+        assert got["latent"].shape == (1, 128, 4, 4), got["latent"].shape
+        assert got["image"].shape == (1, 64, 64, 3), got["image"].shape
         assert torch.isfinite(got["latent"]).all() and float(got["latent"].std()) > 1e-2
         steps = [m["data"]["value"] for m in msgs
                  if m.get("type") == "progress" and m["data"].get("node") == "5"]
@@ -197,23 +200,6 @@ def test_flux2_ksampler_on_the_xdit_model_refused_or_runs(comfy):
     out = str(comfy["tmp"] / "flux2-after")
     _, msgs = run(comfy, _flux2_graph(comfy, out))
     _ok(msgs)
-
-
-def _room(gib: float, what: str, wait_s: float = 900) -> None:
-    """Wait (up to `wait_s`) until the machine has `gib` GiB available for `what`, else skip
-    saying so: the FLUX.2-wide branches are large, and a shared machine's other work comes
-    and goes (an OOM kill would take someone else's process)."""
-    import time
-    deadline = time.monotonic() + wait_s
-    while True:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) for line in f
-                         if line.startswith("MemAvailable:")) / 2 ** 20
-        if avail >= gib:
-            return
-        if time.monotonic() > deadline:
-            pytest.skip(f"{what} needs ~{gib:.0f} GiB of memory; {avail:.1f} GiB available")
-        time.sleep(10)
 
 
 def _rel_l2(a, b) -> float:
@@ -288,7 +274,7 @@ def test_flux2_ksampler_on_the_pool_matches_comfyui_own_flux2(comfy, variant):
     cfg = 2.0
     paths = {b: str(comfy["tmp"] / f"{variant}-{b}.safetensors")
              for b in ("n", *LAYOUTS)}
-    _room(6, "ComfyUI's own FLUX.2 model (fp8, ~2.3 GB, plus its load)")
+    wait_for_memory(6, "ComfyUI's own FLUX.2 model (fp8, ~2.3 GB, plus its load)")
     _, msgs = run(comfy, _file_graph("n", variant, {}, paths["n"], cfg), timeout=1800)
     _ok(msgs)
     # ComfyUI's queue wakes on /free and drops its model (and cached outputs) at once
@@ -305,7 +291,7 @@ def test_flux2_ksampler_on_the_pool_matches_comfyui_own_flux2(comfy, variant):
     for name, layout in LAYOUTS.items():
         # 2 ranks x (fp8 blocks 1.5 GB + the fp32 rest 2.9-3.3 GB + a layer's fp32 copy +
         # torch): MemAvailable fell by ~9-10 GB while they ran
-        _room(11, "a 2-rank FLUX.2-wide pool")
+        wait_for_memory(11, "a 2-rank FLUX.2-wide pool")
         _, msgs = run(comfy, _file_graph("x", variant, layout, paths[name], cfg),
                       timeout=1800)
         _ok(msgs)

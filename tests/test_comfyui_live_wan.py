@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from live_comfy import (COMFY, ROOT, http, link_packs, place, run, running_comfyui,
+from live_comfy import (COMFY, ROOT, history, http, link_packs, place, run, running_comfyui,
                         skip_without_comfyui, tensors, with_settings)
 
 pytestmark = skip_without_comfyui
@@ -135,7 +135,7 @@ def _shrink(wf: dict, by_type: dict, steps: int) -> None:
 
 
 def _saved_video(comfy, pid, wf, by_type):
-    outs = http(comfy["base"], f"/history/{pid}")[pid]["outputs"]
+    outs = history(comfy, pid)["outputs"]
     saver = by_type["SaveVideo"][0]
     files = outs[saver].get("images") or []
     assert files, outs[saver]

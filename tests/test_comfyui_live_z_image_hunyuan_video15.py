@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from live_comfy import (COMFY, ROOT, http, link_packs, place, run, running_comfyui,
+from live_comfy import (COMFY, ROOT, history, http, link_packs, place, run, running_comfyui,
                         skip_without_comfyui, tensors, with_settings)
 
 pytestmark = skip_without_comfyui
@@ -214,7 +214,7 @@ def test_example_workflow_runs(comfy, name):
         (1, 32, (frames - 1) // 4 + 1, h // 16, w // 16)
     assert latent.shape == want and torch.isfinite(latent).all(), latent.shape
     assert float(latent.abs().max()) > 0
-    outputs = http(comfy["base"], f"/history/{pid}")[pid]["outputs"]
+    outputs = history(comfy, pid)["outputs"]
     if model == Z_NAME:
         saved = [o for o in outputs.values() if o.get("images")]
         img = http(comfy["base"], "/view?filename={filename}&subfolder={subfolder}&type={type}"

@@ -1,12 +1,13 @@
 """Make the UI-format example workflows and their thumbnails from the API-format ones, in the
 real ComfyUI frontend (run by hand against a running ComfyUI that has this pack loaded):
 
-    python tests/live_helpers/export_ui_workflows.py http://127.0.0.1:8188
+    python tests/live_helpers/export_ui_workflows.py http://127.0.0.1:8188 [--thumbnails]
 
 For each example_workflows/*_api.json: headless Chromium opens ComfyUI, the frontend's own
 `app.loadApiJson` builds and arranges the graph, `app.graph.serialize()` gives the UI-format
 file (written without the `_api` suffix) and a screenshot of the canvas is its `.jpg`
-thumbnail (ComfyUI's Templates browser shows it).
+thumbnail (ComfyUI's Templates browser shows it). With --thumbnails only the thumbnails are
+made again, from the UI-format files as they are.
 """
 from __future__ import annotations
 
@@ -115,6 +116,62 @@ def export(base: str, names=None, out_dir: Path = ROOT / "example_workflows",
     return written
 
 
+QUIET = """async () => {  // nothing over the canvas but the graph
+  const set = async (k, v) => { try { await window.app.extensionManager.setting.set(k, v); }
+                                catch (e) {} };
+  await set("Comfy.NodeBadge.NodeSourceBadgeMode", "None");
+  await set("Comfy.Graph.CanvasInfo", false);
+  await set("Comfy.Graph.CanvasMenu", false);
+  await set("Comfy.Minimap.Visible", false);
+  await set("Comfy.Workflow.ShowMissingModelsWarning", false);  // models the test tree lacks
+  try { await window.app.extensionManager.command.execute("Workspace.ToggleFocusMode"); }
+  catch (e) {}
+}"""
+
+
+def thumbnails(base: str, out_dir: Path = ROOT / "example_workflows") -> list:
+    """Only the thumbnails: each UI-format example loaded as it is (no re-export, so the
+    files stay as committed) and its canvas shot at its thumbnail's present size (a wide
+    graph's is larger: above the frontend's low-quality zoom), showing the nodes as this
+    ComfyUI and this checkout define them (a newer frontend's focus mode hides its menus)."""
+    from PIL import Image
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    written = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        for ui_file in sorted(out_dir.glob("*.json")):
+            graph = json.loads(ui_file.read_text())
+            if "nodes" not in graph:
+                continue
+            shot = ui_file.with_suffix(".jpg")
+            width, height = Image.open(shot).size if shot.exists() else (1280, 720)
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.goto(base + "/", wait_until="networkidle", timeout=120_000)
+            page.wait_for_function("window.app && window.app.graph", timeout=60_000)
+            page.wait_for_timeout(3000)  # the first-run dialogs open late, cover the canvas
+            for _ in range(4):
+                page.keyboard.press("Escape")
+                page.wait_for_timeout(400)
+            page.evaluate(QUIET)
+            page.evaluate("(g) => window.app.loadGraphData(g)", graph)
+            page.wait_for_timeout(800)
+            # no missing-model frame: the test ComfyUI lacks the examples' real files
+            page.evaluate("() => { for (const n of window.app.graph._nodes) n.has_errors = false; }")
+            page.evaluate(FIT_VIEW)
+            page.wait_for_timeout(800)
+            page.locator("canvas#graph-canvas").screenshot(
+                path=str(shot), type="jpeg", quality=85)
+            written.append(shot)
+            page.close()
+        browser.close()
+    return written
+
+
 if __name__ == "__main__":
-    for f in export(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8188"):
+    args = [a for a in sys.argv[1:] if a != "--thumbnails"]
+    run = thumbnails if "--thumbnails" in sys.argv else export
+    for f in run(args[0] if args else "http://127.0.0.1:8188"):
         print(f)
