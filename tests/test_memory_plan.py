@@ -583,13 +583,20 @@ def test_docs_tables_are_what_the_plan_prints(capsys):
     text = "\n".join((root / f).read_text() for f in ("docs/memory.md", "docs/methods.md",
                                                        "README.md"))
     found = re.findall(r"`python -m comfyui_xdit (memory-plan [^`]+)`:\n\n((?:\|.*\n?)+)", text)
-    assert len(found) == 6, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
+    assert len(found) == 7, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
                              "(docs/memory.md), Wan's per-step traffic (docs/methods.md), the "
-                             "Qwen-Image and Wan 2.2 A14B fit tables and the MiniMax-H3 one "
-                             "(docs/memory.md)")
+                             "Qwen-Image and Wan 2.2 A14B fit tables and the MiniMax-H3 and "
+                             "LTX-2 ones (docs/memory.md)")
     for cmd, table in found:
         assert cli_main(shlex.split(cmd)) == 0, cmd
         assert capsys.readouterr().out.strip() == table.strip(), cmd
+    # a refusal quoted whole: the command exits 1 and prints exactly the quoted lines
+    refused = re.findall(r"`python -m comfyui_xdit (memory-plan [^`]+)` refuses it \(exit 1\):"
+                         r"\n\n```\n(.*?)```", text, re.S)
+    assert len(refused) == 1, "LTX-2's refused layout (docs/memory.md)"
+    for cmd, out in refused:
+        assert cli_main(shlex.split(cmd)) == 1, cmd
+        assert capsys.readouterr().out.strip() == out.strip(), cmd
     for name, rate in arith.LINKS_GBPS:
         assert f"{name} ~{rate:g} GB/s" in text
 
