@@ -583,13 +583,20 @@ def test_docs_tables_are_what_the_plan_prints(capsys):
     text = "\n".join((root / f).read_text() for f in ("docs/memory.md", "docs/methods.md",
                                                        "README.md"))
     found = re.findall(r"`python -m comfyui_xdit (memory-plan [^`]+)`:\n\n((?:\|.*\n?)+)", text)
-    assert len(found) == 6, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
+    assert len(found) == 7, ("the FLUX.2-dev fit table and the FLUX.1-dev sharding table "
                              "(docs/memory.md), Wan's per-step traffic (docs/methods.md), the "
-                             "Qwen-Image and Wan 2.2 A14B fit tables and the MiniMax-H3 one "
-                             "(docs/memory.md)")
+                             "Qwen-Image and Wan 2.2 A14B fit tables and the MiniMax-H3 and "
+                             "LTX-2 ones (docs/memory.md)")
     for cmd, table in found:
         assert cli_main(shlex.split(cmd)) == 0, cmd
         assert capsys.readouterr().out.strip() == table.strip(), cmd
+    # a refusal quoted whole: the command exits 1 and prints exactly the quoted lines
+    refused = re.findall(r"`python -m comfyui_xdit (memory-plan [^`]+)` refuses it \(exit 1\):"
+                         r"\n\n```\n(.*?)```", text, re.S)
+    assert len(refused) == 1, "LTX-2's refused layout (docs/memory.md)"
+    for cmd, out in refused:
+        assert cli_main(shlex.split(cmd)) == 1, cmd
+        assert capsys.readouterr().out.strip() == out.strip(), cmd
     for name, rate in arith.LINKS_GBPS:
         assert f"{name} ~{rate:g} GB/s" in text
 
@@ -619,6 +626,63 @@ def test_minimax_h3_preset_has_the_published_size_and_32_pixel_tokens():
     assert 32.5e9 < plan.ranks[0].weights / 2 < 33.5e9
     job = arith.JobSize(768, 1344, frames=124, text_tokens=100)
     assert arith.job_tokens(facts, job) == 37 * 24 * 42 + 100
+
+
+def test_ltx2_decode_is_rank_0s_whole_with_the_decoders_widths():
+    """LTX-2 decodes on rank 0 alone, every frame in one call, with a decoder whose widths
+    are not the encoder's (128 channels at 1/4 of the side, where its 4-pixel patches are
+    unpatchified): 512x768 x 121 frames holds 8 x 121 x 512 x 768 elements at its largest,
+    ~3.4 GiB with the output on rank 0, none on the others. Read as the encoder's widths
+    split over 2 ranks (the patch-parallel decode it does not run) it came to ~91 GiB."""
+    facts = preset_facts("ltx2")
+    assert facts.vae_channels == (3, 3, 3, 128, 256, 512, 1024)
+    assert arith.vae_largest_map(facts.vae_channels, 512, 768) == 8 * 512 * 768
+    job = arith.JobSize(512, 768, frames=121)
+    assert arith.job_tokens(facts, job) == 16 * 16 * 24 + 126  # the video's + the sound's
+    whole = arith.vae_decode_bytes(facts.vae_channels, 512, 768, 1, 2, 1, frames=121,
+                                   frames_per_chunk=121)
+    assert 3.3 * GiB < whole < 3.5 * GiB
+    p = arith.plan(facts, ParallelConfig(ulysses=2), BF16, job)
+    zero, one = p.ranks
+    assert zero.activations == whole and zero.vae == facts.vae_params * 2
+    assert one.vae == 0 and one.activations < GiB  # the transformer's half of the tokens
+    assert p.worst.rank == 0 and zero.total < 45 * GiB
+    # shard_weights and an uneven split give every rank its own activations; rank 0's still
+    # holds the whole decode
+    for config, engine in ((ParallelConfig(ulysses=2, split="3,1"), BF16),
+                           (ParallelConfig(ulysses=2), dataclasses.replace(
+                               BF16, shard_weights=True))):
+        zero, one = arith.plan(facts, config, engine, job).ranks
+        assert zero.activations == whole and one.activations < GiB and one.vae == 0
+
+
+def test_ltx2_vae_largest_map_is_the_decoders():
+    """The widths read from an LTX-style config give the largest module output of the real
+    decoder (a small one, run on CPU): its last upsampler's convolution, one frame more than
+    the video before the causal trim, so between F and F + 1 frames of the plan's map."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    from comfyui_xdit.planning.model_facts import vae_channels
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTX2Video(block_out_channels=(8, 8, 8, 8),
+                                 layers_per_block=(1, 1, 1, 1, 1),
+                                 decoder_block_out_channels=(128, 256, 512),
+                                 decoder_layers_per_block=(1, 1, 1, 1)).eval()
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, a, out: seen.append(
+        out.numel() if torch.is_tensor(out) else 0)) for m in vae.decoder.modules()]
+    h, w, frames = 64, 96, 9
+    with torch.no_grad():
+        out = vae.decode(torch.zeros(1, 128, (frames - 1) // 8 + 1, h // 32, w // 32),
+                         return_dict=False)[0]
+    for hk in hooks:
+        hk.remove()
+    assert tuple(out.shape) == (1, 3, frames, h, w)
+    largest = arith.vae_largest_map(vae_channels(vae.config), h, w)
+    assert largest * frames <= max(seen) <= largest * (frames + 1)
+    # a decoder of its own widths that upsamples as the others do (FLUX.2's option)
+    assert vae_channels({"block_out_channels": (1, 2), "decoder_block_out_channels": (3, 4)}) \
+        == (3, 4)
 
 
 def test_wan_tokens_are_frames_times_the_grid_and_text_stays_out():

@@ -22,7 +22,9 @@ rank's bytes are added up part by part:
 - text_encoders: on rank 0's GPU, unless placed on the CPU ("auto" mirrors the worker: the
   GPU when they fit beside the rest with 2 GiB to spare, else the CPU) or on the GPU that
   `cuda:N` names: another rank's (counted there) or one no rank uses (checked on its own).
-- vae: its weights on every rank (every rank takes part in the patch-parallel decode).
+- vae: its weights on every rank (every rank takes part in the patch-parallel decode), or
+  on rank 0 alone for a VAE that decodes there whole (its `CausalVAE` capability's
+  `one_rank`, LTX-2's), whose decode activations are then rank 0's, unsplit.
 - reserve: a fixed RESERVE_BYTES for the CUDA context, cuBLAS/cuDNN workspaces, NCCL
   buffers of the pool's process groups and allocator fragmentation.
 
@@ -386,9 +388,15 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
 
     # tokens a rank holds in one forward (PipeFusion's warmup steps run the whole image);
     # no job (a launch for decoding or host-sampler calls): the fixed parts only
-    seq = batch = act = vae_act = 0
+    seq = batch = act = act_no_vae = vae_act = 0
     sp = config.sp
     rank_act = None  # rank -> its activations, where an uneven split gives ranks other shares
+    vae_3d = families.family(facts.arch).capability(families.CausalVAE)
+    one_rank = vae_3d is not None and vae_3d.one_rank  # the decode whole on rank 0 alone
+
+    def decodes(rank):
+        return rank == 0 or not one_rank
+
     if job is not None:
         fam = families.family(facts.arch)
         seq = job_tokens(facts, job)
@@ -400,13 +408,13 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         act = activation_bytes(tr, tokens, text, seq, batch, db, sp,
                                cross_text=not text_in_sequence(facts.arch))
         chunk = fam.latent.time_downscale if fam.latent.video else 1
-        vae_3d = fam.capability(families.CausalVAE)
         if vae_3d is not None and vae_3d.whole_video:  # every frame in one decoder call
             chunk = job.frames
         vae_act = vae_decode_bytes(facts.vae_channels if facts.vae_params else (),
-                                   job.height, job.width, job.batch, db, world,
+                                   job.height, job.width, job.batch, db,
+                                   1 if one_rank else world,
                                    frames=job.frames, frames_per_chunk=min(chunk, job.frames))
-        act = max(act, vae_act)
+        act_no_vae, act = act, max(act, vae_act)
         split_w = config.weights() if config.pipefusion == 1 else ()
         if split_w:  # each rank's tokens and rows by its share (workers/parallel/shares.py)
             sizes_for, per = bridge.shares.sizes_for, world // config.dp
@@ -419,7 +427,7 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
                 a = activation_bytes(tr, tokens_r, text, seq,
                                      rows * max(1, branches // config.cfg), db, sp,
                                      cross_text=not text_in_sequence(facts.arch))
-                return max(a, vae_act)
+                return max(a, vae_act) if decodes(rank) else a
     vae = facts.vae_params * db
     te = text_encoder_bytes(facts, engine.dtype)
 
@@ -448,9 +456,13 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
         else:
             weights = (sum(block_bytes) + rest_bytes) * experts
             role = "replica"
+        if rank_act is not None:
+            rank_act_bytes = rank_act(rank)
+        else:
+            rank_act_bytes = act if decodes(rank) else act_no_vae
         ranks.append(RankPlan(rank=rank, role=role, weights=weights + buffer_bytes * experts,
-                              activations=act if rank_act is None else rank_act(rank),
-                              kv_cache=kv, text_encoders=0, vae=vae, reserve=RESERVE_BYTES,
+                              activations=rank_act_bytes, kv_cache=kv, text_encoders=0,
+                              vae=vae if decodes(rank) else 0, reserve=RESERVE_BYTES,
                               gpu_memory=caps[rank]))
 
     # text encoders: rank 0's GPU, the GPU cuda:N names, or the CPU

@@ -40,14 +40,36 @@ PRESETS = {name: Preset(arch=f.id, **spec) for f in families.FAMILIES.values()
 
 
 def vae_channels(config) -> tuple:
-    """The VAE decoder's level widths, full resolution first: block_out_channels, or a
-    Wan-style 3-D VAE's base_dim x dim_mult (Qwen-Image's)."""
+    """The VAE decoder's level widths, full resolution first, as the plan reads them (entry
+    i + 1 is the width the decoder holds at 1/2^i of the image side:
+    memory_arithmetic.vae_largest_map): block_out_channels, a Wan-style 3-D VAE's base_dim x
+    dim_mult (Qwen-Image's), or a decoder's widths of its own where the encoder's differ
+    (decoder_block_out_channels; upsampling by moving channels into space where upsample
+    factors are given: LTX-2's)."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    if get("decoder_block_out_channels") is not None:
+        if get("upsample_factor") is not None:
+            return _depth_to_space_widths(get)
+        return tuple(get("decoder_block_out_channels"))
     if get("block_out_channels") is not None:
         return tuple(get("block_out_channels"))
     if get("base_dim") is not None:
         return tuple(int(get("base_dim")) * int(m) for m in get("dim_mult", (1, 2, 4, 4)))
     return (128, 256, 512, 512)
+
+
+def _depth_to_space_widths(get) -> tuple:
+    """An LTX-style decoder: its levels work on `patch_size`-pixel patches (the output
+    unpatchified at the end), and each upsampler widens its input by a convolution, then
+    moves channels into space (2x, and 2x in time): level k (1/(patch x 2^k) of the side)
+    holds decoder_block_out_channels[k] / upsample_factor[k] channels, the deepest level
+    the last width (its mid block), and the finer levels only the output's channels."""
+    widths = [int(c) for c in get("decoder_block_out_channels")]
+    factors = [int(f) for f in get("upsample_factor")]
+    patch, out = int(get("patch_size", 1)), int(get("out_channels", 3))
+    fine = max(0, patch.bit_length() - 1)  # levels finer than a patch: log2(patch_size)
+    held = [c // f for c, f in zip(widths, factors)] + [widths[-1]]
+    return (out,) * (fine + 1) + tuple(held)
 
 
 @dataclass(frozen=True)

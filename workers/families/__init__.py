@@ -278,7 +278,7 @@ class SecondTextEncoder:
 
 @dataclass(frozen=True)
 class CausalVAE:
-    """A causal 3-D VAE (Wan's, Qwen-Image's, HunyuanVideo 1.5's)."""
+    """A causal 3-D VAE (Wan's, Qwen-Image's, HunyuanVideo 1.5's, LTX-2's)."""
 
     # one of the Wan design, which patch-parallel decode rewires
     # (workers/parallel/vae_parallel.py): (diffusers.models.autoencoders module, class prefix)
@@ -286,6 +286,9 @@ class CausalVAE:
     # decodes all frames of a video in one call (HunyuanVideo 1.5's), not a latent frame at a
     # time with a feature cache (Wan's): its largest activation holds every frame
     whole_video: bool = False
+    # decodes on the first rank alone, the whole video there (LTX-2's: not patch-parallel):
+    # the other ranks hold neither its weights nor its activations
+    one_rank: bool = False
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,6 @@ FAMILY = Family(
                         config_names={"text_width": "caption_channels"}),
     tokens=TOKENS,
     capabilities=(SOUND, ImageToVideo(inputs=image_to_video, optional=True),
-                  CausalVAE(whole_video=True),
+                  CausalVAE(whole_video=True, one_rank=True),
                   Presets(PRESETS)),
 )
