@@ -185,3 +185,28 @@ def test_an_unsupported_scheduler_is_told_which_family_runs_which():
         check(DDIMScheduler())
     for fam in families.FAMILIES.values():
         assert str(e.value).count(fam.name) == 1, (fam.name, str(e.value))
+
+
+def test_pipefusion_is_refused_where_a_second_stream_is_denoised():
+    """PipeFusion cuts the latent stream alone into patches: a family that denoises another
+    stream beside it (a sound track) is refused in one line before anything runs, naming the
+    stream and what runs instead; a family without one is not."""
+    from comfyui_xdit import GenerationRequest, ParallelConfig
+    from comfyui_xdit.errors import ConfigError
+    from comfyui_xdit.planning.model_info import ModelInfo
+
+    denoised = [families.family(i) for i in sorted(IDS)
+                if any(s.denoised for s in families.family(i).tokens.streams)]
+    assert denoised, "no registered family denoises a second stream"
+    for fam in denoised + [families.family("flux")]:
+        frames = fam.latent.video_frames(2) if fam.latent.video else 1
+        info = ModelInfo(path="/nowhere", arch=fam.id, heads=4, patch_size=1, blocks=8)
+        req = GenerationRequest(prompt=["a"], height=128, width=128, frames=frames, steps=2)
+        if fam in denoised:
+            with pytest.raises(ConfigError) as e:
+                ParallelConfig(pipefusion=2).validate(info, req)
+            stream = next(s.name for s in fam.tokens.streams if s.denoised)
+            assert f"PipeFusion does not run {fam.name}: its {stream} stream" in str(e.value)
+            assert "use ulysses, ring, cfg-parallel or dp" in str(e.value)
+        else:  # the negative control: an image family runs PipeFusion
+            ParallelConfig(pipefusion=2).validate(info, req)

@@ -51,7 +51,9 @@ class Stream:
     job's reference images first); "order" where positions follow the token order
     (Qwen-Image's img_shapes). `pads_odd_references` (latent streams): reference latents of
     odd height or width are padded circularly to whole tokens, as ComfyUI's model pads them,
-    rather than refused."""
+    rather than refused. `denoised` (context streams): the model denoises this stream beside
+    the latent's (a sound track), so a method that cuts only the latent stream into patches
+    across steps (PipeFusion) cannot run the family."""
 
     name: str
     role: str = "context"
@@ -59,6 +61,7 @@ class Stream:
     pad_multiple: int = 1
     positions: str = "ids"
     pads_odd_references: bool = False
+    denoised: bool = False
 
     @property
     def sharded(self) -> bool:

@@ -199,6 +199,15 @@ class ParallelConfig:
                 from comfyui_xdit import bridge
                 out.append(bridge.messages.CACHE_WITH_PIPEFUSION)
             arch = getattr(model, "arch", None)
+            if self.pipefusion > 1 and arch is not None:
+                from comfyui_xdit.planning.request import families
+                fam = families.family(arch)
+                both = [s.name for s in fam.tokens.streams if s.denoised]
+                if both:  # PipeFusion's patches are ranges of the latent stream alone
+                    out.append(f"PipeFusion does not run {fam.name}: its {', '.join(both)} "
+                               f"stream is denoised with the {fam.tokens.latent.name} and "
+                               f"PipeFusion cuts only the {fam.tokens.latent.name} into "
+                               f"patches; use ulysses, ring, cfg-parallel or dp")
             if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
                     and arch is not None:
                 from comfyui_xdit.planning.request import families

@@ -37,7 +37,8 @@ ORACLE_TEST = "test_minimax_h3.py::test_one_rank_equals_the_pipeline"
 CONFORMANCE_EXEMPT = {
     "model_call": "not done: ComfyUI's MiniMaxH3 takes a nested video + audio latent, which "
                   "the xDiT MODEL's call does not carry yet",
-    "pipefusion": "not done: the packed [audio | video] rows are not cut into patches yet",
+    "pipefusion": "refused (ParallelConfig.validate): its audio stream is denoised with the "
+                  "video, and PipeFusion's patches cut only the video stream",
 }
 
 HEAD_DIM = 16
