@@ -102,7 +102,7 @@ def packed_forward(self, hidden_states, audio_hidden_states, encoder_hidden_stat
                    audio_steps, text_steps, attention_kwargs=None, return_dict=False):
     """The MiniMax-H3 transformer on per-stream inputs (module doc), bound as its forward:
     each stream's rows ([B, N, C]), float64 RoPE positions per row [B, N, 3] and timestep
-    indices [N] (into `timestep`, the call's distinct timesteps). Prompts of other lengths
+    indices [N] (into `timestep`, the call's (video t, audio t)). Prompts of other lengths
     share the call padded to the longest, their real lengths in `attention_kwargs`'
     `text_lengths`: each is refined alone and its padded keys are dropped. Returns (video
     [B, Nv, 96], audio [B, Na, 32]) velocities, data-ward, in the heads' dtype."""
@@ -313,7 +313,9 @@ class MiniMaxH3Adapter(DiTAdapter):
         longest = text.shape[1]
         lengths = tuple(cond.get("text_lengths") or (longest,) * b)
         dev, dtype = latents.device, model.dtype
-        ts, idx = torch.unique(t[:2].float(), sorted=True, return_inverse=True)
+        # the call's timesteps (video t, audio t), rows indexing them: two entries even when
+        # equal (the same AdaLN rows), so no step waits on the host for torch.unique's size
+        ts = t[:2].float()
         per_row = {}
         for n in set(lengths):
             p = lay.packed(int(n), fam.LATENT.latent_frames(frames), h // 16, w // 16,
@@ -328,8 +330,9 @@ class MiniMaxH3Adapter(DiTAdapter):
             encoder_hidden_states=text.to(dtype), timestep=ts.to(dev),
             video_positions=pos["video"], audio_positions=pos["audio"],
             text_positions=pos["text"],
-            video_steps=idx[0].expand(nv).to(dev), audio_steps=idx[1].expand(na).to(dev),
-            text_steps=idx[0].expand(longest).to(dev),
+            video_steps=torch.zeros(nv, dtype=torch.long, device=dev),
+            audio_steps=torch.ones(na, dtype=torch.long, device=dev),
+            text_steps=torch.zeros(longest, dtype=torch.long, device=dev),
             attention_kwargs=self.attention_kwargs(cond, jak) or {}, return_dict=False)
         return self.pack_media(-v.float(), -a.float() * t[2].float()).to(latents.dtype)
 
