@@ -300,6 +300,11 @@ class MiniMaxH3Adapter(DiTAdapter):
     def forward_extra(self, model, height, width):
         return {"size": (int(height), int(width))}
 
+    def job_extra(self, model, req):
+        """The size, and a job's position tables per prompt length, made on the device at
+        the first call that needs each (then every step reads them: no host copy a step)."""
+        return dict(self.forward_extra(model, req.height, req.width), positions={})
+
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         """One call for every row: prompts of other lengths padded to the longest, each
         row's positions its own (its text's length moves its sound's and video's); the
@@ -316,13 +321,14 @@ class MiniMaxH3Adapter(DiTAdapter):
         # the call's timesteps (video t, audio t), rows indexing them: two entries even when
         # equal (the same AdaLN rows), so no step waits on the host for torch.unique's size
         ts = t[:2].float()
-        per_row = {}
-        for n in set(lengths):
+        per_row = (extra or {}).get("positions")
+        per_row = {} if per_row is None else per_row
+        for n in set(lengths) - set(per_row):
             p = lay.packed(int(n), fam.LATENT.latent_frames(frames), h // 16, w // 16,
                            na // 2, PATCH)
-            per_row[n] = {s: p.positions[a:a + c] for s, (a, c) in p.streams().items()}
+            per_row[n] = {s: p.positions[a:a + c].to(dev) for s, (a, c) in p.streams().items()}
         pos = {s: torch.stack([per_row[n][s] if s != "text" else torch.cat(
-            [per_row[n][s], per_row[n][s].new_zeros(longest - n, 3)]) for n in lengths]).to(dev)
+            [per_row[n][s], per_row[n][s].new_zeros(longest - n, 3)]) for n in lengths])
             for s in STREAMS}
         v, a = model.transformer(
             hidden_states=latents[:, na:].to(dtype),
