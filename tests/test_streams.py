@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 
 from workers.parallel.sequence_parallel import SequenceLayout, SequencePlan  # noqa: E402
 import gloo_worlds  # noqa: E402
+from toy_streams import attend_streams  # noqa: E402
 from workers.streams import Attention, Stream, TokenLayout  # noqa: E402
 
 LENGTHS = {"text": 5, "video": 11, "audio": 7}  # none divisible by 2 or 3
@@ -193,16 +194,7 @@ class ToyStreams(torch.nn.Module):
         keys)`; `local_len(stream)`: its tokens in `x`."""
         qkv = {s: [(t @ w).unflatten(-1, (HEADS, DIM)) for w in self.proj[s]]
                for s, t in x.items()}
-        out = {s: 0 for s in x}
-        for a in ATTENTIONS:
-            q = torch.cat([qkv[s][0] for s in a.queries], 1)
-            k = torch.cat([qkv[s][1] for s in a.key_streams], 1)
-            v = torch.cat([qkv[s][2] for s in a.key_streams], 1)
-            o, at = attend(q, k, v, a.queries, a.key_streams), 0
-            for s in a.queries:
-                out[s] = out[s] + o[:, at:at + local_len(s)]
-                at += local_len(s)
-        return out
+        return attend_streams(qkv, ATTENTIONS, attend, local_len)
 
 
 def _plain(q, k, v, queries, keys):

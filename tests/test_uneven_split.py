@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import gloo_worlds  # noqa: E402
+from toy_streams import attend_streams  # noqa: E402
 from workers.parallel.degrees import Degrees  # noqa: E402
 from workers.parallel.sequence_parallel import SequencePlan  # noqa: E402
 from workers.parallel.shares import parse_split, share_sizes, sizes_for  # noqa: E402
@@ -106,16 +107,7 @@ def _project(x, gen):
 def _toy(x, attend, local_len):
     gen = torch.Generator().manual_seed(3)
     qkv = {s: _project(t, gen) for s, t in sorted(x.items())}
-    out = {s: 0 for s in x}
-    for a in ATTENTIONS:
-        q = torch.cat([qkv[s][0] for s in a.queries], 1)
-        k = torch.cat([qkv[s][1] for s in a.key_streams], 1)
-        v = torch.cat([qkv[s][2] for s in a.key_streams], 1)
-        o, at = attend(q, k, v, a.queries, a.key_streams), 0
-        for s in a.queries:
-            out[s] = out[s] + o[:, at:at + local_len(s)]
-            at += local_len(s)
-    return out
+    return attend_streams(qkv, ATTENTIONS, attend, local_len)
 
 
 def _cases(rank, world, ulysses, ring, report):
