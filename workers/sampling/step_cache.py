@@ -104,9 +104,8 @@ class CallCache:
         self.run, self.transformer, self.block_lists = run, transformer, tuple(block_lists)
         self.keys, self.reduce, self.agree = list(keys), reduce, agree
         self.plan = plan  # () -> the forward's SequencePlan, for blocks not given it
-        # the block keywords whose states a block returns, in its output's order (LTX-2's
-        # video and sound); None: the usual formats (below)
-        self.names = None if block_states is None else tuple(block_states)
+        # how this transformer's blocks take and return their streams (below)
+        self.io = JointBlocks() if block_states is None else NamedBlocks(tuple(block_states))
         self.n, self.segments = run.segments(transformer, self.block_lists)
         # key None: a follower row (weight sharding's dummy row on a replica with none),
         # whose output is discarded: it skips whenever the others do and keeps no state
@@ -122,14 +121,14 @@ class CallCache:
     def run_block(self, p: int, block, args, kwargs):
         if args:  # positional arguments (Wan's, Z-Image's blocks) by their names
             kwargs = dict(zip(_parameter_names(block), args), **kwargs)
-        hidden = _hidden_name(block, kwargs) if self.names is None else self.names[0]
+        hidden = self.io.hidden_name(block, kwargs)
         if p == 0:
             self.head_in = kwargs[hidden]
         if p < self.run.settings.head:
             out = block(**kwargs)
             self.run.formats[p] = _format(out)
             if p == self.run.settings.head - 1:
-                r = (_hidden(out) if self.names is None else out[0]) - self.head_in
+                r = self.io.hidden_out(out) - self.head_in
                 self._decide(r.narrow(1, 0, _real_image_tokens(kwargs, r.shape[1],
                                                                self.plan)))
             return out
@@ -147,7 +146,7 @@ class CallCache:
         self.run.formats[p] = _format(out)
         if not last:
             return out
-        states = _streams_out(out) if self.names is None else tuple(out)
+        states = self.io.states_out(out)
         residual = tuple(None if o is None else o - i for o, i in zip(states, self.seg_in[sid]))
         if self.mixed:  # some rows skip: they take their cached residual
             states = self._with_cached(sid, self.seg_in[sid], states)
@@ -159,12 +158,10 @@ class CallCache:
         return self._pack(p, states)
 
     def _streams(self, kwargs, hidden) -> tuple:
-        if self.names is None:
-            return _streams(kwargs, hidden)
-        return tuple(kwargs[n] for n in self.names)
+        return self.io.states_in(kwargs, hidden)
 
     def _pack(self, p: int, states: tuple):
-        return _pack(self.run.formats[p], states) if self.names is None else tuple(states)
+        return self.io.pack(self.run.formats[p], states)
 
     # -- the decision --------------------------------------------------------------------
     def _decide(self, r: torch.Tensor) -> None:
@@ -242,17 +239,13 @@ class CallCache:
 # A block is called with hidden_states (or, Z-Image, its first parameter) and (maybe)
 # encoder_hidden_states and returns either
 # (encoder_hidden_states, hidden_states) (FLUX, SD3 and Qwen-Image joint blocks; SD3's last joint block
-# gives None for the text) or hidden_states alone (FLUX.2's single blocks). States are kept
-# as (hidden, encoder) tuples here.
+# gives None for the text) or hidden_states alone (FLUX.2's single blocks): `JointBlocks`.
+# Blocks that return several named streams (a model's `block_states`) are `NamedBlocks`.
 
 def _format(out) -> str:
     if isinstance(out, tuple):
         return "tuple" if out[0] is not None else "tuple-no-text"
     return "tensor"
-
-
-def _hidden(out):
-    return out[1] if isinstance(out, tuple) else out
 
 
 def _parameter_names(block) -> tuple:
@@ -287,19 +280,52 @@ def _hidden_name(block, kwargs) -> str:
     return "hidden_states" if "hidden_states" in kwargs else _parameter_names(block)[0]
 
 
-def _streams(kwargs, hidden: str = "hidden_states") -> tuple:
-    return (kwargs[hidden], kwargs.get("encoder_hidden_states"))
+class JointBlocks:
+    """The usual blocks: called with the hidden states (by keyword, or Z-Image's first
+    parameter) and maybe encoder_hidden_states; they return (encoder, hidden) or hidden
+    alone (`_format` records which, per block). States are (hidden, encoder) here."""
+
+    def hidden_name(self, block, kwargs) -> str:
+        return _hidden_name(block, kwargs)
+
+    def hidden_out(self, out):
+        return out[1] if isinstance(out, tuple) else out
+
+    def states_in(self, kwargs, hidden: str) -> tuple:
+        return (kwargs[hidden], kwargs.get("encoder_hidden_states"))
+
+    def states_out(self, out) -> tuple:
+        return (out[1], out[0]) if isinstance(out, tuple) else (out, None)
+
+    def pack(self, fmt: str, states: tuple):
+        hidden, text = states
+        if fmt == "tensor":
+            return hidden
+        return (None if fmt == "tuple-no-text" else text, hidden)
 
 
-def _streams_out(out) -> tuple:
-    return (out[1], out[0]) if isinstance(out, tuple) else (out, None)
+class NamedBlocks:
+    """Blocks that take several streams by keyword and return them all, in the order the
+    family's model declares (its `block_states`, e.g. video then sound); the first is the
+    one the cache measures."""
 
+    def __init__(self, names: tuple):
+        self.names = names
 
-def _pack(fmt: str, states: tuple):
-    hidden, text = states
-    if fmt == "tensor":
-        return hidden
-    return (None if fmt == "tuple-no-text" else text, hidden)
+    def hidden_name(self, block, kwargs) -> str:
+        return self.names[0]
+
+    def hidden_out(self, out):
+        return out[0]
+
+    def states_in(self, kwargs, hidden: str) -> tuple:
+        return tuple(kwargs[n] for n in self.names)
+
+    def states_out(self, out) -> tuple:
+        return tuple(out)
+
+    def pack(self, fmt: str, states: tuple):
+        return tuple(states)
 
 
 # -- putting the gates in place for one call ----------------------------------------------
