@@ -187,26 +187,31 @@ def test_an_unsupported_scheduler_is_told_which_family_runs_which():
         assert str(e.value).count(fam.name) == 1, (fam.name, str(e.value))
 
 
-def test_pipefusion_is_refused_where_a_second_stream_is_denoised():
-    """PipeFusion cuts the latent stream alone into patches: a family that denoises another
-    stream beside it (a sound track) is refused in one line before anything runs, naming the
-    stream and what runs instead; a family without one is not."""
+def test_pipefusion_is_refused_where_a_denoised_stream_is_kept_whole():
+    """PipeFusion carries a stream denoised beside the latent's (a sound track) as context
+    its blocks pass on, like the text: a family whose denoised stream is a sharded one runs
+    it; one whose denoised stream every rank keeps whole is refused in one line before
+    anything runs, naming the stream and what runs instead; an image family runs it."""
     from comfyui_xdit import GenerationRequest, ParallelConfig
     from comfyui_xdit.errors import ConfigError
     from comfyui_xdit.planning.model_info import ModelInfo
 
-    denoised = [families.family(i) for i in sorted(IDS)
-                if any(s.denoised for s in families.family(i).tokens.streams)]
-    assert denoised, "no registered family denoises a second stream"
-    for fam in denoised + [families.family("flux")]:
+    def denoised(fam, sharded):
+        return any(s.denoised and s.sharded == sharded for s in fam.tokens.streams)
+
+    fams = [families.family(i) for i in sorted(IDS)]
+    whole = [f for f in fams if denoised(f, False)]
+    carried = [f for f in fams if denoised(f, True)]
+    assert carried, "no registered family carries a denoised stream through PipeFusion"
+    for fam in whole + carried + [families.family("flux")]:
         frames = fam.latent.video_frames(2) if fam.latent.video else 1
         info = ModelInfo(path="/nowhere", arch=fam.id, heads=4, patch_size=1, blocks=8)
         req = GenerationRequest(prompt=["a"], height=128, width=128, frames=frames, steps=2)
-        if fam in denoised:
+        if fam in whole:
             with pytest.raises(ConfigError) as e:
                 ParallelConfig(pipefusion=2).validate(info, req)
             stream = next(s.name for s in fam.tokens.streams if s.denoised)
             assert f"PipeFusion does not run {fam.name}: its {stream} stream" in str(e.value)
             assert "use ulysses, ring, cfg-parallel or dp" in str(e.value)
-        else:  # the negative control: an image family runs PipeFusion
+        else:  # a carried denoised stream, and an image family: PipeFusion runs
             ParallelConfig(pipefusion=2).validate(info, req)

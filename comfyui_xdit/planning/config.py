@@ -202,12 +202,9 @@ class ParallelConfig:
             if self.pipefusion > 1 and arch is not None:
                 from comfyui_xdit.planning.request import families
                 fam = families.family(arch)
-                both = [s.name for s in fam.tokens.streams if s.denoised]
-                if both:  # PipeFusion's patches are ranges of the latent stream alone
-                    out.append(f"PipeFusion does not run {fam.name}: its {', '.join(both)} "
-                               f"stream is denoised with the {fam.tokens.latent.name} and "
-                               f"PipeFusion cuts only the {fam.tokens.latent.name} into "
-                               f"patches; use ulysses, ring, cfg-parallel or dp")
+                refusal = pipefusion_refusal(fam)
+                if refusal:
+                    out.append(refusal)
             if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
                     and arch is not None:
                 from comfyui_xdit.planning.request import families
@@ -227,6 +224,20 @@ class ParallelConfig:
         if out:
             raise ConfigError("invalid configuration: " + "; ".join(out))
         return self
+
+
+def pipefusion_refusal(fam) -> Optional[str]:
+    """Why PipeFusion does not run a family (its `families.Family`), or None where it does.
+    PipeFusion's patches cut the latent stream; a stream denoised beside it goes with the
+    text as context the blocks carry, so it must be one (sharded), not an input every block
+    reads whole (replicated). The memory plan offers PipeFusion only where this is None."""
+    whole = [s.name for s in fam.tokens.streams if s.denoised and not s.sharded]
+    if not whole:
+        return None
+    return (f"PipeFusion does not run {fam.name}: its {', '.join(whole)} stream is denoised "
+            f"with the {fam.tokens.latent.name} but kept whole on every rank, and PipeFusion "
+            f"carries a denoised stream only as context the blocks pass on (a sharded "
+            f"stream); use ulysses, ring, cfg-parallel or dp")
 
 
 def auto_config(world_size: int, heads: int, uses_cfg: bool, batch: int) -> ParallelConfig:

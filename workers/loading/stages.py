@@ -31,11 +31,16 @@ class RemoteBlock(torch.nn.Module):
         self.index = index
         self.current = None  # the stage's _CurrentPlan (install_stage_hooks)
 
-    def forward(self, hidden_states, encoder_hidden_states=None, *_, **__):
+    def forward(self, *args, **kwargs):
         # FLUX.2's single blocks take and return one joined [text, image] stream
         # (encoder_hidden_states=None); the two-stream blocks return (text, image); blocks
-        # whose text is reached by cross-attention only (no text in the joint sequence,
-        # Wan: called positionally) return the image stream alone
+        # called positionally take and return one stream (Wan: the image, its text reached
+        # by cross-attention; MiniMax-H3: the joint sequence), as the stage's receive hook
+        # assumes
+        if "hidden_states" not in kwargs:
+            return args[0]
+        hidden_states = kwargs["hidden_states"]
+        encoder_hidden_states = kwargs.get("encoder_hidden_states")
         plan = None if self.current is None else self.current.plan
         if encoder_hidden_states is None or (plan is not None and not plan.context_streams()):
             return hidden_states

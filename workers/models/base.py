@@ -348,6 +348,13 @@ class DiTAdapter:
         transformer takes it (PipeFusion's patches)."""
         raise NotImplementedError
 
+    def denoised_parts(self, x, rows: int, cols: int) -> tuple:
+        """PipeFusion: (the latent stream's part of the loop's latent, or of a prediction of
+        its shape, as `latent_rows` reads it; {stream: view [B, tokens, C]} of each other
+        stream the model denoises with it, a sound track). A family whose loop latent holds
+        only the latent stream: (x, {})."""
+        return x, {}
+
     def timesteps(self, scheduler, steps: int, latents, device):
         raise NotImplementedError
 
