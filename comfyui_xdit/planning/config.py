@@ -202,7 +202,8 @@ class ParallelConfig:
             if self.pipefusion > 1 and arch is not None:
                 from comfyui_xdit.planning.request import families
                 fam = families.family(arch)
-                refusal = pipefusion_refusal(fam)
+                refusal = pipefusion_refusal(fam, self.sp, bool(
+                    request.reference_latents or request.reference_images))
                 if refusal:
                     out.append(refusal)
             if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
@@ -226,18 +227,25 @@ class ParallelConfig:
         return self
 
 
-def pipefusion_refusal(fam) -> Optional[str]:
-    """Why PipeFusion does not run a family (its `families.Family`), or None where it does.
-    PipeFusion's patches cut the latent stream; a stream denoised beside it goes with the
-    text as context the blocks carry, so it must be one (sharded), not an input every block
-    reads whole (replicated). The memory plan offers PipeFusion only where this is None."""
-    whole = [s.name for s in fam.tokens.streams if s.denoised and not s.sharded]
-    if not whole:
-        return None
-    return (f"PipeFusion does not run {fam.name}: its {', '.join(whole)} stream is denoised "
-            f"with the {fam.tokens.latent.name} but kept whole on every rank, and PipeFusion "
-            f"carries a denoised stream only as context the blocks pass on (a sharded "
-            f"stream); use ulysses, ring, cfg-parallel or dp")
+def pipefusion_refusal(fam, sp: int = 1, references: bool = False) -> Optional[str]:
+    """Why PipeFusion does not run a family (its `families.Family`) with `sp` ulysses x ring
+    ranks per stage and, where `references`, reference or start images; None where it runs.
+    A stream denoised beside the latent's (a sound track) goes with the text in each step's
+    first patch. Kept whole on every rank (replicated, LTX-2's) it is a block input of its
+    own that the stage's sp ranks do not split, which PipeFusion runs at sp 1 only; and the
+    patches do not yet place a start or reference image beside one. The memory plan offers
+    PipeFusion only where this is None."""
+    denoised = [s for s in fam.tokens.streams if s.denoised]
+    whole = [s.name for s in denoised if not s.sharded]
+    if whole and sp > 1:
+        return (f"PipeFusion with ulysses or ring does not run {fam.name}: its "
+                f"{', '.join(whole)} stream is denoised with the {fam.tokens.latent.name} "
+                f"and kept whole on every rank, which a stage's sp ranks do not split; use "
+                f"pipefusion alone, or ulysses, ring, cfg-parallel or dp")
+    if denoised and references:
+        return (f"PipeFusion does not run {fam.name} with a start or reference image yet; "
+                f"use ulysses, ring, cfg-parallel or dp")
+    return None
 
 
 def auto_config(world_size: int, heads: int, uses_cfg: bool, batch: int) -> ParallelConfig:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from ..parallel.p2p import exchange
 from ..parallel.pipefusion.activations import Activations, carried_context
 from ..parallel.pipefusion.cache import KVCache
@@ -77,6 +79,8 @@ class PatchPipeline:
         self.context = {b: adapter.context_tokens(c) for b, c in branches.items()}
         config = model.transformer.config
         self.hidden = adapter.family.stream_width(config)  # the blocks' activations
+        # blocks that pass on several streams by keyword: (keyword, stream, width) each
+        self.states = tuple(adapter.stage_states(config))
         self.denoised = None  # {stream: tokens} of the denoised streams (first step)
         self.cache = KVCache(topo)
         self.activations = Activations(topo.sp_rank)
@@ -91,7 +95,8 @@ class PatchPipeline:
             self.streams.latent.name: self.ref_tokens + self.rows * self.cols})
         return PatchPlan(self.topo.sp_rank, self.topo.sp, tokens, layout=self.streams,
                          image_range=(0 if m.with_text else lo, hi), with_text=m.with_text,
-                         branch=m.branch, cache=self.cache, activations=self.activations)
+                         branch=m.branch, cache=self.cache, activations=self.activations,
+                         states=tuple((k, s) for k, s, _ in self.states))
 
     def _rows(self, x, m: Micro):
         latent, _ = self.adapter.denoised_parts(x, self.rows, self.cols)
@@ -102,6 +107,18 @@ class PatchPipeline:
         for a step's first patch every denoised stream's (module doc)."""
         _, parts = self.adapter.denoised_parts(x, self.rows, self.cols)
         return [self._rows(x, m)] + (list(parts.values()) if m.with_text else [])
+
+    def _incoming(self, plan, batch: int, dtype) -> list:
+        """[(shape, dtype)] of the activations this rank receives for `plan` (none on stage
+        0 or without a micro): one [context, latent] tensor, or one per stage state."""
+        if self.first or plan is None:
+            return []
+        r = self.topo.sp_rank
+        if self.states:
+            dt = getattr(self.model, "dtype", None) or dtype
+            return [((batch, plan.sizes(s)[r], w), dt) for _, s, w in self.states]
+        tokens = carried_context(plan, r) + plan.sizes(plan.latent_stream)[r]
+        return [((batch, tokens, self.hidden), dtype)]
 
     def step(self, i: int, latents, finished: Callable[[int], None]) -> None:
         if self.denoised is None:
@@ -117,13 +134,13 @@ class PatchPipeline:
         arrivals = sched.arrivals(tick)
         # 1. transfers: activations to the next stage, finished rows back to stage 0
         sends, recvs = [], []
-        if self.outgoing is not None:
-            sends.append((self.outgoing, self.next))
+        if self.outgoing is not None:  # a state of no tokens (the sound off the first
+            # patch) is not sent: both sides know its size from the micro
+            sends += [(t, self.next) for t in (self.outgoing if isinstance(self.outgoing, list)
+                                               else [self.outgoing]) if t.shape[1]]
             self.outgoing = None
-        if not self.first and plan is not None:
-            r = self.topo.sp_rank
-            tokens = carried_context(plan, r) + plan.sizes(plan.latent_stream)[r]
-            recvs.append(((latents.shape[0], tokens, self.hidden), dtype, self.prev))
+        incoming = self._incoming(plan, latents.shape[0], dtype)
+        recvs += [(shape, dt, self.prev) for shape, dt in incoming if shape[1]]
         back = [p for m in arrivals for p in self._pieces(latents, m)]
         for p in back:
             if self.last:
@@ -131,8 +148,10 @@ class PatchPipeline:
             if self.first:
                 recvs.append((tuple(p.shape), dtype, self.tail))
         got = exchange(sends, recvs, self.group, dev)
-        if not self.first and plan is not None:
-            self.activations.incoming = got.pop(0)
+        if incoming:
+            parts = [got.pop(0) if shape[1] else torch.zeros(shape, dtype=dt, device=dev)
+                     for shape, dt in incoming]
+            self.activations.incoming = parts if self.states else parts[0]
         if self.first:
             for p, piece in zip(back, got):
                 p.copy_(piece)
