@@ -187,26 +187,41 @@ def test_an_unsupported_scheduler_is_told_which_family_runs_which():
         assert str(e.value).count(fam.name) == 1, (fam.name, str(e.value))
 
 
-def test_pipefusion_is_refused_where_a_second_stream_is_denoised():
-    """PipeFusion cuts the latent stream alone into patches: a family that denoises another
-    stream beside it (a sound track) is refused in one line before anything runs, naming the
-    stream and what runs instead; a family without one is not."""
+def test_pipefusion_runs_every_denoised_stream_and_refuses_what_it_does_not():
+    """PipeFusion carries a stream denoised beside the latent's (a sound track) with the
+    text: every family that declares one runs it at pipefusion alone; one whose denoised
+    stream every rank keeps whole is refused with ulysses inside a stage, and every such
+    family with a start image, each in one line before anything runs, naming what runs
+    instead; an image family runs all three (the negative control)."""
+    from PIL import Image
+
     from comfyui_xdit import GenerationRequest, ParallelConfig
     from comfyui_xdit.errors import ConfigError
     from comfyui_xdit.planning.model_info import ModelInfo
 
-    denoised = [families.family(i) for i in sorted(IDS)
-                if any(s.denoised for s in families.family(i).tokens.streams)]
-    assert denoised, "no registered family denoises a second stream"
+    fams = [families.family(i) for i in sorted(IDS)]
+    denoised = [f for f in fams if any(s.denoised for s in f.tokens.streams)]
+    whole = [f for f in denoised if any(s.denoised and not s.sharded for s in f.tokens.streams)]
+    assert denoised and whole, "no registered family denoises a second stream (kept whole)"
     for fam in denoised + [families.family("flux")]:
         frames = fam.latent.video_frames(2) if fam.latent.video else 1
         info = ModelInfo(path="/nowhere", arch=fam.id, heads=4, patch_size=1, blocks=8)
-        req = GenerationRequest(prompt=["a"], height=128, width=128, frames=frames, steps=2)
+        size = dict(height=128, width=128, frames=frames, steps=2)
+        req = GenerationRequest(prompt=["a"], **size)
+        refs = GenerationRequest(prompt=["a"], reference_images=[Image.new("RGB", (128, 128))],
+                                 **size)
+        ParallelConfig(pipefusion=2).validate(info, req)
+        with_sp = ParallelConfig(pipefusion=2, ulysses=2)
+        if fam in whole:
+            with pytest.raises(ConfigError) as e:
+                with_sp.validate(info, req)
+            assert f"PipeFusion with ulysses or ring does not run {fam.name}" in str(e.value)
+            assert "use pipefusion alone" in str(e.value)
+        else:
+            with_sp.validate(info, req)
         if fam in denoised:
             with pytest.raises(ConfigError) as e:
-                ParallelConfig(pipefusion=2).validate(info, req)
-            stream = next(s.name for s in fam.tokens.streams if s.denoised)
-            assert f"PipeFusion does not run {fam.name}: its {stream} stream" in str(e.value)
-            assert "use ulysses, ring, cfg-parallel or dp" in str(e.value)
-        else:  # the negative control: an image family runs PipeFusion
-            ParallelConfig(pipefusion=2).validate(info, req)
+                ParallelConfig(pipefusion=2).validate(info, refs)
+            assert f"PipeFusion does not run {fam.name} with a start" in str(e.value)
+        else:
+            ParallelConfig(pipefusion=2).validate(info, refs)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
+from comfyui_xdit.bridge import worker_module
 from comfyui_xdit.comfy_convert import job_noise
 from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
@@ -261,3 +262,191 @@ def test_a_size_off_the_32_pixel_grid_is_refused_in_one_line():
     assert req.problems("ltx2") == ["height 80 is not a positive multiple of 32 (try 64)"]
     assert not request([A]).problems("ltx2")
     assert not GenerationRequest(prompt=[A], height=80, width=48).problems("flux")
+
+
+# ---- PipeFusion: against its stale-K/V oracle -----------------------------------------------
+# The stale-K/V semantics for LTX-2 (docs/methods.md, PipeFusion): the video's token rows (a
+# latent frame's height/32 rows after another's) are cut into bands, run one after another
+# (steps before `warmup`: one band of all). Band 0's forward also computes the whole sound;
+# the prompt is whole in every forward. Each attention keeps, per guidance branch, a K/V cache
+# of its key stream: a forward writes the K/V of the tokens it computes (the band's video; the
+# sound in band 0) and its queries attend to the whole cache, so the video's self-attention
+# and the sound's video-to-audio keys are the other bands' of this step (before it) or the
+# previous one (after it), and a later band's audio-to-video keys are band 0's sound of this
+# step. The text needs no cache (the same keys every call). Once a band's branches are done
+# its video rows take the Euler step, band 0's sound rows theirs.
+PF_STEPS, PF_WARMUP, PF_PATCHES = 3, 1, 2
+# the attention modules of a block -> their key stream (None: the text, whole every call)
+PF_KEYS = {"attn1": "video", "audio_attn1": "audio", "attn2": None, "audio_attn2": None,
+           "audio_to_video_attn": "audio", "video_to_audio_attn": "video"}
+
+
+def bands(rows: int, patches: int) -> list:
+    """Row bands of near-equal height; the first rows % patches bands one row taller."""
+    out, r = [], 0
+    for i in range(patches):
+        n = rows // patches + (1 if i < rows % patches else 0)
+        out.append((r, r + n))
+        r += n
+    return out
+
+
+class StaleKVProcessor:
+    """The stock LTX-2 attention (projections, QK norms, RoPE, per-head gates) whose keys
+    and values, where they are video or sound tokens, come from a cache of the whole stream
+    per guidance branch: the forward's own tokens of the key stream are written at their
+    positions first (`band.writes`; none while `write` is off: the negative control)."""
+
+    def __init__(self, oracle, key_stream):
+        self.oracle, self.key_stream = oracle, key_stream
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 query_rotary_emb=None, key_rotary_emb=None, perturbation_mask=None,
+                 all_perturbed=None):
+        import torch.nn.functional as F
+        from diffusers.models.transformers.transformer_ltx2 import (
+            apply_interleaved_rotary_emb, apply_split_rotary_emb)
+
+        o = self.oracle
+        assert attention_mask is None and perturbation_mask is None and not all_perturbed
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        rotate = apply_split_rotary_emb if attn.rope_type == "split" \
+            else apply_interleaved_rotary_emb
+        q, k = attn.norm_q(attn.to_q(hidden_states)), attn.norm_k(attn.to_k(context))
+        v = attn.to_v(context)
+        if query_rotary_emb is not None:
+            q = rotate(q, query_rotary_emb)
+            k = rotate(k, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+        if self.key_stream is not None:
+            cache = o.caches.setdefault((id(attn), o.branch), {})
+            full = o.lengths[self.key_stream]
+            if not cache:
+                cache["k"] = k.new_zeros(k.shape[0], full, *k.shape[2:])
+                cache["v"] = v.new_zeros(v.shape[0], full, *v.shape[2:])
+            pos = o.writes.get(self.key_stream)
+            if o.write and pos is not None:
+                cache["k"][:, pos], cache["v"][:, pos] = k, v
+            k, v = cache["k"], cache["v"]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2)).transpose(1, 2)
+        if attn.to_gate_logits is not None:
+            out = out * (2.0 * torch.sigmoid(attn.to_gate_logits(hidden_states))).unsqueeze(-1)
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(q.dtype)))
+
+
+class LTX2Pipelined:
+    """PipeFusion's pipelined algorithm for LTX-2 in one process (semantics above), from the
+    stock transformer called on a band's video tokens and coordinates. A later band's call
+    carries the sound too (the stock forward takes no empty stream): its sound is neither
+    written to a cache nor kept, so only band 0's sound of the step is ever read."""
+
+    def __init__(self, pipe):
+        self.pipe, self.tr = pipe, pipe.transformer
+        self.branch, self.write, self.writes, self.caches, self.lengths = 1, True, {}, {}, {}
+
+    def _encode(self, prompts, msl):
+        pipe = self.pipe
+        pe, pm, _, _ = pipe.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False,
+                                          max_sequence_length=msl, device="cpu")
+        video, audio, _ = pipe.connectors(pe, pm, padding_side=pipe.tokenizer.padding_side)
+        return video, audio
+
+    @torch.inference_mode()
+    def run(self, req, warmup, patches, refresh=True):
+        """-> (video LATENT, sound LATENT), model space, as the pool returns them."""
+        import numpy as np
+        from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+        tr, b = self.tr, len(req.prompt)
+        fam = worker_module("families.ltx2")
+        video, audio = job_noise("ltx2", req.seed, b, req.height, req.width, req.frames)
+        _, _, t, h, w = video.shape
+        nv, na = t * h * w, audio.shape[2]
+        x = torch.cat([video.flatten(2).transpose(1, 2), audio.transpose(1, 2).flatten(2, 3)], 1)
+        branches = {1: self._encode(req.prompt, req.max_sequence_length)}
+        if req.cfg > 1:
+            branches[0] = self._encode([req.negative_prompt] * b, req.max_sequence_length)
+        sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        c = sched.config
+        mu = calculate_shift(nv, c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.95), c.get("max_shift", 2.05))
+        kw = {"mu": mu} if c.get("use_dynamic_shifting") else {}
+        sched.set_timesteps(req.steps, sigmas=np.linspace(1.0, 1 / req.steps, req.steps), **kw)
+        fps = fam.FAMILY.capability(worker_module("families").SoundTrack).fps
+        vc = tr.rope.prepare_video_coords(1, t, h, w, "cpu", fps=fps).expand(b, -1, -1, -1)
+        ac = tr.audio_rope.prepare_audio_coords(1, na, "cpu").expand(b, -1, -1, -1)
+        self.lengths, self.caches = {"video": nv, "audio": na}, {}
+        saved = {}
+        for name, m in tr.named_modules():
+            key = name.rsplit(".", 1)[-1]
+            if key in PF_KEYS and hasattr(m, "processor") and ".transformer_blocks." in f".{name}":
+                saved[m] = m.processor
+                m.set_processor(StaleKVProcessor(self, PF_KEYS[key]))
+        assert saved, "no LTX-2 attention found"
+        rows, cols = t * h, w
+        try:
+            for i in range(req.steps):
+                ts = sched.timesteps[i]
+                whole = i < warmup
+                self.write = refresh or whole
+                for j, (r0, r1) in enumerate([(0, rows)] if whole else bands(rows, patches)):
+                    sl = slice(r0 * cols, r1 * cols)
+                    self.writes = {"video": torch.arange(sl.start, sl.stop)}
+                    if j == 0:
+                        self.writes["audio"] = torch.arange(na)
+                    preds = {}
+                    for br, (text, audio_text) in sorted(branches.items()):
+                        self.branch = br
+                        pv, pa = tr(hidden_states=x[:, sl], audio_hidden_states=x[:, nv:],
+                                    encoder_hidden_states=text,
+                                    audio_encoder_hidden_states=audio_text,
+                                    timestep=ts.expand(b), audio_timestep=ts.expand(b),
+                                    sigma=ts.expand(b), video_coords=vc[:, :, sl],
+                                    audio_coords=ac, use_cross_timestep=True,
+                                    return_dict=False)
+                        preds[br] = (pv.float(), pa.float())
+                    if 0 in preds:
+                        preds[1] = tuple(n + req.cfg * (p - n) for n, p in zip(preds[0], preds[1]))
+                    pv, pa = preds[1]
+                    ds = sched.sigmas[i + 1] - sched.sigmas[i]
+                    x[:, sl] = (x[:, sl].float() + ds * pv).to(x.dtype)
+                    if j == 0:
+                        x[:, nv:] = (x[:, nv:].float() + ds * pa).to(x.dtype)
+        finally:
+            for m, p in saved.items():
+                m.set_processor(p)
+        v = x[:, :nv].transpose(1, 2).reshape(b, -1, t, h, w)
+        a = x[:, nv:].reshape(b, na, audio.shape[1], audio.shape[3]).transpose(1, 2)
+        return v, a
+
+
+@pytest.fixture(scope="module")
+def pipelined(pipes):
+    return LTX2Pipelined(pipes["t2v"])
+
+
+def test_pipelined_oracle_is_the_pipeline_where_nothing_is_stale(pipelined, oracle):
+    """The oracle itself: with every step a warmup step it is LTX2Pipeline, with CFG."""
+    req = request([A, B], 3.0)
+    for got, want, what in zip(pipelined.run(req, STEPS, PF_PATCHES), oracle(req),
+                               ("video", "sound")):
+        check(got, want, f"oracle, all warmup, {what}")
+
+
+def test_pipefusion_equals_its_stale_kv_oracle(folders, layout_pools, pipelined, oracle):
+    """PipeFusion 2 (warmup 1 of 3 steps, 2 bands of 2 token rows; two prompts with CFG)
+    equals the pipelined oracle, video and sound; negative controls: the oracle without
+    cache refreshes, and the exact result, are both far from it."""
+    req = request([A, B], 3.0)
+    config = ParallelConfig(pipefusion=2, warmup_steps=PF_WARMUP, pipeline_patches=PF_PATCHES)
+    got = layout_pools.get(folders["t2v"], config).generate(req).latents
+    want = pipelined.run(req, PF_WARMUP, PF_PATCHES)
+    check(got.samples, want[0], "pipefusion 2 vs its oracle, video")
+    check(got.audio, want[1], "pipefusion 2 vs its oracle, sound")
+    for name, other in (("never refreshed", pipelined.run(req, PF_WARMUP, PF_PATCHES, False)),
+                        ("exact", oracle(req))):
+        for o, w, what in zip(other, want, ("video", "sound")):
+            d = float((o - w).abs().max())
+            print(f"{name} vs the oracle, {what}: {d:.2e}")
+            assert d > 10 * TOL, (name, what, d)

@@ -37,7 +37,7 @@ def _noise(lt, lh, lw, n_audio, seed=5):
 
 
 @torch.inference_mode()
-def _loop(pipe, prompt, video, audio, steps):
+def _loop(pipe, prompt, video, audio, steps, frames=FRAMES):
     """The pack's arithmetic: the packed call and the loop's one Euler step."""
     mm = worker_module("models.minimax_h3_layout")
     fam = worker_module("families.minimax_h3")
@@ -53,7 +53,7 @@ def _loop(pipe, prompt, video, audio, steps):
         v, va = mm.call(pipe.transformer, x, a, text, ts[i], layout)
         x = euler_step(x, -v, sched.video, i)
         a = euler_step(a, -va * ratio[i], sched.video, i)
-    assert fam.LATENT.latent_frames(FRAMES) == lt
+    assert fam.LATENT.latent_frames(frames) == lt
     return mm.unpatchify(x, lt, lh, lw, 24), mm.audio_latent(a, audio.shape[-1])[0]
 
 
@@ -114,3 +114,199 @@ def test_one_rank_equals_the_pipeline(pipe, model_dir):
               f"{dw:.2e} from the pipeline")
         assert dv <= TOL and da <= TOL and df <= TOL and dw <= TOL, (j, dv, da, df, dw)
         assert got.decoded.sample_rate == 32000 and got.decoded.audio.shape[1] == 2
+
+
+# ---- PipeFusion: against its stale-K/V oracle -----------------------------------------------
+# The stale-K/V semantics for MiniMax-H3 (docs/methods.md, PipeFusion): the K/V cache of each
+# main block's attention covers the whole packed sequence [text | audio | video]. Steps before
+# `warmup` run it in one forward. Later steps cut the video's token rows (a latent frame's
+# height/32 rows after another's) into bands, run one after another; band 0's forward also
+# computes the whole text (refiner included) and the whole sound. A forward writes its rows'
+# fresh K/V into the cache, then its queries attend to the whole cache: the other bands' K/V
+# are from this step (the bands before it) or the previous one (after it). Once a band's
+# forward is done its video rows take the Euler step, and band 0's sound rows theirs.
+PF_STEPS, PF_WARMUP, PF_PATCHES = 3, 1, 2
+PF_FRAMES, PF_SIZE = 22, (96, 96)  # 7 latent frames of 3 x 3 tokens: 21 token rows
+PF_PROMPTS = ["a cat", "a big blue dog sitting on a green field"]
+
+
+def bands(rows: int, patches: int) -> list:
+    """Row bands of near-equal height; the first rows % patches bands one row taller."""
+    out, r = [], 0
+    for i in range(patches):
+        n = rows // patches + (1 if i < rows % patches else 0)
+        out.append((r, r + n))
+        r += n
+    return out
+
+
+class _Rows:
+    """One forward's rows: their positions in the packed sequence (handed to the stock
+    blocks as their attention mask, which they pass to the processor untouched)."""
+
+    def __init__(self, positions):
+        self.positions = positions
+
+
+class StaleKVProcessor:
+    """The stock MiniMax-H3 attention (projections, per-head RMS norms, partial RoPE) whose
+    keys and values come from a cache of the layer's whole packed sequence: a forward writes
+    its rows' fresh K/V at their positions (unless `write` is off: the negative control),
+    then its queries attend to the whole cache."""
+
+    def __init__(self, length: int):
+        self.length, self.write, self.caches = length, True, {}
+
+    def __call__(self, attn, hidden_states, rotary_emb=None, attention_mask=None):
+        import torch.nn.functional as F
+        from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
+
+        q, k, v = (f(hidden_states).unflatten(-1, (attn.heads, -1))
+                   for f in (attn.to_q, attn.to_k, attn.to_v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k = _apply_rotary_emb(q, *rotary_emb), _apply_rotary_emb(k, *rotary_emb)
+        if id(attn) not in self.caches:
+            self.caches[id(attn)] = tuple(t.new_zeros(t.shape[0], self.length, *t.shape[2:])
+                                          for t in (k, v))
+        ck, cv = self.caches[id(attn)]
+        if self.write:
+            ck[:, attention_mask.positions], cv[:, attention_mask.positions] = k, v
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), ck.transpose(1, 2),
+                                             cv.transpose(1, 2))
+        out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class MiniMaxH3Pipelined:
+    """PipeFusion's pipelined algorithm for MiniMax-H3 in one process (semantics above),
+    from the stock transformer's modules and the packed layout (held to the pipeline by
+    test_the_layout_equals_the_pipeline); one prompt at a time (each prompt's length moves
+    every position, so rows never share a call)."""
+
+    def __init__(self, pipe):
+        self.pipe, self.tr = pipe, pipe.transformer
+
+    def forward(self, proc, x, a, text, t_pair, lay, cols, band, with_text):
+        """(video velocity of the band's rows, the sound's velocity or None), data-ward."""
+        tr, (r0, r1) = self.tr, band
+        v0 = lay.text + lay.audio
+        rows = torch.arange(v0 + r0 * cols, v0 + r1 * cols)
+        seq = [tr.proj_in(x[:, r0 * cols:r1 * cols])]
+        if with_text:
+            rows = torch.cat([torch.arange(v0), rows])
+            text = tr.token_refiner(tr.context_embedder(text))
+            seq = [text, tr.audio_proj_in(a)] + seq
+        h = torch.cat(seq, 1)
+        steps = lay.timestep_rows("cpu")[rows]
+        temb = tr.time_embedder(tr.time_proj(t_pair.float()))
+        rotary = tr.rope(lay.positions[rows])
+        for block in tr.transformer_blocks:
+            h = block(h, temb, steps * 3 + lay.tags[rows], rotary, _Rows(rows))
+        h = tr.norm_out(h, temb, steps)
+        n = (r1 - r0) * cols
+        video = tr.proj_out(h[:, h.shape[1] - n:])
+        audio = tr.audio_proj_out(h[:, lay.text:v0]) if with_text else None
+        return video.float(), None if audio is None else audio.float()
+
+    @torch.inference_mode()
+    def run_prompt(self, prompt, video, audio, steps, warmup, patches, refresh=True):
+        """video noise [1, 24, T, h, w], audio noise [2, 32, N] -> (the video latent, the
+        sound latent [2, 32, N]), model space."""
+        mm = worker_module("models.minimax_h3_layout")
+        text = mm.encode_prompt(self.pipe.text_encoder, self.pipe.tokenizer, prompt, "cpu",
+                                torch.float32)
+        _, _, lt, lh, lw = video.shape
+        lay = mm.packed(text.shape[1], lt, lh, lw, audio.shape[-1])
+        sched = mm.Schedules.make(steps)
+        x, a = mm.patchify(video), mm.audio_rows(audio[None])
+        ts, ratio = sched.timesteps(), sched.audio_ratio()
+        rows, cols = lt * (lh // 2), lw // 2
+        proc = StaleKVProcessor(lay.length)
+        attns = [b.attn for b in self.tr.transformer_blocks]
+        saved = [m.processor for m in attns]
+        for m in attns:
+            m.set_processor(proc)
+        try:
+            for i in range(steps):
+                whole = i < warmup
+                proc.write = refresh or whole
+                ds = sched.video[i + 1] - sched.video[i]
+                for j, (r0, r1) in enumerate([(0, rows)] if whole else bands(rows, patches)):
+                    v, va = self.forward(proc, x, a, text, ts[i], lay, cols, (r0, r1), j == 0)
+                    x[:, r0 * cols:r1 * cols] = x[:, r0 * cols:r1 * cols] + ds * -v
+                    if va is not None:
+                        a = a + ds * (-va * ratio[i])
+        finally:
+            for m, p in zip(attns, saved):
+                m.set_processor(p)
+        return mm.unpatchify(x, lt, lh, lw, 24), mm.audio_latent(a, audio.shape[-1])[0]
+
+
+    def run(self, req, warmup, patches, refresh=True):
+        """A pool request's (video LATENT [B, 24, T, h, w] in the VAE's space, sound
+        [B, 32, 2, N]) as the pool returns them, from the pool's noise (`_pf_noise`), each
+        prompt alone."""
+        mean, std = (torch.tensor(self.pipe.vae.config[k]).view(1, -1, 1, 1, 1)
+                     for k in ("latents_mean", "latents_std"))
+        video, audio = _pf_noise(req.seed, len(req.prompt), req.frames, req.height, req.width)
+        rows = [self.run_prompt(p, video[j:j + 1], audio[j], req.steps, warmup, patches, refresh)
+                for j, p in enumerate(req.prompt)]
+        return (torch.cat([v for v, _ in rows]) * std + mean,
+                torch.stack([a.permute(1, 0, 2) for _, a in rows]))
+
+
+@pytest.fixture(scope="module")
+def pipelined(pipe):
+    return MiniMaxH3Pipelined(pipe)
+
+
+def _pf_noise(seed, batch, frames=PF_FRAMES, height=PF_SIZE[0], width=PF_SIZE[1]):
+    """The pool's noise for a request: the host's video noise, the sound's from the seed
+    (row b the b-th draw)."""
+    from comfyui_xdit.comfy_convert import comfy_noise
+    fam = worker_module("families.minimax_h3")
+    lt, n = fam.LATENT.latent_frames(frames), fam.audio_latents(frames)
+    return (comfy_noise(seed, (batch, 24, lt, height // 16, width // 16)),
+            torch.randn(batch, 2, 32, n, generator=torch.Generator().manual_seed(seed)))
+
+
+def _diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def test_pipelined_oracle_is_the_pipeline_where_nothing_is_stale(pipe, pipelined):
+    """The oracle itself: with every step a warmup step it is the layout's plain loop (held
+    to the pipeline above), video and sound."""
+    video, audio = _pf_noise(3, 1)
+    want = _loop(pipe, PF_PROMPTS[1], video, audio[0], PF_STEPS, PF_FRAMES)
+    got = pipelined.run_prompt(PF_PROMPTS[1], video, audio[0], PF_STEPS, PF_STEPS, PF_PATCHES)
+    d = _diff(got, want)
+    print(f"oracle, all warmup: {d:.2e} from the plain loop")
+    assert d <= TOL, d
+
+
+def test_pipefusion_equals_its_stale_kv_oracle(pipelined, model_dir):
+    """PipeFusion 2 (warmup 1 of 3 steps, 2 bands of 11 and 10 token rows; two prompts of
+    different lengths in one batch) equals the pipelined oracle, video and sound; negative
+    controls: the oracle without cache refreshes (fresh K/V never written after warmup),
+    and the exact result, are both far from it."""
+    from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
+
+    req = GenerationRequest(prompt=PF_PROMPTS, seed=7, steps=PF_STEPS, height=PF_SIZE[0],
+                            width=PF_SIZE[1], frames=PF_FRAMES, cfg=1.0, output="latent")
+    config = ParallelConfig(pipefusion=2, warmup_steps=PF_WARMUP, pipeline_patches=PF_PATCHES)
+    with WorkerPool(str(model_dir("minimax_h3")), config, device="cpu",
+                    threads_per_rank=1) as pool:
+        got = pool.generate(req).latents
+    want = pipelined.run(req, PF_WARMUP, PF_PATCHES)
+    for what, g, w in zip(("video", "sound"), (got.samples, got.audio), want):
+        d = float((g - w).abs().max())
+        print(f"pipefusion 2 vs its oracle, {what}: {d:.2e}")
+        assert d <= TOL, (what, d)
+    for name, other in (("never refreshed", pipelined.run(req, PF_WARMUP, PF_PATCHES,
+                                                                  refresh=False)),
+                        ("exact", pipelined.run(req, PF_STEPS, PF_PATCHES))):
+        for what, o, w in zip(("video", "sound"), other, want):
+            d = float((o - w).abs().max())
+            print(f"{name} vs the oracle, {what}: {d:.2e}")
+            assert d > 10 * TOL, (name, what, d)

@@ -35,8 +35,6 @@ ORACLE_TEST = "test_ltx2.py::test_one_rank_equals_the_pipeline"
 CONFORMANCE_EXEMPT = {
     "model_call": "the xDiT MODEL for ComfyUI's KSampler (its AV LATENT in and out) is not "
                   "built for LTX-2 yet; the Sampler (xDiT) path runs it",
-    "pipefusion": "refused (ParallelConfig.validate): its audio stream is denoised with the "
-                  "video, and PipeFusion's patches cut only the video stream",
 }
 
 GEMMA_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -32,13 +32,10 @@ TEST_REQUEST = dict(size=(96, 96), frames=22, padded=True)  # rows carry their t
 ORACLE_TEST = "test_minimax_h3.py::test_one_rank_equals_the_pipeline"
 
 # not done yet (said so, not claimed impossible): ComfyUI 0.33.0's MiniMaxH3 model is called
-# with a nested video + audio latent, which the xDiT MODEL's call does not carry; PipeFusion
-# needs the packed [audio | video] rows cut into patches with their positions
+# with a nested video + audio latent, which the xDiT MODEL's call does not carry
 CONFORMANCE_EXEMPT = {
     "model_call": "not done: ComfyUI's MiniMaxH3 takes a nested video + audio latent, which "
                   "the xDiT MODEL's call does not carry yet",
-    "pipefusion": "refused (ParallelConfig.validate): its audio stream is denoised with the "
-                  "video, and PipeFusion's patches cut only the video stream",
 }
 
 HEAD_DIM = 16

@@ -218,7 +218,8 @@ class Detection:
     # diffusers class defaults of what a folder's transformer config may omit
     config_defaults: dict = field(default_factory=dict)
     # the transformer config's keys for what shared code reads of it: "heads", "head_dim",
-    # "patch", "text_width", "text_2_width", "image_width" (CONFIG_NAMES by default); a
+    # "patch", "text_width", "text_2_width", "image_width", "stream_width" (the blocks'
+    # activations, where not heads x head width) (CONFIG_NAMES by default); a
     # config that gives its hidden size rather than the head dim names it as "hidden"
     # (Z-Image: n_heads, dim, all_patch_size, cap_feat_dim)
     config_names: dict = field(default_factory=dict)
@@ -373,6 +374,13 @@ class Family:
     def heads(self, cfg) -> int:
         """Attention heads of a transformer config."""
         return int(cfg[self._config_key("heads")])
+
+    def stream_width(self, cfg) -> int:
+        """The width of the blocks' token activations (what PipeFusion's stages pass on):
+        heads x head width, or the config's "stream_width" name where the family's differs
+        (MiniMax-H3: its hidden width is narrower than its heads)."""
+        width = self.config_width("stream_width", cfg)
+        return width if width is not None else self.heads(cfg) * self.head_dim(cfg)
 
     def head_dim(self, cfg) -> int:
         hidden = self.detection.config_names.get("hidden")

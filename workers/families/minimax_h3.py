@@ -129,7 +129,7 @@ FAMILY = Family(
                          "hidden_size": 5376, "num_layers": 50, "num_refiner_layers": 2,
                          "ffn_dim": 14336, "in_channels": 24, "audio_in_channels": 32,
                          "patch_size": [1, 2, 2], "text_dim": 5120, "rope_freq_dim": 16},
-        config_names={"text_width": "text_dim"}),
+        config_names={"text_width": "text_dim", "stream_width": "hidden_size"}),
     tokens=TOKENS,
     capabilities=(Presets(PRESETS),),
 )

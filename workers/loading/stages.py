@@ -31,12 +31,19 @@ class RemoteBlock(torch.nn.Module):
         self.index = index
         self.current = None  # the stage's _CurrentPlan (install_stage_hooks)
 
-    def forward(self, hidden_states, encoder_hidden_states=None, *_, **__):
+    def forward(self, *args, **kwargs):
         # FLUX.2's single blocks take and return one joined [text, image] stream
         # (encoder_hidden_states=None); the two-stream blocks return (text, image); blocks
-        # whose text is reached by cross-attention only (no text in the joint sequence,
-        # Wan: called positionally) return the image stream alone
+        # called positionally take and return one stream (Wan: the image, its text reached
+        # by cross-attention; MiniMax-H3: the joint sequence), as the stage's receive hook
+        # assumes
+        if "hidden_states" not in kwargs:
+            return args[0]
         plan = None if self.current is None else self.current.plan
+        if plan is not None and getattr(plan, "states", ()):  # several streams (LTX-2)
+            return tuple(kwargs[k] for k, _ in plan.states)
+        hidden_states = kwargs["hidden_states"]
+        encoder_hidden_states = kwargs.get("encoder_hidden_states")
         if encoder_hidden_states is None or (plan is not None and not plan.context_streams()):
             return hidden_states
         return encoder_hidden_states, hidden_states
@@ -235,6 +242,9 @@ def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
     if not info.first:
         def receive(module, args, kwargs):
             plan = _patch_plan(kwargs)
+            if plan.states:  # several streams by keyword, each its own tensor (LTX-2)
+                bufs = plan.activations.receive_states(plan)
+                return args, dict(kwargs, **{k: b for (k, _), b in zip(plan.states, bufs)})
             if "hidden_states" not in kwargs:  # called positionally (Wan): the image alone
                 return (plan.activations.receive(plan, True),) + tuple(args[1:]), kwargs
             if kwargs.get("encoder_hidden_states") is None or not plan.context_streams():
@@ -246,7 +256,9 @@ def install_stage_hooks(transformer, lists, info: StageInfo) -> None:
     if not info.last:
         def send(module, args, kwargs, output):
             plan = _patch_plan(kwargs)
-            if torch.is_tensor(output):  # one joined [text, image] stream (FLUX.2)
+            if plan.states:
+                plan.activations.send_states(output)
+            elif torch.is_tensor(output):  # one joined [text, image] stream (FLUX.2)
                 plan.activations.send(None, output)
             else:
                 plan.activations.send(output[0], output[1])

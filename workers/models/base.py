@@ -348,6 +348,20 @@ class DiTAdapter:
         transformer takes it (PipeFusion's patches)."""
         raise NotImplementedError
 
+    def stage_states(self, config) -> tuple:
+        """PipeFusion: where the family's blocks take and return several streams by keyword
+        (LTX-2's video and sound, each its own width), ((keyword, stream, width), ...) in the
+        order the blocks return them: what one stage passes the next. () (the default):
+        the blocks pass on [context, latent] or one joined stream."""
+        return ()
+
+    def denoised_parts(self, x, rows: int, cols: int) -> tuple:
+        """PipeFusion: (the latent stream's part of the loop's latent, or of a prediction of
+        its shape, as `latent_rows` reads it; {stream: view [B, tokens, C]} of each other
+        stream the model denoises with it, a sound track). A family whose loop latent holds
+        only the latent stream: (x, {})."""
+        return x, {}
+
     def timesteps(self, scheduler, steps: int, latents, device):
         raise NotImplementedError
 

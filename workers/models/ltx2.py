@@ -50,9 +50,33 @@ def _tag(transformer) -> None:
     transformer._xdit_roles_tagged = True
 
 
+def _no_token_ropes(transformer) -> None:
+    """Let the RoPE modules take coordinates of no tokens (a PipeFusion patch after a step's
+    first holds none of the sound): their tables then have no rows, where the stock modules'
+    reshapes cannot infer a width from nothing. Once per transformer."""
+    if getattr(transformer, "_xdit_empty_ropes", False):
+        return
+    for name in ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope"):
+        module = getattr(transformer, name, None)
+        if module is None:
+            continue
+
+        def forward(coords, *args, _stock=module.forward, **kwargs):
+            if coords.shape[2]:  # coordinates [B, axes, tokens, ...]
+                return _stock(coords, *args, **kwargs)
+            one = coords.new_zeros(coords.shape[:2] + (1,) + coords.shape[3:])
+            # the tables' token dim: [B, H, T, R] (split RoPE) or [B, T, D] (interleaved)
+            return tuple(t.narrow(2 if t.dim() == 4 else 1, 0, 0)
+                         for t in _stock(one, *args, **kwargs))
+        module.forward = forward
+    transformer._xdit_empty_ropes = True
+
+
 def _rotate(attn, x, freqs):
     from diffusers.models.transformers.transformer_ltx2 import (apply_interleaved_rotary_emb,
                                                                 apply_split_rotary_emb)
+    if x.shape[1] == 0:  # no tokens of this stream in the call (a PipeFusion patch)
+        return x
     if attn.rope_type == "split":
         return apply_split_rotary_emb(x, freqs)
     return apply_interleaved_rotary_emb(x, freqs)
@@ -88,14 +112,17 @@ class LTX2ShardedAttnProcessor:
                 query = _rotate(attn, query, query_rotary_emb)
                 key = _rotate(attn, key, key_rotary_emb if key_rotary_emb is not None
                               else query_rotary_emb)
-            q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+            # heads' width given, not -1: a PipeFusion patch may hold no tokens of a stream
+            q, k, v = (t.unflatten(2, (attn.heads, t.shape[-1] // attn.heads))
+                       for t in (query, key, value))
             out = self.attention(q, k, v, plan, queries, attn, keys=keys)
             out = out.flatten(2, 3).to(query.dtype)
             if perturbation_mask is not None:
                 out = torch.lerp(value, out, perturbation_mask)
         if gate_logits is not None:
             gates = 2.0 * torch.sigmoid(gate_logits)  # [B, S, H]
-            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+            out = (out.unflatten(2, (attn.heads, out.shape[-1] // attn.heads))
+                   * gates.unsqueeze(-1)).flatten(2, 3)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -191,6 +218,29 @@ class LTX2Adapter(DiTAdapter):
     def context_tokens(self, cond: dict) -> dict:
         return {"text": int(cond["encoder_hidden_states"].shape[1])}
 
+    # ---- PipeFusion ------------------------------------------------------------------------
+    def token_grid(self, height, width, frames=1):
+        """The video's tokens run frame by frame, each frame height/32 rows of width/32."""
+        d = self.family.latent.downscale
+        return self.family.latent.latent_frames(frames) * (int(height) // d), int(width) // d
+
+    def latent_rows(self, x, r0, r1, cols):
+        """Token rows r0..r1 of the video's tokens [B, video tokens, 128]."""
+        return x.narrow(1, r0 * cols, (r1 - r0) * cols)
+
+    def denoised_parts(self, x, rows, cols):
+        """The loop's tokens [B, video + sound, 128] -> (the video's, {"audio": the
+        sound's}): PipeFusion's patches cut the video, the sound goes with the text."""
+        nv = rows * cols
+        return x.narrow(1, 0, nv), {"audio": x.narrow(1, nv, x.shape[1] - nv)}
+
+    def stage_states(self, config):
+        """The blocks take and return the video and the sound, each its own width."""
+        return (("hidden_states", "video", int(config["num_attention_heads"])
+                 * int(config["attention_head_dim"])),
+                ("audio_hidden_states", "audio", int(config["audio_num_attention_heads"])
+                 * int(config["audio_attention_head_dim"])))
+
     # ---- a start frame (LTX2ImageToVideoPipeline) ------------------------------------------
     def start_condition(self, model, req: dict, images, batch: int):
         """One start image -> {"references": {"tokens": its first latent frame's tokens
@@ -242,6 +292,7 @@ class LTX2Adapter(DiTAdapter):
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
         tr = model.transformer
         _tag(tr)
+        _no_token_ropes(tr)
         nv, _ = extra["tokens"]
         b = latents.shape[0]
         x = latents.to(model.dtype)

@@ -273,6 +273,17 @@ class MiniMaxH3Adapter(DiTAdapter):
     def token_grid(self, height, width, frames=1):
         return self.family.latent.latent_frames(frames) * (height // 32), width // 32
 
+    def latent_rows(self, x, r0, r1, cols):
+        """Token rows r0..r1 of the video's rows [B, video rows, 96] (frame by frame, each
+        frame height/32 token rows of width/32)."""
+        return x.narrow(1, r0 * cols, (r1 - r0) * cols)
+
+    def denoised_parts(self, x, rows, cols):
+        """The packed rows [B, audio + video rows, 96] -> (the video's rows, {"audio": the
+        sound's rows}): PipeFusion's patches cut the video, the sound goes with the text."""
+        na = x.shape[1] - rows * cols
+        return x.narrow(1, na, rows * cols), {"audio": x.narrow(1, 0, na)}
+
     def context_tokens(self, cond):
         return {"text": int(cond["encoder_hidden_states"].shape[1])}
 

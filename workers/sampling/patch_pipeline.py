@@ -8,10 +8,18 @@ tick's come from the previous one, and the rows a patch finished go from the las
 to stage 0), then computes its micro-batch, if any, as one transformer call with a PatchPlan
 (parallel/pipefusion/plan.py). The last stage combines the guidance branches of a patch and takes the Euler step
 on its rows; stage 0 reports a step finished once all its rows are back.
+
+A stream the model denoises beside the latent's (a sound track: `Stream.denoised`) goes with
+the text: each guidance branch's first patch of a step computes all of its tokens, every
+other patch reads their K/V from the cache, and once that patch's branches are done the last
+stage steps the stream's rows and sends them back to stage 0 with the patch's latent rows
+(the adapter's `denoised_parts` says where they are in the loop's latent).
 """
 from __future__ import annotations
 
 from typing import Callable
+
+import torch
 
 from ..parallel.p2p import exchange
 from ..parallel.pipefusion.activations import Activations, carried_context
@@ -70,7 +78,10 @@ class PatchPipeline:
         # each branch's tokens of the streams beside the latent's (its own prompt's text)
         self.context = {b: adapter.context_tokens(c) for b, c in branches.items()}
         config = model.transformer.config
-        self.hidden = adapter.family.heads(config) * adapter.family.head_dim(config)
+        self.hidden = adapter.family.stream_width(config)  # the blocks' activations
+        # blocks that pass on several streams by keyword: (keyword, stream, width) each
+        self.states = tuple(adapter.stage_states(config))
+        self.denoised = None  # {stream: tokens} of the denoised streams (first step)
         self.cache = KVCache(topo)
         self.activations = Activations(topo.sp_rank)
         self.outgoing = None  # activations computed at the previous tick, for the next stage
@@ -80,16 +91,39 @@ class PatchPipeline:
         """A micro's tokens: its rows, after the references, which the branch's first patch
         of a step (the one with the text) computes too."""
         lo, hi = (self.ref_tokens + r * self.cols for r in m.rows)
-        tokens = dict(self.context[m.branch], **{
+        tokens = dict(self.context[m.branch], **self.denoised, **{
             self.streams.latent.name: self.ref_tokens + self.rows * self.cols})
         return PatchPlan(self.topo.sp_rank, self.topo.sp, tokens, layout=self.streams,
                          image_range=(0 if m.with_text else lo, hi), with_text=m.with_text,
-                         branch=m.branch, cache=self.cache, activations=self.activations)
+                         branch=m.branch, cache=self.cache, activations=self.activations,
+                         states=tuple((k, s) for k, s, _ in self.states))
 
     def _rows(self, x, m: Micro):
-        return self.adapter.latent_rows(x, m.rows[0], m.rows[1], self.cols)
+        latent, _ = self.adapter.denoised_parts(x, self.rows, self.cols)
+        return self.adapter.latent_rows(latent, m.rows[0], m.rows[1], self.cols)
+
+    def _pieces(self, x, m: Micro) -> list:
+        """The micro's rows of `x` (the loop's latent or a prediction): its latent rows, and
+        for a step's first patch every denoised stream's (module doc)."""
+        _, parts = self.adapter.denoised_parts(x, self.rows, self.cols)
+        return [self._rows(x, m)] + (list(parts.values()) if m.with_text else [])
+
+    def _incoming(self, plan, batch: int, dtype) -> list:
+        """[(shape, dtype)] of the activations this rank receives for `plan` (none on stage
+        0 or without a micro): one [context, latent] tensor, or one per stage state."""
+        if self.first or plan is None:
+            return []
+        r = self.topo.sp_rank
+        if self.states:
+            dt = getattr(self.model, "dtype", None) or dtype
+            return [((batch, plan.sizes(s)[r], w), dt) for _, s, w in self.states]
+        tokens = carried_context(plan, r) + plan.sizes(plan.latent_stream)[r]
+        return [((batch, tokens, self.hidden), dtype)]
 
     def step(self, i: int, latents, finished: Callable[[int], None]) -> None:
+        if self.denoised is None:
+            _, parts = self.adapter.denoised_parts(latents, self.rows, self.cols)
+            self.denoised = {s: int(v.shape[1]) for s, v in parts.items()}
         for tick in self.sched.ticks_of(i):
             self._tick(tick, latents, finished)
 
@@ -100,24 +134,27 @@ class PatchPipeline:
         arrivals = sched.arrivals(tick)
         # 1. transfers: activations to the next stage, finished rows back to stage 0
         sends, recvs = [], []
-        if self.outgoing is not None:
-            sends.append((self.outgoing, self.next))
+        if self.outgoing is not None:  # a state of no tokens (the sound off the first
+            # patch) is not sent: both sides know its size from the micro
+            sends += [(t, self.next) for t in (self.outgoing if isinstance(self.outgoing, list)
+                                               else [self.outgoing]) if t.shape[1]]
             self.outgoing = None
-        if not self.first and plan is not None:
-            r = self.topo.sp_rank
-            tokens = carried_context(plan, r) + plan.sizes(plan.latent_stream)[r]
-            recvs.append(((latents.shape[0], tokens, self.hidden), dtype, self.prev))
-        for m in arrivals:
+        incoming = self._incoming(plan, latents.shape[0], dtype)
+        recvs += [(shape, dt, self.prev) for shape, dt in incoming if shape[1]]
+        back = [p for m in arrivals for p in self._pieces(latents, m)]
+        for p in back:
             if self.last:
-                sends.append((self._rows(latents, m), self.head))
+                sends.append((p, self.head))
             if self.first:
-                recvs.append((tuple(self._rows(latents, m).shape), dtype, self.tail))
+                recvs.append((tuple(p.shape), dtype, self.tail))
         got = exchange(sends, recvs, self.group, dev)
-        if not self.first and plan is not None:
-            self.activations.incoming = got.pop(0)
+        if incoming:
+            parts = [got.pop(0) if shape[1] else torch.zeros(shape, dtype=dt, device=dev)
+                     for shape, dt in incoming]
+            self.activations.incoming = parts if self.states else parts[0]
         if self.first:
-            for m, piece in zip(arrivals, got):
-                self._rows(latents, m).copy_(piece)
+            for p, piece in zip(back, got):
+                p.copy_(piece)
             for j in sched.steps_done(tick):
                 finished(j)
         if micro is None:
@@ -131,20 +168,25 @@ class PatchPipeline:
         if not self.last:
             self.outgoing = self.activations.take()
             return
-        # 3. last stage: guidance, then the scheduler's step on the micro's rows
-        pred = self._rows(out, micro)
+        # 3. last stage: guidance, then the scheduler's step on the micro's rows (and, for a
+        # step's first patch, the denoised streams')
+        preds = self._pieces(out, micro)
+        scale, rescale = prep.scales[micro.step], self.adapter.cfg_rescale
         if self.cfg_group is not None:
-            pred = combine_across(pred, self.cfg_group, prep.scales[micro.step],
-                                  self.adapter.cfg_rescale)
+            preds = [combine_across(p, self.cfg_group, scale, rescale) for p in preds]
         elif len(self.branches) == 2:
             if not micro.finishes:
-                self.pending[micro.patch] = pred.clone()
+                self.pending[micro.patch] = [p.clone() for p in preds]
                 return
-            pred = combine(self.pending.pop(micro.patch), pred, prep.scales[micro.step],
-                           self.adapter.cfg_rescale)
-        # a multistep scheduler (UniPC) keeps its history per row band (step_rows)
-        step_rows(prep.steps, self._rows(latents, micro), pred, micro.step, micro.rows,
+            preds = [combine(n, p, scale, rescale)
+                     for n, p in zip(self.pending.pop(micro.patch), preds)]
+        pieces = self._pieces(latents, micro)
+        # a multistep scheduler (UniPC) keeps its history per row band (step_rows), and
+        # per denoised stream under the stream's own key
+        step_rows(prep.steps, pieces[0], preds[0], micro.step, micro.rows,
                   lambda t, a, b: self.adapter.latent_rows(t, a, b, self.cols))
+        for name, x, v in zip(self.denoised, pieces[1:], preds[1:]):
+            x.copy_(prep.steps.step(x, v, micro.step, key="denoised:" + name))
 
     def close(self) -> None:
         self.cache.clear()

@@ -35,6 +35,19 @@ class Activations:
             raise RuntimeError(f"pipeline activations {got} do not fit the patch ({want} tokens)")
         return buf if joined else (buf[:, :t], buf[:, t:])
 
+    def receive_states(self, plan) -> list:
+        """The previous stage's states, one tensor each (the plan's `states`), for blocks
+        that take several streams by keyword."""
+        bufs, self.incoming = self.incoming, None
+        want = [plan.sizes(stream)[self.sp_rank] for _, stream in plan.states]
+        got = None if not isinstance(bufs, list) else [b.shape[1] for b in bufs]
+        if got != want:
+            raise RuntimeError(f"pipeline states of {got} tokens do not fit the patch ({want})")
+        return bufs
+
+    def send_states(self, outputs) -> None:
+        self.outgoing = list(outputs)
+
     def send(self, encoder_hidden_states, hidden_states) -> None:
         parts = [hidden_states] if encoder_hidden_states is None \
             else [encoder_hidden_states, hidden_states]

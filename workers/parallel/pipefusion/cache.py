@@ -70,6 +70,13 @@ class PatchAttention:
         # cache positions: host numbers for the bookkeeping, a device index made once per
         # patch shape and job (copying it in per layer would stall the stream each time)
         pos, dev_pos = kv.positions(plan, keys, k.device)
+        if topo.sp == 1 and k.shape[1] != len(pos):
+            # key streams every call holds whole, whatever its patch (an input each block
+            # reads, LTX-2's text): all of them fresh
+            if k.shape[1] != sum(plan.full_len(s) for s in keys):
+                raise RuntimeError(f"{k.shape[1]} keys of {'+'.join(keys)}: neither the "
+                                   f"patch's {len(pos)} nor the whole streams'")
+            pos, dev_pos = kv.whole(plan, keys, k.device)
         cache = kv.layer(module, plan.branch, keys, plan, k)
         cache.k.index_copy_(1, dev_pos, k)
         cache.v.index_copy_(1, dev_pos, v)
@@ -171,6 +178,12 @@ class KVCache:
             p = _gathered_positions(plan, streams, topo)
             return p[p >= 0]
         return self._index(("pos",) + plan.key(streams), make, device)
+
+    def whole(self, plan: PatchPlan, streams, device) -> tuple:
+        """(host positions, device index) of every token of `streams` in their cache."""
+        def make():
+            return torch.arange(sum(plan.full_len(s) for s in streams))
+        return self._index(("whole",) + plan.key(streams), make, device)
 
     def gathered_keep(self, plan: PatchPlan, streams, device) -> torch.Tensor:
         """Device index of the gathered k/v rows that are real tokens (not padding)."""

@@ -21,6 +21,9 @@ class PatchPlan(SequencePlan):
     image_range: tuple = (0, 0)  # (start, stop) of the image tokens computed
     with_text: bool = True
     branch: int = 1  # 0 = negative, 1 = positive (separate K/V caches)
+    # ((block keyword, stream), ...): the states a stage passes on, where the blocks take
+    # several by keyword (the adapter's `stage_states`); () for one state
+    states: tuple = ()
     cache: Any = field(default=None, compare=False, repr=False)  # cache.KVCache of the job
     activations: Any = field(default=None, compare=False, repr=False)  # stages.Activations
 
