@@ -114,3 +114,35 @@ def test_one_rank_equals_the_pipeline(pipe, model_dir):
               f"{dw:.2e} from the pipeline")
         assert dv <= TOL and da <= TOL and df <= TOL and dw <= TOL, (j, dv, da, df, dw)
         assert got.decoded.sample_rate == 32000 and got.decoded.audio.shape[1] == 2
+
+
+# ---- ComfyUI's single file (`tiny-model --comfy-file`) ----------------------------------------
+def test_comfyui_file_is_detected_and_loads_as_the_folder(model_dir, tmp_path):
+    """The tiny folder's transformer in ComfyUI 0.33.0's key layout: detected as MiniMax-H3
+    in ComfyUI's naming, its config read from the shapes equal to the folder's, and the
+    loader's conversion gives back exactly the folder's tensors (the writer and the loader's
+    table are written separately)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from comfyui_xdit.testmodels.tiny_model import write_comfy_file
+    from workers.loading.single_file import read_transformer_state, to_diffusers_state
+    from workers.models.detect import single_file_config
+
+    folder = model_dir("minimax_h3")
+    path = write_comfy_file(folder, "minimax_h3", tmp_path / "minimax_h3_tiny.safetensors")
+    sf = single_file_config(str(path))
+    assert (sf["arch"], sf["naming"], sf["prefix"]) == \
+        ("minimax_h3", "bfl", "model.diffusion_model.")
+    want_cfg = json.loads((folder / "transformer" / "config.json").read_text())
+    for k, v in sf["config"].items():
+        if k in want_cfg and not k.startswith("_"):
+            assert want_cfg[k] == v or list(want_cfg[k]) == list(v), k
+    state = read_transformer_state(str(path), sf["prefix"])
+    assert "blocks.0.attn.qkv_proj.weight" in state and "rope.inv_freq" in state
+    got = to_diffusers_state("minimax_h3", "bfl", state, sf["config"])
+    want = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        assert torch.equal(got[k], w), k

@@ -223,6 +223,24 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     return out
 
 
+def write_comfy_file(folder: str | os.PathLike, arch: str, out: str | os.PathLike) -> pathlib.Path:
+    """A tiny folder's transformer as a ComfyUI single file (`out`, .safetensors): ComfyUI's
+    key layout (the family builder's `comfy_single_file`), under ComfyUI's checkpoint prefix
+    `model.diffusion_model.`, so ComfyUI's own UNETLoader and the pack's loader both read it."""
+    from safetensors.torch import load_file, save_file
+    writer = getattr(builder(arch), "comfy_single_file", None)
+    if writer is None:
+        raise ValueError(f"--comfy-file is not written for {arch} yet (its builder declares no "
+                         f"comfy_single_file)")
+    tr = pathlib.Path(folder) / "transformer"
+    config = json.loads((tr / "config.json").read_text())
+    sd = writer(load_file(str(tr / "diffusion_pytorch_model.safetensors")), config)
+    out = pathlib.Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({f"model.diffusion_model.{k}": v for k, v in sd.items()}, str(out))
+    return out
+
+
 def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.Path:
     """Builds into cache_dir/<arch>-<hash of the kwargs> once, then reuses it."""
     cfg = resolve_config(arch, **kw)
@@ -261,6 +279,10 @@ def add_cli(subparsers) -> None:
                    help="write the transformer alone as a GGUF single file (ComfyUI-GGUF's "
                         "layout, diffusers names) to --out, its weights in TYPE: Q8_0, Q6_K, "
                         "Q5_K, Q5_0, Q5_1, Q4_K, Q4_0, Q4_1, F16 or BF16")
+    p.add_argument("--comfy-file", action="store_true",
+                   help="write the transformer alone as a ComfyUI single file (ComfyUI's key "
+                        "layout under model.diffusion_model., what its UNETLoader reads) to "
+                        "--out; families whose builder declares comfy_single_file")
     p.set_defaults(func=run_cli)
 
 
@@ -276,6 +298,11 @@ def run_cli(args) -> int:
                 path = write_gguf_file(
                     folder / "transformer" / "diffusion_pytorch_model.safetensors", args.out,
                     args.gguf.upper(), arch=args.arch)
+        elif getattr(args, "comfy_file", False):
+            import tempfile
+            with tempfile.TemporaryDirectory() as tmp:
+                folder = build_tiny_model(args.arch, tmp, **kw)
+                path = write_comfy_file(folder, args.arch, args.out)
         else:
             path = build_tiny_model(args.arch, args.out, **kw)
     except ValueError as exc:

@@ -200,6 +200,12 @@ class MiniMaxH3Adapter(DiTAdapter):
     )
 
     @staticmethod
+    def bfl_to_diffusers(sd, config):
+        """ComfyUI's MiniMax-H3 names (comfy/ldm/minimax) -> diffusers' (minimax_h3_names)."""
+        from .minimax_h3_names import comfy_to_diffusers
+        return comfy_to_diffusers(sd)
+
+    @staticmethod
     def computed_buffers(transformer) -> None:
         """RoPE's inverse frequencies (a non-persistent buffer)."""
         rope = transformer.rope
