@@ -144,6 +144,16 @@ class ComfySpec:
     # the split the MODEL uses when the loader gives no degrees: CFG parallel first where
     # ComfyUI's samplers batch both branches in one call (SD3)
     cfg_first: bool = False
+    # the parts of ComfyUI's LATENT for a model whose LATENT is several tensors (a nested
+    # LATENT: ComfyUI's `x` is a list of them, its prediction too), in ComfyUI's order;
+    # () for one tensor. The parts travel as one (workers/sampling/latent_parts.py)
+    latent_parts: tuple = ()
+    # ((name, ComfyUI's default), ...): scalar model inputs ComfyUI's model class passes
+    # beside the call that the family's forward reads (sent with every call)
+    call_inputs: tuple = ()
+    # ComfyUI's context holds this many text states side by side on its last axis, each
+    # of the transformer's text width (a model with one prompt copy per stream)
+    context_streams: int = 1
 
 
 @dataclass(frozen=True)
