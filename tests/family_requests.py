@@ -68,8 +68,9 @@ def model_call_inputs(arch: str, folder, seed: int = 4) -> dict:
     timestep = torch.full((2,), 700.0 / fam.comfy.timestep_scale)
     if fam.comfy.latent_parts:
         sound = fam.capability(families.SoundTrack)
-        x = [x] + ([] if sound is None else
-                   [torch.randn(*sound.shape(2, s.get("frames", 1)), generator=gen)])
+        more = [sound.shape(2, s.get("frames", 1))] if sound is not None else \
+            list(fam.comfy.part_shapes(2, s.get("frames", 1))) if fam.comfy.part_shapes else []
+        x = [x] + [torch.randn(*shape, generator=gen) for shape in more]
         assert len(x) == len(fam.comfy.latent_parts), "a part without a test shape"
         timestep = tuple(timestep.clone() for _ in x)
     width = fam.text_width(cfg) * fam.comfy.context_streams

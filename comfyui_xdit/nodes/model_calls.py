@@ -108,6 +108,11 @@ class PoolDenoiser:
         for name, default in self.family.comfy.call_inputs:
             value = kwargs.pop(name, None)
             inputs[name] = float(default if value is None else value)
+        if self.family.comfy.read_inputs is not None:  # inside a structured input
+            try:
+                inputs.update(self.family.comfy.read_inputs(kwargs, transformer_options or {}))
+            except ValueError as e:
+                raise ConfigError(f"the {self.family.name} xDiT MODEL: {e}") from None
         self._refuse(control, transformer_options or {}, kwargs)
         if self.family.comfy.latent_parts or isinstance(x, (list, tuple)):
             return self._call_parts(x, timestep, context, y, transformer_options, inputs)

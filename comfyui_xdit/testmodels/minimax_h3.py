@@ -31,12 +31,8 @@ TEST_REQUEST = dict(size=(96, 96), frames=22, padded=True)  # rows carry their t
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_minimax_h3.py::test_one_rank_equals_the_pipeline"
 
-# not done yet (said so, not claimed impossible): ComfyUI 0.33.0's MiniMaxH3 model is called
-# with a nested video + audio latent, which the xDiT MODEL's call does not carry; PipeFusion
-# needs the packed [audio | video] rows cut into patches with their positions
+# PipeFusion needs the packed [audio | video] rows cut into patches with their positions
 CONFORMANCE_EXEMPT = {
-    "model_call": "not done: ComfyUI's MiniMaxH3 takes a nested video + audio latent, which "
-                  "the xDiT MODEL's call does not carry yet",
     "pipefusion": "refused (ParallelConfig.validate): its audio stream is denoised with the "
                   "video, and PipeFusion's patches cut only the video stream",
 }

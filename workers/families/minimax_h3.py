@@ -58,6 +58,40 @@ TOKENS = TokenLayout(
 SCHEDULER = {"_class_name": "MiniMaxH3Scheduler", "shift": VIDEO_SHIFT}
 
 
+# ---- ComfyUI's MODEL call (ComfyUI 0.33.0's MiniMaxH3, comfy/ldm/minimax) -------------------
+# what its conditioning may hold that the pool does not run (text-to-video with sound only)
+_COND_PARTS = (("keyframes", "keyframes (MiniMax H3 Image to Video's first / last frame)"),
+               ("refs", "reference images or sound"),
+               ("cond_video_latents", "conditioning video latents"),
+               ("cond_audio_latents", "conditioning sound latents"))
+
+
+def comfy_inputs(inputs: dict, options: dict) -> dict:
+    """ComfyUI's MiniMaxH3 call -> the scalars the pool's forward reads: the sampler's audio
+    carry (`minimax_payload["audio_scale"]`, video shift / audio shift) and the two schedules'
+    shifts (its transformer_options may override them). Pops `minimax_payload`; a payload
+    the pool cannot run (keyframes, references, a prompt with images) is refused."""
+    payload = inputs.pop("minimax_payload", None) or {}
+    for key, what in _COND_PARTS:
+        if payload.get(key):
+            raise ValueError(f"its conditioning holds {what}, which the pool does not run "
+                             f"(text-to-video with sound only); use ComfyUI's own model")
+    tags = payload.get("text_token_tags")
+    if tags is not None and any(int(t) != TEXT_TAG for t in tags.reshape(-1).tolist()):
+        raise ValueError("its prompt holds images (vision tokens), which the pool does not "
+                         "run (a text prompt only); use ComfyUI's own model")
+    return {"audio_scale": float(payload.get("audio_scale", 1.0)),
+            "sigma_shift_video": float(options.get("minimax_h3_sigma_shift_video",
+                                                   VIDEO_SHIFT)),
+            "sigma_shift_audio": float(options.get("minimax_h3_sigma_shift_audio",
+                                                   AUDIO_SHIFT))}
+
+
+def comfy_sound_shape(rows: int, frames: int) -> tuple:
+    """ComfyUI's sound part of a video of `frames` frames: [rows, 32, 2, latents]."""
+    return ((int(rows), AUDIO_CHANNELS, STEREO, audio_latents(frames)),)
+
+
 def config_from_shapes(shapes: dict, naming: str) -> dict:
     """The diffusers config of a MiniMax-H3 transformer file from its weight shapes: diffusers
     naming, or ComfyUI's ("bfl" here: comfy/ldm/minimax, whose file carries RoPE's
@@ -132,7 +166,12 @@ FAMILY = Family(
     latent=LATENT,
     text=Text(hint="type the prompt into the sampler (MiniMax-H3 encodes it with its own "
                    "Qwen3-VL)", pooled=False),
-    comfy=ComfySpec(base=lambda unet: "MiniMaxH3", config=lambda unet: "MiniMaxH3"),
+    # ComfyUI's MiniMaxH3: its LATENT nests the video and the sound, its timestep sigma x
+    # 1000 (the video's), its context the raw Qwen3-VL states once its refiner is passed
+    # through (the pool refines them), its sound carry and shifts in minimax_payload
+    comfy=ComfySpec(base=lambda unet: "MiniMaxH3", config=lambda unet: "MiniMaxH3",
+                    latent_parts=("video", "audio"), read_inputs=comfy_inputs,
+                    passthrough=("preprocess_text_embeds",), part_shapes=comfy_sound_shape),
     # guidance-distilled: one forward a step
     defaults=Defaults(cfg=1.0),
     detection=Detection(
