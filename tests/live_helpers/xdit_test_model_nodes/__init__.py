@@ -126,7 +126,12 @@ class XDiTTestSaveTensors:
         if images is not None:
             out["image"] = images.detach().float().cpu().contiguous()
         if latent is not None:
-            out["latent"] = latent["samples"].detach().float().cpu().contiguous()
+            samples = latent["samples"]
+            # a nested LATENT (a video and its sound): its parts, "latent" the first
+            parts = samples.unbind() if getattr(samples, "is_nested", False) else [samples]
+            for i, part in enumerate(parts):
+                out["latent" if i == 0 else f"latent_{i}"] = \
+                    part.detach().float().cpu().contiguous()
         tmp = path + ".tmp"
         save_file(out, tmp)
         os.replace(tmp, path)
