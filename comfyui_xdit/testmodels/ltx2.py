@@ -33,8 +33,6 @@ TEST_REQUEST = dict(size=(64, 96), frames=9, msl=16)
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_ltx2.py::test_one_rank_equals_the_pipeline"
 CONFORMANCE_EXEMPT = {
-    "model_call": "the xDiT MODEL for ComfyUI's KSampler (its AV LATENT in and out) is not "
-                  "built for LTX-2 yet; the Sampler (xDiT) path runs it",
     "pipefusion": "refused (ParallelConfig.validate): its audio stream is denoised with the "
                   "video, and PipeFusion's patches cut only the video stream",
 }

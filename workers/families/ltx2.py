@@ -103,7 +103,13 @@ FAMILY = Family(
     latent=LATENT,
     text=Text(hint="encode with LTX-2's Gemma 3 text encoder or type the prompt into the "
                    "sampler", pooled=False),
-    comfy=ComfySpec(base=lambda unet: "LTXAV", config=lambda unet: "LTXAV"),
+    # ComfyUI's LTXAV: its LATENT nests the video and the sound (x is [video, audio]),
+    # its context is the video's and the sound's prompt states side by side, its
+    # timestep sigma, and its conditioning's frame rate (LTXVConditioning; 25 without)
+    # places the video's frames in time against the sound's
+    comfy=ComfySpec(base=lambda unet: "LTXAV", config=lambda unet: "LTXAV",
+                    timestep_scale=1000.0, latent_parts=("video", "audio"),
+                    call_inputs=(("frame_rate", 25.0),), context_streams=2),
     defaults=Defaults(cfg=CFG),
     detection=Detection(markers=(("diffusers", ("audio_proj_in.weight",
                                                 "av_cross_attn_video_scale_shift.linear.weight")),),
