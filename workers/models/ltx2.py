@@ -180,6 +180,14 @@ class LTX2Adapter(DiTAdapter):
                 "audio_coords": tr.audio_rope.prepare_audio_coords(1, length, dev),
                 "tokens": (t * h * w, length)}
 
+    @staticmethod
+    def bfl_to_diffusers(sd, config):
+        """ComfyUI's (the original LTX-2) names -> LTX2VideoTransformer3DModel's, key by key
+        (pure renames; the text connectors a full checkpoint holds are not the
+        transformer's and are refused by the loader as unknown weights)."""
+        from ..families.ltx2 import diffusers_name
+        return {diffusers_name(k): v for k, v in sd.items()}
+
     def forward_extra(self, model, height, width):
         raise NotImplementedError("LTX-2's forward inputs depend on the frames: job_extra")
 
