@@ -261,3 +261,53 @@ def test_a_size_off_the_32_pixel_grid_is_refused_in_one_line():
     assert req.problems("ltx2") == ["height 80 is not a positive multiple of 32 (try 64)"]
     assert not request([A]).problems("ltx2")
     assert not GenerationRequest(prompt=[A], height=80, width=48).problems("flux")
+
+
+def test_model_call_is_the_transformer_in_comfyuis_conventions(folders, pipes, layout_pools):
+    """The xDiT MODEL's call at one rank (ComfyUI's LTXAV conventions: x the AV LATENT's
+    [video, audio], a timestep per part as sigma, the context the video's then the sound's
+    prompt states side by side, the conditioning's frame rate) is the diffusers transformer
+    called on the joined tokens at sigma * 1000, the RoPE coordinates at that frame rate;
+    its prediction comes back as the two parts. Negative control: another frame rate moves
+    the prediction (it is read)."""
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    from family_requests import model_call_inputs
+
+    call = model_call_inputs("ltx2", folders["t2v"])
+    pool = layout_pools.get(folders["t2v"], ParallelConfig())
+    got = PoolDenoiser(pool, ParallelConfig(), "ltx2")(**dict(call, frame_rate=24.0))
+    video, audio = call["x"]
+    assert [tuple(p.shape) for p in got] == [tuple(video.shape), tuple(audio.shape)]
+    tr = pipes["t2v"].transformer
+    b, c, t, h, w = video.shape
+    length = audio.shape[2]
+    half = call["context"].shape[2] // 2
+    sigma = call["timestep"][0] * 1000
+    with torch.no_grad():
+        v, a = tr(hidden_states=video.flatten(2).transpose(1, 2),
+                  audio_hidden_states=audio.transpose(1, 2).flatten(2, 3),
+                  encoder_hidden_states=call["context"][..., :half],
+                  audio_encoder_hidden_states=call["context"][..., half:],
+                  timestep=sigma, audio_timestep=sigma, sigma=sigma,
+                  video_coords=tr.rope.prepare_video_coords(b, t, h, w, "cpu", fps=24.0),
+                  audio_coords=tr.audio_rope.prepare_audio_coords(b, length, "cpu"),
+                  use_cross_timestep=True, return_dict=False)
+    check(got[0], v.transpose(1, 2).reshape(video.shape), "MODEL call video")
+    check(got[1], a.reshape(b, length, 8, 16).transpose(1, 2), "MODEL call sound")
+    other = PoolDenoiser(pool, ParallelConfig(), "ltx2")(**dict(call, frame_rate=25.0))
+    assert float((other[0] - got[0]).abs().max()) > 1e-4, "the frame rate is not read"
+
+
+def test_model_call_refuses_what_it_cannot_run_in_one_line():
+    """A timestep per part that differ (a noise mask on the AV LATENT), or a LATENT without
+    its sound, is one clear error before anything reaches a pool."""
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    from comfyui_xdit.planning.config import ConfigError
+
+    video, audio = torch.zeros(2, 128, 2, 2, 3), torch.zeros(2, 8, 9, 16)
+    model = PoolDenoiser(None, ParallelConfig(), "ltx2")
+    context = torch.zeros(2, 7, 64)
+    with pytest.raises(ConfigError, match="one timestep per row"):
+        model([video, audio], (torch.full((2,), 0.5), torch.full((2,), 0.7)), context=context)
+    with pytest.raises(ConfigError, match="nested LATENT of 2 parts"):
+        model(video, torch.full((2,), 0.5), context=context)
