@@ -179,7 +179,7 @@ class ReleaseLayout:
             json.dump(index, f, indent=2)
 
 
-# ---- ComfyUI's single file (`tiny-model --comfy-file`) ---------------------------------------
+# ---- ComfyUI's single file (`tiny-model --comfy-file`) --------------------------------
 # diffusers' MiniMaxH3Transformer3DModel names -> ComfyUI 0.33.0's (comfy/ldm/minimax/model.py
 # MiniMaxH3Model, what its detection reads), written from ComfyUI's module layout
 _COMFY_TOP = {"proj_in": "video_patch_proj", "audio_proj_in": "audio_patch_proj",
@@ -194,11 +194,12 @@ _COMFY_BLOCK = {"norm1": "norm1", "norm2": "norm2", "attn.norm_q": "attn.q_norm"
                 "ff.net.2": "mlp.fc2", "adaln_proj.linear": "adaln_proj.linear"}
 
 
-def comfy_single_file(sd: dict, config: dict) -> dict:
-    """A diffusers MiniMax-H3 transformer state (`config`: its config.json) in ComfyUI's
-    names: q, k, v rows fused into `attn.qkv_proj`; each SwiGLU `mlp.fc1` with its gate rows
-    first (ComfyUI gates with the first half, diffusers with the second); the RoPE
-    frequencies ComfyUI reads from the file (`rope.inv_freq`, diffusers computes them)."""
+def single_file(sd: dict) -> dict:
+    """A tiny MiniMax-H3 transformer's diffusers state dict in ComfyUI's names (without the
+    `model.diffusion_model.` prefix): q, k, v rows fused into `attn.qkv_proj`; each SwiGLU
+    `mlp.fc1` with its gate rows first (ComfyUI gates with the first half, diffusers with the
+    second); the RoPE frequencies ComfyUI reads from the file (`rope.inv_freq`, which
+    diffusers computes: this builder's ROPE_FREQ_DIM a axis, theta 10000)."""
     import re
 
     import torch
@@ -222,7 +223,7 @@ def comfy_single_file(sd: dict, config: dict) -> dict:
             out[f"{pre}{_COMFY_BLOCK[part]}.{suffix}"] = w
     for name, qkv in blocks.items():
         out[name] = torch.cat([qkv["q"], qkv["k"], qkv["v"]], dim=0)
-    d, theta = int(config["rope_freq_dim"]), float(config.get("rope_theta", 10000.0))
+    d, theta = ROPE_FREQ_DIM, 10000.0
     out["rope.inv_freq"] = 1.0 / theta ** (torch.arange(0, 2 * d, 2, dtype=torch.float32)
                                            / (2 * d))
     assert sum(v.numel() for v in out.values()) == \

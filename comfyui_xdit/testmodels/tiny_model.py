@@ -225,19 +225,23 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
 
 def write_comfy_file(folder: str | os.PathLike, arch: str, out: str | os.PathLike) -> pathlib.Path:
     """A tiny folder's transformer as a ComfyUI single file (`out`, .safetensors): ComfyUI's
-    key layout (the family builder's `comfy_single_file`), under ComfyUI's checkpoint prefix
-    `model.diffusion_model.`, so ComfyUI's own UNETLoader and the pack's loader both read it."""
+    key layout (the family builder's `single_file`, with its `single_file_metadata` where it
+    has one), under ComfyUI's checkpoint prefix `model.diffusion_model.`, so ComfyUI's own
+    UNETLoader and the pack's loader both read it."""
     from safetensors.torch import load_file, save_file
-    writer = getattr(builder(arch), "comfy_single_file", None)
+    b = builder(arch)
+    writer = getattr(b, "single_file", None)
     if writer is None:
         raise ValueError(f"--comfy-file is not written for {arch} yet (its builder declares no "
-                         f"comfy_single_file)")
+                         f"single_file)")
     tr = pathlib.Path(folder) / "transformer"
-    config = json.loads((tr / "config.json").read_text())
-    sd = writer(load_file(str(tr / "diffusion_pytorch_model.safetensors")), config)
+    sd = writer(load_file(str(tr / "diffusion_pytorch_model.safetensors")))
+    meta = getattr(b, "single_file_metadata", None)
+    meta = meta(json.loads((tr / "config.json").read_text())) if meta else None
     out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({f"model.diffusion_model.{k}": v for k, v in sd.items()}, str(out))
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in sd.items()}, str(out),
+              metadata=meta)
     return out
 
 
@@ -282,7 +286,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--comfy-file", action="store_true",
                    help="write the transformer alone as a ComfyUI single file (ComfyUI's key "
                         "layout under model.diffusion_model., what its UNETLoader reads) to "
-                        "--out; families whose builder declares comfy_single_file")
+                        "--out; families whose builder declares single_file")
     p.set_defaults(func=run_cli)
 
 
