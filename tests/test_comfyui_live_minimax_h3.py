@@ -45,7 +45,7 @@ def comfy(tmp_path_factory):
         pytest.skip("this ComfyUI has no MiniMaxH3 model (0.33.0 has it)")
     link_packs(comfy, "xdit-live-test-helpers", "xdit-live-test-model-nodes")
     folder = ensure_tiny_model("minimax_h3", tmp_path_factory.mktemp("minimax-models"))
-    write_comfy_file(folder, "minimax_h3", comfy / "models" / "diffusion_models" / FILE)
+    write_comfy_file("minimax_h3", folder, comfy / "models" / "diffusion_models" / FILE)
     text = json.loads((folder / "transformer" / "config.json").read_text())["text_dim"]
     log = tmp_path_factory.mktemp("comfy-minimax") / "comfyui.log"
     with running_comfyui(comfy, log) as server:
@@ -105,7 +105,7 @@ def test_ksampler_on_the_pool_matches_comfyui_own_model(comfy, layout):
         _ok(msgs)
         x, n = tensors(Path(out["x"])), tensors(Path(out["n"]))
         fig = {}
-        for part, key, shape in (("video", "latent", SHAPES[0]), ("audio", "latent_1",
+        for part, key, shape in (("video", "latent_0", SHAPES[0]), ("audio", "latent_1",
                                                                    SHAPES[1])):
             assert tuple(x[key].shape) == tuple(n[key].shape) == shape, \
                 (part, x[key].shape, n[key].shape)
@@ -117,7 +117,7 @@ def test_ksampler_on_the_pool_matches_comfyui_own_model(comfy, layout):
         assert fig["video_rel_l2"] <= TOL and fig["audio_rel_l2"] <= TOL, fig
         got[sampler] = n
     a, b = (got[s] for s, _ in SAMPLERS)  # the agreement above is not vacuous
-    for key in ("latent", "latent_1"):
+    for key in ("latent_0", "latent_1"):
         assert rel_l2(a[key], b[key]) > 1e-2, key
     http(comfy["base"], "/xdit/unload", {})
     http(comfy["base"], "/free", {"unload_models": True, "free_memory": True})

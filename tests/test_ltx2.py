@@ -311,3 +311,39 @@ def test_model_call_refuses_what_it_cannot_run_in_one_line():
         model([video, audio], (torch.full((2,), 0.5), torch.full((2,), 0.7)), context=context)
     with pytest.raises(ConfigError, match="nested LATENT of 2 parts"):
         model(video, torch.full((2,), 0.5), context=context)
+
+
+def test_comfyui_single_file_is_read_as_the_folder(tmp_path_factory, layout_pools):
+    """`tiny-model --comfy-file` writes LTX-2's transformer in ComfyUI's names under
+    model.diffusion_model. (with the metadata ComfyUI's detection reads); the loader detects
+    it with the folder's config, and the xDiT MODEL's call on it equals the folder's (both
+    parts). Negative control: a perturbed block differs."""
+    from safetensors.torch import load_file, save_file
+
+    from comfyui_xdit.bridge import worker_module
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    from comfyui_xdit.testmodels import ltx2
+    from comfyui_xdit.testmodels.tiny_model import write_comfy_file
+    from family_requests import model_call_inputs
+
+    cache = tmp_path_factory.mktemp("ltx2-file")
+    folder = ensure_tiny_model("ltx2", cache, **ltx2.SINGLE_FILE_MODEL)
+    path = write_comfy_file("ltx2", folder, cache / "ltx2-comfy.safetensors")
+    sf = worker_module("loading.transformer_file").single_file_config(path)
+    import json
+    want = json.loads((folder / "transformer" / "config.json").read_text())
+    assert (sf["arch"], sf["naming"], sf["prefix"]) == ("ltx2", "bfl", "model.diffusion_model.")
+    assert {k: v for k, v in sf["config"].items() if want.get(k) != v} == {}
+    assert "audio_patchify_proj.weight" in {k.split("model.diffusion_model.")[-1]
+                                            for k in load_file(str(path))}
+    call = model_call_inputs("ltx2", folder)
+    ref = PoolDenoiser(layout_pools.get(folder, ParallelConfig()), ParallelConfig(), "ltx2")(**call)
+    got = PoolDenoiser(layout_pools.get(path, ParallelConfig()), ParallelConfig(), "ltx2")(**call)
+    for name, a, b in zip(("video", "sound"), got, ref):
+        check(a, b, f"single file {name}")
+    sd = load_file(str(path))
+    key = "model.diffusion_model.transformer_blocks.0.attn1.to_q.weight"
+    sd[key] = sd[key] + 0.05
+    bad = save_file(sd, str(cache / "bad.safetensors"), metadata={}) or cache / "bad.safetensors"
+    other = PoolDenoiser(layout_pools.get(bad, ParallelConfig()), ParallelConfig(), "ltx2")(**call)
+    assert float((other[0] - ref[0]).abs().max()) > 1e-3

@@ -131,7 +131,7 @@ def test_comfyui_file_is_detected_and_loads_as_the_folder(model_dir, tmp_path):
     from workers.models.detect import single_file_config
 
     folder = model_dir("minimax_h3")
-    path = write_comfy_file(folder, "minimax_h3", tmp_path / "minimax_h3_tiny.safetensors")
+    path = write_comfy_file("minimax_h3", folder, tmp_path / "minimax_h3_tiny.safetensors")
     sf = single_file_config(str(path))
     assert (sf["arch"], sf["naming"], sf["prefix"]) == \
         ("minimax_h3", "bfl", "model.diffusion_model.")
@@ -186,7 +186,7 @@ def test_model_call_on_the_comfyui_file_is_comfyui_model(model_dir, layout_pools
     from comfyui_xdit.testmodels.tiny_model import write_comfy_file
 
     folder = model_dir("minimax_h3")
-    path = write_comfy_file(folder, "minimax_h3", tmp_path / "minimax_h3_tiny.safetensors")
+    path = write_comfy_file("minimax_h3", folder, tmp_path / "minimax_h3_tiny.safetensors")
     tr = MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer")).eval()
     g = torch.Generator().manual_seed(3)
     video, audio = torch.randn(1, 24, 7, 4, 6, generator=g), torch.randn(1, 32, 2, 37, generator=g)

@@ -223,28 +223,6 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, de
     return out
 
 
-def write_comfy_file(folder: str | os.PathLike, arch: str, out: str | os.PathLike) -> pathlib.Path:
-    """A tiny folder's transformer as a ComfyUI single file (`out`, .safetensors): ComfyUI's
-    key layout (the family builder's `single_file`, with its `single_file_metadata` where it
-    has one), under ComfyUI's checkpoint prefix `model.diffusion_model.`, so ComfyUI's own
-    UNETLoader and the pack's loader both read it."""
-    from safetensors.torch import load_file, save_file
-    b = builder(arch)
-    writer = getattr(b, "single_file", None)
-    if writer is None:
-        raise ValueError(f"--comfy-file is not written for {arch} yet (its builder declares no "
-                         f"single_file)")
-    tr = pathlib.Path(folder) / "transformer"
-    sd = writer(load_file(str(tr / "diffusion_pytorch_model.safetensors")))
-    meta = getattr(b, "single_file_metadata", None)
-    meta = meta(json.loads((tr / "config.json").read_text())) if meta else None
-    out = pathlib.Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in sd.items()}, str(out),
-              metadata=meta)
-    return out
-
-
 def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.Path:
     """Builds into cache_dir/<arch>-<hash of the kwargs> once, then reuses it."""
     cfg = resolve_config(arch, **kw)
@@ -252,6 +230,27 @@ def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.
         arch, tmp, **{k: cfg[k] for k in ("seed", "depth", "width", "heads")},
         sd35=bool(cfg.get("sd35")), variant=cfg.get("variant"),
         transformer=cfg.get("transformer"), dtype=cfg.get("dtype")))
+
+
+def write_comfy_file(arch: str, folder, out) -> pathlib.Path:
+    """The folder's transformer as ComfyUI's single file (`model.diffusion_model.` keys, in
+    the names the family's builder gives: its `single_file(state)`; the safetensors
+    metadata its `single_file_metadata(config)` gives, where ComfyUI's detection needs
+    more than the shapes), for ComfyUI's UNETLoader / checkpoint loaders and the pack's."""
+    from safetensors.torch import load_file, save_file
+
+    mod = builder(arch)
+    if not hasattr(mod, "single_file"):
+        raise ValueError(f"the {arch} test-model builder writes no ComfyUI single file")
+    tr = pathlib.Path(folder) / "transformer"
+    state = mod.single_file(load_file(str(tr / "diffusion_pytorch_model.safetensors")))
+    config = json.loads((tr / "config.json").read_text())
+    meta = mod.single_file_metadata(config) if hasattr(mod, "single_file_metadata") else None
+    out = pathlib.Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in state.items()},
+              str(out), metadata=meta)
+    return out
 
 
 def add_cli(subparsers) -> None:
@@ -284,9 +283,9 @@ def add_cli(subparsers) -> None:
                         "layout, diffusers names) to --out, its weights in TYPE: Q8_0, Q6_K, "
                         "Q5_K, Q5_0, Q5_1, Q4_K, Q4_0, Q4_1, F16 or BF16")
     p.add_argument("--comfy-file", action="store_true",
-                   help="write the transformer alone as a ComfyUI single file (ComfyUI's key "
-                        "layout under model.diffusion_model., what its UNETLoader reads) to "
-                        "--out; families whose builder declares single_file")
+                   help="write the transformer alone as ComfyUI's single file (its "
+                        "model.diffusion_model. keys and names) to --out, for families whose "
+                        "builder declares one")
     p.set_defaults(func=run_cli)
 
 
@@ -305,8 +304,8 @@ def run_cli(args) -> int:
         elif getattr(args, "comfy_file", False):
             import tempfile
             with tempfile.TemporaryDirectory() as tmp:
-                folder = build_tiny_model(args.arch, tmp, **kw)
-                path = write_comfy_file(folder, args.arch, args.out)
+                path = write_comfy_file(args.arch, build_tiny_model(args.arch, tmp, **kw),
+                                        args.out)
         else:
             path = build_tiny_model(args.arch, args.out, **kw)
     except ValueError as exc:
