@@ -40,6 +40,8 @@ MODULES = {
     "shares": ("parallel.shares", "a split's per-rank weights, parsed and checked on the host"),
     "conditioning": ("runtime.conditioning",
                      "a model call's conditioning, which the xDiT MODEL builds"),
+    "latent_parts": ("sampling.latent_parts",
+                     "a LATENT of several tensors (ComfyUI's nested one) through a model call"),
     "cache_settings": ("sampling.cache_settings",
                        "the step cache's settings: the request's, the CLI's and the node's"),
 }

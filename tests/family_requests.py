@@ -52,7 +52,10 @@ def model_call_inputs(arch: str, folder, seed: int = 4) -> dict:
     are 4 latent channels a token; HunyuanVideo 1.5's include its concat condition), random
     text states of the config's width (a pooled output, embedded guidance and a second
     text's states where the family's model takes them), sigma 0.7 on ComfyUI's timestep
-    scale. The same seed gives the same tensors (the CPU reference and the CUDA pool)."""
+    scale. A family whose ComfyUI LATENT has several parts (`ComfySpec.latent_parts`) gets
+    x as ComfyUI's list of them (the latent's, then its sound track's) and one timestep per
+    part, its context one text width per `context_streams`. The same seed gives the same
+    tensors (the CPU reference and the CUDA pool)."""
     fam = families.family(arch)
     with open(os.path.join(str(folder), "transformer", "config.json")) as f:
         cfg = fam.full_config(json.load(f))
@@ -61,9 +64,18 @@ def model_call_inputs(arch: str, folder, seed: int = 4) -> dict:
     shape = list(fam.latent.shape(2, *s["size"], s.get("frames", 1)))
     in_ch = int(cfg["in_channels"])
     shape[1] = in_ch // 4 if fam.latent.tokens == "pack2x2" else in_ch
-    call = dict(x=torch.randn(*shape, generator=gen),
-                timestep=torch.full((2,), 700.0 / fam.comfy.timestep_scale),
-                context=torch.randn(2, 7, fam.text_width(cfg), generator=gen),
+    x = torch.randn(*shape, generator=gen)
+    timestep = torch.full((2,), 700.0 / fam.comfy.timestep_scale)
+    if fam.comfy.latent_parts:
+        sound = fam.capability(families.SoundTrack)
+        more = [sound.shape(2, s.get("frames", 1))] if sound is not None else \
+            list(fam.comfy.part_shapes(2, s.get("frames", 1))) if fam.comfy.part_shapes else []
+        x = [x] + [torch.randn(*shape, generator=gen) for shape in more]
+        assert len(x) == len(fam.comfy.latent_parts), "a part without a test shape"
+        timestep = tuple(timestep.clone() for _ in x)
+    width = fam.text_width(cfg) * fam.comfy.context_streams
+    call = dict(x=x, timestep=timestep,
+                context=torch.randn(2, 7, width, generator=gen),
                 transformer_options={"uuids": [uuid.uuid4(), uuid.uuid4()],
                                      "cond_or_uncond": [1, 0]})
     if fam.text.pooled:

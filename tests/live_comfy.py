@@ -102,7 +102,7 @@ def link_packs(comfy: Path, *helpers: str) -> None:
 
 # the settings nodes: loader input, widgets with their defaults
 SETTINGS = {"xDiT.ParallelSettings": ("parallel", dict(ulysses=1, ring=1, cfg_parallel=False,
-                                                       dp=1, gpus="")),
+                                                       dp=1, gpus="", split="even")),
             "xDiT.PipeFusionSettings": ("pipefusion", dict(pipefusion=2, warmup_steps=1,
                                                            pipeline_patches=0,
                                                            pipefusion_split="balanced")),

@@ -450,3 +450,89 @@ def test_pipefusion_equals_its_stale_kv_oracle(folders, layout_pools, pipelined,
             d = float((o - w).abs().max())
             print(f"{name} vs the oracle, {what}: {d:.2e}")
             assert d > 10 * TOL, (name, what, d)
+
+
+def test_model_call_is_the_transformer_in_comfyuis_conventions(folders, pipes, layout_pools):
+    """The xDiT MODEL's call at one rank (ComfyUI's LTXAV conventions: x the AV LATENT's
+    [video, audio], a timestep per part as sigma, the context the video's then the sound's
+    prompt states side by side, the conditioning's frame rate) is the diffusers transformer
+    called on the joined tokens at sigma * 1000, the RoPE coordinates at that frame rate;
+    its prediction comes back as the two parts. Negative control: another frame rate moves
+    the prediction (it is read)."""
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    from family_requests import model_call_inputs
+
+    call = model_call_inputs("ltx2", folders["t2v"])
+    pool = layout_pools.get(folders["t2v"], ParallelConfig())
+    got = PoolDenoiser(pool, ParallelConfig(), "ltx2")(**dict(call, frame_rate=24.0))
+    video, audio = call["x"]
+    assert [tuple(p.shape) for p in got] == [tuple(video.shape), tuple(audio.shape)]
+    tr = pipes["t2v"].transformer
+    b, c, t, h, w = video.shape
+    length = audio.shape[2]
+    half = call["context"].shape[2] // 2
+    sigma = call["timestep"][0] * 1000
+    with torch.no_grad():
+        v, a = tr(hidden_states=video.flatten(2).transpose(1, 2),
+                  audio_hidden_states=audio.transpose(1, 2).flatten(2, 3),
+                  encoder_hidden_states=call["context"][..., :half],
+                  audio_encoder_hidden_states=call["context"][..., half:],
+                  timestep=sigma, audio_timestep=sigma, sigma=sigma,
+                  video_coords=tr.rope.prepare_video_coords(b, t, h, w, "cpu", fps=24.0),
+                  audio_coords=tr.audio_rope.prepare_audio_coords(b, length, "cpu"),
+                  use_cross_timestep=True, return_dict=False)
+    check(got[0], v.transpose(1, 2).reshape(video.shape), "MODEL call video")
+    check(got[1], a.reshape(b, length, 8, 16).transpose(1, 2), "MODEL call sound")
+    other = PoolDenoiser(pool, ParallelConfig(), "ltx2")(**dict(call, frame_rate=25.0))
+    assert float((other[0] - got[0]).abs().max()) > 1e-4, "the frame rate is not read"
+
+
+def test_model_call_refuses_what_it_cannot_run_in_one_line():
+    """A timestep per part that differ (a noise mask on the AV LATENT), or a LATENT without
+    its sound, is one clear error before anything reaches a pool."""
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    from comfyui_xdit.planning.config import ConfigError
+
+    video, audio = torch.zeros(2, 128, 2, 2, 3), torch.zeros(2, 8, 9, 16)
+    model = PoolDenoiser(None, ParallelConfig(), "ltx2")
+    context = torch.zeros(2, 7, 64)
+    with pytest.raises(ConfigError, match="one timestep per row"):
+        model([video, audio], (torch.full((2,), 0.5), torch.full((2,), 0.7)), context=context)
+    with pytest.raises(ConfigError, match="nested LATENT of 2 parts"):
+        model(video, torch.full((2,), 0.5), context=context)
+
+
+def test_comfyui_single_file_is_read_as_the_folder(tmp_path_factory, layout_pools):
+    """`tiny-model --comfy-file` writes LTX-2's transformer in ComfyUI's names under
+    model.diffusion_model. (with the metadata ComfyUI's detection reads); the loader detects
+    it with the folder's config, and the xDiT MODEL's call on it equals the folder's (both
+    parts). Negative control: a perturbed block differs."""
+    from safetensors.torch import load_file, save_file
+
+    from comfyui_xdit.bridge import worker_module
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    from comfyui_xdit.testmodels import ltx2
+    from comfyui_xdit.testmodels.tiny_model import write_comfy_file
+    from family_requests import model_call_inputs
+
+    cache = tmp_path_factory.mktemp("ltx2-file")
+    folder = ensure_tiny_model("ltx2", cache, **ltx2.SINGLE_FILE_MODEL)
+    path = write_comfy_file("ltx2", folder, cache / "ltx2-comfy.safetensors")
+    sf = worker_module("loading.transformer_file").single_file_config(path)
+    import json
+    want = json.loads((folder / "transformer" / "config.json").read_text())
+    assert (sf["arch"], sf["naming"], sf["prefix"]) == ("ltx2", "bfl", "model.diffusion_model.")
+    assert {k: v for k, v in sf["config"].items() if want.get(k) != v} == {}
+    assert "audio_patchify_proj.weight" in {k.split("model.diffusion_model.")[-1]
+                                            for k in load_file(str(path))}
+    call = model_call_inputs("ltx2", folder)
+    ref = PoolDenoiser(layout_pools.get(folder, ParallelConfig()), ParallelConfig(), "ltx2")(**call)
+    got = PoolDenoiser(layout_pools.get(path, ParallelConfig()), ParallelConfig(), "ltx2")(**call)
+    for name, a, b in zip(("video", "sound"), got, ref):
+        check(a, b, f"single file {name}")
+    sd = load_file(str(path))
+    key = "model.diffusion_model.transformer_blocks.0.attn1.to_q.weight"
+    sd[key] = sd[key] + 0.05
+    bad = save_file(sd, str(cache / "bad.safetensors"), metadata={}) or cache / "bad.safetensors"
+    other = PoolDenoiser(layout_pools.get(bad, ParallelConfig()), ParallelConfig(), "ltx2")(**call)
+    assert float((other[0] - ref[0]).abs().max()) > 1e-3

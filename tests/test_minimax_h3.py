@@ -310,3 +310,96 @@ def test_pipefusion_equals_its_stale_kv_oracle(pipelined, model_dir):
             d = float((o - w).abs().max())
             print(f"{name} vs the oracle, {what}: {d:.2e}")
             assert d > 10 * TOL, (name, what, d)
+
+
+# ---- ComfyUI's single file (`tiny-model --comfy-file`) ----------------------------------------
+def test_comfyui_file_is_detected_and_loads_as_the_folder(model_dir, tmp_path):
+    """The tiny folder's transformer in ComfyUI 0.33.0's key layout: detected as MiniMax-H3
+    in ComfyUI's naming, its config read from the shapes equal to the folder's, and the
+    loader's conversion gives back exactly the folder's tensors (the writer and the loader's
+    table are written separately)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from comfyui_xdit.testmodels.tiny_model import write_comfy_file
+    from workers.loading.single_file import read_transformer_state, to_diffusers_state
+    from workers.models.detect import single_file_config
+
+    folder = model_dir("minimax_h3")
+    path = write_comfy_file("minimax_h3", folder, tmp_path / "minimax_h3_tiny.safetensors")
+    sf = single_file_config(str(path))
+    assert (sf["arch"], sf["naming"], sf["prefix"]) == \
+        ("minimax_h3", "bfl", "model.diffusion_model.")
+    want_cfg = json.loads((folder / "transformer" / "config.json").read_text())
+    for k, v in sf["config"].items():
+        if k in want_cfg and not k.startswith("_"):
+            assert want_cfg[k] == v or list(want_cfg[k]) == list(v), k
+    state = read_transformer_state(str(path), sf["prefix"])
+    assert "blocks.0.attn.qkv_proj.weight" in state and "rope.inv_freq" in state
+    got = to_diffusers_state("minimax_h3", "bfl", state, sf["config"])
+    want = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        assert torch.equal(got[k], w), k
+
+
+# ---- ComfyUI's MODEL call (ComfyUI 0.33.0's MiniMaxH3 conventions) ---------------------------
+def _comfy_reference(tr, video, audio, text, sigma, scale):
+    """ComfyUI 0.33.0's MiniMaxH3 diffusion-model call, written here from its conventions on
+    the stock transformer: the timestep sigma x 1000 (the video's), the sound's own sigma
+    on the audio schedule (shift 12 -> 3), the sampler's carried sound (scale = video shift /
+    audio shift) undone before and the carried variable's derivative returned; -v out."""
+    mm = worker_module("models.minimax_h3_layout")
+    base = sigma / (12.0 + sigma * (1.0 - 12.0))
+    sigma_a = 3.0 * base / (1.0 + 2.0 * base)
+    carry = sigma_a / sigma if scale != 1.0 else 1.0
+    own = audio * carry
+    _, _, lt, lh, lw = video.shape
+    n = audio.shape[-1]
+    layout = mm.packed(text.shape[1], lt, lh, lw, n)
+    with torch.inference_mode():
+        v, a = mm.call(tr, mm.patchify(video), mm.audio_rows(own.permute(0, 2, 1, 3)), text,
+                       torch.tensor([1.0 - sigma, 1.0 - sigma_a]), layout)
+    pv = -mm.unpatchify(v, lt, lh, lw, 24)
+    pa = -mm.audio_latent(a, n).permute(0, 2, 1, 3)
+    if scale != 1.0:
+        pa = (1.0 - scale) * own + (1.0 + (scale - 1.0) * sigma_a) * pa
+    return [pv, pa]
+
+
+def test_model_call_on_the_comfyui_file_is_comfyui_model(model_dir, layout_pools, tmp_path):
+    """The xDiT MODEL's call (Ulysses 2, then CFG parallel) on the ComfyUI single file, as
+    ComfyUI 0.33.0's MiniMaxH3 model class makes it (the nested LATENT's parts, sigma x 1000,
+    minimax_payload's audio carry 4 = 12 / 3, each conditioning a call of its own), equals
+    that model's conventions on the stock transformer (max abs <= 1e-4, both parts); a
+    payload with keyframes is refused in one line."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from comfyui_xdit import ParallelConfig
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    from comfyui_xdit.planning.config import ConfigError
+    from comfyui_xdit.testmodels.tiny_model import write_comfy_file
+
+    folder = model_dir("minimax_h3")
+    path = write_comfy_file("minimax_h3", folder, tmp_path / "minimax_h3_tiny.safetensors")
+    tr = MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer")).eval()
+    g = torch.Generator().manual_seed(3)
+    video, audio = torch.randn(1, 24, 7, 4, 6, generator=g), torch.randn(1, 32, 2, 37, generator=g)
+    texts = [torch.randn(1, 6, 16, generator=g), torch.randn(1, 9, 16, generator=g)]
+    pool = layout_pools.get(path, ParallelConfig(ulysses=2))
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(cfg_parallel=True)):
+        den = PoolDenoiser(pool, config.with_world_size(2), "minimax_h3")
+        for sigma, scale, text in ((0.7, 4.0, texts[0]), (0.05, 4.0, texts[1]),
+                                   (0.4, 1.0, texts[0])):
+            got = den([video, audio], torch.tensor([sigma * 1000.0]), context=text,
+                      transformer_options={"uuids": [f"u{text.shape[1]}"]},
+                      minimax_payload={"audio_scale": scale, "seed": 0})
+            want = _comfy_reference(tr, video, audio, text, sigma, scale)
+            for part, a, b in zip(("video", "audio"), got, want):
+                d = float((a - b).abs().max())
+                print(f"{config.describe()} sigma {sigma} carry {scale} {part}: {d:.2e}")
+                assert a.shape == b.shape and d <= TOL, (part, d)
+    with pytest.raises(ConfigError, match="keyframes"):
+        den([video, audio], torch.tensor([700.0]), context=texts[0],
+            minimax_payload={"audio_scale": 4.0, "keyframes": [{"resolved_frame_index": 0}]})

@@ -396,7 +396,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
     def model_call(self, config: ParallelConfig, x, timestep, guidance, chunks: list,
                    conds: dict, known: set,
                    on_event: Optional[Callable[[dict], None]] = None, timed: bool = False,
-                   cache: Optional[dict] = None, expert: int = 0, loras=()):
+                   cache: Optional[dict] = None, expert: int = 0, loras=(), parts=(),
+                   inputs: Optional[dict] = None):
         """One denoiser evaluation (workers/sampling/model_call.py) for a host-side sampler: `x`
         [N, C, h, w] model space, `timestep` [N] (sigma * 1000), `guidance` [N] or None,
         `chunks` [(key, rows)], `conds` {key: Conditioning} (workers/runtime/conditioning.py,
@@ -417,7 +418,10 @@ class WorkerPool(PoolLaunch, PoolConnection):
         Video families (Wan) take `x` [N, C, T, h, w]. `expert`: which transformer of a
         model of several runs the call (Wan 2.2 A14B: 0 the high-noise one, 1 the
         low-noise `transformer_2`); the pool keeps both loaded. `loras`: [(path, strength[,
-        expert])] active for this call, as a job's (switched, never reloading the base)."""
+        expert])] active for this call, as a job's (switched, never reloading the base).
+        `parts`: a LATENT of several tensors (workers/sampling/latent_parts.py) travels as
+        `x` [N, total] with the parts' per-row shapes here, and so does the prediction;
+        `inputs`: the family's scalar model inputs ({name: value}, its ComfySpec's)."""
         from comfyui_xdit.planning.request import cache_problems, resolved_cache
         problems = cache_problems(cache)
         if problems:
@@ -446,7 +450,9 @@ class WorkerPool(PoolLaunch, PoolConnection):
                                      timestep=_np(timestep), guidance=_np(guidance),
                                      chunks=[(k, int(r)) for k, r in chunks], conds=new,
                                      timed=timed, cache=cache, expert=int(expert),
-                                     loras=[tuple(e) for e in loras]))
+                                     loras=[tuple(e) for e in loras],
+                                     parts=[list(s) for s in parts],
+                                     inputs=dict(inputs or {})))
                 try:
                     while True:
                         msg = self._recv(self.step_timeout, f"model call {call_id}")

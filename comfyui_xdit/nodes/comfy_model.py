@@ -163,6 +163,12 @@ def _stand_in(module: torch.nn.Module, shapes: dict) -> None:
         setattr(obj, leaf, torch.empty(tuple(shape), device="meta"))
 
 
+def _passthrough(value, *args, **kwargs):
+    """A method of ComfyUI's diffusion model whose work the pool's forward does (the
+    family's ComfySpec.passthrough): its input, unchanged."""
+    return value
+
+
 def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0,
                 path=None, experts: int = 1):
     """A ComfyUI MODEL (ModelPatcher) for family `arch` whose diffusion model is `pool`.
@@ -183,6 +189,8 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     model = cls(model_config, device=torch.device("cpu"), **kw)
     model.diffusion_model = _PoolDiffusionModel(denoiser)
     _stand_in(model.diffusion_model, fam.comfy.shapes(unet))
+    for name in fam.comfy.passthrough:  # work the pool's forward does itself
+        setattr(model.diffusion_model, name, _passthrough)
     if path is not None:
         from comfyui_xdit import bridge
         _detected_config(model_config.unet_config, path)

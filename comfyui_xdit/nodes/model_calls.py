@@ -24,6 +24,12 @@ side by side in one batch. `PoolDenoiser` turns each such call into one pool req
   image cross-attention reads, as ComfyUI's UMT5 encoder pads it);
 * a family's second text states (its `SecondTextEncoder`: HunyuanVideo 1.5's ByT5 glyph states,
   `txt_byt5`) go with their conditioning as `context_2`;
+* a LATENT of several tensors (a family's `ComfySpec.latent_parts`: ComfyUI's nested
+  LATENT, e.g. LTX-2's video and sound): x is ComfyUI's list of the parts and timestep one
+  per part (equal: one timestep per row); they go to the pool as one tensor
+  (workers/sampling/latent_parts.py) and the prediction comes back as the list;
+  the family's scalar model inputs (`ComfySpec.call_inputs`: LTX-2's frame_rate) go with
+  every call;
 * the output: the flow (velocity) prediction in x's layout.
 
 A conditioning crosses to the pool once per sampling run: ComfyUI names the conditioning of
@@ -39,7 +45,7 @@ import hashlib
 from typing import Callable, Optional
 
 from comfyui_xdit.planning.config import ConfigError, ParallelConfig
-from comfyui_xdit.bridge import conditioning, families
+from comfyui_xdit.bridge import conditioning, families, latent_parts
 from comfyui_xdit.nodes import comfy_loras
 
 Conditioning = conditioning.Conditioning  # what the pool takes
@@ -97,7 +103,19 @@ class PoolDenoiser:
                  transformer_options=None, **kwargs):
         import torch
 
+        # the family's scalar model inputs (ComfyUI's defaults where the call has none)
+        inputs = {}
+        for name, default in self.family.comfy.call_inputs:
+            value = kwargs.pop(name, None)
+            inputs[name] = float(default if value is None else value)
+        if self.family.comfy.read_inputs is not None:  # inside a structured input
+            try:
+                inputs.update(self.family.comfy.read_inputs(kwargs, transformer_options or {}))
+            except ValueError as e:
+                raise ConfigError(f"the {self.family.name} xDiT MODEL: {e}") from None
         self._refuse(control, transformer_options or {}, kwargs)
+        if self.family.comfy.latent_parts or isinstance(x, (list, tuple)):
+            return self._call_parts(x, timestep, context, y, transformer_options, inputs)
         # an image family with a frame axis (Qwen-Image): the pool takes [N,C,h,w]; a video
         # family's (Wan) frames stay
         framed = self.family.latent.frames and x.dim() == 5 and not self.family.latent.video
@@ -106,15 +124,9 @@ class PoolDenoiser:
                 raise ConfigError(f"the {self.family.name} xDiT MODEL takes one frame "
                                   f"(got latents {tuple(x.shape)})")
             x = x[:, :, 0]
-        if context is None or (y is None and self.family.text.pooled):
-            raise ConfigError(f"the xDiT MODEL needs text conditioning with a pooled output "
-                              f"(CONDITIONING from ComfyUI's {self.family.name} text "
-                              f"encoders)")
+        self._need_text(context, y)
         n = int(x.shape[0])
-        t = timestep.reshape(-1).float().cpu().expand(n) if timestep.numel() == 1 else \
-            timestep.reshape(-1).float().cpu()
-        # ComfyUI's FLUX-style models take sigma, SD3 sigma * 1000; the pool sigma * 1000
-        t = t * self.family.comfy.timestep_scale
+        t = self._timesteps(timestep, n)
         g = None
         if guidance is not None:
             g = guidance.reshape(-1).float().cpu()
@@ -129,6 +141,60 @@ class PoolDenoiser:
         text_2 = kwargs.get(self._text_2) if self._text_2 else None
         chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n,
                                      refs, kwargs.get("ref_latents_method"), clip, text_2)
+        out = self._request(self._to_pool_layout(x, patchified), t, g, chunks, conds,
+                            transformer_options)
+        if patchified:
+            out = torch.nn.functional.pixel_unshuffle(out, 2)
+        if framed:
+            out = out.unsqueeze(2)
+        return out.to(x.device, x.dtype)
+
+    def _call_parts(self, x, timestep, context, y, transformer_options, inputs):
+        """A LATENT of several tensors (the family's `latent_parts`): ComfyUI's list of parts
+        in, the list of their predictions out; one timestep per row, whichever part."""
+        names = self.family.comfy.latent_parts
+        if not isinstance(x, (list, tuple)) or len(x) != len(names):
+            got = type(x).__name__ if not isinstance(x, (list, tuple)) else f"{len(x)} parts"
+            raise ConfigError(f"the {self.family.name} xDiT MODEL takes ComfyUI's nested "
+                              f"LATENT of {len(names)} parts ({', '.join(names)}); got {got}")
+        self._need_text(context, y)
+        try:
+            flat, shapes = latent_parts.flatten(x)
+        except ValueError as e:
+            raise ConfigError(f"the {self.family.name} xDiT MODEL: {e}") from None
+        n = int(flat.shape[0])
+        steps = timestep if isinstance(timestep, (list, tuple)) else [timestep]
+        ts = [self._timesteps(s, n) for s in steps]
+        if any(not bool((s == ts[0]).all()) for s in ts[1:]):
+            raise ConfigError(f"the {self.family.name} xDiT MODEL takes one timestep per row "
+                              f"for all of its LATENT's parts ({', '.join(names)}); this call "
+                              f"has a timestep per token or per part (a noise mask on the "
+                              f"LATENT): use ComfyUI's own model for masked sampling")
+        chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n)
+        out = self._request(flat, ts[0], None, chunks, conds, transformer_options,
+                            parts=shapes, inputs=inputs)
+        return [p.to(ref.device, ref.dtype) for p, ref in
+                zip(latent_parts.unflatten(out.float(), shapes), x)]
+
+    def _need_text(self, context, y) -> None:
+        if context is None or (y is None and self.family.text.pooled):
+            raise ConfigError(f"the xDiT MODEL needs text conditioning with a pooled output "
+                              f"(CONDITIONING from ComfyUI's {self.family.name} text "
+                              f"encoders)")
+
+    def _timesteps(self, timestep, n: int):
+        """ComfyUI's timestep(s) -> one per row on the pool's scale: ComfyUI's FLUX-style
+        models take sigma, SD3 sigma * 1000; the pool sigma * 1000."""
+        if timestep.numel() not in (1, n):
+            raise ConfigError(f"the xDiT MODEL takes one timestep per latent row ({n}); got "
+                              f"{tuple(timestep.shape)} (a timestep per token: a noise mask "
+                              f"on the LATENT, which only ComfyUI's own model samples)")
+        t = timestep.reshape(-1).float().cpu()
+        return (t.expand(n) if t.numel() == 1 else t) * self.family.comfy.timestep_scale
+
+    def _request(self, x, t, g, chunks, conds, transformer_options, parts=(), inputs=None):
+        """One pool request for pool-layout latents `x`; keeps the known conditionings and
+        the step cache's counts."""
         pool = self.pool
         state = (id(pool), pool.launches)
         if self._launches != state:  # another or a relaunched pool holds no conditioning
@@ -136,13 +202,16 @@ class PoolDenoiser:
         loras = comfy_loras.pool_loras(
             (transformer_options or {}).get(comfy_loras.OPTION, ()), self.lora_rows,
             expert=self.lora_expert, parts=self.lora_parts)
+        more = {}
+        if self.expert:
+            more["expert"] = self.expert
+        if loras:
+            more["loras"] = loras
+        if parts:
+            more.update(parts=parts, inputs=dict(inputs or {}))
         out, stats, sent = pool.model_call(
-            self.config, self._to_pool_layout(x, patchified), t.contiguous(), g, chunks, conds,
-            known=set(self._known), on_event=self.on_event, timed=self.timed,
-            cache=self.cache, **({"expert": self.expert} if self.expert else {}),
-            **({"loras": loras} if loras else {}))
-        if patchified:
-            out = torch.nn.functional.pixel_unshuffle(out, 2)
+            self.config, x, t.contiguous(), g, chunks, conds, known=set(self._known),
+            on_event=self.on_event, timed=self.timed, cache=self.cache, **more)
         self._launches = (id(pool), pool.launches)
         self.calls += 1
         self.conds_sent += len(sent)
@@ -163,9 +232,7 @@ class PoolDenoiser:
                 self.run_counts[k] += v
             if self.on_event is not None:
                 self.on_event({"cache": dict(self.run_counts)})
-        if framed:
-            out = out.unsqueeze(2)
-        return out.to(x.device, x.dtype)
+        return out
 
     # ---- helpers ------------------------------------------------------------------------
     def _refuse(self, control, options: dict, kwargs: dict) -> None:

@@ -33,8 +33,6 @@ TEST_REQUEST = dict(size=(64, 96), frames=9, msl=16)
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_ltx2.py::test_one_rank_equals_the_pipeline"
 CONFORMANCE_EXEMPT = {
-    "model_call": "the xDiT MODEL for ComfyUI's KSampler (its AV LATENT in and out) is not "
-                  "built for LTX-2 yet; the Sampler (xDiT) path runs it",
 }
 
 GEMMA_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -161,3 +159,63 @@ def build_pipeline(cfg: dict):
     return cls(scheduler=FlowMatchEulerDiscreteScheduler(**sched), vae=vae,
                audio_vae=audio_vae, text_encoder=_text_encoder(seed, tok), tokenizer=tok,
                connectors=connectors, transformer=transformer, vocoder=vocoder)
+
+
+# ---- ComfyUI's single file ----------------------------------------------------------------
+# The test model a ComfyUI single file describes: the release's head widths (video 128,
+# audio 64), which the loader reads a file's head counts by (its tensors give heads x width)
+SINGLE_FILE_MODEL = dict(width=256, heads=2)
+# diffusers' top-level modules -> the original / ComfyUI names (LTXAVModel's)
+_TOP = {"proj_in": "patchify_proj", "audio_proj_in": "audio_patchify_proj",
+        "time_embed": "adaln_single", "audio_time_embed": "audio_adaln_single",
+        "av_cross_attn_video_scale_shift": "av_ca_video_scale_shift_adaln_single",
+        "av_cross_attn_video_a2v_gate": "av_ca_a2v_gate_adaln_single",
+        "av_cross_attn_audio_scale_shift": "av_ca_audio_scale_shift_adaln_single",
+        "av_cross_attn_audio_v2a_gate": "av_ca_v2a_gate_adaln_single"}
+# inside a block
+_BLOCK = {"norm_q": "q_norm", "norm_k": "k_norm",
+          "video_a2v_cross_attn_scale_shift_table": "scale_shift_table_a2v_ca_video",
+          "audio_a2v_cross_attn_scale_shift_table": "scale_shift_table_a2v_ca_audio"}
+
+
+def single_file(sd: dict) -> dict:
+    """The transformer's diffusers state dict in ComfyUI's (the original LTX-2) names, what
+    ComfyUI's LTXAVModel holds (without the `model.diffusion_model.` prefix)."""
+    out = {}
+    for name, t in sd.items():
+        parts = name.split(".")
+        parts[0] = _TOP.get(parts[0], parts[0])
+        parts = [_BLOCK.get(p, p) for p in parts]
+        out[".".join(parts)] = t
+    if len(out) != len(sd):
+        raise ValueError("two LTX-2 weights map to one ComfyUI name")
+    return out
+
+
+def single_file_metadata(config: dict) -> dict:
+    """The safetensors metadata of a ComfyUI LTX-2 file for a diffusers transformer config:
+    the released files' "config" entry, whose "transformer" part ComfyUI's detection reads
+    over its own guesses (it assumes 32 heads), in LTXAVModel's argument names."""
+    import json
+    c = config
+    transformer = {
+        "num_attention_heads": c["num_attention_heads"],
+        "attention_head_dim": c["attention_head_dim"],
+        "cross_attention_dim": c["cross_attention_dim"],
+        "audio_num_attention_heads": c["audio_num_attention_heads"],
+        "audio_attention_head_dim": c["audio_attention_head_dim"],
+        "audio_cross_attention_dim": c["audio_cross_attention_dim"],
+        "caption_channels": c["caption_channels"], "num_layers": c["num_layers"],
+        "in_channels": c["in_channels"], "audio_in_channels": c["audio_in_channels"],
+        "positional_embedding_theta": c.get("rope_theta", 10000.0),
+        "rope_type": c.get("rope_type", "interleaved"),
+        "frequencies_precision": "float64" if c.get("rope_double_precision", True)
+        else "float32",
+        # diffusers' coordinates: each token at the middle of its span, the first latent
+        # frame causal (one pixel frame)
+        "use_middle_indices_grid": True,
+        "causal_temporal_positioning": int(c.get("causal_offset", 1)) == 1,
+        "timestep_scale_multiplier": c.get("timestep_scale_multiplier", 1000),
+        "av_ca_timestep_scale_multiplier": c.get("cross_attn_timestep_scale_multiplier",
+                                                 1000)}
+    return {"config": json.dumps({"transformer": transformer})}

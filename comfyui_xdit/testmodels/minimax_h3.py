@@ -31,11 +31,7 @@ TEST_REQUEST = dict(size=(96, 96), frames=22, padded=True)  # rows carry their t
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_minimax_h3.py::test_one_rank_equals_the_pipeline"
 
-# not done yet (said so, not claimed impossible): ComfyUI 0.33.0's MiniMaxH3 model is called
-# with a nested video + audio latent, which the xDiT MODEL's call does not carry
 CONFORMANCE_EXEMPT = {
-    "model_call": "not done: ComfyUI's MiniMaxH3 takes a nested video + audio latent, which "
-                  "the xDiT MODEL's call does not carry yet",
 }
 
 HEAD_DIM = 16
@@ -178,3 +174,56 @@ class ReleaseLayout:
                 index[name] = [lib, type(part).__name__]
         with open(os.path.join(str(out), "model_index.json"), "w") as f:
             json.dump(index, f, indent=2)
+
+
+# ---- ComfyUI's single file (`tiny-model --comfy-file`) --------------------------------
+# diffusers' MiniMaxH3Transformer3DModel names -> ComfyUI 0.33.0's (comfy/ldm/minimax/model.py
+# MiniMaxH3Model, what its detection reads), written from ComfyUI's module layout
+_COMFY_TOP = {"proj_in": "video_patch_proj", "audio_proj_in": "audio_patch_proj",
+              "context_embedder": "condition_proj",
+              "time_embedder.linear_1": "time_embedder.proj_in",
+              "time_embedder.linear_2": "time_embedder.proj_out",
+              "token_refiner.final_norm": "token_refiner.final_norm",
+              "norm_out.norm": "final_layer.norm", "norm_out.linear": "final_layer.adaln_proj.linear",
+              "proj_out": "final_layer.video_out", "audio_proj_out": "final_layer.audio_out"}
+_COMFY_BLOCK = {"norm1": "norm1", "norm2": "norm2", "attn.norm_q": "attn.q_norm",
+                "attn.norm_k": "attn.k_norm", "attn.to_out.0": "attn.out_proj",
+                "ff.net.2": "mlp.fc2", "adaln_proj.linear": "adaln_proj.linear"}
+
+
+def single_file(sd: dict) -> dict:
+    """A tiny MiniMax-H3 transformer's diffusers state dict in ComfyUI's names (without the
+    `model.diffusion_model.` prefix): q, k, v rows fused into `attn.qkv_proj`; each SwiGLU
+    `mlp.fc1` with its gate rows first (ComfyUI gates with the first half, diffusers with the
+    second); the RoPE frequencies ComfyUI reads from the file (`rope.inv_freq`, which
+    diffusers computes: this builder's ROPE_FREQ_DIM a axis, theta 10000)."""
+    import re
+
+    import torch
+    out = {}
+    blocks: dict = {}
+    for name, w in sd.items():
+        stem, _, suffix = name.rpartition(".")
+        if stem in _COMFY_TOP:
+            out[f"{_COMFY_TOP[stem]}.{suffix}"] = w
+            continue
+        m = re.match(r"^(token_refiner\.refiner_blocks|transformer_blocks)\.(\d+)\.(.+)$", stem)
+        assert m, f"no ComfyUI name for {name}"
+        kind, i, part = m.groups()
+        pre = f"token_refiner.blocks.{i}." if kind.startswith("token") else f"blocks.{i}."
+        if part in ("attn.to_q", "attn.to_k", "attn.to_v"):
+            blocks.setdefault(f"{pre}attn.qkv_proj.{suffix}", {})[part[-1]] = w
+        elif part == "ff.net.0.proj":
+            value, gate = w.chunk(2, dim=0)
+            out[f"{pre}mlp.fc1.{suffix}"] = torch.cat([gate, value], dim=0)
+        else:
+            out[f"{pre}{_COMFY_BLOCK[part]}.{suffix}"] = w
+    for name, qkv in blocks.items():
+        out[name] = torch.cat([qkv["q"], qkv["k"], qkv["v"]], dim=0)
+    d, theta = ROPE_FREQ_DIM, 10000.0
+    out["rope.inv_freq"] = 1.0 / theta ** (torch.arange(0, 2 * d, 2, dtype=torch.float32)
+                                           / (2 * d))
+    assert sum(v.numel() for v in out.values()) == \
+        sum(v.numel() for v in sd.values()) + d, "a tensor was dropped"
+    return {k: v.contiguous() for k, v in out.items()}
+

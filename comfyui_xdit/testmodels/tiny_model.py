@@ -232,6 +232,27 @@ def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.
         transformer=cfg.get("transformer"), dtype=cfg.get("dtype")))
 
 
+def write_comfy_file(arch: str, folder, out) -> pathlib.Path:
+    """The folder's transformer as ComfyUI's single file (`model.diffusion_model.` keys, in
+    the names the family's builder gives: its `single_file(state)`; the safetensors
+    metadata its `single_file_metadata(config)` gives, where ComfyUI's detection needs
+    more than the shapes), for ComfyUI's UNETLoader / checkpoint loaders and the pack's."""
+    from safetensors.torch import load_file, save_file
+
+    mod = builder(arch)
+    if not hasattr(mod, "single_file"):
+        raise ValueError(f"the {arch} test-model builder writes no ComfyUI single file")
+    tr = pathlib.Path(folder) / "transformer"
+    state = mod.single_file(load_file(str(tr / "diffusion_pytorch_model.safetensors")))
+    config = json.loads((tr / "config.json").read_text())
+    meta = mod.single_file_metadata(config) if hasattr(mod, "single_file_metadata") else None
+    out = pathlib.Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in state.items()},
+              str(out), metadata=meta)
+    return out
+
+
 def add_cli(subparsers) -> None:
     """Adds the `tiny-model` subcommand to the package CLI."""
     families = bridge.families
@@ -261,6 +282,10 @@ def add_cli(subparsers) -> None:
                    help="write the transformer alone as a GGUF single file (ComfyUI-GGUF's "
                         "layout, diffusers names) to --out, its weights in TYPE: Q8_0, Q6_K, "
                         "Q5_K, Q5_0, Q5_1, Q4_K, Q4_0, Q4_1, F16 or BF16")
+    p.add_argument("--comfy-file", action="store_true",
+                   help="write the transformer alone as ComfyUI's single file (its "
+                        "model.diffusion_model. keys and names) to --out, for families whose "
+                        "builder declares one")
     p.set_defaults(func=run_cli)
 
 
@@ -276,6 +301,11 @@ def run_cli(args) -> int:
                 path = write_gguf_file(
                     folder / "transformer" / "diffusion_pytorch_model.safetensors", args.out,
                     args.gguf.upper(), arch=args.arch)
+        elif getattr(args, "comfy_file", False):
+            import tempfile
+            with tempfile.TemporaryDirectory() as tmp:
+                path = write_comfy_file(args.arch, build_tiny_model(args.arch, tmp, **kw),
+                                        args.out)
         else:
             path = build_tiny_model(args.arch, args.out, **kw)
     except ValueError as exc:

@@ -99,5 +99,8 @@ def maxdiff(a, b) -> float:
         fa, fb = dict(a.items()), dict(b.items())
         assert fa.keys() == fb.keys(), (list(fa), list(fb))
         return max(maxdiff(fa[k], fb[k]) for k in fa)
+    if isinstance(a, (list, tuple)):  # a LATENT of parts (a MODEL call's): part by part
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), (type(b), len(a))
+        return max(maxdiff(pa, pb) for pa, pb in zip(a, b))
     assert a.shape == b.shape, (a.shape, b.shape)
     return float((a.float() - b.float()).abs().max())

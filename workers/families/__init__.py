@@ -144,6 +144,29 @@ class ComfySpec:
     # the split the MODEL uses when the loader gives no degrees: CFG parallel first where
     # ComfyUI's samplers batch both branches in one call (SD3)
     cfg_first: bool = False
+    # the parts of ComfyUI's LATENT for a model whose LATENT is several tensors (a nested
+    # LATENT: ComfyUI's `x` is a list of them, its prediction too), in ComfyUI's order;
+    # () for one tensor. The parts travel as one (workers/sampling/latent_parts.py)
+    latent_parts: tuple = ()
+    # ((name, ComfyUI's default), ...): scalar model inputs ComfyUI's model class passes
+    # beside the call that the family's forward reads (sent with every call)
+    call_inputs: tuple = ()
+    # ComfyUI's context holds this many text states side by side on its last axis, each
+    # of the transformer's text width (a model with one prompt copy per stream)
+    context_streams: int = 1
+    # (model inputs of the call, its transformer_options) -> {name: float}: scalar inputs
+    # the family's forward reads that ComfyUI's model class passes inside a structured
+    # input (MiniMax-H3's minimax_payload dict); pops that input from the model inputs and
+    # raises ValueError for what the pool cannot honour. Sent with every call
+    read_inputs: Optional[Callable] = None
+    # methods ComfyUI's model class calls on its diffusion model beside the call, whose work
+    # the pool's forward does itself (MiniMax-H3's text refiner, preprocess_text_embeds):
+    # the xDiT MODEL answers them with their first argument unchanged
+    passthrough: tuple = ()
+    # (rows, frames) -> the per-row-batched shapes of the LATENT's parts after the first,
+    # for a family whose other parts are not a SoundTrack's (MiniMax-H3's sound [rows, 32,
+    # 2, latents]): what a test call of the family's small request holds
+    part_shapes: Optional[Callable] = None
 
 
 @dataclass(frozen=True)

@@ -52,22 +52,45 @@ TOKENS = TokenLayout(
                 Attention(("video",), ("audio",)), Attention(("audio",), ("video",))))
 
 
+# ComfyUI's (the original LTX-2) top-level names -> diffusers'; in the blocks, COMFY_BLOCK's
+COMFY_TOP = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_in",
+             "adaln_single": "time_embed", "audio_adaln_single": "audio_time_embed",
+             "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
+             "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",
+             "av_ca_audio_scale_shift_adaln_single": "av_cross_attn_audio_scale_shift",
+             "av_ca_v2a_gate_adaln_single": "av_cross_attn_audio_v2a_gate"}
+COMFY_BLOCK = {"q_norm": "norm_q", "k_norm": "norm_k",
+               "scale_shift_table_a2v_ca_video": "video_a2v_cross_attn_scale_shift_table",
+               "scale_shift_table_a2v_ca_audio": "audio_a2v_cross_attn_scale_shift_table"}
+
+
+def diffusers_name(name: str) -> str:
+    """A tensor's name in ComfyUI's LTX-2 files -> diffusers' (pure renames)."""
+    parts = name.split(".")
+    parts[0] = COMFY_TOP.get(parts[0], parts[0])
+    return ".".join(COMFY_BLOCK.get(p, p) for p in parts)
+
+
 def config_from_shapes(shapes: dict, naming: str) -> dict:
-    """The diffusers config of an LTX-2 transformer file in diffusers naming, from its weight
-    shapes; the head widths are the release's (video 128, audio 64): a file's shapes give
-    only heads x width."""
+    """The diffusers config of an LTX-2 (2.0) transformer file, diffusers' naming or
+    ComfyUI's ("bfl" here), from its weight shapes; the head widths are the release's (video
+    128, audio 64): a file's shapes give only heads x width. The text widths come from the
+    cross-attention keys, RoPE is the release's (split halves, double precision)."""
     if naming != "diffusers":
-        raise ValueError("LTX-2 single files in ComfyUI's naming are not read yet; use the "
-                         "diffusers folder")
+        shapes = {diffusers_name(k): v for k, v in shapes.items()}
     inner, in_ch = (int(n) for n in shapes["proj_in.weight"])
     audio_inner, audio_in = (int(n) for n in shapes["audio_proj_in.weight"])
     blocks = numbered(shapes, "transformer_blocks.", "transformer")
     return {"in_channels": in_ch, "out_channels": int(shapes["proj_out.weight"][0]),
             "num_attention_heads": inner // 128, "attention_head_dim": 128,
+            "cross_attention_dim": int(shapes["transformer_blocks.0.attn2.to_k.weight"][1]),
             "audio_in_channels": audio_in,
             "audio_out_channels": int(shapes["audio_proj_out.weight"][0]),
             "audio_num_attention_heads": audio_inner // 64, "audio_attention_head_dim": 64,
-            "num_layers": len(blocks),
+            "audio_cross_attention_dim":
+                int(shapes["transformer_blocks.0.audio_attn2.to_k.weight"][1]),
+            "num_layers": len(blocks), "rope_type": "split",
+            "use_prompt_adaln_single": "prompt_adaln.linear.weight" in shapes,
             "caption_channels": int(shapes["caption_projection.linear_1.weight"][1])}
 
 
@@ -103,10 +126,18 @@ FAMILY = Family(
     latent=LATENT,
     text=Text(hint="encode with LTX-2's Gemma 3 text encoder or type the prompt into the "
                    "sampler", pooled=False),
-    comfy=ComfySpec(base=lambda unet: "LTXAV", config=lambda unet: "LTXAV"),
+    # ComfyUI's LTXAV: its LATENT nests the video and the sound (x is [video, audio]),
+    # its context is the video's and the sound's prompt states side by side, its
+    # timestep sigma, and its conditioning's frame rate (LTXVConditioning; 25 without)
+    # places the video's frames in time against the sound's
+    comfy=ComfySpec(base=lambda unet: "LTXAV", config=lambda unet: "LTXAV",
+                    timestep_scale=1000.0, latent_parts=("video", "audio"),
+                    call_inputs=(("frame_rate", 25.0),), context_streams=2),
     defaults=Defaults(cfg=CFG),
     detection=Detection(markers=(("diffusers", ("audio_proj_in.weight",
-                                                "av_cross_attn_video_scale_shift.linear.weight")),),
+                                                "av_cross_attn_video_scale_shift.linear.weight")),
+                                 ("bfl", ("audio_patchify_proj.weight",
+                                          "av_ca_a2v_gate_adaln_single.linear.weight"))),
                         config_from_shapes=config_from_shapes, released=released, order=60,
                         config_names={"text_width": "caption_channels"}),
     tokens=TOKENS,

@@ -58,24 +58,72 @@ TOKENS = TokenLayout(
 SCHEDULER = {"_class_name": "MiniMaxH3Scheduler", "shift": VIDEO_SHIFT}
 
 
+# ---- ComfyUI's MODEL call (ComfyUI 0.33.0's MiniMaxH3, comfy/ldm/minimax) -------------------
+# what its conditioning may hold that the pool does not run (text-to-video with sound only)
+_COND_PARTS = (("keyframes", "keyframes (MiniMax H3 Image to Video's first / last frame)"),
+               ("refs", "reference images or sound"),
+               ("cond_video_latents", "conditioning video latents"),
+               ("cond_audio_latents", "conditioning sound latents"))
+
+
+def comfy_inputs(inputs: dict, options: dict) -> dict:
+    """ComfyUI's MiniMaxH3 call -> the scalars the pool's forward reads: the sampler's audio
+    carry (`minimax_payload["audio_scale"]`, video shift / audio shift) and the two schedules'
+    shifts (its transformer_options may override them). Pops `minimax_payload`; a payload
+    the pool cannot run (keyframes, references, a prompt with images) is refused."""
+    payload = inputs.pop("minimax_payload", None) or {}
+    for key, what in _COND_PARTS:
+        if payload.get(key):
+            raise ValueError(f"its conditioning holds {what}, which the pool does not run "
+                             f"(text-to-video with sound only); use ComfyUI's own model")
+    tags = payload.get("text_token_tags")
+    if tags is not None and any(int(t) != TEXT_TAG for t in tags.reshape(-1).tolist()):
+        raise ValueError("its prompt holds images (vision tokens), which the pool does not "
+                         "run (a text prompt only); use ComfyUI's own model")
+    return {"audio_scale": float(payload.get("audio_scale", 1.0)),
+            "sigma_shift_video": float(options.get("minimax_h3_sigma_shift_video",
+                                                   VIDEO_SHIFT)),
+            "sigma_shift_audio": float(options.get("minimax_h3_sigma_shift_audio",
+                                                   AUDIO_SHIFT))}
+
+
+def comfy_sound_shape(rows: int, frames: int) -> tuple:
+    """ComfyUI's sound part of a video of `frames` frames: [rows, 32, 2, latents]."""
+    return ((int(rows), AUDIO_CHANNELS, STEREO, audio_latents(frames)),)
+
+
 def config_from_shapes(shapes: dict, naming: str) -> dict:
-    """The diffusers config of a MiniMax-H3 transformer file (diffusers naming) from its
-    weight shapes; RoPE's frequencies (computed, not stored) at the release's 16 per axis."""
-    hidden, patch_dim = (int(v) for v in shapes["proj_in.weight"])
-    head_dim = int(shapes["transformer_blocks.0.attn.norm_q.weight"][0])
-    inner = int(shapes["transformer_blocks.0.attn.to_q.weight"][0])
-    t1, t2 = shapes["time_embedder.linear_1.weight"], shapes["time_embedder.linear_2.weight"]
+    """The diffusers config of a MiniMax-H3 transformer file from its weight shapes: diffusers
+    naming, or ComfyUI's ("bfl" here: comfy/ldm/minimax, whose file carries RoPE's
+    frequencies, one a axis; a diffusers file's are computed, the release's 16 a axis)."""
+    if naming == "bfl":
+        n = {"proj_in": "video_patch_proj", "qk_norm": "blocks.0.attn.q_norm",
+             "t1": "time_embedder.proj_in", "t2": "time_embedder.proj_out",
+             "audio_in": "audio_patch_proj", "text": "condition_proj",
+             "blocks": "blocks.", "refiner": "token_refiner.blocks."}
+        inner = int(shapes["blocks.0.attn.qkv_proj.weight"][0]) // 3
+        ffn = int(shapes["blocks.0.mlp.fc2.weight"][1])
+        rope = int(shapes["rope.inv_freq"][0]) if "rope.inv_freq" in shapes else 16
+    else:
+        n = {"proj_in": "proj_in", "qk_norm": "transformer_blocks.0.attn.norm_q",
+             "t1": "time_embedder.linear_1", "t2": "time_embedder.linear_2",
+             "audio_in": "audio_proj_in", "text": "context_embedder",
+             "blocks": "transformer_blocks.", "refiner": "token_refiner.refiner_blocks."}
+        inner = int(shapes["transformer_blocks.0.attn.to_q.weight"][0])
+        ffn = int(shapes["transformer_blocks.0.ff.net.2.weight"][1])
+        rope = 16
+    hidden, patch_dim = (int(v) for v in shapes[n["proj_in"] + ".weight"])
+    head_dim = int(shapes[n["qk_norm"] + ".weight"][0])
+    t1, t2 = shapes[n["t1"] + ".weight"], shapes[n["t2"] + ".weight"]
     return {"num_attention_heads": inner // head_dim, "attention_head_dim": head_dim,
             "hidden_size": hidden,
-            "num_layers": len(numbered(shapes, "transformer_blocks.", "transformer")),
-            "num_refiner_layers": len(numbered(shapes, "token_refiner.refiner_blocks.",
-                                               "text refiner")),
-            "ffn_dim": int(shapes["transformer_blocks.0.ff.net.2.weight"][1]),
-            "in_channels": patch_dim // 4, "patch_size": [1, 2, 2],
-            "audio_in_channels": int(shapes["audio_proj_in.weight"][1]),
-            "text_dim": int(shapes["context_embedder.weight"][1]), "freq_dim": int(t1[1]),
+            "num_layers": len(numbered(shapes, n["blocks"], "transformer")),
+            "num_refiner_layers": len(numbered(shapes, n["refiner"], "text refiner")),
+            "ffn_dim": ffn, "in_channels": patch_dim // 4, "patch_size": [1, 2, 2],
+            "audio_in_channels": int(shapes[n["audio_in"] + ".weight"][1]),
+            "text_dim": int(shapes[n["text"] + ".weight"][1]), "freq_dim": int(t1[1]),
             "time_embed_hidden_dim": int(t1[0]), "time_embed_dim": int(t2[0]),
-            "rope_freq_dim": 16}
+            "rope_freq_dim": rope}
 
 
 def released(config: dict) -> tuple:
@@ -114,15 +162,22 @@ FAMILY = Family(
     classes=Classes(transformer="MiniMaxH3Transformer3DModel",
                     pipelines=("MiniMaxH3ModularPipeline",), adapter="MiniMaxH3Adapter",
                     vae=("AutoencoderKLMiniMaxH3",)),
-    blocks=Blocks(lists=("transformer_blocks",), counts=("num_layers",)),
+    blocks=Blocks(lists=("transformer_blocks",), counts=("num_layers",), bfl=("blocks",)),
     latent=LATENT,
     text=Text(hint="type the prompt into the sampler (MiniMax-H3 encodes it with its own "
                    "Qwen3-VL)", pooled=False),
-    comfy=ComfySpec(base=lambda unet: "MiniMaxH3", config=lambda unet: "MiniMaxH3"),
+    # ComfyUI's MiniMaxH3: its LATENT nests the video and the sound, its timestep sigma x
+    # 1000 (the video's), its context the raw Qwen3-VL states once its refiner is passed
+    # through (the pool refines them), its sound carry and shifts in minimax_payload
+    comfy=ComfySpec(base=lambda unet: "MiniMaxH3", config=lambda unet: "MiniMaxH3",
+                    latent_parts=("video", "audio"), read_inputs=comfy_inputs,
+                    passthrough=("preprocess_text_embeds",), part_shapes=comfy_sound_shape),
     # guidance-distilled: one forward a step
     defaults=Defaults(cfg=1.0),
     detection=Detection(
-        markers=(("diffusers", ("audio_proj_in.weight", "token_refiner.final_norm.weight")),),
+        # diffusers' names; ComfyUI's (comfy/ldm/minimax, the keys its detection reads)
+        markers=(("diffusers", ("audio_proj_in.weight", "token_refiner.final_norm.weight")),
+                 ("bfl", ("video_patch_proj.weight", "audio_patch_proj.weight"))),
         config_from_shapes=config_from_shapes, order=14, released=released,
         pipeline_of=pipeline_of,
         config_defaults={"num_attention_heads": 56, "attention_head_dim": 128,

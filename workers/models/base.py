@@ -95,6 +95,9 @@ class DiTAdapter:
     # else the keywords of the states a block returns, in its output's order, the latent's
     # first (LTX-2: its video and its sound, each with its own cached residual)
     block_states = None
+    # conditioning keys beside the text states that hold one row per latent row (a MODEL
+    # call batches them as it batches the text: LTX-2's sound prompt states)
+    row_conds: tuple = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -325,6 +328,25 @@ class DiTAdapter:
 
     def unpack(self, x, height, width):
         return x
+
+    # ---- a LATENT of several parts (workers/sampling/latent_parts.py; ComfySpec.latent_parts)
+    def parts_problem(self, model, shapes) -> str:
+        """What is wrong with a MODEL call's parts (their per-row shapes) for this model,
+        or ""."""
+        return ""
+
+    def pack_parts(self, parts: list):
+        """A MODEL call's parts ([rows, ...] each, on the device) -> what `forward` takes."""
+        raise NotImplementedError(f"{self.family.name} takes one latent tensor")
+
+    def unpack_parts(self, pred, shapes) -> list:
+        """`forward`'s prediction -> the parts ([rows, *shape] each, `shapes` the call's)."""
+        raise NotImplementedError(f"{self.family.name} takes one latent tensor")
+
+    def parts_extra(self, model, shapes, inputs: dict) -> dict:
+        """The forward inputs of parts of these shapes (`inputs`: the call's scalar model
+        inputs, the family's ComfySpec.call_inputs), made once per size on the device."""
+        raise NotImplementedError(f"{self.family.name} takes one latent tensor")
 
     def context_tokens(self, cond: dict) -> dict:
         """The tokens of every stream beside the latent's in a call with this conditioning

@@ -137,6 +137,7 @@ class LTX2Adapter(DiTAdapter):
     # rank 0's prompt encoder (Gemma 3 and the connectors) holds no VAE or vocoder
     encoder_skips = ("audio_vae", "vocoder")
     block_states = ("hidden_states", "audio_hidden_states")  # what each block returns
+    row_conds = ("audio_encoder_hidden_states",)  # the sound's prompt states, one per row
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
                       "video_coords": ("video", 2), "audio_coords": ("audio", 2),
@@ -171,6 +172,49 @@ class LTX2Adapter(DiTAdapter):
                 "audio_coords": tr.audio_rope.prepare_audio_coords(1, length, dev),
                 "tokens": (t * h * w, length)}
 
+    # ---- ComfyUI's AV LATENT through the MODEL call (its parts: video, audio) ---------------
+    def parts_problem(self, model, shapes) -> str:
+        cfg = model.transformer.config
+        sound = self.family.capability(families.SoundTrack)
+        video, audio = shapes
+        want_v, want_a = int(cfg.in_channels), (sound.channels, sound.mel_bins)
+        if len(video) != 4 or video[0] != want_v:
+            return (f"the video part must be [rows, {want_v}, latent frames, height/32, "
+                    f"width/32] (got {[None, *video]})")
+        if len(audio) != 3 or (audio[0], audio[2]) != want_a or \
+                audio[0] * audio[2] != int(cfg.audio_in_channels):
+            return (f"the audio part must be [rows, {want_a[0]}, latent frames, {want_a[1]}] "
+                    f"(got {[None, *audio]})")
+        return ""
+
+    def pack_parts(self, parts: list):
+        return latent_layout.join_sound(*parts)
+
+    def unpack_parts(self, pred, shapes) -> list:
+        (c, t, h, w), (ac, length, bins) = shapes
+        nv = t * h * w
+        video = pred[:, :nv].transpose(1, 2).reshape(pred.shape[0], c, t, h, w)
+        audio = pred[:, nv:].reshape(pred.shape[0], length, ac, bins).transpose(1, 2)
+        return [video, audio]
+
+    def parts_extra(self, model, shapes, inputs: dict) -> dict:
+        """The RoPE coordinates (batch 1, on the device) and token counts of a video and
+        sound of these shapes, the video's frames placed at ComfyUI's frame rate."""
+        (_, t, h, w), (_, length, _) = shapes
+        tr, dev = model.transformer, model.device
+        fps = float(inputs.get("frame_rate", self.family.comfy.call_inputs[0][1]))
+        return {"video_coords": tr.rope.prepare_video_coords(1, t, h, w, dev, fps=fps),
+                "audio_coords": tr.audio_rope.prepare_audio_coords(1, length, dev),
+                "tokens": (t * h * w, length)}
+
+    @staticmethod
+    def bfl_to_diffusers(sd, config):
+        """ComfyUI's (the original LTX-2) names -> LTX2VideoTransformer3DModel's, key by key
+        (pure renames; the text connectors a full checkpoint holds are not the
+        transformer's and are refused by the loader as unknown weights)."""
+        from ..families.ltx2 import diffusers_name
+        return {diffusers_name(k): v for k, v in sd.items()}
+
     def forward_extra(self, model, height, width):
         raise NotImplementedError("LTX-2's forward inputs depend on the frames: job_extra")
 
@@ -204,8 +248,11 @@ class LTX2Adapter(DiTAdapter):
         return {"encoder_hidden_states": video, "audio_encoder_hidden_states": audio}
 
     def conditioning(self, cond, pooled, **_):
-        raise ValueError("LTX-2 takes its prompts as text (the sampler's prompt inputs); "
-                         "ComfyUI CONDITIONING for it is not supported yet")
+        """ComfyUI's LTX-2 context [B, L, 2 x width]: the video's prompt states (its text
+        connector's output) then the sound's, side by side."""
+        half = int(cond.shape[-1]) // 2
+        return {"encoder_hidden_states": cond[..., :half],
+                "audio_encoder_hidden_states": cond[..., half:]}
 
     @staticmethod
     def slice_cond(cond: dict, sl: slice) -> dict:

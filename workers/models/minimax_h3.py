@@ -33,6 +33,7 @@ from .. import families
 from ..families import minimax_h3 as fam
 from ..parallel.processors import need_plan
 from ..parallel.sequence_parallel import SequenceLayout
+from . import minimax_h3_comfy as mhc
 from . import minimax_h3_layout as lay
 from .base import DiTAdapter, text_encoder_device_of
 
@@ -200,6 +201,12 @@ class MiniMaxH3Adapter(DiTAdapter):
     )
 
     @staticmethod
+    def bfl_to_diffusers(sd, config):
+        """ComfyUI's MiniMax-H3 names (comfy/ldm/minimax) -> diffusers' (minimax_h3_names)."""
+        from .minimax_h3_names import comfy_to_diffusers
+        return comfy_to_diffusers(sd)
+
+    @staticmethod
     def computed_buffers(transformer) -> None:
         """RoPE's inverse frequencies (a non-persistent buffer)."""
         rope = transformer.rope
@@ -323,7 +330,13 @@ class MiniMaxH3Adapter(DiTAdapter):
         step)."""
         h, w = (extra or {})["size"]
         b = latents.shape[0]
-        frames, na, nv = media_counts(latents.shape[1], h, w)
+        counts = (extra or {}).get("counts")  # a MODEL call's: (latent frames, sound rows)
+        if counts is None:
+            frames, na, nv = media_counts(latents.shape[1], h, w)
+            lt = fam.LATENT.latent_frames(frames)
+        else:
+            (lt, na), nv = counts, latents.shape[1] - counts[1]
+        comfy = (extra or {}).get("comfy")  # ComfyUI's model inputs (minimax_h3_comfy)
         text = cond["encoder_hidden_states"]
         text = text if text.shape[0] == b else text.expand(b, -1, -1)
         longest = text.shape[1]
@@ -331,12 +344,17 @@ class MiniMaxH3Adapter(DiTAdapter):
         dev, dtype = latents.device, model.dtype
         # the call's timesteps (video t, audio t), rows indexing them: two entries even when
         # equal (the same AdaLN rows), so no step waits on the host for torch.unique's size
-        ts = t[:2].float()
+        if comfy is None:
+            ts = t[:2].float()
+        else:  # ComfyUI's sigma x 1000: each stream's t, the sound carried to its own
+            ts, sigma_a, carry = mhc.comfy_steps(t, comfy)
+            own = mhc.carried_in(latents[:, :na, :fam.AUDIO_CHANNELS], carry, comfy)
+            latents = torch.cat([torch.nn.functional.pad(own, (0, ROW_WIDTH - own.shape[-1])),
+                                 latents[:, na:]], 1)
         per_row = (extra or {}).get("positions")
         per_row = {} if per_row is None else per_row
         for n in set(lengths) - set(per_row):
-            p = lay.packed(int(n), fam.LATENT.latent_frames(frames), h // 16, w // 16,
-                           na // 2, PATCH)
+            p = lay.packed(int(n), lt, h // 16, w // 16, na // 2, PATCH)
             per_row[n] = {s: p.positions[a:a + c].to(dev) for s, (a, c) in p.streams().items()}
         pos = {s: torch.stack([per_row[n][s] if s != "text" else torch.cat(
             [per_row[n][s], per_row[n][s].new_zeros(longest - n, 3)]) for n in lengths])
@@ -351,7 +369,24 @@ class MiniMaxH3Adapter(DiTAdapter):
             audio_steps=torch.ones(na, dtype=torch.long, device=dev),
             text_steps=torch.zeros(longest, dtype=torch.long, device=dev),
             attention_kwargs=self.attention_kwargs(cond, jak) or {}, return_dict=False)
+        if comfy is not None:  # ComfyUI's model's prediction: -v, the sound's carried
+            return self.pack_media(-v.float(), mhc.carried_out(
+                -a.float(), latents[:, :na, :fam.AUDIO_CHANNELS].float(), sigma_a,
+                comfy)).to(latents.dtype)
         return self.pack_media(-v.float(), -a.float() * t[2].float()).to(latents.dtype)
+
+    # ---- ComfyUI's MODEL call: its nested LATENT's two parts (minimax_h3_comfy) -------
+    def parts_problem(self, model, shapes) -> str:
+        return mhc.parts_problem(shapes)
+
+    def pack_parts(self, parts: list):
+        return mhc.pack_parts(parts)
+
+    def unpack_parts(self, pred, shapes) -> list:
+        return mhc.unpack_parts(pred, shapes)
+
+    def parts_extra(self, model, shapes, inputs: dict) -> dict:
+        return mhc.parts_extra(shapes, inputs)
 
     # ---- decode -------------------------------------------------------------------------
     def to_raw(self, model, latents, height, width):

@@ -118,6 +118,10 @@ class Predict(Message):
     cache: Optional[CacheSettings] = part(CacheSettings.from_wire, default=None)  # None: off
     expert: int = 0  # a model of several experts (Wan 2.2 A14B): 0 the first, 1 the second
     loras: list = field(default_factory=list)  # [(path, strength[, expert])], as a job's
+    # a LATENT of several parts (workers/sampling/latent_parts.py): their per-row shapes,
+    # `x` then [N, total]; () for one tensor
+    parts: list = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)  # the family's scalar model inputs (ComfySpec)
 
 
 @_message

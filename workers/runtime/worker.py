@@ -396,8 +396,9 @@ class Worker:
         missing = [k for k in self.cond_cache.missing(k for k, _ in chunks) if k not in conds]
         if missing:
             return missing
+        parts = tuple(tuple(int(d) for d in s) for s in (getattr(msg, "parts", None) or ()))
         problem = call_problem(self.model, self.adapter, msg.x, msg.timestep, msg.guidance,
-                               chunks, conds, self.cond_cache)
+                               chunks, conds, self.cond_cache, parts)
         expert = int(getattr(msg, "expert", 0) or 0)
         if not problem and expert:
             experts = len(self.model.transformers())
@@ -417,7 +418,8 @@ class Worker:
                          msg.guidance.detach().float().cpu(),
                          chunks=chunks, new_conds={k: conds[k] for k in dict.fromkeys(
                              k for k, _ in chunks) if k in conds}, timed=bool(msg.timed),
-                         cache=msg.cache, expert=expert, lora_adapters=adapters)
+                         cache=msg.cache, expert=expert, lora_adapters=adapters, parts=parts,
+                         inputs={str(k): float(v) for k, v in (msg.inputs or {}).items()})
 
     def call(self, call, emit=None):
         """Every rank: one model evaluation (workers/sampling/model_call.py): (the prediction on

@@ -26,6 +26,7 @@ from ..parallel.degrees import Degrees
 from ..parallel.sequence_parallel import even_sizes
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import all_gather, all_reduce
+from . import latent_parts
 from .cache_settings import CacheSettings
 from .step_cache import call_on_ranks, gated
 from .step_scope import no_step_scope
@@ -49,6 +50,10 @@ class ModelCall:
     cache: Optional[CacheSettings] = None  # the step cache's settings (None: off)
     expert: int = 0  # which transformer runs (a model of several experts: Wan 2.2 A14B)
     lora_adapters: list = field(default_factory=list)  # LoraManager.resolve's, as a job's
+    # a LATENT of several parts (workers/sampling/latent_parts.py): their per-row shapes,
+    # `x` then [N, total] and the prediction too; () for one tensor
+    parts: tuple = ()
+    inputs: dict = field(default_factory=dict)  # the family's scalar model inputs (ComfySpec)
 
 
 class CondCache:
@@ -105,9 +110,18 @@ class CondCache:
             self.steps.rows = {k: v for k, v in self.steps.rows.items() if k[0] in self.items}
 
 
-def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache) -> str:
-    """Rank 0, before anything is broadcast: what is wrong with a call, or ""."""
+def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache,
+                 parts=()) -> str:
+    """Rank 0, before anything is broadcast: what is wrong with a call, or "". `parts`: the
+    per-row shapes of a LATENT of several parts (`x` then [N, total])."""
     cfg = model.transformer.config
+    names = adapter.family.comfy.latent_parts
+    if parts or names:
+        problem = latent_parts.problem(x, parts, names) or adapter.parts_problem(model, parts)
+        if problem:
+            return problem
+        return _rows_problem(adapter, cfg, int(x.shape[0]), timestep, guidance, chunks,
+                             new_conds, cache)
     # packing families take 2x2 latent pixels per token; the call's x is unpacked
     channels = int(cfg.in_channels) // (1 if adapter.family.latent.tokens == "in_model" else 4)
     # a video family's calls keep the frame axis: [N, C, T, h, w] (an image family's one frame
@@ -123,6 +137,14 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
     if h % side or w % side or min(n, h, w, *x.shape[2:]) < 1:
         even = "even and " if side == 2 else ""
         return f"latent height and width must be {even}non-zero (got {h}x{w})"
+    return _rows_problem(adapter, cfg, n, timestep, guidance, chunks, new_conds, cache,
+                         int(x.shape[1]))
+
+
+def _rows_problem(adapter, cfg, n, timestep, guidance, chunks, new_conds, cache,
+                  channels=None) -> str:
+    """The per-row inputs (timesteps, guidance) and the conditionings of a call of `n` rows
+    (`channels`: the latent's, which references must have; None: a LATENT of parts)."""
     if not torch.is_tensor(timestep) or tuple(timestep.shape) != (n,):
         return f"one timestep per latent row expected ({n})"
     if guidance is not None and (not torch.is_tensor(guidance) or tuple(guidance.shape) != (n,)):
@@ -157,12 +179,13 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         texts_2.add(None if text_2 is None else int(text_2.shape[1]))
         image = c.image_embeds
         images.add(None if image is None else tuple(image.shape[1:]))
-        problem = _reference_problem(adapter, key, rows, int(x.shape[1]), c)
+        problem = _reference_problem(adapter, key, rows, channels, c)
         if problem:
             return problem
         references.add(reference_layout(adapter, c))
         ctx, pooled = as_tensor(c.context), as_tensor(c.pooled)
-        width = adapter.family.text_width(cfg)
+        # ComfyUI's context: the text states of every stream that has its own, side by side
+        width = adapter.family.text_width(cfg) * adapter.family.comfy.context_streams
         if ctx.shape[2] != width:
             return (f"conditioning {key}: text states must be [{rows}, tokens, "
                     f"{width}] (got {tuple(ctx.shape)})")
@@ -221,7 +244,7 @@ def _reference_problem(adapter, key, rows, channels, c) -> str:
     refs = c.ref_latents
     if refs is None:
         return ""
-    if not adapter.reference_methods():
+    if not adapter.reference_methods() or channels is None:
         return (f"conditioning {key}: reference latents are not supported by {adapter.arch} "
                 f"models (FLUX.1 Kontext, FLUX.2 or Qwen-Image-Edit only); remove the "
                 f"ReferenceLatent node")
@@ -292,6 +315,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
     x_all, t_all, g_all = as_tensor(call.x), as_tensor(call.timestep), as_tensor(call.guidance)
     n, c, h, w = x_all.shape[0], x_all.shape[1], x_all.shape[-2], x_all.shape[-1]
     framed = x_all.dim() == 5  # a video family's frame axis stays (Wan)
+    shapes = tuple(tuple(int(d) for d in s) for s in call.parts)  # a LATENT of parts
     sizes, me = replica_rows(n, topo)
     start = sum(sizes[:me])
     mine = slice(start, start + sizes[me])
@@ -308,7 +332,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         cond = {}
         for k in conds[0]:
             if k in ("encoder_hidden_states", "pooled_projections", "ref_tokens",
-                     "image_embeds", "encoder_hidden_states_2"):
+                     "image_embeds", "encoder_hidden_states_2") or k in adapter.row_conds:
                 cond[k] = conds[0][k] if len(conds) == 1 else torch.cat([cd[k] for cd in conds])
                 cond[k] = cond[k][mine]
             elif k != "ref_layout":
@@ -317,7 +341,13 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         t = t_all[mine].to(dev, torch.float32)
         g = None if g_all is None else g_all[mine].to(dev, torch.float32)
         layout = conds[0].get("ref_layout")
-        extra = dict(cache.sized((h, w, layout), lambda: _extra(model, adapter, h, w, layout)))
+        if shapes:  # the parts' sizes and the call's inputs give the forward's inputs
+            inputs = dict(call.inputs)
+            extra = dict(cache.sized(("parts", shapes, tuple(sorted(inputs.items()))),
+                                     lambda: adapter.parts_extra(model, shapes, inputs)))
+        else:
+            extra = dict(cache.sized((h, w, layout),
+                                     lambda: _extra(model, adapter, h, w, layout)))
         if call.expert:  # the model's other transformer (Wan 2.2 A14B's low-noise expert)
             extra["expert"] = int(call.expert)
         if "ref_tokens" in cond:  # ComfyUI's FLUX: the references join the image stream
@@ -335,13 +365,20 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
                                  adapter.transformer_for(model, extra),
                                  None if sequence is None else (lambda: sequence.plan))
         with scope("call", cache.calls), gated(step):
-            packed = adapter.pack(x)
+            packed = adapter.pack_parts(latent_parts.unflatten(x, shapes)) if shapes \
+                else adapter.pack(x)
             clock.mark("forward")
             pred = adapter.forward(model, packed, t, cond, g, extra)
             clock.mark("post")
-            pred = None if dummy else adapter.unpack(pred, h * 8, w * 8)
-            if pred is not None and pred.dim() == 5 and not framed:  # one frame: [N,C,h,w]
-                pred = pred[:, :, 0]
+            if dummy:
+                pred = None
+            elif shapes:  # the prediction's parts, flattened as the call's
+                pred = torch.cat([p.reshape(p.shape[0], -1)
+                                  for p in adapter.unpack_parts(pred, shapes)], 1)
+            else:
+                pred = adapter.unpack(pred, h * 8, w * 8)
+                if pred.dim() == 5 and not framed:  # one frame: [N,C,h,w]
+                    pred = pred[:, :, 0]
     cache.calls += 1
     leader = all(topo.index(a) == 0 for a in ("pipefusion", "ring", "ulysses"))
     done = {} if run is None else {  # this rank's rows: computed in full / cached
@@ -357,7 +394,8 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
     # its start frame's channels beside the latent: in 36, out 16)
     out_c = int(getattr(model.transformer.config, "out_channels", None) or c) \
         if adapter.family.latent.tokens == "in_model" else c
-    out = torch.zeros(longest, out_c, *x_all.shape[2:], device=dev, dtype=torch.float32)
+    row = tuple(x_all.shape[1:]) if shapes else (out_c, *x_all.shape[2:])
+    out = torch.zeros(longest, *row, device=dev, dtype=torch.float32)
     if pred is not None:
         out[: sizes[me]].copy_(pred)
     clock.mark("gather")

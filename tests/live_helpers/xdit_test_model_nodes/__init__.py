@@ -14,8 +14,12 @@ links this folder into custom_nodes/ for its run only).
 * XDiTTestClipVisionOutput: a seeded random CLIP_VISION_OUTPUT (ComfyUI's clip_vision.Output,
   penultimate_hidden_states [1, tokens, width]) for Wan 2.1 I2V's clip_fea, since no tiny
   CLIP vision model loads into ComfyUI's CLIPVisionLoader.
+* XDiTTestEmptyAVLatent: LTX-2's empty AV LATENT (EmptyLTXVLatentVideo's video latent and
+  LTXVEmptyLatentAudio's sound latent nested as LTXVConcatAVLatent nests them), since
+  LTXVEmptyLatentAudio reads its shape from an audio VAE no tiny model loads into ComfyUI.
 * XDiTTestSaveTensors: writes an IMAGE and / or a LATENT to a .safetensors file at full
-  float precision, so two branches of a graph can be compared beyond 8-bit PNGs.
+  float precision, so two branches of a graph can be compared beyond 8-bit PNGs (a nested
+  LATENT's parts as latent_0, latent_1, ...).
 """
 
 
@@ -126,14 +130,44 @@ class XDiTTestSaveTensors:
         if images is not None:
             out["image"] = images.detach().float().cpu().contiguous()
         if latent is not None:
-            out["latent"] = latent["samples"].detach().float().cpu().contiguous()
+            samples = latent["samples"]
+            if getattr(samples, "is_nested", False):  # an AV LATENT: its parts
+                for i, t in enumerate(samples.unbind()):
+                    out[f"latent_{i}"] = t.detach().float().cpu().contiguous()
+            else:
+                out["latent"] = samples.detach().float().cpu().contiguous()
         tmp = path + ".tmp"
         save_file(out, tmp)
         os.replace(tmp, path)
         return {}
 
 
+class XDiTTestEmptyAVLatent:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"width": ("INT", {"default": 96, "min": 32, "max": 4096}),
+                             "height": ("INT", {"default": 64, "min": 32, "max": 4096}),
+                             "frames": ("INT", {"default": 9, "min": 1, "max": 1000}),
+                             "frame_rate": ("INT", {"default": 25, "min": 1, "max": 1000})}}
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "make"
+    CATEGORY = "xDiT tests"
+
+    def make(self, width, height, frames, frame_rate):
+        import math
+
+        import torch
+        from comfy.nested_tensor import NestedTensor
+        video = torch.zeros(1, 128, (frames - 1) // 8 + 1, height // 32, width // 32)
+        # the LTX-2 audio VAE's count: 16 kHz mel frames, hop 160, 4x in time
+        sound = torch.zeros(1, 8, math.ceil(frames / frame_rate * 16000 / 160 / 4), 16)
+        return ({"samples": NestedTensor((video, sound)), "sample_rate": 16000,
+                 "type": "audio"},)
+
+
 NODE_CLASS_MAPPINGS = {"XDiTTestRandomConditioning": XDiTTestRandomConditioning,
+                       "XDiTTestEmptyAVLatent": XDiTTestEmptyAVLatent,
                        "XDiTTestSaveTensors": XDiTTestSaveTensors,
                        "XDiTTestWanStartFrame": XDiTTestWanStartFrame,
                        "XDiTTestClipVisionOutput": XDiTTestClipVisionOutput}
