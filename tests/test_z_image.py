@@ -192,24 +192,7 @@ def test_model_calls_equal_the_transformer(model_dir, layout_pools, pipe, name, 
 
 
 # ---- ComfyUI's single files (diffusion_models/): its NextDiT names, fused q/k/v -----------
-def comfy_names(sd: dict) -> dict:
-    """diffusers' Z-Image state -> ComfyUI's names, read off ComfyUI 0.8.0's key map
-    (comfy/utils.py z_image_to_diffusers): q, k, v joined as attention.qkv, norm_q/k as
-    q_norm/k_norm, to_out.0 as out, the patch-2 embedder and final layer without their
-    "2-1" key."""
-    out = {}
-    for k, v in sd.items():
-        if ".attention.to_q." in k:
-            base = k.replace(".to_q.", ".qkv.")
-            out[base] = torch.cat([v, sd[k.replace("to_q", "to_k")], sd[k.replace("to_q", "to_v")]])
-            continue
-        if ".attention.to_k." in k or ".attention.to_v." in k:
-            continue
-        k = (k.replace(".norm_q.", ".q_norm.").replace(".norm_k.", ".k_norm.")
-             .replace(".to_out.0.", ".out.").replace("all_x_embedder.2-1.", "x_embedder.")
-             .replace("all_final_layer.2-1.", "final_layer."))
-        out[k] = v
-    return out
+from comfyui_xdit.testmodels.z_image import single_file as comfy_names  # noqa: E402
 
 
 @pytest.mark.parametrize("prefix,dtype", [("model.diffusion_model.", torch.float32),

@@ -4,7 +4,7 @@ style) and FLUX.1's RoPE axes, the 16-channel VAE and the released [dev] schedul
 from __future__ import annotations
 
 from comfyui_xdit import bridge
-from comfyui_xdit.testmodels import parts
+from comfyui_xdit.testmodels import bfl_names, parts
 from comfyui_xdit.testmodels.text import _clip_tokenizer, _seeded, _t5_tokenizer
 
 _flux = bridge.family_module("flux")  # RoPE axes, scheduler
@@ -64,3 +64,25 @@ def build_pipeline(cfg: dict):
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
+
+
+def single_file(sd: dict) -> dict:
+    """The transformer's diffusers state dict in BFL / ComfyUI names (a FLUX.1 file of
+    models/diffusion_models), for the conformance suite's single-file theme."""
+    out = {}
+    pairs = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+             "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+             "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+             "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+             "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+             "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+             "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer"}
+    for d, b in pairs.items():
+        for p in ("weight", "bias"):
+            if f"{d}.{p}" in sd:  # no guidance embedder: schnell
+                out[f"{b}.{p}"] = sd[f"{d}.{p}"]
+    for p in ("weight", "bias"):
+        out[f"final_layer.adaLN_modulation.1.{p}"] = bfl_names.shift_scale(sd[f"norm_out.linear.{p}"])
+    bfl_names.double_blocks(sd, out)
+    bfl_names.single_blocks(sd, out)
+    return bfl_names.same_size(out, sd)

@@ -37,6 +37,8 @@ CONFORMANCE_EXEMPT = {
                   "built for LTX-2 yet; the Sampler (xDiT) path runs it",
     "pipefusion": "refused (ParallelConfig.validate): its audio stream is denoised with the "
                   "video, and PipeFusion's patches cut only the video stream",
+    "single_file": "no ComfyUI single-file format in the product yet: the loader reads "
+                   "LTX-2 from its diffusers folder only",
 }
 
 GEMMA_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

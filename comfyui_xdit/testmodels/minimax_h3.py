@@ -39,6 +39,8 @@ CONFORMANCE_EXEMPT = {
                   "the xDiT MODEL's call does not carry yet",
     "pipefusion": "refused (ParallelConfig.validate): its audio stream is denoised with the "
                   "video, and PipeFusion's patches cut only the video stream",
+    "single_file": "no ComfyUI single-file format in the product yet: the loader "
+                   "reads MiniMax-H3 from its diffusers folder only",
 }
 
 HEAD_DIM = 16

@@ -166,3 +166,9 @@ def build_pipeline(cfg: dict, edit: bool = False):
     processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
     pipeline = QwenImageEditPipeline if variant == "edit" else QwenImageEditPlusPipeline
     return pipeline(processor=processor, **components)
+
+
+def single_file(sd: dict) -> dict:
+    """The transformer's state dict as ComfyUI's Qwen-Image files keep it: diffusers' own
+    names (split_files/diffusion_models), for the conformance suite's single-file theme."""
+    return dict(sd)

@@ -38,7 +38,7 @@ FOUR_RANKS = {
 SHARDED = {"sharded-ulysses2": ParallelConfig(ulysses=2), "sharded-dp2": ParallelConfig(dp=2)}
 CAPABILITIES = ("sequence_parallel", "cfg_parallel", "data_parallel", "hybrid",
                 "weight_sharding", "pipefusion", "step_cache", "model_call",
-                "batch_independence", "lora")
+                "batch_independence", "lora", "single_file")
 NCCL_RULES = "xdit_testhooks.nccl_rules:install"
 
 
