@@ -25,6 +25,12 @@ TEST_REQUEST = dict(padded=True)  # a batch pads its prompts to the longest
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_chroma.py::test_one_rank_matches_the_pipeline"
+# PipeFusion's stale-K/V oracle for the conformance suite (tests/conformance/test_pipefusion.py):
+# the test module's factory of the model folder, and the request fields it needs
+# (prompts of max_sequence_length - 1 real tokens: ChromaPipeline's mask is then all ones)
+PIPEFUSION_ORACLE = dict(oracle="test_pipefusion_reference:ChromaReference",
+                         request=dict(prompt=["a red cat", "a blue dog"],
+                                      negative_prompt="dark old photo", max_sequence_length=5))
 
 def build_pipeline(cfg: dict):
     from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler

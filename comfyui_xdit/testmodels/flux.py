@@ -14,6 +14,10 @@ VARIANTS: tuple[str, ...] = ()
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers"
+# PipeFusion's stale-K/V oracle for the conformance suite (tests/conformance/test_pipefusion.py):
+# the test module's factory of the model folder, and the request fields it needs
+PIPEFUSION_ORACLE = dict(oracle="test_pipefusion_reference:Reference",
+                         request=dict(cfg=1.0, guidance=3.5))  # it runs embedded guidance
 
 
 def check(cfg: dict) -> None:

@@ -42,8 +42,13 @@ TEST_REQUEST = dict(size=(48, 80))
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_wan.py::test_one_rank_equals_the_pipeline"
-# the test model a ComfyUI single file describes (conformance theme single_file): Wan's files store no head count
-# (head dim 128, as released: num_heads = dim / 128)
+CONFORMANCE_EXEMPT = {
+    "pipefusion_oracle": "not written yet: no single-process oracle of PipeFusion's "
+                         "stale-K/V schedule on Wan's diffusers transformer (its "
+                         "full-warmup exactness and closeness are checked)",
+}
+# the test model a ComfyUI single file describes (the conformance suite's single-file
+# theme): Wan's files store no head count (head dim 128, as released)
 SINGLE_FILE_MODEL = dict(width=256, heads=2)
 
 def check(cfg: dict) -> None:

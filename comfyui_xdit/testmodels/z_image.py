@@ -26,6 +26,9 @@ TEST_REQUEST = dict(msl=64)
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_z_image.py::test_one_rank_equals_the_pipeline"
+# PipeFusion's stale-K/V oracle for the conformance suite (tests/conformance/test_pipefusion.py):
+# the test module's factory of the model folder, and the request fields it needs
+PIPEFUSION_ORACLE = dict(oracle="test_z_image:pipelined_oracle", request={})
 # the LoRA file formats the conformance suite writes for it beside diffusers/PEFT's: ComfyUI's
 # `diffusion_model.<layer>.lora_down / lora_up / alpha` under diffusers' layer names
 LORA_FORMATS = ("peft", "comfy")
