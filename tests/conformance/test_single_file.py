@@ -2,12 +2,12 @@
 single file (its builder's `single_file(state)`: the diffusers state dict in the names
 ComfyUI's files use, written per key from that layout, independently of the loader's rules)
 loads in a pool, and the pool's result equals the diffusers folder's pool at one rank
-(<= 1e-4, fp32): the bare file (models/diffusion_models) at one rank, and the file under a
-full checkpoint's `model.diffusion_model.` prefix at Ulysses 2 with its weights sharded,
-under the NCCL-rules emulation. Compared is the xDiT MODEL's call (tests/family_requests.
-model_call_inputs: uncond and cond rows, inputs from the registry alone), since a file holds
-neither text encoders nor a scheduler of its own: the call is what ComfyUI's KSampler runs on
-such a file. Negative control: a file with one block tensor perturbed differs (> 1e-3).
+(<= 1e-4, fp32): the bare file (models/diffusion_models) at one rank for every family, and
+once (the first family) the file under a full checkpoint's `model.diffusion_model.` prefix
+at Ulysses 2 with its weights sharded, under the NCCL-rules emulation. Compared is the
+xDiT MODEL's call (tests/family_requests.model_call_inputs: uncond and cond rows, inputs
+from the registry alone), since a file holds neither text encoders nor a scheduler of its
+own: the call is what ComfyUI's KSampler runs on such a file. Negative control: a file with one block tensor perturbed differs (> 1e-3).
 
 A family whose files store no head count (the loader assumes the released head dim) declares
 the test model a file can describe as `SINGLE_FILE_MODEL` (tiny-model knobs) in its builder;
@@ -81,24 +81,38 @@ def test_single_file_equals_its_folder(arch, family_pools, model_dir, file_model
     folder, write = file_models
     call, want = _reference(arch, family_pools, model_dir, folder(arch))
     bare = write(arch, tmp_path / f"{arch}.safetensors")
+    pool = family_pools.get(arch, ParallelConfig(), path=bare)
+    assert pool.model_info.kind == "file", pool.model_info
+    d = maxdiff(call_model(pool, ParallelConfig(), arch, call), want)
+    print(f"{arch} single file at 1 rank: {d:.2e} from the folder at 1 rank")
+    assert d <= TOL, f"{arch} single file at 1 rank: {d:.3e} from its folder"
+
+
+def _first_family() -> str:
+    return next(a for a, c in CASES.items() if "single_file" not in c.exempt)
+
+
+def test_sharded_checkpoint_file_equals_its_folder(family_pools, model_dir, file_models,
+                                                   tmp_path):
+    """Once (a pool launch per family would double the theme's time): the file under a
+    checkpoint's prefix, its weights sharded at Ulysses 2 under the NCCL-rules emulation."""
+    arch = _first_family()
+    folder, write = file_models
+    call, want = _reference(arch, family_pools, model_dir, folder(arch))
     ckpt = write(arch, tmp_path / f"{arch}-ckpt.safetensors", prefix=bfl_names.PREFIX)
-    one = family_pools.get(arch, ParallelConfig(), path=bare)
-    assert one.model_info.kind == "file", one.model_info
-    d1 = maxdiff(call_model(one, ParallelConfig(), arch, call), want)
-    sharded = family_pools.get(arch, SHARDED, path=ckpt, shard_weights=True,
-                               worker_hooks=[NCCL_RULES])
-    d2 = maxdiff(call_model(sharded, SHARDED, arch, call), want)
-    print(f"{arch} single file: 1 rank {d1:.2e}, checkpoint-prefixed at sharded Ulysses 2 "
-          f"{d2:.2e} from the folder at 1 rank")
-    assert d1 <= TOL, f"{arch} single file at 1 rank: {d1:.3e} from its folder"
-    assert d2 <= TOL, f"{arch} single file, sharded Ulysses 2: {d2:.3e} from its folder"
+    pool = family_pools.get(arch, SHARDED, path=ckpt, shard_weights=True,
+                            worker_hooks=[NCCL_RULES])
+    d = maxdiff(call_model(pool, SHARDED, arch, call), want)
+    print(f"{arch} checkpoint-prefixed single file, sharded Ulysses 2: {d:.2e} from the "
+          f"folder at 1 rank")
+    assert d <= TOL, f"{arch} single file, sharded Ulysses 2: {d:.3e} from its folder"
 
 
 def test_negative_control_a_perturbed_file_differs(family_pools, model_dir, file_models,
                                                    tmp_path):
     """The comparison above fails for a file whose weights are not the folder's: one block
     tensor perturbed (the first family that has single files)."""
-    arch = next(a for a, c in CASES.items() if "single_file" not in c.exempt)
+    arch = _first_family()
     folder, write = file_models
     call, want = _reference(arch, family_pools, model_dir, folder(arch))
     bad = write(arch, tmp_path / f"{arch}-perturbed.safetensors", perturb=True)
