@@ -17,8 +17,8 @@ float mask then adds the same +1 to every logit, which softmax ignores).
 `test_trimmed_text_equals_the_intended_mask` checks the trimming itself against diffusers'
 transformer given the intended boolean mask, for a padded prompt.
 
-Also: a BFL/ComfyUI-named single file of the tiny transformer (written here by an inverse
-map) gives the folder's latent; the
+Also: a BFL/ComfyUI-named single file of the tiny transformer is detected with the folder's
+config (that its pool equals the folder's is the conformance suite's single-file theme); the
 default cfg is ChromaPipeline's guidance_scale default. `-s` prints the max differences.
 """
 from __future__ import annotations
@@ -246,63 +246,17 @@ def test_prompts_of_different_lengths_equal_the_intended_oracle(chroma_pools, fo
     assert err <= TOL
 
 
-# ---- a BFL / ComfyUI single file ---------------------------------------------------------
-
-def chroma_to_bfl(sd: dict) -> dict:
-    """diffusers ChromaTransformer2DModel -> BFL / ComfyUI Chroma names, written per key from
-    the BFL layout (the reverse of the loader's rules, independently)."""
-    out = {}
-    for p in ("weight", "bias"):
-        out[f"img_in.{p}"] = sd[f"x_embedder.{p}"]
-        out[f"txt_in.{p}"] = sd[f"context_embedder.{p}"]
-        out[f"final_layer.linear.{p}"] = sd[f"proj_out.{p}"]
-        for n in ("in_proj", "out_proj"):
-            out[f"distilled_guidance_layer.{n}.{p}"] = sd[f"distilled_guidance_layer.{n}.{p}"]
-    n_approx = len({k.split(".")[2] for k in sd if k.startswith("distilled_guidance_layer.layers.")})
-    for j in range(n_approx):
-        a = f"distilled_guidance_layer.layers.{j}."
-        for p in ("weight", "bias"):
-            out[f"{a}in_layer.{p}"] = sd[f"{a}linear_1.{p}"]
-            out[f"{a}out_layer.{p}"] = sd[f"{a}linear_2.{p}"]
-        out[f"distilled_guidance_layer.norms.{j}.scale"] = \
-            sd[f"distilled_guidance_layer.norms.{j}.weight"]
-    n_double = len({k.split(".")[1] for k in sd if k.startswith("transformer_blocks.")})
-    n_single = len({k.split(".")[1] for k in sd if k.startswith("single_transformer_blocks.")})
-    for i in range(n_double):
-        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
-        for p in ("weight", "bias"):
-            out[f"{b}img_attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.to_{x}.{p}"] for x in "qkv"])
-            out[f"{b}txt_attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.add_{x}_proj.{p}"]
-                                                     for x in "qkv"])
-            out[f"{b}img_attn.proj.{p}"] = sd[f"{d}attn.to_out.0.{p}"]
-            out[f"{b}txt_attn.proj.{p}"] = sd[f"{d}attn.to_add_out.{p}"]
-            out[f"{b}img_mlp.0.{p}"] = sd[f"{d}ff.net.0.proj.{p}"]
-            out[f"{b}img_mlp.2.{p}"] = sd[f"{d}ff.net.2.{p}"]
-            out[f"{b}txt_mlp.0.{p}"] = sd[f"{d}ff_context.net.0.proj.{p}"]
-            out[f"{b}txt_mlp.2.{p}"] = sd[f"{d}ff_context.net.2.{p}"]
-        out[f"{b}img_attn.norm.query_norm.scale"] = sd[f"{d}attn.norm_q.weight"]
-        out[f"{b}img_attn.norm.key_norm.scale"] = sd[f"{d}attn.norm_k.weight"]
-        out[f"{b}txt_attn.norm.query_norm.scale"] = sd[f"{d}attn.norm_added_q.weight"]
-        out[f"{b}txt_attn.norm.key_norm.scale"] = sd[f"{d}attn.norm_added_k.weight"]
-    for i in range(n_single):
-        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        for p in ("weight", "bias"):
-            out[f"{b}linear1.{p}"] = torch.cat([sd[f"{d}attn.to_q.{p}"], sd[f"{d}attn.to_k.{p}"],
-                                                sd[f"{d}attn.to_v.{p}"], sd[f"{d}proj_mlp.{p}"]])
-            out[f"{b}linear2.{p}"] = sd[f"{d}proj_out.{p}"]
-        out[f"{b}norm.query_norm.scale"] = sd[f"{d}attn.norm_q.weight"]
-        out[f"{b}norm.key_norm.scale"] = sd[f"{d}attn.norm_k.weight"]
-    assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in sd.values())
-    return out
-
+# ---- a BFL / ComfyUI single file (its pool equals the folder's: the conformance suite) ----
 
 @pytest.fixture(scope="module")
 def bfl_file(folder, tmp_path_factory):
     from safetensors.torch import load_file, save_file
+
+    from comfyui_xdit.testmodels.chroma import single_file
     sd = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
     path = tmp_path_factory.mktemp("chroma_file") / "chroma.safetensors"
     save_file({"model.diffusion_model." + k: v.contiguous()
-               for k, v in chroma_to_bfl(sd).items()}, str(path))
+               for k, v in single_file(sd).items()}, str(path))
     return path
 
 
@@ -316,27 +270,6 @@ def test_single_file_is_detected_with_the_folders_config(folder, bfl_file):
     want["out_channels"] = want["out_channels"] or want["in_channels"]  # None: in_channels
     for k, v in sf["config"].items():
         assert want[k] == (list(v) if isinstance(v, tuple) else v), k
-
-
-def test_single_file_gives_the_folders_latent(chroma_pools, folder, bfl_file):
-    """The file has no text encoders: both runs take the same CONDITIONING (ComfyUI's:
-    unpadded T5 states, no pooled output), encoded here by the folder's pipeline."""
-    pipe = pipeline(folder)
-    with torch.no_grad():
-        pos, neg = (pipe.encode_prompt([t], do_classifier_free_guidance=False,
-                                       max_sequence_length=MSL)[0] for t in (PROMPTS[0],
-                                                                           NEGATIVE))
-    h, w = SIZE
-    req = GenerationRequest(prompt=[], positive={"cond": pos, "pooled": None},
-                            negative={"cond": neg, "pooled": None}, cfg=CFG, seed=7,
-                            steps=STEPS, height=h, width=w)
-    want = oracle(folder, request(1))
-    ref = chroma_pools(folder, ParallelConfig()).generate(req).samples
-    assert (ref - want).abs().max().item() <= TOL  # CONDITIONING = the prompt's encoding
-    got = chroma_pools(bfl_file, ParallelConfig(ulysses=2)).generate(req).samples
-    err = (got - ref).abs().max().item()
-    print(f"chroma BFL single file (ulysses 2) vs folder: max abs diff {err:.2e}")
-    assert err <= TOL
 
 
 # ---- the xDiT MODEL (stock KSampler) -----------------------------------------------------

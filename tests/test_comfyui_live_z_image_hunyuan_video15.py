@@ -59,10 +59,10 @@ SMALL = {Z_NAME: ((128, 96), None, 3), T2V_NAME: ((64, 48), 5, 2), I2V_NAME: ((6
 def z_image_file(out: Path, seed: int = 0) -> Path:
     """Once: a random Z-Image transformer at ComfyUI 0.8.0's only Z-Image width (3840, 30
     heads, Qwen3-4B's 2560-wide text, RoPE lengths 1536/512/512), 1 main block and 2 + 2
-    refiner blocks, bf16, in ComfyUI's NextDiT names (tests/test_z_image.comfy_names)."""
+    refiner blocks, bf16, in ComfyUI's NextDiT names (comfyui_xdit/testmodels/z_image.single_file)."""
     from diffusers import ZImageTransformer2DModel
     from safetensors.torch import save_file
-    from test_z_image import comfy_names
+    from comfyui_xdit.testmodels.z_image import single_file as comfy_names
 
     if out.exists():
         return out
@@ -84,7 +84,8 @@ def hunyuan_video15_file(out: Path, seed: int = 15) -> Path:
     names (no prefix, as split_files ship them)."""
     from diffusers import HunyuanVideo15Transformer3DModel
     from safetensors.torch import save_file
-    from test_hunyuan_video15 import COMFY_SHAPED, comfy_named
+    from test_hunyuan_video15 import COMFY_SHAPED
+    from comfyui_xdit.testmodels.hunyuan_video15 import single_file as comfy_named
 
     if out.exists():
         return out

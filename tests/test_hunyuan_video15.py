@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
+from comfyui_xdit.testmodels.hunyuan_video15 import single_file
 from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
 TOL = 1e-4
@@ -410,89 +411,7 @@ def test_model_calls_equal_the_transformer(folders, layout_pools):
         assert float((den(**other) - full).abs().max()) > 1e-3, drop
 
 
-# ---- ComfyUI's single files ------------------------------------------------------------------
-# diffusers' HunyuanVideo15Transformer3DModel names -> ComfyUI's (comfy/ldm/hunyuan_video),
-# written out here (not the product's table), in order; "qkv" targets fuse three tensors
-_TO_COMFY = [
-    (r"^x_embedder\.proj\.", "img_in.proj."),
-    (r"^time_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
-    (r"^time_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
-    (r"^context_embedder\.proj_in\.", "txt_in.input_embedder."),
-    (r"^context_embedder\.time_text_embed\.timestep_embedder\.linear_1\.",
-     "txt_in.t_embedder.in_layer."),
-    (r"^context_embedder\.time_text_embed\.timestep_embedder\.linear_2\.",
-     "txt_in.t_embedder.out_layer."),
-    (r"^context_embedder\.time_text_embed\.text_embedder\.linear_1\.",
-     "txt_in.c_embedder.in_layer."),
-    (r"^context_embedder\.time_text_embed\.text_embedder\.linear_2\.",
-     "txt_in.c_embedder.out_layer."),
-    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.norm_out\.linear\.",
-     r"txt_in.individual_token_refiner.blocks.\1.adaLN_modulation.1."),
-    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.norm(1|2)\.",
-     r"txt_in.individual_token_refiner.blocks.\1.norm\2."),
-    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.attn\.to_(q|k|v)\.",
-     r"txt_in.individual_token_refiner.blocks.\1.self_attn.qkv.\2."),
-    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.attn\.to_out\.0\.",
-     r"txt_in.individual_token_refiner.blocks.\1.self_attn.proj."),
-    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.ff\.net\.0\.proj\.",
-     r"txt_in.individual_token_refiner.blocks.\1.mlp.0."),
-    (r"^context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.ff\.net\.2\.",
-     r"txt_in.individual_token_refiner.blocks.\1.mlp.2."),
-    (r"^context_embedder_2\.norm\.", "byt5_in.layernorm."),
-    (r"^context_embedder_2\.linear_(\d)\.", r"byt5_in.fc\1."),
-    (r"^image_embedder\.norm_in\.", "vision_in.proj.0."),
-    (r"^image_embedder\.linear_1\.", "vision_in.proj.1."),
-    (r"^image_embedder\.linear_2\.", "vision_in.proj.3."),
-    (r"^image_embedder\.norm_out\.", "vision_in.proj.4."),
-    (r"^cond_type_embed\.", "cond_type_embedding."),
-    (r"^transformer_blocks\.(\d+)\.norm1\.linear\.", r"double_blocks.\1.img_mod.lin."),
-    (r"^transformer_blocks\.(\d+)\.norm1_context\.linear\.", r"double_blocks.\1.txt_mod.lin."),
-    (r"^transformer_blocks\.(\d+)\.attn\.to_(q|k|v)\.", r"double_blocks.\1.img_attn.qkv.\2."),
-    (r"^transformer_blocks\.(\d+)\.attn\.add_(q|k|v)_proj\.",
-     r"double_blocks.\1.txt_attn.qkv.\2."),
-    (r"^transformer_blocks\.(\d+)\.attn\.norm_q\.weight$",
-     r"double_blocks.\1.img_attn.norm.query_norm.scale"),
-    (r"^transformer_blocks\.(\d+)\.attn\.norm_k\.weight$",
-     r"double_blocks.\1.img_attn.norm.key_norm.scale"),
-    (r"^transformer_blocks\.(\d+)\.attn\.norm_added_q\.weight$",
-     r"double_blocks.\1.txt_attn.norm.query_norm.scale"),
-    (r"^transformer_blocks\.(\d+)\.attn\.norm_added_k\.weight$",
-     r"double_blocks.\1.txt_attn.norm.key_norm.scale"),
-    (r"^transformer_blocks\.(\d+)\.attn\.to_out\.0\.", r"double_blocks.\1.img_attn.proj."),
-    (r"^transformer_blocks\.(\d+)\.attn\.to_add_out\.", r"double_blocks.\1.txt_attn.proj."),
-    (r"^transformer_blocks\.(\d+)\.ff\.net\.0\.proj\.", r"double_blocks.\1.img_mlp.0."),
-    (r"^transformer_blocks\.(\d+)\.ff\.net\.2\.", r"double_blocks.\1.img_mlp.2."),
-    (r"^transformer_blocks\.(\d+)\.ff_context\.net\.0\.proj\.", r"double_blocks.\1.txt_mlp.0."),
-    (r"^transformer_blocks\.(\d+)\.ff_context\.net\.2\.", r"double_blocks.\1.txt_mlp.2."),
-    (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),  # (scale, shift) swapped
-    (r"^proj_out\.", "final_layer.linear."),
-]
-
-
-def comfy_named(sd: dict) -> dict:
-    """A diffusers state dict in ComfyUI's names: q, k, v rows fused in that order, the
-    final modulation's (scale, shift) halves as ComfyUI's (shift, scale)."""
-    import re
-    out, fused = {}, {}
-    for name, w in sd.items():
-        for pat, rep in _TO_COMFY:
-            if re.match(pat, name):
-                new = re.sub(pat, rep, name)
-                break
-        else:
-            raise AssertionError(f"no ComfyUI name for {name}")
-        m = re.match(r"^(.*\.qkv)\.(q|k|v)\.(weight|bias)$", new)
-        if m:
-            fused.setdefault(f"{m.group(1)}.{m.group(3)}", {})[m.group(2)] = w
-            continue
-        if name.startswith("norm_out.linear."):
-            scale, shift = w.chunk(2, dim=0)
-            w = torch.cat([shift, scale], dim=0)
-        out[new] = w.contiguous()
-    for name, parts in fused.items():
-        out[name] = torch.cat([parts["q"], parts["k"], parts["v"]], 0).contiguous()
-    return out
-
+# ---- ComfyUI's single files (names: comfyui_xdit/testmodels/hunyuan_video15.single_file) ---
 
 # the widths ComfyUI 0.8.0's HunyuanVideo 1.5 takes from a file: heads of 128 (hidden / 128),
 # RoPE axes (16, 56, 56), ByT5 in 1472, two refiner blocks, SigLIP 1152 (its model class
@@ -513,7 +432,7 @@ def comfy_file(tmp_path_factory):
     tr = HunyuanVideo15Transformer3DModel(**COMFY_SHAPED).eval()
     path = tmp_path_factory.mktemp("hv15-file") / "hunyuanvideo1.5_tiny.safetensors"
     save_file({"model.diffusion_model." + k: v for k, v in
-               comfy_named(tr.state_dict()).items()}, str(path))
+               single_file(tr.state_dict()).items()}, str(path))
     return path, tr
 
 

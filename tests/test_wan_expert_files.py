@@ -2,7 +2,7 @@
 expert.
 
 The tiny A14B folder's `transformer` and `transformer_2` (head dim 128, as a file's shapes
-give) are written as two ComfyUI-named files (tests/single_file_util.wan_to_comfy). Single
+give) are written as two ComfyUI-named files (comfyui_xdit/testmodels/wan.single_file). Single
 files carry no text encoders, so the prompts go in as conditioning (the folder's UMT5 states);
 the pair through the pool equals the folder through the pool with the same conditioning
 (<= 1e-5): 1 rank loading whole files, and Ulysses 2 loading shard by shard (weight sharding,

@@ -4,7 +4,7 @@ style) and FLUX.1's RoPE axes, the 16-channel VAE and the released [dev] schedul
 from __future__ import annotations
 
 from comfyui_xdit import bridge
-from comfyui_xdit.testmodels import parts
+from comfyui_xdit.testmodels import bfl_names, parts
 from comfyui_xdit.testmodels.text import _clip_tokenizer, _seeded, _t5_tokenizer
 
 _flux = bridge.family_module("flux")  # RoPE axes, scheduler
@@ -14,6 +14,10 @@ VARIANTS: tuple[str, ...] = ()
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers"
+# PipeFusion's stale-K/V oracle for the conformance suite (tests/conformance/test_pipefusion.py):
+# the test module's factory of the model folder, and the request fields it needs
+PIPEFUSION_ORACLE = dict(oracle="test_pipefusion_reference:Reference",
+                         request=dict(cfg=1.0, guidance=3.5))  # it runs embedded guidance
 
 
 def check(cfg: dict) -> None:
@@ -64,3 +68,25 @@ def build_pipeline(cfg: dict):
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
+
+
+def single_file(sd: dict) -> dict:
+    """The transformer's diffusers state dict in BFL / ComfyUI names (a FLUX.1 file of
+    models/diffusion_models), for the conformance suite's single-file theme."""
+    out = {}
+    pairs = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+             "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+             "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+             "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+             "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+             "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+             "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer"}
+    for d, b in pairs.items():
+        for p in ("weight", "bias"):
+            if f"{d}.{p}" in sd:  # no guidance embedder: schnell
+                out[f"{b}.{p}"] = sd[f"{d}.{p}"]
+    for p in ("weight", "bias"):
+        out[f"final_layer.adaLN_modulation.1.{p}"] = bfl_names.shift_scale(sd[f"norm_out.linear.{p}"])
+    bfl_names.double_blocks(sd, out)
+    bfl_names.single_blocks(sd, out)
+    return bfl_names.same_size(out, sd)

@@ -33,6 +33,9 @@ TEST_REQUEST = dict(size=(64, 96), frames=9, msl=16)
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_ltx2.py::test_one_rank_equals_the_pipeline"
 CONFORMANCE_EXEMPT = {
+    # its oracle returns the video and the sound and runs in the family's own file
+    "pipefusion_oracle": "run in tests/test_ltx2.py::test_pipefusion_equals_its_stale_kv_oracle "
+                         "(video and sound), not yet through the suite's one-latent theme",
 }
 
 GEMMA_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

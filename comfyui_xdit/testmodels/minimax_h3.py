@@ -32,6 +32,9 @@ TEST_REQUEST = dict(size=(96, 96), frames=22, padded=True)  # rows carry their t
 ORACLE_TEST = "test_minimax_h3.py::test_one_rank_equals_the_pipeline"
 
 CONFORMANCE_EXEMPT = {
+    # its oracle returns the video and the sound and runs in the family's own file
+    "pipefusion_oracle": "run in tests/test_minimax_h3.py::test_pipefusion_equals_its_stale_kv_oracle "
+                         "(video and sound), not yet through the suite's one-latent theme",
 }
 
 HEAD_DIM = 16

@@ -72,6 +72,12 @@ TEST_REQUEST = dict(msl=64, padded=True)  # the template drop needs a longer tex
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_qwen_image.py::test_one_rank_equals_the_pipeline"
+# PipeFusion's stale-K/V oracle for the conformance suite (tests/conformance/test_pipefusion.py):
+# the test module's factory of the model folder, and the request fields it needs
+# (prompts of one token length: the oracle runs no text mask)
+PIPEFUSION_ORACLE = dict(oracle="test_pipefusion_reference:QwenImageReference",
+                         request=dict(prompt=["a red cat", "a blue dog"],
+                                      negative_prompt="ugly dark"))
 # the LoRA file formats the conformance suite writes for it beside diffusers/PEFT's: ComfyUI's
 # `diffusion_model.<layer>.lora_down / lora_up / alpha` under diffusers' layer names
 LORA_FORMATS = ("peft", "comfy")
@@ -166,3 +172,9 @@ def build_pipeline(cfg: dict, edit: bool = False):
     processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
     pipeline = QwenImageEditPipeline if variant == "edit" else QwenImageEditPlusPipeline
     return pipeline(processor=processor, **components)
+
+
+def single_file(sd: dict) -> dict:
+    """The transformer's state dict as ComfyUI's Qwen-Image files keep it: diffusers' own
+    names (split_files/diffusion_models), for the conformance suite's single-file theme."""
+    return dict(sd)

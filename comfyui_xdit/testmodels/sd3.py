@@ -5,7 +5,7 @@ q/k and dual attention), the 16-channel VAE and the released scheduler."""
 from __future__ import annotations
 
 from comfyui_xdit import bridge
-from comfyui_xdit.testmodels import parts
+from comfyui_xdit.testmodels import bfl_names, parts
 from comfyui_xdit.testmodels.text import _clip_tokenizer, _seeded, _t5_tokenizer
 
 _sd3 = bridge.family_module("sd3")  # scheduler
@@ -15,6 +15,14 @@ VARIANTS: tuple[str, ...] = ()
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers"
+CONFORMANCE_EXEMPT = {
+    "pipefusion_oracle": "not written yet: no single-process oracle of PipeFusion's "
+                         "stale-K/V schedule on SD3's diffusers transformer (its "
+                         "full-warmup exactness and closeness are checked)",
+}
+# the test model a ComfyUI single file describes (the conformance suite's single-file
+# theme): SD3's files store no head count without qk-norm (head dim 64, as released)
+SINGLE_FILE_MODEL = dict(width=256, heads=4)
 
 SD3_SAMPLE_SIZE = 16  # pipeline default 128x128
 SD3_POS_EMBED_MAX = 64  # latent grid up to 128 -> images up to 1024x1024
@@ -66,3 +74,52 @@ def build_pipeline(cfg: dict):
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
+
+
+def single_file(sd: dict) -> dict:
+    """The transformer's diffusers state dict in ComfyUI's MMDiT names (SD3 / SD3.5 files of
+    models/checkpoints), for the conformance suite's single-file theme and the fp8 / GGUF
+    tests."""
+    import torch
+    out = {"pos_embed": sd["pos_embed.pos_embed"]}
+    n = bfl_names.count(sd, "transformer_blocks")
+    for p in ("weight", "bias"):
+        out[f"x_embedder.proj.{p}"] = sd[f"pos_embed.proj.{p}"]
+        out[f"context_embedder.{p}"] = sd[f"context_embedder.{p}"]
+        out[f"t_embedder.mlp.0.{p}"] = sd[f"time_text_embed.timestep_embedder.linear_1.{p}"]
+        out[f"t_embedder.mlp.2.{p}"] = sd[f"time_text_embed.timestep_embedder.linear_2.{p}"]
+        out[f"y_embedder.mlp.0.{p}"] = sd[f"time_text_embed.text_embedder.linear_1.{p}"]
+        out[f"y_embedder.mlp.2.{p}"] = sd[f"time_text_embed.text_embedder.linear_2.{p}"]
+        out[f"final_layer.linear.{p}"] = sd[f"proj_out.{p}"]
+        out[f"final_layer.adaLN_modulation.1.{p}"] = bfl_names.shift_scale(sd[f"norm_out.linear.{p}"])
+    for i in range(n):
+        d, b = f"transformer_blocks.{i}.", f"joint_blocks.{i}."
+        last = i == n - 1
+        for p in ("weight", "bias"):
+            out[f"{b}x_block.attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.to_{x}.{p}"] for x in "qkv"])
+            out[f"{b}context_block.attn.qkv.{p}"] = torch.cat([sd[f"{d}attn.add_{x}_proj.{p}"]
+                                                               for x in "qkv"])
+            out[f"{b}x_block.attn.proj.{p}"] = sd[f"{d}attn.to_out.0.{p}"]
+            out[f"{b}x_block.adaLN_modulation.1.{p}"] = sd[f"{d}norm1.linear.{p}"]
+            ctx_mod = sd[f"{d}norm1_context.linear.{p}"]
+            # the last block's context stream only feeds attention: its modulation is a
+            # continuous norm (diffusers scale, shift; ComfyUI shift, scale)
+            out[f"{b}context_block.adaLN_modulation.1.{p}"] = \
+                bfl_names.shift_scale(ctx_mod) if last else ctx_mod
+            out[f"{b}x_block.mlp.fc1.{p}"] = sd[f"{d}ff.net.0.proj.{p}"]
+            out[f"{b}x_block.mlp.fc2.{p}"] = sd[f"{d}ff.net.2.{p}"]
+            if not last:
+                out[f"{b}context_block.attn.proj.{p}"] = sd[f"{d}attn.to_add_out.{p}"]
+                out[f"{b}context_block.mlp.fc1.{p}"] = sd[f"{d}ff_context.net.0.proj.{p}"]
+                out[f"{b}context_block.mlp.fc2.{p}"] = sd[f"{d}ff_context.net.2.{p}"]
+            if f"{d}attn2.to_q.{p}" in sd:  # SD3.5 dual attention (image stream only)
+                out[f"{b}x_block.attn2.qkv.{p}"] = torch.cat([sd[f"{d}attn2.to_{x}.{p}"]
+                                                              for x in "qkv"])
+                out[f"{b}x_block.attn2.proj.{p}"] = sd[f"{d}attn2.to_out.0.{p}"]
+        if f"{d}attn.norm_q.weight" in sd:  # SD3.5 qk-norm (RMS, weight only)
+            for x in "qk":
+                out[f"{b}x_block.attn.ln_{x}.weight"] = sd[f"{d}attn.norm_{x}.weight"]
+                out[f"{b}context_block.attn.ln_{x}.weight"] = sd[f"{d}attn.norm_added_{x}.weight"]
+                if f"{d}attn2.norm_{x}.weight" in sd:
+                    out[f"{b}x_block.attn2.ln_{x}.weight"] = sd[f"{d}attn2.norm_{x}.weight"]
+    return bfl_names.same_size(out, sd)

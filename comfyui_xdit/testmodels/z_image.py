@@ -26,6 +26,9 @@ TEST_REQUEST = dict(msl=64)
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_z_image.py::test_one_rank_equals_the_pipeline"
+# PipeFusion's stale-K/V oracle for the conformance suite (tests/conformance/test_pipefusion.py):
+# the test module's factory of the model folder, and the request fields it needs
+PIPEFUSION_ORACLE = dict(oracle="test_z_image:pipelined_oracle", request={})
 # the LoRA file formats the conformance suite writes for it beside diffusers/PEFT's: ComfyUI's
 # `diffusion_model.<layer>.lora_down / lora_up / alpha` under diffusers' layer names
 LORA_FORMATS = ("peft", "comfy")
@@ -93,3 +96,24 @@ def _learned_pads(transformer, seed: int) -> None:
     with torch.no_grad():
         for p in (transformer.x_pad_token, transformer.cap_pad_token):
             p.copy_(torch.randn(p.shape, generator=gen))
+
+
+def single_file(sd: dict) -> dict:
+    """diffusers' Z-Image state -> ComfyUI's NextDiT names, read off ComfyUI 0.8.0's key map
+    (comfy/utils.py z_image_to_diffusers): q, k, v joined as attention.qkv, norm_q/k as
+    q_norm/k_norm, to_out.0 as out, the patch-2 embedder and final layer without their
+    "2-1" key; for the conformance suite's single-file theme and the live suite."""
+    import torch
+    out = {}
+    for k, v in sd.items():
+        if ".attention.to_q." in k:
+            base = k.replace(".to_q.", ".qkv.")
+            out[base] = torch.cat([v, sd[k.replace("to_q", "to_k")], sd[k.replace("to_q", "to_v")]])
+            continue
+        if ".attention.to_k." in k or ".attention.to_v." in k:
+            continue
+        k = (k.replace(".norm_q.", ".q_norm.").replace(".norm_k.", ".k_norm.")
+             .replace(".to_out.0.", ".out.").replace("all_x_embedder.2-1.", "x_embedder.")
+             .replace("all_final_layer.2-1.", "final_layer."))
+        out[k] = v
+    return out

@@ -20,9 +20,9 @@ def _family(item) -> str:
 
 # a family's themes in the order its pools are first needed: the 1- and 2-rank pools, then
 # PipeFusion's, then the 4-rank and sharded ones, so at most KEEP pools are open at once and
-# none is launched twice
+# none is launched twice; last the single files, whose pools serve nothing else
 THEMES = ("test_batch_independence", "test_uneven_exact", "test_model_call", "test_lora", "test_step_cache",
-          "test_pipefusion", "test_methods_exact")
+          "test_pipefusion", "test_methods_exact", "test_single_file")
 KEEP = 3
 
 
@@ -53,11 +53,13 @@ class FamilyPools:
         self.cache = LayoutPools(keep=KEEP)
         self.results: dict = {}
 
-    def get(self, arch: str, config, tag: str = "", **options):
+    def get(self, arch: str, config, tag: str = "", path=None, **options):
+        """The family's pool for `config` (on `path`, another model of the family such as
+        its single file; default its test model)."""
         if arch != self.arch:
             self.close()
             self.arch = arch
-        return self.cache.get(self.model_dir(arch), config, tag=tag, **options)
+        return self.cache.get(path or self.model_dir(arch), config, tag=tag, **options)
 
     def one_rank(self, arch: str, req):
         """The family's result at one rank (plain gloo), once per request."""

@@ -6,11 +6,19 @@ result (negative control: the staleness is really used), yet close to it (relati
 Both stages are uneven (every block but the last on the first stage) and the token grid
 does not split into equal bands.
 
-That the pipelined result is exactly its stale-K/V algorithm is held against a
-single-process oracle of that algorithm, which is family-specific code
-(tests/test_pipefusion_reference.py, and each family's own where it has one).
+Pipelined, the result is exactly its stale-K/V algorithm: it equals (<= 1e-4) a
+single-process oracle of that algorithm on the family's diffusers transformer (each patch
+its own fresh K/V, the other patches' latest: this step's for patches already computed, the
+previous step's for the rest). The oracle is family-specific code (its text, noise,
+schedule, band forward and attention processor); the family's builder names it as
+`PIPEFUSION_ORACLE = dict(oracle="<test module>:<factory of the model folder>",
+request={...})`, the request fields the oracle needs on top of the suite's small request.
+The factory's `run(request, warmup, patches, refresh)` returns the final LATENT. Negative
+control: the oracle whose caches are never refreshed after warmup differs from the pool.
 """
 from __future__ import annotations
+
+import importlib
 
 import pytest
 
@@ -48,3 +56,26 @@ def test_pipelined_is_stale_but_close(arch, family_pools):
     # the exact run would fail a check at this distance (SD3's tiny model: 5e-4)
     assert d > 2 * TOL, f"{arch}: pipelined equals the exact run; nothing was stale"
     assert rel <= REL_CLOSE, f"{arch}: pipelined is {rel:.2%} away from the exact run"
+
+
+def stale_kv_oracle(arch: str, folder):
+    """(the family's oracle of PipeFusion's stale-K/V schedule on `folder`, its request's
+    extra fields), from the builder's PIPEFUSION_ORACLE."""
+    declared = importlib.import_module(f"comfyui_xdit.testmodels.{arch}").PIPEFUSION_ORACLE
+    module, _, name = declared["oracle"].partition(":")
+    return getattr(importlib.import_module(module), name)(folder), dict(declared["request"])
+
+
+@pytest.mark.parametrize("arch", params("pipefusion_oracle"))
+def test_pipelined_equals_its_stale_kv_oracle(arch, family_pools, model_dir):
+    c = CASES[arch]
+    oracle, extra = stale_kv_oracle(arch, model_dir(arch))
+    req = c.request(**extra)
+    got = _pipefusion_pool(arch, family_pools, 1).generate(req).samples
+    want = oracle.run(req, 1, 2)
+    d = maxdiff(got, want)
+    frozen = maxdiff(oracle.run(req, 1, 2, refresh=False), got)
+    print(f"{arch} PipeFusion 2, warmup 1: {d:.2e} from its stale-K/V oracle "
+          f"(never refreshed: {frozen:.2e})")
+    assert d <= TOL, f"{arch}: pipelined PipeFusion {d:.3e} from its stale-K/V oracle"
+    assert frozen > 10 * TOL, f"{arch}: the oracle's refreshes change nothing ({frozen:.2e})"
