@@ -51,11 +51,12 @@ class WorkerPool(PoolLaunch, PoolConnection):
                  attention: str = "auto", worker_hooks=(), compile: bool = False,
                  weights: str = "auto", text_encoders: str = "auto",
                  shard_weights: bool = False, memory_plan: Optional[str] = None,
-                 model_path_2=None):
+                 model_path_2=None, shard_split="even"):
         """`model_path_2`: Wan 2.2 A14B from two single files, `model_path` the high-noise
         expert's file and this the low-noise one's (checked here, headers only:
         model_info.read_pair). `attention`, `compile`, `weights`, `text_encoders`: see
-        `EngineOptions`.
+        `EngineOptions`; `shard_split`: each rank's share of the sharded weights ("even",
+        "memory", "3,2": `EngineOptions.shard_split`).
         `memory_plan`: "enforce" refuses a CUDA launch the memory plan predicts will not fit,
         "advise" warns and launches (the plan is an estimate); None: $XDIT_MEMORY_PLAN, else
         enforce. It acts at the next launch (the attribute may be changed before one).
@@ -65,7 +66,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
         self.engine = EngineOptions(device=device, dtype=dtype, attention=attention,
                                     compile=compile, weights=weights,
                                     text_encoders=text_encoders,
-                                    shard_weights=shard_weights).validate()
+                                    shard_weights=shard_weights,
+                                    shard_split=shard_split).validate()
         self.memory_plan = memory_plan  # validated by the property's setter
         self._memory: dict = {}  # the last launch's plan and measured peaks (status())
         self.attention = attention

@@ -264,6 +264,10 @@ class EngineOptions:
                    transformer, else the CPU), "cpu", "gpu" (rank 0's GPU) or "cuda:N".
     shard_weights: FSDP2-shard the transformer's block weights over every rank (each block
                    gathered just before it runs); exact, for models larger than one GPU.
+    shard_split:   each rank's share of the sharded weights: "even" (FSDP2's equal chunks),
+                   "memory" (in proportion to each rank's GPU memory: 24 GB beside 16 GB
+                   hold 3:2) or one weight per rank, "3,2" (workers/parallel/uneven_sharding.py;
+                   exact either way). Fixed at launch: another split relaunches.
     """
 
     device: str = "cpu"
@@ -273,9 +277,25 @@ class EngineOptions:
     weights: str = "auto"
     text_encoders: str = "auto"
     shard_weights: bool = False
+    shard_split: object = "even"  # "even" | "memory" | "3,2" (or a tuple of weights)
 
     def problems(self) -> list[str]:
         out = []
+        split = self.shard_split
+        if isinstance(split, str) and split.strip().lower() in ("auto",):
+            out.append("shard_split must be 'even', 'memory' or one weight per rank like "
+                       "3,2 (the weights are placed at launch, before anything is measured)")
+        elif not (isinstance(split, str) and split.strip().lower() in ("even", "memory", "")):
+            try:
+                from comfyui_xdit import bridge
+                w = bridge.shares.parse_split(split, len(str(split).split(","))
+                                              if isinstance(split, str) else len(split))
+            except ValueError as e:
+                out.append(f"shard_split: {e}")
+            else:
+                if w and not self.shard_weights:
+                    out.append(f"shard_split {split!r} needs shard_weights on (it sizes "
+                               f"each rank's shard of the weights)")
         if self.device not in ("cpu", "cuda"):
             out.append(f"device must be cpu or cuda (got {self.device!r})")
         if self.dtype not in DTYPES:
@@ -306,6 +326,14 @@ class EngineOptions:
         """What these options cannot run together with a parallel layout (checked on the host
         before any launch; the workers refuse the same combinations as a second line)."""
         out = []
+        split = self.shard_split
+        if not (isinstance(split, str) and split.strip().lower() in ("even", "memory", "",
+                                                                      "auto")):
+            n = len(str(split).split(",")) if isinstance(split, str) else len(split)
+            if n != config.ranks:
+                out.append(f"shard_split {split!r} gives {n} weights for {config.ranks} "
+                           f"ranks; give one weight per rank (e.g. "
+                           f"{','.join(['1'] * config.ranks)}) or 'memory'")
         if self.shard_weights and config.pipefusion > 1:
             out.append(f"shard_weights cannot be combined with pipefusion {config.pipefusion}: "
                        f"PipeFusion already splits the blocks over its stages, so the sharded "
@@ -316,6 +344,28 @@ class EngineOptions:
             out.append("compile is not supported with PipeFusion (its per-patch K/V-cache "
                        "attention would recompile per patch); drop compile or pipefusion")
         return out
+
+    def shard_weights_for(self, ranks: int, gpu_memory=None) -> tuple:
+        """The shard split's per-rank weights for a launch of `ranks` ranks: () for even
+        (or without sharding); "memory" takes `gpu_memory`, one size per rank (bytes or GiB;
+        a ConfigError where a size is unknown)."""
+        from comfyui_xdit import bridge
+        if not self.shard_weights or ranks < 2:
+            return ()
+        split = self.shard_split
+        if isinstance(split, str) and split.strip().lower() == "memory":
+            sizes = list(gpu_memory or [])
+            if len(sizes) != ranks or any(s is None or s <= 0 for s in sizes):
+                raise ConfigError(f"shard_split 'memory' needs each of the {ranks} GPUs' "
+                                  f"memory (got {sizes or 'none'}: nvidia-smi did not say, or "
+                                  f"the device is not cuda); give the weights, e.g. "
+                                  f"shard_split='3,2'")
+            return bridge.shares.parse_split(tuple(float(s) for s in sizes), ranks)
+        try:
+            w = bridge.shares.parse_split(split, ranks)
+        except ValueError as e:
+            raise ConfigError(f"shard_split: {e}") from None
+        return () if w == "auto" else w
 
     def validate(self) -> "EngineOptions":
         out = self.problems()
