@@ -119,6 +119,11 @@ class PoolLaunch:
             world, gpu_memory_bytes(gpus) if gpus and self.engine.shard_split == "memory"
             else None)
         self.shard_weights_split = shard_w
+        # PipeFusion's stages: under split=auto, by the speeds known for this launch's job
+        # (`_stage_speeds`, set by the pool before it launches; () while nothing is measured)
+        stages = self.config.stage_split(self.model_info.blocks,
+                                         getattr(self, "_stage_speeds", ()))
+        self.launched_stages = stages if self.config.pipefusion > 1 else None
         for rank in range(world):
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
@@ -147,8 +152,7 @@ class PoolLaunch:
                 cmd += ["--hook", spec]
             if self.config.pipefusion > 1:
                 cmd += ["--pipefusion", str(self.config.pipefusion), "--pipefusion-inner",
-                        str(self.config.sp), "--pipefusion-split",
-                        self.config.stage_split(self.model_info.blocks)]
+                        str(self.config.sp), "--pipefusion-split", stages]
             log = open(self._log_path(rank), "wb")
             self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, env=env,

@@ -25,6 +25,7 @@ from comfyui_xdit.comfy_convert import (comfy_to_model, job_noise, latent_shape,
                             latents_to_comfy, layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.errors import JobCancelled, PoolError  # noqa: F401  (the API's errors)
 from comfyui_xdit.planning import calibration, launch_policy
+from comfyui_xdit.planning.gpus import gpu_names
 from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig
 from comfyui_xdit.planning.model_info import ModelInfo, read_model_info
 from comfyui_xdit.planning.request import GenerationRequest, GenerationResult
@@ -192,20 +193,35 @@ class WorkerPool(PoolLaunch, PoolConnection):
         return self._with_memory(info)
 
     # ---- uneven splits (split_auto.py) -----------------------------------------------
-    def _speeds(self) -> split_auto.Speeds:
-        """The ranks' measured speeds, labelled by their GPU models (CPU: by rank)."""
+    def _speeds(self, launching: bool = False) -> split_auto.Speeds:
+        """The ranks' measured speeds, labelled by their GPU models (CPU: by rank; before a
+        launch, nvidia-smi's names of the GPUs the ranks will have)."""
         names = [r.get("gpu_name") for r in self._remote.get("ranks", [])]
+        if launching and self.device == "cuda" and not names:
+            names = gpu_names(self._rank_gpus() or [])
         labels = split_auto.labels_for(self.device, self.config.ranks,
                                        names if all(names) else None)
         if self._split_speeds is None or self._split_speeds.labels != labels:
             self._split_speeds = split_auto.Speeds(labels)
         return self._split_speeds
 
-    def _auto_weights(self, request) -> tuple:
-        """auto's weights for this job: the measured (or cached) speeds, () if unknown."""
-        if self.device == "cuda" and not self.is_running():
+    def _auto_weights(self, request, launching: bool = False) -> tuple:
+        """auto's weights for this job: the measured (or cached) speeds, () if unknown.
+        `launching`: before a launch, where CUDA's GPU models come from nvidia-smi."""
+        if self.device == "cuda" and not self.is_running() and not launching:
             return ()  # the GPUs' models are read from the running ranks
-        return self._speeds().weights(split_auto.job_key(self.model_info.arch, request))
+        return self._speeds(launching).weights(split_auto.job_key(self.model_info.arch,
+                                                                  request))
+
+    def _restage(self, request) -> bool:
+        """Whether a running PipeFusion pool under auto holds other stages than the speeds
+        now measured for this job give (its stages were chosen before they were known): the
+        stages' blocks are loaded at launch, so a relaunch takes them."""
+        if self.config.split != "auto" or self.config.pipefusion == 1 or \
+                not self.is_running():
+            return False
+        want = self.config.stage_split(self.model_info.blocks, self._auto_weights(request))
+        return want != getattr(self, "launched_stages", None)
 
     def _split_status(self, info: dict) -> dict:
         """The split: its mode, each rank's share and measured speed and own step time,
@@ -261,6 +277,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
                               noise=noise, on_launch=on_launch)  # same tokens, one full step
             finally:
                 self._probing = False
+            if self._restage(request):  # PipeFusion: stages by the speeds just measured
+                self._shutdown()  # are loaded at the relaunch just below
         _check_engine(self.engine, self.config)
         _check_job_inputs(request, noise, init_latent, denoise, info.arch)
         plan = UNPLANNED
@@ -273,6 +291,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
             launched = False
             if not self.is_running():
                 self._shutdown()
+                self._stage_speeds = self._auto_weights(request, launching=True) \
+                    if auto and self.config.pipefusion > 1 else ()
                 self._launch(on_launch, plan)
                 launched = True
             t_ready = time.perf_counter()

@@ -86,15 +86,16 @@ class ParallelConfig:
         return (self.ranks, self.pipefusion, self.sp, str(self.pipefusion_split),
                 self.weights() if self.pipefusion_split == "balanced" else ())
 
-    def stage_split(self, blocks: int) -> str:
+    def stage_split(self, blocks: int, measured=()) -> str:
         """PipeFusion's `pipefusion_split` as the workers get it: where the split gives the
         stages uneven weights (each stage the sum of its ranks') and the stages are left
-        "balanced", block counts by those weights ("12,7"); else as given. `auto` is not
-        known at launch, when a stage's blocks are loaded, so it keeps the balanced split."""
+        "balanced", block counts by those weights ("12,7"); else as given. `auto` takes
+        `measured`, the ranks' speeds known at launch (the pool's cache for these GPUs at
+        this size), and keeps the balanced split while nothing is measured."""
         from comfyui_xdit import bridge
         if self.pipefusion == 1 or self.pipefusion_split != "balanced":
             return str(self.pipefusion_split)
-        w = self.weights()
+        w = self.weights(measured)
         if not w:
             return "balanced"
         inner = self.sp
