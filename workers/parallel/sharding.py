@@ -1,5 +1,8 @@
 """Weight sharding (`EngineOptions.shard_weights`, `--shard-weights`): torch's FSDP2 over the
 pool, so a model larger than one GPU runs exactly with Ulysses, Ring, hybrid, CFG and DP.
+An uneven `--shard-split` (GPUs of different memory) shards the same units with each rank's
+rows by its weight instead (workers/parallel/uneven_sharding.py; FSDP2 splits evenly only);
+`ShardSetup.wrap` picks which, and everything else here serves both.
 
 What is sharded: every block of the adapter's block lists (FLUX `transformer_blocks` +
 `single_transformer_blocks`, SD3 `transformer_blocks`) is its own `fully_shard` unit, and the
