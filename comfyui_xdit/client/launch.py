@@ -116,8 +116,7 @@ class PoolLaunch:
         threads = self.threads_per_rank or _default_threads(world)
         te_gpu = text_encoder_gpu(self.engine.text_encoders, gpus or [])
         shard_w = self.engine.shard_weights_for(  # by memory: each rank's GPU's size
-            world, gpu_memory_bytes(gpus) if gpus and self.engine.shard_split == "memory"
-            else None)
+            world, gpu_memory_bytes(gpus) if gpus else None)
         self.shard_weights_split = shard_w
         # PipeFusion's stages: under split=auto, by the speeds known for this launch's job
         # (`_stage_speeds`, set by the pool before it launches; () while nothing is measured)

@@ -283,6 +283,10 @@ class EngineOptions:
     def problems(self) -> list[str]:
         out = []
         split = self.shard_split
+        if isinstance(split, str) and split.strip().lower() == "memory" and \
+                self.shard_weights and self.device != "cuda":
+            out.append(f"shard_split 'memory' reads each GPU's memory and needs device cuda "
+                       f"(got {self.device}); give one weight per rank, e.g. 3,2")
         if isinstance(split, str) and split.strip().lower() in ("auto",):
             out.append("shard_split must be 'even', 'memory' or one weight per rank like "
                        "3,2 (the weights are placed at launch, before anything is measured)")
@@ -291,8 +295,9 @@ class EngineOptions:
                 from comfyui_xdit import bridge
                 w = bridge.shares.parse_split(split, len(str(split).split(","))
                                               if isinstance(split, str) else len(split))
-            except ValueError as e:
-                out.append(f"shard_split: {e}")
+            except ValueError:
+                out.append(f"shard_split {split!r} must be 'even', 'memory' or one positive "
+                           f"weight per rank like 3,2")
             else:
                 if w and not self.shard_weights:
                     out.append(f"shard_split {split!r} needs shard_weights on (it sizes "
