@@ -116,6 +116,11 @@ def test_shard_weights_by_memory_count_each_ranks_own_rows(flux2):
     assert engine.shard_weights_for(2, [24, 16]) == (24.0, 16.0)
     assert EngineOptions(shard_weights=True, shard_split="3,2").problems_with(
         ParallelConfig(ulysses=4))[0].startswith("shard_split '3,2' gives 2 weights for 4")
+    # refused before a launch, one line each: no GPU sizes on the CPU, a bad weight
+    assert "needs device cuda" in EngineOptions(shard_weights=True,
+                                                shard_split="memory").problems()[0]
+    assert EngineOptions(shard_weights=True, shard_split="3,x").problems() == [
+        "shard_split '3,x' must be 'even', 'memory' or one positive weight per rank like 3,2"]
 
 
 def test_shard_weights_traffic_per_step(flux2):
