@@ -218,7 +218,7 @@ class WorkerPool(PoolLaunch, PoolConnection):
         now measured for this job give (its stages were chosen before they were known): the
         stages' blocks are loaded at launch, so a relaunch takes them."""
         if self.config.split != "auto" or self.config.pipefusion == 1 or \
-                not self.is_running():
+                not self.is_running() or self._attached:  # an external pool keeps its own
             return False
         want = self.config.stage_split(self.model_info.blocks, self._auto_weights(request))
         return want != getattr(self, "launched_stages", None)
