@@ -277,12 +277,10 @@ def _rank_bytes(triples, dtype_bytes: int, fp8, weights, rank: int) -> int:
 
 def uneven_shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8, weights,
                          rank: int) -> ShardFigures:
-    """Rank `rank`'s bytes under shard_weights with an uneven `shard_split` (its rows of
-    every parameter by `weights`, workers/parallel/uneven_sharding.py). Each unit (a block;
-    the non-block parameters) is all-gathered padded to its largest rank's shard: a rank
-    receives (world - 1) x that per unit, and during a block holds the receive buffer (world
-    x the largest shard) and the assembled block at once; the non-block parameters stay
-    whole for the forward."""
+    """Rank `rank`'s bytes under an uneven `shard_split` (its rows of every parameter by
+    `weights`: workers/parallel/uneven_sharding.py). A unit (a block; the rest) is gathered
+    padded to its largest shard: a rank receives (world - 1) x that, and holds the receive
+    buffer (world x it) beside the assembled unit; the rest stays whole for the forward."""
     world = len(weights)
     units = [*tr.blocks, tr.rest]
 
