@@ -82,6 +82,47 @@ def test_shard_weights_are_fsdp_chunks_plus_gathered(flux2):
     assert {r.weights for r in plan.ranks} == {chunks + root + pair}
 
 
+def test_shard_weights_by_memory_count_each_ranks_own_rows(flux2):
+    """`shard_split='memory'` on a 24 GB and a 16 GB GPU: each rank holds its rows of every
+    parameter at 3:2 (workers/parallel/uneven_sharding.py, counted on the meta module's own
+    rows), so the 16 GB rank holds less than the even split's half; each rank receives the
+    other's padded shard (the largest) per unit once per forward. Negative control: the
+    even split gives both ranks the same bytes."""
+    from workers.parallel.shares import share_sizes
+    tr, facts = flux2
+    engine = EngineOptions(device="cuda", dtype="bf16", weights="full", text_encoders="cpu",
+                           shard_weights=True, shard_split="memory")
+    caps = [24 * GiB, 16 * GiB]
+    plan = arith.plan(facts, ParallelConfig(ulysses=2), engine, None, gpu_memory=caps)
+    blocks = [b for name in LISTS for b in getattr(tr, name)]
+    ids = {id(p) for b in blocks for p in b.parameters()}
+    rest = [p for p in tr.parameters() if id(p) not in ids]
+
+    def rows(params, rank):
+        return sum(share_sizes(p.shape[0], (24, 16))[rank] * (p.numel() // p.shape[0]) * 2
+                   for p in params)
+    mine = [rows(tr.parameters(), r) for r in range(2)]
+    assert abs(mine[0] / sum(mine) - 0.6) < 1e-3
+    units = [list(b.parameters()) for b in blocks] + [rest]
+    flight = max(2 * max(rows(u, 0), rows(u, 1)) + nbytes(u) for u in units)
+    assert [r.weights for r in plan.ranks] == [m + nbytes(rest) + flight for m in mine]
+    assert plan.gather_bytes_per_step == sum(max(rows(u, 0), rows(u, 1)) for u in units)
+    assert plan.ranks[1].role == "shard 2/2 (40%)"
+    even = arith.plan(facts, ParallelConfig(ulysses=2), dataclasses.replace(
+        engine, shard_split="even"), None, gpu_memory=caps)
+    assert even.ranks[0].weights == even.ranks[1].weights > plan.ranks[1].weights
+    with pytest.raises(ConfigError, match="shard_split 'memory' needs each"):
+        arith.plan(facts, ParallelConfig(ulysses=2), engine, None)
+    assert engine.shard_weights_for(2, [24, 16]) == (24.0, 16.0)
+    assert EngineOptions(shard_weights=True, shard_split="3,2").problems_with(
+        ParallelConfig(ulysses=4))[0].startswith("shard_split '3,2' gives 2 weights for 4")
+    # refused before a launch, one line each: no GPU sizes on the CPU, a bad weight
+    assert "needs device cuda" in EngineOptions(shard_weights=True,
+                                                shard_split="memory").problems()[0]
+    assert EngineOptions(shard_weights=True, shard_split="3,x").problems() == [
+        "shard_split '3,x' must be 'even', 'memory' or one positive weight per rank like 3,2"]
+
+
 def test_shard_weights_traffic_per_step(flux2):
     """Each rank receives the other N-1 ranks' chunks of every parameter once per forward
     (twice per step with in-process CFG, once with cfg parallel); no sharding, no traffic."""

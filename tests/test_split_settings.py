@@ -140,6 +140,39 @@ def test_pipefusion_by_share_equals_the_balanced_stages(model_dir):
     assert float((out["3,1"] - out["even"]).abs().max()) <= 1e-4
 
 
+def test_pipefusion_auto_chooses_stages_by_measured_speed_and_stays_exact(model_dir, tmp_path,
+                                                                          monkeypatch):
+    """`split=auto` under PipeFusion: the first job on unmeasured GPUs probes one step on
+    the balanced stages, then relaunches with blocks per stage by the measured speeds (the
+    slow rank's stage gets fewer); a later pool on the same GPUs reads the cache and
+    launches with them at once. At full warmup (every step synchronous) the result equals
+    one rank's. Negative control: `auto`'s stages for the same pool with no speeds known
+    are the balanced ones."""
+    from comfyui_xdit import WorkerPool
+    monkeypatch.setenv("XDIT_SPLIT_CACHE", str(tmp_path / "speeds.json"))
+    monkeypatch.setenv("XDIT_SLOW_RANKS", "1:4,base=1e-3")  # rank 1: a 4x slower device
+    req = GenerationRequest(prompt=["a red cube"], seed=3, steps=2, height=128, width=128)
+    config = ParallelConfig(pipefusion=2, split="auto", warmup_steps=2)
+    assert config.stage_split(19) == "balanced"
+    hooks = ["xdit_testhooks.slow_ranks:install"]
+    with WorkerPool(str(model_dir("flux")), ParallelConfig(), device="cpu",
+                    threads_per_rank=1) as one:
+        want = one.generate(req).samples
+    stages = []
+    for _ in range(2):
+        with WorkerPool(str(model_dir("flux")), config, device="cpu", threads_per_rank=1,
+                        worker_hooks=hooks) as pool:
+            got = pool.generate(req).samples
+            blocks = [r["stage"]["blocks"] for r in pool.status()["ranks"]]  # [lo, hi)
+            stages.append(([hi - lo for lo, hi in blocks], pool.launches))
+            d = float((got - want).abs().max())
+            print("auto stages", blocks, "launches", pool.launches, "max abs vs 1 rank", d)
+            assert d <= 1e-4
+    (first, launches1), (second, launches2) = stages
+    assert first[0] > first[1] and launches1 == 2, stages  # probe, then the relaunch
+    assert second[0] > second[1] and launches2 == 1, stages  # from the cache: one launch
+
+
 def test_the_status_command_shows_each_ranks_share_and_the_rank_holding_back():
     from comfyui_xdit.cli.commands import format_status
     info = {"model": "m", "arch": "flux", "world_size": 2, "state": "idle",
@@ -169,3 +202,40 @@ def test_memory_plan_command_plans_each_gpu_with_its_own_memory_and_share():
     assert [row[-2] for row in rows] == ["24.0", "16.0"], r.stdout + r.stderr
     assert float(rows[0][3]) > float(rows[1][3])  # activations by share: 3:1
     assert "rank 1 (replica) needs" in r.stdout and "of its 16.0 GiB GPU" in r.stdout
+
+
+def test_the_panel_shows_each_ranks_share_step_time_and_the_slow_rank():
+    """The sidebar panel (web/xdit.js) reads /xdit/status: each rank's row carries its share
+    of the work, its measured block time and its share of the sharded weights, and the rank
+    holding the pool back is named with the suggestion. Negative control: an even pool with
+    nothing measured shows none of them."""
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
+
+    class FakePool:
+        def __init__(self, status):
+            self._status, self.model_path, self.launches = status, "/m/flux", 1
+            self.config, self.device, self.dtype = ParallelConfig(ulysses=2), "cpu", "fp32"
+
+        def status(self):
+            return self._status
+
+    rows = [{"rank": r, "pid": 10 + r, "device": "cpu", "rss_mb": 1.0} for r in range(2)]
+    measured = {"state": "idle", "ranks": rows, "sharding": {"shard_split": [3.0, 2.0]},
+                "split": {"mode": "auto", "holds_back": "rank 1 (cpu/rank1) runs at 30% of "
+                          "the fastest rank's speed: ... leaving it out of the pool may be "
+                          "faster still",
+                          "ranks": [{"rank": 0, "share": 0.77, "speed": 90.0, "own_s": 1.5},
+                                    {"rank": 1, "share": 0.23, "speed": 27.0, "own_s": 1.4}]}}
+    reg = PoolRegistry()
+    reg._pools = {"a": FakePool(measured),
+                  "b": FakePool({"state": "idle", "ranks": rows, "split": {"mode": "even"}})}
+    shown, plain = reg.status()["pools"]
+    assert [(r["share"], r["step_s"], r["weight_share"]) for r in shown["ranks"]] == \
+        [(0.77, 1.5, 0.6), (0.23, 1.4, 0.4)]
+    assert shown["slow_rank"].startswith("rank 1 (cpu/rank1)") and \
+        "leaving it out" in shown["slow_rank"] and shown["split_mode"] == "auto"
+    assert not any(k in r for r in plain["ranks"] for k in ("share", "step_s", "weight_share"))
+    assert "slow_rank" not in plain
+    js = (ROOT / "web" / "xdit.js").read_text()
+    for field in ("r.share", "r.step_s", "r.weight_share", "p.slow_rank"):
+        assert field in js, f"the panel does not show {field}"

@@ -9,17 +9,26 @@ function esc(s) {
   return String(s ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
 }
 
+function pct(x) {
+  return x != null ? Math.round(x * 100) + "%" : "";
+}
+
 function renderPool(p) {
   const state = p.state === "running" && p.total ? `running ${p.step ?? 0}/${p.total}` : p.state;
+  // each rank's share of the work, its measured block time and its share of the weights
+  // (GPUs of different speed or memory; the server merges them into the rank rows)
   const ranks = (p.ranks || []).map((r) =>
     `<tr><td>${esc(r.rank)}</td><td>${esc(r.pid)}</td><td>${esc(r.device ?? p.device)}</td>` +
     `<td>${r.rss_mb != null ? Math.round(r.rss_mb) + " MB" : ""}</td>` +
     `<td>${r.gpu_mem_mb != null ? Math.round(r.gpu_mem_mb) + " MB" : ""}</td>` +
+    `<td>${esc(pct(r.share))}${r.weight_share != null ? ` (weights ${esc(pct(r.weight_share))})` : ""}</td>` +
+    `<td>${r.step_s != null ? esc(Number(r.step_s).toFixed(2)) + " s" : ""}</td>` +
     `<td>${r.stage ? `${r.stage.index + 1}/${r.stage.of} (blocks ${r.stage.blocks[0]}–${r.stage.blocks[1] - 1})` : ""}</td></tr>`).join("");
   return `<div style="margin-bottom:10px;padding:6px;border:1px solid var(--border-color,#444);border-radius:4px">
     <div><b>${esc((p.model || "").split("/").pop())}</b> — ${esc(state)}</div>
     <div style="opacity:.8">${esc(p.config)} · ${esc(p.world_size)} rank(s) · ${esc(p.device)} ${esc(p.dtype)} · launches ${esc(p.launches)}</div>
-    ${ranks ? `<table style="width:100%;font-size:12px"><tr><th>rank</th><th>pid</th><th>device</th><th>RSS</th><th>GPU</th><th>stage</th></tr>${ranks}</table>` : ""}
+    ${ranks ? `<table style="width:100%;font-size:12px"><tr><th>rank</th><th>pid</th><th>device</th><th>RSS</th><th>GPU</th><th title="share of the work (split ${esc(p.split_mode ?? "even")})">share</th><th title="the rank's own block time in the last job">step</th><th>stage</th></tr>${ranks}</table>` : ""}
+    ${p.slow_rank ? `<div style="color:#eb4">${esc(p.slow_rank)}</div>` : ""}
     ${p.error ? `<div style="color:#e66">${esc(p.error)}</div>` : ""}
   </div>`;
 }

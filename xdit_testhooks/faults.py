@@ -134,3 +134,25 @@ def split_gather_even(ctx):
         return real(x, dim, even, stream, group)
 
     sp.gather_stream = gather_stream
+
+
+def shard_rows_swapped(ctx):
+    """Weight sharding by weight (workers/parallel/uneven_sharding.py) reassembles each
+    parameter with the ranks' rows in reverse rank order: every collective still matches,
+    only the weights are wrong."""
+    import torch
+
+    import workers.parallel.uneven_sharding as us
+
+    real = us.UnevenWeightSharding.gather
+
+    def gather(self, u):
+        real(self, u)
+        for e in u.params:
+            if len([n for n in e.rows if n]) < 2:
+                continue
+            whole = e.param.data.reshape((-1,) + e.shape[1:])
+            parts = torch.split(whole, e.rows)
+            e.param.data = torch.cat(parts[::-1]).view(e.shape)
+
+    us.UnevenWeightSharding.gather = gather

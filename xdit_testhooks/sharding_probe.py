@@ -7,8 +7,6 @@ Each residency reading walks every block's FSDP groups, so it never runs in prod
 where it would put O(blocks^2) Python into every forward and hold up FSDP2's prefetch."""
 from __future__ import annotations
 
-from workers.parallel.sharding import group_elems, param_groups
-
 
 class ShardingProbe:
     def __init__(self, sharding):
@@ -19,10 +17,7 @@ class ShardingProbe:
         self.peak_in_block = self.peak_between = 0
         numel = {id(b): n for b, n in zip(sharding.blocks, sharding.block_numels)}
         # an all-gather's input is the rank's padded shard; each rank receives the others'
-        shard_bytes = sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size()
-                          for m in [sharding.transformer, *sharding.blocks]
-                          for g in param_groups(m) for fp in g.fsdp_params)
-        self.received_per_forward = (sharding.world - 1) * shard_bytes
+        self.received_per_forward = sharding.received_per_forward()
 
         def enter(module, args):
             self.forwards += 1

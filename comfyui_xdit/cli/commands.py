@@ -329,13 +329,17 @@ def _add_engine_flags(p):
     p.add_argument("--shard-weights", action="store_true",
                    help="FSDP2-shard the transformer's block weights over every rank (exact; "
                         "for models larger than one GPU)")
+    p.add_argument("--shard-split", default="even",
+                   help="with --shard-weights, each rank's share of the weights: even, memory "
+                        "(by each GPU's size) or one weight per rank, e.g. 3,2 (exact)")
 
 
 def engine_from_args(args) -> EngineOptions:
     return EngineOptions(device=args.device, dtype=args.dtype, attention=args.attention,
                          compile=args.compile, weights=args.weights,
                          text_encoders=args.text_encoders,
-                         shard_weights=args.shard_weights).validate()
+                         shard_weights=args.shard_weights,
+                         shard_split=getattr(args, "shard_split", "even")).validate()
 
 
 def config_from_args(args) -> ParallelConfig:
@@ -428,7 +432,8 @@ def run_generate(args) -> int:
         pool = WorkerPool(args.model, config, device=e.device, dtype=e.dtype,
                           threads_per_rank=args.threads_per_rank, attention=e.attention,
                           compile=e.compile, weights=e.weights, text_encoders=e.text_encoders,
-                          shard_weights=e.shard_weights, model_path_2=args.model_2)
+                          shard_weights=e.shard_weights, shard_split=e.shard_split,
+                          model_path_2=args.model_2)
     with pool:
         if args.attach:
             served = pool.model_info.path

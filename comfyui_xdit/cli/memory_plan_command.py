@@ -37,6 +37,9 @@ def add_cli(sub) -> None:
                         "like 10,9")
     p.add_argument("--shard-weights", action="store_true",
                    help="FSDP2-shard the block weights over every rank")
+    p.add_argument("--shard-split", default="even",
+                   help="with --shard-weights, each rank's share of the weights: even, "
+                        "memory (by --gpu-memory: 24,16 holds 3:2) or one weight per rank")
     p.add_argument("--weights", choices=["auto", "fp8", "full"], default="auto",
                    help="auto: as the checkpoint stores them; fp8: block weights in fp8; "
                         "full: every weight in --dtype")
@@ -135,7 +138,8 @@ def run_cli(args) -> int:
                             args.traffic_table or not counts else counts[0])
     out = config.problems()
     engine = EngineOptions(device="cuda", dtype=args.dtype, weights=args.weights,
-                           text_encoders=args.text_encoders, shard_weights=args.shard_weights)
+                           text_encoders=args.text_encoders, shard_weights=args.shard_weights,
+                           shard_split=args.shard_split)
     out += engine.problems() + engine.problems_with(config)
     for name in ("height", "width"):
         v = getattr(args, name)

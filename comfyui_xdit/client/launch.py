@@ -23,7 +23,7 @@ from comfyui_xdit.client.exit_cleanup import install_sigterm
 from comfyui_xdit.client.pool_folders import make_pool_folder
 from comfyui_xdit.errors import PoolError
 from comfyui_xdit.planning import calibration, launch_policy
-from comfyui_xdit.planning.gpus import gpus_for_ranks, text_encoder_gpu
+from comfyui_xdit.planning.gpus import gpu_memory_bytes, gpus_for_ranks, text_encoder_gpu
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _log = logging.getLogger("comfyui_xdit")
@@ -115,6 +115,14 @@ class PoolLaunch:
         addr_file = os.path.join(self._tmp, "address")
         threads = self.threads_per_rank or _default_threads(world)
         te_gpu = text_encoder_gpu(self.engine.text_encoders, gpus or [])
+        shard_w = self.engine.shard_weights_for(  # by memory: each rank's GPU's size
+            world, gpu_memory_bytes(gpus) if gpus else None)
+        self.shard_weights_split = shard_w
+        # PipeFusion's stages: under split=auto, by the speeds known for this launch's job
+        # (`_stage_speeds`, set by the pool before it launches; () while nothing is measured)
+        stages = self.config.stage_split(self.model_info.blocks,
+                                         getattr(self, "_stage_speeds", ()))
+        self.launched_stages = stages if self.config.pipefusion > 1 else None
         for rank in range(world):
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
@@ -133,7 +141,8 @@ class PoolLaunch:
                    *(["--model-2", self.model_path_2] if self.model_path_2 else []),
                    "--rank", str(rank), "--world-size", str(world),
                    "--store", os.path.join(self._tmp, "store"), "--threads", str(threads),
-                   *engine.worker_argv()]
+                   *engine.worker_argv(),
+                   *(["--shard-split", ",".join(f"{x:g}" for x in shard_w)] if shard_w else [])]
             if rank == 0:
                 cmd += ["--address-file", addr_file, "--secret-file", secret_file]
             if self.load_in_turn:
@@ -142,8 +151,7 @@ class PoolLaunch:
                 cmd += ["--hook", spec]
             if self.config.pipefusion > 1:
                 cmd += ["--pipefusion", str(self.config.pipefusion), "--pipefusion-inner",
-                        str(self.config.sp), "--pipefusion-split",
-                        self.config.stage_split(self.model_info.blocks)]
+                        str(self.config.sp), "--pipefusion-split", stages]
             log = open(self._log_path(rank), "wb")
             self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, env=env,

@@ -25,6 +25,7 @@ from comfyui_xdit.comfy_convert import (comfy_to_model, job_noise, latent_shape,
                             latents_to_comfy, layout_hint, model_to_comfy, noise_to_model)
 from comfyui_xdit.errors import JobCancelled, PoolError  # noqa: F401  (the API's errors)
 from comfyui_xdit.planning import calibration, launch_policy
+from comfyui_xdit.planning.gpus import gpu_names
 from comfyui_xdit.planning.config import ConfigError, EngineOptions, ParallelConfig
 from comfyui_xdit.planning.model_info import ModelInfo, read_model_info
 from comfyui_xdit.planning.request import GenerationRequest, GenerationResult
@@ -51,11 +52,12 @@ class WorkerPool(PoolLaunch, PoolConnection):
                  attention: str = "auto", worker_hooks=(), compile: bool = False,
                  weights: str = "auto", text_encoders: str = "auto",
                  shard_weights: bool = False, memory_plan: Optional[str] = None,
-                 model_path_2=None):
+                 model_path_2=None, shard_split="even"):
         """`model_path_2`: Wan 2.2 A14B from two single files, `model_path` the high-noise
         expert's file and this the low-noise one's (checked here, headers only:
         model_info.read_pair). `attention`, `compile`, `weights`, `text_encoders`: see
-        `EngineOptions`.
+        `EngineOptions`; `shard_split`: each rank's share of the sharded weights ("even",
+        "memory", "3,2": `EngineOptions.shard_split`).
         `memory_plan`: "enforce" refuses a CUDA launch the memory plan predicts will not fit,
         "advise" warns and launches (the plan is an estimate); None: $XDIT_MEMORY_PLAN, else
         enforce. It acts at the next launch (the attribute may be changed before one).
@@ -65,7 +67,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
         self.engine = EngineOptions(device=device, dtype=dtype, attention=attention,
                                     compile=compile, weights=weights,
                                     text_encoders=text_encoders,
-                                    shard_weights=shard_weights).validate()
+                                    shard_weights=shard_weights,
+                                    shard_split=shard_split).validate()
         self.memory_plan = memory_plan  # validated by the property's setter
         self._memory: dict = {}  # the last launch's plan and measured peaks (status())
         self.attention = attention
@@ -190,20 +193,35 @@ class WorkerPool(PoolLaunch, PoolConnection):
         return self._with_memory(info)
 
     # ---- uneven splits (split_auto.py) -----------------------------------------------
-    def _speeds(self) -> split_auto.Speeds:
-        """The ranks' measured speeds, labelled by their GPU models (CPU: by rank)."""
+    def _speeds(self, launching: bool = False) -> split_auto.Speeds:
+        """The ranks' measured speeds, labelled by their GPU models (CPU: by rank; before a
+        launch, nvidia-smi's names of the GPUs the ranks will have)."""
         names = [r.get("gpu_name") for r in self._remote.get("ranks", [])]
+        if launching and self.device == "cuda" and not names:
+            names = gpu_names(self._rank_gpus() or [])
         labels = split_auto.labels_for(self.device, self.config.ranks,
                                        names if all(names) else None)
         if self._split_speeds is None or self._split_speeds.labels != labels:
             self._split_speeds = split_auto.Speeds(labels)
         return self._split_speeds
 
-    def _auto_weights(self, request) -> tuple:
-        """auto's weights for this job: the measured (or cached) speeds, () if unknown."""
-        if self.device == "cuda" and not self.is_running():
+    def _auto_weights(self, request, launching: bool = False) -> tuple:
+        """auto's weights for this job: the measured (or cached) speeds, () if unknown.
+        `launching`: before a launch, where CUDA's GPU models come from nvidia-smi."""
+        if self.device == "cuda" and not self.is_running() and not launching:
             return ()  # the GPUs' models are read from the running ranks
-        return self._speeds().weights(split_auto.job_key(self.model_info.arch, request))
+        return self._speeds(launching).weights(split_auto.job_key(self.model_info.arch,
+                                                                  request))
+
+    def _restage(self, request) -> bool:
+        """Whether a running PipeFusion pool under auto holds other stages than the speeds
+        now measured for this job give (its stages were chosen before they were known): the
+        stages' blocks are loaded at launch, so a relaunch takes them."""
+        if self.config.split != "auto" or self.config.pipefusion == 1 or \
+                not self.is_running() or self._attached:  # an external pool keeps its own
+            return False
+        want = self.config.stage_split(self.model_info.blocks, self._auto_weights(request))
+        return want != getattr(self, "launched_stages", None)
 
     def _split_status(self, info: dict) -> dict:
         """The split: its mode, each rank's share and measured speed and own step time,
@@ -259,6 +277,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
                               noise=noise, on_launch=on_launch)  # same tokens, one full step
             finally:
                 self._probing = False
+            if self._restage(request):  # PipeFusion: stages by the speeds just measured
+                self._shutdown()  # are loaded at the relaunch just below
         _check_engine(self.engine, self.config)
         _check_job_inputs(request, noise, init_latent, denoise, info.arch)
         plan = UNPLANNED
@@ -271,6 +291,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
             launched = False
             if not self.is_running():
                 self._shutdown()
+                self._stage_speeds = self._auto_weights(request, launching=True) \
+                    if auto and self.config.pipefusion > 1 else ()
                 self._launch(on_launch, plan)
                 launched = True
             t_ready = time.perf_counter()

@@ -135,7 +135,7 @@ class PoolRegistry:
             st["device"] = pool.device
             st["dtype"] = pool.dtype
             st["launches"] = pool.launches
-            out.append(_jsonable(st))
+            out.append(_jsonable(with_shares(st)))
         return {"pools": out, "last_error": self.last_error,
                 "last_error_log": self.last_error_log, "launching": self.launching,
                 "last_job": _jsonable(self.last_job)}
@@ -169,3 +169,34 @@ def _jsonable(x):
 
 
 REGISTRY = PoolRegistry()
+
+
+def with_shares(st: dict) -> dict:
+    """A pool's status as the panel reads it: each rank's row also carries its share of the
+    work (`share`, a fraction), its measured block time in the last job (`step_s`) and speed,
+    and, where weights are sharded by weight, its share of the weights (`weight_share`); a
+    rank that holds the pool back is named in `slow_rank` with the suggestion
+    (comfyui_xdit/client/split_auto.py)."""
+    split = st.get("split") or {}
+    by_rank = {r.get("rank"): r for r in split.get("ranks") or ()}
+    shard_w = (st.get("sharding") or {}).get("shard_split") or ()
+    rows = []
+    for row in st.get("ranks") or ():
+        row = dict(row)
+        got = by_rank.get(row.get("rank"), {})
+        if "share" in got:
+            row["share"] = got["share"]
+        if "own_s" in got:
+            row["step_s"] = got["own_s"]
+        if "speed" in got:
+            row["speed"] = got["speed"]
+        if shard_w and isinstance(row.get("rank"), int) and row["rank"] < len(shard_w):
+            row["weight_share"] = round(shard_w[row["rank"]] / sum(shard_w), 4)
+        rows.append(row)
+    if rows:
+        st["ranks"] = rows
+    if split.get("holds_back"):
+        st["slow_rank"] = split["holds_back"]
+    if split.get("mode"):
+        st["split_mode"] = split["mode"]
+    return st

@@ -86,15 +86,16 @@ class ParallelConfig:
         return (self.ranks, self.pipefusion, self.sp, str(self.pipefusion_split),
                 self.weights() if self.pipefusion_split == "balanced" else ())
 
-    def stage_split(self, blocks: int) -> str:
+    def stage_split(self, blocks: int, measured=()) -> str:
         """PipeFusion's `pipefusion_split` as the workers get it: where the split gives the
         stages uneven weights (each stage the sum of its ranks') and the stages are left
-        "balanced", block counts by those weights ("12,7"); else as given. `auto` is not
-        known at launch, when a stage's blocks are loaded, so it keeps the balanced split."""
+        "balanced", block counts by those weights ("12,7"); else as given. `auto` takes
+        `measured`, the ranks' speeds known at launch (the pool's cache for these GPUs at
+        this size), and keeps the balanced split while nothing is measured."""
         from comfyui_xdit import bridge
         if self.pipefusion == 1 or self.pipefusion_split != "balanced":
             return str(self.pipefusion_split)
-        w = self.weights()
+        w = self.weights(measured)
         if not w:
             return "balanced"
         inner = self.sp
@@ -283,6 +284,10 @@ class EngineOptions:
                    transformer, else the CPU), "cpu", "gpu" (rank 0's GPU) or "cuda:N".
     shard_weights: FSDP2-shard the transformer's block weights over every rank (each block
                    gathered just before it runs); exact, for models larger than one GPU.
+    shard_split:   each rank's share of the sharded weights: "even" (FSDP2's equal chunks),
+                   "memory" (in proportion to each rank's GPU memory: 24 GB beside 16 GB
+                   hold 3:2) or one weight per rank, "3,2" (workers/parallel/uneven_sharding.py;
+                   exact either way). Fixed at launch: another split relaunches.
     """
 
     device: str = "cpu"
@@ -292,9 +297,30 @@ class EngineOptions:
     weights: str = "auto"
     text_encoders: str = "auto"
     shard_weights: bool = False
+    shard_split: object = "even"  # "even" | "memory" | "3,2" (or a tuple of weights)
 
     def problems(self) -> list[str]:
         out = []
+        split = self.shard_split
+        if isinstance(split, str) and split.strip().lower() == "memory" and \
+                self.shard_weights and self.device != "cuda":
+            out.append(f"shard_split 'memory' reads each GPU's memory and needs device cuda "
+                       f"(got {self.device}); give one weight per rank, e.g. 3,2")
+        if isinstance(split, str) and split.strip().lower() in ("auto",):
+            out.append("shard_split must be 'even', 'memory' or one weight per rank like "
+                       "3,2 (the weights are placed at launch, before anything is measured)")
+        elif not (isinstance(split, str) and split.strip().lower() in ("even", "memory", "")):
+            try:
+                from comfyui_xdit import bridge
+                w = bridge.shares.parse_split(split, len(str(split).split(","))
+                                              if isinstance(split, str) else len(split))
+            except ValueError:
+                out.append(f"shard_split {split!r} must be 'even', 'memory' or one positive "
+                           f"weight per rank like 3,2")
+            else:
+                if w and not self.shard_weights:
+                    out.append(f"shard_split {split!r} needs shard_weights on (it sizes "
+                               f"each rank's shard of the weights)")
         if self.device not in ("cpu", "cuda"):
             out.append(f"device must be cpu or cuda (got {self.device!r})")
         if self.dtype not in DTYPES:
@@ -325,6 +351,14 @@ class EngineOptions:
         """What these options cannot run together with a parallel layout (checked on the host
         before any launch; the workers refuse the same combinations as a second line)."""
         out = []
+        split = self.shard_split
+        if not (isinstance(split, str) and split.strip().lower() in ("even", "memory", "",
+                                                                      "auto")):
+            n = len(str(split).split(",")) if isinstance(split, str) else len(split)
+            if n != config.ranks:
+                out.append(f"shard_split {split!r} gives {n} weights for {config.ranks} "
+                           f"ranks; give one weight per rank (e.g. "
+                           f"{','.join(['1'] * config.ranks)}) or 'memory'")
         if self.shard_weights and config.pipefusion > 1:
             out.append(f"shard_weights cannot be combined with pipefusion {config.pipefusion}: "
                        f"PipeFusion already splits the blocks over its stages, so the sharded "
@@ -335,6 +369,28 @@ class EngineOptions:
             out.append("compile is not supported with PipeFusion (its per-patch K/V-cache "
                        "attention would recompile per patch); drop compile or pipefusion")
         return out
+
+    def shard_weights_for(self, ranks: int, gpu_memory=None) -> tuple:
+        """The shard split's per-rank weights for a launch of `ranks` ranks: () for even
+        (or without sharding); "memory" takes `gpu_memory`, one size per rank (bytes or GiB;
+        a ConfigError where a size is unknown)."""
+        from comfyui_xdit import bridge
+        if not self.shard_weights or ranks < 2:
+            return ()
+        split = self.shard_split
+        if isinstance(split, str) and split.strip().lower() == "memory":
+            sizes = list(gpu_memory or [])
+            if len(sizes) != ranks or any(s is None or s <= 0 for s in sizes):
+                raise ConfigError(f"shard_split 'memory' needs each of the {ranks} GPUs' "
+                                  f"memory (got {sizes or 'none'}: nvidia-smi did not say, or "
+                                  f"the device is not cuda); give the weights, e.g. "
+                                  f"shard_split='3,2'")
+            return bridge.shares.parse_split(tuple(float(s) for s in sizes), ranks)
+        try:
+            w = bridge.shares.parse_split(split, ranks)
+        except ValueError as e:
+            raise ConfigError(f"shard_split: {e}") from None
+        return () if w == "auto" else w
 
     def validate(self) -> "EngineOptions":
         out = self.problems()

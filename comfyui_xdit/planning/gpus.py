@@ -210,3 +210,23 @@ def gpu_memory_bytes(gpu_ids: Sequence[str], environ=None) -> list:
         g = str(g).strip()
         out.append(min(by_index) if ambiguous and g in sizes and g.isdigit() else sizes.get(g))
     return out
+
+
+def gpu_names(gpu_ids: Sequence[str]) -> list:
+    """Each GPU id's model name from nvidia-smi ("NVIDIA H100 80GB HBM3"), as the workers
+    report it once running; None where it is not known. `split=auto` reads its cache by
+    these names before a launch (PipeFusion's stages are chosen then)."""
+    exe = shutil.which("nvidia-smi")
+    if not exe or not gpu_ids:
+        return [None] * len(gpu_ids)
+    try:
+        text = subprocess.run([exe, "--query-gpu=index,uuid,name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return [None] * len(gpu_ids)
+    names = {}
+    for line in text.splitlines():
+        parts = [v.strip() for v in line.split(",", 2)]
+        if len(parts) == 3:
+            names[parts[0]] = names[parts[1]] = parts[2]
+    return [names.get(str(g).strip()) for g in gpu_ids]

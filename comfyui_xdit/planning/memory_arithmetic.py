@@ -10,7 +10,10 @@ rank's bytes are added up part by part:
   (the split of workers/loading/stages.py) plus the modules around the blocks; with
   shard_weights, FSDP2's dim-0 shards (padded rows included) of every parameter, plus, during
   a forward, the non-block parameters gathered whole and the two largest consecutive blocks
-  gathered (the running block and the prefetched next one: workers/parallel/sharding.py).
+  gathered (the running block and the prefetched next one: workers/parallel/sharding.py);
+  with an uneven `shard_split`, each rank's own rows of every parameter by its weight, and
+  during a forward the non-block parameters whole plus one block's padded receive buffer and
+  the block assembled from it (workers/parallel/uneven_sharding.py: no prefetch).
   fp8 (or an fp8 checkpoint under weights=auto) stores the Linears inside the blocks in 1
   byte (workers/loading/weights.py); everything else is in the pool dtype. Persistent
   buffers (SD3's positional table) are whole on every rank.
@@ -262,6 +265,37 @@ def shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8, world: int) -> Sh
                         received_per_forward=(world - 1) * chunk)
 
 
+def _rank_bytes(triples, dtype_bytes: int, fp8, weights, rank: int) -> int:
+    """One rank's rows of every parameter under an uneven shard split (`weights`)."""
+    total = 0.0
+    for numel, rows, fp8_able in triples:
+        size = float(fp8) if (fp8 and fp8_able) else dtype_bytes
+        r = max(rows, 1)
+        total += bridge.shares.share_sizes(r, weights)[rank] * (numel // r) * size
+    return int(total)
+
+
+def uneven_shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8, weights,
+                         rank: int) -> ShardFigures:
+    """Rank `rank`'s bytes under an uneven `shard_split` (its rows of every parameter by
+    `weights`: workers/parallel/uneven_sharding.py). A unit (a block; the rest) is gathered
+    padded to its largest shard: a rank receives (world - 1) x that, and holds the receive
+    buffer (world x it) beside the assembled unit; the rest stays whole for the forward."""
+    world = len(weights)
+    units = [*tr.blocks, tr.rest]
+
+    def per_rank(triples):
+        return [_rank_bytes(triples, dtype_bytes, fp8, weights, r) for r in range(world)]
+    shares = [per_rank(u) for u in units]
+    whole = [_bytes(u, dtype_bytes, fp8) for u in units]
+    buffers = tr.buffers * dtype_bytes
+    mine = sum(sh[rank] for sh in shares)
+    in_flight = max(world * max(sh) + w for sh, w in zip(shares, whole))
+    return ShardFigures(world=world, unsharded=sum(whole) + buffers,
+                        at_rest=mine + buffers, peak=mine + buffers + whole[-1] + in_flight,
+                        received_per_forward=(world - 1) * sum(max(sh) for sh in shares))
+
+
 def activation_bytes(tr: TransformerFacts, tokens: int, text_tokens: int, full_tokens: int,
                      batch: int, dtype_bytes: int, sp: int, cross_text: bool = False) -> int:
     """One transformer forward's live activations on a rank, conservatively.
@@ -438,14 +472,19 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
     experts = max(1, facts.experts)  # every expert resident; one runs at a time
     sharded = engine.shard_weights and world > 1
     if sharded:
-        shard = shard_figures(tr, db, fp8, world)
+        memory = str(engine.shard_split).strip().lower() == "memory"
+        shard_w = engine.shard_weights_for(world, caps if memory else None)
+        shards = [uneven_shard_figures(tr, db, fp8, shard_w, r) for r in range(world)] \
+            if shard_w else [shard_figures(tr, db, fp8, world)] * world
         forwards = 2 if (job is not None and job.cfg and config.cfg == 1) else 1
-        gather = shard.received_per_forward * forwards
+        gather = shards[0].received_per_forward * forwards
     for rank in range(world):
         kv = 0
         if sharded:  # the running expert's blocks gathered; the others' chunks at rest
+            shard = shards[rank]
+            held = f" ({shard_w[rank] / sum(shard_w):.0%})" if shard_w else ""
             weights = shard.peak - buffer_bytes + (experts - 1) * (shard.at_rest - buffer_bytes)
-            role = f"shard {rank + 1}/{world}"
+            role = f"shard {rank + 1}/{world}{held}"
         elif config.pipefusion > 1:
             stage = bridge.stages.stage_of_rank(rank, config.pipefusion, sp)
             lo, hi = ranges[stage]

@@ -5,8 +5,13 @@ unpadded; workers/parallel/uneven.py) and DP 2 at 1:3 (the batch's rows by weigh
 family's small request, <= 1e-4 on the final LATENT, under the NCCL-rules emulation. Batch
 independence holds under the uneven split too: row 0 of [A, B] equals [A] alone.
 
-Negative control: the split applied on one side only (the input hooks shard by weight, the
-output gather reads the shards as the even split's) is caught by the same comparison.
+Weight sharding by weight (`shard_split`, workers/parallel/uneven_sharding.py): DP 2 with the
+weights sharded 3:1 (rank 0 holds three quarters of every parameter's rows) equals one rank
+too, under the same emulation, and each rank holds its share.
+
+Negative controls: the split applied on one side only (the input hooks shard by weight, the
+output gather reads the shards as the even split's), and the sharded weights reassembled
+with the ranks' rows in the wrong order, are each caught by the same comparison.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ SPLITS = {
     "ulysses2xring2-1:3:2:1": (ParallelConfig(ulysses=2, ring=2, split="1,3,2,1"), "hybrid"),
     "dp2-1:3": (ParallelConfig(dp=2, split="1,3"), "data_parallel"),
 }
+SHARDED = ParallelConfig(dp=2)  # with the weights sharded 3:1
+SHARD_OPTIONS = {"shard_weights": True, "shard_split": "3,1"}
 
 
 def _params():
@@ -67,3 +74,32 @@ def test_negative_control_split_on_one_side_only(family_pools):
     d = maxdiff(pool.generate(c.request()).samples, want)
     print(f"{arch} split on one side only: {d:.2e} from one rank")
     assert d > 10 * TOL, f"the one-sided split went unnoticed ({d:.2e})"
+
+
+@pytest.mark.parametrize("arch", params("weight_sharding"))
+def test_weights_sharded_by_weight_equal_one_rank(arch, family_pools):
+    c = CASES[arch]
+    want = family_pools.one_rank(arch, c.request()).samples
+    pool = family_pools.get(arch, SHARDED, worker_hooks=[NCCL_RULES], **SHARD_OPTIONS)
+    res = pool.generate(c.request())
+    d = maxdiff(res.samples, want)
+    held = [st["sharding"] for st in res.stats]
+    print(f"{arch} dp2 weights sharded 3:1: max abs vs 1 rank {d:.2e}; weight bytes per "
+          f"rank {[h['weight_bytes_local'] for h in held]}")
+    assert d <= TOL, f"{arch} weights sharded 3:1: {d:.3e} from one rank"
+    assert [h["shard_split"] for h in held] == [[3.0, 1.0]] * 2
+    total = held[0]["block_params"]
+    assert sum(h["block_params_local"] for h in held) == total  # every row held once
+    share = held[0]["block_params_local"] / total
+    assert 0.7 <= share <= 0.8, f"rank 0 holds {share:.2f} of the block weights, not ~3/4"
+
+
+def test_negative_control_shard_rows_out_of_order(family_pools):
+    arch = "chroma" if "chroma" in CASES else next(iter(CASES))
+    c = CASES[arch]
+    want = family_pools.one_rank(arch, c.request()).samples
+    pool = family_pools.get(arch, SHARDED, worker_hooks=["xdit_testhooks.faults:"
+                                                         "shard_rows_swapped"], **SHARD_OPTIONS)
+    d = maxdiff(pool.generate(c.request()).samples, want)
+    print(f"{arch} sharded rows out of order: {d:.2e} from one rank")
+    assert d > 10 * TOL, f"rows reassembled out of order went unnoticed ({d:.2e})"

@@ -1,4 +1,6 @@
-"""Shard-only loading: each rank reads just its FSDP2 rows of each transformer tensor.
+"""Shard-only loading: each rank reads just its rows of each transformer tensor (FSDP2's
+even chunks, or the uneven split's rows by weight: workers/parallel/uneven_sharding.py; the
+sharding says which rows, `row_range`).
 
 The loader beside workers/loading/weights.py's whole-tensor one, for weight sharding
 (workers/parallel/sharding.py). The transformer is built on the meta device (models/base.py, as
@@ -162,18 +164,18 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
             want, have = persistent, set(src.keys())
             raise ValueError(f"checkpoint {path} does not match the model: missing "
                              f"{sorted(want - have)[:3]}, unexpected {sorted(have - want)[:3]}")
-        shard.wrap(transformer)
-        transformer.to_empty(device=device)
+        sharding = shard.wrap(transformer)  # FSDP2's even chunks or the uneven split's
+        sharding.materialize(device)
         adapter.computed_buffers(transformer)  # to_empty left them uninitialised
-        rank, world = shard.rank, shard.world
+        world = shard.world
 
         def rows(name, local):
             full = src.shape(name)
-            r0, r1 = chunk_rows(full[0], world, rank) if full else (0, 0)
+            r0, r1 = sharding.row_range(name, full[0]) if full else (0, 0)
             cols = [row_bytes(gguf_q[name], full[1])] if name in gguf_q else full[1:]
             if full and (local.shape[0] != r1 - r0 or list(local.shape[1:]) != cols):
                 raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not rows "
-                                   f"{r0}:{r1} of {full} (FSDP's dim-0 split changed?)")
+                                   f"{r0}:{r1} of {full} (the sharding's dim-0 split changed?)")
             return r0, r1
 
         def read(name, r0, r1):  # (rows, scale) as the whole loader's prepare receives them
@@ -190,8 +192,7 @@ def load_shards(adapter, path: str, device, dtype, mode: str, shard,
                 return prepare(t, s, False, "full", dtype)[0], None
             return t, s
 
-        params = {n: (p.to_local() if hasattr(p, "to_local") else p)
-                  for n, p in transformer.named_parameters()}
+        params = sharding.local_params()
         # weights=fp8: each rank quantises its rows, each row by its own range (no other
         # rank's rows needed); FP8Linear holds every channel's scale, so one all-reduce
         # (MAX over zeros elsewhere) fills in the rows the other ranks quantised

@@ -1,5 +1,8 @@
 """Weight sharding (`EngineOptions.shard_weights`, `--shard-weights`): torch's FSDP2 over the
 pool, so a model larger than one GPU runs exactly with Ulysses, Ring, hybrid, CFG and DP.
+An uneven `--shard-split` (GPUs of different memory) shards the same units with each rank's
+rows by its weight instead (workers/parallel/uneven_sharding.py; FSDP2 splits evenly only);
+`ShardSetup.wrap` picks which, and everything else here serves both.
 
 What is sharded: every block of the adapter's block lists (FLUX `transformer_blocks` +
 `single_transformer_blocks`, SD3 `transformer_blocks`) is its own `fully_shard` unit, and the
@@ -69,7 +72,10 @@ def check(shard_weights: bool, pipefusion: int, compile: bool = False) -> None:
 
 
 def is_sharded(module) -> bool:
-    """Whether `module` is an FSDP2 unit (its forwards then take part in collectives)."""
+    """Whether `module` is a sharded unit, FSDP2's or the uneven split's (its forwards then
+    take part in collectives)."""
+    if getattr(module, "_xdit_sharded", False):  # workers/parallel/uneven_sharding.py
+        return True
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
@@ -148,6 +154,29 @@ class WeightSharding:
         """Block parameter elements allocated on this rank now (shards + any gathered)."""
         return sum(sum(group_elems(g)) for b in self.blocks for g in param_groups(b))
 
+    # what the shard-only loader calls (workers/loading/shards.py), as on the uneven split's
+    def materialize(self, device) -> None:
+        self.transformer.to_empty(device=device)
+
+    def local_params(self) -> dict:
+        return {n: (p.to_local() if hasattr(p, "to_local") else p)
+                for n, p in self.transformer.named_parameters()}
+
+    def row_range(self, name: str, rows: int) -> tuple:
+        """FSDP2's dim-0 split (torch.chunk): rows [start, stop) of this rank."""
+        per = -(-rows // self.world)
+        start = min(self.mesh.get_local_rank() * per, rows)
+        return start, min(start + per, rows)
+
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's padded shards (an all-gather's input)."""
+        return sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size()
+                   for m in [self.transformer, *self.blocks]
+                   for g in param_groups(m) for fp in g.fsdp_params)
+
+    def received_per_forward(self) -> int:
+        return (self.world - 1) * self.shard_bytes()
+
     def counts(self) -> dict:
         """What this rank holds, in parameter elements (plus the probe's readings)."""
         out = {
@@ -211,6 +240,14 @@ class ShardSetup:
         # the shared-GPU test mode: the world group's backend), so they never interleave
         # with the world group's other data-plane traffic
         self.group = device_group(list(range(planes.size)), like=planes.data)
+        # per-rank weights for the shards' sizes (`--shard-split`, GPUs of different
+        # memory); () even: FSDP2, else workers/parallel/uneven_sharding.py
+        from .shares import parse_split
+        w = parse_split(getattr(args, "shard_split", "") or "even", planes.size)
+        if w == "auto":
+            raise ValueError("shard_split is fixed at launch: give 'even', weights like 3,2, "
+                             "or let the host turn 'memory' into weights")
+        self.weights = w
         self.fallback = load_problem
         if not self.fallback and getattr(args, "weights", "auto") == "fp8" and \
                 getattr(args, "load_in_turn", False) and planes.size > 1:
@@ -227,7 +264,12 @@ class ShardSetup:
         second transformer (Wan 2.2's low-noise expert) is sharded the same way and counted
         with the first (`WeightSharding.others`): every rank runs the same expert each step,
         so its all-gathers line up as the first one's do."""
-        made = WeightSharding(transformer, self.block_lists, self.group, self.device)
+        if self.weights:
+            from .uneven_sharding import UnevenWeightSharding
+            made = UnevenWeightSharding(transformer, self.block_lists, self.group,
+                                        self.device, self.weights, self.rank)
+        else:
+            made = WeightSharding(transformer, self.block_lists, self.group, self.device)
         if self.sharding is None:
             self.sharding = made
         else:

@@ -77,6 +77,9 @@ def _parse(argv):
                         "here (workers/loading/weights.py)")
     p.add_argument("--shard-weights", action="store_true",
                    help="FSDP2-shard the transformer's block weights over every rank")
+    p.add_argument("--shard-split", default="even",
+                   help="with --shard-weights: each rank's share of the weights, 'even' or "
+                        "one weight per rank (e.g. 3,2; workers/parallel/uneven_sharding.py)")
     p.add_argument("--text-encoders", default="auto",
                    help="where rank 0 runs the text encoders: auto | cpu | gpu | cuda:N")
     p.add_argument("--pipefusion", type=int, default=1,
