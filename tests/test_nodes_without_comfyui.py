@@ -667,7 +667,8 @@ def test_engine_options_reach_the_pool_and_key_it(model_dir):
                                                "device": "cpu", "dtype": "fp32"}]
     import dataclasses
     for change in (dict(compile=True), dict(weights="full"), dict(text_encoders="cpu"),
-                   dict(attention="torch"), dict(shard_weights=True)):
+                   dict(attention="torch"), dict(shard_weights=True),
+                   dict(shard_weights=True, shard_split="3,1")):
         p = reg.get(dataclasses.replace(h, **change), cfg)
         assert p is not p1 and made[-1].items() >= change.items(), (change, made[-1])
     assert make_handle(h.path, "auto", "auto", has_cuda=True).dtype == "bf16"
@@ -679,6 +680,11 @@ def test_engine_options_reach_the_pool_and_key_it(model_dir):
     msg = str(e.value)
     assert msg.count("shard_weights") >= 1 and "compile is not supported with PipeFusion" in msg
     assert "compile and shard_weights together" in msg
+    # shares of the sharded weights by memory need each GPU's memory: refused on CPU
+    mem = make_handle(h.path, "auto", "auto", "2", shard_weights=True, shard_split="memory",
+                      has_cuda=False)
+    with pytest.raises(ConfigError, match="shard_split 'memory'.*needs device cuda"):
+        mem.validate()
 
 
 def test_worker_traceback_becomes_one_sentence(tmp_path):

@@ -71,6 +71,7 @@ class ModelHandle:
     weights: str = "auto"  # EngineOptions: auto | fp8 | full
     text_encoders: str = "auto"  # EngineOptions: auto | cpu | gpu | cuda:N
     shard_weights: bool = False  # EngineOptions: FSDP2 block weights over every rank
+    shard_split: str = "even"  # each rank's share of the sharded weights: even | memory | 3,2
     memory_plan: str = "auto"  # enforce | advise | auto ($XDIT_MEMORY_PLAN): a misfit refused?
     # Wan 2.2 A14B from two single files: the low-noise expert's file (`path`: the high-noise
     # one); the pool's model_path_2
@@ -141,7 +142,7 @@ class ModelHandle:
         return EngineOptions(device=self.device, dtype=self.dtype, attention=self.attention,
                              compile=self.compile, weights=self.weights,
                              text_encoders=self.text_encoders,
-                             shard_weights=self.shard_weights)
+                             shard_weights=self.shard_weights, shard_split=self.shard_split)
 
     def problems(self, layout: bool = True) -> list[str]:
         """Every problem the loader can see before anything runs, each one phrase.
@@ -212,8 +213,8 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                 warmup_steps: int = 1, pipeline_patches: int = 0,
                 pipefusion_split: str = "balanced", attention: str = "auto",
                 compile: bool = False, weights: str = "auto", text_encoders: str = "auto",
-                shard_weights: bool = False, memory_plan: str = "auto",
-                has_cuda: Optional[bool] = None, model_path_2: Optional[str] = None) -> ModelHandle:
+                shard_weights: bool = False, shard_split: str = "even",
+                memory_plan: str = "auto", has_cuda: Optional[bool] = None, model_path_2: Optional[str] = None) -> ModelHandle:
     """The loader's widgets -> a handle. `pipeline_patches` 0 means "the PipeFusion degree";
     device/dtype 'auto' are resolved here (`has_cuda`: whether this ComfyUI has CUDA)."""
     ws = None if str(world_size).strip().lower() in ("auto", "", "0") else int(world_size)
@@ -231,6 +232,7 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                        attention=str(attention), compile=bool(compile),
                        weights=str(weights), text_encoders=str(text_encoders),
                        shard_weights=bool(shard_weights),
+                       shard_split=str(shard_split or "").strip() or "even",
                        memory_plan=str(memory_plan).strip().lower() or "auto",
                        path_2=None if not model_path_2 else str(Path(model_path_2).resolve()))
 
@@ -240,7 +242,7 @@ LOADER_DEFAULTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1
                        warmup_steps=1,
                        pipeline_patches=0, pipefusion_split="balanced", attention="auto",
                        compile=False, weights="auto", text_encoders="auto",
-                       shard_weights=False, memory_plan="auto")
+                       shard_weights=False, shard_split="even", memory_plan="auto")
 
 
 def loader_keywords(inputs: dict) -> dict:

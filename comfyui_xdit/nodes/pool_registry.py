@@ -44,7 +44,7 @@ class PoolRegistry:
     def _key(handle: ModelHandle) -> tuple:
         return (handle.path, handle.device, handle.dtype, handle.gpus, handle.threads_per_rank,
                 handle.attention, handle.compile, handle.weights, handle.text_encoders,
-                handle.shard_weights, handle.path_2)
+                handle.shard_weights, handle.shard_split, handle.path_2)
 
     def get(self, handle: ModelHandle, config: ParallelConfig):
         """The pool for `handle` running `config`: the same one on every call with the same
@@ -69,7 +69,8 @@ class PoolRegistry:
                 # engine options away from their defaults only (test factories take **kw)
                 kw = {k: getattr(handle, k) for k, default in
                       (("attention", "auto"), ("compile", False), ("weights", "auto"),
-                       ("text_encoders", "auto"), ("shard_weights", False))
+                       ("text_encoders", "auto"), ("shard_weights", False),
+                       ("shard_split", "even"))
                       if getattr(handle, k) != default}
                 if handle.memory_plan != "auto":
                     kw["memory_plan"] = handle.memory_plan
