@@ -36,6 +36,12 @@ def comfy(tmp_path_factory):
     comfy = Path(COMFY)
     if not (comfy / "comfy" / "ldm" / "lightricks" / "av_model.py").exists():
         pytest.skip("this ComfyUI has no LTX-2 (LTXAV) model (0.8.0 and later have)")
+    if "embeddings_connector" in (comfy / "comfy" / "ldm" / "lightricks" /
+                                  "av_model.py").read_text():
+        # not built yet (docs/models.md#ltx-2-video-with-its-sound): the comparison would fail
+        pytest.skip("this ComfyUI's LTXAV runs LTX-2's text connectors inside the diffusion "
+                    "model (0.33.0: its CONDITIONING comes before them); the xDiT MODEL runs "
+                    "the transformer only, as 0.8.0's LTXAV does")
     link_packs(comfy, "xdit-live-test-model-nodes")
     folder = ensure_tiny_model("ltx2", tmp_path_factory.mktemp("ltx2"), **ltx2.SINGLE_FILE_MODEL)
     write_comfy_file("ltx2", folder, comfy / "models" / "diffusion_models" / FILE)
