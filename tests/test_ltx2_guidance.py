@@ -145,3 +145,45 @@ def test_a_block_past_the_transformer_is_refused(folders, layout_pools):
         pool.generate(request([A], 3.0, extra_guidance={"stg_scale": 1.0,
                                                         "stg_blocks": [5]}))
     assert torch.isfinite(pool.generate(request([A], 3.0)).latents.samples).all()
+
+
+def test_sampler_options_and_the_cli_flag_set_the_extra_guidance(folders, oracle):
+    """Sampler options (xDiT)'s widgets give the request's extra_guidance (None at their
+    defaults, so other families are untouched); the Sampler's operation with them equals
+    LTX2Pipeline with those settings. The CLI's --guide NAME=VALUE parses each setting
+    (block lists comma-separated) and refuses an unknown one in one line."""
+    import argparse
+
+    from comfyui_xdit.cli.guide_flag import parse_guide
+    from comfyui_xdit.nodes import settings as node_settings
+    from comfyui_xdit.nodes.handles import ModelHandle
+    from comfyui_xdit.nodes.operations import SampleInputs, sample
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
+
+    assert node_settings.SamplerOptions().extra_guidance() is None
+    options = node_settings.SamplerOptions(stg_scale=1.0, stg_blocks="1", modality_scale=3.0,
+                                           guidance_rescale=0.7, audio_cfg=4.0)
+    extra = options.extra_guidance()
+    assert extra == {"stg_scale": 1.0, "stg_blocks": [1], "modality_scale": 3.0,
+                     "guidance_rescale": 0.7, "audio_cfg": 4.0}
+    assert parse_guide("stg_blocks=28,29") == ("stg_blocks", [28, 29])
+    assert parse_guide("modality_scale=3") == ("modality_scale", 3.0)
+    with pytest.raises(argparse.ArgumentTypeError, match="--guide wants NAME=VALUE"):
+        parse_guide("stg=1")
+
+    h, w, f = SIZE
+    reg = PoolRegistry()
+    try:
+        handle = ModelHandle(path=str(folders["t2v"]), device="cpu", dtype="fp32",
+                             threads_per_rank=1)
+        empty = {"samples": torch.zeros(1, 128, (f - 1) // 8 + 1, h // 32, w // 32)}
+        lat = sample(handle, SampleInputs(latent=empty, prompt=A,
+                                          negative_prompt=request([A]).negative_prompt,
+                                          seed=5, steps=request([A]).steps, cfg=3.0,
+                                          max_sequence_length=request([A]).max_sequence_length,
+                                          extra_guidance=extra), registry=reg)
+    finally:
+        reg.unload_all()
+    want = oracle(request([A], 3.0, extra_guidance=extra))
+    check(lat["samples"], want[0], "sampler node video, extra guidance")
+    check(lat["audio"], want[1], "sampler node sound, extra guidance")

@@ -46,6 +46,7 @@ class SampleInputs:
     cache: Optional[CacheSettings] = None  # Step cache (xDiT), when connected
     cfg_2: float = 0.0  # a second expert's guidance scale (Wan 2.2 A14B); 0: cfg
     shift: float = 0.0  # the scheduler's flow shift (Wan, SD3); 0: the model's
+    extra_guidance: Optional[dict] = None  # a family's extra guidance passes (LTX-2's)
 
 
 def model_text_width(path: str) -> Optional[int]:
@@ -99,7 +100,8 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
         frames=lat.frames, cfg_2=None if not inp.cfg_2 else float(inp.cfg_2),
         shift=None if not inp.shift else float(inp.shift),
         reference_latents=refs, reference_method=method,
-        cache=None if inp.cache is None else cache_request(inp.cache), **start)
+        cache=None if inp.cache is None else cache_request(inp.cache),
+        extra_guidance=inp.extra_guidance or None, **start)
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
         kw["noise"] = comfy_noise(int(inp.seed), latent_shape(arch, lat.batch, lat.height,

@@ -129,7 +129,9 @@ class Sampler(io.ComfyNode):
                            max_sequence_length=max_sequence_length,
                            preview_every=1 if previews else 0, cache=cache,
                            cfg_2=0.0 if options is None else options.cfg_2,
-                           shift=0.0 if options is None else options.shift)
+                           shift=0.0 if options is None else options.shift,
+                           extra_guidance=None if options is None
+                           else options.extra_guidance())
         pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(ev: dict) -> None:
