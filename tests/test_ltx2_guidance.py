@@ -15,7 +15,8 @@ import torch
 
 from comfyui_xdit import GenerationRequest, ParallelConfig
 from comfyui_xdit.comfy_convert import job_noise
-from test_ltx2 import A, B, SIZE, check, folders, pipes, request, _stats  # noqa: F401
+from test_ltx2 import (A, B, SIZE, check, folders, pipes, request, start_image,  # noqa: F401
+                       _stats)
 
 NCCL_RULES = "xdit_testhooks.nccl_rules:install"
 LAYOUT_POOLS_KEEP = 1  # 2 shared cores: one warm pool at a time
@@ -47,21 +48,27 @@ def oracle(pipes):
     space, from ComfyUI's noise (as test_ltx2.py's oracle)."""
     cache = {}
 
-    def run(req: GenerationRequest):
-        key = repr((req.prompt, req.cfg, sorted((req.extra_guidance or {}).items())))
+    def run(req: GenerationRequest, image=None):
+        """`image`: LTX2ImageToVideoPipeline from it, its noise drawn from the seed (as
+        test_ltx2.py's image-to-video oracle)."""
+        key = repr((req.prompt, req.cfg, sorted((req.extra_guidance or {}).items()),
+                    image is not None))
         if key in cache:
             return cache[key]
-        pipe = pipes["t2v"]
+        pipe = pipes["t2v" if image is None else "i2v"]
         b = len(req.prompt)
         vmean, vstd = _stats(pipe.vae)
         amean, astd = _stats(pipe.audio_vae)
-        video, audio = job_noise("ltx2", req.seed, b, req.height, req.width, req.frames)
+        if image is None:
+            video, audio = job_noise("ltx2", req.seed, b, req.height, req.width, req.frames)
+            kw = dict(latents=video.flatten(2).transpose(1, 2),
+                      audio_latents=audio.transpose(1, 2).flatten(2, 3) * astd + amean)
+        else:
+            kw = dict(image=image, generator=torch.manual_seed(req.seed))
         v, a = pipe(prompt=list(req.prompt), negative_prompt=[req.negative_prompt] * b,
                     height=req.height, width=req.width, num_frames=req.frames,
                     num_inference_steps=req.steps, max_sequence_length=req.max_sequence_length,
-                    latents=video.flatten(2).transpose(1, 2),
-                    audio_latents=audio.transpose(1, 2).flatten(2, 3) * astd + amean,
-                    output_type="latent", return_dict=False, **pipeline_kwargs(req))
+                    output_type="latent", return_dict=False, **kw, **pipeline_kwargs(req))
         sf = pipe.vae.config.scaling_factor
         v = (v.float() - vmean.view(1, -1, 1, 1, 1)) * sf / vstd.view(1, -1, 1, 1, 1)
         tok = a.float().transpose(1, 2).flatten(2, 3)
@@ -112,6 +119,20 @@ def test_cfg_parallel_over_the_passes_equals_one_rank(folders, layout_pools, ora
                          ("cfg2 x ring2", ParallelConfig(cfg_parallel=True, ring=2))):
         pool = layout_pools.get(folders["t2v"], config, worker_hooks=[NCCL_RULES])
         both(pool.generate(req).latents, want, name)
+
+
+def test_image_to_video_with_the_extra_passes_equals_the_pipeline(folders, layout_pools,
+                                                                  oracle):
+    """A start frame with every extra pass on (the rescale reads the start frame's own
+    prediction, which the pipeline keeps in its x0 before it leaves those tokens alone):
+    1 rank and CFG parallel x Ulysses 2 equal LTX2ImageToVideoPipeline."""
+    image = start_image()
+    req = request([A, B], 3.0, extra_guidance=ALL, reference_images=[image])
+    want = oracle(req, image)
+    for name, config in (("1 rank", ParallelConfig()),
+                         ("cfg2 x ulysses2", ParallelConfig(cfg_parallel=True, ulysses=2))):
+        both(layout_pools.get(folders["t2v"], config).generate(req).latents, want,
+             f"i2v {name}")
 
 
 def test_bad_extra_guidance_is_refused_in_one_line_each():
