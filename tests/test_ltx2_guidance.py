@@ -208,3 +208,18 @@ def test_sampler_options_and_the_cli_flag_set_the_extra_guidance(folders, oracle
     want = oracle(request([A], 3.0, extra_guidance=extra))
     check(lat["samples"], want[0], "sampler node video, extra guidance")
     check(lat["audio"], want[1], "sampler node sound, extra guidance")
+
+
+def test_cli_refuses_a_bad_guide_before_launching(folders, tmp_path):
+    """`generate --guide stg_scale=1` without stg_blocks exits 2 with the one line, before
+    any worker starts."""
+    from test_cli import cli
+
+    h, w, f = SIZE
+    r = cli("generate", "--model", folders["t2v"], "--prompt", A, "--seed", "5", "--steps", "2",
+            "--height", str(h),
+            "--width", str(w), "--frames", str(f), "--guide", "stg_scale=1",
+            "--out", tmp_path / "x.safetensors")
+    assert r.returncode == 2, r.stderr
+    assert "extra_guidance stg_scale > 0 needs stg_blocks" in r.stderr, r.stderr
+    assert not (tmp_path / "x.safetensors").exists()
