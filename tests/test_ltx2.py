@@ -150,6 +150,35 @@ def test_image_to_video_equals_the_pipeline(folders, pipes, layout_pools, oracle
         check(res.audio, audio, f"i2v {name} sound")
 
 
+def test_sampler_node_takes_the_start_image(folders, oracle):
+    """Sampler (xDiT)'s `image` input (ComfyUI's IMAGE, as LoadImage gives it) is LTX-2's
+    start frame: the Sampler's operation on EmptyLTXVLatentVideo's LATENT with it equals
+    LTX2ImageToVideoPipeline's video and sound (the image-to-video example workflow)."""
+    import numpy as np
+
+    from comfyui_xdit.nodes.handles import ModelHandle
+    from comfyui_xdit.nodes.operations import SampleInputs, sample
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
+
+    image = start_image()
+    pixels = torch.from_numpy(np.array(image)).float()[None] / 255  # IMAGE [1, H, W, 3]
+    h, w, f = SIZE
+    reg = PoolRegistry()
+    try:
+        handle = ModelHandle(path=str(folders["t2v"]), device="cpu", dtype="fp32",
+                             threads_per_rank=1)
+        empty = {"samples": torch.zeros(1, 128, (f - 1) // 8 + 1, h // 32, w // 32)}
+        lat = sample(handle, SampleInputs(latent=empty, prompt=A, negative_prompt=NEGATIVE,
+                                          seed=5, steps=STEPS, cfg=3.0,
+                                          max_sequence_length=MSL, images=list(pixels)),
+                     registry=reg)
+    finally:
+        reg.unload_all()
+    video, audio = oracle(request([A], 3.0, reference_images=[image]), image)
+    check(lat["samples"], video, "sampler node i2v video")
+    check(lat["audio"], audio, "sampler node i2v sound")
+
+
 def test_decode_gives_the_frames_and_the_sound_of_the_pipeline(folders, pipes, layout_pools):
     """output="image": the frames (the video VAE) and the waveform (the audio VAE's mel
     spectrogram through the vocoder, with its sample rate) equal LTX2Pipeline's decode of

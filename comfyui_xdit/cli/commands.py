@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig
+from comfyui_xdit.cli.guide_flag import add_guide_flag
 from comfyui_xdit.cli.images import VIDEO_SUFFIXES, save_pngs, save_video, save_wav
 from comfyui_xdit.planning.request import GenerationRequest, cache_settings, families
 
@@ -130,6 +131,7 @@ def _add_generate(sub):
                         f"reference / edit models, a diffusers folder): repeat for several "
                         f"references; for an image-to-video folder "
                         f"({family_names(_image_to_video)}), the start frame")
+    add_guide_flag(p, family_names(lambda f: f.capability(families.ExtraGuidance)))
     _add_cache_flags(p)
     p.add_argument("--out", required=True,
                    help=out_forms().replace("%", "%%") + "; decoded with the model's VAE, "
@@ -418,7 +420,8 @@ def run_generate(args) -> int:
         cfg=args.cfg, cfg_2=args.cfg_2, shift=args.shift,
         max_sequence_length=args.max_sequence_length,
         loras=args.lora, output="latent" if kind == "latent" else "image",
-        cache=_cache_from_args(args), reference_images=images or None, **extra)
+        cache=_cache_from_args(args), reference_images=images or None,
+        extra_guidance=dict(args.guide) or None, **extra)
     if args.attach:
         pool = WorkerPool.attach(args.attach, _read_secret(args), config)
     else:

@@ -46,6 +46,10 @@ class SampleInputs:
     cache: Optional[CacheSettings] = None  # Step cache (xDiT), when connected
     cfg_2: float = 0.0  # a second expert's guidance scale (Wan 2.2 A14B); 0: cfg
     shift: float = 0.0  # the scheduler's flow shift (Wan, SD3); 0: the model's
+    extra_guidance: Optional[dict] = None  # a family's extra guidance passes (LTX-2's)
+    # IMAGE frames [H, W, 3] the pool encodes itself: a start frame (LTX-2, Wan I2V folders)
+    # or reference images, as the CLI's --image (the request's reference_images)
+    images: Optional[list] = None
 
 
 def model_text_width(path: str) -> Optional[int]:
@@ -99,7 +103,9 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
         frames=lat.frames, cfg_2=None if not inp.cfg_2 else float(inp.cfg_2),
         shift=None if not inp.shift else float(inp.shift),
         reference_latents=refs, reference_method=method,
-        cache=None if inp.cache is None else cache_request(inp.cache), **start)
+        cache=None if inp.cache is None else cache_request(inp.cache),
+        extra_guidance=inp.extra_guidance or None,
+        reference_images=list(inp.images) if inp.images else None, **start)
     kw = {"noise": None, "init_latent": None, "denoise": 1.0}
     if lat.batch_index is not None:
         kw["noise"] = comfy_noise(int(inp.seed), latent_shape(arch, lat.batch, lat.height,

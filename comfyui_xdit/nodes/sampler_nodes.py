@@ -108,7 +108,15 @@ class Sampler(io.ComfyNode):
                                         "change"),
                 XDiTSamplerOptions.Input("options", optional=True,
                                          tooltip="Sampler options (xDiT): Wan 2.2 A14B's "
-                                                 "second guidance scale"),
+                                                 "second guidance scale, the flow shift, "
+                                                 "LTX-2's extra guidance passes"),
+                io.Image.Input("image", optional=True,
+                               tooltip="A start image the pool encodes with the folder's own "
+                                       "VAE as the diffusers pipeline does: LTX-2's start "
+                                       "frame (image-to-video with its sound), a Wan I2V "
+                                       "folder's; or reference / edit images (FLUX.1 "
+                                       "Kontext, FLUX.2, Qwen-Image-Edit), one per batch "
+                                       "entry of the IMAGE. A diffusers folder is needed"),
             ],
             outputs=[io.Latent.Output()],
             hidden=[io.Hidden.unique_id],
@@ -117,7 +125,7 @@ class Sampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, latent, prompt, negative_prompt, seed, steps, cfg, guidance, denoise,
                 max_sequence_length=512, positive=None, negative=None,
-                cache=None, options=None) -> io.NodeOutput:
+                cache=None, options=None, image=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         arch = model.info().arch
         from comfyui_xdit.comfy_convert import families
@@ -129,7 +137,10 @@ class Sampler(io.ComfyNode):
                            max_sequence_length=max_sequence_length,
                            preview_every=1 if previews else 0, cache=cache,
                            cfg_2=0.0 if options is None else options.cfg_2,
-                           shift=0.0 if options is None else options.shift)
+                           shift=0.0 if options is None else options.shift,
+                           extra_guidance=None if options is None
+                           else options.extra_guidance(),
+                           images=None if image is None else list(image))
         pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
 
         def on_event(ev: dict) -> None:

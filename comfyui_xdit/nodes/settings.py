@@ -185,6 +185,41 @@ class SamplerOptions:
                                "MODEL (Wan, SD3; e.g. 12 for Wan 2.2 T2V A14B as its original "
                                "code samples). 0: the model's own", min=0.0, max=100.0,
                           step=0.01, round=0.01, optional=True)
+    # extra guidance passes (LTX-2's, the request's extra_guidance): each at its "off" value
+    # by default; optional, so a workflow saved before them loads unchanged
+    stg_scale: float = widget(0.0, "LTX-2: spatio-temporal guidance scale, one more forward "
+                                   "pass a step with the stg_blocks' self-attention skipped "
+                                   "(LTX2Pipeline's stg_scale). 0: off", min=0.0, max=100.0,
+                              step=0.1, round=0.01, optional=True)
+    stg_blocks: str = widget("", "LTX-2: the blocks the STG pass skips, comma-separated "
+                                 "(29 for LTX-2.0, as LTX2Pipeline recommends)", optional=True)
+    modality_scale: float = widget(1.0, "LTX-2: modality guidance scale, one more forward pass "
+                                        "a step with the audio-video cross-attention off. 1: "
+                                        "off", min=1.0, max=100.0, step=0.1, round=0.01,
+                                   optional=True)
+    guidance_rescale: float = widget(0.0, "LTX-2: the guided prediction rescaled toward the "
+                                          "conditional one's spread (LTX2Pipeline's "
+                                          "guidance_rescale). 0: off", min=0.0, max=1.0,
+                                     step=0.01, round=0.01, optional=True)
+    audio_cfg: float = widget(0.0, "LTX-2: the sound's guidance scale (LTX2Pipeline's "
+                                   "audio_guidance_scale). 0: the sampler's cfg", min=0.0,
+                              max=100.0, step=0.1, round=0.01, optional=True)
+
+    def extra_guidance(self) -> Optional[dict]:
+        """The request's extra_guidance from the widgets that are not at their off value."""
+        out = {}
+        if self.stg_scale:
+            out["stg_scale"] = float(self.stg_scale)
+        blocks = [b.strip() for b in str(self.stg_blocks or "").split(",") if b.strip()]
+        if blocks:
+            out["stg_blocks"] = [int(b) if b.isdigit() else b for b in blocks]
+        if self.modality_scale and self.modality_scale != 1.0:
+            out["modality_scale"] = float(self.modality_scale)
+        if self.guidance_rescale:
+            out["guidance_rescale"] = float(self.guidance_rescale)
+        if self.audio_cfg:
+            out["audio_cfg"] = float(self.audio_cfg)
+        return out or None
 
 
 @dataclass(frozen=True)

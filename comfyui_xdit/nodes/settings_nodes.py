@@ -140,7 +140,8 @@ class SamplerOptions(io.ComfyNode):
             display_name="Sampler options (xDiT)",
             category=SETTINGS_CATEGORY,
             description="Options of Sampler (xDiT) that few models use: Wan 2.2's second "
-                        "guidance scale, the flow shift.",
+                        "guidance scale, the flow shift, LTX-2's extra guidance passes "
+                        "(spatio-temporal, modality) and its guidance rescale.",
             inputs=_widgets(node_settings.SamplerOptions),
             outputs=[XDiTSamplerOptions.Output(display_name="options")],
         )

@@ -29,6 +29,12 @@ VARIANT_HELP = "LTX-2: t2v (default; text-to-video with sound) or i2v (image-to-
 # latent pixels a frame, 9 frames 2 latent frames: 12 video tokens; 9 frames at 24 fps are
 # round(9 / 24 * 25) = 9 audio tokens: neither splits evenly over 2 or 4 ranks
 TEST_REQUEST = dict(size=(64, 96), frames=9, msl=16)
+# the conformance suite's extra guidance (tests/conformance/test_extra_guidance.py): every
+# pass on (STG on the tiny transformer's second block), and CFG with STG alone (three
+# passes, which two cfg ranks split unevenly)
+EXTRA_GUIDANCE = ({"stg_scale": 1.0, "stg_blocks": [1], "modality_scale": 3.0,
+                   "guidance_rescale": 0.7, "audio_cfg": 4.0},
+                  {"stg_scale": 1.0, "stg_blocks": [1]})
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_ltx2.py::test_one_rank_equals_the_pipeline"

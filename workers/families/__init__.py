@@ -8,7 +8,8 @@ they read the same detection and defaults, and the workers never import the host
 (the host loads this package through comfyui_xdit/bridge.py). A `Family` is a small core
 that every family has (its classes, block lists, LATENT, text states, ComfyUI model class,
 request defaults, detection) and optional capabilities that only some have (`References`,
-`ImageToVideo`, `TwoExperts`, `SecondTextEncoder`, `CausalVAE`, `Presets`, `SoundTrack`), each read by
+`ImageToVideo`, `TwoExperts`, `SecondTextEncoder`, `CausalVAE`, `Presets`, `SoundTrack`,
+`ExtraGuidance`), each read by
 the module that needs it through `Family.capability`. Every other module asks these two,
 never compares family names: tests/test_families.py scans the tree for such a comparison.
 """
@@ -349,8 +350,21 @@ class SoundTrack:
         return (int(batch), self.channels, self.length(frames), self.mel_bins)
 
 
+@dataclass(frozen=True)
+class ExtraGuidance:
+    """Guidance passes beyond cond / uncond that the family's pipeline runs each step (LTX-2's
+    spatio-temporal and modality guidance; workers/sampling/guidance.py): the settings a
+    request's `extra_guidance` takes, each name -> (its value when unset, what it is, for
+    messages and help), all of them off when unset."""
+
+    settings: dict
+    # (settings as given, the request's cfg, the transformer's block count or None) -> what
+    # is wrong, one line each
+    problems: Callable
+
+
 CAPABILITIES = (References, ImageToVideo, TwoExperts, SecondTextEncoder, CausalVAE, Presets,
-                SoundTrack)
+                SoundTrack, ExtraGuidance)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ CFG is the pipeline's x0-space delta, the same as cond + (g - 1)(cond - uncond) 
 ComfyUI's cfg g."""
 from __future__ import annotations
 
-from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, Family,
-               ImageToVideo, LatentSpec, Presets, SoundTrack, Text)
+from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, ExtraGuidance,
+               Family, ImageToVideo, LatentSpec, Presets, SoundTrack, Text)
 from ..streams import Attention, Stream, TokenLayout
 from ._shapes import numbered
 
@@ -40,6 +40,74 @@ SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timest
 
 # LTX2Pipeline's guidance_scale default (diffusers 0.42.1)
 CFG = 3.0
+
+# LTX2Pipeline's extra guidance, each step (workers/models/ltx2.py runs it): spatio-temporal
+# guidance (STG: a pass whose listed blocks skip their video and audio self-attention, the
+# values standing for it) and modality guidance (a pass with the audio-to-video and
+# video-to-audio cross-attention off), both with the positive prompt, combined with CFG in
+# x0 space per stream, then rescaled toward the conditional x0's spread. Unset: off (what
+# ComfyUI's cfg-only samplers run); LTX2Pipeline's own defaults are stg 1 on [29] (LTX-2.0),
+# modality 3, rescale 0.7, audio cfg 7. The audio settings unset take the video's.
+GUIDANCE = {
+    "stg_scale": (0.0, "spatio-temporal guidance scale (0: off; needs stg_blocks)"),
+    "stg_blocks": ((), "the blocks whose self-attention the STG pass skips ([29] for LTX-2.0)"),
+    "modality_scale": (1.0, "modality guidance scale (1: off): a pass with the audio-video "
+                            "cross-attention off"),
+    "guidance_rescale": (0.0, "guided x0 rescaled toward the conditional x0's std, 0..1 "
+                              "(0: off)"),
+    "audio_cfg": (None, "the sound's CFG scale (unset: cfg)"),
+    "audio_stg_scale": (None, "the sound's STG scale (unset: stg_scale)"),
+    "audio_modality_scale": (None, "the sound's modality scale (unset: modality_scale)"),
+    "audio_guidance_rescale": (None, "the sound's rescale (unset: guidance_rescale)"),
+}
+
+
+def guidance_values(given: dict, cfg: float) -> dict:
+    """Every extra-guidance setting made concrete (the audio ones from the video's)."""
+    v = {k: d for k, (d, _) in GUIDANCE.items()}
+    v.update({k: x for k, x in (given or {}).items() if x is not None})
+    v["audio_cfg"] = float(cfg) if v["audio_cfg"] is None else v["audio_cfg"]
+    for name in ("stg_scale", "modality_scale", "guidance_rescale"):
+        if v["audio_" + name] is None:
+            v["audio_" + name] = v[name]
+    v["stg_blocks"] = tuple(int(b) for b in v["stg_blocks"])
+    return v
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def guidance_problems(given: dict, cfg, blocks) -> list:
+    """One line per bad extra-guidance setting (`blocks`: the transformer's block count, or
+    None where unknown)."""
+    out = []
+    bounds = {"stg_scale": (0.0, None), "audio_stg_scale": (0.0, None),
+              "modality_scale": (1.0, None), "audio_modality_scale": (1.0, None),
+              "audio_cfg": (1.0, None), "guidance_rescale": (0.0, 1.0),
+              "audio_guidance_rescale": (0.0, 1.0)}
+    for name, (lo, hi) in bounds.items():
+        x = given.get(name)
+        if x is None:
+            continue
+        if not _number(x) or x < lo or (hi is not None and x > hi):
+            want = f"in {lo:g}..{hi:g}" if hi is not None else f">= {lo:g}"
+            out.append(f"extra_guidance {name} must be a number {want} (got {x!r})")
+    blk = given.get("stg_blocks")
+    if blk is not None:
+        if isinstance(blk, (str, bytes)) or not hasattr(blk, "__iter__") or \
+                not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blk):
+            out.append(f"extra_guidance stg_blocks must be a list of block indices >= 0 "
+                       f"(got {blk!r})")
+        elif blocks is not None and any(b >= blocks for b in blk):
+            out.append(f"extra_guidance stg_blocks {list(blk)}: this transformer has blocks "
+                       f"0..{blocks - 1}")
+    if not out:
+        v = guidance_values(given, cfg or 1.0)
+        if (v["stg_scale"] > 0 or v["audio_stg_scale"] > 0) and not v["stg_blocks"]:
+            out.append("extra_guidance stg_scale > 0 needs stg_blocks (the blocks the STG "
+                       "pass skips, e.g. [29] for LTX-2.0)")
+    return out
 
 TOKENS = TokenLayout(
     streams=(Stream("video", "latent"),            # sharded over the sp ranks
@@ -142,6 +210,7 @@ FAMILY = Family(
                         config_names={"text_width": "caption_channels"}),
     tokens=TOKENS,
     capabilities=(SOUND, ImageToVideo(inputs=image_to_video, optional=True),
+                  ExtraGuidance(settings=GUIDANCE, problems=guidance_problems),
                   CausalVAE(whole_video=True, one_rank=True),
                   Presets(PRESETS)),
 )

@@ -430,6 +430,22 @@ class DiTAdapter:
         """One transformer call -> the prediction, in the layout of `latents`."""
         raise NotImplementedError
 
+    # ---- guidance (workers/sampling/guidance.py) -------------------------------------------
+    def guidance_passes(self, model, req) -> list:
+        """A step's forward passes, in order: plain CFG's (uncond, cond; cond alone at cfg
+        1). A family whose pipeline runs more declares them here (each pass's `changes` are
+        forward inputs its `forward` reads from `extra`)."""
+        from ..sampling.guidance import cfg_passes
+        return cfg_passes(req.cfg)
+
+    def guide(self, preds: dict, latents, sigma, scale: float, extra: dict, req):
+        """The passes' predictions (by pass name) -> the step's prediction: classifier-free
+        guidance at `scale` (this step's), rescaled where the family's pipeline rescales."""
+        from ..sampling.flow_step import combine
+        if "uncond" not in preds:
+            return preds["cond"]
+        return combine(preds["uncond"], preds["cond"], scale, self.cfg_rescale)
+
     def reference_methods(self) -> tuple:
         """ComfyUI's reference methods the family takes (first: the default); () for a
         family without reference images."""

@@ -358,10 +358,71 @@ class LTX2Adapter(DiTAdapter):
             video_coords=extra["video_coords"].expand(b, -1, -1, -1),
             audio_coords=extra["audio_coords"].expand(b, -1, -1, -1),
             use_cross_timestep=True,  # LTX2Pipeline's default
+            # a guidance pass's changes (`guidance_passes`): off by default
+            isolate_modalities=bool(extra.get("isolate_modalities", False)),
+            spatio_temporal_guidance_blocks=list(extra.get("stg_blocks", ())) or None,
             attention_kwargs=dict(jak or {}), return_dict=False)
-        if n0:  # the start frame stays as it is (the pipeline steps the later frames only)
+        # the start frame stays as it is (the pipeline steps the later frames only); the
+        # loop's guidance passes keep its prediction, which the pipeline's rescale reads
+        # (`guide` then holds it)
+        if n0 and not extra.get("start_prediction"):
             video = torch.cat([video.new_zeros(b, n0, video.shape[2]), video[:, n0:]], 1)
         return torch.cat([video, audio], 1)
+
+    # ---- guidance (LTX2Pipeline's; workers/sampling/guidance.py) --------------------------
+    def guidance_passes(self, model, req) -> list:
+        """uncond (CFG on either stream), cond, then, as their scales turn them on, the STG
+        pass (the listed blocks' self-attention skipped) and the modality pass (audio-video
+        cross-attention off), both with the positive prompt, as LTX2Pipeline runs them."""
+        from ..sampling.guidance import Pass
+        blocks = len(model.transformer.transformer_blocks) \
+            if getattr(model, "transformer", None) is not None else None
+        given = dict(req.extra_guidance or {})
+        bad = self.family.capability(families.ExtraGuidance).problems(given, req.cfg, blocks)
+        if bad:
+            raise ValueError("; ".join(bad))
+        v = _guidance(req)
+        keep = (("start_prediction", True),)  # see `forward`
+        out = [Pass("uncond", negative=True, changes=keep)] \
+            if max(float(req.cfg), v["audio_cfg"]) > 1.0 else []
+        out.append(Pass("cond", changes=keep))
+        if v["stg_scale"] > 0 or v["audio_stg_scale"] > 0:
+            out.append(Pass("stg", changes=keep + (("stg_blocks", v["stg_blocks"]),)))
+        if v["modality_scale"] > 1 or v["audio_modality_scale"] > 1:
+            out.append(Pass("modality", changes=keep + (("isolate_modalities", True),)))
+        return out
+
+    def guide(self, preds: dict, latents, sigma, scale: float, extra: dict, req):
+        """LTX2Pipeline's combination, per stream (the video's tokens, then the sound's):
+        in x0 space (x - sigma v), cond + (cfg - 1)(cond - uncond) + stg (cond - stg) +
+        (modality - 1)(cond - modality), then rescaled toward the conditional x0's std over
+        each stream of each row (rescale_noise_cfg), back to a velocity."""
+        v = _guidance(req)
+        nv = extra["tokens"][0]
+        x = latents.float()
+        x0 = {k: x - p.float() * sigma for k, p in preds.items()}
+        parts = []
+        for sl, pre, g in ((slice(0, nv), "", scale), (slice(nv, None), "audio_",
+                                                         v["audio_cfg"])):
+            c = x0["cond"][:, sl]
+            out = c
+            if "uncond" in x0:
+                out = out + (g - 1) * (c - x0["uncond"][:, sl])
+            if "stg" in x0:
+                out = out + v[pre + "stg_scale"] * (c - x0["stg"][:, sl])
+            if "modality" in x0:
+                out = out + (v[pre + "modality_scale"] - 1) * (c - x0["modality"][:, sl])
+            r = v[pre + "guidance_rescale"]
+            if r > 0:
+                std_c = c.std(dim=list(range(1, c.ndim)), keepdim=True)
+                std_g = out.std(dim=list(range(1, out.ndim)), keepdim=True)
+                out = r * (out * (std_c / std_g)) + (1 - r) * out
+            parts.append(out)
+        pred = (x - torch.cat(parts, 1)) / sigma
+        first = extra.get("ref_tokens")  # a start frame's tokens stay as they are
+        if first is not None:
+            pred[:, :first.shape[1]] = 0
+        return pred.to(preds["cond"].dtype)
 
     # ---- VAE space -------------------------------------------------------------------------
     def scale_shift(self, model):
@@ -410,6 +471,11 @@ class LTX2Adapter(DiTAdapter):
         wave = vocoder(mel).float().cpu()
         return {"images": frames, "audio": wave,
                 "sample_rate": int(vocoder.config.output_sampling_rate)}
+
+
+def _guidance(req) -> dict:
+    from ..families.ltx2 import guidance_values
+    return guidance_values(req.extra_guidance or {}, req.cfg)
 
 
 def _decoders(model) -> dict:

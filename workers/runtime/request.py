@@ -16,7 +16,8 @@ from typing import Any, Optional
 from .. import families
 from ..sampling.cache_settings import CacheSettings
 from .conditioning import Conditioning
-from .request_checks import (reference_image_problems, reference_problems,
+from .request_checks import (extra_guidance_problems, reference_image_problems,
+                             reference_problems,
                              single_file_problems, cache_problems, conditioning_problems,
                              frames_problems, image_tensors, lora_entries, lora_problems,
                              resolved_cache, start_image_problems)
@@ -117,6 +118,11 @@ class GenerationRequest:
     # (threshold, warmup, head, tail, max_skips, taylor; those left out take its defaults),
     # or None / a threshold of 0: off. Resolved to CacheSettings (or None).
     cache: Any = None
+    # Guidance passes beyond cond / uncond, as the model's family declares them (its
+    # ExtraGuidance capability, workers/sampling/guidance.py): {setting: value}, e.g. LTX-2's
+    # {"stg_scale": 1.0, "stg_blocks": [29], "modality_scale": 3.0}; None or {}: cond /
+    # uncond only. Each extra pass is one more forward per step (CFG parallel spreads them).
+    extra_guidance: Optional[dict] = None
 
     def __post_init__(self):
         if isinstance(self.prompt, str):
@@ -232,6 +238,7 @@ class GenerationRequest:
         out.extend(reference_image_problems(self, model))
         out.extend(start_image_problems(self, model))
         out.extend(cache_problems(self.cache))
+        out.extend(extra_guidance_problems(self, model))
         return out
 
     # ---- the wire (workers/runtime/protocol.py: a Job's `request` part) ---------------------

@@ -96,6 +96,30 @@ def cache_problems(cache) -> list[str]:
         return [str(e)]
 
 
+def extra_guidance_problems(req, model) -> list[str]:
+    """`extra_guidance`: {setting: value} of the guidance passes beyond cond / uncond that the
+    model's family declares (its ExtraGuidance capability), one line per bad setting."""
+    given = req.extra_guidance
+    if given is None:
+        return []
+    if not isinstance(given, dict):
+        return [f"extra_guidance must be a dict of settings (got {type(given).__name__})"]
+    arch = model if isinstance(model, str) else getattr(model, "arch", None)
+    if arch is None or not given:
+        return []
+    fam = families.family(arch)
+    extra = fam.capability(families.ExtraGuidance)
+    if extra is None:
+        takers = ", ".join(f.name for f in families.FAMILIES.values()
+                           if f.capability(families.ExtraGuidance) is not None)
+        return [f"extra_guidance {sorted(given)}: {fam.name} runs the cond and uncond passes "
+                f"only (extra guidance passes: {takers})"]
+    unknown = sorted(set(given) - set(extra.settings))
+    if unknown:
+        return [f"extra_guidance {unknown}: {fam.name} takes {', '.join(extra.settings)}"]
+    return list(extra.problems(given, req.cfg, getattr(model, "blocks", None)))
+
+
 def reference_problems(req, model) -> list[str]:
     """Reference latents: a list of ComfyUI LATENT samples [1 or batch, C, h, w] in the
     model's layout (FLUX.1: even sizes, 2x2 latent pixels make one token)."""

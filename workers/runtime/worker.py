@@ -221,7 +221,8 @@ class Worker:
         self._check_stages(msg.config)
         noise = msg.noise  # model space, drawn once by the host (ComfyUI's prepare_noise)
         b = int(noise.shape[0])
-        use_cfg = float(req.cfg) > 1.0
+        # the negative prompt is encoded where a guidance pass reads it (plain CFG: cfg > 1)
+        use_cfg = any(p.negative for p in self.adapter.guidance_passes(self.model, req))
 
         # image-to-video (Wan I2V): the start frame (an image, or ComfyUI's latent and mask)
         # -> the condition every step joins to the latents, made once here; the request's

@@ -4,8 +4,9 @@ It is the plain loop: the job's noise (prepared once, `prepare`), then for each 
 decision, the step's work, and rank 0's progress event and preview; at the end data
 parallel's gather of the batch. The step's work is a `StepStrategy`:
 
-* `WholeImage` (below): each guidance branch of this rank on the whole image, the guidance
-  combination (in one process, or over the cfg ranks) and the scheduler's Euler step. Exact.
+* `WholeImage` (below): each guidance pass of this rank on the whole image (cond, uncond
+  and a family's extra passes, workers/sampling/guidance.py), the family's guidance
+  combination (in one process, or over the cfg ranks) and the scheduler's step. Exact.
 * `PatchPipeline` (patch_pipeline.py, over workers/parallel/pipefusion/): PipeFusion's patch
   pipeline, which owns its tick table, stages, patch transfers and K/V caches.
 
@@ -31,7 +32,8 @@ from ..parallel.shares import dp_weights, sizes_for
 from ..parallel.sharding import is_sharded
 from ..parallel.topology import Topology, broadcast
 from .cache_settings import CacheSettings
-from .flow_step import combine, combine_across, make_steps
+from .flow_step import make_steps
+from .guidance import assigned, forwards_per_rank, gather_passes
 from .step_cache import RunCache, call_on_ranks, gated
 from .step_scope import no_step_scope
 
@@ -67,6 +69,8 @@ class Prepared:
     # "expert": k for a model of several experts, Wan 2.2's high- / low-noise transformers)
     scales: Optional[list] = None
     extras: Optional[list] = None
+    passes: tuple = ()  # the step's guidance passes (workers/sampling/guidance.py), in order
+    request: object = None  # the job's request (the family's guidance settings)
 
 
 def _released_with(scheduler_class: str) -> str:
@@ -138,8 +142,11 @@ def prepare(job, model, adapter, topo: Topology) -> Prepared:
                 for k, v in adapter.slice_cond(cond, mine).items()}
 
     cond, uncond = to_dev(job.cond), to_dev(job.uncond)
-    if topo.degree("cfg") == 2 and uncond is None:
-        raise RuntimeError("cfg-parallel job without a negative branch")
+    passes = tuple(adapter.guidance_passes(model, req))
+    if any(p.negative for p in passes) and uncond is None:
+        raise RuntimeError("a guidance pass reads the negative prompt, and the job has none")
+    if topo.degree("cfg") > 1 and len(passes) < 2:
+        raise RuntimeError("cfg-parallel job with one guidance pass")
     # the loop's latents: the model's dtype, or fp32 where the family's pipeline keeps them
     # so (Wan: its multistep history); the adapter's forward casts what the model takes
     noise = job.noise[mine].to(dev, torch.float32 if adapter.latents_fp32 else dtype)
@@ -173,7 +180,8 @@ def prepare(job, model, adapter, topo: Topology) -> Prepared:
     steps = make_steps(scheduler, sigmas, scheduler.sigmas[begin:], begin)
     return Prepared(sizes=sizes, mine=mine, cond=cond, uncond=uncond, latents=latents,
                     sigmas=sigmas, timesteps=timesteps, extra=extra, guidance=guidance,
-                    steps=steps, scales=scales, extras=[by_expert[e] for e in experts])
+                    steps=steps, scales=scales, extras=[by_expert[e] for e in experts],
+                    passes=passes, request=req)
 
 
 def _stop_requested(should_stop: Callable[[], bool], control) -> bool:
@@ -188,6 +196,11 @@ def _stop_requested(should_stop: Callable[[], bool], control) -> bool:
 
 
 def _branches(prep: Prepared, topo: Topology) -> dict:
+    """PipeFusion's guidance branches (plain CFG): {0: uncond, 1: cond}, or this cfg rank's."""
+    if [p.name for p in prep.passes] not in (["cond"], ["uncond", "cond"]):
+        raise ValueError(f"PipeFusion runs the cond and uncond passes only; this request's "
+                         f"guidance runs {[p.name for p in prep.passes]}: turn the extra "
+                         f"guidance off or use another method")
     if prep.uncond is None:
         return {1: prep.cond}
     if topo.degree("cfg") == 2:
@@ -209,33 +222,40 @@ class StepStrategy(Protocol):
 
 
 class WholeImage:
-    """The exact step: every guidance branch of this rank on the whole image, the guidance
-    combination, the Euler step. With the step cache (workers/sampling/step_cache.py), each branch of
-    each image is a row with its own state; a transformer call skips its middle blocks when
-    all its rows do."""
+    """The exact step: this rank's guidance passes on the whole image, the family's guidance
+    combination (over the cfg ranks: every pass's prediction gathered), the scheduler's step.
+    With the step cache (workers/sampling/step_cache.py), each pass of each image is a row
+    with its own state; a transformer call skips its middle blocks when all its rows do."""
 
-    def __init__(self, model, adapter, prep: Prepared, branches: dict, topo: Topology,
+    def __init__(self, model, adapter, prep: Prepared, topo: Topology,
                  cache=None, control=None, sequence=None):
         self.model, self.adapter, self.prep = model, adapter, prep
         # the forward's sequence plan, for the cache's decision (`sequence`: the installed
         # SequenceParallel, whose plan holds for the duration of one forward)
         self.plan = None if sequence is None else (lambda: sequence.plan)
-        self.branches = sorted(branches)  # negative (0) first
-        self.conds = [branches[b] for b in self.branches]
-        self.cfg_group = topo.group("cfg") if topo.degree("cfg") == 2 else None
+        n, self.degree = len(prep.passes), topo.degree("cfg")
+        self.mine = assigned(n, self.degree, topo.index("cfg"))
+        self.cfg_group = topo.group("cfg") if self.degree > 1 else None
         self.topo, self.control, self.cache = topo, control, cache
-        self.sharded = cache is not None and is_sharded(model.transformer)
+        self.sharded = is_sharded(model.transformer)
+        # weight sharding: every rank runs every block equally often (its last pass again
+        # where the passes do not split evenly; the result is not read)
+        self.calls = list(self.mine)
+        if self.sharded:
+            self.calls += self.mine[-1:] * (forwards_per_rank(n, self.degree) - len(self.mine))
 
-    def _forward(self, branch, cond, latents, i):
+    def _forward(self, index, latents, i):
         p = self.prep
-        extra = p.extras[i]
-        # rows: (branch, image), and the expert where a model has several (each its own
+        guide = p.passes[index]
+        cond = p.uncond if guide.negative else p.cond
+        extra = guide.extra(p.extras[i])
+        # rows: (pass, image), and the expert where a model has several (each its own
         # residuals: the first step of the next expert computes)
         expert = extra.get("expert")
-        keys = [(branch, j) if expert is None else (branch, j, expert)
+        keys = [(index, j) if expert is None else (index, j, expert)
                 for j in range(p.mine.start, p.mine.stop)]
         call = call_on_ranks(self.cache, self.model, self.adapter, keys, self.topo,
-                             self.control, self.sharded,
+                             self.control, self.cache is not None and self.sharded,
                              self.adapter.transformer_for(self.model, extra), self.plan)
         with gated(call):
             return self.adapter.forward(self.model, latents, p.timesteps[i], cond, p.guidance,
@@ -243,13 +263,12 @@ class WholeImage:
 
     def step(self, i: int, latents: torch.Tensor, finished: Callable[[int], None]) -> None:
         p = self.prep
-        preds = [self._forward(b, cond, latents, i) for b, cond in zip(self.branches, self.conds)]
-        scale = p.scales[i]
+        preds = [self._forward(k, latents, i) for k in self.calls]
         if self.cfg_group is not None:
-            pred = combine_across(preds[0], self.cfg_group, scale, self.adapter.cfg_rescale)
-        else:
-            pred = combine(preds[0], preds[1], scale, self.adapter.cfg_rescale) \
-                if len(preds) == 2 else preds[0]
+            preds = gather_passes(preds, len(p.passes), self.degree, self.cfg_group)
+        by_name = {g.name: v for g, v in zip(p.passes, preds)}
+        pred = self.adapter.guide(by_name, latents, p.sigmas[i], p.scales[i], p.extras[i],
+                                  p.request)
         latents.copy_(p.steps.step(latents, pred, i))
         finished(i)
 
@@ -259,13 +278,12 @@ class WholeImage:
 
 def _strategy(job, model, adapter, prep: Prepared, topo: Topology,
               control=None, cache=None, sequence=None) -> StepStrategy:
-    branches = _branches(prep, topo)  # each step's guidance scale: prep.scales
-    if topo.degree("pipefusion") > 1:
+    if topo.degree("pipefusion") > 1:  # each step's guidance scale: prep.scales
         if cache is not None:
             raise ValueError(CACHE_WITH_PIPEFUSION)
         from .patch_pipeline import PatchPipeline
-        return PatchPipeline(job, model, adapter, prep, branches, topo)
-    return WholeImage(model, adapter, prep, branches, topo, cache, control, sequence)
+        return PatchPipeline(job, model, adapter, prep, _branches(prep, topo), topo)
+    return WholeImage(model, adapter, prep, topo, cache, control, sequence)
 
 
 
