@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from comfyui_xdit.bridge import protocol as P
+from comfyui_xdit.client import rank_launcher
 from comfyui_xdit.client.channel import connect, parse_address
 from comfyui_xdit.client.exit_cleanup import install_sigterm
 from comfyui_xdit.client.pool_folders import make_pool_folder
@@ -41,6 +42,12 @@ UNPLANNED = object()  # _launch: no memory plan checked yet for this launch
 
 def _default_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
+
+
+def _launcher_name(procs) -> str:
+    """"preload" when every rank was forked by the preloaded helper, else "spawn"."""
+    forked = all(isinstance(p, rank_launcher.ForkedRank) for p in procs)
+    return "preload" if procs and forked else "spawn"
 
 
 class PoolLaunch:
@@ -144,11 +151,7 @@ class PoolLaunch:
                 cmd += ["--pipefusion", str(self.config.pipefusion), "--pipefusion-inner",
                         str(self.config.sp), "--pipefusion-split",
                         self.config.stage_split(self.model_info.blocks)]
-            log = open(self._log_path(rank), "wb")
-            self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, env=env,
-                                                start_new_session=True))
-            log.close()
+            self._procs.append(rank_launcher.start_rank(cmd, env, self._log_path(rank)))
         self._launched_gpus = gpus
         t_spawn = time.perf_counter()
         deadline = time.monotonic() + self.start_timeout
@@ -168,7 +171,7 @@ class PoolLaunch:
             raise PoolError(f"unexpected first message from rank 0: {msg.KIND!r}")
         self._remote = msg.info
         self.launches += 1
-        self.last_launch = {"spawn_s": t_spawn - t0, "ready_s": time.perf_counter() - t0,
+        self.last_launch = {"launcher": _launcher_name(self._procs), "spawn_s": t_spawn - t0, "ready_s": time.perf_counter() - t0,
                             "load_s_rank0": msg.info["load_seconds"],
                             "ranks": [{k: r.get(k) for k in LAUNCH_KEYS}
                                       for r in msg.info["ranks"]]}
