@@ -1,4 +1,5 @@
-"""Launching a local pool's workers: one `python -m workers.runtime.serve` process per rank,
+"""Launching a local pool's workers: one `python -m workers.runtime.serve` process per rank
+(forked from the preloaded helper or a plain process: comfyui_xdit/client/rank_launcher.py),
 their logs and launch progress, the sentence naming a dead one, and stopping them all.
 
 `PoolLaunch` is the part of `WorkerPool` (comfyui_xdit/client/pool.py) that owns the worker
@@ -33,7 +34,10 @@ LOAD_STARTED = "xdit: loading weights"
 LOAD_DONE = "xdit: weights loaded"
 # each rank's launch breakdown (workers/runtime/worker.py; docs/performance.md "Pool
 # overheads") as `last_launch` keeps it; `status()` has the same and, after the first job,
-# each rank's "first_job_s"
+# each rank's "first_job_s". A rank forked from the preloaded helper finds the import floor
+# already imported: its import_s is then ~0 and its start_s the fork's, not an interpreter's;
+# `last_launch["launcher"]` says which ("preload" or "spawn"), and its spawn_s holds the
+# helper's own start when a launch had to start one.
 LAUNCH_KEYS = ("rank", "start_s", "import_s", "setup_s", "prefetch", "load_s", "ready_s",
                "rss_after_import_mb", "load_peak_rss_mb", "rss_mb")
 

@@ -13,10 +13,11 @@ its own or a log file as stdout.
 A rank forked there behaves as the subprocess would (see the helper's docstring); the pool
 keeps `ForkedRank` objects in `_procs`, with Popen's poll/wait/terminate/kill/pid/
 returncode. Ranks are signalled through the helper (their parent, so never a reaped pid).
-One helper serves one environment (the rank's minus RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES)
-and working folder, so whatever torch or a library read at import is what the rank would
-have read; another environment (another OMP_NUM_THREADS, a changed variable) gets its own
-helper; idle helpers beyond a few are closed.
+One helper serves one environment (the rank's minus RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES,
+which each rank sets before anything reads them, and minus our own XDIT_* switches, read
+only when used) and working folder, so whatever torch or a library read at import (libgomp
+reads OMP_NUM_THREADS when it loads) is what the rank would have read; another environment
+gets its own helper; idle helpers beyond a few are closed.
 
 A helper that cannot start or refuses (preloading failed, a thread or CUDA's driver found
 in it) or dies is replaced by plain processes with one logged warning: the ranks then run
@@ -118,8 +119,9 @@ class Helper:
         self.import_s = msg["import_s"]
 
     def _recv(self, timeout: float) -> Optional[dict]:
-        ready, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
-        if not ready:
+        poller = select.poll()  # not select.select: a busy host's fd may be above 1023
+        poller.register(self._sock, select.POLLIN)
+        if not poller.poll(max(0, int(timeout * 1000))):
             return None
         try:
             data = self._sock.recv(1 << 20)
@@ -229,7 +231,10 @@ def _helper_env(rank_env: dict) -> dict:
 
 def _helper_for(rank_env: dict) -> Helper:
     env = _helper_env(rank_env)
-    key = (json.dumps(sorted(env.items())), os.getcwd(), sys.executable)
+    # our own XDIT_* switches are read when used, never at import (tests/test_rank_launcher.py
+    # checks), so they do not need a helper of their own
+    key = (json.dumps(sorted((k, v) for k, v in env.items() if not k.startswith("XDIT_"))),
+           os.getcwd(), sys.executable)
     with _registry_lock:
         if key in _refused:
             raise Unavailable(_refused[key])
