@@ -100,6 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ideal, 2 and 4 ranks, Ulysses / Ring / DP (see benchmarks/split.py)")
     p.add_argument("--slowdowns", default=None, metavar="K,K",
                    help="--split: the slow rank's factors (default 1.5,3)")
+    p.add_argument("--launch", action="store_true",
+                   help="run the launch section instead: a tiny 2-rank pool's ready time and "
+                        "CPU per launch, plain processes vs the preloaded launcher, side by "
+                        "side (see benchmarks/launch.py)")
     p.add_argument("--model-call", action="store_true",
                    help="run the xDiT MODEL section instead: per-call overhead of a "
                         "KSampler-style model call beyond the transformer, 1 and 2 ranks, "
@@ -123,6 +127,8 @@ def run(args) -> int:
         return run_section(args, "video")
     if args.split:
         return run_section(args, "split")
+    if args.launch:
+        return run_section(args, "launch")
     if args.model_call:
         from . import model_call
         return model_call.run(args)

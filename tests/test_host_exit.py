@@ -26,6 +26,8 @@ HOST = textwrap.dedent("""
                       threads_per_rank=1)
     pool.generate(GenerationRequest(prompt=["a cat"], steps=1, height=64, width=64,
                                     max_sequence_length=8, cfg=1.0))
+    from comfyui_xdit.client import rank_launcher
+    print("HELPERS", *[h.proc.pid for h in rank_launcher._helpers.values()], flush=True)
     print("PIDS", *pool.worker_pids(), flush=True)
     if sys.argv[2] == "wait":
         time.sleep(600)
@@ -52,12 +54,15 @@ def _run_host(model_dir, tmp_path, how: str):
                              "wait" if how == "sigterm" else "exit"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             text=True, cwd=str(tmp_path))
-    pids = []
+    pids, helpers = [], []
     for line in proc.stdout:
+        if line.startswith("HELPERS"):
+            helpers = [int(p) for p in line.split()[1:]]
         if line.startswith("PIDS"):
             pids = [int(p) for p in line.split()[1:]]
             break
     assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "no pids"
+    assert len(helpers) == 1  # the preloaded launcher's helper (the default) goes too
     if how == "sigterm":
         proc.send_signal(signal.SIGTERM)
     try:
@@ -65,7 +70,7 @@ def _run_host(model_dir, tmp_path, how: str):
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("the host did not exit within 60 s of SIGTERM")
-    return proc.returncode, err, pids, tmp
+    return proc.returncode, err, pids + helpers, tmp
 
 
 @pytest.mark.parametrize("how", ["sigterm", "exit"])
@@ -77,7 +82,7 @@ def test_host_leaves_no_folder_process_or_traceback(model_dir, tmp_path, how):
     left = sorted(p.name for p in tmp.iterdir() if p.name.startswith("xdit-pool-"))
     logs = "".join(f.read_text(errors="replace") for d in tmp.glob("xdit-pool-*")
                    for f in d.glob("rank*.log"))
-    assert not [p for p in pids if _alive(p)], "workers outlived their host"
+    assert not [p for p in pids if _alive(p)], "workers or the launcher's helper outlived their host"
     assert left == [], f"pool folders left behind: {left}\n{logs[-2000:]}"
     assert "Traceback" not in err, err
     if how == "sigterm":  # the signal still ends the host as it did (killed by SIGTERM)
@@ -97,13 +102,20 @@ def test_a_killed_hosts_folder_is_removed_by_the_next_launch(model_dir, tmp_path
     proc = subprocess.Popen([sys.executable, "-c", HOST, str(model_dir("flux")), "wait"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             text=True, cwd=str(tmp_path))
+    pids = []
     for line in proc.stdout:
+        if line.startswith(("HELPERS", "PIDS")):
+            pids += [int(p) for p in line.split()[1:]]
         if line.startswith("PIDS"):
             break
     killed = sorted(p.name for p in tmp.iterdir() if p.name.startswith("xdit-pool-"))
     proc.kill()
     proc.communicate(timeout=60)
     assert len(killed) == 1 and (tmp / killed[0] / "secret").exists()
+    deadline = time.monotonic() + 30  # the helper and the workers leave on their own
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(pids) == 3 and not [p for p in pids if _alive(p)], "outlived a killed host"
     # a live host's folder (this test process's), made the same way, must survive the sweep
     os.environ["TMPDIR"], old = str(tmp), os.environ.get("TMPDIR")
     import tempfile

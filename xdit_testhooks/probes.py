@@ -132,3 +132,37 @@ def modules_at_first_job(ctx):
             return {"at_first_job": self.first}
 
     return Seen()
+
+
+PROCESS_ENV = ("RANK", "LOCAL_RANK", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
+               "CUDA_VISIBLE_DEVICES", "XDIT_TEST_MARK")
+
+
+def process_facts(ctx):
+    """Worker hook: what a rank's process looks like from inside (its environment's launch
+    variables, session, standard streams, working folder, argv, main module, torch threads),
+    in each job's stats: the same whichever launcher started it (plain process or forked
+    from the preloaded helper)."""
+    import sys
+    import threading
+
+    import torch
+
+    def link(fd):
+        try:
+            return os.path.realpath(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None
+
+    class Facts:
+        def job_stats(self):
+            main = sys.modules.get("__main__")
+            return {"env": {k: os.environ.get(k) for k in PROCESS_ENV},
+                    "own_session": os.getsid(0) == os.getpid(),
+                    "stdin": link(0), "stdout": link(1), "stderr": link(2),
+                    "cwd": os.getcwd(), "argv": sys.argv[1:],
+                    "main": getattr(getattr(main, "__spec__", None), "name", None),
+                    "torch_threads": torch.get_num_threads(),
+                    "python_threads": sorted(t.name for t in threading.enumerate())}
+
+    return Facts()

@@ -1,4 +1,5 @@
-"""Launching a local pool's workers: one `python -m workers.runtime.serve` process per rank,
+"""Launching a local pool's workers: one `python -m workers.runtime.serve` process per rank
+(forked from the preloaded helper or a plain process: comfyui_xdit/client/rank_launcher.py),
 their logs and launch progress, the sentence naming a dead one, and stopping them all.
 
 `PoolLaunch` is the part of `WorkerPool` (comfyui_xdit/client/pool.py) that owns the worker
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from comfyui_xdit.bridge import protocol as P
+from comfyui_xdit.client import rank_launcher
 from comfyui_xdit.client.channel import connect, parse_address
 from comfyui_xdit.client.exit_cleanup import install_sigterm
 from comfyui_xdit.client.pool_folders import make_pool_folder
@@ -32,7 +34,10 @@ LOAD_STARTED = "xdit: loading weights"
 LOAD_DONE = "xdit: weights loaded"
 # each rank's launch breakdown (workers/runtime/worker.py; docs/performance.md "Pool
 # overheads") as `last_launch` keeps it; `status()` has the same and, after the first job,
-# each rank's "first_job_s"
+# each rank's "first_job_s". A rank forked from the preloaded helper finds the import floor
+# already imported: its import_s is then ~0 and its start_s the fork's, not an interpreter's;
+# `last_launch["launcher"]` says which ("preload" or "spawn"), and its spawn_s holds the
+# helper's own start when a launch had to start one.
 LAUNCH_KEYS = ("rank", "start_s", "import_s", "setup_s", "prefetch", "load_s", "ready_s",
                "rss_after_import_mb", "load_peak_rss_mb", "rss_mb")
 
@@ -41,6 +46,12 @@ UNPLANNED = object()  # _launch: no memory plan checked yet for this launch
 
 def _default_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
+
+
+def _launcher_name(procs) -> str:
+    """"preload" when every rank was forked by the preloaded helper, else "spawn"."""
+    forked = all(isinstance(p, rank_launcher.ForkedRank) for p in procs)
+    return "preload" if procs and forked else "spawn"
 
 
 class PoolLaunch:
@@ -152,11 +163,7 @@ class PoolLaunch:
             if self.config.pipefusion > 1:
                 cmd += ["--pipefusion", str(self.config.pipefusion), "--pipefusion-inner",
                         str(self.config.sp), "--pipefusion-split", stages]
-            log = open(self._log_path(rank), "wb")
-            self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, env=env,
-                                                start_new_session=True))
-            log.close()
+            self._procs.append(rank_launcher.start_rank(cmd, env, self._log_path(rank)))
         self._launched_gpus = gpus
         t_spawn = time.perf_counter()
         deadline = time.monotonic() + self.start_timeout
@@ -176,7 +183,7 @@ class PoolLaunch:
             raise PoolError(f"unexpected first message from rank 0: {msg.KIND!r}")
         self._remote = msg.info
         self.launches += 1
-        self.last_launch = {"spawn_s": t_spawn - t0, "ready_s": time.perf_counter() - t0,
+        self.last_launch = {"launcher": _launcher_name(self._procs), "spawn_s": t_spawn - t0, "ready_s": time.perf_counter() - t0,
                             "load_s_rank0": msg.info["load_seconds"],
                             "ranks": [{k: r.get(k) for k in LAUNCH_KEYS}
                                       for r in msg.info["ranks"]]}
