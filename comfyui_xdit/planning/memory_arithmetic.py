@@ -284,9 +284,8 @@ def uneven_shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8, weights,
     world = len(weights)
     units = [*tr.blocks, tr.rest]
 
-    def per_rank(triples):
-        return [_rank_bytes(triples, dtype_bytes, fp8, weights, r) for r in range(world)]
-    shares = [per_rank(u) for u in units]
+    shares = [[_rank_bytes(u, dtype_bytes, fp8, weights, r) for r in range(world)]
+              for u in units]
     whole = [_bytes(u, dtype_bytes, fp8) for u in units]
     buffers = tr.buffers * dtype_bytes
     mine = sum(sh[rank] for sh in shares)
