@@ -177,9 +177,14 @@ def running_comfyui(comfy: Path, log: Path, *args: str):
 
 
 def ws_connect(comfy, client_id):
+    """A /ws connection whose reads time out after 5 s (`messages` polls). The handshake
+    may wait longer: a busy server (a loaded machine, a model being freed) answered it late,
+    and a 5-s handshake failed the test ("Cannot write to closing transport" in its log)."""
     import websocket
-    return websocket.create_connection(
-        f"ws://127.0.0.1:{comfy['port']}/ws?clientId={client_id}", timeout=5)
+    ws = websocket.create_connection(
+        f"ws://127.0.0.1:{comfy['port']}/ws?clientId={client_id}", timeout=120)
+    ws.settimeout(5)
+    return ws
 
 
 def messages(ws, until, timeout):
