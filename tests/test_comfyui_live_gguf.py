@@ -60,10 +60,24 @@ def gguf_name(arch: str, qtype: str) -> str:
     return f"xdit-gguf-{arch}-{qtype}-{_writer_key()}.gguf"
 
 
+def gguf_file(arch: str, qtype: str) -> str:
+    """The GGUF copy of the `arch` native file in `qtype`, in models/diffusion_models/
+    (written once per writer version, when a test first needs it); its name."""
+    from comfyui_xdit.testmodels.gguf_file import write_gguf_file
+    files = Path(COMFY) / "models" / "diffusion_models"
+    dst = files / gguf_name(arch, qtype)
+    for old in files.glob(f"xdit-gguf-{arch}-{qtype}-*.gguf"):
+        if old != dst:
+            old.unlink()
+    if not dst.exists():  # written aside, then renamed: never a half file
+        tmp = write_gguf_file(files / NATIVE[arch], files / f".{dst.name}.part", qtype, arch)
+        tmp.rename(dst)
+    return dst.name
+
+
 @pytest.fixture(scope="module")
 def comfy(tmp_path_factory):
     from native_models import native_single_file
-    from comfyui_xdit.testmodels.gguf_file import write_gguf_file
 
     comfy = Path(COMFY)
     link_packs(comfy, "xdit-live-test-model-nodes")
@@ -71,14 +85,6 @@ def comfy(tmp_path_factory):
     files.mkdir(parents=True, exist_ok=True)
     for arch, name in NATIVE.items():  # built once and kept (FLUX.1-wide: ~1.1 GB)
         native_single_file(arch, files / name)
-        for q in QTYPES:
-            dst = files / gguf_name(arch, q)
-            for old in files.glob(f"xdit-gguf-{arch}-{q}-*.gguf"):
-                if old != dst:
-                    old.unlink()
-            if not dst.exists():  # written aside, then renamed: never a half file
-                tmp = write_gguf_file(files / name, files / f".{dst.name}.part", q, arch)
-                tmp.rename(dst)
     log = tmp_path_factory.mktemp("comfy-gguf") / "comfyui.log"
     with running_comfyui(comfy, log) as server:
         info = http(server["base"], "/object_info/UnetLoaderGGUF")
@@ -91,7 +97,7 @@ def _graph(comfy, arch: str, qtype: str, layouts: dict, tag: str, lora: str = ""
     the same file at each of `layouts` (branch = layout name), LATENTs saved; with `lora`,
     LoraLoaderModelOnly (0.8) on each MODEL first. -> (graph, {branch: saved file})."""
     ctx, pooled = COND[arch]
-    name = gguf_name(arch, qtype)
+    name = gguf_file(arch, qtype)  # ComfyUI lists a file added after its start
     wf = {
         "4": {"class_type": "XDiTTestRandomConditioning",
               "inputs": {"seed": 1, "tokens": 8, "context_dim": ctx, "pooled_dim": pooled,
