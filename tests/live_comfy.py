@@ -100,15 +100,19 @@ def link_packs(comfy: Path, *helpers: str) -> None:
             path.symlink_to(target, target_is_directory=True)
 
 
-# the settings nodes: loader input, widgets with their defaults
-SETTINGS = {"xDiT.ParallelSettings": ("parallel", dict(ulysses=1, ring=1, cfg_parallel=False,
-                                                       dp=1, gpus="", split="even")),
-            "xDiT.PipeFusionSettings": ("pipefusion", dict(pipefusion=2, warmup_steps=1,
-                                                           pipeline_patches=0,
-                                                           pipefusion_split="balanced")),
-            "xDiT.EngineSettings": ("engine", dict(attention="auto", compile=False,
-                                                   weights="auto", text_encoders="auto",
-                                                   shard_weights=False, memory_plan="auto"))}
+def _settings_nodes() -> dict:
+    """{node id: (loader input, {widget: default})} of the settings nodes, read from the
+    value types the nodes are built from (comfyui_xdit/nodes/settings.py): a widget added
+    there (ParallelSettings' split, say) is in every graph these tests send."""
+    from comfyui_xdit.nodes import settings as s
+    return {f"xDiT.{t.__name__}": (inp, {w.name or n: d for n, d, w in s._widgets(t)
+                                         if not w.optional})
+            for t, inp in ((s.ParallelSettings, "parallel"),
+                           (s.PipeFusionSettings, "pipefusion"),
+                           (s.EngineSettings, "engine"))}
+
+
+SETTINGS = _settings_nodes()  # the settings nodes: loader input, widgets with their defaults
 
 
 def with_settings(wf: dict, loader: str, **choices) -> dict:
@@ -173,9 +177,14 @@ def running_comfyui(comfy: Path, log: Path, *args: str):
 
 
 def ws_connect(comfy, client_id):
+    """A /ws connection whose reads time out after 5 s (`messages` polls). The handshake
+    may wait longer: a busy server (a loaded machine, a model being freed) answered it late,
+    and a 5-s handshake failed the test ("Cannot write to closing transport" in its log)."""
     import websocket
-    return websocket.create_connection(
-        f"ws://127.0.0.1:{comfy['port']}/ws?clientId={client_id}", timeout=5)
+    ws = websocket.create_connection(
+        f"ws://127.0.0.1:{comfy['port']}/ws?clientId={client_id}", timeout=120)
+    ws.settimeout(5)
+    return ws
 
 
 def messages(ws, until, timeout):

@@ -108,7 +108,7 @@ def test_object_info_lists_nodes(comfy):
     info = http(comfy["base"], "/object_info")
     for n in ("xDiT.LoadModel", "xDiT.Sampler", "xDiT.Decode", "xDiT.UnloadPool"):
         assert n in info and info[n]["category"] == "xDiT"
-    assert info["xDiT.Decode"]["output"] == ["IMAGE"]
+    assert info["xDiT.Decode"]["output"] == ["IMAGE", "AUDIO"]  # AUDIO: a video's sound
     models = json.dumps(info["xDiT.LoadModel"]["input"]["required"]["model"])
     assert MODEL_NAME in models and FILE_OPTION in models  # a folder and a single file
     # the example workflows (API and UI format) only use nodes this ComfyUI has; the

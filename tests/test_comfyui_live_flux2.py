@@ -34,7 +34,7 @@ import torch
 
 from live_comfy import (COMFY, ROOT, comfy_flux2_vae, comfy_vae, history, http, link_packs, place,
                         run, running_comfyui, skip_without_comfyui, tensors, wait_for_memory,
-                        with_settings)
+                        SETTINGS, with_settings)
 
 pytestmark = skip_without_comfyui
 
@@ -48,6 +48,7 @@ NATIVE_FLUX2 = {"flux2-dev": "xdit-native-flux2-dev.safetensors",
                 "flux2-klein": "xdit-native-flux2-klein.safetensors"}
 FLUX2_VAE_NAME = "xdit-test-flux2-vae.safetensors"
 REL_TOL = 1e-3
+ULYSSES2 = dict(SETTINGS["xDiT.ParallelSettings"][1], ulysses=2)  # the node's inputs
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def _flux2_graph(comfy, out: str, text: str = "a small red cube") -> dict:
               "inputs": {"model": FLUX2_NAME, "device": "cpu", "dtype": "fp32",
                          "world_size": "2", "parallel": ["101", 0]}},
         "101": {"class_type": "xDiT.ParallelSettings",
-                "inputs": {"ulysses": 2, "ring": 1, "cfg_parallel": False, "dp": 1, "gpus": ""}},
+                "inputs": ULYSSES2},
         "2": {"class_type": "EmptySD3LatentImage",
               "inputs": {"width": 64, "height": 48, "batch_size": 1}},
         "3": {"class_type": "xDiT.Sampler", "inputs": dict(common, prompt=text)},
@@ -163,7 +164,7 @@ def test_flux2_ksampler_on_the_xdit_model_refused_or_runs(comfy):
               "inputs": {"model": FLUX2_NAME, "device": "cpu", "dtype": "fp32",
                          "world_size": "2", "parallel": ["101", 0]}},
         "101": {"class_type": "xDiT.ParallelSettings",
-                "inputs": {"ulysses": 2, "ring": 1, "cfg_parallel": False, "dp": 1, "gpus": ""}},
+                "inputs": ULYSSES2},
         "2": {"class_type": "xDiT.ToModel", "inputs": {"model": ["1", 0]}},
         "3": {"class_type": "XDiTTestFlux2Conditioning",
               "inputs": {"text": "a cube", "model_folder": str(comfy["flux2"]),
@@ -315,7 +316,7 @@ def _kontext_graph(comfy, out: str, reference: bool, method: str = "") -> dict:
               "inputs": {"model": KONTEXT_NAME, "device": "cpu", "dtype": "fp32",
                          "world_size": "2", "parallel": ["101", 0]}},
         "101": {"class_type": "xDiT.ParallelSettings",
-                "inputs": {"ulysses": 2, "ring": 1, "cfg_parallel": False, "dp": 1, "gpus": ""}},
+                "inputs": ULYSSES2},
         "2": {"class_type": "EmptySD3LatentImage",
               "inputs": {"width": 64, "height": 64, "batch_size": 1}},
         "3": {"class_type": "XDiTTestConditioning",

@@ -40,7 +40,11 @@ def _launch_progress(node_id, node: str = "sampler"):
             shown.append(text)
             log.info("xDiT: %s", text)
             _progress_text(node_text.launch_text(text, done, total, node), node_id)
-        pbar.update_absolute(done, max(1, total))  # its hook raises on ComfyUI's cancel
+        pbar.update_absolute(done, max(1, total))
+        # asked here, every call (about once a second): the bar's hook raises on the cancel
+        # too, but ComfyUI 0.33.0's bar calls it only when the value moves enough, and a
+        # launch stays at "loading 0/N" for most of its time
+        comfy.model_management.throw_exception_if_processing_interrupted()
     return on_launch
 
 

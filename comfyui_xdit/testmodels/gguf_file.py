@@ -2,9 +2,12 @@
 for the tests and experiments with the GGUF loader (re-exported as tiny_model.write_gguf_file).
 
 The tensors keep the source file's names (its model.diffusion_model. prefix dropped); tensors
-of one dimension or at most 1024 values stay F32; the others are stored in the asked type,
-or in F16 where a row is not whole blocks of that type; tensors of more than four dimensions
-are stored flattened to two, with their shape in `comfy.gguf.orig_shape.<name>`. The gguf
+of one dimension or at most 1024 values stay F32; tensors of more than four dimensions are
+stored flattened to two, with their shape in `comfy.gguf.orig_shape.<name>`. Tensors stored
+with two dimensions are in the asked type, or in F16 where a row is not whole blocks of it;
+the others (an SD3 pos_embed Parameter, a conv kernel) in F16, as llama.cpp's quantiser
+(which makes ComfyUI-GGUF's quantised files from its converter's F16 ones) leaves them:
+ComfyUI-GGUF loads a quantised tensor only into a layer that dequantises it. The gguf
 package quantises the types it can (Q8_0, Q5_0/1, Q4_0/1, BF16); the K types it only reads,
 so `quantize_k` below writes them (a plain min/max fit per sub-block: a valid file, not
 llama.cpp's error-minimising search).
@@ -127,6 +130,8 @@ def write_gguf_file(src: str | os.PathLike, dst: str | os.PathLike, qtype: str =
             w = w.reshape(-1, w.shape[-1])
         if w.ndim <= 1 or w.size <= SMALL or not t.is_floating_point():
             data, kind = w.astype(np.float32), "F32"
+        elif w.ndim != 2:
+            data, kind = w.astype(np.float16), "F16"
         else:
             data, kind = quantize(w, qtype)
         writer.add_tensor(name, data, raw_dtype=T[kind])
