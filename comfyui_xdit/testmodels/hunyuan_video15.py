@@ -30,11 +30,9 @@ VARIANTS: tuple[str, ...] = ("t2v", "i2v")
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_hunyuan_video15.py::test_one_rank_equals_the_pipeline"
-CONFORMANCE_EXEMPT = {
-    "pipefusion_oracle": "not written yet: no single-process oracle of PipeFusion's "
-                         "stale-K/V schedule on HunyuanVideo 1.5's diffusers transformer (its "
-                         "full-warmup exactness and closeness are checked)",
-}
+# PipeFusion's stale-K/V oracle (the conformance suite's PipeFusion theme)
+PIPEFUSION_ORACLE = dict(oracle="test_pipefusion_video_reference:hunyuan_video15_oracle",
+                         request={})
 # layers outside the blocks the conformance suite's LoRA reaches too: the text refiner's
 LORA_LAYERS = ("context_embedder.token_refiner.",)
 VARIANT_HELP = ("HunyuanVideo 1.5: t2v (default; text-to-video) or i2v (image-to-video, with a "

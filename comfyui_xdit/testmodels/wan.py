@@ -42,11 +42,8 @@ TEST_REQUEST = dict(size=(48, 80))
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_wan.py::test_one_rank_equals_the_pipeline"
-CONFORMANCE_EXEMPT = {
-    "pipefusion_oracle": "not written yet: no single-process oracle of PipeFusion's "
-                         "stale-K/V schedule on Wan's diffusers transformer (its "
-                         "full-warmup exactness and closeness are checked)",
-}
+# PipeFusion's stale-K/V oracle (the conformance suite's PipeFusion theme)
+PIPEFUSION_ORACLE = dict(oracle="test_pipefusion_video_reference:wan_oracle", request={})
 # the test model a ComfyUI single file describes (the conformance suite's single-file
 # theme): Wan's files store no head count (head dim 128, as released)
 SINGLE_FILE_MODEL = dict(width=256, heads=2)
