@@ -152,6 +152,9 @@ def _become_rank(msg: dict, log_fd: int) -> None:
     from . import serve
 
     sys.argv = [serve.__file__, *msg["argv"]]
+    # as `python -m` finds it: not yet imported (the preloaded copy would make runpy warn
+    # in every rank's log that __main__ and the package's module differ)
+    sys.modules.pop("workers.runtime.serve", None)
     runpy.run_module("workers.runtime.serve", run_name="__main__", alter_sys=True)
 
 
