@@ -14,6 +14,13 @@ carries the text tokens, later bands zero text tokens. What a family gives:
   attention; the cache keeps text first); its last joint block keeps no text output
   (`context_pre_only`); the schedule is the scheduler's own (static shift), the timestep
   on the 0..1000 scale; real CFG neg + s (pos - neg) with each branch's pooled CLIP text.
+* FLUX.2 [klein]: noise on ComfyUI's 128-channel LATENT packed as Flux2KleinPipeline packs
+  it; a band takes its rows of the 4-axis image ids (t, h, w, l), so RoPE is per band, and
+  band 0 the text ids; the double blocks' attention is per stream, text first, the single
+  blocks' one fused projection over [text | image] (with the SwiGLU MLP input beside q, k,
+  v); the shared modulations come from the timestep alone (a band modulates as the whole);
+  the pipeline's empirical-mu schedule; real CFG (neg + s (pos - neg)) where cfg > 1 (the
+  product's; the step-distilled pipeline itself runs without).
 
 Each family's oracle equals its diffusers pipeline when nothing is stale (all steps warmup,
 or one band), checked here; the product's pipelined PipeFusion is held to it in the
@@ -23,12 +30,14 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
 from comfyui_xdit import GenerationRequest
-from test_pipefusion_reference import (TOL, BandState, Reference, StaleKV, comfyui_noise,
-                                       maxdiff, model_to_latent, pack_flux, unpack_flux)
+from test_pipefusion_reference import (TOL, BandState, ChromaReference, Reference, StaleKV,
+                                       comfyui_noise, maxdiff, model_to_latent, pack_flux,
+                                       unpack_flux)
 
 
 def _heads(x, heads):
@@ -64,6 +73,51 @@ class StaleKVJointProcessor(StaleKV):
         if attn.context_pre_only:
             return img, txt
         return img, attn.to_add_out(txt.contiguous())
+
+
+class StaleKVFlux2Processor(StaleKV):
+    """diffusers' Flux2AttnProcessor (double blocks: per-stream projections and per-head QK
+    norms, text first) and Flux2ParallelSelfAttnProcessor (single blocks: one fused
+    projection of q, k, v and the SwiGLU MLP input over [text | image], one output
+    projection over [attention | MLP]), both with RoPE on q and k, except that the queries
+    attend to this layer's K/V cache of the full sequence after the forward's own K/V were
+    written into it."""
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        single = hasattr(attn, "to_qkv_mlp_proj")
+        args = ((None,) if single else ()) + args  # single blocks pass no text
+        encoder_hidden_states, attention_mask, rotary = (args + (None,) * 3)[:3]
+        assert attention_mask is None and not kwargs, kwargs
+        d = attn.head_dim
+        mlp = None
+        if single:
+            fused = attn.to_qkv_mlp_proj(hidden_states)
+            qkv, mlp = fused.split([3 * attn.inner_dim, fused.shape[-1] - 3 * attn.inner_dim],
+                                   dim=-1)
+            q, k, v = (x.unflatten(-1, (-1, d)) for x in qkv.chunk(3, dim=-1))
+        else:
+            q, k, v = (f(hidden_states).unflatten(-1, (-1, d))
+                       for f in (attn.to_q, attn.to_k, attn.to_v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if encoder_hidden_states is not None:  # double block: text stream first
+            tq, tk, tv = (f(encoder_hidden_states).unflatten(-1, (-1, d))
+                          for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            tq, tk = attn.norm_added_q(tq), attn.norm_added_k(tk)
+            q, k, v = torch.cat([tq, q], dim=1), torch.cat([tk, k], dim=1), \
+                torch.cat([tv, v], dim=1)
+        q = apply_rotary_emb(q, rotary, sequence_dim=1)
+        k = apply_rotary_emb(k, rotary, sequence_dim=1)
+
+        out = self.attend(q, k, v).flatten(2, 3).to(q.dtype)
+
+        if single:
+            return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+        text = encoder_hidden_states.shape[1]
+        txt, img = out[:, :text], out[:, text:]
+        return attn.to_out[1](attn.to_out[0](img.contiguous())), \
+            attn.to_add_out(txt.contiguous())
 
 
 class SD3Reference(Reference):
@@ -156,26 +210,117 @@ class SD3Reference(Reference):
             del pe.cropped_pos_embed  # back to the class's method
 
 
-ORACLES = {"sd3": SD3Reference}
+class Flux2Reference(Reference):
+    """FLUX.2 [klein]: Flux2KleinPipeline's Qwen3 text (no pooled text, no guidance input),
+    noise drawn on ComfyUI's 128-channel LATENT [B, 128, H/16, W/16] and packed as the
+    pipeline packs it (token (r, c) = latent pixel (r, c)), 4-axis ids (t, h, w, l) whose
+    band rows the band takes, the empirical-mu schedule, real CFG (neg + s (pos - neg));
+    its double and single blocks' modulations come from the timestep alone, so a band
+    forward modulates as the whole one. LATENT = the normalised 128-channel latent."""
+
+    family = "flux2"
+    pipeline_class = "Flux2KleinPipeline"
+    transformer_class = "Flux2Transformer2DModel"
+    processor = StaleKVFlux2Processor
+
+    def __init__(self, path):
+        from diffusers import AutoencoderKLFlux2
+
+        super().__init__(path)
+        assert not self.transformer.config.guidance_embeds, "the oracle runs FLUX.2 [klein]"
+        # the exact run's pipeline un-normalises its result with the VAE's batch norm
+        self.pipe.vae = AutoencoderKLFlux2.from_pretrained(self.path, subfolder="vae")
+
+    def noise(self, seed, b, height, width) -> torch.Tensor:
+        from diffusers import Flux2KleinPipeline
+        return Flux2KleinPipeline._pack_latents(
+            comfyui_noise(seed, (b, 128, height // 16, width // 16)))
+
+    def to_latent(self, x, height, width) -> torch.Tensor:
+        return x.permute(0, 2, 1).reshape(x.shape[0], x.shape[2], height // 16, width // 16)
+
+    def encode(self, prompts, msl) -> dict:
+        pe, ids = self.pipe.encode_prompt(prompt=list(prompts), device="cpu",
+                                          num_images_per_prompt=1, max_sequence_length=msl)
+        return {"pe": pe, "txt_ids": ids}
+
+    branches = ChromaReference.branches
+
+    def sigmas_timesteps(self, steps: int, image_tokens: int):
+        """Flux2KleinPipeline's: linear sigmas 1..1/N, mu from the token count and steps."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+        sch = FlowMatchEulerDiscreteScheduler.from_pretrained(self.path, subfolder="scheduler")
+        sch.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device="cpu",
+                          mu=compute_empirical_mu(image_tokens, steps))
+        return sch.sigmas.to(torch.float32), sch.timesteps
+
+    def image_ids(self, b, rows, cols):
+        from diffusers import Flux2KleinPipeline
+        return Flux2KleinPipeline._prepare_latent_ids(torch.zeros(b, 1, rows, cols))[0]
+
+    def forward(self, cond, x, t, sl, with_text, rows, cols, req) -> torch.Tensor:
+        b = x.shape[0]
+        enc, tids = (cond["pe"], cond["txt_ids"]) if with_text else \
+            (cond["pe"][:, :0], cond["txt_ids"][:, :0])
+        return self.transformer(hidden_states=x[:, sl], timestep=t, guidance=None,
+                                encoder_hidden_states=enc, txt_ids=tids,
+                                img_ids=self.image_ids(b, rows, cols)[sl],
+                                return_dict=False)[0]
+
+    def pipeline_kwargs(self, req) -> dict:
+        return dict(guidance_scale=req.cfg or 1.0)
+
+    @torch.no_grad()
+    def exact(self, req) -> torch.Tensor:
+        """Flux2KleinPipeline (its raw 32-channel result patchified and normalised by the
+        VAE's batch norm back into LATENT space)."""
+        from diffusers import Flux2KleinPipeline
+
+        assert not req.cfg or req.cfg <= 1, "the pipeline's CFG has an empty negative prompt"
+        b = len(req.prompt)
+        raw = self.pipe(prompt=list(req.prompt), height=req.height, width=req.width,
+                        num_inference_steps=req.steps, output_type="latent",
+                        latents=comfyui_noise(req.seed, (b, 128, req.height // 16,
+                                                         req.width // 16)),
+                        max_sequence_length=req.max_sequence_length,
+                        **self.pipeline_kwargs(req)).images
+        bn = self.pipe.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.pipe.vae.config.batch_norm_eps)
+        return (Flux2KleinPipeline._patchify_latents(raw.float()) - mean) / std
 
 
-def small_request(family, steps, batch=2, cfg=3.0) -> GenerationRequest:
+ORACLES = {"sd3": SD3Reference, "flux2": Flux2Reference}
+
+
+# FLUX.2 [klein]'s pipeline (a step-distilled model) runs no CFG
+CFG = {"sd3": 3.0, "flux2": 1.0}
+
+
+def small_request(family, steps, batch=2) -> GenerationRequest:
     return GenerationRequest(prompt=["a red cat", "a big blue dog"][:batch], seed=11,
                              steps=steps, height=80, width=48, max_sequence_length=8,
-                             cfg=cfg, negative_prompt="ugly dark")
+                             cfg=CFG[family], negative_prompt="ugly dark")
 
 
 @pytest.mark.parametrize("family", list(ORACLES))
 def test_oracle_is_exact_when_nothing_is_stale(family, model_dir):
     """All steps warmup, or one band: every cache is refreshed before each attention, so the
     oracle is the family's diffusers pipeline (its text, noise, schedule, positional
-    embedding, CFG and LATENT conventions); and pipelined it is not (the staleness is real)."""
+    embedding, CFG and LATENT conventions), which moved the latent away from its noise; and
+    pipelined it is not the pipeline (the staleness is real)."""
     ref = ORACLES[family](model_dir(family))
     req = small_request(family, 3)
     exact = ref.exact(req)
     d_all = maxdiff(ref.run(req, 3, 2), exact)
     d_one = maxdiff(ref.run(req, 1, 1), exact)
     d_stale = maxdiff(ref.run(req, 1, 2), exact)
-    print(f"\n{family}: all-warmup {d_all:.2e}, 1 band {d_one:.2e}, pipelined {d_stale:.2e}")
+    noise = ref.noise(req.seed, len(req.prompt), req.height, req.width)
+    moved = maxdiff(ref.to_latent(noise, req.height, req.width), exact)
+    print(f"\n{family}: all-warmup {d_all:.2e}, 1 band {d_one:.2e}, pipelined {d_stale:.2e}, "
+          f"exact moved {moved:.2e} from its noise")
+    assert moved > 1e-2, moved  # (not a comparison of two untouched noises)
     assert d_all <= TOL and d_one <= TOL, (d_all, d_one)
     assert d_stale > 2 * TOL, d_stale  # (SD3's tiny model: 5e-4)
