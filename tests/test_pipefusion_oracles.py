@@ -36,8 +36,8 @@ import torch
 
 from comfyui_xdit import GenerationRequest
 from test_pipefusion_reference import (TOL, BandState, ChromaReference, Reference, StaleKV,
-                                       comfyui_noise, maxdiff, model_to_latent, pack_flux,
-                                       unpack_flux)
+                                       bands, comfyui_noise, maxdiff, model_to_latent,
+                                       pack_flux, unpack_flux)
 
 
 def _heads(x, heads):
@@ -324,3 +324,36 @@ def test_oracle_is_exact_when_nothing_is_stale(family, model_dir):
     assert moved > 1e-2, moved  # (not a comparison of two untouched noises)
     assert d_all <= TOL and d_one <= TOL, (d_all, d_one)
     assert d_stale > 2 * TOL, d_stale  # (SD3's tiny model: 5e-4)
+
+
+@pytest.mark.parametrize("family", list(ORACLES))
+def test_band_forward_is_the_whole_forward_slice(family, model_dir):
+    """A band's forward (its latent rows with their positional embedding rows or RoPE ids;
+    zero text tokens after band 0) against caches a whole forward of the same latents and
+    timestep wrote gives that forward's prediction for the band's tokens: the band call is
+    the restriction of the whole call (a band given its own crop of SD3's pos_embed, or ids
+    counted from its first row, would not be), so staleness is all the oracle adds."""
+    ref = ORACLES[family](model_dir(family))
+    req = small_request(family, 3)
+    rows, cols = req.height // 16, req.width // 16
+    cond = ref.branches(req)[-1]
+    x = ref.noise(req.seed, 2, req.height, req.width)
+    t = ref.sigmas_timesteps(req.steps, rows * cols)[1][1].expand(2) / 1000
+    text_len = cond["pe"].shape[1]
+    state = BandState(text_len + rows * cols)
+    state.text_len = text_len
+    with torch.no_grad(), ref.band_mode(state):
+        for p, (r0, r1) in enumerate([(0, rows)] + bands(rows, 3)):
+            sl = slice(r0 * cols, r1 * cols)
+            state.image = sl
+            image_pos = text_len + torch.arange(sl.start, sl.stop)
+            with_text = p <= 1  # the whole forward, then band 0
+            state.positions = torch.cat([torch.arange(text_len), image_pos]) if with_text \
+                else image_pos
+            v = ref.forward(cond, x, t, sl, with_text, rows, cols, req)
+            if p == 0:
+                whole = v
+            else:
+                d = maxdiff(v, whole[:, sl])
+                assert d <= TOL, f"{family} band {p - 1}: {d:.3g}"
+    assert whole.abs().max() > 0.1
