@@ -21,11 +21,9 @@ VARIANTS: tuple[str, ...] = ("klein", "dev")
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_flux2.py::test_flux2_pool_matches_pipeline"
-CONFORMANCE_EXEMPT = {
-    "pipefusion_oracle": "not written yet: no single-process oracle of PipeFusion's "
-                         "stale-K/V schedule on FLUX.2's diffusers transformer (its "
-                         "full-warmup exactness and closeness are checked)",
-}
+# its oracle of PipeFusion's stale-K/V schedule (the conformance suite's pipefusion theme;
+# [klein], the default variant)
+PIPEFUSION_ORACLE = dict(oracle="test_pipefusion_oracles:Flux2Reference", request={})
 VARIANT_HELP = ("FLUX.2: klein (default; Qwen3 text encoder, no guidance embedding) or dev "
                 "(Mistral-3 text encoder, embedded guidance)")
 

@@ -15,11 +15,8 @@ VARIANTS: tuple[str, ...] = ()
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_flux_sd3_one_rank_oracle.py::test_one_rank_matches_diffusers"
-CONFORMANCE_EXEMPT = {
-    "pipefusion_oracle": "not written yet: no single-process oracle of PipeFusion's "
-                         "stale-K/V schedule on SD3's diffusers transformer (its "
-                         "full-warmup exactness and closeness are checked)",
-}
+# its oracle of PipeFusion's stale-K/V schedule (the conformance suite's pipefusion theme)
+PIPEFUSION_ORACLE = dict(oracle="test_pipefusion_oracles:SD3Reference", request={})
 # the test model a ComfyUI single file describes (the conformance suite's single-file
 # theme): SD3's files store no head count without qk-norm (head dim 64, as released)
 SINGLE_FILE_MODEL = dict(width=256, heads=4)
