@@ -141,3 +141,14 @@ def test_no_worker_module_reads_the_environment_at_import():
     # negative control: a module-level read is caught, one inside a function is not
     probe = ROOT / "tests" / "launcher_refuse" / "env_probe_sample.py"
     assert len(_module_level_environ_reads(probe)) == 1
+
+
+def test_launches_that_differ_only_in_switches_share_a_helper():
+    """A helper per pytest test (PYTEST_CURRENT_TEST) or per XDIT_* switch would cost each
+    launch the imports the helper saves; a variable read at import (OMP_NUM_THREADS) still
+    gets its own helper (negative control)."""
+    from comfyui_xdit.client.rank_launcher import helper_key
+    base = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}
+    assert helper_key(base) == helper_key(dict(base, PYTEST_CURRENT_TEST="t.py::a (call)")) \
+        == helper_key(dict(base, XDIT_LAUNCHER="preload"))
+    assert helper_key(base) != helper_key(dict(base, OMP_NUM_THREADS="2"))

@@ -229,12 +229,18 @@ def _helper_env(rank_env: dict) -> dict:
     return env
 
 
+def helper_key(env: dict) -> tuple:
+    """Launches whose helpers would import alike share one. Our own XDIT_* switches are
+    read when used, never at import (tests/test_rank_launcher.py checks), and pytest's
+    PYTEST_CURRENT_TEST names each test (a helper per test otherwise): neither counts."""
+    return (json.dumps(sorted((k, v) for k, v in env.items()
+                              if not k.startswith(("XDIT_", "PYTEST_")))),
+            os.getcwd(), sys.executable)
+
+
 def _helper_for(rank_env: dict) -> Helper:
     env = _helper_env(rank_env)
-    # our own XDIT_* switches are read when used, never at import (tests/test_rank_launcher.py
-    # checks), so they do not need a helper of their own
-    key = (json.dumps(sorted((k, v) for k, v in env.items() if not k.startswith("XDIT_"))),
-           os.getcwd(), sys.executable)
+    key = helper_key(env)
     with _registry_lock:
         if key in _refused:
             raise Unavailable(_refused[key])
