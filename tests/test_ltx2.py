@@ -304,7 +304,7 @@ def test_a_size_off_the_32_pixel_grid_is_refused_in_one_line():
 # previous one (after it), and a later band's audio-to-video keys are band 0's sound of this
 # step. The text needs no cache (the same keys every call). Once a band's branches are done
 # its video rows take the Euler step, band 0's sound rows theirs.
-PF_STEPS, PF_WARMUP, PF_PATCHES = 3, 1, 2
+PF_PATCHES = 2
 # the attention modules of a block -> their key stream (None: the text, whole every call)
 PF_KEYS = {"attn1": "video", "audio_attn1": "audio", "attn2": None, "audio_attn2": None,
            "audio_to_video_attn": "audio", "video_to_audio_attn": "video"}
@@ -450,6 +450,13 @@ class LTX2Pipelined:
         return v, a
 
 
+def pipelined_oracle(folder) -> LTX2Pipelined:
+    """The oracle on a model folder: the conformance suite's PipeFusion theme holds the pool
+    to it, video and sound (comfyui_xdit/testmodels/ltx2.PIPEFUSION_ORACLE)."""
+    from diffusers import LTX2Pipeline
+    return LTX2Pipelined(LTX2Pipeline.from_pretrained(str(folder)))
+
+
 @pytest.fixture(scope="module")
 def pipelined(pipes):
     return LTX2Pipelined(pipes["t2v"])
@@ -461,24 +468,6 @@ def test_pipelined_oracle_is_the_pipeline_where_nothing_is_stale(pipelined, orac
     for got, want, what in zip(pipelined.run(req, STEPS, PF_PATCHES), oracle(req),
                                ("video", "sound")):
         check(got, want, f"oracle, all warmup, {what}")
-
-
-def test_pipefusion_equals_its_stale_kv_oracle(folders, layout_pools, pipelined, oracle):
-    """PipeFusion 2 (warmup 1 of 3 steps, 2 bands of 2 token rows; two prompts with CFG)
-    equals the pipelined oracle, video and sound; negative controls: the oracle without
-    cache refreshes, and the exact result, are both far from it."""
-    req = request([A, B], 3.0)
-    config = ParallelConfig(pipefusion=2, warmup_steps=PF_WARMUP, pipeline_patches=PF_PATCHES)
-    got = layout_pools.get(folders["t2v"], config).generate(req).latents
-    want = pipelined.run(req, PF_WARMUP, PF_PATCHES)
-    check(got.samples, want[0], "pipefusion 2 vs its oracle, video")
-    check(got.audio, want[1], "pipefusion 2 vs its oracle, sound")
-    for name, other in (("never refreshed", pipelined.run(req, PF_WARMUP, PF_PATCHES, False)),
-                        ("exact", oracle(req))):
-        for o, w, what in zip(other, want, ("video", "sound")):
-            d = float((o - w).abs().max())
-            print(f"{name} vs the oracle, {what}: {d:.2e}")
-            assert d > 10 * TOL, (name, what, d)
 
 
 def test_model_call_is_the_transformer_in_comfyuis_conventions(folders, pipes, layout_pools):

@@ -125,9 +125,9 @@ def test_one_rank_equals_the_pipeline(pipe, model_dir):
 # fresh K/V into the cache, then its queries attend to the whole cache: the other bands' K/V
 # are from this step (the bands before it) or the previous one (after it). Once a band's
 # forward is done its video rows take the Euler step, and band 0's sound rows theirs.
-PF_STEPS, PF_WARMUP, PF_PATCHES = 3, 1, 2
+PF_STEPS, PF_PATCHES = 3, 2
 PF_FRAMES, PF_SIZE = 22, (96, 96)  # 7 latent frames of 3 x 3 tokens: 21 token rows
-PF_PROMPTS = ["a cat", "a big blue dog sitting on a green field"]
+PF_PROMPT = "a big blue dog sitting on a green field"
 
 
 def bands(rows: int, patches: int) -> list:
@@ -255,6 +255,25 @@ class MiniMaxH3Pipelined:
                 torch.stack([a.permute(1, 0, 2) for _, a in rows]))
 
 
+def pipelined_oracle(folder) -> MiniMaxH3Pipelined:
+    """The oracle on a model folder: the conformance suite's PipeFusion theme holds the pool
+    to it, video and sound (comfyui_xdit/testmodels/minimax_h3.PIPEFUSION_ORACLE). It reads
+    only the parts it runs (the folder's Qwen3-VL processor needs torchvision to load)."""
+    import os
+    from types import SimpleNamespace
+
+    from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    part = lambda name: os.path.join(str(folder), name)  # noqa: E731
+    return MiniMaxH3Pipelined(SimpleNamespace(
+        transformer=MiniMaxH3Transformer3DModel.from_pretrained(part("transformer")).eval(),
+        text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(
+            part("text_encoder"), dtype=torch.float32).eval(),
+        tokenizer=AutoTokenizer.from_pretrained(part("tokenizer")),
+        vae=AutoencoderKLMiniMaxH3.from_pretrained(part("vae"))))
+
+
 @pytest.fixture(scope="module")
 def pipelined(pipe):
     return MiniMaxH3Pipelined(pipe)
@@ -278,38 +297,11 @@ def test_pipelined_oracle_is_the_pipeline_where_nothing_is_stale(pipe, pipelined
     """The oracle itself: with every step a warmup step it is the layout's plain loop (held
     to the pipeline above), video and sound."""
     video, audio = _pf_noise(3, 1)
-    want = _loop(pipe, PF_PROMPTS[1], video, audio[0], PF_STEPS, PF_FRAMES)
-    got = pipelined.run_prompt(PF_PROMPTS[1], video, audio[0], PF_STEPS, PF_STEPS, PF_PATCHES)
+    want = _loop(pipe, PF_PROMPT, video, audio[0], PF_STEPS, PF_FRAMES)
+    got = pipelined.run_prompt(PF_PROMPT, video, audio[0], PF_STEPS, PF_STEPS, PF_PATCHES)
     d = _diff(got, want)
     print(f"oracle, all warmup: {d:.2e} from the plain loop")
     assert d <= TOL, d
-
-
-def test_pipefusion_equals_its_stale_kv_oracle(pipelined, model_dir):
-    """PipeFusion 2 (warmup 1 of 3 steps, 2 bands of 11 and 10 token rows; two prompts of
-    different lengths in one batch) equals the pipelined oracle, video and sound; negative
-    controls: the oracle without cache refreshes (fresh K/V never written after warmup),
-    and the exact result, are both far from it."""
-    from comfyui_xdit import GenerationRequest, ParallelConfig, WorkerPool
-
-    req = GenerationRequest(prompt=PF_PROMPTS, seed=7, steps=PF_STEPS, height=PF_SIZE[0],
-                            width=PF_SIZE[1], frames=PF_FRAMES, cfg=1.0, output="latent")
-    config = ParallelConfig(pipefusion=2, warmup_steps=PF_WARMUP, pipeline_patches=PF_PATCHES)
-    with WorkerPool(str(model_dir("minimax_h3")), config, device="cpu",
-                    threads_per_rank=1) as pool:
-        got = pool.generate(req).latents
-    want = pipelined.run(req, PF_WARMUP, PF_PATCHES)
-    for what, g, w in zip(("video", "sound"), (got.samples, got.audio), want):
-        d = float((g - w).abs().max())
-        print(f"pipefusion 2 vs its oracle, {what}: {d:.2e}")
-        assert d <= TOL, (what, d)
-    for name, other in (("never refreshed", pipelined.run(req, PF_WARMUP, PF_PATCHES,
-                                                                  refresh=False)),
-                        ("exact", pipelined.run(req, PF_STEPS, PF_PATCHES))):
-        for what, o, w in zip(("video", "sound"), other, want):
-            d = float((o - w).abs().max())
-            print(f"{name} vs the oracle, {what}: {d:.2e}")
-            assert d > 10 * TOL, (name, what, d)
 
 
 # ---- ComfyUI's single file (`tiny-model --comfy-file`) ----------------------------------------

@@ -38,11 +38,9 @@ EXTRA_GUIDANCE = ({"stg_scale": 1.0, "stg_blocks": [1], "modality_scale": 3.0,
 # the test (under tests/) that holds one rank of this model to its diffusers pipeline;
 # the conformance suite holds every method to one rank
 ORACLE_TEST = "test_ltx2.py::test_one_rank_equals_the_pipeline"
-CONFORMANCE_EXEMPT = {
-    # its oracle returns the video and the sound and runs in the family's own file
-    "pipefusion_oracle": "run in tests/test_ltx2.py::test_pipefusion_equals_its_stale_kv_oracle "
-                         "(video and sound), not yet through the suite's one-latent theme",
-}
+# the single-process oracle of PipeFusion's stale-K/V schedule (its video and its sound) that
+# the conformance suite holds pipelined PipeFusion to; it takes the suite's request as is
+PIPEFUSION_ORACLE = dict(oracle="test_ltx2:pipelined_oracle", request={})
 
 GEMMA_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
