@@ -265,7 +265,9 @@ def pipelined_oracle(folder) -> MiniMaxH3Pipelined:
     from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
-    part = lambda name: os.path.join(str(folder), name)  # noqa: E731
+    def part(name):
+        return os.path.join(str(folder), name)
+
     return MiniMaxH3Pipelined(SimpleNamespace(
         transformer=MiniMaxH3Transformer3DModel.from_pretrained(part("transformer")).eval(),
         text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(
