@@ -188,16 +188,20 @@ def start_image_fields(positive, negative=None) -> dict:
 
 
 def check_text_width(c, width: int, arch: str, name: str = "positive") -> None:
-    """The text states' last dimension must be the transformer's joint_attention_dim: a
-    CONDITIONING from another model's text encoder is refused here, in one line, instead of
+    """The text states' last dimension must be `width` (`model_text_width`: the transformer's
+    joint_attention_dim, once per prompt stream): a CONDITIONING from another model's text
+    encoder is refused here, in one line, instead of
     failing inside a worker."""
     got = int(c.context.shape[-1])
     if got == int(width):
         return
-    hint = families.family(arch).text.hint
+    fam = families.family(arch)
+    streams = fam.comfy.context_streams
+    what = "its joint_attention_dim" if streams == 1 else \
+        f"{streams} prompt states of {int(width) // streams} side by side, one per stream"
     raise ConfigError(f"{name} CONDITIONING has text states of width {got}, but this "
-                      f"{family_name(arch)} transformer takes {int(width)} (its "
-                      f"joint_attention_dim): {hint}")
+                      f"{family_name(arch)} transformer takes {int(width)} ({what}): "
+                      f"{fam.text.hint}")
 
 
 def request_to_conditioning(c, guidance: Optional[float] = None) -> list:

@@ -179,6 +179,60 @@ def test_sampler_node_takes_the_start_image(folders, oracle):
     check(lat["audio"], audio, "sampler node i2v sound")
 
 
+def _comfy_conditioning(pipe, prompt: str) -> list:
+    """ComfyUI 0.8.0's LTX-2 CONDITIONING of `prompt` from the folder's own Gemma 3 and text
+    connectors: the video's and the sound's prompt states side by side on the last axis."""
+    with torch.inference_mode():
+        pe, pm, _, _ = pipe.encode_prompt(prompt=[prompt], do_classifier_free_guidance=False,
+                                          max_sequence_length=MSL, device="cpu")
+        video, audio, _ = pipe.connectors(pe, pm, padding_side=pipe.tokenizer.padding_side)
+    return [[torch.cat([video, audio], -1).float(), {}]]
+
+
+def test_sampler_takes_ltx2_conditioning_as_the_prompt_text(folders, pipes):
+    """Sampler (xDiT) with positive and negative CONDITIONING made by the folder's own
+    encoder and connectors equals the Sampler with the prompt texts, video and sound (the
+    context split in two: the video's states, the sound's); a context of the caption width
+    alone (one stream's) is refused in one line naming the width it needs."""
+    from comfyui_xdit.errors import ConfigError
+    from comfyui_xdit.nodes.handles import ModelHandle
+    from comfyui_xdit.nodes.operations import SampleInputs, build_job, model_text_width, sample
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
+
+    h, w, f = SIZE
+    empty = {"samples": torch.zeros(1, 128, (f - 1) // 8 + 1, h // 32, w // 32)}
+    pos, neg = (_comfy_conditioning(pipes["t2v"], p) for p in (A, NEGATIVE))
+    width = pos[0][0].shape[-1]
+    assert model_text_width(str(folders["t2v"])) == width
+    reg = PoolRegistry()
+    try:
+        handle = ModelHandle(path=str(folders["t2v"]), device="cpu", dtype="fp32",
+                             threads_per_rank=1)
+        run = dict(latent=empty, seed=5, steps=STEPS, cfg=3.0, max_sequence_length=MSL)
+        text = sample(handle, SampleInputs(prompt=A, negative_prompt=NEGATIVE, **run),
+                      registry=reg)
+        cond = sample(handle, SampleInputs(positive=pos, negative=neg, **run), registry=reg)
+        # negative control: the halves swapped (the sound's states read as the video's)
+        ctx = pos[0][0]
+        swapped = [[torch.cat([ctx[..., width // 2:], ctx[..., :width // 2]], -1), {}]]
+        wrong = sample(handle, SampleInputs(positive=swapped, negative=neg, **run),
+                       registry=reg)
+    finally:
+        reg.unload_all()
+    check(cond["samples"], text["samples"], "sampler CONDITIONING vs prompt text, video")
+    check(cond["audio"], text["audio"], "sampler CONDITIONING vs prompt text, sound")
+    for part in ("samples", "audio"):
+        d = float((wrong[part] - text[part]).abs().max())
+        print(f"halves swapped, {part}: {d:.2e} from the prompt text's")
+        assert d > 10 * TOL, (part, d)
+    one_stream = [[pos[0][0][..., :width // 2], {}]]
+    with pytest.raises(ConfigError) as e:
+        build_job(SampleInputs(positive=one_stream, negative=neg, **run), "ltx2", width)
+    msg = str(e.value)
+    print(msg)
+    assert "\n" not in msg and f"width {width // 2}" in msg and f"takes {width}" in msg, msg
+
+
 def test_decode_gives_the_frames_and_the_sound_of_the_pipeline(folders, pipes, layout_pools):
     """output="image": the frames (the video VAE) and the waveform (the audio VAE's mel
     spectrogram through the vocoder, with its sample rate) equal LTX2Pipeline's decode of

@@ -53,13 +53,15 @@ class SampleInputs:
 
 
 def model_text_width(path: str) -> Optional[int]:
-    """The transformer's joint_attention_dim (the width its text states must have), from the
-    folder's config or the single file's weight shapes; None when unknown."""
+    """The width a CONDITIONING's text states must have, from the folder's config or the
+    single file's weight shapes: the transformer's joint_attention_dim, once per prompt
+    stream that ComfyUI's context carries side by side (`ComfySpec.context_streams`: a
+    video's and its sound's); None when unknown."""
     from comfyui_xdit.planning.model_info import _describe_model, families
     d = _describe_model(path)
     # a folder's config omits what equals diffusers' class default
     fam = families.family(d["arch"])
-    return fam.text_width(fam.full_config(d["config"]))
+    return fam.text_width(fam.full_config(d["config"])) * fam.comfy.context_streams
 
 
 def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
