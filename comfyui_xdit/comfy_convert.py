@@ -87,8 +87,11 @@ def conditioning_to_request(conditioning, name: str = "positive",
     if not isinstance(entry, (list, tuple)) or len(entry) != 2:
         raise ConfigError(f"{name} CONDITIONING entry must be [cond, options]")
     cond, extra = entry[0], dict(entry[1] or {})
+    # unprocessed_ltxav_embeds: text states ComfyUI's diffusion model still has to run
+    # through its own connectors (0.33.0's LTXAV), which the pool's transformer has not
     unsupported = sorted(k for k in ("area", "mask", "control", "gligen", "hooks",
-                                     "start_percent", "end_percent")
+                                     "start_percent", "end_percent",
+                                     "unprocessed_ltxav_embeds")
                          if extra.get(k) is not None and
                          not (k == "start_percent" and extra[k] == 0.0) and
                          not (k == "end_percent" and extra[k] == 1.0))

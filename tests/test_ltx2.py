@@ -231,6 +231,11 @@ def test_sampler_takes_ltx2_conditioning_as_the_prompt_text(folders, pipes):
     msg = str(e.value)
     print(msg)
     assert "\n" not in msg and f"width {width // 2}" in msg and f"takes {width}" in msg, msg
+    # ComfyUI 0.33.0's LTX-2 text encoder leaves the connectors to the diffusion model and
+    # marks its states so: refused, whatever their width
+    early = [[pos[0][0], {"unprocessed_ltxav_embeds": True}]]
+    with pytest.raises(ConfigError, match="unprocessed_ltxav_embeds"):
+        build_job(SampleInputs(positive=early, negative=neg, **run), "ltx2", width)
 
 
 def test_decode_gives_the_frames_and_the_sound_of_the_pipeline(folders, pipes, layout_pools):
