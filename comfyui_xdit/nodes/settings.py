@@ -122,10 +122,11 @@ class EngineSettings:
                                         "runs): exact, for models larger than one GPU; costs "
                                         "one all-weight gather per step (fast on NVLink, slow "
                                         "on PCIe). Not with PipeFusion or compile")
+    # optional, so a workflow saved before it still validates
     shard_split: str = widget("even", "With shard_weights: each GPU's share of the weights. "
                                       "even (equal chunks), memory (by each GPU's memory, for "
                                       "GPUs of different sizes) or one weight per rank like "
-                                      "3,2; exact whatever it is")
+                                      "3,2; exact whatever it is", optional=True)
     memory_plan: str = widget("auto", "The per-GPU memory plan made before a CUDA pool "
                                       "launches (an estimate): enforce refuses a layout it "
                                       "predicts will not fit, advise warns and launches "
