@@ -19,7 +19,8 @@ from comfyui_xdit.nodes.discovery import discover_models, discover_single_files,
 from comfyui_xdit.nodes.handles import LOADER_DEFAULTS, ModelHandle, loader_handle, make_handle
 from comfyui_xdit.nodes.operations import SampleInputs, build_job, decode, sample
 from comfyui_xdit.nodes.pool_registry import PoolRegistry
-from comfyui_xdit.nodes.settings import EngineSettings, ParallelSettings, PipeFusionSettings
+from comfyui_xdit.nodes.settings import (EngineSettings, ParallelSettings, PipeFusionSettings,
+                                         node_value)
 from comfyui_xdit.client.pool import JobCancelled
 
 from single_file_util import write_single_file
@@ -597,6 +598,13 @@ def test_loader_has_four_widgets_and_three_settings_inputs(loader_node):
     combo = [kw for kind, name, kw in _schema_inputs(nodes, nodes.EngineSettings)
              if name == "memory_plan"]
     assert combo[0]["options"] == ["auto", "enforce", "advise"]
+    # widgets added after the settings nodes shipped are optional: a workflow saved before
+    # them validates, and the node gives their defaults
+    for node, value, name in ((nodes.ParallelSettings, ParallelSettings, "split"),
+                              (nodes.EngineSettings, EngineSettings, "shard_split")):
+        kw = next(kw for _, n, kw in _schema_inputs(nodes, node) if n == name)
+        assert kw.get("optional") is True, (name, kw)
+        assert getattr(node_value(value, {}), name) == "even"
 
 
 def test_settings_nodes_are_their_values_fields(loader_node):

@@ -78,9 +78,11 @@ class ParallelSettings:
     dp: int = widget(1, "Data parallel: the latent batch split over ranks", min=1, max=64)
     gpus: str = widget("", "Comma-separated GPU ids for the ranks, as this ComfyUI numbers "
                            "them (empty: all visible)", read=lambda v: str(v or ""))
+    # optional, so a workflow saved before it still validates
     split: str = widget("even", "Work per rank for GPUs of different speed or memory (exact "
                                 "whatever it is): even, auto (measured per GPU) or one weight "
-                                "per rank, e.g. 3,2", read=lambda v: str(v or "").strip() or "even")
+                                "per rank, e.g. 3,2", read=lambda v: str(v or "").strip() or "even",
+                        optional=True)
 
 
 @dataclass(frozen=True)
