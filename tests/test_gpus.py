@@ -123,6 +123,7 @@ def no_spawn(monkeypatch):
     def popen(*a, **kw):
         started.append(a)
         raise AssertionError("a worker process was started")
+    monkeypatch.setenv("XDIT_LAUNCHER", "spawn")  # each rank a Popen (not forked by the helper)
     monkeypatch.setattr(subprocess, "Popen", popen)
     return started
 
@@ -163,6 +164,7 @@ def test_each_rank_gets_its_own_gpu(model_dir, fake_gpus, monkeypatch):
     def popen(cmd, env=None, **kw):
         envs.append(env)
         raise Stop
+    monkeypatch.setenv("XDIT_LAUNCHER", "spawn")  # each rank a Popen (not forked by the helper)
     monkeypatch.setattr(subprocess, "Popen", popen)
     pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda")
     with pytest.raises(Stop):
@@ -242,6 +244,7 @@ def test_rank0_is_given_the_text_encoders_gpu(model_dir, fake_gpus, monkeypatch,
     def popen(cmd, env=None, **kw):
         spawned.append((cmd, env))
         raise Stop
+    monkeypatch.setenv("XDIT_LAUNCHER", "spawn")  # each rank a Popen (not forked by the helper)
     monkeypatch.setattr(subprocess, "Popen", popen)
     pool = WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cuda",
                       text_encoders="cuda:2")

@@ -272,6 +272,7 @@ def test_cli_table_and_bad_input(capsys):
 def _no_spawn(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a worker was started")
+    monkeypatch.setenv("XDIT_LAUNCHER", "spawn")  # each rank a Popen (not forked by the helper)
     monkeypatch.setattr(subprocess, "Popen", refuse)
 
 
@@ -449,6 +450,7 @@ class Launched(Exception):
 def _launch_stops_at_popen(monkeypatch):
     def launched(*a, **k):
         raise Launched()
+    monkeypatch.setenv("XDIT_LAUNCHER", "spawn")  # each rank a Popen (not forked by the helper)
     monkeypatch.setattr(subprocess, "Popen", launched)
 
 
