@@ -115,6 +115,21 @@ def _settings_nodes() -> dict:
 SETTINGS = _settings_nodes()  # the settings nodes: loader input, widgets with their defaults
 
 
+def twin_ksamplers(wf: dict, out: dict, positive, negative, latent="6", *, seed, steps,
+                   cfg, sampler, scheduler) -> None:
+    """The same KSampler on the xDiT MODEL (node "2": LATENT saved to out["x"]) and on
+    ComfyUI's own model of the same file (node "3": out["n"]), each LATENT saved by the test
+    helpers' XDiTTestSaveTensors; `positive` / `negative` are node outputs ([id, index])."""
+    for b, model, k, s in (("x", ["2", 0], "7", "12"), ("n", ["3", 0], "8", "13")):
+        wf[k] = {"class_type": "KSampler",
+                 "inputs": {"model": model, "seed": seed, "steps": steps, "cfg": cfg,
+                            "sampler_name": sampler, "scheduler": scheduler,
+                            "positive": positive, "negative": negative,
+                            "latent_image": [latent, 0], "denoise": 1.0}}
+        wf[s] = {"class_type": "XDiTTestSaveTensors",
+                 "inputs": {"latent": [k, 0], "path": out[b]}}
+
+
 def with_settings(wf: dict, loader: str, **choices) -> dict:
     """Connect to loader node `loader` the settings nodes that carry `choices` (named as the
     nodes' widgets, e.g. ulysses=2, compile=True), as nodes "<loader>0<k>"; returns wf."""

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from live_comfy import (COMFY, ROOT, history, http, link_packs, place, run, running_comfyui,
-                        skip_without_comfyui, tensors, with_settings)
+                        skip_without_comfyui, tensors, twin_ksamplers, with_settings)
 
 pytestmark = skip_without_comfyui
 
@@ -166,14 +166,8 @@ def _qwen_compare_graph(comfy, layout: dict, sampler: str, scheduler: str, tag: 
               "inputs": {"width": size, "height": size, "batch_size": 1}},
     }
     with_settings(wf, "1", **layout)
-    for b, model, k, s in (("x", ["2", 0], "7", "12"), ("n", ["3", 0], "8", "13")):
-        wf[k] = {"class_type": "KSampler",
-                 "inputs": {"model": model, "seed": seed, "steps": steps, "cfg": cfg,
-                            "sampler_name": sampler, "scheduler": scheduler,
-                            "positive": ["4", 0], "negative": ["5", 0],
-                            "latent_image": ["6", 0], "denoise": 1.0}}
-        wf[s] = {"class_type": "XDiTTestSaveTensors",
-                 "inputs": {"latent": [k, 0], "path": out[b]}}
+    twin_ksamplers(wf, out, ["4", 0], ["5", 0], seed=seed, steps=steps, cfg=cfg,
+                   sampler=sampler, scheduler=scheduler)
     return wf, out
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from live_comfy import COMFY, link_packs, run, running_comfyui, skip_without_comfyui, tensors, \
-    with_settings
+    twin_ksamplers, with_settings
 
 pytestmark = skip_without_comfyui
 
@@ -73,14 +73,8 @@ def _graph(comfy, layout: dict, tag: str, sampler="euler", scheduler="simple", c
                "inputs": {"positive": ["4", 0], "negative": ["5", 0], "frame_rate": 24.0}},
     }
     with_settings(wf, "1", **layout)
-    for b, model, k, s in (("x", ["2", 0], "7", "12"), ("n", ["3", 0], "8", "13")):
-        wf[k] = {"class_type": "KSampler",
-                 "inputs": {"model": model, "seed": seed, "steps": steps, "cfg": cfg,
-                            "sampler_name": sampler, "scheduler": scheduler,
-                            "positive": ["14", 0], "negative": ["14", 1],
-                            "latent_image": ["6", 0], "denoise": 1.0}}
-        wf[s] = {"class_type": "XDiTTestSaveTensors",
-                 "inputs": {"latent": [k, 0], "path": out[b]}}
+    twin_ksamplers(wf, out, ["14", 0], ["14", 1], seed=seed, steps=steps, cfg=cfg,
+                   sampler=sampler, scheduler=scheduler)
     return wf, out
 
 

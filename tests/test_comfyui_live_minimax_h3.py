@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from live_comfy import (COMFY, http, link_packs, run, running_comfyui, skip_without_comfyui,
-                        tensors, with_settings)
+                        tensors, twin_ksamplers, with_settings)
 
 pytestmark = skip_without_comfyui
 
@@ -72,14 +72,8 @@ def _graph(comfy, layout: dict, sampler: str, scheduler: str, tag: str, cfg: flo
         "6": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": dict(EMPTY)},
     }
     with_settings(wf, "1", **layout)
-    for b, model, k, s in (("x", ["2", 0], "7", "12"), ("n", ["3", 0], "8", "13")):
-        wf[k] = {"class_type": "KSampler",
-                 "inputs": {"model": model, "seed": seed, "steps": steps, "cfg": cfg,
-                            "sampler_name": sampler, "scheduler": scheduler,
-                            "positive": ["4", 0], "negative": ["5", 0],
-                            "latent_image": ["6", 0], "denoise": 1.0}}
-        wf[s] = {"class_type": "XDiTTestSaveTensors",
-                 "inputs": {"latent": [k, 0], "path": out[b]}}
+    twin_ksamplers(wf, out, ["4", 0], ["5", 0], seed=seed, steps=steps, cfg=cfg,
+                   sampler=sampler, scheduler=scheduler)
     return wf, out
 
 
