@@ -100,8 +100,6 @@ class _Unit:
 class UnevenWeightSharding:
     """One transformer's blocks and root sharded by `weights`, one per rank of `group`."""
 
-    uneven = True
-
     def __init__(self, transformer, block_lists, group, device, weights, rank):
         self.world, self.rank, self.group = len(weights), rank, group
         self.weights = tuple(weights)
@@ -144,8 +142,10 @@ class UnevenWeightSharding:
     def _empty_params(self) -> None:
         for u in self.units:
             for e in u.params:
-                e.module._parameters[e.attr] = torch.nn.Parameter(
-                    _freed(e.shape, e.dtype, self.device), requires_grad=False)
+                # made once: a release swaps it back in rather than allocating the whole
+                # parameter each forward only to free it
+                e.empty = _freed(e.shape, e.dtype, self.device)
+                e.module._parameters[e.attr] = torch.nn.Parameter(e.empty, requires_grad=False)
 
     def _shard_loaded(self) -> None:
         """A whole-loaded transformer: keep this rank's rows, drop the rest."""
@@ -199,7 +199,7 @@ class UnevenWeightSharding:
 
     def release(self, u: _Unit) -> None:
         for e in u.params:
-            e.param.data = _freed(e.shape, e.dtype, self.device)
+            e.param.data = e.empty
         u.gathered = False
 
     # -- what a rank holds ---------------------------------------------------------------
