@@ -171,7 +171,9 @@ class Helper:
                 while True:
                     reply = self._recv(deadline - time.monotonic())
                     if reply is None:
-                        self.gone = True
+                        # it may have forked the rank all the same: closing the helper takes
+                        # such a rank with it, so the plain process started next is alone
+                        self.close()
                         raise Unavailable("the helper did not start the rank")
                     if reply.get("op") == "started":
                         break
@@ -246,7 +248,7 @@ def _helper_for(rank_env: dict) -> Helper:
             raise Unavailable(_refused[key])
         helper = _helpers.get(key)
         if helper is not None and helper.gone:
-            del _helpers[key]
+            _helpers.pop(key).close()  # its socket and process too, not only our entry
             helper = None
         if helper is None:
             try:
