@@ -223,3 +223,12 @@ def test_cli_refuses_a_bad_guide_before_launching(folders, tmp_path):
     assert r.returncode == 2, r.stderr
     assert "extra_guidance stg_scale > 0 needs stg_blocks" in r.stderr, r.stderr
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_pipefusion_refuses_guidance_it_would_drop(folders, layout_pools):
+    """PipeFusion combines plain CFG: a setting only the family's guide reads (the sound's
+    own cfg) is refused in one line, not dropped; the same pool then runs a plain job."""
+    pool = layout_pools.get(folders["t2v"], ParallelConfig(pipefusion=2, warmup_steps=1))
+    with pytest.raises(Exception, match=r"PipeFusion combines plain CFG only.*audio_cfg"):
+        pool.generate(request([A], 3.0, extra_guidance={"audio_cfg": 5.0}))
+    assert torch.isfinite(pool.generate(request([A], 3.0)).latents.samples).all()

@@ -201,6 +201,13 @@ def _branches(prep: Prepared, topo: Topology) -> dict:
         raise ValueError(f"PipeFusion runs the cond and uncond passes only; this request's "
                          f"guidance runs {[p.name for p in prep.passes]}: turn the extra "
                          f"guidance off or use another method")
+    # its combine is plain CFG: a setting the family's own guide reads (the sound's own cfg,
+    # a rescale) would be dropped without a word
+    given = getattr(prep.request, "extra_guidance", None)
+    if given:
+        raise ValueError(f"PipeFusion combines plain CFG only; this request's extra guidance "
+                         f"settings {sorted(given)} need the family's own guidance: leave "
+                         f"them unset or use another method")
     if prep.uncond is None:
         return {1: prep.cond}
     if topo.degree("cfg") == 2:
