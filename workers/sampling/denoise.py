@@ -251,7 +251,10 @@ class WholeImage:
         if self.sharded:
             self.calls += self.mine[-1:] * (forwards_per_rank(n, self.degree) - len(self.mine))
 
-    def _forward(self, index, latents, i):
+    def _forward(self, index, latents, i, padding: bool = False):
+        """`padding`: sharding's extra forward, whose result is not read: its rows are the
+        step cache's followers (keys None: they skip with the others and keep no state), so
+        the real pass's residuals and skip counts are not touched twice a step."""
         p = self.prep
         guide = p.passes[index]
         cond = p.uncond if guide.negative else p.cond
@@ -259,7 +262,7 @@ class WholeImage:
         # rows: (pass, image), and the expert where a model has several (each its own
         # residuals: the first step of the next expert computes)
         expert = extra.get("expert")
-        keys = [(index, j) if expert is None else (index, j, expert)
+        keys = [None if padding else (index, j) if expert is None else (index, j, expert)
                 for j in range(p.mine.start, p.mine.stop)]
         call = call_on_ranks(self.cache, self.model, self.adapter, keys, self.topo,
                              self.control, self.cache is not None and self.sharded,
@@ -270,7 +273,8 @@ class WholeImage:
 
     def step(self, i: int, latents: torch.Tensor, finished: Callable[[int], None]) -> None:
         p = self.prep
-        preds = [self._forward(k, latents, i) for k in self.calls]
+        preds = [self._forward(k, latents, i, padding=c >= len(self.mine))
+                 for c, k in enumerate(self.calls)]
         if self.cfg_group is not None:
             preds = gather_passes(preds, len(p.passes), self.degree, self.cfg_group)
         by_name = {g.name: v for g, v in zip(p.passes, preds)}
