@@ -4,7 +4,7 @@ node pack with UnetLoaderGGUF, is installed in its custom_nodes/; docs/testing.m
 
 The GGUF files are ComfyUI-GGUF-style copies (comfyui_xdit/testmodels/gguf_file.py) of the
 single files ComfyUI's own UNETLoader detects (tests/native_models.py: SD3 with 2 blocks,
-FLUX.1-wide with 1 + 1 blocks), in Q8_0 and Q4_K, written once into models/diffusion_models/.
+FLUX.1-wide with 1 + 1 blocks), in Q8_0, Q4_K, F16 and BF16, written once into models/diffusion_models/.
 Per file, one graph from the same seed, latent and CONDITIONING: stock KSampler on
 UnetLoaderGGUF's MODEL and on "MODEL for KSampler (xDiT)" of the same file on a 2-rank CPU fp32
 pool at Ulysses 2 and at CFG parallel (cfg > 1: every call carries both rows). The LATENTs
@@ -44,7 +44,7 @@ NATIVE = {"sd3": "xdit-native-sd3.safetensors", "flux": "xdit-native-flux.safete
 COND = {"sd3": (4096, 2048), "flux": (4096, 768)}  # (context, pooled) widths
 CFG = {"sd3": 3.5, "flux": 2.0}
 STEPS = {"sd3": 4, "flux": 3}
-QTYPES = ["Q8_0", "Q4_K"]
+QTYPES = ["Q8_0", "Q4_K", "F16", "BF16"]  # quantised blocks and plain floats
 LAYOUTS = {"ulysses2": {"ulysses": 2}, "cfg_parallel": {"cfg_parallel": True}}
 TOL = 1e-3
 
