@@ -7,7 +7,7 @@ import argparse
 
 
 def cfg_degree(text):
-    """The flag's value: an integer >= 1 (1: off)."""
+    """The flag's value: an integer >= 1 (1: off); absent, the flag is False."""
     try:
         v = int(text)
     except ValueError:
@@ -21,7 +21,7 @@ def cfg_degree(text):
 
 
 def add_cfg_parallel(p) -> None:
-    p.add_argument("--cfg-parallel", nargs="?", type=cfg_degree, const=2, default=1,
+    p.add_argument("--cfg-parallel", nargs="?", type=cfg_degree, const=2, default=False,
                    metavar="N",
                    help="a step's guidance passes on different ranks: the bare flag is 2 "
                         "(conditional and unconditional branch), N spreads them over N ranks "

@@ -128,7 +128,7 @@ def run_cli(args) -> int:
             raise ConfigError("--compare needs --gpus (e.g. 2,4,8) and --gpu-memory in GiB "
                               "(e.g. 24,48,80)")
     elif len(counts) > 1 or (len(sizes) > 1 and len(sizes) != args.ulysses * args.ring * args.dp
-                             * args.pipefusion * args.cfg_parallel):
+                             * args.pipefusion * int(args.cfg_parallel or 1)):
         raise ConfigError(f"--gpus {args.gpus} / --gpu-memory {args.gpu_memory}: give one "
                           f"number each, or add --compare for a table")
     config = ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel,
