@@ -156,3 +156,18 @@ def shard_rows_swapped(ctx):
             e.param.data = torch.cat(parts[::-1]).view(e.shape)
 
     us.UnevenWeightSharding.gather = gather
+
+
+def passes_from_the_wrong_rank(ctx):
+    """The gather of a step's guidance passes files each prediction under the next pass's
+    name (pass p read from the slot of pass p + 1, an off-by-one in which cfg rank ran it):
+    every collective still matches, only the combination reads the wrong passes."""
+    import workers.sampling.denoise as denoise
+
+    real = denoise.gather_passes
+
+    def gather_passes(mine, n, degree, group):
+        got = real(mine, n, degree, group)
+        return got[1:] + got[:1]
+
+    denoise.gather_passes = gather_passes
