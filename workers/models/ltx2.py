@@ -371,9 +371,10 @@ class LTX2Adapter(DiTAdapter):
 
     # ---- guidance (LTX2Pipeline's; workers/sampling/guidance.py) --------------------------
     def guidance_passes(self, model, req) -> list:
-        """uncond (CFG on either stream), cond, then, as their scales turn them on, the STG
-        pass (the listed blocks' self-attention skipped) and the modality pass (audio-video
-        cross-attention off), both with the positive prompt, as LTX2Pipeline runs them."""
+        """The family's passes by name (workers/families/ltx2.py `guidance_passes`: uncond,
+        cond, then STG and modality as their scales turn them on), each with what it
+        changes: the STG pass skips the listed blocks' self-attention, the modality pass
+        turns the audio-video cross-attention off; both read the positive prompt."""
         from ..sampling.guidance import Pass
         blocks = len(model.transformer.transformer_blocks) \
             if getattr(model, "transformer", None) is not None else None
