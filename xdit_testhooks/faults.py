@@ -82,13 +82,15 @@ def cpu_on_data_plane(ctx):
     NCCL punishes hardest (a CPU tensor in a device collective). With the plane check on
     (the shared-GPU and NCCL-rules modes) it must be reported, by name."""
     import workers.sampling.flow_step as flow_step
+    import workers.sampling.guidance as guidance
 
     real = flow_step.all_gather
 
     def all_gather(parts, x, group):
         return real([p.cpu() for p in parts], x.cpu(), group=group)
 
-    flow_step.all_gather = all_gather
+    # the whole-image step gathers its passes in guidance.py, PipeFusion's in flow_step.py
+    flow_step.all_gather = guidance.all_gather = all_gather
 
 
 def unreduced_cache(ctx):
