@@ -68,6 +68,11 @@ def other_model(tmp_path):
     (["--height", "100", "--width", "128"], "height 100 is not a positive multiple of 16 (try 96)"),
     (["--height", "128", "--width", "128", "--dp", "2"], "batch of 1 prompt(s) is smaller than dp 2"),
     (["--height", "128", "--width", "128", "--cfg-parallel"], "cfg-parallel needs classifier-free guidance"),
+    (["--height", "128", "--width", "128", "--cfg", "3", "--cfg-parallel", "4"],
+     "cfg-parallel 4 needs 4 guidance passes per step; this run has 2 (uncond, cond): use "
+     "cfg-parallel 2 or less"),
+    (["--height", "128", "--width", "128", "--cfg-parallel", "two"],
+     "--cfg-parallel takes an optional degree, an integer >= 1 (got 'two'); the bare flag is 2"),
     (["--height", "128", "--width", "128", "--ring", "0"], "--ring must be >= 1"),
     (["--height", "128", "--width", "128", "--pipefusion", "2", "--pipefusion-split", "a,b"], "pipefusion_split 'a,b' must be 'balanced', 'compute', 'memory' or 2 positive block counts like 4,4"),
     (["--height", "32", "--width", "32", "--pipefusion", "2", "--ulysses", "4"], "a PipeFusion patch of 1 token rows x 2 cannot be split over ulysses x ring = 4 ranks"),
@@ -90,6 +95,24 @@ def test_bad_input_exits_2_with_one_line(model_dir, tmp_path, extra, expect):
     assert len(mine) == 1, mine
     assert others == [], f"a pool started: {others}"
     assert not out.exists()
+
+
+def test_cfg_parallel_takes_an_optional_degree():
+    """--cfg-parallel: absent 1, the bare flag 2 (also before another flag), a number that
+    degree; the world size counts it."""
+    from comfyui_xdit.cli.commands import build_parser, config_from_args
+
+    def degree(*flags):
+        args = build_parser().parse_args(["generate", "--model", "m", *BASE, "--height", "16",
+                                          "--width", "16", *flags, "--out", "x.png"])
+        return config_from_args(args)
+    assert degree().cfg == 1 and not degree().cfg_parallel
+    assert degree("--cfg-parallel").cfg == 2 and degree("--cfg-parallel").cfg_parallel == 2
+    assert degree("--cfg-parallel", "--ulysses", "2").ranks == 4
+    assert degree("--cfg-parallel", "4").cfg == 4
+    assert degree("--ring", "2", "--cfg-parallel", "3").ranks == 6
+    assert degree("--cfg-parallel", "3").describe() == \
+        "dp 1 x cfg 3 x pipefusion 1 x ulysses 1 x ring 1"
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "garbage"])

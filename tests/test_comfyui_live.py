@@ -135,6 +135,9 @@ def test_object_info_lists_nodes(comfy):
                    ("xDiT.PipeFusionSettings", "XDIT_PIPEFUSION"),
                    ("xDiT.EngineSettings", "XDIT_ENGINE")):
         assert info[n]["category"] == "xDiT/settings" and info[n]["output"] == [out]
+    # cfg-parallel's degree: an optional input (a workflow saved before it validates)
+    degree = info["xDiT.ParallelSettings"]["input"]["optional"]["cfg_degree"]
+    assert degree[0] == "INT" and (degree[1]["default"], degree[1]["min"]) == (2, 2), degree
     # a bad widget is refused at validation, with the ConfigError's message, once
     wf = _workflow(2)
     wf["1"]["inputs"]["dtype"] = "bf16"

@@ -269,6 +269,25 @@ def test_cli_table_and_bad_input(capsys):
     assert rc == 0 and "| PipeFusion N | cpu | bf16 |" in table and "8x80 GB" in table
 
 
+def test_cli_counts_the_cfg_degree(capsys):
+    """--cfg-parallel N: N cfg ranks in the rank count (one GPU size per rank), the bare
+    flag 2; a bad degree is one line, exit 2."""
+    base = ["memory-plan", "--preset", "ltx2", "--cfg", "--height", "512", "--width", "768",
+            "--frames", "97", "--text-encoders", "cpu"]
+    rc = cli_main(base + ["--cfg-parallel", "4", "--gpus", "4", "--gpu-memory", "80,80,80,48"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "cfg 4" in out and [l.split()[0] for l in out.splitlines()[1:5]] == \
+        ["0", "1", "2", "3"], out
+    rc = cli_main(base + ["--cfg-parallel", "--gpus", "2"])
+    assert rc == 0 and "cfg 2" in capsys.readouterr().out
+    rc = cli_main(base + ["--cfg-parallel", "3", "--gpus", "4"])
+    assert rc == 2 and "world size 4 != dp 1 x cfg 3" in capsys.readouterr().err
+    rc = cli_main(base + ["--cfg-parallel", "0", "--gpus", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--cfg-parallel degree must be >= 1 (got 0)" in err
+
+
 def _no_spawn(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a worker was started")

@@ -600,11 +600,17 @@ def test_loader_has_four_widgets_and_three_settings_inputs(loader_node):
     assert combo[0]["options"] == ["auto", "enforce", "advise"]
     # widgets added after the settings nodes shipped are optional: a workflow saved before
     # them validates, and the node gives their defaults
-    for node, value, name in ((nodes.ParallelSettings, ParallelSettings, "split"),
-                              (nodes.EngineSettings, EngineSettings, "shard_split")):
+    for node, value, name, default in (
+            (nodes.ParallelSettings, ParallelSettings, "split", "even"),
+            (nodes.ParallelSettings, ParallelSettings, "cfg_degree", 2),
+            (nodes.EngineSettings, EngineSettings, "shard_split", "even")):
         kw = next(kw for _, n, kw in _schema_inputs(nodes, node) if n == name)
         assert kw.get("optional") is True, (name, kw)
-        assert getattr(node_value(value, {}), name) == "even"
+        assert getattr(node_value(value, {}), name) == default
+    # and last among the node's inputs: a saved workflow's widget values are in order
+    from comfyui_xdit.nodes.settings import node_inputs
+    names = [w.name for w in node_inputs(ParallelSettings)]
+    assert names[-2:] == ["split", "cfg_degree"], names
 
 
 def test_settings_nodes_are_their_values_fields(loader_node):
@@ -822,6 +828,7 @@ OLD_WIDGET_CASES = [
     dict(world_size="2", pipefusion=2, warmup_steps=3, pipeline_patches=4,
          pipefusion_split="memory", compile=True, text_encoders="cpu", memory_plan="advise"),
     dict(world_size="2", ulysses=2, shard_weights=True, weights="fp8"),
+    dict(world_size="4", cfg_parallel=True, cfg_degree=4),
 ]
 
 
@@ -899,6 +906,25 @@ def test_conflicting_settings_give_one_clear_line(model_dir):
     # is read as that widget was
     h = loader_handle(dict(base, world_size="2", pipefusion=2), [], has_cuda=False)
     assert h.explicit_config().pipefusion == 2
+
+
+def test_cfg_degree_reaches_the_config_and_the_text(model_dir):
+    """Parallel settings' cfg_degree is cfg-parallel's degree while cfg_parallel is on (a
+    saved workflow without it: 2, the config as before); off, it changes nothing; the node
+    text numbers a degree above 2."""
+    from comfyui_xdit.nodes.node_text import layout_text
+    path = str(model_dir("flux"))
+    base = dict(model=path, device="cpu", dtype="fp32", world_size="auto")
+
+    def config(**parallel):
+        value = node_value(ParallelSettings, parallel)
+        return loader_handle(dict(base, parallel=value), [], has_cuda=False).explicit_config()
+    saved = config(cfg_parallel=True)  # a workflow saved before cfg_degree
+    assert saved.cfg_parallel is True and saved.cfg == 2 and layout_text(saved) == "CFG parallel"
+    four = config(cfg_parallel=True, cfg_degree=4, ulysses=2)
+    assert (four.cfg, four.ranks) == (4, 8)
+    assert layout_text(four) == "CFG parallel 4 x Ulysses 2"
+    assert config(cfg_parallel=False, cfg_degree=4).cfg == 1
 
 
 def test_sampler_text_after_the_job():

@@ -35,6 +35,19 @@ CACHE_WITH_PIPEFUSION = ("the step cache cannot be combined with PipeFusion (Pip
                          "pipefusion to 1")
 
 
+def cfg_degree_refusal(degree: int, passes) -> "str | None":
+    """Why cfg-parallel at `degree` cannot run a step whose guidance passes are `passes`
+    (their names, in order), or None: each cfg rank runs its own passes, so a rank without
+    one would only wait (the host refuses it before a launch, the workers again per job)."""
+    n = len(passes)
+    if int(degree) <= max(n, 1):
+        return None
+    fix = f"use cfg-parallel {n} or less" if n > 1 else \
+        "turn cfg-parallel off or set cfg > 1 (classifier-free guidance)"
+    return (f"cfg-parallel {degree} needs {degree} guidance passes per step; this run has "
+            f"{n} ({', '.join(passes)}): {fix}")
+
+
 def _status_mb(pid, field: str) -> float:
     try:
         with open(f"/proc/{pid}/status") as f:

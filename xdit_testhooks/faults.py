@@ -82,13 +82,15 @@ def cpu_on_data_plane(ctx):
     NCCL punishes hardest (a CPU tensor in a device collective). With the plane check on
     (the shared-GPU and NCCL-rules modes) it must be reported, by name."""
     import workers.sampling.flow_step as flow_step
+    import workers.sampling.guidance as guidance
 
     real = flow_step.all_gather
 
     def all_gather(parts, x, group):
         return real([p.cpu() for p in parts], x.cpu(), group=group)
 
-    flow_step.all_gather = all_gather
+    # the whole-image step gathers its passes in guidance.py, PipeFusion's in flow_step.py
+    flow_step.all_gather = guidance.all_gather = all_gather
 
 
 def unreduced_cache(ctx):
@@ -156,3 +158,18 @@ def shard_rows_swapped(ctx):
             e.param.data = torch.cat(parts[::-1]).view(e.shape)
 
     us.UnevenWeightSharding.gather = gather
+
+
+def passes_from_the_wrong_rank(ctx):
+    """The gather of a step's guidance passes files each prediction under the next pass's
+    name (pass p read from the slot of pass p + 1, an off-by-one in which cfg rank ran it):
+    every collective still matches, only the combination reads the wrong passes."""
+    import workers.sampling.denoise as denoise
+
+    real = denoise.gather_passes
+
+    def gather_passes(mine, n, degree, group):
+        got = real(mine, n, degree, group)
+        return got[1:] + got[:1]
+
+    denoise.gather_passes = gather_passes

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from comfyui_xdit.planning.config import ATTENTION_BACKENDS, WEIGHTS, ConfigError, EngineOptions, ParallelConfig
+from comfyui_xdit.cli.cfg_flag import add_cfg_parallel
 from comfyui_xdit.cli.guide_flag import add_guide_flag
 from comfyui_xdit.cli.images import VIDEO_SUFFIXES, save_pngs, save_video, save_wav
 from comfyui_xdit.planning.request import GenerationRequest, cache_settings, families
@@ -291,9 +292,7 @@ def _add_parallel_flags(p):
                         "that product)")
     p.add_argument("--dp", type=_positive("--dp"), default=1,
                    help="data parallel degree: the batch of prompts split over replicas")
-    p.add_argument("--cfg-parallel", action="store_true",
-                   help="the conditional and unconditional branches on different ranks "
-                        "(degree 2; for runs with classifier-free guidance)")
+    add_cfg_parallel(p)
     p.add_argument("--ulysses", type=_positive("--ulysses"), default=1,
                    help="Ulysses sequence-parallel degree (attention heads split; divides "
                         "the head count)")

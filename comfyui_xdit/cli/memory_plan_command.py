@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from comfyui_xdit import bridge
+from comfyui_xdit.cli.cfg_flag import add_cfg_parallel
 from comfyui_xdit.errors import ConfigError
 from comfyui_xdit.planning.config import EngineOptions, ParallelConfig
 from comfyui_xdit.planning.memory_arithmetic import DTYPE_BYTES, GiB, LINKS_GBPS, JobSize, plan
@@ -29,8 +30,7 @@ def add_cli(sub) -> None:
                        ("pipefusion", "PipeFusion degree (each rank holds 1/N of the blocks)"),
                        ("dp", "data parallel degree (the batch split over replicas)")):
         p.add_argument(f"--{name}", type=int, default=1, help=f"{what}; default 1")
-    p.add_argument("--cfg-parallel", action="store_true",
-                   help="CFG's two branches on different ranks (degree 2)")
+    add_cfg_parallel(p)
     p.add_argument("--cfg", action="store_true", help="the job uses classifier-free guidance")
     p.add_argument("--pipefusion-split", default="balanced",
                    help="PipeFusion stage split: balanced | compute | memory | block counts "
@@ -128,7 +128,7 @@ def run_cli(args) -> int:
             raise ConfigError("--compare needs --gpus (e.g. 2,4,8) and --gpu-memory in GiB "
                               "(e.g. 24,48,80)")
     elif len(counts) > 1 or (len(sizes) > 1 and len(sizes) != args.ulysses * args.ring * args.dp
-                             * args.pipefusion * (2 if args.cfg_parallel else 1)):
+                             * args.pipefusion * int(args.cfg_parallel or 1)):
         raise ConfigError(f"--gpus {args.gpus} / --gpu-memory {args.gpu_memory}: give one "
                           f"number each, or add --compare for a table")
     config = ParallelConfig(dp=args.dp, cfg_parallel=args.cfg_parallel,

@@ -56,7 +56,7 @@ class ModelHandle:
     world_size: Optional[int] = None  # None: "auto"
     ulysses: int = 1
     ring: int = 1
-    cfg_parallel: bool = False
+    cfg_parallel: bool | int = False  # ParallelConfig's: True degree 2, an int the degree
     dp: int = 1
     gpus: Optional[tuple] = None
     split: str = "even"  # work per rank: even | auto | weights "3,2" (exact whatever it is)
@@ -101,8 +101,8 @@ class ModelHandle:
 
     @property
     def degrees_given(self) -> bool:
-        return (self.ulysses > 1 or self.ring > 1 or self.cfg_parallel or self.dp > 1
-                or self.pipefusion > 1)
+        return (self.ulysses > 1 or self.ring > 1 or self.explicit_config().cfg > 1
+                or self.dp > 1 or self.pipefusion > 1)
 
     def default_world(self) -> int:
         """'auto': every GPU of the list, else every visible GPU (comfyui_xdit/planning/gpus.py; at
@@ -209,6 +209,7 @@ class ModelHandle:
 
 def make_handle(model_path: str, device: str, dtype: str, world_size="auto", ulysses: int = 1,
                 ring: int = 1, cfg_parallel: bool = False, dp: int = 1, gpus: str = "",
+                cfg_degree: int = 2,
                 split: str = "even", threads_per_rank: Optional[int] = None, pipefusion: int = 1,
                 warmup_steps: int = 1, pipeline_patches: int = 0,
                 pipefusion_split: str = "balanced", attention: str = "auto",
@@ -216,6 +217,7 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                 shard_weights: bool = False, shard_split: str = "even",
                 memory_plan: str = "auto", has_cuda: Optional[bool] = None, model_path_2: Optional[str] = None) -> ModelHandle:
     """The loader's widgets -> a handle. `pipeline_patches` 0 means "the PipeFusion degree";
+    `cfg_degree`: cfg-parallel's degree while `cfg_parallel` is on (2: cond / uncond);
     device/dtype 'auto' are resolved here (`has_cuda`: whether this ComfyUI has CUDA)."""
     ws = None if str(world_size).strip().lower() in ("auto", "", "0") else int(world_size)
     gpu_list = tuple(g.strip() for g in str(gpus or "").split(",") if g.strip()) or None
@@ -223,7 +225,8 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
     dtype = resolve_dtype(dtype, device)
     return ModelHandle(path=str(Path(model_path).resolve()), device=device, dtype=dtype,
                        world_size=ws, ulysses=int(ulysses), ring=int(ring),
-                       cfg_parallel=bool(cfg_parallel), dp=int(dp), gpus=gpu_list,
+                       cfg_parallel=_cfg_degree(cfg_parallel, cfg_degree), dp=int(dp),
+                       gpus=gpu_list,
                        split=str(split or "").strip() or "even",
                        threads_per_rank=threads_per_rank, pipefusion=int(pipefusion),
                        warmup_steps=int(warmup_steps),
@@ -237,8 +240,17 @@ def make_handle(model_path: str, device: str, dtype: str, world_size="auto", uly
                        path_2=None if not model_path_2 else str(Path(model_path_2).resolve()))
 
 
+def _cfg_degree(on, degree) -> bool | int:
+    """The switch and its degree -> ParallelConfig's cfg_parallel: off False, degree 2 True
+    (as before the degree existed), another degree that int."""
+    if not on:
+        return False
+    degree = 2 if degree is None else int(degree)
+    return True if degree == 2 else degree
+
+
 LOADER_DEFAULTS = dict(device="auto", dtype="auto", world_size="auto", ulysses=1, ring=1,
-                       cfg_parallel=False, dp=1, gpus="", split="even", pipefusion=1,
+                       cfg_parallel=False, cfg_degree=2, dp=1, gpus="", split="even", pipefusion=1,
                        warmup_steps=1,
                        pipeline_patches=0, pipefusion_split="balanced", attention="auto",
                        compile=False, weights="auto", text_encoders="auto",

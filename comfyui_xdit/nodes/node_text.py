@@ -188,9 +188,10 @@ def loader_text(device: str, dtype: str, ranks: int, plan=None,
 
 
 def layout_text(config: ParallelConfig) -> str:
-    """The degrees above 1, in the node's words: "Ulysses 2", "CFG parallel x Ring 2";
-    "" for one rank."""
-    parts = [(config.dp > 1, f"DP {config.dp}"), (config.cfg_parallel, "CFG parallel"),
+    """The degrees above 1, in the node's words: "Ulysses 2", "CFG parallel x Ring 2" (cfg
+    degree 2 unnumbered, as before; "CFG parallel 4" above it); "" for one rank."""
+    cfg = "CFG parallel" + (f" {config.cfg}" if config.cfg > 2 else "")
+    parts = [(config.dp > 1, f"DP {config.dp}"), (config.cfg > 1, cfg),
              (config.pipefusion > 1, f"PipeFusion {config.pipefusion}"),
              (config.ulysses > 1, f"Ulysses {config.ulysses}"),
              (config.ring > 1, f"Ring {config.ring}")]

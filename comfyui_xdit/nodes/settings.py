@@ -74,15 +74,22 @@ class ParallelSettings:
                           min=1, max=64)
     ring: int = widget(1, "Ring attention degree (K/V passed around a ring)", min=1, max=64)
     cfg_parallel: bool = widget(False, "Positive and negative branch on different ranks "
-                                       "(needs cfg > 1)")
+                                       "(needs cfg > 1); cfg_degree spreads more guidance "
+                                       "passes")
     dp: int = widget(1, "Data parallel: the latent batch split over ranks", min=1, max=64)
     gpus: str = widget("", "Comma-separated GPU ids for the ranks, as this ComfyUI numbers "
                            "them (empty: all visible)", read=lambda v: str(v or ""))
-    # optional, so a workflow saved before it still validates
+    # optional, and last (a saved workflow's widget values are in order), so a workflow
+    # saved before them still validates
     split: str = widget("even", "Work per rank for GPUs of different speed or memory (exact "
                                 "whatever it is): even, auto (measured per GPU) or one weight "
                                 "per rank, e.g. 3,2", read=lambda v: str(v or "").strip() or "even",
                         optional=True)
+    cfg_degree: int = widget(2, "With cfg_parallel: the ranks a step's guidance passes are "
+                                "spread over. 2: positive and negative branch; 3 or 4: "
+                                "LTX-2's STG and modality passes each on ranks of their own "
+                                "(at most the passes a step runs)", min=2, max=4,
+                             optional=True)  # max: the most passes a step runs (LTX-2's 4)
 
 
 @dataclass(frozen=True)

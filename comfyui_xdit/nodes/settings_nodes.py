@@ -56,7 +56,8 @@ class ParallelSettings(io.ComfyNode):
             category=SETTINGS_CATEGORY,
             description="The parallel degrees and GPUs for Load model (xDiT)'s parallel input. "
                         "All degrees 1: the loader's automatic split; otherwise exactly these, "
-                        "and world size = dp x cfg x pipefusion x ulysses x ring.",
+                        "and world size = dp x cfg x pipefusion x ulysses x ring (cfg: "
+                        "cfg_degree with cfg_parallel on, else 1).",
             inputs=_widgets(node_settings.ParallelSettings),
             outputs=[XDiTParallel.Output(display_name="parallel")],
         )

@@ -21,15 +21,17 @@ __all__ = ["ConfigError", "EngineOptions", "ParallelConfig", "auto_config"]
 class ParallelConfig:
     """Degrees of the xDiT methods. `world_size == dp * cfg * pipefusion * ulysses * ring`.
 
-    `cfg_parallel` puts the conditional and unconditional branch on different ranks
-    (degree 2). `world_size=None` means "the product of the degrees". `split`: how work is
+    `cfg_parallel` spreads a step's guidance passes over that many ranks: True is degree 2
+    (the conditional and unconditional branch on different ranks), an int the degree (3 or
+    4: a family's extra passes each on ranks of their own), False (0, 1) off.
+    `world_size=None` means "the product of the degrees". `split`: how work is
     shared over ranks of different speed or memory: "even" (every rank alike), "auto"
     (measured per rank) or one weight per rank ("3,2"); every split is exact
     (workers/parallel/shares.py).
     """
 
     dp: int = 1
-    cfg_parallel: bool = False
+    cfg_parallel: bool | int = False  # True: degree 2; an int: the degree
     pipefusion: int = 1
     ulysses: int = 1
     ring: int = 1
@@ -41,7 +43,11 @@ class ParallelConfig:
 
     @property
     def cfg(self) -> int:
-        return 2 if self.cfg_parallel else 1
+        """The cfg degree: True 2, False (or 0) 1, another int itself (`problems` checks it)."""
+        c = self.cfg_parallel
+        if isinstance(c, bool):
+            return 2 if c else 1
+        return c if isinstance(c, int) and c >= 1 else 1
 
     @property
     def sp(self) -> int:
@@ -120,8 +126,16 @@ class ParallelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"{name} must be an integer >= 1 (got {v!r})")
+        c = self.cfg_parallel
+        if not isinstance(c, bool) and (not isinstance(c, int) or c < 0):
+            out.append(f"cfg_parallel must be true, false or a degree >= 1 (got {c!r}); "
+                       f"true is degree 2, one rank per guidance branch")
         if out:
             return out
+        if self.cfg > 2 and self.pipefusion > 1:
+            out.append(f"cfg-parallel {self.cfg} with pipefusion {self.pipefusion}: PipeFusion "
+                       f"runs the cond and uncond passes only, so its cfg-parallel degree is "
+                       f"2; use cfg-parallel 2")
         if self.world_size is not None and self.world_size != self.product:
             out.append(f"world size {self.world_size} != {self.describe()} = {self.product}; "
                        f"make the product of the degrees equal the world size")
@@ -177,10 +191,17 @@ class ParallelConfig:
             if degrees_ok and n < self.dp:
                 out.append(f"batch of {n} prompt(s) is smaller than dp {self.dp}; "
                            f"give at least {self.dp} prompts or lower dp")
-            if self.cfg_parallel and model is not None and not request.uses_cfg(model):
-                out.append(f"cfg-parallel needs classifier-free guidance but cfg is "
-                           f"{request.resolved_cfg(model)} for {model.arch}; "
-                           f"set cfg > 1 or drop cfg-parallel")
+            if degrees_ok and self.cfg > 1 and model is not None:
+                passes = None if req_problems else guidance_passes(model, request)
+                if passes is None and not request.uses_cfg(model) or \
+                        passes is not None and len(passes) < 2:
+                    out.append(f"cfg-parallel needs classifier-free guidance but cfg is "
+                               f"{request.resolved_cfg(model)} for {model.arch}; "
+                               f"set cfg > 1 or drop cfg-parallel")
+                elif passes is not None:
+                    from comfyui_xdit import bridge
+                    refusal = bridge.messages.cfg_degree_refusal(self.cfg, passes)
+                    out.extend([refusal] if refusal else [])
             if degrees_ok and not req_problems and self.sp > 1:
                 # the image stream holds the latent's tokens (every frame's) and the
                 # references'
@@ -226,6 +247,14 @@ class ParallelConfig:
         if out:
             raise ConfigError("invalid configuration: " + "; ".join(out))
         return self
+
+
+def guidance_passes(model, request) -> tuple:
+    """The names of the step's guidance passes `request` runs on `model` (its family's), which
+    cfg-parallel's degree may not exceed."""
+    from comfyui_xdit.planning.request import families
+    return families.guidance_pass_names(families.family(model.arch), request.extra_guidance,
+                                        request.resolved_cfg(model))
 
 
 def pipefusion_refusal(fam, sp: int = 1, references: bool = False) -> Optional[str]:

@@ -361,6 +361,19 @@ class ExtraGuidance:
     # (settings as given, the request's cfg, the transformer's block count or None) -> what
     # is wrong, one line each
     problems: Callable
+    # (settings as given, the request's cfg) -> the names of a step's passes, in the order
+    # the loop runs them (its adapter's `guidance_passes` builds them from these)
+    passes: Callable
+
+
+def guidance_pass_names(fam: "Family", given: Optional[dict], cfg) -> tuple:
+    """The names of a step's guidance passes for a request (workers/sampling/guidance.py):
+    plain CFG's (uncond, cond; cond alone at cfg 1), or the family's own where it declares
+    extra guidance. The host counts them for cfg-parallel's degree before a launch."""
+    extra = fam.capability(ExtraGuidance)
+    if extra is not None:
+        return tuple(extra.passes(dict(given or {}), float(cfg)))
+    return ("uncond", "cond") if float(cfg) > 1.0 else ("cond",)
 
 
 CAPABILITIES = (References, ImageToVideo, TwoExperts, SecondTextEncoder, CausalVAE, Presets,

@@ -74,6 +74,17 @@ def guidance_values(given: dict, cfg: float) -> dict:
     return v
 
 
+def guidance_passes(given: dict, cfg: float) -> tuple:
+    """The step's passes as LTX2Pipeline runs them: uncond (CFG on either stream), cond, then
+    STG and modality as their scales turn them on."""
+    v = guidance_values(given, cfg)
+    return tuple(n for n, on in (("uncond", max(float(cfg), v["audio_cfg"]) > 1.0),
+                                 ("cond", True),
+                                 ("stg", v["stg_scale"] > 0 or v["audio_stg_scale"] > 0),
+                                 ("modality", v["modality_scale"] > 1
+                                  or v["audio_modality_scale"] > 1)) if on)
+
+
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -210,7 +221,8 @@ FAMILY = Family(
                         config_names={"text_width": "caption_channels"}),
     tokens=TOKENS,
     capabilities=(SOUND, ImageToVideo(inputs=image_to_video, optional=True),
-                  ExtraGuidance(settings=GUIDANCE, problems=guidance_problems),
+                  ExtraGuidance(settings=GUIDANCE, problems=guidance_problems,
+                                passes=guidance_passes),
                   CausalVAE(whole_video=True, one_rank=True),
                   Presets(PRESETS)),
 )

@@ -435,8 +435,9 @@ class DiTAdapter:
         """A step's forward passes, in order: plain CFG's (uncond, cond; cond alone at cfg
         1). A family whose pipeline runs more declares them here (each pass's `changes` are
         forward inputs its `forward` reads from `extra`)."""
-        from ..sampling.guidance import cfg_passes
-        return cfg_passes(req.cfg)
+        from ..sampling.guidance import COND, UNCOND
+        by_name = {"uncond": UNCOND, "cond": COND}
+        return [by_name[n] for n in families.guidance_pass_names(self.family, None, req.cfg)]
 
     def guide(self, preds: dict, latents, sigma, scale: float, extra: dict, req):
         """The passes' predictions (by pass name) -> the step's prediction: classifier-free

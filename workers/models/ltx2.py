@@ -371,9 +371,10 @@ class LTX2Adapter(DiTAdapter):
 
     # ---- guidance (LTX2Pipeline's; workers/sampling/guidance.py) --------------------------
     def guidance_passes(self, model, req) -> list:
-        """uncond (CFG on either stream), cond, then, as their scales turn them on, the STG
-        pass (the listed blocks' self-attention skipped) and the modality pass (audio-video
-        cross-attention off), both with the positive prompt, as LTX2Pipeline runs them."""
+        """The family's passes by name (workers/families/ltx2.py `guidance_passes`: uncond,
+        cond, then STG and modality as their scales turn them on), each with what it
+        changes: the STG pass skips the listed blocks' self-attention, the modality pass
+        turns the audio-video cross-attention off; both read the positive prompt."""
         from ..sampling.guidance import Pass
         blocks = len(model.transformer.transformer_blocks) \
             if getattr(model, "transformer", None) is not None else None
@@ -383,14 +384,10 @@ class LTX2Adapter(DiTAdapter):
             raise ValueError("; ".join(bad))
         v = _guidance(req)
         keep = (("start_prediction", True),)  # see `forward`
-        out = [Pass("uncond", negative=True, changes=keep)] \
-            if max(float(req.cfg), v["audio_cfg"]) > 1.0 else []
-        out.append(Pass("cond", changes=keep))
-        if v["stg_scale"] > 0 or v["audio_stg_scale"] > 0:
-            out.append(Pass("stg", changes=keep + (("stg_blocks", v["stg_blocks"]),)))
-        if v["modality_scale"] > 1 or v["audio_modality_scale"] > 1:
-            out.append(Pass("modality", changes=keep + (("isolate_modalities", True),)))
-        return out
+        changes = {"stg": (("stg_blocks", v["stg_blocks"]),),
+                   "modality": (("isolate_modalities", True),)}
+        return [Pass(n, negative=n == "uncond", changes=keep + changes.get(n, ()))
+                for n in families.guidance_pass_names(self.family, given, req.cfg)]
 
     def guide(self, preds: dict, latents, sigma, scale: float, extra: dict, req):
         """LTX2Pipeline's combination, per stream (the video's tokens, then the sound's):

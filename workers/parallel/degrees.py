@@ -18,7 +18,8 @@ from .shares import check_weights, is_even
 
 @dataclass(frozen=True, kw_only=True)
 class Degrees:
-    """The degree on every axis; `cfg` is 1 or 2 (the guidance branches)."""
+    """The degree on every axis; `cfg`: the ranks a step's guidance passes are spread over
+    (workers/sampling/guidance.py)."""
 
     dp: int = 1
     cfg: int = 1
@@ -32,8 +33,6 @@ class Degrees:
             v = getattr(self, axis)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"degree {axis} must be an integer >= 1 (got {v!r})")
-        if self.cfg > 2:
-            raise ValueError(f"degree cfg is 1 or 2 (the guidance branches), got {self.cfg}")
         w = tuple(self.split or ())
         problems = check_weights(w, self.world)
         if problems:

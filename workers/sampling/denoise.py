@@ -33,7 +33,7 @@ from ..parallel.sharding import is_sharded
 from ..parallel.topology import Topology, broadcast
 from .cache_settings import CacheSettings
 from .flow_step import make_steps
-from .guidance import assigned, forwards_per_rank, gather_passes
+from .guidance import assigned, check_degree, forwards_per_rank, gather_passes
 from .step_cache import RunCache, call_on_ranks, gated
 from .step_scope import no_step_scope
 
@@ -145,8 +145,7 @@ def prepare(job, model, adapter, topo: Topology) -> Prepared:
     passes = tuple(adapter.guidance_passes(model, req))
     if any(p.negative for p in passes) and uncond is None:
         raise RuntimeError("a guidance pass reads the negative prompt, and the job has none")
-    if topo.degree("cfg") > 1 and len(passes) < 2:
-        raise RuntimeError("cfg-parallel job with one guidance pass")
+    check_degree(passes, topo.degree("cfg"))
     # the loop's latents: the model's dtype, or fp32 where the family's pipeline keeps them
     # so (Wan: its multistep history); the adapter's forward casts what the model takes
     noise = job.noise[mine].to(dev, torch.float32 if adapter.latents_fp32 else dtype)

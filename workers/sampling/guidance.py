@@ -10,12 +10,14 @@ the passes' predictions (its pipeline's guidance formula).
 
 CFG parallel spreads the passes over the cfg ranks in turn: pass p runs on cfg rank
 p % degree (the unconditional pass first, so on cfg 2 the negative prompt stays on cfg rank
-0 and the positive on cfg rank 1, as before), and one all-gather per step brings every
-rank every pass's prediction. Each rank's combination is then the same arithmetic on the same
-tensors as one rank running the passes in turn. Where the passes do not split evenly (three
-on two ranks), a rank with fewer stacks a zero slot in the gather; under weight sharding
-(whose all-gathers need every rank to run every block equally often) it runs its last pass
-once more instead, its result unread.
+0 and the positive on cfg rank 1; at a degree equal to the pass count each pass has its own
+ranks), and one all-gather per step brings every rank every pass's prediction. Each rank's
+combination is then the same arithmetic on the same tensors as one rank running the passes
+in turn. Where the passes do not split evenly (three on two ranks, four on three), a rank
+with fewer stacks a zero slot in the gather; under weight sharding (whose all-gathers need
+every rank to run every block equally often) it runs its last pass once more instead, its
+result unread. A degree above the pass count is refused (`check_degree`): a rank with no
+pass would only wait.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..messages import cfg_degree_refusal
 from ..parallel.topology import all_gather
 
 
@@ -43,9 +46,11 @@ UNCOND = Pass("uncond", negative=True)
 COND = Pass("cond")
 
 
-def cfg_passes(cfg: float) -> list:
-    """The passes of plain classifier-free guidance at scale `cfg` (1: the conditional one)."""
-    return [UNCOND, COND] if float(cfg) > 1.0 else [COND]
+def check_degree(passes, degree: int) -> None:
+    """Refuse a cfg degree above the step's pass count, in one line naming both."""
+    refusal = cfg_degree_refusal(degree, [p.name for p in passes])
+    if refusal:
+        raise ValueError(refusal)
 
 
 def assigned(n: int, degree: int, index: int) -> list:
