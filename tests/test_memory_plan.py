@@ -85,8 +85,9 @@ def test_shard_weights_are_fsdp_chunks_plus_gathered(flux2):
 def test_shard_weights_by_memory_count_each_ranks_own_rows(flux2):
     """`shard_split='memory'` on a 24 GB and a 16 GB GPU: each rank holds its rows of every
     parameter at 3:2 (workers/parallel/uneven_sharding.py, counted on the meta module's own
-    rows), so the 16 GB rank holds less than the even split's half; each rank receives the
-    other's padded shard (the largest) per unit once per forward. Negative control: the
+    rows, in one buffer with room for each unit's all-gather window of its largest share),
+    so the 16 GB rank holds less than the even split's half; each rank receives the other's
+    padded shard (the largest) per unit once per forward. Negative control: the
     even split gives both ranks the same bytes."""
     from workers.parallel.shares import share_sizes
     tr, facts = flux2
@@ -105,7 +106,15 @@ def test_shard_weights_by_memory_count_each_ranks_own_rows(flux2):
     assert abs(mine[0] / sum(mine) - 0.6) < 1e-3
     units = [list(b.parameters()) for b in blocks] + [rest]
     flight = max(2 * max(rows(u, 0), rows(u, 1)) + nbytes(u) for u in units)
-    assert [r.weights for r in plan.ranks] == [m + nbytes(rest) + flight for m in mine]
+
+    def buffer(rank):  # its rows back to back, with room for each unit's largest-share window
+        at = end = 0
+        for u in units:
+            end, at = max(end, at + max(rows(u, 0), rows(u, 1))), at + rows(u, rank)
+        return max(end, at)
+    held = [buffer(r) for r in range(2)]
+    assert held[0] == mine[0] and mine[1] < held[1] < mine[1] + max(rows(u, 0) for u in units)
+    assert [r.weights for r in plan.ranks] == [h + nbytes(rest) + flight for h in held]
     assert plan.gather_bytes_per_step == sum(max(rows(u, 0), rows(u, 1)) for u in units)
     assert plan.ranks[1].role == "shard 2/2 (40%)"
     even = arith.plan(facts, ParallelConfig(ulysses=2), dataclasses.replace(

@@ -280,7 +280,8 @@ def uneven_shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8, weights,
     """Rank `rank`'s bytes under an uneven `shard_split` (its rows of every parameter by
     `weights`: workers/parallel/uneven_sharding.py). A unit (a block; the rest) is gathered
     padded to its largest shard: a rank receives (world - 1) x that, and holds the receive
-    buffer (world x it) beside the assembled unit; the rest stays whole for the forward."""
+    buffer (world x it) beside the assembled unit; the rest stays whole for the forward. Its
+    rows sit in one buffer with room for each unit's window of the largest share."""
     world = len(weights)
     units = [*tr.blocks, tr.rest]
 
@@ -288,7 +289,8 @@ def uneven_shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8, weights,
               for u in units]
     whole = [_bytes(u, dtype_bytes, fp8) for u in units]
     buffers = tr.buffers * dtype_bytes
-    mine = sum(sh[rank] for sh in shares)
+    _, mine = bridge.shares.gather_buffer([sh[rank] for sh in shares],
+                                          [max(sh) for sh in shares])
     in_flight = max(world * max(sh) + w for sh, w in zip(shares, whole))
     return ShardFigures(world=world, unsharded=sum(whole) + buffers,
                         at_rest=mine + buffers, peak=mine + buffers + whole[-1] + in_flight,
