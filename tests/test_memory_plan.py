@@ -448,6 +448,35 @@ def test_gpu_sizes_by_index_on_a_mixed_box(monkeypatch):
     assert gpus.gpu_memory_bytes(["1", "GPU-a"], environ={}) == [big, big]  # uniform: exact
 
 
+def test_nvidia_smi_is_asked_once_per_visible_gpu_set(monkeypatch):
+    """A launch reads the GPUs' sizes (the memory plan, shard_split memory) and names
+    (split=auto): nvidia-smi answers once per process for each CUDA_VISIBLE_DEVICES value,
+    sizes and names from one call, an empty answer kept too; a new value asks again."""
+    import subprocess
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        out = "0, GPU-a, 81559, NVIDIA H100 80GB HBM3\n1, GPU-b, 24564, NVIDIA L4, rev 2\n"
+        return subprocess.CompletedProcess(cmd, 0, out if len(calls) < 3 else "", "")
+
+    monkeypatch.setattr(gpus, "_SMI", {})
+    monkeypatch.setattr(gpus.shutil, "which", lambda exe: "/usr/bin/" + exe)
+    monkeypatch.setattr(gpus.subprocess, "run", run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # indices as nvidia-smi's
+    for _ in range(3):
+        assert gpus.gpu_memory_bytes(["GPU-b", "0"]) == [24564 * 2 ** 20, 81559 * 2 ** 20]
+        assert gpus.gpu_names(["1", "GPU-a", "7"]) == ["NVIDIA L4, rev 2",
+                                                       "NVIDIA H100 80GB HBM3", None]
+    assert len(calls) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # another set: asked again
+    assert gpus.gpu_names(["0"]) == ["NVIDIA H100 80GB HBM3"] and len(calls) == 2
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # nothing listed this time: kept as such
+    assert gpus.gpu_memory_bytes(["0"]) == [None] and gpus.gpu_names(["0"]) == [None]
+    assert gpus.gpu_memory_bytes(["0"]) == [None] and len(calls) == 3
+
+
 # ---- enforce | advise ------------------------------------------------------------------------
 TINY_GPUS = 64 * 2 ** 20  # below the 2 GiB reserve alone: every plan misfits
 
