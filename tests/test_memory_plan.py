@@ -701,12 +701,13 @@ def test_wan_presets_have_the_published_sizes(name, transformer, experts):
 def test_minimax_h3_preset_has_the_published_size_and_32_pixel_tokens():
     """MiniMax-H3: about 62 GiB of bf16 transformer weights (33.1B parameters); a token is
     2 x 2 latent pixels of its 16x VAE, 32 pixels a side: 768x1344 x 124 frames is 37 latent
-    frames x 24 x 42 video tokens, plus the prompt's (joint attention)."""
+    frames x 24 x 42 video tokens, plus its sound's (round(124 / 24 x 40) = 207 latents for
+    each of its two channels) and the prompt's (joint attention)."""
     facts = preset_facts("minimax-h3")
     plan = arith.plan(facts, ParallelConfig(), BF16)
     assert 32.5e9 < plan.ranks[0].weights / 2 < 33.5e9
     job = arith.JobSize(768, 1344, frames=124, text_tokens=100)
-    assert arith.job_tokens(facts, job) == 37 * 24 * 42 + 100
+    assert arith.job_tokens(facts, job) == 37 * 24 * 42 + 2 * 207 + 100
 
 
 def test_ltx2_decode_is_rank_0s_whole_with_the_decoders_widths():
