@@ -613,3 +613,31 @@ def test_comfyui_single_file_is_read_as_the_folder(tmp_path_factory, layout_pool
     bad = save_file(sd, str(cache / "bad.safetensors"), metadata={}) or cache / "bad.safetensors"
     other = PoolDenoiser(layout_pools.get(bad, ParallelConfig()), ParallelConfig(), "ltx2")(**call)
     assert float((other[0] - ref[0]).abs().max()) > 1e-3
+
+
+def test_an_api_conditioning_of_another_width_is_refused_before_workers_start(folders):
+    """The Python API's Conditioning (its context the video's and the sound's prompt states
+    side by side, as ComfyUI's) is width-checked on the host against the family's declared
+    widths: a context of one stream's width is refused in one line, and no worker starts."""
+    import json
+
+    from comfyui_xdit import ConfigError, WorkerPool
+    from comfyui_xdit.planning.model_info import read_model_info
+
+    info = read_model_info(folders["t2v"])
+    config = json.loads((folders["t2v"] / "transformer" / "config.json").read_text())
+    width = 2 * int(config["caption_channels"])
+    assert info.text_width == width
+    h, w, f = SIZE
+    pool = WorkerPool(str(folders["t2v"]), ParallelConfig(), device="cpu", threads_per_rank=1)
+    try:
+        one_stream = {"cond": torch.zeros(1, 8, width // 2)}
+        with pytest.raises(ConfigError) as e:
+            pool.generate(GenerationRequest(prompt=[], positive=one_stream, height=h, width=w,
+                                            frames=f, steps=1, cfg=1.0))
+        msg = str(e.value)
+        print(msg)
+        assert "\n" not in msg and f"width {width // 2}" in msg and f"takes {width}" in msg
+        assert "2 prompt states of" in msg and pool.worker_pids() == []
+    finally:
+        pool.close()

@@ -85,8 +85,9 @@ def test_shard_weights_are_fsdp_chunks_plus_gathered(flux2):
 def test_shard_weights_by_memory_count_each_ranks_own_rows(flux2):
     """`shard_split='memory'` on a 24 GB and a 16 GB GPU: each rank holds its rows of every
     parameter at 3:2 (workers/parallel/uneven_sharding.py, counted on the meta module's own
-    rows), so the 16 GB rank holds less than the even split's half; each rank receives the
-    other's padded shard (the largest) per unit once per forward. Negative control: the
+    rows, in one buffer with room for each unit's all-gather window of its largest share),
+    so the 16 GB rank holds less than the even split's half; each rank receives the other's
+    padded shard (the largest) per unit once per forward. Negative control: the
     even split gives both ranks the same bytes."""
     from workers.parallel.shares import share_sizes
     tr, facts = flux2
@@ -105,7 +106,15 @@ def test_shard_weights_by_memory_count_each_ranks_own_rows(flux2):
     assert abs(mine[0] / sum(mine) - 0.6) < 1e-3
     units = [list(b.parameters()) for b in blocks] + [rest]
     flight = max(2 * max(rows(u, 0), rows(u, 1)) + nbytes(u) for u in units)
-    assert [r.weights for r in plan.ranks] == [m + nbytes(rest) + flight for m in mine]
+
+    def buffer(rank):  # its rows back to back, with room for each unit's largest-share window
+        at = end = 0
+        for u in units:
+            end, at = max(end, at + max(rows(u, 0), rows(u, 1))), at + rows(u, rank)
+        return max(end, at)
+    held = [buffer(r) for r in range(2)]
+    assert held[0] == mine[0] and mine[1] < held[1] < mine[1] + max(rows(u, 0) for u in units)
+    assert [r.weights for r in plan.ranks] == [h + nbytes(rest) + flight for h in held]
     assert plan.gather_bytes_per_step == sum(max(rows(u, 0), rows(u, 1)) for u in units)
     assert plan.ranks[1].role == "shard 2/2 (40%)"
     even = arith.plan(facts, ParallelConfig(ulysses=2), dataclasses.replace(
@@ -458,6 +467,35 @@ def test_gpu_sizes_by_index_on_a_mixed_box(monkeypatch):
     assert gpus.gpu_memory_bytes(["1", "GPU-a"], environ={}) == [big, big]  # uniform: exact
 
 
+def test_nvidia_smi_is_asked_once_per_visible_gpu_set(monkeypatch):
+    """A launch reads the GPUs' sizes (the memory plan, shard_split memory) and names
+    (split=auto): nvidia-smi answers once per process for each CUDA_VISIBLE_DEVICES value,
+    sizes and names from one call, an empty answer kept too; a new value asks again."""
+    import subprocess
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        out = "0, GPU-a, 81559, NVIDIA H100 80GB HBM3\n1, GPU-b, 24564, NVIDIA L4, rev 2\n"
+        return subprocess.CompletedProcess(cmd, 0, out if len(calls) < 3 else "", "")
+
+    monkeypatch.setattr(gpus, "_SMI", {})
+    monkeypatch.setattr(gpus.shutil, "which", lambda exe: "/usr/bin/" + exe)
+    monkeypatch.setattr(gpus.subprocess, "run", run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # indices as nvidia-smi's
+    for _ in range(3):
+        assert gpus.gpu_memory_bytes(["GPU-b", "0"]) == [24564 * 2 ** 20, 81559 * 2 ** 20]
+        assert gpus.gpu_names(["1", "GPU-a", "7"]) == ["NVIDIA L4, rev 2",
+                                                       "NVIDIA H100 80GB HBM3", None]
+    assert len(calls) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # another set: asked again
+    assert gpus.gpu_names(["0"]) == ["NVIDIA H100 80GB HBM3"] and len(calls) == 2
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # nothing listed this time: kept as such
+    assert gpus.gpu_memory_bytes(["0"]) == [None] and gpus.gpu_names(["0"]) == [None]
+    assert gpus.gpu_memory_bytes(["0"]) == [None] and len(calls) == 3
+
+
 # ---- enforce | advise ------------------------------------------------------------------------
 TINY_GPUS = 64 * 2 ** 20  # below the 2 GiB reserve alone: every plan misfits
 
@@ -682,12 +720,13 @@ def test_wan_presets_have_the_published_sizes(name, transformer, experts):
 def test_minimax_h3_preset_has_the_published_size_and_32_pixel_tokens():
     """MiniMax-H3: about 62 GiB of bf16 transformer weights (33.1B parameters); a token is
     2 x 2 latent pixels of its 16x VAE, 32 pixels a side: 768x1344 x 124 frames is 37 latent
-    frames x 24 x 42 video tokens, plus the prompt's (joint attention)."""
+    frames x 24 x 42 video tokens, plus its sound's (round(124 / 24 x 40) = 207 latents for
+    each of its two channels) and the prompt's (joint attention)."""
     facts = preset_facts("minimax-h3")
     plan = arith.plan(facts, ParallelConfig(), BF16)
     assert 32.5e9 < plan.ranks[0].weights / 2 < 33.5e9
     job = arith.JobSize(768, 1344, frames=124, text_tokens=100)
-    assert arith.job_tokens(facts, job) == 37 * 24 * 42 + 100
+    assert arith.job_tokens(facts, job) == 37 * 24 * 42 + 2 * 207 + 100
 
 
 def test_ltx2_decode_is_rank_0s_whole_with_the_decoders_widths():

@@ -95,20 +95,29 @@ def test_a_helper_that_cannot_serve_gives_way_to_plain_processes(model_dir, monk
 
 
 def test_a_dead_helper_takes_its_ranks_and_the_next_job_relaunches(model_dir, monkeypatch):
-    """The helper killed under a warm pool: its ranks leave (their parent watch), the pool
-    says a rank is gone, and the next job starts a new helper and succeeds."""
+    """The helper killed under a warm pool: its ranks leave (their parent watch), each a
+    failure naming the helper's end, the pool says a rank is gone, and the next job starts
+    a new helper and succeeds. While they ran, ps showed them as ranks."""
     monkeypatch.setenv(L.ENV, "preload")
     with WorkerPool(model_dir("flux"), ParallelConfig(ulysses=2), device="cpu",
                     threads_per_rank=1) as pool:
         first = pool.generate(GenerationRequest(**REQ))
         helper = pool._procs[0]._helper
         pids = pool.worker_pids()
+        for rank, pid in enumerate(pids):  # ps says a rank, not the helper's command
+            assert Path(f"/proc/{pid}/comm").read_text().strip() == f"xdit-rank{rank}"
+            assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(
+                f"xdit rank {rank} (".encode())
         os.kill(helper.proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while any(p.poll() is None for p in pool._procs) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not pool.is_running()
-        assert [p.returncode for p in pool._procs] == [0, 0]  # their parent watch's exit
+        # a failure with its reason, not the parent watch's exit 0
+        assert [p.returncode for p in pool._procs] == [L.HELPER_GONE] * 2
+        assert all("preloaded launcher" in p.failure and "killed by SIGKILL" in p.failure
+                   for p in pool._procs)
+        assert "preloaded launcher" in pool._dead()
         again = pool.generate(GenerationRequest(**REQ))
         assert torch.equal(first.samples, again.samples)
         assert pool.last_launch["launcher"] == "preload"
@@ -152,3 +161,108 @@ def test_launches_that_differ_only_in_switches_share_a_helper():
     assert helper_key(base) == helper_key(dict(base, PYTEST_CURRENT_TEST="t.py::a (call)")) \
         == helper_key(dict(base, XDIT_LAUNCHER="preload"))
     assert helper_key(base) != helper_key(dict(base, OMP_NUM_THREADS="2"))
+
+
+def test_a_helper_rejects_a_message_it_cannot_act_on_and_serves_on(tmp_path):
+    """A start without its log file, a message that is not JSON, an unknown op: each gets
+    one rejected line, and the helper then starts a rank as usual."""
+    import json
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RANK="0")
+    helper = L.Helper(L._helper_env(env), str(ROOT))
+    try:
+        start = {"op": "start", "argv": ["--help"], "env": env, "cwd": str(ROOT)}
+        for raw, why in ((json.dumps(start).encode(), "carries 0 file descriptors"),
+                         (b"{not json", "not JSON"),
+                         (b'{"op": "fork"}', "unknown message 'fork'")):
+            helper._sock.send(raw)
+            reply = helper._recv(60.0)
+            assert reply["op"] == "rejected" and why in reply["why"], reply
+            assert "\n" not in reply["why"]
+        log = tmp_path / "rank.log"
+        rank = helper.start(["--help"], env, str(log))
+        assert rank.wait(timeout=120) == 0 and rank.failure is None
+        assert "usage:" in log.read_text()
+    finally:
+        helper.close()
+
+
+class _FakeHelper:
+    """Stands in for a helper's process: refuses while `broken`, or waits for `release`."""
+    broken, starts = True, []
+    release: dict = {}
+
+    def __init__(self, env, cwd):
+        type(self).starts.append(env["MARK"])
+        gate = self.release.get(env["MARK"])
+        if gate is not None:
+            assert gate.wait(60), "a start was never released"
+        if self.broken:
+            raise L.Unavailable("2 Python threads run")
+        self.gone = False
+
+    def idle(self):
+        return False
+
+    def close(self):
+        self.gone = True
+
+
+@pytest.fixture
+def fake_helpers(monkeypatch):
+    monkeypatch.setattr(L, "Helper", _FakeHelper)
+    for name in ("_helpers", "_refused", "_starting"):
+        monkeypatch.setattr(L, name, {})
+    monkeypatch.setattr(_FakeHelper, "starts", [])
+    monkeypatch.setattr(_FakeHelper, "release", {})
+    return _FakeHelper
+
+
+def test_a_refused_environment_tries_a_helper_again_later(fake_helpers, monkeypatch):
+    """A refusal holds for RETRY_S (launches meanwhile go straight to plain processes),
+    then a launch tries again and, the cause gone, gets a helper."""
+    now = [100.0]
+    monkeypatch.setattr(L, "_clock", lambda: now[0])
+    env = {"MARK": "a", "PATH": "/usr/bin"}
+    for _ in range(2):
+        with pytest.raises(L.Unavailable, match="2 Python threads run"):
+            L._helper_for(env)
+    assert fake_helpers.starts == ["a"]  # the second launch did not try
+    monkeypatch.setattr(fake_helpers, "broken", False)
+    now[0] += L.RETRY_S - 1
+    with pytest.raises(L.Unavailable):
+        L._helper_for(env)
+    now[0] += 1
+    helper = L._helper_for(env)
+    assert isinstance(helper, fake_helpers) and fake_helpers.starts == ["a", "a"]
+    assert L._helper_for(env) is helper and "a" not in str(L._refused)
+
+
+def test_a_slow_helper_start_holds_up_only_its_own_environment(fake_helpers, monkeypatch):
+    """Environment a's helper is still starting: a launch of environment b gets its own
+    helper meanwhile; a second launch of a waits for a's start and shares its helper."""
+    import threading
+
+    monkeypatch.setattr(fake_helpers, "broken", False)
+    slow = threading.Event()
+    fake_helpers.release["a"] = slow
+    got = {}
+
+    def launch(name, mark):
+        got[name] = L._helper_for({"MARK": mark})
+
+    first_a = threading.Thread(target=launch, args=("a1", "a"), daemon=True)
+    first_a.start()
+    deadline = time.monotonic() + 60
+    while fake_helpers.starts != ["a"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # until a's start has begun (it then waits for `slow`)
+    b = threading.Thread(target=launch, args=("b", "b"), daemon=True)
+    b.start()
+    b.join(60)
+    assert "b" in got and "a1" not in got, "b waited for a's helper to start"
+    second_a = threading.Thread(target=launch, args=("a2", "a"), daemon=True)
+    second_a.start()
+    slow.set()
+    first_a.join(60)
+    second_a.join(60)
+    assert got["a1"] is got["a2"] and fake_helpers.starts == ["a", "b"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 SPLITS = ("shard", "replicate")
 ROLES = ("latent", "text", "context")
@@ -53,7 +53,9 @@ class Stream:
     odd height or width are padded circularly to whole tokens, as ComfyUI's model pads them,
     rather than refused. `denoised` (context streams): the model denoises this stream beside
     the latent's (a sound track), so a method that cuts only the latent stream into patches
-    across steps (PipeFusion) cannot run the family."""
+    across steps (PipeFusion) cannot run the family. `length` (context streams): frames ->
+    the stream's tokens in a video of that many frames (a sound track's), what the host's
+    memory plan counts it by."""
 
     name: str
     role: str = "context"
@@ -62,6 +64,7 @@ class Stream:
     positions: str = "ids"
     pads_odd_references: bool = False
     denoised: bool = False
+    length: Optional[Callable] = field(default=None, compare=False)
 
     @property
     def sharded(self) -> bool:

@@ -214,8 +214,10 @@ class PoolLaunch:
                         text = f.read()
                 except (OSError, TypeError):
                     text = ""
+                # a forked rank whose helper died says so (its own exit code cannot)
+                cause = getattr(p, "failure", None) or W.death_cause(code, text)
                 dead.append({"rank": rank, "pid": p.pid, "code": code, "log": text,
-                             "cause": W.death_cause(code, text)})
+                             "cause": cause})
         culprit = W.pick_culprit(dead)
         if culprit is None:
             return None

@@ -22,8 +22,12 @@ gets its own helper; idle helpers beyond a few are closed.
 A helper that cannot start or refuses (preloading failed, a thread or CUDA's driver found
 in it) or dies is replaced by plain processes with one logged warning: the ranks then run
 exactly as with `XDIT_LAUNCHER=spawn`, so results do not change, only the launch's time.
-The helper leaves with the host: it exits when its socket to the host closes (the host
-exited, was killed or closed it at exit), and its ranks leave with it (their parent watch).
+A refusal holds for its environment `RETRY_S`, then a launch tries a helper again (the
+cause may have gone). A helper starts outside the registry's lock: a slow start holds up
+only launches of its own environment. The helper leaves with the host: it exits when its
+socket to the host closes (the host exited, was killed or closed it at exit), and its ranks
+leave with it (their parent watch): such a rank is a failure (`ForkedRank.failure` says
+why), not the parent watch's exit 0.
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ CHOICES = ("preload", "spawn")
 PER_RANK = ("RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")  # set in each forked rank
 KEEP_IDLE = 2  # helpers without a live rank kept for later launches
 START_TIMEOUT_S = 300.0
+RETRY_S = 60.0  # a refused environment tries a helper again after this
+HELPER_GONE = 1  # the exit code of a rank whose helper died under it
 _log = logging.getLogger("comfyui_xdit")
 
 
@@ -68,6 +74,11 @@ class ForkedRank:
     def __init__(self, helper: "Helper", pid: int, args: list):
         self._helper, self.pid, self.args = helper, pid, args
         self.returncode: Optional[int] = None
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the rank ended, where its own exit code cannot say: its helper died."""
+        return self._helper.lost.get(self.pid)
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
@@ -100,6 +111,7 @@ class Helper:
     def __init__(self, env: dict, cwd: str):
         self._lock = threading.Lock()
         self._codes: dict = {}  # pid -> exit code, from the helper's reports
+        self.lost: dict = {}  # pid -> why, for ranks that left with their dead helper
         self._live: set = set()
         self.gone = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -150,10 +162,24 @@ class Helper:
         if pid in self._codes:
             return self._codes[pid]
         if self.gone and not _alive(pid):
-            # the helper died: its ranks left with their parent watch, which exits with 0
-            self._codes[pid] = 0
-            return 0
+            # the helper died: its ranks left with their parent watch, whose exit 0 would
+            # read as success
+            self.lost[pid] = f"its preloaded launcher (pid {self.proc.pid}) {self._end()}, " \
+                             f"and the rank left with it"
+            self._codes[pid] = HELPER_GONE
+            return HELPER_GONE
         return None
+
+    def _end(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "closed its socket"
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
 
     def start(self, argv: list, env: dict, log_path: str) -> ForkedRank:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -177,6 +203,8 @@ class Helper:
                         raise Unavailable("the helper did not start the rank")
                     if reply.get("op") == "started":
                         break
+                    if reply.get("op") == "rejected":
+                        raise Unavailable(f"the helper rejected the start: {reply.get('why')}")
                     self._take(reply)
                 self._live.add(reply["pid"])
         finally:
@@ -221,8 +249,10 @@ def _alive(pid: int) -> bool:
 
 
 _helpers: dict = {}  # launch environment -> Helper, oldest first
-_refused: dict = {}  # launch environment -> why its helper could not serve
+_refused: dict = {}  # launch environment -> (why its helper could not serve, retry after)
+_starting: dict = {}  # launch environment -> the lock its helper's start holds
 _registry_lock = threading.Lock()
+_clock = time.monotonic
 
 
 def _helper_env(rank_env: dict) -> dict:
@@ -244,22 +274,32 @@ def _helper_for(rank_env: dict) -> Helper:
     env = _helper_env(rank_env)
     key = helper_key(env)
     with _registry_lock:
-        if key in _refused:
-            raise Unavailable(_refused[key])
-        helper = _helpers.get(key)
-        if helper is not None and helper.gone:
-            _helpers.pop(key).close()  # its socket and process too, not only our entry
+        gate = _starting.setdefault(key, threading.Lock())
+    with gate:  # one start per environment; the registry's lock is held only briefly
+        with _registry_lock:
+            why, until = _refused.get(key, ("", 0.0))
+            if why and _clock() < until:
+                raise Unavailable(why)
+            helper = _helpers.get(key)
+            stale = _helpers.pop(key) if helper is not None and helper.gone else None
+        if stale is not None:
+            stale.close()  # its socket and process too, not only our entry
             helper = None
-        if helper is None:
-            try:
-                helper = Helper(env, os.getcwd())
-            except (Unavailable, OSError) as e:
-                _refused[key] = str(e)
-                raise Unavailable(str(e)) from e
+        if helper is not None:
+            return helper
+        try:
+            helper = Helper(env, os.getcwd())
+        except (Unavailable, OSError) as e:
+            with _registry_lock:
+                _refused[key] = (str(e), _clock() + RETRY_S)
+            raise Unavailable(str(e)) from e
+        with _registry_lock:
+            _refused.pop(key, None)
             idle = [k for k, h in _helpers.items() if h.idle()]
-            for k in idle[:max(0, len(idle) - KEEP_IDLE + 1)]:
-                _helpers.pop(k).close()
+            closing = [_helpers.pop(k) for k in idle[:max(0, len(idle) - KEEP_IDLE + 1)]]
             _helpers[key] = helper
+        for h in closing:
+            h.close()
         return helper
 
 

@@ -171,27 +171,43 @@ def text_encoder_gpu(option: str, gpus: Sequence[str], environ=None,
     return TextEncoderGPU(gpu, rank, f"{gpus[0]},{gpu}", "cuda:1")
 
 
-_SMI_SIZES: dict = {}  # nvidia-smi's answer, kept: a GPU's total memory never changes
+_SMI: dict = {}  # value of CUDA_VISIBLE_DEVICES -> nvidia-smi's answer (`_smi`)
 
 
-def _smi_sizes() -> dict:
-    """{index or UUID: total bytes} of every GPU nvidia-smi lists ({} when it cannot)."""
-    if _SMI_SIZES:
-        return _SMI_SIZES
+def _smi(environ=None) -> dict:
+    """{index or UUID: (total bytes, model name)} of every GPU nvidia-smi lists ({} when it
+    cannot answer). Asked once per process for each value of CUDA_VISIBLE_DEVICES, the
+    answer (an empty one too) kept: a GPU's size and name do not change while the process
+    runs, and a changed value is the sign that its GPUs did (nvidia-smi itself lists every
+    GPU of the box whatever the variable says), so a new value asks again."""
+    env = os.environ if environ is None else environ
+    key = env.get(ENV)
+    if key not in _SMI:
+        _SMI[key] = _query_smi()
+    return _SMI[key]
+
+
+def _query_smi() -> dict:
     exe = shutil.which("nvidia-smi")
     if not exe:
         return {}
     try:
-        text = subprocess.run([exe, "--query-gpu=index,uuid,memory.total",
+        text = subprocess.run([exe, "--query-gpu=index,uuid,memory.total,name",
                                "--format=csv,noheader,nounits"], capture_output=True,
                               text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
+    out = {}
     for line in text.splitlines():
-        parts = [v.strip() for v in line.split(",")]
-        if len(parts) == 3 and parts[2].isdigit():
-            _SMI_SIZES[parts[0]] = _SMI_SIZES[parts[1]] = int(parts[2]) * 2 ** 20  # MiB
-    return _SMI_SIZES
+        parts = [v.strip() for v in line.split(",", 3)]
+        if len(parts) == 4 and parts[2].isdigit():
+            out[parts[0]] = out[parts[1]] = (int(parts[2]) * 2 ** 20, parts[3])  # MiB
+    return out
+
+
+def _smi_sizes() -> dict:
+    """{index or UUID: total bytes} of every GPU nvidia-smi lists ({} when it cannot)."""
+    return {k: size for k, (size, _) in _smi().items()}
 
 
 def gpu_memory_bytes(gpu_ids: Sequence[str], environ=None) -> list:
@@ -216,17 +232,7 @@ def gpu_names(gpu_ids: Sequence[str]) -> list:
     """Each GPU id's model name from nvidia-smi ("NVIDIA H100 80GB HBM3"), as the workers
     report it once running; None where it is not known. `split=auto` reads its cache by
     these names before a launch (PipeFusion's stages are chosen then)."""
-    exe = shutil.which("nvidia-smi")
-    if not exe or not gpu_ids:
-        return [None] * len(gpu_ids)
-    try:
-        text = subprocess.run([exe, "--query-gpu=index,uuid,name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return [None] * len(gpu_ids)
-    names = {}
-    for line in text.splitlines():
-        parts = [v.strip() for v in line.split(",", 2)]
-        if len(parts) == 3:
-            names[parts[0]] = names[parts[1]] = parts[2]
-    return [names.get(str(g).strip()) for g in gpu_ids]
+    if not gpu_ids:
+        return []
+    names = _smi()
+    return [names[str(g).strip()][1] if str(g).strip() in names else None for g in gpu_ids]

@@ -280,7 +280,8 @@ def uneven_shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8, weights,
     """Rank `rank`'s bytes under an uneven `shard_split` (its rows of every parameter by
     `weights`: workers/parallel/uneven_sharding.py). A unit (a block; the rest) is gathered
     padded to its largest shard: a rank receives (world - 1) x that, and holds the receive
-    buffer (world x it) beside the assembled unit; the rest stays whole for the forward."""
+    buffer (world x it) beside the assembled unit; the rest stays whole for the forward. Its
+    rows sit in one buffer with room for each unit's window of the largest share."""
     world = len(weights)
     units = [*tr.blocks, tr.rest]
 
@@ -288,7 +289,8 @@ def uneven_shard_figures(tr: TransformerFacts, dtype_bytes: int, fp8, weights,
               for u in units]
     whole = [_bytes(u, dtype_bytes, fp8) for u in units]
     buffers = tr.buffers * dtype_bytes
-    mine = sum(sh[rank] for sh in shares)
+    _, mine = bridge.shares.gather_buffer([sh[rank] for sh in shares],
+                                          [max(sh) for sh in shares])
     in_flight = max(world * max(sh) + w for sh, w in zip(shares, whole))
     return ShardFigures(world=world, unsharded=sum(whole) + buffers,
                         at_rest=mine + buffers, peak=mine + buffers + whole[-1] + in_flight,
@@ -347,10 +349,11 @@ def job_tokens(facts: ModelFacts, job: JobSize) -> int:
     """Tokens of one attention sequence, from the family's declared streams
     (workers/streams.py), each padded to its multiple (Z-Image's 32): the latent
     stream's, the image's (16 x 16 pixels a token, the family's `pixels_per_token`) times
-    the latent frames of a video, a sound track's tokens beside them
-    ((frames - 1) / 4 + 1 for Wan: 720p x 81 frames is 21 x 45 x 80 = 75,600), and the
-    references'; the text's where it is split and attended jointly with the latent (Wan's
-    text is held whole and reached by cross-attention, outside the sequence)."""
+    the latent frames of a video ((frames - 1) / 4 + 1 for Wan: 720p x 81 frames is
+    21 x 45 x 80 = 75,600), every context stream's by its declared length (a sound track's:
+    LTX-2's, MiniMax-H3's two channels), and the references'; the text's where it is split
+    and attended jointly with the latent (Wan's text is held whole and reached by
+    cross-attention, outside the sequence)."""
     fam = families.family(facts.arch)
     layout = fam.tokens
     latent, text_stream = layout.latent, layout.text
@@ -358,10 +361,13 @@ def job_tokens(facts: ModelFacts, job: JobSize) -> int:
     image = fam.latent.latent_frames(job.frames) * math.ceil(
         job.height / side) * math.ceil(job.width / side)
     image = -(-image // latent.pad_multiple) * latent.pad_multiple
-    sound = fam.capability(families.SoundTrack)
-    if sound is not None:  # LTX-2's sound tokens beside the video's (held whole on each
-        # rank: ~2% of the video's at the released sizes, counted here with the split ones)
-        image += sound.length(job.frames)
+    for s in layout.streams:  # a stream held whole on each rank (LTX-2's sound: ~2% of
+        # the video's at the released sizes) is counted here with the split ones
+        if s.role == "context":
+            if s.length is None:
+                raise ConfigError(f"the memory plan cannot count {fam.name}'s stream "
+                                  f"{s.name!r}: its declaration gives no length")
+            image += s.length(job.frames)
     text = 0
     if text_stream is not None and layout.in_sequence(text_stream.name):
         text = (job.text_tokens if job.text_tokens is not None else facts.text_tokens) + \

@@ -71,6 +71,10 @@ class ModelInfo:
     # high-noise one); experts: the transformers it denoises with
     path_2: Optional[str] = None
     experts: int = 1
+    # the width a Conditioning's text states must have: the family's declared text width,
+    # once per prompt stream its context carries side by side (LTX-2: the video's and the
+    # sound's); None where the config does not say
+    text_width: Optional[int] = None
 
     @property
     def family(self):
@@ -134,14 +138,15 @@ def read_model_info(path, path_2=None) -> ModelInfo:
                          patch_size=fam.patch(cfg), kind="file",
                          has_text_encoders=False, has_vae=False,
                          blocks=_block_count(arch, cfg),
-                         storage=_storage_name(d.get("storage")), **_i2v(arch, cfg))
+                         storage=_storage_name(d.get("storage")), **_i2v(arch, cfg),
+                         text_width=_text_width(arch, cfg))
     # a folder's config omits what equals the diffusers class default
     cfg = fam.full_config(cfg)
     heads = fam.heads({"num_attention_heads": 24, **cfg})  # diffusers' FLUX default
     return ModelInfo(path=str(path), arch=arch, heads=heads, patch_size=fam.patch(cfg),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
                      distilled=_klein_distilled(path), experts=expert_count(path),
-                     **_i2v(arch, cfg))
+                     text_width=_text_width(arch, cfg), **_i2v(arch, cfg))
 
 
 def read_pair(path, path_2, names=("model_path", "model_path_2")) -> ModelInfo:
@@ -177,6 +182,12 @@ def read_pair(path, path_2, names=("model_path", "model_path_2")) -> ModelInfo:
                           f"with this transformer (Wan 2.1 image-to-video: CLIP image K/V); "
                           f"run one file alone")
     return dataclasses.replace(first, path_2=str(path_2), experts=2)
+
+
+def _text_width(arch: str, cfg: dict) -> Optional[int]:
+    fam = families.family(arch)
+    width = fam.text_width(fam.full_config(cfg))
+    return None if width is None else width * fam.comfy.context_streams
 
 
 def _i2v(arch: str, cfg: dict) -> dict:

@@ -124,7 +124,7 @@ TOKENS = TokenLayout(
     streams=(Stream("video", "latent"),            # sharded over the sp ranks
              # whole on every rank: measured, it moves less than sharding it (its
              # self-attention and audio-to-video need no exchange; docs/models.md#ltx-2-video-with-its-sound)
-             Stream("audio", "context", "replicate", denoised=True),
+             Stream("audio", "context", "replicate", denoised=True, length=SOUND.length),
              Stream("text", "text", "replicate")),  # whole on every rank: cross-attention only
     attentions=(Attention(("video",)), Attention(("audio",)),
                 Attention(("video",), ("text",)), Attention(("audio",), ("text",)),

@@ -51,7 +51,9 @@ def audio_latents(frames: int) -> int:
 # video]; each row carries its own RoPE position and there is no mask, so the rows' order is
 # immaterial to full attention, and the latent first is where the step cache measures it
 TOKENS = TokenLayout(
-    streams=(Stream("video", "latent", positions="order"), Stream("audio", "context", denoised=True),
+    streams=(Stream("video", "latent", positions="order"),
+             Stream("audio", "context", denoised=True,  # the left channel's, the right's
+                    length=lambda frames: STEREO * audio_latents(frames)),
              Stream("text", "text")),
     attentions=(Attention(("video", "audio", "text")),))
 

@@ -52,6 +52,8 @@ from typing import Optional
 
 import torch
 
+from .shard_counts import sharding_counts
+
 PIPEFUSION_REFUSED = ("shard_weights cannot be combined with PipeFusion: PipeFusion already "
                       "splits the blocks over its stages, and each stage runs only its own "
                       "blocks, so FSDP's all-gathers over every rank would never line up; "
@@ -179,30 +181,9 @@ class WeightSharding:
 
     def counts(self) -> dict:
         """What this rank holds, in parameter elements (plus the probe's readings)."""
-        out = {
-            "ranks": self.world,
-            "load": self.load_mode,
-            "block_params": sum(self.block_numels),
-            "largest_block_params": max(self.block_numels),
-            "block_params_local": sum(group_elems(g)[0] for b in self.blocks
-                                      for g in param_groups(b)),
-            "block_params_resident_now": self.block_resident(),
-            "nonblock_params": self.root_numel,
-            "nonblock_params_local": sum(group_elems(g)[0]
-                                         for g in param_groups(self.transformer)),
-        }
-        for o in self.others:
-            c = o.counts()
-            for k in ("block_params", "block_params_local", "block_params_resident_now",
-                      "nonblock_params", "nonblock_params_local"):
-                out[k] += c[k]
-            out["largest_block_params"] = max(out["largest_block_params"],
-                                              c["largest_block_params"])
-        if self.others:
-            out["transformers"] = 1 + len(self.others)
-        if self.probe is not None:
-            out.update(self.probe.counts())
-        return out
+        return sharding_counts(
+            self, sum(group_elems(g)[0] for b in self.blocks for g in param_groups(b)),
+            sum(group_elems(g)[0] for g in param_groups(self.transformer)))
 
 
 def unsharded_counts(transformer, block_lists) -> dict:

@@ -71,6 +71,20 @@ def sizes_for(n: int, parts: int, weights=()) -> list:
     return share_sizes(n, weights)
 
 
+def gather_buffer(mine, largest) -> tuple:
+    """Weight sharding by weight: one rank's shares of the units back to back (`mine`, bytes
+    each), and every rank's all-gather of unit k sends the window of the unit's `largest`
+    share from where its rows start (NCCL's all-gather takes equal sizes; what runs past
+    its rows is the next unit's, trimmed on receipt). -> ([start of each unit's rows], the
+    buffer's length: the furthest window's end)."""
+    starts, at, end = [], 0, 0
+    for m, big in zip(mine, largest):
+        starts.append(at)
+        end = max(end, at + big)
+        at += m
+    return starts, max(end, at)
+
+
 def sp_weights(split, topo) -> tuple:
     """The weights of this rank's sequence-parallel group, in sp-rank order (ring-major,
     as workers/parallel/topology.py numbers them); () where the split is even."""

@@ -244,6 +244,14 @@ def all_gather(parts: list, x: torch.Tensor, group) -> None:
     dist.all_gather(parts, x, group=group)
 
 
+def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """`dist.all_gather_into_tensor`: every rank's `x` (each the same size) back to back in
+    `out`, in rank order: one buffer, no list of parts."""
+    if _DATA_DEVICE is not None:
+        check_plane("all_gather_into_tensor", group, [x, out])
+    dist.all_gather_into_tensor(out, x, group=group)
+
+
 def gather(x: torch.Tensor, parts: Optional[list], dst: int, group) -> None:
     """`dist.gather`: every rank's `x` into `parts` (rank order) on global rank `dst`; the
     others pass None."""

@@ -16,11 +16,16 @@ rules:
   the unit's buffers and assembles each parameter from the ranks' rows, in rank order; its
   post-forward hook drops them again. The root unit is whole for the transformer's whole
   forward, a block for its own forward.
-- The all-gather is `all_gather` padded to the largest rank's buffer, then trimmed (NCCL's
-  all-gather takes equal sizes): each rank receives (world - 1) x the largest shard per unit,
-  not the others' exact shards. Peak inside a block: the gather's receive buffer (world x the
-  largest shard) and the assembled block, briefly both. The gather is not prefetched: it does
-  not overlap the previous block's compute as FSDP2's does.
+- A rank's rows of all its units sit back to back in one byte buffer, sized once so that
+  each unit's window of the unit's largest share fits from where its rows start
+  (workers/parallel/shares.py `gather_buffer`): the unit's all-gather
+  (`all_gather_into_tensor`, equal sizes as NCCL takes them) sends that window as it is, no
+  padded copy, and each rank trims what ran past a shorter share. Each rank receives
+  (world - 1) x the largest share per unit, not the others' exact shares. Peak inside a
+  block: the gather's receive buffer (world x the largest share) and the assembled block,
+  briefly both. The gather is not prefetched: it does not overlap the previous block's
+  compute as FSDP2's does. A parameter may have no rows on a rank (fewer rows than ranks),
+  or none at all.
 
 Exactness: an all-gather copies bytes, and each parameter is reassembled from its rows in
 order, so every block computes with the unsharded model's bits. The deadlock rule is FSDP's:
@@ -36,7 +41,8 @@ from __future__ import annotations
 
 import torch
 
-from .shares import share_sizes
+from .shard_counts import sharding_counts
+from .shares import gather_buffer, share_sizes
 
 ALIGN = 16  # bytes: every parameter's rows start aligned in a unit's buffer (dtype views)
 
@@ -84,7 +90,8 @@ class _Unit:
             self.offsets.append(offs)
             self.sizes.append(at)
         self.largest = max(self.sizes)
-        self.buffer = None  # this rank's rows (uint8)
+        self.buffer = None  # this rank's rows (uint8), a view of the sharding's one buffer
+        self.window = None  # what this rank sends in the unit's all-gather: `largest` bytes
         self.gathered = False
 
     def local(self, i: int, rank: int) -> torch.Tensor:
@@ -127,6 +134,7 @@ class UnevenWeightSharding:
             u.module._xdit_sharded = True  # is_sharded (workers/parallel/sharding.py)
             u.module.register_forward_pre_hook(lambda m, a, u=u: self.gather(u))
             u.module.register_forward_hook(lambda m, a, o, u=u: self.release(u))
+        self.buffer = None  # this rank's rows of every unit (`_allocate`)
         if not any(p.is_meta for p in transformer.parameters()):
             self._shard_loaded()
         self.load_mode = None
@@ -136,8 +144,12 @@ class UnevenWeightSharding:
     # -- placing the rows --------------------------------------------------------------
 
     def _allocate(self) -> None:
-        for u in self.units:
-            u.buffer = torch.zeros(u.sizes[self.rank], dtype=torch.uint8, device=self.device)
+        starts, length = gather_buffer([u.sizes[self.rank] for u in self.units],
+                                       [u.largest for u in self.units])
+        self.buffer = torch.zeros(length, dtype=torch.uint8, device=self.device)
+        for u, at in zip(self.units, starts):
+            u.buffer = self.buffer[at:at + u.sizes[self.rank]]
+            u.window = self.buffer[at:at + u.largest]
 
     def _empty_params(self) -> None:
         for u in self.units:
@@ -185,15 +197,16 @@ class UnevenWeightSharding:
 
     def gather(self, u: _Unit) -> None:
         """Every rank's rows of unit `u`, each parameter whole again."""
-        from .topology import all_gather
-        send = torch.zeros(u.largest, dtype=torch.uint8, device=self.device)
-        send[:u.sizes[self.rank]] = u.buffer
+        from .topology import all_gather_into_tensor
         out = torch.empty(self.world, u.largest, dtype=torch.uint8, device=self.device)
-        all_gather(list(out.unbind(0)), send, self.group)
+        if u.largest:  # the same sizes on every rank: a unit of no bytes is skipped by all
+            all_gather_into_tensor(out.view(-1), u.window, self.group)
         for i, e in enumerate(u.params):
             pieces = [out[r, u.offsets[r][i]:u.offsets[r][i] + e.rows[r] * e.row_bytes]
                       for r in range(self.world) if e.rows[r]]
-            whole = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+            # rows on one rank only (a 0-dim parameter), or on none (a parameter of 0 rows)
+            whole = torch.cat(pieces) if len(pieces) > 1 else \
+                pieces[0].clone() if pieces else out.new_empty(0)
             e.param.data = whole.view(e.dtype).view(e.shape)
         u.gathered = True
 
@@ -205,8 +218,8 @@ class UnevenWeightSharding:
     # -- what a rank holds ---------------------------------------------------------------
 
     def shard_bytes(self) -> int:
-        """Bytes of this rank's rows (its buffers)."""
-        return sum(u.sizes[self.rank] for u in self.units)
+        """Bytes of this rank's buffer (its rows, and the last windows' room)."""
+        return 0 if self.buffer is None else int(self.buffer.numel())
 
     def received_per_forward(self) -> int:
         """Bytes each rank receives per forward (padded to the largest shard of each unit)."""
@@ -221,27 +234,7 @@ class UnevenWeightSharding:
         return self._local_numel(blocks) + sum(u.numel() for u in blocks if u.gathered)
 
     def counts(self) -> dict:
-        out = {
-            "ranks": self.world,
-            "load": self.load_mode,
-            "shard_split": list(self.weights),
-            "block_params": sum(self.block_numels),
-            "largest_block_params": max(self.block_numels),
-            "block_params_local": self._local_numel(self.units[:-1]),
-            "block_params_resident_now": self.block_resident(),
-            "nonblock_params": self.root_numel,
-            "nonblock_params_local": self._local_numel(self.units[-1:]),
-            "weight_bytes_local": self.shard_bytes(),
-        }
-        for o in self.others:
-            c = o.counts()
-            for k in ("block_params", "block_params_local", "block_params_resident_now",
-                      "nonblock_params", "nonblock_params_local", "weight_bytes_local"):
-                out[k] += c[k]
-            out["largest_block_params"] = max(out["largest_block_params"],
-                                              c["largest_block_params"])
-        if self.others:
-            out["transformers"] = 1 + len(self.others)
-        if self.probe is not None:
-            out.update(self.probe.counts())
-        return out
+        return sharding_counts(self, self._local_numel(self.units[:-1]),
+                               self._local_numel(self.units[-1:]),
+                               shard_split=list(self.weights),
+                               weight_bytes_local=self.shard_bytes())

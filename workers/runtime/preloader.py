@@ -15,10 +15,12 @@ Messages: one JSON object per SOCK_SEQPACKET message on the socket inherited as 
 `--fd`. Host -> helper: {"op": "start", "argv", "env", "cwd"} with the rank's log file
 descriptor attached; {"op": "signal", "pid", "sig"}. Helper -> host: {"op": "ready",
 "import_s"} or {"op": "refused", "why"} once, {"op": "started", "pid"} per start,
-{"op": "exit", "pid", "code"} per rank that ended (`code` as subprocess's returncode).
+{"op": "exit", "pid", "code"} per rank that ended (`code` as subprocess's returncode), and
+{"op": "rejected", "why"} (one line) for a message it cannot act on (a start without its
+log file, say), after which it goes on serving.
 
 A forked rank then does what `python -m workers.runtime.serve ARGV` with that environment
-and working folder would: new session, its own environment before anything reads it, log
+and working folder would (and says it is a rank where ps and top look: `_title`): new session, its own environment before anything reads it, log
 file on stdout and stderr, /dev/null on stdin, the module run as __main__, the
 interpreter's own exit (atexit, threads joined, streams flushed). The helper leaves when
 the host does (its socket closes) or when its parent changes.
@@ -110,7 +112,12 @@ def _serve(sock, parent: int):
         data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 4)
         if not data:  # the host is gone
             return None
-        msg = json.loads(data)
+        msg, why = _message(data, fds)
+        if why:
+            for fd in fds:
+                os.close(fd)
+            _send(sock, {"op": "rejected", "why": why})
+            continue
         if msg["op"] == "signal":
             if msg["pid"] in alive:  # never a pid this helper has reaped
                 try:
@@ -130,12 +137,59 @@ def _serve(sock, parent: int):
         _send(sock, {"op": "started", "pid": pid})
 
 
+def _message(data: bytes, fds: list) -> tuple:
+    """(the message, "") or (None, why it cannot be acted on, in one line)."""
+    try:
+        msg = json.loads(data)
+    except ValueError:
+        return None, "a message that is not JSON"
+    op = msg.get("op") if isinstance(msg, dict) else None
+    if op == "signal":
+        ok = all(isinstance(msg.get(k), int) for k in ("pid", "sig")) and not fds
+        return (msg, "") if ok else (None, "a signal message needs an int pid and sig, no fd")
+    if op != "start":
+        return None, f"unknown message {str(op)[:40]!r}; expected start or signal"
+    if len(fds) != 1:
+        return None, (f"a start message carries {len(fds)} file descriptors; it needs "
+                      f"exactly one, the rank's log file")
+    if not (isinstance(msg.get("argv"), list) and isinstance(msg.get("env"), dict)
+            and isinstance(msg.get("cwd"), str)):
+        return None, "a start message needs argv (a list), env (an object) and cwd"
+    return msg, ""
+
+
+def _title(rank: str) -> None:
+    """Say in ps and top that this forked process is a rank, not the helper whose image it
+    is: its name (prctl PR_SET_NAME, what `ps -e` and top show) and its command line
+    (`ps -f`, `ps aux`: the helper's argv memory, rewritten in place, no longer than it was;
+    only where the kernel's /proc/self/stat says where it lies and it holds what
+    /proc/self/cmdline reads). Either is skipped where unavailable."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(f"xdit-rank{rank}".encode()[:15]), 0, 0, 0)
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
+        with open("/proc/self/cmdline", "rb") as f:
+            now = f.read()
+        if end <= start or ctypes.string_at(start, end - start) != now:
+            return
+        title = f"xdit rank {rank} (workers.runtime.serve, forked by the preloader)".encode()
+        title = title[:end - start - 1]
+        ctypes.memmove(start, title + b"\0" * (end - start - len(title)), end - start)
+    except (OSError, AttributeError, ValueError, IndexError):
+        pass
+
+
 def _become_rank(msg: dict, log_fd: int) -> None:
     """In the forked child: turn into `python -m workers.runtime.serve ARGV`."""
     import random
     import runpy
 
     os.setsid()
+    _title(str(msg["env"].get("RANK", "")))
     os.environ.clear()
     os.environ.update(msg["env"])
     os.chdir(msg["cwd"])

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..parallel.p2p import exchange
-from ..parallel.pipefusion.activations import Activations, carried_context
+from ..parallel.pipefusion.activations import Activations, stage_transfers
 from ..parallel.pipefusion.cache import KVCache
 from ..parallel.pipefusion.plan import PatchPlan
 from ..parallel.pipefusion.schedule import Micro, build_schedule
@@ -84,7 +84,7 @@ class PatchPipeline:
         self.denoised = None  # {stream: tokens} of the denoised streams (first step)
         self.cache = KVCache(topo)
         self.activations = Activations(topo.sp_rank)
-        self.outgoing = None  # activations computed at the previous tick, for the next stage
+        self.outgoing = None  # (plan, activations) of the previous tick's micro, for the next stage
         self.pending = {}  # last stage, CFG in one pipeline: patch -> negative prediction rows
 
     def plan(self, m: Micro) -> PatchPlan:
@@ -108,17 +108,25 @@ class PatchPipeline:
         _, parts = self.adapter.denoised_parts(x, self.rows, self.cols)
         return [self._rows(x, m)] + (list(parts.values()) if m.with_text else [])
 
-    def _incoming(self, plan, batch: int, dtype) -> list:
-        """[(shape, dtype)] of the activations this rank receives for `plan` (none on stage
-        0 or without a micro): one [context, latent] tensor, or one per stage state."""
-        if self.first or plan is None:
-            return []
-        r = self.topo.sp_rank
-        if self.states:
-            dt = getattr(self.model, "dtype", None) or dtype
-            return [((batch, plan.sizes(s)[r], w), dt) for _, s, w in self.states]
-        tokens = carried_context(plan, r) + plan.sizes(plan.latent_stream)[r]
-        return [((batch, tokens, self.hidden), dtype)]
+    def _transfers(self, plan, batch: int) -> list:
+        """[(shape, dtype)] of the activations that pass between two stages for `plan`'s
+        micro: what the sender checks and the receiver posts (one rule for both)."""
+        return stage_transfers(plan, self.topo.sp_rank, batch, self.hidden, self.states,
+                               self.model.dtype)
+
+    def _outgoing(self, batch: int) -> list:
+        """This rank's sends to the next stage: the activations of the micro it computed at
+        the previous tick, checked against that micro's transfers before any is posted (a
+        mismatch would hang the pair under NCCL); a state of no tokens is not sent."""
+        plan, out = self.outgoing
+        self.outgoing = None
+        out = out if isinstance(out, list) else [out]
+        want = self._transfers(plan, batch)
+        got = [(tuple(t.shape), t.dtype) for t in out]
+        if got != want:
+            raise RuntimeError(f"stage {self.stage} produced activations {got}, the next "
+                               f"stage receives {want} for the patch")
+        return [(t, self.next) for t, (shape, _) in zip(out, want) if shape[1]]
 
     def step(self, i: int, latents, finished: Callable[[int], None]) -> None:
         if self.denoised is None:
@@ -134,12 +142,9 @@ class PatchPipeline:
         arrivals = sched.arrivals(tick)
         # 1. transfers: activations to the next stage, finished rows back to stage 0
         sends, recvs = [], []
-        if self.outgoing is not None:  # a state of no tokens (the sound off the first
-            # patch) is not sent: both sides know its size from the micro
-            sends += [(t, self.next) for t in (self.outgoing if isinstance(self.outgoing, list)
-                                               else [self.outgoing]) if t.shape[1]]
-            self.outgoing = None
-        incoming = self._incoming(plan, latents.shape[0], dtype)
+        if self.outgoing is not None:
+            sends += self._outgoing(latents.shape[0])
+        incoming = [] if self.first or plan is None else self._transfers(plan, latents.shape[0])
         recvs += [(shape, dt, self.prev) for shape, dt in incoming if shape[1]]
         back = [p for m in arrivals for p in self._pieces(latents, m)]
         for p in back:
@@ -166,7 +171,7 @@ class PatchPipeline:
                                    self.extras[micro.step],
                                    jak={"sp_plan": plan})
         if not self.last:
-            self.outgoing = self.activations.take()
+            self.outgoing = (plan, self.activations.take())  # sent at the next tick
             return
         # 3. last stage: guidance, then the scheduler's step on the micro's rows (and, for a
         # step's first patch, the denoised streams')

@@ -14,6 +14,19 @@ def carried_context(plan, sp_rank: int) -> int:
     return sum(plan.sizes(s)[sp_rank] for s in plan.context_streams())
 
 
+def stage_transfers(plan, sp_rank: int, batch: int, width: int, states, dtype) -> list:
+    """[(shape, dtype)] of what a stage hands the next for `plan`'s micro on `sp_rank`: one
+    tensor per stage state (`states`: ((keyword, stream, width), ...)), or one [context,
+    latent] tensor `width` wide; all in the blocks' dtype. The one rule both sides of the
+    transfer read (the sender checks its tensors against it, the receiver posts it), so a
+    pair's sizes and dtypes agree: under NCCL a mismatch hangs. A state of no tokens (the
+    sound off a step's first patch) is listed, and neither sent nor received."""
+    if states:
+        return [((batch, plan.sizes(s)[sp_rank], w), dtype) for _, s, w in states]
+    tokens = carried_context(plan, sp_rank) + plan.sizes(plan.latent_stream)[sp_rank]
+    return [((batch, tokens, width), dtype)]
+
+
 class Activations:
     """One job's activation slots at this stage's boundaries: what the previous stage sent
     for this tick's patch, and what the last block produced for the next stage."""
