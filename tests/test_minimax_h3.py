@@ -414,8 +414,10 @@ def test_model_call_rows_are_each_their_own(comfy_file, layout_pools):
     (comfyui_xdit/nodes/comfy_model.py), a cond and an uncond of other text lengths in one
     call, the shorter padded with each row's real length beside and the carry read once per
     conditioning (`xdit_inputs`), under Ulysses 2 (both rows on every rank) and CFG
-    parallel (a row a rank)."""
+    parallel (a row a rank). Under the step cache (which gates one transformer call) rows
+    at different sigmas are refused in one line, and the pool stays warm."""
     from comfyui_xdit import ParallelConfig
+    from comfyui_xdit.client.pool import PoolError
     from comfyui_xdit.nodes.model_calls import INPUTS, LENGTHS, PoolDenoiser
 
     path, _ = comfy_file
@@ -449,6 +451,14 @@ def test_model_call_rows_are_each_their_own(comfy_file, layout_pools):
                 d = float((a - b).abs().max())
                 print(f"{config.describe()} {what} {part}: {d:.2e}")
                 assert a.shape == b.shape and d <= TOL, (what, part, d)
+    den.cache = dict(threshold=0.1, warmup=0, head=1, tail=0, max_skips=0)
+    with pytest.raises(PoolError, match="different timesteps"):
+        den([video, audio], torch.tensor([s * 1000.0 for s in sigmas]), context=texts[0].expand(
+            2, -1, -1), transformer_options={"uuids": ["a0"]}, **inputs)
+    pids = pool.worker_pids()
+    den([video[:1], audio[:1]], torch.tensor([sigmas[0] * 1000.0]), context=texts[0],
+        transformer_options={"uuids": ["a0"]}, **inputs)  # one timestep: cached, served
+    assert pool.worker_pids() == pids
 
 
 def test_audio_sigma_is_the_video_sigma_carried_to_the_audio_schedule():

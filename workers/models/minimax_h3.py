@@ -195,6 +195,7 @@ def _rows(cond: dict, rows: slice, n: int) -> dict:
 
 class MiniMaxH3Adapter(DiTAdapter):
     family = families.FAMILIES["minimax_h3"]
+    one_timestep = True  # the AdaLN rows are per sequence row, shared by the batch
     lora_pipeline = "MiniMaxH3ModularPipeline"
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
@@ -341,10 +342,6 @@ class MiniMaxH3Adapter(DiTAdapter):
         runs = mhc.timestep_runs((extra or {}).get("host_timesteps"), latents.shape[0])
         if len(runs) == 1:
             return self._forward(model, latents, t, cond, extra, jak)
-        if (extra or {}).get("step_cache"):
-            raise ValueError("MiniMax-H3 runs one timestep a transformer call and this "
-                             "call's rows are at different timesteps, which the step cache "
-                             "cannot serve in one call; sample without the step cache")
         return torch.cat([self._forward(model, latents[r], t[r], _rows(cond, r, latents.shape[0]),
                                         extra, jak) for r in runs])
 

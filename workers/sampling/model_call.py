@@ -351,9 +351,8 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
             extra = dict(cache.sized((h, w, layout),
                                      lambda: _extra(model, adapter, h, w, layout)))
         # the rows' timesteps as the host sent them (CPU: a forward that groups rows by
-        # timestep reads them without waiting on the device), and whether the step cache
-        # gates this call (it serves one transformer call)
-        extra.update(host_timesteps=t_all[mine], step_cache=run is not None)
+        # timestep, the adapter's `one_timestep`, reads them without waiting on the device)
+        extra["host_timesteps"] = t_all[mine]
         if call.expert:  # the model's other transformer (Wan 2.2 A14B's low-noise expert)
             extra["expert"] = int(call.expert)
         if "ref_tokens" in cond:  # ComfyUI's FLUX: the references join the image stream
