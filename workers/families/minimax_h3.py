@@ -70,9 +70,10 @@ _COND_PARTS = (("keyframes", "keyframes (MiniMax H3 Image to Video's first / las
 # not nested carries no sound: scale 1)
 COMFY_INPUTS = {"audio_scale": 1.0, "sigma_shift_video": VIDEO_SHIFT,
                 "sigma_shift_audio": AUDIO_SHIFT}
-# the shifts a node may set in transformer_options: (input, option key, default)
-COMFY_OPTIONS = (("sigma_shift_video", "minimax_h3_sigma_shift_video", VIDEO_SHIFT),
-                 ("sigma_shift_audio", "minimax_h3_sigma_shift_audio", AUDIO_SHIFT))
+# the shifts a node may set in transformer_options (minimax_h3_<input>): (input, option
+# key, default)
+COMFY_OPTIONS = tuple((name, f"minimax_h3_{name}", COMFY_INPUTS[name])
+                      for name in ("sigma_shift_video", "sigma_shift_audio"))
 
 
 def comfy_inputs(conds: dict) -> dict:
@@ -168,7 +169,9 @@ FAMILY = Family(
                    "Qwen3-VL)", pooled=False),
     # ComfyUI's MiniMaxH3: its LATENT nests the video and the sound, its timestep sigma x
     # 1000 (the video's), its context the raw Qwen3-VL states once its refiner is passed
-    # through (the pool refines them), its sound carry and shifts in minimax_payload
+    # through (the pool refines them), its sound carry in minimax_payload (read once per
+    # conditioning), the shifts in transformer_options; cond and uncond of other text
+    # lengths share a call (ragged_text)
     comfy=ComfySpec(base=lambda unet: "MiniMaxH3", config=lambda unet: "MiniMaxH3",
                     latent_parts=("video", "audio"), read_inputs=comfy_inputs,
                     option_inputs=COMFY_OPTIONS, ragged_text=True,

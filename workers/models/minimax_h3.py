@@ -39,8 +39,8 @@ from .base import DiTAdapter, text_encoder_device_of
 
 STREAMS = ("video", "audio", "text")  # the blocks' local order (the family's TOKENS)
 TAGS = {"text": fam.TEXT_TAG, "audio": fam.AUDIO_TAG, "video": fam.VIDEO_TAG}
-PATCH, ROW_WIDTH = mhc.PATCH, mhc.ROW_WIDTH  # the video's 2 x 2 patches; the audio rows' 32
-# channels are a row's first
+# the video's 2 x 2 patches, and a packed row's width (the audio rows' 32 channels first)
+PATCH, ROW_WIDTH = mhc.PATCH, mhc.ROW_WIDTH
 
 
 @dataclass(frozen=True)
@@ -342,8 +342,9 @@ class MiniMaxH3Adapter(DiTAdapter):
         runs = mhc.timestep_runs((extra or {}).get("host_timesteps"), latents.shape[0])
         if len(runs) == 1:
             return self._forward(model, latents, t, cond, extra, jak)
-        return torch.cat([self._forward(model, latents[r], t[r], _rows(cond, r, latents.shape[0]),
-                                        extra, jak) for r in runs])
+        n = latents.shape[0]
+        return torch.cat([self._forward(model, latents[r], t[r], _rows(cond, r, n), extra, jak)
+                          for r in runs])
 
     def _forward(self, model, latents, t, cond, extra=None, jak=None):
         """One call for every row (one timestep): prompts of other lengths padded to the
