@@ -26,6 +26,17 @@ B = "a big blue dog sitting on a green field under the sky"
 NEGATIVE = "ugly dark old photo"
 
 
+def _minimax_sound(rows: int, frames: int) -> tuple:
+    """ComfyUI's MiniMaxH3 sound part of a video of `frames` frames: [rows, 32, 2, latents]."""
+    mod = worker_module("families.minimax_h3")
+    return ((rows, mod.AUDIO_CHANNELS, mod.STEREO, mod.audio_latents(frames)),)
+
+
+# the LATENT parts after the first of a family whose other parts are not a SoundTrack's:
+# (rows, frames) -> their per-row-batched shapes (what a test call holds)
+PART_SHAPES = {"minimax_h3": _minimax_sound}
+
+
 def settings(arch: str) -> dict:
     declared = getattr(importlib.import_module(f"comfyui_xdit.testmodels.{arch}"),
                        "TEST_REQUEST", {})
@@ -69,7 +80,7 @@ def model_call_inputs(arch: str, folder, seed: int = 4) -> dict:
     if fam.comfy.latent_parts:
         sound = fam.capability(families.SoundTrack)
         more = [sound.shape(2, s.get("frames", 1))] if sound is not None else \
-            list(fam.comfy.part_shapes(2, s.get("frames", 1))) if fam.comfy.part_shapes else []
+            list(PART_SHAPES[arch](2, s.get("frames", 1))) if arch in PART_SHAPES else []
         x = [x] + [torch.randn(*shape, generator=gen) for shape in more]
         assert len(x) == len(fam.comfy.latent_parts), "a part without a test shape"
         timestep = tuple(timestep.clone() for _ in x)

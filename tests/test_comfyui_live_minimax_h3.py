@@ -9,7 +9,9 @@ a cond call) runs on the xDiT MODEL (xDiT.LoadModel of the file + xDiT.ToModel, 
 ranks) and on ComfyUI's own MiniMaxH3 (UNETLoader of the file), from ComfyUI's Empty MiniMax
 H3 AV Latent: the nested LATENT's video and sound parts each agree (relative L2 <= 1e-3) at
 Ulysses 2 and at CFG parallel, for euler/simple and dpmpp_2m/beta (which disagree with each
-other: the agreement is not vacuous).
+other: the agreement is not vacuous). The xDiT MODEL's calls are counted (each one pool
+request): one a step, holding both the cond and the uncond row, so CFG parallel's two ranks
+each get a row of every call.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ def _graph(comfy, layout: dict, sampler: str, scheduler: str, tag: str, cfg: flo
            steps: int = 3, seed: int = 7):
     """The same KSampler on the xDiT MODEL ("x") and on ComfyUI's own model ("n")."""
     out = {b: str(comfy["tmp"] / f"{tag}-{b}.safetensors") for b in ("x", "n")}
+    out["calls"] = str(comfy["tmp"] / f"{tag}-calls.json")
     wf = {
         "1": {"class_type": "xDiT.LoadModel",
               "inputs": {"model": f"diffusion_models/{FILE}", "device": "cpu",
@@ -74,6 +77,10 @@ def _graph(comfy, layout: dict, sampler: str, scheduler: str, tag: str, cfg: flo
     with_settings(wf, "1", **layout)
     twin_ksamplers(wf, out, ["4", 0], ["5", 0], seed=seed, steps=steps, cfg=cfg,
                    sampler=sampler, scheduler=scheduler)
+    # the xDiT MODEL's KSampler through a wrapper that records each model call
+    wf["9"] = {"class_type": "XDiTTestCountCalls",
+               "inputs": {"model": ["2", 0], "path": out["calls"]}}
+    wf["7"]["inputs"]["model"] = ["9", 0]
     return wf, out
 
 
@@ -82,6 +89,14 @@ def _ok(msgs):
     assert last["type"] == "execution_success", \
         (last["data"].get("node_type"), last["data"].get("exception_message"),
          "".join(last["data"].get("traceback") or [])[-3000:])
+
+
+def calls_per_step(path: str) -> dict:
+    """The recorded model calls: how many a step (a sigma) makes, and how many rows each."""
+    calls = json.loads(Path(path).read_text())
+    steps = len({c["sigma"][0] for c in calls})
+    return {"calls": len(calls), "steps": steps, "calls_per_step": len(calls) / steps,
+            "conds_per_call": sorted({len(c["cond_or_uncond"]) for c in calls})}
 
 
 def rel_l2(a, b) -> float:
@@ -107,8 +122,11 @@ def test_ksampler_on_the_pool_matches_comfyui_own_model(comfy, layout):
             fig[f"{part}_rel_l2"] = rel_l2(x[key], n[key])
             fig[f"{part}_max_abs"] = float((x[key] - n[key]).abs().max())
             fig[f"{part}_norm"] = float(n[key].norm())
-        print(f"\n{tag}: {json.dumps(fig)}")
+        counted = calls_per_step(out["calls"])
+        print(f"\n{tag}: {json.dumps(fig)} pool calls: {json.dumps(counted)}")
         assert fig["video_rel_l2"] <= TOL and fig["audio_rel_l2"] <= TOL, fig
+        # cond and uncond (other text lengths) share each step's one call
+        assert counted["calls_per_step"] == 1 and counted["conds_per_call"] == [2], counted
         got[sampler] = n
     a, b = (got[s] for s, _ in SAMPLERS)  # the agreement above is not vacuous
     for key in ("latent_0", "latent_1"):

@@ -362,22 +362,30 @@ def _comfy_reference(tr, video, audio, text, sigma, scale):
     return [pv, pa]
 
 
-def test_model_call_on_the_comfyui_file_is_comfyui_model(model_dir, layout_pools, tmp_path):
+@pytest.fixture(scope="module")
+def comfy_file(model_dir, tmp_path_factory):
+    """The tiny transformer as a ComfyUI single file, and the stock transformer it holds."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from comfyui_xdit.testmodels.tiny_model import write_comfy_file
+
+    folder = model_dir("minimax_h3")
+    path = write_comfy_file("minimax_h3", folder,
+                            tmp_path_factory.mktemp("comfy") / "minimax_h3_tiny.safetensors")
+    return path, MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer")).eval()
+
+
+def test_model_call_on_the_comfyui_file_is_comfyui_model(comfy_file, layout_pools):
     """The xDiT MODEL's call (Ulysses 2, then CFG parallel) on the ComfyUI single file, as
     ComfyUI 0.33.0's MiniMaxH3 model class makes it (the nested LATENT's parts, sigma x 1000,
     minimax_payload's audio carry 4 = 12 / 3, each conditioning a call of its own), equals
     that model's conventions on the stock transformer (max abs <= 1e-4, both parts); a
     payload with keyframes is refused in one line."""
-    from diffusers import MiniMaxH3Transformer3DModel
-
     from comfyui_xdit import ParallelConfig
     from comfyui_xdit.nodes.model_calls import PoolDenoiser
     from comfyui_xdit.planning.config import ConfigError
-    from comfyui_xdit.testmodels.tiny_model import write_comfy_file
 
-    folder = model_dir("minimax_h3")
-    path = write_comfy_file("minimax_h3", folder, tmp_path / "minimax_h3_tiny.safetensors")
-    tr = MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer")).eval()
+    path, tr = comfy_file
     g = torch.Generator().manual_seed(3)
     video, audio = torch.randn(1, 24, 7, 4, 6, generator=g), torch.randn(1, 32, 2, 37, generator=g)
     texts = [torch.randn(1, 6, 16, generator=g), torch.randn(1, 9, 16, generator=g)]
@@ -397,3 +405,67 @@ def test_model_call_on_the_comfyui_file_is_comfyui_model(model_dir, layout_pools
     with pytest.raises(ConfigError, match="keyframes"):
         den([video, audio], torch.tensor([700.0]), context=texts[0],
             minimax_payload={"audio_scale": 4.0, "keyframes": [{"resolved_frame_index": 0}]})
+
+
+def test_model_call_rows_are_each_their_own(comfy_file, layout_pools):
+    """One MODEL call of two rows equals each row's call alone (max abs <= 1e-4, both
+    parts): rows at different sigmas (ComfyUI may batch rows at different timesteps; each
+    row's own sigma, not the first's) and then, as the MODEL's conditionings give them
+    (comfyui_xdit/nodes/comfy_model.py), a cond and an uncond of other text lengths in one
+    call, the shorter padded with each row's real length beside and the carry read once per
+    conditioning (`xdit_inputs`), under Ulysses 2 (both rows on every rank) and CFG
+    parallel (a row a rank). Under the step cache (which gates one transformer call) rows
+    at different sigmas are refused in one line, and the pool stays warm."""
+    from comfyui_xdit import ParallelConfig
+    from comfyui_xdit.client.pool import PoolError
+    from comfyui_xdit.nodes.model_calls import INPUTS, LENGTHS, PoolDenoiser
+
+    path, _ = comfy_file
+    g = torch.Generator().manual_seed(5)
+    video, audio = torch.randn(2, 24, 7, 4, 6, generator=g), torch.randn(2, 32, 2, 37, generator=g)
+    texts = [torch.randn(1, 9, 16, generator=g), torch.randn(1, 6, 16, generator=g)]
+    sigmas = (0.8, 0.3)
+    pool = layout_pools.get(path, ParallelConfig(ulysses=2))
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(cfg_parallel=True)):
+        den = PoolDenoiser(pool, config.with_world_size(2), "minimax_h3")
+        inputs = {INPUTS: {"audio_scale": 4.0}}
+        alone = [den([video[i:i + 1], audio[i:i + 1]], torch.tensor([s * 1000.0]),
+                     context=texts[i], transformer_options={"uuids": [f"a{i}"]}, **inputs)
+                 for i, s in enumerate(sigmas)]
+        padded = torch.cat([texts[0], torch.nn.functional.pad(texts[1], (0, 0, 0, 3))])
+        calls = {  # the same text, two sigmas; two texts (one padded), two sigmas
+            "sigmas": dict(context=texts[0].expand(2, -1, -1), uuids=["a0"]),
+            "texts": dict(context=padded, uuids=["a0", "a1"], **{LENGTHS: (9, 6)})}
+        for what, kw in calls.items():
+            if what == "sigmas":
+                want = [den([video[1:], audio[1:]], torch.tensor([sigmas[1] * 1000.0]),
+                            context=texts[0], transformer_options={"uuids": ["a0"]},
+                            **inputs)]
+                want = [alone[0], want[0]]
+            else:
+                want = alone
+            uuids = kw.pop("uuids")
+            got = den([video, audio], torch.tensor([s * 1000.0 for s in sigmas]),
+                      transformer_options={"uuids": uuids}, **inputs, **kw)
+            for part, a, b in zip(("video", "audio"), got, (torch.cat(p) for p in zip(*want))):
+                d = float((a - b).abs().max())
+                print(f"{config.describe()} {what} {part}: {d:.2e}")
+                assert a.shape == b.shape and d <= TOL, (what, part, d)
+    den.cache = dict(threshold=0.1, warmup=0, head=1, tail=0, max_skips=0)
+    with pytest.raises(PoolError, match="different timesteps"):
+        den([video, audio], torch.tensor([s * 1000.0 for s in sigmas]), context=texts[0].expand(
+            2, -1, -1), transformer_options={"uuids": ["a0"]}, **inputs)
+    pids = pool.worker_pids()
+    den([video[:1], audio[:1]], torch.tensor([sigmas[0] * 1000.0]), context=texts[0],
+        transformer_options={"uuids": ["a0"]}, **inputs)  # one timestep: cached, served
+    assert pool.worker_pids() == pids
+
+
+def test_audio_sigma_is_the_video_sigma_carried_to_the_audio_schedule():
+    """The MODEL's audio sigma (ComfyUI's closed form, `time_shift`) of each video sigma is
+    the audio schedule's sigma at the same step (the layout's two grids)."""
+    lay = worker_module("models.minimax_h3_layout")
+    mhc = worker_module("models.minimax_h3_comfy")
+    video, audio = lay.sigmas(21, 12.0), lay.sigmas(21, 3.0)
+    assert torch.allclose(mhc.time_shift(video, 12.0, 3.0), audio, atol=1e-6)
+    assert torch.allclose(mhc.time_shift(audio, 3.0, 12.0), video, atol=1e-6)

@@ -176,6 +176,32 @@ def test_bad_calls_are_refused_and_the_pool_stays_warm(pools, transformers):
 
 
 # ---- ComfyUI's LoRA loaders on the xDiT MODEL: recorded per clone ----------------------------
+def _stand_in_comfy(monkeypatch, model_patcher=object):
+    """ComfyUI's modules that comfy_model.py imports, stood in for (ComfyUI is not
+    installable in CI): `model_patcher`'s ModelPatcher, and the two conditioning classes
+    the MODEL's own derive from (comfy.conds: a value in `cond`)."""
+    import sys
+    import types
+
+    comfy = types.ModuleType("comfy")
+    mods = {"comfy": comfy}
+    for name in ("conds", "model_base", "model_management", "model_patcher",
+                 "supported_models"):
+        mods[f"comfy.{name}"] = types.ModuleType(f"comfy.{name}")
+        setattr(comfy, name, mods[f"comfy.{name}"])
+    mods["comfy.model_patcher"].ModelPatcher = model_patcher
+
+    class CONDRegular:
+        def __init__(self, cond):
+            self.cond = cond
+
+    mods["comfy.conds"].CONDRegular = CONDRegular
+    mods["comfy.conds"].CONDConstant = type("CONDConstant", (CONDRegular,), {})
+    for k, v in mods.items():
+        monkeypatch.setitem(sys.modules, k, v)
+    monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.comfy_model", raising=False)
+
+
 def test_comfyui_lora_loaders_record_patches_on_the_clone(monkeypatch):
     """ComfyUI's LoraLoader / LoraLoaderModelOnly (comfy.sd.load_lora_for_models) clone the
     MODEL's patcher and call add_patches on the clone: the xDiT patcher records the LoRA in
@@ -200,15 +226,7 @@ def test_comfyui_lora_loaders_record_patches_on_the_clone(monkeypatch):
             n.model_options = copy.deepcopy(self.model_options)
             return n
 
-    comfy = types.ModuleType("comfy")
-    mods = {"comfy": comfy}
-    for name in ("model_base", "model_management", "model_patcher", "supported_models"):
-        mods[f"comfy.{name}"] = types.ModuleType(f"comfy.{name}")
-        setattr(comfy, name, mods[f"comfy.{name}"])
-    mods["comfy.model_patcher"].ModelPatcher = ModelPatcher
-    for k, v in mods.items():
-        monkeypatch.setitem(sys.modules, k, v)
-    monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.comfy_model", raising=False)
+    _stand_in_comfy(monkeypatch, ModelPatcher)
     from comfyui_xdit.nodes.comfy_model import XditModelPatcher, _lora_names, _Weightless
 
     class LoRA:  # ComfyUI's LoRAAdapter's attributes
@@ -242,13 +260,82 @@ def test_comfyui_lora_loaders_record_patches_on_the_clone(monkeypatch):
     def model_lora_keys_unet(model, key_map):
         seen["keys"] = sorted(model.state_dict())
         return {"transformer.a.to_q": ("diffusion_model.a.qkv.weight", (0, 0, 6))}
-    mods["comfy.lora"] = types.ModuleType("comfy.lora")
-    mods["comfy.lora"].model_lora_keys_unet = model_lora_keys_unet
-    monkeypatch.setitem(sys.modules, "comfy.lora", mods["comfy.lora"])
-    monkeypatch.setattr(comfy, "lora", mods["comfy.lora"], raising=False)
+    lora = types.ModuleType("comfy.lora")
+    lora.model_lora_keys_unet = model_lora_keys_unet
+    monkeypatch.setitem(sys.modules, "comfy.lora", lora)
+    monkeypatch.setattr(sys.modules["comfy"], "lora", lora, raising=False)
     model = type("M", (_Weightless, torch.nn.Module), {})()
     weights, rows, parts = _lora_names(model, {"a.to_q": [6, 4]})
     assert seen["keys"] == ["diffusion_model.a.to_q.weight"]
     assert model.state_dict()["diffusion_model.a.to_q.weight"].is_meta
     assert "a.qkv" in weights and rows["a.qkv"] == 6 and parts["a.qkv"] == [("a.to_q", 0, 6)]
     monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.comfy_model", raising=False)
+
+
+# ---- MiniMax-H3's conditionings on the xDiT MODEL: read once, one call for cond + uncond -----
+class _Pool:
+    """What PoolDenoiser asks of a pool, recording each model call (a zero prediction)."""
+    launches = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def model_call(self, config, x, t, g, chunks, conds, **kw):
+        self.calls.append(dict(chunks=chunks, conds=conds, t=t, **kw))
+        return torch.zeros_like(x), {}, list(conds)
+
+
+class _Tags:
+    """A prompt's token tags that count their host reads."""
+    reads = 0
+
+    def reshape(self, *shape):
+        return self
+
+    def tolist(self):
+        _Tags.reads += 1
+        return [1, 1]
+
+
+def test_minimax_conditionings_are_read_once_and_share_a_call(monkeypatch):
+    """The MODEL's conditionings (comfy_model.pool_conds, on ComfyUI's MiniMaxH3
+    extra_conds): the payload's scalars read once per conditioning, not per call; the
+    texts of other lengths (cond 8, uncond 5 tokens) concatenated as ComfyUI concatenates
+    a call's conditionings, zero-padded, with each row's length beside; the call sends each
+    conditioning's text at its own length, the carry and the shifts (a node's
+    transformer_options) with it; a payload with keyframes refused in one line."""
+    import sys
+
+    _stand_in_comfy(monkeypatch)
+    from comfyui_xdit.nodes.comfy_model import pool_conds
+    from comfyui_xdit.nodes.model_calls import INPUTS, LENGTHS
+
+    pool = _Pool()
+    den = PoolDenoiser(pool, ParallelConfig(ulysses=2).with_world_size(2), "minimax_h3")
+    conds_class = sys.modules["comfy.conds"]
+    made = []
+    for tokens in (8, 5):
+        payload = {"audio_scale": 4.0, "seed": 0, "text_token_tags": _Tags()}
+        made.append(pool_conds({"c_crossattn": conds_class.CONDRegular(torch.randn(1, tokens, 16)),
+                                "minimax_payload": conds_class.CONDConstant(payload)}, den))
+    assert _Tags.reads == 2 and all("minimax_payload" not in c for c in made)
+    first, second = made
+    assert first["c_crossattn"].can_concat(second["c_crossattn"])
+    context = first["c_crossattn"].concat([second["c_crossattn"]])
+    lengths = first[LENGTHS].concat([second[LENGTHS]])
+    assert context.shape == (2, 8, 16) and lengths == (8, 5)
+    assert torch.equal(context[1, 5:], torch.zeros(3, 16))
+    video, audio = torch.randn(2, 24, 7, 4, 6), torch.randn(2, 32, 2, 37)
+    for _ in range(3):  # steps
+        den([video, audio], torch.tensor([700.0, 700.0]), context=context,
+            transformer_options={"uuids": ["c", "u"], "minimax_h3_sigma_shift_video": 10.0},
+            **{INPUTS: first[INPUTS].cond, LENGTHS: lengths})
+    assert _Tags.reads == 2 and len(pool.calls) == 3
+    call = pool.calls[0]
+    assert [k for k, _ in call["chunks"]] == ["c:1:8", "u:1:5"]
+    assert torch.equal(call["conds"]["u:1:5"].context, context[1:, :5])
+    assert call["inputs"] == {"audio_scale": 4.0, "sigma_shift_video": 10.0,
+                              "sigma_shift_audio": 3.0}
+    with pytest.raises(ConfigError, match="keyframes"):
+        pool_conds({"minimax_payload": conds_class.CONDConstant(
+            {"keyframes": [{"resolved_frame_index": 0}]})}, den)

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+import comfy.conds
 import comfy.model_base
 import comfy.model_management
 import comfy.model_patcher
@@ -20,7 +21,7 @@ import comfy.supported_models
 
 from comfyui_xdit.planning.config import ConfigError
 from comfyui_xdit.nodes import comfy_loras
-from comfyui_xdit.nodes.model_calls import PoolDenoiser
+from comfyui_xdit.nodes.model_calls import INPUTS, LENGTHS, PoolDenoiser
 from comfyui_xdit.nodes.node_text import compiling_text, model_cache_text
 
 log = logging.getLogger("comfyui_xdit")
@@ -59,6 +60,57 @@ class _PoolDiffusionModel(torch.nn.Module):
                              control=control, transformer_options=transformer_options, **kwargs)
 
 
+class _RaggedText(comfy.conds.CONDRegular):
+    """Text states whose length differs between conditionings (`ComfySpec.ragged_text`):
+    they share a call, zero-padded to the longest; each row's real length travels beside
+    (`_Lengths`), and each conditioning reaches the pool at its own (model_calls.py), so
+    the answer is each one's alone. (ComfyUI's CONDCrossAttn repeats the shorter instead,
+    which a model whose positions follow the text would see.)"""
+
+    def can_concat(self, other):
+        a, b = self.cond.shape, other.cond.shape
+        return len(a) == len(b) == 3 and a[0] == b[0] and a[2] == b[2] and \
+            self.cond.device == other.cond.device
+
+    def concat(self, others):
+        conds = [self.cond] + [o.cond for o in others]
+        longest = max(c.shape[1] for c in conds)
+        return torch.cat([torch.nn.functional.pad(c, (0, 0, 0, longest - c.shape[1]))
+                          for c in conds])
+
+
+class _Lengths(comfy.conds.CONDConstant):
+    """Each row's real text length (host ints: no step reads the device), in the order
+    ComfyUI concatenates the conditionings' rows."""
+
+    def process_cond(self, batch_size, **kwargs):
+        return _Lengths(self.cond[:1] * batch_size)
+
+    def can_concat(self, other):
+        return True
+
+    def concat(self, others):
+        return sum((o.cond for o in others), self.cond)
+
+
+def pool_conds(out: dict, denoiser: PoolDenoiser) -> dict:
+    """ComfyUI's model inputs of a conditioning (its model class's extra_conds) as the xDiT
+    MODEL's: the family's scalar inputs read here, once per conditioning and sampling run
+    (`ComfySpec.read_inputs`: no step reads the host), and a text whose length moves the
+    positions padded to share calls (`ragged_text`)."""
+    spec = denoiser.family.comfy
+    if spec.read_inputs is not None:
+        raw = {k: getattr(v, "cond", v) for k, v in out.items()}
+        inputs = denoiser.read_inputs(raw)
+        out = {k: v for k, v in out.items() if k in raw}  # without what it read
+        out[INPUTS] = comfy.conds.CONDConstant(inputs)
+    text = out.get("c_crossattn")
+    if spec.ragged_text and text is not None and text.cond.dim() == 3:
+        out["c_crossattn"] = _RaggedText(text.cond)
+        out[LENGTHS] = _Lengths((int(text.cond.shape[1]),))
+    return out
+
+
 class _Weightless:
     """Mixin for ComfyUI's model classes: no transformer is built here, and the memory the
     sampler should reserve for a call is negligible (the work happens in the pool). Its
@@ -69,6 +121,9 @@ class _Weightless:
 
     def memory_required(self, input_shape, cond_shapes={}):
         return 1024 * 1024
+
+    def extra_conds(self, **kwargs):
+        return pool_conds(super().extra_conds(**kwargs), self.diffusion_model.denoiser)
 
     def state_dict(self, *args, **kwargs):
         sd = super().state_dict(*args, **kwargs)

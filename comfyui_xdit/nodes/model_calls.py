@@ -28,8 +28,14 @@ side by side in one batch. `PoolDenoiser` turns each such call into one pool req
   LATENT, e.g. LTX-2's video and sound): x is ComfyUI's list of the parts and timestep one
   per part (equal: one timestep per row); they go to the pool as one tensor
   (workers/sampling/latent_parts.py) and the prediction comes back as the list;
-  the family's scalar model inputs (`ComfySpec.call_inputs`: LTX-2's frame_rate) go with
+  the family's scalar model inputs (`ComfySpec.call_inputs`: LTX-2's frame_rate; those
+  inside a structured input, `read_inputs`, which the MODEL reads once per conditioning
+  and passes as `xdit_inputs`; those in transformer_options, `option_inputs`) go with
   every call;
+* a family whose text length moves its positions (`ComfySpec.ragged_text`: MiniMax-H3)
+  gets its conditionings of other lengths in one call, padded to the longest, each row's
+  real length in `xdit_text_lengths` (comfy_model.py): each chunk's text goes to the pool
+  at its own length, so cond and uncond share a call (and CFG parallel's ranks a pair);
 * the output: the flow (velocity) prediction in x's layout.
 
 A conditioning crosses to the pool once per sampling run: ComfyUI names the conditioning of
@@ -50,9 +56,12 @@ from comfyui_xdit.nodes import comfy_loras
 
 Conditioning = conditioning.Conditioning  # what the pool takes
 
+# the MODEL's own model inputs (comfy_model.py): the family's scalar inputs read once per
+# conditioning (`ComfySpec.read_inputs`), each row's real text length (`ragged_text`)
+INPUTS, LENGTHS = "xdit_inputs", "xdit_text_lengths"
 # inputs a diffusion model call may carry that we pass on or check
 _KNOWN = {"y", "guidance", "control", "transformer_options", "attention_mask", "ref_latents",
-          "ref_latents_method", "clip_fea"}
+          "ref_latents_method", "clip_fea", INPUTS, LENGTHS}
 
 
 class PoolDenoiser:
@@ -108,14 +117,18 @@ class PoolDenoiser:
         for name, default in self.family.comfy.call_inputs:
             value = kwargs.pop(name, None)
             inputs[name] = float(default if value is None else value)
-        if self.family.comfy.read_inputs is not None:  # inside a structured input
-            try:
-                inputs.update(self.family.comfy.read_inputs(kwargs, transformer_options or {}))
-            except ValueError as e:
-                raise ConfigError(f"the {self.family.name} xDiT MODEL: {e}") from None
+        for name, key, default in self.family.comfy.option_inputs:
+            value = (transformer_options or {}).get(key)
+            inputs[name] = float(default if value is None else value)
+        if kwargs.get(INPUTS) is not None:  # the MODEL's: read once per conditioning
+            inputs.update(kwargs[INPUTS])
+        elif self.family.comfy.read_inputs is not None:  # a caller outside the MODEL class
+            inputs.update(self.read_inputs(kwargs))
         self._refuse(control, transformer_options or {}, kwargs)
+        lengths = kwargs.get(LENGTHS)
         if self.family.comfy.latent_parts or isinstance(x, (list, tuple)):
-            return self._call_parts(x, timestep, context, y, transformer_options, inputs)
+            return self._call_parts(x, timestep, context, y, transformer_options, inputs,
+                                    lengths)
         # an image family with a frame axis (Qwen-Image): the pool takes [N,C,h,w]; a video
         # family's (Wan) frames stay
         framed = self.family.latent.frames and x.dim() == 5 and not self.family.latent.video
@@ -149,7 +162,16 @@ class PoolDenoiser:
             out = out.unsqueeze(2)
         return out.to(x.device, x.dtype)
 
-    def _call_parts(self, x, timestep, context, y, transformer_options, inputs):
+    def read_inputs(self, conds: dict) -> dict:
+        """The family's scalar inputs from ComfyUI's model inputs (`ComfySpec.read_inputs`,
+        which pops the structured input it reads), or one line saying what the pool cannot
+        honour."""
+        try:
+            return self.family.comfy.read_inputs(conds)
+        except ValueError as e:
+            raise ConfigError(f"the {self.family.name} xDiT MODEL: {e}") from None
+
+    def _call_parts(self, x, timestep, context, y, transformer_options, inputs, lengths=None):
         """A LATENT of several tensors (the family's `latent_parts`): ComfyUI's list of parts
         in, the list of their predictions out; one timestep per row, whichever part."""
         names = self.family.comfy.latent_parts
@@ -170,7 +192,8 @@ class PoolDenoiser:
                               f"for all of its LATENT's parts ({', '.join(names)}); this call "
                               f"has a timestep per token or per part (a noise mask on the "
                               f"LATENT): use ComfyUI's own model for masked sampling")
-        chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n)
+        chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n,
+                                     lengths=lengths)
         out = self._request(flat, ts[0], None, chunks, conds, transformer_options,
                             parts=shapes, inputs=inputs)
         return [p.to(ref.device, ref.dtype) for p, ref in
@@ -285,16 +308,21 @@ class PoolDenoiser:
         return torch.nn.functional.pixel_shuffle(x, 2) if patchified else x
 
     def _chunks(self, context, y, uuids, n: int, refs=None, method=None, clip=None,
-                text_2=None):
+                text_2=None, lengths=None):
         """[(key, rows)] and {key: Conditioning} for the rows of one call (each reference
         and the CLIP vision states sliced to the chunk's rows, a batch-1 one shared; a second
-        text's states, the family's `SecondTextEncoder`, sliced as the context)."""
+        text's states, the family's `SecondTextEncoder`, sliced as the context; `lengths`:
+        each row's real text length where the context is padded, `ragged_text`)."""
         parts = len(uuids) if uuids else 1
         if n % parts:
             raise ConfigError(f"{n} latent rows cannot be split into {parts} conditionings")
         rows = n // parts
         if context.shape[0] != n or (y is not None and y.shape[0] != n):
             raise ConfigError(f"conditioning has {context.shape[0]} rows for {n} latents")
+        if lengths is not None and (len(lengths) != n or any(
+                len(set(lengths[i * rows:(i + 1) * rows])) != 1 for i in range(parts))):
+            raise ConfigError(f"text lengths {tuple(lengths)} are not one per conditioning "
+                              f"of {rows} rows")
         if text_2 is not None and (text_2.dim() != 3 or int(text_2.shape[0]) != n):
             raise ConfigError(f"second text states ({self._text_2}) have shape "
                               f"{tuple(text_2.shape)}; the xDiT MODEL takes [{n}, tokens, "
@@ -309,7 +337,7 @@ class PoolDenoiser:
         chunks, conds = [], {}
         for i in range(parts):
             sl = slice(i * rows, (i + 1) * rows)
-            ctx = context[sl]
+            ctx = context[sl] if lengths is None else context[sl, :int(lengths[sl.start])]
             pooled = None if y is None else y[sl]
             mine = None if refs is None else \
                 [(r if r.shape[0] == 1 else r[sl]).expand(rows, *r.shape[1:]).contiguous()

@@ -155,19 +155,24 @@ class ComfySpec:
     # ComfyUI's context holds this many text states side by side on its last axis, each
     # of the transformer's text width (a model with one prompt copy per stream)
     context_streams: int = 1
-    # (model inputs of the call, its transformer_options) -> {name: float}: scalar inputs
-    # the family's forward reads that ComfyUI's model class passes inside a structured
-    # input (MiniMax-H3's minimax_payload dict); pops that input from the model inputs and
-    # raises ValueError for what the pool cannot honour. Sent with every call
+    # ComfyUI's model inputs (its model class's extra_conds, raw values) -> {name: float}:
+    # scalar inputs the family's forward reads that ComfyUI's model class passes inside a
+    # structured input (MiniMax-H3's minimax_payload dict); pops that input and raises
+    # ValueError for what the pool cannot honour. The xDiT MODEL reads them once per
+    # conditioning (no step reads the host); sent with every call
     read_inputs: Optional[Callable] = None
+    # ((name, transformer_options key, default), ...): scalar inputs the family's forward
+    # reads that a node may set in transformer_options (MiniMax-H3's schedule shifts)
+    option_inputs: tuple = ()
+    # the text states' length moves every later position and the model has no cross-
+    # attention (MiniMax-H3): ComfyUI's plain context keeps conditionings of other lengths
+    # in calls of their own (cond and uncond apart), so the xDiT MODEL lets them share one,
+    # padded, each row's real length beside (the pool drops the padding)
+    ragged_text: bool = False
     # methods ComfyUI's model class calls on its diffusion model beside the call, whose work
     # the pool's forward does itself (MiniMax-H3's text refiner, preprocess_text_embeds):
     # the xDiT MODEL answers them with their first argument unchanged
     passthrough: tuple = ()
-    # (rows, frames) -> the per-row-batched shapes of the LATENT's parts after the first,
-    # for a family whose other parts are not a SoundTrack's (MiniMax-H3's sound [rows, 32,
-    # 2, latents]): what a test call of the family's small request holds
-    part_shapes: Optional[Callable] = None
 
 
 @dataclass(frozen=True)

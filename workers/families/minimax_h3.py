@@ -68,12 +68,22 @@ _COND_PARTS = (("keyframes", "keyframes (MiniMax H3 Image to Video's first / las
                ("cond_audio_latents", "conditioning sound latents"))
 
 
-def comfy_inputs(inputs: dict, options: dict) -> dict:
-    """ComfyUI's MiniMaxH3 call -> the scalars the pool's forward reads: the sampler's audio
-    carry (`minimax_payload["audio_scale"]`, video shift / audio shift) and the two schedules'
-    shifts (its transformer_options may override them). Pops `minimax_payload`; a payload
-    the pool cannot run (keyframes, references, a prompt with images) is refused."""
-    payload = inputs.pop("minimax_payload", None) or {}
+# ComfyUI's model inputs the pool's forward reads, with ComfyUI's defaults (a LATENT that is
+# not nested carries no sound: scale 1)
+COMFY_INPUTS = {"audio_scale": 1.0, "sigma_shift_video": VIDEO_SHIFT,
+                "sigma_shift_audio": AUDIO_SHIFT}
+# the shifts a node may set in transformer_options (minimax_h3_<input>): (input, option
+# key, default)
+COMFY_OPTIONS = tuple((name, f"minimax_h3_{name}", COMFY_INPUTS[name])
+                      for name in ("sigma_shift_video", "sigma_shift_audio"))
+
+
+def comfy_inputs(conds: dict) -> dict:
+    """ComfyUI's MiniMaxH3 conditioning (its model inputs beside the call, once per
+    conditioning) -> the scalars the pool's forward reads: the sampler's audio carry
+    (`minimax_payload["audio_scale"]`, video shift / audio shift). Pops `minimax_payload`; a
+    payload the pool cannot run (keyframes, references, a prompt with images) is refused."""
+    payload = conds.pop("minimax_payload", None) or {}
     for key, what in _COND_PARTS:
         if payload.get(key):
             raise ValueError(f"its conditioning holds {what}, which the pool does not run "
@@ -82,16 +92,7 @@ def comfy_inputs(inputs: dict, options: dict) -> dict:
     if tags is not None and any(int(t) != TEXT_TAG for t in tags.reshape(-1).tolist()):
         raise ValueError("its prompt holds images (vision tokens), which the pool does not "
                          "run (a text prompt only); use ComfyUI's own model")
-    return {"audio_scale": float(payload.get("audio_scale", 1.0)),
-            "sigma_shift_video": float(options.get("minimax_h3_sigma_shift_video",
-                                                   VIDEO_SHIFT)),
-            "sigma_shift_audio": float(options.get("minimax_h3_sigma_shift_audio",
-                                                   AUDIO_SHIFT))}
-
-
-def comfy_sound_shape(rows: int, frames: int) -> tuple:
-    """ComfyUI's sound part of a video of `frames` frames: [rows, 32, 2, latents]."""
-    return ((int(rows), AUDIO_CHANNELS, STEREO, audio_latents(frames)),)
+    return {"audio_scale": float(payload.get("audio_scale", COMFY_INPUTS["audio_scale"]))}
 
 
 def config_from_shapes(shapes: dict, naming: str) -> dict:
@@ -170,10 +171,13 @@ FAMILY = Family(
                    "Qwen3-VL)", pooled=False),
     # ComfyUI's MiniMaxH3: its LATENT nests the video and the sound, its timestep sigma x
     # 1000 (the video's), its context the raw Qwen3-VL states once its refiner is passed
-    # through (the pool refines them), its sound carry and shifts in minimax_payload
+    # through (the pool refines them), its sound carry in minimax_payload (read once per
+    # conditioning), the shifts in transformer_options; cond and uncond of other text
+    # lengths share a call (ragged_text)
     comfy=ComfySpec(base=lambda unet: "MiniMaxH3", config=lambda unet: "MiniMaxH3",
                     latent_parts=("video", "audio"), read_inputs=comfy_inputs,
-                    passthrough=("preprocess_text_embeds",), part_shapes=comfy_sound_shape),
+                    option_inputs=COMFY_OPTIONS, ragged_text=True,
+                    passthrough=("preprocess_text_embeds",)),
     # guidance-distilled: one forward a step
     defaults=Defaults(cfg=1.0),
     detection=Detection(

@@ -98,6 +98,10 @@ class DiTAdapter:
     # conditioning keys beside the text states that hold one row per latent row (a MODEL
     # call batches them as it batches the text: LTX-2's sound prompt states)
     row_conds: tuple = ()
+    # the transformer takes one timestep for all the rows of a call (their AdaLN rows are
+    # shared): `forward` runs rows at other timesteps as separate transformer calls, which
+    # the step cache cannot gate as one call (such a MODEL call is refused under it)
+    one_timestep: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

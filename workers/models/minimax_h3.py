@@ -39,8 +39,8 @@ from .base import DiTAdapter, text_encoder_device_of
 
 STREAMS = ("video", "audio", "text")  # the blocks' local order (the family's TOKENS)
 TAGS = {"text": fam.TEXT_TAG, "audio": fam.AUDIO_TAG, "video": fam.VIDEO_TAG}
-PATCH = (1, 2, 2)
-ROW_WIDTH = fam.CHANNELS * 4  # a video row's channels; the audio rows' 32 are its first
+# the video's 2 x 2 patches, and a packed row's width (the audio rows' 32 channels first)
+PATCH, ROW_WIDTH = mhc.PATCH, mhc.ROW_WIDTH
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,20 @@ def media_counts(rows: int, height: int, width: int) -> tuple:
         n += 1
 
 
+def _rows(cond: dict, rows: slice, n: int) -> dict:
+    """The conditioning of rows `rows` of a call of `n` rows (a batch-1 text is shared)."""
+    out = dict(cond)
+    text = cond["encoder_hidden_states"]
+    if text.shape[0] == n:
+        out["encoder_hidden_states"] = text[rows]
+    if cond.get("text_lengths") is not None:
+        out["text_lengths"] = tuple(cond["text_lengths"])[rows]
+    return out
+
+
 class MiniMaxH3Adapter(DiTAdapter):
     family = families.FAMILIES["minimax_h3"]
+    one_timestep = True  # the AdaLN rows are per sequence row, shared by the batch
     lora_pipeline = "MiniMaxH3ModularPipeline"
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
@@ -324,10 +336,21 @@ class MiniMaxH3Adapter(DiTAdapter):
         return dict(self.forward_extra(model, req.height, req.width), positions={})
 
     def forward(self, model, latents, t, cond, guidance, extra=None, jak=None):
-        """One call for every row: prompts of other lengths padded to the longest, each
-        row's positions its own (its text's length moves its sound's and video's); the
-        prediction in the loop's convention (-v; the audio rows' scaled to the video's sigma
-        step)."""
+        """One transformer call for every run of rows at one timestep (its AdaLN rows are
+        shared by the batch; a MODEL call's rows may be at different timesteps, the host's
+        copy of them says where without waiting on the device), in row order."""
+        runs = mhc.timestep_runs((extra or {}).get("host_timesteps"), latents.shape[0])
+        if len(runs) == 1:
+            return self._forward(model, latents, t, cond, extra, jak)
+        n = latents.shape[0]
+        return torch.cat([self._forward(model, latents[r], t[r], _rows(cond, r, n), extra, jak)
+                          for r in runs])
+
+    def _forward(self, model, latents, t, cond, extra=None, jak=None):
+        """One call for every row (one timestep): prompts of other lengths padded to the
+        longest, each row's positions its own (its text's length moves its sound's and
+        video's); the prediction in the loop's convention (-v; the audio rows' scaled to the
+        video's sigma step)."""
         h, w = (extra or {})["size"]
         b = latents.shape[0]
         counts = (extra or {}).get("counts")  # a MODEL call's: (latent frames, sound rows)

@@ -24,15 +24,22 @@ from . import minimax_h3_layout as lay
 
 PATCH = (1, 2, 2)
 ROW_WIDTH = fam.CHANNELS * 4  # a video row's width; the audio rows are padded to it
-# ComfyUI's model inputs the call reads (defaults: ComfyUI's own, without a nested LATENT)
-DEFAULTS = {"audio_scale": 1.0, "sigma_shift_video": fam.VIDEO_SHIFT,
-            "sigma_shift_audio": fam.AUDIO_SHIFT}
 
 
 def time_shift(sigma, from_shift: float, to_shift: float):
     """A sigma on one shifted schedule -> the same base point on another's."""
-    base = sigma / (from_shift + sigma * (1.0 - from_shift))
-    return to_shift * base / (1.0 + (to_shift - 1.0) * base)
+    return lay.shifted(lay.unshifted(sigma, from_shift), to_shift)
+
+
+def timestep_runs(host_t, rows: int) -> list:
+    """The rows as runs of one timestep each (slices, in row order), read from the host's
+    copy of the call's per-row timesteps (CPU: no wait on the device); one run where the
+    call does not give them."""
+    if host_t is None or rows < 2:
+        return [slice(0, rows)]
+    values = host_t.reshape(-1).tolist()
+    starts = [0] + [i for i in range(1, rows) if values[i] != values[i - 1]]
+    return [slice(a, b) for a, b in zip(starts, starts[1:] + [rows])]
 
 
 def parts_problem(shapes) -> str:
@@ -70,17 +77,19 @@ def parts_extra(shapes, inputs: dict) -> dict:
     """A call's forward inputs: the size, the streams' counts, ComfyUI's model inputs and
     the position tables' per prompt length store."""
     (_, t, h, w), (_, st, n) = shapes
-    comfy = {k: float(inputs.get(k, v)) for k, v in DEFAULTS.items()}
+    comfy = {k: float(inputs.get(k, v)) for k, v in fam.COMFY_INPUTS.items()}
     return {"size": (int(h) * 16, int(w) * 16), "counts": (int(t), st * n),
             "comfy": comfy, "positions": {}}
 
 
 def comfy_steps(t: torch.Tensor, comfy: dict):
-    """ComfyUI's per-row timesteps (sigma x 1000, one sigma a call) -> ((video t, audio t),
-    the audio's sigma, the carry sigma_a / sigma_v), on t's device, fp32."""
-    sigma_v = (t.reshape(-1)[:1].float() / 1000.0).clamp(min=1e-6)
+    """ComfyUI's per-row timesteps (sigma x 1000; the rows of one forward share it,
+    `timestep_runs`) -> ((video t, audio t), the audio's sigma and the carry sigma_a /
+    sigma_v per row [rows, 1, 1]), on t's device, fp32."""
+    sigma_v = (t.reshape(-1).float() / 1000.0).clamp(min=1e-6)
     sigma_a = time_shift(sigma_v, comfy["sigma_shift_video"], comfy["sigma_shift_audio"])
-    return torch.cat([1.0 - sigma_v, 1.0 - sigma_a]), sigma_a, sigma_a / sigma_v
+    ts = torch.cat([1.0 - sigma_v[:1], 1.0 - sigma_a[:1]])
+    return ts, sigma_a[:, None, None], (sigma_a / sigma_v)[:, None, None]
 
 
 def carried_in(audio_rows: torch.Tensor, carry, comfy: dict) -> torch.Tensor:

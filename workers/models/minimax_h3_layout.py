@@ -149,11 +149,21 @@ def audio_latent(rows: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ---- the two schedules --------------------------------------------------------------------
+def shifted(base, shift: float):
+    """A point of the unshifted grid (1 - t) -> its sigma on a schedule of `shift`."""
+    return shift * base / (1 + (shift - 1) * base)
+
+
+def unshifted(sigma, shift: float):
+    """The inverse of `shifted`: a sigma of a schedule of `shift` -> its unshifted point."""
+    return sigma / (shift + sigma * (1.0 - shift))
+
+
 def sigmas(points: int, shift: float) -> torch.Tensor:
     """MiniMax-H3's sigma grid of `points` points (the last 0): linspace(1, 0) shifted,
     repeated values collapsed, fp32 (the pipeline's scheduler's)."""
     base = torch.linspace(1.0, 0.0, int(points), dtype=torch.float32)
-    return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
+    return torch.unique_consecutive(shifted(base, shift))
 
 
 @dataclass(frozen=True)

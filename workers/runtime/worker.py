@@ -407,6 +407,13 @@ class Worker:
                 problem = (f"expert {expert + 1} asked for, but this model has {experts} "
                            f"transformer(s) (two: a folder with a transformer_2, as Wan 2.2 "
                            f"A14B's low-noise expert)")
+        cached = getattr(msg, "cache", None) is not None
+        if not problem and cached and self.adapter.one_timestep and \
+                len(set(msg.timestep.reshape(-1).tolist())) > 1:
+            problem = (f"{self.adapter.family.name} runs one timestep a transformer call and "
+                       f"this call's rows are at different timesteps (separate transformer "
+                       f"calls), which the step cache cannot gate as one; sample without "
+                       f"the step cache")
         if problem:
             raise ValueError(problem)
         # LoRA files (ComfyUI's loaders' patches, comfyui_xdit/nodes/comfy_loras.py) are

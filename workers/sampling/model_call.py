@@ -196,7 +196,7 @@ def _rows_problem(adapter, cfg, n, timestep, guidance, chunks, new_conds, cache,
                     f"{int(cfg.pooled_projection_dim)}] (got "
                     f"{None if pooled is None else tuple(pooled.shape)})")
         lengths.add(int(ctx.shape[1]))
-    if len(lengths) > 1:
+    if len(lengths) > 1 and not adapter.family.comfy.ragged_text:  # (else padded, `_texts`)
         return f"the conditionings of one call have different token counts {sorted(lengths)}"
     if len(references) > 1:
         return ("the conditionings of one call have different reference latents (sizes or "
@@ -331,8 +331,10 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
     if sizes[me] or dummy:
         cond = {}
         for k in conds[0]:
-            if k in ("encoder_hidden_states", "pooled_projections", "ref_tokens",
-                     "image_embeds", "encoder_hidden_states_2") or k in adapter.row_conds:
+            if k == "encoder_hidden_states":  # texts of other lengths: padded, lengths beside
+                cond.update(_texts(conds, call.chunks, mine))
+            elif k in ("pooled_projections", "ref_tokens", "image_embeds",
+                       "encoder_hidden_states_2") or k in adapter.row_conds:
                 cond[k] = conds[0][k] if len(conds) == 1 else torch.cat([cd[k] for cd in conds])
                 cond[k] = cond[k][mine]
             elif k != "ref_layout":
@@ -348,6 +350,9 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
         else:
             extra = dict(cache.sized((h, w, layout),
                                      lambda: _extra(model, adapter, h, w, layout)))
+        # the rows' timesteps as the host sent them (CPU: a forward that groups rows by
+        # timestep, the adapter's `one_timestep`, reads them without waiting on the device)
+        extra["host_timesteps"] = t_all[mine]
         if call.expert:  # the model's other transformer (Wan 2.2 A14B's low-noise expert)
             extra["expert"] = int(call.expert)
         if "ref_tokens" in cond:  # ComfyUI's FLUX: the references join the image stream
@@ -406,6 +411,24 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
     if topo.rank == 0:
         result = torch.cat([p[:size] for p, size in zip(parts, sizes)]).cpu()
     return result, dict(clock.read(planes.control), **done)
+
+
+def _texts(conds: list, chunks: list, rows: slice) -> dict:
+    """The call's text states for rows `rows`: the chunks' conditionings joined, zero-padded
+    to the longest of these rows where their lengths differ (a family whose MODEL lets
+    texts of other lengths share a call), with each row's real length as `text_lengths`
+    (host ints: the attention drops each row's padded keys)."""
+    texts = [cd["encoder_hidden_states"] for cd in conds]
+    if len(texts) == 1 or len({int(t.shape[1]) for t in texts}) == 1:
+        return {"encoder_hidden_states": (texts[0] if len(texts) == 1 else
+                                          torch.cat(texts))[rows]}
+    lengths = [int(t.shape[1]) for t, (_, n) in zip(texts, chunks) for _ in range(n)][rows]
+    longest = max(lengths)
+    out = torch.cat([torch.nn.functional.pad(t[:, :longest], (0, 0, 0, longest - min(
+        longest, t.shape[1]))) for t in texts])[rows]
+    if len(set(lengths)) == 1:  # these rows' texts are alike: no padding
+        return {"encoder_hidden_states": out}
+    return {"encoder_hidden_states": out, "text_lengths": tuple(lengths)}
 
 
 def _extra(model, adapter, h, w, layout) -> dict:

@@ -20,6 +20,9 @@ links this folder into custom_nodes/ for its run only).
 * XDiTTestSaveTensors: writes an IMAGE and / or a LATENT to a .safetensors file at full
   float precision, so two branches of a graph can be compared beyond 8-bit PNGs (a nested
   LATENT's parts as latent_0, latent_1, ...).
+* XDiTTestCountCalls: the MODEL with a model function wrapper that records each of the
+  sampler's model calls (its sigma and its rows' cond / uncond) into a JSON file, so a test
+  counts the calls a step makes (every call of an xDiT MODEL is one pool request).
 """
 
 
@@ -142,6 +145,36 @@ class XDiTTestSaveTensors:
         return {}
 
 
+class XDiTTestCountCalls:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "path": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "wrap"
+    CATEGORY = "xDiT tests"
+
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")  # always run: each run's file starts empty
+
+    def wrap(self, model, path):
+        import json
+        calls = []
+
+        def counted(apply_model, args):
+            t = args["timestep"]
+            calls.append({"sigma": [float(v) for v in t.reshape(-1).tolist()],
+                          "cond_or_uncond": list(args["cond_or_uncond"])})
+            with open(path, "w") as f:
+                json.dump(calls, f)
+            return apply_model(args["input"], args["timestep"], **args["c"])
+
+        out = model.clone()
+        out.set_model_unet_function_wrapper(counted)
+        return (out,)
+
+
 class XDiTTestEmptyAVLatent:
     @classmethod
     def INPUT_TYPES(cls):
@@ -169,5 +202,6 @@ class XDiTTestEmptyAVLatent:
 NODE_CLASS_MAPPINGS = {"XDiTTestRandomConditioning": XDiTTestRandomConditioning,
                        "XDiTTestEmptyAVLatent": XDiTTestEmptyAVLatent,
                        "XDiTTestSaveTensors": XDiTTestSaveTensors,
+                       "XDiTTestCountCalls": XDiTTestCountCalls,
                        "XDiTTestWanStartFrame": XDiTTestWanStartFrame,
                        "XDiTTestClipVisionOutput": XDiTTestClipVisionOutput}
