@@ -168,6 +168,12 @@ class ComfySpec:
     # for a family whose other parts are not a SoundTrack's (MiniMax-H3's sound [rows, 32,
     # 2, latents]): what a test call of the family's small request holds
     part_shapes: Optional[Callable] = None
+    # the config -> the width of text states of a second kind that ComfyUI's model class
+    # also takes and runs through modules of its own before the transformer (the modules
+    # a single file holds beside it: the adapter's `side_prefixes`, run by its `raw_text`);
+    # never the width of the context above, so the width alone says which kind a call
+    # carries. None: the family's ComfyUI model takes one kind
+    raw_context_width: Optional[Callable] = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import families
+from ..families import ltx2 as ltx2_family
 from ..parallel.processors import need_plan
 from ..parallel.sequence_parallel import SequenceLayout
 from . import latent_layout
@@ -138,6 +139,8 @@ class LTX2Adapter(DiTAdapter):
     encoder_skips = ("audio_vae", "vocoder")
     block_states = ("hidden_states", "audio_hidden_states")  # what each block returns
     row_conds = ("audio_encoder_hidden_states",)  # the sound's prompt states, one per row
+    # ComfyUI's text connectors in its files (0.33.0's LTXAV holds them): `raw_text`'s
+    side_prefixes = tuple(f"{name}." for name in ltx2_family.COMFY_CONNECTORS)
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
                       "video_coords": ("video", 2), "audio_coords": ("audio", 2),
@@ -210,8 +213,8 @@ class LTX2Adapter(DiTAdapter):
     @staticmethod
     def bfl_to_diffusers(sd, config):
         """ComfyUI's (the original LTX-2) names -> LTX2VideoTransformer3DModel's, key by key
-        (pure renames; the text connectors a full checkpoint holds are not the
-        transformer's and are refused by the loader as unknown weights)."""
+        (pure renames; the text connectors a file holds are not the transformer's: the
+        loaders leave them to `raw_text`, `side_prefixes`)."""
         from ..families.ltx2 import diffusers_name
         return {diffusers_name(k): v for k, v in sd.items()}
 
@@ -253,6 +256,15 @@ class LTX2Adapter(DiTAdapter):
         half = int(cond.shape[-1]) // 2
         return {"encoder_hidden_states": cond[..., :half],
                 "audio_encoder_hidden_states": cond[..., half:]}
+
+    def raw_text(self, model, context):
+        """Text states before LTX-2's text connectors (ComfyUI 0.33.0's CONDITIONING) ->
+        ComfyUI's LTX-2 context, through the model's own connectors, as ComfyUI's LTXAV
+        runs them (workers/models/ltx2_connectors.py)."""
+        from . import ltx2_connectors
+        conns = ltx2_connectors.connectors_of(model)
+        with torch.inference_mode():
+            return ltx2_connectors.run(conns, context.to(model.device, model.dtype))
 
     @staticmethod
     def slice_cond(cond: dict, sl: slice) -> dict:
