@@ -169,6 +169,26 @@ def _passthrough(value, *args, **kwargs):
     return value
 
 
+def _text_kind_check(fam, path):
+    """ComfyUI's model class of a family that takes two kinds of text states (its
+    `ComfySpec.raw_context_width`) hands them to its diffusion model's
+    preprocess_text_embeds with the conditioning's own word on their kind (`unprocessed`:
+    before the model's own text modules). The pool tells the kinds by their width; this
+    holds the conditioning's word to it: the states, unchanged, or one error."""
+    from comfyui_xdit.planning.model_info import _describe_model
+    d = _describe_model(path)
+    raw = int(fam.comfy.raw_context_width(fam.full_config(d["config"])))
+
+    def preprocess_text_embeds(context, unprocessed=False, **kwargs):
+        if unprocessed and int(context.shape[-1]) != raw:
+            raise ConfigError(f"this CONDITIONING says its text states come before the "
+                              f"{fam.name} model's own text modules, but they are "
+                              f"{int(context.shape[-1])} wide where this model takes {raw} "
+                              f"there: {fam.text.hint}")
+        return context
+    return preprocess_text_embeds
+
+
 def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0,
                 path=None, experts: int = 1):
     """A ComfyUI MODEL (ModelPatcher) for family `arch` whose diffusion model is `pool`.
@@ -191,6 +211,8 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     _stand_in(model.diffusion_model, fam.comfy.shapes(unet))
     for name in fam.comfy.passthrough:  # work the pool's forward does itself
         setattr(model.diffusion_model, name, _passthrough)
+    if path is not None and fam.comfy.raw_context_width is not None:
+        model.diffusion_model.preprocess_text_embeds = _text_kind_check(fam, path)
     if path is not None:
         from comfyui_xdit import bridge
         _detected_config(model_config.unet_config, path)
