@@ -7,6 +7,8 @@ them in ComfyUI's convention, written out here: the prompt's tokens, then the co
 learnable registers up to 1024 tokens (diffusers' connector puts its registers where the
 mask says padding). On 2 ranks, Ulysses and CFG parallel. Negative control: other states
 move the prediction. A width of neither kind, or a file without connectors, is one error.
+And 0.33.0's block order (its video-to-audio attention reads the video after the
+audio-to-video update), which the MODEL runs where ComfyUI's own LTXAV does.
 """
 from __future__ import annotations
 
@@ -101,3 +103,54 @@ def test_text_of_neither_width_or_without_connectors_is_one_error(model, layout_
     with pytest.raises(Exception, match="holds no LTX-2 text connectors"):
         PoolDenoiser(layout_pools.get(bare, one), one, "ltx2")(
             **dict(call, context=torch.zeros(2, 5, width)))
+
+
+# ---- ComfyUI 0.33.0's block order (workers/models/ltx2_block_order.py) ----------------------
+ORDER = {"v2a_after_a2v": 1.0}
+
+
+def _call(pool, layout, call, order: bool):
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    model = PoolDenoiser(pool, layout, "ltx2")
+    if order:
+        model.model_inputs = dict(ORDER)
+    return model(**dict(call, frame_rate=24.0))
+
+
+def test_block_order_is_the_pools_on_2_ranks_and_moves_only_the_audio_to_video_effect(
+        model, layout_pools, tmp_path):
+    """ComfyUI 0.33.0's order (the video-to-audio attention reads the video after the
+    audio-to-video update) on the xDiT MODEL: at Ulysses 2 and at CFG parallel it equals one
+    rank; it moves the prediction (it is read: 0.33.0's LTXAV differs from 0.8.0's); with
+    the file's audio-to-video output projections zeroed (nothing to read after the update)
+    it equals the reference order, so the hooks change nothing else. ComfyUI 0.33.0's own
+    LTXAV is the live suite's oracle (tests/test_comfyui_live_ltx2_model.py)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from family_requests import model_call_inputs
+
+    folder, path = model
+    call = model_call_inputs("ltx2", folder)
+    one = ParallelConfig()
+    ref = _call(layout_pools.get(path, one), one, call, True)
+    plain = _call(layout_pools.get(path, one), one, call, False)
+    moved = [_rel(a, b) for a, b in zip(ref, plain)]
+    assert min(moved) > 1e-3, moved
+    figs = {}
+    for layout in (ParallelConfig(ulysses=2), ParallelConfig(cfg_parallel=True)):
+        got = _call(layout_pools.get(path, layout), layout, call, True)
+        figs[str(layout.ulysses) + str(layout.cfg)] = [_rel(a, b) for a, b in zip(got, ref)]
+    print(f"\nblock order vs 1 rank: {figs}; vs the reference order: {moved}")
+    assert all(v <= TOL for pair in figs.values() for v in pair), figs
+    sd = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    for k in sd:
+        if ".audio_to_video_attn.to_out.0." in k:
+            sd[k] = torch.zeros_like(sd[k])
+    quiet = tmp_path / "no-a2v.safetensors"
+    save_file(sd, str(quiet), metadata=meta)
+    a = _call(layout_pools.get(quiet, one), one, call, True)
+    b = _call(layout_pools.get(quiet, one), one, call, False)
+    assert max(_rel(x, y) for x, y in zip(a, b)) <= 1e-6

@@ -202,6 +202,12 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     denoiser = PoolDenoiser(pool, config, arch, on_event=_show_compiling)
     denoiser.cache = cache  # step cache settings (GenerationRequest.cache) or None
     denoiser.expert = int(expert)
+    if fam.comfy.model_inputs is not None:
+        try:
+            denoiser.model_inputs = dict(fam.comfy.model_inputs())
+        except ValueError as e:
+            raise ConfigError(f"the {fam.name} xDiT MODEL: {e}; use ComfyUI's own model "
+                              f"or Sampler (xDiT)") from None
     model_config = conf(dict(getattr(conf, "unet_config", {}), **unet,
                              disable_unet_model_creation=True))
     cls = type(f"Xdit{base.__name__}", (_Weightless, base), {})

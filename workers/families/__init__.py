@@ -174,6 +174,11 @@ class ComfySpec:
     # never the width of the context above, so the width alone says which kind a call
     # carries. None: the family's ComfyUI model takes one kind
     raw_context_width: Optional[Callable] = None
+    # () -> {name: float}: model inputs the family's forward reads that are a property of
+    # the running ComfyUI's own model class (LTX-2: its blocks' audio-video order), found
+    # once in ComfyUI's process when the xDiT MODEL is built and sent with every call;
+    # raises ValueError where it cannot tell
+    model_inputs: Optional[Callable] = None
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,50 @@ def connector_name(name: str):
     return part, ".".join(COMFY_CONNECTOR.get(p, p) for p in rest.split("."))
 
 
+def comfy_block_order() -> dict:
+    """{"v2a_after_a2v": 1.0 or 0.0}: whether the running ComfyUI's LTXAV blocks feed their
+    video-to-audio attention the video after the audio-to-video update (0.33.0) or, as
+    diffusers' and Lightricks' own (and 0.8.0's), from before it. Found by running one
+    tiny block of ComfyUI's (random weights) twice, the second time with its audio-to-video
+    output projection zeroed: the sound's output moves only in the former order. In
+    ComfyUI's process only (imports ComfyUI)."""
+    import torch
+    import comfy.ops
+    from comfy.ldm.lightricks.av_model import BasicAVTransformerBlock
+
+    d, gen = 8, torch.Generator().manual_seed(0)
+    try:
+        block = BasicAVTransformerBlock(v_dim=d, a_dim=d, v_heads=1, a_heads=1, vd_head=d,
+                                        ad_head=d, v_context_dim=d, a_context_dim=d,
+                                        operations=comfy.ops.disable_weight_init)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+
+        def sound():  # the same inputs each time
+            inputs = torch.Generator().manual_seed(1)
+
+            def r(*shape):
+                return torch.randn(*shape, generator=inputs)
+            with torch.no_grad():
+                return block((r(1, 3, d), r(1, 2, d)), v_context=r(1, 2, d),
+                             a_context=r(1, 2, d), v_timestep=r(1, 1, 6 * d),
+                             a_timestep=r(1, 1, 6 * d),
+                             v_cross_scale_shift_timestep=r(1, 1, 4 * d),
+                             a_cross_scale_shift_timestep=r(1, 1, 4 * d),
+                             v_cross_gate_timestep=r(1, 1, d),
+                             a_cross_gate_timestep=r(1, 1, d), transformer_options={})[1]
+        before = sound()
+        with torch.no_grad():
+            out = block.audio_to_video_attn.to_out[0]
+            out.weight.zero_()
+            out.bias.zero_()
+        moved = float((sound() - before).abs().max())
+    except Exception as e:  # noqa: BLE001  (another ComfyUI's block signature)
+        raise ValueError(f"cannot tell this ComfyUI's LTX-2 block order ({e})") from None
+    return {"v2a_after_a2v": 1.0 if moved > 1e-6 else 0.0}
+
+
 def config_from_shapes(shapes: dict, naming: str) -> dict:
     """The diffusers config of an LTX-2 (2.0) transformer file, diffusers' naming or
     ComfyUI's ("bfl" here), from its weight shapes; the head widths are the release's (video
@@ -232,7 +276,10 @@ FAMILY = Family(
     comfy=ComfySpec(base=lambda unet: "LTXAV", config=lambda unet: "LTXAV",
                     timestep_scale=1000.0, latent_parts=("video", "audio"),
                     call_inputs=(("frame_rate", 25.0),), context_streams=2,
-                    raw_context_width=lambda cfg: int(cfg["caption_channels"])),
+                    raw_context_width=lambda cfg: int(cfg["caption_channels"]),
+                    # ComfyUI 0.33.0 reordered its blocks' audio-video attentions; the pool
+                    # runs the order of the ComfyUI it serves (workers/models/ltx2_block_order.py)
+                    model_inputs=comfy_block_order),
     defaults=Defaults(cfg=CFG),
     detection=Detection(markers=(("diffusers", ("audio_proj_in.weight",
                                                 "av_cross_attn_video_scale_shift.linear.weight")),

@@ -21,6 +21,8 @@ its name in the block, tagged once per transformer (`_tag`).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import families
@@ -208,7 +210,9 @@ class LTX2Adapter(DiTAdapter):
         fps = float(inputs.get("frame_rate", self.family.comfy.call_inputs[0][1]))
         return {"video_coords": tr.rope.prepare_video_coords(1, t, h, w, dev, fps=fps),
                 "audio_coords": tr.audio_rope.prepare_audio_coords(1, length, dev),
-                "tokens": (t * h * w, length)}
+                "tokens": (t * h * w, length),
+                # ComfyUI 0.33.0's block order (the family's ComfySpec.model_inputs)
+                "v2a_after_a2v": bool(inputs.get("v2a_after_a2v", 0.0))}
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
@@ -363,17 +367,22 @@ class LTX2Adapter(DiTAdapter):
         n0 = 0 if first is None else first.shape[1]
         if n0:
             timestep = torch.cat([t.new_zeros(b, n0), t.expand(b, nv - n0)], 1)
-        video, audio = tr(
-            hidden_states=x[:, :nv], audio_hidden_states=x[:, nv:],
-            encoder_hidden_states=text, audio_encoder_hidden_states=audio_text,
-            timestep=timestep, audio_timestep=t.expand(b), sigma=t.expand(b),
-            video_coords=extra["video_coords"].expand(b, -1, -1, -1),
-            audio_coords=extra["audio_coords"].expand(b, -1, -1, -1),
-            use_cross_timestep=True,  # LTX2Pipeline's default
-            # a guidance pass's changes (`guidance_passes`): off by default
-            isolate_modalities=bool(extra.get("isolate_modalities", False)),
-            spatio_temporal_guidance_blocks=list(extra.get("stg_blocks", ())) or None,
-            attention_kwargs=dict(jak or {}), return_dict=False)
+        order = contextlib.nullcontext()
+        if extra.get("v2a_after_a2v"):  # ComfyUI 0.33.0's LTXAV order (a MODEL call's)
+            from .ltx2_block_order import v2a_after_a2v
+            order = v2a_after_a2v(tr)
+        with order:
+            video, audio = tr(
+                hidden_states=x[:, :nv], audio_hidden_states=x[:, nv:],
+                encoder_hidden_states=text, audio_encoder_hidden_states=audio_text,
+                timestep=timestep, audio_timestep=t.expand(b), sigma=t.expand(b),
+                video_coords=extra["video_coords"].expand(b, -1, -1, -1),
+                audio_coords=extra["audio_coords"].expand(b, -1, -1, -1),
+                use_cross_timestep=True,  # LTX2Pipeline's default
+                # a guidance pass's changes (`guidance_passes`): off by default
+                isolate_modalities=bool(extra.get("isolate_modalities", False)),
+                spatio_temporal_guidance_blocks=list(extra.get("stg_blocks", ())) or None,
+                attention_kwargs=dict(jak or {}), return_dict=False)
         # the start frame stays as it is (the pipeline steps the later frames only); the
         # loop's guidance passes keep its prediction, which the pipeline's rescale reads
         # (`guide` then holds it)
