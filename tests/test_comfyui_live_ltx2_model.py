@@ -4,10 +4,15 @@ set; docs/testing.md "The live ComfyUI suites").
 The tiny LTX-2 transformer (its builder's SINGLE_FILE_MODEL: the release's head widths) is
 written as ComfyUI's single file (`tiny-model --comfy-file`: model.diffusion_model. keys in
 the original names, with the "config" metadata ComfyUI's detection reads) into
-models/diffusion_models/. One graph, two branches from the same seed, AV LATENT (the
-helper pack's XDiTTestEmptyAVLatent: EmptyLTXVLatentVideo's and LTXVEmptyLatentAudio's
-latents nested) and random CONDITIONING (the video's and the sound's prompt states side by
-side) through ComfyUI's LTXVConditioning (frame rate 24): stock KSampler (cfg 3, so every
+models/diffusion_models/, with the text connectors ComfyUI 0.33.0's LTXAV holds. One graph,
+two branches from the same seed, AV LATENT (the helper pack's XDiTTestEmptyAVLatent:
+EmptyLTXVLatentVideo's and LTXVEmptyLatentAudio's latents nested) and random CONDITIONING
+as the version's LTX-2 text encoder gives it (0.8.0: the video's and the sound's prompt
+states side by side, after the connectors; 0.33.0: the states before them, flagged
+unprocessed_ltxav_embeds, which both models run through the file's connectors) through
+ComfyUI's LTXVConditioning (frame rate 24); the pool runs the version's block order
+(0.33.0's video-to-audio attention reads the video after the audio-to-video update). Stock
+KSampler (cfg 3, so every
 call carries both rows) on "MODEL for KSampler (xDiT)" of the file on a 2-rank CPU fp32 pool
 (Ulysses 2, then CFG parallel) and on ComfyUI's own LTXAV model loaded from the same file
 (UNETLoader). The LATENT's video part and its audio part must each agree to rel L2 1e-3.
@@ -36,24 +41,24 @@ def comfy(tmp_path_factory):
     comfy = Path(COMFY)
     if not (comfy / "comfy" / "ldm" / "lightricks" / "av_model.py").exists():
         pytest.skip("this ComfyUI has no LTX-2 (LTXAV) model (0.8.0 and later have)")
-    if "embeddings_connector" in (comfy / "comfy" / "ldm" / "lightricks" /
-                                  "av_model.py").read_text():
-        # not built yet (docs/models.md#ltx-2-video-with-its-sound): the comparison would fail
-        pytest.skip("this ComfyUI's LTXAV runs LTX-2's text connectors inside the diffusion "
-                    "model (0.33.0: its CONDITIONING comes before them); the xDiT MODEL runs "
-                    "the transformer only, as 0.8.0's LTXAV does")
+    # 0.33.0's LTXAV runs the file's text connectors itself, on its text encoder's states
+    connectors = "embeddings_connector" in (comfy / "comfy" / "ldm" / "lightricks" /
+                                            "av_model.py").read_text()
     link_packs(comfy, "xdit-live-test-model-nodes")
     folder = ensure_tiny_model("ltx2", tmp_path_factory.mktemp("ltx2"), **ltx2.SINGLE_FILE_MODEL)
     write_comfy_file("ltx2", folder, comfy / "models" / "diffusion_models" / FILE)
     log = tmp_path_factory.mktemp("comfy-ltx2") / "comfyui.log"
     with running_comfyui(comfy, log) as server:
-        yield dict(server, tmp=log.parent)
+        yield dict(server, tmp=log.parent, connectors=connectors)
 
 
 def _graph(comfy, layout: dict, tag: str, sampler="euler", scheduler="simple", cfg=3.0,
            steps=3, seed=7) -> tuple:
     out = {b: str(comfy["tmp"] / f"{tag}-{b}.safetensors") for b in ("x", "n")}
-    width = 2 * 32  # the video's and the sound's prompt states (caption width 32 each)
+    # the caption width is 32: 0.8.0's text encoder gives the video's and the sound's
+    # prompt states side by side (its connectors' output), 0.33.0's the states before the
+    # connectors, saying so (unprocessed_ltxav_embeds)
+    width, flag = (32, "unprocessed_ltxav_embeds") if comfy["connectors"] else (2 * 32, "")
     wf = {
         "1": {"class_type": "xDiT.LoadModel",
               "inputs": {"model": f"diffusion_models/{FILE}", "device": "cpu",
@@ -63,10 +68,10 @@ def _graph(comfy, layout: dict, tag: str, sampler="euler", scheduler="simple", c
                                                       "weight_dtype": "default"}},
         "4": {"class_type": "XDiTTestRandomConditioning",
               "inputs": {"seed": 1, "tokens": 8, "context_dim": width, "pooled_dim": 0,
-                         "guidance": -1.0}},
+                         "guidance": -1.0, "flag": flag}},
         "5": {"class_type": "XDiTTestRandomConditioning",
               "inputs": {"seed": 2, "tokens": 8, "context_dim": width, "pooled_dim": 0,
-                         "guidance": -1.0}},
+                         "guidance": -1.0, "flag": flag}},
         "6": {"class_type": "XDiTTestEmptyAVLatent",
               "inputs": {"width": 96, "height": 64, "frames": 9, "frame_rate": 24}},
         "14": {"class_type": "LTXVConditioning",

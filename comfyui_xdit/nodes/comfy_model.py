@@ -224,6 +224,26 @@ def _passthrough(value, *args, **kwargs):
     return value
 
 
+def _text_kind_check(fam, path):
+    """ComfyUI's model class of a family that takes two kinds of text states (its
+    `ComfySpec.raw_context_width`) hands them to its diffusion model's
+    preprocess_text_embeds with the conditioning's own word on their kind (`unprocessed`:
+    before the model's own text modules). The pool tells the kinds by their width; this
+    holds the conditioning's word to it: the states, unchanged, or one error."""
+    from comfyui_xdit.planning.model_info import _describe_model
+    d = _describe_model(path)
+    raw = int(fam.comfy.raw_context_width(fam.full_config(d["config"])))
+
+    def preprocess_text_embeds(context, unprocessed=False, **kwargs):
+        if unprocessed and int(context.shape[-1]) != raw:
+            raise ConfigError(f"this CONDITIONING says its text states come before the "
+                              f"{fam.name} model's own text modules, but they are "
+                              f"{int(context.shape[-1])} wide where this model takes {raw} "
+                              f"there: {fam.text.hint}")
+        return context
+    return preprocess_text_embeds
+
+
 def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0,
                 path=None, experts: int = 1):
     """A ComfyUI MODEL (ModelPatcher) for family `arch` whose diffusion model is `pool`.
@@ -237,6 +257,12 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     denoiser = PoolDenoiser(pool, config, arch, on_event=_show_compiling)
     denoiser.cache = cache  # step cache settings (GenerationRequest.cache) or None
     denoiser.expert = int(expert)
+    if fam.comfy.model_inputs is not None:
+        try:
+            denoiser.model_inputs = dict(fam.comfy.model_inputs())
+        except ValueError as e:
+            raise ConfigError(f"the {fam.name} xDiT MODEL: {e}; use ComfyUI's own model "
+                              f"or Sampler (xDiT)") from None
     model_config = conf(dict(getattr(conf, "unet_config", {}), **unet,
                              disable_unet_model_creation=True))
     cls = type(f"Xdit{base.__name__}", (_Weightless, base), {})
@@ -246,6 +272,8 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     _stand_in(model.diffusion_model, fam.comfy.shapes(unet))
     for name in fam.comfy.passthrough:  # work the pool's forward does itself
         setattr(model.diffusion_model, name, _passthrough)
+    if path is not None and fam.comfy.raw_context_width is not None:
+        model.diffusion_model.preprocess_text_embeds = _text_kind_check(fam, path)
     if path is not None:
         from comfyui_xdit import bridge
         _detected_config(model_config.unet_config, path)

@@ -102,6 +102,9 @@ class PoolDenoiser:
         self.lora_rows: dict = {}
         self.lora_parts: dict = {}  # {layer: [(pool layer, first row, rows)]} (comfy_loras)
         self.lora_expert = None  # "high" | "low": a model of two experts' transformer
+        # model inputs that are a property of ComfyUI's own model class (the family's
+        # ComfySpec.model_inputs, set by the MODEL): sent with every call
+        self.model_inputs: dict = {}
 
     @property
     def pool(self):
@@ -113,7 +116,7 @@ class PoolDenoiser:
         import torch
 
         # the family's scalar model inputs (ComfyUI's defaults where the call has none)
-        inputs = {}
+        inputs = dict(self.model_inputs)  # the ComfyUI model class's own (build_model's)
         for name, default in self.family.comfy.call_inputs:
             value = kwargs.pop(name, None)
             inputs[name] = float(default if value is None else value)

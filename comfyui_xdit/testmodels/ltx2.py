@@ -199,7 +199,7 @@ def single_file(sd: dict) -> dict:
     return out
 
 
-def single_file_metadata(config: dict) -> dict:
+def single_file_metadata(config: dict, folder=None) -> dict:
     """The safetensors metadata of a ComfyUI LTX-2 file for a diffusers transformer config:
     the released files' "config" entry, whose "transformer" part ComfyUI's detection reads
     over its own guesses (it assumes 32 heads), in LTXAVModel's argument names."""
@@ -225,4 +225,50 @@ def single_file_metadata(config: dict) -> dict:
         "timestep_scale_multiplier": c.get("timestep_scale_multiplier", 1000),
         "av_ca_timestep_scale_multiplier": c.get("cross_attn_timestep_scale_multiplier",
                                                  1000)}
+    connectors = _connectors_config(folder)
+    if connectors is not None:  # the text connectors' sizes (ComfyUI 0.33.0's LTXAV reads)
+        transformer.update(connectors)
     return {"config": json.dumps({"transformer": transformer})}
+
+
+def _connectors_config(folder):
+    """LTXAVModel's connector arguments for the folder's connectors, or None (no folder)."""
+    import json
+    import pathlib
+    path = None if folder is None else pathlib.Path(folder) / "connectors" / "config.json"
+    if path is None or not path.exists():
+        return None
+    c = json.loads(path.read_text())
+    return {"connector_num_attention_heads": c["video_connector_num_attention_heads"],
+            "connector_attention_head_dim": c["video_connector_attention_head_dim"],
+            "connector_num_layers": c["video_connector_num_layers"],
+            "audio_connector_num_attention_heads": c["audio_connector_num_attention_heads"],
+            "audio_connector_attention_head_dim": c["audio_connector_attention_head_dim"]}
+
+
+def single_file_extra(folder) -> dict:
+    """The folder's text connectors in ComfyUI's names (0.33.0's LTXAVModel holds them
+    beside the transformer, `video_embeddings_connector.` / `audio_embeddings_connector.`),
+    their learnable registers tiled to the 128 rows ComfyUI's connector always has (the
+    same register at every position: 128 is a multiple of the folder's count). Gemma's
+    feature projection (text_proj_in) is ComfyUI's text encoder's, not written."""
+    import pathlib
+
+    from safetensors.torch import load_file
+    sd = load_file(str(pathlib.Path(folder) / "connectors" / "diffusion_pytorch_model.safetensors"))
+    to_comfy = {v: k for k, v in _family.COMFY_CONNECTORS.items()}
+    inside = {v: k for k, v in _family.COMFY_CONNECTOR.items()}
+    out = {}
+    for name, t in sd.items():
+        first, _, rest = name.partition(".")
+        if first not in to_comfy:
+            continue
+        if rest == "learnable_registers":
+            rows = _family.COMFY_CONNECTOR_REGISTERS
+            if rows % t.shape[0]:
+                raise ValueError(f"{t.shape[0]} registers do not tile ComfyUI's {rows}")
+            t = t.repeat(rows // t.shape[0], 1)
+        out[".".join([to_comfy[first]] + [inside.get(p, p) for p in rest.split(".")])] = t
+    for name in out:  # the inverse is the loader's
+        assert _family.connector_name(name) is not None, name
+    return out

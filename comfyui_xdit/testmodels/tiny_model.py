@@ -234,9 +234,11 @@ def ensure_tiny_model(arch: str, cache_dir: str | os.PathLike, **kw) -> pathlib.
 
 def write_comfy_file(arch: str, folder, out) -> pathlib.Path:
     """The folder's transformer as ComfyUI's single file (`model.diffusion_model.` keys, in
-    the names the family's builder gives: its `single_file(state)`; the safetensors
-    metadata its `single_file_metadata(config)` gives, where ComfyUI's detection needs
-    more than the shapes), for ComfyUI's UNETLoader / checkpoint loaders and the pack's."""
+    the names the family's builder gives: its `single_file(state)`, and the tensors its
+    `single_file_extra(folder)` adds, modules ComfyUI's model holds beside the transformer;
+    the safetensors metadata its `single_file_metadata(config, folder)` gives, where
+    ComfyUI's detection needs more than the shapes), for ComfyUI's UNETLoader /
+    checkpoint loaders and the pack's."""
     from safetensors.torch import load_file, save_file
 
     mod = builder(arch)
@@ -244,8 +246,14 @@ def write_comfy_file(arch: str, folder, out) -> pathlib.Path:
         raise ValueError(f"the {arch} test-model builder writes no ComfyUI single file")
     tr = pathlib.Path(folder) / "transformer"
     state = mod.single_file(load_file(str(tr / "diffusion_pytorch_model.safetensors")))
+    if hasattr(mod, "single_file_extra"):  # modules ComfyUI's model holds beside it
+        extra = mod.single_file_extra(folder)
+        if set(extra) & set(state):
+            raise ValueError(f"the {arch} builder's extra tensors overlap the transformer's")
+        state.update(extra)
     config = json.loads((tr / "config.json").read_text())
-    meta = mod.single_file_metadata(config) if hasattr(mod, "single_file_metadata") else None
+    meta = mod.single_file_metadata(config, folder) if hasattr(mod, "single_file_metadata") \
+        else None
     out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file({"model.diffusion_model." + k: v.contiguous() for k, v in state.items()},

@@ -173,6 +173,17 @@ class ComfySpec:
     # the pool's forward does itself (MiniMax-H3's text refiner, preprocess_text_embeds):
     # the xDiT MODEL answers them with their first argument unchanged
     passthrough: tuple = ()
+    # the config -> the width of text states of a second kind that ComfyUI's model class
+    # also takes and runs through modules of its own before the transformer (the modules
+    # a single file holds beside it: the adapter's `side_prefixes`, run by its `raw_text`);
+    # never the width of the context above, so the width alone says which kind a call
+    # carries. None: the family's ComfyUI model takes one kind
+    raw_context_width: Optional[Callable] = None
+    # () -> {name: float}: model inputs the family's forward reads that are a property of
+    # the running ComfyUI's own model class (LTX-2: its blocks' audio-video order), found
+    # once in ComfyUI's process when the xDiT MODEL is built and sent with every call;
+    # raises ValueError where it cannot tell
+    model_inputs: Optional[Callable] = None
 
 
 @dataclass(frozen=True)

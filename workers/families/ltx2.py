@@ -150,6 +150,77 @@ def diffusers_name(name: str) -> str:
     return ".".join(COMFY_BLOCK.get(p, p) for p in parts)
 
 
+# ComfyUI's (the original LTX-2) text connectors, which its LTXAV holds in the diffusion
+# model from 0.33.0 on (0.8.0's text encoder holds them) -> diffusers' LTX2TextConnectors
+# parts; inside them, COMFY_CONNECTOR's renames. Gemma's feature projection before them
+# (text_proj_in) is the text encoder's in ComfyUI
+COMFY_CONNECTORS = {"video_embeddings_connector": "video_connector",
+                    "audio_embeddings_connector": "audio_connector"}
+COMFY_CONNECTOR = {"transformer_1d_blocks": "transformer_blocks", "q_norm": "norm_q",
+                   "k_norm": "norm_k"}
+# what ComfyUI's connectors take when its file's "config" metadata does not say (LTXAVModel's
+# defaults: the release's), and the register count its Embeddings1DConnector always builds
+COMFY_CONNECTOR_DEFAULTS = {"connector_num_attention_heads": 30,
+                            "connector_attention_head_dim": 128, "rope_type": "split"}
+COMFY_CONNECTOR_REGISTERS = 128
+# ComfyUI pads a prompt to at least this many tokens with the connectors' registers
+COMFY_CONNECTOR_MIN_TOKENS = 1024
+
+
+def connector_name(name: str):
+    """A tensor's name in ComfyUI's LTX-2 files -> ("video_connector" | "audio_connector",
+    its name inside diffusers' LTX2ConnectorTransformer1d), or None: not a connector's."""
+    first, _, rest = name.partition(".")
+    part = COMFY_CONNECTORS.get(first)
+    if part is None:
+        return None
+    return part, ".".join(COMFY_CONNECTOR.get(p, p) for p in rest.split("."))
+
+
+def comfy_block_order() -> dict:
+    """{"v2a_after_a2v": 1.0 or 0.0}: whether the running ComfyUI's LTXAV blocks feed their
+    video-to-audio attention the video after the audio-to-video update (0.33.0) or, as
+    diffusers' and Lightricks' own (and 0.8.0's), from before it. Found by running one
+    tiny block of ComfyUI's (random weights) twice, the second time with its audio-to-video
+    output projection zeroed: the sound's output moves only in the former order. In
+    ComfyUI's process only (imports ComfyUI)."""
+    import torch
+    import comfy.ops
+    from comfy.ldm.lightricks.av_model import BasicAVTransformerBlock
+
+    d, gen = 8, torch.Generator().manual_seed(0)
+    try:
+        block = BasicAVTransformerBlock(v_dim=d, a_dim=d, v_heads=1, a_heads=1, vd_head=d,
+                                        ad_head=d, v_context_dim=d, a_context_dim=d,
+                                        operations=comfy.ops.disable_weight_init)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+
+        def sound():  # the same inputs each time
+            inputs = torch.Generator().manual_seed(1)
+
+            def r(*shape):
+                return torch.randn(*shape, generator=inputs)
+            with torch.no_grad():
+                return block((r(1, 3, d), r(1, 2, d)), v_context=r(1, 2, d),
+                             a_context=r(1, 2, d), v_timestep=r(1, 1, 6 * d),
+                             a_timestep=r(1, 1, 6 * d),
+                             v_cross_scale_shift_timestep=r(1, 1, 4 * d),
+                             a_cross_scale_shift_timestep=r(1, 1, 4 * d),
+                             v_cross_gate_timestep=r(1, 1, d),
+                             a_cross_gate_timestep=r(1, 1, d), transformer_options={})[1]
+        before = sound()
+        with torch.no_grad():
+            out = block.audio_to_video_attn.to_out[0]
+            out.weight.zero_()
+            out.bias.zero_()
+        moved = float((sound() - before).abs().max())
+    except Exception as e:  # noqa: BLE001  (another ComfyUI's block signature)
+        raise ValueError(f"cannot tell this ComfyUI's LTX-2 block order ({e})") from None
+    return {"v2a_after_a2v": 1.0 if moved > 1e-6 else 0.0}
+
+
 def config_from_shapes(shapes: dict, naming: str) -> dict:
     """The diffusers config of an LTX-2 (2.0) transformer file, diffusers' naming or
     ComfyUI's ("bfl" here), from its weight shapes; the head widths are the release's (video
@@ -208,10 +279,18 @@ FAMILY = Family(
     # ComfyUI's LTXAV: its LATENT nests the video and the sound (x is [video, audio]),
     # its context is the video's and the sound's prompt states side by side, its
     # timestep sigma, and its conditioning's frame rate (LTXVConditioning; 25 without)
-    # places the video's frames in time against the sound's
+    # places the video's frames in time against the sound's. Its text states come in two
+    # kinds, told apart by their width: after the text connectors (two x caption_channels:
+    # 0.8.0's text encoder runs them), or before them (caption_channels: 0.33.0's text
+    # encoder leaves them to the LTXAV model, which runs the file's own connectors; so does
+    # the pool, workers/models/ltx2_connectors.py)
     comfy=ComfySpec(base=lambda unet: "LTXAV", config=lambda unet: "LTXAV",
                     timestep_scale=1000.0, latent_parts=("video", "audio"),
-                    call_inputs=(("frame_rate", 25.0),), context_streams=2),
+                    call_inputs=(("frame_rate", 25.0),), context_streams=2,
+                    raw_context_width=lambda cfg: int(cfg["caption_channels"]),
+                    # ComfyUI 0.33.0 reordered its blocks' audio-video attentions; the pool
+                    # runs the order of the ComfyUI it serves (workers/models/ltx2_block_order.py)
+                    model_inputs=comfy_block_order),
     defaults=Defaults(cfg=CFG),
     detection=Detection(markers=(("diffusers", ("audio_proj_in.weight",
                                                 "av_cross_attn_video_scale_shift.linear.weight")),

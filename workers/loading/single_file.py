@@ -13,6 +13,8 @@ CONDITIONING, and images are decoded by ComfyUI's VAE.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import families
@@ -182,12 +184,21 @@ IGNORED = ("scaled_fp8", "__index_timestep_zero__")
 IGNORED_SUFFIXES = (".scale_input",)
 
 
-def read_transformer_state(path: str, prefix: str) -> dict:
+def read_transformer_state(path: str, prefix: str, arch: Optional[str] = None) -> dict:
     """The transformer's tensors of a file (prefix stripped), on the CPU; other parts are
-    not read. (Tests and tools; the loader streams instead.)"""
+    not read (with `arch`: nor the modules beside it, `beside_transformer`). (Tests and
+    tools; the loader streams instead.)"""
     from .weights import Checkpoint
     with Checkpoint.open([path]) as ck:
-        return {k[len(prefix):]: ck.read(k) for k in ck.keys() if k.startswith(prefix)}
+        return {k[len(prefix):]: ck.read(k) for k in ck.keys() if k.startswith(prefix)
+                and not (arch and beside_transformer(arch, k[len(prefix):]))}
+
+
+def beside_transformer(arch: str, name: str) -> bool:
+    """A tensor of a single file (its name in the file's naming, prefix stripped) that is
+    not the transformer's but a module's the family's ComfyUI model holds beside it (the
+    adapter's `side_prefixes`, which the adapter loads itself)."""
+    return name.startswith(families.family(arch).adapter_class().side_prefixes or ("\0",))
 
 
 def to_diffusers_state(arch: str, naming: str, sd: dict, config: dict) -> dict:
@@ -206,7 +217,8 @@ def row_map(ck, sf: dict) -> dict:
     row, encoding tensor and row): the converters only split, chunk and concatenate along
     dim 0, so every output row names the file row it came from. Nothing is read."""
     arch, naming, prefix = sf["arch"], sf["naming"], sf["prefix"]
-    names = [k[len(prefix):] for k in ck.keys() if k.startswith(prefix)]
+    names = [k[len(prefix):] for k in ck.keys() if k.startswith(prefix)
+             and not beside_transformer(arch, k[len(prefix):])]
     scale_of = {n[: -len(SCALE_SUFFIX)] + ".weight": prefix + n for n in names
                 if n.endswith(SCALE_SUFFIX)}
     names = [n for n in names if not (n.endswith(SCALE_SUFFIX) or n in IGNORED
@@ -258,7 +270,8 @@ def file_tensors(ck, sf: dict, device, dtype, skip=lambda name: False):
     `dtype` as it arrives, fp8 ones dequantized) and then converted."""
     from .weights import dequantize, is_fp8
     arch, naming, prefix = sf["arch"], sf["naming"], sf["prefix"]
-    names = [k[len(prefix):] for k in ck.keys() if k.startswith(prefix)]
+    names = [k[len(prefix):] for k in ck.keys() if k.startswith(prefix)
+             and not beside_transformer(arch, k[len(prefix):])]
     scale_of = {n[: -len(SCALE_SUFFIX)] + ".weight": prefix + n for n in names
                 if n.endswith(SCALE_SUFFIX)}
     names = [n for n in names if not (n.endswith(SCALE_SUFFIX) or n in IGNORED

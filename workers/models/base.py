@@ -102,6 +102,9 @@ class DiTAdapter:
     # shared): `forward` runs rows at other timesteps as separate transformer calls, which
     # the step cache cannot gate as one call (such a MODEL call is refused under it)
     one_timestep: bool = False
+    # a single file's tensors (names in its naming, prefix stripped) of modules the family's
+    # ComfyUI model holds beside the transformer: the loaders leave them to `raw_text`
+    side_prefixes: tuple = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -429,6 +432,11 @@ class DiTAdapter:
     def conditioning(self, cond, pooled) -> dict:
         """ComfyUI CONDITIONING tensors -> the transformer's text inputs."""
         raise NotImplementedError
+
+    def raw_text(self, model, context):
+        """Text states of the family's second kind (`ComfySpec.raw_context_width`) -> the
+        context `conditioning` takes, through the model's own modules for them."""
+        raise NotImplementedError(f"{self.arch} takes one kind of text states")
 
     def forward(self, model, latents, t, cond: dict, guidance, extra=None, jak=None):
         """One transformer call -> the prediction, in the layout of `latents`."""

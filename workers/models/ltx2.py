@@ -21,9 +21,12 @@ its name in the block, tagged once per transformer (`_tag`).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import families
+from ..families import ltx2 as ltx2_family
 from ..parallel.processors import need_plan
 from ..parallel.sequence_parallel import SequenceLayout
 from . import latent_layout
@@ -138,6 +141,8 @@ class LTX2Adapter(DiTAdapter):
     encoder_skips = ("audio_vae", "vocoder")
     block_states = ("hidden_states", "audio_hidden_states")  # what each block returns
     row_conds = ("audio_encoder_hidden_states",)  # the sound's prompt states, one per row
+    # ComfyUI's text connectors in its files (0.33.0's LTXAV holds them): `raw_text`'s
+    side_prefixes = tuple(f"{name}." for name in ltx2_family.COMFY_CONNECTORS)
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
                       "video_coords": ("video", 2), "audio_coords": ("audio", 2),
@@ -205,13 +210,15 @@ class LTX2Adapter(DiTAdapter):
         fps = float(inputs.get("frame_rate", self.family.comfy.call_inputs[0][1]))
         return {"video_coords": tr.rope.prepare_video_coords(1, t, h, w, dev, fps=fps),
                 "audio_coords": tr.audio_rope.prepare_audio_coords(1, length, dev),
-                "tokens": (t * h * w, length)}
+                "tokens": (t * h * w, length),
+                # ComfyUI 0.33.0's block order (the family's ComfySpec.model_inputs)
+                "v2a_after_a2v": bool(inputs.get("v2a_after_a2v", 0.0))}
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
         """ComfyUI's (the original LTX-2) names -> LTX2VideoTransformer3DModel's, key by key
-        (pure renames; the text connectors a full checkpoint holds are not the
-        transformer's and are refused by the loader as unknown weights)."""
+        (pure renames; the text connectors a file holds are not the transformer's: the
+        loaders leave them to `raw_text`, `side_prefixes`)."""
         from ..families.ltx2 import diffusers_name
         return {diffusers_name(k): v for k, v in sd.items()}
 
@@ -253,6 +260,15 @@ class LTX2Adapter(DiTAdapter):
         half = int(cond.shape[-1]) // 2
         return {"encoder_hidden_states": cond[..., :half],
                 "audio_encoder_hidden_states": cond[..., half:]}
+
+    def raw_text(self, model, context):
+        """Text states before LTX-2's text connectors (ComfyUI 0.33.0's CONDITIONING) ->
+        ComfyUI's LTX-2 context, through the model's own connectors, as ComfyUI's LTXAV
+        runs them (workers/models/ltx2_connectors.py)."""
+        from . import ltx2_connectors
+        conns = ltx2_connectors.connectors_of(model)
+        with torch.inference_mode():
+            return ltx2_connectors.run(conns, context.to(model.device, model.dtype))
 
     @staticmethod
     def slice_cond(cond: dict, sl: slice) -> dict:
@@ -351,17 +367,22 @@ class LTX2Adapter(DiTAdapter):
         n0 = 0 if first is None else first.shape[1]
         if n0:
             timestep = torch.cat([t.new_zeros(b, n0), t.expand(b, nv - n0)], 1)
-        video, audio = tr(
-            hidden_states=x[:, :nv], audio_hidden_states=x[:, nv:],
-            encoder_hidden_states=text, audio_encoder_hidden_states=audio_text,
-            timestep=timestep, audio_timestep=t.expand(b), sigma=t.expand(b),
-            video_coords=extra["video_coords"].expand(b, -1, -1, -1),
-            audio_coords=extra["audio_coords"].expand(b, -1, -1, -1),
-            use_cross_timestep=True,  # LTX2Pipeline's default
-            # a guidance pass's changes (`guidance_passes`): off by default
-            isolate_modalities=bool(extra.get("isolate_modalities", False)),
-            spatio_temporal_guidance_blocks=list(extra.get("stg_blocks", ())) or None,
-            attention_kwargs=dict(jak or {}), return_dict=False)
+        order = contextlib.nullcontext()
+        if extra.get("v2a_after_a2v"):  # ComfyUI 0.33.0's LTXAV order (a MODEL call's)
+            from .ltx2_block_order import v2a_after_a2v
+            order = v2a_after_a2v(tr)
+        with order:
+            video, audio = tr(
+                hidden_states=x[:, :nv], audio_hidden_states=x[:, nv:],
+                encoder_hidden_states=text, audio_encoder_hidden_states=audio_text,
+                timestep=timestep, audio_timestep=t.expand(b), sigma=t.expand(b),
+                video_coords=extra["video_coords"].expand(b, -1, -1, -1),
+                audio_coords=extra["audio_coords"].expand(b, -1, -1, -1),
+                use_cross_timestep=True,  # LTX2Pipeline's default
+                # a guidance pass's changes (`guidance_passes`): off by default
+                isolate_modalities=bool(extra.get("isolate_modalities", False)),
+                spatio_temporal_guidance_blocks=list(extra.get("stg_blocks", ())) or None,
+                attention_kwargs=dict(jak or {}), return_dict=False)
         # the start frame stays as it is (the pipeline steps the later frames only); the
         # loop's guidance passes keep its prediction, which the pipeline's rescale reads
         # (`guide` then holds it)

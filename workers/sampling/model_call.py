@@ -157,7 +157,8 @@ def _rows_problem(adapter, cfg, n, timestep, guidance, chunks, new_conds, cache,
         if c is None:  # cached: checked when it arrived
             cached = cache.items.get(key)
             if cached is not None:
-                lengths.add(int(cached["encoder_hidden_states"].shape[1]))
+                lengths.add(cached.get(GIVEN_TEXT) or
+                            ("", int(cached["encoder_hidden_states"].shape[1])))
                 references.add(cached.get("ref_layout"))
                 image = cached.get("image_embeds")
                 images.add(None if image is None else tuple(image.shape[1:]))
@@ -184,20 +185,22 @@ def _rows_problem(adapter, cfg, n, timestep, guidance, chunks, new_conds, cache,
             return problem
         references.add(reference_layout(adapter, c))
         ctx, pooled = as_tensor(c.context), as_tensor(c.pooled)
-        # ComfyUI's context: the text states of every stream that has its own, side by side
-        width = adapter.family.text_width(cfg) * adapter.family.comfy.context_streams
-        if ctx.shape[2] != width:
-            return (f"conditioning {key}: text states must be [{rows}, tokens, "
-                    f"{width}] (got {tuple(ctx.shape)})")
+        kind, problem = text_kind(adapter.family, cfg, int(ctx.shape[2]))
+        if problem:
+            return f"conditioning {key}: {problem} (got {tuple(ctx.shape)})"
         # a family without a pooled projection (FLUX.2) needs no pooled output (nor uses it)
         if adapter.family.text.pooled and (
                 pooled is None or pooled.shape[1] != int(cfg.pooled_projection_dim)):
             return (f"conditioning {key}: pooled output must be [{rows}, "
                     f"{int(cfg.pooled_projection_dim)}] (got "
                     f"{None if pooled is None else tuple(pooled.shape)})")
-        lengths.add(int(ctx.shape[1]))
+        lengths.add((kind, int(ctx.shape[1])))
+    if len({k for k, _ in lengths}) > 1:
+        return ("the conditionings of one call hold text states of both kinds (before and "
+                "after the model's own text modules); give them all of one kind")
     if len(lengths) > 1 and not adapter.family.comfy.ragged_text:  # (else padded, `_texts`)
-        return f"the conditionings of one call have different token counts {sorted(lengths)}"
+        return (f"the conditionings of one call have different token counts "
+                f"{sorted(n for _, n in lengths)}")
     if len(references) > 1:
         return ("the conditionings of one call have different reference latents (sizes or "
                 "method); one call runs one image stream layout")
@@ -209,6 +212,28 @@ def _rows_problem(adapter, cfg, n, timestep, guidance, chunks, new_conds, cache,
                 "present in some, or of other sizes); give the positive and the negative the "
                 "same clip_vision_output (WanImageToVideo does)")
     return ""
+
+
+# a cached conditioning's text states as they were given: (kind, tokens)
+GIVEN_TEXT = "given_text"
+
+
+def text_kind(family, cfg, width: int) -> tuple:
+    """("" | "raw", problem or ""): which kind of text states a context of `width` holds.
+    ComfyUI's context: the text states of every stream that has its own, side by side; or,
+    where the family's ComfyUI model also takes them (`ComfySpec.raw_context_width`), the
+    states its own text modules still have to turn into those. Told apart by the width,
+    which the family declares distinct; any other width is one error naming both."""
+    want = family.text_width(cfg) * family.comfy.context_streams
+    if width == want:
+        return "", ""
+    raw = family.comfy.raw_context_width
+    raw = None if raw is None else int(raw(cfg))
+    if raw is not None and raw != want and width == raw:
+        return "raw", ""
+    return "", (f"text states must be [rows, tokens, {want}]" if raw is None else
+                f"text states must be [rows, tokens, {want}] (the transformer's) or "
+                f"[rows, tokens, {raw}] (before the model's own text modules)")
 
 
 def _image_states_problem(family, cfg, key: str, rows: int, image) -> str:
@@ -264,8 +289,14 @@ def _cached(cache: CondCache, key: str, value, model, adapter) -> None:
     dev, dtype = model.device, model.dtype
     extra = {} if value.context_2 is None else \
         {"context_2": as_tensor(value.context_2)}  # a second text encoder's states
-    d = adapter.conditioning(as_tensor(value.context), as_tensor(value.pooled), **extra)
+    ctx = as_tensor(value.context)
+    kind, _ = text_kind(adapter.family, model.transformer.config, int(ctx.shape[2]))
+    given = (kind, int(ctx.shape[1]))
+    if kind == "raw":  # through the model's own text modules first (checked: `_rows_problem`)
+        ctx = adapter.raw_text(model, ctx)
+    d = adapter.conditioning(ctx, as_tensor(value.pooled), **extra)
     d = {k: v.to(dev, dtype if v.is_floating_point() else None) for k, v in d.items()}
+    d[GIVEN_TEXT] = given
     if value.image_embeds is not None:  # Wan 2.1 I2V: the CLIP vision states
         d["image_embeds"] = as_tensor(value.image_embeds).to(dev, dtype)
     if value.ref_latents:  # packed once per sampling run, like the text
@@ -337,7 +368,7 @@ def run_call(call: ModelCall, model, adapter, topo, cache: CondCache, planes,
                        "encoder_hidden_states_2") or k in adapter.row_conds:
                 cond[k] = conds[0][k] if len(conds) == 1 else torch.cat([cd[k] for cd in conds])
                 cond[k] = cond[k][mine]
-            elif k != "ref_layout":
+            elif k not in ("ref_layout", GIVEN_TEXT):
                 cond[k] = conds[0][k]  # per-token ids, shared by the batch
         x = x_all[mine].to(dev, dtype)  # the call's inputs: the one upload per call
         t = t_all[mine].to(dev, torch.float32)

@@ -34,13 +34,16 @@ class XDiTTestRandomConditioning:
                              "context_dim": ("INT", {"default": 4096, "min": 1, "max": 65536}),
                              "pooled_dim": ("INT", {"default": 2048, "min": 0, "max": 8192}),
                              "guidance": ("FLOAT", {"default": -1.0, "min": -1.0,
-                                                    "max": 100.0})}}
+                                                    "max": 100.0})},
+                # a conditioning key set to True: a text encoder's word on its states
+                # (ComfyUI 0.33.0's LTX-2 encoder sets unprocessed_ltxav_embeds)
+                "optional": {"flag": ("STRING", {"default": ""})}}
 
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "make"
     CATEGORY = "xDiT tests"
 
-    def make(self, seed, tokens, context_dim, pooled_dim, guidance):
+    def make(self, seed, tokens, context_dim, pooled_dim, guidance, flag=""):
         import torch
         g = torch.Generator().manual_seed(int(seed))
         ctx = torch.randn(1, tokens, context_dim, generator=g)
@@ -50,6 +53,8 @@ class XDiTTestRandomConditioning:
         extra = {"pooled_output": pooled}
         if guidance >= 0:  # FLUX embedded guidance (what FluxGuidance sets)
             extra["guidance"] = float(guidance)
+        if flag:
+            extra[flag] = True
         return ([[ctx, extra]],)
 
 
