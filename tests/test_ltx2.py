@@ -565,16 +565,19 @@ def test_model_call_is_the_transformer_in_comfyuis_conventions(folders, pipes, l
 
 
 def test_model_call_refuses_what_it_cannot_run_in_one_line():
-    """A timestep per part that differ (a noise mask on the AV LATENT), or a LATENT without
-    its sound, is one clear error before anything reaches a pool."""
+    """Timesteps that are neither one per row nor one per token of a part (a video part's
+    12 tokens given 11), or a LATENT without its sound, are one clear error before anything
+    reaches a pool."""
     from comfyui_xdit.nodes.model_calls import PoolDenoiser
     from comfyui_xdit.planning.config import ConfigError
 
     video, audio = torch.zeros(2, 128, 2, 2, 3), torch.zeros(2, 8, 9, 16)
     model = PoolDenoiser(None, ParallelConfig(), "ltx2")
     context = torch.zeros(2, 7, 64)
-    with pytest.raises(ConfigError, match="one timestep per row"):
-        model([video, audio], (torch.full((2,), 0.5), torch.full((2,), 0.7)), context=context)
+    with pytest.raises(ConfigError, match=r"one timestep per latent row \(2\) or per token "
+                                          r"\(2 x 12\); got 22"):
+        model([video, audio], (torch.full((2, 11, 1), 0.5), torch.full((2,), 0.7)),
+              context=context)
     with pytest.raises(ConfigError, match="nested LATENT of 2 parts"):
         model(video, torch.full((2,), 0.5), context=context)
 

@@ -19,7 +19,7 @@ import comfy.model_patcher
 import comfy.supported_models
 
 from comfyui_xdit.planning.config import ConfigError
-from comfyui_xdit.nodes import comfy_loras
+from comfyui_xdit.nodes import comfy_loras, token_timesteps
 from comfyui_xdit.nodes.model_calls import PoolDenoiser
 from comfyui_xdit.nodes.node_text import compiling_text, model_cache_text
 
@@ -191,6 +191,8 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
     _stand_in(model.diffusion_model, fam.comfy.shapes(unet))
     for name in fam.comfy.passthrough:  # work the pool's forward does itself
         setattr(model.diffusion_model, name, _passthrough)
+    # a noise mask's timesteps per token: the patchifiers the model class makes them with
+    token_timesteps.install(model.diffusion_model, fam)
     if path is not None:
         from comfyui_xdit import bridge
         _detected_config(model_config.unet_config, path)

@@ -11,7 +11,7 @@ ComfyUI's cfg g."""
 from __future__ import annotations
 
 from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, ExtraGuidance,
-               Family, ImageToVideo, LatentSpec, Presets, SoundTrack, Text)
+               Family, ImageToVideo, LatentSpec, Presets, SoundTrack, Text, TokenTimesteps)
 from ..streams import Attention, Stream, TokenLayout
 from ._shapes import numbered
 
@@ -120,6 +120,13 @@ TOKENS = TokenLayout(
                 Attention(("video",), ("audio",)), Attention(("audio",), ("video",))))
 
 
+# a row's video [128, frames, h, w] has a token per latent pixel (frame by frame), its sound
+# [8, latent frames, 16] one per latent frame
+TOKEN_TIMESTEPS = TokenTimesteps(token_axes=((1, 2, 3), (1,)),
+                                 patchifiers=(("patchifier", 0), ("a_patchifier", 1)),
+                                 mask_inputs=("denoise_mask", "audio_denoise_mask"))
+
+
 # ComfyUI's (the original LTX-2) top-level names -> diffusers'; in the blocks, COMFY_BLOCK's
 COMFY_TOP = {"patchify_proj": "proj_in", "audio_patchify_proj": "audio_proj_in",
              "adaln_single": "time_embed", "audio_adaln_single": "audio_time_embed",
@@ -210,6 +217,10 @@ FAMILY = Family(
                         config_names={"text_width": "caption_channels"}),
     tokens=TOKENS,
     capabilities=(SOUND, ImageToVideo(inputs=image_to_video, optional=True),
+                  # ComfyUI's LTXAV: a noise mask on the AV LATENT (LTXVImgToVideo's start
+                  # frame) becomes a timestep per video token and per sound token (its
+                  # process_timestep, through the video's and the sound's patchifiers)
+                  TOKEN_TIMESTEPS,
                   ExtraGuidance(settings=GUIDANCE, problems=guidance_problems),
                   CausalVAE(whole_video=True, one_rank=True),
                   Presets(PRESETS)),
