@@ -252,3 +252,45 @@ def test_comfyui_lora_loaders_record_patches_on_the_clone(monkeypatch):
     assert model.state_dict()["diffusion_model.a.to_q.weight"].is_meta
     assert "a.qkv" in weights and rows["a.qkv"] == 6 and parts["a.qkv"] == [("a.to_q", 0, 6)]
     monkeypatch.delitem(sys.modules, "comfyui_xdit.nodes.comfy_model", raising=False)
+
+
+# ---- a timestep per token (a noise mask on the LATENT) ---------------------------------------
+def test_a_timestep_per_token_is_refused_in_one_line_where_the_family_takes_none():
+    """Every family whose ComfyUI model takes no timestep per token (no TokenTimesteps)
+    refuses one, or the mask input ComfyUI passes with it, in one line that names the noise
+    mask and the families that take one, before any pool is asked; a family that declares it
+    takes it (the pool-side checks: tests/conformance/test_token_timesteps.py)."""
+    from comfyui_xdit.bridge import families
+    from comfyui_xdit.nodes import token_timesteps
+
+    takers = [f.name for f in families.FAMILIES.values()
+              if f.capability(families.TokenTimesteps)]
+    assert takers
+    refusing = [a for a, f in families.FAMILIES.items()
+                if not f.capability(families.TokenTimesteps)]
+    assert refusing
+    for arch in refusing:
+        fam = families.family(arch)
+        den = PoolDenoiser(None, ParallelConfig(), arch)
+        with pytest.raises(ConfigError) as e:
+            den._timesteps(torch.full((2, 12, 1), 0.5), 2, (16, 2, 3))
+        line = str(e.value)
+        assert "\n" not in line and "noise mask" in line and takers[0] in line, line
+        with pytest.raises(ConfigError, match="noise mask"):
+            token_timesteps.pool_timesteps(fam, (torch.full((2,), 0.5), torch.full((2,), 0.7)),
+                                           2, [(16, 2, 3), (8, 9, 16)], 1.0)
+        with pytest.raises(ConfigError, match=r"noise mask \(denoise_mask\)"):
+            den._refuse(None, {}, {"denoise_mask": torch.ones(2, 1, 2, 3)})
+    # the one-per-row call is unchanged: every token at its row's timestep collapses to [N]
+    for arch in [a for a, f in families.FAMILIES.items()
+                 if f.capability(families.TokenTimesteps)]:
+        fam = families.family(arch)
+        spec = fam.capability(families.TokenTimesteps)
+        shapes = [(4,) + (3,) * max(spec.token_axes[i]) for i in range(len(spec.token_axes))]
+        tokens = spec.tokens(shapes)
+        steps = [torch.full((2, k, 1), 0.5) for k in tokens]
+        assert tuple(token_timesteps.pool_timesteps(fam, steps, 2, shapes, 2.0).shape) == (2,)
+        steps[0][:, 0] = 0.0
+        t = token_timesteps.pool_timesteps(fam, steps, 2, shapes, 2.0)
+        assert tuple(t.shape) == (2, sum(tokens)) and float(t[0, 0]) == 0 and \
+            float(t[0, 1]) == 1.0
