@@ -21,10 +21,24 @@ from pathlib import Path
 
 import pytest
 
-from live_comfy import run, skip_without_comfyui, tensors, twin_ksamplers, with_settings
+from live_comfy import COMFY, run, skip_without_comfyui, tensors, twin_ksamplers, with_settings
 from test_comfyui_live_ltx2_model import FILE, TOL, comfy  # noqa: F401  (the fixture)
 
 pytestmark = skip_without_comfyui
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_cross_timesteps():
+    """ComfyUI 0.33.0's LTXAV gates each stream's cross-attention by the other stream's
+    largest timestep, where 0.8.0's (and the pool's per-token call) gate by the stream's own
+    tokens' timesteps: with a start frame those differ, so there the comparison would fail
+    (docs/models.md#ltx-2-video-with-its-sound)."""
+    source = Path(COMFY or ".") / "comfy" / "ldm" / "lightricks" / "av_model.py"
+    if source.exists() and "a_timestep_scaled.max()" in source.read_text():
+        pytest.skip("this ComfyUI's LTXAV gates the cross-attention by the other stream's "
+                    "largest timestep (0.33.0); the xDiT MODEL's timestep per token gates "
+                    "by each stream's own tokens, as 0.8.0's does")
+
 
 SIZE = dict(width=96, height=64, length=9)  # 2 latent frames of 2 x 3 tokens, 10 sound
 
