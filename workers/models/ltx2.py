@@ -9,7 +9,8 @@ LTX2Pipeline steps both with the same sigmas, and its x0-space CFG delta is cond
 precomputed RoPE coordinates, and joins its two outputs.
 
 Sequence parallelism shards the video (near-evenly, padded to its longest shard by the
-hooks): its tokens, its RoPE coordinates and, from a start frame, the per-token timestep; the
+hooks): its tokens, its RoPE coordinates and, from a start frame (or ComfyUI's noise mask:
+a MODEL call's timestep per token, the sound's too), the per-token timestep; the
 sound (short: 25 tokens a second) and the prompt (one copy per stream, the connectors'
 output) stay whole on every rank, as the family's token layout declares (the layout may
 shard the sound instead: the same hooks split its tokens and coordinates, exact too). Each attention runs through the method's attention as the family's token layout
