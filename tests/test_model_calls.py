@@ -294,3 +294,23 @@ def test_a_timestep_per_token_is_refused_in_one_line_where_the_family_takes_none
         t = token_timesteps.pool_timesteps(fam, steps, 2, shapes, 2.0)
         assert tuple(t.shape) == (2, sum(tokens)) and float(t[0, 0]) == 0 and \
             float(t[0, 1]) == 1.0
+
+
+def test_the_workers_check_a_calls_timesteps_against_the_family():
+    """Rank 0 checks a call's timesteps before anything is broadcast (a host other than the
+    xDiT MODEL may send any): one per row always; one per token of the parts only for a
+    family that takes it, and then exactly the parts' token count."""
+    from comfyui_xdit.bridge import families, worker_module
+    problem = worker_module("sampling.model_call").timestep_problem
+    for arch, fam in families.FAMILIES.items():
+        spec = fam.capability(families.TokenTimesteps)
+        shapes = [(4, 2, 2, 3)] if spec is None else \
+            [(4,) + (2,) * max(axes) for axes in spec.token_axes]
+        assert problem(fam, torch.zeros(2), 2, shapes) == ""
+        if spec is None:
+            assert "one timestep per latent row" in problem(fam, torch.zeros(2, 12), 2, shapes)
+            continue
+        tokens = sum(spec.tokens(shapes))
+        assert problem(fam, torch.zeros(2, tokens), 2, shapes) == ""
+        assert f"one per token [2, {tokens}]" in problem(fam, torch.zeros(2, tokens - 1), 2,
+                                                         shapes)
