@@ -314,3 +314,43 @@ def test_the_workers_check_a_calls_timesteps_against_the_family():
         assert problem(fam, torch.zeros(2, tokens), 2, shapes) == ""
         assert f"one per token [2, {tokens}]" in problem(fam, torch.zeros(2, tokens - 1), 2,
                                                          shapes)
+
+
+def test_a_comfyui_that_uses_the_timesteps_per_token_otherwise_is_refused(tmp_path, monkeypatch):
+    """A family's `TokenTimesteps.comfy_differs` names ComfyUI versions whose model uses a
+    timestep per token otherwise than the pool runs it (LTX-2: 0.33.0's cross-attention
+    gates), by a text of the module's source: there the MODEL refuses a timestep per token in
+    one line saying what that ComfyUI does, and still takes one per row; where the module
+    lacks the text (or is absent: no ComfyUI), nothing is refused. Checked with a stand-in
+    module of each kind."""
+    import dataclasses
+
+    from comfyui_xdit.bridge import families
+    from comfyui_xdit.nodes import token_timesteps
+
+    fam = next(f for f in families.FAMILIES.values()
+               if f.capability(families.TokenTimesteps))
+    spec = fam.capability(families.TokenTimesteps)
+    assert spec.comfy_differs and token_timesteps.comfy_difference(fam) == ""  # no ComfyUI
+    (tmp_path / "xdit_stand_in_new.py").write_text("x = y.max()  # MARK\n")
+    (tmp_path / "xdit_stand_in_old.py").write_text("x = y\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shapes = [(4,) + (2,) * max(axes) for axes in spec.token_axes]
+    steps = [torch.full((2, k, 1), 0.5) for k in spec.tokens(shapes)]
+    steps[0][:, 0] = 0.0
+    for module, differs in (("xdit_stand_in_new", True), ("xdit_stand_in_old", False)):
+        mine = dataclasses.replace(spec, comfy_differs=((module, "y.max()", "gates by MARK"),))
+        other = dataclasses.replace(fam, capabilities=tuple(
+            mine if isinstance(c, families.TokenTimesteps) else c for c in fam.capabilities))
+        what = token_timesteps.comfy_difference(other)
+        assert what == ("gates by MARK" if differs else "")
+        plain = token_timesteps.pool_timesteps(other, [torch.full((2,), 0.5)] * len(shapes),
+                                               2, shapes, 1.0, what)
+        assert tuple(plain.shape) == (2,)
+        if differs:
+            with pytest.raises(ConfigError, match="model gates by MARK when its LATENT has a "
+                                                  "noise mask") as e:
+                token_timesteps.pool_timesteps(other, steps, 2, shapes, 1.0, what)
+            assert "\n" not in str(e.value)
+        else:
+            assert token_timesteps.pool_timesteps(other, steps, 2, shapes, 1.0, what).dim() == 2

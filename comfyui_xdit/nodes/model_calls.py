@@ -97,6 +97,9 @@ class PoolDenoiser:
         self.lora_rows: dict = {}
         self.lora_parts: dict = {}  # {layer: [(pool layer, first row, rows)]} (comfy_loras)
         self.lora_expert = None  # "high" | "low": a model of two experts' transformer
+        # what this ComfyUI's model does otherwise with a timestep per token (set by the
+        # MODEL: token_timesteps.comfy_difference; "": as the pool runs it)
+        self.token_differs = ""
 
     @property
     def pool(self):
@@ -169,7 +172,7 @@ class PoolDenoiser:
         n = int(flat.shape[0])
         # one per row, or one per token where the family takes it (token_timesteps.py)
         t = token_timesteps.pool_timesteps(self.family, timestep, n, shapes,
-                                           self.family.comfy.timestep_scale)
+                                           self.family.comfy.timestep_scale, self.token_differs)
         chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n)
         out = self._request(flat, t, None, chunks, conds, transformer_options,
                             parts=shapes, inputs=inputs)
@@ -188,7 +191,8 @@ class PoolDenoiser:
         the family takes it (`row`: a latent row's shape, token_timesteps.py)."""
         if timestep.numel() not in (1, n) and row is not None:
             return token_timesteps.pool_timesteps(self.family, timestep, n, [row],
-                                                  self.family.comfy.timestep_scale)
+                                                  self.family.comfy.timestep_scale,
+                                                  self.token_differs)
         if timestep.numel() not in (1, n):
             raise token_timesteps.refusal(self.family, f"{timestep.numel()} timesteps for {n} "
                                                        f"rows (a timestep per token)")

@@ -124,7 +124,15 @@ TOKENS = TokenLayout(
 # [8, latent frames, 16] one per latent frame
 TOKEN_TIMESTEPS = TokenTimesteps(token_axes=((1, 2, 3), (1,)),
                                  patchifiers=(("patchifier", 0), ("a_patchifier", 1)),
-                                 mask_inputs=("denoise_mask", "audio_denoise_mask"))
+                                 mask_inputs=("denoise_mask", "audio_denoise_mask"),
+                                 # 0.33.0's LTXAV gates each stream's audio-video
+                                 # cross-attention by the other stream's largest timestep
+                                 # (0.8.0's, and the pool, by the stream's own tokens')
+                                 comfy_differs=(("comfy.ldm.lightricks.av_model",
+                                                 "a_timestep_scaled.max()",
+                                                 "gates each stream's audio-video "
+                                                 "cross-attention by the other stream's "
+                                                 "largest timestep"),))
 
 
 # ComfyUI's (the original LTX-2) top-level names -> diffusers'; in the blocks, COMFY_BLOCK's

@@ -195,6 +195,10 @@ class _StandInAudioVAE:
     sample_rate = 16000
     latents_per_second = 16000 / 160 / 4  # 16 kHz mel frames, hop 160, 4x in time: 25
 
+    @property
+    def first_stage_model(self):  # where ComfyUI 0.33.0's node reads the counts
+        return self
+
     def num_of_latents_from_frames(self, frames_number, frame_rate):
         import math
         return math.ceil(float(frames_number) / frame_rate * self.latents_per_second)
