@@ -1,7 +1,7 @@
 """The xDiT MODEL's call with a timestep per token (a noise mask on the LATENT: a start frame
 at timestep 0; tests/family_requests.masked_call), for every family whose ComfyUI model takes
-one (its TokenTimesteps): Ulysses 2, CFG 2, CFG 2 x Ulysses 2 and Ulysses 2 split 3:1 (each
-rank's tokens by weight, unpadded) equal the call at one rank (<= 1e-4, part by part), under
+one (its TokenTimesteps): Ulysses 2, Ring 2, CFG 2, CFG 2 x Ulysses 2 and Ulysses 2 split
+3:1 (each rank's tokens by weight, unpadded) equal the call at one rank (<= 1e-4, part by part), under
 the NCCL-rules emulation: the timesteps are sharded with their tokens (and whole where a
 stream is replicated). That one rank is the family's transformer in ComfyUI's conventions is
 the family's own test (LTX-2: tests/test_ltx2.py).
@@ -19,7 +19,8 @@ from family_requests import families, masked_call
 
 from .cases import CASES, NCCL_RULES, TOL, maxdiff
 
-LAYOUTS = {"ulysses2": ParallelConfig(ulysses=2), "cfg2": ParallelConfig(cfg_parallel=True),
+LAYOUTS = {"ulysses2": ParallelConfig(ulysses=2), "ring2": ParallelConfig(ring=2),
+           "cfg2": ParallelConfig(cfg_parallel=True),
            "cfg2xulysses2": ParallelConfig(cfg_parallel=True, ulysses=2),
            "ulysses2-3:1": ParallelConfig(ulysses=2, split="3,1")}
 TAKERS = [a for a in CASES if families.family(a).capability(families.TokenTimesteps)]
