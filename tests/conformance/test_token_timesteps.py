@@ -68,3 +68,21 @@ def test_token_timesteps_on_two_ranks_equal_one_rank(arch, name, family_pools, m
     assert d <= TOL, f"{arch} {name}: {d:.3e} from one rank"
     ignored = maxdiff(call_model(pool, LAYOUTS[name], arch, unmasked(call)), want)
     assert ignored > 1e-3, f"{arch} {name}: the mask ignored is not caught ({ignored:.2e})"
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, id=a) for a in TAKERS])
+def test_token_timesteps_run_under_the_step_cache(arch, family_pools, model_dir):
+    """The step cache on the MODEL (a row's decision reads the first block's output, per
+    token here): the same call with a timestep per token twice at Ulysses 2, the cache on,
+    computes the first call's rows and skips the second's (nothing changed), both equal to
+    one rank without the cache."""
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    call, want, _ = one_rank(arch, family_pools, model_dir)
+    config = LAYOUTS["ulysses2"]
+    den = PoolDenoiser(family_pools.get(arch, config, worker_hooks=[NCCL_RULES]),
+                       config.with_world_size(config.product), arch)
+    den.cache = dict(threshold=1e-3, warmup=0, head=1, tail=0, max_skips=0)
+    for _ in range(2):
+        got = den(**call)
+        assert maxdiff(got, want) <= TOL, f"{arch}: {maxdiff(got, want):.3e} under the cache"
+    assert den.cache_counts == {"computed": 2, "skipped": 2}, den.cache_counts
