@@ -98,3 +98,26 @@ def model_call_inputs(arch: str, folder, seed: int = 4) -> dict:
         call[second.comfy_input] = torch.randn(2, 5, fam.config_width("text_2_width", cfg),
                                                generator=gen)
     return call
+
+
+def masked_call(arch: str, folder, seed: int = 4) -> dict:
+    """`model_call_inputs` with a timestep per token, as ComfyUI's model class makes it from
+    a noise mask on the LATENT for a family that takes one (its TokenTimesteps): the first
+    part's first index along its first token axis (a video's first latent frame: an
+    image-to-video node's start frame) masked to 0, every other token of every part at the
+    row's sigma; each part's mask times the timestep flattened to its tokens by the
+    patchifier the xDiT MODEL gives ComfyUI's model class ([rows, tokens, 1])."""
+    from comfyui_xdit.nodes.token_timesteps import TokenPatchifier
+    spec = families.family(arch).capability(families.TokenTimesteps)
+    call = model_call_inputs(arch, folder, seed)
+    parts = call["x"] if isinstance(call["x"], list) else [call["x"]]
+    sigma = call["timestep"][0] if isinstance(call["timestep"], tuple) else call["timestep"]
+    steps = []
+    for i, (x, axes) in enumerate(zip(parts, spec.token_axes)):
+        row = x.shape[1:]
+        mask = torch.ones(x.shape[0], *[row[a] if a in axes else 1 for a in range(len(row))])
+        if i == 0:
+            mask.narrow(axes[0] + 1, 0, 1).zero_()
+        steps.append(TokenPatchifier(axes).patchify(mask * sigma.view(-1, *[1] * len(row)))[0])
+    call["timestep"] = tuple(steps) if isinstance(call["x"], list) else steps[0]
+    return call

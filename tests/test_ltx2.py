@@ -564,17 +564,67 @@ def test_model_call_is_the_transformer_in_comfyuis_conventions(folders, pipes, l
     assert float((other[0] - got[0]).abs().max()) > 1e-4, "the frame rate is not read"
 
 
+def test_model_call_takes_a_timestep_per_token(folders, pipes, layout_pools):
+    """A noise mask on the AV LATENT (the start frame's tokens at timestep 0, as ComfyUI's
+    LTXAV makes a timestep per token of each part from it: tests/family_requests.masked_call)
+    through the xDiT MODEL at one rank is the diffusers transformer called with those
+    per-token timesteps (the video's and the sound's, sigma * 1000) and each stream's
+    cross-attention modulated by its own tokens' timesteps (ComfyUI's LTXAV: diffusers'
+    use_cross_timestep=False). Negative controls: the mask ignored, and the pipeline's
+    crossed modulation, each move the prediction."""
+    from comfyui_xdit.nodes.model_calls import PoolDenoiser
+    from family_requests import masked_call
+
+    call = masked_call("ltx2", folders["t2v"])
+    pool = layout_pools.get(folders["t2v"], ParallelConfig())
+    got = PoolDenoiser(pool, ParallelConfig(), "ltx2")(**call)
+    video, audio = call["x"]
+    b, c, t, h, w = video.shape
+    length = audio.shape[2]
+    v_t, a_t = (s.reshape(b, -1) * 1000 for s in call["timestep"])
+    assert bool((v_t[:, :h * w] == 0).all()) and bool((v_t[:, h * w:] == 700).all())
+    tr = pipes["t2v"].transformer
+    half = call["context"].shape[2] // 2
+
+    def transformer(timestep, audio_timestep, crossed):
+        with torch.no_grad():
+            v, a = tr(hidden_states=video.flatten(2).transpose(1, 2),
+                      audio_hidden_states=audio.transpose(1, 2).flatten(2, 3),
+                      encoder_hidden_states=call["context"][..., :half],
+                      audio_encoder_hidden_states=call["context"][..., half:],
+                      timestep=timestep, audio_timestep=audio_timestep,
+                      sigma=torch.full((b,), 700.0),
+                      video_coords=tr.rope.prepare_video_coords(b, t, h, w, "cpu", fps=25.0),
+                      audio_coords=tr.audio_rope.prepare_audio_coords(b, length, "cpu"),
+                      use_cross_timestep=crossed, return_dict=False)
+        return [v.transpose(1, 2).reshape(video.shape),
+                a.reshape(b, length, 8, 16).transpose(1, 2)]
+
+    want = transformer(v_t, a_t, False)
+    check(got[0], want[0], "MODEL call per token video")
+    check(got[1], want[1], "MODEL call per token sound")
+    plain = PoolDenoiser(pool, ParallelConfig(), "ltx2")(
+        **dict(call, timestep=(torch.full((b,), 0.7),) * 2))
+    assert float((plain[0] - got[0]).abs().max()) > 1e-3, "the mask is not read"
+    crossed = transformer(v_t, a_t, True)
+    assert float((crossed[0] - got[0]).abs().max()) > 1e-3, \
+        "the cross-attention modulation does not tell ComfyUI's from the pipeline's"
+
+
 def test_model_call_refuses_what_it_cannot_run_in_one_line():
-    """A timestep per part that differ (a noise mask on the AV LATENT), or a LATENT without
-    its sound, is one clear error before anything reaches a pool."""
+    """Timesteps that are neither one per row nor one per token of a part (a video part's
+    12 tokens given 11), or a LATENT without its sound, are one clear error before anything
+    reaches a pool."""
     from comfyui_xdit.nodes.model_calls import PoolDenoiser
     from comfyui_xdit.planning.config import ConfigError
 
     video, audio = torch.zeros(2, 128, 2, 2, 3), torch.zeros(2, 8, 9, 16)
     model = PoolDenoiser(None, ParallelConfig(), "ltx2")
     context = torch.zeros(2, 7, 64)
-    with pytest.raises(ConfigError, match="one timestep per row"):
-        model([video, audio], (torch.full((2,), 0.5), torch.full((2,), 0.7)), context=context)
+    with pytest.raises(ConfigError, match=r"one timestep per latent row \(2\) or per token "
+                                          r"\(2 x 12\); got 22"):
+        model([video, audio], (torch.full((2, 11, 1), 0.5), torch.full((2,), 0.7)),
+              context=context)
     with pytest.raises(ConfigError, match="nested LATENT of 2 parts"):
         model(video, torch.full((2,), 0.5), context=context)
 

@@ -339,3 +339,105 @@ def test_minimax_conditionings_are_read_once_and_share_a_call(monkeypatch):
     with pytest.raises(ConfigError, match="keyframes"):
         pool_conds({"minimax_payload": conds_class.CONDConstant(
             {"keyframes": [{"resolved_frame_index": 0}]})}, den)
+
+
+# ---- a timestep per token (a noise mask on the LATENT) ---------------------------------------
+def test_a_timestep_per_token_is_refused_in_one_line_where_the_family_takes_none():
+    """Every family whose ComfyUI model takes no timestep per token (no TokenTimesteps)
+    refuses one, or the mask input ComfyUI passes with it, in one line that names the noise
+    mask and the families that take one, before any pool is asked; a family that declares it
+    takes it (the pool-side checks: tests/conformance/test_token_timesteps.py)."""
+    from comfyui_xdit.bridge import families
+    from comfyui_xdit.nodes import token_timesteps
+
+    takers = [f.name for f in families.FAMILIES.values()
+              if f.capability(families.TokenTimesteps)]
+    assert takers
+    refusing = [a for a, f in families.FAMILIES.items()
+                if not f.capability(families.TokenTimesteps)]
+    assert refusing
+    for arch in refusing:
+        fam = families.family(arch)
+        den = PoolDenoiser(None, ParallelConfig(), arch)
+        with pytest.raises(ConfigError) as e:
+            den._timesteps(torch.full((2, 12, 1), 0.5), 2, (16, 2, 3))
+        line = str(e.value)
+        assert "\n" not in line and "noise mask" in line and takers[0] in line, line
+        with pytest.raises(ConfigError, match="noise mask"):
+            token_timesteps.pool_timesteps(fam, (torch.full((2,), 0.5), torch.full((2,), 0.7)),
+                                           2, [(16, 2, 3), (8, 9, 16)], 1.0)
+        with pytest.raises(ConfigError, match=r"noise mask \(denoise_mask\)"):
+            den._refuse(None, {}, {"denoise_mask": torch.ones(2, 1, 2, 3)})
+    # the one-per-row call is unchanged: every token at its row's timestep collapses to [N]
+    for arch in [a for a, f in families.FAMILIES.items()
+                 if f.capability(families.TokenTimesteps)]:
+        fam = families.family(arch)
+        spec = fam.capability(families.TokenTimesteps)
+        shapes = [(4,) + (3,) * max(spec.token_axes[i]) for i in range(len(spec.token_axes))]
+        tokens = spec.tokens(shapes)
+        steps = [torch.full((2, k, 1), 0.5) for k in tokens]
+        assert tuple(token_timesteps.pool_timesteps(fam, steps, 2, shapes, 2.0).shape) == (2,)
+        steps[0][:, 0] = 0.0
+        t = token_timesteps.pool_timesteps(fam, steps, 2, shapes, 2.0)
+        assert tuple(t.shape) == (2, sum(tokens)) and float(t[0, 0]) == 0 and \
+            float(t[0, 1]) == 1.0
+
+
+def test_the_workers_check_a_calls_timesteps_against_the_family():
+    """Rank 0 checks a call's timesteps before anything is broadcast (a host other than the
+    xDiT MODEL may send any): one per row always; one per token of the parts only for a
+    family that takes it, and then exactly the parts' token count."""
+    from comfyui_xdit.bridge import families, worker_module
+    problem = worker_module("sampling.model_call").timestep_problem
+    for arch, fam in families.FAMILIES.items():
+        spec = fam.capability(families.TokenTimesteps)
+        shapes = [(4, 2, 2, 3)] if spec is None else \
+            [(4,) + (2,) * max(axes) for axes in spec.token_axes]
+        assert problem(fam, torch.zeros(2), 2, shapes) == ""
+        if spec is None:
+            assert "one timestep per latent row" in problem(fam, torch.zeros(2, 12), 2, shapes)
+            continue
+        tokens = sum(spec.tokens(shapes))
+        assert problem(fam, torch.zeros(2, tokens), 2, shapes) == ""
+        assert f"one per token [2, {tokens}]" in problem(fam, torch.zeros(2, tokens - 1), 2,
+                                                         shapes)
+
+
+def test_a_comfyui_that_uses_the_timesteps_per_token_otherwise_is_refused(tmp_path, monkeypatch):
+    """A family's `TokenTimesteps.comfy_differs` names ComfyUI versions whose model uses a
+    timestep per token otherwise than the pool runs it (LTX-2: 0.33.0's cross-attention
+    gates), by a text of the module's source: there the MODEL refuses a timestep per token in
+    one line saying what that ComfyUI does, and still takes one per row; where the module
+    lacks the text (or is absent: no ComfyUI), nothing is refused. Checked with a stand-in
+    module of each kind."""
+    import dataclasses
+
+    from comfyui_xdit.bridge import families
+    from comfyui_xdit.nodes import token_timesteps
+
+    fam = next(f for f in families.FAMILIES.values()
+               if f.capability(families.TokenTimesteps))
+    spec = fam.capability(families.TokenTimesteps)
+    assert spec.comfy_differs and token_timesteps.comfy_difference(fam) == ""  # no ComfyUI
+    (tmp_path / "xdit_stand_in_new.py").write_text("x = y.max()  # MARK\n")
+    (tmp_path / "xdit_stand_in_old.py").write_text("x = y\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shapes = [(4,) + (2,) * max(axes) for axes in spec.token_axes]
+    steps = [torch.full((2, k, 1), 0.5) for k in spec.tokens(shapes)]
+    steps[0][:, 0] = 0.0
+    for module, differs in (("xdit_stand_in_new", True), ("xdit_stand_in_old", False)):
+        mine = dataclasses.replace(spec, comfy_differs=((module, "y.max()", "gates by MARK"),))
+        other = dataclasses.replace(fam, capabilities=tuple(
+            mine if isinstance(c, families.TokenTimesteps) else c for c in fam.capabilities))
+        what = token_timesteps.comfy_difference(other)
+        assert what == ("gates by MARK" if differs else "")
+        plain = token_timesteps.pool_timesteps(other, [torch.full((2,), 0.5)] * len(shapes),
+                                               2, shapes, 1.0, what)
+        assert tuple(plain.shape) == (2,)
+        if differs:
+            with pytest.raises(ConfigError, match="model gates by MARK when its LATENT has a "
+                                                  "noise mask") as e:
+                token_timesteps.pool_timesteps(other, steps, 2, shapes, 1.0, what)
+            assert "\n" not in str(e.value)
+        else:
+            assert token_timesteps.pool_timesteps(other, steps, 2, shapes, 1.0, what).dim() == 2

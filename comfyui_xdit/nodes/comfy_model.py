@@ -20,7 +20,7 @@ import comfy.model_patcher
 import comfy.supported_models
 
 from comfyui_xdit.planning.config import ConfigError
-from comfyui_xdit.nodes import comfy_loras
+from comfyui_xdit.nodes import comfy_loras, token_timesteps
 from comfyui_xdit.nodes.model_calls import INPUTS, LENGTHS, PoolDenoiser
 from comfyui_xdit.nodes.node_text import compiling_text, model_cache_text
 
@@ -274,6 +274,9 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
         setattr(model.diffusion_model, name, _passthrough)
     if path is not None and fam.comfy.raw_context_width is not None:
         model.diffusion_model.preprocess_text_embeds = _text_kind_check(fam, path)
+    # a noise mask's timesteps per token: the patchifiers the model class makes them with
+    token_timesteps.install(model.diffusion_model, fam)
+    denoiser.token_differs = token_timesteps.comfy_difference(fam)
     if path is not None:
         from comfyui_xdit import bridge
         _detected_config(model_config.unet_config, path)

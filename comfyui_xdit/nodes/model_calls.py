@@ -26,7 +26,7 @@ side by side in one batch. `PoolDenoiser` turns each such call into one pool req
   `txt_byt5`) go with their conditioning as `context_2`;
 * a LATENT of several tensors (a family's `ComfySpec.latent_parts`: ComfyUI's nested
   LATENT, e.g. LTX-2's video and sound): x is ComfyUI's list of the parts and timestep one
-  per part (equal: one timestep per row); they go to the pool as one tensor
+  per part; they go to the pool as one tensor
   (workers/sampling/latent_parts.py) and the prediction comes back as the list;
   the family's scalar model inputs (`ComfySpec.call_inputs`: LTX-2's frame_rate; those
   inside a structured input, `read_inputs`, which the MODEL reads once per conditioning
@@ -36,13 +36,17 @@ side by side in one batch. `PoolDenoiser` turns each such call into one pool req
   gets its conditionings of other lengths in one call, padded to the longest, each row's
   real length in `xdit_text_lengths` (comfy_model.py): each chunk's text goes to the pool
   at its own length, so cond and uncond share a call (and CFG parallel's ranks a pair);
+* a timestep per token (a noise mask on the LATENT: an image-to-video node's start frame
+  at timestep 0) for a family whose ComfyUI model takes one (its `TokenTimesteps`):
+  nodes/token_timesteps.py answers the model class's patchifier calls and sends the pool
+  one timestep per token, the parts' tokens end to end; other families refuse it;
 * the output: the flow (velocity) prediction in x's layout.
 
 A conditioning crosses to the pool once per sampling run: ComfyUI names the conditioning of
 each chunk of rows in `transformer_options["uuids"]` (fresh for every sampling run), so a
 chunk's key is its uuid, row count and token count; without uuids (a caller outside
 ComfyUI's samplers) the key is a hash of the tensors. Anything the pool cannot honour
-(ControlNet, attention patches, masks) is refused with a clear message.
+(ControlNet, attention patches, attention masks) is refused with a clear message.
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ from typing import Callable, Optional
 
 from comfyui_xdit.planning.config import ConfigError, ParallelConfig
 from comfyui_xdit.bridge import conditioning, families, latent_parts
-from comfyui_xdit.nodes import comfy_loras
+from comfyui_xdit.nodes import comfy_loras, token_timesteps
 
 Conditioning = conditioning.Conditioning  # what the pool takes
 
@@ -105,6 +109,9 @@ class PoolDenoiser:
         # model inputs that are a property of ComfyUI's own model class (the family's
         # ComfySpec.model_inputs, set by the MODEL): sent with every call
         self.model_inputs: dict = {}
+        # what this ComfyUI's model does otherwise with a timestep per token (set by the
+        # MODEL: token_timesteps.comfy_difference; "": as the pool runs it)
+        self.token_differs = ""
 
     @property
     def pool(self):
@@ -142,7 +149,7 @@ class PoolDenoiser:
             x = x[:, :, 0]
         self._need_text(context, y)
         n = int(x.shape[0])
-        t = self._timesteps(timestep, n)
+        t = self._timesteps(timestep, n, tuple(int(d) for d in x.shape[1:]))
         g = None
         if guidance is not None:
             g = guidance.reshape(-1).float().cpu()
@@ -188,16 +195,12 @@ class PoolDenoiser:
         except ValueError as e:
             raise ConfigError(f"the {self.family.name} xDiT MODEL: {e}") from None
         n = int(flat.shape[0])
-        steps = timestep if isinstance(timestep, (list, tuple)) else [timestep]
-        ts = [self._timesteps(s, n) for s in steps]
-        if any(not bool((s == ts[0]).all()) for s in ts[1:]):
-            raise ConfigError(f"the {self.family.name} xDiT MODEL takes one timestep per row "
-                              f"for all of its LATENT's parts ({', '.join(names)}); this call "
-                              f"has a timestep per token or per part (a noise mask on the "
-                              f"LATENT): use ComfyUI's own model for masked sampling")
+        # one per row, or one per token where the family takes it (token_timesteps.py)
+        t = token_timesteps.pool_timesteps(self.family, timestep, n, shapes,
+                                           self.family.comfy.timestep_scale, self.token_differs)
         chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n,
                                      lengths=lengths)
-        out = self._request(flat, ts[0], None, chunks, conds, transformer_options,
+        out = self._request(flat, t, None, chunks, conds, transformer_options,
                             parts=shapes, inputs=inputs)
         return [p.to(ref.device, ref.dtype) for p, ref in
                 zip(latent_parts.unflatten(out.float(), shapes), x)]
@@ -208,13 +211,17 @@ class PoolDenoiser:
                               f"(CONDITIONING from ComfyUI's {self.family.name} text "
                               f"encoders)")
 
-    def _timesteps(self, timestep, n: int):
-        """ComfyUI's timestep(s) -> one per row on the pool's scale: ComfyUI's FLUX-style
-        models take sigma, SD3 sigma * 1000; the pool sigma * 1000."""
+    def _timesteps(self, timestep, n: int, row=None):
+        """ComfyUI's timestep(s) -> one per row on the pool's scale (ComfyUI's FLUX-style
+        models take sigma, SD3 sigma * 1000; the pool sigma * 1000), or one per token where
+        the family takes it (`row`: a latent row's shape, token_timesteps.py)."""
+        if timestep.numel() not in (1, n) and row is not None:
+            return token_timesteps.pool_timesteps(self.family, timestep, n, [row],
+                                                  self.family.comfy.timestep_scale,
+                                                  self.token_differs)
         if timestep.numel() not in (1, n):
-            raise ConfigError(f"the xDiT MODEL takes one timestep per latent row ({n}); got "
-                              f"{tuple(timestep.shape)} (a timestep per token: a noise mask "
-                              f"on the LATENT, which only ComfyUI's own model samples)")
+            raise token_timesteps.refusal(self.family, f"{timestep.numel()} timesteps for {n} "
+                                                       f"rows (a timestep per token)")
         t = timestep.reshape(-1).float().cpu()
         return (t.expand(n) if t.numel() == 1 else t) * self.family.comfy.timestep_scale
 
@@ -271,9 +278,14 @@ class PoolDenoiser:
                 raise ConfigError(f"model patches {kinds} cannot run on the xDiT MODEL (its "
                                   f"transformer lives in the worker pool); remove the node "
                                   f"that adds them or use ComfyUI's own model")
+        masks = token_timesteps.mask_inputs(self.family)  # carried by the timesteps
+        for name in masks:
+            kwargs.pop(name, None)
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN
                          and k not in self.family.comfy.unused_inputs
                          and k != self._text_2)
+        if "denoise_mask" in unknown:  # ComfyUI's name for the LATENT's noise mask
+            raise token_timesteps.refusal(self.family, "a noise mask (denoise_mask)")
         if kwargs.get("attention_mask") is not None:
             raise ConfigError("attention masks are not supported on the xDiT MODEL")
         if kwargs.get("clip_fea") is not None and \

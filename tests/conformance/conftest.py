@@ -21,7 +21,8 @@ def _family(item) -> str:
 # a family's themes in the order its pools are first needed: the 1- and 2-rank pools, then
 # PipeFusion's, then the 4-rank and sharded ones, so at most KEEP pools are open at once and
 # none is launched twice; last the single files, whose pools serve nothing else
-THEMES = ("test_batch_independence", "test_uneven_exact", "test_model_call", "test_lora", "test_step_cache",
+THEMES = ("test_batch_independence", "test_uneven_exact", "test_model_call", "test_token_timesteps",
+          "test_lora", "test_step_cache",
           "test_pipefusion", "test_methods_exact", "test_single_file")
 KEEP = 3
 

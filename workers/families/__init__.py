@@ -16,6 +16,7 @@ never compares family names: tests/test_families.py scans the tree for such a co
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -392,8 +393,37 @@ def guidance_pass_names(fam: "Family", given: Optional[dict], cfg) -> tuple:
     return ("uncond", "cond") if float(cfg) > 1.0 else ("cond",)
 
 
+@dataclass(frozen=True)
+class TokenTimesteps:
+    """ComfyUI's model of the family takes a timestep per token: its model class turns a noise
+    mask on the LATENT (an image-to-video node's start frame: mask 0, so timestep 0) into one
+    timestep per token of each part, and the xDiT MODEL carries them to the pool, sharded
+    with the tokens (workers/sampling/model_call.py). A family without this capability
+    refuses such a call in one line."""
+
+    # per LATENT part (ComfySpec.latent_parts' order, or the one tensor): the axes of a row's
+    # shape ([C, ...], without the batch) that index its tokens, in token order (LTX-2's
+    # video (1, 2, 3): frames, rows, columns at patch 1; its sound (1,): latent frames)
+    token_axes: tuple
+    # the attributes of ComfyUI's diffusion model its model class calls `.patchify(mask x
+    # timestep)[0]` on to make a part's timesteps ({name: part index}); the xDiT MODEL answers
+    # with the part's token axes flattened, channels last: what a patch-1 patchifier gives
+    patchifiers: tuple = ()
+    # model inputs ComfyUI's model class passes beside the call that hold the masks the
+    # timesteps already carry (the xDiT MODEL takes and drops them)
+    mask_inputs: tuple = ()
+    # ComfyUI versions whose model uses the per-token timesteps otherwise than the pool runs
+    # them: ((ComfyUI module, a text of its source that marks them, what they do), ...); on
+    # such a ComfyUI the xDiT MODEL refuses a timestep per token in one line saying so
+    comfy_differs: tuple = ()
+
+    def tokens(self, shapes) -> list:
+        """Tokens of each part of these per-row shapes."""
+        return [math.prod(int(s[a]) for a in axes) for s, axes in zip(shapes, self.token_axes)]
+
+
 CAPABILITIES = (References, ImageToVideo, TwoExperts, SecondTextEncoder, CausalVAE, Presets,
-                SoundTrack, ExtraGuidance)
+                SoundTrack, ExtraGuidance, TokenTimesteps)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ ComfyUI's cfg g."""
 from __future__ import annotations
 
 from . import (Blocks, CausalVAE, Classes, ComfySpec, Defaults, Detection, ExtraGuidance,
-               Family, ImageToVideo, LatentSpec, Presets, SoundTrack, Text)
+               Family, ImageToVideo, LatentSpec, Presets, SoundTrack, Text, TokenTimesteps)
 from ..streams import Attention, Stream, TokenLayout
 from ._shapes import numbered
 
@@ -129,6 +129,21 @@ TOKENS = TokenLayout(
     attentions=(Attention(("video",)), Attention(("audio",)),
                 Attention(("video",), ("text",)), Attention(("audio",), ("text",)),
                 Attention(("video",), ("audio",)), Attention(("audio",), ("video",))))
+
+
+# a row's video [128, frames, h, w] has a token per latent pixel (frame by frame), its sound
+# [8, latent frames, 16] one per latent frame
+TOKEN_TIMESTEPS = TokenTimesteps(token_axes=((1, 2, 3), (1,)),
+                                 patchifiers=(("patchifier", 0), ("a_patchifier", 1)),
+                                 mask_inputs=("denoise_mask", "audio_denoise_mask"),
+                                 # 0.33.0's LTXAV gates each stream's audio-video
+                                 # cross-attention by the other stream's largest timestep
+                                 # (0.8.0's, and the pool, by the stream's own tokens')
+                                 comfy_differs=(("comfy.ldm.lightricks.av_model",
+                                                 "a_timestep_scaled.max()",
+                                                 "gates each stream's audio-video "
+                                                 "cross-attention by the other stream's "
+                                                 "largest timestep"),))
 
 
 # ComfyUI's (the original LTX-2) top-level names -> diffusers'; in the blocks, COMFY_BLOCK's
@@ -300,6 +315,10 @@ FAMILY = Family(
                         config_names={"text_width": "caption_channels"}),
     tokens=TOKENS,
     capabilities=(SOUND, ImageToVideo(inputs=image_to_video, optional=True),
+                  # ComfyUI's LTXAV: a noise mask on the AV LATENT (LTXVImgToVideo's start
+                  # frame) becomes a timestep per video token and per sound token (its
+                  # process_timestep, through the video's and the sound's patchifiers)
+                  TOKEN_TIMESTEPS,
                   ExtraGuidance(settings=GUIDANCE, problems=guidance_problems,
                                 passes=guidance_passes),
                   CausalVAE(whole_video=True, one_rank=True),

@@ -9,7 +9,8 @@ LTX2Pipeline steps both with the same sigmas, and its x0-space CFG delta is cond
 precomputed RoPE coordinates, and joins its two outputs.
 
 Sequence parallelism shards the video (near-evenly, padded to its longest shard by the
-hooks): its tokens, its RoPE coordinates and, from a start frame, the per-token timestep; the
+hooks): its tokens, its RoPE coordinates and, from a start frame (or ComfyUI's noise mask:
+a MODEL call's timestep per token, the sound's too), the per-token timestep; the
 sound (short: 25 tokens a second) and the prompt (one copy per stream, the connectors'
 output) stay whole on every rank, as the family's token layout declares (the layout may
 shard the sound instead: the same hooks split its tokens and coordinates, exact too). Each attention runs through the method's attention as the family's token layout
@@ -146,7 +147,8 @@ class LTX2Adapter(DiTAdapter):
     layout = SequenceLayout(
         split_inputs={"hidden_states": ("video", 1), "audio_hidden_states": ("audio", 1),
                       "video_coords": ("video", 2), "audio_coords": ("audio", 2),
-                      "timestep": ("video", 1, "per_token")},
+                      "timestep": ("video", 1, "per_token"),
+                      "audio_timestep": ("audio", 1, "per_token")},
         split_outputs={},
         gather_output=("proj_out", 1),
         gather_streams={"audio_proj_out": ("audio", 1)},
@@ -362,9 +364,17 @@ class LTX2Adapter(DiTAdapter):
         text = cond["encoder_hidden_states"]
         audio_text = cond["audio_encoder_hidden_states"]
         text, audio_text = text.expand(b, -1, -1), audio_text.expand(b, -1, -1)
-        timestep = t.expand(b)
         first = extra.get("ref_tokens")  # a start frame: its tokens at timestep 0
         n0 = 0 if first is None else first.shape[1]
+        if t.dim() == 2:  # a timestep per token (ComfyUI's noise mask): the video's, the sound's
+            timestep, audio_t, sigma = t[:, :nv], t[:, nv:], t.amax(1)
+            # ComfyUI's LTXAV modulates each stream's cross-attention with its own tokens'
+            # timesteps (diffusers' use_cross_timestep=False); equal to the pipeline's
+            # crossed ones where every token has the row's timestep
+            crossed = False
+        else:
+            timestep = audio_t = sigma = t.expand(b)
+            crossed = True  # LTX2Pipeline's default
         if n0:
             timestep = torch.cat([t.new_zeros(b, n0), t.expand(b, nv - n0)], 1)
         order = contextlib.nullcontext()
@@ -375,10 +385,10 @@ class LTX2Adapter(DiTAdapter):
             video, audio = tr(
                 hidden_states=x[:, :nv], audio_hidden_states=x[:, nv:],
                 encoder_hidden_states=text, audio_encoder_hidden_states=audio_text,
-                timestep=timestep, audio_timestep=t.expand(b), sigma=t.expand(b),
+                timestep=timestep, audio_timestep=audio_t, sigma=sigma,
                 video_coords=extra["video_coords"].expand(b, -1, -1, -1),
                 audio_coords=extra["audio_coords"].expand(b, -1, -1, -1),
-                use_cross_timestep=True,  # LTX2Pipeline's default
+                use_cross_timestep=crossed,
                 # a guidance pass's changes (`guidance_passes`): off by default
                 isolate_modalities=bool(extra.get("isolate_modalities", False)),
                 spatio_temporal_guidance_blocks=list(extra.get("stg_blocks", ())) or None,

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import families
 from ..parallel.degrees import Degrees
 from ..parallel.sequence_parallel import even_sizes
 from ..parallel.sharding import is_sharded
@@ -41,7 +42,9 @@ class ModelCall:
     call_id: int
     config: Degrees  # the layout, by axis (workers/parallel/degrees.py)
     x: torch.Tensor  # [N, C, h, w] model space, fp32, CPU ([N, C, T, h, w]: video families)
-    timestep: torch.Tensor  # [N], sigma * 1000
+    # [N], sigma * 1000; [N, tokens] a timestep per token (a family's TokenTimesteps: the
+    # parts' tokens end to end), split by rows as x, by tokens in the family's forward
+    timestep: torch.Tensor
     guidance: Optional[torch.Tensor]  # [N] FLUX embedded guidance, else None
     chunks: list  # [(key, rows)], rows summing to N, in row order
     # key -> Conditioning (workers/runtime/conditioning.py), CPU: those rank 0 had not seen
@@ -121,7 +124,7 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         if problem:
             return problem
         return _rows_problem(adapter, cfg, int(x.shape[0]), timestep, guidance, chunks,
-                             new_conds, cache)
+                             new_conds, cache, shapes=parts)
     # packing families take 2x2 latent pixels per token; the call's x is unpacked
     channels = int(cfg.in_channels) // (1 if adapter.family.latent.tokens == "in_model" else 4)
     # a video family's calls keep the frame axis: [N, C, T, h, w] (an image family's one frame
@@ -138,15 +141,34 @@ def call_problem(model, adapter, x, timestep, guidance, chunks, new_conds, cache
         even = "even and " if side == 2 else ""
         return f"latent height and width must be {even}non-zero (got {h}x{w})"
     return _rows_problem(adapter, cfg, n, timestep, guidance, chunks, new_conds, cache,
-                         int(x.shape[1]))
+                         int(x.shape[1]), shapes=(tuple(int(d) for d in x.shape[1:]),))
+
+
+def timestep_problem(family, timestep, n: int, shapes) -> str:
+    """A call's timesteps: one per row [n], or, for a family whose ComfyUI model takes a
+    timestep per token (its TokenTimesteps), one per token of the row's parts of these
+    per-row shapes, laid end to end as the parts' tokens [n, tokens]."""
+    if torch.is_tensor(timestep) and tuple(timestep.shape) == (n,):
+        return ""
+    per_token = family.capability(families.TokenTimesteps)
+    if per_token is None:
+        return f"one timestep per latent row expected ({n})"
+    tokens = sum(per_token.tokens(shapes))
+    if not torch.is_tensor(timestep) or tuple(timestep.shape) != (n, tokens):
+        got = tuple(timestep.shape) if torch.is_tensor(timestep) else type(timestep).__name__
+        return (f"timesteps must be one per latent row [{n}] or one per token [{n}, {tokens}] "
+                f"(got {got})")
+    return ""
 
 
 def _rows_problem(adapter, cfg, n, timestep, guidance, chunks, new_conds, cache,
-                  channels=None) -> str:
+                  channels=None, shapes=()) -> str:
     """The per-row inputs (timesteps, guidance) and the conditionings of a call of `n` rows
-    (`channels`: the latent's, which references must have; None: a LATENT of parts)."""
-    if not torch.is_tensor(timestep) or tuple(timestep.shape) != (n,):
-        return f"one timestep per latent row expected ({n})"
+    (`channels`: the latent's, which references must have; None: a LATENT of parts, of the
+    per-row `shapes`)."""
+    problem = timestep_problem(adapter.family, timestep, n, shapes)
+    if problem:
+        return problem
     if guidance is not None and (not torch.is_tensor(guidance) or tuple(guidance.shape) != (n,)):
         return f"one guidance value per latent row expected ({n})"
     if sum(int(r) for _, r in chunks) != n or any(int(r) < 1 for _, r in chunks):

@@ -17,6 +17,13 @@ links this folder into custom_nodes/ for its run only).
 * XDiTTestEmptyAVLatent: LTX-2's empty AV LATENT (EmptyLTXVLatentVideo's video latent and
   LTXVEmptyLatentAudio's sound latent nested as LTXVConcatAVLatent nests them), since
   LTXVEmptyLatentAudio reads its shape from an audio VAE no tiny model loads into ComfyUI.
+* XDiTTestLTXVStandInVAEs: stands in for LTX-2's video VAE and audio VAE (none loads tiny
+  into ComfyUI) where ComfyUI's own LTX-2 nodes read them, so LTXVImgToVideoInplace and
+  LTXVEmptyLatentAudio run unchanged: the video one's `downscale_index_formula` (8, 32, 32)
+  and an `encode` of an IMAGE to a [B, 128, 1, H/32, W/32] start latent (the image averaged
+  over each 32x32 block through a seeded random 3 -> 128 map, plus seeded noise: the same
+  image, the same latent in every process); the audio one's latent channels (8), mel bins
+  (16), sample rate and latents a second (LTX-2's 25).
 * XDiTTestSaveTensors: writes an IMAGE and / or a LATENT to a .safetensors file at full
   float precision, so two branches of a graph can be compared beyond 8-bit PNGs (a nested
   LATENT's parts as latent_0, latent_1, ...).
@@ -204,7 +211,53 @@ class XDiTTestEmptyAVLatent:
                  "type": "audio"},)
 
 
-NODE_CLASS_MAPPINGS = {"XDiTTestRandomConditioning": XDiTTestRandomConditioning,
+class _StandInVideoVAE:
+    downscale_index_formula = (8, 32, 32)
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+
+    def encode(self, pixels):
+        import torch
+        g = torch.Generator().manual_seed(self.seed)
+        proj = torch.randn(128, 3, generator=g)
+        b, h, w, _ = pixels.shape
+        blocks = torch.nn.functional.avg_pool2d(pixels[..., :3].movedim(-1, 1).float(), 32)
+        noise = torch.randn(b, 128, 1, h // 32, w // 32, generator=g)
+        return torch.einsum("oc,bchw->bohw", proj, blocks).unsqueeze(2) + noise
+
+
+class _StandInAudioVAE:
+    latent_channels = 8
+    latent_frequency_bins = 16
+    sample_rate = 16000
+    latents_per_second = 16000 / 160 / 4  # 16 kHz mel frames, hop 160, 4x in time: 25
+
+    @property
+    def first_stage_model(self):  # where ComfyUI 0.33.0's node reads the counts
+        return self
+
+    def num_of_latents_from_frames(self, frames_number, frame_rate):
+        import math
+        return math.ceil(float(frames_number) / frame_rate * self.latents_per_second)
+
+
+class XDiTTestLTXVStandInVAEs:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})}}
+
+    RETURN_TYPES = ("VAE", "VAE")
+    RETURN_NAMES = ("video_vae", "audio_vae")
+    FUNCTION = "make"
+    CATEGORY = "xDiT tests"
+
+    def make(self, seed):
+        return (_StandInVideoVAE(seed), _StandInAudioVAE())
+
+
+NODE_CLASS_MAPPINGS = {"XDiTTestLTXVStandInVAEs": XDiTTestLTXVStandInVAEs,
+                       "XDiTTestRandomConditioning": XDiTTestRandomConditioning,
                        "XDiTTestEmptyAVLatent": XDiTTestEmptyAVLatent,
                        "XDiTTestSaveTensors": XDiTTestSaveTensors,
                        "XDiTTestCountCalls": XDiTTestCountCalls,
