@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
 from ..streams import Attention, text_image
+from ._shapes import numbered
 from .flux2 import LATENT as FLUX2_LATENT
 
 # the released model's text states: these Qwen3-VL decoder layers' outputs, side by side
@@ -56,6 +57,21 @@ def released(config: dict) -> tuple:
     return dict(SCHEDULER), {"_class_name": "AutoencoderKLFlux2", "batch_norm_eps": 1e-4}
 
 
+def config_from_shapes(shapes: dict, naming: str) -> dict:
+    """The transformer config from a file's weight shapes (ComfyUI's names and diffusers'
+    share every tensor this reads); the RoPE settings are the released ones."""
+    hidden, in_ch = (int(v) for v in shapes["input_proj.weight"])
+    llm = int(shapes["llm_cond_proj.weight"][1])
+    adaln = int(shapes["adaln_proj.weight"][0])
+    head_dim = int(shapes["layers.0.attention.norm_q.weight"][0])
+    if hidden % head_dim:
+        raise ValueError(f"hidden size {hidden} is not a multiple of the head dim {head_dim}")
+    mlp = int(shapes["layers.0.feed_forward.w1.weight"][0])
+    return dict(TRANSFORMER, in_channels=in_ch, intermediate_size=mlp, num_layers=len(numbered(shapes, "layers.", "")),
+                attention_head_dim=head_dim, num_attention_heads=hidden // head_dim,
+                adaln_dim=adaln, llm_features_dim=llm)
+
+
 def comfy_unet(cfg: dict) -> dict:
     """What ComfyUI 0.33.0's detection finds in an Ideogram 4 file (image_model ideogram4)."""
     cfg = FAMILY.full_config(cfg)
@@ -77,11 +93,12 @@ FAMILY = Family(
     defaults=Defaults(cfg=7.0),
     detection=Detection(
         markers=(("diffusers", ("llm_cond_proj.weight", "embed_image_indicator.weight")),),
-        order=60, released=released, pipeline_of=pipeline_of,
+        config_from_shapes=config_from_shapes, order=60, released=released, pipeline_of=pipeline_of,
         config_defaults=dict(TRANSFORMER),
         config_names={"text_width": "llm_features_dim"}),
-    # one joint attention over [text, image]; the unconditional pass has no text tokens, its
-    # attention is the image's over itself
-    tokens=text_image(True, attentions=(Attention(("text", "image")), Attention(("image",)))),
+    # one joint attention over image and text (the pipeline packs [text, image]; attention
+    # and RoPE ids do not depend on the order, and the step cache measures the latent
+    # stream's tokens first); the unconditional pass has no text: the image over itself
+    tokens=text_image(False, attentions=(Attention(("image", "text")), Attention(("image",)))),
     capabilities=(Presets(PRESETS),),
 )

@@ -14,7 +14,9 @@ see the usual module tree):
   llm_cond_norm / llm_cond_proj plus the text role embedding; RoPE ids (i, i, i);
 - image: input_proj of the latent tokens plus the image role embedding; RoPE ids
   65536 + (0, row, column);
-- the blocks on [text, image], the final layer on the image (gathered by the layout).
+- the blocks on [image, text] (the order the pipeline's mask and ids make no difference
+  to; the image first, as the step cache measures the latent stream's leading tokens), the
+  final layer on the image (gathered by the layout).
 
 The unconditional pass (`guidance_passes`) runs the folder's `unconditional_transformer` on
 the image tokens alone, no text, as the pipeline does; guidance mixes g * cond + (1 - g) *
@@ -109,19 +111,19 @@ def split_forward(self, hidden_states, timestep, img_ids, encoder_hidden_states=
         t_cond = t_cond.unsqueeze(1)
     adaln = F.silu(self.adaln_proj(t_cond))
     img_pos = img_ids.to(dev).unsqueeze(0)
-    parts, positions, streams = [], [], ("image",)
+    texts, positions, streams = [], [], ("image",)
     if encoder_hidden_states is not None:
         n = encoder_hidden_states.shape[1]
         text = self.llm_cond_proj(self.llm_cond_norm(encoder_hidden_states)) + roles[TEXT_ROLE]
         text_pos = torch.arange(n, device=dev).view(1, n, 1).expand(1, n, 3)
         if plan is not None:
             text, text_pos = plan.shard(text, 1, "text"), plan.shard(text_pos, 1, "text")
-        parts, positions, streams = [text], [text_pos], ("text", "image")
+        texts, positions, streams = [text], [text_pos], ("image", "text")
     if plan is not None:
         x, img_pos = plan.shard(x, 1, "image"), plan.shard(img_pos, 1, "image")
-    local_text = parts[0].shape[1] if parts else 0
-    h = torch.cat(parts + [x], 1)
-    cos, sin = self.rotary_emb(torch.cat(positions + [img_pos], 1))
+    local_image = x.shape[1]
+    h = torch.cat([x] + texts, 1)  # the image first (the step cache measures its tokens)
+    cos, sin = self.rotary_emb(torch.cat([img_pos] + positions, 1))
     rotary = (cos.to(dtype), sin.to(dtype))
     lengths = None if text_lengths is None or encoder_hidden_states is None else \
         tuple(int(v) for v in text_lengths)
@@ -130,7 +132,7 @@ def split_forward(self, hidden_states, timestep, img_ids, encoder_hidden_states=
     attend = Attend(plan, streams, lengths)
     for layer in self.layers:
         h = layer(h, attention_mask=attend, image_rotary_emb=rotary, adaln_input=adaln)
-    return (self.final_layer(h[:, local_text:], conditioning=adaln),)  # gathered by the layout
+    return (self.final_layer(h[:, :local_image], conditioning=adaln),)  # gathered by the layout
 
 
 def _token_counts(transformer, kw):
@@ -223,6 +225,10 @@ class Ideogram4Adapter(Flux2Adapter):
         self._pool_forward(transformer)
         return super().assemble(path, transformer, report, device, dtype, with_text_encoders,
                                 text_encoders, stage_info)
+
+    def lora_transformers(self, model) -> tuple:
+        """The conditional transformer alone, as Ideogram4Pipeline's LoRA loader."""
+        return (model.transformer,)
 
     def transformer_for(self, model, extra):
         return model.transformer_2 if (extra or {}).get(BRANCH) == "uncond" \

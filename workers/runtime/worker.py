@@ -466,7 +466,7 @@ class Worker:
         err = None
         loads = self.loras.loads
         try:
-            self.loras.apply(self.model.transformers(), resolved)
+            self.loras.apply(self.adapter.lora_transformers(self.model), resolved)
             if self.loras.loads != loads and self.parallel and self.parallel[1] is not None:
                 # peft wrapped layers the sequence-parallel hooks sit on (proj_out's gather,
                 # ...): the hooks would see the base output only, so hook the wrappers
@@ -479,7 +479,7 @@ class Worker:
         if errors:
             self._active_loras = None  # unknown until the next switch succeeds
             try:  # leave the model in a known state: no adapter active
-                self.loras.apply(self.model.transformers(), [])
+                self.loras.apply(self.adapter.lora_transformers(self.model), [])
                 self._active_loras = ()
             except Exception:  # noqa: BLE001
                 pass
