@@ -93,3 +93,98 @@ def test_the_unconditional_transformer_is_used(model_dir, layout_pools, pipe):
     d = float((moved - got).abs().max())
     print(f"unconditional branch on the conditional transformer: {d:.2e}")
     assert d > 1e-2
+
+
+# ---- CFG parallel: each cfg rank holds only its branch's transformer ----------------------
+def _transformer_params(folder, sub: str) -> int:
+    from safetensors import safe_open
+    n = 0
+    for f in sorted((folder / sub).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                shape = st.get_slice(k).get_shape()
+                count = 1
+                for s in shape:
+                    count *= s
+                n += count
+    return n
+
+
+def test_cfg_ranks_hold_only_their_branch(model_dir, layout_pools):
+    """Under CFG parallel cfg rank 0 (the unconditional pass) loads only the
+    unconditional_transformer and cfg rank 1 only the transformer: each rank's parameters
+    are one transformer's, and the result equals one rank (which holds both, as does every
+    rank of a layout without CFG parallel)."""
+    folder = model_dir(ARCH)
+    one = _transformer_params(folder, "transformer")
+    assert one == _transformer_params(folder, "unconditional_transformer")
+    req = request([A, B], 3.0)
+    want = layout_pools.get(folder, ParallelConfig()).generate(req).samples
+    for config, branches in ((ParallelConfig(cfg_parallel=True), ("uncond", "cond")),
+                             (ParallelConfig(cfg_parallel=True, ulysses=2),
+                              ("uncond", "uncond", "cond", "cond"))):
+        pool = layout_pools.get(folder, config)
+        got = pool.generate(req).samples
+        ranks = pool.status()["ranks"]
+        held = [r["transformer_params"] for r in ranks]
+        print(f"{config.describe()}: parameters per rank {held} (one transformer {one}), "
+              f"branches {[r['load'].get('branch') for r in ranks]}")
+        assert held == [one] * len(branches)
+        assert tuple(r["load"].get("branch") for r in ranks) == branches
+        check(got, want, f"{config.describe()} with one transformer per rank")
+    both = layout_pools.get(folder, ParallelConfig(ulysses=2))
+    both.generate(req)
+    assert [r["transformer_params"] for r in both.status()["ranks"]] == [2 * one] * 2
+
+
+def test_cfg_rank_refuses_a_pass_of_the_other_branch(model_dir):
+    """A rank holding one branch cannot run the other's pass: one clear line, not the wrong
+    transformer."""
+    import types
+
+    from comfyui_xdit.bridge import worker_module
+    adapter = worker_module("families").family(ARCH).adapter_class()()
+    adapter.branch = "uncond"
+    model = types.SimpleNamespace(transformer="uncond weights", transformer_2=None)
+    assert adapter.transformer_for(model, {"branch": "uncond"}) == "uncond weights"
+    with pytest.raises(ValueError, match="holds only the uncond branch's transformer"):
+        adapter.transformer_for(model, {})
+
+
+def test_memory_plan_counts_one_transformer_per_cfg_rank(model_dir):
+    """The plan's weights per rank: two transformers without CFG parallel, one with it (each
+    cfg rank its branch's), for the tiny folder and the released preset."""
+    from comfyui_xdit.planning import memory_arithmetic as ma
+    from comfyui_xdit.planning import model_facts as mf
+    from comfyui_xdit.planning.config import EngineOptions
+
+    for facts in (mf.model_facts(str(model_dir(ARCH)), "fp32"), mf.preset_facts("ideogram4")):
+        assert facts.experts == 2
+        job = ma.JobSize(height=1024, width=1024, cfg=True)
+        both = ma.plan(facts, ParallelConfig(ulysses=2), EngineOptions(), job,
+                       alternatives=False)
+        split = ma.plan(facts, ParallelConfig(cfg_parallel=True), EngineOptions(), job,
+                        alternatives=False)
+        w2 = [r.weights for r in both.ranks]
+        w1 = [r.weights for r in split.ranks]
+        print(f"{facts.name}: weights per rank {w2} (ulysses 2) vs {w1} (cfg parallel)")
+        assert len(set(w1)) == 1 and len(set(w2)) == 1
+        assert w2[0] == 2 * w1[0]
+
+
+def test_memory_plan_cli_shows_one_transformer_per_cfg_rank(capsys):
+    """`python -m comfyui_xdit memory-plan --preset ideogram4`: the per-rank weights halve
+    under --cfg-parallel."""
+    from comfyui_xdit.cli.commands import main
+
+    import re
+
+    def weights(*extra) -> float:
+        main(["memory-plan", "--preset", "ideogram4", "--height", "1024", "--width", "1024",
+              "--cfg", *extra])
+        out = capsys.readouterr().out
+        return float(re.search(r"transformer weights ([\d.]+) GiB", out).group(1))
+
+    plain, cfg = weights("--ulysses", "2"), weights("--cfg-parallel")
+    print(f"transformer weights per rank: {plain} GiB at ulysses 2, {cfg} GiB at cfg parallel")
+    assert abs(plain - 2 * cfg) <= 0.1 and 17 < cfg < 18, (plain, cfg)  # 9.3 B params, bf16

@@ -8,7 +8,7 @@ tokens alone, no text; the two predictions mix as g * cond + (1 - g) * uncond, w
 ComfyUI's cfg g."""
 from __future__ import annotations
 
-from . import Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
+from . import BranchTransformers, Blocks, Classes, ComfySpec, Defaults, Detection, Family, LatentSpec, Presets, Text
 from ..streams import Attention, text_image
 from ._shapes import numbered
 from .flux2 import LATENT as FLUX2_LATENT
@@ -40,7 +40,8 @@ PRESETS = {
                                        "vocab_size": 151936}),),
         vae=("AutoencoderKLFlux2", {"block_out_channels": [128, 256, 512, 512],
                                     "latent_channels": 32, "layers_per_block": 2}),
-        note="Ideogram 4 (2 x 9.6B: conditional + unconditional) + Qwen3-VL-8B"),
+        text_tokens=2048, experts=2,
+        note="Ideogram 4 (2 x 9.3B: conditional + unconditional transformer) + Qwen3-VL-8B"),
 }
 
 
@@ -100,5 +101,8 @@ FAMILY = Family(
     # and RoPE ids do not depend on the order, and the step cache measures the latent
     # stream's tokens first); the unconditional pass has no text: the image over itself
     tokens=text_image(False, attentions=(Attention(("image", "text")), Attention(("image",)))),
-    capabilities=(Presets(PRESETS),),
+    # the unconditional pass runs first (cfg rank 0), the conditional one second
+    capabilities=(Presets(PRESETS),
+                  BranchTransformers(subfolders=("unconditional_transformer", "transformer"),
+                                     branches=("uncond", "cond"))),
 )

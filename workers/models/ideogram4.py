@@ -44,6 +44,7 @@ from .flux2 import Flux2Adapter
 
 BRANCH = "branch"  # the forward input naming the guidance branch's transformer
 UNCOND_ALONE = Pass("uncond", changes=((BRANCH, "uncond"),))  # no negative prompt: no text
+BRANCHES = families.FAMILIES["ideogram4"].capability(families.BranchTransformers)
 TEXT_ROLE, IMAGE_ROLE = 0, 1  # rows of embed_image_indicator
 STREAMS = families.FAMILIES["ideogram4"].tokens
 
@@ -174,38 +175,55 @@ class Ideogram4Adapter(Flux2Adapter):
         """diffusers / PEFT names only (no other converter is known for this model)."""
 
     def load(self, path, device, dtype, with_text_encoders, stage=None, weights="auto",
-             text_encoders="auto", shard=None):
+             text_encoders="auto", shard=None, branch=None):
         """Both transformers: the folder's `transformer` (conditional) and
-        `unconditional_transformer`, the second as `transformer_2`."""
+        `unconditional_transformer`, the second as `transformer_2`. `branch` (a cfg rank
+        under CFG parallel): only that branch's transformer, as `transformer`."""
+        if branch is not None and branch not in BRANCHES.branches:
+            raise ValueError(f"branch {branch!r}: Ideogram 4's are {list(BRANCHES.branches)}")
+        self.branch = branch
         if stage is not None:
             raise ValueError("PipeFusion does not run Ideogram 4 yet (each stage would hold "
                              "its blocks of both transformers); use ulysses, ring, cfg or dp")
         if os.path.isfile(str(path)):
             raise ValueError(f"{path}: Ideogram 4 runs from a diffusers folder (its two "
                              f"transformers); a single transformer file is not supported yet")
+        subfolders = dict(zip(BRANCHES.branches, BRANCHES.subfolders))
+        if branch is not None and subfolders[branch] != "transformer":
+            # this rank runs the unconditional pass alone: the conditional transformer is
+            # never read (rank 0 still encodes the prompts with the folder's text encoder)
+            tr, report = self.load_branch(path, subfolders[branch], device, dtype, weights,
+                                          shard)
+            return self.assemble(path, tr, dict(report, branch=branch), device, dtype,
+                                 with_text_encoders, text_encoders)
         model = super().load(path, device, dtype, with_text_encoders, weights=weights,
                              text_encoders=text_encoders, shard=shard)
-        model.transformer_2 = self.load_branch(path, "unconditional_transformer", device,
-                                               dtype, weights, shard)
+        if branch is None:
+            model.transformer_2 = self.load_branch(path, subfolders["uncond"], device,
+                                                   dtype, weights, shard)[0]
+        else:
+            model.load_report["branch"] = branch
         return model
 
     def load_branch(self, path, subfolder, device, dtype, weights, shard):
         """Another transformer of the folder, loaded as the first one is (from its config on
         the meta device, tensor by tensor to `device`; under weight sharding, this rank's
-        rows only), its forward the pool's."""
+        rows only), its forward the pool's. -> (transformer, its load report)."""
         import diffusers
 
         from ..loading.meta import meta_transformer
         from ..loading.weights import load_folder
         if shard is not None:
             from ..loading.shards import load_shards
-            tr, _ = load_shards(self, path, device, dtype, weights, shard, subfolder=subfolder)
+            tr, report = load_shards(self, path, device, dtype, weights, shard,
+                                     subfolder=subfolder)
         else:
             folder = os.path.join(path, subfolder)
             tr = meta_transformer(getattr(diffusers, self.transformer_class), folder)
-            load_folder(tr, self.block_lists, folder, device, dtype, weights)
+            report = load_folder(tr, self.block_lists, folder, device, dtype, weights)
+        tr.rotary_emb.to(device)
         self._pool_forward(tr)
-        return tr
+        return tr, (report.as_dict() if hasattr(report, "as_dict") else dict(report or {}))
 
     @staticmethod
     def computed_buffers(transformer) -> None:
@@ -226,17 +244,26 @@ class Ideogram4Adapter(Flux2Adapter):
         return super().assemble(path, transformer, report, device, dtype, with_text_encoders,
                                 text_encoders, stage_info)
 
+    branch = None  # the one branch this rank holds (CFG parallel), None: both
+
     def lora_transformers(self, model) -> tuple:
-        """The conditional transformer alone, as Ideogram4Pipeline's LoRA loader."""
-        return (model.transformer,)
+        """The conditional transformer alone, as Ideogram4Pipeline's LoRA loader (none on
+        a rank that holds the unconditional one only)."""
+        return () if self.branch == "uncond" else (model.transformer,)
 
     def transformer_for(self, model, extra):
-        return model.transformer_2 if (extra or {}).get(BRANCH) == "uncond" \
-            else model.transformer
+        want = (extra or {}).get(BRANCH) or "cond"
+        if self.branch is None:
+            return model.transformer_2 if want == "uncond" else model.transformer
+        if want != self.branch:
+            raise ValueError(f"this rank holds only the {self.branch} branch's transformer "
+                             f"(CFG parallel loads one per cfg rank); a {want} pass cannot "
+                             f"run here: use cfg > 1 with cfg parallel")
+        return model.transformer
 
     def guidance_passes(self, model, req) -> list:
         """The unconditional pass reads no prompt: the second transformer, image only."""
-        return [UNCOND_ALONE, COND] if float(req.cfg) != 1.0 else [COND]
+        return [UNCOND_ALONE, COND] if float(req.cfg) > 1.0 else [COND]
 
     def timesteps(self, scheduler, steps, latents, device):
         """Ideogram4Pipeline's logit-normal sigmas, the mean shifted by the image's pixels

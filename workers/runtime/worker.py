@@ -85,7 +85,8 @@ class Worker:
                     stage=stage, weights=getattr(args, "weights", "auto"),
                     text_encoders=getattr(args, "text_encoders", "auto"),
                     shard=self.shard_setup if direct else None,  # shards only: its rows
-                    **({"path_2": args.model_2} if getattr(args, "model_2", None) else {}))
+                    **({"path_2": args.model_2} if getattr(args, "model_2", None) else {}),
+                    **({"branch": args.branch} if getattr(args, "branch", None) else {}))
                 logging.getLogger("xdit.worker").info("xdit: weights loaded")
             if args.load_in_turn and world > 1:
                 barrier(group=planes.control)
