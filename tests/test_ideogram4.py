@@ -188,3 +188,31 @@ def test_memory_plan_cli_shows_one_transformer_per_cfg_rank(capsys):
     plain, cfg = weights("--ulysses", "2"), weights("--cfg-parallel")
     print(f"transformer weights per rank: {plain} GiB at ulysses 2, {cfg} GiB at cfg parallel")
     assert abs(plain - 2 * cfg) <= 0.1 and 17 < cfg < 18, (plain, cfg)  # 9.3 B params, bf16
+
+
+def test_decode_follows_comfyuis_flux2_latent(model_dir, layout_pools, pipe):
+    """The pool's decode reads the LATENT as ComfyUI's FLUX.2 one: the VAE's batch-norm
+    statistics per LATENT channel (channel, row, column in patch), then unpatchified. It
+    equals that decode done by hand with the folder's VAE (<= 1e-4). Ideogram4Pipeline's own
+    decode indexes the statistics in its token order (row, column, channel), so on a VAE whose
+    statistics differ per channel it gives another image: the two conventions disagree, and
+    the pack follows ComfyUI's (docs/models.md#ideogram-4)."""
+    req = request([A], 3.0, output="image")
+    pool = layout_pools.get(model_dir(ARCH), ParallelConfig())
+    got = pool.generate(req).images.permute(0, 3, 1, 2)
+    latent = pool.generate(request([A], 3.0)).samples
+    vae = pipe.vae
+    std = torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps).view(1, -1, 1, 1)
+    raw = latent * std + vae.bn.running_mean.view(1, -1, 1, 1)
+    b, c, h, w = raw.shape
+    raw = raw.view(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, 2 * h, 2 * w)
+    with torch.no_grad():
+        want = (vae.decode(raw, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+    check(got, want, "decode vs FLUX.2's convention by hand")
+    noise = torch.randn([1, 128, h, w], generator=torch.manual_seed(req.seed))
+    theirs = pipe(prompt=[A], height=H, width=W, num_inference_steps=req.steps,
+                  latents=to_pipeline_tokens(noise), guidance_scale=3.0, guidance_schedule=None,
+                  max_sequence_length=MSL, output_type="pt").images
+    d = float((theirs - got).abs().max())
+    print(f"Ideogram4Pipeline's own decode of the same latents: {d:.2e} away")
+    assert d > 1e-2
