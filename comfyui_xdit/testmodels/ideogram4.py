@@ -30,10 +30,10 @@ CONFORMANCE_EXEMPT = {
                   "pass's plans carry no text stream; refused at load",
     "single_file": "not yet: Ideogram 4 is two transformer files (conditional and "
                    "unconditional) and the loader's single-file path takes one",
-    "model_call": "not yet: ComfyUI's Ideogram 4 runs its unconditional branch as the same "
-                  "model called with context None (image only); the xDiT MODEL's calls "
-                  "carry a context per row and would run it through the conditional "
-                  "transformer",
+    "model_call": "not yet: ComfyUI 0.33.0's Ideogram 4 is one transformer that runs every "
+                  "row with its context (image only where the context is None), not the "
+                  "pipeline's asymmetric pair, and under CFG parallel a cfg rank here holds "
+                  "one branch's transformer only; the MODEL's calls are not wired to either",
 }
 
 TEXT_LAYERS = 36  # the pipeline taps layers 0, 3, ..., 33 and 35

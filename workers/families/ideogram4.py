@@ -88,8 +88,9 @@ FAMILY = Family(
     latent=LATENT,
     text=Text(hint="encode with Ideogram 4's text encoder (Qwen3-VL) or type the prompt into "
                    "the sampler", pooled=False),
+    # ComfyUI's model takes sigma (FLOW, multiplier 1); the adapter's t is sigma x 1000
     comfy=ComfySpec(base=lambda unet: "Ideogram4", config=lambda unet: "Ideogram4",
-                    unet=comfy_unet),
+                    unet=comfy_unet, timestep_scale=1000.0),
     # Ideogram4Pipeline's recommended schedule is 7 for all but the last 3 steps (then 3)
     defaults=Defaults(cfg=7.0),
     detection=Detection(
