@@ -216,3 +216,14 @@ def test_decode_follows_comfyuis_flux2_latent(model_dir, layout_pools, pipe):
     d = float((theirs - got).abs().max())
     print(f"Ideogram4Pipeline's own decode of the same latents: {d:.2e} away")
     assert d > 1e-2
+
+
+def test_pipefusion_is_refused_before_a_launch(model_dir):
+    """PipeFusion is not staged for a model of two branch transformers yet: the request's
+    check says so in one line, before any worker starts."""
+    from comfyui_xdit.errors import ConfigError
+    from comfyui_xdit.planning.model_info import read_model_info
+    info = read_model_info(str(model_dir(ARCH)))
+    config = ParallelConfig(pipefusion=2, pipefusion_split="1,1")
+    with pytest.raises(ConfigError, match="PipeFusion does not run Ideogram 4 yet"):
+        config.validate(info, request([A], 3.0))

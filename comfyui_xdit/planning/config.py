@@ -253,8 +253,14 @@ def pipefusion_refusal(fam, sp: int = 1, references: bool = False) -> Optional[s
     A stream denoised beside the latent's (a sound track) goes with the text in each step's
     first patch. Kept whole on every rank (replicated, LTX-2's) it is a block input of its
     own that the stage's sp ranks do not split, which PipeFusion runs at sp 1 only; and the
-    patches do not yet place a start or reference image beside one. The memory plan offers
-    PipeFusion only where this is None."""
+    patches do not yet place a start or reference image beside one; a model with a
+    transformer per guidance branch is not staged yet. The memory plan offers PipeFusion
+    only where this is None."""
+    from comfyui_xdit import bridge
+    if fam.capability(bridge.families.BranchTransformers) is not None:
+        return (f"PipeFusion does not run {fam.name} yet: each stage would hold its blocks "
+                f"of every guidance branch's transformer; use ulysses, ring, cfg-parallel "
+                f"or dp")
     denoised = [s for s in fam.tokens.streams if s.denoised]
     whole = [s.name for s in denoised if not s.sharded]
     if whole and sp > 1:

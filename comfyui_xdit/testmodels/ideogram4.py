@@ -27,7 +27,7 @@ ORACLE_TEST = "test_ideogram4.py::test_one_rank_equals_the_pipeline"
 CONFORMANCE_EXEMPT = {
     "pipefusion": "not yet: a PipeFusion stage would load its blocks of both transformers "
                   "(the conditional and the unconditional one) and the unconditional "
-                  "pass's plans carry no text stream; refused at load",
+                  "pass's plans carry no text stream; refused before a launch",
     "single_file": "not yet: Ideogram 4 is two transformer files (conditional and "
                    "unconditional) and the loader's single-file path takes one",
     "model_call": "not yet: ComfyUI 0.33.0's Ideogram 4 is one transformer that runs every "
