@@ -63,10 +63,13 @@ class LayoutPools:
     def __init__(self, keep: int | None = None):
         self.keep = keep
         self.made: dict = {}
+        self.infos: dict = {}  # path -> ModelInfo, read once
 
     def get(self, path, config: ParallelConfig, tag: str = "", **pool_options):
         from comfyui_xdit import WorkerPool
-        key = (str(path), config.launch_key(), tag,
+        # the model's launch key: a layout that loads other weights (a cfg rank holding one
+        # guidance branch's transformer) is a pool of its own, not a relaunch of another
+        key = (str(path), config.launch_key(self._info(path)), tag,
                tuple(sorted((k, repr(v)) for k, v in pool_options.items())))
         pool = self.made.pop(key, None)
         if pool is None:
@@ -78,6 +81,17 @@ class LayoutPools:
             pool.reconfigure(config)
         self.made[key] = pool  # most recently used last
         return pool
+
+    def _info(self, path):
+        """The path's ModelInfo, read once (None where it cannot be read: the pool's own
+        launch then says why)."""
+        from comfyui_xdit.planning.model_info import read_model_info
+        if str(path) not in self.infos:
+            try:
+                self.infos[str(path)] = read_model_info(str(path))
+            except Exception:  # noqa: BLE001
+                self.infos[str(path)] = None
+        return self.infos[str(path)]
 
     def close(self) -> None:
         for pool in self.made.values():

@@ -134,6 +134,10 @@ class PoolLaunch:
         stages = self.config.stage_split(self.model_info.blocks,
                                          getattr(self, "_stage_speeds", ()))
         self.launched_stages = stages if self.config.pipefusion > 1 else None
+        # a model with a transformer per guidance branch, under CFG parallel: each rank
+        # loads its branch's only (weight sharding spreads every transformer instead)
+        branches = () if self.engine.shard_weights else \
+            self.config.branch_layout(self.model_info.family)
         for rank in range(world):
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
@@ -160,6 +164,8 @@ class PoolLaunch:
                 cmd += ["--load-in-turn"]
             for spec in self.worker_hooks:
                 cmd += ["--hook", spec]
+            if branches:
+                cmd += ["--branch", branches[rank]]
             if self.config.pipefusion > 1:
                 cmd += ["--pipefusion", str(self.config.pipefusion), "--pipefusion-inner",
                         str(self.config.sp), "--pipefusion-split", stages]

@@ -243,7 +243,8 @@ class WorkerPool(PoolLaunch, PoolConnection):
         config.validate(self.model_info)
         _check_engine(self.engine, config)
         with self._lock:
-            if self._procs and config.launch_key() != self.config.launch_key():
+            if self._procs and config.launch_key(self.model_info) != \
+                    self.config.launch_key(self.model_info):
                 self._shutdown()
             self.config = config
 

@@ -75,6 +75,20 @@ class ParallelConfig:
             return w if len(w) == self.product else ()
         return w
 
+    def branch_layout(self, family) -> tuple:
+        """Each rank's guidance branch, the one transformer it loads, where the model has a
+        transformer per branch (its family's BranchTransformers) and CFG parallel puts the
+        branches on different ranks; () where every rank loads them all (no CFG parallel,
+        PipeFusion, or a model of one transformer). Part of what the loaded weights depend
+        on (`launch_key`)."""
+        from comfyui_xdit import bridge
+        spec = None if family is None else \
+            family.capability(bridge.families.BranchTransformers)
+        if spec is None or self.cfg < 2 or self.pipefusion > 1:
+            return ()
+        d = self.degrees()
+        return tuple(spec.branches[d.coordinate(r, "cfg")] for r in range(self.ranks))
+
     def degrees(self, measured=()):
         """The layout the workers build their process groups on, by axis name (a
         workers/parallel/degrees.py `Degrees`; jobs and model calls carry it), with the
@@ -84,9 +98,14 @@ class ParallelConfig:
             dp=self.dp, cfg=self.cfg, pipefusion=self.pipefusion, ulysses=self.ulysses,
             ring=self.ring, split=self.weights(measured))
 
-    def launch_key(self) -> tuple:
+    def launch_key(self, model=None) -> tuple:
         """What the workers' loaded weights depend on: under PipeFusion each rank holds one
-        stage, so another pipeline layout needs a relaunch (other changes do not)."""
+        stage, so another pipeline layout needs a relaunch (other changes do not); for
+        `model` (its ModelInfo) with a transformer per guidance branch, which branch each
+        rank holds (`branch_layout`)."""
+        branches = self.branch_layout(model.family) if model is not None else ()
+        if branches:
+            return (self.ranks, 1, branches)
         if self.pipefusion == 1:
             return (self.ranks, 1)
         return (self.ranks, self.pipefusion, self.sp, str(self.pipefusion_split),
@@ -263,8 +282,14 @@ def pipefusion_refusal(fam, sp: int = 1, references: bool = False) -> Optional[s
     A stream denoised beside the latent's (a sound track) goes with the text in each step's
     first patch. Kept whole on every rank (replicated, LTX-2's) it is a block input of its
     own that the stage's sp ranks do not split, which PipeFusion runs at sp 1 only; and the
-    patches do not yet place a start or reference image beside one. The memory plan offers
-    PipeFusion only where this is None."""
+    patches do not yet place a start or reference image beside one; a model with a
+    transformer per guidance branch is not staged yet. The memory plan offers PipeFusion
+    only where this is None."""
+    from comfyui_xdit import bridge
+    if fam.capability(bridge.families.BranchTransformers) is not None:
+        return (f"PipeFusion does not run {fam.name} yet: each stage would hold its blocks "
+                f"of every guidance branch's transformer; use ulysses, ring, cfg-parallel "
+                f"or dp")
     denoised = [s for s in fam.tokens.streams if s.denoised]
     whole = [s.name for s in denoised if not s.sharded]
     if whole and sp > 1:

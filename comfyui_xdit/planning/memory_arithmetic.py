@@ -476,6 +476,8 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
     gather = 0
     experts = max(1, facts.experts)  # every expert resident; one runs at a time
     sharded = engine.shard_weights and world > 1
+    if not sharded and config.branch_layout(families.family(facts.arch)):
+        experts = 1  # a transformer per guidance branch, each cfg rank holding its own
     if sharded:
         memory = str(engine.shard_split).strip().lower() == "memory"
         shard_w = engine.shard_weights_for(world, caps if memory else None)

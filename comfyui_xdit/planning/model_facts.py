@@ -129,6 +129,16 @@ def preset_facts(name: str) -> ModelFacts:
                       text_tokens=p.text_tokens, experts=p.experts)
 
 
+def _transformer_count(arch: str, kind: str, path) -> int:
+    """Transformers of one config a model holds: a folder's experts (Wan 2.2 A14B), or one
+    per guidance branch (the family's BranchTransformers)."""
+    from comfyui_xdit.planning.model_info import expert_count
+    branches = families.family(arch).capability(families.BranchTransformers)
+    if branches is not None and kind == "diffusers":
+        return len(branches.subfolders)
+    return expert_count(path)
+
+
 def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
     """A diffusers folder or single file, through the pack's detection (model_info)."""
     from comfyui_xdit.planning.model_info import _describe_model, expert_count
@@ -154,7 +164,8 @@ def model_facts(path: str, dtype: str = "bf16") -> ModelFacts:
                       transformer_config=json.dumps(cfg, sort_keys=True, default=list),
                       text_encoder_params=0, text_encoder_bytes=te_bytes,
                       vae_params=vae_params, vae_channels=channels,
-                      fp8_checkpoint=bool(storage.get("fp8")), experts=expert_count(path),
+                      fp8_checkpoint=bool(storage.get("fp8")),
+                      experts=_transformer_count(arch, d["kind"], path),
                       gguf_bytes_per_value=float(storage.get("gguf_bytes_per_value", 0.0)))
 
 

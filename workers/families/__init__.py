@@ -9,7 +9,7 @@ they read the same detection and defaults, and the workers never import the host
 that every family has (its classes, block lists, LATENT, text states, ComfyUI model class,
 request defaults, detection) and optional capabilities that only some have (`References`,
 `ImageToVideo`, `TwoExperts`, `SecondTextEncoder`, `CausalVAE`, `Presets`, `SoundTrack`,
-`ExtraGuidance`), each read by
+`ExtraGuidance`, `BranchTransformers`), each read by
 the module that needs it through `Family.capability`. Every other module asks these two,
 never compares family names: tests/test_families.py scans the tree for such a comparison.
 """
@@ -422,8 +422,20 @@ class TokenTimesteps:
         return [math.prod(int(s[a]) for a in axes) for s, axes in zip(shapes, self.token_axes)]
 
 
+@dataclass(frozen=True)
+class BranchTransformers:
+    """A transformer per guidance branch (Ideogram 4's conditional `transformer` and its
+    `unconditional_transformer`): both resident on a rank that runs both passes; under CFG
+    parallel each cfg rank loads only the transformer of the pass it runs."""
+
+    # the folder's subfolder of each branch's transformer, in cfg-rank order (cfg rank k
+    # runs pass k of the family's guidance passes)
+    subfolders: tuple
+    branches: tuple  # the branch names the adapter reads, in the same order
+
+
 CAPABILITIES = (References, ImageToVideo, TwoExperts, SecondTextEncoder, CausalVAE, Presets,
-                SoundTrack, ExtraGuidance, TokenTimesteps)
+                SoundTrack, ExtraGuidance, TokenTimesteps, BranchTransformers)
 
 
 @dataclass(frozen=True)

@@ -410,6 +410,11 @@ class DiTAdapter:
         clean tokens of the latent itself (LTX-2's first latent frame)."""
         return latents
 
+    def lora_transformers(self, model) -> tuple:
+        """The transformers a LoRA goes into: each of the model's (Wan 2.2's experts), but
+        where the family's pipeline loads LoRAs into one of them only."""
+        return model.transformers()
+
     def transformer_for(self, model, extra) -> "object":
         """The transformer a forward with `extra` runs (the step's expert)."""
         return model.transformer

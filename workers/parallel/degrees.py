@@ -56,6 +56,14 @@ class Degrees:
         """The degree per axis: what process groups are built on."""
         return {a: getattr(self, a) for a in AXES}
 
+    def coordinate(self, rank: int, axis: str) -> int:
+        """A rank's index along `axis` in the rank layout (AXES, outermost first), as the
+        topology numbers its groups."""
+        index = int(rank)
+        for a in reversed(AXES[AXES.index(axis) + 1:]):
+            index //= getattr(self, a)
+        return index % getattr(self, axis)
+
     def evenly(self) -> "Degrees":
         """The same layout split evenly (the key of its process groups)."""
         return replace(self, split=()) if self.split else self

@@ -52,6 +52,9 @@ def _parse(argv):
     p.add_argument("--model-2", default=None, dest="model_2",
                    help="Wan 2.2 A14B from two single files: the low-noise expert's file "
                         "(--model: the high-noise one's)")
+    p.add_argument("--branch", default=None,
+                   help="a model with a transformer per guidance branch under CFG parallel: "
+                        "the branch whose transformer this rank loads (the others are not)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--threads", type=int, default=0)

@@ -85,7 +85,8 @@ class Worker:
                     stage=stage, weights=getattr(args, "weights", "auto"),
                     text_encoders=getattr(args, "text_encoders", "auto"),
                     shard=self.shard_setup if direct else None,  # shards only: its rows
-                    **({"path_2": args.model_2} if getattr(args, "model_2", None) else {}))
+                    **({"path_2": args.model_2} if getattr(args, "model_2", None) else {}),
+                    **({"branch": args.branch} if getattr(args, "branch", None) else {}))
                 logging.getLogger("xdit.worker").info("xdit: weights loaded")
             if args.load_in_turn and world > 1:
                 barrier(group=planes.control)
@@ -473,7 +474,7 @@ class Worker:
         err = None
         loads = self.loras.loads
         try:
-            self.loras.apply(self.model.transformers(), resolved)
+            self.loras.apply(self.adapter.lora_transformers(self.model), resolved)
             if self.loras.loads != loads and self.parallel and self.parallel[1] is not None:
                 # peft wrapped layers the sequence-parallel hooks sit on (proj_out's gather,
                 # ...): the hooks would see the base output only, so hook the wrappers
@@ -486,7 +487,7 @@ class Worker:
         if errors:
             self._active_loras = None  # unknown until the next switch succeeds
             try:  # leave the model in a known state: no adapter active
-                self.loras.apply(self.model.transformers(), [])
+                self.loras.apply(self.adapter.lora_transformers(self.model), [])
                 self._active_loras = ()
             except Exception:  # noqa: BLE001
                 pass
