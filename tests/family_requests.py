@@ -51,7 +51,8 @@ def small_request(arch: str, prompts, **kw) -> GenerationRequest:
     s = settings(arch)
     h, w = s["size"]
     extra = {"frames": s["frames"]} if "frames" in s else {}
-    base = dict(prompt=list(prompts), negative_prompt=NEGATIVE, seed=11, steps=3, height=h,
+    negative = NEGATIVE if families.family(arch).text.negative else ""  # (else refused)
+    base = dict(prompt=list(prompts), negative_prompt=negative, seed=11, steps=3, height=h,
                 width=w, cfg=3.0, max_sequence_length=s["msl"], **extra)
     return GenerationRequest(**dict(base, **kw))
 

@@ -227,3 +227,15 @@ def test_pipefusion_is_refused_before_a_launch(model_dir):
     config = ParallelConfig(pipefusion=2, pipefusion_split="1,1")
     with pytest.raises(ConfigError, match="PipeFusion does not run Ideogram 4 yet"):
         config.validate(info, request([A], 3.0))
+
+
+def test_a_negative_prompt_is_refused_not_dropped(model_dir):
+    """The unconditional pass runs without text, so a negative prompt (or negative
+    CONDITIONING) would change nothing: one line before any launch, not a silent drop."""
+    from comfyui_xdit.errors import ConfigError
+    from comfyui_xdit.planning.model_info import read_model_info
+    info = read_model_info(str(model_dir(ARCH)))
+    req = request([A], 3.0, negative_prompt="blurry")
+    with pytest.raises(ConfigError, match="negative prompt would change nothing"):
+        ParallelConfig().validate(info, req)
+    ParallelConfig().validate(info, request([A], 3.0))  # without one: fine

@@ -229,6 +229,9 @@ class Text:
     # gets it as y)
     pooled: bool = True
     extra_tokens: int = 0  # tokens the text encoders join to max_sequence_length's (SD3's CLIP)
+    # the unconditional pass reads a negative prompt (False: it runs without text, so a
+    # negative prompt or CONDITIONING would change nothing: refused rather than dropped)
+    negative: bool = True
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ FAMILY = Family(
     blocks=Blocks(lists=("layers",), counts=("num_layers",)),
     latent=LATENT,
     text=Text(hint="encode with Ideogram 4's text encoder (Qwen3-VL) or type the prompt into "
-                   "the sampler", pooled=False),
+                   "the sampler", pooled=False, negative=False),
     # ComfyUI's model takes sigma (FLOW, multiplier 1); the adapter's t is sigma x 1000
     comfy=ComfySpec(base=lambda unet: "Ideogram4", config=lambda unet: "Ideogram4",
                     unet=comfy_unet, timestep_scale=1000.0),

@@ -203,6 +203,12 @@ class GenerationRequest:
                                       not all(isinstance(p, str) for p in self.prompt)):
             out.append("prompt must be one or more strings (or give positive conditioning)")
         out.extend(conditioning_problems(self, model))
+        arch = model if isinstance(model, str) else getattr(model, "arch", None)
+        if arch is not None and not families.family(arch).text.negative and (
+                (self.negative_prompt or "").strip() or self.negative is not None):
+            out.append(f"{families.family(arch).name}'s unconditional pass runs without text, "
+                       f"so a negative prompt would change nothing: leave it empty (and the "
+                       f"negative CONDITIONING unconnected)")
         if self.batch_size is not None and self.prompt and len(self.prompt) not in (1, self.batch_size):
             out.append(f"{len(self.prompt)} prompts for a batch of {self.batch_size}; give 1 or "
                        f"{self.batch_size}")
