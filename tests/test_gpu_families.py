@@ -38,6 +38,12 @@ import torch
 
 from comfyui_xdit import ParallelConfig, WorkerPool
 from family_requests import A, B, IDS, families, model_call_inputs, small_request
+from conformance.cases import CASES
+
+
+def runs(arch: str, capability: str) -> bool:
+    """The family runs `capability` (not in its builder's CONFORMANCE_EXEMPT)."""
+    return capability not in CASES[arch].exempt
 
 DEVICE = os.environ.get("XDIT_GPU_SUITE_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
 pytestmark = pytest.mark.skipif(not DEVICE, reason="needs a CUDA GPU "
@@ -97,9 +103,11 @@ def _call_model(pool, config: ParallelConfig, arch: str, call: dict):
 def _cpu_exact(arch, folder) -> dict:
     """The CPU pool at one rank: the methods' request and the MODEL's call."""
     with WorkerPool(str(folder), ParallelConfig(), device="cpu", threads_per_rank=1) as pool:
-        return {"samples": pool.generate(small_request(arch, PROMPTS)).samples,
-                "model_call": _call_model(pool, ParallelConfig(), arch,
-                                          model_call_inputs(arch, folder))}
+        out = {"samples": pool.generate(small_request(arch, PROMPTS)).samples}
+        if runs(arch, "model_call"):
+            out["model_call"] = _call_model(pool, ParallelConfig(), arch,
+                                            model_call_inputs(arch, folder))
+        return out
 
 
 def _cpu_pipefusion(arch, folder):
@@ -133,8 +141,9 @@ class Sweep:
         self.refs = {}
         for arch in archs:
             self.refs[arch, "exact"] = self._refs.submit(_cpu_exact, arch, folders[arch])
-            self.refs[arch, "pipefusion"] = self._refs.submit(_cpu_pipefusion, arch,
-                                                              folders[arch])
+            if runs(arch, "pipefusion"):
+                self.refs[arch, "pipefusion"] = self._refs.submit(_cpu_pipefusion, arch,
+                                                                  folders[arch])
         self.warm = {arch: self._warm.submit(self._launch, arch, folders[arch])
                      for arch in archs}
 
@@ -143,9 +152,10 @@ class Sweep:
             if self.stopping.is_set():
                 return None
         made = self.open[arch] = {"plain": _pool(folder),
-                                  "sharded": _pool(folder, shard_weights=True),
-                                  "pipefusion": _pool(folder, hooks=False)}
-        made["pipefusion"].reconfigure(pipefusion(made["plain"].model_info.blocks))
+                                  "sharded": _pool(folder, shard_weights=True)}
+        if runs(arch, "pipefusion"):
+            made["pipefusion"] = _pool(folder, hooks=False)
+            made["pipefusion"].reconfigure(pipefusion(made["plain"].model_info.blocks))
         warm = small_request(arch, [A], steps=1, cfg=1.0)
         with ThreadPoolExecutor(len(made)) as ex:  # launches the ranks (a one-step job)
             list(ex.map(lambda pool: pool.generate(warm), made.values()))
@@ -187,12 +197,16 @@ def test_every_method_of_every_family(arch, model_dir, sweep):
         with ThreadPoolExecutor(2, thread_name_prefix=f"{arch}-side") as side:
             # the other two pools' jobs run beside the first pool's (the GPU has room)
             sharded = side.submit(_sharded, arch, made["sharded"], sweep)
-            piped = side.submit(_pipefusion, arch, made["pipefusion"], sweep)
+            piped = side.submit(_pipefusion, arch, made["pipefusion"], sweep) \
+                if runs(arch, "pipefusion") else None
             _previews_and_cache(arch, made["plain"])
             _exact_methods(arch, made["plain"], sweep.reference(arch, "exact"))
-            _model_calls(arch, made["plain"], sweep.reference(arch, "exact"), model_dir(arch))
+            if runs(arch, "model_call"):
+                _model_calls(arch, made["plain"], sweep.reference(arch, "exact"),
+                             model_dir(arch))
             sharded.result()
-            piped.result()
+            if piped is not None:
+                piped.result()
     finally:
         sweep.done(arch)
 
