@@ -200,13 +200,6 @@ class ParallelConfig:
                 from comfyui_xdit import bridge
                 out.append(bridge.messages.CACHE_WITH_PIPEFUSION)
             arch = getattr(model, "arch", None)
-            if self.pipefusion > 1 and arch is not None:
-                from comfyui_xdit.planning.request import families
-                fam = families.family(arch)
-                refusal = pipefusion_refusal(fam, self.sp, bool(
-                    request.reference_latents or request.reference_images))
-                if refusal:
-                    out.append(refusal)
             if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
                     and arch is not None:
                 from comfyui_xdit.planning.request import families
@@ -226,27 +219,6 @@ class ParallelConfig:
         if out:
             raise ConfigError("invalid configuration: " + "; ".join(out))
         return self
-
-
-def pipefusion_refusal(fam, sp: int = 1, references: bool = False) -> Optional[str]:
-    """Why PipeFusion does not run a family (its `families.Family`) with `sp` ulysses x ring
-    ranks per stage and, where `references`, reference or start images; None where it runs.
-    A stream denoised beside the latent's (a sound track) goes with the text in each step's
-    first patch. Kept whole on every rank (replicated, LTX-2's) it is a block input of its
-    own that the stage's sp ranks do not split, which PipeFusion runs at sp 1 only; and the
-    patches do not yet place a start or reference image beside one. The memory plan offers
-    PipeFusion only where this is None."""
-    denoised = [s for s in fam.tokens.streams if s.denoised]
-    whole = [s.name for s in denoised if not s.sharded]
-    if whole and sp > 1:
-        return (f"PipeFusion with ulysses or ring does not run {fam.name}: its "
-                f"{', '.join(whole)} stream is denoised with the {fam.tokens.latent.name} "
-                f"and kept whole on every rank, which a stage's sp ranks do not split; use "
-                f"pipefusion alone, or ulysses, ring, cfg-parallel or dp")
-    if denoised and references:
-        return (f"PipeFusion does not run {fam.name} with a start or reference image yet; "
-                f"use ulysses, ring, cfg-parallel or dp")
-    return None
 
 
 def auto_config(world_size: int, heads: int, uses_cfg: bool, batch: int) -> ParallelConfig:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from comfyui_xdit.errors import ConfigError
-from comfyui_xdit.planning.config import EngineOptions, ParallelConfig, pipefusion_refusal
+from comfyui_xdit.planning.config import EngineOptions, ParallelConfig
 from comfyui_xdit.planning.model_facts import ModelFacts, TransformerFacts, transformer_facts
 from comfyui_xdit import bridge
 from comfyui_xdit.bridge import families
@@ -539,8 +539,6 @@ def _alternatives(facts, config, engine, job, gpu_memory):
                                  ("shard_weights", config, True),
                                  (f"ulysses {world} + shard_weights",
                                   ParallelConfig(ulysses=world), True)):
-            if cfg.pipefusion > 1 and pipefusion_refusal(families.family(facts.arch)):
-                continue  # the family does not run it
             if (cfg.degrees(), shard) not in [(c.degrees(), sh) for _, c, sh in layouts] and \
                     not (shard and cfg.pipefusion > 1):
                 layouts.append((name, cfg, shard))

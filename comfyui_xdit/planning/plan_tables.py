@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from comfyui_xdit.bridge import families
-from comfyui_xdit.planning.config import EngineOptions, ParallelConfig, pipefusion_refusal
+from comfyui_xdit.planning.config import EngineOptions, ParallelConfig
 from comfyui_xdit.planning.memory_arithmetic import (DTYPE_BYTES, GiB, LINKS_GBPS, JobSize, gib,
                                                      plan, quantised_bytes, shard_figures,
                                                      step_traffic)
@@ -25,10 +24,9 @@ def compare_table(facts: ModelFacts, job: JobSize, dtype: str, counts, sizes_gib
 
     def seq(n):  # Ulysses where the heads split evenly, else Ring: the same memory
         return ParallelConfig(ulysses=n) if tr.heads % n == 0 else ParallelConfig(ring=n)
-    methods = [("Ulysses/Ring {n} (replicated)", seq, False)] + (
-        [] if pipefusion_refusal(families.family(facts.arch)) else
-        [("PipeFusion {n}", lambda n: ParallelConfig(pipefusion=n), False)]) + [
-        ("shard_weights, Ulysses/Ring {n}", seq, True)]
+    methods = [("Ulysses/Ring {n} (replicated)", seq, False),
+               ("PipeFusion {n}", lambda n: ParallelConfig(pipefusion=n), False),
+               ("shard_weights, Ulysses/Ring {n}", seq, True)]
     cols = [(n, g) for g in sizes_gib for n in counts]
     head = ["method", "text enc.", "weights"] + [f"{n}x{g:g} GB" for n, g in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -94,8 +92,7 @@ def traffic_table(facts: ModelFacts, job: JobSize, dtype: str, counts,
     for name in ("Ulysses", "Ring", "PipeFusion", "shard_weights"):
         for n in counts:
             if n < 2 or (name == "Ulysses" and tr.heads % n) or \
-                    (name == "PipeFusion" and (n > len(tr.blocks) or pipefusion_refusal(
-                        families.family(facts.arch)))):
+                    (name == "PipeFusion" and n > len(tr.blocks)):
                 continue
             rows.append((name, n, step_traffic(facts, job, dtype, n)[name]))
     if job.cfg:
