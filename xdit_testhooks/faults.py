@@ -156,3 +156,20 @@ def shard_rows_swapped(ctx):
             e.param.data = torch.cat(parts[::-1]).view(e.shape)
 
     us.UnevenWeightSharding.gather = gather
+
+
+def pipefusion_local_sound(ctx):
+    """PipeFusion with ulysses / ring inside a stage: an attention that reads or writes a
+    stream denoised beside the latent's (a sound track) is not exchanged over the stage's
+    sp ranks, so each rank's sound sees only its own shard of the other tokens (MiniMax-H3's
+    joint attention, LTX-2's sound queries over the video)."""
+    from workers.parallel.pipefusion.cache import PatchAttention
+
+    real = PatchAttention.exchanges
+
+    def exchanges(self, plan, streams, keys):
+        if any(plan.layout.stream(s).denoised for s in (*streams, *keys)):
+            return False
+        return real(self, plan, streams, keys)
+
+    PatchAttention.exchanges = exchanges

@@ -6,7 +6,9 @@ step's first patch) into it, then attends over the whole cache, so the rest of t
 is one step stale. With ulysses/ring inside a stage, each stage's sp ranks hold a shard of
 the patch; the attention gathers the patch's keys/values over the sp group (heads by
 all-to-all, tokens by all-gather) before it refreshes the cache, so every rank's cache holds
-the full sequence for its heads. Caches are allocated per job from the job's shapes
+the full sequence for its heads. A stream every rank keeps whole (replicated: LTX-2's text
+and sound) is exchanged only where it meets a sharded one, as its shard would be
+(stream_views.py); keys that are all replicated stay local, their cache over all heads. Caches are allocated per job from the job's shapes
 (`KVCache`, held by the job's PatchPlans), so nothing stale survives a job.
 """
 from __future__ import annotations
@@ -56,6 +58,12 @@ class PatchAttention:
             choice = self._kernels[q.device.type] = KernelChoice(self.backend, q.device.type, 1)
         return choice(q)
 
+    def exchanges(self, plan: PatchPlan, streams, keys) -> bool:
+        """Whether the stage's sp ranks exchange this attention's tokens: not at sp 1, nor
+        where every key stream is replicated (LTX-2's text, its sound): each rank holds
+        those whole, so its queries attend to them over all heads."""
+        return self.topo.sp > 1 and any(plan.sharded(s) for s in keys)
+
     def __call__(self, q, k, v, plan: PatchPlan, streams, module=None, text_lengths=None,
                  keys=None):
         """`streams`: the query streams; `keys`: the key streams of a cross-attention (None:
@@ -66,9 +74,7 @@ class PatchAttention:
         check_declared(plan, streams, keys, self._declared)
         topo, kv = self.topo, plan.cache
         rows = short_rows(plan, text_lengths, keys)
-        # keys of replicated streams only (LTX-2's text, its sound): every sp rank holds
-        # them whole, so its queries attend to them over all heads, nothing exchanged
-        exchange = topo.sp > 1 and any(plan.sharded(s) for s in keys)
+        exchange = self.exchanges(plan, streams, keys)
         view = plan
         if exchange and not all(plan.sharded(s) for s in (*streams, *keys)):
             # a replicated stream among sharded ones (LTX-2's sound queries over the video):
@@ -192,7 +198,7 @@ class KVCache:
                 return plan.positions(streams)
             p = _gathered_positions(plan, streams, topo)
             return p[p >= 0]
-        return self._index(("pos",) + plan.key(streams), make, device)
+        return self._index(("pos", gathered) + plan.key(streams), make, device)
 
     def whole(self, plan: PatchPlan, streams, device) -> tuple:
         """(host positions, device index) of every token of `streams` in their cache."""
