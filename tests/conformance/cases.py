@@ -69,30 +69,18 @@ class Case:
         return dataclasses.replace(self.pipefusion(blocks, warmup), ulysses=2)
 
 
-def _own_streams(fam) -> bool:
-    """The family's token layout has a stream the sp ranks inside a PipeFusion stage do not
-    simply split: one denoised beside the latent's (a sound track) or one every rank keeps
-    whole (Wan's text, LTX-2's text and sound)."""
-    return any(s.denoised or not s.sharded for s in fam.tokens.streams)
-
-
 def _derived_exemptions(arch: str) -> dict:
-    """Capabilities a family lacks by what the registry says of it, with the reason.
-    PipeFusion with ulysses inside a stage (a 4-rank pool each) runs where the layout has
-    such streams, plus the first registered family without any as the plain control: the
-    other families' stages split every stream as that one's do, and a 4-rank launch for
-    each would add minutes to a suite over its CI time already (docs/testing.md). A start
-    image under PipeFusion runs where the family's own test model takes one (optional)."""
+    """Capabilities a family lacks by what the registry says of it, with the reason: a
+    start image under PipeFusion runs where the family's own test model takes one
+    (optional)."""
     fam = families.family(arch)
     out = {}
-    plain = [i for i in IDS if not _own_streams(families.family(i))]
-    if not _own_streams(fam) and arch != plain[0]:
-        out["pipefusion_sp"] = (f"every stream of {fam.name}'s layout is sharded, as "
-                                f"{families.family(plain[0]).name}'s, which runs it (CI time)")
     i2v = fam.capability(families.ImageToVideo)
-    if i2v is None or not i2v.optional:
-        out["pipefusion_start_image"] = (f"{fam.name}'s test model takes no start image "
-                                         f"(its image-to-video is another model)")
+    if i2v is None:
+        out["pipefusion_start_image"] = f"{fam.name} makes no video from a start image"
+    elif not i2v.optional:
+        out["pipefusion_start_image"] = (f"{fam.name}'s image-to-video is another model "
+                                         f"than its test model")
     return out
 
 

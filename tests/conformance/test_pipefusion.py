@@ -22,10 +22,9 @@ latent.
 With ulysses 2 inside each stage (4 ranks, under the NCCL-rules emulation) the same two
 results hold: full warmup equals one rank, pipelined equals the stale-K/V oracle (the sp
 ranks gather a patch's K/V before the cache refresh; a stream every rank keeps whole, LTX-2's
-sound, takes part as its shard would). This runs where the family's layout has a stream the
-stage's sp ranks do not simply split (a sound track, a replicated text) and on the first
-family without one (cases.py says why not on all). Negative control: the sound's attention
-left unexchanged between a stage's sp ranks is caught at full warmup.
+sound, takes part as its shard would), for every family: the 4-rank pool's launch and its
+two jobs cost 3-5 s a family on the shared 2-core machine. Negative control: the sound's
+attention left unexchanged between a stage's sp ranks is caught at full warmup.
 
 A start image (image-to-video, where the family's own model takes one: LTX-2's first latent
 frame, called at timestep 0 and kept) runs under PipeFusion alike: full warmup equal to one
