@@ -8,8 +8,9 @@ the patch; the attention gathers the patch's keys/values over the sp group (head
 all-to-all, tokens by all-gather) before it refreshes the cache, so every rank's cache holds
 the full sequence for its heads. A stream every rank keeps whole (replicated: LTX-2's text
 and sound) is exchanged only where it meets a sharded one, as its shard would be
-(stream_views.py); keys that are all replicated stay local, their cache over all heads. Caches are allocated per job from the job's shapes
-(`KVCache`, held by the job's PatchPlans), so nothing stale survives a job.
+(stream_views.py); keys that are all replicated stay local, their cache over all heads.
+Caches are allocated per job from the job's shapes (`KVCache`, held by the job's
+PatchPlans), so nothing stale survives a job.
 """
 from __future__ import annotations
 
