@@ -440,9 +440,33 @@ class LTX2Pipelined:
         video, audio, _ = pipe.connectors(pe, pm, padding_side=pipe.tokenizer.padding_side)
         return video, audio
 
+    def _start_tokens(self, req):
+        """A start image's clean first latent frame [1, h*w, 128] as
+        LTX2ImageToVideoPipeline makes it (recompressed at its default CRF, resized,
+        encoded, normalised: its `prepare_latents`' conditioned frame)."""
+        import numpy as np
+        import PIL.Image
+        from diffusers import LTX2ImageToVideoPipeline
+        from diffusers.pipelines.ltx2.utils import (apply_image_conditioning_crf,
+                                                    resolve_default_image_crf)
+        pipe = LTX2ImageToVideoPipeline(**self.pipe.components)
+        image = req.reference_images[0]
+        crf = resolve_default_image_crf(pipe.text_encoder)
+        if crf:
+            image = PIL.Image.fromarray(apply_image_conditioning_crf(
+                np.array(image.convert("RGB")), crf))
+        pixels = pipe.video_processor.preprocess(image, height=req.height, width=req.width)
+        latents, mask = pipe.prepare_latents(pixels.float(), 1, 128, req.height, req.width,
+                                             req.frames, dtype=torch.float32, device="cpu",
+                                             generator=torch.manual_seed(0))
+        return latents[:, :int(mask[0].sum())]
+
     @torch.inference_mode()
     def run(self, req, warmup, patches, refresh=True):
-        """-> (video LATENT, sound LATENT), model space, as the pool returns them."""
+        """-> (video LATENT, sound LATENT), model space, as the pool returns them. A start
+        image (`req.reference_images`, image-to-video): its frame replaces the first latent
+        frame's noise, is called at timestep 0 and kept (its velocity zeroed), as
+        LTX2ImageToVideoPipeline keeps it."""
         import numpy as np
         from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
@@ -452,6 +476,12 @@ class LTX2Pipelined:
         _, _, t, h, w = video.shape
         nv, na = t * h * w, audio.shape[2]
         x = torch.cat([video.flatten(2).transpose(1, 2), audio.transpose(1, 2).flatten(2, 3)], 1)
+        n0 = 0
+        if req.reference_images:
+            first = self._start_tokens(req)
+            n0 = first.shape[1]
+            x[:, :n0] = first.to(x.dtype)
+        clean = (torch.arange(nv) < n0).float()  # the start frame's tokens
         branches = {1: self._encode(req.prompt, req.max_sequence_length)}
         if req.cfg > 1:
             branches[0] = self._encode([req.negative_prompt] * b, req.max_sequence_length)
@@ -489,11 +519,13 @@ class LTX2Pipelined:
                         pv, pa = tr(hidden_states=x[:, sl], audio_hidden_states=x[:, nv:],
                                     encoder_hidden_states=text,
                                     audio_encoder_hidden_states=audio_text,
-                                    timestep=ts.expand(b), audio_timestep=ts.expand(b),
+                                    timestep=(ts * (1 - clean[sl])).expand(b, -1)
+                                    if n0 else ts.expand(b),
+                                    audio_timestep=ts.expand(b),
                                     sigma=ts.expand(b), video_coords=vc[:, :, sl],
                                     audio_coords=ac, use_cross_timestep=True,
                                     return_dict=False)
-                        preds[br] = (pv.float(), pa.float())
+                        preds[br] = (pv.float() * (1 - clean[sl]).view(1, -1, 1), pa.float())
                     if 0 in preds:
                         preds[1] = tuple(n + req.cfg * (p - n) for n, p in zip(preds[0], preds[1]))
                     pv, pa = preds[1]

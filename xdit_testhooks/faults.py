@@ -173,3 +173,20 @@ def passes_from_the_wrong_rank(ctx):
         return got[1:] + got[:1]
 
     denoise.gather_passes = gather_passes
+
+
+def pipefusion_local_sound(ctx):
+    """PipeFusion with ulysses / ring inside a stage: an attention that reads or writes a
+    stream denoised beside the latent's (a sound track) is not exchanged over the stage's
+    sp ranks, so each rank's sound sees only its own shard of the other tokens (MiniMax-H3's
+    joint attention, LTX-2's sound queries over the video)."""
+    from workers.parallel.pipefusion.cache import PatchAttention
+
+    real = PatchAttention.exchanges
+
+    def exchanges(self, plan, streams, keys):
+        if any(plan.layout.stream(s).denoised for s in (*streams, *keys)):
+            return False
+        return real(self, plan, streams, keys)
+
+    PatchAttention.exchanges = exchanges

@@ -242,9 +242,7 @@ class ParallelConfig:
             arch = getattr(model, "arch", None)
             if self.pipefusion > 1 and arch is not None:
                 from comfyui_xdit.planning.request import families
-                fam = families.family(arch)
-                refusal = pipefusion_refusal(fam, self.sp, bool(
-                    request.reference_latents or request.reference_images))
+                refusal = pipefusion_refusal(families.family(arch))
                 if refusal:
                     out.append(refusal)
             if self.pipefusion > 1 and (request.reference_latents or request.reference_images) \
@@ -276,30 +274,15 @@ def guidance_passes(model, request) -> tuple:
                                         request.resolved_cfg(model))
 
 
-def pipefusion_refusal(fam, sp: int = 1, references: bool = False) -> Optional[str]:
-    """Why PipeFusion does not run a family (its `families.Family`) with `sp` ulysses x ring
-    ranks per stage and, where `references`, reference or start images; None where it runs.
-    A stream denoised beside the latent's (a sound track) goes with the text in each step's
-    first patch. Kept whole on every rank (replicated, LTX-2's) it is a block input of its
-    own that the stage's sp ranks do not split, which PipeFusion runs at sp 1 only; and the
-    patches do not yet place a start or reference image beside one; a model with a
-    transformer per guidance branch is not staged yet. The memory plan offers PipeFusion
-    only where this is None."""
+def pipefusion_refusal(fam) -> Optional[str]:
+    """Why PipeFusion does not run a family (its `families.Family`); None where it runs: a
+    model with a transformer per guidance branch is not staged yet. The memory plan offers
+    PipeFusion only where this is None."""
     from comfyui_xdit import bridge
     if fam.capability(bridge.families.BranchTransformers) is not None:
         return (f"PipeFusion does not run {fam.name} yet: each stage would hold its blocks "
                 f"of every guidance branch's transformer; use ulysses, ring, cfg-parallel "
                 f"or dp")
-    denoised = [s for s in fam.tokens.streams if s.denoised]
-    whole = [s.name for s in denoised if not s.sharded]
-    if whole and sp > 1:
-        return (f"PipeFusion with ulysses or ring does not run {fam.name}: its "
-                f"{', '.join(whole)} stream is denoised with the {fam.tokens.latent.name} "
-                f"and kept whole on every rank, which a stage's sp ranks do not split; use "
-                f"pipefusion alone, or ulysses, ring, cfg-parallel or dp")
-    if denoised and references:
-        return (f"PipeFusion does not run {fam.name} with a start or reference image yet; "
-                f"use ulysses, ring, cfg-parallel or dp")
     return None
 
 

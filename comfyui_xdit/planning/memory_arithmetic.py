@@ -31,12 +31,9 @@ rank's bytes are added up part by part:
 - reserve: a fixed RESERVE_BYTES for the CUDA context, cuBLAS/cuDNN workspaces, NCCL
   buffers of the pool's process groups and allocator fragmentation.
 
-The activation estimate and the reserve have not been measured on a GPU yet: what a launch
-does with a predicted misfit is launch_policy.py's, and the comparison with the measured
-peaks calibration.py's.
-
-Not counted: LoRA adapters (small), ComfyUI's own models in the same GPU (offloaded before a
-job), attention score matrices (the CUDA kernels the pool uses never materialise them).
+The activation estimate and the reserve are not measured on a GPU yet (a predicted misfit:
+launch_policy.py; measured peaks: calibration.py). Not counted: LoRA adapters (small),
+ComfyUI's own models (offloaded before a job), attention scores (the kernels never hold them).
 """
 from __future__ import annotations
 
@@ -346,14 +343,11 @@ def vae_decode_bytes(channels: tuple, height: int, width: int, batch: int, dtype
 
 
 def job_tokens(facts: ModelFacts, job: JobSize) -> int:
-    """Tokens of one attention sequence, from the family's declared streams
-    (workers/streams.py), each padded to its multiple (Z-Image's 32): the latent
-    stream's, the image's (16 x 16 pixels a token, the family's `pixels_per_token`) times
-    the latent frames of a video ((frames - 1) / 4 + 1 for Wan: 720p x 81 frames is
-    21 x 45 x 80 = 75,600), every context stream's by its declared length (a sound track's:
-    LTX-2's, MiniMax-H3's two channels), and the references'; the text's where it is split
-    and attended jointly with the latent (Wan's text is held whole and reached by
-    cross-attention, outside the sequence)."""
+    """Tokens of one attention sequence, from the family's declared streams, each padded
+    to its multiple (Z-Image's 32): the image's (the family's `pixels_per_token`) times a
+    video's latent frames (Wan 720p x 81 frames: 21 x 45 x 80 = 75,600), every context
+    stream's by its declared length (a sound track's), the references'; the text's where
+    it is attended jointly with the latent (Wan's is reached by cross-attention)."""
     fam = families.family(facts.arch)
     layout = fam.tokens
     latent, text_stream = layout.latent, layout.text
@@ -361,8 +355,7 @@ def job_tokens(facts: ModelFacts, job: JobSize) -> int:
     image = fam.latent.latent_frames(job.frames) * math.ceil(
         job.height / side) * math.ceil(job.width / side)
     image = -(-image // latent.pad_multiple) * latent.pad_multiple
-    for s in layout.streams:  # a stream held whole on each rank (LTX-2's sound: ~2% of
-        # the video's at the released sizes) is counted here with the split ones
+    for s in layout.streams:  # split or held whole (LTX-2's sound), counted alike
         if s.role == "context":
             if s.length is None:
                 raise ConfigError(f"the memory plan cannot count {fam.name}'s stream "
@@ -547,10 +540,9 @@ def _alternatives(facts, config, engine, job, gpu_memory):
                                  ("shard_weights", config, True),
                                  (f"ulysses {world} + shard_weights",
                                   ParallelConfig(ulysses=world), True)):
-            if cfg.pipefusion > 1 and pipefusion_refusal(families.family(facts.arch)):
-                continue  # the family does not run it
+            refused = cfg.pipefusion > 1 and pipefusion_refusal(families.family(facts.arch))
             if (cfg.degrees(), shard) not in [(c.degrees(), sh) for _, c, sh in layouts] and \
-                    not (shard and cfg.pipefusion > 1):
+                    not (shard and cfg.pipefusion > 1) and not refused:
                 layouts.append((name, cfg, shard))
     te_options = [("", engine.text_encoders)]
     if any(r.text_encoders for r in base.ranks):

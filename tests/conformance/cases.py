@@ -38,7 +38,8 @@ FOUR_RANKS = {
 SHARDED = {"sharded-ulysses2": ParallelConfig(ulysses=2), "sharded-dp2": ParallelConfig(dp=2)}
 CAPABILITIES = ("sequence_parallel", "cfg_parallel", "data_parallel", "hybrid",
                 "weight_sharding", "pipefusion", "step_cache", "model_call",
-                "batch_independence", "lora", "single_file", "pipefusion_oracle")
+                "batch_independence", "lora", "single_file", "pipefusion_oracle",
+                "pipefusion_sp", "pipefusion_start_image", "pipefusion_start_image_oracle")
 NCCL_RULES = "xdit_testhooks.nccl_rules:install"
 
 
@@ -62,12 +63,35 @@ class Case:
         return ParallelConfig(pipefusion=2, warmup_steps=warmup, pipeline_patches=2,
                               pipefusion_split=f"{blocks - 1},1")
 
+    def pipefusion_sp(self, blocks: int, warmup: int) -> ParallelConfig:
+        """The same pipeline with ulysses 2 inside each stage (4 ranks)."""
+        import dataclasses
+        return dataclasses.replace(self.pipefusion(blocks, warmup), ulysses=2)
+
+
+def _derived_exemptions(arch: str) -> dict:
+    """Capabilities a family lacks by what the registry says of it, with the reason: a
+    start image under PipeFusion runs where the family makes video from one (on its test
+    model's `i2v` variant where that is another model), and its stale-K/V oracle takes it
+    where the family's own test model takes one (optional)."""
+    fam = families.family(arch)
+    out = {}
+    i2v = fam.capability(families.ImageToVideo)
+    if i2v is None:
+        out["pipefusion_start_image"] = f"{fam.name} makes no video from a start image"
+    if i2v is None or not i2v.optional:
+        out["pipefusion_start_image_oracle"] = (f"{fam.name}'s test model takes no start "
+                                                f"image (its oracle runs text-to-video)")
+    return out
+
 
 def case(arch: str) -> Case:
     builder = importlib.import_module(f"comfyui_xdit.testmodels.{arch}")
-    exempt = dict(getattr(builder, "CONFORMANCE_EXEMPT", {}))
-    if "pipefusion" in exempt:  # no PipeFusion, no oracle of its pipelined mode
-        exempt.setdefault("pipefusion_oracle", exempt["pipefusion"])
+    exempt = dict(_derived_exemptions(arch), **getattr(builder, "CONFORMANCE_EXEMPT", {}))
+    if "pipefusion" in exempt:  # no PipeFusion: none of its checks
+        for cap in ("pipefusion_oracle", "pipefusion_sp", "pipefusion_start_image",
+                    "pipefusion_start_image_oracle"):
+            exempt.setdefault(cap, exempt["pipefusion"])
     unknown = set(exempt) - set(CAPABILITIES)
     assert not unknown, f"{arch} exempts unknown capabilities {unknown}"
     assert families.family(arch) is not None

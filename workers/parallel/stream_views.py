@@ -36,7 +36,7 @@ def from_view(out, plan, view, streams, group):
         n = view.local_len(s)
         seg = out.narrow(1, at, n)
         at += n
-        if not plan.sharded(s):
+        if not plan.sharded(s) and any(view.sizes(s)):  # (none selected: nothing to gather)
             sizes = view.sizes(s)
             seg = all_gather_tokens(seg.narrow(1, 0, sizes[view.sp_rank]), 1, sizes, group)
         parts.append(seg)

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .. import families
 from ..parallel.p2p import exchange
 from ..parallel.pipefusion.activations import Activations, stage_transfers
 from ..parallel.pipefusion.cache import KVCache
@@ -67,7 +68,10 @@ class PatchPipeline:
         # reference images are context like the text: put first in the image stream, a
         # step's first patch computes them with the text as one token range, so the plans,
         # shards and caches need no second range (with warmup_steps >= steps: exact)
-        refs = prep.extra.get("ref_tokens")
+        # (a start frame is no such context: Wan's and HunyuanVideo 1.5's join the noise
+        # along channels, LTX-2's is the video's own first frame, `initial_latents`)
+        refs = prep.extra.get("ref_tokens") \
+            if adapter.family.capability(families.References) else None
         # a family that pads the image to a multiple of tokens (Z-Image's learned pads)
         # puts the pads first in the image stream: context like the references
         self.streams = adapter.layout.streams  # the family's token streams

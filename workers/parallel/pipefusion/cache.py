@@ -6,8 +6,11 @@ step's first patch) into it, then attends over the whole cache, so the rest of t
 is one step stale. With ulysses/ring inside a stage, each stage's sp ranks hold a shard of
 the patch; the attention gathers the patch's keys/values over the sp group (heads by
 all-to-all, tokens by all-gather) before it refreshes the cache, so every rank's cache holds
-the full sequence for its heads. Caches are allocated per job from the job's shapes
-(`KVCache`, held by the job's PatchPlans), so nothing stale survives a job.
+the full sequence for its heads. A stream every rank keeps whole (replicated: LTX-2's text
+and sound) is exchanged only where it meets a sharded one, as its shard would be
+(stream_views.py); keys that are all replicated stay local, their cache over all heads.
+Caches are allocated per job from the job's shapes (`KVCache`, held by the job's
+PatchPlans), so nothing stale survives a job.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import KernelChoice, check_declared, short_rows, ulysses_out, ulysses_qkv
+from ..stream_views import as_view, from_view
 from ..topology import all_gather
 from .plan import PatchPlan
 
@@ -55,6 +59,12 @@ class PatchAttention:
             choice = self._kernels[q.device.type] = KernelChoice(self.backend, q.device.type, 1)
         return choice(q)
 
+    def exchanges(self, plan: PatchPlan, streams, keys) -> bool:
+        """Whether the stage's sp ranks exchange this attention's tokens: not at sp 1, nor
+        where every key stream is replicated (LTX-2's text, its sound): each rank holds
+        those whole, so its queries attend to them over all heads."""
+        return self.topo.sp > 1 and any(plan.sharded(s) for s in keys)
+
     def __call__(self, q, k, v, plan: PatchPlan, streams, module=None, text_lengths=None,
                  keys=None):
         """`streams`: the query streams; `keys`: the key streams of a cross-attention (None:
@@ -65,12 +75,21 @@ class PatchAttention:
         check_declared(plan, streams, keys, self._declared)
         topo, kv = self.topo, plan.cache
         rows = short_rows(plan, text_lengths, keys)
-        if topo.sp > 1:
-            q, k, v, back = _gather_patch(q, k, v, plan, streams, keys, topo, kv)
+        exchange = self.exchanges(plan, streams, keys)
+        view = plan
+        if exchange and not all(plan.sharded(s) for s in (*streams, *keys)):
+            # a replicated stream among sharded ones (LTX-2's sound queries over the video):
+            # it takes part as its shard would (stream_views), so no rank computes it twice
+            view = plan.all_sharded()
+            q = as_view(q, plan, view, streams)
+            kv_ = as_view(torch.stack((k, v)), plan, view, keys, dim=2)
+            k, v = kv_[0], kv_[1]
+        if exchange:
+            q, k, v, back = _gather_patch(q, k, v, view, streams, keys, topo, kv)
         # cache positions: host numbers for the bookkeeping, a device index made once per
         # patch shape and job (copying it in per layer would stall the stream each time)
-        pos, dev_pos = kv.positions(plan, keys, k.device)
-        if topo.sp == 1 and k.shape[1] != len(pos):
+        pos, dev_pos = kv.positions(view, keys, k.device, exchange)
+        if not exchange and k.shape[1] != len(pos):
             # key streams every call holds whole, whatever its patch (an input each block
             # reads, LTX-2's text): all of them fresh
             if k.shape[1] != sum(plan.full_len(s) for s in keys):
@@ -98,8 +117,10 @@ class PatchAttention:
                              vv[b:b + 1].index_select(1, idx), scale)
                 outs.append(out[0] if kernel.lse else out)
             out = torch.cat(outs)
-        if topo.sp > 1:
+        if exchange:
             out = back(out)
+            if view is not plan:  # the replicated queries' output whole again
+                out = from_view(out, plan, view, streams, topo.group("sp"))
         return out
 
 
@@ -167,17 +188,18 @@ class KVCache:
             self.indices[key] = (host.numpy(), host.to(device))
         return self.indices[key]
 
-    def positions(self, plan: PatchPlan, streams, device) -> tuple:
+    def positions(self, plan: PatchPlan, streams, device, gathered: bool) -> tuple:
         """(host positions, device index) in the K/V cache of this call's keys: this rank's
-        tokens, or with sp > 1 the gathered (unpadded) ones."""
+        tokens, or where they were `gathered` over the sp ranks the gathered (unpadded)
+        ones."""
         topo = self.topo
 
         def make():
-            if topo.sp == 1:
+            if not gathered:
                 return plan.positions(streams)
             p = _gathered_positions(plan, streams, topo)
             return p[p >= 0]
-        return self._index(("pos",) + plan.key(streams), make, device)
+        return self._index(("pos", gathered) + plan.key(streams), make, device)
 
     def whole(self, plan: PatchPlan, streams, device) -> tuple:
         """(host positions, device index) of every token of `streams` in their cache."""

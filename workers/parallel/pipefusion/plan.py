@@ -36,4 +36,5 @@ class PatchPlan(SequencePlan):
 
     def key(self, streams) -> tuple:
         """What the token positions of an attention call over `streams` depend on."""
-        return (self.counts(), self.image_range, self.with_text, tuple(streams))
+        return (self.counts(), self.image_range, self.with_text, tuple(streams),
+                tuple(self.sharded(s) for s in streams))
