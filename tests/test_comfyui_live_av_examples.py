@@ -276,10 +276,23 @@ UI_RUN = """async ([g, shrink]) => {
   }
   const p = await app.graphToPrompt();
   window.__avDone = null;
+  window.__avQueued = null;
   app.api.addEventListener("execution_success",
                            (e) => { window.__avDone = {ok: true, detail: e.detail}; });
   app.api.addEventListener("execution_error",
                            (e) => { window.__avDone = {ok: false, detail: e.detail}; });
+  // a prompt the server refuses (validation) runs nothing: end the wait with its answer
+  const queue = app.api.queuePrompt.bind(app.api);
+  app.api.queuePrompt = async (...args) => {
+    try {
+      const r = await queue(...args);
+      window.__avQueued = r;
+      return r;
+    } catch (e) {
+      window.__avDone = {ok: false, detail: String(e) + " " + JSON.stringify(e.response ?? null)};
+      throw e;
+    }
+  };
   await app.queuePrompt(0);
   return p.output;
 }"""
@@ -304,8 +317,10 @@ def test_ui_example_queued_in_the_frontend_saves_a_video_with_its_sound(comfy, s
         sent = page.evaluate(UI_RUN, [g, UI_SHRINK])
         page.wait_for_function("window.__avDone", timeout=1_500_000, polling=1000)
         done = page.evaluate("window.__avDone")
+        queued = page.evaluate("window.__avQueued")
         browser.close()
     assert done["ok"], done
+    assert queued and queued["prompt_id"] == done["detail"]["prompt_id"], (queued, done)
     # the page sent the API twin (shrunk alike): same nodes, links and values
     api = _shrunk_api(stem, UI_SHRINK)
     assert {k: n["class_type"] for k, n in sent.items()} == \
