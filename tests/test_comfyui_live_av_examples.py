@@ -1,9 +1,9 @@
 """The audio-video example workflows in a real ComfyUI (skipped unless COMFYUI_PATH is set;
 COMFYUI_PYTHON: its venv's python; docs/testing.md "The live ComfyUI suites").
 
-example_workflows/xdit_ltx2_text_to_video, xdit_ltx2_image_to_video (ComfyUI 0.8.0 and
-later: the AV LATENT, ComfyUI's LTXAV) and xdit_minimax_h3_text_to_video (ComfyUI 0.33.0:
-its MiniMaxH3) run with the tiny diffusers folders (`tiny-model`'s, t2v) placed in
+example_workflows/xdit_ltx2_text_to_video, xdit_ltx2_image_to_video and
+xdit_minimax_h3_text_to_video (on ComfyUI 0.8.0 and later: the AV LATENT) run with the tiny
+diffusers folders (`tiny-model`'s, t2v) placed in
 models/diffusers/ under the names the examples load, each in both forms:
 
 * the API form through /prompt, shrunk (SHRINK: size, frames, steps; everything else as
@@ -73,12 +73,13 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 
 def families_here(comfy: Path) -> dict:
-    """{family: None if this ComfyUI runs its example, else why not} (read before start)."""
-    base = (comfy / "comfy" / "model_base.py").read_text()
-    return {"ltx2": None if (comfy / "comfy" / "ldm" / "lightricks" / "av_model.py").exists()
-            else "this ComfyUI has no LTX-2 (LTXAV) and no AV LATENT (0.8.0 and later have)",
-            "minimax_h3": None if "class MiniMaxH3(" in base
-            else "this ComfyUI has no MiniMax-H3 (MiniMaxH3: 0.33.0 has it)"}
+    """{family: None if this ComfyUI runs its example, else why not} (read before start).
+    Sampler (xDiT) gives a video with its sound as ComfyUI's AV LATENT, a NestedTensor
+    (0.8.0 and later); the examples need nothing else of the family from ComfyUI (the
+    diffusers folder has its own text encoder and VAEs), so MiniMax-H3's runs on 0.8.0 too."""
+    why = None if (comfy / "comfy" / "nested_tensor.py").exists() else \
+        "this ComfyUI has no NestedTensor for the AV LATENT (0.8.0 and later have)"
+    return {"ltx2": why, "minimax_h3": why}
 
 
 def release_hop_vocoder(folder: Path) -> None:
@@ -103,7 +104,7 @@ def comfy(tmp_path_factory):
     comfy = Path(COMFY)
     why = families_here(comfy)
     if all(why.values()):
-        pytest.skip("; ".join(why.values()))
+        pytest.skip("; ".join(sorted(set(why.values()))))
     link_packs(comfy, "xdit-live-test-model-nodes")
     cache = tmp_path_factory.mktemp("av-models")
     for fam, folder in {f: name for f, name, _ in EXAMPLES.values()}.items():
