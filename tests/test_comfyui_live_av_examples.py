@@ -2,8 +2,8 @@
 COMFYUI_PYTHON: its venv's python; docs/testing.md "The live ComfyUI suites").
 
 example_workflows/xdit_ltx2_text_to_video, xdit_ltx2_image_to_video and
-xdit_minimax_h3_text_to_video (on ComfyUI 0.8.0 and later: the AV LATENT) run with the tiny
-diffusers folders (`tiny-model`'s, t2v) placed in
+xdit_minimax_h3_text_to_video (on ComfyUI 0.8.0 and later, which have the AV LATENT; on
+0.3.64 the Sampler refuses them in one line) run with the tiny diffusers folders (`tiny-model`'s, t2v) placed in
 models/diffusers/ under the names the examples load, each in both forms:
 
 * the API form through /prompt, shrunk (SHRINK: size, frames, steps; everything else as
@@ -72,14 +72,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-sync"]
 
 
-def families_here(comfy: Path) -> dict:
-    """{family: None if this ComfyUI runs its example, else why not} (read before start).
-    Sampler (xDiT) gives a video with its sound as ComfyUI's AV LATENT, a NestedTensor
-    (0.8.0 and later); the examples need nothing else of the family from ComfyUI (the
-    diffusers folder has its own text encoder and VAEs), so MiniMax-H3's runs on 0.8.0 too."""
-    why = None if (comfy / "comfy" / "nested_tensor.py").exists() else \
-        "this ComfyUI has no NestedTensor for the AV LATENT (0.8.0 and later have)"
-    return {"ltx2": why, "minimax_h3": why}
+def av_latent_here(comfy: Path) -> bool:
+    """Whether this ComfyUI has the AV LATENT Sampler (xDiT) gives a video with its sound
+    as (a NestedTensor: 0.8.0 and later). The examples need nothing else of the family
+    from ComfyUI (the diffusers folder brings its own encoders and VAEs): without it the
+    Sampler refuses them in one line."""
+    return (comfy / "comfy" / "nested_tensor.py").exists()
 
 
 def release_hop_vocoder(folder: Path) -> None:
@@ -102,27 +100,18 @@ def comfy(tmp_path_factory):
     from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
 
     comfy = Path(COMFY)
-    why = families_here(comfy)
-    if all(why.values()):
-        pytest.skip("; ".join(sorted(set(why.values()))))
     link_packs(comfy, "xdit-live-test-model-nodes")
     cache = tmp_path_factory.mktemp("av-models")
     for fam, folder in {f: name for f, name, _ in EXAMPLES.values()}.items():
-        if why[fam] is None:
-            placed = place(ensure_tiny_model(fam, cache), comfy / "models" / "diffusers" / folder)
-            if fam == "ltx2":
-                release_hop_vocoder(placed)
+        placed = place(ensure_tiny_model(fam, cache), comfy / "models" / "diffusers" / folder)
+        if fam == "ltx2":
+            release_hop_vocoder(placed)
     log = tmp_path_factory.mktemp("comfy-av-examples") / "comfyui.log"
     with running_comfyui(comfy, log) as server:
-        yield dict(server, tmp=log.parent, why=why, path=comfy,
+        yield dict(server, tmp=log.parent, av=av_latent_here(comfy), path=comfy,
                    info=http(server["base"], "/object_info", timeout=120))
 
 
-def _example(comfy, stem: str) -> tuple:
-    fam, folder, rate = EXAMPLES[stem]
-    if comfy["why"][fam]:
-        pytest.skip(f"{stem}: {comfy['why'][fam]}")
-    return fam, folder, rate
 
 
 def _shrunk_api(stem: str, shrink: dict = SHRINK) -> dict:
@@ -197,7 +186,7 @@ def test_example_names_only_nodes_and_files_that_exist(comfy, stem):
     """Both forms name only nodes this ComfyUI has (the Note is the frontend's own); every
     file the example loads is in its loader's list once placed, in docs/workflow-files.md
     and in the UI form's Note."""
-    _, folder, _ = _example(comfy, stem)
+    _, folder, _ = EXAMPLES[stem]
     info = comfy["info"]
     api = json.loads((ROOT / "example_workflows" / f"{stem}_api.json").read_text())
     ui = json.loads((ROOT / "example_workflows" / f"{stem}.json").read_text())
@@ -222,7 +211,7 @@ def test_example_names_only_nodes_and_files_that_exist(comfy, stem):
 
 @pytest.mark.parametrize("stem", sorted(EXAMPLES))
 def test_api_example_saves_a_video_with_its_sound(comfy, stem):
-    fam, folder, rate = _example(comfy, stem)
+    fam, folder, rate = EXAMPLES[stem]
     wf = _shrunk_api(stem)
     by_type = {}
     for nid, node in wf.items():
@@ -239,6 +228,13 @@ def test_api_example_saves_a_video_with_its_sound(comfy, stem):
                 "inputs": {"path": str(saved), "images": [decode, 0], "audio": [decode, 1],
                            "latent": [sampler, 0]}}
     pid, msgs = run(comfy, wf, timeout=1500)
+    if not comfy["av"]:  # refused in one line, before anything ran
+        err = msgs[-1]["data"]
+        assert msgs[-1]["type"] == "execution_error" and err["node_type"] == "xDiT.Sampler", err
+        assert "AV LATENT" in err["exception_message"] and "0.8.0 or later" in \
+            err["exception_message"] and "\n" not in err["exception_message"].strip(), err
+        print(f"\n{stem}: {err['exception_message']}")
+        return
     _ok(msgs)
     from safetensors import safe_open
     with safe_open(str(saved), "pt") as f:
@@ -302,7 +298,10 @@ UI_RUN = """async ([g, shrink]) => {
 @pytest.mark.parametrize("stem", sorted(EXAMPLES))
 def test_ui_example_queued_in_the_frontend_saves_a_video_with_its_sound(comfy, stem,
                                                                          tmp_path):
-    fam, _, rate = _example(comfy, stem)
+    fam, _, rate = EXAMPLES[stem]
+    if not comfy["av"]:
+        pytest.skip("this ComfyUI has no AV LATENT (0.8.0 and later): the Sampler refuses "
+                    "the example in one line (the API test checks it)")
     pw = pytest.importorskip("playwright.sync_api")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if not chromium:
