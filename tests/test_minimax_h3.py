@@ -469,3 +469,53 @@ def test_audio_sigma_is_the_video_sigma_carried_to_the_audio_schedule():
     video, audio = lay.sigmas(21, 12.0), lay.sigmas(21, 3.0)
     assert torch.allclose(mhc.time_shift(video, 12.0, 3.0), audio, atol=1e-6)
     assert torch.allclose(mhc.time_shift(audio, 3.0, 12.0), video, atol=1e-6)
+
+
+class _Nested:
+    """ComfyUI's NestedTensor as the Decode operation reads it (`is_nested`, `unbind`)."""
+
+    is_nested = True
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def unbind(self):
+        return self.tensors
+
+
+def test_decode_node_gives_the_frames_and_the_sound_of_a_nested_latent():
+    """Without ComfyUI: Decode (xDiT)'s operation on the Sampler's LATENT with its sound (the
+    "audio" entry, and the two nested as ComfyUI's AV LATENT, which Sampler (xDiT) outputs)
+    gives the frames of the video alone and ComfyUI's AUDIO, the 32 kHz stereo waveform of
+    the sound latent (800 samples a latent). It failed on the pool before ("'tuple' object
+    has no attribute 'float'": the adapter read the pair as one tensor)."""
+    from comfyui_xdit.nodes.handles import ModelHandle
+    from comfyui_xdit.nodes.operations import SampleInputs, decode, sample
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
+    from comfyui_xdit.testmodels.tiny_model import ensure_tiny_model
+    import tempfile
+
+    fam = worker_module("families.minimax_h3")
+    frames, h, w = 22, 64, 96
+    reg = PoolRegistry()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            handle = ModelHandle(path=str(ensure_tiny_model("minimax_h3", tmp)), device="cpu",
+                                 dtype="fp32", threads_per_rank=1)
+            empty = {"samples": torch.zeros(1, 24, fam.LATENT.latent_frames(frames), h // 16,
+                                            w // 16)}
+            lat = sample(handle, SampleInputs(latent=empty, prompt="a cat", seed=5, steps=2,
+                                              cfg=1.0), registry=reg)
+            n = fam.audio_latents(frames)
+            assert lat["audio"].shape == (1, 32, 2, n)
+            alone, none = decode(handle, {"samples": lat["samples"]}, registry=reg,
+                                 with_audio=True)
+            assert none is None and alone.shape == (frames, h, w, 3)
+            for given in (lat, {"samples": _Nested([lat["samples"], lat["audio"]])}):
+                images, audio = decode(handle, given, registry=reg, with_audio=True)
+                assert torch.equal(images, alone)
+                assert audio["sample_rate"] == 32000
+                assert audio["waveform"].shape == (1, 2, n * 800)
+                assert float(audio["waveform"].std()) > 0
+        finally:
+            reg.unload_all()

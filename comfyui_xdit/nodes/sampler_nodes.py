@@ -132,6 +132,7 @@ class Sampler(io.ComfyNode):
                 cache=None, options=None, image=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         arch = model.info().arch
+        _check_av_latent(arch)
         from comfyui_xdit.comfy_convert import families
         # FLUX.2: no RGB factors
         previews = _previews_enabled() and families.family(arch).latent.rgb is not None
@@ -211,6 +212,22 @@ class LoRA(io.ComfyNode):
     def execute(cls, model, lora_name, strength, expert="both") -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("loras", lora_name)
         return io.NodeOutput(model.with_lora(path, strength, expert))
+
+
+def _check_av_latent(arch: str) -> None:
+    """A family with sound outputs ComfyUI's AV LATENT, a NestedTensor (ComfyUI 0.8.0 and
+    later): refused in one line before anything runs where this ComfyUI has none."""
+    from comfyui_xdit.comfy_convert import families
+    if not any(s.denoised for s in families.family(arch).tokens.streams):  # no sound
+        return
+    try:
+        import comfy.nested_tensor  # noqa: F401
+    except ImportError:
+        from comfyui_xdit.comfy_convert import family_name
+        from comfyui_xdit.planning.config import ConfigError
+        raise ConfigError(f"{family_name(arch)} gives a video with its sound as ComfyUI's AV "
+                          "LATENT (comfy.nested_tensor), which this ComfyUI lacks; update "
+                          "ComfyUI to 0.8.0 or later") from None
 
 
 def _av_latent(out: dict) -> dict:

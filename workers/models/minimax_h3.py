@@ -418,12 +418,29 @@ class MiniMaxH3Adapter(DiTAdapter):
                      for k in ("latents_mean", "latents_std"))
         return latents.float() * std + mean
 
+    def comfy_to_raw(self, model, samples):
+        """ComfyUI's LATENT -> what `decode` takes: the video (raw VAE space already), or
+        (video, sound) for a nested LATENT (MiniMaxH3AV's, or Sampler (xDiT)'s with its
+        sound), the sound in model space as `decode_audio` takes it."""
+        if torch.is_tensor(samples):
+            return samples.float()
+        video, sound = samples
+        return video.float(), None if sound is None else sound.float()
+
     def decode(self, model, raw, group=None, control=None, weights=()):
         """The video VAE's frames (ImageNet-normalised pixels, as the pipeline undoes them)
-        -> IMAGE [B x F, H, W, 3] in 0..1; decoded whole on the first rank of a group."""
+        -> IMAGE [B x F, H, W, 3] in 0..1; decoded whole on the first rank of a group.
+        (video, sound) (Decode (xDiT) of a LATENT with its sound) -> Decoded's fields: the
+        frames, the waveform and its rate."""
         from .base import load_vae
         if group is not None and torch.distributed.get_rank(group) != 0:
             return None
+        if isinstance(raw, tuple):
+            images = self.decode(model, raw[0])
+            if raw[1] is None:
+                return images
+            wave, rate = self.decode_audio(model, raw[1])
+            return {"images": images, "audio": wave, "sample_rate": rate}
         if model.vae is None:
             model.vae = load_vae(model)
         vid = model.vae.decode(raw.to(model.device, model.vae.dtype), return_dict=False)[0]

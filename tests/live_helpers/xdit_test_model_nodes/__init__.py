@@ -26,7 +26,8 @@ links this folder into custom_nodes/ for its run only).
   (16), sample rate and latents a second (LTX-2's 25).
 * XDiTTestSaveTensors: writes an IMAGE and / or a LATENT to a .safetensors file at full
   float precision, so two branches of a graph can be compared beyond 8-bit PNGs (a nested
-  LATENT's parts as latent_0, latent_1, ...).
+  LATENT's parts as latent_0, latent_1, ...) and an AUDIO's waveform (its keys and
+  sample rate, with the rate's Python type, in the file's metadata).
 * XDiTTestCountCalls: the MODEL with a model function wrapper that records each of the
   sampler's model calls (its sigma and its rows' cond / uncond) into a JSON file, so a test
   counts the calls a step makes (every call of an xDiT MODEL is one pool request).
@@ -127,7 +128,7 @@ class XDiTTestSaveTensors:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"path": ("STRING", {"default": ""})},
-                "optional": {"images": ("IMAGE",), "latent": ("LATENT",)}}
+                "optional": {"images": ("IMAGE",), "latent": ("LATENT",), "audio": ("AUDIO",)}}
 
     RETURN_TYPES = ()
     FUNCTION = "save"
@@ -138,10 +139,15 @@ class XDiTTestSaveTensors:
     def IS_CHANGED(cls, **kwargs):
         return float("nan")  # always run: the test reads the file this run writes
 
-    def save(self, path, images=None, latent=None):
+    def save(self, path, images=None, latent=None, audio=None):
         import os
         from safetensors.torch import save_file
-        out = {}
+        out, meta = {}, {}
+        if audio is not None:  # ComfyUI's AUDIO: {"waveform": [B, ch, samples], "sample_rate"}
+            out["audio"] = audio["waveform"].detach().float().cpu().contiguous()
+            meta = {"audio_keys": ",".join(sorted(audio)),
+                    "sample_rate": repr(audio["sample_rate"]),
+                    "sample_rate_type": type(audio["sample_rate"]).__name__}
         if images is not None:
             out["image"] = images.detach().float().cpu().contiguous()
         if latent is not None:
@@ -152,7 +158,7 @@ class XDiTTestSaveTensors:
             else:
                 out["latent"] = samples.detach().float().cpu().contiguous()
         tmp = path + ".tmp"
-        save_file(out, tmp)
+        save_file(out, tmp, metadata=meta or None)
         os.replace(tmp, path)
         return {}
 
