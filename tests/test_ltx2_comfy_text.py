@@ -154,3 +154,45 @@ def test_block_order_is_the_pools_on_2_ranks_and_moves_only_the_audio_to_video_e
     a = _call(layout_pools.get(quiet, one), one, call, True)
     b = _call(layout_pools.get(quiet, one), one, call, False)
     assert max(_rel(x, y) for x, y in zip(a, b)) <= 1e-6
+
+
+def test_sampler_takes_text_before_the_connectors(model):
+    """Sampler (xDiT) on the single file with ComfyUI 0.33.0's CONDITIONING (states before the
+    text connectors, flagged `unprocessed_ltxav_embeds`) equals the Sampler with the states
+    the folder's diffusers connectors make of them (ComfyUI 0.8.0's kind), video and sound, at
+    Ulysses 2; the worker runs the file's connectors first. Negative control: other states
+    before the connectors move the result."""
+    from comfyui_xdit.nodes.handles import ModelHandle
+    from comfyui_xdit.nodes.operations import SampleInputs, sample
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
+    from family_requests import model_call_inputs
+
+    folder, path = model
+    width = model_call_inputs("ltx2", folder)["context"].shape[2] // 2
+    gen = torch.Generator().manual_seed(5)
+    raw_pos, raw_neg, raw_other = (torch.randn(1, TOKENS, width, generator=gen)
+                                   for _ in range(3))
+    flag = {"unprocessed_ltxav_embeds": True}
+    empty = {"samples": torch.zeros(1, 128, 2, 2, 3)}
+    run = dict(latent=empty, seed=5, steps=2, cfg=3.0)
+    reg = PoolRegistry()
+    try:
+        handle = ModelHandle(path=str(path), device="cpu", dtype="fp32", ulysses=2,
+                             world_size=2, threads_per_rank=1)
+
+        def go(pos, neg, extra):
+            return sample(handle, SampleInputs(positive=[[pos, dict(extra)]],
+                                               negative=[[neg, dict(extra)]], **run),
+                          registry=reg)
+        got = go(raw_pos, raw_neg, flag)
+        want = go(_diffusers_connectors(folder, raw_pos), _diffusers_connectors(folder, raw_neg),
+                  {})
+        other = go(raw_other, raw_neg, flag)
+    finally:
+        reg.unload_all()
+    figs = {part: _rel(got[part], want[part]) for part in ("samples", "audio")}
+    moved = _rel(other["samples"], want["samples"])
+    print(f"\nSampler, text before the connectors, Ulysses 2: rel L2 {figs} (other states "
+          f"{moved:.2e})")
+    assert all(v <= TOL for v in figs.values()), figs
+    assert moved > 1e-3, f"the text states are not read ({moved:.2e})"
