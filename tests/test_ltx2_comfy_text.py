@@ -8,7 +8,8 @@ learnable registers up to 1024 tokens (diffusers' connector puts its registers w
 mask says padding). On 2 ranks, Ulysses and CFG parallel. Negative control: other states
 move the prediction. A width of neither kind, or a file without connectors, is one error.
 And 0.33.0's block order (its video-to-audio attention reads the video after the
-audio-to-video update), which the MODEL runs where ComfyUI's own LTXAV does.
+audio-to-video update), which the MODEL runs where ComfyUI's own LTXAV does; Sampler (xDiT)
+taking such states; and how the MODEL tells 0.33.0's audio-video gates from 0.8.0's.
 """
 from __future__ import annotations
 
@@ -196,3 +197,42 @@ def test_sampler_takes_text_before_the_connectors(model):
           f"{moved:.2e})")
     assert all(v <= TOL for v in figs.values()), figs
     assert moved > 1e-3, f"the text states are not read ({moved:.2e})"
+
+
+# ---- ComfyUI 0.33.0's audio-video gates (workers/models/ltx2_cross_gates.py) ----------------
+def _stand_in_comfy(monkeypatch, gate):
+    """A stand-in `comfy.ldm.lightricks.av_model` whose LTXAVModel prepares the gates' inputs
+    with `gate(own, other)` (each stream's scaled timesteps), as ComfyUI's does, for
+    `comfy_cross_gates` to read."""
+    import sys
+    import types
+
+    class LTXAVModel:
+        def _prepare_timestep(self, timestep, batch_size, hidden_dtype, **kwargs):
+            v = timestep * self.timestep_scale_multiplier
+            a = kwargs["a_timestep"] * self.timestep_scale_multiplier
+            f = self.av_ca_timestep_scale_multiplier / self.timestep_scale_multiplier
+            self.av_ca_a2v_gate_adaln_single(gate(v, a).flatten() * f, {})
+            self.av_ca_v2a_gate_adaln_single(gate(a, v).flatten() * f, {})
+
+    module = types.ModuleType("comfy.ldm.lightricks.av_model")
+    module.LTXAVModel = LTXAVModel
+    for name in ("comfy", "comfy.ldm", "comfy.ldm.lightricks"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "comfy.ldm.lightricks.av_model", module)
+
+
+def test_the_gates_are_told_apart_from_comfyuis_own_timestep_preparation(monkeypatch):
+    """`comfy_cross_gates` reads the gates' inputs off ComfyUI's own `_prepare_timestep`: a
+    stream's own tokens' timesteps (0.8.0) -> 0, the other stream's largest (0.33.0) -> 1;
+    anything else (the other stream's smallest here) is one error naming what it saw."""
+    from workers.families.ltx2 import comfy_cross_gates
+
+    for gate, want in ((lambda own, other: own, 0.0),
+                       (lambda own, other: other.max().expand_as(own), 1.0)):
+        _stand_in_comfy(monkeypatch, gate)
+        assert comfy_cross_gates() == {"cross_gate_other_max": want}
+    _stand_in_comfy(monkeypatch, lambda own, other: other.min().expand_as(own))
+    with pytest.raises(ValueError, match="does not know") as e:
+        comfy_cross_gates()
+    assert "\n" not in str(e.value)
