@@ -250,8 +250,9 @@ class Worker:
                 extra = {} if given.context_2 is None else \
                     {"context_2": given.context_2}  # a second text encoder's (ByT5)
                 context = given.context
-                if text_kind(self.adapter.family, self.model.transformer.config,
-                             int(context.shape[2]))[0] == "raw":  # before the text modules
+                if self.adapter.family.comfy.raw_context_width is not None and \
+                        text_kind(self.adapter.family, self.model.transformer.config,
+                                  int(context.shape[2]))[0] == "raw":  # before the text modules
                     context = self.adapter.raw_text(self.model, context)
                 d = self.adapter.conditioning(context, given.pooled, **extra)
             elif self.model.encoder is None:  # a single file: nothing to encode text with
