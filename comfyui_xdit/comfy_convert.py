@@ -88,10 +88,13 @@ def conditioning_to_request(conditioning, name: str = "positive",
         raise ConfigError(f"{name} CONDITIONING entry must be [cond, options]")
     cond, extra = entry[0], dict(entry[1] or {})
     # unprocessed_ltxav_embeds: text states ComfyUI's diffusion model still has to run
-    # through its own connectors (0.33.0's LTXAV), which the pool's transformer has not
+    # through its own connectors (0.33.0's LTXAV); the pool runs the model's own where the
+    # family's ComfyUI model takes such states (`ComfySpec.raw_context_width`, told apart by
+    # their width on the pool), else refused
+    raw = arch is not None and families.family(arch).comfy.raw_context_width is not None
     unsupported = sorted(k for k in ("area", "mask", "control", "gligen", "hooks",
                                      "start_percent", "end_percent",
-                                     "unprocessed_ltxav_embeds")
+                                     *(() if raw else ("unprocessed_ltxav_embeds",)))
                          if extra.get(k) is not None and
                          not (k == "start_percent" and extra[k] == 0.0) and
                          not (k == "end_percent" and extra[k] == 1.0))
@@ -190,20 +193,21 @@ def start_image_fields(positive, negative=None) -> dict:
     return {f: v for f, v in pos.items() if v is not None}
 
 
-def check_text_width(c, width: int, arch: str, name: str = "positive") -> None:
+def check_text_width(c, width: int, arch: str, name: str = "positive", raw=None) -> None:
     """The text states' last dimension must be `width` (`model_text_width`: the transformer's
-    joint_attention_dim, once per prompt stream): a CONDITIONING from another model's text
-    encoder is refused here, in one line, instead of
-    failing inside a worker."""
+    joint_attention_dim, once per prompt stream), or `raw` where the model also takes states
+    before its own text modules (`ModelInfo.raw_text_width`): a CONDITIONING from another
+    model's text encoder is refused here, in one line, instead of failing inside a worker."""
     got = int(c.context.shape[-1])
-    if got == int(width):
+    if got == int(width) or (raw is not None and got == int(raw)):
         return
     fam = families.family(arch)
     streams = fam.comfy.context_streams
     what = "its joint_attention_dim" if streams == 1 else \
         f"{streams} prompt states of {int(width) // streams} side by side, one per stream"
+    before = "" if raw is None else f", or {int(raw)} (before the model's own text modules)"
     raise ConfigError(f"{name} CONDITIONING has text states of width {got}, but this "
-                      f"{family_name(arch)} transformer takes {int(width)} ({what}): "
+                      f"{family_name(arch)} transformer takes {int(width)} ({what}){before}: "
                       f"{fam.text.hint}")
 
 

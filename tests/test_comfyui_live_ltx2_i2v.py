@@ -13,9 +13,9 @@ tests/test_comfyui_live_ltx2_model.py, whose fixture places the file. ComfyUI th
 model with a timestep per token (its LTXAV model class's, from the mask), which the xDiT
 MODEL carries to the pool. The LATENT's video part and its audio part must each agree to
 rel L2 1e-3 (the later frames too); at strength 1 the video's first latent frame is the start
-image's latent on both. On a ComfyUI whose LTXAV uses a timestep per token otherwise (0.33.0:
-the family's `TokenTimesteps.comfy_differs`) the comparison skips and the xDiT MODEL's
-one-line refusal of the graph is checked instead.
+image's latent on both. On ComfyUI 0.33.0, whose LTXAV gates each stream's audio-video
+attention by the other stream's largest timestep (0.8.0's by the stream's own tokens'), the
+xDiT MODEL detects that when it is built and the pool runs it (workers/models/ltx2_cross_gates.py).
 """
 from __future__ import annotations
 
@@ -24,23 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from live_comfy import COMFY, run, skip_without_comfyui, tensors, twin_ksamplers, with_settings
+from live_comfy import run, skip_without_comfyui, tensors, twin_ksamplers, with_settings
 from test_comfyui_live_ltx2_model import FILE, TOL, comfy  # noqa: F401  (the fixture)
 
 pytestmark = skip_without_comfyui
-
-
-def _differs() -> str:
-    """What this ComfyUI's LTXAV does otherwise with a timestep per token than the pool (the
-    family's `TokenTimesteps.comfy_differs`: 0.33.0 gates each stream's cross-attention by
-    the other stream's largest timestep), or ""."""
-    from comfyui_xdit.bridge import families
-    spec = families.family("ltx2").capability(families.TokenTimesteps)
-    for module, marker, what in spec.comfy_differs:
-        source = Path(COMFY or ".").joinpath(*module.split(".")).with_suffix(".py")
-        if source.exists() and marker in source.read_text():
-            return what
-    return ""
 
 
 SIZE = dict(width=96, height=64, length=9)  # 2 latent frames of 2 x 3 tokens, 10 sound
@@ -92,9 +79,6 @@ def test_ltx2_image_to_video_ksampler_on_the_pool_matches_comfyui_own_model(comf
                                                                            strength):
     """Strength 1: the start frame's tokens at timestep 0; 0.6: at 0.4 x sigma (mask 0.4),
     a timestep per token that is neither 0 nor the row's."""
-    if _differs():
-        pytest.skip(f"this ComfyUI's LTXAV {_differs()}: the xDiT MODEL refuses the graph "
-                    f"(test_ltx2_image_to_video_is_refused_where_comfyui_differs)")
     tag = f"ltx2-i2v-{'-'.join(map(str, layout))}-{strength}"
     wf, out = _graph(comfy, layout, tag, strength)
     _, msgs = run(comfy, wf, timeout=1500)
@@ -118,20 +102,3 @@ def test_ltx2_image_to_video_ksampler_on_the_pool_matches_comfyui_own_model(comf
     if strength == 1.0:  # kept as encoded (mask 0); else denoised from it, compared above
         assert fig["start_frame_max_abs"] == 0.0, fig
     assert fig["later_frames_rel_l2"] <= TOL, fig
-
-
-def test_ltx2_image_to_video_is_refused_where_comfyui_differs(comfy):
-    """On a ComfyUI whose LTXAV uses the timestep per token otherwise (0.33.0), KSampler on
-    the xDiT MODEL stops at its first call with one line saying what that ComfyUI does."""
-    what = _differs()
-    if not what:
-        pytest.skip("this ComfyUI's LTXAV gates by each stream's own tokens, as the pool: "
-                    "the graph runs (the comparison above)")
-    wf, _ = _graph(comfy, {"ulysses": 2}, "ltx2-i2v-refused")
-    for k in ("8", "13"):  # only the xDiT MODEL's branch
-        wf.pop(k)
-    _, msgs = run(comfy, wf, timeout=900)
-    last = msgs[-1]
-    assert last["type"] == "execution_error", last
-    text = last["data"]["exception_message"]
-    assert what in text and "noise mask" in text and "\n" not in text.strip(), text

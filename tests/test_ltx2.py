@@ -193,7 +193,8 @@ def test_sampler_takes_ltx2_conditioning_as_the_prompt_text(folders, pipes):
     """Sampler (xDiT) with positive and negative CONDITIONING made by the folder's own
     encoder and connectors equals the Sampler with the prompt texts, video and sound (the
     context split in two: the video's states, the sound's); a context of the caption width
-    alone (one stream's) is refused in one line naming the width it needs."""
+    alone (one stream's) is refused in one line naming the width it needs, unless the model
+    takes states before its text connectors at that width (ComfyUI 0.33.0's, flagged)."""
     from comfyui_xdit.errors import ConfigError
     from comfyui_xdit.nodes.handles import ModelHandle
     from comfyui_xdit.nodes.operations import SampleInputs, build_job, model_text_width, sample
@@ -232,10 +233,16 @@ def test_sampler_takes_ltx2_conditioning_as_the_prompt_text(folders, pipes):
     print(msg)
     assert "\n" not in msg and f"width {width // 2}" in msg and f"takes {width}" in msg, msg
     # ComfyUI 0.33.0's LTX-2 text encoder leaves the connectors to the diffusion model and
-    # marks its states so: refused, whatever their width
-    early = [[pos[0][0], {"unprocessed_ltxav_embeds": True}]]
-    with pytest.raises(ConfigError, match="unprocessed_ltxav_embeds"):
-        build_job(SampleInputs(positive=early, negative=neg, **run), "ltx2", width)
+    # marks its states so: taken at the model's width before its connectors (which the pool
+    # runs: tests/test_ltx2_comfy_text.py), still refused at any other
+    from types import SimpleNamespace
+    info = SimpleNamespace(raw_text_width=width // 2)
+    early = [[pos[0][0][..., :width // 2], {"unprocessed_ltxav_embeds": True}]]
+    req, _ = build_job(SampleInputs(positive=early, negative=neg, **run), "ltx2", width, info)
+    assert tuple(req.positive.context.shape)[-1] == width // 2
+    odd = [[pos[0][0][..., :width // 4], {"unprocessed_ltxav_embeds": True}]]
+    with pytest.raises(ConfigError, match=f"takes {width} .*, or {width // 2} "):
+        build_job(SampleInputs(positive=odd, negative=neg, **run), "ltx2", width, info)
 
 
 def test_decode_gives_the_frames_and_the_sound_of_the_pipeline(folders, pipes, layout_pools):

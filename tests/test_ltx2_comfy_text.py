@@ -8,7 +8,8 @@ learnable registers up to 1024 tokens (diffusers' connector puts its registers w
 mask says padding). On 2 ranks, Ulysses and CFG parallel. Negative control: other states
 move the prediction. A width of neither kind, or a file without connectors, is one error.
 And 0.33.0's block order (its video-to-audio attention reads the video after the
-audio-to-video update), which the MODEL runs where ComfyUI's own LTXAV does.
+audio-to-video update), which the MODEL runs where ComfyUI's own LTXAV does; Sampler (xDiT)
+taking such states; and how the MODEL tells 0.33.0's audio-video gates from 0.8.0's.
 """
 from __future__ import annotations
 
@@ -154,3 +155,84 @@ def test_block_order_is_the_pools_on_2_ranks_and_moves_only_the_audio_to_video_e
     a = _call(layout_pools.get(quiet, one), one, call, True)
     b = _call(layout_pools.get(quiet, one), one, call, False)
     assert max(_rel(x, y) for x, y in zip(a, b)) <= 1e-6
+
+
+def test_sampler_takes_text_before_the_connectors(model):
+    """Sampler (xDiT) on the single file with ComfyUI 0.33.0's CONDITIONING (states before the
+    text connectors, flagged `unprocessed_ltxav_embeds`) equals the Sampler with the states
+    the folder's diffusers connectors make of them (ComfyUI 0.8.0's kind), video and sound, at
+    Ulysses 2; the worker runs the file's connectors first. Negative control: other states
+    before the connectors move the result."""
+    from comfyui_xdit.nodes.handles import ModelHandle
+    from comfyui_xdit.nodes.operations import SampleInputs, sample
+    from comfyui_xdit.nodes.pool_registry import PoolRegistry
+    from family_requests import model_call_inputs
+
+    folder, path = model
+    width = model_call_inputs("ltx2", folder)["context"].shape[2] // 2
+    gen = torch.Generator().manual_seed(5)
+    raw_pos, raw_neg, raw_other = (torch.randn(1, TOKENS, width, generator=gen)
+                                   for _ in range(3))
+    flag = {"unprocessed_ltxav_embeds": True}
+    empty = {"samples": torch.zeros(1, 128, 2, 2, 3)}
+    run = dict(latent=empty, seed=5, steps=2, cfg=3.0)
+    reg = PoolRegistry()
+    try:
+        handle = ModelHandle(path=str(path), device="cpu", dtype="fp32", ulysses=2,
+                             world_size=2, threads_per_rank=1)
+
+        def go(pos, neg, extra):
+            return sample(handle, SampleInputs(positive=[[pos, dict(extra)]],
+                                               negative=[[neg, dict(extra)]], **run),
+                          registry=reg)
+        got = go(raw_pos, raw_neg, flag)
+        want = go(_diffusers_connectors(folder, raw_pos), _diffusers_connectors(folder, raw_neg),
+                  {})
+        other = go(raw_other, raw_neg, flag)
+    finally:
+        reg.unload_all()
+    figs = {part: _rel(got[part], want[part]) for part in ("samples", "audio")}
+    moved = _rel(other["samples"], want["samples"])
+    print(f"\nSampler, text before the connectors, Ulysses 2: rel L2 {figs} (other states "
+          f"{moved:.2e})")
+    assert all(v <= TOL for v in figs.values()), figs
+    assert moved > 1e-3, f"the text states are not read ({moved:.2e})"
+
+
+# ---- ComfyUI 0.33.0's audio-video gates (workers/models/ltx2_cross_gates.py) ----------------
+def _stand_in_comfy(monkeypatch, gate):
+    """A stand-in `comfy.ldm.lightricks.av_model` whose LTXAVModel prepares the gates' inputs
+    with `gate(own, other)` (each stream's scaled timesteps), as ComfyUI's does, for
+    `comfy_cross_gates` to read."""
+    import sys
+    import types
+
+    class LTXAVModel:
+        def _prepare_timestep(self, timestep, batch_size, hidden_dtype, **kwargs):
+            v = timestep * self.timestep_scale_multiplier
+            a = kwargs["a_timestep"] * self.timestep_scale_multiplier
+            f = self.av_ca_timestep_scale_multiplier / self.timestep_scale_multiplier
+            self.av_ca_a2v_gate_adaln_single(gate(v, a).flatten() * f, {})
+            self.av_ca_v2a_gate_adaln_single(gate(a, v).flatten() * f, {})
+
+    module = types.ModuleType("comfy.ldm.lightricks.av_model")
+    module.LTXAVModel = LTXAVModel
+    for name in ("comfy", "comfy.ldm", "comfy.ldm.lightricks"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "comfy.ldm.lightricks.av_model", module)
+
+
+def test_the_gates_are_told_apart_from_comfyuis_own_timestep_preparation(monkeypatch):
+    """`comfy_cross_gates` reads the gates' inputs off ComfyUI's own `_prepare_timestep`: a
+    stream's own tokens' timesteps (0.8.0) -> 0, the other stream's largest (0.33.0) -> 1;
+    anything else (the other stream's smallest here) is one error naming what it saw."""
+    from workers.families.ltx2 import comfy_cross_gates
+
+    for gate, want in ((lambda own, other: own, 0.0),
+                       (lambda own, other: other.max().expand_as(own), 1.0)):
+        _stand_in_comfy(monkeypatch, gate)
+        assert comfy_cross_gates() == {"cross_gate_other_max": want}
+    _stand_in_comfy(monkeypatch, lambda own, other: other.min().expand_as(own))
+    with pytest.raises(ValueError, match="does not know") as e:
+        comfy_cross_gates()
+    assert "\n" not in str(e.value)

@@ -276,7 +276,6 @@ def build_model(pool, config, arch: str, unet: dict, cache=None, expert: int = 0
         model.diffusion_model.preprocess_text_embeds = _text_kind_check(fam, path)
     # a noise mask's timesteps per token: the patchifiers the model class makes them with
     token_timesteps.install(model.diffusion_model, fam)
-    denoiser.token_differs = token_timesteps.comfy_difference(fam)
     if path is not None:
         from comfyui_xdit import bridge
         _detected_config(model_config.unet_config, path)

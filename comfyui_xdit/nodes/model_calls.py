@@ -109,9 +109,6 @@ class PoolDenoiser:
         # model inputs that are a property of ComfyUI's own model class (the family's
         # ComfySpec.model_inputs, set by the MODEL): sent with every call
         self.model_inputs: dict = {}
-        # what this ComfyUI's model does otherwise with a timestep per token (set by the
-        # MODEL: token_timesteps.comfy_difference; "": as the pool runs it)
-        self.token_differs = ""
 
     @property
     def pool(self):
@@ -197,7 +194,7 @@ class PoolDenoiser:
         n = int(flat.shape[0])
         # one per row, or one per token where the family takes it (token_timesteps.py)
         t = token_timesteps.pool_timesteps(self.family, timestep, n, shapes,
-                                           self.family.comfy.timestep_scale, self.token_differs)
+                                           self.family.comfy.timestep_scale)
         chunks, conds = self._chunks(context, y, (transformer_options or {}).get("uuids"), n,
                                      lengths=lengths)
         out = self._request(flat, t, None, chunks, conds, transformer_options,
@@ -217,8 +214,7 @@ class PoolDenoiser:
         the family takes it (`row`: a latent row's shape, token_timesteps.py)."""
         if timestep.numel() not in (1, n) and row is not None:
             return token_timesteps.pool_timesteps(self.family, timestep, n, [row],
-                                                  self.family.comfy.timestep_scale,
-                                                  self.token_differs)
+                                                  self.family.comfy.timestep_scale)
         if timestep.numel() not in (1, n):
             raise token_timesteps.refusal(self.family, f"{timestep.numel()} timesteps for {n} "
                                                        f"rows (a timestep per token)")

@@ -82,7 +82,8 @@ def build_job(inp: SampleInputs, arch: str, text_width: Optional[int] = None,
     if text_width is not None:
         for name, c in (("positive", positive), ("negative", negative)):
             if c is not None:
-                check_text_width(c, text_width, arch, name)
+                check_text_width(c, text_width, arch, name,
+                                 getattr(model, "raw_text_width", None))
     if inp.cfg:
         cfg = float(inp.cfg)
     elif model is not None or families.family(arch).defaults.undistilled_cfg is None:

@@ -52,25 +52,6 @@ def mask_inputs(family) -> tuple:
     return () if spec is None else tuple(spec.mask_inputs)
 
 
-def comfy_difference(family) -> str:
-    """What this ComfyUI's model of the family does with a timestep per token that the pool
-    does not run (the family's `TokenTimesteps.comfy_differs`, read from the module's source
-    without importing it), or ""."""
-    import importlib.util
-    spec = family.capability(families.TokenTimesteps)
-    for module, marker, what in (spec.comfy_differs if spec is not None else ()):
-        try:
-            found = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            found = None
-        if found is None or not found.origin:
-            continue
-        with open(found.origin, encoding="utf-8") as f:
-            if marker in f.read():
-                return what
-    return ""
-
-
 def refusal(family, detail: str) -> ConfigError:
     takers = [f.name for f in families.FAMILIES.values()
               if f.capability(families.TokenTimesteps) is not None]
@@ -82,12 +63,11 @@ def refusal(family, detail: str) -> ConfigError:
                        f"mask or use ComfyUI's own model")
 
 
-def pool_timesteps(family, steps, n: int, shapes, scale: float, differs: str = ""):
+def pool_timesteps(family, steps, n: int, shapes, scale: float):
     """ComfyUI's timesteps of one call -> the pool's, times `scale` (its timestep scale).
     `steps`: one per LATENT part (or one for all of them), each a number, one per row [n]
     or one per token (what `TokenPatchifier` gave: [n, tokens, 1]); `shapes`: the parts'
-    per-row shapes ([C, ...] each); `differs`: what this ComfyUI's model does otherwise
-    with a timestep per token (`comfy_difference`), which refuses one."""
+    per-row shapes ([C, ...] each)."""
     import torch
     steps = list(steps) if isinstance(steps, (list, tuple)) else [steps]
     if len(steps) == 1:
@@ -114,9 +94,4 @@ def pool_timesteps(family, steps, n: int, shapes, scale: float, differs: str = "
         return first.reshape(n) * scale
     if spec is None:
         raise refusal(family, "a timestep per LATENT part that differ")
-    if differs:
-        raise ConfigError(f"this ComfyUI's {family.name} model {differs} when its LATENT has "
-                          f"a noise mask (a timestep per token), which the xDiT MODEL does "
-                          f"not run; sample this LATENT with ComfyUI's own model, or on a "
-                          f"ComfyUI whose {family.name} gates by each stream's own tokens")
     return torch.cat([p.expand(n, k) for p, k in zip(parts, tokens)], 1).contiguous() * scale

@@ -75,6 +75,10 @@ class ModelInfo:
     # once per prompt stream its context carries side by side (LTX-2: the video's and the
     # sound's); None where the config does not say
     text_width: Optional[int] = None
+    # the width of text states of a second kind the family's ComfyUI model also takes
+    # (`ComfySpec.raw_context_width`: LTX-2's before its text connectors, ComfyUI 0.33.0's
+    # CONDITIONING), which the pool runs through the model's own text modules first
+    raw_text_width: Optional[int] = None
 
     @property
     def family(self):
@@ -139,14 +143,16 @@ def read_model_info(path, path_2=None) -> ModelInfo:
                          has_text_encoders=False, has_vae=False,
                          blocks=_block_count(arch, cfg),
                          storage=_storage_name(d.get("storage")), **_i2v(arch, cfg),
-                         text_width=_text_width(arch, cfg))
+                         text_width=_text_width(arch, cfg),
+                         raw_text_width=_raw_text_width(arch, cfg))
     # a folder's config omits what equals the diffusers class default
     cfg = fam.full_config(cfg)
     heads = fam.heads({"num_attention_heads": 24, **cfg})  # diffusers' FLUX default
     return ModelInfo(path=str(path), arch=arch, heads=heads, patch_size=fam.patch(cfg),
                      blocks=_block_count(arch, cfg), storage=_storage_name(d.get("storage")),
                      distilled=_klein_distilled(path), experts=expert_count(path),
-                     text_width=_text_width(arch, cfg), **_i2v(arch, cfg))
+                     text_width=_text_width(arch, cfg),
+                     raw_text_width=_raw_text_width(arch, cfg), **_i2v(arch, cfg))
 
 
 def read_pair(path, path_2, names=("model_path", "model_path_2")) -> ModelInfo:
@@ -188,6 +194,11 @@ def _text_width(arch: str, cfg: dict) -> Optional[int]:
     fam = families.family(arch)
     width = fam.text_width(fam.full_config(cfg))
     return None if width is None else width * fam.comfy.context_streams
+
+
+def _raw_text_width(arch: str, cfg: dict) -> Optional[int]:
+    raw = families.family(arch).comfy.raw_context_width
+    return None if raw is None else int(raw(families.family(arch).full_config(cfg)))
 
 
 def _i2v(arch: str, cfg: dict) -> dict:

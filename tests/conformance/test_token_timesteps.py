@@ -9,6 +9,13 @@ the family's own test (LTX-2: tests/test_ltx2.py).
 Negative control: the same call with the mask ignored (every token at the row's timestep)
 moves the prediction, at one rank and on the split, so a pool that dropped the per-token
 timesteps would show.
+
+A family's `TokenTimesteps.variants` (other ways ComfyUI versions use the timesteps per token,
+sent as model inputs: LTX-2 on ComfyUI 0.33.0 gates each stream's audio-video attention by the
+other stream's largest timestep) run alike on every layout, equal to the variant at one rank;
+negative controls: the variant at one rank differs from the plain call's, and from the variant
+with any one of its inputs left out (each is read), and the split's result from the plain
+one-rank result (the variant is not dropped on the way).
 """
 from __future__ import annotations
 
@@ -27,9 +34,15 @@ TAKERS = [a for a in CASES if families.family(a).capability(families.TokenTimest
 _ONE_RANK: dict = {}
 
 
-def call_model(pool, config: ParallelConfig, arch: str, call: dict):
+VARIANTS = [(a, name, inputs) for a in TAKERS
+            for name, inputs in families.family(a).capability(families.TokenTimesteps).variants]
+
+
+def call_model(pool, config: ParallelConfig, arch: str, call: dict, inputs=None):
     from comfyui_xdit.nodes.model_calls import PoolDenoiser
-    return PoolDenoiser(pool, config.with_world_size(config.product), arch)(**call)
+    den = PoolDenoiser(pool, config.with_world_size(config.product), arch)
+    den.model_inputs = dict(inputs or {})  # what the MODEL detects in ComfyUI
+    return den(**call)
 
 
 def unmasked(call: dict) -> dict:
@@ -86,3 +99,31 @@ def test_token_timesteps_run_under_the_step_cache(arch, family_pools, model_dir)
         got = den(**call)
         assert maxdiff(got, want) <= TOL, f"{arch}: {maxdiff(got, want):.3e} under the cache"
     assert den.cache_counts == {"computed": 2, "skipped": 2}, den.cache_counts
+
+
+@pytest.mark.parametrize("arch,variant,inputs,name",
+                         [pytest.param(a, v, i, n, id=f"{a}-{v}-{n}")
+                          for a, v, i in VARIANTS for n in LAYOUTS])
+def test_token_timestep_variants_on_two_ranks_equal_one_rank(arch, variant, inputs, name,
+                                                             family_pools, model_dir):
+    call, plain, _ = one_rank(arch, family_pools, model_dir)
+    pool1 = family_pools.get(arch, ParallelConfig())
+    key = (arch, variant)
+    if key not in _ONE_RANK:
+        want = call_model(pool1, ParallelConfig(), arch, call, inputs)
+        moved = maxdiff(want, plain)
+        assert moved > 1e-3, f"{arch} {variant}: the variant does not move the call ({moved:.2e})"
+        for left in inputs:  # each input is read
+            partial = {k: v for k, v in inputs.items() if k != left}
+            d = maxdiff(call_model(pool1, ParallelConfig(), arch, call, partial), want)
+            print(f"{arch} {variant} without {left}: {d:.2e} from the variant")
+            assert d > 1e-4, f"{arch} {variant}: without {left} the call is unchanged ({d:.2e})"
+        _ONE_RANK[key] = want
+    want = _ONE_RANK[key]
+    pool = family_pools.get(arch, LAYOUTS[name], worker_hooks=[NCCL_RULES])
+    got = call_model(pool, LAYOUTS[name], arch, call, inputs)
+    d, other = maxdiff(got, want), maxdiff(got, plain)
+    print(f"{arch} MODEL call, a timestep per token, {variant}, {name}: {d:.2e} from 1 rank "
+          f"(the plain call {other:.2e} away)")
+    assert d <= TOL, f"{arch} {variant} {name}: {d:.3e} from one rank"
+    assert other > 1e-3, f"{arch} {variant} {name}: the variant was dropped ({other:.2e})"

@@ -415,10 +415,10 @@ class TokenTimesteps:
     # model inputs ComfyUI's model class passes beside the call that hold the masks the
     # timesteps already carry (the xDiT MODEL takes and drops them)
     mask_inputs: tuple = ()
-    # ComfyUI versions whose model uses the per-token timesteps otherwise than the pool runs
-    # them: ((ComfyUI module, a text of its source that marks them, what they do), ...); on
-    # such a ComfyUI the xDiT MODEL refuses a timestep per token in one line saying so
-    comfy_differs: tuple = ()
+    # other ways ComfyUI versions' models use the per-token timesteps, which the pool runs
+    # where the family's `ComfySpec.model_inputs` detects them: ((a name, {model input:
+    # value}), ...); the conformance suite checks each on every layout
+    variants: tuple = ()
 
     def tokens(self, shapes) -> list:
         """Tokens of each part of these per-row shapes."""

@@ -136,14 +136,9 @@ TOKENS = TokenLayout(
 TOKEN_TIMESTEPS = TokenTimesteps(token_axes=((1, 2, 3), (1,)),
                                  patchifiers=(("patchifier", 0), ("a_patchifier", 1)),
                                  mask_inputs=("denoise_mask", "audio_denoise_mask"),
-                                 # 0.33.0's LTXAV gates each stream's audio-video
-                                 # cross-attention by the other stream's largest timestep
-                                 # (0.8.0's, and the pool, by the stream's own tokens')
-                                 comfy_differs=(("comfy.ldm.lightricks.av_model",
-                                                 "a_timestep_scaled.max()",
-                                                 "gates each stream's audio-video "
-                                                 "cross-attention by the other stream's "
-                                                 "largest timestep"),))
+                                 # ComfyUI 0.33.0's LTXAV (comfy_model_inputs)
+                                 variants=(("comfyui-0.33", {"v2a_after_a2v": 1.0,
+                                                             "cross_gate_other_max": 1.0}),))
 
 
 # ComfyUI's (the original LTX-2) top-level names -> diffusers'; in the blocks, COMFY_BLOCK's
@@ -236,6 +231,55 @@ def comfy_block_order() -> dict:
     return {"v2a_after_a2v": 1.0 if moved > 1e-6 else 0.0}
 
 
+def comfy_cross_gates() -> dict:
+    """{"cross_gate_other_max": 1.0 or 0.0}: whether the running ComfyUI's LTXAV gates each
+    stream's audio-video cross-attention by the other stream's largest timestep (0.33.0)
+    or, as 0.8.0's, by the stream's own tokens' timesteps. Equal where every token has its
+    row's timestep; they part with a timestep per token (a noise mask). Found by running
+    ComfyUI's own timestep preparation with recording stand-ins for its embedders on one
+    row of three video and two sound timesteps, and reading what the gate embedders got.
+    In ComfyUI's process only (imports ComfyUI)."""
+    import types
+    import torch
+    from comfy.ldm.lightricks.av_model import LTXAVModel
+
+    seen: dict = {}
+
+    def recorder(name):
+        def embed(x, *args, **kwargs):
+            seen[name] = x.detach().float().reshape(-1).clone()
+            y = x.detach().float().reshape(-1, 1)
+            return y, y
+        return embed
+    names = ("adaln_single", "audio_adaln_single", "av_ca_audio_scale_shift_adaln_single",
+             "av_ca_video_scale_shift_adaln_single", "av_ca_a2v_gate_adaln_single",
+             "av_ca_v2a_gate_adaln_single")
+    stand_in = types.SimpleNamespace(timestep_scale_multiplier=1000.0,
+                                     av_ca_timestep_scale_multiplier=1.0,
+                                     prompt_adaln_single=None, audio_prompt_adaln_single=None,
+                                     **{n: recorder(n) for n in names})
+    video, audio = torch.tensor([[0.0, 0.6, 0.6]]), torch.tensor([[0.3, 0.4]])
+    try:
+        LTXAVModel._prepare_timestep(stand_in, video, 1, torch.float32, a_timestep=audio)
+        a2v, v2a = seen["av_ca_a2v_gate_adaln_single"], seen["av_ca_v2a_gate_adaln_single"]
+    except Exception as e:  # noqa: BLE001  (another ComfyUI's timestep preparation)
+        raise ValueError(f"cannot tell how this ComfyUI's LTX-2 gates its audio-video "
+                         f"attention ({e})") from None
+    if torch.allclose(a2v, video[0]) and torch.allclose(v2a, audio[0]):
+        return {"cross_gate_other_max": 0.0}
+    if torch.allclose(a2v, audio.max().expand(3)) and torch.allclose(v2a, video.max().expand(2)):
+        return {"cross_gate_other_max": 1.0}
+    raise ValueError(f"this ComfyUI's LTX-2 gates its audio-video attention by timesteps the "
+                     f"xDiT MODEL does not know (video {a2v.tolist()}, sound {v2a.tolist()} "
+                     f"for video {video[0].tolist()}, sound {audio[0].tolist()})")
+
+
+def comfy_model_inputs() -> dict:
+    """The running ComfyUI's LTXAV's own ways (`ComfySpec.model_inputs`): its blocks' order
+    and its audio-video gates' timesteps."""
+    return {**comfy_block_order(), **comfy_cross_gates()}
+
+
 def config_from_shapes(shapes: dict, naming: str) -> dict:
     """The diffusers config of an LTX-2 (2.0) transformer file, diffusers' naming or
     ComfyUI's ("bfl" here), from its weight shapes; the head widths are the release's (video
@@ -303,9 +347,11 @@ FAMILY = Family(
                     timestep_scale=1000.0, latent_parts=("video", "audio"),
                     call_inputs=(("frame_rate", 25.0),), context_streams=2,
                     raw_context_width=lambda cfg: int(cfg["caption_channels"]),
-                    # ComfyUI 0.33.0 reordered its blocks' audio-video attentions; the pool
-                    # runs the order of the ComfyUI it serves (workers/models/ltx2_block_order.py)
-                    model_inputs=comfy_block_order),
+                    # ComfyUI 0.33.0 reordered its blocks' audio-video attentions and gates
+                    # them by the other stream's largest timestep; the pool runs the ways of
+                    # the ComfyUI it serves (workers/models/ltx2_block_order.py,
+                    # ltx2_cross_gates.py)
+                    model_inputs=comfy_model_inputs),
     defaults=Defaults(cfg=CFG),
     detection=Detection(markers=(("diffusers", ("audio_proj_in.weight",
                                                 "av_cross_attn_video_scale_shift.linear.weight")),

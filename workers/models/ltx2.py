@@ -213,8 +213,10 @@ class LTX2Adapter(DiTAdapter):
         return {"video_coords": tr.rope.prepare_video_coords(1, t, h, w, dev, fps=fps),
                 "audio_coords": tr.audio_rope.prepare_audio_coords(1, length, dev),
                 "tokens": (t * h * w, length),
-                # ComfyUI 0.33.0's block order (the family's ComfySpec.model_inputs)
-                "v2a_after_a2v": bool(inputs.get("v2a_after_a2v", 0.0))}
+                # ComfyUI 0.33.0's block order and audio-video gates (the family's
+                # ComfySpec.model_inputs)
+                "v2a_after_a2v": bool(inputs.get("v2a_after_a2v", 0.0)),
+                "cross_gate_other_max": bool(inputs.get("cross_gate_other_max", 0.0))}
 
     @staticmethod
     def bfl_to_diffusers(sd, config):
@@ -369,19 +371,23 @@ class LTX2Adapter(DiTAdapter):
         if t.dim() == 2:  # a timestep per token (ComfyUI's noise mask): the video's, the sound's
             timestep, audio_t, sigma = t[:, :nv], t[:, nv:], t.amax(1)
             # ComfyUI's LTXAV modulates each stream's cross-attention with its own tokens'
-            # timesteps (diffusers' use_cross_timestep=False); equal to the pipeline's
-            # crossed ones where every token has the row's timestep
+            # timesteps (diffusers' use_cross_timestep=False; 0.33.0's gates by the other
+            # stream's largest: ltx2_cross_gates.py); equal to the pipeline's crossed ones
+            # where every token has the row's timestep
             crossed = False
         else:
             timestep = audio_t = sigma = t.expand(b)
             crossed = True  # LTX2Pipeline's default
         if n0:
             timestep = torch.cat([t.new_zeros(b, n0), t.expand(b, nv - n0)], 1)
-        order = contextlib.nullcontext()
+        ways = contextlib.ExitStack()
         if extra.get("v2a_after_a2v"):  # ComfyUI 0.33.0's LTXAV order (a MODEL call's)
             from .ltx2_block_order import v2a_after_a2v
-            order = v2a_after_a2v(tr)
-        with order:
+            ways.enter_context(v2a_after_a2v(tr))
+        if extra.get("cross_gate_other_max") and not crossed:  # 0.33.0's gates, per token
+            from .ltx2_cross_gates import gated_by_other_max
+            ways.enter_context(gated_by_other_max(tr, timestep, audio_t))
+        with ways:
             video, audio = tr(
                 hidden_states=x[:, :nv], audio_hidden_states=x[:, nv:],
                 encoder_hidden_states=text, audio_encoder_hidden_states=audio_text,

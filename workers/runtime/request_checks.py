@@ -52,21 +52,25 @@ def conditioning_problems(req, model) -> list[str]:
         elif c.rows not in (1, req.batch):
             out.append(f"{name} conditioning batch {c.rows} is neither 1 nor the batch "
                        f"{req.batch}")
-        elif getattr(model, "text_width", None) not in (None, int(ctx[-1])):
-            out.append(_width_problem(name, int(ctx[-1]), model.text_width, arch))
+        elif getattr(model, "text_width", None) not in (None, int(ctx[-1])) and \
+                getattr(model, "raw_text_width", None) != int(ctx[-1]):
+            out.append(_width_problem(name, int(ctx[-1]), model.text_width, arch,
+                                      getattr(model, "raw_text_width", None)))
         else:
             out.extend(f"{name} conditioning: {p}" for p in c.problems(c.rows))
     return out
 
 
-def _width_problem(name: str, got: int, width: int, arch: str) -> str:
-    """A context of another width than the model's (`ModelInfo.text_width`), in one line."""
+def _width_problem(name: str, got: int, width: int, arch: str, raw=None) -> str:
+    """A context of another width than the model's (`ModelInfo.text_width`, or its
+    `raw_text_width` where it has one), in one line."""
     fam = families.family(arch)
     streams = fam.comfy.context_streams
     what = "its text width" if streams == 1 else \
         f"{streams} prompt states of {width // streams} side by side, one per stream"
+    before = "" if raw is None else f", or {raw} (before the model's own text modules)"
     return (f"{name} conditioning has text states of width {got}, but this {fam.name} "
-            f"transformer takes {width} ({what}): {fam.text.hint}")
+            f"transformer takes {width} ({what}){before}: {fam.text.hint}")
 
 
 def frames_problems(frames, model) -> list[str]:

@@ -244,11 +244,18 @@ class Worker:
             references, prompt_images = encoded["latents"], encoded.get("prompt_images")
         text_kw = {"images": prompt_images} if prompt_images else {}
 
+        from ..sampling.model_call import text_kind
+
         def branch(given, texts):
             if given is not None:  # a Conditioning's text
                 extra = {} if given.context_2 is None else \
                     {"context_2": given.context_2}  # a second text encoder's (ByT5)
-                d = self.adapter.conditioning(given.context, given.pooled, **extra)
+                context = given.context
+                if self.adapter.family.comfy.raw_context_width is not None and \
+                        text_kind(self.adapter.family, self.model.transformer.config,
+                                  int(context.shape[2]))[0] == "raw":  # before the text modules
+                    context = self.adapter.raw_text(self.model, context)
+                d = self.adapter.conditioning(context, given.pooled, **extra)
             elif self.model.encoder is None:  # a single file: nothing to encode text with
                 from ..messages import NO_TEXT_ENCODERS
                 raise ValueError(NO_TEXT_ENCODERS)
