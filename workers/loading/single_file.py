@@ -308,7 +308,7 @@ def load_single_file(adapter, path: str, device, dtype, stage=None,
     from .weights import Checkpoint, device_name, load_tensors
     from .meta import meta_transformer_of
     tr, sf = meta_transformer_of(adapter, path)
-    arch, lists = sf["arch"], adapter.block_lists
+    lists = adapter.block_lists
     info, skip, elsewhere = None, (lambda name: False), (lambda name: False)
     if stage is not None:
         from .stages import keep_stage_blocks, plan_stages, stage_block_names

@@ -103,7 +103,6 @@ def split_forward(self, hidden_states, timestep, img_ids, encoder_hidden_states=
     unconditional pass: the image alone), text_lengths each row's real text tokens (host
     numbers; None: every row fills L). Returns ([B, N, C],): the velocity towards the data."""
     plan = (joint_attention_kwargs or {}).get("sp_plan")
-    b = hidden_states.shape[0]
     dev, dtype = hidden_states.device, hidden_states.dtype
     roles = self.embed_image_indicator.weight.to(dtype)
     x = self.input_proj(hidden_states) + roles[IMAGE_ROLE]
