@@ -9,7 +9,9 @@ What is sharded: every block of the adapter's block lists (FLUX `transformer_blo
 transformer itself is the root unit, which shards what is left (embedders, `norm_out`,
 `proj_out`). Every parameter is split on dim 0 over the whole world (one 1-D device mesh on a
 process group of its own, so FSDP's all-gathers never interleave with the other data-plane
-traffic of the world group). Between forwards a rank holds 1/N of every weight (plus FSDP's
+traffic of the world group); a model with a transformer per guidance branch under CFG
+parallel (`--branch-layout`) shards each branch's over that branch's ranks only, the ranks
+that run it (a branch on one rank keeps it whole, through the uneven split). Between forwards a rank holds 1/N of every weight (plus FSDP's
 dim-0 padding).
 
 What happens in a forward: the root's pre-forward all-gathers the non-block parameters (kept
@@ -222,6 +224,7 @@ class ShardSetup:
         parts = branch_parts(getattr(args, "branch_layout", None), planes.size)
         members = next(p for p in parts if planes.rank in p)
         self.rank, self.world = members.index(planes.rank), len(members)
+        self.alone = len(members) == 1 < planes.size  # a branch held by one rank only
         # a device group of its own for FSDP's all-gathers (NCCL on GPUs, gloo on CPU and in
         # the shared-GPU test mode: the world group's backend), so they never interleave
         # with the world group's other data-plane traffic; its control twin (fp8 scales).
@@ -256,9 +259,9 @@ class ShardSetup:
         second transformer (Wan 2.2's low-noise expert) is sharded the same way and counted
         with the first (`WeightSharding.others`): every rank runs the same expert each step,
         so its all-gathers line up as the first one's do."""
-        if self.weights or self.world == 1:
-            # (FSDP2 over a group of one rank fails under inference mode; the uneven split
-            # holds the whole transformer on that rank, its gathers copies of its own rows)
+        if self.weights or self.alone:
+            # (FSDP2 over a branch's group of one rank fails under inference mode; the
+            # uneven split holds the whole transformer there, its gathers its own rows)
             from .uneven_sharding import UnevenWeightSharding
             made = UnevenWeightSharding(transformer, self.block_lists, self.group,
                                         self.device, self.weights or (1.0,), self.rank)
