@@ -156,6 +156,12 @@ def test_shard_weights_at_cfg_parallel_equals_one_rank(model_dir, layout_pools):
         ranks = pool.status()["ranks"]
         assert tuple(r["load"].get("branch") for r in ranks) == ("uncond", "cond")
         assert [r["transformer_params"] for r in ranks] == [one] * 2
+    # each branch's transformer sharded over its two ranks (FSDP over the branch's group)
+    with WorkerPool(str(folder), ParallelConfig(cfg_parallel=True, ulysses=2), device="cpu",
+                    threads_per_rank=1, shard_weights=True) as pool:
+        check(pool.generate(req).samples, want, "shard_weights at cfg 2 x ulysses 2")
+        ranks = pool.status()["ranks"]
+        assert tuple(r["load"].get("branch") for r in ranks) == ("uncond",) * 2 + ("cond",) * 2
     with WorkerPool(str(folder), ParallelConfig(ulysses=2), device="cpu",
                     threads_per_rank=1, shard_weights=True) as pool:
         check(pool.generate(req).samples, want, "shard_weights at ulysses 2")
