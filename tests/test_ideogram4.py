@@ -137,6 +137,40 @@ def test_cfg_ranks_hold_only_their_branch(model_dir, layout_pools):
     assert [r["transformer_params"] for r in both.status()["ranks"]] == [2 * one] * 2
 
 
+def test_shard_weights_at_cfg_parallel_equals_one_rank(model_dir, layout_pools):
+    """shard_weights under CFG parallel: each cfg rank runs its own branch's transformer, so
+    each is sharded over the ranks of its branch alone (a gather over every rank would pair
+    one transformer's blocks with the other's, silently). At CFG 2, launched so and after a
+    reconfigure from Ulysses 2 on the same pool (a relaunch: the branch layout is part of
+    what the weights depend on), the result equals one rank, and each rank holds its
+    branch's transformer only."""
+    from comfyui_xdit import WorkerPool
+    folder = model_dir(ARCH)
+    one = _transformer_params(folder, "transformer")
+    req = request([A, B], 3.0)
+    want = layout_pools.get(folder, ParallelConfig()).generate(req).samples
+    cfg2 = ParallelConfig(cfg_parallel=True)
+    with WorkerPool(str(folder), cfg2, device="cpu", threads_per_rank=1,
+                    shard_weights=True) as pool:
+        check(pool.generate(req).samples, want, "shard_weights at cfg 2")
+        ranks = pool.status()["ranks"]
+        assert tuple(r["load"].get("branch") for r in ranks) == ("uncond", "cond")
+        assert [r["transformer_params"] for r in ranks] == [one] * 2
+    # each branch's transformer sharded over its two ranks (FSDP over the branch's group)
+    with WorkerPool(str(folder), ParallelConfig(cfg_parallel=True, ulysses=2), device="cpu",
+                    threads_per_rank=1, shard_weights=True) as pool:
+        check(pool.generate(req).samples, want, "shard_weights at cfg 2 x ulysses 2")
+        ranks = pool.status()["ranks"]
+        assert tuple(r["load"].get("branch") for r in ranks) == ("uncond",) * 2 + ("cond",) * 2
+    with WorkerPool(str(folder), ParallelConfig(ulysses=2), device="cpu",
+                    threads_per_rank=1, shard_weights=True) as pool:
+        check(pool.generate(req).samples, want, "shard_weights at ulysses 2")
+        pool.reconfigure(cfg2)
+        check(pool.generate(req).samples, want, "shard_weights, ulysses 2 -> cfg 2")
+        pool.reconfigure(ParallelConfig(ulysses=2))
+        check(pool.generate(req).samples, want, "shard_weights, cfg 2 -> ulysses 2")
+
+
 def test_cfg_rank_refuses_a_pass_of_the_other_branch(model_dir):
     """A rank holding one branch cannot run the other's pass: one clear line, not the wrong
     transformer."""

@@ -135,9 +135,9 @@ class PoolLaunch:
                                          getattr(self, "_stage_speeds", ()))
         self.launched_stages = stages if self.config.pipefusion > 1 else None
         # a model with a transformer per guidance branch, under CFG parallel: each rank
-        # loads its branch's only (weight sharding spreads every transformer instead)
-        branches = () if self.engine.shard_weights else \
-            self.config.branch_layout(self.model_info.family)
+        # loads its branch's only (weight sharding spreads it over that branch's ranks,
+        # which alone run it: a gather over every rank would pair the two transformers)
+        branches = self.config.branch_layout(self.model_info.family)
         for rank in range(world):
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
@@ -165,7 +165,7 @@ class PoolLaunch:
             for spec in self.worker_hooks:
                 cmd += ["--hook", spec]
             if branches:
-                cmd += ["--branch", branches[rank]]
+                cmd += ["--branch", branches[rank], "--branch-layout", ",".join(branches)]
             if self.config.pipefusion > 1:
                 cmd += ["--pipefusion", str(self.config.pipefusion), "--pipefusion-inner",
                         str(self.config.sp), "--pipefusion-split", stages]

@@ -465,26 +465,26 @@ def _plan(facts, config, engine, job, gpu_memory, te_rank=_BY_OPTION) -> MemoryP
 
     ranges = stage_ranges(tr, config.pipefusion, config.stage_split(n_blocks)) \
         if config.pipefusion > 1 else [(0, n_blocks)]
-    ranks = []
-    gather = 0
-    experts = max(1, facts.experts)  # every expert resident; one runs at a time
+    ranks, gather = [], 0
     sharded = engine.shard_weights and world > 1
-    if not sharded and config.branch_layout(families.family(facts.arch)):
-        experts = 1  # a transformer per guidance branch, each cfg rank holding its own
+    branch_of = config.branch_layout(families.family(facts.arch))  # a cfg rank: its branch's
+    experts = 1 if branch_of else max(1, facts.experts)  # all resident; one runs at a time
     if sharded:
         memory = str(engine.shard_split).strip().lower() == "memory"
         shard_w = engine.shard_weights_for(world, caps if memory else None)
-        shards = [uneven_shard_figures(tr, db, fp8, shard_w, r) for r in range(world)] \
-            if shard_w else [shard_figures(tr, db, fp8, world)] * world
+        parts = [[m for m in range(world) if branch_of[m:m + 1] == branch_of[r:r + 1]]
+                 for r in range(world)]  # sharded over the ranks holding it: its branch's
+        shards = [uneven_shard_figures(tr, db, fp8, [shard_w[m] for m in p], p.index(r))
+                  if shard_w else shard_figures(tr, db, fp8, len(p)) for r, p in enumerate(parts)]
         forwards = 2 if (job is not None and job.cfg and config.cfg == 1) else 1
         gather = shards[0].received_per_forward * forwards
     for rank in range(world):
         kv = 0
         if sharded:  # the running expert's blocks gathered; the others' chunks at rest
-            shard = shards[rank]
-            held = f" ({shard_w[rank] / sum(shard_w):.0%})" if shard_w else ""
+            shard, part = shards[rank], parts[rank]
             weights = shard.peak - buffer_bytes + (experts - 1) * (shard.at_rest - buffer_bytes)
-            role = f"shard {rank + 1}/{world}{held}"
+            held = f" ({shard_w[rank] / sum(shard_w[m] for m in part):.0%})" if shard_w else ""
+            role = f"shard {part.index(rank) + 1}/{len(part)}{held}"
         elif config.pipefusion > 1:
             stage = bridge.stages.stage_of_rank(rank, config.pipefusion, sp)
             lo, hi = ranges[stage]

@@ -9,7 +9,9 @@ What is sharded: every block of the adapter's block lists (FLUX `transformer_blo
 transformer itself is the root unit, which shards what is left (embedders, `norm_out`,
 `proj_out`). Every parameter is split on dim 0 over the whole world (one 1-D device mesh on a
 process group of its own, so FSDP's all-gathers never interleave with the other data-plane
-traffic of the world group). Between forwards a rank holds 1/N of every weight (plus FSDP's
+traffic of the world group); a model with a transformer per guidance branch under CFG
+parallel (`--branch-layout`) shards each branch's over that branch's ranks only, the ranks
+that run it (a branch on one rank keeps it whole, through the uneven split). Between forwards a rank holds 1/N of every weight (plus FSDP's
 dim-0 padding).
 
 What happens in a forward: the root's pre-forward all-gathers the non-block parameters (kept
@@ -211,16 +213,28 @@ class ShardSetup:
     it can: workers/loading/shards.py `direct_load_problem`)."""
 
     def __init__(self, args, planes, block_lists, load_problem: str):
-        from .topology import device_group
+        from .topology import control_group, device_group
 
         check(True, args.pipefusion, getattr(args, "compile", False))
-        self.rank, self.world = planes.rank, planes.size
         self.device, self.block_lists = planes.device, block_lists
-        self.control = planes.control
+        # the ranks this rank's transformer is sharded over: every rank, or, where each cfg
+        # rank holds only its guidance branch's transformer (`--branch-layout`), the ranks
+        # of its branch, which alone run that transformer (a gather over every rank would
+        # pair this transformer's blocks with the other branch's)
+        parts = branch_parts(getattr(args, "branch_layout", None), planes.size)
+        members = next(p for p in parts if planes.rank in p)
+        self.rank, self.world = members.index(planes.rank), len(members)
+        self.alone = len(members) == 1 < planes.size  # a branch held by one rank only
         # a device group of its own for FSDP's all-gathers (NCCL on GPUs, gloo on CPU and in
         # the shared-GPU test mode: the world group's backend), so they never interleave
-        # with the world group's other data-plane traffic
-        self.group = device_group(list(range(planes.size)), like=planes.data)
+        # with the world group's other data-plane traffic; its control twin (fp8 scales).
+        # Every rank creates every part's groups in the same order (a collective).
+        self.control = planes.control
+        for part in parts:
+            group = device_group(part, like=planes.data)
+            control = planes.control if len(parts) == 1 else control_group(part)
+            if part is members:
+                self.group, self.control = group, control
         # per-rank weights for the shards' sizes (`--shard-split`, GPUs of different
         # memory); () even: FSDP2, else workers/parallel/uneven_sharding.py
         from .shares import parse_split
@@ -228,7 +242,7 @@ class ShardSetup:
         if w == "auto":
             raise ValueError("shard_split is fixed at launch: give 'even', weights like 3,2, "
                              "or let the host turn 'memory' into weights")
-        self.weights = w
+        self.weights = tuple(w[r] for r in members) if w else w
         self.fallback = load_problem
         if not self.fallback and getattr(args, "weights", "auto") == "fp8" and \
                 getattr(args, "load_in_turn", False) and planes.size > 1:
@@ -245,10 +259,12 @@ class ShardSetup:
         second transformer (Wan 2.2's low-noise expert) is sharded the same way and counted
         with the first (`WeightSharding.others`): every rank runs the same expert each step,
         so its all-gathers line up as the first one's do."""
-        if self.weights:
+        if self.weights or self.alone:
+            # (FSDP2 over a branch's group of one rank fails under inference mode; the
+            # uneven split holds the whole transformer there, its gathers its own rows)
             from .uneven_sharding import UnevenWeightSharding
             made = UnevenWeightSharding(transformer, self.block_lists, self.group,
-                                        self.device, self.weights, self.rank)
+                                        self.device, self.weights or (1.0,), self.rank)
         else:
             made = WeightSharding(transformer, self.block_lists, self.group, self.device)
         if self.sharding is None:
@@ -274,6 +290,20 @@ class ShardSetup:
         if probe is not None:
             self.sharding.probe = probe(self.sharding)
         return self.sharding
+
+
+def branch_parts(layout, size: int) -> list:
+    """The sets of ranks weight sharding spreads a transformer over: `layout` ("uncond,cond",
+    one guidance branch per rank: `--branch-layout`) gives the ranks of each branch, in order
+    of their first rank; None or "" (every rank holds every transformer) the whole world."""
+    if not layout:
+        return [list(range(size))]
+    branches = layout.split(",")
+    if len(branches) != size:
+        raise ValueError(f"--branch-layout {layout!r} names {len(branches)} ranks; the pool "
+                         f"has {size}")
+    order = list(dict.fromkeys(branches))
+    return [[r for r, b in enumerate(branches) if b == name] for name in order]
 
 
 def begin(args, planes, block_lists, load_problem: str) -> Optional[ShardSetup]:

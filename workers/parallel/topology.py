@@ -41,7 +41,9 @@ def is_control(group) -> bool:
     return group is not None and id(group) in _CONTROL_GROUPS
 
 
-def _control_group(members):
+def control_group(members):
+    """A new gloo (control-plane) group of `members`; every rank calls it at the same
+    point (a collective)."""
     g = dist.new_group(members, backend="gloo", timeout=_TIMEOUT)
     _CONTROL_GROUPS.add(id(g))
     return g
@@ -79,7 +81,7 @@ def init_world(rank: int, size: int, device: torch.device, store=None,
         if backend == "nccl":
             kw["device_id"] = device
     dist.init_process_group(backend, **kw)
-    control = _control_group(list(range(size)))
+    control = control_group(list(range(size)))
     return World(rank=rank, size=size, device=device, data=dist.group.WORLD, control=control)
 
 
@@ -162,7 +164,7 @@ def build_topology(rank: int, world_size: int, dp: int, cfg: int, pipefusion: in
             members = tuple(buckets[key])
             if members not in cache:
                 cache[members] = (dist.new_group(list(members), timeout=_TIMEOUT),
-                                  _control_group(list(members)))
+                                  control_group(list(members)))
             if rank in members:
                 found = cache[members]
         return found

@@ -55,6 +55,9 @@ def _parse(argv):
     p.add_argument("--branch", default=None,
                    help="a model with a transformer per guidance branch under CFG parallel: "
                         "the branch whose transformer this rank loads (the others are not)")
+    p.add_argument("--branch-layout", default=None, dest="branch_layout",
+                   help="with --branch: every rank's branch, comma separated (weight "
+                        "sharding spreads each branch's transformer over its own ranks)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--threads", type=int, default=0)
