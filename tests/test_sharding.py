@@ -119,6 +119,20 @@ CASES_4 = {
 }
 
 
+def test_one_rank_sharded_matches_diffusers(model_dir, oracle, unmoved_latent):
+    """shard_weights on a 1-rank pool (one GPU with the option on) equals the pipeline: its
+    one rank holds every row; FSDP2 over a group of one rank failed under inference mode
+    ("Inference tensors do not track version counter")."""
+    req = make_request()
+    with WorkerPool(model_dir("flux"), ParallelConfig(), device="cpu", threads_per_rank=1,
+                    shard_weights=True) as pool:
+        res = pool.generate(req)
+    diff = (res.samples - oracle("flux", req)).abs().max().item()
+    print(f"flux 1 rank sharded: max abs diff {diff:.2e}")
+    assert diff <= TOL
+    assert (res.samples - unmoved_latent("flux", req)).abs().max().item() > MOVED
+
+
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
 def test_two_ranks_sharded_match_diffusers(shard_pools, oracle, unmoved_latent, arch):
     pool = shard_pools(arch, 2)

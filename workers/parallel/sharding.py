@@ -224,7 +224,7 @@ class ShardSetup:
         parts = branch_parts(getattr(args, "branch_layout", None), planes.size)
         members = next(p for p in parts if planes.rank in p)
         self.rank, self.world = members.index(planes.rank), len(members)
-        self.alone = len(members) == 1 < planes.size  # a branch held by one rank only
+        self.alone = len(members) == 1  # one rank holds it: a branch alone, or a 1-rank pool
         # a device group of its own for FSDP's all-gathers (NCCL on GPUs, gloo on CPU and in
         # the shared-GPU test mode: the world group's backend), so they never interleave
         # with the world group's other data-plane traffic; its control twin (fp8 scales).
