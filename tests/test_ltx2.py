@@ -706,8 +706,9 @@ def test_comfyui_single_file_is_read_as_the_folder(tmp_path_factory, layout_pool
 
 def test_an_api_conditioning_of_another_width_is_refused_before_workers_start(folders):
     """The Python API's Conditioning (its context the video's and the sound's prompt states
-    side by side, as ComfyUI's) is width-checked on the host against the family's declared
-    widths: a context of one stream's width is refused in one line, and no worker starts."""
+    side by side, as ComfyUI's, or the states before the text connectors, ComfyUI 0.33.0's)
+    is width-checked on the host against the family's declared widths: a context of another
+    width is refused in one line naming both, and no worker starts."""
     import json
 
     from comfyui_xdit import ConfigError, WorkerPool
@@ -720,13 +721,15 @@ def test_an_api_conditioning_of_another_width_is_refused_before_workers_start(fo
     h, w, f = SIZE
     pool = WorkerPool(str(folders["t2v"]), ParallelConfig(), device="cpu", threads_per_rank=1)
     try:
-        one_stream = {"cond": torch.zeros(1, 8, width // 2)}
+        raw = int(config["caption_channels"])  # before the connectors: accepted (0.33.0's)
+        assert info.raw_text_width == raw
+        bad = {"cond": torch.zeros(1, 8, raw + 8)}
         with pytest.raises(ConfigError) as e:
-            pool.generate(GenerationRequest(prompt=[], positive=one_stream, height=h, width=w,
+            pool.generate(GenerationRequest(prompt=[], positive=bad, height=h, width=w,
                                             frames=f, steps=1, cfg=1.0))
         msg = str(e.value)
         print(msg)
-        assert "\n" not in msg and f"width {width // 2}" in msg and f"takes {width}" in msg
-        assert "2 prompt states of" in msg and pool.worker_pids() == []
+        assert "\n" not in msg and f"width {raw + 8}" in msg and f"takes {width}" in msg
+        assert "2 prompt states of" in msg and f"or {raw}" in msg and pool.worker_pids() == []
     finally:
         pool.close()
