@@ -66,7 +66,8 @@ class Topo:
 class Adapter:
     def __init__(self, layout, states, sound):
         self.layout = SimpleNamespace(streams=layout)
-        self.family = SimpleNamespace(stream_width=lambda config: 16)
+        self.family = SimpleNamespace(stream_width=lambda config: 16,
+                                      capability=lambda kind: None)  # no references
         self.states, self.sound = states, sound
 
     def token_grid(self, height, width, frames=1):
